@@ -1,0 +1,505 @@
+"""The radix tree: token sequences -> KV page ids, shared across requests.
+
+Every cached sequence is a path from a root; each node holds a compressed edge
+(``key``: its tokens) and the page ids of those tokens' KV (``pages``). Lengths
+are in whole pages: ``len(key) == len(pages) * page_size`` for every node.
+
+Contract (the scheduler and the native tree rely on it, see docs/architecture.md):
+
+* ``match_prefix(tokens, salt)`` returns the longest cached prefix in whole
+  pages (``hit_len`` tokens, their ``pages``, and ``last_node``). When the
+  match ends inside an edge the node is split: a *new* node takes the matched
+  prefix and the existing node keeps the deeper part, so a handle held on the
+  existing node stays valid. The new parent inherits ``lock_ref`` and
+  ``last_access``.
+* ``insert(tokens, pages, salt)`` adds the whole pages of ``tokens`` and
+  returns ``(cached_len, node)``: ``cached_len`` tokens were already cached (the
+  caller still owns its own pages for that range and frees any that duplicate
+  the tree's); the tree now owns the caller's pages beyond ``cached_len``.
+* ``lock(node)`` / ``unlock(node)`` add / remove one reference on every node on
+  the path to the root. Locked pages are never evicted. Locks are path-closed:
+  a node's ``lock_ref`` is at least the sum of its children's.
+* ``evict(n)`` frees whole unlocked leaves, least recently used first, until
+  at least ``n`` pages are freed or nothing is evictable; a parent left
+  childless and unlocked becomes a candidate.
+
+LRU is a logical clock: each ``match_prefix`` and ``insert`` call ticks it once
+and stamps every node on its path with the new time (so a parent is never older
+than its children). Ties (impossible in practice, since one call stamps one
+path) go to the node created first: every non-root node gets an id from a
+creation counter, split-created nodes included. Eviction keeps a heap of
+candidate leaves with lazy deletion: an entry is valid only while its node is
+still an unlocked leaf with the same stamp, and stale entries are dropped when
+popped or when the heap is compacted (amortised O(1) per push). Each victim
+costs O(log n).
+
+Salts give tenants separate namespaces: each salt has its own root, so two
+salts never share a node; the LRU clock and the page pool are global.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from radixserve.scheduler.allocator import PageAllocator
+
+_EMPTY = np.zeros(0, dtype=np.int32)
+
+
+class RadixCacheError(RuntimeError):
+    """A misuse of the tree: stale handle, unlock below zero, reset while locked."""
+
+
+class RadixNode:
+    """One compressed edge of the tree. Roots have an empty key and no parent."""
+
+    __slots__ = (
+        "key",
+        "pages",
+        "children",
+        "parent",
+        "lock_ref",
+        "last_access",
+        "node_id",
+        "first_key",
+        "is_root",
+        "salt",
+    )
+
+    def __init__(
+        self,
+        key: np.ndarray,
+        pages: np.ndarray,
+        parent: RadixNode | None,
+        first_key: object,
+        node_id: int,
+        last_access: int,
+        *,
+        is_root: bool = False,
+        salt: str | None = None,
+    ) -> None:
+        self.key = key
+        self.pages = pages
+        self.children: dict[object, RadixNode] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = last_access
+        self.node_id = node_id
+        self.first_key = first_key  # this node's key in parent.children
+        self.is_root = is_root
+        self.salt = salt
+
+    @property
+    def attached(self) -> bool:
+        """False once the node has been evicted or the tree reset."""
+        return self.is_root or self.parent is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"RadixNode(id={self.node_id}, tokens={len(self.key)}, pages={len(self.pages)}, "
+            f"lock_ref={self.lock_ref}, last_access={self.last_access})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    hit_len: int  # tokens, a multiple of page_size
+    pages: np.ndarray  # int32 page ids covering tokens[:hit_len]
+    last_node: RadixNode  # deepest node of the match (a root when hit_len == 0)
+
+
+def as_tokens(tokens: np.ndarray | Sequence[int]) -> np.ndarray:
+    """A 1-D int32 array view of ``tokens`` (no copy for int32 arrays)."""
+    if type(tokens) is np.ndarray and tokens.dtype == np.int32 and tokens.ndim == 1:
+        return tokens
+    arr = np.asarray(tokens, dtype=np.int32)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be a 1-D sequence of ints, got shape {arr.shape}")
+    return arr
+
+
+def _common_len(key: np.ndarray, tokens: np.ndarray, pos: int, end: int) -> int:
+    """Length of the common prefix of ``key`` and ``tokens[pos:end]``."""
+    n = min(len(key), end - pos)
+    neq = key[:n] != tokens[pos : pos + n]
+    i = int(neq.argmax())
+    return i if neq[i] else n
+
+
+class RadixCache:
+    def __init__(self, allocator: PageAllocator, page_size: int = 1) -> None:
+        if page_size != allocator.page_size:
+            raise ValueError(
+                f"page_size {page_size} differs from the allocator's {allocator.page_size}"
+            )
+        self.allocator = allocator
+        self.page_size = page_size
+        self._roots: dict[str | None, RadixNode] = {}
+        self._clock = 0
+        self._next_id = 1
+        self._num_nodes = 0  # non-root nodes
+        self._evictable = 0  # pages in unlocked nodes
+        self._protected = 0  # pages in locked nodes
+        self._heap: list[tuple[int, int, RadixNode]] = []
+        self._root(None)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def evictable_pages(self) -> int:
+        """Pages that eviction could free now (every unlocked node's pages)."""
+        return self._evictable
+
+    @property
+    def protected_pages(self) -> int:
+        """Pages on a path locked by a running request."""
+        return self._protected
+
+    @property
+    def cached_pages(self) -> int:
+        """All pages held by the tree."""
+        return self._evictable + self._protected
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    # ---------------------------------------------------------------- helpers
+    def _root(self, salt: str | None) -> RadixNode:
+        root = self._roots.get(salt)
+        if root is None:
+            if salt is not None and not isinstance(salt, str):
+                raise TypeError(f"salt must be a string or None, got {type(salt).__name__}")
+            root = RadixNode(_EMPTY, _EMPTY, None, None, 0, 0, is_root=True, salt=salt)
+            self._roots[salt] = root
+        return root
+
+    def _key_at(self, tokens: np.ndarray, pos: int) -> object:
+        if self.page_size == 1:
+            return int(tokens[pos])
+        return tokens[pos : pos + self.page_size].tobytes()
+
+    def _push_candidate(self, node: RadixNode) -> None:
+        heapq.heappush(self._heap, (node.last_access, node.node_id, node))
+        if len(self._heap) > 2 * self._num_nodes + 64:
+            self._compact_heap()
+
+    @staticmethod
+    def _is_candidate(node: RadixNode) -> bool:
+        return node.parent is not None and node.lock_ref == 0 and not node.children
+
+    def _compact_heap(self) -> None:
+        seen: set[int] = set()
+        kept = []
+        for entry in self._heap:
+            t, nid, node = entry
+            if nid not in seen and self._is_candidate(node) and node.last_access == t:
+                seen.add(nid)
+                kept.append(entry)
+        heapq.heapify(kept)
+        self._heap = kept
+
+    def _split(self, child: RadixNode, at: int) -> RadixNode:
+        """Split ``child``'s edge after ``at`` tokens; return the new prefix node.
+
+        The existing node keeps the deeper part (handles on it stay valid); the
+        new parent inherits its lock_ref and last_access.
+        """
+        ps = self.page_size
+        parent = child.parent
+        assert parent is not None and 0 < at < len(child.key) and at % ps == 0
+        prefix = RadixNode(
+            child.key[:at],
+            child.pages[: at // ps],
+            parent,
+            child.first_key,
+            self._next_id,
+            child.last_access,
+        )
+        self._next_id += 1
+        self._num_nodes += 1
+        prefix.lock_ref = child.lock_ref
+        child.key = child.key[at:]
+        child.pages = child.pages[at // ps :]
+        child.first_key = self._key_at(child.key, 0)
+        child.parent = prefix
+        prefix.children[child.first_key] = child
+        parent.children[prefix.first_key] = prefix
+        return prefix
+
+    # ------------------------------------------------------------------ match
+    def match_prefix(
+        self, tokens: np.ndarray | Sequence[int], salt: str | None = None
+    ) -> MatchResult:
+        """Longest cached prefix of ``tokens`` in whole pages; stamps its path."""
+        tokens = as_tokens(tokens)
+        ps = self.page_size
+        end = len(tokens) - len(tokens) % ps
+        self._clock += 1
+        now = self._clock
+        node = self._root(salt)
+        pos = 0
+        pages = []
+        while pos < end:
+            child = node.children.get(self._key_at(tokens, pos))
+            if child is None:
+                break
+            c = _common_len(child.key, tokens, pos, end)
+            if ps > 1:
+                c -= c % ps
+            ends_inside = c < len(child.key)
+            if ends_inside:
+                child = self._split(child, c)
+            child.last_access = now
+            pages.append(child.pages)
+            pos += c
+            node = child
+            if ends_inside:
+                break
+        if not node.is_root and self._is_candidate(node):
+            self._push_candidate(node)
+        if not pages:
+            hit_pages = _EMPTY
+        elif len(pages) == 1:
+            hit_pages = pages[0].copy()
+        else:
+            hit_pages = np.concatenate(pages)
+        return MatchResult(pos, hit_pages, node)
+
+    def peek_prefix(self, tokens: np.ndarray | Sequence[int], salt: str | None = None) -> int:
+        """``match_prefix(...).hit_len`` without splitting or stamping anything."""
+        tokens = as_tokens(tokens)
+        ps = self.page_size
+        end = len(tokens) - len(tokens) % ps
+        node = self._roots.get(salt)
+        pos = 0
+        while node is not None and pos < end:
+            child = node.children.get(self._key_at(tokens, pos))
+            if child is None:
+                break
+            c = _common_len(child.key, tokens, pos, end)
+            if ps > 1:
+                c -= c % ps
+            pos += c
+            if c < len(child.key):
+                break
+            node = child
+        return pos
+
+    # ----------------------------------------------------------------- insert
+    def insert(
+        self,
+        tokens: np.ndarray | Sequence[int],
+        pages: np.ndarray | Sequence[int],
+        salt: str | None = None,
+    ) -> tuple[int, RadixNode]:
+        """Insert the whole pages of ``tokens``; return ``(cached_len, node)``.
+
+        ``len(pages)`` must equal ``len(tokens) // page_size``. ``cached_len``
+        tokens were already in the tree; the tree takes ownership of
+        ``pages[cached_len // page_size:]``, and the caller keeps (and must
+        eventually free) its pages before that which differ from the tree's.
+        ``node`` is the deepest node covering the inserted tokens.
+        """
+        tokens = as_tokens(tokens)
+        ps = self.page_size
+        num_pages = len(tokens) // ps
+        pages = np.asarray(pages, dtype=np.int32)
+        if pages.ndim != 1 or len(pages) != num_pages:
+            raise ValueError(
+                f"insert needs exactly len(tokens) // page_size = {num_pages} page ids, "
+                f"got {len(pages)}"
+            )
+        end = num_pages * ps
+        self._clock += 1
+        now = self._clock
+        node = self._root(salt)
+        pos = 0
+        while pos < end:
+            first_key = self._key_at(tokens, pos)
+            child = node.children.get(first_key)
+            if child is None:
+                leaf = RadixNode(
+                    tokens[pos:end].copy(),
+                    pages[pos // ps :].copy(),
+                    node,
+                    first_key,
+                    self._next_id,
+                    now,
+                )
+                self._next_id += 1
+                self._num_nodes += 1
+                self._evictable += len(leaf.pages)
+                node.children[first_key] = leaf
+                self._push_candidate(leaf)
+                return pos, leaf
+            c = _common_len(child.key, tokens, pos, end)
+            if ps > 1:
+                c -= c % ps
+            if c < len(child.key):
+                child = self._split(child, c)
+            child.last_access = now
+            pos += c
+            node = child
+        if not node.is_root and self._is_candidate(node):
+            self._push_candidate(node)
+        return pos, node
+
+    # ------------------------------------------------------------------ locks
+    def lock(self, node: RadixNode) -> None:
+        """Add one reference on every node from ``node`` up to its root."""
+        if not node.attached:
+            raise RadixCacheError(f"lock of a node that is no longer in the tree: {node!r}")
+        while not node.is_root:
+            if node.lock_ref == 0:
+                n = len(node.pages)
+                self._evictable -= n
+                self._protected += n
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def unlock(self, node: RadixNode) -> None:
+        """Remove one reference on every node from ``node`` up to its root."""
+        if node.is_root:
+            return
+        if node.parent is None:
+            raise RadixCacheError(f"unlock of a node that is no longer in the tree: {node!r}")
+        if node.lock_ref <= 0:
+            raise RadixCacheError(f"unlock below zero: {node!r}")
+        if not node.children:
+            leaf = node
+        else:
+            leaf = None
+        while not node.is_root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                n = len(node.pages)
+                self._protected -= n
+                self._evictable += n
+            node = node.parent  # type: ignore[assignment]
+        if leaf is not None and leaf.lock_ref == 0:
+            self._push_candidate(leaf)
+
+    # --------------------------------------------------------------- eviction
+    def evict(self, num_pages: int) -> int:
+        """Free at least ``num_pages`` pages of unlocked leaves, LRU first.
+
+        Returns how many pages were freed (less only when nothing more is
+        evictable; possibly more, since whole nodes are freed).
+        """
+        freed = 0
+        victims = []
+        heap = self._heap
+        while freed < num_pages and heap:
+            t, _, node = heapq.heappop(heap)
+            if node.last_access != t or not self._is_candidate(node):
+                continue  # stale entry
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.first_key]
+            node.parent = None
+            self._num_nodes -= 1
+            self._evictable -= len(node.pages)
+            victims.append(node.pages)
+            freed += len(node.pages)
+            if parent.children:
+                continue
+            if parent.is_root:
+                if parent.salt is not None:
+                    del self._roots[parent.salt]
+            elif parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+        if victims:
+            self.allocator.free(np.concatenate(victims))
+        return freed
+
+    def reset(self) -> None:
+        """Empty an idle tree, returning every page to the allocator."""
+        if self._protected:
+            raise RadixCacheError(
+                "reset() while requests hold locks on the tree; evict the unlocked part instead"
+            )
+        pages = []
+        for node in self._iter_nodes():
+            pages.append(node.pages)
+            node.parent = None
+        if pages:
+            self.allocator.free(np.concatenate(pages))
+        for root in self._roots.values():
+            root.children = {}
+        self._roots = {None: self._roots[None]}
+        self._heap = []
+        self._num_nodes = 0
+        self._evictable = 0
+        self._protected = 0
+
+    # ------------------------------------------------------------ inspection
+    def _iter_nodes(self):
+        """Every non-root node, parents before children."""
+        stack = [c for root in self._roots.values() for c in root.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def all_pages(self) -> np.ndarray:
+        """Every page id the tree holds (for checks and tests)."""
+        chunks = [n.pages for n in self._iter_nodes()]
+        return np.concatenate(chunks) if chunks else _EMPTY
+
+    def check(self) -> None:
+        """Verify every invariant; raise AssertionError naming the first broken one."""
+        ps = self.page_size
+        evictable = protected = count = 0
+        seen_pages: list[np.ndarray] = []
+        heap_ids = {nid for t, nid, n in self._heap if n.last_access == t}
+        for salt, root in self._roots.items():
+            _require(root.is_root and root.parent is None, f"root of salt {salt!r} malformed")
+            _require(root.salt == salt, f"root of salt {salt!r} records salt {root.salt!r}")
+        for node in self._iter_nodes():
+            count += 1
+            parent = node.parent
+            _require(parent is not None, f"{node!r} has no parent")
+            _require(len(node.key) > 0, f"{node!r} has an empty edge")
+            _require(len(node.key) % ps == 0, f"{node!r}: edge not a whole number of pages")
+            _require(len(node.pages) * ps == len(node.key), f"{node!r}: pages/tokens mismatch")
+            _require(node.first_key == self._key_at(node.key, 0), f"{node!r}: stale child key")
+            _require(parent.children.get(node.first_key) is node, f"{node!r}: parent link broken")
+            _require(node.lock_ref >= 0, f"{node!r}: negative lock_ref")
+            _require(
+                node.lock_ref >= sum(c.lock_ref for c in node.children.values()),
+                f"{node!r}: lock_ref below the sum of its children's",
+            )
+            _require(
+                parent.is_root or parent.last_access >= node.last_access,
+                f"{node!r}: newer than its parent",
+            )
+            _require(0 < node.node_id < self._next_id, f"{node!r}: id out of range")
+            if node.lock_ref:
+                protected += len(node.pages)
+            else:
+                evictable += len(node.pages)
+                if not node.children:
+                    _require(node.node_id in heap_ids, f"{node!r}: evictable leaf not in heap")
+            seen_pages.append(node.pages)
+        _require(count == self._num_nodes, f"node count {self._num_nodes} != actual {count}")
+        _require(evictable == self._evictable, f"evictable {self._evictable} != {evictable}")
+        _require(protected == self._protected, f"protected {self._protected} != {protected}")
+        if seen_pages:
+            allp = np.concatenate(seen_pages)
+            _require(np.unique(allp).size == allp.size, "a page is owned by two nodes")
+            _require(bool(self.allocator.is_allocated(allp).all()), "the tree holds a free page")
+
+    def __repr__(self) -> str:
+        return (
+            f"RadixCache(page_size={self.page_size}, nodes={self._num_nodes}, "
+            f"cached_pages={self.cached_pages}, protected_pages={self._protected})"
+        )
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise AssertionError(f"radix tree invariant broken: {msg}")
