@@ -34,6 +34,9 @@ class PageAllocator:
         self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int32)
         self._top = self._num_pages
         self._allocated = np.zeros(num_pages, dtype=bool)
+        # Scratch for the O(k) duplicate check in free(): after scratch[ids] =
+        # arange(k), an id given twice keeps only its last position.
+        self._scratch = np.zeros(num_pages, dtype=np.int64)
 
     @property
     def num_pages(self) -> int:
@@ -77,8 +80,11 @@ class PageAllocator:
             raise PageAllocatorError(
                 f"double free or free of never-allocated pages: {bad[:8].tolist()}"
             )
-        if ids.size > 1 and np.unique(ids).size != ids.size:
-            raise PageAllocatorError("the same page id appears twice in one free() call")
+        if ids.size > 1:
+            positions = np.arange(ids.size)
+            self._scratch[ids] = positions
+            if not np.array_equal(self._scratch[ids], positions):
+                raise PageAllocatorError("the same page id appears twice in one free() call")
         self._allocated[ids] = False
         self._stack[self._top : self._top + ids.size] = ids
         self._top += ids.size

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -105,8 +105,7 @@ class RadixNode:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class MatchResult:
+class MatchResult(NamedTuple):
     hit_len: int  # tokens, a multiple of page_size
     pages: np.ndarray  # int32 page ids covering tokens[:hit_len]
     last_node: RadixNode  # deepest node of the match (a root when hit_len == 0)
@@ -125,7 +124,12 @@ def as_tokens(tokens: np.ndarray | Sequence[int]) -> np.ndarray:
 def _common_len(key: np.ndarray, tokens: np.ndarray, pos: int, end: int) -> int:
     """Length of the common prefix of ``key`` and ``tokens[pos:end]``."""
     n = min(len(key), end - pos)
-    neq = key[:n] != tokens[pos : pos + n]
+    seg = tokens[pos : pos + n]
+    # Whole-edge matches are the common case on a shared path; comparing bytes
+    # answers them in one C call, without building a boolean array.
+    if n == len(key) and key.tobytes() == seg.tobytes():
+        return n
+    neq = key[:n] != seg
     i = int(neq.argmax())
     return i if neq[i] else n
 
