@@ -1,0 +1,59 @@
+"""The scheduler's configuration: one frozen dataclass, built once, passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CACHE_MODES = ("radix", "none")
+SCHEDULE_POLICIES = ("lpm", "fcfs")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the scheduler batches requests over a pool of ``num_pages`` KV pages.
+
+    Defaults (documented in docs/scheduler.md):
+    - ``max_running_requests`` 64: requests holding a worker slot at once.
+    - ``chunked_prefill_size`` 2048: prompt tokens computed per step at most
+      (a longer prompt is prefilled in chunks, one chunked request at a time).
+    - ``schedule_policy`` "lpm": longest cached prefix first, with aging; it
+      falls back to FCFS order when more than ``lpm_max_waiting`` requests wait
+      (peeking every prompt each step would cost more than it saves).
+    - ``max_wait_steps`` 64: a waiting request that was passed over this many
+      steps is admitted before any newer one (no starvation under lpm).
+    - ``decode_reserve_ratio`` 1.0: the fraction of each running request's
+      remaining ``max_tokens`` kept free for its decode when admitting more;
+      lower admits more and relies on eviction and retraction.
+    """
+
+    num_pages: int
+    page_size: int = 1
+    max_context_len: int = 2048
+    eos_token_ids: tuple[int, ...] = ()
+    cache: str = "radix"
+    radix_impl: str = "auto"
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 2048
+    schedule_policy: str = "lpm"
+    lpm_max_waiting: int = 128
+    max_wait_steps: int = 64
+    decode_reserve_ratio: float = 1.0
+    # A waiting request is held back one step when it shares at least this many
+    # uncached tokens with a prompt being prefilled now (DESIGN: shared prefixes
+    # inside one batch); it then hits that prompt in the tree.
+    shared_prefix_min_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if self.cache not in CACHE_MODES:
+            raise ValueError(f"cache must be one of {CACHE_MODES}, got {self.cache!r}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
+            )
+        for name in ("num_pages", "page_size", "max_running_requests", "chunked_prefill_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.chunked_prefill_size < self.page_size:
+            raise ValueError("chunked_prefill_size must be at least one page")
+        if not 0.0 <= self.decode_reserve_ratio <= 1.0:
+            raise ValueError("decode_reserve_ratio must be in [0, 1]")

@@ -1,0 +1,56 @@
+"""Admission order for waiting requests, and the in-batch shared-prefix test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from radixserve.scheduler.config import SchedulerConfig
+from radixserve.scheduler.kv_cache import KVCacheManager
+from radixserve.scheduler.request import Request
+
+
+def order_waiting(
+    waiting: Iterable[Request], kv: KVCacheManager, config: SchedulerConfig
+) -> list[Request]:
+    """The order in which to try admitting waiting requests.
+
+    ``fcfs``: arrival order (retracted requests first: they were queued at the
+    front). ``lpm``: longest cached prefix first (``peek_prefix``, which
+    changes nothing in the tree), except that a request passed over for
+    ``max_wait_steps`` steps goes before every younger one, so nothing starves.
+    With more than ``lpm_max_waiting`` requests waiting, lpm falls back to fcfs:
+    peeking every prompt each step would cost more than it saves.
+    """
+    reqs = list(waiting)
+    if (
+        config.schedule_policy == "fcfs"
+        or not kv.enabled
+        or len(reqs) > config.lpm_max_waiting
+        or len(reqs) < 2
+    ):
+        return reqs
+    limit = config.max_wait_steps
+    keyed = [
+        (r.waited_steps < limit, -kv.peek(r), r.arrival if r.waited_steps >= limit else 0, i)
+        for i, r in enumerate(reqs)
+    ]
+    keyed.sort()
+    return [reqs[k[3]] for k in keyed]
+
+
+def shared_uncached_len(req: Request, hit_len: int, in_flight: list[Request]) -> int:
+    """How many tokens past its cached prefix ``req`` shares with a prompt that
+    is being prefilled in this step (same salt), i.e. what it would compute a
+    second time if admitted now."""
+    tokens = req.tokens[: req.num_tokens - 1]
+    best = 0
+    for other in in_flight:
+        if other.salt != req.salt:
+            continue
+        n = min(len(tokens), other.num_tokens)
+        if n <= hit_len:
+            continue
+        neq = tokens[:n] != other.tokens[:n]
+        lcp = int(neq.argmax()) if neq.any() else n
+        best = max(best, lcp - hit_len)
+    return best

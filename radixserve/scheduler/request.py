@@ -1,0 +1,121 @@
+"""A request as the scheduler sees it: tokens, state, and its KV bookkeeping."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from radixserve.sampling_params import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or retracted and queued again
+    PREFILL = "prefill"  # holds a slot; computing its prompt (possibly in chunks)
+    DECODE = "decode"  # holds a slot; one token per step
+    FINISHED = "finished"  # stop / length / abort; its KV is released
+
+
+@dataclass
+class RequestOutput:
+    """What one step (or an abort) produced for one request."""
+
+    rid: str
+    index: int  # which of the request's n samples
+    token_ids: list[int]
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(eq=False)
+class Request:
+    """One sample of a client request (``n > 1`` makes n of these).
+
+    Tokens live in a preallocated int32 buffer: ``tokens[:num_tokens]`` is the
+    prompt followed by the sampled tokens. KV exists for ``tokens[:kv_len]``;
+    while running, ``kv_len < num_tokens`` (the last sampled token has no KV
+    yet). The page table ``table[:num_pages]`` covers the KV; the first
+    ``sent_pages`` entries are already known to the worker.
+
+    KV ownership (radix mode): ``locked_len`` tokens are on the tree path the
+    request locks through ``node``; the tree owns their pages except the
+    duplicates in ``dups`` (pages the request computed while another request
+    cached the same tokens), which the request frees when it releases its KV.
+    Pages from ``locked_len // page_size`` on are the request's own.
+    """
+
+    rid: str
+    index: int
+    prompt_len: int
+    sampling: SamplingParams
+    salt: str | None
+    arrival: int
+    tokens: np.ndarray
+    num_tokens: int
+    table: np.ndarray
+    status: ReqStatus = ReqStatus.WAITING
+    finish_reason: str | None = None
+    slot: int | None = None
+    num_pages: int = 0
+    sent_pages: int = 0
+    kv_len: int = 0
+    node: object | None = None
+    locked_len: int = 0
+    dups: list[np.ndarray] = field(default_factory=list)
+    cached_tokens: int = -1  # hit length at first admission (-1: not admitted yet)
+    admitted: int = -1  # admission counter (retraction picks the newest)
+    waited_steps: int = 0
+    announced: bool = False  # the worker has its sampling params
+
+    @classmethod
+    def create(
+        cls,
+        rid: str,
+        index: int,
+        prompt: np.ndarray,
+        sampling: SamplingParams,
+        salt: str | None,
+        arrival: int,
+        max_context_len: int,
+        page_size: int,
+    ) -> Request:
+        final_len = min(len(prompt) + sampling.max_tokens, max_context_len)
+        tokens = np.zeros(final_len, dtype=np.int32)
+        tokens[: len(prompt)] = prompt
+        table = np.zeros(-(-final_len // page_size), dtype=np.int32)
+        return cls(rid, index, len(prompt), sampling, salt, arrival, tokens, len(prompt), table)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.rid, self.index)
+
+    @property
+    def output_ids(self) -> np.ndarray:
+        return self.tokens[self.prompt_len : self.num_tokens]
+
+    @property
+    def num_output(self) -> int:
+        return self.num_tokens - self.prompt_len
+
+    @property
+    def final_len(self) -> int:
+        """The most tokens this request can ever hold (prompt + max_tokens, capped)."""
+        return len(self.tokens)
+
+    @property
+    def running(self) -> bool:
+        return self.status in (ReqStatus.PREFILL, ReqStatus.DECODE)
+
+    def output(self, token_ids: list[int]) -> RequestOutput:
+        return RequestOutput(
+            self.rid,
+            self.index,
+            token_ids,
+            self.finish_reason,
+            self.prompt_len,
+            self.num_output,
+            max(self.cached_tokens, 0),
+        )

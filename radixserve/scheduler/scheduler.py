@@ -1,0 +1,379 @@
+"""The scheduler: continuous batching over the radix cache, one step at a time.
+
+The lifecycle of a request, in the order ``schedule()`` handles it:
+
+    WAITING --admit--> PREFILL (chunks) --last chunk sampled--> DECODE --> FINISHED
+       ^                  |                                      |
+       +---- retract -----+--------------------------------------+
+
+Each step is lockstep with the worker: ``schedule()`` returns exactly what the
+worker must compute (a ``StepBatch``), the caller runs it, and
+``process_step_result(tokens)`` takes the sampled tokens back, decides who
+finished, and returns the outputs. Between steps the caller may add and abort
+requests.
+
+A step, in order:
+1. slots released since the last step go in ``release``;
+2. every running request that is not mid-prefill decodes one token; pages for
+   those that cross a page boundary are allocated first (evicting LRU leaves,
+   then retracting the newest requests when even that is not enough);
+3. the chunked prefill in progress continues, within the token budget;
+4. waiting requests are admitted by policy while the token budget, the memory
+   budget (free + evictable pages minus what running requests still reserve)
+   and the slots allow. A request sharing an uncached prefix with a prompt
+   being prefilled in this step waits one step and then hits it in the tree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+
+from radixserve.sampling_params import SamplingParams
+from radixserve.scheduler.allocator import PageAllocator
+from radixserve.scheduler.config import SchedulerConfig
+from radixserve.scheduler.kv_cache import KVCacheManager
+from radixserve.scheduler.policy import order_waiting, shared_uncached_len
+from radixserve.scheduler.radix_impl import make_radix_cache
+from radixserve.scheduler.request import ReqStatus, Request, RequestOutput
+from radixserve.worker.batch import ReqStep, StepBatch
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.page_size = config.page_size
+        self.allocator = PageAllocator(config.num_pages, config.page_size)
+        tree = None
+        if config.cache == "radix":
+            tree = make_radix_cache(self.allocator, config.page_size, config.radix_impl)
+        self.tree = tree
+        self.kv = KVCacheManager(self.allocator, tree)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.chunked: Request | None = None  # the request whose prefill continues next step
+        self._requests: dict[str, list[Request]] = {}
+        self._free_slots = list(range(config.max_running_requests - 1, -1, -1))
+        self._release: list[int] = []
+        self._batch: list[tuple[Request, int]] = []  # (request, tokens computed) of the step
+        self._outputs: list[RequestOutput] = []  # produced outside a step (aborts)
+        self._arrivals = 0
+        self._admissions = 0
+        # Counters for stats().
+        self.num_steps = 0
+        self.num_retractions = 0
+        self.hit_tokens = 0
+        self.query_tokens = 0
+
+    # ------------------------------------------------------------- requests
+    def add_request(
+        self,
+        rid: str,
+        prompt_ids: np.ndarray | list[int],
+        sampling: SamplingParams,
+        salt: str | None = None,
+    ) -> None:
+        """Queue a request (``sampling.n`` samples). Raises ValueError on bad input."""
+        cfg = self.config
+        prompt = np.asarray(prompt_ids, dtype=np.int32)
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if prompt.ndim != 1 or len(prompt) == 0:
+            raise ValueError("the prompt is empty")
+        if len(prompt) >= cfg.max_context_len:
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens; the model's context is "
+                f"{cfg.max_context_len}, leaving no room for output"
+            )
+        final_len = min(len(prompt) + sampling.max_tokens, cfg.max_context_len)
+        need = -(-final_len // self.page_size)
+        if need > cfg.num_pages:
+            raise ValueError(
+                f"the request needs {need} KV pages (prompt {len(prompt)} + max_tokens "
+                f"{sampling.max_tokens}) but the pool has {cfg.num_pages}"
+            )
+        samples = []
+        for i in range(sampling.n):
+            params = sampling
+            if sampling.n > 1 and sampling.seed is not None:
+                params = _with_seed(sampling, sampling.seed + i)
+            req = Request.create(
+                rid, i, prompt, params, salt, self._arrivals, cfg.max_context_len, self.page_size
+            )
+            self._arrivals += 1
+            samples.append(req)
+            self.waiting.append(req)
+        self._requests[rid] = samples
+
+    def abort_request(self, rid: str, reason: str = "abort") -> bool:
+        """Finish every sample of ``rid`` now (``reason`` "abort", or "stop" for a
+        stop string seen by the detokenizer). Computed KV stays cached."""
+        samples = self._requests.get(rid)
+        if samples is None:
+            return False
+        for req in samples:
+            if req.status == ReqStatus.FINISHED:
+                continue
+            if req.status == ReqStatus.WAITING:
+                self.waiting.remove(req)
+                req.status = ReqStatus.FINISHED
+                req.finish_reason = reason
+                self._forget(req)
+            else:
+                self._finish(req, reason)
+            self._outputs.append(req.output([]))
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ----------------------------------------------------------------- step
+    def schedule(self) -> StepBatch | None:
+        """Plan the next step; None when there is nothing to compute."""
+        assert not self._batch, "process_step_result() was not called for the last step"
+        batch: list[tuple[Request, int]] = []
+        self._schedule_decodes(batch)
+        budget = self.config.chunked_prefill_size
+        in_flight: list[Request] = []
+        if self.chunked is not None:
+            req = self.chunked
+            chunk = min(req.num_tokens - req.kv_len, budget)
+            budget -= chunk
+            batch.append((req, chunk))
+            in_flight.append(req)
+        if budget > 0:
+            self._admit(batch, budget, in_flight)
+        release, self._release = self._release, []
+        if not batch and not release:
+            return None
+        self._batch = batch
+        self.num_steps += 1
+        return StepBatch([self._req_step(req, n) for req, n in batch], release)
+
+    def process_step_result(self, tokens: np.ndarray | list[int]) -> list[RequestOutput]:
+        """Take the sampled tokens of the last step; return what it produced."""
+        outputs, self._outputs = self._outputs, []
+        batch, self._batch = self._batch, []
+        eos = self.config.eos_token_ids
+        i = 0
+        for req, n in batch:
+            if req.status == ReqStatus.FINISHED:
+                continue  # aborted after the step was planned
+            req.kv_len += n
+            if req.kv_len < req.num_tokens:  # a non-final prefill chunk
+                self.kv.cache_computed(req)
+                continue
+            if req is self.chunked:
+                self.chunked = None
+            if req.status == ReqStatus.PREFILL:
+                self.kv.cache_computed(req)
+                req.status = ReqStatus.DECODE
+            token = int(tokens[i])
+            i += 1
+            req.tokens[req.num_tokens] = token
+            req.num_tokens += 1
+            sp = req.sampling
+            reason = None
+            if (token in eos and not sp.ignore_eos) or token in sp.stop_token_ids:
+                reason = "stop"
+            elif req.num_output >= sp.max_tokens or req.num_tokens >= req.final_len:
+                reason = "length"
+            if reason is not None:
+                self._finish(req, reason)
+            outputs.append(req.output([token]))
+        if i != len(tokens):
+            raise ValueError(f"the worker returned {len(tokens)} tokens, expected {i}")
+        return outputs
+
+    def take_outputs(self) -> list[RequestOutput]:
+        """Outputs produced outside a step (aborts), when no step is running."""
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    # -------------------------------------------------------------- helpers
+    def _req_step(self, req: Request, n: int) -> ReqStep:
+        new_pages = req.table[req.sent_pages : req.num_pages].copy()
+        req.sent_pages = req.num_pages
+        sampling = None
+        if not req.announced:
+            sampling = req.sampling
+            req.announced = True
+        return ReqStep(
+            slot=req.slot,
+            input_ids=req.tokens[req.kv_len : req.kv_len + n].copy(),
+            start_pos=req.kv_len,
+            new_pages=new_pages,
+            sample=req.kv_len + n == req.num_tokens,
+            sampling=sampling,
+        )
+
+    def _schedule_decodes(self, batch: list[tuple[Request, int]]) -> None:
+        ps = self.page_size
+        while True:
+            decoding = [r for r in self.running if r is not self.chunked]
+            needy = [r for r in decoding if r.kv_len // ps >= r.num_pages]
+            ids = self.kv.alloc(len(needy)) if needy else np.zeros(0, np.int32)
+            if ids is not None:
+                break
+            self._retract_newest()
+        for req, page in zip(needy, ids):
+            req.table[req.num_pages] = page
+            req.num_pages += 1
+        batch.extend((r, 1) for r in decoding)
+
+    def _retract_newest(self) -> None:
+        """Send the most recently admitted running request back to the queue."""
+        if len(self.running) <= 1:
+            raise RuntimeError("out of KV pages with a single running request")
+        req = max(self.running, key=lambda r: r.admitted)
+        self.running.remove(req)
+        if req is self.chunked:
+            self.chunked = None
+        self.kv.release(req)
+        self._free_slot(req)
+        req.status = ReqStatus.WAITING
+        req.announced = False
+        self.waiting.appendleft(req)
+        self.num_retractions += 1
+
+    def _reserved_pages(self) -> int:
+        """Pages running requests may still need to reach their final length."""
+        ratio = self.config.decode_reserve_ratio
+        if ratio == 0.0:
+            return 0
+        ps = self.page_size
+        total = 0
+        for r in self.running:
+            remaining = -(-r.final_len // ps) - r.num_pages
+            if remaining > 0:
+                total += math.ceil(remaining * ratio)
+        return total
+
+    def _admit(
+        self, batch: list[tuple[Request, int]], budget: int, in_flight: list[Request]
+    ) -> None:
+        cfg = self.config
+        ps = self.page_size
+        if not self.waiting:
+            return
+        candidates = order_waiting(self.waiting, self.kv, cfg)
+        reserved = self._reserved_pages()
+        admitted: list[Request] = []
+        for req in candidates:
+            if budget <= 0 or not self._free_slots:
+                break
+            if self.kv.enabled and in_flight:
+                hit = self.kv.peek(req)
+                shared = shared_uncached_len(req, hit, in_flight)
+                sibling = any(f.rid == req.rid for f in in_flight)
+                if shared >= (ps if sibling else max(ps, cfg.shared_prefix_min_tokens)):
+                    continue  # it will hit that prompt in the tree next step
+            hit = self.kv.acquire_prefix(req)
+            need = -(-req.num_tokens // ps) - req.num_pages
+            final_pages = -(-req.final_len // ps) - req.num_pages - need
+            reserve = math.ceil(final_pages * cfg.decode_reserve_ratio)
+            if need + reserve > self.kv.available_pages - reserved:
+                self.kv.release_prefix(req)
+                break
+            chunk = req.num_tokens - hit
+            if chunk > budget:
+                if self.chunked is not None:
+                    self.kv.release_prefix(req)
+                    break
+                chunk = budget
+            ids = self.kv.alloc(need)
+            if ids is None:  # the budget above counts evictable pages; cannot happen
+                self.kv.release_prefix(req)
+                break
+            self.kv.append_pages(req, ids)
+            reserved += reserve
+            budget -= chunk
+            if req.cached_tokens < 0:
+                req.cached_tokens = hit
+                self.hit_tokens += hit
+                self.query_tokens += req.prompt_len
+            req.status = ReqStatus.PREFILL
+            req.slot = self._free_slots.pop()
+            req.admitted = self._admissions
+            self._admissions += 1
+            if chunk < req.num_tokens - req.kv_len:
+                self.chunked = req
+            self.running.append(req)
+            admitted.append(req)
+            in_flight.append(req)
+            batch.append((req, chunk))
+        for req in admitted:
+            self.waiting.remove(req)
+        for req in self.waiting:
+            req.waited_steps += 1
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.status = ReqStatus.FINISHED
+        req.finish_reason = reason
+        self.running.remove(req)
+        if req is self.chunked:
+            self.chunked = None
+        self.kv.release(req)
+        self._free_slot(req)
+        self._forget(req)
+
+    def _free_slot(self, req: Request) -> None:
+        self._release.append(req.slot)
+        self._free_slots.append(req.slot)
+        req.slot = None
+
+    def _forget(self, req: Request) -> None:
+        samples = self._requests.get(req.rid)
+        if samples is not None and all(s.status == ReqStatus.FINISHED for s in samples):
+            del self._requests[req.rid]
+
+    # ------------------------------------------------------ cache and stats
+    def flush_cache(self) -> int:
+        """Evict every unlocked page now; returns how many pages were freed."""
+        return self.kv.flush()
+
+    def stats(self) -> dict[str, int]:
+        cached = self.tree.cached_pages if self.tree is not None else 0
+        return {
+            "num_pages": self.config.num_pages,
+            "page_size": self.page_size,
+            "pages_free": self.allocator.num_free,
+            "pages_cached": cached,
+            "pages_used": self.allocator.num_used - cached,
+            "pages_evictable": self.tree.evictable_pages if self.tree is not None else 0,
+            "hit_tokens": self.hit_tokens,
+            "query_tokens": self.query_tokens,
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "steps": self.num_steps,
+            "preemptions": self.num_retractions,
+        }
+
+    def check_idle(self) -> None:
+        """At idle every page is free or held by exactly one tree node, no locks."""
+        assert not self.running and not self.waiting, "the scheduler is not idle"
+        cached = 0
+        if self.tree is not None:
+            self.tree.check()
+            assert self.tree.protected_pages == 0, "a lock survived its request"
+            cached = self.tree.cached_pages
+        assert self.allocator.num_free + cached == self.config.num_pages, (
+            f"page leak: {self.config.num_pages - self.allocator.num_free - cached} pages"
+        )
+        assert len(self._free_slots) == self.config.max_running_requests, "a slot leaked"
+
+
+def _with_seed(sp: SamplingParams, seed: int) -> SamplingParams:
+    d = sp.to_dict()
+    d["seed"] = seed
+    return SamplingParams.from_dict(d)

@@ -1,0 +1,69 @@
+"""A torch-free worker that simulates the KV pool, for scheduler tests and benchmarks.
+
+It keeps the exact step contract of the real worker (slots, page tables built
+from ``new_pages``, ``release`` first) and stores, for every KV position, the
+token and position written there. To "sample" it reads the whole context back
+through the slot's page table and returns ``sim_next_token(context)``, a hash
+of the token sequence. So a request's outputs are right only if every page its
+table points at holds the right tokens: a page shared wrongly, freed while in
+use, or overwritten by another request changes the tokens read back and so the
+outputs, and a position with no KV raises at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from radixserve.worker.batch import StepBatch
+
+_MAX_POS = 1 << 16
+_WEIGHTS = (np.arange(_MAX_POS, dtype=np.int64) * 2654435761 + 12345) % 1000003
+
+
+def sim_next_token(context: np.ndarray, vocab_size: int) -> int:
+    """The simulated model: a position-weighted hash of the whole context."""
+    n = len(context)
+    return int((int(np.dot(context.astype(np.int64), _WEIGHTS[:n])) + n) % vocab_size)
+
+
+class SimWorker:
+    def __init__(self, num_pages: int, page_size: int, max_slots: int, vocab_size: int = 512):
+        self.page_size = page_size
+        self.vocab_size = vocab_size
+        self.tokens = np.full((num_pages, page_size), -1, dtype=np.int64)
+        self.positions = np.full((num_pages, page_size), -1, dtype=np.int64)
+        self.tables: list[list[int]] = [[] for _ in range(max_slots)]
+        self.active = [False] * max_slots
+
+    def step(self, batch: StepBatch) -> np.ndarray:
+        ps = self.page_size
+        for slot in batch.release:
+            if not self.active[slot]:
+                raise AssertionError(f"release of slot {slot}, which is not active")
+            self.active[slot] = False
+            self.tables[slot] = []
+        out = []
+        for r in batch.reqs:
+            if not self.active[r.slot]:
+                if r.sampling is None:
+                    raise AssertionError(f"slot {r.slot}'s first step carries no sampling params")
+                self.active[r.slot] = True
+            table = self.tables[r.slot]
+            table.extend(int(p) for p in r.new_pages)
+            end = r.start_pos + len(r.input_ids)
+            if len(table) * ps < end:
+                raise AssertionError(f"slot {r.slot}: page table too short for {end} tokens")
+            tbl = np.asarray(table, dtype=np.int64)
+            pos = np.arange(r.start_pos, end)
+            self.tokens[tbl[pos // ps], pos % ps] = r.input_ids
+            self.positions[tbl[pos // ps], pos % ps] = pos
+            if r.sample:
+                allpos = np.arange(end)
+                seen = self.positions[tbl[allpos // ps], allpos % ps]
+                if not np.array_equal(seen, allpos):
+                    bad = int(np.flatnonzero(seen != allpos)[0])
+                    raise AssertionError(f"slot {r.slot}: position {bad} has no KV of its own")
+                out.append(
+                    sim_next_token(self.tokens[tbl[allpos // ps], allpos % ps], self.vocab_size)
+                )
+        return np.asarray(out, dtype=np.int32)

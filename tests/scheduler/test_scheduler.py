@@ -1,0 +1,315 @@
+"""The scheduler driven against the KV-simulating worker (no torch).
+
+``SimWorker`` reads every request's context back through its page table, so a
+request's tokens equal ``sim_next_token`` of its true sequence only if the
+scheduler's page bookkeeping is right (shared pages, cache early, duplicates,
+eviction, retraction, chunking). Every test ends with the idle invariant.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from radixserve.sampling_params import SamplingParams
+from radixserve.scheduler.config import SchedulerConfig
+from radixserve.scheduler.scheduler import Scheduler
+from radixserve.scheduler.sim_worker import SimWorker, sim_next_token
+
+VOCAB = 512
+EOS = 2
+
+
+def make(num_pages=4096, page_size=1, **kw):
+    kw.setdefault("eos_token_ids", (EOS,))
+    kw.setdefault("max_context_len", 4096)
+    cfg = SchedulerConfig(num_pages=num_pages, page_size=page_size, **kw)
+    sched = Scheduler(cfg)
+    worker = SimWorker(num_pages, page_size, cfg.max_running_requests, VOCAB)
+    return sched, worker
+
+
+def greedy(max_tokens=8, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def run(sched, worker, on_step=None, max_steps=100_000):
+    """Step until idle; returns {(rid, index): [outputs...]}, last output per key."""
+    results: dict[tuple[str, int], dict] = {}
+    for step in range(max_steps):
+        if on_step is not None:
+            on_step(step, sched)
+        for out in sched.take_outputs():
+            _collect(results, out)
+        batch = sched.schedule()
+        if batch is None:
+            if not sched.has_work():
+                return results
+            raise AssertionError("scheduler has work but planned nothing")
+        for out in sched.process_step_result(worker.step(batch)):
+            _collect(results, out)
+    raise AssertionError("did not finish")
+
+
+def _collect(results, out):
+    r = results.setdefault((out.rid, out.index), {"tokens": [], "finish": None, "out": None})
+    assert r["finish"] is None, "output after finish"
+    r["tokens"].extend(out.token_ids)
+    r["finish"] = out.finish_reason
+    r["out"] = out
+
+
+def expected_tokens(prompt, max_tokens, eos=EOS, ignore_eos=False):
+    seq = list(prompt)
+    out = []
+    while len(out) < max_tokens:
+        t = sim_next_token(np.asarray(seq), VOCAB)
+        out.append(t)
+        seq.append(t)
+        if t == eos and not ignore_eos:
+            break
+    return out
+
+
+def check_outputs(results, prompts, max_tokens):
+    for (rid, _), r in results.items():
+        if r["finish"] == "abort":
+            want = expected_tokens(prompts[rid], max_tokens[rid])[: len(r["tokens"])]
+        else:
+            want = expected_tokens(prompts[rid], max_tokens[rid])
+            assert r["finish"] == ("stop" if want[-1] == EOS else "length")
+        assert r["tokens"] == want, f"{rid}: wrong tokens (KV bookkeeping broken)"
+
+
+def test_shared_prefix_second_request_hits():
+    sched, worker = make(page_size=16)
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(3, VOCAB, 256).tolist()
+    p1 = prefix + rng.integers(3, VOCAB, 20).tolist()
+    p2 = prefix + rng.integers(3, VOCAB, 7).tolist()
+    sched.add_request("a", p1, greedy())
+    res = run(sched, worker)
+    assert res[("a", 0)]["out"].cached_tokens == 0
+    sched.add_request("b", p2, greedy())
+    res = run(sched, worker)
+    assert res[("b", 0)]["out"].cached_tokens == 256  # whole pages of the shared prefix
+    check_outputs(res, {"b": p2}, {"b": 8})
+    sched.check_idle()
+
+
+def test_cache_none_reports_no_hits_and_frees_everything():
+    sched, worker = make(page_size=4, cache="none")
+    prompt = list(range(3, 200))
+    for rid in ("a", "b"):
+        sched.add_request(rid, prompt, greedy())
+        res = run(sched, worker)
+        assert res[(rid, 0)]["out"].cached_tokens == 0
+    assert sched.allocator.num_free == sched.config.num_pages
+    sched.check_idle()
+
+
+def test_shared_uncached_prefix_is_computed_once():
+    """32 prompts with one new 1000-token prefix, submitted at once."""
+    sched, worker = make(num_pages=8192, max_running_requests=64)
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(3, VOCAB, 1000).tolist()
+    prompts = {f"r{i}": prefix + rng.integers(3, VOCAB, 30).tolist() for i in range(32)}
+    for rid, p in prompts.items():
+        sched.add_request(rid, p, greedy(4))
+    res = run(sched, worker)
+    hits = sum(r["out"].cached_tokens for r in res.values())
+    total = sum(len(p) for p in prompts.values())
+    optimal = 31 * 1000  # every repeated prefix computed once
+    assert hits / total >= 0.98 * optimal / total
+    check_outputs(res, prompts, dict.fromkeys(prompts, 4))
+    sched.check_idle()
+
+
+def test_n_samples_compute_the_prompt_once():
+    sched, worker = make(page_size=4)
+    prompt = list(range(3, 103))
+    sched.add_request("x", prompt, greedy(5, n=4))
+    res = run(sched, worker)
+    assert sorted(k[1] for k in res) == [0, 1, 2, 3]
+    assert sorted(r["out"].cached_tokens for r in res.values()) == [0, 96, 96, 96]
+    for r in res.values():
+        assert r["tokens"] == expected_tokens(prompt, 5)
+    sched.check_idle()
+
+
+def test_abort_waiting_and_running_and_flush_while_busy():
+    sched, worker = make(max_running_requests=2, page_size=4)
+    prompts = {f"r{i}": list(range(3 + i, 60 + i)) for i in range(4)}
+    for rid, p in prompts.items():
+        sched.add_request(rid, p, greedy(20))
+
+    def on_step(step, s):
+        if step == 2:
+            assert s.abort_request("r0")  # running
+            assert s.abort_request("r3")  # still waiting
+            assert not s.abort_request("nope")
+        if step == 4:
+            locked = s.tree.protected_pages
+            s.flush_cache()
+            assert s.tree.protected_pages == locked  # running requests keep theirs
+            assert s.tree.evictable_pages == 0
+
+    res = run(sched, worker, on_step)
+    assert res[("r0", 0)]["finish"] == "abort" and res[("r3", 0)]["finish"] == "abort"
+    assert res[("r3", 0)]["tokens"] == []
+    check_outputs(res, prompts, dict.fromkeys(prompts, 20))
+    sched.check_idle()
+
+
+def test_aborted_requests_kv_stays_cached_for_a_retry():
+    sched, worker = make(page_size=4)
+    prompt = list(range(3, 60))
+
+    def on_step(step, s):
+        if step == 3:
+            s.abort_request("r")
+
+    sched.add_request("r", prompt, greedy(20, ignore_eos=True))
+    res = run(sched, worker, on_step)
+    assert res[("r", 0)]["finish"] == "abort"
+    sched.check_idle()
+    sched.add_request("again", prompt, greedy(1))
+    res = run(sched, worker)
+    assert res[("again", 0)]["out"].cached_tokens == 56  # prompt minus its last token, whole pages
+    sched.check_idle()
+
+
+def test_stop_token_ids_and_ignore_eos():
+    sched, worker = make()
+    prompt = list(range(3, 40))
+    want = expected_tokens(prompt, 30, ignore_eos=True)
+    stop_at = want[5]
+    sched.add_request("s", prompt, greedy(30, stop_token_ids=[stop_at], ignore_eos=True))
+    res = run(sched, worker)
+    got = res[("s", 0)]
+    assert got["finish"] == "stop" and got["tokens"] == want[: want.index(stop_at) + 1]
+    sched.check_idle()
+
+
+def test_context_limit_finishes_with_length():
+    sched, worker = make(max_context_len=50)
+    sched.add_request("c", list(range(3, 48)), greedy(100, ignore_eos=True))
+    res = run(sched, worker)
+    assert res[("c", 0)]["finish"] == "length" and len(res[("c", 0)]["tokens"]) == 5
+    sched.check_idle()
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ([], greedy(), "empty"),
+        (list(range(3, 5000)), greedy(), "context"),
+        (list(range(3, 100)), greedy(4000), "pool"),
+    ],
+)
+def test_bad_requests_are_refused_and_change_nothing(prompt, params, match):
+    sched, worker = make(num_pages=1024, max_context_len=4096 + 4096)
+    if match == "context":
+        sched, worker = make(num_pages=8192, max_context_len=4096)
+    with pytest.raises(ValueError, match=match):
+        sched.add_request("bad", prompt, params)
+    assert not sched.has_work()
+    sched.add_request("ok", [5, 6, 7], greedy(2))
+    with pytest.raises(ValueError, match="in use"):
+        sched.add_request("ok", [5, 6, 7], greedy(2))
+    run(sched, worker)
+    sched.check_idle()
+
+
+@st.composite
+def workloads(draw):
+    page_size = draw(st.sampled_from([1, 4, 16]))
+    cache = draw(st.sampled_from(["radix", "none"]))
+    policy = draw(st.sampled_from(["lpm", "fcfs"]))
+    chunk = draw(st.sampled_from([16, 48, 256]))
+    num_templates = draw(st.integers(1, 3))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    templates = [
+        rng.integers(3, VOCAB, int(rng.integers(5, 80))).tolist() for _ in range(num_templates)
+    ]
+    reqs = []
+    for i in range(draw(st.integers(1, 14))):
+        t = templates[int(rng.integers(num_templates))]
+        prompt = (
+            t[: int(rng.integers(1, len(t) + 1))]
+            + rng.integers(3, VOCAB, int(rng.integers(0, 30))).tolist()
+        )
+        reqs.append(
+            {
+                "rid": f"q{i}",
+                "prompt": prompt or [7],
+                "max_tokens": int(rng.integers(1, 24)),
+                "arrive": int(rng.integers(0, 12)),
+                "abort": int(rng.integers(1, 30)) if rng.random() < 0.15 else None,
+            }
+        )
+    longest = max(-(-(len(r["prompt"]) + r["max_tokens"]) // page_size) for r in reqs)
+    num_pages = longest + draw(st.integers(0, 2 * longest))  # tight: forces eviction/retraction
+    return dict(
+        page_size=page_size,
+        cache=cache,
+        policy=policy,
+        chunk=max(chunk, page_size),
+        num_pages=num_pages,
+        reqs=reqs,
+        reserve=draw(st.sampled_from([0.0, 0.5, 1.0])),
+        slots=draw(st.integers(1, 6)),
+    )
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_random_workloads_keep_kv_right(w):
+    sched, worker = make(
+        num_pages=w["num_pages"],
+        page_size=w["page_size"],
+        cache=w["cache"],
+        schedule_policy=w["policy"],
+        chunked_prefill_size=w["chunk"],
+        decode_reserve_ratio=w["reserve"],
+        max_running_requests=w["slots"],
+    )
+    prompts = {r["rid"]: r["prompt"] for r in w["reqs"]}
+    max_tokens = {r["rid"]: r["max_tokens"] for r in w["reqs"]}
+
+    def on_step(step, s):
+        for r in w["reqs"]:
+            if r["arrive"] == step:
+                s.add_request(r["rid"], r["prompt"], greedy(r["max_tokens"]))
+            if r["abort"] == step and r["arrive"] < step:
+                s.abort_request(r["rid"])
+        if s.tree is not None:
+            s.tree.check()
+        held = sum(s.kv.held_pages(q) for q in s.running)
+        cached = s.tree.cached_pages if s.tree is not None else 0
+        assert s.allocator.num_free + cached + held == s.config.num_pages
+
+    def run_all():
+        # Arrivals happen at steps 0..11 even if the scheduler idles in between.
+        results = {}
+        step = 0
+        while step < 12 or sched.has_work():
+            on_step(step, sched)
+            for out in sched.take_outputs():
+                _collect(results, out)
+            batch = sched.schedule()
+            if batch is not None:
+                for out in sched.process_step_result(worker.step(batch)):
+                    _collect(results, out)
+            step += 1
+            assert step < 5000
+        return results
+
+    res = run_all()
+    assert {k[0] for k in res} == set(prompts)
+    check_outputs(res, prompts, max_tokens)
+    sched.check_idle()
+    if w["cache"] == "none":
+        assert sched.hit_tokens == 0
