@@ -1,3 +1,18 @@
-"""radixserve: a prefix-caching LLM serving runtime built around RadixAttention."""
+"""radixserve: a prefix-caching LLM serving runtime built around RadixAttention.
+
+``import radixserve`` stays light (no torch): ``Engine`` is imported on first use.
+"""
+
+from radixserve.results import Result, Usage
+from radixserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
+__all__ = ["Engine", "Result", "SamplingParams", "Usage", "__version__"]
+
+
+def __getattr__(name: str):
+    if name == "Engine":
+        from radixserve.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'radixserve' has no attribute {name!r}")

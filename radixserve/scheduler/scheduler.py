@@ -107,14 +107,17 @@ class Scheduler:
             self.waiting.append(req)
         self._requests[rid] = samples
 
-    def abort_request(self, rid: str, reason: str = "abort") -> bool:
-        """Finish every sample of ``rid`` now (``reason`` "abort", or "stop" for a
-        stop string seen by the detokenizer). Computed KV stays cached."""
+    def abort_request(self, rid: str, reason: str = "abort", index: int | None = None) -> bool:
+        """Finish ``rid`` now: every sample, or only sample ``index``.
+
+        ``reason`` is "abort", or "stop" when the detokenizer saw a stop string.
+        Computed KV stays cached. Returns False for an unknown (or finished) id.
+        """
         samples = self._requests.get(rid)
         if samples is None:
             return False
         for req in samples:
-            if req.status == ReqStatus.FINISHED:
+            if req.status == ReqStatus.FINISHED or (index is not None and req.index != index):
                 continue
             if req.status == ReqStatus.WAITING:
                 self.waiting.remove(req)

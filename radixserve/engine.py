@@ -1,0 +1,216 @@
+"""The in-process Engine: scheduler + worker + tokenizer logic in one Python object.
+
+    from radixserve import Engine, SamplingParams
+    engine = Engine()                      # the embedded SmolLM2, prefix cache on
+    [r] = engine.generate("Hello", SamplingParams(max_tokens=16, temperature=0))
+    print(r.text, r.usage.cached_tokens)
+
+It runs the same scheduler and worker code as the server, lockstep, with no
+sockets: the quickest way to use radixserve from Python and the place where
+correctness is tested (greedy tokens against HF transformers, cache on vs off,
+chunked vs whole prefill, eviction and retraction).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.results import Result, Usage
+from radixserve.sampling_params import SamplingParams
+from radixserve.scheduler.config import SchedulerConfig
+from radixserve.scheduler.scheduler import Scheduler
+from radixserve.tokenizer.inputs import InputProcessor
+from radixserve.tokenizer.output import OutputStream
+
+Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes an Engine (the server's processes share these names)."""
+
+    model: str | None = "smollm2"
+    dtype: str = "float32"
+    device: str = "cpu"
+    page_size: int = 1
+    cache: str = "radix"
+    num_pages: int | None = None
+    kv_memory: int | None = None
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 2048
+    schedule_policy: str = "lpm"
+    radix_impl: str = "auto"
+    attention_backend: str = "torch"
+    decode_reserve_ratio: float = 1.0
+    cache_dir: str | None = None
+    seed: int = 0
+
+
+def build_worker(config: EngineConfig):
+    from radixserve.worker.config import WorkerConfig
+    from radixserve.worker.model_runner import ModelRunner
+
+    return ModelRunner(
+        WorkerConfig(
+            model=config.model,
+            dtype=config.dtype,
+            device=config.device,
+            page_size=config.page_size,
+            num_pages=config.num_pages,
+            kv_memory=config.kv_memory,
+            max_running_requests=config.max_running_requests,
+            attention_backend=config.attention_backend,
+            cache_dir=config.cache_dir,
+            seed=config.seed,
+        )
+    )
+
+
+def build_scheduler(config: EngineConfig, runner) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            num_pages=runner.num_pages,
+            page_size=config.page_size,
+            max_context_len=runner.max_context_len,
+            eos_token_ids=tuple(runner.eos_token_ids),
+            cache=config.cache,
+            radix_impl=config.radix_impl,
+            max_running_requests=config.max_running_requests,
+            chunked_prefill_size=config.chunked_prefill_size,
+            schedule_policy=config.schedule_policy,
+            decode_reserve_ratio=config.decode_reserve_ratio,
+        )
+    )
+
+
+class Engine:
+    def __init__(self, model: str | None = "smollm2", **kwargs: Any) -> None:
+        from radixserve.models.tokenizer import load_tokenizer
+
+        self.config = EngineConfig(model=model, **kwargs)
+        self.runner = build_worker(self.config)
+        self.scheduler = build_scheduler(self.config, self.runner)
+        self.tokenizer = load_tokenizer(model, self.config.cache_dir)
+        self.inputs = InputProcessor(self.tokenizer, self.runner.vocab_size)
+        self._ids = itertools.count()
+
+    # ---------------------------------------------------------------- public
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> list[Result]:
+        """Generate for one prompt or a list of them (text, token ids or chat
+        messages). Returns the Results in prompt order (n per prompt when
+        ``n > 1``). Bad input raises ValueError before anything runs."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompt_list)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompt_list):
+                raise ValueError("give one SamplingParams, or one per prompt")
+        token_lists = [self._to_ids(p) for p in prompt_list]
+        limit = self.scheduler.config.max_context_len
+        for ids in token_lists:
+            if len(ids) >= limit:
+                raise ValueError(f"the prompt has {len(ids)} tokens; the context is {limit}")
+
+        rids = []
+        streams: dict[tuple[str, int], OutputStream] = {}
+        results: dict[tuple[str, int], Result] = {}
+        try:
+            for ids, sp in zip(token_lists, params):
+                rid = f"engine-{next(self._ids)}"
+                self.scheduler.add_request(rid, ids, sp, salt=cache_salt)
+                rids.append((rid, sp.n))
+                for i in range(sp.n):
+                    streams[(rid, i)] = OutputStream(self.tokenizer, ids, sp.stop)
+        except ValueError:
+            for rid, _ in rids:
+                self.scheduler.abort_request(rid)
+            self._drain()
+            raise
+        pending = set(streams)
+        while pending:
+            outputs = self.scheduler.take_outputs()
+            batch = self.scheduler.schedule()
+            if batch is not None:
+                outputs += self.scheduler.process_step_result(self.runner.step(batch))
+            elif not outputs and not self.scheduler.has_work():
+                raise RuntimeError("the scheduler stopped with requests unfinished")
+            for out in outputs:
+                key = (out.rid, out.index)
+                if key not in pending:
+                    continue
+                stream = streams[key]
+                stream.add(out.token_ids, out.finish_reason is not None)
+                finish = out.finish_reason
+                if stream.stop_hit and finish is None:
+                    self.scheduler.abort_request(out.rid, reason="stop", index=out.index)
+                    finish = "stop"
+                if finish is not None:
+                    pending.discard(key)
+                    results[key] = Result(
+                        request_id=out.rid,
+                        index=out.index,
+                        text=stream.text,
+                        token_ids=list(stream.token_ids),
+                        finish_reason=finish,
+                        usage=Usage(out.prompt_tokens, len(stream.token_ids), out.cached_tokens),
+                    )
+        self._drain()
+        return [results[(rid, i)] for rid, n in rids for i in range(n)]
+
+    def stats(self) -> dict[str, int]:
+        return self.scheduler.stats()
+
+    def flush_cache(self) -> int:
+        """Evict every unlocked cached page; returns how many were freed."""
+        return self.scheduler.flush_cache()
+
+    def check_idle(self) -> None:
+        """Assert the idle invariant (every page free or owned by one tree node)."""
+        self.scheduler.check_idle()
+
+    def close(self) -> None:
+        self.runner = None  # type: ignore[assignment]
+        self.scheduler = None  # type: ignore[assignment]
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --------------------------------------------------------------- helpers
+    def _to_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.inputs.to_ids(prompt=prompt)
+        if prompt and isinstance(prompt[0], Mapping):
+            return self.inputs.to_ids(messages=prompt)  # type: ignore[arg-type]
+        return self.inputs.to_ids(input_ids=prompt)  # type: ignore[arg-type]
+
+    def _drain(self) -> None:
+        """Run steps that only release slots (after stop-string aborts)."""
+        self.scheduler.take_outputs()
+        while (batch := self.scheduler.schedule()) is not None:
+            self.scheduler.process_step_result(self.runner.step(batch))
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError("prompts must be a prompt or a non-empty list of prompts")
+    first = prompts[0]
+    if isinstance(first, (int, Mapping)):
+        return [prompts]  # one token list, or one chat
+    return list(prompts)
