@@ -1,0 +1,1 @@
+"""The worker: model weights, KV page pool, attention backend and sampler."""
