@@ -99,16 +99,22 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Llama-family causal LM over a flat, paged batch."""
+    """Llama-family causal LM over a flat, paged batch.
+
+    Parameters are allocated uninitialised (no random init: it would cost more
+    than loading); call ``load_weights`` before ``forward``.
+    """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.to(dtype=dtype, device=device)
+        with torch.device("meta"):
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.to_empty(device=device)
+        self.to(dtype=dtype)
         self.rotary = RotaryEmbedding(cfg, dtype, device)
         self.requires_grad_(False)
 
@@ -163,8 +169,10 @@ class LlamaModel(nn.Module):
         with torch.no_grad():
             put(self.embed_tokens.weight, "model.embed_tokens.weight")
             put(self.norm.weight, "model.norm.weight")
-            head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-            put(self.lm_head.weight, head)
+            if cfg.tie_word_embeddings:
+                self.lm_head.weight = self.embed_tokens.weight  # shared, not copied
+            else:
+                put(self.lm_head.weight, "lm_head.weight")
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
                 a = p + "self_attn."
