@@ -78,7 +78,7 @@ def read_gguf_weights(
             data = unpermute_rotary(data, num_heads)
         elif permuted and name.endswith("self_attn.k_proj.weight"):
             data = unpermute_rotary(data, num_kv_heads)
-        out[name] = torch.from_numpy(np.ascontiguousarray(data))
+        out[name] = torch.from_numpy(np.array(data, dtype=np.float32, order="C", copy=True))
     return out
 
 
