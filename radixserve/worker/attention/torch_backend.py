@@ -1,17 +1,19 @@
 """The ``torch`` attention backend: gather pages, then dense attention. Any device, any dtype.
 
-``begin_batch`` turns the page tables into flat row indices once per step:
+``begin_batch`` turns the page tables into row indices once per step:
 - write rows: where each new token's K (and V, ``page_size`` rows further) goes
   in the pool viewed as ``[num_pages * 2 * page_size, kv_heads * head_dim]``;
-- gather rows: for each key a request attends to, its rows in the pool viewed
-  as ``[num_pages * 2 * page_size * kv_heads, head_dim]``, laid out so that one
-  ``index_select`` yields contiguous ``[kv_heads, kv_len, head_dim]`` keys.
+- gather rows: the pages a request reads, in the pool viewed as
+  ``[num_pages * 2, page_size * kv_heads * head_dim]`` (row 2p is page p's K,
+  2p + 1 its V). Whole pages are copied with one ``index_select`` each for K
+  and V, giving contiguous ``[num_pages_read * page_size, kv_heads, head_dim]``
+  keys that attention reads through strided views, without another copy.
 
-Decode requests (one new token) run together as one padded batch: a few
-batched matmuls per layer, no Python loop over requests. Each prefill request
-(several new tokens, possibly after a cached prefix, possibly a chunk) runs
-through ``scaled_dot_product_attention`` with an explicit bottom-right-aligned
-causal mask.
+Decode requests (one new token) run together as one padded batch through one
+``scaled_dot_product_attention`` call per layer, no Python loop over requests.
+Each prefill request (several new tokens, possibly after a cached prefix,
+possibly a chunk) runs through its own call with an explicit bottom-right
+aligned causal mask.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
 @dataclass
 class _Prefill:
     rows: slice  # rows of q in the flat batch
-    gather: torch.Tensor  # [kv_heads * kv_len] head rows of K (V = + page_size * kv_heads)
+    gather: torch.Tensor  # [pages read] page rows of K (V = + 1)
     kv_len: int
     masks: dict[int, torch.Tensor | None]  # window -> bool [qo_len, kv_len]; None = plain causal
 
@@ -36,8 +38,8 @@ class _Prefill:
 @dataclass
 class _Decode:
     rows: torch.Tensor  # [Bd] rows of q in the flat batch
-    gather: torch.Tensor  # [Bd * kv_heads * L] head rows of K
-    max_len: int
+    gather: torch.Tensor  # [Bd * pages read] page rows of K (V = + 1)
+    max_len: int  # pages read per request * page_size (padding masked)
     bias: dict[int, torch.Tensor]  # window -> additive mask [Bd, 1, 1, L]
 
 
@@ -46,7 +48,7 @@ class TorchAttention(AttentionBackend):
 
     def begin_batch(self, batch: AttentionBatch) -> None:
         pool = self.pool
-        s, h = pool.page_size, pool.num_kv_heads
+        s = pool.page_size
         device = pool.layers[0].device if pool.layers else "cpu"
         qo_lens, kv_lens = batch.qo_lens, batch.kv_lens.astype(np.int64)
         windows = sorted(set(self.sliding_windows))
@@ -60,7 +62,7 @@ class TorchAttention(AttentionBackend):
             if qo == 1:
                 continue
             q0 = int(batch.qo_indptr[i])
-            gather = _head_rows(pages, np.arange(kv), s, h)
+            gather = pages[: -(-kv // s)].astype(np.int64) * 2
             masks = {w: _prefill_mask(qo, kv, w, device) for w in windows}
             self._prefills.append(
                 _Prefill(slice(q0, q0 + qo), torch.from_numpy(gather).to(device), kv, masks)
@@ -74,17 +76,16 @@ class TorchAttention(AttentionBackend):
     def _plan_decode(
         self, batch: AttentionBatch, ids: np.ndarray, windows: list[int], device: torch.device
     ) -> _Decode:
-        s, h = self.pool.page_size, self.pool.num_kv_heads
+        s = self.pool.page_size
         kv = batch.kv_lens[ids].astype(np.int64)
-        L = int(kv.max())
-        npages = (L + s - 1) // s
+        npages = int(-(-kv.max() // s))
+        L = npages * s
         table = np.zeros((len(ids), npages), dtype=np.int64)
         for r, i in enumerate(ids):
             pages = batch.page_indices[batch.page_indptr[i] : batch.page_indptr[i + 1]]
             table[r, : len(pages)] = pages[:npages]
+        gather = table.reshape(-1) * 2  # K page rows, request-major
         pos = np.arange(L)
-        tok = table[:, pos // s] * 2 * s + pos % s  # [Bd, L] token rows (K)
-        gather = tok[:, None, :] * h + np.arange(h)[None, :, None]  # [Bd, h, L]
         valid = pos[None, :] < kv[:, None]
         bias = {}
         for w in windows:
@@ -92,7 +93,7 @@ class TorchAttention(AttentionBackend):
             b = np.where(keep, 0.0, -np.inf)[:, None, None, :]
             bias[w] = torch.from_numpy(b).to(device=device, dtype=self.pool.dtype)
         q_rows = torch.from_numpy(batch.qo_indptr[ids].astype(np.int64)).to(device)
-        return _Decode(q_rows, torch.from_numpy(gather.reshape(-1)).to(device), L, bias)
+        return _Decode(q_rows, torch.from_numpy(gather).to(device), L, bias)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -103,23 +104,23 @@ class TorchAttention(AttentionBackend):
         tokens = pool.view(-1, h * d)
         tokens.index_copy_(0, self._write, k.reshape(-1, h * d))
         tokens.index_copy_(0, self._write + s, v.reshape(-1, h * d))
-        heads = pool.view(-1, d)
+        pages = pool.view(-1, s * h * d)
         out = torch.empty_like(q)
         dec = self._decode
         if dec is not None:
             bd = dec.rows.shape[0]
-            qd = q.index_select(0, dec.rows).view(bd, h, -1, d)  # [Bd, kv_heads, group, d]
-            keys = heads.index_select(0, dec.gather).view(bd, h, dec.max_len, d)
-            vals = heads.index_select(0, dec.gather + s * h).view(bd, h, dec.max_len, d)
-            scores = (
-                torch.matmul(qd, keys.transpose(-1, -2)).mul_(self.scale).add_(dec.bias[window])
+            qd = q.index_select(0, dec.rows).unsqueeze(2)  # [Bd, heads, 1, d]
+            keys = pages.index_select(0, dec.gather).view(bd, dec.max_len, h, d).transpose(1, 2)
+            vals = pages.index_select(0, dec.gather + 1).view(bd, dec.max_len, h, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                qd, keys, vals, attn_mask=dec.bias[window], scale=self.scale, enable_gqa=True
             )
-            probs = torch.softmax(scores, dim=-1, dtype=_softmax_dtype(q.dtype)).to(q.dtype)
-            out.index_copy_(0, dec.rows, torch.matmul(probs, vals).view(bd, -1, d))
+            out.index_copy_(0, dec.rows, o.squeeze(2))
         for p in self._prefills:
             qp = q[p.rows].transpose(0, 1).unsqueeze(0)  # [1, heads, qo, d]
-            keys = heads.index_select(0, p.gather).view(1, h, p.kv_len, d)
-            vals = heads.index_select(0, p.gather + s * h).view(1, h, p.kv_len, d)
+            keys = pages.index_select(0, p.gather).view(-1, h, d)[: p.kv_len]
+            vals = pages.index_select(0, p.gather + 1).view(-1, h, d)[: p.kv_len]
+            keys, vals = keys.transpose(0, 1).unsqueeze(0), vals.transpose(0, 1).unsqueeze(0)
             mask = p.masks[window]
             o = F.scaled_dot_product_attention(
                 qp, keys, vals, attn_mask=mask, is_causal=mask is None, scale=self.scale,
@@ -127,12 +128,6 @@ class TorchAttention(AttentionBackend):
             )  # fmt: skip
             out[p.rows] = o[0].transpose(0, 1)
         return out
-
-
-def _head_rows(pages: np.ndarray, pos: np.ndarray, s: int, h: int) -> np.ndarray:
-    """Head rows [h * len(pos)] of K for the given positions, head-major."""
-    tok = pages[pos // s].astype(np.int64) * 2 * s + pos % s
-    return (tok[None, :] * h + np.arange(h)[:, None]).reshape(-1)
 
 
 def _prefill_mask(qo: int, kv: int, window: int, device: torch.device) -> torch.Tensor | None:
@@ -145,7 +140,3 @@ def _prefill_mask(qo: int, kv: int, window: int, device: torch.device) -> torch.
     if window > 0:
         keep &= j > t - window
     return keep
-
-
-def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
