@@ -1,0 +1,1 @@
+"""Model code for the Llama family: config, rotary, forward pass, weight loading."""

@@ -1,0 +1,99 @@
+"""Resolve a model name to weights and build our model from them.
+
+A model is named by one of:
+- ``None`` or ``"smollm2"``: the embedded SmolLM2-135M-Instruct (``embedded.py``);
+- a folder with ``config.json`` and safetensors (one file or sharded with an index);
+- a ``.gguf`` file (config and tokenizer via transformers, weights via ``gguf``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from radixserve.models.config import ModelConfig
+from radixserve.models.embedded import EMBEDDED_NAME, ensure_smollm2
+from radixserve.models.llama import LlamaModel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are: an HF folder, or a GGUF file (``gguf_file`` set)."""
+
+    name: str
+    folder: Path
+    gguf_file: str | None = None
+
+
+def resolve_model(
+    model: str | None, cache_dir: str | os.PathLike[str] | None = None
+) -> ModelSource:
+    """Map a model name to its files; ValueError saying what is accepted otherwise."""
+    if model is None or model == EMBEDDED_NAME:
+        return ModelSource(EMBEDDED_NAME, ensure_smollm2(cache_dir))
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(path.name, path.parent, path.name)
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSource(path.name, path)
+    raise ValueError(
+        f"model {model!r} is not {EMBEDDED_NAME!r}, a folder with config.json, or a .gguf file"
+    )
+
+
+def parse_dtype(dtype: str) -> torch.dtype:
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: {sorted(DTYPES)}") from None
+
+
+def load_hf_config(source: ModelSource) -> Any:
+    from transformers import AutoConfig
+
+    if source.gguf_file:
+        return AutoConfig.from_pretrained(str(source.folder), gguf_file=source.gguf_file)
+    return AutoConfig.from_pretrained(str(source.folder))
+
+
+def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors checkpoint, single file or sharded (index.json)."""
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {folder}")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(folder / f)))
+    return weights
+
+
+def load_model(
+    source: ModelSource, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> tuple[LlamaModel, Any]:
+    """Build our model for ``source`` with its weights; returns (model, transformers config)."""
+    hf_config = load_hf_config(source)
+    cfg = ModelConfig.from_hf(hf_config)
+    if source.gguf_file:
+        from radixserve.models.gguf_loader import read_gguf_weights
+
+        path = source.folder / source.gguf_file
+        weights = read_gguf_weights(path, cfg.num_heads, cfg.num_kv_heads)
+    else:
+        weights = read_safetensors_folder(source.folder)
+    weights = {k.removeprefix("_orig_mod."): v for k, v in weights.items()}
+    model = LlamaModel(cfg, dtype, torch.device(device))
+    model.load_weights(weights)
+    return model, hf_config

@@ -1,0 +1,24 @@
+"""Load the HF tokenizer that belongs to a model name (see ``loader.resolve_model``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from radixserve.models.loader import resolve_model
+
+
+def load_tokenizer(model: str | None, cache_dir: str | os.PathLike[str] | None = None) -> Any:
+    """A transformers tokenizer for ``model``.
+
+    ``None``/``"smollm2"``: the converted copy in the cache dir (converted on first use);
+    a folder: ``AutoTokenizer`` on it (``tokenizer.json``, or a sentencepiece
+    ``tokenizer.model`` with a ``tokenizer_config.json``); a ``.gguf`` file: transformers'
+    GGUF tokenizer conversion.
+    """
+    from transformers import AutoTokenizer
+
+    source = resolve_model(model, cache_dir)
+    if source.gguf_file:
+        return AutoTokenizer.from_pretrained(str(source.folder), gguf_file=source.gguf_file)
+    return AutoTokenizer.from_pretrained(str(source.folder))

@@ -1,0 +1,83 @@
+"""The attention backend interface.
+
+A backend owns no weights. It is told once per step what the batch looks like
+(``begin_batch``: per request its query length, its KV length and its page
+table, all host-side int32 arrays) and is then called once per layer
+(``forward``) with that layer's new q, k, v. Planning once and running per
+layer is the shape FlashInfer's wrappers want (``plan`` / ``run``); the torch
+backend uses ``begin_batch`` to build its gather indices and masks.
+
+Contract of ``forward(layer, q, k, v)``:
+- q is [T, num_heads, head_dim], k and v are [T, num_kv_heads, head_dim], rows
+  in batch order (request 0's new tokens, then request 1's, ...), rotary
+  already applied.
+- The backend writes k/v into the KV pool: the token at absolute position p of
+  a request lives in page ``page_table[p // page_size]`` at offset
+  ``p % page_size``. The new tokens of a request occupy positions
+  [kv_len - qo_len, kv_len).
+- It returns attention output [T, num_heads, head_dim]: query t (0-based
+  within its request) sees key j iff j <= t + kv_len - qo_len (causal mask
+  aligned bottom-right), and, for a layer with sliding window w > 0, also
+  j > t + kv_len - qo_len - w.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from radixserve.worker.kv_pool import KVPool
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """Host-side layout of one step, in FlashInfer's CSR form.
+
+    ``qo_indptr`` [B+1]: request i's new tokens are rows qo_indptr[i]:qo_indptr[i+1].
+    ``kv_lens`` [B]: keys request i attends to after this step's writes (start_pos + qo_len).
+    ``page_indptr`` [B+1] / ``page_indices``: request i's page table is
+    page_indices[page_indptr[i]:page_indptr[i+1]], exactly ceil(kv_len / page_size) pages.
+    """
+
+    qo_indptr: np.ndarray
+    kv_lens: np.ndarray
+    page_indptr: np.ndarray
+    page_indices: np.ndarray
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.kv_lens)
+
+    @property
+    def qo_lens(self) -> np.ndarray:
+        return np.diff(self.qo_indptr)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.qo_indptr[-1])
+
+
+class AttentionBackend(ABC):
+    """Paged attention over a ``KVPool``; see the module docstring for the contract."""
+
+    name: str = ""
+
+    def __init__(self, pool: KVPool, scale: float, sliding_windows: tuple[int, ...]) -> None:
+        if len(sliding_windows) != pool.num_layers:
+            raise ValueError("one sliding window entry per layer is required")
+        self.pool = pool
+        self.scale = scale
+        self.sliding_windows = sliding_windows
+
+    @abstractmethod
+    def begin_batch(self, batch: AttentionBatch) -> None:
+        """Plan the step: called once before the layers run."""
+
+    @abstractmethod
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Write k/v of this step into the pool and return attention output like q."""

@@ -1,0 +1,153 @@
+"""The worker's engine room: runs one scheduler step on the model and samples.
+
+``ModelRunner(config).step(batch)``:
+1. clears the slots in ``batch.release`` (page table, sampling state);
+2. for each request: remembers its sampling params if given, appends
+   ``new_pages`` to its slot's page table, and checks the table covers
+   ``start_pos + len(input_ids)`` tokens;
+3. runs the model on all new tokens at once (the attention backend writes their
+   K/V into their pages);
+4. samples one token for every request with ``sample=True``, in batch order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from radixserve.models.config import ModelConfig
+from radixserve.models.loader import load_model, parse_dtype, resolve_model
+from radixserve.worker.attention import AttentionBatch, create_backend
+from radixserve.worker.batch import StepBatch
+from radixserve.worker.config import WorkerConfig
+from radixserve.worker.kv_pool import DEFAULT_KV_MEMORY, KVPool
+from radixserve.worker.page_table import PageTable
+from radixserve.worker.sampler import Sampler
+
+
+class ModelRunner:
+    """Model weights + KV pool + page tables + attention backend + sampler."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        dtype = parse_dtype(config.dtype)
+        if dtype == torch.float64 and config.attention_backend != "torch":
+            raise ValueError("float64 is supported by the torch attention backend only")
+        self._device = torch.device(config.device)
+        source = resolve_model(config.model, config.cache_dir)
+        self.model, self.hf_config = load_model(source, dtype, self._device)
+        cfg: ModelConfig = self.model.cfg
+        self.model_config = cfg
+        self._model_name = source.name
+        dims = (cfg.num_layers, config.page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        if config.num_pages is not None:
+            num_pages = config.num_pages
+        else:
+            budget = config.kv_memory if config.kv_memory is not None else DEFAULT_KV_MEMORY
+            num_pages = KVPool.pages_for_budget(budget, *dims)
+        self.pool = KVPool(
+            cfg.num_layers, num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim,
+            dtype, self._device,
+        )  # fmt: skip
+        self.backend = create_backend(
+            config.attention_backend, self.pool, cfg.head_dim**-0.5, cfg.sliding_windows
+        )
+        max_pages_per_slot = min(num_pages, -(-cfg.max_context_len // config.page_size))
+        self.page_table = PageTable(config.max_running_requests, max_pages_per_slot, num_pages)
+        self.sampler = Sampler(config.seed)
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool.num_pages
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    @property
+    def max_context_len(self) -> int:
+        return self.model_config.max_context_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.model_config.eos_token_ids
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
+    def step(self, batch: StepBatch) -> np.ndarray:
+        """Run one step; int32 array with one token per ``sample=True`` request, in order."""
+        logits = self.forward_logits(batch)
+        slots = [r.slot for r in batch.reqs if r.sample]
+        if not slots:
+            return np.zeros(0, dtype=np.int32)
+        return self.sampler.sample(logits, slots)
+
+    def forward_logits(self, batch: StepBatch) -> torch.Tensor:
+        """Steps 1-3 of ``step``: logits [num sampling requests, vocab] (no sampling)."""
+        for slot in batch.release:
+            self.page_table.clear(slot)
+            self.sampler.remove(slot)
+        if not batch.reqs:
+            return torch.zeros(0, self.vocab_size)
+        ids, positions, logits_rows = [], [], []
+        qo_indptr, kv_lens, page_counts, tables = [0], [], [], []
+        seen: set[int] = set()
+        s = self.page_size
+        for r in batch.reqs:
+            if r.slot in seen:
+                raise ValueError(f"slot {r.slot} appears twice in one step")
+            seen.add(r.slot)
+            self.page_table.check_slot(r.slot)
+            if r.sampling is not None:
+                self.sampler.add(r.slot, r.sampling)
+            elif r.sample and not self.sampler.has(r.slot):
+                raise ValueError(f"slot {r.slot} samples but was never given SamplingParams")
+            self.page_table.append(r.slot, r.new_pages)
+            n = len(r.input_ids)
+            if n < 1:
+                raise ValueError(f"slot {r.slot}: a step needs at least one input token")
+            kv_len = r.start_pos + n
+            if kv_len > self.max_context_len:
+                raise ValueError(f"slot {r.slot}: {kv_len} tokens exceed the context length")
+            need = -(-kv_len // s)
+            if self.page_table.num_slot_pages(r.slot) < need:
+                raise ValueError(
+                    f"slot {r.slot}: page table has {self.page_table.num_slot_pages(r.slot)} "
+                    f"pages, {need} needed for {kv_len} tokens"
+                )
+            ids.append(np.asarray(r.input_ids, dtype=np.int64))
+            positions.append(np.arange(r.start_pos, kv_len, dtype=np.int64))
+            qo_indptr.append(qo_indptr[-1] + n)
+            if r.sample:
+                logits_rows.append(qo_indptr[-1] - 1)
+            kv_lens.append(kv_len)
+            tables.append(self.page_table.pages(r.slot)[:need])
+            page_counts.append(need)
+        attn = AttentionBatch(
+            qo_indptr=np.asarray(qo_indptr, dtype=np.int32),
+            kv_lens=np.asarray(kv_lens, dtype=np.int32),
+            page_indptr=np.concatenate([[0], np.cumsum(page_counts)]).astype(np.int32),
+            page_indices=np.concatenate(tables).astype(np.int32),
+        )
+        self.backend.begin_batch(attn)
+        input_ids = np.concatenate(ids)
+        if input_ids.min() < 0 or input_ids.max() >= self.vocab_size:
+            raise ValueError(f"token id out of range [0, {self.vocab_size})")
+        dev = self._device
+        return self.model(
+            torch.from_numpy(input_ids).to(dev),
+            torch.from_numpy(np.concatenate(positions)).to(dev),
+            max(kv_lens) - 1,
+            self.backend,
+            torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+        )

@@ -1,0 +1,52 @@
+"""Per-slot page tables: which KV pages a request slot's tokens live in.
+
+Token p of a slot lives in ``pages(slot)[p // page_size]`` at offset
+``p % page_size``. Tables only grow by appending (the scheduler sends the page
+ids appended since the slot's last step) and are cleared when the slot is
+released.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class PageTable:
+    """A dense [max_slots, max_pages_per_slot] int32 table plus a length per slot."""
+
+    def __init__(self, max_slots: int, max_pages_per_slot: int, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self.table = np.zeros((max_slots, max_pages_per_slot), dtype=np.int32)
+        self.lengths = np.zeros(max_slots, dtype=np.int64)
+
+    @property
+    def max_slots(self) -> int:
+        return self.table.shape[0]
+
+    def check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} out of range [0, {self.max_slots})")
+
+    def append(self, slot: int, pages: np.ndarray) -> None:
+        """Append page ids to a slot's table; ValueError on bad ids or overflow."""
+        self.check_slot(slot)
+        pages = np.asarray(pages, dtype=np.int32).reshape(-1)
+        if len(pages) == 0:
+            return
+        if pages.min() < 0 or pages.max() >= self.num_pages:
+            raise ValueError(f"page id out of range [0, {self.num_pages}) for slot {slot}")
+        n = int(self.lengths[slot])
+        if n + len(pages) > self.table.shape[1]:
+            raise ValueError(f"slot {slot} page table overflow ({n + len(pages)} pages)")
+        self.table[slot, n : n + len(pages)] = pages
+        self.lengths[slot] = n + len(pages)
+
+    def clear(self, slot: int) -> None:
+        self.check_slot(slot)
+        self.lengths[slot] = 0
+
+    def num_slot_pages(self, slot: int) -> int:
+        return int(self.lengths[slot])
+
+    def pages(self, slot: int) -> np.ndarray:
+        return self.table[slot, : self.lengths[slot]]

@@ -1,0 +1,82 @@
+"""Batched token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+
+Each request slot owns a random stream (numpy PCG64) seeded by its own seed,
+or, without one, by a seed drawn from the worker's seeded stream when the slot
+is added. One uniform number is drawn per sampled step from the slot's stream
+and turned into a token by inverse CDF over the filtered distribution, so a
+request's tokens depend on its seed and its logits only, never on what else
+shares the batch. Filters apply in the order temperature, top-k, top-p,
+min-p (min-p relative to the most likely token after top-k).
+
+The sampler never decides that a request is finished; the scheduler does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from radixserve.sampling_params import SamplingParams
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self._seeds = np.random.default_rng(seed)
+        self._params: dict[int, SamplingParams] = {}
+        self._rngs: dict[int, np.random.Generator] = {}
+
+    def add(self, slot: int, params: SamplingParams) -> None:
+        """Start a slot's sampling state (replacing any earlier one)."""
+        seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))
+        self._params[slot] = params
+        self._rngs[slot] = np.random.default_rng(seed)
+
+    def remove(self, slot: int) -> None:
+        self._params.pop(slot, None)
+        self._rngs.pop(slot, None)
+
+    def has(self, slot: int) -> bool:
+        return slot in self._params
+
+    def sample(self, logits: torch.Tensor, slots: list[int]) -> np.ndarray:
+        """One token id per row of ``logits`` [N, vocab], row i sampled for ``slots[i]``."""
+        if logits.shape[0] != len(slots):
+            raise ValueError("one slot per logits row is required")
+        params = [self._params[s] for s in slots]
+        out = logits.argmax(dim=-1)
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            picked = [params[i] for i in rows]
+            uniforms = [float(self._rngs[slots[i]].random()) for i in rows]
+            tokens = sample_filtered(logits[rows], picked, uniforms)
+            out[torch.tensor(rows, device=out.device)] = tokens
+        return out.to(torch.int32).cpu().numpy()
+
+
+def sample_filtered(
+    logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float]
+) -> torch.Tensor:
+    """Inverse-CDF sampling after temperature / top-k / top-p / min-p, one row per request."""
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    dev, vocab = logits.device, logits.shape[-1]
+
+    def col(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=dev)[:, None]
+
+    scaled = logits.to(dtype) / col([p.temperature for p in params])
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=dev)[None, :]
+    top_k = col([p.top_k if p.top_k > 0 else vocab for p in params])
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = mass_before >= col([p.top_p for p in params])
+    drop |= probs < col([p.min_p for p in params]) * probs[:, :1]
+    drop[:, 0] = False  # the most likely token always survives
+    probs = probs.masked_fill(drop, 0.0)
+    cdf = probs.cumsum(dim=-1)
+    target = col(uniforms) * cdf[:, -1:]
+    choice = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)
+    # Never land on a dropped token (possible only through rounding at the top of the cdf).
+    choice = torch.minimum(choice, (~drop).sum(dim=-1, keepdim=True) - 1)
+    return order.gather(1, choice).squeeze(1)

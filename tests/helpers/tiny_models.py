@@ -1,0 +1,150 @@
+"""Tiny random Llama-family models saved as HF folders, for oracle and integration tests.
+
+``make_tiny_model(folder, arch)`` writes config.json, model.safetensors
+(float64 by default, so argmax is never decided by rounding) and a
+sentencepiece tokenizer (``tokenizer.model`` + ``tokenizer_config.json``,
+trained on Python's own docs, vocab 512) that ``AutoTokenizer`` loads.
+
+``patch_hf_float64(model)`` makes a transformers model compute RMSNorm and
+rotary in float64 (transformers keeps both in float32 even in a float64
+model), so it is a true float64 oracle.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import types
+from pathlib import Path
+
+import torch
+
+TINY_DIMS = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=3,
+)
+
+
+def training_text(limit: int = 20000) -> list[str]:
+    """Real English sentences from the standard library's bundled docs (no network)."""
+    from pydoc_data.topics import topics
+
+    text = "\n".join(topics[k] for k in sorted(topics))[:limit]
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def train_sentencepiece(vocab_size: int = 512) -> bytes:
+    """A BPE sentencepiece model with byte fallback (ids: unk 0, bos 1, eos 2, pad 3)."""
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(training_text()),
+        model_writer=buf,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=3,
+        hard_vocab_limit=False,
+    )
+    return buf.getvalue()
+
+
+def tiny_config(arch: str = "llama", **overrides: object):
+    """A transformers config for a tiny model of ``arch`` (llama, qwen2, mistral)."""
+    import transformers
+
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "mistral": transformers.MistralConfig,
+    }[arch]
+    kwargs = {**TINY_DIMS, **overrides}
+    if arch == "mistral":
+        kwargs.setdefault("sliding_window", None)
+    return cls(**kwargs)
+
+
+def make_tiny_model(
+    folder: str | Path,
+    arch: str = "llama",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+    **overrides: object,
+) -> Path:
+    """Save a random tiny model of ``arch`` with a tokenizer into ``folder``; return it."""
+    import transformers
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # Random init gives tiny weights and near-flat logits; widen them so greedy
+    # decoding has clear winners and the model's structure matters.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif p.dim() == 1:  # biases
+                p.normal_(0.0, 0.1)
+            else:
+                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+    model.save_pretrained(folder)
+    (folder / "tokenizer.model").write_bytes(train_sentencepiece(config.vocab_size))
+    tok_config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
+        "add_bos_token": True,
+        "add_eos_token": False,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    return folder
+
+
+def patch_hf_float64(model: torch.nn.Module) -> torch.nn.Module:
+    """Make a float64 transformers model compute RMSNorm and rotary in float64 (default rope)."""
+    for module in model.modules():
+        name = type(module).__name__
+        if name.endswith("RMSNorm"):
+            module.forward = types.MethodType(_rmsnorm64, module)
+        elif name.endswith("RotaryEmbedding"):
+            cfg = module.config
+            if module.rope_type != "default":
+                raise ValueError("patch_hf_float64 supports default rope only")
+            dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            theta = cfg.rope_parameters["rope_theta"]
+            module.inv_freq64 = 1.0 / (
+                theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+            )
+            module.forward = types.MethodType(_rotary64, module)
+    return model
+
+
+def _rmsnorm64(self, x: torch.Tensor) -> torch.Tensor:
+    h = x.to(torch.float64)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * h.to(x.dtype)
+
+
+def _rotary64(self, x: torch.Tensor, position_ids: torch.Tensor):
+    freqs = position_ids[..., None].to(torch.float64) * self.inv_freq64.to(x.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
