@@ -17,7 +17,7 @@ class ReqStatus(enum.Enum):
     FINISHED = "finished"  # stop / length / abort; its KV is released
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What one step (or an abort) produced for one request."""
 
@@ -30,7 +30,7 @@ class RequestOutput:
     cached_tokens: int
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One sample of a client request (``n > 1`` makes n of these).
 
@@ -69,6 +69,7 @@ class Request:
     admitted: int = -1  # admission counter (retraction picks the newest)
     waited_steps: int = 0
     announced: bool = False  # the worker has its sampling params
+    final_len: int = 0  # the most tokens it can ever hold (prompt + max_tokens, capped)
 
     @classmethod
     def create(
@@ -86,7 +87,9 @@ class Request:
         tokens = np.zeros(final_len, dtype=np.int32)
         tokens[: len(prompt)] = prompt
         table = np.zeros(-(-final_len // page_size), dtype=np.int32)
-        return cls(rid, index, len(prompt), sampling, salt, arrival, tokens, len(prompt), table)
+        req = cls(rid, index, len(prompt), sampling, salt, arrival, tokens, len(prompt), table)
+        req.final_len = final_len
+        return req
 
     @property
     def key(self) -> tuple[str, int]:
@@ -99,11 +102,6 @@ class Request:
     @property
     def num_output(self) -> int:
         return self.num_tokens - self.prompt_len
-
-    @property
-    def final_len(self) -> int:
-        """The most tokens this request can ever hold (prompt + max_tokens, capped)."""
-        return len(self.tokens)
 
     @property
     def running(self) -> bool:

@@ -59,6 +59,7 @@ class Scheduler:
         self._release: list[int] = []
         self._batch: list[tuple[Request, int]] = []  # (request, tokens computed) of the step
         self._outputs: list[RequestOutput] = []  # produced outside a step (aborts)
+        self._eos = frozenset(config.eos_token_ids)
         self._arrivals = 0
         self._admissions = 0
         # Counters for stats().
@@ -167,21 +168,22 @@ class Scheduler:
         """Take the sampled tokens of the last step; return what it produced."""
         outputs, self._outputs = self._outputs, []
         batch, self._batch = self._batch, []
-        eos = self.config.eos_token_ids
+        tokens = tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
+        eos = self._eos
         i = 0
         for req, n in batch:
-            if req.status == ReqStatus.FINISHED:
+            if req.status is ReqStatus.FINISHED:
                 continue  # aborted after the step was planned
             req.kv_len += n
             if req.kv_len < req.num_tokens:  # a non-final prefill chunk
                 self.kv.cache_computed(req)
                 continue
-            if req is self.chunked:
-                self.chunked = None
-            if req.status == ReqStatus.PREFILL:
+            if req.status is ReqStatus.PREFILL:
+                if req is self.chunked:
+                    self.chunked = None
                 self.kv.cache_computed(req)
                 req.status = ReqStatus.DECODE
-            token = int(tokens[i])
+            token = tokens[i]
             i += 1
             req.tokens[req.num_tokens] = token
             req.num_tokens += 1
@@ -189,7 +191,9 @@ class Scheduler:
             reason = None
             if (token in eos and not sp.ignore_eos) or token in sp.stop_token_ids:
                 reason = "stop"
-            elif req.num_output >= sp.max_tokens or req.num_tokens >= req.final_len:
+            elif (
+                req.num_tokens - req.prompt_len >= sp.max_tokens or req.num_tokens >= req.final_len
+            ):
                 reason = "length"
             if reason is not None:
                 self._finish(req, reason)
@@ -205,19 +209,22 @@ class Scheduler:
 
     # -------------------------------------------------------------- helpers
     def _req_step(self, req: Request, n: int) -> ReqStep:
-        new_pages = req.table[req.sent_pages : req.num_pages].copy()
+        # Views, not copies: these ranges of a request's buffers never change
+        # while it runs, and the worker consumes the step before the next one.
+        new_pages = req.table[req.sent_pages : req.num_pages]
         req.sent_pages = req.num_pages
         sampling = None
         if not req.announced:
             sampling = req.sampling
             req.announced = True
+        start = req.kv_len
         return ReqStep(
-            slot=req.slot,
-            input_ids=req.tokens[req.kv_len : req.kv_len + n].copy(),
-            start_pos=req.kv_len,
-            new_pages=new_pages,
-            sample=req.kv_len + n == req.num_tokens,
-            sampling=sampling,
+            req.slot,
+            req.tokens[start : start + n],
+            start,
+            new_pages,
+            start + n == req.num_tokens,
+            sampling,
         )
 
     def _schedule_decodes(self, batch: list[tuple[Request, int]]) -> None:

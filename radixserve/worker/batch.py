@@ -9,7 +9,7 @@ import numpy as np
 from radixserve.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class ReqStep:
     """One request's share of a step.
 
