@@ -32,6 +32,7 @@ class _Prefill:
     rows: slice  # rows of q in the flat batch
     gather: torch.Tensor  # [pages read] page rows of K (V = + 1)
     kv_len: int
+    buffers: tuple[torch.Tensor, torch.Tensor]  # K, V gather destinations, reused per layer
     masks: dict[int, torch.Tensor | None]  # window -> bool [qo_len, kv_len]; None = plain causal
 
 
@@ -40,6 +41,7 @@ class _Decode:
     rows: torch.Tensor  # [Bd] rows of q in the flat batch
     gather: torch.Tensor  # [Bd * pages read] page rows of K (V = + 1)
     max_len: int  # pages read per request * page_size (padding masked)
+    buffers: tuple[torch.Tensor, torch.Tensor]  # K, V gather destinations, reused per layer
     bias: dict[int, torch.Tensor]  # window -> additive mask [Bd, 1, 1, L]
 
 
@@ -65,8 +67,9 @@ class TorchAttention(AttentionBackend):
             gather = pages[: -(-kv // s)].astype(np.int64) * 2
             masks = {w: _prefill_mask(qo, kv, w, device) for w in windows}
             self._prefills.append(
-                _Prefill(slice(q0, q0 + qo), torch.from_numpy(gather).to(device), kv, masks)
-            )
+                _Prefill(slice(q0, q0 + qo), torch.from_numpy(gather).to(device), kv,
+                         self._buffers(len(gather)), masks)
+            )  # fmt: skip
         rows = np.concatenate(write_rows) if write_rows else np.zeros(0, np.int64)
         self._write = torch.from_numpy(rows).to(device)
         self._decode = (
@@ -93,7 +96,17 @@ class TorchAttention(AttentionBackend):
             b = np.where(keep, 0.0, -np.inf)[:, None, None, :]
             bias[w] = torch.from_numpy(b).to(device=device, dtype=self.pool.dtype)
         q_rows = torch.from_numpy(batch.qo_indptr[ids].astype(np.int64)).to(device)
-        return _Decode(q_rows, torch.from_numpy(gather).to(device), L, bias)
+        return _Decode(
+            q_rows, torch.from_numpy(gather).to(device), L, self._buffers(len(gather)), bias
+        )
+
+    def _buffers(self, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Gathered pages land in buffers allocated once per step: a fresh multi-MB tensor per
+        # layer would be mapped and page-faulted anew every time.
+        ref = self.pool.layers[0]
+        shape = (num_pages, ref[0, 0].numel())
+        return (torch.empty(shape, dtype=ref.dtype, device=ref.device),
+                torch.empty(shape, dtype=ref.dtype, device=ref.device))  # fmt: skip
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -110,16 +123,21 @@ class TorchAttention(AttentionBackend):
         if dec is not None:
             bd = dec.rows.shape[0]
             qd = q.index_select(0, dec.rows).unsqueeze(2)  # [Bd, heads, 1, d]
-            keys = pages.index_select(0, dec.gather).view(bd, dec.max_len, h, d).transpose(1, 2)
-            vals = pages.index_select(0, dec.gather + 1).view(bd, dec.max_len, h, d).transpose(1, 2)
+            kb, vb = dec.buffers
+            torch.index_select(pages, 0, dec.gather, out=kb)
+            torch.index_select(pages, 0, dec.gather + 1, out=vb)
+            keys = kb.view(bd, dec.max_len, h, d).transpose(1, 2)
+            vals = vb.view(bd, dec.max_len, h, d).transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 qd, keys, vals, attn_mask=dec.bias[window], scale=self.scale, enable_gqa=True
             )
             out.index_copy_(0, dec.rows, o.squeeze(2))
         for p in self._prefills:
             qp = q[p.rows].transpose(0, 1).unsqueeze(0)  # [1, heads, qo, d]
-            keys = pages.index_select(0, p.gather).view(-1, h, d)[: p.kv_len]
-            vals = pages.index_select(0, p.gather + 1).view(-1, h, d)[: p.kv_len]
+            kb, vb = p.buffers
+            torch.index_select(pages, 0, p.gather, out=kb)
+            torch.index_select(pages, 0, p.gather + 1, out=vb)
+            keys, vals = kb.view(-1, h, d)[: p.kv_len], vb.view(-1, h, d)[: p.kv_len]
             keys, vals = keys.transpose(0, 1).unsqueeze(0), vals.transpose(0, 1).unsqueeze(0)
             mask = p.masks[window]
             o = F.scaled_dot_product_attention(
