@@ -87,10 +87,12 @@ class ModelRunner:
     def step(self, batch: StepBatch) -> np.ndarray:
         """Run one step; int32 array with one token per ``sample=True`` request, in order."""
         logits = self.forward_logits(batch)
-        slots = [r.slot for r in batch.reqs if r.sample]
-        if not slots:
+        sampling = [r for r in batch.reqs if r.sample]
+        if not sampling:
             return np.zeros(0, dtype=np.int32)
-        return self.sampler.sample(logits, slots)
+        slots = [r.slot for r in sampling]
+        positions = [r.start_pos + len(r.input_ids) for r in sampling]
+        return self.sampler.sample(logits, slots, positions)
 
     def forward_logits(self, batch: StepBatch) -> torch.Tensor:
         """Steps 1-3 of ``step``: logits [num sampling requests, vocab] (no sampling)."""

@@ -1,11 +1,12 @@
 """Batched token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
-Each request slot owns a random stream (numpy PCG64) seeded by its own seed,
-or, without one, by a seed drawn from the worker's seeded stream when the slot
-is added. One uniform number is drawn per sampled step from the slot's stream
-and turned into a token by inverse CDF over the filtered distribution, so a
-request's tokens depend on its seed and its logits only, never on what else
-shares the batch. Filters apply in the order temperature, top-k, top-p,
+Each request slot has a seed: its own, or one drawn from the worker's seeded
+stream when the slot is added. The uniform number behind a token comes from
+numpy's PCG64 seeded with (slot seed, the token's absolute position), and is
+turned into a token by inverse CDF over the filtered distribution. So a seeded
+request's tokens depend on its seed and its logits only: never on what else
+shares the batch, nor on whether it was retracted and recomputed (a
+retraction restarts the slot, but positions stay the same). Filters apply in the order temperature, top-k, top-p,
 min-p (min-p relative to the most likely token after top-k).
 
 The sampler never decides that a request is finished; the scheduler does.
@@ -23,31 +24,35 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._seeds = np.random.default_rng(seed)
         self._params: dict[int, SamplingParams] = {}
-        self._rngs: dict[int, np.random.Generator] = {}
+        self._slot_seeds: dict[int, int] = {}
 
     def add(self, slot: int, params: SamplingParams) -> None:
         """Start a slot's sampling state (replacing any earlier one)."""
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))
         self._params[slot] = params
-        self._rngs[slot] = np.random.default_rng(seed)
+        self._slot_seeds[slot] = seed
 
     def remove(self, slot: int) -> None:
         self._params.pop(slot, None)
-        self._rngs.pop(slot, None)
+        self._slot_seeds.pop(slot, None)
 
     def has(self, slot: int) -> bool:
         return slot in self._params
 
-    def sample(self, logits: torch.Tensor, slots: list[int]) -> np.ndarray:
-        """One token id per row of ``logits`` [N, vocab], row i sampled for ``slots[i]``."""
-        if logits.shape[0] != len(slots):
-            raise ValueError("one slot per logits row is required")
+    def sample(self, logits: torch.Tensor, slots: list[int], positions: list[int]) -> np.ndarray:
+        """One token id per row of ``logits`` [N, vocab], row i sampled for ``slots[i]``
+        as the token at absolute position ``positions[i]``."""
+        if logits.shape[0] != len(slots) or len(positions) != len(slots):
+            raise ValueError("one slot and one position per logits row are required")
         params = [self._params[s] for s in slots]
         out = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
             picked = [params[i] for i in rows]
-            uniforms = [float(self._rngs[slots[i]].random()) for i in rows]
+            uniforms = [
+                float(np.random.default_rng((self._slot_seeds[slots[i]], positions[i])).random())
+                for i in rows
+            ]
             tokens = sample_filtered(logits[rows], picked, uniforms)
             out[torch.tensor(rows, device=out.device)] = tokens
         return out.to(torch.int32).cpu().numpy()

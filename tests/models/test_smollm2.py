@@ -70,7 +70,9 @@ def test_greedy_chat_matches_transformers(runner, tok, hf_smollm2):
         batch = StepBatch(reqs)
         if step == 0:
             first_logits = runner.forward_logits(batch)
-            toks = runner.sampler.sample(first_logits, list(range(len(prompts))))
+            toks = runner.sampler.sample(
+                first_logits, list(range(len(prompts))), [len(x) for x in ids]
+            )
         else:
             toks = runner.step(batch)
         for i, t in enumerate(toks):

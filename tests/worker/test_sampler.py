@@ -15,7 +15,7 @@ VOCAB = 50
 def draw(params, logits, n=400, seed=0):
     s = Sampler(seed)
     s.add(0, params)
-    return np.array([s.sample(logits[None], [0])[0] for _ in range(n)])
+    return np.array([s.sample(logits[None], [0], [i])[0] for i in range(n)])
 
 
 @pytest.fixture
@@ -67,11 +67,17 @@ def test_seeded_request_is_independent_of_batch_composition(logits):
     crowd.add(5, mine)
     others = torch.randn(2, VOCAB, dtype=torch.float64)
     a, b = [], []
-    for _ in range(50):
-        a.append(alone.sample(logits[None], [5])[0])
-        b.append(crowd.sample(torch.stack([others[0], logits, others[1]]), [0, 5, 3])[1])
+    for pos in range(50):
+        a.append(alone.sample(logits[None], [5], [pos])[0])
+        b.append(
+            crowd.sample(torch.stack([others[0], logits, others[1]]), [0, 5, 3], [9, pos, 4])[1]
+        )
     assert a == b
     assert len(set(a)) > 1  # it really samples
+    # A retracted request restarts its slot: the same positions give the same tokens.
+    again = Sampler(seed=7)
+    again.add(2, mine)
+    assert [again.sample(logits[None], [2], [pos])[0] for pos in range(50)] == a
 
 
 def test_unseeded_requests_differ_but_worker_seed_reproduces(logits):
@@ -79,7 +85,7 @@ def test_unseeded_requests_differ_but_worker_seed_reproduces(logits):
         s = Sampler(worker_seed)
         s.add(0, SamplingParams(temperature=1.0))
         s.add(1, SamplingParams(temperature=1.0))
-        return [tuple(s.sample(torch.stack([logits, logits]), [0, 1])) for _ in range(20)]
+        return [tuple(s.sample(torch.stack([logits, logits]), [0, 1], [i, i])) for i in range(20)]
 
     first = run(0)
     assert first == run(0)
