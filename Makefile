@@ -38,6 +38,7 @@ format: install
 
 bench: install
 	$(PY) bench/radix_ops.py
+	$(PY) bench/scheduler.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -182,3 +182,13 @@ def test_bad_input_raises_and_changes_nothing(tiny_dir):
     [r] = eng.generate("still works", SamplingParams(max_tokens=3, temperature=0.0))
     assert r.finish_reason in ("stop", "length")
     eng.check_idle()
+
+
+def test_seeded_output_survives_retraction(tiny_dir, prompts):
+    sp = SamplingParams(max_tokens=MAX_NEW, temperature=1.0, seed=11, ignore_eos=True)
+    calm = engine(tiny_dir).generate(prompts, sp)
+    tight = engine(tiny_dir, page_size=4, num_pages=40, decode_reserve_ratio=0.0)
+    squeezed = tight.generate(prompts * 2, sp)
+    assert tight.stats()["preemptions"] > 0
+    assert [r.token_ids for r in squeezed] == [r.token_ids for r in calm] * 2
+    tight.check_idle()
