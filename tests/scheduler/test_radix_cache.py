@@ -190,3 +190,27 @@ def test_check_detects_corruption():
     alloc.free(node.pages[:1])  # the tree now holds a free page
     with pytest.raises(AssertionError, match="free page"):
         tree.check()
+
+
+def test_bad_salt_raises_everywhere_before_the_clock_ticks():
+    alloc, tree = make()
+    clock = tree._clock
+    for call in (
+        lambda: tree.match_prefix([1], salt=3),
+        lambda: tree.peek_prefix([1], salt=b"a"),
+        lambda: tree.insert([1], alloc.alloc(1), salt=3),
+    ):
+        with pytest.raises(TypeError, match="salt"):
+            call()
+    assert tree._clock == clock
+
+
+def test_reset_returns_pages_in_ascending_order():
+    alloc, tree = make(num_pages=8)
+    put(tree, alloc, [5, 6])  # pages 0, 1
+    put(tree, alloc, [1, 2, 3])  # pages 2, 3, 4; a child inserted later
+    tree.reset()
+    # The free stack's top is the last id freed: ascending frees come back
+    # 4, 3, 2, 1, 0 (then the never-used 5, 6, 7), whatever order the tree
+    # visited its nodes in (children order would give 1, 0, 4, 3, 2).
+    assert alloc.alloc(8).tolist() == [4, 3, 2, 1, 0, 5, 6, 7]
