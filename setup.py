@@ -57,6 +57,7 @@ def _extensions() -> list:
             EXT_NAME,
             SOURCES,
             include_dirs=["csrc"],
+            depends=["csrc/radix_tree.h", "csrc/page_free.h"],  # rebuild on header edits
             cxx_std=17,
             extra_compile_args=["-O3", "-Wall", "-Wextra"] if sys.platform != "win32" else [],
         )
