@@ -17,7 +17,14 @@ EXT_NAME = "radixserve.scheduler._radix_native"
 SOURCES = ["csrc/radix_tree.cpp", "csrc/page_free.cpp", "csrc/bindings.cpp"]
 
 
+_warned = False
+
+
 def _warn(reason: str) -> None:
+    global _warned
+    if _warned:  # one failure tends to cascade (e.g. the copy of the missing .so)
+        return
+    _warned = True
     bar = "=" * 78
     print(
         f"\n{bar}\nWARNING: the native radix tree ({EXT_NAME}) was not built:\n  {reason}\n"
