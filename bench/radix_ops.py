@@ -1,6 +1,7 @@
 """Replay a shared-prefix request trace against the radix tree and time its calls.
 
     python bench/radix_ops.py                      # default trace, 5 runs, median
+    python bench/radix_ops.py --impl native        # the C++ tree (csrc/)
     python bench/radix_ops.py --save-trace t.json  # write the trace (docs/trace-format.md)
     python bench/radix_ops.py --trace t.json       # replay a saved trace
 
@@ -27,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from radixserve.scheduler.allocator import PageAllocator  # noqa: E402
-from radixserve.scheduler.radix_cache import RadixCache  # noqa: E402
+from radixserve.scheduler.radix_impl import make_radix_cache  # noqa: E402
 
 TRACE_FORMAT = "radixserve-trace/1"
 
@@ -135,7 +136,12 @@ def replay(
     }
 
 
-IMPLS = {"python": lambda alloc, ps: RadixCache(alloc, ps)}
+# Every implementation goes through make_radix_cache, as the scheduler does;
+# "native" fails there with a clear message when the extension is not built.
+IMPLS = {
+    "python": lambda alloc, ps: make_radix_cache(alloc, ps, impl="python"),
+    "native": lambda alloc, ps: make_radix_cache(alloc, ps, impl="native"),
+}
 
 
 def main(argv: list[str] | None = None) -> None:

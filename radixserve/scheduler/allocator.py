@@ -14,6 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
+try:  # the native hot path of free() (csrc/page_free.cpp), same checks and state
+    from radixserve.scheduler._radix_native import free_pages as _native_free_pages
+except ImportError:  # not built: the numpy path below does everything
+    _native_free_pages = None
+
 PageIds = np.ndarray  # 1-D int32
 
 
@@ -67,6 +72,14 @@ class PageAllocator:
 
     def free(self, ids: PageIds | list[int]) -> None:
         """Return pages to the pool. Raises (changing nothing) on any invalid id."""
+        if _native_free_pages is not None:
+            # int32 arrays (what the trees and the scheduler pass) are checked
+            # and pushed natively; -1 (invalid) and -2 (other input) fall
+            # through to the checks below, which raise with the details.
+            top = _native_free_pages(self._stack, self._allocated, self._top, ids)
+            if top >= 0:
+                self._top = top
+                return
         ids = np.asarray(ids, dtype=np.int64).ravel()
         if ids.size == 0:
             return

@@ -172,11 +172,15 @@ class RadixCache:
         return self._num_nodes
 
     # ---------------------------------------------------------------- helpers
+    @staticmethod
+    def _check_salt(salt: object) -> None:
+        if salt is not None and not isinstance(salt, str):
+            raise TypeError(f"salt must be a string or None, got {type(salt).__name__}")
+
     def _root(self, salt: str | None) -> RadixNode:
         root = self._roots.get(salt)
         if root is None:
-            if salt is not None and not isinstance(salt, str):
-                raise TypeError(f"salt must be a string or None, got {type(salt).__name__}")
+            self._check_salt(salt)
             root = RadixNode(_EMPTY, _EMPTY, None, None, 0, 0, is_root=True, salt=salt)
             self._roots[salt] = root
         return root
@@ -242,9 +246,9 @@ class RadixCache:
         tokens = as_tokens(tokens)
         ps = self.page_size
         end = len(tokens) - len(tokens) % ps
+        node = self._root(salt)  # a bad salt raises before the clock ticks
         self._clock += 1
         now = self._clock
-        node = self._root(salt)
         pos = 0
         pages = []
         while pos < end:
@@ -278,6 +282,7 @@ class RadixCache:
         tokens = as_tokens(tokens)
         ps = self.page_size
         end = len(tokens) - len(tokens) % ps
+        self._check_salt(salt)  # the same TypeError as match_prefix, even for an unseen salt
         node = self._roots.get(salt)
         pos = 0
         while node is not None and pos < end:
@@ -318,9 +323,9 @@ class RadixCache:
                 f"got {len(pages)}"
             )
         end = num_pages * ps
+        node = self._root(salt)  # a bad salt raises before the clock ticks
         self._clock += 1
         now = self._clock
-        node = self._root(salt)
         pos = 0
         while pos < end:
             first_key = self._key_at(tokens, pos)
@@ -421,7 +426,11 @@ class RadixCache:
         return freed
 
     def reset(self) -> None:
-        """Empty an idle tree, returning every page to the allocator."""
+        """Empty an idle tree, returning every page to the allocator (ascending ids).
+
+        The clock and the node id counter keep running, so stamps and ids stay
+        unique across resets.
+        """
         if self._protected:
             raise RadixCacheError(
                 "reset() while requests hold locks on the tree; evict the unlocked part instead"
@@ -431,7 +440,10 @@ class RadixCache:
             pages.append(node.pages)
             node.parent = None
         if pages:
-            self.allocator.free(np.concatenate(pages))
+            # Ascending ids: the allocator's state after a reset then depends
+            # only on which pages were cached, not on the order children were
+            # visited in (so every tree implementation leaves the same state).
+            self.allocator.free(np.sort(np.concatenate(pages)))
         for root in self._roots.values():
             root.children = {}
         self._roots = {None: self._roots[None]}

@@ -1,16 +1,59 @@
-"""Choosing the radix tree implementation."""
+"""Which radix tree to run: the native one when it is built, else the Python one.
+
+``make_radix_cache(allocator, page_size, impl)`` is the one place the choice
+is made (the scheduler passes its ``--radix-impl`` option through):
+
+* ``"auto"`` (default): native when the extension was built, else Python.
+* ``"native"``: the C++ tree; a clear error when the extension is missing.
+* ``"python"``: the reference tree in ``radix_cache.py``.
+
+Both follow the same contract step by step (the differential test proves it),
+so the choice changes speed, never behaviour.
+"""
 
 from __future__ import annotations
 
 from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.radix_cache import RadixCache
 
+try:
+    from radixserve.scheduler.radix_native import NativeRadixCache
+except ImportError as e:  # not built: no compiler at install time, or a failed build
+    NativeRadixCache = None  # type: ignore[assignment,misc]
+    NATIVE_UNAVAILABLE_REASON: str | None = str(e)
+else:
+    NATIVE_UNAVAILABLE_REASON = None
+
+NATIVE_AVAILABLE = NativeRadixCache is not None
+IMPLS = ("auto", "native", "python")
+
 
 def available_impls() -> list[str]:
-    return ["python"]
+    """The concrete implementations that can run here, preferred first."""
+    return ["native", "python"] if NATIVE_AVAILABLE else ["python"]
 
 
-def make_radix_cache(allocator: PageAllocator, page_size: int, impl: str = "auto") -> RadixCache:
-    if impl not in ("auto", "python"):
-        raise ValueError(f"unknown radix tree implementation {impl!r}; available: python")
+def resolve_impl(impl: str = "auto") -> str:
+    """``impl`` as the concrete implementation that ``make_radix_cache`` would use."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown radix tree implementation {impl!r}; choose from {IMPLS}")
+    if impl == "auto":
+        return available_impls()[0]
+    if impl == "native" and not NATIVE_AVAILABLE:
+        raise RuntimeError(
+            "the native radix tree is not built "
+            f"({NATIVE_UNAVAILABLE_REASON}). It is compiled by `pip install -e .` "
+            "(`make install`) when a C++17 compiler is present; the install printed a "
+            "warning saying why it was skipped. Reinstall with a compiler, or run "
+            "`python setup.py build_ext --inplace` in a checkout, or use impl='python'."
+        )
+    return impl
+
+
+def make_radix_cache(
+    allocator: PageAllocator, page_size: int = 1, impl: str = "auto"
+) -> RadixCache | NativeRadixCache:
+    """A radix tree over ``allocator``: ``impl`` is "auto", "native" or "python"."""
+    if resolve_impl(impl) == "native":
+        return NativeRadixCache(allocator, page_size)  # type: ignore[misc]
     return RadixCache(allocator, page_size)

@@ -31,12 +31,13 @@ def test_free_and_reuse():
     "bad, match",
     [([7], "out of range"), ([-1], "out of range"), ([2], "never-allocated"), ([0, 0], "twice")],
 )
-def test_bad_free_raises_and_changes_nothing(bad, match):
+@pytest.mark.parametrize("as_int32", [False, True])  # int32 arrays take the native path
+def test_bad_free_raises_and_changes_nothing(bad, match, as_int32):
     a = PageAllocator(4)
     a.alloc(2)  # pages 0, 1
     before = (a.num_free, a.is_allocated([0, 1, 2, 3]).tolist())
     with pytest.raises(PageAllocatorError, match=match):
-        a.free(bad)
+        a.free(np.array(bad, dtype=np.int32) if as_int32 else bad)
     assert (a.num_free, a.is_allocated([0, 1, 2, 3]).tolist()) == before
 
 
@@ -72,3 +73,16 @@ def test_invalid_construction():
         PageAllocator(4, page_size=0)
     with pytest.raises(PageAllocatorError):
         PageAllocator(4).alloc(-1)
+
+
+def test_int32_and_list_frees_leave_the_same_state():
+    """The native free path (int32 arrays) and the numpy path are interchangeable."""
+    a, b = PageAllocator(16), PageAllocator(16)
+    for alloc in (a, b):
+        alloc.alloc(10)
+    for ids in ([3, 1, 7], [0, 9], [2, 4, 5, 6, 8]):
+        a.free(np.array(ids, dtype=np.int32))
+        b.free(ids)
+        assert a.num_free == b.num_free
+        assert a._stack[: a.num_free].tolist() == b._stack[: b.num_free].tolist()
+        assert a.is_allocated(range(16)).tolist() == b.is_allocated(range(16)).tolist()

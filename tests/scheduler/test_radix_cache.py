@@ -1,17 +1,31 @@
-"""Unit tests of the radix tree: the seed's examples, eviction order, locks, errors."""
+"""Unit tests of the radix tree: the seed's examples, eviction order, locks, errors.
+
+Tests taking the ``impl`` fixture run on every built implementation (the
+native tree too); the others look at the Python tree's nodes directly.
+"""
 
 import numpy as np
 import pytest
 
 from radixserve.scheduler.allocator import PageAllocator
-from radixserve.scheduler.radix_cache import RadixCache, RadixCacheError
+from radixserve.scheduler.radix_cache import RadixCacheError
+from radixserve.scheduler.radix_impl import available_impls, make_radix_cache
 
 A, B, C, D, E, X, Y = range(1, 8)
 
 
-def make(num_pages=64, page_size=1):
+@pytest.fixture(params=available_impls())
+def impl(request):
+    return request.param
+
+
+def make(impl="python", num_pages=64, page_size=1):
     alloc = PageAllocator(num_pages, page_size)
-    return alloc, RadixCache(alloc, page_size)
+    return alloc, make_radix_cache(alloc, page_size, impl=impl)
+
+
+def clock(tree):
+    return tree._clock if hasattr(tree, "_clock") else tree.clock
 
 
 def put(tree, alloc, tokens, salt=None):
@@ -38,16 +52,19 @@ def test_seed_split_example():
     tree.check()
 
 
-def test_split_keeps_existing_node_deeper_and_copies_lock():
-    alloc, tree = make()
+def test_split_keeps_existing_node_deeper_and_copies_lock(impl):
+    alloc, tree = make(impl)
     node = put(tree, alloc, [A, B, C, D, E])
     tree.lock(node)
     m = tree.match_prefix([A, B, C, Y])  # ends inside the locked edge: split
     assert m.hit_len == 3
     prefix = m.last_node
-    assert prefix is not node and node.parent is prefix
-    assert node.key.tolist() == [D, E]
-    assert prefix.lock_ref == 1  # inherited: the locked pages stay protected
+    assert prefix != node
+    if impl == "python":
+        assert node.parent is prefix and node.key.tolist() == [D, E]
+        assert prefix.lock_ref == 1  # inherited: the locked pages stay protected
+    else:
+        assert tree.node_info(prefix)[1] == 1 and tree.node_info(node)[3] == 2
     assert tree.protected_pages == 5 and tree.evictable_pages == 0
     assert tree.evict(100) == 0
     tree.unlock(node)  # the old handle is still valid
@@ -55,8 +72,8 @@ def test_split_keeps_existing_node_deeper_and_copies_lock():
     tree.check()
 
 
-def test_match_returns_longest_prefix_and_pages():
-    alloc, tree = make()
+def test_match_returns_longest_prefix_and_pages(impl):
+    alloc, tree = make(impl)
     put(tree, alloc, [1, 2, 3, 4])
     put(tree, alloc, [1, 2, 5])
     m = tree.match_prefix([1, 2, 3, 9])
@@ -68,17 +85,17 @@ def test_match_returns_longest_prefix_and_pages():
     tree.check()
 
 
-def test_peek_changes_nothing():
-    alloc, tree = make()
+def test_peek_changes_nothing(impl):
+    alloc, tree = make(impl)
     put(tree, alloc, [1, 2, 3, 4])
     nodes = tree.num_nodes
-    clock = tree._clock
+    before = clock(tree)
     assert tree.peek_prefix([1, 2, 9]) == 2
-    assert tree.num_nodes == nodes and tree._clock == clock
+    assert tree.num_nodes == nodes and clock(tree) == before
 
 
-def test_eviction_is_lru_and_parent_becomes_candidate():
-    alloc, tree = make()
+def test_eviction_is_lru_and_parent_becomes_candidate(impl):
+    alloc, tree = make(impl)
     put(tree, alloc, [1, 2, 3])  # creates [1 2 3]
     put(tree, alloc, [1, 2, 4])  # splits: [1 2] -> {[3], [4]}
     put(tree, alloc, [5, 6])
@@ -93,8 +110,8 @@ def test_eviction_is_lru_and_parent_becomes_candidate():
     tree.check()
 
 
-def test_locked_path_survives_eviction():
-    alloc, tree = make()
+def test_locked_path_survives_eviction(impl):
+    alloc, tree = make(impl)
     keep = put(tree, alloc, [1, 2, 3, 4])
     put(tree, alloc, [1, 2, 7, 8])
     put(tree, alloc, [9, 9])
@@ -109,12 +126,12 @@ def test_locked_path_survives_eviction():
     tree.check()
 
 
-def test_page_size_gt_1_whole_pages_only():
-    alloc, tree = make(page_size=4)
+def test_page_size_gt_1_whole_pages_only(impl):
+    alloc, tree = make(impl, page_size=4)
     toks = list(range(10))  # 2 whole pages + 2 tokens
     pages = alloc.alloc(2)
     cached_len, node = tree.insert(toks, pages)
-    assert cached_len == 0 and len(node.key) == 8
+    assert cached_len == 0 and tree.peek_prefix(toks) == 8
     assert tree.match_prefix(list(range(9))).hit_len == 8
     assert tree.match_prefix(list(range(7))).hit_len == 4  # split at the page boundary
     assert tree.match_prefix([0, 1, 2, 3, 4, 5, 9, 9]).hit_len == 4  # diverges mid-page
@@ -124,8 +141,8 @@ def test_page_size_gt_1_whole_pages_only():
         tree.insert(list(range(8)), alloc.alloc(1))
 
 
-def test_salts_never_share_nodes_and_lru_is_global():
-    alloc, tree = make()
+def test_salts_never_share_nodes_and_lru_is_global(impl):
+    alloc, tree = make(impl)
     put(tree, alloc, [1, 2, 3], salt="a")
     assert tree.match_prefix([1, 2, 3]).hit_len == 0
     assert tree.match_prefix([1, 2, 3], salt="b").hit_len == 0
@@ -138,20 +155,22 @@ def test_salts_never_share_nodes_and_lru_is_global():
     tree.check()
 
 
-def test_insert_returns_cached_len_and_existing_node():
-    alloc, tree = make()
+def test_insert_returns_cached_len_and_existing_node(impl):
+    alloc, tree = make(impl)
     node = put(tree, alloc, [1, 2, 3])
     pages = alloc.alloc(3)
     cached_len, same = tree.insert([1, 2, 3], pages)
-    assert cached_len == 3 and same is node
+    assert cached_len == 3 and same == node
     alloc.free(pages)
     cached_len, deeper = tree.insert([1, 2, 3, 4], np.concatenate([pages[:0], alloc.alloc(4)]))
-    assert cached_len == 3 and deeper.parent is node
+    assert cached_len == 3 and deeper != node
+    if impl == "python":
+        assert deeper.parent is node
     tree.check()
 
 
-def test_errors():
-    alloc, tree = make()
+def test_errors(impl):
+    alloc, tree = make(impl)
     node = put(tree, alloc, [1, 2])
     with pytest.raises(RadixCacheError, match="below zero"):
         tree.unlock(node)
@@ -167,11 +186,11 @@ def test_errors():
     with pytest.raises(TypeError):
         tree.match_prefix([1], salt=3)
     with pytest.raises(ValueError):
-        RadixCache(PageAllocator(4, 2), page_size=1)
+        make_radix_cache(PageAllocator(4, 2), page_size=1, impl=impl)
 
 
-def test_reset_frees_everything():
-    alloc, tree = make()
+def test_reset_frees_everything(impl):
+    alloc, tree = make(impl)
     put(tree, alloc, [1, 2, 3])
     put(tree, alloc, [4, 5], salt="s")
     tree.reset()
@@ -190,3 +209,27 @@ def test_check_detects_corruption():
     alloc.free(node.pages[:1])  # the tree now holds a free page
     with pytest.raises(AssertionError, match="free page"):
         tree.check()
+
+
+def test_bad_salt_raises_everywhere_before_the_clock_ticks(impl):
+    alloc, tree = make(impl)
+    before = clock(tree)
+    for call in (
+        lambda: tree.match_prefix([1], salt=3),
+        lambda: tree.peek_prefix([1], salt=b"a"),
+        lambda: tree.insert([1], alloc.alloc(1), salt=3),
+    ):
+        with pytest.raises(TypeError, match="salt"):
+            call()
+    assert clock(tree) == before
+
+
+def test_reset_returns_pages_in_ascending_order(impl):
+    alloc, tree = make(impl, num_pages=8)
+    put(tree, alloc, [5, 6])  # pages 0, 1
+    put(tree, alloc, [1, 2, 3])  # pages 2, 3, 4; a child inserted later
+    tree.reset()
+    # The free stack's top is the last id freed: ascending frees come back
+    # 4, 3, 2, 1, 0 (then the never-used 5, 6, 7), whatever order the tree
+    # visited its nodes in (children order would give 1, 0, 4, 3, 2).
+    assert alloc.alloc(8).tolist() == [4, 3, 2, 1, 0, 5, 6, 7]

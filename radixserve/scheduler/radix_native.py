@@ -1,0 +1,55 @@
+"""The native (C++17) radix tree, behind the same contract as ``RadixCache``.
+
+The tree itself is ``csrc/`` (built by ``pip install`` as the optional
+extension ``radixserve.scheduler._radix_native``); importing this module raises
+ImportError when it was not built. Every hot call (match_prefix, peek_prefix,
+insert, lock, unlock, evict) goes straight to C++ with no Python frame in
+between; this class only adds what needs Python objects: the page_size check
+against the allocator and the allocator side of ``check()``.
+
+Differences from the Python tree, all invisible to the scheduler:
+
+* ``last_node`` and the node returned by ``insert`` are ``NodeHandle`` objects
+  (opaque; equal when they name the same node), not ``RadixNode``. A handle is
+  valid while the node is locked, exactly as in the Python tree.
+* ``node_info(handle)`` gives ``(node_id, lock_ref, last_access, num_tokens)``
+  (None once detached) for tests and debugging.
+
+Pages freed by ``evict`` and ``reset`` go back to ``allocator`` through one
+``allocator.free`` call each, in the same order as the Python tree frees them,
+so the allocator's state is identical whichever tree runs.
+"""
+
+from __future__ import annotations
+
+from radixserve.scheduler import _radix_native
+from radixserve.scheduler.allocator import PageAllocator
+from radixserve.scheduler.radix_cache import _require
+
+NodeHandle = _radix_native.NodeHandle
+
+
+class NativeRadixCache(_radix_native.RadixTree):
+    def __init__(self, allocator: PageAllocator, page_size: int = 1) -> None:
+        if page_size != allocator.page_size:
+            raise ValueError(
+                f"page_size {page_size} differs from the allocator's {allocator.page_size}"
+            )
+        super().__init__(allocator, page_size)
+        self.allocator = allocator
+
+    def check(self) -> None:
+        """Verify every invariant; raise AssertionError naming the first broken one."""
+        self._check_structure()  # links, sizes, counters, locks, stamps, heap, unique pages
+        pages = self.all_pages()
+        if pages.size:
+            _require(bool(self.allocator.is_allocated(pages).all()), "the tree holds a free page")
+
+    def __repr__(self) -> str:
+        return (
+            f"NativeRadixCache(page_size={self.page_size}, nodes={self.num_nodes}, "
+            f"cached_pages={self.cached_pages}, protected_pages={self.protected_pages})"
+        )
+
+
+__all__ = ["NativeRadixCache", "NodeHandle"]

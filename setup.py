@@ -1,0 +1,74 @@
+"""Build of the optional native radix tree (csrc/); everything else is in pyproject.toml.
+
+The extension is optional: when it cannot be built (no C++17 compiler, no
+pybind11 in a --no-build-isolation environment, a compile error) the install
+still succeeds, prints why, and radixserve uses the Python tree. Ask for it
+explicitly with ``make_radix_cache(..., impl="native")`` to get a clear error.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+EXT_NAME = "radixserve.scheduler._radix_native"
+SOURCES = ["csrc/radix_tree.cpp", "csrc/page_free.cpp", "csrc/bindings.cpp"]
+
+
+_warned = False
+
+
+def _warn(reason: str) -> None:
+    global _warned
+    if _warned:  # one failure tends to cascade (e.g. the copy of the missing .so)
+        return
+    _warned = True
+    bar = "=" * 78
+    print(
+        f"\n{bar}\nWARNING: the native radix tree ({EXT_NAME}) was not built:\n  {reason}\n"
+        "radixserve installs anyway and uses the Python radix tree.\n"
+        "To build it: install a C++17 compiler, then `pip install -e .` again\n"
+        "(or `python setup.py build_ext --inplace` in a checkout).\n"
+        f"{bar}\n",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+class OptionalBuildExt(build_ext):
+    """build_ext that downgrades a failed native build to a warning."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as e:  # the toolchain may fail in many ways; none is fatal
+            _warn(f"{type(e).__name__}: {e}")
+
+    def build_extension(self, ext) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as e:
+            _warn(f"{type(e).__name__}: {e}")
+
+
+def _extensions() -> list:
+    try:
+        from pybind11.setup_helpers import Pybind11Extension
+    except ImportError:
+        _warn("pybind11 is not importable (with --no-build-isolation, `pip install pybind11`)")
+        return []
+    return [
+        Pybind11Extension(
+            EXT_NAME,
+            SOURCES,
+            include_dirs=["csrc"],
+            depends=["csrc/radix_tree.h", "csrc/page_free.h"],  # rebuild on header edits
+            cxx_std=17,
+            extra_compile_args=["-O3", "-Wall", "-Wextra"] if sys.platform != "win32" else [],
+        )
+    ]
+
+
+setup(ext_modules=_extensions(), cmdclass={"build_ext": OptionalBuildExt})
