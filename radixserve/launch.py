@@ -143,6 +143,8 @@ class Launcher:
         self.close()
 
     def close(self) -> None:
+        if self.ctx.closed:
+            return
         for proc in self.children.values():
             if proc.poll() is None:
                 proc.kill()
@@ -180,5 +182,8 @@ def launch(config: ServerConfig) -> int:
     pids = " ".join(f"{k}={v}" for k, v in launcher.pids().items())
     print(f"radixserve: serving on {launcher.endpoint}", flush=True)
     print(f"radixserve: {launcher.summary()}", flush=True)
-    print(f"radixserve: processes {pids} (Ctrl-C stops the server)", flush=True)
-    return launcher.serve()
+    print(f"radixserve: processes {pids} run_dir={launcher.run_dir} (Ctrl-C stops)", flush=True)
+    try:
+        return launcher.serve()
+    finally:
+        launcher.close()  # idempotent; covers an exception inside serve()

@@ -30,11 +30,13 @@ class Server:
         self.endpoint = ""
         self.pids: dict[str, int] = {}
         self.summary = ""
+        self.run_dir = ""
         for line in self.proc.stdout:  # type: ignore[union-attr]
             if m := re.search(r"serving on (\S+)", line):
                 self.endpoint = m.group(1)
             elif "processes" in line:
                 self.pids = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line)}
+                self.run_dir = re.search(r"run_dir=(\S+)", line).group(1)  # type: ignore[union-attr]
                 break
             else:
                 self.summary = line.strip()
@@ -50,8 +52,8 @@ class Server:
         return self.wait()
 
     def orphans(self) -> list[str]:
-        """Children still alive after the launcher exited (should be none)."""
-        alive = []
+        """What outlived the launcher: children still alive, or its runtime dir."""
+        alive = ["run_dir"] if os.path.exists(self.run_dir) else []
         for name, pid in self.pids.items():
             try:
                 os.kill(pid, 0)
