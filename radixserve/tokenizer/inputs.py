@@ -27,6 +27,8 @@ class InputProcessor:
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            if not prompt:  # a BOS token alone is not a prompt
+                raise ValueError("the prompt is empty")
             ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
         elif input_ids is not None:
             ids = self._check_ids(input_ids)

@@ -1,0 +1,146 @@
+"""The ``radixserve`` command. ``radixserve launch --help`` lists every flag.
+
+Subcommands: ``launch`` (start a server). The command line is turned into one
+``ServerConfig`` here, and only here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from collections.abc import Sequence
+
+from radixserve.engine import EngineConfig
+from radixserve.server_config import ServerConfig
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "4GiB", "512M" or a plain integer (K/M/G/T are powers of 1024)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MiB, 1000000)")
+    scale = 1024 ** " kmgt".index(m.group(2).lower() or " ")
+    return int(float(m.group(1)) * scale)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="radixserve", description="A prefix-caching LLM serving runtime."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = EngineConfig()
+    p = sub.add_parser(
+        "launch",
+        help="start a server (tokenizer, scheduler and worker processes)",
+        description="Start the tokenizer, scheduler and worker processes and serve clients "
+        "(radixserve.client) over ZeroMQ until SIGINT/SIGTERM. Exits non-zero when any "
+        "process dies.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        default="smollm2",
+        help="'smollm2' (the embedded SmolLM2-135M-Instruct), an HF folder, or a .gguf file",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address the public socket binds")
+    p.add_argument("--port", type=int, default=30000, help="public TCP port; 0 picks a free one")
+    p.add_argument("--page-size", type=_positive, default=d.page_size, help="tokens per KV page")
+    pool = p.add_mutually_exclusive_group()
+    pool.add_argument("--num-pages", type=_positive, default=None, help="KV pool size in pages")
+    pool.add_argument(
+        "--kv-memory",
+        type=parse_size,
+        default=None,
+        help="KV pool size in bytes (e.g. 2GiB); without this or --num-pages: 1 GiB",
+    )
+    p.add_argument(
+        "--cache",
+        choices=["radix", "none"],
+        default=d.cache,
+        help="radix: keep KV in the prefix tree; none: free it when a request ends",
+    )
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default=d.dtype)
+    p.add_argument("--device", default=d.device, help="torch device of the worker")
+    p.add_argument(
+        "--max-running-requests",
+        type=_positive,
+        default=d.max_running_requests,
+        help="requests decoding at once (worker slots)",
+    )
+    p.add_argument(
+        "--chunked-prefill-size",
+        type=_positive,
+        default=d.chunked_prefill_size,
+        help="most prompt tokens computed per step",
+    )
+    p.add_argument(
+        "--schedule-policy",
+        choices=["lpm", "fcfs"],
+        default=d.schedule_policy,
+        help="lpm: longest cached prefix first (with aging); fcfs: arrival order",
+    )
+    p.add_argument(
+        "--radix-impl",
+        choices=["auto", "python", "native"],
+        default=d.radix_impl,
+        help="radix tree implementation; auto: native when built",
+    )
+    p.add_argument("--attention-backend", default=d.attention_backend, help="torch | flashinfer")
+    p.add_argument("--cache-dir", default=None, help="converted-model cache dir")
+    p.add_argument("--seed", type=int, default=d.seed, help="seeds requests that bring no seed")
+    p.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default="warning",
+        help="log level of every process (logs go to stderr)",
+    )
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    engine = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        page_size=args.page_size,
+        cache=args.cache,
+        num_pages=args.num_pages,
+        kv_memory=args.kv_memory,
+        max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size,
+        schedule_policy=args.schedule_policy,
+        radix_impl=args.radix_impl,
+        attention_backend=args.attention_backend,
+        cache_dir=args.cache_dir,
+        seed=args.seed,
+    )
+    return ServerConfig(engine=engine, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s launch %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    if args.command == "launch":
+        from radixserve.launch import launch
+
+        return launch(config_from_args(args))
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

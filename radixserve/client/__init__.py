@@ -1,0 +1,32 @@
+"""Client library for a radixserve server (``radixserve launch``), over ZeroMQ.
+
+    from radixserve.client import Client
+    with Client("tcp://127.0.0.1:30000") as c:
+        r = c.generate("The capital of France is", max_tokens=16, temperature=0)
+        print(r.text, r.usage.cached_tokens)
+        for chunk in c.generate_stream(messages=[{"role": "user", "content": "Hi"}]):
+            print(chunk.text, end="", flush=True)
+
+``Client`` is synchronous and thread-safe: one socket, guarded by a lock, and
+replies are sorted into per-request mailboxes, so several threads (or several
+open ``generate_stream`` iterators) may use one client at once. ``AsyncClient``
+has the same methods as coroutines / async iterators; one reader task sorts
+replies by request id, so any number of concurrent requests share one socket.
+
+``generate`` returns a ``Result`` (the same class the in-process Engine
+returns) when ``n == 1`` and a list of ``n`` Results, by index, when ``n > 1``.
+Sampling fields are keyword arguments (``max_tokens``, ``temperature``, ...,
+see ``SamplingParams``) or one ``sampling_params=`` object; they are validated
+here first, and again by the server.
+
+Errors: ``ServerError`` when the server rejects a request or fails it (its
+message says why); ``RequestTimeout`` when no reply came within ``timeout``
+seconds — for a streaming request, between two chunks; for anything else, the
+whole call. A timed-out request is aborted on the server.
+"""
+
+from radixserve.client.aio import AsyncClient
+from radixserve.client.common import DEFAULT_TIMEOUT, Chunk, RequestTimeout, ServerError
+from radixserve.client.sync import Client
+
+__all__ = ["DEFAULT_TIMEOUT", "AsyncClient", "Chunk", "Client", "RequestTimeout", "ServerError"]

@@ -1,0 +1,168 @@
+"""The asyncio client: one reader task sorts replies into per-request queues."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from radixserve import protocol as P
+from radixserve.client.common import (
+    DEFAULT_TIMEOUT,
+    RequestTimeout,
+    ServerError,
+    _raise_on_error,
+    _Results,
+    build_generate,
+)
+from radixserve.results import Result
+from radixserve.sampling_params import SamplingParams
+
+
+class AsyncClient:
+    """asyncio client: the same calls as ``Client``, awaited; any number concurrently."""
+
+    def __init__(self, endpoint: str, *, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._queues: dict[str, asyncio.Queue[P.Message]] = {}
+        self._reader: asyncio.Task | None = None
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        sampling_params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> Result | list[Result]:
+        msg = build_generate(
+            prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, False
+        )
+        results = _Results(msg.sampling.n)
+        deadline = self._deadline(timeout)
+        async with self._request(msg) as queue:
+            while not results.add(await self._next(queue, msg.id, deadline)):
+                pass
+        return results.value()
+
+    async def generate_stream(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        sampling_params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[P.Chunk]:
+        msg = build_generate(
+            prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, True
+        )
+        left = msg.sampling.n
+        async with self._request(msg) as queue:
+            while left:
+                reply = await self._next(queue, msg.id, self._deadline(timeout))
+                _raise_on_error(reply)
+                if isinstance(reply, P.Chunk):
+                    left -= reply.finish_reason is not None
+                    yield reply
+
+    async def abort(self, request_id: str) -> None:
+        await self._sock.send(P.Abort(request_id).encode())
+
+    async def flush_cache(self, timeout: float | None = None) -> int:
+        return (await self._admin(P.FlushCache, timeout))["freed_pages"]
+
+    async def stats(self, timeout: float | None = None) -> dict[str, int]:
+        return await self._admin(P.Stats, timeout)
+
+    async def health(self, timeout: float | None = None) -> dict[str, Any]:
+        return await self._admin(P.Health, timeout)
+
+    async def check(self, timeout: float | None = None) -> dict[str, Any]:
+        return await self._admin(P.Check, timeout)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    # --------------------------------------------------------------- helpers
+    def _deadline(self, timeout: float | None) -> float | None:
+        timeout = self.timeout if timeout is None else timeout
+        return None if timeout is None else time.monotonic() + timeout
+
+    async def _admin(self, cls: type[P.Message], timeout: float | None) -> dict[str, Any]:
+        msg = cls(id=uuid.uuid4().hex)  # type: ignore[call-arg]
+        async with self._request(msg) as queue:
+            reply = await self._next(queue, msg.id, self._deadline(timeout))  # type: ignore[attr-defined]
+        _raise_on_error(reply)
+        return reply.data  # type: ignore[attr-defined]
+
+    def _request(self, msg: P.Message) -> _AsyncInFlight:
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+        return _AsyncInFlight(self, msg)
+
+    async def _read(self) -> None:
+        """Sort every reply into its request's queue (one reader for all requests)."""
+        while True:
+            reply = P.decode(await self._sock.recv(), P.PUBLIC_REPLIES)
+            queue = self._queues.get(reply.id)
+            if queue is not None:
+                queue.put_nowait(reply)
+
+    async def _next(
+        self, queue: asyncio.Queue[P.Message], rid: str, deadline: float | None
+    ) -> P.Message:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return await asyncio.wait_for(queue.get(), left)
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"no reply from {self.endpoint} in time", rid) from None
+
+
+class _AsyncInFlight:
+    def __init__(self, client: AsyncClient, msg: P.Message) -> None:
+        self.client, self.msg = client, msg
+
+    async def __aenter__(self) -> asyncio.Queue[P.Message]:
+        rid = self.msg.id  # type: ignore[attr-defined]
+        if rid in self.client._queues:
+            raise ValueError(f"request id {rid!r} is already in use by this client")
+        queue: asyncio.Queue[P.Message] = asyncio.Queue()
+        self.client._queues[rid] = queue
+        await self.client._sock.send(self.msg.encode())
+        return queue
+
+    async def __aexit__(self, exc_type: type | None, exc: object, tb: object) -> None:
+        rid = self.msg.id  # type: ignore[attr-defined]
+        del self.client._queues[rid]
+        gave_up = exc_type is not None and not issubclass(exc_type, ServerError)
+        if gave_up and isinstance(self.msg, P.Generate):
+            with contextlib.suppress(zmq.ZMQError):
+                await self.client.abort(rid)

@@ -1,0 +1,186 @@
+"""The synchronous client (thread-safe; see ``radixserve.client``)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import zmq
+
+from radixserve import protocol as P
+from radixserve.client.common import (
+    DEFAULT_TIMEOUT,
+    RequestTimeout,
+    ServerError,
+    _raise_on_error,
+    _Results,
+    build_generate,
+)
+from radixserve.results import Result
+from radixserve.sampling_params import SamplingParams
+
+
+class Client:
+    """Synchronous client; safe to share between threads (see the module docstring)."""
+
+    def __init__(self, endpoint: str, *, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._lock = threading.Lock()  # ZeroMQ sockets are not thread-safe
+        self._mail: dict[str, deque[P.Message]] = {}
+
+    # ---------------------------------------------------------------- public
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        sampling_params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> Result | list[Result]:
+        """Generate; a Result (n == 1) or n Results by index (n > 1)."""
+        msg = build_generate(
+            prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, False
+        )
+        results = _Results(msg.sampling.n)
+        deadline = self._deadline(timeout)
+        with self._request(msg):
+            while not results.add(self._next(msg.id, deadline)):
+                pass
+        return results.value()
+
+    def generate_stream(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        sampling_params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> Iterator[P.Chunk]:
+        """Yield chunks as they come; stops after every sample's last chunk (finish_reason
+        set). Closing the iterator early aborts the request."""
+        msg = build_generate(
+            prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, True
+        )
+        left = msg.sampling.n
+        with self._request(msg):
+            while left:
+                reply = self._next(msg.id, self._deadline(timeout))
+                _raise_on_error(reply)
+                if isinstance(reply, P.Chunk):
+                    left -= reply.finish_reason is not None
+                    yield reply
+
+    def abort(self, request_id: str) -> None:
+        """Abort one of this client's requests; it ends with finish_reason "abort"."""
+        self._send(P.Abort(request_id))
+
+    def flush_cache(self, timeout: float | None = None) -> int:
+        """Evict every unlocked cached page; returns how many pages were freed."""
+        return self._admin(P.FlushCache, timeout)["freed_pages"]
+
+    def stats(self, timeout: float | None = None) -> dict[str, int]:
+        """pages_free/used/cached/evictable, num_pages, page_size, hit_tokens,
+        query_tokens, running, waiting, steps, preemptions, in_flight."""
+        return self._admin(P.Stats, timeout)
+
+    def health(self, timeout: float | None = None) -> dict[str, Any]:
+        """{"status": "ok", model, num_pages, page_size, max_context_len, backend}: a round
+        trip through the tokenizer and the scheduler."""
+        return self._admin(P.Health, timeout)
+
+    def check(self, timeout: float | None = None) -> dict[str, Any]:
+        """Run the scheduler's idle-invariant check: {"ok": bool, "error": str | None}."""
+        return self._admin(P.Check, timeout)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --------------------------------------------------------------- helpers
+    def _deadline(self, timeout: float | None) -> float | None:
+        timeout = self.timeout if timeout is None else timeout
+        return None if timeout is None else time.monotonic() + timeout
+
+    def _admin(self, cls: type[P.Message], timeout: float | None) -> dict[str, Any]:
+        msg = cls(id=uuid.uuid4().hex)  # type: ignore[call-arg]
+        with self._request(msg):
+            reply = self._next(msg.id, self._deadline(timeout))  # type: ignore[attr-defined]
+        _raise_on_error(reply)
+        return reply.data  # type: ignore[attr-defined]
+
+    def _request(self, msg: P.Message) -> _InFlight:
+        return _InFlight(self, msg)
+
+    def _send(self, msg: P.Message) -> None:
+        with self._lock:
+            self._sock.send(msg.encode())
+
+    def _next(self, rid: str, deadline: float | None) -> P.Message:
+        """The next reply for ``rid``, sorting replies for other requests into their boxes."""
+        box = self._mail[rid]
+        while not box:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise RequestTimeout(f"no reply from {self.endpoint} in time", rid)
+            # Short slices, so threads waiting on other requests take turns reading.
+            wait_ms = 50 if left is None else max(1, min(50, int(left * 1000)))
+            with self._lock:
+                if box or not self._sock.poll(wait_ms):
+                    continue
+                while True:
+                    try:
+                        data = self._sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    reply = P.decode(data, P.PUBLIC_REPLIES)
+                    if reply.id in self._mail:  # else: a reply to an abandoned request
+                        self._mail[reply.id].append(reply)
+        return box.popleft()
+
+
+class _InFlight:
+    """Registers a request's mailbox, sends it, and aborts it if the caller gives up."""
+
+    def __init__(self, client: Client, msg: P.Message) -> None:
+        self.client, self.msg = client, msg
+
+    def __enter__(self) -> None:
+        rid = self.msg.id  # type: ignore[attr-defined]
+        if rid in self.client._mail:
+            raise ValueError(f"request id {rid!r} is already in use by this client")
+        with self.client._lock:
+            self.client._mail[rid] = deque()
+        self.client._send(self.msg)
+
+    def __exit__(self, exc_type: type | None, exc: object, tb: object) -> None:
+        rid = self.msg.id  # type: ignore[attr-defined]
+        with self.client._lock:
+            del self.client._mail[rid]
+        gave_up = exc_type is not None and not issubclass(exc_type, ServerError)
+        if gave_up and isinstance(self.msg, P.Generate):  # timeout, Ctrl-C, closed stream
+            with contextlib.suppress(zmq.ZMQError):
+                self.client.abort(rid)

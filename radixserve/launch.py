@@ -1,0 +1,189 @@
+"""Start the three server processes, wait until each is ready, stop them together.
+
+Start order: the worker first (it loads the model and reports the facts the
+others size themselves by: page count, context length, vocabulary, EOS ids),
+then the scheduler and the tokenizer together. Children run as
+``python -m radixserve.<process>.process <config json>`` with this package's
+root first on PYTHONPATH, so they import the same radixserve as the launcher.
+
+Shutdown, whatever the cause:
+1. the tokenizer is told first (``Shutdown``): it answers every request in
+   flight with an error and exits, so no client waits on a dead server;
+2. the scheduler and the worker get SIGTERM, then SIGKILL if they linger;
+3. the private runtime dir with the ipc sockets is removed.
+A signal (SIGINT/SIGTERM) stops the server with exit code 0; the death of any
+child stops it with exit code 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+
+import zmq
+
+import radixserve
+from radixserve import protocol as P
+from radixserve.server_config import CONTROL, TOKENIZER_IN, ServerConfig
+
+log = logging.getLogger("radixserve.launch")
+
+MODULES = {
+    "worker": "radixserve.worker.process",
+    "scheduler": "radixserve.scheduler.process",
+    "tokenizer": "radixserve.tokenizer.process",
+}
+STOP_GRACE_S = 5.0  # how long a child may take to exit before it is killed
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+class Launcher:
+    def __init__(self, config: ServerConfig) -> None:
+        self.run_dir = tempfile.mkdtemp(prefix="rs-")  # mode 0700: private to this user
+        self.config = replace(config, run_dir=self.run_dir)
+        self.ctx = zmq.Context()
+        self.control = self.ctx.socket(zmq.PULL)
+        self.control.setsockopt(zmq.LINGER, 0)
+        self.control.bind(self.config.endpoint(CONTROL))
+        self.children: dict[str, subprocess.Popen] = {}
+        self.signalled: int | None = None
+        self.endpoint = ""
+
+    # ----------------------------------------------------------------- start
+    def start(self) -> None:
+        """Start all three; raise LaunchError if one dies (or a signal arrives) first."""
+        self._spawn("worker")
+        info = self._wait_ready({"worker"})["worker"]
+        self.config = self.config.with_model(info)
+        self._spawn("scheduler")
+        self._spawn("tokenizer")
+        ready = self._wait_ready({"scheduler", "tokenizer"})
+        self.endpoint = ready["tokenizer"]["endpoint"]
+
+    def summary(self) -> str:
+        m, e = self.config.model, self.config.engine
+        assert m is not None
+        return (
+            f"model={m.model_name} pages={m.num_pages} page_size={m.page_size} "
+            f"context={m.max_context_len} backend={m.backend_name} dtype={e.dtype} "
+            f"cache={e.cache}"
+        )
+
+    def pids(self) -> dict[str, int]:
+        return {name: p.pid for name, p in self.children.items()}
+
+    def _spawn(self, name: str) -> None:
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(radixserve.__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        cmd = [sys.executable, "-m", MODULES[name], self.config.to_json()]
+        self.children[name] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+
+    def _wait_ready(self, names: set[str]) -> dict[str, dict]:
+        infos: dict[str, dict] = {}
+        while names - set(infos):
+            if self.signalled is not None:
+                raise LaunchError(f"stopped by signal {self.signalled} while starting")
+            dead = self.dead_child()
+            if dead is not None:
+                raise LaunchError(f"the {dead[0]} process exited during startup (code {dead[1]})")
+            if self.control.poll(200):
+                msg = P.decode(self.control.recv(), {P.Ready.TYPE: P.Ready})
+                infos[msg.process] = msg.info
+        return infos
+
+    # ------------------------------------------------------------ supervise
+    def dead_child(self) -> tuple[str, int] | None:
+        for name, proc in self.children.items():
+            rc = proc.poll()
+            if rc is not None:
+                return name, rc
+        return None
+
+    def serve(self) -> int:
+        """Wait for a signal or a child's death; stop everything; return the exit code."""
+        while True:
+            if self.signalled is not None:
+                log.info("signal %d: stopping", self.signalled)
+                self.stop("the server is shutting down")
+                return 0
+            dead = self.dead_child()
+            if dead is not None:
+                name, rc = dead
+                log.error("the %s process exited (code %s): stopping the server", name, rc)
+                self.stop(f"the server stopped: its {name} process exited (code {rc})")
+                return 1
+            time.sleep(0.1)
+
+    def on_signal(self, signum: int, _frame: object) -> None:
+        self.signalled = signum
+
+    # ------------------------------------------------------------------ stop
+    def stop(self, message: str) -> None:
+        tok = self.children.get("tokenizer")
+        if tok is not None and tok.poll() is None:
+            push = self.ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 1000)
+            push.connect(self.config.endpoint(TOKENIZER_IN))
+            push.send(P.Shutdown(message).encode())
+            push.close()
+            _wait_or_kill(tok, send_term=False)
+        for proc in self.children.values():
+            _wait_or_kill(proc, send_term=True)
+        self.close()
+
+    def close(self) -> None:
+        if self.ctx.closed:
+            return
+        for proc in self.children.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        self.ctx.destroy(linger=0)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _wait_or_kill(proc: subprocess.Popen, send_term: bool) -> None:
+    if proc.poll() is not None:
+        return
+    if send_term:
+        proc.terminate()
+    try:
+        proc.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def launch(config: ServerConfig) -> int:
+    """Run the server until a signal or a child's death; return the exit code."""
+    launcher = Launcher(config)
+    signal.signal(signal.SIGINT, launcher.on_signal)
+    signal.signal(signal.SIGTERM, launcher.on_signal)
+    try:
+        launcher.start()
+    except LaunchError as e:
+        print(f"radixserve: {e}", file=sys.stderr, flush=True)
+        launcher.stop("the server failed to start")
+        return 1
+    except BaseException:
+        launcher.close()
+        raise
+    pids = " ".join(f"{k}={v}" for k, v in launcher.pids().items())
+    print(f"radixserve: serving on {launcher.endpoint}", flush=True)
+    print(f"radixserve: {launcher.summary()}", flush=True)
+    print(f"radixserve: processes {pids} run_dir={launcher.run_dir} (Ctrl-C stops)", flush=True)
+    try:
+        return launcher.serve()
+    finally:
+        launcher.close()  # idempotent; covers an exception inside serve()

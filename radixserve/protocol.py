@@ -1,0 +1,415 @@
+"""Every message radixserve sends over a socket, and the only place they are defined.
+
+A message is a msgpack map ``{"type": ..., "v": PROTOCOL_VERSION, **fields}``;
+never pickle. Each message is a dataclass whose fields carry a ``Kind``: how
+to check a decoded value (and convert it, e.g. int32 bytes to a numpy array)
+and how to encode it. ``decode(data, allowed)`` rejects malformed msgpack,
+unknown or disallowed types, a wrong version, missing, unknown and wrong-typed
+fields with a ``ProtocolError`` that names the problem (and the request id,
+when one could be read, so the error reaches the right request).
+
+Channels (see docs/protocol.md):
+- public, client DEALER <-> tokenizer ROUTER: ``PUBLIC_REQUESTS`` in,
+  ``Chunk`` / ``ResultMsg`` / ``Error`` / ``Reply`` out;
+- tokenizer -> scheduler: ``AddRequest``, ``AbortRequest``, ``Flush``, ``GetStats``,
+  ``CheckIdle``; scheduler -> tokenizer: ``Outputs``, ``RequestError``, ``AdminReply``;
+- scheduler -> worker: ``Step``; worker -> scheduler: ``StepResult``;
+- children -> launcher: ``Ready``; launcher -> tokenizer: ``Shutdown``.
+Internal token and page id arrays travel as little-endian int32 bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+from radixserve.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 1
+MAX_ID_LEN = 256
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be accepted. ``request_id`` is set when it could be read."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+# ------------------------------------------------------------------ field kinds
+@dataclass(frozen=True)
+class Kind:
+    """How one field is checked (and converted) at decode, and encoded."""
+
+    what: str  # for error messages: "a string", "a list of integers", ...
+    check: Callable[[Any], bool]
+    convert: Callable[[Any], Any] = lambda x: x
+    encode: Callable[[Any], Any] = lambda x: x
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_id(x: Any) -> bool:
+    return isinstance(x, str) and 0 < len(x) <= MAX_ID_LEN
+
+
+def _i32(x: Any) -> np.ndarray:
+    return np.frombuffer(x, dtype="<i4").astype(np.int32, copy=False)
+
+
+def _i32_bytes(x: Any) -> bytes:
+    return np.asarray(x, dtype="<i4").tobytes()
+
+
+def _optional(kind: Kind) -> Kind:
+    return Kind(
+        f"{kind.what} or null",
+        lambda x: x is None or kind.check(x),
+        lambda x: None if x is None else kind.convert(x),
+        lambda x: None if x is None else kind.encode(x),
+    )
+
+
+def _sampling(x: Any) -> SamplingParams:
+    try:
+        return SamplingParams.from_dict(dict(x))
+    except TypeError as e:  # a wrong-typed value SamplingParams could not even compare
+        raise ValueError(f"invalid sampling parameter: {e}") from None
+
+
+def _nested(cls: type[Message]) -> Kind:
+    return Kind(
+        f"a list of {cls.__name__} maps",
+        lambda x: isinstance(x, list) and all(isinstance(i, dict) for i in x),
+        lambda x: [cls._from_map(i, None) for i in x],
+        lambda x: [i._to_map() for i in x],
+    )
+
+
+ID = Kind("a non-empty string (at most 256 characters)", _is_id)
+STR = Kind("a string", lambda x: isinstance(x, str))
+INT = Kind("an integer", _is_int)
+BOOL = Kind("a boolean", lambda x: isinstance(x, bool))
+MAP = Kind("a map", lambda x: isinstance(x, dict))
+INT_LIST = Kind("a list of integers", lambda x: isinstance(x, list) and all(map(_is_int, x)))
+MAP_LIST = Kind(
+    "a list of maps", lambda x: isinstance(x, list) and all(isinstance(i, dict) for i in x)
+)
+I32 = Kind(
+    "int32 little-endian bytes",
+    lambda x: isinstance(x, bytes) and len(x) % 4 == 0,
+    _i32,
+    _i32_bytes,
+)
+SAMPLING = Kind(
+    "a map of sampling parameters", lambda x: isinstance(x, dict), _sampling, SamplingParams.to_dict
+)
+FINISH = _optional(Kind(f"one of {FINISH_REASONS}", lambda x: x in FINISH_REASONS))
+
+
+def f(kind: Kind, default: Any = dataclasses.MISSING) -> Any:
+    """A message field of ``kind``; with ``default`` it may be left out."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"kind": kind})
+    return field(default=default, metadata={"kind": kind})
+
+
+# --------------------------------------------------------------------- messages
+_REGISTRY: dict[str, type[Message]] = {}
+
+
+class Message:
+    """Base of every message: ``encode()`` to msgpack bytes, ``decode()`` back."""
+
+    TYPE: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.TYPE:
+            _REGISTRY[cls.TYPE] = cls
+
+    def _to_map(self) -> dict[str, Any]:
+        out = {}
+        for fl in dataclasses.fields(self):  # type: ignore[arg-type]
+            out[fl.name] = fl.metadata["kind"].encode(getattr(self, fl.name))
+        return out
+
+    def encode(self) -> bytes:
+        return msgpack.packb({"type": self.TYPE, "v": PROTOCOL_VERSION, **self._to_map()})
+
+    @classmethod
+    def _from_map(cls, m: Mapping[str, Any], request_id: str | None) -> Any:
+        fields = {fl.name: fl for fl in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        label = cls.TYPE or cls.__name__
+        unknown = sorted(map(str, set(m) - set(fields)))
+        if unknown:
+            raise ProtocolError(f"{label}: unknown field(s) {unknown}", request_id)
+        values = {}
+        for name, fl in fields.items():
+            kind: Kind = fl.metadata["kind"]
+            if name not in m:
+                if fl.default is dataclasses.MISSING and fl.default_factory is dataclasses.MISSING:
+                    raise ProtocolError(f"{label}: missing field {name!r}", request_id)
+                continue
+            value = m[name]
+            if not kind.check(value):
+                raise ProtocolError(
+                    f"{label}: field {name!r} must be {kind.what}, got {type(value).__name__}",
+                    request_id,
+                )
+            try:
+                values[name] = kind.convert(value)
+            except ValueError as e:
+                raise ProtocolError(str(e), request_id) from None
+        return cls(**values)
+
+
+def decode(data: bytes, allowed: Mapping[str, type[Message]] | None = None) -> Any:
+    """Parse and validate one message; ``allowed`` limits the accepted types."""
+    try:
+        m = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError("malformed message: not valid msgpack") from None
+    if not isinstance(m, dict):
+        raise ProtocolError("a message must be a msgpack map")
+    rid = m.get("id") if _is_id(m.get("id")) else None
+    m = dict(m)
+    mtype, version = m.pop("type", None), m.pop("v", None)
+    registry = _REGISTRY if allowed is None else allowed
+    if not isinstance(mtype, str) or mtype not in registry:
+        raise ProtocolError(f"unknown message type {mtype!r}", rid)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"unsupported protocol version {version!r} (this server speaks {PROTOCOL_VERSION})", rid
+        )
+    return registry[mtype]._from_map(m, rid)
+
+
+# ------------------------------------------------------------ public: requests
+@dataclass
+class Generate(Message):
+    """Generate for one prompt: exactly one of prompt, input_ids, messages."""
+
+    TYPE: ClassVar[str] = "generate"
+    id: str = f(ID)
+    prompt: str | None = f(_optional(STR), None)
+    input_ids: list[int] | None = f(_optional(INT_LIST), None)
+    messages: list[dict] | None = f(_optional(MAP_LIST), None)
+    sampling: SamplingParams = f(SAMPLING, SamplingParams())
+    stream: bool = f(BOOL, False)
+    cache_salt: str | None = f(_optional(STR), None)
+
+
+@dataclass
+class Abort(Message):
+    """Abort the sender's request ``id`` (no reply; the request ends with "abort")."""
+
+    TYPE: ClassVar[str] = "abort"
+    id: str = f(ID)
+
+
+@dataclass
+class FlushCache(Message):
+    TYPE: ClassVar[str] = "flush_cache"
+    id: str = f(ID)
+
+
+@dataclass
+class Stats(Message):
+    TYPE: ClassVar[str] = "stats"
+    id: str = f(ID)
+
+
+@dataclass
+class Health(Message):
+    TYPE: ClassVar[str] = "health"
+    id: str = f(ID)
+
+
+@dataclass
+class Check(Message):
+    """Run the scheduler's idle-invariant check (tests and debugging)."""
+
+    TYPE: ClassVar[str] = "check"
+    id: str = f(ID)
+
+
+PUBLIC_REQUESTS: dict[str, type[Message]] = {
+    c.TYPE: c for c in (Generate, Abort, FlushCache, Stats, Health, Check)
+}
+
+
+# ------------------------------------------------------------- public: replies
+@dataclass
+class Chunk(Message):
+    """A streamed delta of sample ``index``; the last one has finish_reason and usage."""
+
+    TYPE: ClassVar[str] = "chunk"
+    id: str = f(ID)
+    index: int = f(INT)
+    text: str = f(STR)
+    token_ids: list[int] = f(INT_LIST)
+    finish_reason: str | None = f(FINISH, None)
+    usage: dict | None = f(_optional(MAP), None)
+
+
+@dataclass
+class ResultMsg(Message):
+    """A finished sample of a non-streaming request (n of them when n > 1)."""
+
+    TYPE: ClassVar[str] = "result"
+    id: str = f(ID)
+    index: int = f(INT)
+    text: str = f(STR)
+    token_ids: list[int] = f(INT_LIST)
+    finish_reason: str = f(FINISH)
+    usage: dict = f(MAP)
+
+
+@dataclass
+class Error(Message):
+    """The request ``id`` failed (or, with id null, a message that had no readable id)."""
+
+    TYPE: ClassVar[str] = "error"
+    id: str | None = f(_optional(ID))
+    message: str = f(STR)
+
+
+@dataclass
+class Reply(Message):
+    """The answer to flush_cache / stats / health / check ``id``."""
+
+    TYPE: ClassVar[str] = "reply"
+    id: str = f(ID)
+    data: dict = f(MAP)
+
+
+PUBLIC_REPLIES: dict[str, type[Message]] = {c.TYPE: c for c in (Chunk, ResultMsg, Error, Reply)}
+
+
+# ------------------------------------------------------- tokenizer <-> scheduler
+@dataclass
+class AddRequest(Message):
+    TYPE: ClassVar[str] = "add_request"
+    rid: str = f(STR)
+    input_ids: np.ndarray = f(I32)
+    sampling: SamplingParams = f(SAMPLING)
+    salt: str | None = f(_optional(STR), None)
+
+
+@dataclass
+class AbortRequest(Message):
+    """Finish ``rid`` now; reason "stop" when the tokenizer saw a stop string."""
+
+    TYPE: ClassVar[str] = "abort_request"
+    rid: str = f(STR)
+    reason: str = f(Kind('"abort" or "stop"', lambda x: x in ("abort", "stop")), "abort")
+    index: int | None = f(_optional(INT), None)
+
+
+@dataclass
+class Flush(Message):
+    TYPE: ClassVar[str] = "flush"
+    tag: int = f(INT)
+
+
+@dataclass
+class GetStats(Message):
+    TYPE: ClassVar[str] = "get_stats"
+    tag: int = f(INT)
+
+
+@dataclass
+class CheckIdle(Message):
+    TYPE: ClassVar[str] = "check_idle"
+    tag: int = f(INT)
+
+
+@dataclass
+class OutputItem(Message):
+    """What one step (or an abort) produced for one sample of a request."""
+
+    rid: str = f(STR)
+    index: int = f(INT)
+    token_ids: np.ndarray = f(I32)
+    finish_reason: str | None = f(FINISH)
+    prompt_tokens: int = f(INT)
+    completion_tokens: int = f(INT)
+    cached_tokens: int = f(INT)
+
+
+@dataclass
+class Outputs(Message):
+    TYPE: ClassVar[str] = "outputs"
+    items: list[OutputItem] = f(_nested(OutputItem))
+
+
+@dataclass
+class RequestError(Message):
+    """The scheduler refused ``rid`` (e.g. a prompt that can never fit the pool)."""
+
+    TYPE: ClassVar[str] = "request_error"
+    rid: str = f(STR)
+    message: str = f(STR)
+
+
+@dataclass
+class AdminReply(Message):
+    TYPE: ClassVar[str] = "admin_reply"
+    tag: int = f(INT)
+    data: dict = f(MAP)
+
+
+# ---------------------------------------------------------- scheduler <-> worker
+@dataclass
+class StepReq(Message):
+    """One request's share of a step (``radixserve.worker.batch.ReqStep``)."""
+
+    slot: int = f(INT)
+    input_ids: np.ndarray = f(I32)
+    start_pos: int = f(INT)
+    new_pages: np.ndarray = f(I32)
+    sample: bool = f(BOOL)
+    sampling: SamplingParams | None = f(_optional(SAMPLING), None)
+
+
+@dataclass
+class Step(Message):
+    TYPE: ClassVar[str] = "step"
+    step_id: int = f(INT)
+    reqs: list[StepReq] = f(_nested(StepReq))
+    release: np.ndarray = f(I32)
+
+
+@dataclass
+class StepResult(Message):
+    TYPE: ClassVar[str] = "step_result"
+    step_id: int = f(INT)
+    tokens: np.ndarray = f(I32)
+
+
+# --------------------------------------------------------------------- control
+@dataclass
+class Ready(Message):
+    """A child finished starting; ``info`` is what the launcher needs from it."""
+
+    TYPE: ClassVar[str] = "ready"
+    process: str = f(STR)
+    info: dict = f(MAP, {})
+
+
+@dataclass
+class Shutdown(Message):
+    """Launcher -> tokenizer: answer everything in flight with ``message`` and exit."""
+
+    TYPE: ClassVar[str] = "shutdown"
+    message: str = f(STR)

@@ -1,0 +1,148 @@
+"""The scheduler process: the ``Scheduler`` library in a loop between two sockets.
+
+Each turn of the loop:
+1. take every message the tokenizer sent (without waiting while there is work;
+   blocking, with a timeout to notice a dead launcher, while idle) and apply
+   them in arrival order: add, abort, flush, stats, idle check;
+2. plan one step; send it to the worker and wait for its tokens (lockstep:
+   the next step is planned only once this one's tokens are in);
+3. send every output of the turn (aborts included) to the tokenizer in one
+   ``Outputs`` message.
+
+A request the scheduler refuses (``add_request`` raises ValueError) is answered
+with ``RequestError``; anything else that raises is a bug, and the process exits
+non-zero so the launcher stops the server.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import zmq
+
+from radixserve import protocol as P
+from radixserve.engine import build_scheduler
+from radixserve.scheduler.request import RequestOutput
+from radixserve.scheduler.scheduler import Scheduler
+from radixserve.server_config import (
+    CONTROL,
+    SCHEDULER_FROM_WORKER,
+    SCHEDULER_IN,
+    TOKENIZER_IN,
+    WORKER_IN,
+    ServerConfig,
+)
+from radixserve.utils.proc import POLL_MS, ParentWatch, child_main, socket
+
+log = logging.getLogger("radixserve.scheduler")
+
+INBOX = {c.TYPE: c for c in (P.AddRequest, P.AbortRequest, P.Flush, P.GetStats, P.CheckIdle)}
+
+
+class SchedulerLoop:
+    def __init__(self, scheduler: Scheduler, ctx: zmq.Context, config: ServerConfig) -> None:
+        self.scheduler = scheduler
+        self.inbox = socket(ctx, zmq.PULL, config.endpoint(SCHEDULER_IN), bind=True)
+        self.from_worker = socket(ctx, zmq.PULL, config.endpoint(SCHEDULER_FROM_WORKER), bind=True)
+        self.to_worker = socket(ctx, zmq.PUSH, config.endpoint(WORKER_IN), bind=False)
+        self.to_tokenizer = socket(ctx, zmq.PUSH, config.endpoint(TOKENIZER_IN), bind=False)
+        self.watch = ParentWatch()
+        self.step_id = 0
+        self.outputs: list[RequestOutput] = []
+
+    def run(self) -> None:
+        idle = True
+        while self.watch.alive():
+            if self.inbox.poll(POLL_MS if idle else 0):
+                while True:
+                    try:
+                        data = self.inbox.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self.handle(P.decode(data, INBOX))
+            self.outputs += self.scheduler.take_outputs()
+            batch = self.scheduler.schedule()
+            idle = batch is None
+            if batch is not None:
+                self.step_id += 1
+                reqs = [
+                    P.StepReq(r.slot, r.input_ids, r.start_pos, r.new_pages, r.sample, r.sampling)
+                    for r in batch.reqs
+                ]
+                release = np.asarray(batch.release, dtype=np.int32)
+                self.to_worker.send(P.Step(self.step_id, reqs, release).encode())
+                tokens = self.wait_for_worker()
+                self.outputs += self.scheduler.process_step_result(tokens)
+            if self.outputs:
+                items = [
+                    P.OutputItem(
+                        o.rid,
+                        o.index,
+                        np.asarray(o.token_ids, dtype=np.int32),
+                        o.finish_reason,
+                        o.prompt_tokens,
+                        o.completion_tokens,
+                        o.cached_tokens,
+                    )
+                    for o in self.outputs
+                ]
+                self.to_tokenizer.send(P.Outputs(items).encode())
+                self.outputs = []
+
+    def wait_for_worker(self) -> np.ndarray:
+        while not self.from_worker.poll(POLL_MS):
+            if not self.watch.alive():
+                raise SystemExit(1)
+        result = P.decode(self.from_worker.recv(), {P.StepResult.TYPE: P.StepResult})
+        if result.step_id != self.step_id:
+            raise RuntimeError(f"worker answered step {result.step_id}, expected {self.step_id}")
+        return result.tokens
+
+    def handle(self, msg: P.Message) -> None:
+        s = self.scheduler
+        if isinstance(msg, P.AddRequest):
+            try:
+                s.add_request(msg.rid, msg.input_ids, msg.sampling, salt=msg.salt)
+            except ValueError as e:
+                self.to_tokenizer.send(P.RequestError(msg.rid, str(e)).encode())
+        elif isinstance(msg, P.AbortRequest):
+            s.abort_request(msg.rid, reason=msg.reason, index=msg.index)
+        elif isinstance(msg, P.Flush):
+            self.reply(msg.tag, {"freed_pages": s.flush_cache()})
+        elif isinstance(msg, P.GetStats):
+            self.reply(msg.tag, s.stats())
+        elif isinstance(msg, P.CheckIdle):
+            self.reply(msg.tag, self.check_idle())
+
+    def check_idle(self) -> dict:
+        s = self.scheduler
+        if s.has_work():
+            busy = f"not idle: {s.num_running} running, {s.num_waiting} waiting"
+            return {"ok": False, "error": busy}
+        try:
+            s.check_idle()
+        except AssertionError as e:
+            return {"ok": False, "error": str(e) or "idle invariant broken"}
+        return {"ok": True, "error": None}
+
+    def reply(self, tag: int, data: dict) -> None:
+        self.to_tokenizer.send(P.AdminReply(tag, data).encode())
+
+
+def run(config: ServerConfig, ctx: zmq.Context) -> None:
+    assert config.model is not None, "the launcher passes the worker's model info"
+    scheduler = build_scheduler(config.engine, config.model)
+    loop = SchedulerLoop(scheduler, ctx, config)
+    control = socket(ctx, zmq.PUSH, config.endpoint(CONTROL), bind=False)
+    control.send(P.Ready("scheduler").encode())
+    log.info("ready: %d pages of %d tokens", config.model.num_pages, config.model.page_size)
+    loop.run()
+
+
+def main() -> None:
+    child_main("scheduler", run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""The server's configuration: one frozen dataclass, built once by the CLI.
+
+The launcher hands it to each child as JSON on the command line (never pickle);
+each process builds its own library config from it (``WorkerConfig`` via
+``engine.build_worker``, ``SchedulerConfig`` via ``engine.build_scheduler``,
+the tokenizer from ``engine.model``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from radixserve.engine import EngineConfig
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the worker reports once its model is loaded; the others size themselves by it."""
+
+    num_pages: int
+    page_size: int
+    max_context_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    model_name: str
+    backend_name: str
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 30000  # 0: any free port (the launcher prints the one bound)
+    log_level: str = "info"
+    run_dir: str = ""  # the private runtime dir holding the ipc sockets
+    model: ModelInfo | None = None  # filled in once the worker is ready
+
+    def endpoint(self, name: str) -> str:
+        """An internal ipc endpoint inside the runtime dir (paths stay < 107 bytes)."""
+        path = os.path.join(self.run_dir, name)
+        if len(path.encode()) >= 107:
+            raise ValueError(f"ipc path too long for ZeroMQ: {path}")
+        return f"ipc://{path}"
+
+    @property
+    def public_endpoint(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{self.port if self.port else '*'}"
+
+    def with_model(self, info: dict[str, Any]) -> ServerConfig:
+        info = dict(info)
+        info["eos_token_ids"] = tuple(info["eos_token_ids"])
+        return replace(self, model=ModelInfo(**info))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ServerConfig:
+        d = json.loads(text)
+        d["engine"] = EngineConfig(**d["engine"])
+        cfg = cls(**{**d, "model": None})
+        return cfg.with_model(d["model"]) if d["model"] else cfg
+
+
+# Internal socket names inside the runtime dir: who binds them (the others connect).
+SCHEDULER_IN = "sched"  # scheduler PULL <- tokenizer PUSH
+SCHEDULER_FROM_WORKER = "sched-w"  # scheduler PULL <- worker PUSH
+WORKER_IN = "worker"  # worker PULL <- scheduler PUSH
+TOKENIZER_IN = "tok"  # tokenizer PULL <- scheduler PUSH, launcher PUSH
+CONTROL = "ctl"  # launcher PULL <- every child PUSH (ready)

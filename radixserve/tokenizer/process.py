@@ -1,0 +1,289 @@
+"""The tokenizer process: the server's front door.
+
+It owns the public ROUTER socket. Every client message is validated here
+(``protocol.decode`` plus ``InputProcessor``, plus the context length), and
+bad input gets an ``Error`` to that client only: nothing malformed reaches the
+scheduler. Good requests are tokenized and sent on as ``AddRequest``; the
+scheduler's ``Outputs`` come back as token ids, which are detokenized
+incrementally with stop strings applied (``OutputStream``, the same code the
+in-process Engine runs) and streamed to the client as ``Chunk`` messages, or
+sent once as ``ResultMsg`` per sample when the client did not ask to stream.
+
+Request ids: a client chooses its own ids, unique among its requests in flight.
+The scheduler sees ``<client identity hex>/<sequence number>`` instead, so ids of
+different clients never collide, an ``Abort`` only reaches the sender's own
+request, and a late output of a finished request (the step that raced a
+stop-string abort) can never be taken for a new request that reuses its id.
+
+A client that went away is noticed when a reply to it cannot be routed
+(``ROUTER_MANDATORY``): its requests are aborted, so their KV is released.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import zmq
+
+from radixserve import protocol as P
+from radixserve.models.tokenizer import load_tokenizer
+from radixserve.server_config import CONTROL, SCHEDULER_IN, TOKENIZER_IN, ServerConfig
+from radixserve.tokenizer.inputs import InputProcessor
+from radixserve.tokenizer.output import OutputStream
+from radixserve.utils.proc import POLL_MS, ParentWatch, child_main, socket
+
+log = logging.getLogger("radixserve.tokenizer")
+
+INTERNAL = {c.TYPE: c for c in (P.Outputs, P.RequestError, P.AdminReply, P.Shutdown)}
+
+
+@dataclass
+class InFlight:
+    """One client request between its ``Generate`` and its last sample's finish."""
+
+    rid: str  # the scheduler's id
+    identity: bytes
+    id: str  # the client's id
+    stream: bool
+    outputs: list[OutputStream]
+    done: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.done = [False] * len(self.outputs)
+
+
+class ClientGone(Exception):
+    pass
+
+
+class TokenizerServer:
+    def __init__(self, config: ServerConfig, ctx: zmq.Context, tokenizer) -> None:
+        assert config.model is not None
+        self.config = config
+        self.model = config.model
+        self.tokenizer = tokenizer
+        self.inputs = InputProcessor(tokenizer, config.model.vocab_size)
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.setsockopt(zmq.SNDHWM, 0)  # never drop a reply to a slow reader
+        self.router.setsockopt(zmq.LINGER, 1000)
+        self.router.bind(config.public_endpoint)
+        self.endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.inbox = socket(ctx, zmq.PULL, config.endpoint(TOKENIZER_IN), bind=True)
+        self.to_scheduler = socket(ctx, zmq.PUSH, config.endpoint(SCHEDULER_IN), bind=False)
+        self.requests: dict[str, InFlight] = {}  # by the scheduler's rid
+        self.by_client: dict[tuple[bytes, str], str] = {}  # (identity, id) -> rid
+        self.next_rid = 0
+        self.admin: dict[int, tuple[bytes, str, str]] = {}  # tag -> (identity, id, kind)
+        self.next_tag = 0
+        self.watch = ParentWatch()
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.inbox, zmq.POLLIN)
+        while self.watch.alive():
+            events = dict(poller.poll(POLL_MS))
+            if self.inbox in events:
+                # Scheduler first: its outputs free KV, and a Shutdown must win.
+                while (data := _recv(self.inbox)) is not None:
+                    self.handle_internal(P.decode(data, INTERNAL))
+            if self.router in events:
+                while (parts := _recv_multipart(self.router)) is not None:
+                    self.handle_client(parts)
+
+    # ------------------------------------------------------- client -> server
+    def handle_client(self, parts: list[bytes]) -> None:
+        identity = parts[0]
+        if len(parts) != 2:
+            self.send_error(identity, None, "a message must be a single frame")
+            return
+        try:
+            msg = P.decode(parts[1], P.PUBLIC_REQUESTS)
+        except P.ProtocolError as e:
+            self.send_error(identity, e.request_id, str(e))
+            return
+        if isinstance(msg, P.Generate):
+            self.generate(identity, msg)
+        elif isinstance(msg, P.Abort):
+            rid = self.by_client.get((identity, msg.id))
+            if rid is not None:
+                self.to_scheduler.send(P.AbortRequest(rid).encode())
+        else:
+            self.next_tag += 1
+            tag = self.next_tag
+            self.admin[tag] = (identity, msg.id, msg.TYPE)
+            internal = {
+                P.FlushCache: P.Flush,
+                P.Stats: P.GetStats,
+                P.Health: P.GetStats,
+                P.Check: P.CheckIdle,
+            }[type(msg)]
+            self.to_scheduler.send(internal(tag).encode())
+
+    def generate(self, identity: bytes, msg: P.Generate) -> None:
+        if (identity, msg.id) in self.by_client:
+            self.send_error(identity, msg.id, f"request id {msg.id!r} is already in use")
+            return
+        try:
+            ids = self.inputs.to_ids(msg.prompt, msg.input_ids, msg.messages)
+        except ValueError as e:
+            self.send_error(identity, msg.id, str(e))
+            return
+        except Exception as e:  # a tokenizer or chat template failing on odd input
+            self.send_error(identity, msg.id, f"could not tokenize the prompt: {e}")
+            return
+        limit = self.model.max_context_len
+        if len(ids) >= limit:
+            self.send_error(
+                identity,
+                msg.id,
+                f"the prompt has {len(ids)} tokens; the model's context is {limit}",
+            )
+            return
+        sp = msg.sampling
+        outputs = [OutputStream(self.tokenizer, ids, sp.stop) for _ in range(sp.n)]
+        self.next_rid += 1
+        rid = f"{identity.hex()}/{self.next_rid}"
+        self.requests[rid] = InFlight(rid, identity, msg.id, msg.stream, outputs)
+        self.by_client[(identity, msg.id)] = rid
+        self.to_scheduler.send(P.AddRequest(rid, ids, sp, msg.cache_salt).encode())
+
+    # ---------------------------------------------------- scheduler -> server
+    def handle_internal(self, msg: P.Message) -> None:
+        if isinstance(msg, P.Outputs):
+            for item in msg.items:
+                self.on_output(item)
+        elif isinstance(msg, P.RequestError):
+            req = self.requests.get(msg.rid)
+            if req is not None:
+                self.forget(req)
+                self.send_error(req.identity, req.id, msg.message)
+        elif isinstance(msg, P.AdminReply):
+            self.on_admin_reply(msg)
+        elif isinstance(msg, P.Shutdown):
+            self.shutdown(msg.message)
+
+    def on_output(self, item: P.OutputItem) -> None:
+        req = self.requests.get(item.rid)
+        if req is None or req.done[item.index]:
+            return  # a finished sample's late step, or a request whose client left
+        out = req.outputs[item.index]
+        tokens = item.token_ids.tolist()
+        finish = item.finish_reason
+        delta = out.add(tokens, finish is not None)
+        if out.stop_hit and finish is None:
+            # Stop now so no more KV is spent on text the client will never see.
+            self.to_scheduler.send(P.AbortRequest(item.rid, "stop", item.index).encode())
+            finish = "stop"
+        usage = None
+        if finish is not None:
+            req.done[item.index] = True
+            usage = {
+                "prompt_tokens": item.prompt_tokens,
+                "completion_tokens": len(out.token_ids),
+                "cached_tokens": item.cached_tokens,
+            }
+            if all(req.done):
+                self.forget(req)
+        try:
+            if req.stream:
+                self.send(req.identity, P.Chunk(req.id, item.index, delta, tokens, finish, usage))
+            elif finish is not None:
+                text, ids = out.text, list(out.token_ids)
+                self.send(req.identity, P.ResultMsg(req.id, item.index, text, ids, finish, usage))
+        except ClientGone:
+            self.client_gone(req.identity)
+
+    def on_admin_reply(self, msg: P.AdminReply) -> None:
+        pending = self.admin.pop(msg.tag, None)
+        if pending is None:
+            return
+        identity, rid, kind = pending
+        data = dict(msg.data)
+        if kind == P.Stats.TYPE:
+            data["in_flight"] = len(self.requests)
+        elif kind == P.Health.TYPE:
+            data = {"status": "ok", "endpoint": self.endpoint, **_model_dict(self.model)}
+        try:
+            self.send(identity, P.Reply(rid, data))
+        except ClientGone:
+            self.client_gone(identity)
+
+    def client_gone(self, identity: bytes) -> None:
+        for req in list(self.requests.values()):
+            if req.identity == identity:
+                self.forget(req)
+                self.to_scheduler.send(P.AbortRequest(req.rid).encode())
+        log.info("client %s went away; its requests were aborted", identity.hex())
+
+    def shutdown(self, message: str) -> None:
+        """The server is stopping (a child died, or a signal): answer everything, then exit."""
+        for req in self.requests.values():
+            self.send_error(req.identity, req.id, message)
+        for identity, rid, _ in self.admin.values():
+            self.send_error(identity, rid, message)
+        self.requests.clear()
+        self.by_client.clear()
+        self.admin.clear()
+        raise SystemExit(0)
+
+    def forget(self, req: InFlight) -> None:
+        del self.requests[req.rid]
+        del self.by_client[(req.identity, req.id)]
+
+    # ----------------------------------------------------------------- sends
+    def send(self, identity: bytes, msg: P.Message) -> None:
+        try:
+            self.router.send_multipart([identity, msg.encode()], zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # EHOSTUNREACH: no such peer any more
+            raise ClientGone from e
+
+    def send_error(self, identity: bytes, rid: str | None, message: str) -> None:
+        try:
+            self.send(identity, P.Error(rid, message))
+        except ClientGone:
+            self.client_gone(identity)
+
+
+def _model_dict(model) -> dict:
+    return {
+        "model": model.model_name,
+        "num_pages": model.num_pages,
+        "page_size": model.page_size,
+        "max_context_len": model.max_context_len,
+        "backend": model.backend_name,
+    }
+
+
+def _recv(sock: zmq.Socket) -> bytes | None:
+    try:
+        return sock.recv(zmq.NOBLOCK)
+    except zmq.Again:
+        return None
+
+
+def _recv_multipart(sock: zmq.Socket) -> list[bytes] | None:
+    try:
+        return sock.recv_multipart(zmq.NOBLOCK)
+    except zmq.Again:
+        return None
+
+
+def run(config: ServerConfig, ctx: zmq.Context) -> None:
+    tokenizer = load_tokenizer(config.engine.model, config.engine.cache_dir)
+    server = TokenizerServer(config, ctx, tokenizer)
+    control = socket(ctx, zmq.PUSH, config.endpoint(CONTROL), bind=False)
+    control.send(P.Ready("tokenizer", {"endpoint": server.endpoint}).encode())
+    log.info("ready: serving on %s", server.endpoint)
+    server.run()
+
+
+def main() -> None:
+    child_main("tokenizer", run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""The worker process: one ``Step`` message in, one ``StepResult`` out, lockstep.
+
+It loads the model (``engine.build_worker``), reports ``Ready`` with the
+model's facts (page count, context length, vocabulary, EOS ids) to the
+launcher, then serves steps until the launcher stops it. It decides nothing:
+an exception here is a bug or a broken model, so the process exits non-zero and
+the launcher stops the server.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+from radixserve import protocol as P
+from radixserve.engine import build_worker
+from radixserve.server_config import CONTROL, SCHEDULER_FROM_WORKER, WORKER_IN, ServerConfig
+from radixserve.utils.proc import POLL_MS, ParentWatch, child_main, socket
+from radixserve.worker.batch import ReqStep, StepBatch
+
+log = logging.getLogger("radixserve.worker")
+
+
+def to_batch(step: P.Step) -> StepBatch:
+    reqs = [
+        ReqStep(r.slot, r.input_ids, r.start_pos, r.new_pages, r.sample, r.sampling)
+        for r in step.reqs
+    ]
+    return StepBatch(reqs, [int(s) for s in step.release])
+
+
+def run(config: ServerConfig, ctx: zmq.Context) -> None:
+    watch = ParentWatch()
+    runner = build_worker(config.engine)
+    steps = socket(ctx, zmq.PULL, config.endpoint(WORKER_IN), bind=True)
+    results = socket(ctx, zmq.PUSH, config.endpoint(SCHEDULER_FROM_WORKER), bind=False)
+    control = socket(ctx, zmq.PUSH, config.endpoint(CONTROL), bind=False)
+    info = {
+        "num_pages": runner.num_pages,
+        "page_size": runner.page_size,
+        "max_context_len": runner.max_context_len,
+        "vocab_size": runner.vocab_size,
+        "eos_token_ids": list(runner.eos_token_ids),
+        "model_name": runner.model_name,
+        "backend_name": runner.backend_name,
+    }
+    control.send(P.Ready("worker", info).encode())
+    log.info("ready: %s", info)
+    while watch.alive():
+        if not steps.poll(POLL_MS):
+            continue
+        step = P.decode(steps.recv(), {P.Step.TYPE: P.Step})
+        tokens = runner.step(to_batch(step))
+        results.send(P.StepResult(step.step_id, tokens).encode())
+
+
+def main() -> None:
+    child_main("worker", run)
+
+
+if __name__ == "__main__":
+    main()

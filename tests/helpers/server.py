@@ -1,0 +1,75 @@
+"""Launch a real server (``radixserve launch``) in a subprocess, for integration tests.
+
+``Server(model_dir, "--cache", "none")`` starts it on a free port and reads the
+endpoint and the child pids from its stdout; ``stop()`` sends SIGTERM and
+returns the exit code. Hangs are bounded by pytest-timeout, not by sleeps here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import radixserve
+
+REPO_ROOT = Path(radixserve.__file__).resolve().parent.parent
+
+
+class Server:
+    def __init__(self, model_dir: str | Path, *args: str) -> None:
+        cmd = [sys.executable, "-m", "radixserve.cli", "launch", "--model", str(model_dir)]
+        cmd += ["--port", "0", "--dtype", "float64", "--log-level", "warning", *args]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+        self.endpoint = ""
+        self.pids: dict[str, int] = {}
+        self.summary = ""
+        self.run_dir = ""
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            if m := re.search(r"serving on (\S+)", line):
+                self.endpoint = m.group(1)
+            elif "processes" in line:
+                self.pids = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line)}
+                self.run_dir = re.search(r"run_dir=(\S+)", line).group(1)  # type: ignore[union-attr]
+                break
+            else:
+                self.summary = line.strip()
+        if not self.endpoint or len(self.pids) != 3:
+            raise RuntimeError(f"the server did not start (exit code {self.proc.wait()})")
+
+    def wait(self, timeout: float = 60.0) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.wait()
+
+    def orphans(self) -> list[str]:
+        """What outlived the launcher: children still alive, or its runtime dir."""
+        alive = ["run_dir"] if os.path.exists(self.run_dir) else []
+        for name, pid in self.pids.items():
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                continue
+            alive.append(name)
+        return alive
+
+
+def wait_idle(client, timeout: float = 60.0) -> dict:
+    """Poll stats until nothing runs, waits or is in flight; return the last stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = client.stats()
+        if stats["running"] == stats["waiting"] == stats["in_flight"] == 0:
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the server did not become idle: {stats}")
+        time.sleep(0.05)

@@ -1,0 +1,81 @@
+"""Bad input on the public socket: each gets an error reply to its sender, and a normal
+request on the same socket right after succeeds."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import zmq
+
+
+def gen(**fields):
+    return msgpack.packb({"type": "generate", "v": 1, "id": "bad", **fields})
+
+
+OK = {"prompt": "hello", "sampling": {"max_tokens": 3, "temperature": 0.0}}
+
+CASES = {
+    "malformed msgpack": (b"\xc1\x00garbage", None, "msgpack"),
+    "not a map": (msgpack.packb([1, 2, 3]), None, "map"),
+    "unknown type": (msgpack.packb({"type": "nope", "v": 1, "id": "bad"}), "bad", "unknown"),
+    "internal type": (msgpack.packb({"type": "step", "v": 1, "id": "bad"}), "bad", "unknown"),
+    "wrong version": (msgpack.packb({"type": "generate", "v": 99, "id": "bad"}), "bad", "version"),
+    "missing id": (msgpack.packb({"type": "generate", "v": 1, "prompt": "x"}), None, "'id'"),
+    "missing prompt": (gen(), "bad", "exactly one"),
+    "unknown field": (gen(bogus=1, **OK), "bad", "bogus"),
+    "prompt not a string": (gen(prompt=5), "bad", "prompt"),
+    "input_ids not a list": (gen(input_ids="abc"), "bad", "input_ids"),
+    "stream not a bool": (gen(prompt="x", stream="yes"), "bad", "stream"),
+    "sampling not a map": (gen(prompt="x", sampling="hot"), "bad", "sampling"),
+    "max_tokens a string": (gen(prompt="x", sampling={"max_tokens": "9"}), "bad", "max_tokens"),
+    "token outside vocab": (gen(input_ids=[5, 100000]), "bad", "vocabulary"),
+    "prompt longer than context": (gen(input_ids=[5] * 600), "bad", "context"),
+    "max_tokens 0": (gen(prompt="x", sampling={"max_tokens": 0}), "bad", "max_tokens"),
+    "max_tokens negative": (gen(prompt="x", sampling={"max_tokens": -5}), "bad", "max_tokens"),
+    "temperature < 0": (gen(prompt="x", sampling={"temperature": -0.5}), "bad", "temperature"),
+    "top_p 0": (gen(prompt="x", sampling={"top_p": 0.0}), "bad", "top_p"),
+    "top_p > 1": (gen(prompt="x", sampling={"top_p": 1.5}), "bad", "top_p"),
+    "unknown sampling field": (gen(prompt="x", sampling={"beam": 2}), "bad", "beam"),
+    "empty prompt": (gen(prompt=""), "bad", "empty"),
+    "empty input_ids": (gen(input_ids=[]), "bad", "empty"),
+    "bad chat role": (gen(messages=[{"role": "wizard", "content": "hi"}]), "bad", "role"),
+    "two frames": (None, None, "single frame"),
+}
+
+
+@pytest.fixture
+def raw(server, client):  # client: the idle check after the test
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, 120_000)  # liveness only
+    sock.connect(server.endpoint)
+    yield sock
+    sock.close(linger=0)
+    ctx.term()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_gets_an_error_then_serving_goes_on(raw, case):
+    data, error_id, words = CASES[case]
+    if data is None:
+        raw.send_multipart([gen(**OK), b"extra"])
+    else:
+        raw.send(data)
+    reply = msgpack.unpackb(raw.recv())
+    assert reply["type"] == "error"
+    assert reply["id"] == error_id
+    assert words in reply["message"]
+    raw.send(msgpack.packb({"type": "generate", "v": 1, "id": "good", **OK}))
+    reply = msgpack.unpackb(raw.recv())
+    assert reply["type"] == "result" and reply["id"] == "good"
+    assert reply["finish_reason"] in ("stop", "length")
+
+
+def test_duplicate_id_in_flight(raw):
+    slow = {"prompt": "x", "sampling": {"max_tokens": 50, "ignore_eos": True}}
+    raw.send(msgpack.packb({"type": "generate", "v": 1, "id": "dup", **slow}))
+    raw.send(msgpack.packb({"type": "generate", "v": 1, "id": "dup", **OK}))
+    first = msgpack.unpackb(raw.recv())
+    assert first["type"] == "error" and "already in use" in first["message"]
+    second = msgpack.unpackb(raw.recv())
+    assert second["type"] == "result" and len(second["token_ids"]) == 50

@@ -1,0 +1,149 @@
+"""Generation through launch + client equals the in-process Engine's, in every shape:
+token ids and text prompts, chat messages, streaming, n > 1, stop strings, concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from radixserve import SamplingParams
+from radixserve.client import AsyncClient, Client
+from tests.helpers.server import Server, wait_idle
+from tests.serving.conftest import SERVER_ARGS
+
+MAX_NEW = 16
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(3)
+    shared = rng.integers(4, 512, 40).tolist()
+    return [
+        shared + rng.integers(4, 512, 7).tolist(),
+        shared + rng.integers(4, 512, 19).tolist(),
+        shared[:21] + rng.integers(4, 512, 5).tolist(),
+        rng.integers(4, 512, 33).tolist(),
+        rng.integers(4, 512, 3).tolist(),
+    ]
+
+
+@pytest.fixture(scope="module")
+def expected(engine, prompts):
+    return engine.generate(prompts, GREEDY)
+
+
+async def generate_all(endpoint: str, prompts: list[list[int]]) -> list:
+    """Every prompt at once over one AsyncClient (replies demultiplexed by id)."""
+    async with AsyncClient(endpoint, timeout=120) as client:
+        jobs = [client.generate(input_ids=p, sampling_params=GREEDY) for p in prompts]
+        return await asyncio.gather(*jobs)
+
+
+def assert_same(got, want) -> None:
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.text for r in got] == [r.text for r in want]
+    assert [r.finish_reason for r in got] == ["length"] * len(want)
+    assert [r.usage.prompt_tokens for r in got] == [r.usage.prompt_tokens for r in want]
+
+
+def test_greedy_equals_engine_radix(server, client, prompts, expected):
+    # Twice: the second round hits the KV the first one left in the tree.
+    for _ in range(2):
+        assert_same(asyncio.run(generate_all(server.endpoint, prompts)), expected)
+
+
+def test_greedy_equals_engine_without_cache(model_dir, prompts, expected):
+    srv = Server(model_dir, *SERVER_ARGS, "--cache", "none")
+    try:
+        assert "cache=none" in srv.summary
+        for _ in range(2):
+            results = asyncio.run(generate_all(srv.endpoint, prompts))
+            assert_same(results, expected)
+            assert all(r.usage.cached_tokens == 0 for r in results)
+        with Client(srv.endpoint, timeout=120) as c:
+            stats = wait_idle(c)
+            assert stats["pages_free"] == stats["num_pages"]
+            assert c.check()["ok"]
+    finally:
+        assert srv.stop() == 0
+    assert srv.orphans() == []
+
+
+def test_shared_prefix_hits_in_usage_and_stats(client):
+    rng = np.random.default_rng(9)
+    prefix = rng.integers(4, 512, 64).tolist()
+    client.flush_cache()
+    before = client.stats()
+    first = client.generate(input_ids=prefix + [7, 8, 9], sampling_params=GREEDY)
+    second = client.generate(input_ids=prefix + [10, 11], sampling_params=GREEDY)
+    assert first.usage.cached_tokens == 0
+    assert second.usage.cached_tokens == 64  # the whole prefix, in 4-token pages
+    after = client.stats()
+    assert after["hit_tokens"] - before["hit_tokens"] == 64
+    assert after["query_tokens"] - before["query_tokens"] == 67 + 66
+
+
+def test_text_prompt_and_messages(client, engine):
+    [want] = engine.generate("The quick brown fox", GREEDY)
+    got = client.generate("The quick brown fox", sampling_params=GREEDY)
+    assert (got.text, got.token_ids) == (want.text, want.token_ids)
+    chat = [{"role": "user", "content": "Hello there"}]
+    [want] = engine.generate([chat], GREEDY)
+    got = client.generate(messages=chat, sampling_params=GREEDY)
+    assert (got.text, got.token_ids) == (want.text, want.token_ids)
+
+
+def test_streaming_matches_the_whole_result(client, engine):
+    [want] = engine.generate("Streaming works", GREEDY)
+    chunks = list(client.generate_stream("Streaming works", sampling_params=GREEDY))
+    assert len(chunks) == MAX_NEW  # one token per step
+    assert [c.finish_reason for c in chunks] == [None] * (MAX_NEW - 1) + ["length"]
+    assert [c.usage is None for c in chunks] == [True] * (MAX_NEW - 1) + [False]
+    assert "".join(c.text for c in chunks) == want.text
+    assert [t for c in chunks for t in c.token_ids] == want.token_ids
+    assert chunks[-1].usage["completion_tokens"] == MAX_NEW
+
+
+def test_stop_string_and_n(client, engine):
+    base = client.generate("A stop string", max_tokens=24, temperature=0.0, ignore_eos=True)
+    stop = base.text[4:7]
+    assert len(stop) == 3
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
+    [want] = engine.generate("A stop string", sp)
+    cut = client.generate("A stop string", sampling_params=sp)
+    assert cut.finish_reason == want.finish_reason == "stop"
+    assert cut.text == want.text == base.text[: base.text.index(stop)]
+    many = client.generate("Sampled", max_tokens=8, temperature=1.0, seed=5, n=3)
+    assert [r.index for r in many] == [0, 1, 2]
+    want_many = engine.generate("Sampled", SamplingParams(max_tokens=8, seed=5, n=3))
+    assert [r.token_ids for r in many] == [r.token_ids for r in want_many]
+
+
+def test_concurrent_threads_share_one_client(server, client, prompts, expected):
+    import threading
+
+    got: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        got[i] = client.generate(input_ids=prompts[i], sampling_params=GREEDY)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert_same([got[i] for i in range(len(prompts))], expected)
+
+
+def test_stats_and_health(client):
+    stats = client.stats()
+    for key in ("pages_free", "pages_used", "pages_cached", "hit_tokens", "query_tokens"):
+        assert stats[key] >= 0
+    assert stats["pages_free"] + stats["pages_used"] + stats["pages_cached"] == 1024
+    assert stats["page_size"] == 4 and stats["steps"] >= 0 and stats["preemptions"] >= 0
+    health = client.health()
+    assert health["status"] == "ok"
+    assert (health["num_pages"], health["page_size"], health["max_context_len"]) == (1024, 4, 512)
