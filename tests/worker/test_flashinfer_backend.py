@@ -27,14 +27,18 @@ class Twin:
     """The flashinfer backend (bf16 pool) and the torch backend (float32 pool) fed the same
     bf16 inputs step by step; every step's outputs and, at the end, the pools must agree."""
 
-    def __init__(self, page_size, kv_heads, group, head_dim, windows=(-1,) * LAYERS, seed=0):
+    def __init__(
+        self, page_size, kv_heads, group, head_dim, windows=(-1,) * LAYERS, seed=0, device="cpu"
+    ):
         self.s, self.kvh, self.heads, self.d = page_size, kv_heads, kv_heads * group, head_dim
+        self.device = device
+        torch.manual_seed(seed)
         num_pages = 512 // page_size + 8
         self.rng = np.random.default_rng(seed)
         self.free = list(self.rng.permutation(num_pages))
         dims = (LAYERS, num_pages, page_size, kv_heads, head_dim)
-        self.fi_pool = KVPool(*dims, torch.bfloat16)
-        self.ref_pool = KVPool(*dims, torch.float32)
+        self.fi_pool = KVPool(*dims, torch.bfloat16, device)
+        self.ref_pool = KVPool(*dims, torch.float32, device)
         scale = head_dim**-0.5
         self.fi = create_backend("flashinfer", self.fi_pool, scale, windows, self.heads)
         self.ref = create_backend("torch", self.ref_pool, scale, windows, self.heads)
@@ -72,9 +76,9 @@ class Twin:
         self.ref.begin_batch(batch)
         t = qo[-1]
         for layer in range(LAYERS):
-            q = torch.randn(t, self.heads, self.d).bfloat16()
+            q = torch.randn(t, self.heads, self.d, device=self.device).bfloat16()
             # k and v as the model makes them: strided views of one fused projection.
-            kv_proj = torch.randn(t, 2 * self.kvh * self.d).bfloat16()
+            kv_proj = torch.randn(t, 2 * self.kvh * self.d, device=self.device).bfloat16()
             k, v = (x.view(t, self.kvh, self.d) for x in kv_proj.split(self.kvh * self.d, -1))
             out = self.fi.forward(layer, q, k, v)
             want = self.ref.forward(layer, q.float(), k.float(), v.float())
