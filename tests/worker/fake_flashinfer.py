@@ -227,6 +227,20 @@ class _PrefillWrapper(_Wrapper):
 
 class _DecodeWrapper(_Wrapper):
     kind = "decode"
+    # Group sizes the CUDA-core decode kernel is instantiated for (DISPATCH_GQA_GROUP_SIZE).
+    CUDA_CORE_GROUPS = (1, 2, 3, 4, 6, 8, 16)
+
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        use_tensor_cores: bool = False,
+        *,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend=backend)
+        self.use_tensor_cores = use_tensor_cores
 
     def plan(
         self,
@@ -245,6 +259,9 @@ class _DecodeWrapper(_Wrapper):
         kv_data_type: object = None,
     ) -> None:
         _check(pos_encoding_mode == "NONE", "rotary is applied outside attention")
+        group = num_qo_heads // max(num_kv_heads, 1)
+        _check(self.use_tensor_cores or group in self.CUDA_CORE_GROUPS,
+               f"Unsupported group_size: {group} (CUDA-core decode; use tensor cores)")  # fmt: skip
         self._plan(None, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
                    page_size, False, sm_scale, window_left, q_data_type, kv_data_type)  # fmt: skip
 

@@ -124,6 +124,12 @@ def test_matches_torch_backend(fake, page_size, head_dim, kv_heads, group):
     assert len(runs) == LAYERS * len(kinds)
 
 
+def test_gqa_group_without_a_cuda_core_decode_kernel(fake):
+    twin = Twin(16, 1, 5, 64, seed=9)  # 5 query heads per KV head
+    run_script(twin, p=16)
+    assert [w.use_tensor_cores for w in twin.fi._decode.values()] == [True]
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_sliding_window_layers(fake, page_size):
     twin = Twin(page_size, 2, 2, 64, windows=(6, -1), seed=5)

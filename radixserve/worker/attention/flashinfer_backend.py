@@ -8,7 +8,8 @@ Per step (``begin_batch``) the wrappers are planned once from int32 CPU index
 tensors; per layer (``forward``) the new K/V are appended into the pool with
 ``append_paged_kv_cache`` and the planned wrapper runs over that layer's pages.
 
-- A step where every request has one new token runs the decode wrapper. Any
+- A step where every request has one new token runs the decode wrapper (its
+  CUDA-core kernel for GQA groups of 1-3, else its tensor-core path). Any
   other step (fresh prefill, prefill after a cached prefix, a chunk, or a mix
   with decode rows) runs the prefill wrapper over all rows: its causal mask is
   aligned bottom-right, so a one-token row is a correct decode row, and one
@@ -42,6 +43,10 @@ WORKSPACE_BYTES = 128 << 20
 #: library widen this; nothing else should.
 DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+#: GQA group sizes (query heads per KV head) FlashInfer's CUDA-core decode kernel is built
+#: for. Larger groups also run faster on the tensor-core path (the fa2 prefill kernel, one
+#: query row per request), so only these few small groups use the CUDA-core kernel.
+CUDA_CORE_GROUPS = (1, 2, 3)
 KV_LAYOUT = "NHD"
 
 
@@ -98,9 +103,13 @@ class FlashInferAttention(AttentionBackend):
             )
             for w in self._windows
         }
+        group = num_qo_heads // pool.num_kv_heads
         self._decode = {
             w: fi.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, kv_layout=KV_LAYOUT, backend="fa2"
+                self._workspace,
+                kv_layout=KV_LAYOUT,
+                use_tensor_cores=group not in CUDA_CORE_GROUPS,
+                backend="fa2",
             )
             for w in self._windows
         }
