@@ -43,7 +43,7 @@ class EngineConfig:
     chunked_prefill_size: int = 2048
     schedule_policy: str = "lpm"
     radix_impl: str = "auto"
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
     decode_reserve_ratio: float = 1.0
     cache_dir: str | None = None
     seed: int = 0

@@ -11,6 +11,8 @@ class WorkerConfig:
 
     model: ``"smollm2"`` / None (the embedded model), an HF folder, or a .gguf file.
     dtype: ``float32``, ``bfloat16`` or ``float64`` (float64: torch backend only, for tests).
+    attention_backend: ``auto`` (flashinfer where it can run the model, else torch),
+    ``torch`` or ``flashinfer`` (ValueError saying why when it cannot run).
     num_pages / kv_memory: the KV pool size as a page count, else as a byte budget,
     else ``kv_pool.DEFAULT_KV_MEMORY`` bytes.
     max_running_requests: number of request slots (0 .. max_running_requests - 1).
@@ -26,7 +28,7 @@ class WorkerConfig:
     num_pages: int | None = None
     kv_memory: int | None = None
     max_running_requests: int = 256
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
     cache_dir: str | None = None
     seed: int = 0
 

@@ -31,8 +31,6 @@ class ModelRunner:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         dtype = parse_dtype(config.dtype)
-        if dtype == torch.float64 and config.attention_backend != "torch":
-            raise ValueError("float64 is supported by the torch attention backend only")
         self._device = torch.device(config.device)
         source = resolve_model(config.model, config.cache_dir)
         self.model, self.hf_config = load_model(source, dtype, self._device)
@@ -50,8 +48,9 @@ class ModelRunner:
             dtype, self._device,
         )  # fmt: skip
         self.backend = create_backend(
-            config.attention_backend, self.pool, cfg.head_dim**-0.5, cfg.sliding_windows
-        )
+            config.attention_backend, self.pool, cfg.head_dim**-0.5, cfg.sliding_windows,
+            cfg.num_heads,
+        )  # fmt: skip
         max_pages_per_slot = min(num_pages, -(-cfg.max_context_len // config.page_size))
         self.page_table = PageTable(config.max_running_requests, max_pages_per_slot, num_pages)
         self.sampler = Sampler(config.seed)

@@ -32,7 +32,9 @@ def run_case(rng, page_size, kv_heads, group, kinds, window=-1):
     heads = kv_heads * group
     num_pages = 4096 // page_size + 64
     pool = KVPool(2, num_pages, page_size, kv_heads, HEAD_DIM, torch.float64)
-    backend = create_backend("torch", pool, scale=HEAD_DIM**-0.5, sliding_windows=(window, -1))
+    backend = create_backend(
+        "torch", pool, scale=HEAD_DIM**-0.5, sliding_windows=(window, -1), num_qo_heads=heads
+    )
     free = list(rng.permutation(num_pages))
     reqs = []  # per request: (cached_len, new_len, pages, full K/V history)
     for kind in kinds:
@@ -93,4 +95,4 @@ def test_sliding_window_layer(page_size):
 def test_unknown_backend_is_refused():
     pool = KVPool(1, 4, 1, 1, HEAD_DIM, torch.float32)
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
-        create_backend("nope", pool, 1.0, (-1,))
+        create_backend("nope", pool, 1.0, (-1,), 1)

@@ -1,23 +1,67 @@
-"""Attention backends, chosen by name at start (``WorkerConfig.attention_backend``)."""
+"""Attention backends, chosen by name at start (``WorkerConfig.attention_backend``).
+
+``"auto"`` picks ``flashinfer`` when it can run the model here (a CUDA pool,
+float16/bfloat16, head_dim a multiple of 64, flashinfer importable) and
+``torch`` otherwise. Naming a backend forces it; ``flashinfer`` then fails with
+a ValueError that says why when it cannot run. The flashinfer module (and so
+the flashinfer package) is imported only when CUDA is in play.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
 
 from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
 from radixserve.worker.attention.torch_backend import TorchAttention
 from radixserve.worker.kv_pool import KVPool
 
-BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention}
+
+def _flashinfer(
+    pool: KVPool, scale: float, windows: tuple[int, ...], num_qo_heads: int
+) -> AttentionBackend:
+    from radixserve.worker.attention.flashinfer_backend import FlashInferAttention
+
+    return FlashInferAttention(pool, scale, windows, num_qo_heads)
+
+
+BACKENDS: dict[str, Callable[..., AttentionBackend]] = {
+    "torch": TorchAttention,
+    "flashinfer": _flashinfer,
+}
+CHOICES = ("auto", *BACKENDS)
+
+
+def resolve_backend_name(name: str, pool: KVPool) -> str:
+    """The backend ``name`` means for this pool: ``auto`` resolved, others unchanged."""
+    if name != "auto":
+        return name
+    # unsupported_reason checks the device before importing flashinfer, so a CPU
+    # pool never imports it.
+    from radixserve.worker.attention.flashinfer_backend import unsupported_reason
+
+    device = pool.layers[0].device if pool.layers else torch.device("cpu")
+    return (
+        "flashinfer" if unsupported_reason(device, pool.dtype, pool.head_dim) is None else "torch"
+    )
 
 
 def create_backend(
-    name: str, pool: KVPool, scale: float, sliding_windows: tuple[int, ...]
+    name: str, pool: KVPool, scale: float, sliding_windows: tuple[int, ...], num_qo_heads: int
 ) -> AttentionBackend:
-    """Instantiate the backend called ``name``; ValueError listing the known ones otherwise."""
-    try:
-        cls = BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(BACKENDS)}") from None
-    return cls(pool, scale, sliding_windows)
+    """Instantiate backend ``name`` (or ``auto``); ValueError listing the known ones otherwise."""
+    if name not in CHOICES:
+        raise ValueError(f"unknown attention backend {name!r}; known: {list(CHOICES)}")
+    return BACKENDS[resolve_backend_name(name, pool)](pool, scale, sliding_windows, num_qo_heads)
 
 
-__all__ = ["AttentionBackend", "AttentionBatch", "KVPool", "TorchAttention", "create_backend"]
+__all__ = [
+    "CHOICES",
+    "AttentionBackend",
+    "AttentionBatch",
+    "KVPool",
+    "TorchAttention",
+    "create_backend",
+    "resolve_backend_name",
+]

@@ -65,9 +65,18 @@ class AttentionBackend(ABC):
 
     name: str = ""
 
-    def __init__(self, pool: KVPool, scale: float, sliding_windows: tuple[int, ...]) -> None:
+    def __init__(
+        self, pool: KVPool, scale: float, sliding_windows: tuple[int, ...], num_qo_heads: int
+    ) -> None:
         if len(sliding_windows) != pool.num_layers:
             raise ValueError("one sliding window entry per layer is required")
+        # Planning needs the query head count before any q exists (FlashInfer's plan()).
+        if num_qo_heads < 1 or num_qo_heads % pool.num_kv_heads:
+            raise ValueError(
+                f"num_qo_heads {num_qo_heads} must be a positive multiple of "
+                f"num_kv_heads {pool.num_kv_heads}"
+            )
+        self.num_qo_heads = num_qo_heads
         self.pool = pool
         self.scale = scale
         self.sliding_windows = sliding_windows

@@ -1,0 +1,153 @@
+"""The flashinfer backend's wiring, run through a CPU double of flashinfer, against torch.
+
+The double (``fake_flashinfer.py``) enforces what the real API demands and does
+the reference math, so these tests prove what the backend plans, appends and
+runs (indices, dtypes, layouts, which wrapper, once per step) on every commit.
+They do not prove FlashInfer's kernels: ``test_flashinfer_gpu.py`` does, on CUDA.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from radixserve.worker.attention import AttentionBatch, KVPool, create_backend
+from tests.worker import fake_flashinfer
+
+LAYERS = 2
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    return fake_flashinfer.install(monkeypatch)
+
+
+class Twin:
+    """The flashinfer backend (bf16 pool) and the torch backend (float32 pool) fed the same
+    bf16 inputs step by step; every step's outputs and, at the end, the pools must agree."""
+
+    def __init__(
+        self, page_size, kv_heads, group, head_dim, windows=(-1,) * LAYERS, seed=0, device="cpu"
+    ):
+        self.s, self.kvh, self.heads, self.d = page_size, kv_heads, kv_heads * group, head_dim
+        self.device = device
+        torch.manual_seed(seed)
+        num_pages = 512 // page_size + 8
+        self.rng = np.random.default_rng(seed)
+        self.free = list(self.rng.permutation(num_pages))
+        dims = (LAYERS, num_pages, page_size, kv_heads, head_dim)
+        self.fi_pool = KVPool(*dims, torch.bfloat16, device)
+        self.ref_pool = KVPool(*dims, torch.float32, device)
+        scale = head_dim**-0.5
+        self.fi = create_backend("flashinfer", self.fi_pool, scale, windows, self.heads)
+        self.ref = create_backend("torch", self.ref_pool, scale, windows, self.heads)
+        assert self.fi.name == "flashinfer"
+        self.tables: dict[str, list[int]] = {}
+        self.lens: dict[str, int] = {}
+
+    def new(self, name, prefix_of=None, prefix_len=0):
+        """A request; with ``prefix_of`` its table starts with that request's first pages
+        (a cached prefix: ``prefix_len`` must be whole pages, as the radix cache shares them)."""
+        assert prefix_len % self.s == 0
+        self.tables[name] = (
+            list(self.tables[prefix_of][: prefix_len // self.s]) if prefix_of else []
+        )
+        self.lens[name] = prefix_len
+
+    def step(self, work: dict[str, int]) -> None:
+        """One step: request name -> number of new tokens."""
+        qo, kv, tables = [0], [], []
+        for name, n in work.items():
+            total = self.lens[name] + n
+            while len(self.tables[name]) * self.s < total:
+                self.tables[name].append(int(self.free.pop()))
+            self.lens[name] = total
+            qo.append(qo[-1] + n)
+            kv.append(total)
+            tables.append(np.array(self.tables[name], np.int32))
+        batch = AttentionBatch(
+            qo_indptr=np.array(qo, np.int32),
+            kv_lens=np.array(kv, np.int32),
+            page_indptr=np.cumsum([0] + [len(t) for t in tables]).astype(np.int32),
+            page_indices=np.concatenate(tables).astype(np.int32),
+        )
+        self.fi.begin_batch(batch)
+        self.ref.begin_batch(batch)
+        t = qo[-1]
+        for layer in range(LAYERS):
+            q = torch.randn(t, self.heads, self.d, device=self.device).bfloat16()
+            # k and v as the model makes them: strided views of one fused projection.
+            kv_proj = torch.randn(t, 2 * self.kvh * self.d, device=self.device).bfloat16()
+            k, v = (x.view(t, self.kvh, self.d) for x in kv_proj.split(self.kvh * self.d, -1))
+            out = self.fi.forward(layer, q, k, v)
+            want = self.ref.forward(layer, q.float(), k.float(), v.float())
+            assert out.dtype == torch.bfloat16 and out.shape == q.shape
+            torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)
+
+    def check_pools(self) -> None:
+        for a, b in zip(self.fi_pool.layers, self.ref_pool.layers):
+            assert torch.equal(a.float(), b)  # appends land exactly where torch writes them
+
+
+def run_script(twin: Twin, p: int) -> None:
+    """Fresh prefills, a prefill after a cached prefix mixed with decodes, a chunked
+    prefill across steps, and decode-only steps. ``p`` is the cached prefix length."""
+    twin.new("a"), twin.new("b"), twin.new("c")
+    twin.step({"a": p + 5, "b": 3, "c": 1})  # fresh prefills (c: a one-token prompt)
+    twin.step({"a": 1, "b": 1, "c": 1})  # decode only
+    twin.new("d", prefix_of="a", prefix_len=p)
+    twin.step({"b": 1, "d": 7, "a": 1})  # cached prefix + decode rows
+    twin.new("e")
+    for chunk in (9, 20, 4):  # a chunked prefill, decodes alongside
+        twin.step({"e": chunk, "d": 1, "c": 1})
+    for _ in range(2):
+        twin.step({name: 1 for name in "abcde"})
+    twin.check_pools()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("kv_heads", "group"), [(2, 1), (1, 3), (2, 4)])
+def test_matches_torch_backend(fake, page_size, head_dim, kv_heads, group):
+    twin = Twin(page_size, kv_heads, group, head_dim, seed=page_size + head_dim + group)
+    run_script(twin, p=2 * page_size if page_size > 1 else 13)
+    kinds = [name for name, _ in fake.calls if name.startswith("plan")]
+    # One plan per step (not per layer); decode-only steps use the decode wrapper.
+    assert (
+        kinds
+        == ["plan_prefill", "plan_decode", "plan_prefill"]
+        + ["plan_prefill"] * 3
+        + ["plan_decode"] * 2
+    )
+    runs = [name for name, _ in fake.calls if name.startswith("run")]
+    assert len(runs) == LAYERS * len(kinds)
+
+
+def test_gqa_group_without_a_cuda_core_decode_kernel(fake):
+    twin = Twin(16, 1, 5, 64, seed=9)  # 5 query heads per KV head
+    run_script(twin, p=16)
+    assert [w.use_tensor_cores for w in twin.fi._decode.values()] == [True]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_sliding_window_layers(fake, page_size):
+    twin = Twin(page_size, 2, 2, 64, windows=(6, -1), seed=5)
+    run_script(twin, p=16)
+    plans = [name for name, _ in fake.calls if name.startswith("plan")]
+    assert len(plans) == 2 * 8  # one wrapper per distinct window, each planned once per step
+
+
+def test_one_workspace_allocated_once(fake):
+    pool = KVPool(LAYERS, 8, 16, 1, 64, torch.bfloat16)
+    create_backend("flashinfer", pool, 0.125, (4, -1), 2)
+    assert len(fake.workspaces) == 4  # prefill + decode wrapper per distinct window
+    assert all(w is fake.workspaces[0] for w in fake.workspaces)
+
+
+def test_forward_before_begin_batch_is_refused(fake):
+    pool = KVPool(1, 8, 16, 1, 64, torch.bfloat16)
+    backend = create_backend("flashinfer", pool, 0.125, (-1,), 1)
+    x = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="begin_batch"):
+        backend.forward(0, x, x, x)
