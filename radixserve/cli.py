@@ -96,7 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.radix_impl,
         help="radix tree implementation; auto: native when built",
     )
-    p.add_argument("--attention-backend", default=d.attention_backend, help="torch | flashinfer")
+    p.add_argument(
+        "--attention-backend",
+        default=d.attention_backend,
+        help="auto (flashinfer on CUDA when it can run, else torch) | torch | flashinfer",
+    )
     p.add_argument("--cache-dir", default=None, help="converted-model cache dir")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds requests that bring no seed")
     p.add_argument(
