@@ -242,8 +242,15 @@ class Scheduler:
         batch.extend((r, 1) for r in decoding)
 
     def _retract_newest(self) -> None:
-        """Send the most recently admitted running request back to the queue."""
-        if len(self.running) <= 1:
+        """Send the most recently admitted running request back to the queue.
+
+        Even a request running alone may be retracted: it can hold duplicates
+        of pages the tree also holds for it (it computed a prefix while another
+        request cached the same one), which the fit check in add_request cannot count.
+        Retraction frees them; re-admitted, it matches its own KV in the tree.
+        A lone request without duplicates always fits (add_request checks).
+        """
+        if not self.running or (len(self.running) == 1 and not self.running[0].dups):
             raise RuntimeError("out of KV pages with a single running request")
         req = max(self.running, key=lambda r: r.admitted)
         self.running.remove(req)

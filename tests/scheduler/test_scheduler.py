@@ -313,3 +313,18 @@ def test_random_workloads_keep_kv_right(w):
     sched.check_idle()
     if w["cache"] == "none":
         assert sched.hit_tokens == 0
+
+
+def test_lone_request_holding_duplicates_is_retracted_not_stuck():
+    """Two identical short prompts prefilled together: the second holds duplicate pages.
+    When it runs alone in a pool that only fits it without them, it is retracted (its
+    duplicates freed, its KV cached) and recomputed from the tree."""
+    sched, worker = make(num_pages=30, decode_reserve_ratio=0.0)
+    prompt = list(range(3, 13))
+    sched.add_request("short", prompt, greedy(2, ignore_eos=True))
+    sched.add_request("long", prompt, greedy(20, ignore_eos=True))
+    res = run(sched, worker)
+    assert res[("long", 0)]["finish"] == "length"
+    assert res[("long", 0)]["tokens"] == expected_tokens(prompt, 20, ignore_eos=True)
+    assert sched.num_retractions >= 1
+    sched.check_idle()
