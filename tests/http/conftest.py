@@ -2,10 +2,15 @@
 
 The tiny float64 model of ``tests/serving`` serves as ``tiny``. The ZeroMQ ``zmq_client``
 is the oracle: the same greedy request through it and through HTTP must agree. After each
-test the server must be idle and pass the scheduler's idle-invariant check.
+test the server must be idle and pass the scheduler's idle-invariant check. At the end
+the HTTP front is killed: like any child's death, that must stop the whole server with
+exit code 1 and leave no process or runtime dir behind.
 """
 
 from __future__ import annotations
+
+import os
+import signal
 
 import pytest
 
@@ -20,7 +25,8 @@ MODEL = "tiny"
 def http_server(model_dir):  # noqa: F811
     srv = Server(model_dir, *SERVER_ARGS, "--http-port", "0", "--served-model-name", MODEL)
     yield srv
-    assert srv.stop() == 0, "SIGTERM must stop the server cleanly"
+    os.kill(srv.pids["http"], signal.SIGKILL)
+    assert srv.wait(60) == 1, "a dead child stops the server with exit code 1"
     assert srv.orphans() == []
 
 
