@@ -16,6 +16,8 @@ request the server refuses, 404 for an unknown model, 503 while the server stops
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -27,6 +29,7 @@ from radixserve.http.errors import HTTPError
 from radixserve.http.state import FrontState
 
 log = logging.getLogger("radixserve.http")
+T = TypeVar("T")
 ADMIN_TIMEOUT_S = 30.0  # health, stats, flush: answered between two scheduler steps
 
 
@@ -80,7 +83,7 @@ def create_app(state: FrontState) -> FastAPI:
         }
         return {"object": "list", "data": [card]}
 
-    async def _admin(call):  # type: ignore[no-untyped-def]
+    async def _admin(call: Callable[..., Awaitable[T]]) -> T:
         _serving()
         try:
             return await call(timeout=ADMIN_TIMEOUT_S)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
@@ -27,6 +28,7 @@ from radixserve.http.errors import HTTPError, from_validation
 from radixserve.http.generation import Generation
 from radixserve.http.openai_schema import ChatCompletionRequest, CompletionRequest
 from radixserve.http.state import FrontState
+from radixserve.sampling_params import SamplingParams
 
 T = TypeVar("T")
 Body = TypeVar("Body", bound=BaseModel)
@@ -54,7 +56,7 @@ def check(state: FrontState, body: CompletionRequest | ChatCompletionRequest) ->
 
 def _sampling(
     body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, state: FrontState
-):
+) -> SamplingParams:
     try:
         # No max_tokens: generate until EOS or the end of the context.
         return body.sampling(max_tokens if max_tokens is not None else state.max_context_len)
@@ -125,13 +127,14 @@ class _Format:
     def __init__(self, state: FrontState, body: Any, gens: list[Generation], chat: bool) -> None:
         self.state, self.body, self.gens, self.chat = state, body, gens, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
         self.n = body.n
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": obj,
-            "created": self.state.created,
+            "created": self.created,
             "model": self.body.model,
         }
 

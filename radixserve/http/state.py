@@ -16,4 +16,4 @@ class FrontState:
     served_model_name: str
     max_context_len: int
     draining: bool = False  # the server is stopping: new requests get 503
-    created: int = field(default_factory=lambda: int(time.time()))
+    created: int = field(default_factory=lambda: int(time.time()))  # the model card's
