@@ -198,3 +198,40 @@ def test_models_health_stats_and_flush(base_url, oai, zmq_client):
     freed = httpx.post(root + "/flush_cache").json()["freed_pages"]
     assert freed > 0
     assert zmq_client.stats()["pages_cached"] == 0
+
+
+def test_concurrent_streams_like_a_benchmark(base_url, zmq_client):
+    """Many streaming requests at once over one AsyncOpenAI, sharing a prefix: each gets
+    its own text and exact usage (what the benchmark's openai backend relies on)."""
+    shared = "You are a helpful assistant. " * 6
+    prompts = [f"{shared}Question {i}:" for i in range(8)]
+    want = [zmq_client.generate(p, max_tokens=MAX, temperature=0, ignore_eos=True) for p in prompts]
+    zmq_client.flush_cache()
+
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> tuple[str, object]:
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=MAX,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=EXTRA,
+        )
+        text, usage = "", None
+        async for chunk in stream:
+            text += "".join(c.text for c in chunk.choices)
+            usage = chunk.usage or usage
+        return text, usage
+
+    async def run() -> list:
+        async with openai.AsyncOpenAI(
+            base_url=base_url, api_key="unused", max_retries=0, timeout=120
+        ) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    got = asyncio.run(run())
+    assert [t for t, _ in got] == [w.text for w in want]
+    assert [u.prompt_tokens for _, u in got] == [w.usage.prompt_tokens for w in want]
+    assert all(u.completion_tokens == MAX for _, u in got)
+    assert sum(u.prompt_tokens_details.cached_tokens for _, u in got) > 0  # the shared prefix
