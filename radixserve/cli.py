@@ -44,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
         "launch",
         help="start a server (tokenizer, scheduler and worker processes)",
         description="Start the tokenizer, scheduler and worker processes and serve clients "
-        "(radixserve.client) over ZeroMQ until SIGINT/SIGTERM. Exits non-zero when any "
-        "process dies.",
+        "(radixserve.client) over ZeroMQ, and with --http-port an OpenAI-compatible HTTP "
+        "API, until SIGINT/SIGTERM. Exits non-zero when any process dies.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
@@ -55,6 +55,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1", help="address the public socket binds")
     p.add_argument("--port", type=int, default=30000, help="public TCP port; 0 picks a free one")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API (and /metrics) on this port of "
+        "--host; 0 picks a free one (printed); without it: no HTTP front",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id the HTTP API answers to (default: the model's name)",
+    )
     p.add_argument("--page-size", type=_positive, default=d.page_size, help="tokens per KV page")
     pool = p.add_mutually_exclusive_group()
     pool.add_argument("--num-pages", type=_positive, default=None, help="KV pool size in pages")
@@ -129,7 +141,14 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         cache_dir=args.cache_dir,
         seed=args.seed,
     )
-    return ServerConfig(engine=engine, host=args.host, port=args.port, log_level=args.log_level)
+    return ServerConfig(
+        engine=engine,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        http_port=args.http_port,
+        served_model_name=args.served_model_name,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,15 +1,18 @@
-"""Start the three server processes, wait until each is ready, stop them together.
+"""Start the server processes, wait until each is ready, stop them together.
 
 Start order: the worker first (it loads the model and reports the facts the
 others size themselves by: page count, context length, vocabulary, EOS ids),
-then the scheduler and the tokenizer together. Children run as
+then the scheduler and the tokenizer together, then (with ``--http-port``) the
+HTTP front, a client of the tokenizer. Children run as
 ``python -m radixserve.<process>.process <config json>`` with this package's
 root first on PYTHONPATH, so they import the same radixserve as the launcher.
 
 Shutdown, whatever the cause:
+0. the HTTP front is told to refuse new requests (503) and acknowledges;
 1. the tokenizer is told first (``Shutdown``): it answers every request in
    flight with an error and exits, so no client waits on a dead server;
-2. the scheduler and the worker get SIGTERM, then SIGKILL if they linger;
+2. the HTTP front, the scheduler and the worker get SIGTERM, then SIGKILL if
+   they linger;
 3. the private runtime dir with the ipc sockets is removed.
 A signal (SIGINT/SIGTERM) stops the server with exit code 0; the death of any
 child stops it with exit code 1.
@@ -31,7 +34,7 @@ import zmq
 
 import radixserve
 from radixserve import protocol as P
-from radixserve.server_config import CONTROL, TOKENIZER_IN, ServerConfig
+from radixserve.server_config import CONTROL, HTTP_IN, TOKENIZER_IN, ServerConfig
 
 log = logging.getLogger("radixserve.launch")
 
@@ -39,8 +42,10 @@ MODULES = {
     "worker": "radixserve.worker.process",
     "scheduler": "radixserve.scheduler.process",
     "tokenizer": "radixserve.tokenizer.process",
+    "http": "radixserve.http.process",
 }
 STOP_GRACE_S = 5.0  # how long a child may take to exit before it is killed
+DRAIN_ACK_S = 2.0  # how long the HTTP front may take to acknowledge that it drains
 
 
 class LaunchError(RuntimeError):
@@ -58,10 +63,11 @@ class Launcher:
         self.children: dict[str, subprocess.Popen] = {}
         self.signalled: int | None = None
         self.endpoint = ""
+        self.http_url = ""
 
     # ----------------------------------------------------------------- start
     def start(self) -> None:
-        """Start all three; raise LaunchError if one dies (or a signal arrives) first."""
+        """Start them all; raise LaunchError if one dies (or a signal arrives) first."""
         self._spawn("worker")
         info = self._wait_ready({"worker"})["worker"]
         self.config = self.config.with_model(info)
@@ -69,6 +75,9 @@ class Launcher:
         self._spawn("tokenizer")
         ready = self._wait_ready({"scheduler", "tokenizer"})
         self.endpoint = ready["tokenizer"]["endpoint"]
+        if self.config.http_port is not None:
+            self._spawn("http")
+            self.http_url = self._wait_ready({"http"})["http"]["url"]
 
     def summary(self) -> str:
         m, e = self.config.model, self.config.engine
@@ -130,6 +139,9 @@ class Launcher:
 
     # ------------------------------------------------------------------ stop
     def stop(self, message: str) -> None:
+        http = self.children.get("http")
+        if http is not None and http.poll() is None:
+            self._drain_http(message)
         tok = self.children.get("tokenizer")
         if tok is not None and tok.poll() is None:
             push = self.ctx.socket(zmq.PUSH)
@@ -138,9 +150,30 @@ class Launcher:
             push.send(P.Shutdown(message).encode())
             push.close()
             _wait_or_kill(tok, send_term=False)
+        if http is not None:
+            _wait_or_kill(http, send_term=True)
         for proc in self.children.values():
             _wait_or_kill(proc, send_term=True)
         self.close()
+
+    def _drain_http(self, message: str) -> None:
+        """Have the HTTP front refuse new requests before the tokenizer fails the ones in
+        flight, so those are answered 503 (the server stopping), not 400."""
+        push = self.ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 1000)
+        push.connect(self.config.endpoint(HTTP_IN))
+        push.send(P.Shutdown(message).encode())
+        push.close()
+        deadline = time.monotonic() + DRAIN_ACK_S
+        while (left := deadline - time.monotonic()) > 0:
+            if not self.control.poll(int(left * 1000) + 1):
+                break
+            msg = P.decode(
+                self.control.recv(), {P.Draining.TYPE: P.Draining, P.Ready.TYPE: P.Ready}
+            )
+            if isinstance(msg, P.Draining):
+                return
+        log.warning("the HTTP front did not acknowledge the shutdown in %.0f s", DRAIN_ACK_S)
 
     def close(self) -> None:
         if self.ctx.closed:
@@ -181,6 +214,8 @@ def launch(config: ServerConfig) -> int:
         raise
     pids = " ".join(f"{k}={v}" for k, v in launcher.pids().items())
     print(f"radixserve: serving on {launcher.endpoint}", flush=True)
+    if launcher.http_url:
+        print(f"radixserve: http on {launcher.http_url} (OpenAI API at /v1)", flush=True)
     print(f"radixserve: {launcher.summary()}", flush=True)
     print(f"radixserve: processes {pids} run_dir={launcher.run_dir} (Ctrl-C stops)", flush=True)
     try:

@@ -14,7 +14,8 @@ Channels (see docs/protocol.md):
 - tokenizer -> scheduler: ``AddRequest``, ``AbortRequest``, ``Flush``, ``GetStats``,
   ``CheckIdle``; scheduler -> tokenizer: ``Outputs``, ``RequestError``, ``AdminReply``;
 - scheduler -> worker: ``Step``; worker -> scheduler: ``StepResult``;
-- children -> launcher: ``Ready``; launcher -> tokenizer: ``Shutdown``.
+- children -> launcher: ``Ready``; launcher -> tokenizer and HTTP front: ``Shutdown``;
+  HTTP front -> launcher: ``Draining``.
 Internal token and page id arrays travel as little-endian int32 bytes.
 """
 
@@ -413,3 +414,11 @@ class Shutdown(Message):
 
     TYPE: ClassVar[str] = "shutdown"
     message: str = f(STR)
+
+
+@dataclass
+class Draining(Message):
+    """A child acknowledges ``Shutdown``: it now refuses new work (the HTTP front's 503s)."""
+
+    TYPE: ClassVar[str] = "draining"
+    process: str = f(STR)

@@ -35,6 +35,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000  # 0: any free port (the launcher prints the one bound)
     log_level: str = "info"
+    http_port: int | None = None  # the OpenAI-compatible HTTP front's port (0: any free one)
+    served_model_name: str | None = None  # the model id the HTTP front answers to
     run_dir: str = ""  # the private runtime dir holding the ipc sockets
     model: ModelInfo | None = None  # filled in once the worker is ready
 
@@ -71,4 +73,6 @@ SCHEDULER_IN = "sched"  # scheduler PULL <- tokenizer PUSH
 SCHEDULER_FROM_WORKER = "sched-w"  # scheduler PULL <- worker PUSH
 WORKER_IN = "worker"  # worker PULL <- scheduler PUSH
 TOKENIZER_IN = "tok"  # tokenizer PULL <- scheduler PUSH, launcher PUSH
+PUBLIC_IPC = "public"  # tokenizer ROUTER (its second public endpoint) <- HTTP front DEALER
+HTTP_IN = "http"  # HTTP front PULL <- launcher PUSH (shutdown)
 CONTROL = "ctl"  # launcher PULL <- every child PUSH (ready)

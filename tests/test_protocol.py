@@ -39,6 +39,7 @@ MESSAGES = [
     P.StepResult(step_id=7, tokens=I32),
     P.Ready(process="worker", info={"num_pages": 8}),
     P.Shutdown(message="bye"),
+    P.Draining(process="http"),
 ]
 
 

@@ -28,7 +28,13 @@ import zmq
 
 from radixserve import protocol as P
 from radixserve.models.tokenizer import load_tokenizer
-from radixserve.server_config import CONTROL, SCHEDULER_IN, TOKENIZER_IN, ServerConfig
+from radixserve.server_config import (
+    CONTROL,
+    PUBLIC_IPC,
+    SCHEDULER_IN,
+    TOKENIZER_IN,
+    ServerConfig,
+)
 from radixserve.tokenizer.inputs import InputProcessor
 from radixserve.tokenizer.output import OutputStream
 from radixserve.utils.proc import POLL_MS, ParentWatch, child_main, socket
@@ -70,6 +76,9 @@ class TokenizerServer:
         self.router.setsockopt(zmq.LINGER, 1000)
         self.router.bind(config.public_endpoint)
         self.endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        # The HTTP front is one more client; it connects here, inside the private run dir,
+        # so it neither depends on --host nor goes through TCP.
+        self.router.bind(config.endpoint(PUBLIC_IPC))
         self.inbox = socket(ctx, zmq.PULL, config.endpoint(TOKENIZER_IN), bind=True)
         self.to_scheduler = socket(ctx, zmq.PUSH, config.endpoint(SCHEDULER_IN), bind=False)
         self.requests: dict[str, InFlight] = {}  # by the scheduler's rid

@@ -1,7 +1,7 @@
 """Launch a real server (``radixserve launch``) in a subprocess, for integration tests.
 
 ``Server(model_dir, "--cache", "none")`` starts it on a free port and reads the
-endpoint and the child pids from its stdout; ``stop()`` sends SIGTERM and
+endpoint, the HTTP front's URL (with ``--http-port``) and the child pids from its stdout; ``stop()`` sends SIGTERM and
 returns the exit code. Hangs are bounded by pytest-timeout, not by sleeps here.
 """
 
@@ -28,19 +28,23 @@ class Server:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
         self.endpoint = ""
+        self.http_url = ""
         self.pids: dict[str, int] = {}
         self.summary = ""
         self.run_dir = ""
         for line in self.proc.stdout:  # type: ignore[union-attr]
             if m := re.search(r"serving on (\S+)", line):
                 self.endpoint = m.group(1)
+            elif m := re.search(r"http on (\S+)", line):
+                self.http_url = m.group(1)
             elif "processes" in line:
                 self.pids = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line)}
                 self.run_dir = re.search(r"run_dir=(\S+)", line).group(1)  # type: ignore[union-attr]
                 break
             else:
                 self.summary = line.strip()
-        if not self.endpoint or len(self.pids) != 3:
+        expected = 4 if "--http-port" in args else 3
+        if not self.endpoint or len(self.pids) != expected:
             raise RuntimeError(f"the server did not start (exit code {self.proc.wait()})")
 
     def wait(self, timeout: float = 60.0) -> int:

@@ -16,6 +16,8 @@ FLAGS = [
     "--model",
     "--host",
     "--port",
+    "--http-port",
+    "--served-model-name",
     "--page-size",
     "--num-pages",
     "--kv-memory",

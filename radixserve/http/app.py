@@ -1,0 +1,112 @@
+"""The FastAPI app of the HTTP front: OpenAI's endpoints plus health, cache and metrics.
+
+| route | answer |
+|---|---|
+| ``POST /v1/completions``, ``POST /v1/chat/completions`` | see ``completions.py`` |
+| ``GET /v1/models`` | the one served model |
+| ``GET /health`` | 200 after a round trip through the tokenizer and the scheduler; else 503 |
+| ``POST /flush_cache`` | ``{"freed_pages": n}`` |
+| ``GET /stats`` | the scheduler's stats (``Client.stats()``) |
+| ``GET /metrics`` | Prometheus text format (``metrics.py``) |
+
+Every error is OpenAI's ``{"error": {...}}`` with its status: 400 for a bad body or a
+request the server refuses, 404 for an unknown model, 503 while the server stops.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from radixserve.client import RequestTimeout, ServerError
+from radixserve.http import completions as C
+from radixserve.http.errors import HTTPError
+from radixserve.http.state import FrontState
+
+log = logging.getLogger("radixserve.http")
+T = TypeVar("T")
+ADMIN_TIMEOUT_S = 30.0  # health, stats, flush: answered between two scheduler steps
+
+
+def create_app(state: FrontState) -> FastAPI:
+    app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.front = state
+
+    @app.exception_handler(HTTPError)
+    async def _http_error(_request: Request, e: HTTPError) -> Response:
+        return e.response()
+
+    @app.exception_handler(C.ClientGone)
+    async def _gone(_request: Request, _e: C.ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it: the client left
+
+    @app.exception_handler(404)
+    async def _not_found(request: Request, _e: Exception) -> Response:
+        return HTTPError(404, f"no route {request.url.path}", code="not_found").response()
+
+    @app.exception_handler(405)
+    async def _bad_method(request: Request, _e: Exception) -> Response:
+        return HTTPError(405, f"{request.method} is not allowed on {request.url.path}").response()
+
+    @app.exception_handler(Exception)
+    async def _bug(_request: Request, e: Exception) -> Response:
+        log.exception("request failed")
+        return HTTPError(500, f"internal error: {type(e).__name__}: {e}").response()
+
+    def _serving() -> None:
+        if state.draining:
+            raise HTTPError(503, "the server is shutting down")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        _serving()
+        return await C.completions(state, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        _serving()
+        return await C.chat_completions(state, request)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {
+            "id": state.served_model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "radixserve",
+            "max_model_len": state.max_context_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    async def _admin(call: Callable[..., Awaitable[T]]) -> T:
+        _serving()
+        try:
+            return await call(timeout=ADMIN_TIMEOUT_S)
+        except (ServerError, RequestTimeout) as e:
+            raise HTTPError(503, f"the server did not answer: {e}") from None
+
+    @app.get("/health")
+    async def health() -> dict:
+        await _admin(state.client.health)
+        return {"status": "ok"}
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> dict:
+        return {"freed_pages": await _admin(state.client.flush_cache)}
+
+    @app.get("/stats")
+    async def stats() -> dict:
+        return await _admin(state.client.stats)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        _serving()
+        text = await state.metrics.render(lambda: _admin(state.client.stats))
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    return app

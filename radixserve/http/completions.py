@@ -1,0 +1,291 @@
+"""``/v1/completions`` and ``/v1/chat/completions``: OpenAI requests in, OpenAI answers out.
+
+A request becomes one ``Generation`` per prompt (OpenAI lets ``/v1/completions`` take a
+batch of prompts; choice ``i`` of prompt ``p`` is answered as index ``p * n + i``).
+
+Streaming answers wait for the first chunk before sending headers, so a request the
+server refuses (a prompt longer than the context, say) is still a plain 400. After that
+every chunk is one server-sent event; a failure mid-stream is an ``{"error": ...}``
+event; the stream always ends with ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from radixserve import protocol as P
+from radixserve.client import ServerError
+from radixserve.http.errors import HTTPError, from_validation
+from radixserve.http.generation import Generation
+from radixserve.http.openai_schema import ChatCompletionRequest, CompletionRequest
+from radixserve.http.state import FrontState
+from radixserve.sampling_params import SamplingParams
+
+T = TypeVar("T")
+Body = TypeVar("Body", bound=BaseModel)
+DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks that its client is there
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected; its request was aborted."""
+
+
+async def parse(request: Request, cls: type[Body]) -> Body:
+    try:
+        return cls.model_validate_json(await request.body())
+    except ValidationError as e:
+        raise from_validation(e) from None
+
+
+def check(state: FrontState, body: CompletionRequest | ChatCompletionRequest) -> None:
+    if body.model != state.served_model_name:
+        raise HTTPError(404, f"the model {body.model!r} does not exist", "model", "model_not_found")
+    why = body.unsupported()
+    if why is not None:
+        raise HTTPError(400, why)
+
+
+def _sampling(
+    body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, state: FrontState
+) -> SamplingParams:
+    try:
+        # No max_tokens: generate until EOS or the end of the context.
+        return body.sampling(max_tokens if max_tokens is not None else state.max_context_len)
+    except ValueError as e:
+        raise HTTPError(400, str(e)) from None
+
+
+async def completions(state: FrontState, request: Request) -> Response:
+    body = await parse(request, CompletionRequest)
+    check(state, body)
+    sp = _sampling(body, body.max_tokens, state)
+    gens = []
+    for p in body.prompts():
+        kind = "prompt" if isinstance(p, str) else "input_ids"
+        gens.append(
+            Generation(state.client, state.metrics, sp, cache_salt=body.cache_salt, **{kind: p})
+        )
+    if not gens:
+        raise HTTPError(400, "prompt must not be an empty list", "prompt")
+    return await _respond(state, request, body, gens, chat=False)
+
+
+async def chat_completions(state: FrontState, request: Request) -> Response:
+    body = await parse(request, ChatCompletionRequest)
+    check(state, body)
+    sp = _sampling(body, body.max_new_tokens, state)
+    messages = body.messages_as_dicts()
+    gen = Generation(state.client, state.metrics, sp, messages=messages, cache_salt=body.cache_salt)
+    return await _respond(state, request, body, [gen], chat=True)
+
+
+# --------------------------------------------------------------------- answers
+async def _respond(
+    state: FrontState,
+    request: Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    gens: list[Generation],
+    chat: bool,
+) -> Response:
+    fmt = _Format(state, body, gens, chat)
+    if not body.stream:
+        try:
+            await _unless_disconnected(request, _all(_drain(g) for g in gens))
+        except ServerError as e:
+            raise _refused(state, e) from None
+        return JSONResponse(fmt.whole())
+    events = _merge(gens)
+    try:
+        first = await _unless_disconnected(request, anext(events))
+    except ServerError as e:
+        await events.aclose()
+        raise _refused(state, e) from None
+    except BaseException:
+        await events.aclose()
+        raise
+    return _EventStream(fmt.sse(first, events), media_type="text/event-stream")
+
+
+def _refused(state: FrontState, e: ServerError) -> HTTPError:
+    # While stopping, the tokenizer fails every request in flight: that is a 503, not the
+    # client's fault; otherwise the server refused the request's content.
+    return HTTPError(503 if state.draining else 400, str(e))
+
+
+class _Format:
+    """OpenAI's JSON for completions or chat, whole or as stream chunks."""
+
+    def __init__(self, state: FrontState, body: Any, gens: list[Generation], chat: bool) -> None:
+        self.state, self.body, self.gens, self.chat = state, body, gens, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.n = body.n
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.body.model,
+        }
+
+    def usage(self) -> dict[str, Any]:
+        totals = [g.usage for g in self.gens]
+        prompt = sum(u["prompt_tokens"] for u in totals)
+        completion = sum(u["completion_tokens"] for u in totals)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(u["cached_tokens"] for u in totals)},
+        }
+
+    def whole(self) -> dict[str, Any]:
+        choices = []
+        for p, gen in enumerate(self.gens):
+            for c in gen.choices:
+                text = "".join(c.text)
+                out: dict[str, Any] = {"index": p * self.n + c.index}
+                if self.chat:
+                    out["message"] = {"role": "assistant", "content": text}
+                else:
+                    out["text"] = text
+                out.update(logprobs=None, finish_reason=c.finish_reason)
+                choices.append(out)
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": choices, "usage": self.usage()}
+
+    async def sse(
+        self, first: tuple[int, P.Chunk], rest: AsyncIterator[tuple[int, P.Chunk]]
+    ) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        usage_field = {"usage": None} if self.body.include_usage else {}
+
+        def event(choices: list[dict[str, Any]], **extra: Any) -> str:
+            data = {**self._head(obj), "choices": choices, **usage_field, **extra}
+            return f"data: {json.dumps(data)}\n\n"
+
+        if self.chat:  # OpenAI opens each choice with the assistant's role, one per event
+            for i in range(len(self.gens) * self.n):
+                role = {"role": "assistant", "content": ""}
+                yield event([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}])
+        try:
+            pending: tuple[int, P.Chunk] | None = first
+            while pending is not None:
+                p, chunk = pending
+                if chunk.text or chunk.finish_reason is not None:
+                    yield event([self._delta(p * self.n + chunk.index, chunk)])
+                pending = await anext(rest, None)
+            if self.body.include_usage:
+                yield event([], usage=self.usage())
+        except ServerError as e:
+            yield _refused(self.state, e).sse()
+        finally:
+            await rest.aclose()
+        yield "data: [DONE]\n\n"
+
+    def _delta(self, index: int, chunk: P.Chunk) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": index}
+        if self.chat:
+            out["delta"] = {"content": chunk.text} if chunk.text else {}
+        else:
+            out["text"] = chunk.text
+        out.update(logprobs=None, finish_reason=chunk.finish_reason)
+        return out
+
+
+class _EventStream(StreamingResponse):
+    """Closes its body however the response ends, so a request whose client left is
+    aborted now (the body's ``finally`` closes the generation streams)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
+# ------------------------------------------------------------- async plumbing
+async def _drain(gen: Generation) -> None:
+    async for _ in gen.chunks():
+        pass
+
+
+async def _all(jobs: Any) -> None:
+    """Run the jobs together; the first failure cancels the others (aborting them)."""
+    tasks = [asyncio.ensure_future(j) for j in jobs]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _merge(gens: list[Generation]) -> AsyncIterator[tuple[int, P.Chunk]]:
+    """The chunks of every generation, tagged with its prompt's index, as they come."""
+    if len(gens) == 1:
+        stream = gens[0].chunks()
+        try:
+            async for chunk in stream:
+                yield 0, chunk
+        finally:
+            await stream.aclose()
+        return
+    queue: asyncio.Queue[tuple[int, P.Chunk] | BaseException | None] = asyncio.Queue()
+
+    async def pump(p: int, gen: Generation) -> None:
+        try:
+            async for chunk in gen.chunks():
+                queue.put_nowait((p, chunk))
+            queue.put_nowait(None)
+        except Exception as e:
+            queue.put_nowait(e)
+
+    tasks = [asyncio.create_task(pump(p, g)) for p, g in enumerate(gens)]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _unless_disconnected(request: Request, job: Awaitable[T]) -> T:
+    """``await job``, unless the HTTP client goes away first: then cancel it (which aborts
+    its requests) and raise ClientGone. Starlette only notices a disconnect on its own
+    while streaming, so a request answered in one piece watches for it here."""
+    task = asyncio.ensure_future(job)
+    watch = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)

@@ -1,0 +1,127 @@
+"""One prompt's generation, as the HTTP front runs it through the tokenizer process.
+
+Every request is streamed from the tokenizer, even when the HTTP client asked for one
+JSON answer: the front then sees each token arrive, which is what the latency metrics
+measure, and joining the text deltas gives exactly the tokenizer's final text.
+
+Contract: whoever iterates ``Generation.chunks()`` either drains it or closes it
+(``aclose``, or by cancellation); closing it early aborts the request in the scheduler,
+so the KV of a client that went away is released at once.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve import protocol as P
+from radixserve.client import AsyncClient, ServerError
+from radixserve.http.metrics import Metrics
+from radixserve.sampling_params import SamplingParams
+
+
+@dataclass
+class Choice:
+    """What one sample produced so far."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+
+
+class Generation:
+    """One prompt (text, token ids, or chat messages) with ``sampling.n`` choices."""
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        metrics: Metrics,
+        sampling: SamplingParams,
+        *,
+        prompt: str | None = None,
+        input_ids: list[int] | None = None,
+        messages: list[dict[str, str]] | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.client, self.metrics, self.sampling = client, metrics, sampling
+        self.inputs: dict[str, Any] = {
+            "prompt": prompt,
+            "input_ids": input_ids,
+            "messages": messages,
+            "cache_salt": cache_salt,
+        }
+        self.request_id = f"http-{uuid.uuid4().hex}"
+        self.choices = [Choice(i) for i in range(sampling.n)]
+        self.arrival = time.monotonic()
+
+    @property
+    def usage(self) -> dict[str, int]:
+        """prompt / completion / cached tokens, once every choice finished.
+
+        The prompt is computed once for all n choices, so it is counted once (as OpenAI
+        does); its cached tokens are those of choice 0, the one that computed the prompt.
+        """
+        first = self.choices[0].usage or {}
+        return {
+            "prompt_tokens": first.get("prompt_tokens", 0),
+            "completion_tokens": sum(
+                (c.usage or {}).get("completion_tokens", 0) for c in self.choices
+            ),
+            "cached_tokens": first.get("cached_tokens", 0),
+        }
+
+    async def chunks(self) -> AsyncIterator[P.Chunk]:
+        """The tokenizer's chunks for every choice (each choice's last has finish_reason)."""
+        stream = self.client.generate_stream(
+            **self.inputs,
+            sampling_params=self.sampling,
+            request_id=self.request_id,
+            timeout=None,  # the HTTP client decides how long to wait; leaving aborts
+        )
+        first_token: float | None = None
+        last_token: dict[int, float] = {}
+        outcome = "abort"  # unless the stream ends or the server fails the request
+        try:
+            async for chunk in stream:
+                now = time.monotonic()
+                choice = self.choices[chunk.index]
+                if chunk.token_ids:
+                    if first_token is None:
+                        first_token = now
+                        self.metrics.ttft.labels(self.metrics.model_name).observe(
+                            now - self.arrival
+                        )
+                    elif chunk.index in last_token:
+                        gap = now - last_token[chunk.index]
+                        self.metrics.itl.labels(self.metrics.model_name).observe(gap)
+                    last_token[chunk.index] = now
+                choice.text.append(chunk.text)
+                choice.num_tokens += len(chunk.token_ids)
+                if chunk.finish_reason is not None:
+                    self._finish(choice, chunk.finish_reason, chunk.usage)
+                yield chunk
+            outcome = "done"
+            e2e = time.monotonic() - self.arrival
+            self.metrics.e2e.labels(self.metrics.model_name).observe(e2e)
+        except ServerError:
+            outcome = "error"
+            raise
+        finally:
+            await stream.aclose()  # aborts the request unless it finished
+            if outcome != "done":
+                for choice in self.choices:
+                    if choice.finish_reason is None:
+                        self._finish(choice, outcome, None)
+
+    def _finish(self, choice: Choice, reason: str, usage: dict[str, int] | None) -> None:
+        choice.finish_reason = reason
+        choice.usage = usage
+        completion = usage["completion_tokens"] if usage else choice.num_tokens
+        self.metrics.finished(reason, completion)
+        if usage is not None and choice.index == 0:
+            self.metrics.prompt(usage["prompt_tokens"])

@@ -1,0 +1,120 @@
+"""Prometheus metrics of the HTTP front (``GET /metrics``).
+
+Where each metric is measured, and why:
+
+- From the scheduler's ``stats()``, read at every scrape, so they cover every client
+  (ZeroMQ clients too), because only the scheduler knows them: the prefix cache counters
+  (``prefix_cache_queries_total`` and ``prefix_cache_hits_total``, in prompt tokens),
+  ``preemptions_total`` (retractions), and the gauges for running / waiting requests and
+  KV pages (free, used by requests, cached in the tree). The scheduler's counters are
+  turned into Prometheus counters by adding the increase since the last scrape, so they
+  never go down.
+- In this front, for its own requests only, because that is where a request's client
+  sees it: ``prompt_tokens_total`` and ``generation_tokens_total`` (the sums of the
+  ``usage`` it returned, plus the tokens of requests cut short), ``requests_total`` by
+  finish reason (one per choice; ``abort`` when the HTTP client went away, ``error``
+  when the server refused or failed it), and the latency histograms: time to first
+  token, inter-token latency (per choice, between two chunks that carry tokens) and
+  end-to-end latency, all from the moment the request reached this front.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "radixserve:"
+FINISH_REASONS = ("stop", "length", "abort", "error")
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+
+# scheduler stats() key -> counter name (without the _total the exposition adds)
+SCHEDULER_COUNTERS = {
+    "query_tokens": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "hit_tokens": ("prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache."),
+    "preemptions": ("preemptions", "Requests retracted to free KV pages for others."),
+}
+
+
+class Metrics:
+    """One registry per front (not the process-global one), so tests can build several."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        r, labels = self.registry, ["model_name"]
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, [*labels, *extra], registry=r)
+
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(PREFIX + name, doc, [*labels, *extra], registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of this front's requests.")
+        self.generation_tokens = counter(
+            "generation_tokens", "Tokens generated for this front's requests."
+        )
+        self.requests = counter(
+            "requests", "Finished choices of this front's requests.", ("finish_reason",)
+        )
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Between two token-bearing chunks.", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Arrival to the last choice's finish.", E2E_BUCKETS
+        )
+        self._scheduler = {
+            key: counter(name, doc) for key, (name, doc) in SCHEDULER_COUNTERS.items()
+        }
+        self._seen: dict[str, int] = {}
+        self.running = gauge("num_requests_running", "Requests holding a worker slot.")
+        self.waiting = gauge("num_requests_waiting", "Requests queued in the scheduler.")
+        self.kv_pages = gauge(
+            "kv_pages", "KV pages by state: free, used (by requests), cached.", ("state",)
+        )
+        self._lock = asyncio.Lock()
+        # Expose every series from the start (at 0), so a first scrape already lists them.
+        for family in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e):
+            family.labels(model_name)
+        for reason in FINISH_REASONS:
+            self.requests.labels(model_name, reason)
+
+    # ------------------------------------------------------- this front's requests
+    def finished(self, finish_reason: str, completion_tokens: int) -> None:
+        self.requests.labels(self.model_name, finish_reason).inc()
+        self.generation_tokens.labels(self.model_name).inc(completion_tokens)
+
+    def prompt(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
+
+    # ------------------------------------------------------------------ scrape
+    async def render(self, get_stats: Callable[[], Awaitable[dict[str, int]]]) -> bytes:
+        """Fetch the scheduler's stats, fold them in, return the text exposition."""
+        # The lock keeps a slower scrape from applying older stats after a newer one.
+        async with self._lock:
+            stats = await get_stats()
+            self._apply(stats)
+            return generate_latest(self.registry)
+
+    def _apply(self, stats: dict[str, int]) -> None:
+        m = self.model_name
+        for key, counter in self._scheduler.items():
+            value = int(stats[key])
+            last = self._seen.get(key, 0)
+            # The scheduler's counters only grow while it lives; treat a drop as a restart.
+            counter.labels(m).inc(value - last if value >= last else value)
+            self._seen[key] = value
+        self.running.labels(m).set(stats["running"])
+        self.waiting.labels(m).set(stats["waiting"])
+        self.kv_pages.labels(m, "free").set(stats["pages_free"])
+        self.kv_pages.labels(m, "used").set(stats["pages_used"])
+        self.kv_pages.labels(m, "cached").set(stats["pages_cached"])

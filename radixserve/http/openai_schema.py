@@ -1,0 +1,165 @@
+"""OpenAI request bodies (pydantic) and what each becomes: sampling parameters and prompts.
+
+Types are strict (``"5"`` is not an integer, ``1`` is not a boolean) and unknown
+fields are refused, so a misspelt or unsupported parameter is a 400 naming it
+instead of a silently different completion. Fields OpenAI defines that this
+server cannot honour are declared here only to refuse them with a message
+(``unsupported()``); ``user`` is accepted because it never changes the output.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from radixserve.sampling_params import SamplingParams
+
+Number = StrictInt | StrictFloat
+TokenIds = list[StrictInt]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: StrictBool = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints share: the sampling parameters and radixserve's extras."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: StrictStr
+    temperature: Number | None = None
+    top_p: Number | None = None
+    n: StrictInt = 1
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None  # an end-user id for the caller's bookkeeping; no effect
+    # radixserve (and vLLM) extras
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    ignore_eos: StrictBool = False
+    cache_salt: StrictStr | None = None
+    # OpenAI fields refused unless they are at their no-op value
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    logit_bias: dict[str, Any] | None = None
+
+    def unsupported(self) -> str | None:
+        """Why this request asks for something the server cannot do (None: it doesn't)."""
+        if self.presence_penalty not in (None, 0):
+            return "presence_penalty is not supported"
+        if self.frequency_penalty not in (None, 0):
+            return "frequency_penalty is not supported"
+        if self.logit_bias:
+            return "logit_bias is not supported"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options is only allowed with stream=true"
+        return None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        """SamplingParams for this request (ValueError names a bad value)."""
+        fields: dict[str, Any] = {"max_tokens": max_tokens, "n": self.n}
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+            value = getattr(self, name)
+            if value is not None:
+                fields[name] = value
+        if self.stop is not None:
+            fields["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        fields["ignore_eos"] = self.ignore_eos
+        return SamplingParams(**fields)
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``."""
+
+    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+    max_tokens: StrictInt | None = 16  # OpenAI's default for completions
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+    def unsupported(self) -> str | None:
+        if self.logprobs is not None:
+            return "logprobs is not supported"
+        if self.echo:
+            return "echo is not supported"
+        if self.best_of not in (None, self.n):
+            return "best_of is not supported (use n)"
+        if self.suffix:
+            return "suffix is not supported"
+        return super().unsupported()
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request: one text or token list each (OpenAI allows a batch)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart]
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Common):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: StrictInt | None = None  # deprecated by OpenAI for max_completion_tokens
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> str | None:
+        if self.logprobs or self.top_logprobs is not None:
+            return "logprobs is not supported"
+        if self.tools or self.tool_choice not in (None, "none"):
+            return "tools are not supported"
+        if self.response_format not in (None, {"type": "text"}):
+            return "response_format is not supported (only {'type': 'text'})"
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            return "give max_completion_tokens or max_tokens, not both"
+        return super().unsupported()
+
+    def messages_as_dicts(self) -> list[dict[str, str]]:
+        # "developer" is OpenAI's newer name for the system role; chat templates know "system".
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )

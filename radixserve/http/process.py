@@ -1,0 +1,138 @@
+"""The HTTP front process: uvicorn serving the OpenAI-compatible app.
+
+Started by ``radixserve launch --http-port PORT`` after the tokenizer is ready, as
+``python -m radixserve.http.process <config json>``. It is one more client of the
+tokenizer (an ``AsyncClient`` on the tokenizer's ipc endpoint in the run dir).
+
+Shutdown, as the launcher orders it:
+1. ``Shutdown`` on its inbox: from now on new requests get 503; it acknowledges with
+   ``Draining`` so the launcher knows before it stops the tokenizer;
+2. the tokenizer fails the requests in flight; they are answered 503 (or, mid-stream,
+   with an error event and ``[DONE]``);
+3. SIGTERM: uvicorn stops listening, lets open responses end, and the process exits 0.
+SIGINT is ignored (Ctrl-C reaches the whole process group; the launcher decides), and
+the process leaves when its launcher dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket as pysocket
+from collections.abc import Iterator
+
+import uvicorn
+import zmq
+import zmq.asyncio
+from prometheus_client import disable_created_metrics
+
+from radixserve import protocol as P
+from radixserve.client import AsyncClient
+from radixserve.http.app import create_app
+from radixserve.http.metrics import Metrics
+from radixserve.http.state import FrontState
+from radixserve.server_config import CONTROL, HTTP_IN, PUBLIC_IPC, ServerConfig
+from radixserve.utils.proc import ParentWatch, child_main, socket
+
+log = logging.getLogger("radixserve.http")
+GRACEFUL_S = 3.0  # how long open responses may take to end after SIGTERM
+STARTUP_TIMEOUT_S = 60.0
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # This process's own handlers decide (see the module docstring); uvicorn's would
+        # stop on SIGINT and re-raise the signal afterwards.
+        yield
+
+
+def bind(host: str, port: int) -> pysocket.socket:
+    """A listening TCP socket; port 0 binds a free one (read it back with getsockname)."""
+    family = pysocket.AF_INET6 if ":" in host else pysocket.AF_INET
+    sock = pysocket.socket(family, pysocket.SOCK_STREAM)
+    sock.setsockopt(pysocket.SOL_SOCKET, pysocket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def run(config: ServerConfig, ctx: zmq.Context) -> None:
+    assert config.model is not None and config.http_port is not None
+    disable_created_metrics()  # the *_created series only double the exposition's size
+    asyncio.run(serve(config, ctx))
+
+
+async def serve(config: ServerConfig, ctx: zmq.Context) -> None:
+    assert config.model is not None and config.http_port is not None
+    client = AsyncClient(config.endpoint(PUBLIC_IPC), timeout=None)
+    actx = zmq.asyncio.Context.shadow(ctx.underlying)
+    inbox = actx.socket(zmq.PULL)
+    inbox.setsockopt(zmq.LINGER, 0)
+    inbox.bind(config.endpoint(HTTP_IN))
+    control = socket(ctx, zmq.PUSH, config.endpoint(CONTROL), bind=False)
+    try:
+        await client.health(timeout=STARTUP_TIMEOUT_S)  # the tokenizer answers: go
+        name = config.served_model_name or config.model.model_name
+        state = FrontState(client, Metrics(name), name, config.model.max_context_len)
+        sock = bind(config.host, config.http_port)
+        uv = uvicorn.Config(
+            create_app(state),
+            log_level=config.log_level,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=GRACEFUL_S,
+        )
+        server = _Server(uv)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, lambda: setattr(server, "should_exit", True))
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.02)
+        if serving.done():
+            serving.result()  # raises what stopped it
+            return
+        host, port = sock.getsockname()[:2]
+        url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        control.send(P.Ready("http", {"url": url}).encode())
+        log.info("ready: serving on %s", url)
+        helpers = [
+            asyncio.create_task(_drain_on_shutdown(inbox, control, state)),
+            asyncio.create_task(_leave_with_parent(server)),
+        ]
+        try:
+            await serving
+        finally:
+            for t in helpers:
+                t.cancel()
+    finally:
+        client.close()
+        inbox.close(linger=0)
+        control.close(linger=0)
+
+
+async def _drain_on_shutdown(
+    inbox: zmq.asyncio.Socket, control: zmq.Socket, state: FrontState
+) -> None:
+    msg = P.decode(await inbox.recv(), {P.Shutdown.TYPE: P.Shutdown})
+    state.draining = True
+    log.info("draining: %s", msg.message)
+    control.send(P.Draining("http").encode())
+
+
+async def _leave_with_parent(server: uvicorn.Server) -> None:
+    watch = ParentWatch()
+    while watch.alive():
+        await asyncio.sleep(0.5)
+    server.should_exit = True
+
+
+def main() -> None:
+    child_main("http", run)
+
+
+if __name__ == "__main__":
+    main()

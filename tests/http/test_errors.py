@@ -1,0 +1,147 @@
+"""Bad requests get OpenAI-shaped errors with the right status and a message saying why,
+the server keeps serving, and an HTTP client that leaves has its request aborted."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from radixserve.client import AsyncClient
+from radixserve.http.app import create_app
+from radixserve.http.metrics import Metrics
+from radixserve.http.state import FrontState
+from tests.helpers.server import wait_idle
+from tests.http.conftest import MODEL
+
+LONG = 400  # more tokens than any test waits for: finishing early proves the abort
+GOOD = {"model": MODEL, "prompt": "still serving", "max_tokens": 3, "temperature": 0}
+
+
+@pytest.fixture
+def http(http_server):
+    with httpx.Client(base_url=http_server.http_url, timeout=120) as c:
+        yield c
+
+
+def error_of(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    err = response.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"]
+    return err
+
+
+BAD_BODIES = [
+    # (body, what the message must mention, the param it must name)
+    ({**GOOD, "max_tokens": "5"}, "valid integer", "max_tokens"),
+    ({**GOOD, "temperature": "hot"}, "temperature", "temperature"),
+    ({**GOOD, "n": True}, "valid integer", "n"),
+    ({**GOOD, "stream": "yes"}, "valid boolean", "stream"),
+    ({**GOOD, "prompt": {"text": "x"}}, "prompt", "prompt"),
+    ({**GOOD, "max_token": 5}, "max_token", "max_token"),  # a typo is not ignored
+    ({k: v for k, v in GOOD.items() if k != "model"}, "model", "model"),
+    ({**GOOD, "top_p": 2.0}, "top_p must be in (0, 1]", None),
+    ({**GOOD, "max_tokens": 0}, "max_tokens must be an integer >= 1", None),
+    ({**GOOD, "seed": -1}, "seed", None),
+    ({**GOOD, "logprobs": 2}, "logprobs is not supported", None),
+    ({**GOOD, "echo": True}, "echo is not supported", None),
+    ({**GOOD, "presence_penalty": 0.5}, "presence_penalty is not supported", None),
+    ({**GOOD, "stream_options": {"include_usage": True}}, "stream_options", None),
+]
+
+
+@pytest.mark.parametrize("body,mentions,param", BAD_BODIES)
+def test_bad_completion_bodies_are_400(http, body, mentions, param):
+    err = error_of(http.post("/v1/completions", json=body), 400)
+    assert mentions in err["message"]
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param
+
+
+def test_bad_json_oversized_prompt_and_unknown_model(http, zmq_client):
+    bad = http.post(
+        "/v1/completions", content=b'{"model": ', headers={"content-type": "application/json"}
+    )
+    assert "not valid JSON" in error_of(bad, 400)["message"]
+    not_object = http.post("/v1/completions", json=["a", "list"])
+    error_of(not_object, 400)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}
+    assert "logprobs" in error_of(http.post("/v1/chat/completions", json=chat), 400)["message"]
+    chat = {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}
+    assert error_of(http.post("/v1/chat/completions", json=chat), 400)["param"] == "messages"
+    huge = {**GOOD, "prompt": "word " * 2000}
+    for stream in (False, True):
+        err = error_of(http.post("/v1/completions", json={**huge, "stream": stream}), 400)
+        assert "context" in err["message"]
+    err = error_of(http.post("/v1/completions", json={**GOOD, "model": "gpt-9"}), 404)
+    assert (err["code"], err["param"]) == ("model_not_found", "model")
+    error_of(http.get("/v1/nothing"), 404)
+    # Still serving, and nothing leaked (the fixture checks the idle invariant).
+    ok = http.post("/v1/completions", json=GOOD)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_openai_client_raises_the_matching_errors(base_url, zmq_client):
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as oai:
+        with pytest.raises(openai.BadRequestError, match="top_p"):
+            oai.completions.create(model=MODEL, prompt="x", top_p=5)
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            oai.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def read_events(response: httpx.Response, count: int) -> list[str]:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            events.append(line)
+            if len(events) == count:
+                break
+    return events
+
+
+def test_client_disconnect_aborts_stream_and_whole_requests(http_server, zmq_client):
+    body = {**GOOD, "max_tokens": LONG, "ignore_eos": True}
+    before = zmq_client.stats()["steps"]
+    with (
+        httpx.Client(base_url=http_server.http_url, timeout=120) as c,
+        c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r,
+    ):
+        assert r.status_code == 200
+        assert len(read_events(r, 2)) == 2
+    # leaving the block closed the connection mid-stream
+    stats = wait_idle(zmq_client)
+    assert stats["steps"] - before < LONG // 2
+    # Answered in one piece: the front watches the connection while it waits.
+    before = stats["steps"]
+    with (
+        httpx.Client(base_url=http_server.http_url, timeout=0.5) as c,
+        pytest.raises(httpx.ReadTimeout),
+    ):
+        c.post("/v1/completions", json=body)
+    stats = wait_idle(zmq_client)
+    assert stats["steps"] - before < LONG - 10
+
+
+def test_draining_front_answers_503(http_server, zmq_client):
+    """The launcher drains the front before the tokenizer fails what is in flight; a
+    draining front refuses new work with 503 (checked in-process, on the real server)."""
+
+    async def run() -> list[httpx.Response]:
+        async with AsyncClient(http_server.endpoint, timeout=60) as client:
+            state = FrontState(client, Metrics(MODEL), MODEL, 512, draining=True)
+            transport = httpx.ASGITransport(app=create_app(state))
+            async with httpx.AsyncClient(transport=transport, base_url="http://front") as c:
+                return [
+                    await c.post("/v1/completions", json=GOOD),
+                    await c.get("/health"),
+                    await c.get("/v1/models"),
+                ]
+
+    completion, health, models = asyncio.run(run())
+    assert "shutting down" in error_of(completion, 503)["message"]
+    error_of(health, 503)
+    assert models.status_code == 200
