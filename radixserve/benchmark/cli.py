@@ -235,9 +235,21 @@ def title(workload: Workload, args: argparse.Namespace) -> str:
     )
 
 
+def _require(module: str, why: str) -> None:
+    """Fail before a long run, not after it, when an optional package is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise SystemExit(f"radixserve bench: {why} needs {module}: pip install {module}")
+
+
 def main(args: argparse.Namespace) -> int:
     from radixserve.models.tokenizer import load_tokenizer
 
+    if not args.no_plot:
+        _require("matplotlib", "the PNG plot (or pass --no-plot)")
+    if args.backend == "openai":
+        _require("httpx", "--backend openai")
     plan = variants(args)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     workload = build_workload(args, from_tokenizer(tokenizer, args.prompt_kind, args.seed))
