@@ -18,7 +18,7 @@ STAMP := $(VENV)/.radixserve-installed
 RUN_FLAGS ?=
 SERVE ?=
 
-.PHONY: install run test lint format bench clean
+.PHONY: install run test lint format bench bench-prefix clean
 
 install: $(STAMP)
 
@@ -52,6 +52,11 @@ format: install
 bench: install
 	$(PY) bench/radix_ops.py
 	$(PY) bench/scheduler.py
+
+# SmolLM2 shared-prefix workload, cache radix vs none (a few minutes on 2 cores);
+# docs/benchmark.md has the rest of `radixserve bench`.
+bench-prefix: install
+	PY=$(PY) bench/shared_prefix.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache radixserve/scheduler/_radix_native*.so

@@ -1,7 +1,8 @@
 """The ``radixserve`` command. ``radixserve launch --help`` lists every flag.
 
-Subcommands: ``launch`` (start a server). The command line is turned into one
-``ServerConfig`` here, and only here.
+Subcommands: ``launch`` (start a server; its command line is turned into one
+``ServerConfig`` here, and only here) and ``bench`` (the shared-prompt benchmark
+suite, ``radixserve.benchmark``; ``radixserve bench --help``).
 """
 
 from __future__ import annotations
@@ -121,6 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
         default="warning",
         help="log level of every process (logs go to stderr)",
     )
+    b = sub.add_parser(
+        "bench",
+        help="benchmark shared-prompt workloads (prefix caching) against servers",
+        description="Run a shared-prompt workload against radixserve (fresh servers per "
+        "--compare variant, or --endpoint) or an OpenAI-compatible server; print a table, "
+        "write JSON and a PNG. See docs/benchmark.md.",
+    )
+    from radixserve.benchmark.cli import add_arguments
+
+    add_arguments(b)
     return parser
 
 
@@ -153,6 +164,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        from radixserve.benchmark.cli import main as bench_main
+
+        return bench_main(args)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s launch %(levelname)s %(message)s",

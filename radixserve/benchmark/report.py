@@ -1,0 +1,137 @@
+"""Outputs of a benchmark: a terminal table, a JSON file, a PNG plot.
+
+The table puts variants side by side, with each later variant's value over the
+first's (``x`` columns). The JSON holds every number, the exact configuration,
+and one line per request; the PNG shows throughput, TTFT, and hit rate against
+the offline optimum per variant.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+ROWS = [  # (label, metrics key, format)
+    ("requests", "requests", "{:.0f}"),
+    ("failed", "failed", "{:.0f}"),
+    ("duration s", "duration_s", "{:.2f}"),
+    ("requests/s", "request_throughput", "{:.3f}"),
+    ("input tok/s", "input_tok_s", "{:.1f}"),
+    ("output tok/s", "output_tok_s", "{:.1f}"),
+    ("TTFT mean ms", "ttft_mean_ms", "{:.0f}"),
+    ("TTFT median ms", "ttft_median_ms", "{:.0f}"),
+    ("TTFT p99 ms", "ttft_p99_ms", "{:.0f}"),
+    ("ITL mean ms", "itl_mean_ms", "{:.1f}"),
+    ("ITL p99 ms", "itl_p99_ms", "{:.1f}"),
+    ("e2e mean ms", "e2e_mean_ms", "{:.0f}"),
+    ("e2e p99 ms", "e2e_p99_ms", "{:.0f}"),
+    ("prompt tokens", "prompt_tokens", "{:.0f}"),
+    ("cached tokens", "cached_tokens", "{:.0f}"),
+    ("hit rate", "hit_rate", "{:.2%}"),
+    ("optimal (page 1)", "optimal_hit_rate_page1", "{:.2%}"),
+    ("optimal (server page)", "optimal_hit_rate", "{:.2%}"),
+    ("hit / optimal", "hit_vs_optimal", "{:.3f}"),
+]
+
+
+def _fmt(value: Any, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def table(title: str, variants: list[dict[str, Any]]) -> str:
+    """Rows = metrics, columns = variants, then value / first variant's value."""
+    labels = [v["label"] for v in variants]
+    base = labels[0]
+    head = ["metric", *labels] + [f"{lab} / {base}" for lab in labels[1:]]
+    lines = []
+    for name, key, fmt in ROWS:
+        vals = [v["metrics"].get(key) for v in variants]
+        row = [name] + [_fmt(x, fmt) for x in vals]
+        for x in vals[1:]:
+            ok = isinstance(x, int | float) and isinstance(vals[0], int | float) and vals[0]
+            row.append(f"{x / vals[0]:.2f}x" if ok else "-")  # type: ignore[operator]
+        lines.append(row)
+    widths = [max(len(r[i]) for r in [head, *lines]) for i in range(len(head))]
+
+    def render(r: list[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+        )
+
+    rule = "-" * len(render(head))
+    return "\n".join([title, rule, render(head), rule, *map(render, lines), rule])
+
+
+def request_rows(result_records: list[Any]) -> list[dict[str, Any]]:
+    """One compact line per request for the JSON (lengths, not the token ids)."""
+    rows = []
+    for r in result_records:
+        u = r.usage
+        rows.append(
+            {
+                "key": r.key,
+                "order": r.order,
+                "prompt_len": len(r.prompt_ids),
+                "output_len": len(r.output_ids),
+                "send_s": r.send_time,
+                "ttft_s": r.chunk_times[0] - r.send_time if r.chunk_times else None,
+                "e2e_s": r.end_time - r.send_time,
+                "prompt_tokens": u.prompt_tokens if u else None,
+                "completion_tokens": u.completion_tokens if u else None,
+                "cached_tokens": u.cached_tokens if u and r.cached_known else None,
+                "error": r.error,
+            }
+        )
+    return rows
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1))
+
+
+def write_png(path: Path, title: str, variants: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    labels = [v["label"] for v in variants]
+    m = [v["metrics"] for v in variants]
+    x = range(len(labels))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+
+    ax = axes[0]
+    ax.bar(x, [d["output_tok_s"] for d in m], color="tab:blue")
+    ax.set_title("output throughput (tokens/s)")
+
+    ax = axes[1]
+    w = 0.27
+    for i, (k, name) in enumerate(
+        [("ttft_mean_ms", "mean"), ("ttft_median_ms", "median"), ("ttft_p99_ms", "p99")]
+    ):
+        ax.bar([j + (i - 1) * w for j in x], [d[k] or 0 for d in m], w, label=name)
+    ax.set_title("time to first token (ms)")
+    ax.legend()
+
+    ax = axes[2]
+    for i, (k, name) in enumerate(
+        [
+            ("hit_rate", "achieved"),
+            ("optimal_hit_rate", "optimal (server page)"),
+            ("optimal_hit_rate_page1", "optimal (page 1)"),
+        ]
+    ):
+        ax.bar([j + (i - 1) * w for j in x], [d[k] or 0 for d in m], w, label=name)
+    ax.set_ylim(0, 1.05)
+    ax.set_title("prefix cache hit rate")
+    ax.legend(loc="lower right")
+
+    for ax in axes:
+        ax.set_xticks(list(x), labels)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

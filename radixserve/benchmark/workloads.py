@@ -1,0 +1,237 @@
+"""The workloads: which token sequences are sent, and which wait for which.
+
+A workload is a list of root requests in send order; a request may have
+children that are sent when it finishes, each with the prompt
+``parent prompt + parent output + its own new tokens`` (a conversation's next
+turn, a branch of a tree). Prompts are token ids, so lengths are exact and the
+offline-optimal hit rate can be computed over exactly what was sent.
+
+Tokens come from a ``TokenSource``: random ids from the vocabulary (special
+tokens excluded) or runs of real English (the standard library's
+``pydoc_data.topics``) tokenized by the model's tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+WORKLOADS = ("shared-prefix", "multi-turn", "few-shot", "tree")
+
+
+@dataclass
+class Node:
+    """One request. ``tokens``: the whole prompt for a root; for a child, what follows
+    its parent's prompt and output."""
+
+    key: str
+    tokens: list[int]
+    max_tokens: int
+    children: list[Node] = field(default_factory=list)
+
+    def walk(self) -> Iterator[Node]:
+        yield self
+        for c in self.children:
+            yield from c.walk()
+
+
+@dataclass
+class Workload:
+    name: str
+    params: dict[str, Any]
+    roots: list[Node]
+
+    @property
+    def num_requests(self) -> int:
+        return sum(1 for r in self.roots for _ in r.walk())
+
+    def max_prompt_len(self) -> int:
+        """Longest prompt + output any request can need (for context checks)."""
+
+        def longest(node: Node, before: int) -> int:
+            here = before + len(node.tokens) + node.max_tokens
+            return max([here] + [longest(c, here) for c in node.children])
+
+        return max((longest(r, 0) for r in self.roots), default=0)
+
+
+class TokenSource:
+    """Draws token runs: uniformly random ids, or slices of a tokenized text."""
+
+    def __init__(
+        self, rng: np.random.Generator, vocab: np.ndarray | None = None, text: Sequence[int] = ()
+    ) -> None:
+        if vocab is None and not text:
+            raise ValueError("a token source needs a vocabulary or a text")
+        self.rng, self.vocab, self.text = rng, vocab, np.asarray(text, dtype=np.int64)
+
+    @classmethod
+    def random(cls, vocab_size: int, seed: int = 0, exclude: Sequence[int] = ()) -> TokenSource:
+        ids = np.setdiff1d(np.arange(vocab_size), np.asarray(exclude, dtype=np.int64))
+        return cls(np.random.default_rng(seed), vocab=ids)
+
+    @classmethod
+    def real_text(cls, text_ids: Sequence[int], seed: int = 0) -> TokenSource:
+        return cls(np.random.default_rng(seed), text=text_ids)
+
+    def take(self, n: int) -> list[int]:
+        if self.vocab is not None:
+            return [int(t) for t in self.rng.choice(self.vocab, n)]
+        # A slice starting at a random place, wrapping around the text if it must.
+        start = int(self.rng.integers(len(self.text)))
+        idx = (start + np.arange(n)) % len(self.text)
+        return [int(t) for t in self.text[idx]]
+
+    def between(self, lo: int, hi: int) -> list[int]:
+        return self.take(int(self.rng.integers(lo, hi + 1)))
+
+
+def from_tokenizer(tokenizer: Any, kind: str, seed: int = 0) -> TokenSource:
+    """A TokenSource for a transformers tokenizer: ``kind`` "random" or "text"."""
+    if kind == "random":
+        return TokenSource.random(len(tokenizer), seed, exclude=tokenizer.all_special_ids)
+    if kind == "text":
+        from pydoc_data.topics import topics
+
+        text = "\n\n".join(topics[k] for k in sorted(topics))[:400_000]  # ample, and quick
+        return TokenSource.real_text(tokenizer.encode(text, add_special_tokens=False), seed)
+    raise ValueError(f"unknown prompt kind {kind!r}: random or text")
+
+
+def shared_prefix(
+    src: TokenSource,
+    groups: int = 64,
+    prompts: int = 16,
+    system_len: int = 2048,
+    question_len: int = 128,
+    output_len: int = 256,
+    order: str = "shuffled",
+) -> Workload:
+    """G groups of P prompts; each = the group's system prompt + its own question."""
+    roots = []
+    for g in range(groups):
+        system = src.take(system_len)
+        for p in range(prompts):
+            roots.append(Node(f"g{g}-p{p}", system + src.take(question_len), output_len))
+    if order == "shuffled":
+        src.rng.shuffle(roots)  # type: ignore[arg-type]
+    elif order != "ordered":
+        raise ValueError(f"unknown order {order!r}: shuffled or ordered")
+    params = dict(
+        groups=groups,
+        prompts=prompts,
+        system_len=system_len,
+        question_len=question_len,
+        output_len=output_len,
+        order=order,
+    )
+    return Workload("shared-prefix", params, roots)
+
+
+def multi_turn(
+    src: TokenSource,
+    conversations: int = 16,
+    turns: int = 4,
+    system_len: int = 0,
+    user_len_min: int = 256,
+    user_len_max: int = 512,
+    answer: str = "short",
+    output_len: int | None = None,
+) -> Workload:
+    """Conversations of T turns; turn t's prompt = all of turn t-1 (prompt and answer)
+    + a new user message. Turns are sequential, conversations concurrent."""
+    out = output_len if output_len is not None else {"short": 32, "long": 256}[answer]
+    roots = []
+    for c in range(conversations):
+        head = Node(f"c{c}-t0", src.take(system_len) + src.between(user_len_min, user_len_max), out)
+        node = head
+        for t in range(1, turns):
+            child = Node(f"c{c}-t{t}", src.between(user_len_min, user_len_max), out)
+            node.children.append(child)
+            node = child
+        roots.append(head)
+    params = dict(
+        conversations=conversations,
+        turns=turns,
+        system_len=system_len,
+        user_len_min=user_len_min,
+        user_len_max=user_len_max,
+        answer=answer,
+        output_len=out,
+    )
+    return Workload("multi-turn", params, roots)
+
+
+def few_shot(
+    src: TokenSource,
+    subjects: int = 8,
+    questions: int = 32,
+    shots: int = 5,
+    example_len: int = 128,
+    question_len: int = 64,
+    output_len: int = 1,
+) -> Workload:
+    """k-shot prompts (MMLU-like): per subject, k shared examples; each question differs;
+    a one-token answer. Questions of all subjects are interleaved."""
+    per_subject = []
+    for s in range(subjects):
+        examples = [t for _ in range(shots) for t in src.take(example_len)]
+        per_subject.append(
+            [
+                Node(f"s{s}-q{q}", examples + src.take(question_len), output_len)
+                for q in range(questions)
+            ]
+        )
+    roots = [per_subject[s][q] for q in range(questions) for s in range(subjects)]
+    params = dict(
+        subjects=subjects,
+        questions=questions,
+        shots=shots,
+        example_len=example_len,
+        question_len=question_len,
+        output_len=output_len,
+    )
+    return Workload("few-shot", params, roots)
+
+
+def tree(
+    src: TokenSource,
+    trees: int = 4,
+    depth: int = 3,
+    branches: int = 2,
+    root_len: int = 1024,
+    branch_len: int = 32,
+    output_len: int = 64,
+) -> Workload:
+    """Branching generation: each answer forks into B continuations (the answer +
+    a different short instruction), for D levels below the root."""
+
+    def grow(key: str, tokens: list[int], level: int) -> Node:
+        node = Node(key, tokens, output_len)
+        if level < depth:
+            node.children = [
+                grow(f"{key}.{b}", src.take(branch_len), level + 1) for b in range(branches)
+            ]
+        return node
+
+    roots = [grow(f"t{i}", src.take(root_len), 0) for i in range(trees)]
+    params = dict(
+        trees=trees,
+        depth=depth,
+        branches=branches,
+        root_len=root_len,
+        branch_len=branch_len,
+        output_len=output_len,
+    )
+    return Workload("tree", params, roots)
+
+
+BUILDERS = {
+    "shared-prefix": shared_prefix,
+    "multi-turn": multi_turn,
+    "few-shot": few_shot,
+    "tree": tree,
+}

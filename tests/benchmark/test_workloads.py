@@ -1,0 +1,71 @@
+"""Workload shapes: request counts, exact lengths, what is shared and what is not."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve.benchmark.runner import arrival_times
+from radixserve.benchmark.workloads import TokenSource, few_shot, multi_turn, shared_prefix, tree
+
+
+def src(seed: int = 0) -> TokenSource:
+    return TokenSource.random(1000, seed, exclude=[0, 1, 2])
+
+
+def test_shared_prefix_groups_share_exactly_the_system_prompt():
+    w = shared_prefix(src(), groups=3, prompts=4, system_len=20, question_len=5, output_len=7)
+    assert w.num_requests == len(w.roots) == 12
+    by_group: dict[str, list[list[int]]] = {}
+    for r in w.roots:
+        assert len(r.tokens) == 25 and r.max_tokens == 7 and not r.children
+        assert not {0, 1, 2} & set(r.tokens)  # special ids excluded
+        by_group.setdefault(r.key.split("-")[0], []).append(r.tokens)
+    systems = {g: {tuple(t[:20]) for t in ts} for g, ts in by_group.items()}
+    assert (
+        all(len(s) == 1 for s in systems.values()) and len({*map(frozenset, systems.values())}) == 3
+    )
+    ordered = shared_prefix(
+        src(), groups=3, prompts=4, system_len=20, question_len=5, order="ordered"
+    )
+    assert [r.key for r in ordered.roots][:4] == ["g0-p0", "g0-p1", "g0-p2", "g0-p3"]
+    assert [r.key for r in w.roots] != [r.key for r in ordered.roots]  # shuffled
+
+
+def test_multi_turn_is_a_chain_of_user_messages():
+    w = multi_turn(src(), conversations=2, turns=3, user_len_min=5, user_len_max=9, answer="long")
+    assert w.num_requests == 6
+    for root in w.roots:
+        chain = list(root.walk())
+        assert len(chain) == 3 and all(len(n.children) <= 1 for n in chain)
+        assert all(5 <= len(n.tokens) <= 9 and n.max_tokens == 256 for n in chain)
+    assert w.max_prompt_len() >= 3 * (5 + 256)
+
+
+def test_few_shot_shares_examples_per_subject():
+    w = few_shot(src(), subjects=2, questions=3, shots=4, example_len=6, question_len=2)
+    assert w.num_requests == 6 and all(len(r.tokens) == 26 and r.max_tokens == 1 for r in w.roots)
+    assert [r.key for r in w.roots][:2] == ["s0-q0", "s1-q0"]  # subjects interleaved
+    assert w.roots[0].tokens[:24] == w.roots[2].tokens[:24] != w.roots[1].tokens[:24]
+
+
+def test_tree_has_b_to_the_d_leaves():
+    w = tree(src(), trees=2, depth=3, branches=2, root_len=10, branch_len=3, output_len=4)
+    assert w.num_requests == 2 * (1 + 2 + 4 + 8)
+    leaves = [n for r in w.roots for n in r.walk() if not n.children]
+    assert len(leaves) == 16 and all(len(n.tokens) == 3 for n in leaves)
+
+
+def test_real_text_source_takes_slices_of_the_text():
+    text = list(range(50))
+    s = TokenSource.real_text(text, seed=3)
+    run = s.take(10)
+    assert all((b - a) % 50 == 1 for a, b in zip(run, run[1:]))
+
+
+def test_arrivals():
+    assert arrival_times(3, None) == [0.0, 0.0, 0.0]
+    t = arrival_times(2000, 50.0, seed=1)
+    assert t[0] == 0.0 and all(b >= a for a, b in zip(t, t[1:]))
+    assert 2000 / t[-1] == pytest.approx(50.0, rel=0.1)
+    with pytest.raises(ValueError):
+        arrival_times(1, 0.0)
