@@ -38,9 +38,10 @@ class SchedulerConfig:
     lpm_max_waiting: int = 128
     max_wait_steps: int = 64
     decode_reserve_ratio: float = 1.0
-    # A waiting request is held back one step when it shares at least this many
-    # uncached tokens with a prompt being prefilled now (DESIGN: shared prefixes
-    # inside one batch); it then hits that prompt in the tree.
+    # A waiting request is held back while it shares a prefix of at least this
+    # many tokens with a prompt being prefilled now and part of that prefix (in
+    # whole pages) is not cached yet (DESIGN: shared prefixes inside one batch);
+    # once that prefill is done it hits the whole prefix in the tree.
     shared_prefix_min_tokens: int = 32
 
     def __post_init__(self) -> None:

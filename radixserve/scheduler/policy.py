@@ -38,19 +38,17 @@ def order_waiting(
     return [reqs[k[3]] for k in keyed]
 
 
-def shared_uncached_len(req: Request, hit_len: int, in_flight: list[Request]) -> int:
-    """How many tokens past its cached prefix ``req`` shares with a prompt that
-    is being prefilled in this step (same salt), i.e. what it would compute a
-    second time if admitted now."""
+def shared_prefix_len(req: Request, in_flight: list[Request]) -> int:
+    """The longest prefix of ``req``'s matchable tokens (all but the last) that it
+    shares with a prompt being prefilled in this step (same salt)."""
     tokens = req.tokens[: req.num_tokens - 1]
     best = 0
     for other in in_flight:
         if other.salt != req.salt:
             continue
         n = min(len(tokens), other.num_tokens)
-        if n <= hit_len:
+        if n <= best:
             continue
         neq = tokens[:n] != other.tokens[:n]
-        lcp = int(neq.argmax()) if neq.any() else n
-        best = max(best, lcp - hit_len)
+        best = max(best, int(neq.argmax()) if neq.any() else n)
     return best

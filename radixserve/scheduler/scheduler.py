@@ -35,7 +35,7 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.kv_cache import KVCacheManager
-from radixserve.scheduler.policy import order_waiting, shared_uncached_len
+from radixserve.scheduler.policy import order_waiting, shared_prefix_len
 from radixserve.scheduler.radix_impl import make_radix_cache
 from radixserve.scheduler.request import ReqStatus, Request, RequestOutput
 from radixserve.worker.batch import ReqStep, StepBatch
@@ -290,11 +290,15 @@ class Scheduler:
             if budget <= 0 or not self._free_slots:
                 break
             if self.kv.enabled and in_flight:
-                hit = self.kv.peek(req)
-                shared = shared_uncached_len(req, hit, in_flight)
+                # Hold it back while a prompt being prefilled shares a real prefix
+                # with it that is not cached yet (in whole pages, the only part it
+                # can ever hit): it will hit that prefix once the prefill is done.
+                shared = shared_prefix_len(req, in_flight)
                 sibling = any(f.rid == req.rid for f in in_flight)
-                if shared >= (ps if sibling else max(ps, cfg.shared_prefix_min_tokens)):
-                    continue  # it will hit that prompt in the tree next step
+                if shared >= (1 if sibling else cfg.shared_prefix_min_tokens) and (
+                    shared - shared % ps > self.kv.peek(req)
+                ):
+                    continue
             hit = self.kv.acquire_prefix(req)
             need = -(-req.num_tokens // ps) - req.num_pages
             final_pages = -(-req.final_len // ps) - req.num_pages - need

@@ -328,3 +328,21 @@ def test_lone_request_holding_duplicates_is_retracted_not_stuck():
     assert res[("long", 0)]["tokens"] == expected_tokens(prompt, 20, ignore_eos=True)
     assert sched.num_retractions >= 1
     sched.check_idle()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_shared_prefix_with_a_chunked_leader_is_computed_once(page_size):
+    """The leader's prefill spans two chunks and the part of the shared prefix left
+    for its second chunk is short: followers still wait for all of it."""
+    sched, worker = make(page_size=page_size, chunked_prefill_size=512)
+    rng = np.random.default_rng(7)
+    prefix = rng.integers(3, VOCAB, 530).tolist()
+    prompts = {f"f{i}": prefix + rng.integers(3, VOCAB, 20).tolist() for i in range(8)}
+    for rid, p in prompts.items():
+        sched.add_request(rid, p, greedy(3))
+    res = run(sched, worker)
+    hits = sum(r["out"].cached_tokens for r in res.values())
+    optimal = 7 * (530 - 530 % page_size)
+    assert hits >= 0.98 * optimal
+    check_outputs(res, prompts, dict.fromkeys(prompts, 3))
+    sched.check_idle()
