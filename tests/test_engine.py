@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from radixserve import Engine, SamplingParams
-from tests.helpers.tiny_models import make_tiny_model, patch_hf_float64
+from tests.helpers.tiny_models import hf_greedy, make_tiny_model, patch_hf_float64
 
 MAX_NEW = 24
 
@@ -33,17 +33,6 @@ def hf(tiny_dir):
     return patch_hf_float64(model.eval())
 
 
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = []
-    with torch.no_grad():
-        for _ in range(n):
-            nxt = int(hf(input_ids=ids).logits[0, -1].argmax())
-            out.append(nxt)
-            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-    return out
-
-
 @pytest.fixture(scope="module")
 def prompts():
     rng = np.random.default_rng(0)
@@ -58,7 +47,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def expected(hf, prompts):
-    return [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    return [hf_greedy(hf, p, MAX_NEW)[0] for p in prompts]
 
 
 def engine(tiny_dir, **kw) -> Engine:

@@ -148,3 +148,16 @@ def _rotary64(self, x: torch.Tensor, position_ids: torch.Tensor):
     freqs = position_ids[..., None].to(torch.float64) * self.inv_freq64.to(x.device)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def hf_greedy(hf: torch.nn.Module, prompt, n: int) -> tuple[list[int], torch.Tensor]:
+    """The oracle: HF's greedy continuation by full recomputation (no cache), and the
+    first step's logits."""
+    ids = torch.as_tensor(prompt, dtype=torch.long)[None]
+    first = None
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(input_ids=ids).logits[0, -1]
+            first = logits if first is None else first
+            ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
+    return ids[0, len(prompt) :].tolist(), first

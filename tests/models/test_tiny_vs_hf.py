@@ -10,7 +10,7 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.worker.batch import ReqStep, StepBatch
 from radixserve.worker.config import WorkerConfig
 from radixserve.worker.model_runner import ModelRunner
-from tests.helpers.tiny_models import patch_hf_float64
+from tests.helpers.tiny_models import hf_greedy, patch_hf_float64
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT_LEN, GEN_LEN = 40, 64
@@ -27,18 +27,6 @@ def tiny(request, tiny_llama_dir, tiny_qwen2_dir):
     patch_hf_float64(hf)
     prompt = np.random.default_rng(3).integers(4, 512, PROMPT_LEN).astype(np.int32)
     return folder, hf, prompt
-
-
-def hf_greedy(hf, prompt, n):
-    """Greedy continuation by full recomputation (no cache) plus the first-step logits."""
-    ids = torch.tensor(prompt, dtype=torch.long)[None]
-    first = None
-    with torch.no_grad():
-        for _ in range(n):
-            logits = hf(ids).logits[0, -1]
-            first = logits if first is None else first
-            ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
-    return ids[0, len(prompt) :].tolist(), first
 
 
 class Pages:
