@@ -468,46 +468,9 @@ class RadixCache:
 
     def check(self) -> None:
         """Verify every invariant; raise AssertionError naming the first broken one."""
-        ps = self.page_size
-        evictable = protected = count = 0
-        seen_pages: list[np.ndarray] = []
-        heap_ids = {nid for t, nid, n in self._heap if n.last_access == t}
-        for salt, root in self._roots.items():
-            _require(root.is_root and root.parent is None, f"root of salt {salt!r} malformed")
-            _require(root.salt == salt, f"root of salt {salt!r} records salt {root.salt!r}")
-        for node in self._iter_nodes():
-            count += 1
-            parent = node.parent
-            _require(parent is not None, f"{node!r} has no parent")
-            _require(len(node.key) > 0, f"{node!r} has an empty edge")
-            _require(len(node.key) % ps == 0, f"{node!r}: edge not a whole number of pages")
-            _require(len(node.pages) * ps == len(node.key), f"{node!r}: pages/tokens mismatch")
-            _require(node.first_key == self._key_at(node.key, 0), f"{node!r}: stale child key")
-            _require(parent.children.get(node.first_key) is node, f"{node!r}: parent link broken")
-            _require(node.lock_ref >= 0, f"{node!r}: negative lock_ref")
-            _require(
-                node.lock_ref >= sum(c.lock_ref for c in node.children.values()),
-                f"{node!r}: lock_ref below the sum of its children's",
-            )
-            _require(
-                parent.is_root or parent.last_access >= node.last_access,
-                f"{node!r}: newer than its parent",
-            )
-            _require(0 < node.node_id < self._next_id, f"{node!r}: id out of range")
-            if node.lock_ref:
-                protected += len(node.pages)
-            else:
-                evictable += len(node.pages)
-                if not node.children:
-                    _require(node.node_id in heap_ids, f"{node!r}: evictable leaf not in heap")
-            seen_pages.append(node.pages)
-        _require(count == self._num_nodes, f"node count {self._num_nodes} != actual {count}")
-        _require(evictable == self._evictable, f"evictable {self._evictable} != {evictable}")
-        _require(protected == self._protected, f"protected {self._protected} != {protected}")
-        if seen_pages:
-            allp = np.concatenate(seen_pages)
-            _require(np.unique(allp).size == allp.size, "a page is owned by two nodes")
-            _require(bool(self.allocator.is_allocated(allp).all()), "the tree holds a free page")
+        from radixserve.scheduler.radix_check import check_tree
+
+        check_tree(self)
 
     def __repr__(self) -> str:
         return (
@@ -517,5 +480,6 @@ class RadixCache:
 
 
 def _require(cond: bool, msg: str) -> None:
+    """Raise the AssertionError every invariant check raises."""
     if not cond:
         raise AssertionError(f"radix tree invariant broken: {msg}")

@@ -1,0 +1,63 @@
+"""The Python radix tree's invariant check (``RadixCache.check()``).
+
+Kept apart from the tree: it reads every internal field and is the executable
+statement of the invariants listed in docs/architecture.md — sizes, links,
+child keys, no page owned twice or free, non-negative and path-closed lock
+refs, page counters, stamps never newer than the parent's, and a heap entry
+for every evictable leaf.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from radixserve.scheduler.radix_cache import _require
+
+if TYPE_CHECKING:
+    from radixserve.scheduler.radix_cache import RadixCache
+
+
+def check_tree(tree: RadixCache) -> None:
+    """Raise AssertionError naming the first broken invariant of ``tree``."""
+    ps = tree.page_size
+    evictable = protected = count = 0
+    seen_pages: list[np.ndarray] = []
+    heap_ids = {nid for t, nid, n in tree._heap if n.last_access == t}
+    for salt, root in tree._roots.items():
+        _require(root.is_root and root.parent is None, f"root of salt {salt!r} malformed")
+        _require(root.salt == salt, f"root of salt {salt!r} records salt {root.salt!r}")
+    for node in tree._iter_nodes():
+        count += 1
+        parent = node.parent
+        _require(parent is not None, f"{node!r} has no parent")
+        _require(len(node.key) > 0, f"{node!r} has an empty edge")
+        _require(len(node.key) % ps == 0, f"{node!r}: edge not a whole number of pages")
+        _require(len(node.pages) * ps == len(node.key), f"{node!r}: pages/tokens mismatch")
+        _require(node.first_key == tree._key_at(node.key, 0), f"{node!r}: stale child key")
+        _require(parent.children.get(node.first_key) is node, f"{node!r}: parent link broken")
+        _require(node.lock_ref >= 0, f"{node!r}: negative lock_ref")
+        _require(
+            node.lock_ref >= sum(c.lock_ref for c in node.children.values()),
+            f"{node!r}: lock_ref below the sum of its children's",
+        )
+        _require(
+            parent.is_root or parent.last_access >= node.last_access,
+            f"{node!r}: newer than its parent",
+        )
+        _require(0 < node.node_id < tree._next_id, f"{node!r}: id out of range")
+        if node.lock_ref:
+            protected += len(node.pages)
+        else:
+            evictable += len(node.pages)
+            if not node.children:
+                _require(node.node_id in heap_ids, f"{node!r}: evictable leaf not in heap")
+        seen_pages.append(node.pages)
+    _require(count == tree._num_nodes, f"node count {tree._num_nodes} != actual {count}")
+    _require(evictable == tree._evictable, f"evictable {tree._evictable} != {evictable}")
+    _require(protected == tree._protected, f"protected {tree._protected} != {protected}")
+    if seen_pages:
+        allp = np.concatenate(seen_pages)
+        _require(np.unique(allp).size == allp.size, "a page is owned by two nodes")
+        _require(bool(tree.allocator.is_allocated(allp).all()), "the tree holds a free page")
