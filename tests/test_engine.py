@@ -36,7 +36,7 @@ def hf(tiny_dir):
 @pytest.fixture(scope="module")
 def prompts():
     rng = np.random.default_rng(0)
-    shared = rng.integers(4, 512, 40).tolist()
+    shared = rng.integers(4, 512, 100).tolist()  # >= 64 shared tokens: cascade decode
     return [
         shared + rng.integers(4, 512, 9).tolist(),
         shared + rng.integers(4, 512, 23).tolist(),

@@ -1,5 +1,8 @@
 """The ``torch`` attention backend: gather pages, then dense attention. Any device, any dtype.
 
+Decode requests that share a cached prefix (the same first pages) read it once:
+see ``_plan_decodes`` and ``_cascade_decode`` (docs/worker.md, "Cascade decode").
+
 ``begin_batch`` turns the page tables into row indices once per step:
 - write rows: where each new token's K (and V, ``page_size`` rows further) goes
   in the pool viewed as ``[num_pages * 2 * page_size, kv_heads * head_dim]``;
@@ -39,10 +42,19 @@ class _Prefill:
 @dataclass
 class _Decode:
     rows: torch.Tensor  # [Bd] rows of q in the flat batch
-    gather: torch.Tensor  # [Bd * pages read] page rows of K (V = + 1)
+    gather: torch.Tensor  # [Bd * pages read] page rows of K (V = + 1), after the shared pages
     max_len: int  # pages read per request * page_size (padding masked)
     buffers: tuple[torch.Tensor, torch.Tensor]  # K, V gather destinations, reused per layer
     bias: dict[int, torch.Tensor]  # window -> additive mask [Bd, 1, 1, L]
+    # Cascade: the pages every request of this batch starts its table with (a shared
+    # cached prefix), gathered once; None for a plain batch.
+    shared: torch.Tensor | None = None  # [pages] page rows of K (V = + 1)
+    shared_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+# A shared prefix shorter than this is read per request: the cascade's extra work
+# (a second softmax and the merge) costs more than gathering a few pages again.
+CASCADE_MIN_TOKENS = 64
 
 
 class TorchAttention(AttentionBackend):
@@ -72,23 +84,83 @@ class TorchAttention(AttentionBackend):
             )  # fmt: skip
         rows = np.concatenate(write_rows) if write_rows else np.zeros(0, np.int64)
         self._write = torch.from_numpy(rows).to(device)
-        self._decode = (
-            self._plan_decode(batch, decode_ids, windows, device) if len(decode_ids) else None
-        )
+        self._decodes = self._plan_decodes(batch, decode_ids, windows, device)
+
+    def _plan_decodes(
+        self, batch: AttentionBatch, ids: np.ndarray, windows: list[int], device: torch.device
+    ) -> list[_Decode]:
+        """Split the decode requests into padded batches: one per group whose page
+        tables start with the same pages (a shared cached prefix, read once by
+        cascade attention), and one for all the others."""
+        if not len(ids):
+            return []
+        s = self.pool.page_size
+        tables = [batch.page_indices[batch.page_indptr[i] : batch.page_indptr[i + 1]] for i in ids]
+        plain: list[int] = []
+        decodes = []
+
+        def common_pages(members: list[int]) -> int:
+            # Pages that start every member's table hold the same tokens for all of
+            # them (the radix cache shares whole pages only).
+            full = int(min(batch.kv_lens[ids[r]] for r in members) // s)
+            first = tables[members[0]][:full]
+            for r in members[1:]:
+                same = tables[r][:full] == first
+                full = int(same.argmin()) if not same.all() else full
+                first = first[:full]
+            return full
+
+        def place(members: list[int]) -> None:
+            # Like a trie walk: read a long common prefix once, else split the group
+            # where the tables part and look for one below.
+            if len(members) < 2:
+                plain.extend(members)
+                return
+            common = common_pages(members)
+            if common * s >= CASCADE_MIN_TOKENS:
+                decodes.append(self._plan_decode(batch, ids[members], common, windows, device))
+                return
+            parts: dict[int, list[int]] = {}
+            for r in members:
+                parts.setdefault(int(tables[r][common]), []).append(r)
+            if len(parts) == 1:
+                plain.extend(members)
+                return
+            for part in parts.values():
+                place(part)
+
+        if all(w <= 0 for w in windows):
+            roots: dict[int, list[int]] = {}
+            for r, pages in enumerate(tables):
+                roots.setdefault(int(pages[0]), []).append(r)
+            for members in roots.values():
+                place(members)
+        else:
+            plain = list(range(len(ids)))
+        if plain:
+            decodes.append(self._plan_decode(batch, ids[sorted(plain)], 0, windows, device))
+        return decodes
 
     def _plan_decode(
-        self, batch: AttentionBatch, ids: np.ndarray, windows: list[int], device: torch.device
+        self,
+        batch: AttentionBatch,
+        ids: np.ndarray,
+        common: int,
+        windows: list[int],
+        device: torch.device,
     ) -> _Decode:
+        """One padded batch of decode requests; the first ``common`` pages of their
+        tables are the same and are read once (cascade) when ``common`` > 0."""
         s = self.pool.page_size
         kv = batch.kv_lens[ids].astype(np.int64)
         npages = int(-(-kv.max() // s))
-        L = npages * s
         table = np.zeros((len(ids), npages), dtype=np.int64)
         for r, i in enumerate(ids):
             pages = batch.page_indices[batch.page_indptr[i] : batch.page_indptr[i + 1]]
             table[r, : len(pages)] = pages[:npages]
-        gather = table.reshape(-1) * 2  # K page rows, request-major
-        pos = np.arange(L)
+        L = (npages - common) * s
+        gather = table[:, common:].reshape(-1) * 2  # K page rows, request-major
+        pos = common * s + np.arange(L)
         valid = pos[None, :] < kv[:, None]
         bias = {}
         for w in windows:
@@ -96,9 +168,13 @@ class TorchAttention(AttentionBackend):
             b = np.where(keep, 0.0, -np.inf)[:, None, None, :]
             bias[w] = torch.from_numpy(b).to(device=device, dtype=self.pool.dtype)
         q_rows = torch.from_numpy(batch.qo_indptr[ids].astype(np.int64)).to(device)
-        return _Decode(
+        dec = _Decode(
             q_rows, torch.from_numpy(gather).to(device), L, self._buffers(len(gather)), bias
         )
+        if common:
+            dec.shared = torch.from_numpy(table[0, :common] * 2).to(device)
+            dec.shared_buffers = self._buffers(common)
+        return dec
 
     def _buffers(self, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Gathered pages land in buffers allocated once per step: a fresh multi-MB tensor per
@@ -119,8 +195,11 @@ class TorchAttention(AttentionBackend):
         tokens.index_copy_(0, self._write + s, v.reshape(-1, h * d))
         pages = pool.view(-1, s * h * d)
         out = torch.empty_like(q)
-        dec = self._decode
-        if dec is not None:
+        for dec in self._decodes:
+            if dec.shared is not None:
+                o = self._cascade_decode(pages, q, dec, dec.bias[window])
+                out.index_copy_(0, dec.rows, o)
+                continue
             bd = dec.rows.shape[0]
             qd = q.index_select(0, dec.rows).unsqueeze(2)  # [Bd, heads, 1, d]
             kb, vb = dec.buffers
@@ -146,6 +225,47 @@ class TorchAttention(AttentionBackend):
             )  # fmt: skip
             out[p.rows] = o[0].transpose(0, 1)
         return out
+
+    def _cascade_decode(
+        self, pages: torch.Tensor, q: torch.Tensor, dec: _Decode, bias: torch.Tensor
+    ) -> torch.Tensor:
+        """Decode attention in two parts merged by their log-sum-exp: every query
+        against the shared prefix (one batched GEMM per kv head, K/V read once), and
+        each query against its own suffix. No sliding window (planning checks)."""
+        h, d = self.pool.num_kv_heads, self.pool.head_dim
+        bd = dec.rows.shape[0]
+        g = q.shape[1] // h
+        ct = torch.promote_types(q.dtype, torch.float32)  # softmax sums in >= float32
+        qd = q.index_select(0, dec.rows).to(ct).view(bd, h, g, d)
+        kc, vc = dec.shared_buffers  # type: ignore[misc]
+        torch.index_select(pages, 0, dec.shared, out=kc)
+        torch.index_select(pages, 0, dec.shared + 1, out=vc)
+        k1 = kc.view(-1, h, d).to(ct).permute(1, 2, 0)  # [h, d, Lc]
+        v1 = vc.view(-1, h, d).to(ct).transpose(0, 1)  # [h, Lc, d]
+        q1 = qd.permute(1, 0, 2, 3).reshape(h, bd * g, d)
+        s1 = torch.bmm(q1, k1).mul_(self.scale)  # [h, Bd*g, Lc]
+        m1 = s1.amax(-1, keepdim=True)
+        p1 = s1.sub_(m1).exp_()
+        l1 = p1.sum(-1, keepdim=True)
+        o1 = torch.bmm(p1, v1)  # [h, Bd*g, d], unnormalised
+        # Back to [Bd, h, g, .] to meet the suffix part.
+        o1 = o1.view(h, bd, g, d).permute(1, 0, 2, 3)
+        m1 = m1.view(h, bd, g, 1).permute(1, 0, 2, 3)
+        l1 = l1.view(h, bd, g, 1).permute(1, 0, 2, 3)
+        kb, vb = dec.buffers
+        torch.index_select(pages, 0, dec.gather, out=kb)
+        torch.index_select(pages, 0, dec.gather + 1, out=vb)
+        k2 = kb.view(bd, dec.max_len, h, d).to(ct).permute(0, 2, 3, 1)  # [Bd, h, d, Ls]
+        v2 = vb.view(bd, dec.max_len, h, d).to(ct).transpose(1, 2)  # [Bd, h, Ls, d]
+        s2 = torch.matmul(qd, k2).mul_(self.scale).add_(bias.to(ct))  # [Bd, h, g, Ls]
+        m2 = s2.amax(-1, keepdim=True)  # finite: every request has its new token here
+        p2 = s2.sub_(m2).exp_()
+        l2 = p2.sum(-1, keepdim=True)
+        o2 = torch.matmul(p2, v2)
+        m = torch.maximum(m1, m2)
+        a1, a2 = (m1 - m).exp_(), (m2 - m).exp_()
+        o = (o1 * a1 + o2 * a2) / (l1 * a1 + l2 * a2)
+        return o.reshape(bd, h * g, d).to(q.dtype)
 
 
 def _prefill_mask(qo: int, kv: int, window: int, device: torch.device) -> torch.Tensor | None:
