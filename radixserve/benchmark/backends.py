@@ -87,8 +87,9 @@ class OpenAIBackend:
 
     Cached tokens come from ``usage.prompt_tokens_details.cached_tokens`` (vLLM
     reports them with ``--enable-prompt-tokens-details``); output token ids from
-    ``choices[0].token_ids`` when the server returns them (vLLM does when the
-    body has ``"return_token_ids": true``), else the runner re-tokenizes the text.
+    ``choices[0].token_ids`` when the server returns them (the body asks with
+    ``"return_token_ids": true``, which vLLM and radixserve honour), else the
+    runner re-tokenizes the text.
     """
 
     name = "openai"
@@ -108,7 +109,9 @@ class OpenAIBackend:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.page_size = page_size
-        self.extra_body = {"ignore_eos": True, **(extra_body or {})}
+        # return_token_ids: vLLM's extension, also served by radixserve's front; with
+        # it, a later turn's prompt holds exactly the tokens the server generated.
+        self.extra_body = {"ignore_eos": True, "return_token_ids": True, **(extra_body or {})}
         self.http = httpx.AsyncClient(timeout=timeout, headers=headers)
 
     async def info(self) -> ServerInfo:

@@ -160,6 +160,8 @@ class _Format:
                 else:
                     out["text"] = text
                 out.update(logprobs=None, finish_reason=c.finish_reason)
+                if self.body.return_token_ids:
+                    out["token_ids"] = list(c.token_ids)
                 choices.append(out)
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._head(obj), "choices": choices, "usage": self.usage()}
@@ -182,7 +184,8 @@ class _Format:
             pending: tuple[int, P.Chunk] | None = first
             while pending is not None:
                 p, chunk = pending
-                if chunk.text or chunk.finish_reason is not None:
+                ids = self.body.return_token_ids and chunk.token_ids
+                if chunk.text or ids or chunk.finish_reason is not None:
                     yield event([self._delta(p * self.n + chunk.index, chunk)])
                 pending = await anext(rest, None)
             if self.body.include_usage:
@@ -200,6 +203,8 @@ class _Format:
         else:
             out["text"] = chunk.text
         out.update(logprobs=None, finish_reason=chunk.finish_reason)
+        if self.body.return_token_ids:
+            out["token_ids"] = list(chunk.token_ids)
         return out
 
 

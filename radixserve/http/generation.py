@@ -29,6 +29,7 @@ class Choice:
 
     index: int
     text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
@@ -101,6 +102,7 @@ class Generation:
                         self.metrics.itl.labels(self.metrics.model_name).observe(gap)
                     last_token[chunk.index] = now
                 choice.text.append(chunk.text)
+                choice.token_ids.extend(chunk.token_ids)
                 choice.num_tokens += len(chunk.token_ids)
                 if chunk.finish_reason is not None:
                     self._finish(choice, chunk.finish_reason, chunk.usage)

@@ -43,6 +43,8 @@ class _Common(BaseModel):
     min_p: Number | None = None
     ignore_eos: StrictBool = False
     cache_salt: StrictStr | None = None
+    # vLLM's extension: each choice (and each streamed delta) also carries its token ids
+    return_token_ids: StrictBool = False
     # OpenAI fields refused unless they are at their no-op value
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None

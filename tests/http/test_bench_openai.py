@@ -1,27 +1,41 @@
 """`radixserve bench --backend openai` against radixserve's own HTTP front.
 
 The benchmark's OpenAI backend (SSE with ``stream_options.include_usage``, token-id
-prompts, ``usage.prompt_tokens_details.cached_tokens``) runs a shared-prefix workload
-through the front; its numbers must agree with what was sent, with the scheduler's own
-counters, and reach the offline-optimal hit rate.
+prompts, ``usage.prompt_tokens_details.cached_tokens``, ``return_token_ids``) runs a
+shared-prefix and a multi-turn workload through the front; its numbers must agree with
+what was sent, with the scheduler's own counters, and reach the offline-optimal hit rate.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from radixserve.benchmark.backends import OpenAIBackend
 from radixserve.benchmark.metrics import summarize
 from radixserve.benchmark.runner import run
-from radixserve.benchmark.workloads import TokenSource, shared_prefix
+from radixserve.benchmark.workloads import TokenSource, multi_turn, shared_prefix
 from tests.http.conftest import MODEL
 
 PAGE = 4  # tests/serving's SERVER_ARGS
 
 
-def test_openai_backend_against_the_http_front(base_url, zmq_client):
+WORKLOADS = {
+    "shared-prefix": lambda src: shared_prefix(
+        src, groups=2, prompts=4, system_len=40, question_len=6, output_len=4
+    ),
+    # Later turns resend earlier answers: exact only through return_token_ids.
+    "multi-turn": lambda src: multi_turn(
+        src, conversations=2, turns=2, system_len=9, user_len_min=10, user_len_max=20, output_len=4
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_openai_backend_against_the_http_front(base_url, zmq_client, name):
     src = TokenSource.random(512, 21, exclude=[0, 1, 2, 3])
-    workload = shared_prefix(src, groups=2, prompts=4, system_len=40, question_len=6, output_len=4)
+    workload = WORKLOADS[name](src)
     zmq_client.flush_cache()
     before = zmq_client.stats()
 
@@ -35,9 +49,10 @@ def test_openai_backend_against_the_http_front(base_url, zmq_client):
     m = summarize(asyncio.run(go()), PAGE)
     after = zmq_client.stats()
     assert m["failed"] == 0, m["errors"]
-    assert m["requests"] == workload.num_requests == 8
+    assert m["requests"] == workload.num_requests
     assert m["prompt_tokens"] == m["sent_prompt_tokens"]
-    assert m["completion_tokens"] == m["expected_output_tokens"] == 8 * 4
+    assert m["completion_tokens"] == m["expected_output_tokens"] == m["received_output_tokens"]
+    assert m["output_count_mismatches"] == 0
     assert after["hit_tokens"] - before["hit_tokens"] == m["cached_tokens"] > 0
     assert after["query_tokens"] - before["query_tokens"] == m["prompt_tokens"]
     assert m["hit_rate"] <= m["optimal_hit_rate"]
