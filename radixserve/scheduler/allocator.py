@@ -106,12 +106,6 @@ class PageAllocator:
         """Boolean array: which of ``ids`` are currently allocated."""
         return self._allocated[np.asarray(ids, dtype=np.int64)]
 
-    def reset(self) -> None:
-        """Mark every page free (the owner must have dropped all references)."""
-        self._stack[:] = np.arange(self._num_pages - 1, -1, -1, dtype=np.int32)
-        self._top = self._num_pages
-        self._allocated[:] = False
-
     def __repr__(self) -> str:
         return (
             f"PageAllocator(num_pages={self._num_pages}, page_size={self._page_size}, "

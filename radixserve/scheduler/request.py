@@ -96,16 +96,8 @@ class Request:
         return (self.rid, self.index)
 
     @property
-    def output_ids(self) -> np.ndarray:
-        return self.tokens[self.prompt_len : self.num_tokens]
-
-    @property
     def num_output(self) -> int:
         return self.num_tokens - self.prompt_len
-
-    @property
-    def running(self) -> bool:
-        return self.status in (ReqStatus.PREFILL, ReqStatus.DECODE)
 
     def output(self, token_ids: list[int]) -> RequestOutput:
         return RequestOutput(

@@ -295,6 +295,7 @@ class Scheduler:
                 # can ever hit): it will hit that prefix once the prefill is done.
                 shared = shared_prefix_len(req, in_flight)
                 sibling = any(f.rid == req.rid for f in in_flight)
+                # peek only when it can matter: it walks the tree
                 if shared >= (1 if sibling else cfg.shared_prefix_min_tokens) and (
                     shared - shared % ps > self.kv.peek(req)
                 ):
