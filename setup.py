@@ -15,20 +15,21 @@ from setuptools.command.build_ext import build_ext
 
 EXT_NAME = "radixserve.scheduler._radix_native"
 SOURCES = ["csrc/radix_tree.cpp", "csrc/page_free.cpp", "csrc/bindings.cpp"]
+ATTN_EXT_NAME = "radixserve.worker._paged_attention"
 
 
-_warned = False
+_warned: set[str] = set()
 
 
-def _warn(reason: str) -> None:
-    global _warned
-    if _warned:  # one failure tends to cascade (e.g. the copy of the missing .so)
+def _warn(reason: str, name: str = EXT_NAME) -> None:
+    if name in _warned:  # one failure tends to cascade (e.g. the copy of the missing .so)
         return
-    _warned = True
+    _warned.add(name)
     bar = "=" * 78
+    fallback = "Python radix tree" if name == EXT_NAME else "torch decode path"
     print(
-        f"\n{bar}\nWARNING: the native radix tree ({EXT_NAME}) was not built:\n  {reason}\n"
-        "radixserve installs anyway and uses the Python radix tree.\n"
+        f"\n{bar}\nWARNING: the native extension {name} was not built:\n  {reason}\n"
+        f"radixserve installs anyway and uses the {fallback}.\n"
         "To build it: install a C++17 compiler, then `pip install -e .` again\n"
         "(or `python setup.py build_ext --inplace` in a checkout).\n"
         f"{bar}\n",
@@ -50,7 +51,7 @@ class OptionalBuildExt(build_ext):
         try:
             super().build_extension(ext)
         except Exception as e:
-            _warn(f"{type(e).__name__}: {e}")
+            _warn(f"{type(e).__name__}: {e}", ext.name)
 
 
 def _extensions() -> list:
@@ -59,7 +60,7 @@ def _extensions() -> list:
     except ImportError:
         _warn("pybind11 is not importable (with --no-build-isolation, `pip install pybind11`)")
         return []
-    return [
+    exts = [
         Pybind11Extension(
             EXT_NAME,
             SOURCES,
@@ -69,6 +70,17 @@ def _extensions() -> list:
             extra_compile_args=["-O3", "-Wall", "-Wextra"] if sys.platform != "win32" else [],
         )
     ]
+    if sys.platform.startswith("linux"):  # needs GCC/clang with OpenMP
+        exts.append(
+            Pybind11Extension(
+                ATTN_EXT_NAME,
+                ["csrc/paged_attention.cpp"],
+                cxx_std=17,
+                extra_compile_args=["-O3", "-Wall", "-Wextra", "-fopenmp"],
+                extra_link_args=["-fopenmp"],
+            )
+        )
+    return exts
 
 
 setup(ext_modules=_extensions(), cmdclass={"build_ext": OptionalBuildExt})

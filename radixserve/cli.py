@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.attention_backend,
         help="auto (flashinfer on CUDA when it can run, else torch) | torch | flashinfer",
     )
+    p.add_argument(
+        "--decode-kernel",
+        choices=["auto", "native", "torch"],
+        default=d.decode_kernel,
+        help="torch backend's decode attention: native (reads KV pages in place; CPU, "
+        "float32/float64/bfloat16) or torch (gather + SDPA); auto: native where it runs",
+    )
     p.add_argument("--cache-dir", default=None, help="converted-model cache dir")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds requests that bring no seed")
     p.add_argument(
@@ -149,6 +156,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         schedule_policy=args.schedule_policy,
         radix_impl=args.radix_impl,
         attention_backend=args.attention_backend,
+        decode_kernel=args.decode_kernel,
         cache_dir=args.cache_dir,
         seed=args.seed,
     )

@@ -44,6 +44,7 @@ class EngineConfig:
     schedule_policy: str = "lpm"
     radix_impl: str = "auto"
     attention_backend: str = "auto"
+    decode_kernel: str = "auto"
     decode_reserve_ratio: float = 1.0
     cache_dir: str | None = None
     seed: int = 0
@@ -63,6 +64,7 @@ def build_worker(config: EngineConfig):
             kv_memory=config.kv_memory,
             max_running_requests=config.max_running_requests,
             attention_backend=config.attention_backend,
+            decode_kernel=config.decode_kernel,
             cache_dir=config.cache_dir,
             seed=config.seed,
         )

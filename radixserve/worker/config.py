@@ -13,6 +13,9 @@ class WorkerConfig:
     dtype: ``float32``, ``bfloat16`` or ``float64`` (float64: torch backend only, for tests).
     attention_backend: ``auto`` (flashinfer where it can run the model, else torch),
     ``torch`` or ``flashinfer`` (ValueError saying why when it cannot run).
+    decode_kernel: the torch backend's decode attention: ``native`` (csrc/, reads
+    pages in place; CPU, float32/float64/bfloat16), ``torch`` (gather + SDPA), or
+    ``auto`` (native where it runs).
     num_pages / kv_memory: the KV pool size as a page count, else as a byte budget,
     else ``kv_pool.DEFAULT_KV_MEMORY`` bytes.
     max_running_requests: number of request slots (0 .. max_running_requests - 1).
@@ -29,6 +32,7 @@ class WorkerConfig:
     kv_memory: int | None = None
     max_running_requests: int = 256
     attention_backend: str = "auto"
+    decode_kernel: str = "auto"
     cache_dir: str | None = None
     seed: int = 0
 

@@ -49,7 +49,7 @@ class ModelRunner:
         )  # fmt: skip
         self.backend = create_backend(
             config.attention_backend, self.pool, cfg.head_dim**-0.5, cfg.sliding_windows,
-            cfg.num_heads,
+            cfg.num_heads, config.decode_kernel,
         )  # fmt: skip
         max_pages_per_slot = min(num_pages, -(-cfg.max_context_len // config.page_size))
         self.page_table = PageTable(config.max_running_requests, max_pages_per_slot, num_pages)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
-from radixserve.worker.attention import AttentionBatch, KVPool, create_backend
+from radixserve.worker.attention import AttentionBatch, KVPool, create_backend, native_decode
 
 HEAD_DIM = 8
+KERNELS = ["native", "torch"]
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 def dense_reference(q, keys, vals, kv_len, window, scale):
@@ -27,20 +31,36 @@ def dense_reference(q, keys, vals, kv_len, window, scale):
     return torch.einsum("htj,jhd->thd", scores.softmax(-1), vals)
 
 
-def run_case(rng, page_size, kv_heads, group, kinds, window=-1, shared=0, prefix_of=None):
+def run_case(
+    rng,
+    page_size,
+    kv_heads,
+    group,
+    kinds,
+    window=-1,
+    shared=0,
+    prefix_of=None,
+    decode_kernel="torch",
+    dtype=torch.float64,
+    max_cached=40,
+):
     """Build a batch of the given request kinds, run backend vs reference twice (two steps).
 
     ``shared``: requests start with ``shared`` cached tokens (whole pages) that are stored
     once in the pool and listed in their page tables, as the radix cache does.
     ``prefix_of[i]`` says whose shared prefix request i starts with: a group id (every
     group has its own prefix), ``(gid, n)`` for only its first n pages, or None for no
-    shared prefix. By default all requests share one prefix."""
+    shared prefix. By default all requests share one prefix. ``decode_kernel`` picks the
+    backend's decode path; float32/bfloat16 ``dtype`` runs with matching tolerances."""
     heads = kv_heads * group
     num_pages = 4096 // page_size + 64
-    pool = KVPool(2, num_pages, page_size, kv_heads, HEAD_DIM, torch.float64)
+    num_pages += max_cached * 9 // page_size
+    pool = KVPool(2, num_pages, page_size, kv_heads, HEAD_DIM, dtype)
     backend = create_backend(
-        "torch", pool, scale=HEAD_DIM**-0.5, sliding_windows=(window, -1), num_qo_heads=heads
-    )
+        "torch", pool, scale=HEAD_DIM**-0.5, sliding_windows=(window, -1), num_qo_heads=heads,
+        decode_kernel=decode_kernel,
+    )  # fmt: skip
+    assert backend.decode_kernel == decode_kernel
     free = list(rng.permutation(num_pages))
     assert shared % page_size == 0
     if prefix_of is None:
@@ -67,17 +87,21 @@ def run_case(rng, page_size, kv_heads, group, kinds, window=-1, shared=0, prefix
             pre_pages, pre_k, pre_v = prefixes[gid]
             pre_pages, pre_k, pre_v = pre_pages[:n], pre_k[: n * page_size], pre_v[: n * page_size]
         pre = len(pre_k)
-        cached = {"decode": rng.integers(1, 40), "fresh": 0, "prefix": rng.integers(1, 40)}[kind]
+        cached = {
+            "decode": rng.integers(1, max_cached),
+            "fresh": 0,
+            "prefix": rng.integers(1, max_cached),
+        }[kind]
         cached += pre
         new = 1 if kind == "decode" else int(rng.integers(2, 30))
         total = int(cached + new)
         pages = pre_pages + [free.pop() for _ in range(-(-total // page_size) - len(pre_pages))]
         k_hist = torch.cat(
             [pre_k.double(), torch.randn(total - pre, kv_heads, HEAD_DIM, dtype=torch.float64)]
-        )
+        ).to(dtype)
         v_hist = torch.cat(
             [pre_v.double(), torch.randn(total - pre, kv_heads, HEAD_DIM, dtype=torch.float64)]
-        )
+        ).to(dtype)
         reqs.append((int(cached), new, np.array(pages, np.int32), k_hist, v_hist))
     # Pre-fill the cached prefixes directly into the pool (as an earlier step would have).
     for layer in range(2):
@@ -94,50 +118,119 @@ def run_case(rng, page_size, kv_heads, group, kinds, window=-1, shared=0, prefix
     )
     backend.begin_batch(batch)
     for layer in range(2):
-        q = torch.randn(int(qo.sum()), heads, HEAD_DIM, dtype=torch.float64)
+        q = torch.randn(int(qo.sum()), heads, HEAD_DIM, dtype=torch.float64).to(dtype)
         k = torch.cat([r[3][r[0] :] for r in reqs])
         v = torch.cat([r[4][r[0] :] for r in reqs])
         out = backend.forward(layer, q, k, v)
         w = window if layer == 0 else -1
         for i, (cached, new, _, k_hist, v_hist) in enumerate(reqs):
             rows = slice(int(batch.qo_indptr[i]), int(batch.qo_indptr[i + 1]))
-            ref = dense_reference(q[rows], k_hist, v_hist, cached + new, w, HEAD_DIM**-0.5)
-            torch.testing.assert_close(out[rows], ref, rtol=0, atol=1e-12)
+            ref = dense_reference(
+                q[rows].double(), k_hist.double(), v_hist.double(), cached + new, w,
+                HEAD_DIM**-0.5,
+            )  # fmt: skip
+            assert out.dtype == dtype
+            torch.testing.assert_close(out[rows].double(), ref, rtol=0, atol=TOLERANCE[dtype])
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request):
+    """Both decode paths of the torch backend; the native one needs the extension
+    (CI sets RADIXSERVE_REQUIRE_NATIVE=1, so a broken build fails instead of skipping)."""
+    if request.param == "native" and not native_decode.AVAILABLE:
+        if os.environ.get("RADIXSERVE_REQUIRE_NATIVE") == "1":
+            pytest.fail(f"native decode kernel not built: {native_decode.UNAVAILABLE_REASON}")
+        pytest.skip("native decode kernel not built")
+    return request.param
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize(("kv_heads", "group"), [(2, 1), (1, 3), (2, 4)])
-def test_mixed_ragged_batches_match_dense_reference(page_size, kv_heads, group):
+def test_mixed_ragged_batches_match_dense_reference(page_size, kv_heads, group, kernel):
     rng = np.random.default_rng(page_size * 100 + kv_heads * 10 + group)
     for _ in range(3):
         kinds = list(rng.choice(["decode", "fresh", "prefix"], size=int(rng.integers(1, 9))))
-        run_case(rng, page_size, kv_heads, group, kinds)
+        run_case(rng, page_size, kv_heads, group, kinds, decode_kernel=kernel)
 
 
 @pytest.mark.parametrize("kind", ["decode", "fresh", "prefix"])
-def test_single_kind_batches(kind):
+def test_single_kind_batches(kind, kernel):
     rng = np.random.default_rng(7)
-    run_case(rng, 16, 2, 2, [kind] * 5)
+    run_case(rng, 16, 2, 2, [kind] * 5, decode_kernel=kernel)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_sliding_window_layer(page_size):
+def test_sliding_window_layer(page_size, kernel):
     rng = np.random.default_rng(11)
-    run_case(rng, page_size, 2, 2, ["decode", "fresh", "prefix", "decode"] * 2, window=5)
+    kinds = ["decode", "fresh", "prefix", "decode"] * 2
+    run_case(rng, page_size, 2, 2, kinds, window=5, decode_kernel=kernel)
+    # Windows longer than a key chunk, over contexts of several chunks.
+    run_case(rng, page_size, 2, 2, kinds, window=150, decode_kernel=kernel, max_cached=900)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize(("kv_heads", "group"), [(2, 1), (1, 3), (3, 3)])
-def test_decodes_sharing_a_cached_prefix(page_size, kv_heads, group):
+def test_decodes_sharing_a_cached_prefix(page_size, kv_heads, group, kernel):
     """Decode requests whose page tables start with the same pages (a shared system
     prompt in the radix cache): the shared part is read once for all of them."""
     rng = np.random.default_rng(page_size + 10 * group)
-    run_case(rng, page_size, kv_heads, group, ["decode"] * 6, shared=96)
-    run_case(rng, page_size, kv_heads, group, ["decode", "prefix", "decode", "fresh"], shared=96)
+    kw = {"shared": 96, "decode_kernel": kernel}
+    run_case(rng, page_size, kv_heads, group, ["decode"] * 6, **kw)
+    run_case(rng, page_size, kv_heads, group, ["decode", "prefix", "decode", "fresh"], **kw)
     # Two groups with their own prefixes, one request sharing only the first page of
     # group 0's, one sharing nothing: each group is read once, the others plainly.
     owners = [0, 1, 0, (0, 1), 1, None, 0, 1]
-    run_case(rng, page_size, kv_heads, group, ["decode"] * 8, shared=96, prefix_of=owners)
+    run_case(rng, page_size, kv_heads, group, ["decode"] * 8, prefix_of=owners, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_low_precision_decodes(dtype, page_size, kernel):
+    """float32 and bfloat16 pools (bfloat16 is computed in float32 by the native
+    kernel), long contexts cut into several key chunks, with and without a shared
+    prefix."""
+    rng = np.random.default_rng(3)
+    kw = {"decode_kernel": kernel, "dtype": dtype, "max_cached": 1500}
+    run_case(rng, page_size, 2, 3, ["decode"] * 5 + ["prefix"], **kw)
+    run_case(rng, page_size, 2, 3, ["decode"] * 5, shared=256, **kw)
+
+
+def test_native_decode_kernel_is_chosen_where_it_runs():
+    pool = KVPool(1, 4, 1, 1, HEAD_DIM, torch.float32)
+    backend = create_backend("torch", pool, 1.0, (-1,), 1)
+    assert backend.decode_kernel == ("native" if native_decode.AVAILABLE else "torch")
+    assert (
+        create_backend("torch", pool, 1.0, (-1,), 1, decode_kernel="torch").decode_kernel == "torch"
+    )
+    with pytest.raises(ValueError, match="unknown decode kernel 'fast'"):
+        create_backend("torch", pool, 1.0, (-1,), 1, decode_kernel="fast")
+    half = KVPool(1, 4, 1, 1, HEAD_DIM, torch.float16)
+    assert create_backend("torch", half, 1.0, (-1,), 1).decode_kernel == "torch"
+    with pytest.raises(ValueError, match="native decode kernel cannot run.*float16"):
+        create_backend("torch", half, 1.0, (-1,), 1, decode_kernel="native")
+
+
+def test_native_kernel_rejects_bad_indices():
+    """The kernel checks every index before it reads: a bad plan is an error, not a crash."""
+    if not native_decode.AVAILABLE:
+        pytest.skip("native decode kernel not built")
+    kv = torch.zeros(4, 2, 2, 1, HEAD_DIM)
+    q, out = torch.zeros(2, 1, HEAD_DIM), torch.zeros(2, 1, HEAD_DIM)
+    i32 = lambda *x: np.array(x, np.int32)  # noqa: E731
+    ok = dict(row_indptr=i32(0, 1), rows=i32(1), page_indptr=i32(0, 2), pages=i32(0, 3),
+              kv_begin=i32(0), kv_end=i32(4))  # fmt: skip
+    call = native_decode._ext.paged_decode
+    call(q.numpy(), kv.numpy(), out.numpy(), None, **ok, scale=1.0, num_threads=1, chunk=64)
+    bad = [
+        ({"pages": i32(0, 4)}, "page out of range"),
+        ({"rows": i32(2)}, "row out of range"),
+        ({"kv_end": i32(5)}, "key range outside"),
+        ({"row_indptr": i32(0, 2)}, "bad row_indptr"),
+    ]
+    for change, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            call(q.numpy(), kv.numpy(), out.numpy(), None, **{**ok, **change}, scale=1.0,
+                 num_threads=1, chunk=64)  # fmt: skip
 
 
 def test_unknown_backend_is_refused():

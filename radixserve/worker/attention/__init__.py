@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
-from radixserve.worker.attention.torch_backend import TorchAttention
+from radixserve.worker.attention.torch_backend import DECODE_KERNELS, TorchAttention
 from radixserve.worker.kv_pool import KVPool
 
 
@@ -48,16 +48,29 @@ def resolve_backend_name(name: str, pool: KVPool) -> str:
 
 
 def create_backend(
-    name: str, pool: KVPool, scale: float, sliding_windows: tuple[int, ...], num_qo_heads: int
+    name: str,
+    pool: KVPool,
+    scale: float,
+    sliding_windows: tuple[int, ...],
+    num_qo_heads: int,
+    decode_kernel: str = "auto",
 ) -> AttentionBackend:
-    """Instantiate backend ``name`` (or ``auto``); ValueError listing the known ones otherwise."""
+    """Instantiate backend ``name`` (or ``auto``); ValueError listing the known ones otherwise.
+
+    ``decode_kernel`` (``auto``/``native``/``torch``) is the torch backend's decode
+    path (``TorchAttention``); other backends ignore it.
+    """
     if name not in CHOICES:
         raise ValueError(f"unknown attention backend {name!r}; known: {list(CHOICES)}")
-    return BACKENDS[resolve_backend_name(name, pool)](pool, scale, sliding_windows, num_qo_heads)
+    resolved = resolve_backend_name(name, pool)
+    if resolved == "torch":
+        return TorchAttention(pool, scale, sliding_windows, num_qo_heads, decode_kernel)
+    return BACKENDS[resolved](pool, scale, sliding_windows, num_qo_heads)
 
 
 __all__ = [
     "CHOICES",
+    "DECODE_KERNELS",
     "AttentionBackend",
     "AttentionBatch",
     "KVPool",

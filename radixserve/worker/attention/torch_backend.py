@@ -1,7 +1,7 @@
 """The ``torch`` attention backend: gather pages, then dense attention. Any device, any dtype.
 
 Decode requests that share a cached prefix (the same first pages) read it once:
-see ``_plan_decodes`` and ``_cascade_decode`` (docs/worker.md, "Cascade decode").
+see ``_group_decodes`` and ``_cascade_decode`` (docs/worker.md, "Cascade decode").
 
 ``begin_batch`` turns the page tables into row indices once per step:
 - write rows: where each new token's K (and V, ``page_size`` rows further) goes
@@ -27,7 +27,10 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from radixserve.worker.attention import native_decode
 from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
+from radixserve.worker.attention.native_decode import Segments, merge_partials
+from radixserve.worker.kv_pool import KVPool
 
 
 @dataclass
@@ -57,8 +60,40 @@ class _Decode:
 CASCADE_MIN_TOKENS = 64
 
 
+@dataclass
+class _NativeDecode:
+    main: Segments  # every decode request's own pages (after the shared ones)
+    prefix: Segments | None = None  # one segment per cascade group: its shared pages
+    members: torch.Tensor | None = None  # q rows of the cascade groups' requests
+
+
+#: How decode attention is computed: ``native`` reads pages in place (csrc/,
+#: float32/float64/bfloat16 on the CPU), ``torch`` gathers them and runs SDPA;
+#: ``auto`` is native where it can run.
+DECODE_KERNELS = ("auto", "native", "torch")
+
+
 class TorchAttention(AttentionBackend):
     name = "torch"
+
+    def __init__(
+        self,
+        pool: KVPool,
+        scale: float,
+        sliding_windows: tuple[int, ...],
+        num_qo_heads: int,
+        decode_kernel: str = "auto",
+    ) -> None:
+        super().__init__(pool, scale, sliding_windows, num_qo_heads)
+        if decode_kernel not in DECODE_KERNELS:
+            raise ValueError(
+                f"unknown decode kernel {decode_kernel!r}; known: {list(DECODE_KERNELS)}"
+            )
+        device = pool.layers[0].device if pool.layers else torch.device("cpu")
+        reason = native_decode.unsupported_reason(device, pool.dtype)
+        if decode_kernel == "native" and reason is not None:
+            raise ValueError(f"the native decode kernel cannot run: {reason}")
+        self.decode_kernel = "native" if decode_kernel != "torch" and reason is None else "torch"
 
     def begin_batch(self, batch: AttentionBatch) -> None:
         pool = self.pool
@@ -84,20 +119,29 @@ class TorchAttention(AttentionBackend):
             )  # fmt: skip
         rows = np.concatenate(write_rows) if write_rows else np.zeros(0, np.int64)
         self._write = torch.from_numpy(rows).to(device)
-        self._decodes = self._plan_decodes(batch, decode_ids, windows, device)
+        groups, plain = self._group_decodes(batch, decode_ids, windows)
+        self._decodes, self._native = [], None
+        if self.decode_kernel == "native":
+            self._native = self._plan_native(batch, groups, plain, windows, device)
+        else:
+            self._decodes = [
+                self._plan_decode(batch, ids, common, windows, device) for ids, common in groups
+            ]
+            if len(plain):
+                self._decodes.append(self._plan_decode(batch, plain, 0, windows, device))
 
-    def _plan_decodes(
-        self, batch: AttentionBatch, ids: np.ndarray, windows: list[int], device: torch.device
-    ) -> list[_Decode]:
-        """Split the decode requests into padded batches: one per group whose page
-        tables start with the same pages (a shared cached prefix, read once by
-        cascade attention), and one for all the others."""
+    def _group_decodes(
+        self, batch: AttentionBatch, ids: np.ndarray, windows: list[int]
+    ) -> tuple[list[tuple[np.ndarray, int]], np.ndarray]:
+        """Split the decode requests into groups whose page tables start with the same
+        ``common`` pages (a shared cached prefix, read once by cascade attention) and
+        the others: ``([(ids, common), ...], plain ids)``."""
         if not len(ids):
-            return []
+            return [], ids
         s = self.pool.page_size
         tables = [batch.page_indices[batch.page_indptr[i] : batch.page_indptr[i + 1]] for i in ids]
         plain: list[int] = []
-        decodes = []
+        groups: list[tuple[np.ndarray, int]] = []
 
         def common_pages(members: list[int]) -> int:
             # Pages that start every member's table hold the same tokens for all of
@@ -118,7 +162,7 @@ class TorchAttention(AttentionBackend):
                 return
             common = common_pages(members)
             if common * s >= CASCADE_MIN_TOKENS:
-                decodes.append(self._plan_decode(batch, ids[members], common, windows, device))
+                groups.append((ids[members], common))
                 return
             parts: dict[int, list[int]] = {}
             for r in members:
@@ -137,9 +181,46 @@ class TorchAttention(AttentionBackend):
                 place(members)
         else:
             plain = list(range(len(ids)))
-        if plain:
-            decodes.append(self._plan_decode(batch, ids[sorted(plain)], 0, windows, device))
-        return decodes
+        return groups, ids[sorted(plain)]
+
+    def _plan_native(
+        self,
+        batch: AttentionBatch,
+        groups: list[tuple[np.ndarray, int]],
+        plain: np.ndarray,
+        windows: list[int],
+        device: torch.device,
+    ) -> _NativeDecode | None:
+        """Segments for the native kernel: every decode request reads its own pages
+        (after the shared ones for a cascade member); each cascade group's shared
+        pages are one more segment holding all of the group's rows."""
+        if not len(plain) and not groups:
+            return None
+        s, h = self.pool.page_size, self.pool.num_kv_heads
+        qrow = batch.qo_indptr
+
+        def table(i: int) -> np.ndarray:
+            return batch.page_indices[batch.page_indptr[i] : batch.page_indptr[i + 1]]
+
+        rows = [qrow[i : i + 1] for i in plain]
+        tables = [table(i) for i in plain]
+        kv = [int(batch.kv_lens[i]) for i in plain]
+        for ids, common in groups:
+            rows += [qrow[i : i + 1] for i in ids]
+            tables += [table(i)[common:] for i in ids]
+            kv += [int(batch.kv_lens[i]) - common * s for i in ids]
+        main = Segments.build(rows, tables, np.array(kv), windows, h)
+        if not groups:
+            return _NativeDecode(main)
+        prefix = Segments.build(
+            [qrow[ids] for ids, _ in groups],
+            [table(int(ids[0]))[:common] for ids, common in groups],
+            np.array([common * s for _, common in groups]),
+            windows,
+            h,
+        )
+        members = np.concatenate([qrow[ids] for ids, _ in groups]).astype(np.int64)
+        return _NativeDecode(main, prefix, torch.from_numpy(members).to(device))
 
     def _plan_decode(
         self,
@@ -194,7 +275,9 @@ class TorchAttention(AttentionBackend):
         tokens.index_copy_(0, self._write, k.reshape(-1, h * d))
         tokens.index_copy_(0, self._write + s, v.reshape(-1, h * d))
         pages = pool.view(-1, s * h * d)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if self._native is not None:
+            self._native_decode(pool, q, out, window)
         for dec in self._decodes:
             if dec.shared is not None:
                 o = self._cascade_decode(pages, q, dec, dec.bias[window])
@@ -225,6 +308,23 @@ class TorchAttention(AttentionBackend):
             )  # fmt: skip
             out[p.rows] = o[0].transpose(0, 1)
         return out
+
+    def _native_decode(
+        self, pool: torch.Tensor, q: torch.Tensor, out: torch.Tensor, window: int
+    ) -> None:
+        nat = self._native
+        assert nat is not None
+        q = q.contiguous()
+        if nat.prefix is None:
+            native_decode.paged_decode(q, pool, out, None, nat.main, window, self.scale)
+            return
+        ct = torch.promote_types(q.dtype, torch.float32)
+        lse = torch.empty(q.shape[:2], dtype=ct)
+        native_decode.paged_decode(q, pool, out, lse, nat.main, window, self.scale)
+        o2, lse2 = torch.empty_like(q), torch.empty_like(lse)
+        native_decode.paged_decode(q, pool, o2, lse2, nat.prefix, window, self.scale)
+        r = nat.members
+        out.index_copy_(0, r, merge_partials(out[r], lse[r], o2[r], lse2[r]))
 
     def _cascade_decode(
         self, pages: torch.Tensor, q: torch.Tensor, dec: _Decode, bias: torch.Tensor

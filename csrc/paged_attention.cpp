@@ -1,0 +1,475 @@
+// Paged decode attention on the CPU, reading K/V pages where they lie
+// (module radixserve.worker._paged_attention).
+//
+// The torch backend's decode path copies every page a request reads into a
+// contiguous buffer and runs scaled_dot_product_attention over it: the pages
+// are read twice and written once, and SDPA expands GQA heads. This kernel
+// reads each key and value row once, straight from the pool, for all query
+// heads that share it.
+//
+// Work is described as segments. A segment is one KV sequence (a page list and
+// a key range [kv_begin, kv_end) in it) and the query rows that attend to it,
+// each with all of its heads. A plain decode request is a segment with one row;
+// a shared prefix read once by several requests (cascade decode) is a segment
+// with one row per request. Output goes to out[row] and, per head, the
+// log-sum-exp of the scaled scores to lse[row], so that two partial results
+// over disjoint key sets can be merged by the caller.
+//
+// Parallelism: work items are (segment, key chunk), run by an OpenMP
+// loop in the process's OpenMP runtime (torch's, which is loaded first); the
+// chunks of a segment are merged in a second loop. Long segments are cut into
+// chunks so that a few long requests still keep every thread busy.
+//
+// Storage types: float32, float64 (computed in their own precision) and
+// bfloat16 (computed in float32). The pool layout is the KV pool's
+// [num_pages, 2, page_size, kv_heads, head_dim], K at index 0, V at 1.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+struct BF16 {
+  uint16_t bits;
+};
+
+inline float to_acc(float x) { return x; }
+inline double to_acc(double x) { return x; }
+inline float to_acc(BF16 x) {
+  uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline void from_acc(float x, float* d) { *d = x; }
+inline void from_acc(double x, double* d) { *d = x; }
+inline void from_acc(float x, BF16* d) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
+    d->bits = 0x7fc0;
+    return;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  d->bits = static_cast<uint16_t>(u >> 16);
+}
+
+template <typename T>
+using Acc = typename std::conditional<std::is_same<T, double>::value, double, float>::type;
+
+// exp for float32 that the compiler can vectorise (std::exp cannot be without
+// -ffast-math): Cody-Waite range reduction to r in [-ln2/2, ln2/2] and a
+// degree-6 polynomial, about 2 ulp. Inputs here are <= 0 (scores minus their
+// max); below -87 the result flushes to 0.
+inline float exp_acc(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  // Round to nearest by the 1.5 * 2^23 trick (vectorises; nearbyint may not).
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  return p * scale;
+}
+inline double exp_acc(double x) { return std::exp(x); }
+
+struct Item {
+  int64_t seg, k0, k1;  // keys [k0, k1) of the segment
+  int64_t partial;               // first partial slot (one per query vector)
+};
+
+struct Problem {
+  int64_t num_heads, num_kv_heads, head_dim, page_size, group;
+  const int32_t* row_indptr;
+  const int32_t* rows;
+  const int32_t* page_indptr;
+  const int32_t* pages;
+  const int32_t* kv_begin;
+  const int32_t* kv_end;
+  double scale;
+};
+
+#if defined(__GNUC__)
+#define RS_INLINE inline __attribute__((always_inline))
+#else
+#define RS_INLINE inline
+#endif
+
+// How many key rows ahead an item prefetches the start of the next page: pages
+// are scattered, so the hardware prefetcher loses the stream at every boundary.
+constexpr int64_t kPrefetchRows = 8;
+// Keys handled together: their rows (K, then V) stay in L1 while every query
+// vector of the item meets them.
+constexpr int64_t kBlock = 16;
+
+// One item: scores of every query vector of the segment (all rows, all heads)
+// against the item's keys, softmax statistics per query vector, and the
+// unnormalised weighted sum of values. A key position's K (or V) row holds all
+// kv heads side by side, so the item walks the pages front to back, one
+// contiguous row at a time, and prefetches a few rows ahead.
+template <typename T>
+RS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q, const T* kv, Acc<T>* pm,
+                             Acc<T>* pl, Acc<T>* pacc, std::vector<Acc<T>>& scratch) {
+  using A = Acc<T>;
+  const int64_t D = P.head_dim, G = P.group, H = P.num_heads, KVH = P.num_kv_heads;
+  const int64_t ps = P.page_size;
+  const int64_t r0 = P.row_indptr[it.seg], r1 = P.row_indptr[it.seg + 1];
+  const int64_t nrows = r1 - r0, nq = nrows * H, len = it.k1 - it.k0;
+  const int64_t row_len = KVH * D, page_stride = 2 * ps * row_len;
+  // Query vectors ordered [kv head][row][group member], so that the vectors one
+  // kv head's keys meet are contiguous.
+  scratch.resize(static_cast<size_t>(nq * D + nq * len + kBlock * row_len));
+  A* qs = scratch.data();      // [KVH, nrows, G, D], scaled
+  A* sc = qs + nq * D;         // [nq, len] scores, then probabilities
+  A* conv = sc + nq * len;     // a block of K or V rows in the compute type
+  const A scale = static_cast<A>(P.scale);
+  for (int64_t r = 0; r < nrows; ++r) {
+    const T* src = q + static_cast<int64_t>(P.rows[r0 + r]) * H * D;
+    for (int64_t h = 0; h < KVH; ++h) {
+      A* dst = qs + ((h * nrows + r) * G) * D;
+      const T* from = src + h * G * D;
+      for (int64_t i = 0; i < G * D; ++i) dst[i] = to_acc(from[i]) * scale;
+    }
+  }
+  const int32_t* pages = P.pages + P.page_indptr[it.seg];
+  auto raw_row = [&](int64_t j, int64_t which) -> const T* {
+    return kv + pages[j / ps] * page_stride + which * ps * row_len + (j % ps) * row_len;
+  };
+  auto load_row = [&](int64_t j, int64_t which, int64_t b) -> const A* {
+    const T* p = raw_row(j, which);
+    // Rows within a page are contiguous and the hardware prefetcher follows them;
+    // the next page is elsewhere, so fetch its first rows ahead of time.
+    if ((j + kPrefetchRows) % ps < kPrefetchRows && j + kPrefetchRows < it.k1) {
+      const char* n = reinterpret_cast<const char*>(raw_row(j + kPrefetchRows, which));
+      for (int64_t b = 0; b < row_len * static_cast<int64_t>(sizeof(T)); b += 64)
+        __builtin_prefetch(n + b);
+    }
+    if constexpr (std::is_same<T, A>::value) {
+      return p;
+    } else {
+      A* c = conv + b * row_len;
+      for (int64_t d = 0; d < row_len; ++d) c[d] = to_acc(p[d]);
+      return c;
+    }
+  };
+  const int64_t per_head = nrows * G;  // query vectors per kv head
+  const A* rows[kBlock];
+  // Scores, a block of keys at a time: each query vector meets four keys per
+  // pass, so four independent dot products are in flight (one alone is a chain
+  // of dependent FMAs, latency-bound).
+  for (int64_t jb = 0; jb < len; jb += kBlock) {
+    const int64_t nb = std::min(kBlock, len - jb);
+    for (int64_t b = 0; b < nb; ++b) rows[b] = load_row(it.k0 + jb + b, 0, b);
+    for (int64_t h = 0; h < KVH; ++h) {
+      const A* qh = qs + h * per_head * D;
+      A* sh = sc + h * per_head * len + jb;
+      for (int64_t i = 0; i < per_head; ++i) {
+        const A* qi = qh + i * D;
+        A* si = sh + i * len;
+        int64_t b = 0;
+        for (; b + 4 <= nb; b += 4) {
+          const A *k0 = rows[b] + h * D, *k1 = rows[b + 1] + h * D;
+          const A *k2 = rows[b + 2] + h * D, *k3 = rows[b + 3] + h * D;
+          A s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+          for (int64_t d = 0; d < D; ++d) {
+            s0 += qi[d] * k0[d];
+            s1 += qi[d] * k1[d];
+            s2 += qi[d] * k2[d];
+            s3 += qi[d] * k3[d];
+          }
+          si[b] = s0;
+          si[b + 1] = s1;
+          si[b + 2] = s2;
+          si[b + 3] = s3;
+        }
+        for (; b < nb; ++b) {
+          const A* k = rows[b] + h * D;
+          A s0 = 0;
+#pragma omp simd reduction(+ : s0)
+          for (int64_t d = 0; d < D; ++d) s0 += qi[d] * k[d];
+          si[b] = s0;
+        }
+      }
+    }
+  }
+  // Softmax statistics; slot order is [kv head][row][group member] like qs.
+  for (int64_t i = 0; i < nq; ++i) {
+    A* si = sc + i * len;
+    A m = -std::numeric_limits<A>::infinity();
+    for (int64_t j = 0; j < len; ++j) m = std::max(m, si[j]);
+    A l = 0;
+#pragma omp simd reduction(+ : l)
+    for (int64_t j = 0; j < len; ++j) {
+      const A e = exp_acc(si[j] - m);
+      si[j] = e;
+      l += e;
+    }
+    pm[it.partial + i] = m;
+    pl[it.partial + i] = l;
+  }
+  A* acc = pacc + it.partial * D;
+  std::fill(acc, acc + nq * D, A(0));
+  // Values, a block of keys at a time: one query vector's accumulator takes the
+  // whole block before it is stored again.
+  for (int64_t jb = 0; jb < len; jb += kBlock) {
+    const int64_t nb = std::min(kBlock, len - jb);
+    for (int64_t b = 0; b < nb; ++b) rows[b] = load_row(it.k0 + jb + b, 1, b);
+    for (int64_t h = 0; h < KVH; ++h) {
+      const A* ph = sc + h * per_head * len + jb;
+      A* ah = acc + h * per_head * D;
+      for (int64_t i = 0; i < per_head; ++i) {
+        const A* p = ph + i * len;
+        A* ai = ah + i * D;
+        int64_t b = 0;
+        for (; b + 4 <= nb; b += 4) {
+          const A *v0 = rows[b] + h * D, *v1 = rows[b + 1] + h * D;
+          const A *v2 = rows[b + 2] + h * D, *v3 = rows[b + 3] + h * D;
+          const A p0 = p[b], p1 = p[b + 1], p2 = p[b + 2], p3 = p[b + 3];
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d)
+            ai[d] += (p0 * v0[d] + p1 * v1[d]) + (p2 * v2[d] + p3 * v3[d]);
+        }
+        for (; b < nb; ++b) {
+          const A* v = rows[b] + h * D;
+          const A pb = p[b];
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ai[d] += pb * v[d];
+        }
+      }
+    }
+  }
+}
+
+// The item loop is compiled twice on x86-64, for AVX2+FMA and for the baseline,
+// and the loader picks the best one this CPU runs (GCC/clang target_clones), so
+// a build runs on any x86-64 CPU and is fast on a recent one.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__INTEL_COMPILER)
+#define RS_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define RS_CLONES
+#endif
+
+#define RS_ITEM(NAME, T)                                                                      \
+  RS_CLONES void NAME(const Problem& P, const Item& it, const T* q, const T* kv, Acc<T>* pm,  \
+                      Acc<T>* pl, Acc<T>* pacc, std::vector<Acc<T>>& scratch) {               \
+    run_item_impl<T>(P, it, q, kv, pm, pl, pacc, scratch);                                    \
+  }
+RS_ITEM(run_item_f32, float)
+RS_ITEM(run_item_f64, double)
+RS_ITEM(run_item_bf16, BF16)
+
+inline void run_item(const Problem& P, const Item& it, const float* q, const float* kv, float* pm,
+                     float* pl, float* pacc, std::vector<float>& scratch) {
+  run_item_f32(P, it, q, kv, pm, pl, pacc, scratch);
+}
+inline void run_item(const Problem& P, const Item& it, const double* q, const double* kv,
+                     double* pm, double* pl, double* pacc, std::vector<double>& scratch) {
+  run_item_f64(P, it, q, kv, pm, pl, pacc, scratch);
+}
+inline void run_item(const Problem& P, const Item& it, const BF16* q, const BF16* kv, float* pm,
+                     float* pl, float* pacc, std::vector<float>& scratch) {
+  run_item_bf16(P, it, q, kv, pm, pl, pacc, scratch);
+}
+
+template <typename T>
+void run(const Problem& P, int64_t num_segments, const T* q, const T* kv, T* out, float* lse_f,
+         double* lse_d, int num_threads, int64_t chunk) {
+  using A = Acc<T>;
+  const int64_t D = P.head_dim, G = P.group, H = P.num_heads, KVH = P.num_kv_heads;
+  // Items, and where each segment's chunks start.
+  std::vector<Item> items;
+  std::vector<int64_t> first_item(static_cast<size_t>(num_segments + 1), 0);
+  int64_t slots = 0;
+  for (int64_t s = 0; s < num_segments; ++s) {
+    const int64_t nq = (P.row_indptr[s + 1] - P.row_indptr[s]) * H;
+    const int64_t b = P.kv_begin[s], e = P.kv_end[s];
+    first_item[static_cast<size_t>(s)] = static_cast<int64_t>(items.size());
+    for (int64_t k0 = b; k0 < e; k0 += chunk) {
+      items.push_back(Item{s, k0, std::min(e, k0 + chunk), slots});
+      slots += nq;
+    }
+  }
+  first_item.back() = static_cast<int64_t>(items.size());
+  std::vector<A> pm(static_cast<size_t>(slots)), pl(static_cast<size_t>(slots));
+  std::vector<A> pacc(static_cast<size_t>(slots * D));
+  const int64_t n_items = static_cast<int64_t>(items.size());
+
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<A> scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_items; ++i) {
+      run_item(P, items[static_cast<size_t>(i)], q, kv, pm.data(), pl.data(), pacc.data(),
+               scratch);
+    }
+  }
+
+  // Merge the chunks of each segment into out and lse.
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t s = 0; s < num_segments; ++s) {
+    const int64_t r0 = P.row_indptr[s], nrows = P.row_indptr[s + 1] - r0;
+    const int64_t i0 = first_item[static_cast<size_t>(s)];
+    const int64_t i1 = first_item[static_cast<size_t>(s + 1)];
+    std::vector<A> o(static_cast<size_t>(D));
+    for (int64_t h = 0; h < KVH; ++h) {
+      for (int64_t r = 0; r < nrows; ++r) {
+        const int64_t qrow = P.rows[r0 + r];
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t head = h * G + g, local = (h * nrows + r) * G + g;
+          T* dst = out + (qrow * H + head) * D;
+          A m = -std::numeric_limits<A>::infinity();
+          for (int64_t it = i0; it < i1; ++it) m = std::max(m, pm[items[it].partial + local]);
+          if (i0 == i1 || m == -std::numeric_limits<A>::infinity()) {  // no keys
+            for (int64_t d = 0; d < D; ++d) from_acc(A(0), dst + d);
+          } else {
+            A l = 0;
+            std::fill(o.begin(), o.end(), A(0));
+            for (int64_t it = i0; it < i1; ++it) {
+              const int64_t slot = items[it].partial + local;
+              const A w = std::exp(pm[slot] - m);
+              l += w * pl[slot];
+              const A* a = pacc.data() + slot * D;
+              for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+            }
+            for (int64_t d = 0; d < D; ++d) from_acc(o[d] / l, dst + d);
+            m += std::log(l);
+          }
+          if (lse_f) lse_f[qrow * H + head] = static_cast<float>(m);
+          if (lse_d) lse_d[qrow * H + head] = static_cast<double>(m);
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+const T* cptr(const py::array& a) {
+  return reinterpret_cast<const T*>(a.data());
+}
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("paged_decode: " + what);
+}
+
+// q: [R, H, D]; kv: [pages, 2, page_size, KVH, D]; out like q; lse: [R, H] float32/float64
+// or None. Index arrays are int32. dtype: float32, float64, or bfloat16 given as
+// int16/uint16 (numpy has no bfloat16).
+void paged_decode(const py::array& q, const py::array& kv, py::array& out, py::object lse,
+                  const py::array_t<int32_t, py::array::c_style>& row_indptr,
+                  const py::array_t<int32_t, py::array::c_style>& rows,
+                  const py::array_t<int32_t, py::array::c_style>& page_indptr,
+                  const py::array_t<int32_t, py::array::c_style>& pages,
+                  const py::array_t<int32_t, py::array::c_style>& kv_begin,
+                  const py::array_t<int32_t, py::array::c_style>& kv_end, double scale,
+                  int num_threads, int64_t chunk) {
+  require(q.ndim() == 3 && kv.ndim() == 5 && out.ndim() == 3, "q/out must be 3-D, kv 5-D");
+  const auto c = py::array::c_style;
+  require((q.flags() & c) && (kv.flags() & c) && (out.flags() & c), "arrays must be C-contiguous");
+  require(out.writeable(), "out must be writeable");
+  require(q.dtype().is(kv.dtype()) && q.dtype().is(out.dtype()), "q, kv, out dtypes differ");
+  Problem P{};
+  P.num_heads = q.shape(1);
+  P.head_dim = q.shape(2);
+  P.page_size = kv.shape(2);
+  P.num_kv_heads = kv.shape(3);
+  require(kv.shape(1) == 2 && kv.shape(4) == P.head_dim, "kv must be [pages, 2, ps, kvh, d]");
+  require(P.num_kv_heads > 0 && P.num_heads % P.num_kv_heads == 0, "heads not a multiple of kv heads");
+  require(out.shape(0) == q.shape(0) && out.shape(1) == P.num_heads && out.shape(2) == P.head_dim,
+          "out must have q's shape");
+  P.group = P.num_heads / P.num_kv_heads;
+  const int64_t S = kv_end.shape(0);
+  require(row_indptr.shape(0) == S + 1 && page_indptr.shape(0) == S + 1 && kv_begin.shape(0) == S,
+          "segment arrays disagree in length");
+  P.row_indptr = row_indptr.data();
+  P.rows = rows.data();
+  P.page_indptr = page_indptr.data();
+  P.pages = pages.data();
+  P.kv_begin = kv_begin.data();
+  P.kv_end = kv_end.data();
+  P.scale = scale;
+  // Validate every index once, here, so the kernel never reads out of bounds.
+  const int64_t R = q.shape(0), NP = kv.shape(0), ps = P.page_size;
+  require(P.row_indptr[0] == 0 && P.row_indptr[S] == rows.shape(0), "bad row_indptr");
+  require(P.page_indptr[0] == 0 && P.page_indptr[S] == pages.shape(0), "bad page_indptr");
+  for (int64_t s = 0; s < S; ++s) {
+    require(P.row_indptr[s] <= P.row_indptr[s + 1] && P.page_indptr[s] <= P.page_indptr[s + 1],
+            "indptr not monotone");
+    require(0 <= P.kv_begin[s] && P.kv_begin[s] <= P.kv_end[s] &&
+                P.kv_end[s] <= (P.page_indptr[s + 1] - P.page_indptr[s]) * ps,
+            "key range outside the segment's pages");
+  }
+  for (int64_t i = 0; i < rows.shape(0); ++i) require(0 <= P.rows[i] && P.rows[i] < R, "row out of range");
+  for (int64_t i = 0; i < pages.shape(0); ++i) require(0 <= P.pages[i] && P.pages[i] < NP, "page out of range");
+  float* lse_f = nullptr;
+  double* lse_d = nullptr;
+  if (!lse.is_none()) {
+    py::array l = lse.cast<py::array>();
+    require((l.flags() & c) && l.writeable() && l.ndim() == 2 && l.shape(0) == R &&
+                l.shape(1) == P.num_heads,
+            "lse must be a writeable C-contiguous [rows, heads] array");
+    if (l.dtype().is(py::dtype::of<float>())) {
+      lse_f = static_cast<float*>(l.mutable_data());
+    } else if (l.dtype().is(py::dtype::of<double>())) {
+      lse_d = static_cast<double*>(l.mutable_data());
+    } else {
+      require(false, "lse must be float32 or float64");
+    }
+  }
+  require(chunk > 0 && num_threads > 0, "chunk and num_threads must be positive");
+  const char kind = q.dtype().kind();
+  const auto size = q.dtype().itemsize();
+  const bool f32 = kind == 'f' && size == 4, f64 = kind == 'f' && size == 8;
+  const bool bf16 = (kind == 'i' || kind == 'u') && size == 2;
+  require(f32 || f64 || bf16, "unsupported dtype (float32, float64, or bfloat16 as int16)");
+  py::gil_scoped_release nogil;
+  if (f32) {
+    run<float>(P, S, cptr<float>(q), cptr<float>(kv), static_cast<float*>(out.mutable_data()), lse_f,
+               lse_d, num_threads, chunk);
+  } else if (f64) {
+    run<double>(P, S, cptr<double>(q), cptr<double>(kv), static_cast<double*>(out.mutable_data()),
+                lse_f, lse_d, num_threads, chunk);
+  } else {
+    run<BF16>(P, S, cptr<BF16>(q), cptr<BF16>(kv), static_cast<BF16*>(out.mutable_data()), lse_f,
+              lse_d, num_threads, chunk);
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_paged_attention, m) {
+  m.doc() = "Paged decode attention over the KV pool, reading pages in place (CPU).";
+  m.def("paged_decode", &paged_decode, py::arg("q"), py::arg("kv"), py::arg("out"), py::arg("lse"),
+        py::arg("row_indptr"), py::arg("rows"), py::arg("page_indptr"), py::arg("pages"),
+        py::arg("kv_begin"), py::arg("kv_end"), py::arg("scale"), py::arg("num_threads"),
+        py::arg("chunk"));
+#ifdef _OPENMP
+  m.attr("openmp") = true;
+#else
+  m.attr("openmp") = false;
+#endif
+}

@@ -1,0 +1,135 @@
+"""Python side of the native paged decode kernel (``csrc/paged_attention.cpp``).
+
+The torch backend's decode path gathers every page a request reads into a
+contiguous buffer, then runs ``scaled_dot_product_attention`` over it. The
+native kernel reads K and V rows where they lie in the pool, once for all the
+query heads of a GQA group, with an online-free two-pass softmax per chunk of
+keys and OpenMP threads from torch's own runtime. docs/worker.md ("Decode
+kernels") has the numbers.
+
+Work is given as *segments*: a KV sequence (a page list and a key range in it)
+and the query rows that attend to it. A plain decode request is a one-row
+segment; a cached prefix shared by several decoding requests (cascade decode)
+is one segment with all of their rows, so its pages are read once. The kernel
+also returns the log-sum-exp of each row's scores, which is what merging the
+prefix part with each request's own suffix part needs (``merge_partials``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+try:
+    from radixserve.worker import _paged_attention as _ext
+
+    AVAILABLE, UNAVAILABLE_REASON = True, ""
+except ImportError as e:  # not built: setup.py warned at install
+    _ext = None
+    AVAILABLE, UNAVAILABLE_REASON = False, f"{type(e).__name__}: {e}"
+
+#: Storage dtypes the kernel runs (bfloat16 is computed in float32).
+DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+#: Items (segment x kv head x key chunk) per thread the chunking aims for.
+ITEMS_PER_THREAD = 8
+MIN_CHUNK, MAX_CHUNK = 64, 1024
+
+
+def unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the native kernel cannot serve this pool, or None when it can."""
+    if not AVAILABLE:
+        return f"the native extension radixserve.worker._paged_attention is missing ({UNAVAILABLE_REASON})"
+    if device.type != "cpu":
+        return f"it runs on the CPU, the KV pool is on {device}"
+    if dtype not in DTYPES:
+        return f"dtype {dtype} is not one of float32, float64, bfloat16"
+    return None
+
+
+def _array(t: torch.Tensor) -> np.ndarray:
+    """A NumPy view of a contiguous CPU tensor (bfloat16 as int16: NumPy has no bfloat16)."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+@dataclass
+class Segments:
+    """One kernel call's work. Rows index q (and out/lse); ``kv_begin`` has one
+    array per sliding window (window <= 0: all keys)."""
+
+    row_indptr: np.ndarray
+    rows: np.ndarray
+    page_indptr: np.ndarray
+    pages: np.ndarray
+    kv_end: np.ndarray
+    kv_begin: dict[int, np.ndarray]
+    chunk: int
+
+    @classmethod
+    def build(
+        cls,
+        row_groups: list[np.ndarray],
+        tables: list[np.ndarray],
+        kv_lens: np.ndarray,
+        windows: list[int],
+        num_kv_heads: int,
+    ) -> Segments:
+        """Segment i: rows ``row_groups[i]`` attend to keys [0, kv_lens[i]) of pages
+        ``tables[i]`` (the last kv_lens[i] - window of them with a window)."""
+        i32 = np.int32
+        row_indptr = np.zeros(len(row_groups) + 1, i32)
+        row_indptr[1:] = np.cumsum([len(r) for r in row_groups])
+        page_indptr = np.zeros(len(tables) + 1, i32)
+        page_indptr[1:] = np.cumsum([len(t) for t in tables])
+        kv_end = np.asarray(kv_lens, dtype=i32)
+        kv_begin = {
+            w: (np.maximum(kv_end - w, 0) if w > 0 else np.zeros_like(kv_end)).astype(i32)
+            for w in windows
+        }
+        threads = torch.get_num_threads()
+        work = int(kv_end.astype(np.int64).sum()) * num_kv_heads
+        chunk = -(-work // (ITEMS_PER_THREAD * threads)) if work else MIN_CHUNK
+        return cls(
+            row_indptr,
+            np.concatenate(row_groups).astype(i32) if row_groups else np.zeros(0, i32),
+            page_indptr,
+            np.concatenate(tables).astype(i32) if tables else np.zeros(0, i32),
+            kv_end,
+            kv_begin,
+            int(min(max(chunk, MIN_CHUNK), MAX_CHUNK)),
+        )
+
+
+def paged_decode(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    seg: Segments,
+    window: int,
+    scale: float,
+) -> None:
+    """out[r] (and lse[r], per head) for every row r of ``seg``; other rows untouched.
+
+    q, out: contiguous [T, heads, head_dim]; kv: a layer of the pool,
+    [pages, 2, page_size, kv_heads, head_dim]; lse: float32/float64 [T, heads].
+    """
+    _ext.paged_decode(  # type: ignore[union-attr]
+        _array(q), _array(kv), _array(out), None if lse is None else lse.numpy(),
+        seg.row_indptr, seg.rows, seg.page_indptr, seg.pages, seg.kv_begin[window], seg.kv_end,
+        scale, torch.get_num_threads(), seg.chunk,
+    )  # fmt: skip
+
+
+def merge_partials(
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+) -> torch.Tensor:
+    """Attention over the union of two disjoint key sets from each set's normalised
+    output [n, heads, d] and log-sum-exp [n, heads]."""
+    m = torch.maximum(lse1, lse2)
+    w1, w2 = (lse1 - m).exp_(), (lse2 - m).exp_()
+    total = w1 + w2
+    ct = lse1.dtype
+    o = o1.to(ct) * (w1 / total).unsqueeze(-1) + o2.to(ct) * (w2 / total).unsqueeze(-1)
+    return o.to(o1.dtype)
