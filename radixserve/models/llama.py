@@ -28,6 +28,38 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+#: Up to this many rows (decode batches, small chunks) a CPU linear layer computes
+#: y = (W x^T)^T rather than x W^T. Same values; MKL runs the weight-major form
+#: 1.2-1.3x faster for skinny activations when the weights stream from memory
+#: (SmolLM2, 2 threads: 60 vs 80 ms for a 16-row step's matmuls, 146 vs 188 ms
+#: for 64 rows); at 1024+ rows the two are even.
+SKINNY_ROWS = 512
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` with the skinny-batch CPU form above (float32/float64).
+
+    The result is then the transposed view of a ``[out, rows]`` product, not a
+    copy: element-wise ops keep that layout (``silu(gate) * up`` comes out
+    ``[intermediate, rows]``-major), so the next layer's ``W x^T`` reads it as a
+    plain matrix and no activation is ever transposed in memory. Callers use
+    ``view``/``split`` along the feature dim (valid on this layout) or
+    ``reshape``/``contiguous`` where they need rows.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            x.dim() == 2
+            and x.shape[0] <= SKINNY_ROWS
+            and x.device.type == "cpu"
+            and x.dtype in (torch.float32, torch.float64)
+        ):
+            if self.bias is None:
+                return torch.mm(self.weight, x.t()).t()
+            return torch.addmm(self.bias[:, None], self.weight, x.t()).t()
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -52,8 +84,8 @@ class Attention(nn.Module):
         )
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(
         self,
@@ -75,8 +107,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -112,7 +144,7 @@ class LlamaModel(nn.Module):
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
             self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.to_empty(device=device)
         self.to(dtype=dtype)
         self.rotary = RotaryEmbedding(cfg, dtype, device)
