@@ -15,7 +15,8 @@ from setuptools.command.build_ext import build_ext
 
 EXT_NAME = "radixserve.scheduler._radix_native"
 SOURCES = ["csrc/radix_tree.cpp", "csrc/page_free.cpp", "csrc/bindings.cpp"]
-ATTN_EXT_NAME = "radixserve.worker._paged_attention"
+KERNELS_EXT_NAME = "radixserve.worker._cpu_kernels"
+KERNELS_SOURCES = ["csrc/paged_attention.cpp", "csrc/skinny_gemm.cpp", "csrc/cpu_kernels.cpp"]
 
 
 _warned: set[str] = set()
@@ -26,7 +27,7 @@ def _warn(reason: str, name: str = EXT_NAME) -> None:
         return
     _warned.add(name)
     bar = "=" * 78
-    fallback = "Python radix tree" if name == EXT_NAME else "torch decode path"
+    fallback = "Python radix tree" if name == EXT_NAME else "torch decode path and BLAS"
     print(
         f"\n{bar}\nWARNING: the native extension {name} was not built:\n  {reason}\n"
         f"radixserve installs anyway and uses the {fallback}.\n"
@@ -73,10 +74,12 @@ def _extensions() -> list:
     if sys.platform.startswith("linux"):  # needs GCC/clang with OpenMP
         exts.append(
             Pybind11Extension(
-                ATTN_EXT_NAME,
-                ["csrc/paged_attention.cpp"],
+                KERNELS_EXT_NAME,
+                KERNELS_SOURCES,
+                include_dirs=["csrc"],
+                depends=["csrc/cpu_kernels.h"],
                 cxx_std=17,
-                extra_compile_args=["-O3", "-Wall", "-Wextra", "-fopenmp"],
+                extra_compile_args=["-O3", "-Wall", "-Wextra", "-Wno-psabi", "-fopenmp"],
                 extra_link_args=["-fopenmp"],
             )
         )

@@ -1,5 +1,5 @@
 // Paged decode attention on the CPU, reading K/V pages where they lie
-// (module radixserve.worker._paged_attention).
+// (radixserve.worker._cpu_kernels.paged_decode).
 //
 // The torch backend's decode path copies every page a request reads into a
 // contiguous buffer and runs scaled_dot_product_attention over it: the pages
@@ -25,6 +25,8 @@
 // [num_pages, 2, page_size, kv_heads, head_dim], K at index 0, V at 1.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+
+#include "cpu_kernels.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -265,15 +267,6 @@ RS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q, const
   }
 }
 
-// The item loop is compiled twice on x86-64, for AVX2+FMA and for the baseline,
-// and the loader picks the best one this CPU runs (GCC/clang target_clones), so
-// a build runs on any x86-64 CPU and is fast on a recent one.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__INTEL_COMPILER)
-#define RS_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define RS_CLONES
-#endif
-
 #define RS_ITEM(NAME, T)                                                                      \
   RS_CLONES void NAME(const Problem& P, const Item& it, const T* q, const T* kv, Acc<T>* pm,  \
                       Acc<T>* pl, Acc<T>* pacc, std::vector<Acc<T>>& scratch) {               \
@@ -461,15 +454,9 @@ void paged_decode(const py::array& q, const py::array& kv, py::array& out, py::o
 
 }  // namespace
 
-PYBIND11_MODULE(_paged_attention, m) {
-  m.doc() = "Paged decode attention over the KV pool, reading pages in place (CPU).";
+void radixserve::register_paged_attention(py::module_& m) {
   m.def("paged_decode", &paged_decode, py::arg("q"), py::arg("kv"), py::arg("out"), py::arg("lse"),
         py::arg("row_indptr"), py::arg("rows"), py::arg("page_indptr"), py::arg("pages"),
         py::arg("kv_begin"), py::arg("kv_end"), py::arg("scale"), py::arg("num_threads"),
         py::arg("chunk"));
-#ifdef _OPENMP
-  m.attr("openmp") = true;
-#else
-  m.attr("openmp") = false;
-#endif
 }

@@ -20,6 +20,7 @@ from torch.nn import functional as F
 
 from radixserve.models.config import ModelConfig
 from radixserve.models.rope import RotaryEmbedding, apply_rotary
+from radixserve.worker import cpu_kernels
 from radixserve.worker.attention.base import AttentionBackend
 
 
@@ -37,7 +38,9 @@ SKINNY_ROWS = 512
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` with the skinny-batch CPU form above (float32/float64).
+    """``nn.Linear`` with the skinny-batch CPU form above (float32/float64), and
+    for float32 batches of up to ``cpu_kernels.SKINNY_KERNEL_ROWS`` rows the
+    native kernel (``csrc/skinny_gemm.cpp``), which returns the same layout.
 
     The result is then the transposed view of a ``[out, rows]`` product, not a
     copy: element-wise ops keep that layout (``silu(gate) * up`` comes out
@@ -48,6 +51,8 @@ class Linear(nn.Linear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.skinny_ok(x, self.weight):
+            return cpu_kernels.skinny_linear(x, self.weight, self.bias)
         if (
             x.dim() == 2
             and x.shape[0] <= SKINNY_ROWS
@@ -95,7 +100,9 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        # Rows contiguous again (a skinny product is a transposed view): attention
+        # reads q/k/v per token.
+        q, k, v = self.qkv_proj(x).contiguous().split(self.sizes, dim=-1)
         q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)

@@ -3,8 +3,7 @@
 The torch backend's decode path gathers every page a request reads into a
 contiguous buffer, then runs ``scaled_dot_product_attention`` over it. The
 native kernel reads K and V rows where they lie in the pool, once for all the
-query heads of a GQA group, with an online-free two-pass softmax per chunk of
-keys and OpenMP threads from torch's own runtime. docs/worker.md ("Decode
+query heads of a GQA group, with a two-pass softmax per chunk of keys and OpenMP threads from torch's own runtime. docs/worker.md ("Decode
 kernels") has the numbers.
 
 Work is given as *segments*: a KV sequence (a page list and a key range in it)
@@ -22,13 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-try:
-    from radixserve.worker import _paged_attention as _ext
-
-    AVAILABLE, UNAVAILABLE_REASON = True, ""
-except ImportError as e:  # not built: setup.py warned at install
-    _ext = None
-    AVAILABLE, UNAVAILABLE_REASON = False, f"{type(e).__name__}: {e}"
+from radixserve.worker.cpu_kernels import AVAILABLE, UNAVAILABLE_REASON
+from radixserve.worker.cpu_kernels import ext as _ext
 
 #: Storage dtypes the kernel runs (bfloat16 is computed in float32).
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
@@ -40,7 +34,9 @@ MIN_CHUNK, MAX_CHUNK = 64, 1024
 def unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the native kernel cannot serve this pool, or None when it can."""
     if not AVAILABLE:
-        return f"the native extension radixserve.worker._paged_attention is missing ({UNAVAILABLE_REASON})"
+        return (
+            f"the native extension radixserve.worker._cpu_kernels is missing ({UNAVAILABLE_REASON})"
+        )
     if device.type != "cpu":
         return f"it runs on the CPU, the KV pool is on {device}"
     if dtype not in DTYPES:
