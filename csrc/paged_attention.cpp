@@ -43,6 +43,11 @@
 #include <vector>
 
 namespace py = pybind11;
+using radixserve::exp8;
+using radixserve::load8;
+using radixserve::splat8;
+using radixserve::store8;
+using radixserve::v8;
 
 namespace {
 
@@ -75,28 +80,9 @@ inline void from_acc(float x, BF16* d) {
 template <typename T>
 using Acc = typename std::conditional<std::is_same<T, double>::value, double, float>::type;
 
-// exp for float32 that the compiler can vectorise (std::exp cannot be without
-// -ffast-math): Cody-Waite range reduction to r in [-ln2/2, ln2/2] and a
-// degree-6 polynomial, about 2 ulp. Inputs here are <= 0 (scores minus their
-// max); below -87 the result flushes to 0.
-inline float exp_acc(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  // Round to nearest by the 1.5 * 2^23 trick (vectorises; nearbyint may not).
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &e, sizeof scale);
-  return p * scale;
-}
+// exp of one float <= 0: the first lane of exp8 (the same values as the vector
+// path, for the tail of a row).
+RS_ALWAYS_INLINE float exp_acc(float x) { return exp8(splat8(x))[0]; }
 inline double exp_acc(double x) { return std::exp(x); }
 
 struct Item {
@@ -121,9 +107,8 @@ struct Problem {
 #define RS_INLINE inline
 #endif
 
-// How many key rows ahead an item prefetches the start of the next page: pages
-// are scattered, so the hardware prefetcher loses the stream at every boundary.
-constexpr int64_t kPrefetchRows = 8;
+// Rows of the next block an item prefetches (see load_block).
+constexpr int64_t kPrefetchRows = 2;
 // Keys handled together: their rows (K, then V) stay in L1 while every query
 // vector of the item meets them.
 constexpr int64_t kBlock = 16;
@@ -131,8 +116,8 @@ constexpr int64_t kBlock = 16;
 // One item: scores of every query vector of the segment (all rows, all heads)
 // against the item's keys, softmax statistics per query vector, and the
 // unnormalised weighted sum of values. A key position's K (or V) row holds all
-// kv heads side by side, so the item walks the pages front to back, one
-// contiguous row at a time, and prefetches a few rows ahead.
+// kv heads side by side, so the item walks the pages front to back, a block of
+// contiguous rows at a time.
 template <typename T>
 RS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q, const T* kv, Acc<T>* pm,
                              Acc<T>* pl, Acc<T>* pacc, std::vector<Acc<T>>& scratch) {
@@ -158,34 +143,43 @@ RS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q, const
     }
   }
   const int32_t* pages = P.pages + P.page_indptr[it.seg];
-  auto raw_row = [&](int64_t j, int64_t which) -> const T* {
-    return kv + pages[j / ps] * page_stride + which * ps * row_len + (j % ps) * row_len;
-  };
-  auto load_row = [&](int64_t j, int64_t which, int64_t b) -> const A* {
-    const T* p = raw_row(j, which);
-    // Rows within a page are contiguous and the hardware prefetcher follows them;
-    // the next page is elsewhere, so fetch its first rows ahead of time.
-    if ((j + kPrefetchRows) % ps < kPrefetchRows && j + kPrefetchRows < it.k1) {
-      const char* n = reinterpret_cast<const char*>(raw_row(j + kPrefetchRows, which));
-      for (int64_t b = 0; b < row_len * static_cast<int64_t>(sizeof(T)); b += 64)
-        __builtin_prefetch(n + b);
+  const int64_t row_bytes = row_len * static_cast<int64_t>(sizeof(T));
+  // Pointers to rows [j0, j0 + nb) of K (which = 0) or V (1), in the compute
+  // type: one division per block, then page by page. The first rows of the
+  // block after are prefetched: pages are scattered, so the hardware prefetcher
+  // loses the stream at every page boundary.
+  auto load_block = [&](int64_t j0, int64_t nb, int64_t which, const A** out) {
+    int64_t pi = j0 / ps, off = j0 % ps;
+    const T* page = kv + pages[pi] * page_stride + which * ps * row_len;
+    for (int64_t b = 0; b < nb; ++b) {
+      const T* p = page + off * row_len;
+      if constexpr (std::is_same<T, A>::value) {
+        out[b] = p;
+      } else {
+        A* c = conv + b * row_len;
+        for (int64_t d = 0; d < row_len; ++d) c[d] = to_acc(p[d]);
+        out[b] = c;
+      }
+      if (++off == ps && b + 1 < nb) {
+        off = 0;
+        page = kv + pages[++pi] * page_stride + which * ps * row_len;
+      }
     }
-    if constexpr (std::is_same<T, A>::value) {
-      return p;
-    } else {
-      A* c = conv + b * row_len;
-      for (int64_t d = 0; d < row_len; ++d) c[d] = to_acc(p[d]);
-      return c;
+    const int64_t next = j0 + nb;
+    if (next < it.k1) {
+      const char* n = reinterpret_cast<const char*>(kv + pages[next / ps] * page_stride +
+                                                    which * ps * row_len + (next % ps) * row_len);
+      for (int64_t o = 0; o < kPrefetchRows * row_bytes; o += 64) __builtin_prefetch(n + o);
     }
   };
   const int64_t per_head = nrows * G;  // query vectors per kv head
   const A* rows[kBlock];
-  // Scores, a block of keys at a time: each query vector meets four keys per
-  // pass, so four independent dot products are in flight (one alone is a chain
-  // of dependent FMAs, latency-bound).
+  // Scores, a block of keys at a time: each query vector meets eight keys per
+  // pass, so eight independent dot products are in flight (one alone is a chain
+  // of dependent FMAs, bound by their latency).
   for (int64_t jb = 0; jb < len; jb += kBlock) {
     const int64_t nb = std::min(kBlock, len - jb);
-    for (int64_t b = 0; b < nb; ++b) rows[b] = load_row(it.k0 + jb + b, 0, b);
+    load_block(it.k0 + jb, nb, 0, rows);
     for (int64_t h = 0; h < KVH; ++h) {
       const A* qh = qs + h * per_head * D;
       A* sh = sc + h * per_head * len + jb;
@@ -193,21 +187,32 @@ RS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q, const
         const A* qi = qh + i * D;
         A* si = sh + i * len;
         int64_t b = 0;
-        for (; b + 4 <= nb; b += 4) {
+        for (; b + 8 <= nb; b += 8) {
           const A *k0 = rows[b] + h * D, *k1 = rows[b + 1] + h * D;
           const A *k2 = rows[b + 2] + h * D, *k3 = rows[b + 3] + h * D;
-          A s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
+          const A *k4 = rows[b + 4] + h * D, *k5 = rows[b + 5] + h * D;
+          const A *k6 = rows[b + 6] + h * D, *k7 = rows[b + 7] + h * D;
+          A s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0;
+#pragma omp simd reduction(+ : s0, s1, s2, s3, s4, s5, s6, s7)
           for (int64_t d = 0; d < D; ++d) {
-            s0 += qi[d] * k0[d];
-            s1 += qi[d] * k1[d];
-            s2 += qi[d] * k2[d];
-            s3 += qi[d] * k3[d];
+            const A x = qi[d];
+            s0 += x * k0[d];
+            s1 += x * k1[d];
+            s2 += x * k2[d];
+            s3 += x * k3[d];
+            s4 += x * k4[d];
+            s5 += x * k5[d];
+            s6 += x * k6[d];
+            s7 += x * k7[d];
           }
           si[b] = s0;
           si[b + 1] = s1;
           si[b + 2] = s2;
           si[b + 3] = s3;
+          si[b + 4] = s4;
+          si[b + 5] = s5;
+          si[b + 6] = s6;
+          si[b + 7] = s7;
         }
         for (; b < nb; ++b) {
           const A* k = rows[b] + h * D;
@@ -223,10 +228,28 @@ RS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q, const
   for (int64_t i = 0; i < nq; ++i) {
     A* si = sc + i * len;
     A m = -std::numeric_limits<A>::infinity();
-    for (int64_t j = 0; j < len; ++j) m = std::max(m, si[j]);
     A l = 0;
-#pragma omp simd reduction(+ : l)
-    for (int64_t j = 0; j < len; ++j) {
+    int64_t j = 0;
+    if constexpr (std::is_same<A, float>::value) {  // eight at a time, by hand
+      v8 mv = splat8(m);
+      for (; j + 8 <= len; j += 8) {
+        const v8 x = load8(si + j);
+        mv = x > mv ? x : mv;
+      }
+      for (int k = 0; k < 8; ++k) m = std::max(m, mv[k]);
+      for (; j < len; ++j) m = std::max(m, si[j]);
+      v8 lv = splat8(0);
+      for (j = 0; j + 8 <= len; j += 8) {
+        const v8 e = exp8(load8(si + j) - m);
+        store8(si + j, e);
+        lv += e;
+      }
+      for (int k = 0; k < 8; ++k) l += lv[k];
+    } else {
+      for (; j < len; ++j) m = std::max(m, si[j]);
+      j = 0;
+    }
+    for (; j < len; ++j) {
       const A e = exp_acc(si[j] - m);
       si[j] = e;
       l += e;
@@ -240,7 +263,7 @@ RS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q, const
   // whole block before it is stored again.
   for (int64_t jb = 0; jb < len; jb += kBlock) {
     const int64_t nb = std::min(kBlock, len - jb);
-    for (int64_t b = 0; b < nb; ++b) rows[b] = load_row(it.k0 + jb + b, 1, b);
+    load_block(it.k0 + jb, nb, 1, rows);
     for (int64_t h = 0; h < KVH; ++h) {
       const A* ph = sc + h * per_head * len + jb;
       A* ah = acc + h * per_head * D;

@@ -20,18 +20,6 @@
 namespace radixserve {
 namespace {
 
-typedef float v8 __attribute__((vector_size(32)));
-
-__attribute__((always_inline)) inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
-
-__attribute__((always_inline)) inline v8 load8(const float* p) {
-  v8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-__attribute__((always_inline)) inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
-
 // Rows [n0, n1) of y^T (ldy = M), from packed x (xp: [K][Mp]).
 RS_CLONES void gemm_rows(const float* W, const float* xp, float* yT, int64_t n0, int64_t n1,
                          int64_t K, int64_t M, int64_t Mp) {
@@ -45,8 +33,8 @@ RS_CLONES void gemm_rows(const float* W, const float* xp, float* yT, int64_t n0,
       const float* w1 = w0 + K;
       const float* w2 = w1 + K;
       const float* w3 = w2 + K;
-      v8 a00 = splat(0), a01 = splat(0), a10 = splat(0), a11 = splat(0);
-      v8 a20 = splat(0), a21 = splat(0), a30 = splat(0), a31 = splat(0);
+      v8 a00 = splat8(0), a01 = splat8(0), a10 = splat8(0), a11 = splat8(0);
+      v8 a20 = splat8(0), a21 = splat8(0), a30 = splat8(0), a31 = splat8(0);
       const float* xk = xp + m0;
       if (two) {
         for (int64_t k = 0; k < K; ++k, xk += Mp) {
@@ -79,7 +67,7 @@ RS_CLONES void gemm_rows(const float* W, const float* xp, float* yT, int64_t n0,
     }
     for (; n < n1; ++n) {  // leftover weight rows, one at a time
       const float* w = W + n * K;
-      v8 a0 = splat(0), a1 = splat(0);
+      v8 a0 = splat8(0), a1 = splat8(0);
       const float* xk = xp + m0;
       for (int64_t k = 0; k < K; ++k, xk += Mp) {
         a0 += load8(xk) * w[k];
