@@ -21,10 +21,10 @@ except ImportError as e:  # not built: setup.py warned at install
     ext = None
     AVAILABLE, UNAVAILABLE_REASON = False, f"{type(e).__name__}: {e}"
 
-#: Row counts up to which ``skinny_gemm`` beats BLAS (SmolLM2's matrices, 2
-#: threads, weights streaming from memory: 38 vs 55 ms at 16 rows, even at 1
-#: and 32 rows, slower at 64; docs/worker.md).
-SKINNY_KERNEL_ROWS = 16
+#: Row counts up to which ``skinny_gemm`` beats BLAS (SmolLM2's matrices, one
+#: step's worth, 2 threads, weights streaming from memory: 28 vs 35 ms at 1 row,
+#: 34 vs 53 ms at 16, 64 vs 75 ms at 32; even at 48 and 64; docs/worker.md).
+SKINNY_KERNEL_ROWS = 32
 
 
 def skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:

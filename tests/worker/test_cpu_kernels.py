@@ -10,6 +10,7 @@ from torch.nn import functional as F
 
 from radixserve.models.llama import SKINNY_ROWS, Linear
 from radixserve.worker import cpu_kernels
+from radixserve.worker.cpu_kernels import SKINNY_KERNEL_ROWS
 
 
 @pytest.fixture
@@ -21,11 +22,11 @@ def ext():
     return cpu_kernels.ext
 
 
-@pytest.mark.parametrize("rows", [1, 3, 7, 8, 9, 15, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 3, 7, 8, 9, 15, 16, 17, 24, 33, 40])
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (5, 3), (64, 576), (131, 77)])
 def test_skinny_gemm_matches_torch(ext, rows, n, k):
     """Every tile shape: rows not a multiple of 8 or 16, weight rows not a multiple of
-    4 or of the 64-row thread block, odd K."""
+    the 6-row tile or of the 48-row thread block, odd K."""
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     w = torch.randn(n, k, generator=g)
     x = torch.randn(rows, k, generator=g)
@@ -52,10 +53,12 @@ def test_skinny_gemm_rejects_bad_arrays(ext):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("rows", [1, 16, 17, SKINNY_ROWS, SKINNY_ROWS + 1])
+@pytest.mark.parametrize(
+    "rows", [1, 16, SKINNY_KERNEL_ROWS, SKINNY_KERNEL_ROWS + 1, SKINNY_ROWS, SKINNY_ROWS + 1]
+)
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_equals_torch_linear_on_every_path(dtype, rows, bias):
-    """Native kernel (float32, <= 16 rows), weight-major BLAS (<= SKINNY_ROWS) and
+    """Native kernel (float32, <= SKINNY_KERNEL_ROWS), weight-major BLAS (<= SKINNY_ROWS) and
     plain F.linear give the same values, whatever the input layout."""
     g = torch.Generator().manual_seed(rows)
     layer = Linear(48, 40, bias=bias).to(dtype).requires_grad_(False)
