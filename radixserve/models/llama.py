@@ -102,9 +102,11 @@ class Attention(nn.Module):
         t = x.shape[0]
         # Rows contiguous again (a skinny product is a transposed view): attention
         # reads q/k/v per token.
-        q, k, v = self.qkv_proj(x).contiguous().split(self.sizes, dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        qkv = self.qkv_proj(x).contiguous()
+        q_and_k, v = qkv.split((self.sizes[0] + self.sizes[1], self.sizes[2]), dim=-1)
+        # One rotary pass over the q and k heads together (same positions).
+        qk = apply_rotary(q_and_k.view(t, -1, self.head_dim), cos, sin)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = backend.forward(self.layer, q, k, v)
         return self.o_proj(out.reshape(t, -1))
