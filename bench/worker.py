@@ -5,8 +5,9 @@ time at the given batch sizes with the given context per request. For decode,
 both sides start from a KV cache already holding ``--context`` tokens per
 request (filled with random values: step time does not depend on them), then
 take greedy steps; transformers uses its own DynamicCache. The two sides take
-turns (``--rounds`` rounds of ``--steps`` steps each), so a drift in the
-machine's speed hits both; the ratio is the median of the per-round ratios.
+turns (``--rounds`` rounds of ``--steps`` steps each; prefill: ``--prefill-rounds``
+rounds of one prompt each), so a drift in the machine's speed hits both; the
+ratio is the median of the per-round ratios.
 
     python bench/worker.py                         # full run (SmolLM2, float32)
     python bench/worker.py --prefill 128 --batches 1,4 --context 64 --rounds 2   # quick
@@ -35,17 +36,16 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def best_of(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
+def timed(fn):
+    """Yields the time of each call of ``fn``, forever."""
+    while True:
         t = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+        yield time.perf_counter() - t
 
 
-def ours_prefill(runner: ModelRunner, n: int) -> float:
+def ours_prefill(runner: ModelRunner, n: int):
+    """Yields the time of each prefill of one fresh ``n``-token prompt."""
     ids = np.random.default_rng(0).integers(100, runner.vocab_size, n).astype(np.int32)
     pages = np.arange(-(-n // runner.page_size), dtype=np.int32)
 
@@ -53,7 +53,8 @@ def ours_prefill(runner: ModelRunner, n: int) -> float:
         runner.step(StepBatch([ReqStep(0, ids, 0, pages, True, GREEDY)]))
         runner.step(StepBatch([], release=[0]))
 
-    return best_of(run, 2)
+    run()  # warm-up
+    return timed(run)
 
 
 def ours_decode(runner: ModelRunner, batch: int, context: int):
@@ -84,14 +85,16 @@ def ours_decode(runner: ModelRunner, batch: int, context: int):
         runner.step(StepBatch([], release=list(range(batch))))
 
 
-def hf_prefill(hf, n: int, vocab: int) -> float:
+def hf_prefill(hf, n: int, vocab: int):
+    """Yields the time of each transformers prefill of the same prompt."""
     ids = torch.from_numpy(np.random.default_rng(0).integers(100, vocab, n))[None]
 
     def run() -> None:
         with torch.no_grad():
             hf(ids, use_cache=True, logits_to_keep=1)
 
-    return best_of(run, 2)
+    run()
+    return timed(run)
 
 
 def hf_decode(hf, batch: int, context: int, dtype: torch.dtype):
@@ -144,6 +147,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="decode steps per side per round")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per batch size")
     ap.add_argument(
+        "--prefill-rounds", type=int, default=4, help="interleaved rounds per prompt length"
+    )
+    ap.add_argument(
         "--decode-kernel", default="auto", choices=["auto", "native", "torch"],
         help="radixserve's decode attention (see docs/worker.md)",
     )  # fmt: skip
@@ -171,8 +177,11 @@ def main() -> None:
           f"{getattr(runner.backend, 'decode_kernel', runner.backend_name)}")  # fmt: skip
     rows = []
     for n in args.prefill:
-        ours, theirs = ours_prefill(runner, n), hf_prefill(hf, n, runner.vocab_size)
-        rows.append((f"prefill {n} tok (tok/s)", n / ours, n / theirs, theirs / ours))
+        ours, theirs, ratio = interleaved(
+            ours_prefill(runner, n), hf_prefill(hf, n, runner.vocab_size),
+            args.prefill_rounds, 1,
+        )  # fmt: skip
+        rows.append((f"prefill {n} tok (tok/s)", n / ours, n / theirs, ratio))
     if args.rounds * (args.steps + 1) >= MAX_STEPS:
         ap.error(f"rounds * (steps + 1) must stay below {MAX_STEPS}")
     for b in args.batches:
@@ -187,8 +196,8 @@ def main() -> None:
     for name, ours, theirs, ratio in rows:
         print(f"| {name:<30} | {ours:>11.1f} | {theirs:>12.1f} | {ratio:>6.2f}x |")
     print(
-        "\nspeedup = transformers time / radixserve time (decode: median over interleaved "
-        "rounds of the per-round ratio; goal: prefill >= 1x, decode b>=16 >= 2x)"
+        "\nspeedup = transformers time / radixserve time, the median over interleaved "
+        "rounds of the per-round ratio (goal: prefill >= 1x, decode b>=16 >= 2x)"
     )
 
 
