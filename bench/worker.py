@@ -147,7 +147,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="decode steps per side per round")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per batch size")
     ap.add_argument(
-        "--prefill-rounds", type=int, default=4, help="interleaved rounds per prompt length"
+        "--prefill-rounds", type=int, default=8, help="interleaved rounds per prompt length"
     )
     ap.add_argument(
         "--decode-kernel", default="auto", choices=["auto", "native", "torch"],
