@@ -74,3 +74,21 @@ def test_linear_equals_torch_linear_on_every_path(dtype, rows, bias):
             y = layer(inp)
             assert y.shape == (rows, 40)
             torch.testing.assert_close(y, ref, rtol=tol, atol=tol)
+
+
+def test_without_the_extension_everything_falls_back(monkeypatch):
+    """A build without csrc/'s CPU kernels still runs: BLAS products, the gather +
+    SDPA decode path under ``auto``, and a clear error when native is asked for."""
+    from radixserve.worker.attention import KVPool, create_backend, native_decode
+
+    monkeypatch.setattr(cpu_kernels, "AVAILABLE", False)
+    monkeypatch.setattr(native_decode, "AVAILABLE", False)
+    monkeypatch.setattr(native_decode, "UNAVAILABLE_REASON", "ImportError: not built")
+    layer = Linear(8, 4, bias=False).requires_grad_(False)
+    x = torch.randn(3, 8)
+    assert not cpu_kernels.skinny_ok(x, layer.weight)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+    pool = KVPool(1, 4, 1, 1, 8, torch.float32)
+    assert create_backend("torch", pool, 1.0, (-1,), 1).decode_kernel == "torch"
+    with pytest.raises(ValueError, match="native decode kernel cannot run.*not built"):
+        create_backend("torch", pool, 1.0, (-1,), 1, decode_kernel="native")
