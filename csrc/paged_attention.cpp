@@ -28,10 +28,6 @@
 
 #include "cpu_kernels.h"
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -83,9 +79,11 @@ using Acc = typename std::conditional<std::is_same<T, double>::value, double, fl
 // exp of one float <= 0: the first lane of exp8 (the same values as the vector
 // path, for the tail of a row).
 RS_ALWAYS_INLINE float exp_acc(float x) { return exp8(splat8(x))[0]; }
+inline double exp_acc(double x) { return std::exp(x); }
 
 // Lane u of the result is the sum of the lanes of a[u]: eight dot products
 // finished with 14 shuffles and 7 adds instead of eight separate reductions.
+// (__builtin_shufflevector: clang, and GCC from 12.)
 RS_ALWAYS_INLINE v8 hsum8x8(const v8* a) {
   auto pairs = [](v8 x, v8 y) {
     return __builtin_shufflevector(x, y, 0, 8, 2, 10, 4, 12, 6, 14) +
@@ -126,7 +124,6 @@ RS_ALWAYS_INLINE void axpy_block(float* acc, const float* p, const float* const*
   }
   for (int u = 0; u < NV; ++u) store8(acc + 8 * u, a[u]);
 }
-inline double exp_acc(double x) { return std::exp(x); }
 
 struct Item {
   int64_t seg, k0, k1;  // keys [k0, k1) of the segment
@@ -144,11 +141,6 @@ struct Problem {
   double scale;
 };
 
-#if defined(__GNUC__)
-#define RS_INLINE inline __attribute__((always_inline))
-#else
-#define RS_INLINE inline
-#endif
 
 // Keys handled together: their rows (K, then V) stay in L1 while every query
 // vector of the item meets them.
@@ -163,7 +155,7 @@ constexpr int64_t kPrefetchRows = kBlock;
 // kv heads side by side, so the item walks the pages front to back, a block of
 // contiguous rows at a time.
 template <typename T>
-RS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q, const T* kv, Acc<T>* pm,
+RS_ALWAYS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q, const T* kv, Acc<T>* pm,
                              Acc<T>* pl, Acc<T>* pacc, std::vector<Acc<T>>& scratch) {
   using A = Acc<T>;
   const int64_t D = P.head_dim, G = P.group, H = P.num_heads, KVH = P.num_kv_heads;
