@@ -1,6 +1,7 @@
 // The worker's CPU kernels (module radixserve.worker._cpu_kernels): paged decode
 // attention (paged_attention.cpp) and the skinny float32 product
-// (skinny_gemm.cpp). Bindings: cpu_kernels.cpp.
+// (skinny_gemm.cpp), both free of Python. Bindings and argument checks:
+// cpu_kernels.cpp.
 #pragma once
 
 #include <cstdint>
@@ -63,18 +64,33 @@ RS_ALWAYS_INLINE v8 exp8(v8 x) {
 
 }  // namespace radixserve
 
-namespace pybind11 {
-class module_;
-}
-
 namespace radixserve {
+
+// One paged decode attention call (paged_attention.cpp). Segment s: query rows
+// rows[row_indptr[s]:row_indptr[s+1]] attend to keys [kv_begin[s], kv_end[s]) of
+// pages pages[page_indptr[s]:page_indptr[s+1]]. All indices must already be
+// valid (the bindings check them).
+struct PagedDecode {
+  int64_t num_segments, num_heads, num_kv_heads, head_dim, page_size, group;
+  const int32_t* row_indptr;
+  const int32_t* rows;
+  const int32_t* page_indptr;
+  const int32_t* pages;
+  const int32_t* kv_begin;
+  const int32_t* kv_end;
+  double scale;
+};
+
+enum class KVType { kFloat32, kFloat64, kBFloat16 };
+
+// q, out: [rows, heads, head_dim]; kv: [pages, 2, page_size, kv_heads, head_dim],
+// all of `type`; lse (one of the two, or neither): [rows, heads].
+void paged_decode(const PagedDecode& p, KVType type, const void* q, const void* kv, void* out,
+                  float* lse_f, double* lse_d, int num_threads, int64_t chunk);
 
 // yT [N, M] = W [N, K] . x^T for float32; W and yT row-major, x [M, K] with
 // element strides (sm, sk), so a transposed view needs no copy.
 void skinny_gemm_f32(const float* W, const float* x, int64_t sm, int64_t sk, float* yT, int64_t N,
                      int64_t K, int64_t M, int num_threads);
-
-// Adds paged_decode to the module.
-void register_paged_attention(pybind11::module_& m);
 
 }  // namespace radixserve

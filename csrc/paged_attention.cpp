@@ -1,5 +1,6 @@
 // Paged decode attention on the CPU, reading K/V pages where they lie
-// (radixserve.worker._cpu_kernels.paged_decode).
+// (radixserve.worker._cpu_kernels.paged_decode; its arguments are checked in
+// cpu_kernels.cpp before they reach this file, which holds no Python).
 //
 // The torch backend's decode path copies every page a request reads into a
 // contiguous buffer and runs scaled_dot_product_attention over it: the pages
@@ -23,9 +24,6 @@
 // Storage types: float32, float64 (computed in their own precision) and
 // bfloat16 (computed in float32). The pool layout is the KV pool's
 // [num_pages, 2, page_size, kv_heads, head_dim], K at index 0, V at 1.
-#include <pybind11/numpy.h>
-#include <pybind11/pybind11.h>
-
 #include "cpu_kernels.h"
 
 #include <algorithm>
@@ -33,12 +31,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <stdexcept>
-#include <string>
 #include <type_traits>
 #include <vector>
 
-namespace py = pybind11;
 using radixserve::exp8;
 using radixserve::load8;
 using radixserve::splat8;
@@ -130,16 +125,7 @@ struct Item {
   int64_t partial;               // first partial slot (one per query vector)
 };
 
-struct Problem {
-  int64_t num_heads, num_kv_heads, head_dim, page_size, group;
-  const int32_t* row_indptr;
-  const int32_t* rows;
-  const int32_t* page_indptr;
-  const int32_t* pages;
-  const int32_t* kv_begin;
-  const int32_t* kv_end;
-  double scale;
-};
+using Problem = radixserve::PagedDecode;
 
 
 // Keys handled together: their rows (K, then V) stay in L1 while every query
@@ -366,10 +352,11 @@ inline void run_item(const Problem& P, const Item& it, const BF16* q, const BF16
 }
 
 template <typename T>
-void run(const Problem& P, int64_t num_segments, const T* q, const T* kv, T* out, float* lse_f,
+void run(const Problem& P, const T* q, const T* kv, T* out, float* lse_f,
          double* lse_d, int num_threads, int64_t chunk) {
   using A = Acc<T>;
   const int64_t D = P.head_dim, G = P.group, H = P.num_heads, KVH = P.num_kv_heads;
+  const int64_t num_segments = P.num_segments;
   // Items, and where each segment's chunks start.
   std::vector<Item> items;
   std::vector<int64_t> first_item(static_cast<size_t>(num_segments + 1), 0);
@@ -436,103 +423,23 @@ void run(const Problem& P, int64_t num_segments, const T* q, const T* kv, T* out
   }
 }
 
-template <typename T>
-const T* cptr(const py::array& a) {
-  return reinterpret_cast<const T*>(a.data());
-}
-
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::invalid_argument("paged_decode: " + what);
-}
-
-// q: [R, H, D]; kv: [pages, 2, page_size, KVH, D]; out like q; lse: [R, H] float32/float64
-// or None. Index arrays are int32. dtype: float32, float64, or bfloat16 given as
-// int16/uint16 (numpy has no bfloat16).
-void paged_decode(const py::array& q, const py::array& kv, py::array& out, py::object lse,
-                  const py::array_t<int32_t, py::array::c_style>& row_indptr,
-                  const py::array_t<int32_t, py::array::c_style>& rows,
-                  const py::array_t<int32_t, py::array::c_style>& page_indptr,
-                  const py::array_t<int32_t, py::array::c_style>& pages,
-                  const py::array_t<int32_t, py::array::c_style>& kv_begin,
-                  const py::array_t<int32_t, py::array::c_style>& kv_end, double scale,
-                  int num_threads, int64_t chunk) {
-  require(q.ndim() == 3 && kv.ndim() == 5 && out.ndim() == 3, "q/out must be 3-D, kv 5-D");
-  const auto c = py::array::c_style;
-  require((q.flags() & c) && (kv.flags() & c) && (out.flags() & c), "arrays must be C-contiguous");
-  require(out.writeable(), "out must be writeable");
-  require(q.dtype().is(kv.dtype()) && q.dtype().is(out.dtype()), "q, kv, out dtypes differ");
-  Problem P{};
-  P.num_heads = q.shape(1);
-  P.head_dim = q.shape(2);
-  P.page_size = kv.shape(2);
-  P.num_kv_heads = kv.shape(3);
-  require(kv.shape(1) == 2 && kv.shape(4) == P.head_dim, "kv must be [pages, 2, ps, kvh, d]");
-  require(P.num_kv_heads > 0 && P.num_heads % P.num_kv_heads == 0, "heads not a multiple of kv heads");
-  require(out.shape(0) == q.shape(0) && out.shape(1) == P.num_heads && out.shape(2) == P.head_dim,
-          "out must have q's shape");
-  P.group = P.num_heads / P.num_kv_heads;
-  const int64_t S = kv_end.shape(0);
-  require(row_indptr.shape(0) == S + 1 && page_indptr.shape(0) == S + 1 && kv_begin.shape(0) == S,
-          "segment arrays disagree in length");
-  P.row_indptr = row_indptr.data();
-  P.rows = rows.data();
-  P.page_indptr = page_indptr.data();
-  P.pages = pages.data();
-  P.kv_begin = kv_begin.data();
-  P.kv_end = kv_end.data();
-  P.scale = scale;
-  // Validate every index once, here, so the kernel never reads out of bounds.
-  const int64_t R = q.shape(0), NP = kv.shape(0), ps = P.page_size;
-  require(P.row_indptr[0] == 0 && P.row_indptr[S] == rows.shape(0), "bad row_indptr");
-  require(P.page_indptr[0] == 0 && P.page_indptr[S] == pages.shape(0), "bad page_indptr");
-  for (int64_t s = 0; s < S; ++s) {
-    require(P.row_indptr[s] <= P.row_indptr[s + 1] && P.page_indptr[s] <= P.page_indptr[s + 1],
-            "indptr not monotone");
-    require(0 <= P.kv_begin[s] && P.kv_begin[s] <= P.kv_end[s] &&
-                P.kv_end[s] <= (P.page_indptr[s + 1] - P.page_indptr[s]) * ps,
-            "key range outside the segment's pages");
-  }
-  for (int64_t i = 0; i < rows.shape(0); ++i) require(0 <= P.rows[i] && P.rows[i] < R, "row out of range");
-  for (int64_t i = 0; i < pages.shape(0); ++i) require(0 <= P.pages[i] && P.pages[i] < NP, "page out of range");
-  float* lse_f = nullptr;
-  double* lse_d = nullptr;
-  if (!lse.is_none()) {
-    py::array l = lse.cast<py::array>();
-    require((l.flags() & c) && l.writeable() && l.ndim() == 2 && l.shape(0) == R &&
-                l.shape(1) == P.num_heads,
-            "lse must be a writeable C-contiguous [rows, heads] array");
-    if (l.dtype().is(py::dtype::of<float>())) {
-      lse_f = static_cast<float*>(l.mutable_data());
-    } else if (l.dtype().is(py::dtype::of<double>())) {
-      lse_d = static_cast<double*>(l.mutable_data());
-    } else {
-      require(false, "lse must be float32 or float64");
-    }
-  }
-  require(chunk > 0 && num_threads > 0, "chunk and num_threads must be positive");
-  const char kind = q.dtype().kind();
-  const auto size = q.dtype().itemsize();
-  const bool f32 = kind == 'f' && size == 4, f64 = kind == 'f' && size == 8;
-  const bool bf16 = (kind == 'i' || kind == 'u') && size == 2;
-  require(f32 || f64 || bf16, "unsupported dtype (float32, float64, or bfloat16 as int16)");
-  py::gil_scoped_release nogil;
-  if (f32) {
-    run<float>(P, S, cptr<float>(q), cptr<float>(kv), static_cast<float*>(out.mutable_data()), lse_f,
-               lse_d, num_threads, chunk);
-  } else if (f64) {
-    run<double>(P, S, cptr<double>(q), cptr<double>(kv), static_cast<double*>(out.mutable_data()),
-                lse_f, lse_d, num_threads, chunk);
-  } else {
-    run<BF16>(P, S, cptr<BF16>(q), cptr<BF16>(kv), static_cast<BF16*>(out.mutable_data()), lse_f,
-              lse_d, num_threads, chunk);
-  }
-}
-
 }  // namespace
 
-void radixserve::register_paged_attention(py::module_& m) {
-  m.def("paged_decode", &paged_decode, py::arg("q"), py::arg("kv"), py::arg("out"), py::arg("lse"),
-        py::arg("row_indptr"), py::arg("rows"), py::arg("page_indptr"), py::arg("pages"),
-        py::arg("kv_begin"), py::arg("kv_end"), py::arg("scale"), py::arg("num_threads"),
-        py::arg("chunk"));
+void radixserve::paged_decode(const PagedDecode& P, KVType type, const void* q, const void* kv,
+                              void* out, float* lse_f, double* lse_d, int num_threads,
+                              int64_t chunk) {
+  switch (type) {
+    case KVType::kFloat32:
+      run<float>(P, static_cast<const float*>(q), static_cast<const float*>(kv),
+                 static_cast<float*>(out), lse_f, lse_d, num_threads, chunk);
+      break;
+    case KVType::kFloat64:
+      run<double>(P, static_cast<const double*>(q), static_cast<const double*>(kv),
+                  static_cast<double*>(out), lse_f, lse_d, num_threads, chunk);
+      break;
+    case KVType::kBFloat16:
+      run<BF16>(P, static_cast<const BF16*>(q), static_cast<const BF16*>(kv),
+                static_cast<BF16*>(out), lse_f, lse_d, num_threads, chunk);
+      break;
+  }
 }

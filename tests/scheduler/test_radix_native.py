@@ -12,7 +12,6 @@ same free pages, and both trees pass check().
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -20,13 +19,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.radix_cache import RadixCache, RadixCacheError
 from radixserve.scheduler.radix_impl import NATIVE_AVAILABLE, NATIVE_UNAVAILABLE_REASON
+from tests.helpers.native import require_built
 
-if not NATIVE_AVAILABLE:
-    pytest.skip(
-        f"native radix tree not built ({NATIVE_UNAVAILABLE_REASON}); "
-        "build it with `python setup.py build_ext --inplace`",
-        allow_module_level=True,
-    )
+require_built(NATIVE_AVAILABLE, NATIVE_UNAVAILABLE_REASON, "native radix tree", module=True)
 
 from radixserve.scheduler.radix_native import NativeRadixCache  # noqa: E402
 

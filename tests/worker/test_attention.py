@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
 from radixserve.worker.attention import AttentionBatch, KVPool, create_backend, native_decode
+from tests.helpers.native import require_built
 
 HEAD_DIM = 8
 KERNELS = ["native", "torch"]
@@ -137,10 +136,8 @@ def run_case(
 def kernel(request):
     """Both decode paths of the torch backend; the native one needs the extension
     (CI sets RADIXSERVE_REQUIRE_NATIVE=1, so a broken build fails instead of skipping)."""
-    if request.param == "native" and not native_decode.AVAILABLE:
-        if os.environ.get("RADIXSERVE_REQUIRE_NATIVE") == "1":
-            pytest.fail(f"native decode kernel not built: {native_decode.UNAVAILABLE_REASON}")
-        pytest.skip("native decode kernel not built")
+    if request.param == "native":
+        require_built(native_decode.AVAILABLE, native_decode.UNAVAILABLE_REASON, "native decode")
     return request.param
 
 
@@ -212,8 +209,7 @@ def test_native_decode_kernel_is_chosen_where_it_runs():
 
 def test_native_kernel_rejects_bad_indices():
     """The kernel checks every index before it reads: a bad plan is an error, not a crash."""
-    if not native_decode.AVAILABLE:
-        pytest.skip("native decode kernel not built")
+    require_built(native_decode.AVAILABLE, native_decode.UNAVAILABLE_REASON, "native decode")
     kv = torch.zeros(4, 2, 2, 1, HEAD_DIM)
     q, out = torch.zeros(2, 1, HEAD_DIM), torch.zeros(2, 1, HEAD_DIM)
     i32 = lambda *x: np.array(x, np.int32)  # noqa: E731

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch.nn import functional as F
@@ -11,14 +9,12 @@ from torch.nn import functional as F
 from radixserve.models.llama import SKINNY_ROWS, Linear
 from radixserve.worker import cpu_kernels
 from radixserve.worker.cpu_kernels import SKINNY_KERNEL_ROWS
+from tests.helpers.native import require_built
 
 
 @pytest.fixture
 def ext():
-    if not cpu_kernels.AVAILABLE:
-        if os.environ.get("RADIXSERVE_REQUIRE_NATIVE") == "1":
-            pytest.fail(f"native CPU kernels not built: {cpu_kernels.UNAVAILABLE_REASON}")
-        pytest.skip("native CPU kernels not built")
+    require_built(cpu_kernels.AVAILABLE, cpu_kernels.UNAVAILABLE_REASON, "native CPU kernels")
     return cpu_kernels.ext
 
 
