@@ -139,11 +139,26 @@ def test_concurrent_threads_share_one_client(server, client, prompts, expected):
 
 
 def test_stats_and_health(client):
-    stats = client.stats()
-    for key in ("pages_free", "pages_used", "pages_cached", "hit_tokens", "query_tokens"):
-        assert stats[key] >= 0
-    assert stats["pages_free"] + stats["pages_used"] + stats["pages_cached"] == 1024
-    assert stats["page_size"] == 4 and stats["steps"] >= 0 and stats["preemptions"] >= 0
+    """Stats count what one known request did: its pages, hits and steps."""
+    client.flush_cache()
+    before = wait_idle(client)
+    assert (before["pages_free"], before["pages_cached"], before["pages_used"]) == (1024, 0, 0)
+    assert before["page_size"] == 4 and before["num_pages"] == 1024
+    prompt = list(range(10, 50))  # 40 tokens: prefill chunks of 32 + 8
+    client.generate(input_ids=prompt, sampling_params=GREEDY)
+    client.generate(input_ids=prompt[:36] + [7, 7], sampling_params=GREEDY)
+    after = wait_idle(client)
+    # The first request leaves KV for 40 + 15 tokens (the last sampled token has none):
+    # 13 whole pages in the tree, its partial tail page freed. The second hits 9 pages
+    # (36 tokens) and adds 38 + 15 - 36 = 17 tokens: 4 more whole pages.
+    assert after["pages_cached"] == 13 + 4
+    assert after["pages_free"] == 1024 - 17 and after["pages_used"] == 0
+    assert after["hit_tokens"] - before["hit_tokens"] == 36
+    assert after["query_tokens"] - before["query_tokens"] == 40 + 38
+    # Worker steps: 2 prefill chunks + 15 decodes, then 1 chunk + 15 decodes, and after
+    # each request one step that only releases its slot (nothing else was running).
+    assert after["steps"] - before["steps"] == (17 + 1) + (16 + 1)
+    assert after["preemptions"] == before["preemptions"]
     health = client.health()
     assert health["status"] == "ok"
     assert (health["num_pages"], health["page_size"], health["max_context_len"]) == (1024, 4, 512)
