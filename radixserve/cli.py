@@ -1,4 +1,5 @@
-"""The ``radixserve`` command. ``radixserve launch --help`` lists every flag.
+"""The ``radixserve`` command (also ``python -m radixserve``). ``radixserve launch --help``
+lists every flag.
 
 Subcommands: ``launch`` (start a server; its command line is turned into one
 ``ServerConfig`` here, and only here) and ``bench`` (the shared-prompt benchmark
