@@ -17,7 +17,8 @@ import torch
 
 from radixserve.config import ModelInfo
 from radixserve.models.config import ModelConfig
-from radixserve.models.loader import load_model, parse_dtype, resolve_model
+from radixserve.models.loader import load_model, parse_dtype
+from radixserve.models.source import resolve_model
 from radixserve.worker.attention import AttentionBatch, create_backend
 from radixserve.worker.batch import StepBatch
 from radixserve.worker.config import WorkerConfig
