@@ -21,9 +21,8 @@ except ImportError as e:  # not built: setup.py warned at install
     ext = None
     AVAILABLE, UNAVAILABLE_REASON = False, f"{type(e).__name__}: {e}"
 
-#: Row counts up to which ``skinny_gemm`` beats BLAS (SmolLM2's matrices, one
-#: step's worth, 2 threads, weights streaming from memory: 28 vs 35 ms at 1 row,
-#: 34 vs 53 ms at 16, 64 vs 75 ms at 32; even at 48 and 64; docs/worker.md).
+#: Row counts up to which ``skinny_gemm`` beats BLAS when the weights stream from
+#: memory (docs/worker.md, "CPU kernels", has the numbers and how to measure them).
 SKINNY_KERNEL_ROWS = 32
 
 

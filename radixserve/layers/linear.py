@@ -14,10 +14,9 @@ from torch.nn import functional as F
 from radixserve.layers import cpu_kernels
 
 #: Up to this many rows (decode batches, small chunks) a CPU linear layer computes
-#: y = (W x^T)^T rather than x W^T. Same values; MKL runs the weight-major form
-#: 1.2-1.3x faster for skinny activations when the weights stream from memory
-#: (SmolLM2, 2 threads: 60 vs 80 ms for a 16-row step's matmuls, 146 vs 188 ms
-#: for 64 rows); at 1024+ rows the two are even.
+#: y = (W x^T)^T rather than x W^T: the same values, and BLAS runs the weight-major
+#: form faster for skinny activations while the weights stream from memory (for
+#: large batches the two are even; docs/worker.md, "CPU kernels", has the numbers).
 SKINNY_ROWS = 512
 
 
