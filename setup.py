@@ -15,7 +15,7 @@ from setuptools.command.build_ext import build_ext
 
 EXT_NAME = "radixserve.scheduler._radix_native"
 SOURCES = ["csrc/radix_tree.cpp", "csrc/page_free.cpp", "csrc/bindings.cpp"]
-KERNELS_EXT_NAME = "radixserve.worker._cpu_kernels"
+KERNELS_EXT_NAME = "radixserve.layers._cpu_kernels"
 KERNELS_SOURCES = ["csrc/paged_attention.cpp", "csrc/skinny_gemm.cpp", "csrc/cpu_kernels.cpp"]
 
 

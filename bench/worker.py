@@ -22,7 +22,8 @@ import time
 import numpy as np
 import torch
 
-from radixserve.models.loader import load_hf_config, parse_dtype, resolve_model
+from radixserve.models.loader import load_hf_config, parse_dtype
+from radixserve.models.source import resolve_model
 from radixserve.sampling_params import SamplingParams
 from radixserve.worker.batch import ReqStep, StepBatch
 from radixserve.worker.config import WorkerConfig

@@ -1,4 +1,4 @@
-// Python bindings of the worker's CPU kernels (module radixserve.worker._cpu_kernels).
+// Python bindings of the worker's CPU kernels (module radixserve.layers._cpu_kernels).
 //
 // Arrays arrive as NumPy views of torch tensors (torch is imported first, so
 // OpenMP regions run in torch's own runtime); shapes, dtypes and contiguity are

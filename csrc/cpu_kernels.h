@@ -1,4 +1,4 @@
-// The worker's CPU kernels (module radixserve.worker._cpu_kernels): paged decode
+// The worker's CPU kernels (module radixserve.layers._cpu_kernels): paged decode
 // attention (paged_attention.cpp) and the skinny float32 product
 // (skinny_gemm.cpp), both free of Python. Bindings and argument checks:
 // cpu_kernels.cpp.

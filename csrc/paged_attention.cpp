@@ -1,5 +1,5 @@
 // Paged decode attention on the CPU, reading K/V pages where they lie
-// (radixserve.worker._cpu_kernels.paged_decode; its arguments are checked in
+// (radixserve.layers._cpu_kernels.paged_decode; its arguments are checked in
 // cpu_kernels.cpp before they reach this file, which holds no Python).
 //
 // The torch backend's decode path copies every page a request reads into a

@@ -1,7 +1,9 @@
-"""The ``radixserve`` command. ``radixserve launch --help`` lists every flag.
+"""The ``radixserve`` command (also ``python -m radixserve``). ``radixserve launch --help``
+lists every flag.
 
 Subcommands: ``launch`` (start a server; its command line is turned into one
-``ServerConfig`` here, and only here) and ``bench`` (the shared-prompt benchmark
+``ServerConfig`` here, and only here: one flag per ``EngineConfig`` field, whose
+dest is the field's name) and ``bench`` (the shared-prompt benchmark
 suite, ``radixserve.benchmark``; ``radixserve bench --help``).
 """
 
@@ -12,8 +14,9 @@ import logging
 import re
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 
-from radixserve.engine import EngineConfig
+from radixserve.config import EngineConfig
 from radixserve.server_config import ServerConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
@@ -35,6 +38,20 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _ratio(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radixserve", description="A prefix-caching LLM serving runtime."
@@ -51,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model",
-        default="smollm2",
+        default=d.model,
         help="'smollm2' (the embedded SmolLM2-135M-Instruct), an HF folder, or a .gguf file",
     )
     p.add_argument("--host", default="127.0.0.1", help="address the public socket binds")
@@ -104,6 +121,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="lpm: longest cached prefix first (with aging); fcfs: arrival order",
     )
     p.add_argument(
+        "--lpm-max-waiting",
+        type=_non_negative,
+        default=d.lpm_max_waiting,
+        help="with more requests waiting than this, lpm admits in arrival order",
+    )
+    p.add_argument(
+        "--max-wait-steps",
+        type=_non_negative,
+        default=d.max_wait_steps,
+        help="aging: a request passed over for this many steps is admitted first",
+    )
+    p.add_argument(
+        "--decode-reserve-ratio",
+        type=_ratio,
+        default=d.decode_reserve_ratio,
+        help="share of running requests' remaining decode pages kept free at admission; "
+        "lower admits more and relies on eviction and retraction",
+    )
+    p.add_argument(
+        "--shared-prefix-min-tokens",
+        type=_non_negative,
+        default=d.shared_prefix_min_tokens,
+        help="hold a waiting request back while it shares at least this many uncached "
+        "prefix tokens with a prompt being prefilled (it then hits them in the tree)",
+    )
+    p.add_argument(
         "--radix-impl",
         choices=["auto", "python", "native"],
         default=d.radix_impl,
@@ -121,7 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch backend's decode attention: native (reads KV pages in place; CPU, "
         "float32/float64/bfloat16) or torch (gather + SDPA); auto: native where it runs",
     )
-    p.add_argument("--cache-dir", default=None, help="converted-model cache dir")
+    p.add_argument(
+        "--cache-dir",
+        default=d.cache_dir,
+        help="converted-model cache dir (default: $RADIXSERVE_CACHE_DIR or ~/.cache/radixserve)",
+    )
     p.add_argument("--seed", type=int, default=d.seed, help="seeds requests that bring no seed")
     p.add_argument(
         "--log-level",
@@ -143,23 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    engine = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        page_size=args.page_size,
-        cache=args.cache,
-        num_pages=args.num_pages,
-        kv_memory=args.kv_memory,
-        max_running_requests=args.max_running_requests,
-        chunked_prefill_size=args.chunked_prefill_size,
-        schedule_policy=args.schedule_policy,
-        radix_impl=args.radix_impl,
-        attention_backend=args.attention_backend,
-        decode_kernel=args.decode_kernel,
-        cache_dir=args.cache_dir,
-        seed=args.seed,
-    )
+    engine = EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
     return ServerConfig(
         engine=engine,
         host=args.host,

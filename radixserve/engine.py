@@ -15,86 +15,25 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from radixserve.config import EngineConfig, build_scheduler, build_worker
 from radixserve.results import Result, Usage
 from radixserve.sampling_params import SamplingParams
-from radixserve.scheduler.config import SchedulerConfig
-from radixserve.scheduler.scheduler import Scheduler
 from radixserve.tokenizer.inputs import InputProcessor
 from radixserve.tokenizer.output import OutputStream
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """Everything that shapes an Engine (the server's processes share these names)."""
-
-    model: str | None = "smollm2"
-    dtype: str = "float32"
-    device: str = "cpu"
-    page_size: int = 1
-    cache: str = "radix"
-    num_pages: int | None = None
-    kv_memory: int | None = None
-    max_running_requests: int = 64
-    chunked_prefill_size: int = 2048
-    schedule_policy: str = "lpm"
-    radix_impl: str = "auto"
-    attention_backend: str = "auto"
-    decode_kernel: str = "auto"
-    decode_reserve_ratio: float = 1.0
-    cache_dir: str | None = None
-    seed: int = 0
-
-
-def build_worker(config: EngineConfig):
-    from radixserve.worker.config import WorkerConfig
-    from radixserve.worker.model_runner import ModelRunner
-
-    return ModelRunner(
-        WorkerConfig(
-            model=config.model,
-            dtype=config.dtype,
-            device=config.device,
-            page_size=config.page_size,
-            num_pages=config.num_pages,
-            kv_memory=config.kv_memory,
-            max_running_requests=config.max_running_requests,
-            attention_backend=config.attention_backend,
-            decode_kernel=config.decode_kernel,
-            cache_dir=config.cache_dir,
-            seed=config.seed,
-        )
-    )
-
-
-def build_scheduler(config: EngineConfig, runner) -> Scheduler:
-    return Scheduler(
-        SchedulerConfig(
-            num_pages=runner.num_pages,
-            page_size=config.page_size,
-            max_context_len=runner.max_context_len,
-            eos_token_ids=tuple(runner.eos_token_ids),
-            cache=config.cache,
-            radix_impl=config.radix_impl,
-            max_running_requests=config.max_running_requests,
-            chunked_prefill_size=config.chunked_prefill_size,
-            schedule_policy=config.schedule_policy,
-            decode_reserve_ratio=config.decode_reserve_ratio,
-        )
-    )
-
-
 class Engine:
     def __init__(self, model: str | None = "smollm2", **kwargs: Any) -> None:
+        """``kwargs`` are ``EngineConfig``'s fields (``radixserve.config``)."""
         from radixserve.models.tokenizer import load_tokenizer
 
         self.config = EngineConfig(model=model, **kwargs)
         self.runner = build_worker(self.config)
-        self.scheduler = build_scheduler(self.config, self.runner)
+        self.scheduler = build_scheduler(self.config, self.runner.info())
         self.tokenizer = load_tokenizer(model, self.config.cache_dir)
         self.inputs = InputProcessor(self.tokenizer, self.runner.vocab_size)
         self._ids = itertools.count()

@@ -1,9 +1,9 @@
 """The server's configuration: one frozen dataclass, built once by the CLI.
 
 The launcher hands it to each child as JSON on the command line (never pickle);
-each process builds its own library config from it (``WorkerConfig`` via
-``engine.build_worker``, ``SchedulerConfig`` via ``engine.build_scheduler``,
-the tokenizer from ``engine.model``).
+each process builds its own part from it (``radixserve.config``: the worker
+with ``build_worker``, the scheduler with ``build_scheduler`` and the worker's
+``ModelInfo``, the tokenizer from ``engine.model``).
 """
 
 from __future__ import annotations
@@ -13,20 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from radixserve.engine import EngineConfig
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the worker reports once its model is loaded; the others size themselves by it."""
-
-    num_pages: int
-    page_size: int
-    max_context_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    model_name: str
-    backend_name: str
+from radixserve.config import EngineConfig, ModelInfo
 
 
 @dataclass(frozen=True)
@@ -52,10 +39,11 @@ class ServerConfig:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"tcp://{host}:{self.port if self.port else '*'}"
 
-    def with_model(self, info: dict[str, Any]) -> ServerConfig:
-        info = dict(info)
-        info["eos_token_ids"] = tuple(info["eos_token_ids"])
-        return replace(self, model=ModelInfo(**info))
+    def with_model(self, info: ModelInfo | dict[str, Any]) -> ServerConfig:
+        """This config with the worker's ``ModelInfo`` (or its wire form, a dict)."""
+        if not isinstance(info, ModelInfo):
+            info = ModelInfo.from_dict(info)
+        return replace(self, model=info)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -13,56 +13,23 @@ q/k/v and gate/up are fused into one matrix each for fewer, larger matmuls.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from radixserve.layers.linear import Linear
 from radixserve.models.config import ModelConfig
 from radixserve.models.rope import RotaryEmbedding, apply_rotary
-from radixserve.worker import cpu_kernels
-from radixserve.worker.attention.base import AttentionBackend
+
+if TYPE_CHECKING:  # the worker passes its backend in; models/ does not import worker/
+    from radixserve.worker.attention.base import AttentionBackend
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """RMSNorm runs in float32 for half types (like transformers), else in the model dtype."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-#: Up to this many rows (decode batches, small chunks) a CPU linear layer computes
-#: y = (W x^T)^T rather than x W^T. Same values; MKL runs the weight-major form
-#: 1.2-1.3x faster for skinny activations when the weights stream from memory
-#: (SmolLM2, 2 threads: 60 vs 80 ms for a 16-row step's matmuls, 146 vs 188 ms
-#: for 64 rows); at 1024+ rows the two are even.
-SKINNY_ROWS = 512
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` with the skinny-batch CPU form above (float32/float64), and
-    for float32 batches of up to ``cpu_kernels.SKINNY_KERNEL_ROWS`` rows the
-    native kernel (``csrc/skinny_gemm.cpp``), which returns the same layout.
-
-    The result is then the transposed view of a ``[out, rows]`` product, not a
-    copy: element-wise ops keep that layout (``silu(gate) * up`` comes out
-    ``[intermediate, rows]``-major), so the next layer's ``W x^T`` reads it as a
-    plain matrix and no activation is ever transposed in memory. Callers use
-    ``view``/``split`` along the feature dim (valid on this layout) or
-    ``reshape``/``contiguous`` where they need rows.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_kernels.skinny_ok(x, self.weight):
-            return cpu_kernels.skinny_linear(x, self.weight, self.bias)
-        if (
-            x.dim() == 2
-            and x.shape[0] <= SKINNY_ROWS
-            and x.device.type == "cpu"
-            and x.dtype in (torch.float32, torch.float64)
-        ):
-            if self.bias is None:
-                return torch.mm(self.weight, x.t()).t()
-            return torch.addmm(self.bias[:, None], self.weight, x.t()).t()
-        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

@@ -1,51 +1,22 @@
-"""Resolve a model name to weights and build our model from them.
+"""Build our model from a model's files (``source.resolve_model`` finds them).
 
-A model is named by one of:
-- ``None`` or ``"smollm2"``: the embedded SmolLM2-135M-Instruct (``embedded.py``);
-- a folder with ``config.json`` and safetensors (one file or sharded with an index);
-- a ``.gguf`` file (config and tokenizer via transformers, weights via ``gguf``).
+Weights come from safetensors (one file or sharded with an index) or from a
+GGUF file (``gguf_loader.py``); the config always comes from transformers.
 """
 
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from radixserve.models.config import ModelConfig
-from radixserve.models.embedded import EMBEDDED_NAME, ensure_smollm2
 from radixserve.models.llama import LlamaModel
+from radixserve.models.source import ModelSource
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where a model's files are: an HF folder, or a GGUF file (``gguf_file`` set)."""
-
-    name: str
-    folder: Path
-    gguf_file: str | None = None
-
-
-def resolve_model(
-    model: str | None, cache_dir: str | os.PathLike[str] | None = None
-) -> ModelSource:
-    """Map a model name to its files; ValueError saying what is accepted otherwise."""
-    if model is None or model == EMBEDDED_NAME:
-        return ModelSource(EMBEDDED_NAME, ensure_smollm2(cache_dir))
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return ModelSource(path.name, path.parent, path.name)
-    if path.is_dir() and (path / "config.json").is_file():
-        return ModelSource(path.name, path)
-    raise ValueError(
-        f"model {model!r} is not {EMBEDDED_NAME!r}, a folder with config.json, or a .gguf file"
-    )
 
 
 def parse_dtype(dtype: str) -> torch.dtype:

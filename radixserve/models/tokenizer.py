@@ -1,11 +1,14 @@
-"""Load the HF tokenizer that belongs to a model name (see ``loader.resolve_model``)."""
+"""Load the HF tokenizer that belongs to a model name (see ``source.resolve_model``).
+
+Imports no torch (transformers is imported when a tokenizer is loaded).
+"""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from radixserve.models.loader import resolve_model
+from radixserve.models.source import resolve_model
 
 
 def load_tokenizer(model: str | None, cache_dir: str | os.PathLike[str] | None = None) -> Any:

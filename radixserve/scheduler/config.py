@@ -58,3 +58,6 @@ class SchedulerConfig:
             raise ValueError("chunked_prefill_size must be at least one page")
         if not 0.0 <= self.decode_reserve_ratio <= 1.0:
             raise ValueError("decode_reserve_ratio must be in [0, 1]")
+        for name in ("lpm_max_waiting", "max_wait_steps", "shared_prefix_min_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

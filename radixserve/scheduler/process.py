@@ -22,7 +22,7 @@ import numpy as np
 import zmq
 
 from radixserve import protocol as P
-from radixserve.engine import build_scheduler
+from radixserve.config import build_scheduler
 from radixserve.scheduler.request import RequestOutput
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.server_config import (

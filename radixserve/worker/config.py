@@ -30,7 +30,7 @@ class WorkerConfig:
     page_size: int = 1
     num_pages: int | None = None
     kv_memory: int | None = None
-    max_running_requests: int = 256
+    max_running_requests: int = 64
     attention_backend: str = "auto"
     decode_kernel: str = "auto"
     cache_dir: str | None = None

@@ -15,8 +15,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from radixserve.config import ModelInfo
 from radixserve.models.config import ModelConfig
-from radixserve.models.loader import load_model, parse_dtype, resolve_model
+from radixserve.models.loader import load_model, parse_dtype
+from radixserve.models.source import resolve_model
 from radixserve.worker.attention import AttentionBatch, create_backend
 from radixserve.worker.batch import StepBatch
 from radixserve.worker.config import WorkerConfig
@@ -82,6 +84,18 @@ class ModelRunner:
     @property
     def backend_name(self) -> str:
         return self.backend.name
+
+    def info(self) -> ModelInfo:
+        """The facts the scheduler and the tokenizer size themselves by."""
+        return ModelInfo(
+            num_pages=self.num_pages,
+            page_size=self.page_size,
+            max_context_len=self.max_context_len,
+            vocab_size=self.vocab_size,
+            eos_token_ids=tuple(self.eos_token_ids),
+            model_name=self.model_name,
+            backend_name=self.backend_name,
+        )
 
     def step(self, batch: StepBatch) -> np.ndarray:
         """Run one step; int32 array with one token per ``sample=True`` request, in order."""

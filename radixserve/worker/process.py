@@ -1,7 +1,7 @@
 """The worker process: one ``Step`` message in, one ``StepResult`` out, lockstep.
 
-It loads the model (``engine.build_worker``), reports ``Ready`` with the
-model's facts (page count, context length, vocabulary, EOS ids) to the
+It loads the model (``config.build_worker``), reports ``Ready`` with the
+model's facts (``ModelInfo``: page count, context length, vocabulary, EOS ids) to the
 launcher, then serves steps until the launcher stops it. It decides nothing:
 an exception here is a bug or a broken model, so the process exits non-zero and
 the launcher stops the server.
@@ -10,11 +10,12 @@ the launcher stops the server.
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 
 import zmq
 
 from radixserve import protocol as P
-from radixserve.engine import build_worker
+from radixserve.config import build_worker
 from radixserve.server_config import CONTROL, SCHEDULER_FROM_WORKER, WORKER_IN, ServerConfig
 from radixserve.utils.proc import POLL_MS, ParentWatch, child_main, socket
 from radixserve.worker.batch import ReqStep, StepBatch
@@ -36,15 +37,7 @@ def run(config: ServerConfig, ctx: zmq.Context) -> None:
     steps = socket(ctx, zmq.PULL, config.endpoint(WORKER_IN), bind=True)
     results = socket(ctx, zmq.PUSH, config.endpoint(SCHEDULER_FROM_WORKER), bind=False)
     control = socket(ctx, zmq.PUSH, config.endpoint(CONTROL), bind=False)
-    info = {
-        "num_pages": runner.num_pages,
-        "page_size": runner.page_size,
-        "max_context_len": runner.max_context_len,
-        "vocab_size": runner.vocab_size,
-        "eos_token_ids": list(runner.eos_token_ids),
-        "model_name": runner.model_name,
-        "backend_name": runner.backend_name,
-    }
+    info = asdict(runner.info())
     control.send(P.Ready("worker", info).encode())
     log.info("ready: %s", info)
     while watch.alive():

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from radixserve.models.config import ModelConfig
-from radixserve.models.loader import read_safetensors_folder, resolve_model
+from radixserve.models.loader import read_safetensors_folder
 from radixserve.models.rope import inv_frequencies
+from radixserve.models.source import resolve_model
 from radixserve.sampling_params import SamplingParams
 from radixserve.worker.batch import ReqStep, StepBatch
 from radixserve.worker.config import WorkerConfig

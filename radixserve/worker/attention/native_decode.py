@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixserve.worker.cpu_kernels import AVAILABLE, UNAVAILABLE_REASON
-from radixserve.worker.cpu_kernels import ext as _ext
+from radixserve.layers.cpu_kernels import AVAILABLE, UNAVAILABLE_REASON
+from radixserve.layers.cpu_kernels import ext as _ext
 
 #: Storage dtypes the kernel runs (bfloat16 is computed in float32).
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
@@ -35,7 +35,7 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the native kernel cannot serve this pool, or None when it can."""
     if not AVAILABLE:
         return (
-            f"the native extension radixserve.worker._cpu_kernels is missing ({UNAVAILABLE_REASON})"
+            f"the native extension radixserve.layers._cpu_kernels is missing ({UNAVAILABLE_REASON})"
         )
     if device.type != "cpu":
         return f"it runs on the CPU, the KV pool is on {device}"

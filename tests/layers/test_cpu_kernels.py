@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from radixserve.models.llama import SKINNY_ROWS, Linear
-from radixserve.worker import cpu_kernels
-from radixserve.worker.cpu_kernels import SKINNY_KERNEL_ROWS
+from radixserve.layers import cpu_kernels
+from radixserve.layers.cpu_kernels import SKINNY_KERNEL_ROWS
+from radixserve.layers.linear import SKINNY_ROWS, Linear
 from tests.helpers.native import require_built
 
 

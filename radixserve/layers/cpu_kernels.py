@@ -1,10 +1,10 @@
-"""The worker's native CPU kernels (``csrc/``, module ``radixserve.worker._cpu_kernels``).
+"""The native CPU kernels' Python side (``csrc/``, module ``radixserve.layers._cpu_kernels``).
 
 Built by ``setup.py`` when the package is installed; optional. Without it the
 torch backend decodes through gather + SDPA and linear layers use BLAS only.
 
 - ``paged_decode``: decode attention reading the KV pool's pages in place
-  (``attention/native_decode.py`` is its Python side).
+  (``worker/attention/native_decode.py`` plans its work).
 - ``skinny_gemm``: ``W x^T`` for float32 batches of at most ``SKINNY_KERNEL_ROWS``
   rows, each weight element read once and used for every row from registers.
 """
@@ -14,16 +14,15 @@ from __future__ import annotations
 import torch  # first: the kernels' OpenMP regions run in torch's OpenMP runtime
 
 try:
-    from radixserve.worker import _cpu_kernels as ext
+    from radixserve.layers import _cpu_kernels as ext
 
     AVAILABLE, UNAVAILABLE_REASON = True, ""
 except ImportError as e:  # not built: setup.py warned at install
     ext = None
     AVAILABLE, UNAVAILABLE_REASON = False, f"{type(e).__name__}: {e}"
 
-#: Row counts up to which ``skinny_gemm`` beats BLAS (SmolLM2's matrices, one
-#: step's worth, 2 threads, weights streaming from memory: 28 vs 35 ms at 1 row,
-#: 34 vs 53 ms at 16, 64 vs 75 ms at 32; even at 48 and 64; docs/worker.md).
+#: Row counts up to which ``skinny_gemm`` beats BLAS when the weights stream from
+#: memory (docs/worker.md, "CPU kernels", has the numbers and how to measure them).
 SKINNY_KERNEL_ROWS = 32
 
 

@@ -1,0 +1,99 @@
+"""Linear-layer benchmark: one decode step's matmuls in each of ``Linear``'s product forms.
+
+The weights have SmolLM2-135M's shapes (30 layers of qkv 960x576, o 576x576,
+gate_up 3072x576 and down 576x1536; float32, random values: about 425 MB, so
+every step streams them from memory, as a decode step does). A step multiplies
+``rows`` activation rows through all of them in one form:
+
+- ``kernel``: csrc/'s ``skinny_gemm`` (``layers/cpu_kernels.py``), float32 only;
+- ``weight-major``: ``(W x^T)^T`` through BLAS;
+- ``x W^T``: ``F.linear``, BLAS's usual form.
+
+The forms take turns inside each round, so a drift in the machine's speed hits
+all of them; the table shows the median step time over ``--rounds`` rounds of
+``--steps`` steps. ``layers/linear.py``'s row limits come from such runs
+(docs/worker.md, "CPU kernels").
+
+    python bench/linear.py                               # rows 1,16,32,48,64,512
+    python bench/linear.py --rows 16 --rounds 3 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch.nn import functional as F
+
+from radixserve.layers import cpu_kernels
+
+HIDDEN, INTERMEDIATE, QKV, LAYERS = 576, 1536, 960, 30
+Form = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def weight_major(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.mm(w, x.t()).t()
+
+
+def kernel(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return cpu_kernels.skinny_linear(x, w, None)
+
+
+def x_wt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w)
+
+
+def make_layers(seed: int) -> list[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE))
+    return [tuple(torch.randn(*s, generator=g) * 0.02 for s in shapes) for _ in range(LAYERS)]
+
+
+def step_time(form: Form, layers: list[tuple[torch.Tensor, ...]], rows: int, steps: int) -> float:
+    """Seconds per step: every layer's four products on ``rows`` rows."""
+    x = torch.randn(rows, HIDDEN)
+    mid = torch.randn(rows, INTERMEDIATE)
+    start = time.perf_counter()
+    for _ in range(steps):
+        for qkv, o, gate_up, down in layers:
+            form(x, qkv)
+            form(x, o)
+            form(x, gate_up)
+            form(mid, down)
+    return (time.perf_counter() - start) / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="1,16,32,48,64,512", help="activation rows per step")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3, help="steps per form per round")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    forms: dict[str, Form] = {"weight-major": weight_major, "x W^T": x_wt}
+    if cpu_kernels.AVAILABLE:
+        forms = {"kernel": kernel, **forms}
+    else:
+        print(f"native kernel not built ({cpu_kernels.UNAVAILABLE_REASON}): BLAS forms only")
+    layers = make_layers(0)
+    print(f"{LAYERS} layers of SmolLM2's shapes, float32, {args.threads} threads; ms per step")
+    print("| rows | " + " | ".join(forms) + " |")
+    print("|---" * (len(forms) + 1) + "|")
+    with torch.inference_mode():
+        for rows in (int(r) for r in args.rows.split(",") if r):
+            for form in forms.values():
+                step_time(form, layers, rows, 1)  # warm-up
+            times: dict[str, list[float]] = {name: [] for name in forms}
+            for _ in range(args.rounds):
+                for name, form in forms.items():
+                    times[name].append(step_time(form, layers, rows, args.steps))
+            cells = [f"{statistics.median(t) * 1e3:.1f}" for t in times.values()]
+            print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

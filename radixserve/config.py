@@ -1,0 +1,113 @@
+"""The options of an Engine or a server, in one place, and what each part gets from them.
+
+``EngineConfig`` is the one frozen dataclass a user fills: the in-process
+``Engine`` builds it from its keyword arguments, ``radixserve launch`` from its
+flags (``cli.py``; every field has a flag). Each library keeps its own config,
+so it can be built alone in tests (``WorkerConfig`` in ``worker/config.py``,
+``SchedulerConfig`` in ``scheduler/config.py``); they are derived from an
+``EngineConfig`` by field name (``worker_config``, ``scheduler_config``), and
+``EngineConfig``'s defaults are those configs' defaults, so no value is
+declared twice. ``ModelInfo`` is what the worker reports once its model is
+loaded; the scheduler's page count, context length and EOS ids come from it.
+
+This module imports no torch: the launcher, the CLI and every process import
+it. The ``build_*`` factories import their library when called (the worker's
+imports torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from radixserve.scheduler.config import SchedulerConfig
+from radixserve.worker.config import WorkerConfig
+
+if TYPE_CHECKING:
+    from radixserve.scheduler.scheduler import Scheduler
+    from radixserve.worker.model_runner import ModelRunner
+
+_W, _S = WorkerConfig, SchedulerConfig
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the worker reports once its model is loaded; the others size themselves by it."""
+
+    num_pages: int
+    page_size: int
+    max_context_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    model_name: str
+    backend_name: str
+
+    @classmethod
+    def from_dict(cls, info: dict[str, Any]) -> ModelInfo:
+        """From its wire form (a msgpack map: ``eos_token_ids`` arrives as a list)."""
+        return cls(**{**info, "eos_token_ids": tuple(info["eos_token_ids"])})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every option of the Engine and of ``radixserve launch`` (docs/serving.md lists the
+    flags, docs/worker.md and docs/scheduler.md what they do)."""
+
+    # The worker (WorkerConfig).
+    model: str | None = _W.model
+    dtype: str = _W.dtype
+    device: str = _W.device
+    page_size: int = _W.page_size
+    num_pages: int | None = _W.num_pages
+    kv_memory: int | None = _W.kv_memory
+    max_running_requests: int = _W.max_running_requests
+    attention_backend: str = _W.attention_backend
+    decode_kernel: str = _W.decode_kernel
+    cache_dir: str | None = _W.cache_dir
+    seed: int = _W.seed
+    # The scheduler (SchedulerConfig; page_size and max_running_requests above too).
+    cache: str = _S.cache
+    radix_impl: str = _S.radix_impl
+    chunked_prefill_size: int = _S.chunked_prefill_size
+    schedule_policy: str = _S.schedule_policy
+    lpm_max_waiting: int = _S.lpm_max_waiting
+    max_wait_steps: int = _S.max_wait_steps
+    decode_reserve_ratio: float = _S.decode_reserve_ratio
+    shared_prefix_min_tokens: int = _S.shared_prefix_min_tokens
+
+
+#: SchedulerConfig fields that come from the loaded model, not from the user.
+MODEL_FIELDS = ("num_pages", "page_size", "max_context_len", "eos_token_ids")
+
+_C = TypeVar("_C")
+
+
+def _derive(cls: type[_C], config: EngineConfig, **given: Any) -> _C:
+    """``cls`` built from the fields of ``config`` it shares by name, plus ``given``."""
+    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    shared = {f.name: getattr(config, f.name) for f in fields(config) if f.name in names}
+    return cls(**{**shared, **given})
+
+
+def worker_config(config: EngineConfig) -> WorkerConfig:
+    return _derive(WorkerConfig, config)
+
+
+def scheduler_config(config: EngineConfig, info: ModelInfo) -> SchedulerConfig:
+    if info.page_size != config.page_size:
+        raise ValueError(f"the worker's page size {info.page_size} != {config.page_size}")
+    return _derive(SchedulerConfig, config, **{n: getattr(info, n) for n in MODEL_FIELDS})
+
+
+def build_worker(config: EngineConfig) -> ModelRunner:
+    """The worker's ``ModelRunner`` (loads the model; imports torch)."""
+    from radixserve.worker.model_runner import ModelRunner
+
+    return ModelRunner(worker_config(config))
+
+
+def build_scheduler(config: EngineConfig, info: ModelInfo) -> Scheduler:
+    """A ``Scheduler`` over the pool the worker reported in ``info``."""
+    from radixserve.scheduler.scheduler import Scheduler
+
+    return Scheduler(scheduler_config(config, info))

@@ -1,0 +1,3 @@
+"""Building blocks of the model's forward pass, below ``models/`` and ``worker/``:
+``linear.py`` (the linear layer and its CPU product forms) and ``cpu_kernels.py``
+(the native CPU kernels' Python side). Imports nothing from radixserve above it."""

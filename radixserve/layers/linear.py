@@ -1,0 +1,48 @@
+"""The model's linear layer: ``nn.Linear`` with faster CPU forms for skinny batches.
+
+Decode steps multiply each weight matrix by a few activation rows, where BLAS's
+``x W^T`` leaves much of the CPU idle while the weights stream from memory.
+docs/worker.md ("CPU kernels") has the measurements behind the row limits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from radixserve.layers import cpu_kernels
+
+#: Up to this many rows (decode batches, small chunks) a CPU linear layer computes
+#: y = (W x^T)^T rather than x W^T: the same values, and BLAS runs the weight-major
+#: form faster for skinny activations while the weights stream from memory (for
+#: large batches the two are even; docs/worker.md, "CPU kernels", has the numbers).
+SKINNY_ROWS = 512
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` with the skinny-batch CPU form above (float32/float64), and
+    for float32 batches of up to ``cpu_kernels.SKINNY_KERNEL_ROWS`` rows the
+    native kernel (``csrc/skinny_gemm.cpp``), which returns the same layout.
+
+    The result is then the transposed view of a ``[out, rows]`` product, not a
+    copy: element-wise ops keep that layout (``silu(gate) * up`` comes out
+    ``[intermediate, rows]``-major), so the next layer's ``W x^T`` reads it as a
+    plain matrix and no activation is ever transposed in memory. Callers use
+    ``view``/``split`` along the feature dim (valid on this layout) or
+    ``reshape``/``contiguous`` where they need rows.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.skinny_ok(x, self.weight):
+            return cpu_kernels.skinny_linear(x, self.weight, self.bias)
+        if (
+            x.dim() == 2
+            and x.shape[0] <= SKINNY_ROWS
+            and x.device.type == "cpu"
+            and x.dtype in (torch.float32, torch.float64)
+        ):
+            if self.bias is None:
+                return torch.mm(self.weight, x.t()).t()
+            return torch.addmm(self.bias[:, None], self.weight, x.t()).t()
+        return F.linear(x, self.weight, self.bias)
