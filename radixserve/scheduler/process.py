@@ -23,7 +23,6 @@ import zmq
 
 from radixserve import protocol as P
 from radixserve.engine import build_scheduler
-from radixserve.scheduler.request import RequestOutput
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.server_config import (
     CONTROL,
@@ -48,8 +47,7 @@ class SchedulerLoop:
         self.to_worker = socket(ctx, zmq.PUSH, config.endpoint(WORKER_IN), bind=False)
         self.to_tokenizer = socket(ctx, zmq.PUSH, config.endpoint(TOKENIZER_IN), bind=False)
         self.watch = ParentWatch()
-        self.step_id = 0
-        self.outputs: list[RequestOutput] = []
+        self.outputs: list[P.OutputItem] = []
 
     def run(self) -> None:
         idle = True
@@ -65,38 +63,20 @@ class SchedulerLoop:
             batch = self.scheduler.schedule()
             idle = batch is None
             if batch is not None:
-                self.step_id += 1
-                reqs = [
-                    P.StepReq(r.slot, r.input_ids, r.start_pos, r.new_pages, r.sample, r.sampling)
-                    for r in batch.reqs
-                ]
-                release = np.asarray(batch.release, dtype=np.int32)
-                self.to_worker.send(P.Step(self.step_id, reqs, release).encode())
-                tokens = self.wait_for_worker()
+                self.to_worker.send(batch.encode())
+                tokens = self.wait_for_worker(batch.step_id)
                 self.outputs += self.scheduler.process_step_result(tokens)
             if self.outputs:
-                items = [
-                    P.OutputItem(
-                        o.rid,
-                        o.index,
-                        np.asarray(o.token_ids, dtype=np.int32),
-                        o.finish_reason,
-                        o.prompt_tokens,
-                        o.completion_tokens,
-                        o.cached_tokens,
-                    )
-                    for o in self.outputs
-                ]
-                self.to_tokenizer.send(P.Outputs(items).encode())
+                self.to_tokenizer.send(P.Outputs(self.outputs).encode())
                 self.outputs = []
 
-    def wait_for_worker(self) -> np.ndarray:
+    def wait_for_worker(self, step_id: int) -> np.ndarray:
         while not self.from_worker.poll(POLL_MS):
             if not self.watch.alive():
                 raise SystemExit(1)
         result = P.decode(self.from_worker.recv(), {P.StepResult.TYPE: P.StepResult})
-        if result.step_id != self.step_id:
-            raise RuntimeError(f"worker answered step {result.step_id}, expected {self.step_id}")
+        if result.step_id != step_id:
+            raise RuntimeError(f"worker answered step {result.step_id}, expected {step_id}")
         return result.tokens
 
     def handle(self, msg: P.Message) -> None:

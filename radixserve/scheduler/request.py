@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from radixserve.protocol import OutputItem
 from radixserve.sampling_params import SamplingParams
 
 
@@ -15,19 +16,6 @@ class ReqStatus(enum.Enum):
     PREFILL = "prefill"  # holds a slot; computing its prompt (possibly in chunks)
     DECODE = "decode"  # holds a slot; one token per step
     FINISHED = "finished"  # stop / length / abort; its KV is released
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step (or an abort) produced for one request."""
-
-    rid: str
-    index: int  # which of the request's n samples
-    token_ids: list[int]
-    finish_reason: str | None  # None while running; "stop" | "length" | "abort"
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
 
 
 @dataclass(eq=False, slots=True)
@@ -99,8 +87,9 @@ class Request:
     def num_output(self) -> int:
         return self.num_tokens - self.prompt_len
 
-    def output(self, token_ids: list[int]) -> RequestOutput:
-        return RequestOutput(
+    def output(self, token_ids: list[int]) -> OutputItem:
+        """What the request produced now (``token_ids``), as the protocol carries it."""
+        return OutputItem(
             self.rid,
             self.index,
             token_ids,

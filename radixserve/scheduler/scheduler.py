@@ -7,7 +7,7 @@ The lifecycle of a request, in the order ``schedule()`` handles it:
        +---- retract -----+--------------------------------------+
 
 Each step is lockstep with the worker: ``schedule()`` returns exactly what the
-worker must compute (a ``StepBatch``), the caller runs it, and
+worker must compute (a ``protocol.Step``), the caller runs it, and
 ``process_step_result(tokens)`` takes the sampled tokens back, decides who
 finished, and returns the outputs. Between steps the caller may add and abort
 requests.
@@ -31,14 +31,14 @@ from collections import deque
 
 import numpy as np
 
+from radixserve.protocol import OutputItem, Step, StepReq
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.kv_cache import KVCacheManager
 from radixserve.scheduler.policy import order_waiting, shared_prefix_len
 from radixserve.scheduler.radix_impl import make_radix_cache
-from radixserve.scheduler.request import ReqStatus, Request, RequestOutput
-from radixserve.worker.batch import ReqStep, StepBatch
+from radixserve.scheduler.request import ReqStatus, Request
 
 
 class Scheduler:
@@ -58,7 +58,7 @@ class Scheduler:
         self._free_slots = list(range(config.max_running_requests - 1, -1, -1))
         self._release: list[int] = []
         self._batch: list[tuple[Request, int]] = []  # (request, tokens computed) of the step
-        self._outputs: list[RequestOutput] = []  # produced outside a step (aborts)
+        self._outputs: list[OutputItem] = []  # produced outside a step (aborts)
         self._eos = frozenset(config.eos_token_ids)
         self._arrivals = 0
         self._admissions = 0
@@ -142,7 +142,7 @@ class Scheduler:
         return len(self.running)
 
     # ----------------------------------------------------------------- step
-    def schedule(self) -> StepBatch | None:
+    def schedule(self) -> Step | None:
         """Plan the next step; None when there is nothing to compute."""
         assert not self._batch, "process_step_result() was not called for the last step"
         batch: list[tuple[Request, int]] = []
@@ -162,9 +162,10 @@ class Scheduler:
             return None
         self._batch = batch
         self.num_steps += 1
-        return StepBatch([self._req_step(req, n) for req, n in batch], release)
+        reqs = [self._req_step(req, n) for req, n in batch]
+        return Step(reqs, np.asarray(release, dtype=np.int32), self.num_steps)
 
-    def process_step_result(self, tokens: np.ndarray | list[int]) -> list[RequestOutput]:
+    def process_step_result(self, tokens: np.ndarray | list[int]) -> list[OutputItem]:
         """Take the sampled tokens of the last step; return what it produced."""
         outputs, self._outputs = self._outputs, []
         batch, self._batch = self._batch, []
@@ -202,13 +203,13 @@ class Scheduler:
             raise ValueError(f"the worker returned {len(tokens)} tokens, expected {i}")
         return outputs
 
-    def take_outputs(self) -> list[RequestOutput]:
+    def take_outputs(self) -> list[OutputItem]:
         """Outputs produced outside a step (aborts), when no step is running."""
         outputs, self._outputs = self._outputs, []
         return outputs
 
     # -------------------------------------------------------------- helpers
-    def _req_step(self, req: Request, n: int) -> ReqStep:
+    def _req_step(self, req: Request, n: int) -> StepReq:
         # Views, not copies: these ranges of a request's buffers never change
         # while it runs, and the worker consumes the step before the next one.
         new_pages = req.table[req.sent_pages : req.num_pages]
@@ -218,7 +219,7 @@ class Scheduler:
             sampling = req.sampling
             req.announced = True
         start = req.kv_len
-        return ReqStep(
+        return StepReq(
             req.slot,
             req.tokens[start : start + n],
             start,
