@@ -4,8 +4,9 @@ Each turn of the loop:
 1. take every message the tokenizer sent (without waiting while there is work;
    blocking, with a timeout to notice a dead launcher, while idle) and apply
    them in arrival order: add, abort, flush, stats, idle check;
-2. plan one step; send it to the worker and wait for its tokens (lockstep:
-   the next step is planned only once this one's tokens are in);
+2. run one step (``Scheduler.step``): it is sent to the worker and the loop
+   waits for its tokens (lockstep: the next step is planned only once this
+   one's tokens are in);
 3. send every output of the turn (aborts included) to the tokenizer in one
    ``Outputs`` message.
 
@@ -47,7 +48,6 @@ class SchedulerLoop:
         self.to_worker = socket(ctx, zmq.PUSH, config.endpoint(WORKER_IN), bind=False)
         self.to_tokenizer = socket(ctx, zmq.PUSH, config.endpoint(TOKENIZER_IN), bind=False)
         self.watch = ParentWatch()
-        self.outputs: list[P.OutputItem] = []
 
     def run(self) -> None:
         idle = True
@@ -59,24 +59,20 @@ class SchedulerLoop:
                     except zmq.Again:
                         break
                     self.handle(P.decode(data, INBOX))
-            self.outputs += self.scheduler.take_outputs()
-            batch = self.scheduler.schedule()
-            idle = batch is None
-            if batch is not None:
-                self.to_worker.send(batch.encode())
-                tokens = self.wait_for_worker(batch.step_id)
-                self.outputs += self.scheduler.process_step_result(tokens)
-            if self.outputs:
-                self.to_tokenizer.send(P.Outputs(self.outputs).encode())
-                self.outputs = []
+            outputs = self.scheduler.step(self.run_step)
+            if outputs:
+                self.to_tokenizer.send(P.Outputs(outputs).encode())
+            idle = not self.scheduler.has_work()
 
-    def wait_for_worker(self, step_id: int) -> np.ndarray:
+    def run_step(self, step: P.Step) -> np.ndarray:
+        """Send ``step`` to the worker and wait for its tokens."""
+        self.to_worker.send(step.encode())
         while not self.from_worker.poll(POLL_MS):
             if not self.watch.alive():
                 raise SystemExit(1)
         result = P.decode(self.from_worker.recv(), {P.StepResult.TYPE: P.StepResult})
-        if result.step_id != step_id:
-            raise RuntimeError(f"worker answered step {result.step_id}, expected {step_id}")
+        if result.step_id != step.step_id:
+            raise RuntimeError(f"worker answered step {result.step_id}, expected {step.step_id}")
         return result.tokens
 
     def handle(self, msg: P.Message) -> None:
@@ -97,7 +93,7 @@ class SchedulerLoop:
 
     def check_idle(self) -> dict:
         s = self.scheduler
-        if s.has_work():
+        if s.num_running or s.num_waiting:
             busy = f"not idle: {s.num_running} running, {s.num_waiting} waiting"
             return {"ok": False, "error": busy}
         try:

@@ -1,16 +1,16 @@
 """The scheduler: continuous batching over the radix cache, one step at a time.
 
-The lifecycle of a request, in the order ``schedule()`` handles it:
+The lifecycle of a request, in the order ``_schedule()`` handles it:
 
     WAITING --admit--> PREFILL (chunks) --last chunk sampled--> DECODE --> FINISHED
        ^                  |                                      |
        +---- retract -----+--------------------------------------+
 
-Each step is lockstep with the worker: ``schedule()`` returns exactly what the
-worker must compute (a ``protocol.Step``), the caller runs it, and
-``process_step_result(tokens)`` takes the sampled tokens back, decides who
-finished, and returns the outputs. Between steps the caller may add and abort
-requests.
+Each step is lockstep with the worker: ``step(run)`` plans what the worker
+must compute (``_schedule()``, a ``protocol.Step``), has ``run`` compute it and
+return the sampled tokens, decides who finished (``_process_step_result``), and
+returns the outputs, those of aborts since the last step included. Between
+steps the caller may add and abort requests; it steps while ``has_work()``.
 
 A step, in order:
 1. slots released since the last step go in ``release``;
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -78,9 +79,28 @@ class Scheduler:
     ) -> None:
         """Queue a request (``sampling.n`` samples). Raises ValueError on bad input."""
         cfg = self.config
-        prompt = np.asarray(prompt_ids, dtype=np.int32)
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
+        prompt = self.check_request(prompt_ids, sampling)
+        samples = []
+        for i in range(sampling.n):
+            params = sampling
+            if sampling.n > 1 and sampling.seed is not None:
+                params = _with_seed(sampling, sampling.seed + i)
+            req = Request.create(
+                rid, i, prompt, params, salt, self._arrivals, cfg.max_context_len, self.page_size
+            )
+            self._arrivals += 1
+            samples.append(req)
+            self.waiting.append(req)
+        self._requests[rid] = samples
+
+    def check_request(
+        self, prompt_ids: np.ndarray | Sequence[int], sampling: SamplingParams
+    ) -> np.ndarray:
+        """The prompt as int32 if a request for it can ever run; else ValueError."""
+        cfg = self.config
+        prompt = np.asarray(prompt_ids, dtype=np.int32)
         if prompt.ndim != 1 or len(prompt) == 0:
             raise ValueError("the prompt is empty")
         if len(prompt) >= cfg.max_context_len:
@@ -95,18 +115,7 @@ class Scheduler:
                 f"the request needs {need} KV pages (prompt {len(prompt)} + max_tokens "
                 f"{sampling.max_tokens}) but the pool has {cfg.num_pages}"
             )
-        samples = []
-        for i in range(sampling.n):
-            params = sampling
-            if sampling.n > 1 and sampling.seed is not None:
-                params = _with_seed(sampling, sampling.seed + i)
-            req = Request.create(
-                rid, i, prompt, params, salt, self._arrivals, cfg.max_context_len, self.page_size
-            )
-            self._arrivals += 1
-            samples.append(req)
-            self.waiting.append(req)
-        self._requests[rid] = samples
+        return prompt
 
     def abort_request(self, rid: str, reason: str = "abort", index: int | None = None) -> bool:
         """Finish ``rid`` now: every sample, or only sample ``index``.
@@ -131,7 +140,9 @@ class Scheduler:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether ``step`` has anything to do: requests waiting or running, outputs
+        not handed over yet, or released slots the worker has not been told of."""
+        return bool(self.waiting or self.running or self._outputs or self._release)
 
     @property
     def num_waiting(self) -> int:
@@ -142,9 +153,22 @@ class Scheduler:
         return len(self.running)
 
     # ----------------------------------------------------------------- step
-    def schedule(self) -> Step | None:
+    def step(self, run: Callable[[Step], np.ndarray | Sequence[int]]) -> list[OutputItem]:
+        """One step: plan it, ``run`` it (the worker: a Step in, its sampled
+        tokens out), and return every output since the last step (aborts first).
+
+        A step that only releases slots is run too, so the worker clears them;
+        with nothing to compute or release, ``run`` is not called.
+        """
+        outputs, self._outputs = self._outputs, []
+        batch = self._schedule()
+        if batch is not None:
+            outputs += self._process_step_result(run(batch))
+        return outputs
+
+    def _schedule(self) -> Step | None:
         """Plan the next step; None when there is nothing to compute."""
-        assert not self._batch, "process_step_result() was not called for the last step"
+        assert not self._batch, "the last step's tokens were not taken back"
         batch: list[tuple[Request, int]] = []
         self._schedule_decodes(batch)
         budget = self.config.chunked_prefill_size
@@ -165,9 +189,9 @@ class Scheduler:
         reqs = [self._req_step(req, n) for req, n in batch]
         return Step(reqs, np.asarray(release, dtype=np.int32), self.num_steps)
 
-    def process_step_result(self, tokens: np.ndarray | list[int]) -> list[OutputItem]:
+    def _process_step_result(self, tokens: np.ndarray | list[int]) -> list[OutputItem]:
         """Take the sampled tokens of the last step; return what it produced."""
-        outputs, self._outputs = self._outputs, []
+        outputs: list[OutputItem] = []
         batch, self._batch = self._batch, []
         tokens = tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
         eos = self._eos
@@ -201,11 +225,6 @@ class Scheduler:
             outputs.append(req.output([token]))
         if i != len(tokens):
             raise ValueError(f"the worker returned {len(tokens)} tokens, expected {i}")
-        return outputs
-
-    def take_outputs(self) -> list[OutputItem]:
-        """Outputs produced outside a step (aborts), when no step is running."""
-        outputs, self._outputs = self._outputs, []
         return outputs
 
     # -------------------------------------------------------------- helpers

@@ -41,14 +41,9 @@ def run(sched, worker, on_step=None, max_steps=100_000):
     for step in range(max_steps):
         if on_step is not None:
             on_step(step, sched)
-        for out in sched.take_outputs():
-            _collect(results, out)
-        batch = sched.schedule()
-        if batch is None:
-            if not sched.has_work():
-                return results
-            raise AssertionError("scheduler has work but planned nothing")
-        for out in sched.process_step_result(worker.step(batch)):
+        if not sched.has_work():
+            return results
+        for out in sched.step(worker.step):
             _collect(results, out)
     raise AssertionError("did not finish")
 
@@ -297,12 +292,8 @@ def test_random_workloads_keep_kv_right(w):
         step = 0
         while step < 12 or sched.has_work():
             on_step(step, sched)
-            for out in sched.take_outputs():
+            for out in sched.step(worker.step):
                 _collect(results, out)
-            batch = sched.schedule()
-            if batch is not None:
-                for out in sched.process_step_result(worker.step(batch)):
-                    _collect(results, out)
             step += 1
             assert step < 5000
         return results
