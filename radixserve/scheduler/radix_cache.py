@@ -46,6 +46,7 @@ from typing import NamedTuple
 import numpy as np
 
 from radixserve.scheduler.allocator import PageAllocator
+from radixserve.scheduler.radix_check import check_tree
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 
@@ -468,8 +469,6 @@ class RadixCache:
 
     def check(self) -> None:
         """Verify every invariant; raise AssertionError naming the first broken one."""
-        from radixserve.scheduler.radix_check import check_tree
-
         check_tree(self)
 
     def __repr__(self) -> str:
@@ -477,9 +476,3 @@ class RadixCache:
             f"RadixCache(page_size={self.page_size}, nodes={self._num_nodes}, "
             f"cached_pages={self.cached_pages}, protected_pages={self._protected})"
         )
-
-
-def _require(cond: bool, msg: str) -> None:
-    """Raise the AssertionError every invariant check raises."""
-    if not cond:
-        raise AssertionError(f"radix tree invariant broken: {msg}")

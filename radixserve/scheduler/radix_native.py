@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from radixserve.scheduler import _radix_native
 from radixserve.scheduler.allocator import PageAllocator
-from radixserve.scheduler.radix_cache import _require
+from radixserve.scheduler.radix_check import require
 
 NodeHandle = _radix_native.NodeHandle
 
@@ -43,7 +43,7 @@ class NativeRadixCache(_radix_native.RadixTree):
         self._check_structure()  # links, sizes, counters, locks, stamps, heap, unique pages
         pages = self.all_pages()
         if pages.size:
-            _require(bool(self.allocator.is_allocated(pages).all()), "the tree holds a free page")
+            require(bool(self.allocator.is_allocated(pages).all()), "the tree holds a free page")
 
     def __repr__(self) -> str:
         return (
