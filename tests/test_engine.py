@@ -155,9 +155,9 @@ def test_abort_and_flush_while_busy(tiny_dir, prompts):
                 finish[out.rid] = out.finish_reason
         if step == 2:
             assert sched.abort_request("r1")
-            protected = sched.tree.protected_pages
+            protected = sched.cache.protected_pages
             freed = eng.flush_cache()
-            assert sched.tree.protected_pages == protected and sched.tree.evictable_pages == 0
+            assert sched.cache.protected_pages == protected and sched.cache.evictable_pages == 0
             assert freed > 0  # the aborted request's own KV was cached, unlocked
         step += 1
     assert finish == {"r0": "length", "r1": "abort", "r2": "length", "r3": "length"}

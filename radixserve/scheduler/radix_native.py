@@ -30,6 +30,10 @@ NodeHandle = _radix_native.NodeHandle
 
 
 class NativeRadixCache(_radix_native.RadixTree):
+    """The radix tree in C++ (``PrefixCache``), step for step the Python one."""
+
+    keeps_prefixes = True
+
     def __init__(self, allocator: PageAllocator, page_size: int = 1) -> None:
         if page_size != allocator.page_size:
             raise ValueError(

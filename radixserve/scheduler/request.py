@@ -9,6 +9,7 @@ import numpy as np
 
 from radixserve.protocol import OutputItem
 from radixserve.sampling_params import SamplingParams
+from radixserve.scheduler.prefix_cache import CacheNode
 
 
 class ReqStatus(enum.Enum):
@@ -28,11 +29,12 @@ class Request:
     yet). The page table ``table[:num_pages]`` covers the KV; the first
     ``sent_pages`` entries are already known to the worker.
 
-    KV ownership (radix mode): ``locked_len`` tokens are on the tree path the
-    request locks through ``node``; the tree owns their pages except the
-    duplicates in ``dups`` (pages the request computed while another request
-    cached the same tokens), which the request frees when it releases its KV.
-    Pages from ``locked_len // page_size`` on are the request's own.
+    KV ownership: ``locked_len`` tokens are on the cache path the request
+    locks through ``node``; the cache owns their pages except the duplicates
+    in ``dups`` (pages the request computed while another request cached the
+    same tokens; with ``cache="none"``, every computed page), which the request
+    frees when it releases its KV. Pages from ``locked_len // page_size`` on are
+    the request's own.
     """
 
     rid: str
@@ -50,7 +52,7 @@ class Request:
     num_pages: int = 0
     sent_pages: int = 0
     kv_len: int = 0
-    node: object | None = None
+    node: CacheNode | None = None
     locked_len: int = 0
     dups: list[np.ndarray] = field(default_factory=list)
     cached_tokens: int = -1  # hit length at first admission (-1: not admitted yet)

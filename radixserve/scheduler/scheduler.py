@@ -38,7 +38,7 @@ from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.kv_cache import KVCacheManager
 from radixserve.scheduler.policy import order_waiting, shared_prefix_len
-from radixserve.scheduler.radix_impl import make_radix_cache
+from radixserve.scheduler.radix_impl import make_prefix_cache
 from radixserve.scheduler.request import ReqStatus, Request
 
 
@@ -47,11 +47,8 @@ class Scheduler:
         self.config = config
         self.page_size = config.page_size
         self.allocator = PageAllocator(config.num_pages, config.page_size)
-        tree = None
-        if config.cache == "radix":
-            tree = make_radix_cache(self.allocator, config.page_size, config.radix_impl)
-        self.tree = tree
-        self.kv = KVCacheManager(self.allocator, tree)
+        self.cache = make_prefix_cache(self.allocator, config.cache, config.radix_impl)
+        self.kv = KVCacheManager(self.allocator, self.cache)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.chunked: Request | None = None  # the request whose prefill continues next step
@@ -268,9 +265,11 @@ class Scheduler:
         of pages the tree also holds for it (it computed a prefix while another
         request cached the same one), which the fit check in add_request cannot count.
         Retraction frees them; re-admitted, it matches its own KV in the tree.
-        A lone request without duplicates always fits (add_request checks).
+        A lone request without such duplicates always fits (add_request checks);
+        with ``cache="none"`` the cache holds no copy of anything.
         """
-        if not self.running or (len(self.running) == 1 and not self.running[0].dups):
+        lone = len(self.running) == 1
+        if not self.running or (lone and not (self.kv.enabled and self.running[0].dups)):
             raise RuntimeError("out of KV pages with a single running request")
         req = max(self.running, key=lambda r: r.admitted)
         self.running.remove(req)
@@ -385,14 +384,14 @@ class Scheduler:
         return self.kv.flush()
 
     def stats(self) -> dict[str, int]:
-        cached = self.tree.cached_pages if self.tree is not None else 0
+        cached = self.cache.cached_pages
         return {
             "num_pages": self.config.num_pages,
             "page_size": self.page_size,
             "pages_free": self.allocator.num_free,
             "pages_cached": cached,
             "pages_used": self.allocator.num_used - cached,
-            "pages_evictable": self.tree.evictable_pages if self.tree is not None else 0,
+            "pages_evictable": self.cache.evictable_pages,
             "hit_tokens": self.hit_tokens,
             "query_tokens": self.query_tokens,
             "running": len(self.running),
@@ -404,11 +403,9 @@ class Scheduler:
     def check_idle(self) -> None:
         """At idle every page is free or held by exactly one tree node, no locks."""
         assert not self.running and not self.waiting, "the scheduler is not idle"
-        cached = 0
-        if self.tree is not None:
-            self.tree.check()
-            assert self.tree.protected_pages == 0, "a lock survived its request"
-            cached = self.tree.cached_pages
+        self.cache.check()
+        assert self.cache.protected_pages == 0, "a lock survived its request"
+        cached = self.cache.cached_pages
         assert self.allocator.num_free + cached == self.config.num_pages, (
             f"page leak: {self.config.num_pages - self.allocator.num_free - cached} pages"
         )

@@ -146,10 +146,10 @@ def test_abort_waiting_and_running_and_flush_while_busy():
             assert s.abort_request("r3")  # still waiting
             assert not s.abort_request("nope")
         if step == 4:
-            locked = s.tree.protected_pages
+            locked = s.cache.protected_pages
             s.flush_cache()
-            assert s.tree.protected_pages == locked  # running requests keep theirs
-            assert s.tree.evictable_pages == 0
+            assert s.cache.protected_pages == locked  # running requests keep theirs
+            assert s.cache.evictable_pages == 0
 
     res = run(sched, worker, on_step)
     assert res[("r0", 0)]["finish"] == "abort" and res[("r3", 0)]["finish"] == "abort"
@@ -280,10 +280,9 @@ def test_random_workloads_keep_kv_right(w):
                 s.add_request(r["rid"], r["prompt"], greedy(r["max_tokens"]))
             if r["abort"] == step and r["arrive"] < step:
                 s.abort_request(r["rid"])
-        if s.tree is not None:
-            s.tree.check()
+        s.cache.check()
         held = sum(s.kv.held_pages(q) for q in s.running)
-        cached = s.tree.cached_pages if s.tree is not None else 0
+        cached = s.cache.cached_pages
         assert s.allocator.num_free + cached + held == s.config.num_pages
 
     def run_all():
