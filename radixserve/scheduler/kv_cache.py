@@ -1,11 +1,14 @@
 """Per-request KV bookkeeping over the page allocator and the prefix cache.
 
-This is the one place that decides who owns which page:
+This is the one place that decides who owns which page, the only writer of
+a request's page table (``req.table[:req.num_pages]``), and the one place that
+counts pages (``pages_for``, ``pages_missing``):
 
 - ``acquire_prefix`` matches a request's tokens (all but the last one, whole
   pages) and locks the match: those pages belong to the cache and are now
   protected; they start the request's page table.
-- ``alloc`` hands out fresh pages, evicting unlocked cache leaves when short.
+- ``alloc`` hands out fresh pages, evicting unlocked cache leaves when short;
+  ``grow`` and ``grow_decodes`` append such pages to page tables.
 - ``cache_computed`` ("cache early") inserts the request's computed whole pages
   into the cache and moves its lock to the new node. Pages the cache already
   held are duplicates: the request keeps them (the worker's page table still
@@ -45,6 +48,14 @@ class KVCacheManager:
         """Pages that could be handed out now: free plus evictable."""
         return self.allocator.num_free + self.cache.evictable_pages
 
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages that hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.page_size)
+
+    def pages_missing(self, req: Request, num_tokens: int) -> int:
+        """Pages the request's table still lacks to cover ``num_tokens`` tokens."""
+        return max(self.pages_for(num_tokens) - req.num_pages, 0)
+
     def peek(self, req: Request) -> int:
         """The request's cached prefix length, changing nothing."""
         return self.cache.peek_prefix(req.tokens[: req.num_tokens - 1], req.salt)
@@ -77,9 +88,32 @@ class KVCacheManager:
             ids = self.allocator.alloc(n)
         return ids
 
-    def append_pages(self, req: Request, ids: np.ndarray) -> None:
-        req.table[req.num_pages : req.num_pages + len(ids)] = ids
-        req.num_pages += len(ids)
+    def grow(self, req: Request, num_tokens: int) -> bool:
+        """Extend the request's table to cover ``num_tokens`` tokens with fresh
+        pages; False, changing nothing, when they cannot be had."""
+        n = self.pages_missing(req, num_tokens)
+        ids = self.alloc(n)
+        if ids is None:
+            return False
+        req.table[req.num_pages : req.num_pages + n] = ids
+        req.num_pages += n
+        return True
+
+    def grow_decodes(self, reqs: list[Request]) -> bool:
+        """Give every decoding request whose next token starts a new page that
+        page, all in one allocation; False, changing nothing, when short."""
+        ps = self.page_size
+        # A decoding request computes token kv_len: it needs page kv_len // ps.
+        needy = [r for r in reqs if r.kv_len // ps >= r.num_pages]
+        if not needy:
+            return True
+        ids = self.alloc(len(needy))
+        if ids is None:
+            return False
+        for req, page in zip(needy, ids):
+            req.table[req.num_pages] = page
+            req.num_pages += 1
+        return True
 
     def cache_computed(self, req: Request) -> None:
         """Insert the request's computed whole pages into the cache; move its lock."""

@@ -26,8 +26,9 @@ class Request:
     Tokens live in a preallocated int32 buffer: ``tokens[:num_tokens]`` is the
     prompt followed by the sampled tokens. KV exists for ``tokens[:kv_len]``;
     while running, ``kv_len < num_tokens`` (the last sampled token has no KV
-    yet). The page table ``table[:num_pages]`` covers the KV; the first
-    ``sent_pages`` entries are already known to the worker.
+    yet). The page table ``table[:num_pages]`` covers the KV (only
+    ``KVCacheManager`` writes it); the first ``sent_pages`` entries are already
+    known to the worker.
 
     KV ownership: ``locked_len`` tokens are on the cache path the request
     locks through ``node``; the cache owns their pages except the duplicates
@@ -70,13 +71,13 @@ class Request:
         sampling: SamplingParams,
         salt: str | None,
         arrival: int,
-        max_context_len: int,
-        page_size: int,
+        final_len: int,
+        table_pages: int,
     ) -> Request:
-        final_len = min(len(prompt) + sampling.max_tokens, max_context_len)
+        """A waiting request that may grow to ``final_len`` tokens in ``table_pages`` pages."""
         tokens = np.zeros(final_len, dtype=np.int32)
         tokens[: len(prompt)] = prompt
-        table = np.zeros(-(-final_len // page_size), dtype=np.int32)
+        table = np.zeros(table_pages, dtype=np.int32)
         req = cls(rid, index, len(prompt), sampling, salt, arrival, tokens, len(prompt), table)
         req.final_len = final_len
         return req

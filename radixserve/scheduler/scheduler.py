@@ -75,17 +75,24 @@ class Scheduler:
         salt: str | None = None,
     ) -> None:
         """Queue a request (``sampling.n`` samples). Raises ValueError on bad input."""
-        cfg = self.config
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         prompt = self.check_request(prompt_ids, sampling)
+        final_len = self._final_len(len(prompt), sampling)
         samples = []
         for i in range(sampling.n):
             params = sampling
             if sampling.n > 1 and sampling.seed is not None:
                 params = _with_seed(sampling, sampling.seed + i)
             req = Request.create(
-                rid, i, prompt, params, salt, self._arrivals, cfg.max_context_len, self.page_size
+                rid,
+                i,
+                prompt,
+                params,
+                salt,
+                self._arrivals,
+                final_len,
+                self.kv.pages_for(final_len),
             )
             self._arrivals += 1
             samples.append(req)
@@ -105,14 +112,17 @@ class Scheduler:
                 f"the prompt has {len(prompt)} tokens; the model's context is "
                 f"{cfg.max_context_len}, leaving no room for output"
             )
-        final_len = min(len(prompt) + sampling.max_tokens, cfg.max_context_len)
-        need = -(-final_len // self.page_size)
+        need = self.kv.pages_for(self._final_len(len(prompt), sampling))
         if need > cfg.num_pages:
             raise ValueError(
                 f"the request needs {need} KV pages (prompt {len(prompt)} + max_tokens "
                 f"{sampling.max_tokens}) but the pool has {cfg.num_pages}"
             )
         return prompt
+
+    def _final_len(self, prompt_len: int, sampling: SamplingParams) -> int:
+        """The most tokens a request can hold: prompt + max_tokens, within the context."""
+        return min(prompt_len + sampling.max_tokens, self.config.max_context_len)
 
     def abort_request(self, rid: str, reason: str = "abort", index: int | None = None) -> bool:
         """Finish ``rid`` now: every sample, or only sample ``index``.
@@ -245,17 +255,11 @@ class Scheduler:
         )
 
     def _schedule_decodes(self, batch: list[tuple[Request, int]]) -> None:
-        ps = self.page_size
         while True:
             decoding = [r for r in self.running if r is not self.chunked]
-            needy = [r for r in decoding if r.kv_len // ps >= r.num_pages]
-            ids = self.kv.alloc(len(needy)) if needy else np.zeros(0, np.int32)
-            if ids is not None:
+            if self.kv.grow_decodes(decoding):
                 break
             self._retract_newest()
-        for req, page in zip(needy, ids):
-            req.table[req.num_pages] = page
-            req.num_pages += 1
         batch.extend((r, 1) for r in decoding)
 
     def _retract_newest(self) -> None:
@@ -287,10 +291,9 @@ class Scheduler:
         ratio = self.config.decode_reserve_ratio
         if ratio == 0.0:
             return 0
-        ps = self.page_size
         total = 0
         for r in self.running:
-            remaining = -(-r.final_len // ps) - r.num_pages
+            remaining = self.kv.pages_missing(r, r.final_len)
             if remaining > 0:
                 total += math.ceil(remaining * ratio)
         return total
@@ -320,8 +323,8 @@ class Scheduler:
                 ):
                     continue
             hit = self.kv.acquire_prefix(req)
-            need = -(-req.num_tokens // ps) - req.num_pages
-            final_pages = -(-req.final_len // ps) - req.num_pages - need
+            need = self.kv.pages_missing(req, req.num_tokens)
+            final_pages = self.kv.pages_missing(req, req.final_len) - need
             reserve = math.ceil(final_pages * cfg.decode_reserve_ratio)
             if need + reserve > self.kv.available_pages - reserved:
                 self.kv.release_prefix(req)
@@ -332,11 +335,10 @@ class Scheduler:
                     self.kv.release_prefix(req)
                     break
                 chunk = budget
-            ids = self.kv.alloc(need)
-            if ids is None:  # the budget above counts evictable pages; cannot happen
+            # The memory budget above counts evictable pages: this cannot fail.
+            if not self.kv.grow(req, req.num_tokens):
                 self.kv.release_prefix(req)
                 break
-            self.kv.append_pages(req, ids)
             reserved += reserve
             budget -= chunk
             if req.cached_tokens < 0:
