@@ -59,15 +59,19 @@ def run(args, cache: str) -> dict:
         prompt = np.concatenate([systems[i % 8], rng.integers(3, 32000, 64)])
         sched.add_request(f"r{i}", prompt, sp)
     step_times, decode_times = [], []
-    while sched.has_work():
-        t0 = time.perf_counter()
-        batch = sched.schedule()
-        t1 = time.perf_counter()
+    in_worker = [0.0]  # seconds spent in the worker during the current step
+
+    def timed_step(batch):
+        t = time.perf_counter()
         tokens = worker.step(batch)
-        t2 = time.perf_counter()
-        sched.process_step_result(tokens)
-        t3 = time.perf_counter()
-        dt = (t1 - t0) + (t3 - t2)
+        in_worker[0] += time.perf_counter() - t
+        return tokens
+
+    while sched.has_work():
+        in_worker[0] = 0.0
+        t0 = time.perf_counter()
+        sched.step(timed_step)
+        dt = time.perf_counter() - t0 - in_worker[0]
         step_times.append(dt)
         if not sched.waiting and sched.chunked is None and len(sched.running) == args.running:
             decode_times.append(dt)

@@ -24,8 +24,8 @@ import torch
 
 from radixserve.models.loader import load_hf_config, parse_dtype
 from radixserve.models.source import resolve_model
+from radixserve.protocol import Step, StepReq
 from radixserve.sampling_params import SamplingParams
-from radixserve.worker.batch import ReqStep, StepBatch
 from radixserve.worker.config import WorkerConfig
 from radixserve.worker.model_runner import ModelRunner
 
@@ -51,8 +51,8 @@ def ours_prefill(runner: ModelRunner, n: int):
     pages = np.arange(-(-n // runner.page_size), dtype=np.int32)
 
     def run() -> None:
-        runner.step(StepBatch([ReqStep(0, ids, 0, pages, True, GREEDY)]))
-        runner.step(StepBatch([], release=[0]))
+        runner.step(Step([StepReq(0, ids, 0, pages, True, GREEDY)]))
+        runner.step(Step([], release=[0]))
 
     run()  # warm-up
     return timed(run)
@@ -73,17 +73,17 @@ def ours_decode(runner: ModelRunner, batch: int, context: int):
             reqs = []
             for i in range(batch):
                 need = -(-(pos[i] + 1) // s)
-                reqs.append(ReqStep(i, toks[i : i + 1], pos[i], tables[i][held[i] : need], True,
+                reqs.append(StepReq(i, toks[i : i + 1], pos[i], tables[i][held[i] : need], True,
                                     GREEDY if step == 0 else None))  # fmt: skip
                 held[i] = need
             t = time.perf_counter()
-            toks = runner.step(StepBatch(reqs))
+            toks = runner.step(Step(reqs))
             dt = time.perf_counter() - t
             pos = [p + 1 for p in pos]
             if step:  # the first step registers the slots
                 yield dt
     finally:
-        runner.step(StepBatch([], release=list(range(batch))))
+        runner.step(Step([], release=list(range(batch))))
 
 
 def hf_prefill(hf, n: int, vocab: int):

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from radixserve.config import EngineConfig, build_scheduler, build_worker
+from radixserve.protocol import OutputItem
 from radixserve.results import Result, Usage
 from radixserve.sampling_params import SamplingParams
 from radixserve.tokenizer.inputs import InputProcessor
@@ -58,57 +59,16 @@ class Engine:
             params = list(sampling_params)
             if len(params) != len(prompt_list):
                 raise ValueError("give one SamplingParams, or one per prompt")
-        token_lists = [self._to_ids(p) for p in prompt_list]
-        limit = self.scheduler.config.max_context_len
-        for ids in token_lists:
-            if len(ids) >= limit:
-                raise ValueError(f"the prompt has {len(ids)} tokens; the context is {limit}")
-
-        rids = []
-        streams: dict[tuple[str, int], OutputStream] = {}
+        streams = self._add_requests([self._to_ids(p) for p in prompt_list], params, cache_salt)
+        order = list(streams)
         results: dict[tuple[str, int], Result] = {}
-        try:
-            for ids, sp in zip(token_lists, params):
-                rid = f"engine-{next(self._ids)}"
-                self.scheduler.add_request(rid, ids, sp, salt=cache_salt)
-                rids.append((rid, sp.n))
-                for i in range(sp.n):
-                    streams[(rid, i)] = OutputStream(self.tokenizer, ids, sp.stop)
-        except ValueError:
-            for rid, _ in rids:
-                self.scheduler.abort_request(rid)
-            self._drain()
-            raise
-        pending = set(streams)
-        while pending:
-            outputs = self.scheduler.take_outputs()
-            batch = self.scheduler.schedule()
-            if batch is not None:
-                outputs += self.scheduler.process_step_result(self.runner.step(batch))
-            elif not outputs and not self.scheduler.has_work():
-                raise RuntimeError("the scheduler stopped with requests unfinished")
-            for out in outputs:
-                key = (out.rid, out.index)
-                if key not in pending:
-                    continue
-                stream = streams[key]
-                stream.add(out.token_ids, out.finish_reason is not None)
-                finish = out.finish_reason
-                if stream.stop_hit and finish is None:
-                    self.scheduler.abort_request(out.rid, reason="stop", index=out.index)
-                    finish = "stop"
-                if finish is not None:
-                    pending.discard(key)
-                    results[key] = Result(
-                        request_id=out.rid,
-                        index=out.index,
-                        text=stream.text,
-                        token_ids=list(stream.token_ids),
-                        finish_reason=finish,
-                        usage=Usage(out.prompt_tokens, len(stream.token_ids), out.cached_tokens),
-                    )
-        self._drain()
-        return [results[(rid, i)] for rid, n in rids for i in range(n)]
+        while self.scheduler.has_work():
+            for out in self.scheduler.step(self.runner.step):
+                if (result := self._postprocess(out, streams)) is not None:
+                    results[(out.rid, out.index)] = result
+        if len(results) != len(order):
+            raise RuntimeError("the scheduler stopped with requests unfinished")
+        return [results[key] for key in order]
 
     def stats(self) -> dict[str, int]:
         return self.scheduler.stats()
@@ -139,11 +99,48 @@ class Engine:
             return self.inputs.to_ids(messages=prompt)  # type: ignore[arg-type]
         return self.inputs.to_ids(input_ids=prompt)  # type: ignore[arg-type]
 
-    def _drain(self) -> None:
-        """Run steps that only release slots (after stop-string aborts)."""
-        self.scheduler.take_outputs()
-        while (batch := self.scheduler.schedule()) is not None:
-            self.scheduler.process_step_result(self.runner.step(batch))
+    def _add_requests(
+        self, token_lists: list[list[int]], params: list[SamplingParams], salt: str | None
+    ) -> dict[tuple[str, int], OutputStream]:
+        """Queue every prompt, checking them all first; a stream per sample."""
+        for ids, sp in zip(token_lists, params):
+            self.scheduler.check_request(ids, sp)
+        streams: dict[tuple[str, int], OutputStream] = {}
+        for ids, sp in zip(token_lists, params):
+            rid = f"engine-{next(self._ids)}"
+            self.scheduler.add_request(rid, ids, sp, salt=salt)
+            for i in range(sp.n):
+                streams[(rid, i)] = OutputStream(self.tokenizer, ids, sp.stop)
+        return streams
+
+    def _postprocess(
+        self, out: OutputItem, streams: dict[tuple[str, int], OutputStream]
+    ) -> Result | None:
+        """Detokenize one output; the sample's Result once it has finished.
+
+        A stop string ends the sample here and aborts it in the scheduler (whose
+        own abort output then finds no stream and is ignored).
+        """
+        key = (out.rid, out.index)
+        stream = streams.get(key)
+        if stream is None:
+            return None
+        finish = out.finish_reason
+        stream.add(out.token_ids, finish is not None)
+        if stream.stop_hit and finish is None:
+            self.scheduler.abort_request(out.rid, reason="stop", index=out.index)
+            finish = "stop"
+        if finish is None:
+            return None
+        del streams[key]
+        return Result(
+            request_id=out.rid,
+            index=out.index,
+            text=stream.text,
+            token_ids=list(stream.token_ids),
+            finish_reason=finish,
+            usage=Usage(out.prompt_tokens, len(stream.token_ids), out.cached_tokens),
+        )
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

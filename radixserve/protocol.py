@@ -111,6 +111,8 @@ I32 = Kind(
     _i32,
     _i32_bytes,
 )
+# The same bytes as a list: the few token ids of one output, read as Python ints.
+I32_LIST = Kind(I32.what, I32.check, lambda x: _i32(x).tolist(), _i32_bytes)
 SAMPLING = Kind(
     "a map of sampling parameters", lambda x: isinstance(x, dict), _sampling, SamplingParams.to_dict
 )
@@ -119,8 +121,8 @@ FINISH = _optional(Kind(f"one of {FINISH_REASONS}", lambda x: x in FINISH_REASON
 
 def f(kind: Kind, default: Any = dataclasses.MISSING) -> Any:
     """A message field of ``kind``; with ``default`` it may be left out."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"kind": kind})
+    if isinstance(default, (list, dict, np.ndarray)):
+        return field(default_factory=lambda: default.copy(), metadata={"kind": kind})
     return field(default=default, metadata={"kind": kind})
 
 
@@ -337,11 +339,15 @@ class CheckIdle(Message):
 
 @dataclass
 class OutputItem(Message):
-    """What one step (or an abort) produced for one sample of a request."""
+    """What one step (or an abort) produced for one sample of a request.
+
+    ``index`` says which of the request's n samples; ``token_ids`` are the new
+    tokens (none for an abort); ``finish_reason`` is None while it runs.
+    """
 
     rid: str = f(STR)
     index: int = f(INT)
-    token_ids: np.ndarray = f(I32)
+    token_ids: list[int] = f(I32_LIST)
     finish_reason: str | None = f(FINISH)
     prompt_tokens: int = f(INT)
     completion_tokens: int = f(INT)
@@ -373,22 +379,39 @@ class AdminReply(Message):
 # ---------------------------------------------------------- scheduler <-> worker
 @dataclass
 class StepReq(Message):
-    """One request's share of a step (``radixserve.worker.batch.ReqStep``)."""
+    """One request's share of a step.
+
+    slot: the request's slot (its page table and sampling state live there).
+    input_ids: int32 tokens to compute now, at absolute positions
+    ``start_pos .. start_pos + len(input_ids) - 1``.
+    start_pos: number of tokens already in the KV pool for this slot (cached
+    prefix included).
+    new_pages: int32 page ids appended to the slot's page table since its last
+    step; a slot's first step carries its whole table so far (cached-prefix
+    pages included). After appending, the table must cover
+    ``start_pos + len(input_ids)`` tokens.
+    sample: whether to sample a token after this step (False for non-final
+    prefill chunks).
+    sampling: given in the step that adds the slot; remembered until released.
+    """
 
     slot: int = f(INT)
     input_ids: np.ndarray = f(I32)
     start_pos: int = f(INT)
     new_pages: np.ndarray = f(I32)
-    sample: bool = f(BOOL)
+    sample: bool = f(BOOL, True)
     sampling: SamplingParams | None = f(_optional(SAMPLING), None)
 
 
 @dataclass
 class Step(Message):
+    """What the worker computes next: ``release`` slots are cleared first, then
+    ``reqs`` run, in order. ``step_id`` numbers the scheduler's steps from 1."""
+
     TYPE: ClassVar[str] = "step"
-    step_id: int = f(INT)
     reqs: list[StepReq] = f(_nested(StepReq))
-    release: np.ndarray = f(I32)
+    release: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    step_id: int = f(INT, 0)
 
 
 @dataclass

@@ -139,22 +139,32 @@ def test_stop_strings_seeds_and_n(tiny_dir):
 
 
 def test_abort_and_flush_while_busy(tiny_dir, prompts):
+    calm = engine(tiny_dir, page_size=4).generate(prompts, GREEDY)
     eng = engine(tiny_dir, page_size=4)
-    sched, runner = eng.scheduler, eng.runner
+    sched = eng.scheduler
     for i, p in enumerate(prompts):
         sched.add_request(f"r{i}", p, GREEDY)
-    for step in range(6):
-        batch = sched.schedule()
-        sched.process_step_result(runner.step(batch))
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    finish: dict[str, str] = {}
+    step = 0
+    while sched.has_work():
+        for out in sched.step(eng.runner.step):
+            assert out.rid not in finish, "output after finish"
+            tokens[out.rid] += out.token_ids
+            if out.finish_reason is not None:
+                finish[out.rid] = out.finish_reason
         if step == 2:
             assert sched.abort_request("r1")
-            protected = sched.tree.protected_pages
+            protected = sched.cache.protected_pages
             freed = eng.flush_cache()
-            assert sched.tree.protected_pages == protected and sched.tree.evictable_pages == 0
-            assert freed >= 0
-    while sched.has_work():
-        sched.process_step_result(runner.step(sched.schedule()))
-    eng._drain()
+            assert sched.cache.protected_pages == protected and sched.cache.evictable_pages == 0
+            assert freed > 0  # the aborted request's own KV was cached, unlocked
+        step += 1
+    assert finish == {"r0": "length", "r1": "abort", "r2": "length", "r3": "length"}
+    assert 0 < len(tokens["r1"]) < MAX_NEW
+    assert tokens["r1"] == calm[1].token_ids[: len(tokens["r1"])]
+    for i in (0, 2, 3):
+        assert tokens[f"r{i}"] == calm[i].token_ids  # the abort and flush change no one else
     eng.check_idle()
 
 

@@ -30,11 +30,13 @@ MESSAGES = [
     P.Flush(tag=1),
     P.GetStats(tag=2),
     P.CheckIdle(tag=3),
-    P.Outputs(items=[P.OutputItem("r", 0, I32, None, 4, 1, 2)]),
+    P.Outputs(items=[P.OutputItem("r", 0, [1, -2, 2**31 - 1], None, 4, 1, 2)]),
     P.RequestError(rid="r", message="too long"),
     P.AdminReply(tag=1, data={"freed_pages": 0}),
     P.Step(
-        7, [P.StepReq(0, I32, 5, I32[:1], False, None), P.StepReq(1, I32, 0, I32, True, SP)], I32
+        [P.StepReq(0, I32, 5, I32[:1], False, None), P.StepReq(1, I32, 0, I32, True, SP)],
+        release=I32,
+        step_id=7,
     ),
     P.StepResult(step_id=7, tokens=I32),
     P.Ready(process="worker", info={"num_pages": 8}),
@@ -68,7 +70,7 @@ def test_int32_arrays_travel_as_little_endian_bytes():
 
 def test_public_decode_refuses_internal_types():
     with pytest.raises(P.ProtocolError, match="unknown message type"):
-        P.decode(P.Step(1, [], I32).encode(), P.PUBLIC_REQUESTS)
+        P.decode(P.Step([], I32, step_id=1).encode(), P.PUBLIC_REQUESTS)
 
 
 @pytest.mark.parametrize(

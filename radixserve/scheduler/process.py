@@ -4,8 +4,9 @@ Each turn of the loop:
 1. take every message the tokenizer sent (without waiting while there is work;
    blocking, with a timeout to notice a dead launcher, while idle) and apply
    them in arrival order: add, abort, flush, stats, idle check;
-2. plan one step; send it to the worker and wait for its tokens (lockstep:
-   the next step is planned only once this one's tokens are in);
+2. run one step (``Scheduler.step``): it is sent to the worker and the loop
+   waits for its tokens (lockstep: the next step is planned only once this
+   one's tokens are in);
 3. send every output of the turn (aborts included) to the tokenizer in one
    ``Outputs`` message.
 
@@ -23,7 +24,6 @@ import zmq
 
 from radixserve import protocol as P
 from radixserve.config import build_scheduler
-from radixserve.scheduler.request import RequestOutput
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.server_config import (
     CONTROL,
@@ -48,8 +48,6 @@ class SchedulerLoop:
         self.to_worker = socket(ctx, zmq.PUSH, config.endpoint(WORKER_IN), bind=False)
         self.to_tokenizer = socket(ctx, zmq.PUSH, config.endpoint(TOKENIZER_IN), bind=False)
         self.watch = ParentWatch()
-        self.step_id = 0
-        self.outputs: list[RequestOutput] = []
 
     def run(self) -> None:
         idle = True
@@ -61,42 +59,20 @@ class SchedulerLoop:
                     except zmq.Again:
                         break
                     self.handle(P.decode(data, INBOX))
-            self.outputs += self.scheduler.take_outputs()
-            batch = self.scheduler.schedule()
-            idle = batch is None
-            if batch is not None:
-                self.step_id += 1
-                reqs = [
-                    P.StepReq(r.slot, r.input_ids, r.start_pos, r.new_pages, r.sample, r.sampling)
-                    for r in batch.reqs
-                ]
-                release = np.asarray(batch.release, dtype=np.int32)
-                self.to_worker.send(P.Step(self.step_id, reqs, release).encode())
-                tokens = self.wait_for_worker()
-                self.outputs += self.scheduler.process_step_result(tokens)
-            if self.outputs:
-                items = [
-                    P.OutputItem(
-                        o.rid,
-                        o.index,
-                        np.asarray(o.token_ids, dtype=np.int32),
-                        o.finish_reason,
-                        o.prompt_tokens,
-                        o.completion_tokens,
-                        o.cached_tokens,
-                    )
-                    for o in self.outputs
-                ]
-                self.to_tokenizer.send(P.Outputs(items).encode())
-                self.outputs = []
+            outputs = self.scheduler.step(self.run_step)
+            if outputs:
+                self.to_tokenizer.send(P.Outputs(outputs).encode())
+            idle = not self.scheduler.has_work()
 
-    def wait_for_worker(self) -> np.ndarray:
+    def run_step(self, step: P.Step) -> np.ndarray:
+        """Send ``step`` to the worker and wait for its tokens."""
+        self.to_worker.send(step.encode())
         while not self.from_worker.poll(POLL_MS):
             if not self.watch.alive():
                 raise SystemExit(1)
         result = P.decode(self.from_worker.recv(), {P.StepResult.TYPE: P.StepResult})
-        if result.step_id != self.step_id:
-            raise RuntimeError(f"worker answered step {result.step_id}, expected {self.step_id}")
+        if result.step_id != step.step_id:
+            raise RuntimeError(f"worker answered step {result.step_id}, expected {step.step_id}")
         return result.tokens
 
     def handle(self, msg: P.Message) -> None:
@@ -117,7 +93,7 @@ class SchedulerLoop:
 
     def check_idle(self) -> dict:
         s = self.scheduler
-        if s.has_work():
+        if s.num_running or s.num_waiting:
             busy = f"not idle: {s.num_running} running, {s.num_waiting} waiting"
             return {"ok": False, "error": busy}
         try:

@@ -41,11 +41,12 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 
 from radixserve.scheduler.allocator import PageAllocator
+from radixserve.scheduler.prefix_cache import MatchResult
+from radixserve.scheduler.radix_check import check_tree
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 
@@ -105,12 +106,6 @@ class RadixNode:
         )
 
 
-class MatchResult(NamedTuple):
-    hit_len: int  # tokens, a multiple of page_size
-    pages: np.ndarray  # int32 page ids covering tokens[:hit_len]
-    last_node: RadixNode  # deepest node of the match (a root when hit_len == 0)
-
-
 def as_tokens(tokens: np.ndarray | Sequence[int]) -> np.ndarray:
     """A 1-D int32 array view of ``tokens`` (no copy for int32 arrays)."""
     if type(tokens) is np.ndarray and tokens.dtype == np.int32 and tokens.ndim == 1:
@@ -135,6 +130,10 @@ def _common_len(key: np.ndarray, tokens: np.ndarray, pos: int, end: int) -> int:
 
 
 class RadixCache:
+    """The reference prefix cache (``PrefixCache``): a radix tree in Python."""
+
+    keeps_prefixes = True
+
     def __init__(self, allocator: PageAllocator, page_size: int = 1) -> None:
         if page_size != allocator.page_size:
             raise ValueError(
@@ -468,8 +467,6 @@ class RadixCache:
 
     def check(self) -> None:
         """Verify every invariant; raise AssertionError naming the first broken one."""
-        from radixserve.scheduler.radix_check import check_tree
-
         check_tree(self)
 
     def __repr__(self) -> str:
@@ -477,9 +474,3 @@ class RadixCache:
             f"RadixCache(page_size={self.page_size}, nodes={self._num_nodes}, "
             f"cached_pages={self.cached_pages}, protected_pages={self._protected})"
         )
-
-
-def _require(cond: bool, msg: str) -> None:
-    """Raise the AssertionError every invariant check raises."""
-    if not cond:
-        raise AssertionError(f"radix tree invariant broken: {msg}")

@@ -1,4 +1,5 @@
-"""The Python radix tree's invariant check (``RadixCache.check()``).
+"""The radix trees' invariant checks: all of the Python tree's (``RadixCache.check()``)
+and ``require``, the failure every check of either tree raises.
 
 Kept apart from the tree: it reads every internal field and is the executable
 statement of the invariants listed in docs/architecture.md — sizes, links,
@@ -13,10 +14,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from radixserve.scheduler.radix_cache import _require
-
 if TYPE_CHECKING:
     from radixserve.scheduler.radix_cache import RadixCache
+
+
+def require(cond: bool, msg: str) -> None:
+    """Raise the AssertionError every invariant check raises."""
+    if not cond:
+        raise AssertionError(f"radix tree invariant broken: {msg}")
 
 
 def check_tree(tree: RadixCache) -> None:
@@ -26,38 +31,38 @@ def check_tree(tree: RadixCache) -> None:
     seen_pages: list[np.ndarray] = []
     heap_ids = {nid for t, nid, n in tree._heap if n.last_access == t}
     for salt, root in tree._roots.items():
-        _require(root.is_root and root.parent is None, f"root of salt {salt!r} malformed")
-        _require(root.salt == salt, f"root of salt {salt!r} records salt {root.salt!r}")
+        require(root.is_root and root.parent is None, f"root of salt {salt!r} malformed")
+        require(root.salt == salt, f"root of salt {salt!r} records salt {root.salt!r}")
     for node in tree._iter_nodes():
         count += 1
         parent = node.parent
-        _require(parent is not None, f"{node!r} has no parent")
-        _require(len(node.key) > 0, f"{node!r} has an empty edge")
-        _require(len(node.key) % ps == 0, f"{node!r}: edge not a whole number of pages")
-        _require(len(node.pages) * ps == len(node.key), f"{node!r}: pages/tokens mismatch")
-        _require(node.first_key == tree._key_at(node.key, 0), f"{node!r}: stale child key")
-        _require(parent.children.get(node.first_key) is node, f"{node!r}: parent link broken")
-        _require(node.lock_ref >= 0, f"{node!r}: negative lock_ref")
-        _require(
+        require(parent is not None, f"{node!r} has no parent")
+        require(len(node.key) > 0, f"{node!r} has an empty edge")
+        require(len(node.key) % ps == 0, f"{node!r}: edge not a whole number of pages")
+        require(len(node.pages) * ps == len(node.key), f"{node!r}: pages/tokens mismatch")
+        require(node.first_key == tree._key_at(node.key, 0), f"{node!r}: stale child key")
+        require(parent.children.get(node.first_key) is node, f"{node!r}: parent link broken")
+        require(node.lock_ref >= 0, f"{node!r}: negative lock_ref")
+        require(
             node.lock_ref >= sum(c.lock_ref for c in node.children.values()),
             f"{node!r}: lock_ref below the sum of its children's",
         )
-        _require(
+        require(
             parent.is_root or parent.last_access >= node.last_access,
             f"{node!r}: newer than its parent",
         )
-        _require(0 < node.node_id < tree._next_id, f"{node!r}: id out of range")
+        require(0 < node.node_id < tree._next_id, f"{node!r}: id out of range")
         if node.lock_ref:
             protected += len(node.pages)
         else:
             evictable += len(node.pages)
             if not node.children:
-                _require(node.node_id in heap_ids, f"{node!r}: evictable leaf not in heap")
+                require(node.node_id in heap_ids, f"{node!r}: evictable leaf not in heap")
         seen_pages.append(node.pages)
-    _require(count == tree._num_nodes, f"node count {tree._num_nodes} != actual {count}")
-    _require(evictable == tree._evictable, f"evictable {tree._evictable} != {evictable}")
-    _require(protected == tree._protected, f"protected {tree._protected} != {protected}")
+    require(count == tree._num_nodes, f"node count {tree._num_nodes} != actual {count}")
+    require(evictable == tree._evictable, f"evictable {tree._evictable} != {evictable}")
+    require(protected == tree._protected, f"protected {tree._protected} != {protected}")
     if seen_pages:
         allp = np.concatenate(seen_pages)
-        _require(np.unique(allp).size == allp.size, "a page is owned by two nodes")
-        _require(bool(tree.allocator.is_allocated(allp).all()), "the tree holds a free page")
+        require(np.unique(allp).size == allp.size, "a page is owned by two nodes")
+        require(bool(tree.allocator.is_allocated(allp).all()), "the tree holds a free page")

@@ -1,7 +1,9 @@
-"""Which radix tree to run: the native one when it is built, else the Python one.
+"""Which prefix cache to run: a radix tree (native when built) or none.
 
-``make_radix_cache(allocator, page_size, impl)`` is the one place the choice
-is made (the scheduler passes its ``--radix-impl`` option through):
+``make_prefix_cache(allocator, cache, impl)`` is the one place the choice is
+made (the scheduler passes its ``--cache`` and ``--radix-impl`` options
+through): ``cache="none"`` is ``NoCache``; ``"radix"`` is the tree that
+``make_radix_cache(allocator, page_size, impl)`` picks:
 
 * ``"auto"`` (default): native when the extension was built, else Python.
 * ``"native"``: the C++ tree; a clear error when the extension is missing.
@@ -14,6 +16,7 @@ so the choice changes speed, never behaviour.
 from __future__ import annotations
 
 from radixserve.scheduler.allocator import PageAllocator
+from radixserve.scheduler.prefix_cache import NoCache, PrefixCache
 from radixserve.scheduler.radix_cache import RadixCache
 
 try:
@@ -52,8 +55,19 @@ def resolve_impl(impl: str = "auto") -> str:
 
 def make_radix_cache(
     allocator: PageAllocator, page_size: int = 1, impl: str = "auto"
-) -> RadixCache | NativeRadixCache:
+) -> PrefixCache:
     """A radix tree over ``allocator``: ``impl`` is "auto", "native" or "python"."""
     if resolve_impl(impl) == "native":
         return NativeRadixCache(allocator, page_size)  # type: ignore[misc]
     return RadixCache(allocator, page_size)
+
+
+def make_prefix_cache(
+    allocator: PageAllocator, cache: str = "radix", impl: str = "auto"
+) -> PrefixCache:
+    """The prefix cache over ``allocator``: ``cache`` is "radix" or "none"."""
+    if cache == "none":
+        return NoCache(allocator)
+    if cache != "radix":
+        raise ValueError(f"unknown cache {cache!r}; choose from ('radix', 'none')")
+    return make_radix_cache(allocator, allocator.page_size, impl)

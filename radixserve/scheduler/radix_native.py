@@ -24,12 +24,16 @@ from __future__ import annotations
 
 from radixserve.scheduler import _radix_native
 from radixserve.scheduler.allocator import PageAllocator
-from radixserve.scheduler.radix_cache import _require
+from radixserve.scheduler.radix_check import require
 
 NodeHandle = _radix_native.NodeHandle
 
 
 class NativeRadixCache(_radix_native.RadixTree):
+    """The radix tree in C++ (``PrefixCache``), step for step the Python one."""
+
+    keeps_prefixes = True
+
     def __init__(self, allocator: PageAllocator, page_size: int = 1) -> None:
         if page_size != allocator.page_size:
             raise ValueError(
@@ -43,7 +47,7 @@ class NativeRadixCache(_radix_native.RadixTree):
         self._check_structure()  # links, sizes, counters, locks, stamps, heap, unique pages
         pages = self.all_pages()
         if pages.size:
-            _require(bool(self.allocator.is_allocated(pages).all()), "the tree holds a free page")
+            require(bool(self.allocator.is_allocated(pages).all()), "the tree holds a free page")
 
     def __repr__(self) -> str:
         return (

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from radixserve.protocol import OutputItem
 from radixserve.sampling_params import SamplingParams
+from radixserve.scheduler.prefix_cache import CacheNode
 
 
 class ReqStatus(enum.Enum):
@@ -17,19 +19,6 @@ class ReqStatus(enum.Enum):
     FINISHED = "finished"  # stop / length / abort; its KV is released
 
 
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step (or an abort) produced for one request."""
-
-    rid: str
-    index: int  # which of the request's n samples
-    token_ids: list[int]
-    finish_reason: str | None  # None while running; "stop" | "length" | "abort"
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
 @dataclass(eq=False, slots=True)
 class Request:
     """One sample of a client request (``n > 1`` makes n of these).
@@ -37,14 +26,16 @@ class Request:
     Tokens live in a preallocated int32 buffer: ``tokens[:num_tokens]`` is the
     prompt followed by the sampled tokens. KV exists for ``tokens[:kv_len]``;
     while running, ``kv_len < num_tokens`` (the last sampled token has no KV
-    yet). The page table ``table[:num_pages]`` covers the KV; the first
-    ``sent_pages`` entries are already known to the worker.
+    yet). The page table ``table[:num_pages]`` covers the KV (only
+    ``KVCacheManager`` writes it); the first ``sent_pages`` entries are already
+    known to the worker.
 
-    KV ownership (radix mode): ``locked_len`` tokens are on the tree path the
-    request locks through ``node``; the tree owns their pages except the
-    duplicates in ``dups`` (pages the request computed while another request
-    cached the same tokens), which the request frees when it releases its KV.
-    Pages from ``locked_len // page_size`` on are the request's own.
+    KV ownership: ``locked_len`` tokens are on the cache path the request
+    locks through ``node``; the cache owns their pages except the duplicates
+    in ``dups`` (pages the request computed while another request cached the
+    same tokens; with ``cache="none"``, every computed page), which the request
+    frees when it releases its KV. Pages from ``locked_len // page_size`` on are
+    the request's own.
     """
 
     rid: str
@@ -62,7 +53,7 @@ class Request:
     num_pages: int = 0
     sent_pages: int = 0
     kv_len: int = 0
-    node: object | None = None
+    node: CacheNode | None = None
     locked_len: int = 0
     dups: list[np.ndarray] = field(default_factory=list)
     cached_tokens: int = -1  # hit length at first admission (-1: not admitted yet)
@@ -80,13 +71,13 @@ class Request:
         sampling: SamplingParams,
         salt: str | None,
         arrival: int,
-        max_context_len: int,
-        page_size: int,
+        final_len: int,
+        table_pages: int,
     ) -> Request:
-        final_len = min(len(prompt) + sampling.max_tokens, max_context_len)
+        """A waiting request that may grow to ``final_len`` tokens in ``table_pages`` pages."""
         tokens = np.zeros(final_len, dtype=np.int32)
         tokens[: len(prompt)] = prompt
-        table = np.zeros(-(-final_len // page_size), dtype=np.int32)
+        table = np.zeros(table_pages, dtype=np.int32)
         req = cls(rid, index, len(prompt), sampling, salt, arrival, tokens, len(prompt), table)
         req.final_len = final_len
         return req
@@ -99,8 +90,9 @@ class Request:
     def num_output(self) -> int:
         return self.num_tokens - self.prompt_len
 
-    def output(self, token_ids: list[int]) -> RequestOutput:
-        return RequestOutput(
+    def output(self, token_ids: list[int]) -> OutputItem:
+        """What the request produced now (``token_ids``), as the protocol carries it."""
+        return OutputItem(
             self.rid,
             self.index,
             token_ids,

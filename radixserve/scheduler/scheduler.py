@@ -1,16 +1,16 @@
 """The scheduler: continuous batching over the radix cache, one step at a time.
 
-The lifecycle of a request, in the order ``schedule()`` handles it:
+The lifecycle of a request, in the order ``_schedule()`` handles it:
 
     WAITING --admit--> PREFILL (chunks) --last chunk sampled--> DECODE --> FINISHED
        ^                  |                                      |
        +---- retract -----+--------------------------------------+
 
-Each step is lockstep with the worker: ``schedule()`` returns exactly what the
-worker must compute (a ``StepBatch``), the caller runs it, and
-``process_step_result(tokens)`` takes the sampled tokens back, decides who
-finished, and returns the outputs. Between steps the caller may add and abort
-requests.
+Each step is lockstep with the worker: ``step(run)`` plans what the worker
+must compute (``_schedule()``, a ``protocol.Step``), has ``run`` compute it and
+return the sampled tokens, decides who finished (``_process_step_result``), and
+returns the outputs, those of aborts since the last step included. Between
+steps the caller may add and abort requests; it steps while ``has_work()``.
 
 A step, in order:
 1. slots released since the last step go in ``release``;
@@ -28,17 +28,18 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from radixserve.protocol import OutputItem, Step, StepReq
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.kv_cache import KVCacheManager
 from radixserve.scheduler.policy import order_waiting, shared_prefix_len
-from radixserve.scheduler.radix_impl import make_radix_cache
-from radixserve.scheduler.request import ReqStatus, Request, RequestOutput
-from radixserve.worker.batch import ReqStep, StepBatch
+from radixserve.scheduler.radix_impl import make_prefix_cache
+from radixserve.scheduler.request import ReqStatus, Request
 
 
 class Scheduler:
@@ -46,11 +47,8 @@ class Scheduler:
         self.config = config
         self.page_size = config.page_size
         self.allocator = PageAllocator(config.num_pages, config.page_size)
-        tree = None
-        if config.cache == "radix":
-            tree = make_radix_cache(self.allocator, config.page_size, config.radix_impl)
-        self.tree = tree
-        self.kv = KVCacheManager(self.allocator, tree)
+        self.cache = make_prefix_cache(self.allocator, config.cache, config.radix_impl)
+        self.kv = KVCacheManager(self.allocator, self.cache)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.chunked: Request | None = None  # the request whose prefill continues next step
@@ -58,7 +56,7 @@ class Scheduler:
         self._free_slots = list(range(config.max_running_requests - 1, -1, -1))
         self._release: list[int] = []
         self._batch: list[tuple[Request, int]] = []  # (request, tokens computed) of the step
-        self._outputs: list[RequestOutput] = []  # produced outside a step (aborts)
+        self._outputs: list[OutputItem] = []  # produced outside a step (aborts)
         self._eos = frozenset(config.eos_token_ids)
         self._arrivals = 0
         self._admissions = 0
@@ -77,10 +75,36 @@ class Scheduler:
         salt: str | None = None,
     ) -> None:
         """Queue a request (``sampling.n`` samples). Raises ValueError on bad input."""
-        cfg = self.config
-        prompt = np.asarray(prompt_ids, dtype=np.int32)
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
+        prompt = self.check_request(prompt_ids, sampling)
+        final_len = self._final_len(len(prompt), sampling)
+        samples = []
+        for i in range(sampling.n):
+            params = sampling
+            if sampling.n > 1 and sampling.seed is not None:
+                params = _with_seed(sampling, sampling.seed + i)
+            req = Request.create(
+                rid,
+                i,
+                prompt,
+                params,
+                salt,
+                self._arrivals,
+                final_len,
+                self.kv.pages_for(final_len),
+            )
+            self._arrivals += 1
+            samples.append(req)
+            self.waiting.append(req)
+        self._requests[rid] = samples
+
+    def check_request(
+        self, prompt_ids: np.ndarray | Sequence[int], sampling: SamplingParams
+    ) -> np.ndarray:
+        """The prompt as int32 if a request for it can ever run; else ValueError."""
+        cfg = self.config
+        prompt = np.asarray(prompt_ids, dtype=np.int32)
         if prompt.ndim != 1 or len(prompt) == 0:
             raise ValueError("the prompt is empty")
         if len(prompt) >= cfg.max_context_len:
@@ -88,25 +112,17 @@ class Scheduler:
                 f"the prompt has {len(prompt)} tokens; the model's context is "
                 f"{cfg.max_context_len}, leaving no room for output"
             )
-        final_len = min(len(prompt) + sampling.max_tokens, cfg.max_context_len)
-        need = -(-final_len // self.page_size)
+        need = self.kv.pages_for(self._final_len(len(prompt), sampling))
         if need > cfg.num_pages:
             raise ValueError(
                 f"the request needs {need} KV pages (prompt {len(prompt)} + max_tokens "
                 f"{sampling.max_tokens}) but the pool has {cfg.num_pages}"
             )
-        samples = []
-        for i in range(sampling.n):
-            params = sampling
-            if sampling.n > 1 and sampling.seed is not None:
-                params = _with_seed(sampling, sampling.seed + i)
-            req = Request.create(
-                rid, i, prompt, params, salt, self._arrivals, cfg.max_context_len, self.page_size
-            )
-            self._arrivals += 1
-            samples.append(req)
-            self.waiting.append(req)
-        self._requests[rid] = samples
+        return prompt
+
+    def _final_len(self, prompt_len: int, sampling: SamplingParams) -> int:
+        """The most tokens a request can hold: prompt + max_tokens, within the context."""
+        return min(prompt_len + sampling.max_tokens, self.config.max_context_len)
 
     def abort_request(self, rid: str, reason: str = "abort", index: int | None = None) -> bool:
         """Finish ``rid`` now: every sample, or only sample ``index``.
@@ -131,7 +147,9 @@ class Scheduler:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether ``step`` has anything to do: requests waiting or running, outputs
+        not handed over yet, or released slots the worker has not been told of."""
+        return bool(self.waiting or self.running or self._outputs or self._release)
 
     @property
     def num_waiting(self) -> int:
@@ -142,9 +160,22 @@ class Scheduler:
         return len(self.running)
 
     # ----------------------------------------------------------------- step
-    def schedule(self) -> StepBatch | None:
+    def step(self, run: Callable[[Step], np.ndarray | Sequence[int]]) -> list[OutputItem]:
+        """One step: plan it, ``run`` it (the worker: a Step in, its sampled
+        tokens out), and return every output since the last step (aborts first).
+
+        A step that only releases slots is run too, so the worker clears them;
+        with nothing to compute or release, ``run`` is not called.
+        """
+        outputs, self._outputs = self._outputs, []
+        batch = self._schedule()
+        if batch is not None:
+            outputs += self._process_step_result(run(batch))
+        return outputs
+
+    def _schedule(self) -> Step | None:
         """Plan the next step; None when there is nothing to compute."""
-        assert not self._batch, "process_step_result() was not called for the last step"
+        assert not self._batch, "the last step's tokens were not taken back"
         batch: list[tuple[Request, int]] = []
         self._schedule_decodes(batch)
         budget = self.config.chunked_prefill_size
@@ -162,11 +193,12 @@ class Scheduler:
             return None
         self._batch = batch
         self.num_steps += 1
-        return StepBatch([self._req_step(req, n) for req, n in batch], release)
+        reqs = [self._req_step(req, n) for req, n in batch]
+        return Step(reqs, np.asarray(release, dtype=np.int32), self.num_steps)
 
-    def process_step_result(self, tokens: np.ndarray | list[int]) -> list[RequestOutput]:
+    def _process_step_result(self, tokens: np.ndarray | list[int]) -> list[OutputItem]:
         """Take the sampled tokens of the last step; return what it produced."""
-        outputs, self._outputs = self._outputs, []
+        outputs: list[OutputItem] = []
         batch, self._batch = self._batch, []
         tokens = tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
         eos = self._eos
@@ -202,13 +234,8 @@ class Scheduler:
             raise ValueError(f"the worker returned {len(tokens)} tokens, expected {i}")
         return outputs
 
-    def take_outputs(self) -> list[RequestOutput]:
-        """Outputs produced outside a step (aborts), when no step is running."""
-        outputs, self._outputs = self._outputs, []
-        return outputs
-
     # -------------------------------------------------------------- helpers
-    def _req_step(self, req: Request, n: int) -> ReqStep:
+    def _req_step(self, req: Request, n: int) -> StepReq:
         # Views, not copies: these ranges of a request's buffers never change
         # while it runs, and the worker consumes the step before the next one.
         new_pages = req.table[req.sent_pages : req.num_pages]
@@ -218,7 +245,7 @@ class Scheduler:
             sampling = req.sampling
             req.announced = True
         start = req.kv_len
-        return ReqStep(
+        return StepReq(
             req.slot,
             req.tokens[start : start + n],
             start,
@@ -228,17 +255,11 @@ class Scheduler:
         )
 
     def _schedule_decodes(self, batch: list[tuple[Request, int]]) -> None:
-        ps = self.page_size
         while True:
             decoding = [r for r in self.running if r is not self.chunked]
-            needy = [r for r in decoding if r.kv_len // ps >= r.num_pages]
-            ids = self.kv.alloc(len(needy)) if needy else np.zeros(0, np.int32)
-            if ids is not None:
+            if self.kv.grow_decodes(decoding):
                 break
             self._retract_newest()
-        for req, page in zip(needy, ids):
-            req.table[req.num_pages] = page
-            req.num_pages += 1
         batch.extend((r, 1) for r in decoding)
 
     def _retract_newest(self) -> None:
@@ -248,9 +269,11 @@ class Scheduler:
         of pages the tree also holds for it (it computed a prefix while another
         request cached the same one), which the fit check in add_request cannot count.
         Retraction frees them; re-admitted, it matches its own KV in the tree.
-        A lone request without duplicates always fits (add_request checks).
+        A lone request without such duplicates always fits (add_request checks);
+        with ``cache="none"`` the cache holds no copy of anything.
         """
-        if not self.running or (len(self.running) == 1 and not self.running[0].dups):
+        lone = len(self.running) == 1
+        if not self.running or (lone and not (self.kv.enabled and self.running[0].dups)):
             raise RuntimeError("out of KV pages with a single running request")
         req = max(self.running, key=lambda r: r.admitted)
         self.running.remove(req)
@@ -268,10 +291,9 @@ class Scheduler:
         ratio = self.config.decode_reserve_ratio
         if ratio == 0.0:
             return 0
-        ps = self.page_size
         total = 0
         for r in self.running:
-            remaining = -(-r.final_len // ps) - r.num_pages
+            remaining = self.kv.pages_missing(r, r.final_len)
             if remaining > 0:
                 total += math.ceil(remaining * ratio)
         return total
@@ -301,8 +323,8 @@ class Scheduler:
                 ):
                     continue
             hit = self.kv.acquire_prefix(req)
-            need = -(-req.num_tokens // ps) - req.num_pages
-            final_pages = -(-req.final_len // ps) - req.num_pages - need
+            need = self.kv.pages_missing(req, req.num_tokens)
+            final_pages = self.kv.pages_missing(req, req.final_len) - need
             reserve = math.ceil(final_pages * cfg.decode_reserve_ratio)
             if need + reserve > self.kv.available_pages - reserved:
                 self.kv.release_prefix(req)
@@ -313,11 +335,10 @@ class Scheduler:
                     self.kv.release_prefix(req)
                     break
                 chunk = budget
-            ids = self.kv.alloc(need)
-            if ids is None:  # the budget above counts evictable pages; cannot happen
+            # The memory budget above counts evictable pages: this cannot fail.
+            if not self.kv.grow(req, req.num_tokens):
                 self.kv.release_prefix(req)
                 break
-            self.kv.append_pages(req, ids)
             reserved += reserve
             budget -= chunk
             if req.cached_tokens < 0:
@@ -365,14 +386,14 @@ class Scheduler:
         return self.kv.flush()
 
     def stats(self) -> dict[str, int]:
-        cached = self.tree.cached_pages if self.tree is not None else 0
+        cached = self.cache.cached_pages
         return {
             "num_pages": self.config.num_pages,
             "page_size": self.page_size,
             "pages_free": self.allocator.num_free,
             "pages_cached": cached,
             "pages_used": self.allocator.num_used - cached,
-            "pages_evictable": self.tree.evictable_pages if self.tree is not None else 0,
+            "pages_evictable": self.cache.evictable_pages,
             "hit_tokens": self.hit_tokens,
             "query_tokens": self.query_tokens,
             "running": len(self.running),
@@ -384,11 +405,9 @@ class Scheduler:
     def check_idle(self) -> None:
         """At idle every page is free or held by exactly one tree node, no locks."""
         assert not self.running and not self.waiting, "the scheduler is not idle"
-        cached = 0
-        if self.tree is not None:
-            self.tree.check()
-            assert self.tree.protected_pages == 0, "a lock survived its request"
-            cached = self.tree.cached_pages
+        self.cache.check()
+        assert self.cache.protected_pages == 0, "a lock survived its request"
+        cached = self.cache.cached_pages
         assert self.allocator.num_free + cached == self.config.num_pages, (
             f"page leak: {self.config.num_pages - self.allocator.num_free - cached} pages"
         )

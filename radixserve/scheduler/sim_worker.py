@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from radixserve.worker.batch import StepBatch
+from radixserve.protocol import Step
 
 _MAX_POS = 1 << 16
 _WEIGHTS = (np.arange(_MAX_POS, dtype=np.int64) * 2654435761 + 12345) % 1000003
@@ -35,7 +35,7 @@ class SimWorker:
         self.tables: list[list[int]] = [[] for _ in range(max_slots)]
         self.active = [False] * max_slots
 
-    def step(self, batch: StepBatch) -> np.ndarray:
+    def step(self, batch: Step) -> np.ndarray:
         ps = self.page_size
         for slot in batch.release:
             if not self.active[slot]:

@@ -180,9 +180,8 @@ class TokenizerServer:
         if req is None or req.done[item.index]:
             return  # a finished sample's late step, or a request whose client left
         out = req.outputs[item.index]
-        tokens = item.token_ids.tolist()
         finish = item.finish_reason
-        delta = out.add(tokens, finish is not None)
+        delta = out.add(item.token_ids, finish is not None)
         if out.stop_hit and finish is None:
             # Stop now so no more KV is spent on text the client will never see.
             self.to_scheduler.send(P.AbortRequest(item.rid, "stop", item.index).encode())
@@ -199,7 +198,9 @@ class TokenizerServer:
                 self.forget(req)
         try:
             if req.stream:
-                self.send(req.identity, P.Chunk(req.id, item.index, delta, tokens, finish, usage))
+                self.send(
+                    req.identity, P.Chunk(req.id, item.index, delta, item.token_ids, finish, usage)
+                )
             elif finish is not None:
                 text, ids = out.text, list(out.token_ids)
                 self.send(req.identity, P.ResultMsg(req.id, item.index, text, ids, finish, usage))

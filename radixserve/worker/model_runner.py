@@ -1,6 +1,6 @@
 """The worker's engine room: runs one scheduler step on the model and samples.
 
-``ModelRunner(config).step(batch)``:
+``ModelRunner(config).step(batch)``, ``batch`` a ``protocol.Step``:
 1. clears the slots in ``batch.release`` (page table, sampling state);
 2. for each request: remembers its sampling params if given, appends
    ``new_pages`` to its slot's page table, and checks the table covers
@@ -19,8 +19,8 @@ from radixserve.config import ModelInfo
 from radixserve.models.config import ModelConfig
 from radixserve.models.loader import load_model, parse_dtype
 from radixserve.models.source import resolve_model
+from radixserve.protocol import Step
 from radixserve.worker.attention import AttentionBatch, create_backend
-from radixserve.worker.batch import StepBatch
 from radixserve.worker.config import WorkerConfig
 from radixserve.worker.kv_pool import DEFAULT_KV_MEMORY, KVPool
 from radixserve.worker.page_table import PageTable
@@ -97,7 +97,7 @@ class ModelRunner:
             backend_name=self.backend_name,
         )
 
-    def step(self, batch: StepBatch) -> np.ndarray:
+    def step(self, batch: Step) -> np.ndarray:
         """Run one step; int32 array with one token per ``sample=True`` request, in order."""
         logits = self.forward_logits(batch)
         sampling = [r for r in batch.reqs if r.sample]
@@ -107,7 +107,7 @@ class ModelRunner:
         positions = [r.start_pos + len(r.input_ids) for r in sampling]
         return self.sampler.sample(logits, slots, positions)
 
-    def forward_logits(self, batch: StepBatch) -> torch.Tensor:
+    def forward_logits(self, batch: Step) -> torch.Tensor:
         """Steps 1-3 of ``step``: logits [num sampling requests, vocab] (no sampling)."""
         for slot in batch.release:
             self.page_table.clear(slot)

@@ -18,17 +18,8 @@ from radixserve import protocol as P
 from radixserve.config import build_worker
 from radixserve.server_config import CONTROL, SCHEDULER_FROM_WORKER, WORKER_IN, ServerConfig
 from radixserve.utils.proc import POLL_MS, ParentWatch, child_main, socket
-from radixserve.worker.batch import ReqStep, StepBatch
 
 log = logging.getLogger("radixserve.worker")
-
-
-def to_batch(step: P.Step) -> StepBatch:
-    reqs = [
-        ReqStep(r.slot, r.input_ids, r.start_pos, r.new_pages, r.sample, r.sampling)
-        for r in step.reqs
-    ]
-    return StepBatch(reqs, [int(s) for s in step.release])
 
 
 def run(config: ServerConfig, ctx: zmq.Context) -> None:
@@ -44,7 +35,7 @@ def run(config: ServerConfig, ctx: zmq.Context) -> None:
         if not steps.poll(POLL_MS):
             continue
         step = P.decode(steps.recv(), {P.Step.TYPE: P.Step})
-        tokens = runner.step(to_batch(step))
+        tokens = runner.step(step)
         results.send(P.StepResult(step.step_id, tokens).encode())
 
 

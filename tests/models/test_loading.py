@@ -12,8 +12,8 @@ from radixserve.models.config import ModelConfig
 from radixserve.models.loader import read_safetensors_folder
 from radixserve.models.rope import inv_frequencies
 from radixserve.models.source import resolve_model
+from radixserve.protocol import Step, StepReq
 from radixserve.sampling_params import SamplingParams
-from radixserve.worker.batch import ReqStep, StepBatch
 from radixserve.worker.config import WorkerConfig
 from radixserve.worker.model_runner import ModelRunner
 from tests.helpers.tiny_models import make_tiny_model, patch_hf_float64, tiny_config
@@ -96,16 +96,16 @@ def test_mistral_sliding_window_matches_hf(tmp_path):
     assert runner.model_config.sliding_windows == (8, 8)
     ids = np.random.default_rng(5).integers(4, 512, 30).astype(np.int32)
     greedy = SamplingParams(temperature=0)
-    runner.forward_logits(StepBatch([ReqStep(0, ids[:13], 0, np.arange(4, dtype=np.int32),
+    runner.forward_logits(Step([StepReq(0, ids[:13], 0, np.arange(4, dtype=np.int32),
                                              False, greedy)]))  # fmt: skip
-    got = runner.forward_logits(StepBatch([ReqStep(0, ids[13:], 13, np.arange(4, 8, dtype=np.int32),
+    got = runner.forward_logits(Step([StepReq(0, ids[13:], 13, np.arange(4, 8, dtype=np.int32),
                                                    True)]))  # fmt: skip
     with torch.no_grad():
         want = hf(torch.tensor(ids, dtype=torch.long)[None]).logits[0, -1]
     assert torch.max(torch.abs(got[0] - want)).item() < 1e-9
     # Decode: one more token through the vectorised decode path.
     nxt = np.array([int(want.argmax())], np.int32)
-    got = runner.forward_logits(StepBatch([ReqStep(0, nxt, 30, np.zeros(0, np.int32), True)]))
+    got = runner.forward_logits(Step([StepReq(0, nxt, 30, np.zeros(0, np.int32), True)]))
     with torch.no_grad():
         want = hf(torch.tensor(np.append(ids, nxt), dtype=torch.long)[None]).logits[0, -1]
     assert torch.max(torch.abs(got[0] - want)).item() < 1e-9

@@ -11,8 +11,8 @@ import torch
 from radixserve.models import embedded
 from radixserve.models.loader import read_safetensors_folder
 from radixserve.models.tokenizer import load_tokenizer
+from radixserve.protocol import Step, StepReq
 from radixserve.sampling_params import SamplingParams
-from radixserve.worker.batch import ReqStep, StepBatch
 from radixserve.worker.config import WorkerConfig
 from radixserve.worker.model_runner import ModelRunner
 
@@ -66,8 +66,8 @@ def test_greedy_chat_matches_transformers(runner, tok, hf_smollm2):
         for i, x in enumerate(ids):
             need, have = -(-(pos[i] + len(x)) // 16), -(-pos[i] // 16)
             pages = np.arange(i * 16 + have, i * 16 + need, dtype=np.int32)
-            reqs.append(ReqStep(i, x, pos[i], pages, True, greedy if step == 0 else None))
-        batch = StepBatch(reqs)
+            reqs.append(StepReq(i, x, pos[i], pages, True, greedy if step == 0 else None))
+        batch = Step(reqs)
         if step == 0:
             first_logits = runner.forward_logits(batch)
             toks = runner.sampler.sample(
@@ -79,7 +79,7 @@ def test_greedy_chat_matches_transformers(runner, tok, hf_smollm2):
             pos[i] += len(ids[i])
             ids[i] = np.array([t], np.int32)
             outs[i].append(int(t))
-    runner.step(StepBatch([], release=list(range(len(prompts)))))
+    runner.step(Step([], release=list(range(len(prompts)))))
     max_diff = 0.0
     for i, p in enumerate(prompts):
         x = torch.tensor(p, dtype=torch.long)[None]

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from radixserve.protocol import Step, StepReq
 from radixserve.sampling_params import SamplingParams
-from radixserve.worker.batch import ReqStep, StepBatch
 from radixserve.worker.config import WorkerConfig
 from radixserve.worker.model_runner import ModelRunner
 from tests.helpers.tiny_models import hf_greedy, patch_hf_float64
@@ -52,18 +52,18 @@ def run_greedy(runner, prompt, n, chunks, slot=0):
     for size in chunks:
         piece = prompt[pos : pos + size]
         last = pos + size == len(prompt)
-        req = ReqStep(slot, piece, pos, pages.grow(pos + size), last, GREEDY if first else None)
-        logits = runner.forward_logits(StepBatch([req]))
+        req = StepReq(slot, piece, pos, pages.grow(pos + size), last, GREEDY if first else None)
+        logits = runner.forward_logits(Step([req]))
         first = False
         pos += size
         if last:
             logits0 = logits[0]
     tokens = [int(logits0.argmax())]
     while len(tokens) < n:
-        req = ReqStep(slot, np.array(tokens[-1:], np.int32), pos, pages.grow(pos + 1), True)
-        tokens.append(int(runner.step(StepBatch([req]))[0]))
+        req = StepReq(slot, np.array(tokens[-1:], np.int32), pos, pages.grow(pos + 1), True)
+        tokens.append(int(runner.step(Step([req]))[0]))
         pos += 1
-    runner.step(StepBatch([], release=[slot]))
+    runner.step(Step([], release=[slot]))
     return tokens, logits0
 
 
@@ -91,16 +91,16 @@ def test_cached_prefix_then_suffix_matches_hf(tiny):
     prefix = prompt[:32]
     other = np.random.default_rng(9).integers(4, 512, 20).astype(np.int32)
     pages_a = np.array([5, 2, 40], np.int32)  # first request: prompt tokens 0..39
-    out_a = runner.step(StepBatch([ReqStep(0, prompt, 0, pages_a, True, GREEDY)]))
+    out_a = runner.step(Step([StepReq(0, prompt, 0, pages_a, True, GREEDY)]))
     pages_b = np.array([11, 12], np.int32)  # unrelated request already decoding in slot 2
-    runner.step(StepBatch([ReqStep(2, other, 0, pages_b, True, GREEDY)]))
+    runner.step(Step([StepReq(2, other, 0, pages_b, True, GREEDY)]))
     # Slot 1: cached prefix = A's first two pages (32 tokens), then its own suffix page.
     suffix = np.concatenate([prompt[32:], np.array([7, 8, 9], np.int32)])
     full = np.concatenate([prefix, suffix])
-    req_b = ReqStep(1, suffix, 32, np.array([5, 2, 30], np.int32), True, GREEDY)
-    req_dec = ReqStep(2, np.array([3], np.int32), len(other), np.zeros(0, np.int32), True)
-    req_a = ReqStep(0, out_a, len(prompt), np.zeros(0, np.int32), True)
-    logits = runner.forward_logits(StepBatch([req_dec, req_b, req_a]))
+    req_b = StepReq(1, suffix, 32, np.array([5, 2, 30], np.int32), True, GREEDY)
+    req_dec = StepReq(2, np.array([3], np.int32), len(other), np.zeros(0, np.int32), True)
+    req_a = StepReq(0, out_a, len(prompt), np.zeros(0, np.int32), True)
+    logits = runner.forward_logits(Step([req_dec, req_b, req_a]))
     with torch.no_grad():
         want_b = hf(torch.tensor(full, dtype=torch.long)[None]).logits[0, -1]
         want_dec = hf(torch.tensor(np.append(other, 3), dtype=torch.long)[None]).logits[0, -1]

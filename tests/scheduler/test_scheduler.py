@@ -41,14 +41,9 @@ def run(sched, worker, on_step=None, max_steps=100_000):
     for step in range(max_steps):
         if on_step is not None:
             on_step(step, sched)
-        for out in sched.take_outputs():
-            _collect(results, out)
-        batch = sched.schedule()
-        if batch is None:
-            if not sched.has_work():
-                return results
-            raise AssertionError("scheduler has work but planned nothing")
-        for out in sched.process_step_result(worker.step(batch)):
+        if not sched.has_work():
+            return results
+        for out in sched.step(worker.step):
             _collect(results, out)
     raise AssertionError("did not finish")
 
@@ -151,10 +146,10 @@ def test_abort_waiting_and_running_and_flush_while_busy():
             assert s.abort_request("r3")  # still waiting
             assert not s.abort_request("nope")
         if step == 4:
-            locked = s.tree.protected_pages
+            locked = s.cache.protected_pages
             s.flush_cache()
-            assert s.tree.protected_pages == locked  # running requests keep theirs
-            assert s.tree.evictable_pages == 0
+            assert s.cache.protected_pages == locked  # running requests keep theirs
+            assert s.cache.evictable_pages == 0
 
     res = run(sched, worker, on_step)
     assert res[("r0", 0)]["finish"] == "abort" and res[("r3", 0)]["finish"] == "abort"
@@ -285,10 +280,9 @@ def test_random_workloads_keep_kv_right(w):
                 s.add_request(r["rid"], r["prompt"], greedy(r["max_tokens"]))
             if r["abort"] == step and r["arrive"] < step:
                 s.abort_request(r["rid"])
-        if s.tree is not None:
-            s.tree.check()
+        s.cache.check()
         held = sum(s.kv.held_pages(q) for q in s.running)
-        cached = s.tree.cached_pages if s.tree is not None else 0
+        cached = s.cache.cached_pages
         assert s.allocator.num_free + cached + held == s.config.num_pages
 
     def run_all():
@@ -297,12 +291,8 @@ def test_random_workloads_keep_kv_right(w):
         step = 0
         while step < 12 or sched.has_work():
             on_step(step, sched)
-            for out in sched.take_outputs():
+            for out in sched.step(worker.step):
                 _collect(results, out)
-            batch = sched.schedule()
-            if batch is not None:
-                for out in sched.process_step_result(worker.step(batch)):
-                    _collect(results, out)
             step += 1
             assert step < 5000
         return results

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from radixserve.protocol import Step, StepReq
 from radixserve.sampling_params import SamplingParams
-from radixserve.worker.batch import ReqStep, StepBatch
 from radixserve.worker.config import WorkerConfig
 from radixserve.worker.model_runner import ModelRunner
 from tests.helpers.tiny_models import make_tiny_model
@@ -46,12 +46,12 @@ def script(runner: ModelRunner, page_size: int) -> dict[int, list[int]]:
     def req(slot, ids, sample=True):
         need = -(-(pos[slot] + len(ids)) // page_size)
         new = np.array(pages[slot][held[slot] : need], np.int32)  # a first step sends all so far
-        r = ReqStep(slot, ids, pos[slot], new, sample, GREEDY if held[slot] == 0 else None)
+        r = StepReq(slot, ids, pos[slot], new, sample, GREEDY if held[slot] == 0 else None)
         held[slot], pos[slot] = need, pos[slot] + len(ids)
         return r
 
     def run(reqs):
-        toks = runner.step(StepBatch(reqs))
+        toks = runner.step(Step(reqs))
         for r, t in zip([r for r in reqs if r.sample], toks):
             out[r.slot].append(int(t))
 

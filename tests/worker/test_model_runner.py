@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from radixserve.protocol import Step, StepReq
 from radixserve.sampling_params import SamplingParams
-from radixserve.worker.batch import ReqStep, StepBatch
 from radixserve.worker.config import WorkerConfig
 from radixserve.worker.kv_pool import KVPool
 from radixserve.worker.model_runner import ModelRunner
@@ -31,13 +31,13 @@ def generate_alone(runner, prompt, n, slot=0, first_page=0):
     ids = prompt
     for i in range(n):
         need = -(-(pos + len(ids)) // 4)
-        req = ReqStep(slot, ids, pos, pages[held:need], True, GREEDY if i == 0 else None)
+        req = StepReq(slot, ids, pos, pages[held:need], True, GREEDY if i == 0 else None)
         held = need
-        tok = runner.step(StepBatch([req]))
+        tok = runner.step(Step([req]))
         pos += len(ids)
         ids = tok
         out.append(int(tok[0]))
-    runner.step(StepBatch([], release=[slot]))
+    runner.step(Step([], release=[slot]))
     return out
 
 
@@ -66,55 +66,55 @@ def test_staggered_batch_equals_each_request_alone(runner):
                 continue
             need = -(-(s[0] + len(s[1])) // 4)
             new = np.arange(s[3] + s[2], s[3] + need, dtype=np.int32)
-            reqs.append(ReqStep(slot, s[1], s[0], new, True, GREEDY if s[0] == 0 else None))
+            reqs.append(StepReq(slot, s[1], s[0], new, True, GREEDY if s[0] == 0 else None))
             s[2] = need
-        toks = runner.step(StepBatch(reqs, release))
+        toks = runner.step(Step(reqs, release))
         for r, t in zip(reqs, toks):
             s = state[r.slot]
             s[0] += len(s[1])
             s[1] = np.array([t], np.int32)
             s[4].append(int(t))
         step += 1
-    runner.step(StepBatch([], release=[slot for slot, s in state.items() if s[0] >= 0]))
+    runner.step(Step([], release=[slot for slot, s in state.items() if s[0] >= 0]))
     assert [state[i][4] for i in range(len(ps))] == alone
 
 
 def test_released_slot_is_reused_in_the_same_step(runner):
     a, b = prompts(2, seed=1)
     want = generate_alone(runner, b, 4, slot=3, first_page=100)
-    runner.step(StepBatch([ReqStep(3, a, 0, np.arange(8, dtype=np.int32), True, GREEDY)]))
+    runner.step(Step([StepReq(3, a, 0, np.arange(8, dtype=np.int32), True, GREEDY)]))
     out = []
     pos, ids, held = 0, b, 0
     for i in range(4):
         need = -(-(pos + len(ids)) // 4)
-        req = ReqStep(3, ids, pos, np.arange(100 + held, 100 + need, dtype=np.int32), True,
+        req = StepReq(3, ids, pos, np.arange(100 + held, 100 + need, dtype=np.int32), True,
                       GREEDY if i == 0 else None)  # fmt: skip
         held = need
-        ids = runner.step(StepBatch([req], release=[3] if i == 0 else []))
+        ids = runner.step(Step([req], release=[3] if i == 0 else []))
         pos += len(req.input_ids)
         out.append(int(ids[0]))
-    runner.step(StepBatch([], release=[3]))
+    runner.step(Step([], release=[3]))
     assert out == want
 
 
 def test_non_sampling_chunk_returns_no_token(runner):
     p = prompts(1, seed=2)[0]
-    out = runner.step(StepBatch([ReqStep(0, p, 0, np.arange(8, dtype=np.int32), False, GREEDY)]))
+    out = runner.step(Step([StepReq(0, p, 0, np.arange(8, dtype=np.int32), False, GREEDY)]))
     assert out.dtype == np.int32 and out.shape == (0,)
-    runner.step(StepBatch([], release=[0]))
+    runner.step(Step([], release=[0]))
 
 
 def test_page_table_must_cover_the_new_tokens(runner):
     p = np.arange(4, 14, dtype=np.int32)  # 10 tokens need 3 pages of 4
     with pytest.raises(ValueError, match="3 needed for 10 tokens"):
-        runner.step(StepBatch([ReqStep(1, p, 0, np.arange(2, dtype=np.int32), True, GREEDY)]))
-    runner.step(StepBatch([], release=[1]))
+        runner.step(Step([StepReq(1, p, 0, np.arange(2, dtype=np.int32), True, GREEDY)]))
+    runner.step(Step([], release=[1]))
 
 
 def test_sampling_params_are_required_when_sampling(runner):
     with pytest.raises(ValueError, match="never given SamplingParams"):
-        runner.step(StepBatch([ReqStep(2, np.array([5], np.int32), 0, np.array([0], np.int32))]))
-    runner.step(StepBatch([], release=[2]))
+        runner.step(Step([StepReq(2, np.array([5], np.int32), 0, np.array([0], np.int32))]))
+    runner.step(Step([], release=[2]))
 
 
 def test_pool_sized_from_memory_budget(tiny_llama_dir):

@@ -1,0 +1,147 @@
+"""The prefix cache contract the scheduler relies on, and the cache that keeps nothing.
+
+``PrefixCache`` is what ``KVCacheManager`` calls; three caches satisfy it:
+the Python radix tree (``RadixCache``), the native one (``NativeRadixCache``)
+and ``NoCache`` (``--cache none``). The full contract of each call (splits,
+ownership after insert, LRU order) is in ``radix_cache.py`` and
+docs/architecture.md; in short:
+
+* ``match_prefix`` returns the longest cached prefix in whole pages; the caller
+  locks ``last_node`` before any other call. A node handle is valid while it
+  is locked.
+* ``insert`` returns ``(cached_len, node)``: the cache now owns the caller's
+  pages past ``cached_len``; the caller's pages before it duplicate the cache's,
+  and the caller keeps them while its page table points at them and frees them
+  when it releases its KV.
+* ``evict`` frees unlocked pages (LRU); locked ones are never freed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import numpy as np
+
+from radixserve.scheduler.allocator import PageAllocator
+
+_EMPTY = np.zeros(0, dtype=np.int32)
+
+
+@runtime_checkable
+class CacheNode(Protocol):
+    """A handle on a cache node (``RadixNode``, the native ``NodeHandle``, or
+    ``NoCache``'s root): opaque to the scheduler, valid while locked."""
+
+    @property
+    def node_id(self) -> int: ...
+
+
+class MatchResult(NamedTuple):
+    hit_len: int  # tokens, a multiple of page_size
+    pages: np.ndarray  # int32 page ids covering tokens[:hit_len]
+    last_node: CacheNode  # deepest node of the match (a root when hit_len == 0)
+
+
+Tokens = np.ndarray | Sequence[int]
+
+
+@runtime_checkable
+class PrefixCache(Protocol):
+    """Token sequences -> KV pages, shared across requests (see the module docstring)."""
+
+    # False only for the cache that keeps nothing: no match can ever hit, so the
+    # scheduler neither orders requests by their cached prefix nor waits for one.
+    keeps_prefixes: bool
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def evictable_pages(self) -> int: ...  # pages in unlocked nodes
+
+    @property
+    def protected_pages(self) -> int: ...  # pages in locked nodes
+
+    @property
+    def cached_pages(self) -> int: ...  # all pages the cache holds
+
+    def match_prefix(self, tokens: Tokens, salt: str | None = None) -> MatchResult: ...
+
+    def peek_prefix(self, tokens: Tokens, salt: str | None = None) -> int: ...
+
+    def insert(
+        self, tokens: Tokens, pages: np.ndarray, salt: str | None = None
+    ) -> tuple[int, CacheNode]: ...
+
+    def lock(self, node: CacheNode) -> None: ...
+
+    def unlock(self, node: CacheNode) -> None: ...
+
+    def evict(self, num_pages: int) -> int: ...
+
+    def reset(self) -> None: ...
+
+    def check(self) -> None: ...
+
+
+class _Root:
+    """``NoCache``'s only node: every match ends here and nothing hangs below it."""
+
+    __slots__ = ()
+    node_id = 0
+
+    def __repr__(self) -> str:
+        return "NoCache.root"
+
+
+class NoCache:
+    """``--cache none``: a prefix cache that keeps nothing (plain PagedAttention).
+
+    Nothing ever matches, and ``insert`` answers that the whole range is already
+    cached: by the contract the caller then keeps every page it offered (as
+    duplicates) and frees them all when it releases its KV, at finish, which is
+    exactly what ``--cache none`` means. It holds no page, so lock, evict and
+    reset have nothing to do.
+    """
+
+    keeps_prefixes = False
+    root = _Root()
+
+    def __init__(self, allocator: PageAllocator) -> None:
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+
+    evictable_pages = protected_pages = cached_pages = 0
+
+    def match_prefix(self, tokens: Tokens, salt: str | None = None) -> MatchResult:
+        return MatchResult(0, _EMPTY, self.root)
+
+    def peek_prefix(self, tokens: Tokens, salt: str | None = None) -> int:
+        return 0
+
+    def insert(
+        self, tokens: Tokens, pages: np.ndarray, salt: str | None = None
+    ) -> tuple[int, CacheNode]:
+        whole = len(tokens) - len(tokens) % self.page_size
+        if len(pages) != whole // self.page_size:
+            raise ValueError(f"{len(pages)} pages for {len(tokens)} tokens")
+        return whole, self.root
+
+    def lock(self, node: CacheNode) -> None:
+        assert node is self.root, "a node of another cache"
+
+    def unlock(self, node: CacheNode) -> None:
+        assert node is self.root, "a node of another cache"
+
+    def evict(self, num_pages: int) -> int:
+        return 0
+
+    def reset(self) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"NoCache(page_size={self.page_size})"
