@@ -18,6 +18,7 @@ from dataclasses import fields
 
 from radixserve.config import EngineConfig
 from radixserve.server_config import ServerConfig
+from radixserve.worker.config import DTYPE_CHOICES
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
@@ -100,7 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.cache,
         help="radix: keep KV in the prefix tree; none: free it when a request ends",
     )
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default=d.dtype)
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default=d.dtype,
+        help="auto: bfloat16 on CPUs with AVX512_BF16/AMX, else float32; on CUDA the model's",
+    )
     p.add_argument("--device", default=d.device, help="torch device of the worker")
     p.add_argument(
         "--max-running-requests",
@@ -170,6 +176,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="converted-model cache dir (default: $RADIXSERVE_CACHE_DIR or ~/.cache/radixserve)",
     )
     p.add_argument("--seed", type=int, default=d.seed, help="seeds requests that bring no seed")
+    p.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=d.warmup,
+        help="run a largest-chunk prefill and a full decode step before serving",
+    )
+    p.add_argument(
+        "--malloc-tuning",
+        action=argparse.BooleanOptionalAction,
+        default=d.malloc_tuning,
+        help="fix glibc's malloc policy in the worker so step buffers stay mapped",
+    )
     p.add_argument(
         "--log-level",
         choices=["debug", "info", "warning", "error"],

@@ -41,6 +41,8 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     model_name: str
     backend_name: str
+    dtype: str
+    dtype_reason: str
 
     @classmethod
     def from_dict(cls, info: dict[str, Any]) -> ModelInfo:
@@ -65,7 +67,10 @@ class EngineConfig:
     decode_kernel: str = _W.decode_kernel
     cache_dir: str | None = _W.cache_dir
     seed: int = _W.seed
-    # The scheduler (SchedulerConfig; page_size and max_running_requests above too).
+    malloc_tuning: bool = _W.malloc_tuning
+    warmup: bool = _W.warmup
+    # The scheduler (SchedulerConfig; page_size and max_running_requests above too;
+    # the worker reads chunked_prefill_size for its warm-up).
     cache: str = _S.cache
     radix_impl: str = _S.radix_impl
     chunked_prefill_size: int = _S.chunked_prefill_size

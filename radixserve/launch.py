@@ -84,8 +84,8 @@ class Launcher:
         assert m is not None
         return (
             f"model={m.model_name} pages={m.num_pages} page_size={m.page_size} "
-            f"context={m.max_context_len} backend={m.backend_name} dtype={e.dtype} "
-            f"cache={e.cache}"
+            f"context={m.max_context_len} backend={m.backend_name} dtype={m.dtype} "
+            f"cache={e.cache} ({m.dtype_reason})"
         )
 
     def pids(self) -> dict[str, int]:

@@ -29,6 +29,8 @@ INFO = ModelInfo(
     eos_token_ids=(2, 5),
     model_name="tiny",
     backend_name="torch",
+    dtype="float32",
+    dtype_reason="as asked",
 )
 ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
 
@@ -90,7 +92,9 @@ def launch_parser():
 def test_every_engine_option_has_a_launch_flag_with_its_default():
     dests = {a.dest: a.option_strings for a in launch_parser()._actions}
     for name in ENGINE_FIELDS:
-        assert dests.get(name) == ["--" + name.replace("_", "-")], name
+        flag = "--" + name.replace("_", "-")
+        # one flag each; a boolean option also has its --no- form
+        assert dests.get(name) in ([flag], [flag, "--no-" + flag[2:]]), name
     assert config_from_args(build_parser().parse_args(["launch"])).engine == EngineConfig()
 
 

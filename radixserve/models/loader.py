@@ -16,7 +16,12 @@ from radixserve.models.config import ModelConfig
 from radixserve.models.llama import LlamaModel
 from radixserve.models.source import ModelSource
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
 
 
 def parse_dtype(dtype: str) -> torch.dtype:
@@ -52,10 +57,15 @@ def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(
-    source: ModelSource, dtype: torch.dtype, device: torch.device | str = "cpu"
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    hf_config: Any = None,
 ) -> tuple[LlamaModel, Any]:
-    """Build our model for ``source`` with its weights; returns (model, transformers config)."""
-    hf_config = load_hf_config(source)
+    """Build our model for ``source`` with its weights; returns (model, transformers config).
+    ``hf_config``: the source's transformers config when the caller has read it already."""
+    if hf_config is None:
+        hf_config = load_hf_config(source)
     cfg = ModelConfig.from_hf(hf_config)
     if source.gguf_file:
         from radixserve.models.gguf_loader import read_gguf_weights

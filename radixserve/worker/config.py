@@ -4,13 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: ``auto`` resolves when the model loads (``worker/dtype.py``).
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "float64")
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
     """How to build a ``ModelRunner``.
 
     model: ``"smollm2"`` / None (the embedded model), an HF folder, or a .gguf file.
-    dtype: ``float32``, ``bfloat16`` or ``float64`` (float64: torch backend only, for tests).
+    dtype: ``auto`` (bfloat16 on CPUs with AVX512_BF16 or AMX, else float32; on CUDA the
+    checkpoint's half dtype: ``dtype.py``), ``float32``, ``bfloat16``, ``float16`` or
+    ``float64`` (float64: torch backend only, for tests).
     attention_backend: ``auto`` (flashinfer where it can run the model, else torch),
     ``torch`` or ``flashinfer`` (ValueError saying why when it cannot run).
     decode_kernel: the torch backend's decode attention: ``native`` (csrc/, reads
@@ -22,10 +27,15 @@ class WorkerConfig:
     cache_dir: where converted models are cached (default: $RADIXSERVE_CACHE_DIR,
     else ~/.cache/radixserve).
     seed: seeds requests that bring no seed of their own.
+    malloc_tuning: fix glibc's malloc policy at start so step buffers stay mapped
+    (``malloc.py``).
+    warmup: before serving, run a prefill of ``chunked_prefill_size`` tokens (the
+    largest the scheduler sends) and a decode step of every slot
+    (``ModelRunner.warmup``).
     """
 
     model: str | None = "smollm2"
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     page_size: int = 1
     num_pages: int | None = None
@@ -35,6 +45,9 @@ class WorkerConfig:
     decode_kernel: str = "auto"
     cache_dir: str | None = None
     seed: int = 0
+    malloc_tuning: bool = True
+    warmup: bool = True
+    chunked_prefill_size: int = 2048  # the scheduler's (SchedulerConfig), read for the warm-up
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -43,5 +56,9 @@ class WorkerConfig:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
         if self.kv_memory is not None and self.kv_memory < 1:
             raise ValueError(f"kv_memory must be a positive byte count, got {self.kv_memory}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; choose from {DTYPE_CHOICES}")
+        if self.chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")

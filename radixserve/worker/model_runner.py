@@ -8,6 +8,11 @@
 3. runs the model on all new tokens at once (the attention backend writes their
    K/V into their pages);
 4. samples one token for every request with ``sample=True``, in batch order.
+
+At start it fixes the allocator policy (``malloc.py``), resolves ``dtype="auto"``
+(``dtype.py``) and, unless ``config.warmup`` is off, runs a warm-up (one
+prefill of that many tokens, then a decode step of every slot at once) so the
+first real request finds its buffers mapped and its kernels initialised.
 """
 
 from __future__ import annotations
@@ -17,12 +22,15 @@ import torch
 
 from radixserve.config import ModelInfo
 from radixserve.models.config import ModelConfig
-from radixserve.models.loader import load_model, parse_dtype
+from radixserve.models.loader import load_hf_config, load_model, parse_dtype
 from radixserve.models.source import resolve_model
-from radixserve.protocol import Step
+from radixserve.protocol import Step, StepReq
+from radixserve.sampling_params import SamplingParams
 from radixserve.worker.attention import AttentionBatch, create_backend
 from radixserve.worker.config import WorkerConfig
+from radixserve.worker.dtype import choose_dtype
 from radixserve.worker.kv_pool import DEFAULT_KV_MEMORY, KVPool
+from radixserve.worker.malloc import tune_malloc
 from radixserve.worker.page_table import PageTable
 from radixserve.worker.sampler import Sampler
 
@@ -32,10 +40,16 @@ class ModelRunner:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        dtype = parse_dtype(config.dtype)
+        if config.malloc_tuning:
+            tune_malloc()
         self._device = torch.device(config.device)
         source = resolve_model(config.model, config.cache_dir)
-        self.model, self.hf_config = load_model(source, dtype, self._device)
+        hf_config = None
+        if config.dtype == "auto" and self._device.type == "cuda":
+            hf_config = load_hf_config(source)  # auto follows the checkpoint's dtype there
+        self.dtype_name, self.dtype_reason = choose_dtype(config.dtype, self._device, hf_config)
+        dtype = parse_dtype(self.dtype_name)
+        self.model, self.hf_config = load_model(source, dtype, self._device, hf_config)
         cfg: ModelConfig = self.model.cfg
         self.model_config = cfg
         self._model_name = source.name
@@ -56,6 +70,8 @@ class ModelRunner:
         max_pages_per_slot = min(num_pages, -(-cfg.max_context_len // config.page_size))
         self.page_table = PageTable(config.max_running_requests, max_pages_per_slot, num_pages)
         self.sampler = Sampler(config.seed)
+        if config.warmup:
+            self.warmup(config.chunked_prefill_size, config.max_running_requests)
 
     @property
     def num_pages(self) -> int:
@@ -95,7 +111,40 @@ class ModelRunner:
             eos_token_ids=tuple(self.eos_token_ids),
             model_name=self.model_name,
             backend_name=self.backend_name,
+            dtype=self.dtype_name,
+            dtype_reason=self.dtype_reason,
         )
+
+    def warmup(self, prefill_tokens: int, decode_batch: int) -> None:
+        """Run the largest steps the scheduler will send before any request does.
+
+        One prefill of ``prefill_tokens`` tokens in slot 0, then one decode step
+        of ``decode_batch`` slots that all read that prefill's pages, both sampling
+        greedily; every slot is released after. Both are capped by the pool and
+        the context. The K/V written goes to
+        pages the scheduler has not handed out yet and is overwritten before
+        use, so the warm-up leaves no state behind.
+        """
+        s = self.page_size
+        batch = min(decode_batch, self.page_table.max_slots, self.num_pages - 1)
+        # Slot 0's pages, then one page of each other slot: they fit in the pool.
+        tokens = min(prefill_tokens, self.max_context_len - 1, (self.num_pages - batch + 1) * s - 1)
+        if tokens < 1 or batch < 1:
+            return
+        own = -(-(tokens + 1) // s)  # slot 0: its prefill and its decoded token
+        pages = np.arange(own + batch - 1, dtype=np.int32)
+        first, full = -(-tokens // s), tokens // s  # pages the prefill fills / fills whole
+        greedy = SamplingParams(temperature=0.0, max_tokens=1)
+        ids = np.zeros(tokens, dtype=np.int32)
+        self.step(Step([StepReq(0, ids, 0, pages[:first], True, greedy)]))
+        # Slot 0 decodes on; every other slot reads slot 0's whole pages (as forks of one
+        # prompt do) and decodes its next token into a page of its own.
+        decode = [StepReq(0, ids[:1], tokens, pages[first:own], True)]
+        for i in range(1, batch):
+            table = np.append(pages[:full], pages[own + i - 1])
+            decode.append(StepReq(i, ids[:1], full * s, table, True, greedy))
+        self.step(Step(decode))
+        self.step(Step([], release=np.arange(batch, dtype=np.int32)))
 
     def step(self, batch: Step) -> np.ndarray:
         """Run one step; int32 array with one token per ``sample=True`` request, in order."""

@@ -35,7 +35,8 @@ def tok(smollm2_cache_dir):
 @pytest.fixture(scope="module")
 def runner(smollm2_cache_dir):
     return ModelRunner(WorkerConfig(model="smollm2", cache_dir=smollm2_cache_dir, page_size=16,
-                                    num_pages=256, max_running_requests=8))  # fmt: skip
+                                    num_pages=256, max_running_requests=8,
+                                    dtype="float32"))  # fmt: skip
 
 
 def chat_ids(tok, question):
@@ -94,6 +95,28 @@ def test_greedy_chat_matches_transformers(runner, tok, hf_smollm2):
     assert tok.decode(outs[0], skip_special_tokens=True).startswith(
         "The capital of France is Paris."
     )
+
+
+def test_bfloat16_first_step_is_close_to_float32(runner, tok, smollm2_cache_dir):
+    """bf16 (what ``--dtype auto`` picks on CPUs with bf16 instructions) against float32:
+    first-step logits within bf16's rounding, and the same greedy first token."""
+    bf16 = ModelRunner(WorkerConfig(model="smollm2", cache_dir=smollm2_cache_dir, page_size=16,
+                                    num_pages=256, max_running_requests=8, dtype="bfloat16",
+                                    warmup=False))  # fmt: skip
+    greedy = SamplingParams(temperature=0)
+    prompts = [chat_ids(tok, q) for q in QUESTIONS]
+    reqs = [
+        StepReq(i, p, 0, np.arange(i * 16, i * 16 - (-len(p) // 16), dtype=np.int32), True, greedy)
+        for i, p in enumerate(prompts)
+    ]
+    logits = [r.forward_logits(Step(reqs)).float() for r in (runner, bf16)]
+    for r in (runner, bf16):
+        r.step(Step([], release=list(range(len(prompts)))))
+    gap = (logits[0] - logits[1]).abs().max().item()
+    spread = logits[0].abs().max().item()
+    print(f"\nSmolLM2 bfloat16 vs float32: max |logit diff| on first step = {gap:.3f}")
+    assert gap < 0.05 * spread
+    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
 
 
 def test_converted_cache_is_reused(smollm2_cache_dir):

@@ -120,7 +120,9 @@ def test_sampling_params_are_required_when_sampling(runner):
 def test_pool_sized_from_memory_budget(tiny_llama_dir):
     per_page = KVPool.bytes_per_page(2, 16, 2, 16, __import__("torch").float32)
     r = ModelRunner(
-        WorkerConfig(model=str(tiny_llama_dir), page_size=16, kv_memory=10 * per_page + 5)
+        WorkerConfig(
+            model=str(tiny_llama_dir), dtype="float32", page_size=16, kv_memory=10 * per_page + 5
+        )
     )
     assert r.num_pages == 10
     assert r.pool.layers[0].shape == (10, 2, 16, 2, 16)

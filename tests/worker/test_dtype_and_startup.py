@@ -1,0 +1,108 @@
+"""Start-up choices of the worker: ``--dtype auto``, the malloc policy, the warm-up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from radixserve.protocol import Step, StepReq
+from radixserve.sampling_params import SamplingParams
+from radixserve.worker import dtype as dtype_mod
+from radixserve.worker.config import WorkerConfig
+from radixserve.worker.malloc import tune_malloc
+from radixserve.worker.model_runner import ModelRunner
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_a_named_dtype_is_kept():
+    for name in ("float32", "bfloat16", "float64"):
+        assert dtype_mod.choose_dtype(name, CPU) == (name, "as asked")
+
+
+@pytest.mark.parametrize(
+    ("fast", "expected"),
+    [
+        ((True, "AVX512_BF16"), "bfloat16"),
+        ((True, "AMX"), "bfloat16"),
+        ((False, "AVX2"), "float32"),
+    ],
+)
+def test_auto_on_cpu_follows_the_bf16_instructions(monkeypatch, fast, expected):
+    monkeypatch.setattr(dtype_mod, "cpu_has_fast_bf16", lambda: fast)
+    name, why = dtype_mod.choose_dtype("auto", CPU)
+    assert name == expected and fast[1] in why
+
+
+def test_this_cpus_features_are_read():
+    fast, feature = dtype_mod.cpu_has_fast_bf16()
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text().split() if cpuinfo.exists() else []
+    if "avx512_bf16" in flags or "amx_bf16" in flags:
+        assert fast and feature in ("AVX512_BF16", "AMX")
+    elif flags:
+        assert not fast
+
+
+def test_auto_on_cuda_follows_the_checkpoint(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    for given, expected in (("float16", "float16"), (torch.bfloat16, "bfloat16")):
+        cfg = SimpleNamespace(dtype=given)
+        assert dtype_mod.choose_dtype("auto", CUDA, cfg)[0] == expected
+    assert dtype_mod.choose_dtype("auto", CUDA, SimpleNamespace(dtype="float32"))[0] == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert dtype_mod.choose_dtype("auto", CUDA, SimpleNamespace())[0] == "float16"
+
+
+def test_unknown_dtype_is_refused():
+    with pytest.raises(ValueError, match="unsupported dtype 'int8'"):
+        WorkerConfig(dtype="int8")
+
+
+def test_glibc_accepts_the_malloc_policy():
+    import platform
+
+    applied = tune_malloc()
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("not glibc")
+    assert applied == {"mmap_threshold": True, "trim_threshold": True, "top_pad": True}
+
+
+def _generate(runner, prompt, n):
+    pages = np.arange(64, dtype=np.int32)
+    held, pos, ids, out = 0, 0, prompt, []
+    for i in range(n):
+        need = -(-(pos + len(ids)) // 4)
+        greedy = SamplingParams(temperature=0) if i == 0 else None
+        tok = runner.step(Step([StepReq(3, ids, pos, pages[held:need], True, greedy)]))
+        held, pos, ids = need, pos + len(ids), tok
+        out.append(int(tok[0]))
+    runner.step(Step([], release=[3]))
+    return out
+
+
+def test_warmup_leaves_no_state_and_changes_no_token(tiny_llama_dir):
+    kw = dict(model=str(tiny_llama_dir), dtype="float64", page_size=4, num_pages=96,
+              max_running_requests=6, chunked_prefill_size=300)  # fmt: skip
+    cold = ModelRunner(WorkerConfig(**kw, warmup=False))
+    calls = []
+    warm = ModelRunner.__new__(ModelRunner)
+    real_step = ModelRunner.step
+    warm.step = lambda b: calls.append(b) or real_step(warm, b)  # type: ignore[method-assign]
+    ModelRunner.__init__(warm, WorkerConfig(**kw, warmup=True))
+    # The largest prefill (capped by the pool: 95 pages of 4 tokens) and a full decode batch ran.
+    assert [len(r.input_ids) for r in calls[0].reqs] == [300]
+    assert sorted(r.slot for r in calls[1].reqs) == list(range(6))
+    assert warm.page_table.lengths.sum() == 0 and not any(warm.sampler.has(s) for s in range(6))
+    prompt = np.random.default_rng(1).integers(4, 512, 23).astype(np.int32)
+    assert _generate(warm, prompt, 10) == _generate(cold, prompt, 10)
+
+
+def test_warmup_fits_a_small_pool(tiny_llama_dir):
+    r = ModelRunner(WorkerConfig(model=str(tiny_llama_dir), dtype="float64", page_size=4,
+                                 num_pages=3, max_running_requests=4))  # fmt: skip
+    assert r.page_table.lengths.sum() == 0
