@@ -140,6 +140,26 @@ def build_parser() -> argparse.ArgumentParser:
         "lower admits more and relies on eviction and retraction",
     )
     p.add_argument(
+        "--decode-reserve-min-ratio",
+        type=_ratio,
+        default=d.decode_reserve_min_ratio,
+        help="the reserve ratio falls to this (at most --decode-reserve-ratio) while "
+        "nothing is retracted; a retraction puts it back to --decode-reserve-ratio",
+    )
+    p.add_argument(
+        "--decode-reserve-decay-steps",
+        type=_non_negative,
+        default=d.decode_reserve_decay_steps,
+        help="steps over which the reserve ratio falls to its min (0: it never falls)",
+    )
+    p.add_argument(
+        "--max-admit-skips",
+        type=_non_negative,
+        default=d.max_admit_skips,
+        help="waiting requests that do not fit passed over per step before admission "
+        "stops (the requests behind them are still admitted)",
+    )
+    p.add_argument(
         "--shared-prefix-min-tokens",
         type=_non_negative,
         default=d.shared_prefix_min_tokens,

@@ -73,6 +73,9 @@ class EngineConfig:
     lpm_max_waiting: int = _S.lpm_max_waiting
     max_wait_steps: int = _S.max_wait_steps
     decode_reserve_ratio: float = _S.decode_reserve_ratio
+    decode_reserve_min_ratio: float = _S.decode_reserve_min_ratio
+    decode_reserve_decay_steps: int = _S.decode_reserve_decay_steps
+    max_admit_skips: int = _S.max_admit_skips
     shared_prefix_min_tokens: int = _S.shared_prefix_min_tokens
 
 
