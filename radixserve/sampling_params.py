@@ -65,30 +65,34 @@ class SamplingParams:
             return ValueError(f"invalid sampling parameter: {msg}")
 
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX:
-            raise bad(f"max_tokens must be an integer in [1, 2**63), got {_short(self.max_tokens)}")
+            raise bad(
+                f"max_tokens must be an integer >= 1 and below 2**63, got {short_repr(self.max_tokens)}"
+            )
         if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
-            raise bad(f"temperature must be a finite number >= 0, got {_short(self.temperature)}")
+            raise bad(
+                f"temperature must be a finite number >= 0, got {short_repr(self.temperature)}"
+            )
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise bad(f"top_p must be in (0, 1], got {_short(self.top_p)}")
+            raise bad(f"top_p must be in (0, 1], got {short_repr(self.top_p)}")
         if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
-            raise bad(f"top_k must be -1 or 0 (disabled) or >= 1, got {_short(self.top_k)}")
+            raise bad(f"top_k must be -1 or 0 (disabled) or >= 1, got {short_repr(self.top_k)}")
         if self.top_k > INT64_MAX:
-            raise bad(f"top_k must be below 2**63, got {_short(self.top_k)}")
+            raise bad(f"top_k must be below 2**63, got {short_repr(self.top_k)}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise bad(f"min_p must be in [0, 1], got {_short(self.min_p)}")
+            raise bad(f"min_p must be in [0, 1], got {short_repr(self.min_p)}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
-            raise bad(f"n must be an integer in [1, {MAX_N}], got {_short(self.n)}")
+            raise bad(f"n must be an integer in [1, {MAX_N}], got {short_repr(self.n)}")
         # Sample i of n is seeded with seed + i: every one of them must be a valid seed.
         if self.seed is not None and (
             not _is_int(self.seed) or not 0 <= self.seed <= INT64_MAX - (self.n - 1)
         ):
-            raise bad(f"seed must be an integer in [0, 2**63 - n], got {_short(self.seed)}")
+            raise bad(f"seed must be an integer in [0, 2**63 - n], got {short_repr(self.seed)}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop must be a non-empty string or a list of non-empty strings")
         if not all(_is_int(t) and 0 <= t <= TOKEN_ID_MAX for t in self.stop_token_ids):
             raise bad("stop_token_ids must be token ids (integers in [0, 2**31))")
         if not isinstance(self.ignore_eos, bool):
-            raise bad(f"ignore_eos must be a boolean, got {_short(self.ignore_eos)}")
+            raise bad(f"ignore_eos must be a boolean, got {short_repr(self.ignore_eos)}")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -100,12 +104,12 @@ class SamplingParams:
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
-            names = _short(sorted(map(str, unknown)))
+            names = short_repr(sorted(map(str, unknown)))
             raise ValueError(f"invalid sampling parameter: unknown field(s) {names}")
         return cls(**d)
 
 
-def _short(value: object, limit: int = 64) -> str:
+def short_repr(value: object, limit: int = 64) -> str:
     """``repr(value)``, cut to ``limit`` characters: errors never echo a large input."""
     if isinstance(value, int) and value.bit_length() > 128:
         return f"an integer of {value.bit_length()} bits"

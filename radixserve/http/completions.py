@@ -117,8 +117,11 @@ async def _respond(
 
 def _refused(state: FrontState, e: ServerError) -> HTTPError:
     # While stopping, the tokenizer fails every request in flight: that is a 503, not the
-    # client's fault; otherwise the server refused the request's content.
-    return HTTPError(503 if state.draining else 400, str(e))
+    # client's fault; over the front's requests in flight is a 429; otherwise the server
+    # refused the request's content.
+    if state.draining:
+        return HTTPError(503, str(e))
+    return HTTPError(429 if str(e).startswith(P.TOO_MANY_IN_FLIGHT) else 400, str(e))
 
 
 class _Format:
