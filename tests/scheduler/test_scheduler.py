@@ -416,3 +416,22 @@ def test_request_buffers_grow_with_the_output_not_with_max_tokens(page_size):
     res = run(sched, worker)
     assert res[("r", 0)]["tokens"] == expected_tokens(prompt, 300, ignore_eos=True)
     sched.check_idle()
+
+
+def test_the_worker_gets_sampling_parameters_without_stop_lists():
+    """Stop strings and stop token ids are the tokenizer's and the scheduler's business:
+    a long stop list must not travel in the step once per sample."""
+    sched, worker = make()
+    stop = tuple(f"stop{i}" for i in range(50))
+    sched.add_request("r", [3, 4, 5], greedy(3, n=4, stop=stop, stop_token_ids=(9, 10)))
+    sent = []
+
+    def run_step(step):
+        sent.extend(r.sampling for r in step.reqs if r.sampling is not None)
+        return worker.step(step)
+
+    while sched.has_work():
+        sched.step(run_step)
+    assert len(sent) == 4
+    assert all(sp.stop == () and sp.stop_token_ids == () for sp in sent)
+    assert sched.check_idle() is None
