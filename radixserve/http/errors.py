@@ -12,6 +12,7 @@ from radixserve.protocol import MAX_ERROR_CHARS
 _TYPES = {
     400: "invalid_request_error",
     404: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",

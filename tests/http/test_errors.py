@@ -188,3 +188,14 @@ def test_a_front_over_its_requests_in_flight_answers_429():
 
     err = error_of(asyncio.run(run()), 429)
     assert err["type"] == "rate_limit_error"
+
+
+def test_a_body_too_large_for_the_tokenizer_is_413_and_the_front_keeps_serving(http):
+    """The tokenizer drops the connection of a peer that sends a message over
+    --max-message-bytes, and the front is one peer for every HTTP request: it must refuse
+    such a body itself (8 MiB by default) instead of forwarding it."""
+    huge = {**GOOD, "prompt": "x" * (9 << 20)}
+    err = error_of(http.post("/v1/completions", json=huge), 413)
+    assert "bytes" in err["message"] and len(err["message"]) < 200
+    ok = http.post("/v1/completions", json=GOOD)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
