@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 
 from radixserve.config import EngineConfig
+from radixserve.sampling_params import MAX_N
 from radixserve.server_config import ServerConfig
 from radixserve.worker.config import DTYPE_CHOICES
 
@@ -43,6 +44,13 @@ def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _max_n(text: str) -> int:
+    value = _positive(text)
+    if value > MAX_N:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_N}, got {value}")
     return value
 
 
@@ -146,6 +154,26 @@ def build_parser() -> argparse.ArgumentParser:
         "lower admits more and relies on eviction and retraction",
     )
     p.add_argument(
+        "--decode-reserve-min-ratio",
+        type=_ratio,
+        default=d.decode_reserve_min_ratio,
+        help="the reserve ratio falls to this (at most --decode-reserve-ratio) while "
+        "nothing is retracted; a retraction puts it back to --decode-reserve-ratio",
+    )
+    p.add_argument(
+        "--decode-reserve-decay-steps",
+        type=_non_negative,
+        default=d.decode_reserve_decay_steps,
+        help="steps over which the reserve ratio falls to its min (0: it never falls)",
+    )
+    p.add_argument(
+        "--max-admit-skips",
+        type=_non_negative,
+        default=d.max_admit_skips,
+        help="waiting requests that do not fit passed over per step before admission "
+        "stops (the requests behind them are still admitted)",
+    )
+    p.add_argument(
         "--shared-prefix-min-tokens",
         type=_non_negative,
         default=d.shared_prefix_min_tokens,
@@ -176,6 +204,58 @@ def build_parser() -> argparse.ArgumentParser:
         help="converted-model cache dir (default: $RADIXSERVE_CACHE_DIR or ~/.cache/radixserve)",
     )
     p.add_argument("--seed", type=int, default=d.seed, help="seeds requests that bring no seed")
+    lim = p.add_argument_group("limits on client input (docs/security.md)")
+    lim.add_argument(
+        "--max-message-bytes",
+        type=parse_size,
+        default=d.max_message_bytes,
+        help="largest message the public socket accepts (ZMQ_MAXMSGSIZE); a client "
+        "sending a larger one is disconnected",
+    )
+    lim.add_argument(
+        "--max-queued-replies",
+        type=_positive,
+        default=d.max_queued_replies,
+        help="replies queued for one client that does not read them (send high-water "
+        "mark) before it is treated as gone and its requests aborted",
+    )
+    lim.add_argument(
+        "--max-requests-per-client",
+        type=_positive,
+        default=d.max_requests_per_client,
+        help="requests in flight per client connection (the HTTP front is one client)",
+    )
+    lim.add_argument(
+        "--max-prompt-chars",
+        type=_positive,
+        default=d.max_prompt_chars,
+        help="characters of a prompt (or of all chat messages' content), checked before tokenizing",
+    )
+    lim.add_argument(
+        "--max-prompt-tokens",
+        type=_positive,
+        default=d.max_prompt_tokens,
+        help="prompt tokens; default: the model's context less one",
+    )
+    lim.add_argument(
+        "--max-stop",
+        type=_non_negative,
+        default=d.max_stop,
+        help="stop strings per request, and stop token ids per request",
+    )
+    lim.add_argument(
+        "--max-stop-len", type=_positive, default=d.max_stop_len, help="characters per stop string"
+    )
+    lim.add_argument(
+        "--max-n", type=_max_n, default=d.max_n, help=f"samples per request (at most {MAX_N})"
+    )
+    lim.add_argument(
+        "--chat-special-tokens",
+        action="store_true",
+        default=d.chat_special_tokens,
+        help="let special tokens typed inside chat message content act as control "
+        "tokens (by default they are plain text)",
+    )
     p.add_argument(
         "--warmup",
         action=argparse.BooleanOptionalAction,

@@ -4,8 +4,9 @@
 ``Engine`` builds it from its keyword arguments, ``radixserve launch`` from its
 flags (``cli.py``; every field has a flag). Each library keeps its own config,
 so it can be built alone in tests (``WorkerConfig`` in ``worker/config.py``,
-``SchedulerConfig`` in ``scheduler/config.py``); they are derived from an
-``EngineConfig`` by field name (``worker_config``, ``scheduler_config``), and
+``SchedulerConfig`` in ``scheduler/config.py``, ``TokenizerConfig`` in
+``tokenizer/config.py``); they are derived from an ``EngineConfig`` by field
+name (``worker_config``, ``scheduler_config``, ``tokenizer_config``), and
 ``EngineConfig``'s defaults are those configs' defaults, so no value is
 declared twice. ``ModelInfo`` is what the worker reports once its model is
 loaded; the scheduler's page count, context length and EOS ids come from it.
@@ -21,13 +22,14 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from radixserve.scheduler.config import SchedulerConfig
+from radixserve.tokenizer.config import TokenizerConfig
 from radixserve.worker.config import WorkerConfig
 
 if TYPE_CHECKING:
     from radixserve.scheduler.scheduler import Scheduler
     from radixserve.worker.model_runner import ModelRunner
 
-_W, _S = WorkerConfig, SchedulerConfig
+_W, _S, _T = WorkerConfig, SchedulerConfig, TokenizerConfig
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,20 @@ class EngineConfig:
     lpm_max_waiting: int = _S.lpm_max_waiting
     max_wait_steps: int = _S.max_wait_steps
     decode_reserve_ratio: float = _S.decode_reserve_ratio
+    decode_reserve_min_ratio: float = _S.decode_reserve_min_ratio
+    decode_reserve_decay_steps: int = _S.decode_reserve_decay_steps
+    max_admit_skips: int = _S.max_admit_skips
     shared_prefix_min_tokens: int = _S.shared_prefix_min_tokens
+    # The tokenizer (TokenizerConfig): limits on input (docs/security.md), chat parsing.
+    max_message_bytes: int = _T.max_message_bytes
+    max_queued_replies: int = _T.max_queued_replies
+    max_requests_per_client: int = _T.max_requests_per_client
+    max_prompt_chars: int = _T.max_prompt_chars
+    max_prompt_tokens: int | None = _T.max_prompt_tokens
+    max_stop: int = _T.max_stop
+    max_stop_len: int = _T.max_stop_len
+    max_n: int = _T.max_n
+    chat_special_tokens: bool = _T.chat_special_tokens
 
 
 #: SchedulerConfig fields that come from the loaded model, not from the user.
@@ -96,6 +111,10 @@ def _derive(cls: type[_C], config: EngineConfig, **given: Any) -> _C:
 
 def worker_config(config: EngineConfig) -> WorkerConfig:
     return _derive(WorkerConfig, config)
+
+
+def tokenizer_config(config: EngineConfig) -> TokenizerConfig:
+    return _derive(TokenizerConfig, config)
 
 
 def scheduler_config(config: EngineConfig, info: ModelInfo) -> SchedulerConfig:

@@ -17,7 +17,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from radixserve.config import EngineConfig, build_scheduler, build_worker
+from radixserve.config import EngineConfig, build_scheduler, build_worker, tokenizer_config
 from radixserve.protocol import OutputItem
 from radixserve.results import Result, Usage
 from radixserve.sampling_params import SamplingParams
@@ -36,7 +36,10 @@ class Engine:
         self.runner = build_worker(self.config)
         self.scheduler = build_scheduler(self.config, self.runner.info())
         self.tokenizer = load_tokenizer(model, self.config.cache_dir)
-        self.inputs = InputProcessor(self.tokenizer, self.runner.vocab_size)
+        info = self.runner.info()
+        self.inputs = InputProcessor(
+            self.tokenizer, info.vocab_size, tokenizer_config(self.config), info.max_context_len
+        )
         self._ids = itertools.count()
 
     # ---------------------------------------------------------------- public
@@ -104,6 +107,7 @@ class Engine:
     ) -> dict[tuple[str, int], OutputStream]:
         """Queue every prompt, checking them all first; a stream per sample."""
         for ids, sp in zip(token_lists, params):
+            self.inputs.check_sampling(sp)
             self.scheduler.check_request(ids, sp)
         streams: dict[tuple[str, int], OutputStream] = {}
         for ids, sp in zip(token_lists, params):

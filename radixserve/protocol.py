@@ -29,10 +29,15 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-from radixserve.sampling_params import SamplingParams
+from radixserve.sampling_params import SamplingParams, short_repr
 
 PROTOCOL_VERSION = 1
 MAX_ID_LEN = 256
+# An error message never echoes more than this of the input that caused it.
+MAX_ERROR_CHARS = 1024
+# How an error for a client over its limit of requests in flight begins (the HTTP
+# front answers it with 429).
+TOO_MANY_IN_FLIGHT = "too many requests in flight"
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -155,7 +160,7 @@ class Message:
         label = cls.TYPE or cls.__name__
         unknown = sorted(map(str, set(m) - set(fields)))
         if unknown:
-            raise ProtocolError(f"{label}: unknown field(s) {unknown}", request_id)
+            raise ProtocolError(f"{label}: unknown field(s) {short_repr(unknown)}", request_id)
         values = {}
         for name, fl in fields.items():
             kind: Kind = fl.metadata["kind"]
@@ -189,10 +194,12 @@ def decode(data: bytes, allowed: Mapping[str, type[Message]] | None = None) -> A
     mtype, version = m.pop("type", None), m.pop("v", None)
     registry = _REGISTRY if allowed is None else allowed
     if not isinstance(mtype, str) or mtype not in registry:
-        raise ProtocolError(f"unknown message type {mtype!r}", rid)
+        raise ProtocolError(f"unknown message type {short_repr(mtype)}", rid)
     if version != PROTOCOL_VERSION:
         raise ProtocolError(
-            f"unsupported protocol version {version!r} (this server speaks {PROTOCOL_VERSION})", rid
+            f"unsupported protocol version {short_repr(version)} "
+            f"(this server speaks {PROTOCOL_VERSION})",
+            rid,
         )
     return registry[mtype]._from_map(m, rid)
 

@@ -18,6 +18,7 @@ from radixserve.config import (
 )
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.server_config import ServerConfig
+from radixserve.tokenizer.config import TokenizerConfig
 from radixserve.worker.config import WorkerConfig
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -41,7 +42,8 @@ def defaults(cls: type) -> dict[str, object]:
 
 def test_every_library_option_is_an_engine_option_with_the_same_default():
     engine = defaults(EngineConfig)
-    for cls, model_fields in ((WorkerConfig, ()), (SchedulerConfig, MODEL_FIELDS)):
+    libraries = ((WorkerConfig, ()), (SchedulerConfig, MODEL_FIELDS), (TokenizerConfig, ()))
+    for cls, model_fields in libraries:
         for name, value in defaults(cls).items():
             if name in model_fields:
                 continue
@@ -52,7 +54,7 @@ def test_every_library_option_is_an_engine_option_with_the_same_default():
 
 
 def test_every_engine_option_reaches_a_library_config():
-    used = {f.name for f in fields(WorkerConfig)} | {f.name for f in fields(SchedulerConfig)}
+    used = {f.name for cls in (WorkerConfig, SchedulerConfig, TokenizerConfig) for f in fields(cls)}
     assert used >= ENGINE_FIELDS
 
 

@@ -154,9 +154,14 @@ class _AsyncInFlight:
         rid = self.msg.id  # type: ignore[attr-defined]
         if rid in self.client._queues:
             raise ValueError(f"request id {rid!r} is already in use by this client")
+        data = self.msg.encode()  # before registering: a failure must leave nothing behind
         queue: asyncio.Queue[P.Message] = asyncio.Queue()
         self.client._queues[rid] = queue
-        await self.client._sock.send(self.msg.encode())
+        try:
+            await self.client._sock.send(data)
+        except BaseException:
+            del self.client._queues[rid]
+            raise
         return queue
 
     async def __aexit__(self, exc_type: type | None, exc: object, tb: object) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from radixserve import protocol as P
 from radixserve.results import Result, Usage
-from radixserve.sampling_params import SamplingParams
+from radixserve.sampling_params import TOKEN_ID_MAX, SamplingParams, short_repr
 
 DEFAULT_TIMEOUT = 300.0
 Chunk = P.Chunk  # what generate_stream yields: id, index, text, token_ids, finish_reason, usage
@@ -44,10 +44,16 @@ def build_generate(
     if sampling_params is not None and sampling:
         raise ValueError("pass sampling_params or sampling keyword arguments, not both")
     sp = sampling_params if sampling_params is not None else SamplingParams(**sampling)
+    ids = None
+    if input_ids is not None:
+        ids = [int(t) for t in input_ids]
+        bad = next((t for t in ids if not 0 <= t <= TOKEN_ID_MAX), None)
+        if bad is not None:
+            raise ValueError(f"token id {short_repr(bad)} is not a valid token id")
     return P.Generate(
         id=request_id or uuid.uuid4().hex,
         prompt=prompt,
-        input_ids=None if input_ids is None else [int(t) for t in input_ids],
+        input_ids=ids,
         messages=None if messages is None else [dict(m) for m in messages],
         sampling=sp,
         stream=stream,

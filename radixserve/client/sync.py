@@ -136,8 +136,11 @@ class Client:
         return _InFlight(self, msg)
 
     def _send(self, msg: P.Message) -> None:
+        self._send_bytes(msg.encode())
+
+    def _send_bytes(self, data: bytes) -> None:
         with self._lock:
-            self._sock.send(msg.encode())
+            self._sock.send(data)
 
     def _next(self, rid: str, deadline: float | None) -> P.Message:
         """The next reply for ``rid``, sorting replies for other requests into their boxes."""
@@ -172,9 +175,15 @@ class _InFlight:
         rid = self.msg.id  # type: ignore[attr-defined]
         if rid in self.client._mail:
             raise ValueError(f"request id {rid!r} is already in use by this client")
+        data = self.msg.encode()  # before registering: a failure must leave nothing behind
         with self.client._lock:
             self.client._mail[rid] = deque()
-        self.client._send(self.msg)
+        try:
+            self.client._send_bytes(data)
+        except BaseException:
+            with self.client._lock:
+                del self.client._mail[rid]
+            raise
 
     def __exit__(self, exc_type: type | None, exc: object, tb: object) -> None:
         rid = self.msg.id  # type: ignore[attr-defined]

@@ -39,9 +39,16 @@ class ClientGone(Exception):
     """The HTTP client disconnected; its request was aborted."""
 
 
-async def parse(request: Request, cls: type[Body]) -> Body:
+async def parse(state: FrontState, request: Request, cls: type[Body]) -> Body:
+    limit = state.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:  # refused before it is read
+        raise HTTPError(413, f"the body has {declared} bytes; this server accepts {limit}")
+    data = await request.body()
+    if len(data) > limit:
+        raise HTTPError(413, f"the body has {len(data)} bytes; this server accepts {limit}")
     try:
-        return cls.model_validate_json(await request.body())
+        return cls.model_validate_json(data)
     except ValidationError as e:
         raise from_validation(e) from None
 
@@ -65,7 +72,7 @@ def _sampling(
 
 
 async def completions(state: FrontState, request: Request) -> Response:
-    body = await parse(request, CompletionRequest)
+    body = await parse(state, request, CompletionRequest)
     check(state, body)
     sp = _sampling(body, body.max_tokens, state)
     gens = []
@@ -80,7 +87,7 @@ async def completions(state: FrontState, request: Request) -> Response:
 
 
 async def chat_completions(state: FrontState, request: Request) -> Response:
-    body = await parse(request, ChatCompletionRequest)
+    body = await parse(state, request, ChatCompletionRequest)
     check(state, body)
     sp = _sampling(body, body.max_new_tokens, state)
     messages = body.messages_as_dicts()
@@ -117,8 +124,11 @@ async def _respond(
 
 def _refused(state: FrontState, e: ServerError) -> HTTPError:
     # While stopping, the tokenizer fails every request in flight: that is a 503, not the
-    # client's fault; otherwise the server refused the request's content.
-    return HTTPError(503 if state.draining else 400, str(e))
+    # client's fault; over the front's requests in flight is a 429; otherwise the server
+    # refused the request's content.
+    if state.draining:
+        return HTTPError(503, str(e))
+    return HTTPError(429 if str(e).startswith(P.TOO_MANY_IN_FLIGHT) else 400, str(e))
 
 
 class _Format:

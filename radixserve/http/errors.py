@@ -7,9 +7,13 @@ import json
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from radixserve.protocol import MAX_ERROR_CHARS
+
 _TYPES = {
     400: "invalid_request_error",
     404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
 }
@@ -46,10 +50,18 @@ def from_validation(err: ValidationError) -> HTTPError:
     """A 400 naming every bad field of the body (pydantic's own wording)."""
     parts, param = [], None
     for e in err.errors(include_url=False):
-        where = ".".join(str(x) for x in e["loc"])
+        # loc may hold a client's own keys (an unknown field's name): never echo much of it
+        where = short_text(".".join(str(x) for x in e["loc"]))
         if e["type"] == "json_invalid":
             parts.append(f"the body is not valid JSON: {e['ctx'].get('error', e['msg'])}")
             continue
         param = param or (str(e["loc"][0]) if e["loc"] else None)
         parts.append(f"{where}: {e['msg']}" if where else e["msg"])
-    return HTTPError(400, "; ".join(parts), param)
+    message = "; ".join(parts)
+    if len(message) > MAX_ERROR_CHARS:
+        message = message[: MAX_ERROR_CHARS - 3] + "..."
+    return HTTPError(400, message, param and short_text(param))
+
+
+def short_text(text: str, limit: int = 64) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."

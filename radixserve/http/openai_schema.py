@@ -1,7 +1,7 @@
 """OpenAI request bodies (pydantic) and what each becomes: sampling parameters and prompts.
 
-Types are strict (``"5"`` is not an integer, ``1`` is not a boolean) and unknown
-fields are refused, so a misspelt or unsupported parameter is a 400 naming it
+Types are strict (``"5"`` is not an integer, ``1`` is not a boolean), integers
+fit int64 (token ids int32), and unknown fields are refused, so a misspelt or unsupported parameter is a 400 naming it
 instead of a silently different completion. Fields OpenAI defines that this
 server cannot honour are declared here only to refuse them with a message
 (``unsupported()``); ``user`` is accepted because it never changes the output.
@@ -13,10 +13,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from radixserve.sampling_params import SamplingParams
+from radixserve.sampling_params import INT64_MAX, TOKEN_ID_MAX, SamplingParams
 
-Number = StrictInt | StrictFloat
-TokenIds = list[StrictInt]
+# Integers travel to the server as msgpack int64 and token ids as int32: larger ones
+# are a 400 naming the field here, never an encoding failure further on.
+Int = Annotated[StrictInt, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=TOKEN_ID_MAX)]
+Number = Int | StrictFloat
+TokenIds = list[TokenId]
 
 
 class StreamOptions(BaseModel):
@@ -32,14 +36,14 @@ class _Common(BaseModel):
     model: StrictStr
     temperature: Number | None = None
     top_p: Number | None = None
-    n: StrictInt = 1
+    n: Int = 1
     stop: StrictStr | list[StrictStr] | None = None
-    seed: StrictInt | None = None
+    seed: Int | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None  # an end-user id for the caller's bookkeeping; no effect
     # radixserve (and vLLM) extras
-    top_k: StrictInt | None = None
+    top_k: Int | None = None
     min_p: Number | None = None
     ignore_eos: StrictBool = False
     cache_salt: StrictStr | None = None
@@ -83,10 +87,10 @@ class CompletionRequest(_Common):
     """``POST /v1/completions``."""
 
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
-    max_tokens: StrictInt | None = 16  # OpenAI's default for completions
-    logprobs: StrictInt | None = None
+    max_tokens: Int | None = 16  # OpenAI's default for completions
+    logprobs: Int | None = None
     echo: StrictBool = False
-    best_of: StrictInt | None = None
+    best_of: Int | None = None
     suffix: StrictStr | None = None
 
     def unsupported(self) -> str | None:
@@ -132,10 +136,10 @@ class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: StrictInt | None = None  # deprecated by OpenAI for max_completion_tokens
-    max_completion_tokens: StrictInt | None = None
+    max_tokens: Int | None = None  # deprecated by OpenAI for max_completion_tokens
+    max_completion_tokens: Int | None = None
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: Int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None

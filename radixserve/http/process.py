@@ -32,7 +32,7 @@ from radixserve import protocol as P
 from radixserve.client import AsyncClient
 from radixserve.http.app import create_app
 from radixserve.http.metrics import Metrics
-from radixserve.http.state import FrontState
+from radixserve.http.state import FrontState, body_limit
 from radixserve.server_config import CONTROL, HTTP_IN, PUBLIC_IPC, ServerConfig
 from radixserve.utils.proc import ParentWatch, child_main, socket
 
@@ -77,7 +77,13 @@ async def serve(config: ServerConfig, ctx: zmq.Context) -> None:
     try:
         await client.health(timeout=STARTUP_TIMEOUT_S)  # the tokenizer answers: go
         name = config.served_model_name or config.model.model_name
-        state = FrontState(client, Metrics(name), name, config.model.max_context_len)
+        state = FrontState(
+            client,
+            Metrics(name),
+            name,
+            config.model.max_context_len,
+            max_body_bytes=body_limit(config.engine.max_message_bytes),
+        )
         sock = bind(config.host, config.http_port)
         uv = uvicorn.Config(
             create_app(state),

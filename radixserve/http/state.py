@@ -7,6 +7,18 @@ from dataclasses import dataclass, field
 
 from radixserve.client import AsyncClient
 from radixserve.http.metrics import Metrics
+from radixserve.tokenizer.config import TokenizerConfig
+
+# Room a body leaves for what the front adds to the message it sends on (id, fields).
+MESSAGE_OVERHEAD = 64 << 10
+
+
+def body_limit(max_message_bytes: int) -> int:
+    """The largest body the front accepts for a tokenizer that accepts messages of
+    ``max_message_bytes``: a message the tokenizer refused would drop the front's
+    connection, and with it every request in flight. JSON never encodes a prompt in
+    fewer bytes than msgpack does, so a body within this makes a message within that."""
+    return max(max_message_bytes - MESSAGE_OVERHEAD, 1)
 
 
 @dataclass
@@ -16,4 +28,5 @@ class FrontState:
     served_model_name: str
     max_context_len: int
     draining: bool = False  # the server is stopping: new requests get 503
+    max_body_bytes: int = body_limit(TokenizerConfig.max_message_bytes)  # else a 413
     created: int = field(default_factory=lambda: int(time.time()))  # the model card's

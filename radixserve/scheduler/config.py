@@ -23,7 +23,17 @@ class SchedulerConfig:
       steps is admitted before any newer one (no starvation under lpm).
     - ``decode_reserve_ratio`` 1.0: the fraction of each running request's
       remaining ``max_tokens`` kept free for its decode when admitting more;
-      lower admits more and relies on eviction and retraction.
+      lower admits more and relies on eviction and retraction. It is where the
+      reserve ratio starts, and where it goes back to after a retraction.
+    - ``decode_reserve_min_ratio`` 0.1 and ``decode_reserve_decay_steps`` 500:
+      while nothing is retracted the reserve ratio falls linearly to the min
+      (never above ``decode_reserve_ratio``) over that many steps, so requests
+      that ask for far more output than they produce (``max_tokens`` up to the
+      context) do not hold the pool against everyone else; retraction is the
+      safety net when they do produce it.
+    - ``max_admit_skips`` 32: a waiting request whose pages do not fit is
+      passed over and admission goes on with the requests behind it, up to
+      this many such requests per step (then admission stops for the step).
     """
 
     num_pages: int
@@ -38,6 +48,9 @@ class SchedulerConfig:
     lpm_max_waiting: int = 128
     max_wait_steps: int = 64
     decode_reserve_ratio: float = 1.0
+    decode_reserve_min_ratio: float = 0.1
+    decode_reserve_decay_steps: int = 500
+    max_admit_skips: int = 32
     # A waiting request is held back while it shares a prefix of at least this
     # many tokens with a prompt being prefilled now and part of that prefix (in
     # whole pages) is not cached yet (DESIGN: shared prefixes inside one batch);
@@ -56,8 +69,15 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunked_prefill_size < self.page_size:
             raise ValueError("chunked_prefill_size must be at least one page")
-        if not 0.0 <= self.decode_reserve_ratio <= 1.0:
-            raise ValueError("decode_reserve_ratio must be in [0, 1]")
-        for name in ("lpm_max_waiting", "max_wait_steps", "shared_prefix_min_tokens"):
+        for name in ("decode_reserve_ratio", "decode_reserve_min_ratio"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1]")
+        for name in (
+            "lpm_max_waiting",
+            "max_wait_steps",
+            "shared_prefix_min_tokens",
+            "decode_reserve_decay_steps",
+            "max_admit_skips",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

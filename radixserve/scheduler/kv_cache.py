@@ -69,7 +69,7 @@ class KVCacheManager:
         req.locked_len = m.hit_len
         req.kv_len = m.hit_len
         n = len(m.pages)
-        req.table[:n] = m.pages
+        req.table_room(n)[:n] = m.pages
         req.num_pages = n
         return m.hit_len
 
@@ -95,7 +95,7 @@ class KVCacheManager:
         ids = self.alloc(n)
         if ids is None:
             return False
-        req.table[req.num_pages : req.num_pages + n] = ids
+        req.table_room(req.num_pages + n)[req.num_pages : req.num_pages + n] = ids
         req.num_pages += n
         return True
 
@@ -111,7 +111,7 @@ class KVCacheManager:
         if ids is None:
             return False
         for req, page in zip(needy, ids):
-            req.table[req.num_pages] = page
+            req.table_room(req.num_pages + 1)[req.num_pages] = page
             req.num_pages += 1
         return True
 

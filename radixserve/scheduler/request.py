@@ -11,6 +11,16 @@ from radixserve.protocol import OutputItem
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.prefix_cache import CacheNode
 
+# Tokens of room a new request's buffers get beyond its prompt; they double from there.
+INITIAL_ROOM = 64
+
+
+def _grown(buf: np.ndarray, need: int, cap: int) -> np.ndarray:
+    """A copy of ``buf`` with room for at least ``need`` entries: double, at most ``cap``."""
+    new = np.zeros(min(max(need, 2 * len(buf)), max(cap, need)), dtype=buf.dtype)
+    new[: len(buf)] = buf
+    return new
+
 
 class ReqStatus(enum.Enum):
     WAITING = "waiting"  # queued, or retracted and queued again
@@ -23,8 +33,10 @@ class ReqStatus(enum.Enum):
 class Request:
     """One sample of a client request (``n > 1`` makes n of these).
 
-    Tokens live in a preallocated int32 buffer: ``tokens[:num_tokens]`` is the
-    prompt followed by the sampled tokens. KV exists for ``tokens[:kv_len]``;
+    Tokens live in an int32 buffer: ``tokens[:num_tokens]`` is the prompt
+    followed by the sampled tokens. The buffer and the page table start small
+    and grow (doubling, up to ``final_len``) as the request does, so a large
+    ``max_tokens`` costs nothing until it is generated. KV exists for ``tokens[:kv_len]``;
     while running, ``kv_len < num_tokens`` (the last sampled token has no KV
     yet). The page table ``table[:num_pages]`` covers the KV (only
     ``KVCacheManager`` writes it); the first ``sent_pages`` entries are already
@@ -74,13 +86,29 @@ class Request:
         final_len: int,
         table_pages: int,
     ) -> Request:
-        """A waiting request that may grow to ``final_len`` tokens in ``table_pages`` pages."""
-        tokens = np.zeros(final_len, dtype=np.int32)
+        """A waiting request that may grow to ``final_len`` tokens in ``table_pages`` pages.
+
+        Its buffers hold the prompt and ``INITIAL_ROOM`` tokens of room to grow."""
+        size = min(final_len, len(prompt) + INITIAL_ROOM)
+        tokens = np.zeros(size, dtype=np.int32)
         tokens[: len(prompt)] = prompt
-        table = np.zeros(table_pages, dtype=np.int32)
+        table = np.zeros(min(table_pages, size), dtype=np.int32)
         req = cls(rid, index, len(prompt), sampling, salt, arrival, tokens, len(prompt), table)
         req.final_len = final_len
         return req
+
+    def append_token(self, token: int) -> None:
+        """Add a sampled token (growing the buffer when full)."""
+        if self.num_tokens == len(self.tokens):
+            self.tokens = _grown(self.tokens, self.num_tokens + 1, self.final_len)
+        self.tokens[self.num_tokens] = token
+        self.num_tokens += 1
+
+    def table_room(self, num_pages: int) -> np.ndarray:
+        """The page table, grown if needed to hold ``num_pages`` entries."""
+        if num_pages > len(self.table):
+            self.table = _grown(self.table, num_pages, max(num_pages, 2 * len(self.table)))
+        return self.table
 
     @property
     def key(self) -> tuple[str, int]:

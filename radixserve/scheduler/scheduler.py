@@ -22,6 +22,14 @@ A step, in order:
    budget (free + evictable pages minus what running requests still reserve)
    and the slots allow. A request sharing an uncached prefix with a prompt
    being prefilled in this step waits one step and then hits it in the tree.
+   A request whose pages do not fit is passed over (up to ``max_admit_skips``
+   per step), so it cannot hold back the requests behind it.
+
+Reservations: each running request reserves ``reserve_ratio`` of the pages it
+may still need. The ratio starts at ``decode_reserve_ratio``, falls each step
+towards ``decode_reserve_min_ratio`` and goes back up after a retraction: a
+request that asks for a whole context of output reserves it only while it is
+likely to produce it, and retraction is the safety net when it does.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -60,6 +69,7 @@ class Scheduler:
         self._eos = frozenset(config.eos_token_ids)
         self._arrivals = 0
         self._admissions = 0
+        self.reserve_ratio = config.decode_reserve_ratio
         # Counters for stats().
         self.num_steps = 0
         self.num_retractions = 0
@@ -79,11 +89,13 @@ class Scheduler:
             raise ValueError(f"request id {rid!r} is already in use")
         prompt = self.check_request(prompt_ids, sampling)
         final_len = self._final_len(len(prompt), sampling)
+        # Every sample is built before any is queued: a failure queues nothing.
         samples = []
         for i in range(sampling.n):
             params = sampling
             if sampling.n > 1 and sampling.seed is not None:
-                params = _with_seed(sampling, sampling.seed + i)
+                # One sample of n: validation checked seed + n - 1 fits already.
+                params = replace(sampling, seed=sampling.seed + i, n=1)
             req = Request.create(
                 rid,
                 i,
@@ -96,7 +108,7 @@ class Scheduler:
             )
             self._arrivals += 1
             samples.append(req)
-            self.waiting.append(req)
+        self.waiting.extend(samples)
         self._requests[rid] = samples
 
     def check_request(
@@ -178,6 +190,8 @@ class Scheduler:
         assert not self._batch, "the last step's tokens were not taken back"
         batch: list[tuple[Request, int]] = []
         self._schedule_decodes(batch)
+        if batch:
+            self._decay_reserve_ratio()
         budget = self.config.chunked_prefill_size
         in_flight: list[Request] = []
         if self.chunked is not None:
@@ -217,8 +231,7 @@ class Scheduler:
                 req.status = ReqStatus.DECODE
             token = tokens[i]
             i += 1
-            req.tokens[req.num_tokens] = token
-            req.num_tokens += 1
+            req.append_token(token)
             sp = req.sampling
             reason = None
             if (token in eos and not sp.ignore_eos) or token in sp.stop_token_ids:
@@ -242,7 +255,7 @@ class Scheduler:
         req.sent_pages = req.num_pages
         sampling = None
         if not req.announced:
-            sampling = req.sampling
+            sampling = req.sampling.for_worker()
             req.announced = True
         start = req.kv_len
         return StepReq(
@@ -285,10 +298,21 @@ class Scheduler:
         req.announced = False
         self.waiting.appendleft(req)
         self.num_retractions += 1
+        # Reservations proved too optimistic: reserve fully again, then decay.
+        self.reserve_ratio = self.config.decode_reserve_ratio
+
+    def _decay_reserve_ratio(self) -> None:
+        cfg = self.config
+        floor = min(cfg.decode_reserve_min_ratio, cfg.decode_reserve_ratio)
+        if cfg.decode_reserve_decay_steps == 0 or self.reserve_ratio <= floor:
+            return
+        step = (cfg.decode_reserve_ratio - floor) / cfg.decode_reserve_decay_steps
+        self.reserve_ratio = max(floor, self.reserve_ratio - step)
 
     def _reserved_pages(self) -> int:
-        """Pages running requests may still need to reach their final length."""
-        ratio = self.config.decode_reserve_ratio
+        """The share (``reserve_ratio``) of the pages running requests may still
+        need to reach their final length."""
+        ratio = self.reserve_ratio
         if ratio == 0.0:
             return 0
         total = 0
@@ -308,6 +332,7 @@ class Scheduler:
         candidates = order_waiting(self.waiting, self.kv, cfg)
         reserved = self._reserved_pages()
         admitted: list[Request] = []
+        skipped = 0
         for req in candidates:
             if budget <= 0 or not self._free_slots:
                 break
@@ -325,10 +350,16 @@ class Scheduler:
             hit = self.kv.acquire_prefix(req)
             need = self.kv.pages_missing(req, req.num_tokens)
             final_pages = self.kv.pages_missing(req, req.final_len) - need
-            reserve = math.ceil(final_pages * cfg.decode_reserve_ratio)
+            reserve = math.ceil(final_pages * self.reserve_ratio)
             if need + reserve > self.kv.available_pages - reserved:
+                # Pass it over: a request that does not fit must not hold back
+                # smaller ones behind it (it is tried again next step, first
+                # once it has aged under lpm, and its reservation shrinks).
                 self.kv.release_prefix(req)
-                break
+                skipped += 1
+                if skipped > cfg.max_admit_skips:
+                    break
+                continue
             chunk = req.num_tokens - hit
             if chunk > budget:
                 if self.chunked is not None:
@@ -412,9 +443,3 @@ class Scheduler:
             f"page leak: {self.config.num_pages - self.allocator.num_free - cached} pages"
         )
         assert len(self._free_slots) == self.config.max_running_requests, "a slot leaked"
-
-
-def _with_seed(sp: SamplingParams, seed: int) -> SamplingParams:
-    d = sp.to_dict()
-    d["seed"] = seed
-    return SamplingParams.from_dict(d)

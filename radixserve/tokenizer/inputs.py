@@ -1,19 +1,38 @@
-"""Turning what a client sends (text, token ids or chat messages) into token ids."""
+"""Turning what a client sends (text, token ids or chat messages) into token ids,
+within the limits of ``TokenizerConfig`` (checked before the costly work)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from radixserve.sampling_params import SamplingParams, short_repr
+from radixserve.tokenizer.chat import chat_to_ids
+from radixserve.tokenizer.config import TokenizerConfig
+
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 class InputProcessor:
-    """Validates and tokenizes one prompt. Raises ValueError with a clear message."""
+    """Validates and tokenizes one prompt. Raises ValueError with a clear message.
 
-    def __init__(self, tokenizer: Any, vocab_size: int | None = None) -> None:
+    ``context_len`` is the model's context: a prompt must leave room for one
+    output token, so it has at most ``context_len - 1`` tokens (or
+    ``config.max_prompt_tokens``, when lower).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int | None = None,
+        config: TokenizerConfig | None = None,
+        context_len: int | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
+        self.config = config if config is not None else TokenizerConfig()
+        limits = [x for x in (self.config.max_prompt_tokens, context_len and context_len - 1) if x]
+        self.max_prompt_tokens = min(limits) if limits else None
 
     def to_ids(
         self,
@@ -29,6 +48,7 @@ class InputProcessor:
                 raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
             if not prompt:  # a BOS token alone is not a prompt
                 raise ValueError("the prompt is empty")
+            self._check_chars(len(prompt))
             ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
         elif input_ids is not None:
             ids = self._check_ids(input_ids)
@@ -36,36 +56,80 @@ class InputProcessor:
             ids = self.apply_chat_template(messages)
         if not ids:
             raise ValueError("the prompt is empty")
+        self._check_tokens(len(ids))
         return ids
+
+    def check_sampling(self, sp: SamplingParams) -> None:
+        """The limits on sampling parameters that depend on the server, not the request:
+        samples per request, stop lists, stop token ids inside the vocabulary."""
+        cfg = self.config
+        if sp.n > cfg.max_n:
+            raise ValueError(f"n is {sp.n}; this server allows at most {cfg.max_n}")
+        if len(sp.stop) > cfg.max_stop:
+            raise ValueError(
+                f"{len(sp.stop)} stop strings; this server allows at most {cfg.max_stop}"
+            )
+        longest = max((len(s) for s in sp.stop), default=0)
+        if longest > cfg.max_stop_len:
+            raise ValueError(
+                f"a stop string has {longest} characters; this server allows at most "
+                f"{cfg.max_stop_len}"
+            )
+        if len(sp.stop_token_ids) > cfg.max_stop:
+            raise ValueError(
+                f"{len(sp.stop_token_ids)} stop token ids; this server allows at most "
+                f"{cfg.max_stop}"
+            )
+        for t in sp.stop_token_ids:
+            if t >= self.vocab_size:
+                raise ValueError(
+                    f"stop token id {t} is outside the vocabulary [0, {self.vocab_size})"
+                )
+
+    def _check_chars(self, n: int) -> None:
+        if n > self.config.max_prompt_chars:
+            raise ValueError(
+                f"the prompt has {n} characters; this server allows at most "
+                f"{self.config.max_prompt_chars}"
+            )
+
+    def _check_tokens(self, n: int) -> None:
+        if self.max_prompt_tokens is not None and n > self.max_prompt_tokens:
+            raise ValueError(
+                f"the prompt has {n} tokens; at most {self.max_prompt_tokens} fit "
+                "(the model's context leaves room for one output token)"
+            )
 
     def _check_ids(self, input_ids: Sequence[int]) -> list[int]:
         if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence):
             raise ValueError("input_ids must be a list of integers")
+        self._check_tokens(len(input_ids))
         ids = list(input_ids)
         for t in ids:
             if not isinstance(t, int) or isinstance(t, bool):
                 raise ValueError("input_ids must be a list of integers")
             if not 0 <= t < self.vocab_size:
-                raise ValueError(f"token id {t} is outside the vocabulary [0, {self.vocab_size})")
+                raise ValueError(
+                    f"token id {short_repr(t)} is outside the vocabulary [0, {self.vocab_size})"
+                )
         return ids
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
             raise ValueError("messages must be a non-empty list of {role, content} objects")
         clean = []
+        chars = 0
         for m in messages:
             if not isinstance(m, Mapping):
                 raise ValueError("each message must be an object with role and content")
             role, content = m.get("role"), m.get("content")
             if role not in _ROLES:
-                raise ValueError(f"message role must be one of {_ROLES}, got {role!r}")
+                raise ValueError(f"message role must be one of {_ROLES}, got {short_repr(role)}")
             if not isinstance(content, str):
                 raise ValueError("message content must be a string")
+            chars += len(content)
+            self._check_chars(chars)
             clean.append({"role": role, "content": content})
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("this model's tokenizer has no chat template; send a prompt instead")
-        out = self.tokenizer.apply_chat_template(clean, tokenize=True, add_generation_prompt=True)
-        # transformers 5 returns a BatchEncoding, older versions a list.
-        if isinstance(out, Mapping) or hasattr(out, "input_ids"):
-            out = out["input_ids"]
-        return [int(t) for t in out]
+        return chat_to_ids(self.tokenizer, clean, self.config.chat_special_tokens)

@@ -1,9 +1,12 @@
 """The tokenizer process: the server's front door.
 
 It owns the public ROUTER socket. Every client message is validated here
-(``protocol.decode`` plus ``InputProcessor``, plus the context length), and
-bad input gets an ``Error`` to that client only: nothing malformed reaches the
-scheduler. Good requests are tokenized and sent on as ``AddRequest``; the
+(``protocol.decode`` plus ``InputProcessor``: the context length and the input
+limits of ``TokenizerConfig``), completely before anything is queued, and bad
+input gets a short ``Error`` to that client only: nothing malformed reaches the
+scheduler. The socket itself bounds message size (``ZMQ_MAXMSGSIZE``) and the
+replies queued for a client that does not read them (``SNDHWM``); a client has
+at most ``max_requests_per_client`` requests in flight (docs/security.md). Good requests are tokenized and sent on as ``AddRequest``; the
 scheduler's ``Outputs`` come back as token ids, which are detokenized
 incrementally with stop strings applied (``OutputStream``, the same code the
 in-process Engine runs) and streamed to the client as ``Chunk`` messages, or
@@ -22,12 +25,15 @@ A client that went away is noticed when a reply to it cannot be routed
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 
 import zmq
 
 from radixserve import protocol as P
+from radixserve.config import tokenizer_config
 from radixserve.models.tokenizer import load_tokenizer
+from radixserve.sampling_params import short_repr
 from radixserve.server_config import (
     CONTROL,
     PUBLIC_IPC,
@@ -69,10 +75,18 @@ class TokenizerServer:
         self.config = config
         self.model = config.model
         self.tokenizer = tokenizer
-        self.inputs = InputProcessor(tokenizer, config.model.vocab_size)
+        self.limits = tokenizer_config(config.engine)
+        self.inputs = InputProcessor(
+            tokenizer, config.model.vocab_size, self.limits, config.model.max_context_len
+        )
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.router.setsockopt(zmq.SNDHWM, 0)  # never drop a reply to a slow reader
+        # ZeroMQ drops the connection of a peer that sends a larger message before
+        # reading it, so no message costs more memory than this.
+        self.router.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
+        # Replies queued for a peer that does not read them: past this a send fails
+        # (EAGAIN) and the client is treated as gone (see ``send``).
+        self.router.setsockopt(zmq.SNDHWM, self.limits.max_queued_replies)
         self.router.setsockopt(zmq.LINGER, 1000)
         self.router.bind(config.public_endpoint)
         self.endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -83,6 +97,7 @@ class TokenizerServer:
         self.to_scheduler = socket(ctx, zmq.PUSH, config.endpoint(SCHEDULER_IN), bind=False)
         self.requests: dict[str, InFlight] = {}  # by the scheduler's rid
         self.by_client: dict[tuple[bytes, str], str] = {}  # (identity, id) -> rid
+        self.per_client: Counter[bytes] = Counter()  # requests in flight per identity
         self.next_rid = 0
         self.admin: dict[int, tuple[bytes, str, str]] = {}  # tag -> (identity, id, kind)
         self.next_tag = 0
@@ -136,29 +151,32 @@ class TokenizerServer:
         if (identity, msg.id) in self.by_client:
             self.send_error(identity, msg.id, f"request id {msg.id!r} is already in use")
             return
+        limit = self.limits.max_requests_per_client
+        if self.per_client[identity] >= limit:
+            self.send_error(
+                identity, msg.id, f"{P.TOO_MANY_IN_FLIGHT} (at most {limit} per client)"
+            )
+            return
+        sp = msg.sampling
         try:
+            # Everything is checked before anything is queued.
+            self.inputs.check_sampling(sp)
             ids = self.inputs.to_ids(msg.prompt, msg.input_ids, msg.messages)
         except ValueError as e:
             self.send_error(identity, msg.id, str(e))
             return
         except Exception as e:  # a tokenizer or chat template failing on odd input
-            self.send_error(identity, msg.id, f"could not tokenize the prompt: {e}")
+            self.send_error(identity, msg.id, f"could not tokenize the prompt: {short_repr(e)}")
             return
-        limit = self.model.max_context_len
-        if len(ids) >= limit:
-            self.send_error(
-                identity,
-                msg.id,
-                f"the prompt has {len(ids)} tokens; the model's context is {limit}",
-            )
-            return
-        sp = msg.sampling
         outputs = [OutputStream(self.tokenizer, ids, sp.stop) for _ in range(sp.n)]
         self.next_rid += 1
         rid = f"{identity.hex()}/{self.next_rid}"
         self.requests[rid] = InFlight(rid, identity, msg.id, msg.stream, outputs)
         self.by_client[(identity, msg.id)] = rid
-        self.to_scheduler.send(P.AddRequest(rid, ids, sp, msg.cache_salt).encode())
+        self.per_client[identity] += 1
+        # Stop strings are applied here: the scheduler and the worker never see them.
+        scheduled = replace(sp, stop=()) if sp.stop else sp
+        self.to_scheduler.send(P.AddRequest(rid, ids, scheduled, msg.cache_salt).encode())
 
     # ---------------------------------------------------- scheduler -> server
     def handle_internal(self, msg: P.Message) -> None:
@@ -237,21 +255,27 @@ class TokenizerServer:
             self.send_error(identity, rid, message)
         self.requests.clear()
         self.by_client.clear()
+        self.per_client.clear()
         self.admin.clear()
         raise SystemExit(0)
 
     def forget(self, req: InFlight) -> None:
         del self.requests[req.rid]
         del self.by_client[(req.identity, req.id)]
+        self.per_client[req.identity] -= 1
+        if not self.per_client[req.identity]:
+            del self.per_client[req.identity]
 
     # ----------------------------------------------------------------- sends
     def send(self, identity: bytes, msg: P.Message) -> None:
         try:
             self.router.send_multipart([identity, msg.encode()], zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # EHOSTUNREACH: no such peer any more
+        except zmq.ZMQError as e:  # EHOSTUNREACH: no such peer; EAGAIN: it stopped reading
             raise ClientGone from e
 
     def send_error(self, identity: bytes, rid: str | None, message: str) -> None:
+        if len(message) > P.MAX_ERROR_CHARS:  # never echo a large input back
+            message = message[: P.MAX_ERROR_CHARS - 3] + "..."
         try:
             self.send(identity, P.Error(rid, message))
         except ClientGone:

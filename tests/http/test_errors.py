@@ -12,7 +12,8 @@ import httpx
 import openai
 import pytest
 
-from radixserve.client import AsyncClient
+from radixserve import protocol as P
+from radixserve.client import AsyncClient, ServerError
 from radixserve.http.app import create_app
 from radixserve.http.metrics import Metrics
 from radixserve.http.state import FrontState
@@ -53,6 +54,17 @@ BAD_BODIES = [
     ({**GOOD, "echo": True}, "echo is not supported", None),
     ({**GOOD, "presence_penalty": 0.5}, "presence_penalty is not supported", None),
     ({**GOOD, "stream_options": {"include_usage": True}}, "stream_options", None),
+    # integers msgpack cannot carry are a 400 naming the field, not a 500
+    ({**GOOD, "max_tokens": 2**64}, "less than or equal", "max_tokens"),
+    ({**GOOD, "top_k": 2**64 + 5}, "less than or equal", "top_k"),
+    ({**GOOD, "seed": 2**70}, "less than or equal", "seed"),
+    ({**GOOD, "n": -(2**64)}, "greater than or equal", "n"),
+    ({**GOOD, "prompt": [5, 2**64]}, "less than or equal", "prompt"),
+    ({**GOOD, "prompt": [[5], [2**31]]}, "less than or equal", "prompt"),
+    ({**GOOD, "max_tokens": 2**63}, "less than or equal", "max_tokens"),
+    ({**GOOD, "prompt": [5, 2**31 - 1]}, "vocabulary", None),
+    ({**GOOD, "seed": 2**63 - 1, "n": 2}, "seed", None),
+    ({**GOOD, "x" * 5000: 1}, "xxx...", "x" * 61 + "..."),
 ]
 
 
@@ -60,6 +72,7 @@ BAD_BODIES = [
 def test_bad_completion_bodies_are_400(http, body, mentions, param):
     err = error_of(http.post("/v1/completions", json=body), 400)
     assert mentions in err["message"]
+    assert len(err["message"]) < 1100  # never the whole bad value back
     assert err["type"] == "invalid_request_error"
     if param is not None:
         assert err["param"] == param
@@ -156,3 +169,33 @@ def test_draining_front_answers_503(http_server, zmq_client):
     assert "shutting down" in error_of(completion, 503)["message"]
     error_of(health, 503)
     assert models.status_code == 200
+
+
+def test_a_front_over_its_requests_in_flight_answers_429():
+    """The tokenizer refuses a client over --max-requests-per-client; for the HTTP front,
+    one client of the tokenizer, that is a 429 (checked in-process with a stand-in)."""
+
+    class Refusing:
+        async def generate_stream(self, **kw):
+            raise ServerError(f"{P.TOO_MANY_IN_FLIGHT} (at most 1 per client)", kw["request_id"])
+            yield  # an async generator, as the client's
+
+    async def run() -> httpx.Response:
+        state = FrontState(Refusing(), Metrics(MODEL), MODEL, 512)
+        transport = httpx.ASGITransport(app=create_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://front") as c:
+            return await c.post("/v1/completions", json=GOOD)
+
+    err = error_of(asyncio.run(run()), 429)
+    assert err["type"] == "rate_limit_error"
+
+
+def test_a_body_too_large_for_the_tokenizer_is_413_and_the_front_keeps_serving(http):
+    """The tokenizer drops the connection of a peer that sends a message over
+    --max-message-bytes, and the front is one peer for every HTTP request: it must refuse
+    such a body itself (8 MiB by default) instead of forwarding it."""
+    huge = {**GOOD, "prompt": "x" * (9 << 20)}
+    err = error_of(http.post("/v1/completions", json=huge), 413)
+    assert "bytes" in err["message"] and len(err["message"]) < 200
+    ok = http.post("/v1/completions", json=GOOD)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3

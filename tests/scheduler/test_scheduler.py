@@ -336,3 +336,102 @@ def test_shared_prefix_with_a_chunked_leader_is_computed_once(page_size):
     assert hits >= 0.98 * optimal
     check_outputs(res, prompts, dict.fromkeys(prompts, 3))
     sched.check_idle()
+
+
+def _step_until(sched, worker, done, max_steps):
+    """Step until ``done(results)``; returns (results, steps taken)."""
+    results: dict = {}
+    for step in range(max_steps):
+        for out in sched.step(worker.step):
+            _collect(results, out)
+        if done(results):
+            return results, step + 1
+    raise AssertionError(f"not done after {max_steps} steps")
+
+
+def _abort_all_and_drain(sched, worker, rids):
+    for rid in rids:
+        sched.abort_request(rid)
+    while sched.has_work():
+        sched.step(worker.step)
+    sched.check_idle()
+
+
+def test_requests_that_reserve_a_whole_context_do_not_lock_out_a_small_one():
+    """Three requests with max_tokens far past the context each reserve a whole context
+    of pages: the third does not fit. A small request behind it is admitted at once
+    (passed-over requests do not block the queue), and the third is admitted long
+    before the first two finish (reservations shrink while nothing is retracted)."""
+    sched, worker = make(num_pages=2500, max_context_len=1000, schedule_policy="fcfs")
+    hogs = [f"hog{i}" for i in range(3)]
+    for i, rid in enumerate(hogs):
+        sched.add_request(rid, [3 + i, 4, 5, 6], greedy(10**9, ignore_eos=True))
+    sched.add_request("small", [7, 8, 9, 10], greedy(4, ignore_eos=True))
+    res, steps = _step_until(
+        sched, worker, lambda r: ("small", 0) in r and r[("small", 0)]["finish"], 900
+    )
+    assert steps <= 10, "the small request waited behind one that could not fit"
+    assert res[("small", 0)]["tokens"] == expected_tokens([7, 8, 9, 10], 4, ignore_eos=True)
+    assert sched.num_running == 2
+    _, steps = _step_until(sched, worker, lambda r: sched.num_running == 3, 900)
+    assert steps < 300, "the third request waited for the whole reservation of the others"
+    assert sched.stats()["preemptions"] == 0
+    _abort_all_and_drain(sched, worker, hogs)
+
+
+def test_max_tokens_past_the_context_is_clamped_to_it():
+    """prompt + max_tokens is limited to the context: the request ends with "length"
+    there, and it never needs more pages than that."""
+    sched, worker = make(num_pages=200, max_context_len=100)
+    prompt = [3, 4, 5, 6]
+    sched.add_request("r", prompt, greedy(10**18, ignore_eos=True))
+    res = run(sched, worker)
+    assert res[("r", 0)]["finish"] == "length"
+    assert res[("r", 0)]["tokens"] == expected_tokens(prompt, 96, ignore_eos=True)
+    sched.check_idle()
+
+
+def test_n_samples_whose_seeds_overflow_are_refused_before_any_is_queued():
+    """Sample i is seeded with seed + i: a seed near 2**63 must fail validation as a
+    whole, not after some samples were queued (they could not even be aborted)."""
+    sched, worker = make()
+    with pytest.raises(ValueError, match="seed"):
+        sched.add_request("r", [3, 4, 5], SamplingParams(n=4, seed=2**63 - 2, max_tokens=3))
+    assert not sched.has_work()
+    sched.add_request("ok", [3, 4, 5], SamplingParams(n=4, seed=2**63 - 4, max_tokens=3))
+    assert len(run(sched, worker)) == 4
+    sched.check_idle()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_request_buffers_grow_with_the_output_not_with_max_tokens(page_size):
+    """A huge max_tokens allocates nothing up front; the buffers grow as tokens come."""
+    sched, worker = make(page_size=page_size, max_context_len=4096)
+    prompt = list(range(3, 40))
+    sched.add_request("big", prompt, greedy(10**9, ignore_eos=True))
+    sched.add_request("r", prompt, greedy(300, ignore_eos=True), salt="other")
+    [big] = sched._requests["big"]
+    assert len(big.tokens) < 200 and len(big.table) < 200
+    sched.abort_request("big")
+    res = run(sched, worker)
+    assert res[("r", 0)]["tokens"] == expected_tokens(prompt, 300, ignore_eos=True)
+    sched.check_idle()
+
+
+def test_the_worker_gets_sampling_parameters_without_stop_lists():
+    """Stop strings and stop token ids are the tokenizer's and the scheduler's business:
+    a long stop list must not travel in the step once per sample."""
+    sched, worker = make()
+    stop = tuple(f"stop{i}" for i in range(50))
+    sched.add_request("r", [3, 4, 5], greedy(3, n=4, stop=stop, stop_token_ids=(9, 10)))
+    sent = []
+
+    def run_step(step):
+        sent.extend(r.sampling for r in step.reqs if r.sampling is not None)
+        return worker.step(step)
+
+    while sched.has_work():
+        sched.step(run_step)
+    assert len(sent) == 4
+    assert all(sp.stop == () and sp.stop_token_ids == () for sp in sent)
+    assert sched.check_idle() is None

@@ -40,6 +40,27 @@ CASES = {
     "empty input_ids": (gen(input_ids=[]), "bad", "empty"),
     "bad chat role": (gen(messages=[{"role": "wizard", "content": "hi"}]), "bad", "role"),
     "two frames": (None, None, "single frame"),
+    # limits (the defaults: docs/security.md)
+    "n over the limit": (gen(prompt="x", sampling={"n": 17}), "bad", "at most 16"),
+    "too many stop strings": (gen(prompt="x", sampling={"stop": ["a"] * 17}), "bad", "stop"),
+    "stop string too long": (gen(prompt="x", sampling={"stop": ["a" * 257]}), "bad", "stop"),
+    "seeds of n samples overflow": (
+        gen(prompt="x", sampling={"seed": 2**63 - 1, "n": 2}),
+        "bad",
+        "seed",
+    ),
+    "token id beyond int64": (gen(input_ids=[5, 2**64 - 1]), "bad", "vocabulary"),
+    "max_tokens beyond int64": (
+        gen(prompt="x", sampling={"max_tokens": 2**64 - 1}),
+        "bad",
+        "max_tokens",
+    ),
+    "stop token id outside vocab": (
+        gen(prompt="x", sampling={"stop_token_ids": [10**6]}),
+        "bad",
+        "vocabulary",
+    ),
+    "prompt over the character limit": (gen(prompt="x" * (1 << 20 | 1)), "bad", "characters"),
 }
 
 
@@ -65,6 +86,7 @@ def test_bad_input_gets_an_error_then_serving_goes_on(raw, case):
     assert reply["type"] == "error"
     assert reply["id"] == error_id
     assert words in reply["message"]
+    assert len(reply["message"]) < 300, "an error must not echo the input"
     raw.send(msgpack.packb({"type": "generate", "v": 1, "id": "good", **OK}))
     reply = msgpack.unpackb(raw.recv())
     assert reply["type"] == "result" and reply["id"] == "good"

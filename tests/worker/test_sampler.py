@@ -90,3 +90,12 @@ def test_unseeded_requests_differ_but_worker_seed_reproduces(logits):
     first = run(0)
     assert first == run(0)
     assert [x for x, _ in first] != [y for _, y in first]
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-45, 1e-30, 1e-6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_tiny_temperature_is_greedy(logits, temperature, dtype):
+    """Logits divided by a temperature near zero overflow to inf (and softmax to NaN):
+    such temperatures must give the argmax, as temperature 0 does."""
+    x = logits.to(dtype) * 50  # large logits: 1e3 / 1e-39 is inf even in float64
+    assert set(draw(SamplingParams(temperature=temperature), x, n=50)) == {int(x.argmax())}
