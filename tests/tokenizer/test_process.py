@@ -25,6 +25,8 @@ INFO = ModelInfo(
     eos_token_ids=(2,),
     model_name="tiny",
     backend_name="torch",
+    dtype="float64",
+    dtype_reason="as asked",
 )
 LIMITS = {"max_message_bytes": 4096, "max_requests_per_client": 2, "max_queued_replies": 500}
 
