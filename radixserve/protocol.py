@@ -33,6 +33,14 @@ from radixserve.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
 MAX_ID_LEN = 256
+# Liveness of the public channel: ZeroMQ heartbeats (ZMTP PING/PONG, answered by
+# libzmq's I/O threads, so a busy process still answers; a stopped or hung one
+# does not). Both sides ping every HEARTBEAT_IVL_MS and drop a connection whose
+# peer has not answered in HEARTBEAT_TIMEOUT_MS; a client's pings also ask the
+# server to drop it after HEARTBEAT_TTL_MS of silence.
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 3000
+HEARTBEAT_TTL_MS = 10000
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
