@@ -61,6 +61,13 @@ def _ratio(text: str) -> float:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0.0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radixserve", description="A prefix-caching LLM serving runtime."
@@ -269,6 +276,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="fix glibc's malloc policy in the worker so step buffers stay mapped",
     )
     p.add_argument(
+        "--watchdog-timeout",
+        type=_seconds,
+        default=ServerConfig.watchdog_timeout,
+        help="seconds the worker may take over one step; past it the requests in flight "
+        "fail and the server exits 1 (a hung or stopped worker); 0: no watchdog",
+    )
+    p.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="stop the server when the process that started `radixserve launch` exits "
+        "(for supervisors and tests; the default keeps serving, as under nohup)",
+    )
+    p.add_argument(
         "--log-level",
         choices=["debug", "info", "warning", "error"],
         default="warning",
@@ -296,6 +316,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         log_level=args.log_level,
         http_port=args.http_port,
         served_model_name=args.served_model_name,
+        watchdog_timeout=args.watchdog_timeout,
+        exit_with_parent=args.exit_with_parent,
     )
 
 

@@ -15,7 +15,13 @@ Shutdown, whatever the cause:
    they linger;
 3. the private runtime dir with the ipc sockets is removed.
 A signal (SIGINT/SIGTERM) stops the server with exit code 0; the death of any
-child stops it with exit code 1.
+child stops it with exit code 1; with ``exit_with_parent``, the death of the
+process that started the launcher stops it with exit code 1.
+
+No child outlives the launcher, even one killed with SIGKILL: each child gets
+``PR_SET_PDEATHSIG`` and watches that the launcher's pid (``launcher_pid`` in
+its config) is still its parent, then fails what it has in flight, exits, and
+removes what is left of the run dir (``utils.proc``).
 """
 
 from __future__ import annotations
@@ -55,7 +61,8 @@ class LaunchError(RuntimeError):
 class Launcher:
     def __init__(self, config: ServerConfig) -> None:
         self.run_dir = tempfile.mkdtemp(prefix="rs-")  # mode 0700: private to this user
-        self.config = replace(config, run_dir=self.run_dir)
+        self.config = replace(config, run_dir=self.run_dir, launcher_pid=os.getpid())
+        self.parent_pid = os.getppid()
         self.ctx = zmq.Context()
         self.control = self.ctx.socket(zmq.PULL)
         self.control.setsockopt(zmq.LINGER, 0)
@@ -103,6 +110,8 @@ class Launcher:
         while names - set(infos):
             if self.signalled is not None:
                 raise LaunchError(f"stopped by signal {self.signalled} while starting")
+            if self.parent_gone():
+                raise LaunchError("the launcher's parent process exited while starting")
             dead = self.dead_child()
             if dead is not None:
                 raise LaunchError(f"the {dead[0]} process exited during startup (code {dead[1]})")
@@ -119,13 +128,22 @@ class Launcher:
                 return name, rc
         return None
 
+    def parent_gone(self) -> bool:
+        """With ``exit_with_parent``: whether the process that started us has exited."""
+        return self.config.exit_with_parent and os.getppid() != self.parent_pid
+
     def serve(self) -> int:
-        """Wait for a signal or a child's death; stop everything; return the exit code."""
+        """Wait for a signal, a child's death or (``exit_with_parent``) the parent's;
+        stop everything; return the exit code."""
         while True:
             if self.signalled is not None:
                 log.info("signal %d: stopping", self.signalled)
                 self.stop("the server is shutting down")
                 return 0
+            if self.parent_gone():
+                log.warning("the launcher's parent (pid %d) exited: stopping", self.parent_pid)
+                self.stop("the server is shutting down")
+                return 1
             dead = self.dead_child()
             if dead is not None:
                 name, rc = dead

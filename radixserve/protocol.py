@@ -38,6 +38,14 @@ MAX_ERROR_CHARS = 1024
 # How an error for a client over its limit of requests in flight begins (the HTTP
 # front answers it with 429).
 TOO_MANY_IN_FLIGHT = "too many requests in flight"
+# Liveness of the public channel: ZeroMQ heartbeats (ZMTP PING/PONG, answered by
+# libzmq's I/O threads, so a busy process still answers; a stopped or hung one
+# does not). Both sides ping every HEARTBEAT_IVL_MS and drop a connection whose
+# peer has not answered in HEARTBEAT_TIMEOUT_MS; a client's pings also ask the
+# server to drop it after HEARTBEAT_TTL_MS of silence.
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 3000
+HEARTBEAT_TTL_MS = 10000
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 

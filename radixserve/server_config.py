@@ -24,6 +24,11 @@ class ServerConfig:
     log_level: str = "info"
     http_port: int | None = None  # the OpenAI-compatible HTTP front's port (0: any free one)
     served_model_name: str | None = None  # the model id the HTTP front answers to
+    # Fail the requests in flight and stop the server when the worker takes longer than
+    # this many seconds over one step (a hung or stopped worker); 0: never.
+    watchdog_timeout: float = 300.0
+    exit_with_parent: bool = False  # the launcher stops when the process that started it dies
+    launcher_pid: int = 0  # set by the launcher: each child stops when this pid is gone
     run_dir: str = ""  # the private runtime dir holding the ipc sockets
     model: ModelInfo | None = None  # filled in once the worker is ready
 

@@ -20,13 +20,29 @@ see ``SamplingParams``) or one ``sampling_params=`` object; they are validated
 here first, and again by the server.
 
 Errors: ``ServerError`` when the server rejects a request or fails it (its
-message says why); ``RequestTimeout`` when no reply came within ``timeout``
+message says why); ``ConnectionLost`` (a ``ServerError``) when the connection to
+the server drops, or stays down, while a request is pending (ZeroMQ heartbeats
+notice a server that died or hangs within seconds); ``RequestTimeout`` when no reply came within ``timeout``
 seconds — for a streaming request, between two chunks; for anything else, the
 whole call. A timed-out request is aborted on the server.
 """
 
 from radixserve.client.aio import AsyncClient
-from radixserve.client.common import DEFAULT_TIMEOUT, Chunk, RequestTimeout, ServerError
+from radixserve.client.common import (
+    DEFAULT_TIMEOUT,
+    Chunk,
+    ConnectionLost,
+    RequestTimeout,
+    ServerError,
+)
 from radixserve.client.sync import Client
 
-__all__ = ["DEFAULT_TIMEOUT", "AsyncClient", "Chunk", "Client", "RequestTimeout", "ServerError"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "AsyncClient",
+    "Chunk",
+    "Client",
+    "ConnectionLost",
+    "RequestTimeout",
+    "ServerError",
+]

@@ -1,4 +1,5 @@
-"""The asyncio client: one reader task sorts replies into per-request queues."""
+"""The asyncio client: one reader task sorts replies into per-request queues (and,
+when the connection to the server is gone, fails every pending request)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ import zmq.asyncio
 from radixserve import protocol as P
 from radixserve.client.common import (
     DEFAULT_TIMEOUT,
+    Link,
+    LinkLost,
     RequestTimeout,
     ServerError,
     _raise_on_error,
     _Results,
     build_generate,
+    setup_socket,
 )
 from radixserve.results import Result
 from radixserve.sampling_params import SamplingParams
@@ -33,9 +37,13 @@ class AsyncClient:
         self.timeout = timeout
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._monitor = setup_socket(self._sock)
+        self._link = Link(endpoint)
         self._sock.connect(endpoint)
-        self._queues: dict[str, asyncio.Queue[P.Message]] = {}
+        self._poller = zmq.asyncio.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._queues: dict[str, asyncio.Queue[P.Message | LinkLost]] = {}
         self._reader: asyncio.Task | None = None
 
     async def generate(
@@ -102,6 +110,8 @@ class AsyncClient:
     def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
         self._ctx.term()
 
@@ -129,16 +139,33 @@ class AsyncClient:
         return _AsyncInFlight(self, msg)
 
     async def _read(self) -> None:
-        """Sort every reply into its request's queue (one reader for all requests)."""
+        """Sort every reply into its request's queue (one reader for all requests): monitor
+        events first, then every reply that arrived (one that came before a drop still
+        counts), then a ``LinkLost`` for what the drop left pending."""
         while True:
-            reply = P.decode(await self._sock.recv(), P.PUBLIC_REPLIES)
-            queue = self._queues.get(reply.id)
-            if queue is not None:
-                queue.put_nowait(reply)
+            await self._poller.poll(500)  # wakes up to notice a connection down too long
+            dropped = False
+            while True:
+                try:
+                    frames = await self._monitor.recv_multipart(zmq.NOBLOCK)
+                    dropped |= self._link.on_event(frames)
+                except zmq.Again:
+                    break
+            while True:
+                try:
+                    data = await self._sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                reply = P.decode(data, P.PUBLIC_REPLIES)
+                queue = self._queues.get(reply.id)
+                if queue is not None:
+                    queue.put_nowait(reply)
+            for lost in self._link.to_fail(self._queues, dropped):
+                self._queues[lost.id].put_nowait(lost)
 
     async def _next(
-        self, queue: asyncio.Queue[P.Message], rid: str, deadline: float | None
-    ) -> P.Message:
+        self, queue: asyncio.Queue[P.Message | LinkLost], rid: str, deadline: float | None
+    ) -> P.Message | LinkLost:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             return await asyncio.wait_for(queue.get(), left)
@@ -150,12 +177,13 @@ class _AsyncInFlight:
     def __init__(self, client: AsyncClient, msg: P.Message) -> None:
         self.client, self.msg = client, msg
 
-    async def __aenter__(self) -> asyncio.Queue[P.Message]:
+    async def __aenter__(self) -> asyncio.Queue[P.Message | LinkLost]:
         rid = self.msg.id  # type: ignore[attr-defined]
         if rid in self.client._queues:
             raise ValueError(f"request id {rid!r} is already in use by this client")
         data = self.msg.encode()  # before registering: a failure must leave nothing behind
-        queue: asyncio.Queue[P.Message] = asyncio.Queue()
+        self.client._link.check_send(rid)
+        queue: asyncio.Queue[P.Message | LinkLost] = asyncio.Queue()
         self.client._queues[rid] = queue
         try:
             await self.client._sock.send(data)

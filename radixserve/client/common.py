@@ -1,10 +1,16 @@
-"""What both clients share: errors, building a ``generate`` message, collecting results."""
+"""What both clients share: errors, the socket's setup and the connection's state,
+building a ``generate`` message, collecting results."""
 
 from __future__ import annotations
 
+import os
+import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from radixserve import protocol as P
 from radixserve.results import Result, Usage
@@ -12,6 +18,11 @@ from radixserve.sampling_params import TOKEN_ID_MAX, SamplingParams, short_repr
 
 DEFAULT_TIMEOUT = 300.0
 Chunk = P.Chunk  # what generate_stream yields: id, index, text, token_ids, finish_reason, usage
+
+# A connection that is down this long after it was up fails what is still pending,
+# and requests made meanwhile fail at once (a reconnect to a live server takes ~0.1 s).
+LINK_GRACE_S = 3.0
+MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
 class ServerError(RuntimeError):
@@ -28,6 +39,101 @@ class RequestTimeout(TimeoutError):
     def __init__(self, message: str, request_id: str | None = None) -> None:
         super().__init__(message)
         self.request_id = request_id
+
+
+class ConnectionLost(ServerError):
+    """The connection to the server dropped (or stayed down) while the request was
+    pending, so no answer can come: the server stopped, or stopped answering heartbeats."""
+
+
+def routing_id() -> bytes:
+    """A random 16-byte ZeroMQ routing id. Never zero-led: libzmq gives those to peers
+    that bring none, and a peer's own choice must not collide with them."""
+    rid = bytearray(os.urandom(16))
+    rid[0] |= 0x80
+    return bytes(rid)
+
+
+def setup_socket(sock: zmq.Socket) -> zmq.Socket:
+    """Configure a fresh DEALER before ``connect``; returns its monitor socket (events
+    read with ``Link.on_event``)."""
+    sock.setsockopt(zmq.ROUTING_ID, routing_id())
+    sock.setsockopt(zmq.LINGER, 0)
+    # Heartbeats (protocol.HEARTBEAT_*): a server that stops answering them (stopped,
+    # hung, or the network gone) loses the connection, which the monitor reports.
+    sock.setsockopt(zmq.HEARTBEAT_IVL, P.HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, P.HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, P.HEARTBEAT_TTL_MS)
+    return sock.get_monitor_socket(MONITOR_EVENTS)
+
+
+class LinkLost:
+    """Not a protocol message: what a client puts in a pending request's mailbox when
+    the connection is gone (``raise_on_error`` turns it into ``ConnectionLost``)."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        self.id = request_id
+        self.message = message
+
+
+class Link:
+    """The connection to the server, as the socket monitor reports it.
+
+    Up after a handshake; a drop (``DISCONNECTED`` after being up) fails every
+    pending request at once; while it stays down ``LINK_GRACE_S`` or longer, every
+    pending request fails, and new ones are refused (``check_send``). Before the
+    first handshake nothing fails early: the server may still be starting.
+    """
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.up = False
+        self.down_since: float | None = None  # None: up, or never connected
+        self._failed: set[str] = set()  # pending requests already failed in this outage
+
+    def on_event(self, frames: list[bytes]) -> bool:
+        """Take one monitor event; True when it is a drop of a live connection."""
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.up, self.down_since = True, None
+            self._failed.clear()
+            return False
+        if event == zmq.EVENT_DISCONNECTED and self.up:
+            self.up, self.down_since = False, time.monotonic()
+            return True
+        return False
+
+    def down_too_long(self) -> bool:
+        return self.down_since is not None and time.monotonic() - self.down_since >= LINK_GRACE_S
+
+    def to_fail(self, pending: Iterable[str], dropped: bool) -> list[LinkLost]:
+        """What to put in the mailboxes of ``pending`` requests now (one each)."""
+        if not (dropped or self.down_too_long()):
+            return []
+        fresh = [rid for rid in pending if dropped or rid not in self._failed]
+        self._failed.update(fresh)
+        why = "the connection dropped" if dropped else "no connection"
+        return [LinkLost(rid, self._message(why)) for rid in fresh]
+
+    def check_send(self, request_id: str) -> None:
+        """Refuse a request while the connection has been down too long."""
+        if self.down_too_long():
+            raise ConnectionLost(self._message("no connection"), request_id)
+
+    def _message(self, why: str) -> str:
+        return (
+            f"lost the server at {self.endpoint}: {why} (the server stopped, or stopped "
+            "answering heartbeats)"
+        )
+
+
+def check_request_id(request_id: str) -> None:
+    """The server can only answer a request by an id it accepts (``protocol.MAX_ID_LEN``):
+    one it cannot echo is refused here, before anything is sent."""
+    if not isinstance(request_id, str) or not 0 < len(request_id) <= P.MAX_ID_LEN:
+        raise ValueError(
+            f"request_id must be a non-empty string of at most {P.MAX_ID_LEN} characters"
+        )
 
 
 def build_generate(
@@ -50,6 +156,8 @@ def build_generate(
         bad = next((t for t in ids if not 0 <= t <= TOKEN_ID_MAX), None)
         if bad is not None:
             raise ValueError(f"token id {short_repr(bad)} is not a valid token id")
+    if request_id:  # None or "": a random id
+        check_request_id(request_id)
     return P.Generate(
         id=request_id or uuid.uuid4().hex,
         prompt=prompt,
@@ -87,6 +195,8 @@ class _Results:
         return ordered[0] if self.n == 1 else ordered
 
 
-def _raise_on_error(msg: P.Message) -> None:
+def _raise_on_error(msg: P.Message | LinkLost) -> None:
     if isinstance(msg, P.Error):
         raise ServerError(msg.message, msg.id)
+    if isinstance(msg, LinkLost):
+        raise ConnectionLost(msg.message, msg.id)

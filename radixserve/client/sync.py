@@ -15,11 +15,14 @@ import zmq
 from radixserve import protocol as P
 from radixserve.client.common import (
     DEFAULT_TIMEOUT,
+    Link,
+    LinkLost,
     RequestTimeout,
     ServerError,
     _raise_on_error,
     _Results,
     build_generate,
+    setup_socket,
 )
 from radixserve.results import Result
 from radixserve.sampling_params import SamplingParams
@@ -33,10 +36,14 @@ class Client:
         self.timeout = timeout
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._monitor = setup_socket(self._sock)
+        self._link = Link(endpoint)
         self._sock.connect(endpoint)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._lock = threading.Lock()  # ZeroMQ sockets are not thread-safe
-        self._mail: dict[str, deque[P.Message]] = {}
+        self._mail: dict[str, deque[P.Message | LinkLost]] = {}
 
     # ---------------------------------------------------------------- public
     def generate(
@@ -111,6 +118,8 @@ class Client:
         return self._admin(P.Check, timeout)
 
     def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
         self._ctx.term()
 
@@ -142,8 +151,9 @@ class Client:
         with self._lock:
             self._sock.send(data)
 
-    def _next(self, rid: str, deadline: float | None) -> P.Message:
-        """The next reply for ``rid``, sorting replies for other requests into their boxes."""
+    def _next(self, rid: str, deadline: float | None) -> P.Message | LinkLost:
+        """The next reply for ``rid``, sorting replies for other requests into their boxes
+        (and, when the connection is gone, a ``LinkLost`` into every box)."""
         box = self._mail[rid]
         while not box:
             left = None if deadline is None else deadline - time.monotonic()
@@ -152,17 +162,30 @@ class Client:
             # Short slices, so threads waiting on other requests take turns reading.
             wait_ms = 50 if left is None else max(1, min(50, int(left * 1000)))
             with self._lock:
-                if box or not self._sock.poll(wait_ms):
-                    continue
-                while True:
-                    try:
-                        data = self._sock.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    reply = P.decode(data, P.PUBLIC_REPLIES)
-                    if reply.id in self._mail:  # else: a reply to an abandoned request
-                        self._mail[reply.id].append(reply)
+                if not box:
+                    self._poller.poll(wait_ms)
+                    self._read()
         return box.popleft()
+
+    def _read(self) -> None:
+        """Under the lock: take monitor events, then every reply that arrived (a reply
+        that came before a drop still counts), then fail what the drop left pending."""
+        dropped = False
+        while True:
+            try:
+                dropped |= self._link.on_event(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        while True:
+            try:
+                data = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            reply = P.decode(data, P.PUBLIC_REPLIES)
+            if reply.id in self._mail:  # else: a reply to an abandoned request
+                self._mail[reply.id].append(reply)
+        for lost in self._link.to_fail(self._mail, dropped):
+            self._mail[lost.id].append(lost)
 
 
 class _InFlight:
@@ -177,6 +200,7 @@ class _InFlight:
             raise ValueError(f"request id {rid!r} is already in use by this client")
         data = self.msg.encode()  # before registering: a failure must leave nothing behind
         with self.client._lock:
+            self.client._link.check_send(rid)
             self.client._mail[rid] = deque()
         try:
             self.client._send_bytes(data)

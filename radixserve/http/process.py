@@ -34,7 +34,7 @@ from radixserve.http.app import create_app
 from radixserve.http.metrics import Metrics
 from radixserve.http.state import FrontState, body_limit
 from radixserve.server_config import CONTROL, HTTP_IN, PUBLIC_IPC, ServerConfig
-from radixserve.utils.proc import ParentWatch, child_main, socket
+from radixserve.utils.proc import Lifeline, child_main, socket
 
 log = logging.getLogger("radixserve.http")
 GRACEFUL_S = 3.0  # how long open responses may take to end after SIGTERM
@@ -60,13 +60,13 @@ def bind(host: str, port: int) -> pysocket.socket:
     return sock
 
 
-def run(config: ServerConfig, ctx: zmq.Context) -> None:
+def run(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
     assert config.model is not None and config.http_port is not None
     disable_created_metrics()  # the *_created series only double the exposition's size
-    asyncio.run(serve(config, ctx))
+    asyncio.run(serve(config, ctx, life))
 
 
-async def serve(config: ServerConfig, ctx: zmq.Context) -> None:
+async def serve(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
     assert config.model is not None and config.http_port is not None
     client = AsyncClient(config.endpoint(PUBLIC_IPC), timeout=None)
     actx = zmq.asyncio.Context.shadow(ctx.underlying)
@@ -107,7 +107,7 @@ async def serve(config: ServerConfig, ctx: zmq.Context) -> None:
         log.info("ready: serving on %s", url)
         helpers = [
             asyncio.create_task(_drain_on_shutdown(inbox, control, state)),
-            asyncio.create_task(_leave_with_parent(server)),
+            asyncio.create_task(_leave_with_parent(server, life)),
         ]
         try:
             await serving
@@ -129,9 +129,8 @@ async def _drain_on_shutdown(
     control.send(P.Draining("http").encode())
 
 
-async def _leave_with_parent(server: uvicorn.Server) -> None:
-    watch = ParentWatch()
-    while watch.alive():
+async def _leave_with_parent(server: uvicorn.Server, life: Lifeline) -> None:
+    while life.alive():  # a SIGTERM before the loop's own handler was set counts too
         await asyncio.sleep(0.5)
     server.should_exit = True
 

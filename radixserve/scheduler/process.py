@@ -13,11 +13,17 @@ Each turn of the loop:
 A request the scheduler refuses (``add_request`` raises ValueError) is answered
 with ``RequestError``; anything else that raises is a bug, and the process exits
 non-zero so the launcher stops the server.
+
+Watchdog: a worker that does not answer a step within ``watchdog_timeout``
+seconds (hung, stopped, deadlocked) is taken for dead: every request not
+finished gets a ``RequestError`` saying so, the reason is logged, and the
+process exits 1, so the launcher stops the server (exit code 1).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import zmq
@@ -33,25 +39,41 @@ from radixserve.server_config import (
     WORKER_IN,
     ServerConfig,
 )
-from radixserve.utils.proc import POLL_MS, ParentWatch, child_main, socket
+from radixserve.utils.proc import POLL_MS, Lifeline, child_main, socket
 
 log = logging.getLogger("radixserve.scheduler")
 
 INBOX = {c.TYPE: c for c in (P.AddRequest, P.AbortRequest, P.Flush, P.GetStats, P.CheckIdle)}
 
 
+class WorkerHung(RuntimeError):
+    """The worker did not answer a step within the watchdog timeout."""
+
+
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler, ctx: zmq.Context, config: ServerConfig) -> None:
+    def __init__(
+        self, scheduler: Scheduler, ctx: zmq.Context, config: ServerConfig, life: Lifeline
+    ) -> None:
         self.scheduler = scheduler
+        self.watchdog_timeout = config.watchdog_timeout  # 0: no watchdog
         self.inbox = socket(ctx, zmq.PULL, config.endpoint(SCHEDULER_IN), bind=True)
         self.from_worker = socket(ctx, zmq.PULL, config.endpoint(SCHEDULER_FROM_WORKER), bind=True)
         self.to_worker = socket(ctx, zmq.PUSH, config.endpoint(WORKER_IN), bind=False)
         self.to_tokenizer = socket(ctx, zmq.PUSH, config.endpoint(TOKENIZER_IN), bind=False)
-        self.watch = ParentWatch()
+        self.life = life
 
     def run(self) -> None:
+        try:
+            self._loop()
+        except WorkerHung as e:
+            log.error("watchdog: %s; failing every request and stopping the server", e)
+            for rid in self.scheduler.request_ids():
+                self.to_tokenizer.send(P.RequestError(rid, f"the server failed: {e}").encode())
+            raise SystemExit(1) from None
+
+    def _loop(self) -> None:
         idle = True
-        while self.watch.alive():
+        while self.life.alive():
             if self.inbox.poll(POLL_MS if idle else 0):
                 while True:
                     try:
@@ -67,9 +89,16 @@ class SchedulerLoop:
     def run_step(self, step: P.Step) -> np.ndarray:
         """Send ``step`` to the worker and wait for its tokens."""
         self.to_worker.send(step.encode())
+        start = time.monotonic()
         while not self.from_worker.poll(POLL_MS):
-            if not self.watch.alive():
-                raise SystemExit(1)
+            if not self.life.alive():
+                raise SystemExit(0)  # child_main says why
+            waited = time.monotonic() - start
+            if self.watchdog_timeout and waited > self.watchdog_timeout:
+                raise WorkerHung(
+                    f"the worker did not finish step {step.step_id} in {waited:.0f} s "
+                    f"(--watchdog-timeout {self.watchdog_timeout:g})"
+                )
         result = P.decode(self.from_worker.recv(), {P.StepResult.TYPE: P.StepResult})
         if result.step_id != step.step_id:
             raise RuntimeError(f"worker answered step {result.step_id}, expected {step.step_id}")
@@ -106,10 +135,10 @@ class SchedulerLoop:
         self.to_tokenizer.send(P.AdminReply(tag, data).encode())
 
 
-def run(config: ServerConfig, ctx: zmq.Context) -> None:
+def run(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
     assert config.model is not None, "the launcher passes the worker's model info"
     scheduler = build_scheduler(config.engine, config.model)
-    loop = SchedulerLoop(scheduler, ctx, config)
+    loop = SchedulerLoop(scheduler, ctx, config, life)
     control = socket(ctx, zmq.PUSH, config.endpoint(CONTROL), bind=False)
     control.send(P.Ready("scheduler").encode())
     log.info("ready: %d pages of %d tokens", config.model.num_pages, config.model.page_size)

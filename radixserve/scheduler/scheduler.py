@@ -163,6 +163,10 @@ class Scheduler:
         not handed over yet, or released slots the worker has not been told of."""
         return bool(self.waiting or self.running or self._outputs or self._release)
 
+    def request_ids(self) -> list[str]:
+        """The ids of every request not finished yet (waiting or running)."""
+        return list(self._requests)
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
@@ -429,6 +433,7 @@ class Scheduler:
             "query_tokens": self.query_tokens,
             "running": len(self.running),
             "waiting": len(self.waiting),
+            "releasing": len(self._release),  # finished slots the worker is not told of yet
             "steps": self.num_steps,
             "preemptions": self.num_retractions,
         }

@@ -18,13 +18,31 @@ different clients never collide, an ``Abort`` only reaches the sender's own
 request, and a late output of a finished request (the step that raced a
 stop-string abort) can never be taken for a new request that reuses its id.
 
-A client that went away is noticed when a reply to it cannot be routed
-(``ROUTER_MANDATORY``): its requests are aborted, so their KV is released.
+A client that went away is noticed when its connection closes (the socket
+monitor, ``Connections``: the client closed it, exited, or stopped answering
+heartbeats) or when a reply to it cannot be routed (``ROUTER_MANDATORY``): its
+requests are aborted, so their KV is released.
+
+Routing ids (docs/serving.md, "Routing ids"): a ZeroMQ peer may choose its own
+routing id, and the ROUTER hands an automatic one (a zero byte and a counter)
+to a peer that does not, without checking that the value is free: a peer that
+claimed the next automatic id in advance makes libzmq abort the whole process
+when the counter reaches it. libzmq starts the counter from the C library's
+``rand()``, unseeded, so the value is the same on every start; this process
+seeds ``rand()`` from ``os.urandom`` before it creates the ROUTER, so the
+counter cannot be aimed at. A peer that claims an id already in use is ignored
+until the first peer with that id leaves (no ``ROUTER_HANDOVER``: a handover
+would give the newcomer the first peer's replies, and relabel the first peer
+with an automatic id, the crash again). ``radixserve.client`` picks a random
+16-byte id per client, never a zero-led one.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
+import sys
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
@@ -41,9 +59,10 @@ from radixserve.server_config import (
     TOKENIZER_IN,
     ServerConfig,
 )
+from radixserve.tokenizer.connections import Connections
 from radixserve.tokenizer.inputs import InputProcessor
 from radixserve.tokenizer.output import OutputStream
-from radixserve.utils.proc import POLL_MS, ParentWatch, child_main, socket
+from radixserve.utils.proc import POLL_MS, Lifeline, child_main, socket
 
 log = logging.getLogger("radixserve.tokenizer")
 
@@ -70,7 +89,7 @@ class ClientGone(Exception):
 
 
 class TokenizerServer:
-    def __init__(self, config: ServerConfig, ctx: zmq.Context, tokenizer) -> None:
+    def __init__(self, config: ServerConfig, ctx: zmq.Context, tokenizer, life: Lifeline) -> None:
         assert config.model is not None
         self.config = config
         self.model = config.model
@@ -79,6 +98,7 @@ class TokenizerServer:
         self.inputs = InputProcessor(
             tokenizer, config.model.vocab_size, self.limits, config.model.max_context_len
         )
+        seed_routing_ids()
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # ZeroMQ drops the connection of a peer that sends a larger message before
@@ -88,6 +108,12 @@ class TokenizerServer:
         # (EAGAIN) and the client is treated as gone (see ``send``).
         self.router.setsockopt(zmq.SNDHWM, self.limits.max_queued_replies)
         self.router.setsockopt(zmq.LINGER, 1000)
+        # The server pings too, so a client that sends no heartbeats of its own is
+        # still dropped when it stops answering.
+        self.router.setsockopt(zmq.HEARTBEAT_IVL, P.HEARTBEAT_IVL_MS)
+        self.router.setsockopt(zmq.HEARTBEAT_TIMEOUT, P.HEARTBEAT_TIMEOUT_MS)
+        self.monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.connections = Connections()
         self.router.bind(config.public_endpoint)
         self.endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
         # The HTTP front is one more client; it connects here, inside the private run dir,
@@ -101,22 +127,31 @@ class TokenizerServer:
         self.next_rid = 0
         self.admin: dict[int, tuple[bytes, str, str]] = {}  # tag -> (identity, id, kind)
         self.next_tag = 0
-        self.watch = ParentWatch()
+        self.life = life
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
+        """Serve until a ``Shutdown``; on SIGTERM or the launcher's death, fail every
+        request in flight first, so no client waits on a server that is gone."""
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.inbox, zmq.POLLIN)
-        while self.watch.alive():
+        poller.register(self.monitor, zmq.POLLIN)
+        while self.life.alive():
             events = dict(poller.poll(POLL_MS))
             if self.inbox in events:
                 # Scheduler first: its outputs free KV, and a Shutdown must win.
                 while (data := _recv(self.inbox)) is not None:
                     self.handle_internal(P.decode(data, INTERNAL))
+            self.take_disconnects()
             if self.router in events:
-                while (parts := _recv_multipart(self.router)) is not None:
-                    self.handle_client(parts)
+                while (frames := _recv_frames(self.router)) is not None:
+                    # A closed connection's descriptor may be reused by the next one:
+                    # take the close before any message that may come on the new one.
+                    self.take_disconnects()
+                    self.connections.seen(frames[0].bytes, frames[-1])
+                    self.handle_client([f.bytes for f in frames])
+        self.shutdown(f"the server stopped: {self.life.why_stopped()}")
 
     # ------------------------------------------------------- client -> server
     def handle_client(self, parts: list[bytes]) -> None:
@@ -240,12 +275,18 @@ class TokenizerServer:
         except ClientGone:
             self.client_gone(identity)
 
+    def take_disconnects(self) -> None:
+        while (event := _recv_multipart(self.monitor)) is not None:
+            for identity in self.connections.closed(event):
+                self.client_gone(identity)
+
     def client_gone(self, identity: bytes) -> None:
-        for req in list(self.requests.values()):
-            if req.identity == identity:
-                self.forget(req)
-                self.to_scheduler.send(P.AbortRequest(req.rid).encode())
-        log.info("client %s went away; its requests were aborted", identity.hex())
+        gone = [req for req in self.requests.values() if req.identity == identity]
+        for req in gone:
+            self.forget(req)
+            self.to_scheduler.send(P.AbortRequest(req.rid).encode())
+        if gone:
+            log.info("client %s went away; its %d requests were aborted", identity.hex(), len(gone))
 
     def shutdown(self, message: str) -> None:
         """The server is stopping (a child died, or a signal): answer everything, then exit."""
@@ -282,6 +323,18 @@ class TokenizerServer:
             self.client_gone(identity)
 
 
+def seed_routing_ids() -> None:
+    """Seed the C library's ``rand()``, which libzmq starts a ROUTER's automatic
+    routing ids from (see the module docstring), from the OS's random source."""
+    if sys.platform == "win32":
+        return
+    try:
+        libc = ctypes.CDLL(None)
+        libc.srand(ctypes.c_uint(int.from_bytes(os.urandom(4), "little")))
+    except (OSError, AttributeError):
+        pass
+
+
 def _model_dict(model) -> dict:
     return {
         "model": model.model_name,
@@ -299,6 +352,13 @@ def _recv(sock: zmq.Socket) -> bytes | None:
         return None
 
 
+def _recv_frames(sock: zmq.Socket) -> list[zmq.Frame] | None:
+    try:
+        return sock.recv_multipart(zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        return None
+
+
 def _recv_multipart(sock: zmq.Socket) -> list[bytes] | None:
     try:
         return sock.recv_multipart(zmq.NOBLOCK)
@@ -306,9 +366,9 @@ def _recv_multipart(sock: zmq.Socket) -> list[bytes] | None:
         return None
 
 
-def run(config: ServerConfig, ctx: zmq.Context) -> None:
+def run(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
     tokenizer = load_tokenizer(config.engine.model, config.engine.cache_dir)
-    server = TokenizerServer(config, ctx, tokenizer)
+    server = TokenizerServer(config, ctx, tokenizer, life)
     control = socket(ctx, zmq.PUSH, config.endpoint(CONTROL), bind=False)
     control.send(P.Ready("tokenizer", {"endpoint": server.endpoint}).encode())
     log.info("ready: serving on %s", server.endpoint)

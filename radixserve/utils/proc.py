@@ -1,69 +1,137 @@
 """What every server child process does around its main loop.
 
 Children are started by ``radixserve.launch`` as ``python -m <module> <config json>``.
-They ignore SIGINT (Ctrl-C reaches the whole process group; the launcher
-decides the order of shutdown), ask the kernel to SIGTERM them when the
-launcher dies (Linux), and also poll for that themselves, so no child outlives
-its launcher.
+
+Staying alive only while the launcher is:
+- SIGINT is ignored (Ctrl-C reaches the whole process group; the launcher
+  decides the order of shutdown);
+- SIGTERM only sets a flag (``Lifeline.stop_signal``). A handler that raised
+  (``sys.exit``) could fire anywhere, e.g. inside a socket's ``__del__`` during
+  cleanup, and leave the process blocked in ``zmq_ctx_term`` forever;
+- the kernel sends ``PARENT_DEATH_SIGNAL`` (SIGUSR1, also only a flag) when the
+  launcher dies (``PR_SET_PDEATHSIG``, Linux), and every loop also checks that
+  the launcher's pid is still its parent (``Lifeline.alive``, at least every
+  ``POLL_MS``), so no child outlives it even where prctl is missing, or when
+  the launcher died before prctl ran. A signal of its own, not SIGTERM: the
+  kernel sends it when the launcher's main thread exits, while its other
+  threads may still hold its pid for a moment, and the child must know at once
+  that it is an orphan (it then cleans up the run dir).
+
+Exit, whatever the cause (``child_main``): the context's sockets are closed
+with a bounded linger (the last replies may leave, nothing waits for a peer
+that is gone), a killed launcher's run dir is removed (each orphan removes what
+is left, so the last one removes it all), and the process ends with
+``os._exit``: no interpreter teardown that could block. A timer ends it anyway
+if closing takes longer than ``EXIT_DEADLINE_S``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import sys
+import threading
 from collections.abc import Callable
 
 import zmq
 
 from radixserve.server_config import ServerConfig
 
-POLL_MS = 500  # how often an idle loop wakes up to check its parent
+POLL_MS = 500  # how often an idle loop wakes up to check its lifeline
+LINGER_MS = 200  # how long closing sockets may take to send what is queued
+EXIT_DEADLINE_S = 3.0  # a child that has not exited this long after its loop ended is ended
+PR_SET_PDEATHSIG = 1
+PARENT_DEATH_SIGNAL = signal.SIGUSR1
 
 
-def child_main(name: str, run: Callable[[ServerConfig, zmq.Context], None]) -> None:
-    """Entry point of a child: parse the config from argv, run, exit non-zero on error."""
+class Lifeline:
+    """Whether this child should go on: no SIGTERM yet, and its launcher alive."""
+
+    def __init__(self, parent_pid: int) -> None:
+        self.parent_pid = parent_pid
+        self.stop_signal: int | None = None
+        self.parent_died = False
+
+    def on_signal(self, signum: int, _frame: object) -> None:
+        # Only flags: see the module docstring.
+        if signum == PARENT_DEATH_SIGNAL:
+            self.parent_died = True
+        else:
+            self.stop_signal = signum
+
+    def parent_alive(self) -> bool:
+        return not self.parent_died and os.getppid() == self.parent_pid
+
+    def alive(self) -> bool:
+        return self.stop_signal is None and self.parent_alive()
+
+    def why_stopped(self) -> str:
+        if not self.parent_alive():
+            return f"the launcher (pid {self.parent_pid}) exited"
+        if self.stop_signal is not None:
+            return f"signal {self.stop_signal}"
+        return "its loop ended"
+
+
+def child_main(name: str, run: Callable[[ServerConfig, zmq.Context, Lifeline], None]) -> None:
+    """Entry point of a child: parse the config from argv, run, exit (never returns)."""
     config = ServerConfig.from_json(sys.argv[1])
     logging.basicConfig(
         level=config.log_level.upper(),
         format=f"%(asctime)s {name} %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    log = logging.getLogger(f"radixserve.{name}")
+    life = Lifeline(config.launcher_pid or os.getppid())
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    _die_with_parent()
+    signal.signal(signal.SIGTERM, life.on_signal)
+    signal.signal(PARENT_DEATH_SIGNAL, life.on_signal)
+    set_parent_death_signal(PARENT_DEATH_SIGNAL)
     ctx = zmq.Context()
     code = 0
     try:
-        run(config, ctx)
+        if life.parent_alive():  # else the launcher died before prctl ran
+            run(config, ctx, life)
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 0
+        code = e.code if isinstance(e.code, int) else 1
     except BaseException:
-        logging.getLogger(name).exception("%s process failed", name)
+        log.exception("%s process failed", name)
         code = 1
+    orphan = not life.parent_alive()
+    if orphan:
+        log.warning("%s: stopping", life.why_stopped())
+        code = code or 1
+    exit_now(ctx, code, config.run_dir if orphan else None)
+
+
+def exit_now(ctx: zmq.Context, code: int, remove_dir: str | None = None) -> None:
+    """Close every socket of ``ctx`` (bounded linger), remove ``remove_dir``, ``os._exit``."""
+    timer = threading.Timer(EXIT_DEADLINE_S, os._exit, (code or 1,))
+    timer.daemon = True
+    timer.start()
+    try:
+        ctx.destroy(linger=LINGER_MS)
     finally:
-        ctx.destroy(linger=200)  # lets the last replies leave
-    sys.exit(code)
+        if remove_dir:
+            shutil.rmtree(remove_dir, ignore_errors=True)
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(code)
 
 
-class ParentWatch:
-    """True while the process that started us is alive (its pid stays our parent)."""
-
-    def __init__(self) -> None:
-        self.ppid = os.getppid()
-
-    def alive(self) -> bool:
-        return os.getppid() == self.ppid
-
-
-def _die_with_parent() -> None:
+def set_parent_death_signal(signum: int) -> None:
+    """Have the kernel send ``signum`` to this process when its parent dies (Linux only)."""
     if not sys.platform.startswith("linux"):
         return
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
     except (OSError, AttributeError):
         pass
 

@@ -1,8 +1,10 @@
 """Launch a real server (``radixserve launch``) in a subprocess, for integration tests.
 
 ``Server(model_dir, "--cache", "none")`` starts it on a free port and reads the
-endpoint, the HTTP front's URL (with ``--http-port``) and the child pids from its stdout; ``stop()`` sends SIGTERM and
-returns the exit code. Hangs are bounded by pytest-timeout, not by sleeps here.
+endpoint, the HTTP front's URL (with ``--http-port``) and the child pids from its
+stdout; ``stop()`` sends SIGTERM and returns the exit code. ``wrapper`` runs the
+launcher under another process (``proc`` is then that one). Hangs are bounded by
+pytest-timeout, not by sleeps here.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import radixserve
@@ -21,9 +24,11 @@ REPO_ROOT = Path(radixserve.__file__).resolve().parent.parent
 
 
 class Server:
-    def __init__(self, model_dir: str | Path, *args: str) -> None:
-        cmd = [sys.executable, "-m", "radixserve.cli", "launch", "--model", str(model_dir)]
-        cmd += ["--port", "0", "--dtype", "float64", "--log-level", "warning", *args]
+    def __init__(self, model_dir: str | Path, *args: str, wrapper: Sequence[str] = ()) -> None:
+        cmd = [*wrapper, sys.executable, "-m", "radixserve.cli", "launch"]
+        cmd += ["--model", str(model_dir)]
+        cmd += ["--port", "0", "--dtype", "float64", "--log-level", "warning"]
+        cmd += ["--exit-with-parent", *args]  # no server outlives the test session
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
@@ -55,24 +60,47 @@ class Server:
             self.proc.send_signal(signal.SIGTERM)
         return self.wait()
 
+    def launcher_pid(self) -> int:
+        """The launcher's pid: the worker's parent."""
+        with open(f"/proc/{self.pids['worker']}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+
     def orphans(self) -> list[str]:
         """What outlived the launcher: children still alive, or its runtime dir."""
         alive = ["run_dir"] if os.path.exists(self.run_dir) else []
-        for name, pid in self.pids.items():
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                continue
-            alive.append(name)
-        return alive
+        return alive + [name for name, pid in self.pids.items() if _running(pid)]
+
+    def wait_orphans_gone(self, timeout: float = 30.0) -> list[str]:
+        """Poll ``orphans`` until none is left or ``timeout`` passed; return what is left."""
+        deadline = time.monotonic() + timeout
+        while (left := self.orphans()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return left
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (an orphan's zombie waits for whoever
+    adopted it to reap it; it holds nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 def wait_idle(client, timeout: float = 60.0) -> dict:
-    """Poll stats until nothing runs, waits or is in flight; return the last stats."""
+    """Poll stats until nothing runs, waits, is in flight or awaits its release step;
+    return the last stats."""
     deadline = time.monotonic() + timeout
     while True:
         stats = client.stats()
-        if stats["running"] == stats["waiting"] == stats["in_flight"] == 0:
+        if stats["running"] == stats["waiting"] == stats["in_flight"] == stats["releasing"] == 0:
             return stats
         if time.monotonic() > deadline:
             raise AssertionError(f"the server did not become idle: {stats}")

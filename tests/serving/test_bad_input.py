@@ -3,9 +3,14 @@ request on the same socket right after succeeds."""
 
 from __future__ import annotations
 
+import asyncio
+
 import msgpack
 import pytest
 import zmq
+
+from radixserve.client import AsyncClient, Client
+from radixserve.protocol import MAX_ID_LEN
 
 
 def gen(**fields):
@@ -61,6 +66,12 @@ CASES = {
         "vocabulary",
     ),
     "prompt over the character limit": (gen(prompt="x" * (1 << 20 | 1)), "bad", "characters"),
+    # An id the server cannot echo: the error has no id (radixserve.client never sends one).
+    "id too long": (
+        msgpack.packb({"type": "generate", "v": 1, "id": "x" * 300, "prompt": "x"}),
+        None,
+        "256",
+    ),
 }
 
 
@@ -101,3 +112,23 @@ def test_duplicate_id_in_flight(raw):
     assert first["type"] == "error" and "already in use" in first["message"]
     second = msgpack.unpackb(raw.recv())
     assert second["type"] == "result" and len(second["token_ids"]) == 50
+
+
+@pytest.mark.timeout(120)
+def test_a_request_id_the_server_cannot_echo_fails_at_once(server):
+    """The server could only answer it with a null id, matching no pending call: the
+    clients refuse it before sending instead of waiting out their timeout."""
+    too_long = "x" * (MAX_ID_LEN + 1)
+    with Client(server.endpoint, timeout=10) as c:
+        with pytest.raises(ValueError, match="request_id"):
+            c.generate("hello", max_tokens=2, request_id=too_long)
+        with pytest.raises(ValueError, match="request_id"):
+            next(iter(c.generate_stream("hello", max_tokens=2, request_id=too_long)))
+        assert c.generate("hello", max_tokens=2, request_id="x" * MAX_ID_LEN).token_ids
+
+    async def go() -> None:
+        async with AsyncClient(server.endpoint, timeout=10) as ac:
+            with pytest.raises(ValueError, match="request_id"):
+                await ac.generate("hello", max_tokens=2, request_id=too_long)
+
+    asyncio.run(go())

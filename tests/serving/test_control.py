@@ -67,6 +67,29 @@ def test_client_disconnect_aborts_its_requests(server, client):
     assert stats["steps"] - steps_before < LONG // 2
 
 
+def test_client_disconnect_aborts_a_non_streaming_request(server, client):
+    """No reply goes to it before its request finishes: the server must notice the
+    connection closing (socket monitor), not a reply it cannot route."""
+    steps_before = client.stats()["steps"]
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.connect(server.endpoint)
+    request = {
+        "type": "generate",
+        "v": 1,
+        "id": "quiet-leaver",
+        "input_ids": [5, 6, 7, 9],
+        "sampling": {"max_tokens": LONG, "temperature": 0.0, "ignore_eos": True},
+    }
+    raw.send(msgpack.packb(request))
+    while client.stats()["running"] == 0:
+        pass
+    raw.close(linger=0)
+    ctx.term()
+    stats = wait_idle(client)
+    assert stats["steps"] - steps_before < LONG // 2
+
+
 def test_flush_while_busy(client, engine):
     rng = np.random.default_rng(4)
     cached_prompt = rng.integers(4, 512, 40).tolist()

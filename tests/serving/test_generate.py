@@ -146,6 +146,7 @@ def test_stats_and_health(client):
     assert before["page_size"] == 4 and before["num_pages"] == 1024
     prompt = list(range(10, 50))  # 40 tokens: prefill chunks of 32 + 8
     client.generate(input_ids=prompt, sampling_params=GREEDY)
+    wait_idle(client)  # its release step has run: the next request cannot share it
     client.generate(input_ids=prompt[:36] + [7, 7], sampling_params=GREEDY)
     after = wait_idle(client)
     # The first request leaves KV for 40 + 15 tokens (the last sampled token has none):

@@ -4,6 +4,7 @@ scheduler. The scheduler is a PULL socket here; its answers are handed in direct
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 
@@ -16,6 +17,7 @@ from radixserve.config import EngineConfig, ModelInfo
 from radixserve.models.tokenizer import load_tokenizer
 from radixserve.server_config import SCHEDULER_IN, ServerConfig
 from radixserve.tokenizer.process import TokenizerServer
+from radixserve.utils.proc import Lifeline
 
 INFO = ModelInfo(
     num_pages=256,
@@ -44,7 +46,7 @@ def front(tokenizer, tiny_llama_dir):
     ctx = zmq.Context()
     scheduler = ctx.socket(zmq.PULL)
     scheduler.bind(cfg.endpoint(SCHEDULER_IN))
-    server = TokenizerServer(cfg, ctx, tokenizer)
+    server = TokenizerServer(cfg, ctx, tokenizer, Lifeline(os.getppid()))
     clients = []
 
     def client():
@@ -57,7 +59,7 @@ def front(tokenizer, tiny_llama_dir):
     yield server, scheduler, client
     for sock in clients:
         sock.close(linger=0)
-    for sock in (scheduler, server.router, server.inbox, server.to_scheduler):
+    for sock in (scheduler, server.monitor, server.router, server.inbox, server.to_scheduler):
         sock.close(linger=0)
     ctx.term()
     shutil.rmtree(run_dir, ignore_errors=True)
