@@ -204,6 +204,113 @@ RS_TARGET_AVX512BF16 RS_ALWAYS_INLINE void dp_rows(const uint16_t* W, const uint
   for (; n < n1; ++n) tile_dp_row<L, 1>(W, xp, yT, n, K, M, Mp);
 }
 
+// The sum of a vector's 16 lanes (halving with shuffles; GCC 12's cast intrinsics
+// warn about their undefined upper halves).
+RS_TARGET_AVX512BF16 RS_ALWAYS_INLINE float hsum16(__m512 a) {
+  const v16 v = (v16)a;
+  const v8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  typedef float v4 __attribute__((vector_size(16)));
+  const v4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+// The dot form, for few rows: each vdpbf16ps multiplies 32 consecutive weights of
+// one row by the same 32 elements of one x row (xr: [M][K] bfloat16), so no lane
+// is padding whatever M is; a tile of R weight rows x MM x rows keeps R * MM
+// accumulators, summed across lanes at the end. A K not a multiple of 32 ends
+// with masked loads (nothing past a row is read).
+template <int R, int MM, typename YT>
+RS_TARGET_AVX512BF16 RS_ALWAYS_INLINE void tile_dot(const uint16_t* W, const uint16_t* xr,
+                                                    YT* yT, int64_t n, int64_t K, int64_t M,
+                                                    int64_t m0) {
+  __m512 acc[R][MM];
+  const uint16_t* w[R];
+  const uint16_t* x[MM];
+  for (int r = 0; r < R; ++r) {
+    w[r] = W + (n + r) * K;
+    for (int j = 0; j < MM; ++j) acc[r][j] = _mm512_setzero_ps();
+  }
+  for (int j = 0; j < MM; ++j) x[j] = xr + (m0 + j) * K;
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512bh xv[MM];
+    for (int j = 0; j < MM; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(x[j] + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w[r] + k);
+      for (int j = 0; j < MM; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv, xv[j]);
+    }
+  }
+  if (k < K) {
+    const __mmask32 mask = static_cast<__mmask32>((uint64_t{1} << (K - k)) - 1);
+    __m512bh xv[MM];
+    for (int j = 0; j < MM; ++j) xv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x[j] + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w[r] + k);
+      for (int j = 0; j < MM; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv, xv[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < MM; ++j) {
+      const float v = hsum16(acc[r][j]);
+      store_row(yT + (n + r) * M + m0 + j, &v, 1);
+    }
+  }
+}
+
+// R weight rows against every x row, four at a time (the tile's weights stay in
+// L1 between the groups of four).
+template <int R, typename YT>
+RS_TARGET_AVX512BF16 RS_ALWAYS_INLINE void tile_dot_row(const uint16_t* W, const uint16_t* xr,
+                                                        YT* yT, int64_t n, int64_t K,
+                                                        int64_t M) {
+  int64_t m0 = 0;
+  for (; m0 + 4 <= M; m0 += 4) tile_dot<R, 4>(W, xr, yT, n, K, M, m0);
+  switch (M - m0) {
+    case 3:
+      tile_dot<R, 3>(W, xr, yT, n, K, M, m0);
+      break;
+    case 2:
+      tile_dot<R, 2>(W, xr, yT, n, K, M, m0);
+      break;
+    case 1:
+      tile_dot<R, 1>(W, xr, yT, n, K, M, m0);
+      break;
+    default:
+      break;
+  }
+}
+
+// As many weight rows per tile as the 32 registers hold with MM = min(M, 4) x rows.
+template <int R, typename YT>
+RS_TARGET_AVX512BF16 RS_ALWAYS_INLINE void dot_rows_r(const uint16_t* W, const uint16_t* xr,
+                                                      YT* yT, int64_t n0, int64_t n1, int64_t K,
+                                                      int64_t M) {
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) tile_dot_row<R>(W, xr, yT, n, K, M);
+  for (; n < n1; ++n) tile_dot_row<1>(W, xr, yT, n, K, M);
+}
+
+template <typename YT>
+RS_TARGET_AVX512BF16 void rows_dot_avx512bf16(const uint16_t* W, const uint16_t* xr, YT* yT,
+                                              int64_t n0, int64_t n1, int64_t K, int64_t M,
+                                              int64_t /*Mp*/) {
+  switch (M) {
+    case 1:
+      dot_rows_r<12>(W, xr, yT, n0, n1, K, M);
+      break;
+    case 2:
+      dot_rows_r<8>(W, xr, yT, n0, n1, K, M);
+      break;
+    case 3:
+      dot_rows_r<6>(W, xr, yT, n0, n1, K, M);
+      break;
+    default:
+      dot_rows_r<4>(W, xr, yT, n0, n1, K, M);
+      break;
+  }
+}
+
 template <typename YT>
 RS_TARGET_AVX512BF16 void rows_avx512bf16(const uint16_t* W, const uint16_t* xp, YT* yT,
                                           int64_t n0, int64_t n1, int64_t K, int64_t M,
@@ -278,9 +385,26 @@ void run_f32(const SkinnyGemm& g, Isa isa, int num_threads) {
 }
 
 #if RS_X86
+// Up to this many rows the avx512bf16 product takes the dot form (each weight
+// vector meets few rows; the outer form's broadcasts would bound it).
+constexpr int64_t kDotRows = 8;
+
 template <typename YT>
 void run_dp(const SkinnyGemm& g, int num_threads) {
   const int64_t K = g.K, M = g.M;
+  if (M <= kDotRows) {
+    std::vector<uint16_t> xr(static_cast<size_t>(M * K));
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) {
+        if (g.x_type == DType::kFloat32)
+          xr[m * K + k] = f32_to_bf16(static_cast<const float*>(g.x)[m * g.sm + k * g.sk]);
+        else
+          xr[m * K + k] = static_cast<const uint16_t*>(g.x)[m * g.sm + k * g.sk];
+      }
+    run_blocks(rows_dot_avx512bf16<YT>, static_cast<const uint16_t*>(g.W), xr.data(),
+               static_cast<YT*>(g.yT), g.N, K, M, M, num_threads);
+    return;
+  }
   const int64_t width = M > 8 ? 16 : 8;
   const int64_t Mp = (M + width - 1) / width * width;
   std::vector<uint16_t> xp(static_cast<size_t>((K + 1) / 2 * 2 * Mp), 0);
