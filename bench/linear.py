@@ -12,9 +12,11 @@ through all of them in one form:
 - ``x W^T``: ``F.linear``, BLAS's usual form.
 
 The forms take turns inside each round, so a drift in the machine's speed hits
-all of them; the table shows the median step time over ``--rounds`` rounds of
-``--steps`` steps. ``layers/linear.py``'s row limits come from such runs
-(docs/worker.md, "CPU kernels").
+all of them. Each round keeps each form's fastest of ``--steps`` steps; the
+tables show the median over ``--rounds`` rounds of that time, and of the ratio
+``x W^T`` time / form time within a round (above 1: faster than ``F.linear``).
+``layers/linear.py``'s row limits come from such runs (docs/worker.md, "CPU
+kernels").
 
     python bench/linear.py                               # rows 1,16,32,48,64,512
     python bench/linear.py --rows 16 --rounds 3 --threads 1
@@ -59,18 +61,20 @@ def make_layers(seed: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]
 
 
 def step_time(form: Form, layers: list[tuple[torch.Tensor, ...]], rows: int, steps: int) -> float:
-    """Seconds per step: every layer's four products on ``rows`` rows."""
+    """Seconds of the fastest of ``steps`` steps: every layer's four products on ``rows`` rows."""
     dtype = layers[0][0].dtype
     x = torch.randn(rows, HIDDEN).to(dtype)
     mid = torch.randn(rows, INTERMEDIATE).to(dtype)
-    start = time.perf_counter()
+    best = float("inf")
     for _ in range(steps):
+        start = time.perf_counter()
         for qkv, o, gate_up, down in layers:
             form(x, qkv)
             form(x, o)
             form(x, gate_up)
             form(mid, down)
-    return (time.perf_counter() - start) / steps
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def main() -> None:
@@ -96,6 +100,7 @@ def main() -> None:
           "ms per step (median over rounds)")  # fmt: skip
     print("| rows | " + " | ".join(forms) + " |")
     print("|---" * (len(forms) + 1) + "|")
+    speedups = []
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",") if r):
             for form in forms.values():
@@ -106,6 +111,14 @@ def main() -> None:
                     times[name].append(step_time(form, layers, rows, args.steps))
             cells = [f"{statistics.median(t) * 1e3:.1f}" for t in times.values()]
             print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
+            base = times["x W^T"]
+            speedups.append((rows, [statistics.median(b / t for b, t in zip(base, ts))
+                                    for ts in times.values()]))  # fmt: skip
+    print("\nspeedup over x W^T (median of per-round ratios)\n")
+    print("| rows | " + " | ".join(forms) + " |")
+    print("|---" * (len(forms) + 1) + "|")
+    for rows, ratios in speedups:
+        print(f"| {rows} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
 
 
 if __name__ == "__main__":

@@ -65,17 +65,22 @@ SKINNY_KERNEL_ROWS = 32
 
 
 def skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``Linear`` computes this product with ``skinny_linear`` (float32 only:
-    for bfloat16 models oneDNN is faster; docs/worker.md has the numbers)."""
-    return (
+    """Whether ``Linear`` computes this product with ``skinny_linear``: float32, and
+    bfloat16 where the CPU has AVX512_BF16 (there the kernel beats oneDNN's
+    bfloat16 products; its float32-converting fallback does not, so bfloat16 stays
+    with oneDNN elsewhere: docs/worker.md has the numbers)."""
+    if not (
         AVAILABLE
         and x.dim() == 2
         and x.shape[0] <= SKINNY_KERNEL_ROWS
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
         and x.device.type == "cpu"
         and weight.is_contiguous()
-    )
+        and x.dtype == weight.dtype
+    ):
+        return False
+    if x.dtype == torch.float32:
+        return True
+    return x.dtype == torch.bfloat16 and ISA == "avx512bf16"
 
 
 def _array(t: torch.Tensor):

@@ -165,6 +165,35 @@ def test_linear_equals_torch_linear_on_every_path(dtype, rows, bias):
             torch.testing.assert_close(y, ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("rows", [1, 5, SKINNY_KERNEL_ROWS, SKINNY_KERNEL_ROWS + 1])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("level", ["avx512bf16", "avx512"])
+def test_bfloat16_linear(monkeypatch, rows, bias, level):
+    """A bfloat16 Linear runs the native kernel only at avx512bf16 (elsewhere oneDNN is
+    faster) and up to SKINNY_KERNEL_ROWS rows; either way the values are the float64
+    product of its bfloat16 operands, rounded once to bfloat16 (plus the bias)."""
+    require_isa(level)
+    monkeypatch.setattr(cpu_kernels, "ISA", level)
+    g = torch.Generator().manual_seed(rows + bias)
+    layer = Linear(577, 97, bias=bias).to(torch.bfloat16).requires_grad_(False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(97, 577, generator=g))
+        if bias:
+            layer.bias.copy_(torch.randn(97, generator=g))
+    x = torch.randn(rows, 577, generator=g).bfloat16()
+    native = level == "avx512bf16" and rows <= SKINNY_KERNEL_ROWS
+    assert cpu_kernels.skinny_ok(x, layer.weight) == native
+    ref = x.double() @ layer.weight.double().t()
+    if bias:
+        ref += layer.bias.double()
+    with torch.inference_mode():
+        for inp in (x, x.t().contiguous().t()):
+            y = layer(inp)
+            assert y.dtype == torch.bfloat16 and y.shape == (rows, 97)
+            # one rounding of the product, one of the bias sum; float32 sums of 577 terms
+            torch.testing.assert_close(y.double(), ref, rtol=2**-7, atol=1e-2)
+
+
 def test_without_the_extension_everything_falls_back(monkeypatch):
     """A build without csrc/'s CPU kernels still runs: BLAS products, the gather +
     SDPA decode path under ``auto``, and a clear error when native is asked for."""
