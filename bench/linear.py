@@ -1,21 +1,26 @@
 """Linear-layer benchmark: one decode step's matmuls in each of ``Linear``'s product forms.
 
 The weights have SmolLM2-135M's shapes (30 layers of qkv 960x576, o 576x576,
-gate_up 3072x576 and down 576x1536; float32, random values: about 425 MB, so
-every step streams them from memory, as a decode step does). A step multiplies
-``rows`` activation rows through all of them in one form:
+gate_up 3072x576 and down 576x1536; random values, float32 (about 425 MB) or
+bfloat16 (``--dtype``, 212 MB): every step streams them from memory, as a decode
+step does). A step multiplies ``rows`` activation rows (of the same dtype)
+through all of them in one form:
 
-- ``kernel``: csrc/'s ``skinny_gemm`` (``layers/cpu_kernels.py``), float32 only;
-- ``weight-major``: ``(W x^T)^T`` through BLAS;
+- ``kernel <isa>``: csrc/'s ``skinny_gemm`` (``layers/cpu_kernels.py``) at each
+  instruction-set level of ``--isa`` (default: every level this CPU runs);
+- ``weight-major``: ``(W x^T)^T`` through BLAS (oneDNN for bfloat16);
 - ``x W^T``: ``F.linear``, BLAS's usual form.
 
 The forms take turns inside each round, so a drift in the machine's speed hits
-all of them; the table shows the median step time over ``--rounds`` rounds of
-``--steps`` steps. ``layers/linear.py``'s row limits come from such runs
-(docs/worker.md, "CPU kernels").
+all of them. Each round keeps each form's fastest of ``--steps`` steps; the
+tables show the median over ``--rounds`` rounds of that time, and of the ratio
+``x W^T`` time / form time within a round (above 1: faster than ``F.linear``).
+``layers/linear.py``'s row limits come from such runs (docs/worker.md, "CPU
+kernels").
 
     python bench/linear.py                               # rows 1,16,32,48,64,512
     python bench/linear.py --rows 16 --rounds 3 --threads 1
+    python bench/linear.py --dtype bfloat16 --rows 1,8,16,32 --isa avx512,avx512bf16
 """
 
 from __future__ import annotations
@@ -38,32 +43,38 @@ def weight_major(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(w, x.t()).t()
 
 
-def kernel(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return cpu_kernels.skinny_linear(x, w, None)
+def kernel(isa: str) -> Form:
+    return lambda x, w: cpu_kernels.skinny_linear(x, w, None, isa=isa)
 
 
 def x_wt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
-def make_layers(seed: int) -> list[tuple[torch.Tensor, ...]]:
+def make_layers(seed: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
     g = torch.Generator().manual_seed(seed)
     shapes = ((QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE))
-    return [tuple(torch.randn(*s, generator=g) * 0.02 for s in shapes) for _ in range(LAYERS)]
+    return [
+        tuple((torch.randn(*s, generator=g) * 0.02).to(dtype) for s in shapes)
+        for _ in range(LAYERS)
+    ]
 
 
 def step_time(form: Form, layers: list[tuple[torch.Tensor, ...]], rows: int, steps: int) -> float:
-    """Seconds per step: every layer's four products on ``rows`` rows."""
-    x = torch.randn(rows, HIDDEN)
-    mid = torch.randn(rows, INTERMEDIATE)
-    start = time.perf_counter()
+    """Seconds of the fastest of ``steps`` steps: every layer's four products on ``rows`` rows."""
+    dtype = layers[0][0].dtype
+    x = torch.randn(rows, HIDDEN).to(dtype)
+    mid = torch.randn(rows, INTERMEDIATE).to(dtype)
+    best = float("inf")
     for _ in range(steps):
+        start = time.perf_counter()
         for qkv, o, gate_up, down in layers:
             form(x, qkv)
             form(x, o)
             form(x, gate_up)
             form(mid, down)
-    return (time.perf_counter() - start) / steps
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def main() -> None:
@@ -72,17 +83,24 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3, help="steps per form per round")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--isa", default="", help="kernel levels to time, e.g. avx2,avx512 "
+                    "(default: every level this CPU runs)")  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     forms: dict[str, Form] = {"weight-major": weight_major, "x W^T": x_wt}
     if cpu_kernels.AVAILABLE:
-        forms = {"kernel": kernel, **forms}
+        isas = [i for i in args.isa.split(",") if i] or list(cpu_kernels.supported_isas())
+        forms = {**{f"kernel {i}": kernel(cpu_kernels.resolve_isa(i)) for i in isas}, **forms}
     else:
         print(f"native kernel not built ({cpu_kernels.UNAVAILABLE_REASON}): BLAS forms only")
-    layers = make_layers(0)
-    print(f"{LAYERS} layers of SmolLM2's shapes, float32, {args.threads} threads; ms per step")
+    dtype = getattr(torch, args.dtype)
+    layers = make_layers(0, dtype)
+    print(f"{LAYERS} layers of SmolLM2's shapes, {args.dtype}, {args.threads} threads; "
+          "ms per step (median over rounds)")  # fmt: skip
     print("| rows | " + " | ".join(forms) + " |")
     print("|---" * (len(forms) + 1) + "|")
+    speedups = []
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",") if r):
             for form in forms.values():
@@ -93,6 +111,14 @@ def main() -> None:
                     times[name].append(step_time(form, layers, rows, args.steps))
             cells = [f"{statistics.median(t) * 1e3:.1f}" for t in times.values()]
             print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
+            base = times["x W^T"]
+            speedups.append((rows, [statistics.median(b / t for b, t in zip(base, ts))
+                                    for ts in times.values()]))  # fmt: skip
+    print("\nspeedup over x W^T (median of per-round ratios)\n")
+    print("| rows | " + " | ".join(forms) + " |")
+    print("|---" * (len(forms) + 1) + "|")
+    for rows, ratios in speedups:
+        print(f"| {rows} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,13 @@ ratio is the median of the per-round ratios.
     python bench/worker.py                         # full run (SmolLM2, float32)
     python bench/worker.py --prefill 128 --batches 1,4 --context 64 --rounds 2   # quick
     python bench/worker.py --decode-kernel torch   # the gather + SDPA decode path
+    python bench/worker.py --prefill "" --batches 1,16 --isa avx2,avx512   # CPU kernel levels
+
+``--isa`` names the CPU kernels' instruction-set levels (layers/cpu_kernels.py)
+radixserve runs; with several, each decode round runs every level in turn on
+the same runner (the bench switches ``cpu_kernels.ISA`` between them), so the
+levels are compared within one run, and the table adds each level's speedup
+over the first one. Prefill runs at the first level.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import time
 import numpy as np
 import torch
 
+from radixserve.layers import cpu_kernels
 from radixserve.models.loader import load_hf_config, parse_dtype
 from radixserve.models.source import resolve_model
 from radixserve.protocol import Step, StepReq
@@ -120,6 +128,35 @@ def hf_decode(hf, batch: int, context: int, dtype: torch.dtype):
                 yield dt
 
 
+def at_isa(isa: str, steps):
+    """The same step stream, each step run with the CPU kernels at level ``isa``."""
+    while True:
+        cpu_kernels.ISA = isa
+        yield next(steps)
+
+
+def interleaved_isas(
+    ours, isas: list[str], theirs, rounds: int, steps: int
+) -> tuple[list[float], float, list[float], float]:
+    """Like ``interleaved`` with one radixserve stream per level in ``isas`` (all
+    drawing on ``ours``). Returns each level's median fastest step, transformers',
+    each level's median per-round speedup over the first level, and the first
+    level's median per-round speedup over transformers."""
+    streams = [at_isa(i, ours) for i in isas]
+    a: list[list[float]] = [[] for _ in isas]
+    b: list[float] = []
+    for _ in range(rounds):
+        for times, stream in zip(a, streams):
+            times.append(min(next(stream) for _ in range(steps)))
+        b.append(min(next(theirs) for _ in range(steps)))
+    ours.close()
+    theirs.close()
+    cpu_kernels.ISA = isas[0]
+    over_first = [float(np.median([f / t for f, t in zip(a[0], times)])) for times in a]
+    vs_hf = float(np.median([y / x for x, y in zip(a[0], b)]))
+    return [float(np.median(t)) for t in a], float(np.median(b)), over_first, vs_hf
+
+
 def interleaved(ours, theirs, rounds: int, steps: int) -> tuple[float, float, float]:
     """Alternate the two step streams, ``steps`` steps each per round, so that both
     see the same machine (shared machines drift). Returns the median over rounds
@@ -155,7 +192,11 @@ def main() -> None:
         help="radixserve's decode attention (see docs/worker.md)",
     )  # fmt: skip
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--isa", default="auto", help="CPU kernel levels, e.g. avx2,avx512 "
+                    "(default: the best this CPU runs)")  # fmt: skip
     args = ap.parse_args()
+    isas = [cpu_kernels.resolve_isa(i) for i in args.isa.split(",") if i] or [cpu_kernels.ISA]
+    cpu_kernels.ISA = isas[0]
     if args.threads:
         torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
@@ -175,7 +216,8 @@ def main() -> None:
     ).eval()  # fmt: skip
     print(f"model {runner.model_name}, dtype {args.dtype}, page_size {args.page_size}, "
           f"torch threads {torch.get_num_threads()}, decode kernel "
-          f"{getattr(runner.backend, 'decode_kernel', runner.backend_name)}")  # fmt: skip
+          f"{getattr(runner.backend, 'decode_kernel', runner.backend_name)}, "
+          f"CPU kernel levels {', '.join(isas)}")  # fmt: skip
     rows = []
     for n in args.prefill:
         ours, theirs, ratio = interleaved(
@@ -185,13 +227,23 @@ def main() -> None:
         rows.append((f"prefill {n} tok (tok/s)", n / ours, n / theirs, ratio))
     if args.rounds * (args.steps + 1) >= MAX_STEPS:
         ap.error(f"rounds * (steps + 1) must stay below {MAX_STEPS}")
+    level_rows = []
     for b in args.batches:
-        ours, theirs, ratio = interleaved(
-            ours_decode(runner, b, args.context), hf_decode(hf, b, args.context, dtype),
+        if len(isas) == 1:
+            ours, theirs, ratio = interleaved(
+                ours_decode(runner, b, args.context), hf_decode(hf, b, args.context, dtype),
+                args.rounds, args.steps,
+            )  # fmt: skip
+            rows.append((f"decode b={b} ctx={args.context} (ms/step)", ours * 1e3,
+                         theirs * 1e3, ratio))  # fmt: skip
+            continue
+        per_isa, theirs, over_first, ratio = interleaved_isas(
+            ours_decode(runner, b, args.context), isas, hf_decode(hf, b, args.context, dtype),
             args.rounds, args.steps,
         )  # fmt: skip
-        rows.append((f"decode b={b} ctx={args.context} (ms/step)", ours * 1e3, theirs * 1e3,
-                     ratio))  # fmt: skip
+        rows.append((f"decode b={b} ctx={args.context} (ms/step)", per_isa[0] * 1e3,
+                     theirs * 1e3, ratio))  # fmt: skip
+        level_rows.append((b, per_isa, over_first))
     print(f"\n| {'metric':<30} | {'radixserve':>11} | {'transformers':>12} | {'speedup':>7} |")
     print(f"|{'-' * 32}|{'-' * 13}|{'-' * 14}|{'-' * 9}|")
     for name, ours, theirs, ratio in rows:
@@ -200,6 +252,14 @@ def main() -> None:
         "\nspeedup = transformers time / radixserve time, the median over interleaved "
         "rounds of the per-round ratio (goal: prefill >= 1x, decode b>=16 >= 2x)"
     )
+    if level_rows:
+        print(f"\nradixserve decode ms/step per CPU kernel level (speedup over {isas[0]}, "
+              "median of per-round ratios)\n")  # fmt: skip
+        print("| batch | " + " | ".join(isas) + " |")
+        print("|---" * (len(isas) + 1) + "|")
+        for b, per_isa, over_first in level_rows:
+            cells = [f"{t * 1e3:.1f} ({r:.2f}x)" for t, r in zip(per_isa, over_first)]
+            print(f"| {b} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

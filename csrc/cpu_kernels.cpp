@@ -13,7 +13,64 @@
 
 namespace py = pybind11;
 
+namespace radixserve {
+
+Isa best_isa() {
+#if RS_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+    return __builtin_cpu_supports("avx512bf16") ? Isa::kAvx512Bf16 : Isa::kAvx512;
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+#endif
+  return Isa::kBaseline;
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kBaseline:
+      return "baseline";
+    case Isa::kAvx2:
+      return "avx2";
+    case Isa::kAvx512:
+      return "avx512";
+    case Isa::kAvx512Bf16:
+      return "avx512bf16";
+  }
+  return "?";
+}
+
+}  // namespace radixserve
+
 namespace {
+
+using radixserve::Isa;
+
+// "auto" (the best this CPU runs) or a level's name; a level the CPU lacks is
+// refused here, so a kernel never executes an instruction the CPU does not have.
+Isa parse_isa(const std::string& name, const char* where) {
+  const Isa best = radixserve::best_isa();
+  if (name == "auto") return best;
+  for (int i = 0; i <= static_cast<int>(Isa::kAvx512Bf16); ++i) {
+    const Isa isa = static_cast<Isa>(i);
+    if (name != radixserve::isa_name(isa)) continue;
+    if (isa > best) {
+      throw std::invalid_argument(std::string(where) + ": this CPU does not run isa '" + name +
+                                  "' (best: " + radixserve::isa_name(best) + ")");
+    }
+    return isa;
+  }
+  throw std::invalid_argument(std::string(where) + ": unknown isa '" + name +
+                              "' (auto, baseline, avx2, avx512, avx512bf16)");
+}
+
+py::list supported_isas() {
+  py::list out;
+  for (int i = 0; i <= static_cast<int>(radixserve::best_isa()); ++i)
+    out.append(radixserve::isa_name(static_cast<Isa>(i)));
+  return out;
+}
 
 void require(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("paged_decode: " + what);
@@ -30,7 +87,8 @@ void paged_decode(const py::array& q, const py::array& kv, py::array& out, py::o
                   const py::array_t<int32_t, py::array::c_style>& pages,
                   const py::array_t<int32_t, py::array::c_style>& kv_begin,
                   const py::array_t<int32_t, py::array::c_style>& kv_end, double scale,
-                  int num_threads, int64_t chunk) {
+                  int num_threads, int64_t chunk, const std::string& isa_name) {
+  const Isa isa = parse_isa(isa_name, "paged_decode");
   require(q.ndim() == 3 && kv.ndim() == 5 && out.ndim() == 3, "q/out must be 3-D, kv 5-D");
   const auto c = py::array::c_style;
   require((q.flags() & c) && (kv.flags() & c) && (out.flags() & c), "arrays must be C-contiguous");
@@ -104,43 +162,69 @@ void paged_decode(const py::array& q, const py::array& kv, py::array& out, py::o
   const void* kvp = kv.data();
   void* outp = out.mutable_data();
   py::gil_scoped_release nogil;
-  radixserve::paged_decode(P, type, qp, kvp, outp, lse_f, lse_d, num_threads, chunk);
+  radixserve::paged_decode(P, type, qp, kvp, outp, lse_f, lse_d, isa, num_threads, chunk);
 }
 
-void skinny_gemm(const py::array& w, const py::array& x, py::array& yT, int num_threads) {
+// float32, or bfloat16 given as int16/uint16 (numpy has no bfloat16).
+bool is_bf16(const py::array& a) {
+  const char kind = a.dtype().kind();
+  return (kind == 'i' || kind == 'u') && a.dtype().itemsize() == 2;
+}
+
+void skinny_gemm(const py::array& w, const py::array& x, py::array& yT, int num_threads,
+                 const std::string& isa_name) {
   auto fail = [](const std::string& what) { throw std::invalid_argument("skinny_gemm: " + what); };
+  const Isa isa = parse_isa(isa_name, "skinny_gemm");
   const auto c = py::array::c_style;
   if (w.ndim() != 2 || x.ndim() != 2 || yT.ndim() != 2) fail("w, x and yT must be 2-D");
-  for (const py::array* a : {&w, &x, static_cast<const py::array*>(&yT)}) {
-    if (!a->dtype().is(py::dtype::of<float>())) fail("arrays must be float32");
-  }
+  using radixserve::DType;
+  auto type_of = [&](const py::array& a) {
+    if (a.dtype().is(py::dtype::of<float>())) return DType::kFloat32;
+    if (!is_bf16(a)) fail("arrays must be float32 or bfloat16 (as int16)");
+    return DType::kBFloat16;
+  };
+  radixserve::SkinnyGemm g{};
+  g.w_type = type_of(w);
+  g.x_type = type_of(x);
+  g.y_type = type_of(yT);
+  if (g.w_type == DType::kFloat32 &&
+      (g.x_type != DType::kFloat32 || g.y_type != DType::kFloat32))
+    fail("float32 weights take float32 x and yT");
   if (!(w.flags() & c) || !(yT.flags() & c)) fail("w and yT must be C-contiguous");
-  if (x.strides(0) % 4 || x.strides(1) % 4) fail("x's strides must be whole elements");
+  const int64_t item = x.dtype().itemsize();
+  if (x.strides(0) % item || x.strides(1) % item) fail("x's strides must be whole elements");
   if (!yT.writeable()) fail("yT must be writeable");
-  const int64_t N = w.shape(0), K = w.shape(1), M = x.shape(0);
-  if (x.shape(1) != K) fail("x must be [M, K] with w's K");
-  if (yT.shape(0) != N || yT.shape(1) != M) fail("yT must be [N, M]");
+  g.N = w.shape(0);
+  g.K = w.shape(1);
+  g.M = x.shape(0);
+  if (x.shape(1) != g.K) fail("x must be [M, K] with w's K");
+  if (yT.shape(0) != g.N || yT.shape(1) != g.M) fail("yT must be [N, M]");
   if (num_threads < 1) fail("num_threads must be positive");
-  const float* wp = static_cast<const float*>(w.data());
-  const float* xp = static_cast<const float*>(x.data());
-  float* yp = static_cast<float*>(yT.mutable_data());
+  g.W = w.data();
+  g.x = x.data();
+  g.yT = yT.mutable_data();
+  g.sm = x.strides(0) / item;
+  g.sk = x.strides(1) / item;
   py::gil_scoped_release nogil;
-  const int64_t sm = x.strides(0) / 4, sk = x.strides(1) / 4;
-  radixserve::skinny_gemm_f32(wp, xp, sm, sk, yp, N, K, M, num_threads);
+  radixserve::skinny_gemm(g, isa, num_threads);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(_cpu_kernels, m) {
-  m.doc() = "The worker's CPU kernels: paged decode attention, skinny float32 products.";
+  m.doc() = "The worker's CPU kernels: paged decode attention, skinny products.";
   m.def("paged_decode", &paged_decode, py::arg("q"), py::arg("kv"), py::arg("out"), py::arg("lse"),
         py::arg("row_indptr"), py::arg("rows"), py::arg("page_indptr"), py::arg("pages"),
         py::arg("kv_begin"), py::arg("kv_end"), py::arg("scale"), py::arg("num_threads"),
-        py::arg("chunk"),
+        py::arg("chunk"), py::arg("isa") = "auto",
         "Paged decode attention over one layer of the KV pool (csrc/paged_attention.cpp).");
   m.def("skinny_gemm", &skinny_gemm, py::arg("w"), py::arg("x"), py::arg("yT"),
-        py::arg("num_threads"),
-        "yT [N, M] = w [N, K] . x^T for x [M, K] (any strides); float32, w and yT C-contiguous.");
+        py::arg("num_threads"), py::arg("isa") = "auto",
+        "yT [N, M] = w [N, K] . x^T for x [M, K] (any strides), w and yT C-contiguous; "
+        "float32, or bfloat16 weights (as int16) with float32 or bfloat16 x and yT.");
+  m.def("best_isa", [] { return std::string(radixserve::isa_name(radixserve::best_isa())); },
+        "The best instruction-set level this CPU runs (baseline, avx2, avx512, avx512bf16).");
+  m.def("supported_isas", &supported_isas, "Every level this CPU runs, lowest first.");
 #ifdef _OPENMP
   m.attr("openmp") = true;
 #else

@@ -1,19 +1,34 @@
 // The worker's CPU kernels (module radixserve.layers._cpu_kernels): paged decode
-// attention (paged_attention.cpp) and the skinny float32 product
-// (skinny_gemm.cpp), both free of Python. Bindings and argument checks:
+// attention (paged_attention.cpp) and the skinny product for float32 and
+// bfloat16 (skinny_gemm.cpp), both free of Python. Bindings and argument checks:
 // cpu_kernels.cpp.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
-// Hot loops are compiled for AVX2+FMA and for baseline x86-64, and the loader
-// picks the best one this CPU runs (GCC/clang target_clones), so a build runs
-// on any x86-64 CPU and is fast on a recent one.
+// Instruction sets. Each hot loop is compiled once per level (per-function target
+// attributes, so the file itself needs no -m flag and the build runs on any
+// x86-64 CPU), and every call picks one at run time: the best the CPU has
+// (best_isa), or one the caller forces for tests and benchmarks.
+//   baseline    no target attribute: x86-64's SSE2 (what any other CPU's compiler default is)
+//   avx2        AVX2 + FMA, 16 vector registers of 8 floats
+//   avx512      AVX-512 F/BW/VL, 32 registers of 16 floats; bfloat16 converted to float32
+//   avx512bf16  avx512 plus AVX512_BF16: bfloat16 products with vdpbf16ps
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__INTEL_COMPILER)
-#define RS_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define RS_X86 1
+#define RS_TARGET_AVX2 __attribute__((target("avx2,fma,f16c,bmi,bmi2")))
+#define RS_TARGET_AVX512                                                                 \
+  __attribute__((target("avx2,fma,f16c,bmi,bmi2,avx512f,avx512bw,avx512vl,avx512dq," \
+                        "prefer-vector-width=512")))
+#define RS_TARGET_AVX512BF16                                                             \
+  __attribute__((target("avx2,fma,f16c,bmi,bmi2,avx512f,avx512bw,avx512vl,avx512dq," \
+                        "avx512bf16,prefer-vector-width=512")))
 #else
-#define RS_CLONES
+#define RS_X86 0
+#define RS_TARGET_AVX2
+#define RS_TARGET_AVX512
+#define RS_TARGET_AVX512BF16
 #endif
 
 #if defined(__GNUC__)
@@ -24,42 +39,100 @@
 
 namespace radixserve {
 
-// Eight floats as a GCC/clang vector: one AVX register in an AVX2 clone, two SSE
-// registers in the baseline one. Helpers are always inlined so that each clone
-// gets its own instructions.
+// Ordered: each level runs everything the ones below it run.
+enum class Isa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+
+// The best level this CPU (and OS: the CPU check includes the saved register
+// state) runs.
+Isa best_isa();
+const char* isa_name(Isa isa);
+
+// Eight floats as a GCC/clang vector: one AVX register in an AVX2 function, two SSE
+// registers in a baseline one. Helpers are always inlined, so each caller's target
+// decides its instructions. v16 is one AVX-512 register (used only by avx512
+// functions).
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
 
-RS_ALWAYS_INLINE v8 load8(const float* p) {
-  v8 v;
+template <typename V>
+struct VecInt;
+template <>
+struct VecInt<v8> {
+  typedef v8i type;
+};
+template <>
+struct VecInt<v16> {
+  typedef v16i type;
+};
+
+template <typename V>
+constexpr int lanes() {
+  return static_cast<int>(sizeof(V) / sizeof(float));
+}
+
+template <typename V>
+RS_ALWAYS_INLINE V loadv(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-RS_ALWAYS_INLINE void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
+template <typename V>
+RS_ALWAYS_INLINE void storev(float* p, V v) {
+  std::memcpy(p, &v, sizeof v);
+}
 
-RS_ALWAYS_INLINE v8 splat8(float x) { return v8{x, x, x, x, x, x, x, x}; }
+template <typename V>
+RS_ALWAYS_INLINE V splat(float x) {
+  return V{} + x;
+}
 
-// exp of eight floats <= 0 (about 2 ulp; below -87 the result is ~0): Cody-Waite
+RS_ALWAYS_INLINE v8 load8(const float* p) { return loadv<v8>(p); }
+RS_ALWAYS_INLINE void store8(float* p, v8 v) { storev(p, v); }
+RS_ALWAYS_INLINE v8 splat8(float x) { return splat<v8>(x); }
+
+// exp of floats <= 0 (about 2 ulp; below -87 the result is ~0): Cody-Waite
 // reduction to r in [-ln2/2, ln2/2], a degree-6 polynomial, 2^n from the bits.
-RS_ALWAYS_INLINE v8 exp8(v8 x) {
-  const v8 lo = splat8(-87.0f);
+template <typename V>
+RS_ALWAYS_INLINE V expv(V x) {
+  typedef typename VecInt<V>::type VI;
+  const V lo = splat<V>(-87.0f);
   x = x < lo ? lo : x;
-  const v8 magic = splat8(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  const v8 n = (x * 1.44269504088896341f + magic) - magic;
-  v8 r = x - n * 0.693359375f;
+  const V magic = splat<V>(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const V n = (x * 1.44269504088896341f + magic) - magic;
+  V r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
-  v8 p = splat8(1.9875691500e-4f);
+  V p = splat<V>(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
-  v8 scale;
+  const VI e = (__builtin_convertvector(n, VI) + 127) << 23;
+  V scale;
   std::memcpy(&scale, &e, sizeof scale);
   return p * scale;
+}
+
+RS_ALWAYS_INLINE v8 exp8(v8 x) { return expv(x); }
+
+// bfloat16 <-> float32 (round to nearest even; NaN stays NaN).
+RS_ALWAYS_INLINE float bf16_to_f32(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+RS_ALWAYS_INLINE uint16_t f32_to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
 }
 
 }  // namespace radixserve
@@ -84,13 +157,26 @@ struct PagedDecode {
 enum class KVType { kFloat32, kFloat64, kBFloat16 };
 
 // q, out: [rows, heads, head_dim]; kv: [pages, 2, page_size, kv_heads, head_dim],
-// all of `type`; lse (one of the two, or neither): [rows, heads].
+// all of `type`; lse (one of the two, or neither): [rows, heads]. `isa` must be
+// one the CPU runs (at most best_isa()).
 void paged_decode(const PagedDecode& p, KVType type, const void* q, const void* kv, void* out,
-                  float* lse_f, double* lse_d, int num_threads, int64_t chunk);
+                  float* lse_f, double* lse_d, Isa isa, int num_threads, int64_t chunk);
 
-// yT [N, M] = W [N, K] . x^T for float32; W and yT row-major, x [M, K] with
-// element strides (sm, sk), so a transposed view needs no copy.
-void skinny_gemm_f32(const float* W, const float* x, int64_t sm, int64_t sk, float* yT, int64_t N,
-                     int64_t K, int64_t M, int num_threads);
+// One skinny product yT [N, M] = W [N, K] . x^T: W and yT row-major, x [M, K] with
+// element strides (sm, sk), so a transposed view needs no copy. Each of W, x, yT is
+// float32 or bfloat16 (float32 W takes float32 x and gives float32 yT).
+enum class DType { kFloat32, kBFloat16 };
+struct SkinnyGemm {
+  const void* W;
+  const void* x;
+  void* yT;
+  DType w_type, x_type, y_type;
+  int64_t N, K, M, sm, sk;
+};
+
+// `isa` as for paged_decode. With bfloat16 weights, avx512bf16 multiplies bfloat16
+// pairs (x rounded to bfloat16 first, as oneDNN's bfloat16 products do); every
+// other level converts W to float32 on the fly and keeps x in float32.
+void skinny_gemm(const SkinnyGemm& g, Isa isa, int num_threads);
 
 }  // namespace radixserve

@@ -35,9 +35,15 @@
 #include <vector>
 
 using radixserve::exp8;
-using radixserve::load8;
+using radixserve::expv;
+using radixserve::Isa;
+using radixserve::lanes;
+using radixserve::loadv;
+using radixserve::splat;
 using radixserve::splat8;
 using radixserve::store8;
+using radixserve::storev;
+using radixserve::v16;
 using radixserve::v8;
 
 namespace {
@@ -94,30 +100,43 @@ RS_ALWAYS_INLINE v8 hsum8x8(const v8* a) {
          __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-// Scores of one query vector against eight keys (float32, head_dim % 8 == 0).
-RS_ALWAYS_INLINE v8 dot8(const float* q, const float* const* k, int64_t off, int64_t D) {
-  v8 a[8];
-  for (int u = 0; u < 8; ++u) a[u] = splat8(0);
-  for (int64_t c = 0; c < D; c += 8) {
-    const v8 qv = load8(q + c);
-    for (int u = 0; u < 8; ++u) a[u] += load8(k[u] + off + c) * qv;
-  }
-  return hsum8x8(a);
+// The eight-lane sum of a vector's halves (v16), or the vector itself (v8).
+RS_ALWAYS_INLINE v8 fold8(v8 a) { return a; }
+RS_ALWAYS_INLINE v8 fold8(v16 a) {
+  return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 
-// acc[0:8*NV] += sum over the block's keys of p[b] * v[b][off:off+8*NV], with the
+// Scores of one query vector against eight keys (float32, head_dim a multiple of
+// V's lanes).
+template <typename V>
+RS_ALWAYS_INLINE v8 dot8(const float* q, const float* const* k, int64_t off, int64_t D) {
+  constexpr int L = lanes<V>();
+  V a[8];
+  for (int u = 0; u < 8; ++u) a[u] = splat<V>(0);
+  for (int64_t c = 0; c < D; c += L) {
+    const V qv = loadv<V>(q + c);
+    for (int u = 0; u < 8; ++u) a[u] += loadv<V>(k[u] + off + c) * qv;
+  }
+  v8 f[8];
+  for (int u = 0; u < 8; ++u) f[u] = fold8(a[u]);
+  return hsum8x8(f);
+}
+
+// acc[0:L*NV] += sum over the block's keys of p[b] * v[b][off:off+L*NV], with the
 // accumulators in registers for the whole block.
-template <int NV>
+template <typename V, int NV>
 RS_ALWAYS_INLINE void axpy_block(float* acc, const float* p, const float* const* v, int64_t off,
                                  int64_t nb) {
-  v8 a[NV];
-  for (int u = 0; u < NV; ++u) a[u] = load8(acc + 8 * u);
+  constexpr int L = lanes<V>();
+  V a[NV];
+  for (int u = 0; u < NV; ++u) a[u] = loadv<V>(acc + L * u);
   for (int64_t b = 0; b < nb; ++b) {
     const float pb = p[b];
     const float* vb = v[b] + off;
-    for (int u = 0; u < NV; ++u) a[u] += load8(vb + 8 * u) * pb;
+    for (int u = 0; u < NV; ++u) a[u] += loadv<V>(vb + L * u) * pb;
   }
-  for (int u = 0; u < NV; ++u) store8(acc + 8 * u, a[u]);
+  for (int u = 0; u < NV; ++u) storev(acc + L * u, a[u]);
 }
 
 struct Item {
@@ -135,20 +154,58 @@ constexpr int64_t kBlock = 16;
 // load_block): all of them.
 constexpr int64_t kPrefetchRows = kBlock;
 
+// Pointers to rows [j0, j0 + nb) of K (which = 0) or V (1) of a segment's pages,
+// in the compute type (bfloat16 rows converted into conv): one division per
+// block, then page by page. The first rows of the block after (up to key k1) are
+// prefetched: pages are scattered, so the hardware prefetcher loses the stream at
+// every page boundary.
+template <typename T, typename A>
+RS_ALWAYS_INLINE void load_block(const T* kv, const int32_t* pages, int64_t ps, int64_t row_len,
+                                 int64_t j0, int64_t nb, int64_t k1, int64_t which, A* conv,
+                                 const A** out) {
+  const int64_t page_stride = 2 * ps * row_len;
+  const int64_t row_bytes = row_len * static_cast<int64_t>(sizeof(T));
+  int64_t pi = j0 / ps, off = j0 % ps;
+  const T* page = kv + pages[pi] * page_stride + which * ps * row_len;
+  for (int64_t b = 0; b < nb; ++b) {
+    const T* p = page + off * row_len;
+    if constexpr (std::is_same<T, A>::value) {
+      out[b] = p;
+    } else {
+      A* c = conv + b * row_len;
+      for (int64_t d = 0; d < row_len; ++d) c[d] = to_acc(p[d]);
+      out[b] = c;
+    }
+    if (++off == ps && b + 1 < nb) {
+      off = 0;
+      page = kv + pages[++pi] * page_stride + which * ps * row_len;
+    }
+  }
+  const int64_t next = j0 + nb, n_pf = std::min(kPrefetchRows, k1 - next);
+  for (int64_t r = 0, npi = next / ps, noff = next % ps; r < n_pf; ++r) {
+    const char* n = reinterpret_cast<const char*>(kv + pages[npi] * page_stride +
+                                                  which * ps * row_len + noff * row_len);
+    for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(n + o);
+    if (++noff == ps) noff = 0, ++npi;
+  }
+}
+
 // One item: scores of every query vector of the segment (all rows, all heads)
 // against the item's keys, softmax statistics per query vector, and the
 // unnormalised weighted sum of values. A key position's K (or V) row holds all
 // kv heads side by side, so the item walks the pages front to back, a block of
-// contiguous rows at a time.
-template <typename T>
-RS_ALWAYS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q, const T* kv, Acc<T>* pm,
-                             Acc<T>* pl, Acc<T>* pacc, std::vector<Acc<T>>& scratch) {
+// contiguous rows at a time. Float vectors are V (v8 or v16).
+template <typename T, typename V>
+RS_ALWAYS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q, const T* kv,
+                                    Acc<T>* pm, Acc<T>* pl, Acc<T>* pacc,
+                                    std::vector<Acc<T>>& scratch) {
   using A = Acc<T>;
+  constexpr int L = lanes<V>();
   const int64_t D = P.head_dim, G = P.group, H = P.num_heads, KVH = P.num_kv_heads;
   const int64_t ps = P.page_size;
   const int64_t r0 = P.row_indptr[it.seg], r1 = P.row_indptr[it.seg + 1];
   const int64_t nrows = r1 - r0, nq = nrows * H, len = it.k1 - it.k0;
-  const int64_t row_len = KVH * D, page_stride = 2 * ps * row_len;
+  const int64_t row_len = KVH * D;
   // Query vectors ordered [kv head][row][group member], so that the vectors one
   // kv head's keys meet are contiguous.
   scratch.resize(static_cast<size_t>(nq * D + nq * len + kBlock * row_len));
@@ -165,47 +222,17 @@ RS_ALWAYS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q
     }
   }
   const int32_t* pages = P.pages + P.page_indptr[it.seg];
-  const int64_t row_bytes = row_len * static_cast<int64_t>(sizeof(T));
-  // Pointers to rows [j0, j0 + nb) of K (which = 0) or V (1), in the compute
-  // type: one division per block, then page by page. The first rows of the
-  // block after are prefetched: pages are scattered, so the hardware prefetcher
-  // loses the stream at every page boundary.
-  auto load_block = [&](int64_t j0, int64_t nb, int64_t which, const A** out) {
-    int64_t pi = j0 / ps, off = j0 % ps;
-    const T* page = kv + pages[pi] * page_stride + which * ps * row_len;
-    for (int64_t b = 0; b < nb; ++b) {
-      const T* p = page + off * row_len;
-      if constexpr (std::is_same<T, A>::value) {
-        out[b] = p;
-      } else {
-        A* c = conv + b * row_len;
-        for (int64_t d = 0; d < row_len; ++d) c[d] = to_acc(p[d]);
-        out[b] = c;
-      }
-      if (++off == ps && b + 1 < nb) {
-        off = 0;
-        page = kv + pages[++pi] * page_stride + which * ps * row_len;
-      }
-    }
-    const int64_t next = j0 + nb, n_pf = std::min(kPrefetchRows, it.k1 - next);
-    for (int64_t r = 0, npi = next / ps, noff = next % ps; r < n_pf; ++r) {
-      const char* n = reinterpret_cast<const char*>(kv + pages[npi] * page_stride +
-                                                    which * ps * row_len + noff * row_len);
-      for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(n + o);
-      if (++noff == ps) noff = 0, ++npi;
-    }
-  };
   const int64_t per_head = nrows * G;  // query vectors per kv head
-  // float32 with head_dim % 8 == 0 runs the hand-vectorised loops (dot8,
-  // axpy_block); other cases the compiler-vectorised ones below them.
-  const bool vec = std::is_same<A, float>::value && D % 8 == 0;
+  // float32 with head_dim a multiple of the lanes runs the hand-vectorised loops
+  // (dot8, axpy_block); other cases the compiler-vectorised ones below them.
+  const bool vec = std::is_same<A, float>::value && D % L == 0;
   const A* rows[kBlock];
   // Scores, a block of keys at a time: each query vector meets eight keys per
   // pass, so eight independent dot products are in flight (one alone is a chain
   // of dependent FMAs, bound by their latency).
   for (int64_t jb = 0; jb < len; jb += kBlock) {
     const int64_t nb = std::min(kBlock, len - jb);
-    load_block(it.k0 + jb, nb, 0, rows);
+    load_block(kv, pages, ps, row_len, it.k0 + jb, nb, it.k1, 0, conv, rows);
     for (int64_t h = 0; h < KVH; ++h) {
       const A* qh = qs + h * per_head * D;
       A* sh = sc + h * per_head * len + jb;
@@ -215,7 +242,7 @@ RS_ALWAYS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q
         int64_t b = 0;
         if constexpr (std::is_same<A, float>::value) {
           if (vec) {
-            for (; b + 8 <= nb; b += 8) store8(si + b, dot8(qi, rows + b, h * D, D));
+            for (; b + 8 <= nb; b += 8) store8(si + b, dot8<V>(qi, rows + b, h * D, D));
           }
         }
         for (; b + 8 <= nb; b += 8) {
@@ -261,21 +288,21 @@ RS_ALWAYS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q
     A m = -std::numeric_limits<A>::infinity();
     A l = 0;
     int64_t j = 0;
-    if constexpr (std::is_same<A, float>::value) {  // eight at a time, by hand
-      v8 mv = splat8(m);
-      for (; j + 8 <= len; j += 8) {
-        const v8 x = load8(si + j);
+    if constexpr (std::is_same<A, float>::value) {  // L at a time, by hand
+      V mv = splat<V>(m);
+      for (; j + L <= len; j += L) {
+        const V x = loadv<V>(si + j);
         mv = x > mv ? x : mv;
       }
-      for (int k = 0; k < 8; ++k) m = std::max(m, mv[k]);
+      for (int k = 0; k < L; ++k) m = std::max(m, mv[k]);
       for (; j < len; ++j) m = std::max(m, si[j]);
-      v8 lv = splat8(0);
-      for (j = 0; j + 8 <= len; j += 8) {
-        const v8 e = exp8(load8(si + j) - m);
-        store8(si + j, e);
+      V lv = splat<V>(0);
+      for (j = 0; j + L <= len; j += L) {
+        const V e = expv(loadv<V>(si + j) - m);
+        storev(si + j, e);
         lv += e;
       }
-      for (int k = 0; k < 8; ++k) l += lv[k];
+      for (int k = 0; k < L; ++k) l += lv[k];
     } else {
       for (; j < len; ++j) m = std::max(m, si[j]);
       j = 0;
@@ -294,7 +321,7 @@ RS_ALWAYS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q
   // whole block before it is stored again.
   for (int64_t jb = 0; jb < len; jb += kBlock) {
     const int64_t nb = std::min(kBlock, len - jb);
-    load_block(it.k0 + jb, nb, 1, rows);
+    load_block(kv, pages, ps, row_len, it.k0 + jb, nb, it.k1, 1, conv, rows);
     for (int64_t h = 0; h < KVH; ++h) {
       const A* ph = sc + h * per_head * len + jb;
       A* ah = acc + h * per_head * D;
@@ -304,8 +331,8 @@ RS_ALWAYS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q
         if constexpr (std::is_same<A, float>::value) {
           if (vec) {
             int64_t c = 0;
-            for (; c + 64 <= D; c += 64) axpy_block<8>(ai + c, p, rows, h * D + c, nb);
-            for (; c < D; c += 8) axpy_block<1>(ai + c, p, rows, h * D + c, nb);
+            for (; c + 64 <= D; c += 64) axpy_block<V, 64 / L>(ai + c, p, rows, h * D + c, nb);
+            for (; c < D; c += L) axpy_block<V, 1>(ai + c, p, rows, h * D + c, nb);
             continue;
           }
         }
@@ -329,32 +356,56 @@ RS_ALWAYS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q
   }
 }
 
-#define RS_ITEM(NAME, T)                                                                      \
-  RS_CLONES void NAME(const Problem& P, const Item& it, const T* q, const T* kv, Acc<T>* pm,  \
-                      Acc<T>* pl, Acc<T>* pacc, std::vector<Acc<T>>& scratch) {               \
-    run_item_impl<T>(P, it, q, kv, pm, pl, pacc, scratch);                                    \
-  }
-RS_ITEM(run_item_f32, float)
-RS_ITEM(run_item_f64, double)
-RS_ITEM(run_item_bf16, BF16)
+// One item, compiled per instruction set (cpu_kernels.h).
+template <typename T>
+using ItemFn = void (*)(const Problem&, const Item&, const T*, const T*, Acc<T>*, Acc<T>*,
+                        Acc<T>*, std::vector<Acc<T>>&);
 
-inline void run_item(const Problem& P, const Item& it, const float* q, const float* kv, float* pm,
-                     float* pl, float* pacc, std::vector<float>& scratch) {
-  run_item_f32(P, it, q, kv, pm, pl, pacc, scratch);
-}
-inline void run_item(const Problem& P, const Item& it, const double* q, const double* kv,
-                     double* pm, double* pl, double* pacc, std::vector<double>& scratch) {
-  run_item_f64(P, it, q, kv, pm, pl, pacc, scratch);
-}
-inline void run_item(const Problem& P, const Item& it, const BF16* q, const BF16* kv, float* pm,
-                     float* pl, float* pacc, std::vector<float>& scratch) {
-  run_item_bf16(P, it, q, kv, pm, pl, pacc, scratch);
+template <typename T>
+void item_baseline(const Problem& P, const Item& it, const T* q, const T* kv, Acc<T>* pm,
+                   Acc<T>* pl, Acc<T>* pacc, std::vector<Acc<T>>& scratch) {
+  run_item_impl<T, v8>(P, it, q, kv, pm, pl, pacc, scratch);
 }
 
 template <typename T>
-void run(const Problem& P, const T* q, const T* kv, T* out, float* lse_f,
-         double* lse_d, int num_threads, int64_t chunk) {
+RS_TARGET_AVX2 void item_avx2(const Problem& P, const Item& it, const T* q, const T* kv,
+                              Acc<T>* pm, Acc<T>* pl, Acc<T>* pacc,
+                              std::vector<Acc<T>>& scratch) {
+  run_item_impl<T, v8>(P, it, q, kv, pm, pl, pacc, scratch);
+}
+
+// 16-float vectors where head_dim allows them, else 8-float ones (still with
+// AVX-512's 32 registers and instructions).
+template <typename T>
+RS_TARGET_AVX512 void item_avx512(const Problem& P, const Item& it, const T* q, const T* kv,
+                                  Acc<T>* pm, Acc<T>* pl, Acc<T>* pacc,
+                                  std::vector<Acc<T>>& scratch) {
+  if (P.head_dim % 16 == 0) {
+    run_item_impl<T, v16>(P, it, q, kv, pm, pl, pacc, scratch);
+  } else {
+    run_item_impl<T, v8>(P, it, q, kv, pm, pl, pacc, scratch);
+  }
+}
+
+template <typename T>
+ItemFn<T> item_fn(Isa isa) {
+  switch (isa) {
+    case Isa::kBaseline:
+      return item_baseline<T>;
+    case Isa::kAvx2:
+      return item_avx2<T>;
+    case Isa::kAvx512:
+    case Isa::kAvx512Bf16:
+      break;
+  }
+  return item_avx512<T>;
+}
+
+template <typename T>
+void run(const Problem& P, const T* q, const T* kv, T* out, float* lse_f, double* lse_d,
+         Isa isa, int num_threads, int64_t chunk) {
   using A = Acc<T>;
+  const ItemFn<T> run_item = item_fn<T>(isa);
   const int64_t D = P.head_dim, G = P.group, H = P.num_heads, KVH = P.num_kv_heads;
   const int64_t num_segments = P.num_segments;
   // Items, and where each segment's chunks start.
@@ -426,20 +477,20 @@ void run(const Problem& P, const T* q, const T* kv, T* out, float* lse_f,
 }  // namespace
 
 void radixserve::paged_decode(const PagedDecode& P, KVType type, const void* q, const void* kv,
-                              void* out, float* lse_f, double* lse_d, int num_threads,
-                              int64_t chunk) {
+                              void* out, float* lse_f, double* lse_d, Isa isa,
+                              int num_threads, int64_t chunk) {
   switch (type) {
     case KVType::kFloat32:
       run<float>(P, static_cast<const float*>(q), static_cast<const float*>(kv),
-                 static_cast<float*>(out), lse_f, lse_d, num_threads, chunk);
+                 static_cast<float*>(out), lse_f, lse_d, isa, num_threads, chunk);
       break;
     case KVType::kFloat64:
       run<double>(P, static_cast<const double*>(q), static_cast<const double*>(kv),
-                  static_cast<double*>(out), lse_f, lse_d, num_threads, chunk);
+                  static_cast<double*>(out), lse_f, lse_d, isa, num_threads, chunk);
       break;
     case KVType::kBFloat16:
       run<BF16>(P, static_cast<const BF16*>(q), static_cast<const BF16*>(kv),
-                static_cast<BF16*>(out), lse_f, lse_d, num_threads, chunk);
+                static_cast<BF16*>(out), lse_f, lse_d, isa, num_threads, chunk);
       break;
   }
 }

@@ -1,92 +1,439 @@
-// y^T = W x^T for few rows of x (decode batches): float32 on the CPU.
+// y^T = W x^T for few rows of x (decode batches), float32 or bfloat16, on the CPU.
 //
 // A decode step multiplies every weight matrix by a handful of activation rows.
 // BLAS sgemm is tuned for large products; for 1-64 rows streaming the weights
 // from memory it leaves much of the machine idle. This kernel reads each weight
 // element once and uses it for every row from registers: x is packed
-// transposed ([K][M padded to 8]), and an outer-product micro-kernel keeps a
-// 6 (weight rows) x 16 (activation rows) tile of accumulators in vector
-// registers while it walks K. Weight rows are split across OpenMP threads.
+// transposed ([K][M padded to the vector width]), and an outer-product
+// micro-kernel keeps an R (weight rows) x C vectors (activation rows) tile of
+// accumulators in registers while it walks K. Weight rows are split across
+// OpenMP threads.
 //
-// Vectors are GCC/clang vector extensions (8 floats); the loop is compiled for
-// AVX2+FMA and for baseline x86-64 and the loader picks one (target_clones).
+// One template, compiled per instruction set (cpu_kernels.h):
+//   baseline, avx2: 8-float vectors, 6 x 16 tiles (12 accumulators + 2 x + 1
+//     broadcast: 15 of AVX2's 16 registers);
+//   avx512: 16-float vectors, 12 x 32 tiles (24 + 2 + 1 of 32 registers), or
+//     8-float ones when at most 8 rows (half the lanes would be padding);
+//   avx512bf16 with bfloat16 weights: x rounded to bfloat16 and packed in K
+//     pairs ([K/2][M][2]); vdpbf16ps multiplies one broadcast weight pair by 16
+//     rows' pairs, two K steps per instruction, accumulating in float32.
+// Elsewhere bfloat16 weights are widened to float32 as they are broadcast, so
+// the weights are still read at half float32's bytes.
 #include "cpu_kernels.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#if RS_X86
+#include <immintrin.h>
+#endif
 
 namespace radixserve {
 namespace {
 
-// One tile: R weight rows x C*8 activation rows, the accumulators in vector
+RS_ALWAYS_INLINE float to_f32(float x) { return x; }
+RS_ALWAYS_INLINE float to_f32(uint16_t x) { return bf16_to_f32(x); }
+
+// mw results of one y^T row, from float32 to the output type. (GCC 12 cannot see
+// that the tiles write every lane read here.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+RS_ALWAYS_INLINE void store_row(float* dst, const float* v, int64_t mw) {
+  std::memcpy(dst, v, static_cast<size_t>(mw) * sizeof(float));
+}
+RS_ALWAYS_INLINE void store_row(uint16_t* dst, const float* v, int64_t mw) {
+  for (int64_t m = 0; m < mw; ++m) dst[m] = f32_to_bf16(v[m]);
+}
+#pragma GCC diagnostic pop
+
+// One tile: R weight rows x C vectors of activation rows, the accumulators in
 // registers for the whole walk over K (fully unrolled: R and C are constants).
-template <int R, int C>
-RS_ALWAYS_INLINE void tile(const float* W, const float* xp, float* yT, int64_t n, int64_t K,
-                           int64_t M, int64_t Mp, int64_t m0, int64_t mw) {
-  v8 acc[R][C];
-  const float* w[R];
+template <typename V, int R, int C, typename WT, typename YT>
+RS_ALWAYS_INLINE void tile(const WT* W, const float* xp, YT* yT, int64_t n, int64_t K, int64_t M,
+                           int64_t Mp, int64_t m0, int64_t mw) {
+  constexpr int L = lanes<V>();
+  V acc[R][C];
+  const WT* w[R];
   for (int r = 0; r < R; ++r) {
     w[r] = W + (n + r) * K;
-    for (int c = 0; c < C; ++c) acc[r][c] = splat8(0);
+    for (int c = 0; c < C; ++c) acc[r][c] = splat<V>(0);
   }
   const float* xk = xp + m0;
   for (int64_t k = 0; k < K; ++k, xk += Mp) {
-    v8 x[C];
-    for (int c = 0; c < C; ++c) x[c] = load8(xk + 8 * c);
+    V x[C];
+    for (int c = 0; c < C; ++c) x[c] = loadv<V>(xk + L * c);
     for (int r = 0; r < R; ++r) {
-      const float b = w[r][k];
+      const float b = to_f32(w[r][k]);
       for (int c = 0; c < C; ++c) acc[r][c] += x[c] * b;  // the scalar is broadcast
     }
   }
-  float out[8 * C];
+  float out[L * C];
   for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) store8(out + 8 * c, acc[r][c]);
-    std::memcpy(yT + (n + r) * M + m0, out, static_cast<size_t>(mw) * sizeof(float));
+    for (int c = 0; c < C; ++c) storev(out + L * c, acc[r][c]);
+    store_row(yT + (n + r) * M + m0, out, mw);
   }
 }
 
-// Rows [n0, n1) of y^T (ldy = M), from packed x (xp: [K][Mp]): 16 activation rows
-// at a time against 6 weight rows (12 accumulators + 2 x vectors + 1 broadcast:
-// 15 of AVX2's 16 registers), 8 at a time for the last 8.
-RS_CLONES void gemm_rows(const float* W, const float* xp, float* yT, int64_t n0, int64_t n1,
-                         int64_t K, int64_t M, int64_t Mp) {
-  // Every 16-row chunk of x against one weight tile before the next tile: the
-  // tile's rows stay in L1 while x (small) is re-read.
-  const int64_t full = Mp / 16 * 16;  // 16-wide chunks; Mp - full is 0 or 8
-  auto chunks = [&](auto tile16, auto tile8, int64_t n) {
-    for (int64_t m0 = 0; m0 < full; m0 += 16) tile16(n, m0, std::min<int64_t>(M - m0, 16));
-    if (full < Mp) tile8(n, full, M - full);
-  };
+// Every chunk of 2 vectors of x against one weight tile before the next tile:
+// the tile's rows stay in L1 while x (small) is re-read. Mp is a multiple of L.
+template <typename V, int R, typename WT, typename YT>
+RS_ALWAYS_INLINE void tile_row(const WT* W, const float* xp, YT* yT, int64_t n, int64_t K,
+                               int64_t M, int64_t Mp) {
+  constexpr int L = lanes<V>();
+  const int64_t full = Mp / (2 * L) * (2 * L);
+  for (int64_t m0 = 0; m0 < full; m0 += 2 * L)
+    tile<V, R, 2>(W, xp, yT, n, K, M, Mp, m0, std::min<int64_t>(M - m0, 2 * L));
+  if (full < Mp) tile<V, R, 1>(W, xp, yT, n, K, M, Mp, full, M - full);
+}
+
+// Rows [n0, n1) of y^T.
+template <typename V, int R, typename WT, typename YT>
+RS_ALWAYS_INLINE void gemm_rows(const WT* W, const float* xp, YT* yT, int64_t n0, int64_t n1,
+                                int64_t K, int64_t M, int64_t Mp) {
   int64_t n = n0;
-  for (; n + 6 <= n1; n += 6) {
-    chunks([&](int64_t nn, int64_t m0, int64_t mw) { tile<6, 2>(W, xp, yT, nn, K, M, Mp, m0, mw); },
-           [&](int64_t nn, int64_t m0, int64_t mw) { tile<6, 1>(W, xp, yT, nn, K, M, Mp, m0, mw); },
-           n);
-  }
-  for (; n < n1; ++n) {
-    chunks([&](int64_t nn, int64_t m0, int64_t mw) { tile<1, 2>(W, xp, yT, nn, K, M, Mp, m0, mw); },
-           [&](int64_t nn, int64_t m0, int64_t mw) { tile<1, 1>(W, xp, yT, nn, K, M, Mp, m0, mw); },
-           n);
+  for (; n + R <= n1; n += R) tile_row<V, R>(W, xp, yT, n, K, M, Mp);
+  for (; n < n1; ++n) tile_row<V, 1>(W, xp, yT, n, K, M, Mp);
+}
+
+template <typename WT, typename YT>
+void rows_baseline(const WT* W, const float* xp, YT* yT, int64_t n0, int64_t n1, int64_t K,
+                   int64_t M, int64_t Mp) {
+  gemm_rows<v8, 6>(W, xp, yT, n0, n1, K, M, Mp);
+}
+
+template <typename WT, typename YT>
+RS_TARGET_AVX2 void rows_avx2(const WT* W, const float* xp, YT* yT, int64_t n0, int64_t n1,
+                              int64_t K, int64_t M, int64_t Mp) {
+  gemm_rows<v8, 6>(W, xp, yT, n0, n1, K, M, Mp);
+}
+
+template <typename WT, typename YT>
+RS_TARGET_AVX512 void rows_avx512(const WT* W, const float* xp, YT* yT, int64_t n0, int64_t n1,
+                                  int64_t K, int64_t M, int64_t Mp) {
+  if (Mp <= 8) {
+    gemm_rows<v8, 12>(W, xp, yT, n0, n1, K, M, Mp);
+  } else {
+    gemm_rows<v16, 12>(W, xp, yT, n0, n1, K, M, Mp);
   }
 }
+
+#if RS_X86
+template <int L>
+struct DpVec;
+template <>
+struct DpVec<16> {
+  typedef __m512 F;
+  typedef __m512bh B;
+};
+template <>
+struct DpVec<8> {
+  typedef __m256 F;
+  typedef __m256bh B;
+};
+
+// The vdpbf16ps tile: xp is [ceil(K/2)][Mp][2] bfloat16 (the pair past an odd K
+// is (x[K-1], 0)); L = 16 uses zmm registers, L = 8 ymm.
+template <int L, int R, int C, typename YT>
+RS_TARGET_AVX512BF16 RS_ALWAYS_INLINE void tile_dp(const uint16_t* W, const uint16_t* xp, YT* yT,
+                                                   int64_t n, int64_t K, int64_t M, int64_t Mp,
+                                                   int64_t m0, int64_t mw) {
+  typedef typename DpVec<L>::F F;
+  typedef typename DpVec<L>::B B;
+  F acc[R][C];
+  const uint16_t* w[R];
+  for (int r = 0; r < R; ++r) {
+    w[r] = W + (n + r) * K;
+    for (int c = 0; c < C; ++c) {
+      if constexpr (L == 16) acc[r][c] = _mm512_setzero_ps();
+      else acc[r][c] = _mm256_setzero_ps();
+    }
+  }
+  const int64_t K2 = K / 2;
+  const uint16_t* xk = xp + 2 * m0;
+  for (int64_t k2 = 0; k2 <= K2; ++k2, xk += 2 * Mp) {
+    if (k2 == K2 && !(K & 1)) break;
+    B x[C];
+    for (int c = 0; c < C; ++c) {
+      if constexpr (L == 16) x[c] = (B)_mm512_loadu_si512(xk + 2 * L * c);
+      else x[c] = (B)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xk + 2 * L * c));
+    }
+    for (int r = 0; r < R; ++r) {
+      uint32_t pair;
+      if (k2 < K2) {
+        std::memcpy(&pair, w[r] + 2 * k2, sizeof pair);
+      } else {
+        pair = w[r][K - 1];  // the odd last element, with a zero partner
+      }
+      for (int c = 0; c < C; ++c) {
+        if constexpr (L == 16)
+          acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (B)_mm512_set1_epi32(static_cast<int>(pair)), x[c]);
+        else
+          acc[r][c] = _mm256_dpbf16_ps(acc[r][c], (B)_mm256_set1_epi32(static_cast<int>(pair)), x[c]);
+      }
+    }
+  }
+  float out[L * C];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      if constexpr (L == 16) _mm512_storeu_ps(out + L * c, acc[r][c]);
+      else _mm256_storeu_ps(out + L * c, acc[r][c]);
+    }
+    store_row(yT + (n + r) * M + m0, out, mw);
+  }
+}
+
+template <int L, int R, typename YT>
+RS_TARGET_AVX512BF16 RS_ALWAYS_INLINE void tile_dp_row(const uint16_t* W, const uint16_t* xp,
+                                                       YT* yT, int64_t n, int64_t K, int64_t M,
+                                                       int64_t Mp) {
+  const int64_t full = Mp / (2 * L) * (2 * L);
+  for (int64_t m0 = 0; m0 < full; m0 += 2 * L)
+    tile_dp<L, R, 2>(W, xp, yT, n, K, M, Mp, m0, std::min<int64_t>(M - m0, 2 * L));
+  if (full < Mp) tile_dp<L, R, 1>(W, xp, yT, n, K, M, Mp, full, M - full);
+}
+
+template <int L, typename YT>
+RS_TARGET_AVX512BF16 RS_ALWAYS_INLINE void dp_rows(const uint16_t* W, const uint16_t* xp, YT* yT,
+                                                   int64_t n0, int64_t n1, int64_t K, int64_t M,
+                                                   int64_t Mp) {
+  int64_t n = n0;
+  for (; n + 12 <= n1; n += 12) tile_dp_row<L, 12>(W, xp, yT, n, K, M, Mp);
+  for (; n < n1; ++n) tile_dp_row<L, 1>(W, xp, yT, n, K, M, Mp);
+}
+
+// The sum of a vector's 16 lanes (halving with shuffles; GCC 12's cast intrinsics
+// warn about their undefined upper halves).
+RS_TARGET_AVX512BF16 RS_ALWAYS_INLINE float hsum16(__m512 a) {
+  const v16 v = (v16)a;
+  const v8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  typedef float v4 __attribute__((vector_size(16)));
+  const v4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+// The dot form, for few rows: each vdpbf16ps multiplies 32 consecutive weights of
+// one row by the same 32 elements of one x row (xr: [M][K] bfloat16), so no lane
+// is padding whatever M is; a tile of R weight rows x MM x rows keeps R * MM
+// accumulators, summed across lanes at the end. A K not a multiple of 32 ends
+// with masked loads (nothing past a row is read).
+template <int R, int MM, typename YT>
+RS_TARGET_AVX512BF16 RS_ALWAYS_INLINE void tile_dot(const uint16_t* W, const uint16_t* xr,
+                                                    YT* yT, int64_t n, int64_t K, int64_t M,
+                                                    int64_t m0) {
+  __m512 acc[R][MM];
+  const uint16_t* w[R];
+  const uint16_t* x[MM];
+  for (int r = 0; r < R; ++r) {
+    w[r] = W + (n + r) * K;
+    for (int j = 0; j < MM; ++j) acc[r][j] = _mm512_setzero_ps();
+  }
+  for (int j = 0; j < MM; ++j) x[j] = xr + (m0 + j) * K;
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512bh xv[MM];
+    for (int j = 0; j < MM; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(x[j] + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w[r] + k);
+      for (int j = 0; j < MM; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv, xv[j]);
+    }
+  }
+  if (k < K) {
+    const __mmask32 mask = static_cast<__mmask32>((uint64_t{1} << (K - k)) - 1);
+    __m512bh xv[MM];
+    for (int j = 0; j < MM; ++j) xv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x[j] + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w[r] + k);
+      for (int j = 0; j < MM; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv, xv[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < MM; ++j) {
+      const float v = hsum16(acc[r][j]);
+      store_row(yT + (n + r) * M + m0 + j, &v, 1);
+    }
+  }
+}
+
+// R weight rows against every x row, four at a time (the tile's weights stay in
+// L1 between the groups of four).
+template <int R, typename YT>
+RS_TARGET_AVX512BF16 RS_ALWAYS_INLINE void tile_dot_row(const uint16_t* W, const uint16_t* xr,
+                                                        YT* yT, int64_t n, int64_t K,
+                                                        int64_t M) {
+  int64_t m0 = 0;
+  for (; m0 + 4 <= M; m0 += 4) tile_dot<R, 4>(W, xr, yT, n, K, M, m0);
+  switch (M - m0) {
+    case 3:
+      tile_dot<R, 3>(W, xr, yT, n, K, M, m0);
+      break;
+    case 2:
+      tile_dot<R, 2>(W, xr, yT, n, K, M, m0);
+      break;
+    case 1:
+      tile_dot<R, 1>(W, xr, yT, n, K, M, m0);
+      break;
+    default:
+      break;
+  }
+}
+
+// As many weight rows per tile as the 32 registers hold with MM = min(M, 4) x rows.
+template <int R, typename YT>
+RS_TARGET_AVX512BF16 RS_ALWAYS_INLINE void dot_rows_r(const uint16_t* W, const uint16_t* xr,
+                                                      YT* yT, int64_t n0, int64_t n1, int64_t K,
+                                                      int64_t M) {
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) tile_dot_row<R>(W, xr, yT, n, K, M);
+  for (; n < n1; ++n) tile_dot_row<1>(W, xr, yT, n, K, M);
+}
+
+template <typename YT>
+RS_TARGET_AVX512BF16 void rows_dot_avx512bf16(const uint16_t* W, const uint16_t* xr, YT* yT,
+                                              int64_t n0, int64_t n1, int64_t K, int64_t M,
+                                              int64_t /*Mp*/) {
+  switch (M) {
+    case 1:
+      dot_rows_r<12>(W, xr, yT, n0, n1, K, M);
+      break;
+    case 2:
+      dot_rows_r<8>(W, xr, yT, n0, n1, K, M);
+      break;
+    case 3:
+      dot_rows_r<6>(W, xr, yT, n0, n1, K, M);
+      break;
+    default:
+      dot_rows_r<4>(W, xr, yT, n0, n1, K, M);
+      break;
+  }
+}
+
+template <typename YT>
+RS_TARGET_AVX512BF16 void rows_avx512bf16(const uint16_t* W, const uint16_t* xp, YT* yT,
+                                          int64_t n0, int64_t n1, int64_t K, int64_t M,
+                                          int64_t Mp) {
+  if (Mp <= 8) {
+    dp_rows<8>(W, xp, yT, n0, n1, K, M, Mp);
+  } else {
+    dp_rows<16>(W, xp, yT, n0, n1, K, M, Mp);
+  }
+}
+#endif
+
+// x [M, K] (strides sm, sk) as float32, packed [K][Mp], zero-padded.
+template <typename XT>
+void pack_f32(const XT* x, int64_t sm, int64_t sk, int64_t K, int64_t M, int64_t Mp, float* xp) {
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t m = 0; m < M; ++m) xp[k * Mp + m] = to_f32(x[m * sm + k * sk]);
+}
+
+// x as bfloat16 pairs, packed [ceil(K/2)][Mp][2], zero-padded.
+template <typename XT>
+void pack_pairs(const XT* x, int64_t sm, int64_t sk, int64_t K, int64_t M, int64_t Mp,
+                uint16_t* xp) {
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t m = 0; m < M; ++m) {
+      const XT v = x[m * sm + k * sk];
+      uint16_t b;
+      if constexpr (std::is_same<XT, float>::value) b = f32_to_bf16(v);
+      else b = v;
+      xp[(k / 2) * 2 * Mp + 2 * m + (k & 1)] = b;
+    }
+}
+
+// Blocks of 48 weight rows (a multiple of every tile height): enough per item to
+// amortise the set-up, and enough items (N / 48) to balance the threads.
+constexpr int64_t kBlock = 48;
+
+template <typename WT, typename YT, typename Rows, typename XP>
+void run_blocks(Rows rows, const WT* W, const XP* xp, YT* yT, int64_t N, int64_t K, int64_t M,
+                int64_t Mp, int num_threads) {
+  const int64_t nblocks = (N + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t b = 0; b < nblocks; ++b)
+    rows(W, xp, yT, b * kBlock, std::min(N, (b + 1) * kBlock), K, M, Mp);
+}
+
+template <typename WT, typename YT>
+void run_f32(const SkinnyGemm& g, Isa isa, int num_threads) {
+  const int64_t K = g.K, M = g.M;
+  // avx512 uses 16-float vectors above 8 rows.
+  const int64_t width = (isa >= Isa::kAvx512 && M > 8) ? 16 : 8;
+  const int64_t Mp = (M + width - 1) / width * width;
+  std::vector<float> xp(static_cast<size_t>(K * Mp), 0.0f);
+  if (g.x_type == DType::kFloat32)
+    pack_f32(static_cast<const float*>(g.x), g.sm, g.sk, K, M, Mp, xp.data());
+  else
+    pack_f32(static_cast<const uint16_t*>(g.x), g.sm, g.sk, K, M, Mp, xp.data());
+  const WT* W = static_cast<const WT*>(g.W);
+  YT* yT = static_cast<YT*>(g.yT);
+  switch (isa) {
+    case Isa::kBaseline:
+      run_blocks(rows_baseline<WT, YT>, W, xp.data(), yT, g.N, K, M, Mp, num_threads);
+      break;
+    case Isa::kAvx2:
+      run_blocks(rows_avx2<WT, YT>, W, xp.data(), yT, g.N, K, M, Mp, num_threads);
+      break;
+    case Isa::kAvx512:
+    case Isa::kAvx512Bf16:
+      run_blocks(rows_avx512<WT, YT>, W, xp.data(), yT, g.N, K, M, Mp, num_threads);
+      break;
+  }
+}
+
+#if RS_X86
+// Up to this many rows the avx512bf16 product takes the dot form (each weight
+// vector meets few rows; the outer form's broadcasts would bound it).
+constexpr int64_t kDotRows = 8;
+
+template <typename YT>
+void run_dp(const SkinnyGemm& g, int num_threads) {
+  const int64_t K = g.K, M = g.M;
+  if (M <= kDotRows) {
+    std::vector<uint16_t> xr(static_cast<size_t>(M * K));
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) {
+        if (g.x_type == DType::kFloat32)
+          xr[m * K + k] = f32_to_bf16(static_cast<const float*>(g.x)[m * g.sm + k * g.sk]);
+        else
+          xr[m * K + k] = static_cast<const uint16_t*>(g.x)[m * g.sm + k * g.sk];
+      }
+    run_blocks(rows_dot_avx512bf16<YT>, static_cast<const uint16_t*>(g.W), xr.data(),
+               static_cast<YT*>(g.yT), g.N, K, M, M, num_threads);
+    return;
+  }
+  const int64_t width = M > 8 ? 16 : 8;
+  const int64_t Mp = (M + width - 1) / width * width;
+  std::vector<uint16_t> xp(static_cast<size_t>((K + 1) / 2 * 2 * Mp), 0);
+  if (g.x_type == DType::kFloat32)
+    pack_pairs(static_cast<const float*>(g.x), g.sm, g.sk, K, M, Mp, xp.data());
+  else
+    pack_pairs(static_cast<const uint16_t*>(g.x), g.sm, g.sk, K, M, Mp, xp.data());
+  run_blocks(rows_avx512bf16<YT>, static_cast<const uint16_t*>(g.W), xp.data(),
+             static_cast<YT*>(g.yT), g.N, K, M, Mp, num_threads);
+}
+#endif
 
 }  // namespace
 
-void skinny_gemm_f32(const float* W, const float* x, int64_t sm, int64_t sk, float* yT, int64_t N,
-                     int64_t K, int64_t M, int num_threads) {
-  const int64_t Mp = (M + 7) / 8 * 8;
-  std::vector<float> xp(static_cast<size_t>(K * Mp), 0.0f);
-  for (int64_t k = 0; k < K; ++k)
-    for (int64_t m = 0; m < M; ++m) xp[static_cast<size_t>(k * Mp + m)] = x[m * sm + k * sk];
-  // Blocks of 48 weight rows (a multiple of the tile height): enough per item
-  // to amortise the set-up, and enough items (N / 48) to balance the threads.
-  const int64_t block = 48, nblocks = (N + block - 1) / block;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int64_t b = 0; b < nblocks; ++b) {
-    gemm_rows(W, xp.data(), yT, b * block, std::min(N, (b + 1) * block), K, M, Mp);
+void skinny_gemm(const SkinnyGemm& g, Isa isa, int num_threads) {
+  const bool y32 = g.y_type == DType::kFloat32;
+  if (g.w_type == DType::kFloat32) {
+    run_f32<float, float>(g, isa, num_threads);
+    return;
   }
+#if RS_X86
+  if (isa == Isa::kAvx512Bf16) {
+    if (y32) run_dp<float>(g, num_threads);
+    else run_dp<uint16_t>(g, num_threads);
+    return;
+  }
+#endif
+  if (y32) run_f32<uint16_t, float>(g, isa, num_threads);
+  else run_f32<uint16_t, uint16_t>(g, isa, num_threads);
 }
 
 }  // namespace radixserve

@@ -5,11 +5,18 @@ torch backend decodes through gather + SDPA and linear layers use BLAS only.
 
 - ``paged_decode``: decode attention reading the KV pool's pages in place
   (``worker/attention/native_decode.py`` plans its work).
-- ``skinny_gemm``: ``W x^T`` for float32 batches of at most ``SKINNY_KERNEL_ROWS``
-  rows, each weight element read once and used for every row from registers.
+- ``skinny_gemm``: ``W x^T`` for batches of at most ``SKINNY_KERNEL_ROWS`` rows,
+  each weight element read once and used for every row from registers; float32,
+  or bfloat16 weights with float32 or bfloat16 activations.
+
+Every hot loop is compiled for several instruction-set levels (``ISAS``) and
+each call names the one it runs; ``ISA`` is the one this process uses
+(docs/worker.md, "CPU kernels").
 """
 
 from __future__ import annotations
+
+import os
 
 import torch  # first: the kernels' OpenMP regions run in torch's OpenMP runtime
 
@@ -21,28 +28,83 @@ except ImportError as e:  # not built: setup.py warned at install
     ext = None
     AVAILABLE, UNAVAILABLE_REASON = False, f"{type(e).__name__}: {e}"
 
+#: Instruction-set levels, lowest first; each runs everything below it.
+#: ``baseline`` is portable code (SSE2 on x86-64), ``avx2`` AVX2 + FMA, ``avx512``
+#: AVX-512 F/BW/VL/DQ, ``avx512bf16`` that plus AVX512_BF16 (``vdpbf16ps``).
+ISAS = ("baseline", "avx2", "avx512", "avx512bf16")
+#: The environment variable that forces a lower level for the whole process (for
+#: benchmarks and for ruling a path out); read once, when this module loads.
+ISA_ENV = "RADIXSERVE_CPU_ISA"
+
+
+def supported_isas() -> tuple[str, ...]:
+    """The levels this CPU runs, lowest first (none without the extension)."""
+    return tuple(ext.supported_isas()) if AVAILABLE else ()  # type: ignore[union-attr]
+
+
+def resolve_isa(name: str) -> str:
+    """``auto`` -> the best level this CPU runs; a level's name -> itself, if the CPU
+    runs it. ValueError otherwise."""
+    supported = supported_isas()
+    if name == "auto":
+        return supported[-1] if supported else "baseline"
+    if name not in ISAS:
+        raise ValueError(f"unknown CPU isa {name!r}; known: auto, {', '.join(ISAS)}")
+    if AVAILABLE and name not in supported:
+        raise ValueError(f"this CPU does not run isa {name!r} (it runs: {', '.join(supported)})")
+    return name
+
+
+#: The level every kernel call of this process uses: the best the CPU runs unless
+#: ``RADIXSERVE_CPU_ISA`` names another.
+ISA = resolve_isa(os.environ.get(ISA_ENV, "auto") or "auto")
+
 #: Row counts up to which ``skinny_gemm`` beats BLAS when the weights stream from
 #: memory (docs/worker.md, "CPU kernels", has the numbers and how to measure them).
 SKINNY_KERNEL_ROWS = 32
 
 
 def skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``skinny_linear`` can compute this product."""
-    return (
+    """Whether ``Linear`` computes this product with ``skinny_linear``: float32, and
+    bfloat16 where the CPU has AVX512_BF16 (there the kernel beats oneDNN's
+    bfloat16 products; its float32-converting fallback does not, so bfloat16 stays
+    with oneDNN elsewhere: docs/worker.md has the numbers)."""
+    if not (
         AVAILABLE
         and x.dim() == 2
         and x.shape[0] <= SKINNY_KERNEL_ROWS
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
         and x.device.type == "cpu"
         and weight.is_contiguous()
+        and x.dtype == weight.dtype
+    ):
+        return False
+    if x.dtype == torch.float32:
+        return True
+    return x.dtype == torch.bfloat16 and ISA == "avx512bf16"
+
+
+def _array(t: torch.Tensor):
+    """A NumPy view of a CPU tensor (bfloat16 as int16: NumPy has no bfloat16)."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    isa: str | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``x W^T (+ b)`` as the transposed view of a ``[out, rows]`` product.
+
+    ``weight`` float32 (then ``x`` float32) or bfloat16 (``x`` float32 or bfloat16);
+    the result is ``out_dtype`` (default: ``x``'s dtype), at level ``isa``
+    (default: ``ISA``).
+    """
+    yt = torch.empty(weight.shape[0], x.shape[0], dtype=out_dtype or x.dtype)
+    ext.skinny_gemm(  # type: ignore[union-attr]
+        _array(weight), _array(x), _array(yt), torch.get_num_threads(), isa or ISA
     )
-
-
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T (+ b)`` as the transposed view of a ``[out, rows]`` product."""
-    yt = torch.empty(weight.shape[0], x.shape[0], dtype=torch.float32)
-    ext.skinny_gemm(weight.numpy(), x.numpy(), yt.numpy(), torch.get_num_threads())  # type: ignore[union-attr]
     if bias is not None:
         yt += bias[:, None]
     return yt.t()

@@ -22,8 +22,9 @@ SKINNY_ROWS = 512
 
 class Linear(nn.Linear):
     """``nn.Linear`` with the skinny-batch CPU form above (float32/float64), and
-    for float32 batches of up to ``cpu_kernels.SKINNY_KERNEL_ROWS`` rows the
-    native kernel (``csrc/skinny_gemm.cpp``), which returns the same layout.
+    for batches of up to ``cpu_kernels.SKINNY_KERNEL_ROWS`` rows the native
+    kernel (``csrc/skinny_gemm.cpp``, ``cpu_kernels.skinny_ok`` says when: float32,
+    and bfloat16 on CPUs with AVX512_BF16), which returns the same layout.
 
     The result is then the transposed view of a ``[out, rows]`` product, not a
     copy: element-wise ops keep that layout (``silu(gate) * up`` comes out

@@ -1,4 +1,6 @@
-"""The native skinny float32 product against torch, and the model's Linear around it."""
+"""The native skinny product against float64 products at every instruction-set level
+(float32, and bfloat16 weights), its instruction-set selection, and the model's Linear
+around it."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from torch.nn import functional as F
 from radixserve.layers import cpu_kernels
 from radixserve.layers.cpu_kernels import SKINNY_KERNEL_ROWS
 from radixserve.layers.linear import SKINNY_ROWS, Linear
-from tests.helpers.native import require_built
+from tests.helpers.native import require_built, require_isa
 
 
 @pytest.fixture
@@ -18,22 +20,111 @@ def ext():
     return cpu_kernels.ext
 
 
-@pytest.mark.parametrize("rows", [1, 3, 7, 8, 9, 15, 16, 17, 24, 33, 40])
-@pytest.mark.parametrize(("n", "k"), [(1, 1), (5, 3), (64, 576), (131, 77)])
-def test_skinny_gemm_matches_torch(ext, rows, n, k):
-    """Every tile shape: rows not a multiple of 8 or 16, weight rows not a multiple of
-    the 6-row tile or of the 48-row thread block, odd K."""
+@pytest.fixture(params=cpu_kernels.ISAS)
+def isa(request):
+    """Every instruction-set level; those this CPU lacks are skipped with the reason."""
+    return require_isa(request.param)
+
+
+def bf16(t: torch.Tensor):
+    """A bfloat16 tensor's NumPy view (int16), as the kernels take it."""
+    return t.view(torch.int16).numpy()
+
+
+ROWS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33]
+SHAPES = [(1, 1), (5, 3), (13, 2), (131, 77), (64, 576), (49, 1537)]
+
+
+def float32_tolerance(k: int) -> float:
+    """A float32 sum of k products of unit normals: error ~ sqrt(k) ulps of ~sqrt(k)."""
+    return 1e-6 * (k + 8)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_skinny_gemm_float32_matches_float64(ext, isa, rows, n, k):
+    """Every tile shape at every level: rows not a multiple of 8 or 16 (nor of 32),
+    weight rows not a multiple of the 6- or 12-row tile or of the 48-row thread
+    block, odd K."""
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     w = torch.randn(n, k, generator=g)
     x = torch.randn(rows, k, generator=g)
     yt = torch.full((n, rows), float("nan"))
-    ext.skinny_gemm(w.numpy(), x.numpy(), yt.numpy(), 2)
-    torch.testing.assert_close(yt, (w.double() @ x.double().t()).float(), rtol=1e-4, atol=1e-4)
+    ext.skinny_gemm(w.numpy(), x.numpy(), yt.numpy(), 2, isa)
+    ref = w.double() @ x.double().t()
+    tol = float32_tolerance(k)
+    torch.testing.assert_close(yt.double(), ref, rtol=0, atol=tol)
     # x given as a transposed view (how one layer's output reaches the next)
     xt = x.t().contiguous().t()
     yt2 = torch.empty(n, rows)
-    ext.skinny_gemm(w.numpy(), xt.numpy(), yt2.numpy(), 1)
+    ext.skinny_gemm(w.numpy(), xt.numpy(), yt2.numpy(), 1, isa)
     torch.testing.assert_close(yt2, yt, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_skinny_gemm_bfloat16_weights_match_float64(ext, isa, rows, n, k, x_dtype):
+    """bfloat16 weights, bfloat16 or float32 activations, float32 and bfloat16 results.
+    avx512bf16 rounds float32 activations to bfloat16 (vdpbf16ps multiplies bfloat16
+    pairs); every other level keeps them in float32. Either way the products are
+    exact and the sums float32, so the oracle is the float64 product of exactly
+    those operands."""
+    g = torch.Generator().manual_seed(rows * 1000 + n + k + 7)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).to(x_dtype)
+    xin = x.bfloat16() if isa == "avx512bf16" else x
+    ref = w.double() @ xin.double().t()
+    xa = bf16(x) if x_dtype == torch.bfloat16 else x.numpy()
+    yt = torch.full((n, rows), float("nan"))
+    ext.skinny_gemm(bf16(w), xa, yt.numpy(), 2, isa)
+    torch.testing.assert_close(yt.double(), ref, rtol=0, atol=float32_tolerance(k))
+    # A bfloat16 result is the float32 one rounded once.
+    yb = torch.empty(n, rows, dtype=torch.bfloat16)
+    ext.skinny_gemm(bf16(w), xa, bf16(yb), 2, isa)
+    torch.testing.assert_close(yb.double(), ref, rtol=2**-8, atol=float32_tolerance(k))
+    # the transposed view of x gives the same bits
+    xt = x.t().contiguous().t()
+    yt2 = torch.empty(n, rows)
+    ext.skinny_gemm(bf16(w), bf16(xt) if x_dtype == torch.bfloat16 else xt.numpy(),
+                    yt2.numpy(), 1, isa)  # fmt: skip
+    torch.testing.assert_close(yt2, yt, rtol=0, atol=0)
+
+
+def test_isa_selection(ext, monkeypatch):
+    """``auto`` is the best level; unknown names and levels the CPU lacks are refused
+    (by the bindings too, so no kernel runs an instruction the CPU does not have)."""
+    supported = cpu_kernels.supported_isas()
+    assert supported == tuple(cpu_kernels.ISAS[: len(supported)]) and supported[0] == "baseline"
+    assert cpu_kernels.resolve_isa("auto") == supported[-1] == ext.best_isa()
+    assert cpu_kernels.ISA in supported
+    with pytest.raises(ValueError, match="unknown CPU isa 'sse9'"):
+        cpu_kernels.resolve_isa("sse9")
+    w, x, y = torch.zeros(4, 3), torch.zeros(2, 3), torch.zeros(4, 2)
+    with pytest.raises(ValueError, match="unknown isa 'sse9'"):
+        ext.skinny_gemm(w.numpy(), x.numpy(), y.numpy(), 1, "sse9")
+    if len(supported) < len(cpu_kernels.ISAS):
+        missing = cpu_kernels.ISAS[len(supported)]
+        with pytest.raises(ValueError, match="does not run isa"):
+            ext.skinny_gemm(w.numpy(), x.numpy(), y.numpy(), 1, missing)
+    monkeypatch.setattr(cpu_kernels, "supported_isas", lambda: ("baseline", "avx2"))
+    with pytest.raises(ValueError, match="does not run isa 'avx512'.*baseline, avx2"):
+        cpu_kernels.resolve_isa("avx512")
+
+
+def test_isa_forced_by_the_environment():
+    """RADIXSERVE_CPU_ISA, read when the module loads, sets cpu_kernels.ISA."""
+    import subprocess
+    import sys
+
+    require_isa("baseline")
+    code = "from radixserve.layers import cpu_kernels as c; print(c.ISA)"
+    env = {**__import__("os").environ, "RADIXSERVE_CPU_ISA": "baseline"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "baseline", out.stderr
+    env["RADIXSERVE_CPU_ISA"] = "sse9"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "unknown CPU isa 'sse9'" in out.stderr
 
 
 def test_skinny_gemm_rejects_bad_arrays(ext):
@@ -42,8 +133,10 @@ def test_skinny_gemm_rejects_bad_arrays(ext):
         ext.skinny_gemm(w.numpy(), x.numpy(), torch.zeros(2, 4).numpy(), 1)
     with pytest.raises(ValueError, match="x must be \\[M, K\\]"):
         ext.skinny_gemm(w.numpy(), torch.zeros(2, 5).numpy(), torch.zeros(4, 2).numpy(), 1)
-    with pytest.raises(ValueError, match="float32"):
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
         ext.skinny_gemm(w.double().numpy(), x.numpy(), torch.zeros(4, 2).numpy(), 1)
+    with pytest.raises(ValueError, match="float32 weights take float32 x and yT"):
+        ext.skinny_gemm(w.numpy(), bf16(x.bfloat16()), torch.zeros(4, 2).numpy(), 1)
     with pytest.raises(ValueError, match="C-contiguous"):
         ext.skinny_gemm(w.t().numpy(), x.numpy(), torch.zeros(3, 2).numpy(), 1)
 
@@ -70,6 +163,35 @@ def test_linear_equals_torch_linear_on_every_path(dtype, rows, bias):
             y = layer(inp)
             assert y.shape == (rows, 40)
             torch.testing.assert_close(y, ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("rows", [1, 5, SKINNY_KERNEL_ROWS, SKINNY_KERNEL_ROWS + 1])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("level", ["avx512bf16", "avx512"])
+def test_bfloat16_linear(monkeypatch, rows, bias, level):
+    """A bfloat16 Linear runs the native kernel only at avx512bf16 (elsewhere oneDNN is
+    faster) and up to SKINNY_KERNEL_ROWS rows; either way the values are the float64
+    product of its bfloat16 operands, rounded once to bfloat16 (plus the bias)."""
+    require_isa(level)
+    monkeypatch.setattr(cpu_kernels, "ISA", level)
+    g = torch.Generator().manual_seed(rows + bias)
+    layer = Linear(577, 97, bias=bias).to(torch.bfloat16).requires_grad_(False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(97, 577, generator=g))
+        if bias:
+            layer.bias.copy_(torch.randn(97, generator=g))
+    x = torch.randn(rows, 577, generator=g).bfloat16()
+    native = level == "avx512bf16" and rows <= SKINNY_KERNEL_ROWS
+    assert cpu_kernels.skinny_ok(x, layer.weight) == native
+    ref = x.double() @ layer.weight.double().t()
+    if bias:
+        ref += layer.bias.double()
+    with torch.inference_mode():
+        for inp in (x, x.t().contiguous().t()):
+            y = layer(inp)
+            assert y.dtype == torch.bfloat16 and y.shape == (rows, 97)
+            # one rounding of the product, one of the bias sum; float32 sums of 577 terms
+            torch.testing.assert_close(y.double(), ref, rtol=2**-7, atol=1e-2)
 
 
 def test_without_the_extension_everything_falls_back(monkeypatch):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from radixserve.layers import cpu_kernels
 from radixserve.layers.cpu_kernels import AVAILABLE, UNAVAILABLE_REASON
 from radixserve.layers.cpu_kernels import ext as _ext
 
@@ -105,16 +106,18 @@ def paged_decode(
     seg: Segments,
     window: int,
     scale: float,
+    isa: str | None = None,
 ) -> None:
     """out[r] (and lse[r], per head) for every row r of ``seg``; other rows untouched.
 
     q, out: contiguous [T, heads, head_dim]; kv: a layer of the pool,
     [pages, 2, page_size, kv_heads, head_dim]; lse: float32/float64 [T, heads].
+    ``isa``: the instruction-set level (default ``cpu_kernels.ISA``).
     """
     _ext.paged_decode(  # type: ignore[union-attr]
         _array(q), _array(kv), _array(out), None if lse is None else lse.numpy(),
         seg.row_indptr, seg.rows, seg.page_indptr, seg.pages, seg.kv_begin[window], seg.kv_end,
-        scale, torch.get_num_threads(), seg.chunk,
+        scale, torch.get_num_threads(), seg.chunk, isa or cpu_kernels.ISA,
     )  # fmt: skip
 
 
