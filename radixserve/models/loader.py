@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from radixserve.models.config import ModelConfig
-from radixserve.models.llama import LlamaModel
+from radixserve.models.decoder import CausalLM
 from radixserve.models.source import ModelSource
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -53,7 +53,7 @@ def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
 
 def load_model(
     source: ModelSource, dtype: torch.dtype, device: torch.device | str = "cpu"
-) -> tuple[LlamaModel, Any]:
+) -> tuple[CausalLM, Any]:
     """Build our model for ``source`` with its weights; returns (model, transformers config)."""
     hf_config = load_hf_config(source)
     cfg = ModelConfig.from_hf(hf_config)
@@ -65,6 +65,6 @@ def load_model(
     else:
         weights = read_safetensors_folder(source.folder)
     weights = {k.removeprefix("_orig_mod."): v for k, v in weights.items()}
-    model = LlamaModel(cfg, dtype, torch.device(device))
+    model = CausalLM(cfg, dtype, torch.device(device))
     model.load_weights(weights)
     return model, hf_config
