@@ -86,6 +86,10 @@ FAMILY_DIMS: dict[str, dict[str, object]] = {
 }  # fmt: skip
 
 
+#: The families added after Llama / Qwen2 / Mistral, each with its own oracle tests.
+NEW_FAMILIES = ("qwen3", "mixtral", "qwen3_moe", "phi3")
+
+
 def tiny_config(arch: str = "llama", **overrides: object):
     """A transformers config for a tiny model of ``arch`` (a key of ``FAMILY_DIMS``)."""
     import transformers
@@ -213,3 +217,21 @@ def hf_greedy(hf: torch.nn.Module, prompt, n: int) -> tuple[list[int], torch.Ten
             first = logits if first is None else first
             ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
     return ids[0, len(prompt) :].tolist(), first
+
+
+def hf_cached_greedy(hf: torch.nn.Module, prompt, n: int) -> list[int]:
+    """HF's greedy continuation with its own KV cache (one prefill, then one token a step):
+    much faster than ``hf_greedy``, and for LongRoPE the semantics our per-position
+    rotary follows past the original context."""
+    from transformers import DynamicCache
+
+    tokens: list[int] = []
+    with torch.no_grad():
+        ids = torch.as_tensor(prompt, dtype=torch.long)[None]
+        out = hf(input_ids=ids, cache=DynamicCache(config=hf.config), use_cache=True)
+        while True:
+            tokens.append(int(out.logits[0, -1].argmax()))
+            if len(tokens) == n:
+                return tokens
+            nxt = torch.tensor([[tokens[-1]]])
+            out = hf(input_ids=nxt, cache=out.past_key_values, use_cache=True)
