@@ -154,3 +154,52 @@ def test_loads_from_sharded_hf_folder(tmp_path, tiny_family_dir, family):
     save_file(weights, str(broken / "model.safetensors"))
     with pytest.raises(KeyError, match=FAMILY_TENSOR[family].replace(".", r"\.")):
         ModelRunner(WorkerConfig(model=str(broken), dtype="float64", num_pages=8))
+
+
+#: Our names -> GGUF names (llama.cpp's converter for qwen3, which stores q/k unpermuted).
+_GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_GGUF_BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}  # fmt: skip
+
+
+def test_qwen3_gguf_loads_like_safetensors(tmp_path):
+    """A qwen3 GGUF (float32 tensors) written with gguf's writer: transformers reads its
+    config, our loader maps its tensors (q/k norms included) to the same weights as the
+    safetensors folder. transformers' qwen3 GGUF mapping has no key_length, so it assumes
+    Qwen3Config's default head_dim (128): the tiny model uses that."""
+    import gguf
+
+    folder = make_tiny_model(tmp_path / "hf", "qwen3", seed=5, head_dim=128, dtype=torch.float32)
+    path = tmp_path / "tiny-qwen3.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_context_length(1024)
+    writer.add_block_count(2)
+    writer.add_feed_forward_length(128)
+    writer.add_embedding_length(64)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(512)
+    for name, t in read_safetensors_folder(folder).items():
+        if name not in _GGUF_GLOBAL:
+            layer, rest = name.split(".")[2], ".".join(name.split(".")[3:-1])
+            writer.add_tensor(f"blk.{layer}.{_GGUF_BLOCK[rest]}.weight", t.numpy())
+        else:
+            writer.add_tensor(_GGUF_GLOBAL[name], t.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours, hf_config = load_model(resolve_model(str(path)), torch.float32)
+    assert hf_config.model_type == "qwen3" and ours.cfg.qk_norm
+    ref, _ = load_model(resolve_model(str(folder)), torch.float32)
+    theirs = dict(ref.named_parameters())
+    assert all(torch.equal(p, theirs[n]) for n, p in ours.named_parameters())
