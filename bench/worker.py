@@ -13,12 +13,17 @@ ratio is the median of the per-round ratios.
     python bench/worker.py --prefill 128 --batches 1,4 --context 64 --rounds 2   # quick
     python bench/worker.py --decode-kernel torch   # the gather + SDPA decode path
     python bench/worker.py --prefill "" --batches 1,16 --isa avx2,avx512   # CPU kernel levels
+    python bench/worker.py --model-config mixtral  # a ~100M random model of a family
 
 ``--isa`` names the CPU kernels' instruction-set levels (layers/cpu_kernels.py)
 radixserve runs; with several, each decode round runs every level in turn on
 the same runner (the bench switches ``cpu_kernels.ISA`` between them), so the
 levels are compared within one run, and the table adds each level's speedup
 over the first one. Prefill runs at the first level.
+
+``--model-config FAMILY`` (qwen3, mixtral, qwen3_moe, phi3) builds a random model of
+about 100M parameters of that family with transformers' own config class, saves it
+to a temporary folder and benchmarks it instead of ``--model``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,38 @@ from radixserve.worker.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0)
 MAX_STEPS = 200  # KV room per decoding request beyond --context
+
+#: ~100M-parameter shapes per family (tied embeddings, vocab 32000, hidden 768).
+_BASE = dict(vocab_size=32000, hidden_size=768, num_attention_heads=12, num_key_value_heads=4,
+             head_dim=64, max_position_embeddings=4096, tie_word_embeddings=True,
+             bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+BENCH_CONFIGS: dict[str, tuple[str, dict]] = {
+    "qwen3": ("Qwen3Config", dict(num_hidden_layers=12, intermediate_size=2048)),
+    "phi3": ("Phi3Config", dict(num_hidden_layers=12, intermediate_size=2048,
+                                original_max_position_embeddings=2048,
+                                rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                 "short_factor": [1.0] * 32,
+                                                 "long_factor": [2.0] * 32})),
+    "mixtral": ("MixtralConfig", dict(num_hidden_layers=8, intermediate_size=512,
+                                      num_local_experts=8, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_hidden_layers=8, intermediate_size=2048,
+                                         moe_intermediate_size=256, num_experts=16,
+                                         num_experts_per_tok=4, norm_topk_prob=True)),
+}  # fmt: skip
+
+
+def random_model(family: str, folder: str) -> str:
+    """Save a random ~100M-parameter float32 model of ``family`` into ``folder``."""
+    import transformers
+
+    cls, dims = BENCH_CONFIGS[family]
+    config = getattr(transformers, cls)(**_BASE, **dims)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"random {family}: {n / 1e6:.1f}M parameters")
+    model.save_pretrained(folder)
+    return folder
 
 
 def ints(text: str) -> list[int]:
@@ -174,6 +211,8 @@ def interleaved(ours, theirs, rounds: int, steps: int) -> tuple[float, float, fl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--model-config", choices=sorted(BENCH_CONFIGS), default=None,
+                    help="benchmark a random ~100M model of this family instead of --model")  # fmt: skip
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--cache-dir", default=None, help="converted-model cache dir")
     ap.add_argument("--page-size", type=int, default=16)
@@ -201,6 +240,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
+    if args.model_config:
+        import tempfile
+
+        args.model = random_model(args.model_config, tempfile.mkdtemp(prefix="rs-bench-"))
     dtype = parse_dtype(args.dtype)
     max_b = max(args.batches, default=1)
     tokens = max(max(args.prefill, default=1), max_b * (args.context + MAX_STEPS + 2))

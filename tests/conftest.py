@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.tiny_models import make_tiny_model
+from tests.helpers.tiny_models import NEW_FAMILIES, make_tiny_model
 
 # Two cores in CI: keep torch from oversubscribing them across test processes.
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -21,6 +21,20 @@ def tiny_llama_dir(tmp_path_factory):
 def tiny_qwen2_dir(tmp_path_factory):
     """A tiny random Qwen2 (qkv bias, GQA 4:2) as an HF folder with a sentencepiece tokenizer."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_family_dir(tmp_path_factory):
+    """family -> its tiny random model's HF folder, each built once per session on first use."""
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            seed = 10 + NEW_FAMILIES.index(family)
+            built[family] = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{family}"), family, seed)
+        return built[family]
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -1,1 +1,1 @@
-"""Model code for the Llama family: config, rotary, forward pass, weight loading."""
+"""Model code: config, rotary, the shared decoder blocks (dense and MoE), checkpoint names, loading."""

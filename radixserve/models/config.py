@@ -1,26 +1,50 @@
-"""The shape of a Llama-family model, read from a transformers config.
+"""The shape of a model, read from a transformers config.
 
 transformers supplies the config (``AutoConfig``); this module turns it into
 one small frozen dataclass holding exactly what our forward pass needs, and
 refuses, with a message naming the field, anything the forward pass does not
 implement (unknown architectures, unknown rope scaling types, other
-activations).
+activations). docs/models.md lists what each family needs.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
-#: HF architecture name -> family flavour. SmolLM checkpoints are LlamaForCausalLM.
+#: HF architecture name -> family. SmolLM checkpoints are LlamaForCausalLM.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Phi3ForCausalLM": "phi3",
 }
+#: A config without ``architectures`` is matched by its ``model_type`` (= family name).
+_BY_MODEL_TYPE = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
 
-#: Rope scaling types our rotary embedding implements.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+#: Rope scaling types our rotary embedding implements (``su`` is LongRoPE's old name).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A sparse mixture-of-experts MLP: each token goes to ``top_k`` of ``num_experts``.
+
+    ``renormalize``: the chosen experts' softmax probabilities are divided by their
+    sum (Mixtral always; Qwen3-MoE when ``norm_topk_prob``). ``sparse_layers[i]``
+    says whether layer i has the MoE block (else a dense MLP of the model's
+    ``intermediate_size``).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    sparse_layers: tuple[bool, ...]
 
 
 @dataclass(frozen=True)
@@ -29,6 +53,10 @@ class ModelConfig:
 
     ``sliding_windows[i]`` is layer i's sliding window in tokens (a query at
     position p sees keys in (p - window, p]), or -1 for full attention.
+    ``rotary_dim`` <= ``head_dim``: only the first ``rotary_dim`` features of
+    each head are rotated (partial rotary). ``rope_short_factor`` /
+    ``rope_long_factor`` are LongRoPE's per-frequency divisors (empty otherwise),
+    ``rope_attention_factor`` its scale on cos and sin.
     """
 
     architecture: str
@@ -55,6 +83,12 @@ class ModelConfig:
     sliding_windows: tuple[int, ...]
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    qk_norm: bool = False
+    rotary_dim: int = 0  # 0: head_dim
+    rope_short_factor: tuple[float, ...] = ()
+    rope_long_factor: tuple[float, ...] = ()
+    rope_attention_factor: float = 1.0
+    moe: MoEConfig | None = None
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
@@ -63,10 +97,8 @@ class ModelConfig:
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             model_type = getattr(hf, "model_type", None)
-            by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
-            by_type["qwen2"] = "Qwen2ForCausalLM"
-            if not archs and model_type in by_type:
-                arch = by_type[model_type]
+            if not archs and model_type in _BY_MODEL_TYPE:
+                arch = _BY_MODEL_TYPE[model_type]
             else:
                 raise ValueError(
                     f"unsupported model architecture {archs or model_type!r}; "
@@ -78,21 +110,26 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {act!r} (only 'silu' / SwiGLU)")
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        max_pos = int(getattr(hf, "max_position_embeddings", 2048))
         rope = _rope_parameters(hf)
         rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+        rope_type = "longrope" if rope_type == "su" else rope_type
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
             )
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("partial_rotary_factor != 1 is not supported")
-        max_pos = int(getattr(hf, "max_position_embeddings", 2048))
-        if family == "llama":
-            qkv_bias = o_bias = bool(getattr(hf, "attention_bias", False))
-        elif family == "qwen2":
-            qkv_bias, o_bias = True, False
-        else:
-            qkv_bias = o_bias = False
+        partial = float(
+            rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
+        )
+        rotary_dim = int(head_dim * partial)
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"partial_rotary_factor {partial} gives an odd or empty rotary dim")
+        original_max = int(
+            rope.get("original_max_position_embeddings")
+            or getattr(hf, "original_max_position_embeddings", None)
+            or max_pos
+        )
+        qkv_bias, o_bias, mlp_bias = _biases(hf, family)
         eos = hf.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         return cls(
@@ -108,18 +145,22 @@ class ModelConfig:
             rms_norm_eps=float(hf.rms_norm_eps),
             rope_theta=float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))),
             rope_type=rope_type,
-            rope_factor=float(rope.get("factor", 1.0)),
+            rope_factor=float(rope.get("factor") or 1.0),
             rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
             rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            rope_original_max_positions=int(rope.get("original_max_position_embeddings", max_pos)),
+            rope_original_max_positions=original_max,
             max_context_len=max_pos,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            mlp_bias=mlp_bias,
             sliding_windows=_windows(hf, family),
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=tuple(int(e) for e in eos_ids),
+            qk_norm=family in ("qwen3", "qwen3_moe"),
+            rotary_dim=rotary_dim,
+            **_longrope(rope, rope_type, rotary_dim, max_pos, original_max),
+            moe=_moe(hf, family),
         )
 
 
@@ -135,16 +176,67 @@ def _rope_parameters(hf: Any) -> dict[str, Any]:
     return out
 
 
+def _longrope(
+    rope: dict[str, Any], rope_type: str, rotary_dim: int, max_pos: int, original_max: int
+) -> dict[str, Any]:
+    """LongRoPE's factor lists and attention factor, with transformers' defaults."""
+    if rope_type != "longrope":
+        return {}
+    short, long = tuple(rope.get("short_factor") or ()), tuple(rope.get("long_factor") or ())
+    if len(short) != rotary_dim // 2 or len(long) != rotary_dim // 2:
+        raise ValueError(f"longrope short_factor/long_factor need {rotary_dim // 2} entries each")
+    # Without an explicit factor, the context extension ratio stands in for it.
+    factor = rope.get("factor") or max_pos / original_max
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original_max))
+    return dict(
+        rope_short_factor=tuple(float(x) for x in short),
+        rope_long_factor=tuple(float(x) for x in long),
+        rope_attention_factor=float(attention),
+    )
+
+
+def _biases(hf: Any, family: str) -> tuple[bool, bool, bool]:
+    """(q/k/v bias, o bias, MLP bias) as each family's transformers code builds them."""
+    if family == "llama":
+        attention = bool(getattr(hf, "attention_bias", False))
+        return attention, attention, bool(getattr(hf, "mlp_bias", False))
+    if family == "qwen2":
+        return True, False, False
+    if family in ("qwen3", "qwen3_moe"):
+        attention = bool(getattr(hf, "attention_bias", False))
+        return attention, attention, False
+    return False, False, False  # mistral, mixtral, phi3
+
+
+def _moe(hf: Any, family: str) -> MoEConfig | None:
+    n = hf.num_hidden_layers
+    if family == "mixtral":
+        num = int(hf.num_local_experts)
+        return MoEConfig(num, int(hf.num_experts_per_tok), int(hf.intermediate_size), True,
+                         (True,) * n)  # fmt: skip
+    if family != "qwen3_moe":
+        return None
+    num, step = int(hf.num_experts), int(getattr(hf, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(hf, "mlp_only_layers", None) or ())
+    sparse = tuple(i not in dense and num > 0 and (i + 1) % step == 0 for i in range(n))
+    return MoEConfig(num, int(hf.num_experts_per_tok), int(hf.moe_intermediate_size),
+                     bool(getattr(hf, "norm_topk_prob", False)), sparse)  # fmt: skip
+
+
 def _windows(hf: Any, family: str) -> tuple[int, ...]:
     """Per-layer sliding window (-1 = full attention), following transformers' semantics."""
     n = hf.num_hidden_layers
     window = getattr(hf, "sliding_window", None)
     if family == "llama" or window is None:
         return (-1,) * n
-    if family == "qwen2":
+    if family in ("qwen2", "qwen3"):
         if not getattr(hf, "use_sliding_window", False):
             return (-1,) * n
         types = getattr(hf, "layer_types", None) or ["full_attention"] * n
         return tuple(int(window) if t == "sliding_attention" else -1 for t in types)
-    # Mistral: every layer uses the window when one is configured.
+    if family == "qwen3_moe" and not getattr(hf, "use_sliding_window", False):
+        return (-1,) * n
+    # Mistral, Mixtral, Phi-3, Qwen3-MoE: every layer uses the window when one is configured.
     return (int(window),) * n

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 #: GGUF architectures we can map, and whether their q/k are stored permuted.
-GGUF_ARCHITECTURES = {"llama": True, "qwen2": False}
+GGUF_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -32,6 +32,8 @@ _BLOCK_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from radixserve.models.config import ModelConfig
-from radixserve.models.llama import LlamaModel
+from radixserve.models.decoder import CausalLM
 from radixserve.models.source import ModelSource
 
 DTYPES = {
@@ -61,7 +61,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     hf_config: Any = None,
-) -> tuple[LlamaModel, Any]:
+) -> tuple[CausalLM, Any]:
     """Build our model for ``source`` with its weights; returns (model, transformers config).
     ``hf_config``: the source's transformers config when the caller has read it already."""
     if hf_config is None:
@@ -75,6 +75,6 @@ def load_model(
     else:
         weights = read_safetensors_folder(source.folder)
     weights = {k.removeprefix("_orig_mod."): v for k, v in weights.items()}
-    model = LlamaModel(cfg, dtype, torch.device(device))
+    model = CausalLM(cfg, dtype, torch.device(device))
     model.load_weights(weights)
     return model, hf_config

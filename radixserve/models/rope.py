@@ -1,10 +1,20 @@
-"""Rotary position embedding at absolute positions, with linear and llama3 scaling.
+"""Rotary position embedding at absolute positions: linear, llama3 and LongRoPE scaling,
+partial rotary.
 
 Applied to q and k outside attention, so the attention backend sees keys that
 are already rotated and stores them that way in the KV pool. Frequencies and
 angles are computed in float64 and cast to the model dtype at the end, which
 matches transformers' float32 computation to rounding in float32 models and
 gives a true float64 forward in float64 models.
+
+LongRoPE (Phi-3) divides each frequency by a per-frequency factor: the short
+factors below ``rope_original_max_positions``, the long ones from there on,
+and scales cos and sin by ``rope_attention_factor``. The choice is made per
+position, so a key keeps the rotation it was stored with: this equals
+transformers' cached generation (which picks by the step's largest position)
+for prompts shorter than the original context and decodes past it. A
+transformers forward without a cache over a sequence longer than the original
+context rotates all positions with the long factors instead.
 """
 
 from __future__ import annotations
@@ -16,14 +26,23 @@ import torch
 from radixserve.models.config import ModelConfig
 
 
-def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in float64, scaled per ``cfg.rope_type``."""
-    dim = cfg.head_dim
+def rotary_dim(cfg: ModelConfig) -> int:
+    return cfg.rotary_dim or cfg.head_dim
+
+
+def inv_frequencies(cfg: ModelConfig, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim // 2] in float64, scaled per ``cfg.rope_type``.
+
+    ``long`` picks LongRoPE's long factors (ignored for other types)."""
+    dim = rotary_dim(cfg)
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     if cfg.rope_type == "default":
         return inv
     if cfg.rope_type == "linear":
         return inv / cfg.rope_factor
+    if cfg.rope_type == "longrope":
+        factors = cfg.rope_long_factor if long else cfg.rope_short_factor
+        return inv / torch.tensor(factors, dtype=torch.float64)
     if cfg.rope_type == "llama3":
         factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
         old = cfg.rope_original_max_positions
@@ -38,23 +57,30 @@ def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """cos/sin tables for positions [0, max_positions), grown on demand."""
+    """cos/sin tables [positions, rotary_dim] for positions [0, n), grown on demand."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         self._inv = inv_frequencies(cfg)
+        self._long_inv, self._long_from = self._inv, None
+        if cfg.rope_type == "longrope":
+            self._long_inv = inv_frequencies(cfg, long=True)
+            self._long_from = cfg.rope_original_max_positions
+        self._scale = cfg.rope_attention_factor
         self._dtype, self._device = dtype, device
-        self._cos = self._sin = torch.empty(0, cfg.head_dim, dtype=dtype, device=device)
+        self._cos = self._sin = torch.empty(0, rotary_dim(cfg), dtype=dtype, device=device)
         self._grow(max(1, min(cfg.max_context_len, 4096)))
 
     def _grow(self, n: int) -> None:
         pos = torch.arange(n, dtype=torch.float64)
         freqs = torch.outer(pos, self._inv)
+        if self._long_from is not None and n > self._long_from:
+            freqs[self._long_from :] = torch.outer(pos[self._long_from :], self._long_inv)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos = emb.cos().to(self._dtype).to(self._device)
-        self._sin = emb.sin().to(self._dtype).to(self._device)
+        self._cos = (emb.cos() * self._scale).to(self._dtype).to(self._device)
+        self._sin = (emb.sin() * self._scale).to(self._dtype).to(self._device)
 
     def cos_sin(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, head_dim] for the given absolute positions.
+        """cos, sin of shape [T, 1, rotary_dim] for the given absolute positions.
 
         ``max_pos`` is an upper bound of ``positions`` known on the host (no device sync).
         """
@@ -64,7 +90,12 @@ class RotaryEmbedding:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] (rotate-half layout, as in HF checkpoints)."""
-    half = x.shape[-1] // 2
+    """Rotate x [T, heads, head_dim] (rotate-half layout, as in HF checkpoints).
+
+    With partial rotary (cos narrower than a head) the remaining features pass through."""
+    dim = cos.shape[-1]
+    if dim < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
+    half = dim // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

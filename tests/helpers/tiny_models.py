@@ -1,13 +1,14 @@
-"""Tiny random Llama-family models saved as HF folders, for oracle and integration tests.
+"""Tiny random models of every supported family saved as HF folders, for oracle and
+integration tests.
 
 ``make_tiny_model(folder, arch)`` writes config.json, model.safetensors
 (float64 by default, so argmax is never decided by rounding) and a
 sentencepiece tokenizer (``tokenizer.model`` + ``tokenizer_config.json``,
 trained on Python's own docs, vocab 512) that ``AutoTokenizer`` loads.
 
-``patch_hf_float64(model)`` makes a transformers model compute RMSNorm and
-rotary in float64 (transformers keeps both in float32 even in a float64
-model), so it is a true float64 oracle.
+``patch_hf_float64(model)`` makes a transformers model compute RMSNorm, rotary
+and MoE routing in float64 (transformers keeps them in float32 even in a
+float64 model), so it is a true float64 oracle.
 """
 
 from __future__ import annotations
@@ -64,19 +65,45 @@ def train_sentencepiece(vocab_size: int = 512) -> bytes:
     return buf.getvalue()
 
 
+#: Per-family extras on top of TINY_DIMS: small enough to build in ~0.1 s, big enough that
+#: each family's own feature (q/k norms, routing, dense layers between MoE ones, LongRoPE,
+#: partial rotary) decides tokens.
+FAMILY_DIMS: dict[str, dict[str, object]] = {
+    "llama": {},
+    "qwen2": {},
+    "mistral": {"sliding_window": None},
+    "qwen3": {"head_dim": 16},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    # Layer 0 is MoE, layer 1 dense (mlp_only_layers).
+    "qwen3_moe": {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "mlp_only_layers": [1], "norm_topk_prob": False},
+    # LongRoPE with factor max/original = 2 (attention factor ~1.05), half the head rotated.
+    "phi3": {"original_max_position_embeddings": 512,
+             "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                 "partial_rotary_factor": 0.5,
+                                 "short_factor": [1.0, 1.3, 2.1, 3.7],
+                                 "long_factor": [1.5, 2.9, 4.4, 8.0]}},
+}  # fmt: skip
+
+
+#: The families added after Llama / Qwen2 / Mistral, each with its own oracle tests.
+NEW_FAMILIES = ("qwen3", "mixtral", "qwen3_moe", "phi3")
+
+
 def tiny_config(arch: str = "llama", **overrides: object):
-    """A transformers config for a tiny model of ``arch`` (llama, qwen2, mistral)."""
+    """A transformers config for a tiny model of ``arch`` (a key of ``FAMILY_DIMS``)."""
     import transformers
 
     cls = {
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,
         "mistral": transformers.MistralConfig,
+        "qwen3": transformers.Qwen3Config,
+        "mixtral": transformers.MixtralConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "phi3": transformers.Phi3Config,
     }[arch]
-    kwargs = {**TINY_DIMS, **overrides}
-    if arch == "mistral":
-        kwargs.setdefault("sliding_window", None)
-    return cls(**kwargs)
+    return cls(**{**TINY_DIMS, **FAMILY_DIMS[arch], **overrides})
 
 
 def make_tiny_model(
@@ -120,21 +147,34 @@ def make_tiny_model(
 
 
 def patch_hf_float64(model: torch.nn.Module) -> torch.nn.Module:
-    """Make a float64 transformers model compute RMSNorm and rotary in float64 (default rope)."""
+    """Make a float64 transformers model compute RMSNorm, rotary (default or LongRoPE,
+    partial rotary included) and MoE routing in float64; MoE experts run transformers'
+    eager loop (its grouped matmul has no float64)."""
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")
     for module in model.modules():
         name = type(module).__name__
         if name.endswith("RMSNorm"):
             module.forward = types.MethodType(_rmsnorm64, module)
         elif name.endswith("RotaryEmbedding"):
             cfg = module.config
-            if module.rope_type != "default":
-                raise ValueError("patch_hf_float64 supports default rope only")
-            dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            theta = cfg.rope_parameters["rope_theta"]
-            module.inv_freq64 = 1.0 / (
-                theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-            )
+            rope = cfg.rope_parameters
+            if module.rope_type not in ("default", "longrope"):
+                raise ValueError("patch_hf_float64 supports default and longrope rope only")
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+            inv = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+            module.inv_freq64 = module.long_inv_freq64 = inv
+            module.long_from = None
+            if module.rope_type == "longrope":
+                module.inv_freq64 = inv / torch.tensor(rope["short_factor"], dtype=torch.float64)
+                module.long_inv_freq64 = inv / torch.tensor(
+                    rope["long_factor"], dtype=torch.float64
+                )
+                module.long_from = rope["original_max_position_embeddings"]
             module.forward = types.MethodType(_rotary64, module)
+        elif name.endswith("TopKRouter"):
+            module.forward = types.MethodType(_router64, module)
     return model
 
 
@@ -145,9 +185,25 @@ def _rmsnorm64(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def _rotary64(self, x: torch.Tensor, position_ids: torch.Tensor):
-    freqs = position_ids[..., None].to(torch.float64) * self.inv_freq64.to(x.device)
+    # transformers picks LongRoPE's long factors for every position once the forward's
+    # largest position reaches the original context.
+    long = self.long_from is not None and int(position_ids.max()) + 1 > self.long_from
+    inv = self.long_inv_freq64 if long else self.inv_freq64
+    freqs = position_ids[..., None].to(torch.float64) * inv.to(x.device)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    scale = getattr(self, "attention_scaling", 1.0)
+    return (emb.cos() * scale).to(x.dtype), (emb.sin() * scale).to(x.dtype)
+
+
+def _router64(self, hidden_states: torch.Tensor):
+    """transformers' top-k router (Mixtral: always renormalised; Qwen3-MoE: ``norm_topk_prob``)
+    with the softmax in float64."""
+    logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+    probs = torch.softmax(logits.to(torch.float64), dim=-1)
+    top, index = torch.topk(probs, self.top_k, dim=-1)
+    if getattr(self, "norm_topk_prob", True):
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top.to(logits.dtype), index
 
 
 def hf_greedy(hf: torch.nn.Module, prompt, n: int) -> tuple[list[int], torch.Tensor]:
@@ -161,3 +217,21 @@ def hf_greedy(hf: torch.nn.Module, prompt, n: int) -> tuple[list[int], torch.Ten
             first = logits if first is None else first
             ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
     return ids[0, len(prompt) :].tolist(), first
+
+
+def hf_cached_greedy(hf: torch.nn.Module, prompt, n: int) -> list[int]:
+    """HF's greedy continuation with its own KV cache (one prefill, then one token a step):
+    much faster than ``hf_greedy``, and for LongRoPE the semantics our per-position
+    rotary follows past the original context."""
+    from transformers import DynamicCache
+
+    tokens: list[int] = []
+    with torch.no_grad():
+        ids = torch.as_tensor(prompt, dtype=torch.long)[None]
+        out = hf(input_ids=ids, cache=DynamicCache(config=hf.config), use_cache=True)
+        while True:
+            tokens.append(int(out.logits[0, -1].argmax()))
+            if len(tokens) == n:
+                return tokens
+            nxt = torch.tensor([[tokens[-1]]])
+            out = hf(input_ids=nxt, cache=out.past_key_values, use_cache=True)

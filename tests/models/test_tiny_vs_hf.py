@@ -1,4 +1,5 @@
-"""Our forward pass vs transformers on tiny random float64 models (HF patched to true float64)."""
+"""Our forward pass vs transformers on tiny random float64 models (HF patched to true float64),
+one of each supported family."""
 
 from __future__ import annotations
 
@@ -10,18 +11,19 @@ from radixserve.protocol import Step, StepReq
 from radixserve.sampling_params import SamplingParams
 from radixserve.worker.config import WorkerConfig
 from radixserve.worker.model_runner import ModelRunner
-from tests.helpers.tiny_models import hf_greedy, patch_hf_float64
+from tests.helpers.tiny_models import NEW_FAMILIES, hf_greedy, patch_hf_float64
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT_LEN, GEN_LEN = 40, 64
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def tiny(request, tiny_llama_dir, tiny_qwen2_dir):
+@pytest.fixture(scope="module", params=["llama", "qwen2", *NEW_FAMILIES])
+def tiny(request, tiny_llama_dir, tiny_qwen2_dir, tiny_family_dir):
     """(folder, patched HF model, prompt ids) for each architecture."""
     from transformers import AutoModelForCausalLM
 
-    folder = tiny_llama_dir if request.param == "llama" else tiny_qwen2_dir
+    dirs = {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir}
+    folder = dirs.get(request.param) or tiny_family_dir(request.param)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
     hf.eval()
     patch_hf_float64(hf)

@@ -1,0 +1,99 @@
+"""The dense building blocks every family shares: RMSNorm, attention, the SwiGLU MLP.
+
+Tensors are flat batches: [T, features], T the new tokens of every request in
+the step. Attention (KV writes into pages, masks, which keys each query sees)
+is delegated to an attention backend that has already been told the batch's
+layout (``begin_batch``); a block only calls ``backend.forward(layer, q, k, v)``.
+q/k/v and gate/up are one matrix each (fused at load time, or already fused in
+the checkpoint) for fewer, larger matmuls.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from radixserve.layers.linear import Linear
+from radixserve.models.config import ModelConfig
+from radixserve.models.rope import apply_rotary
+
+if TYPE_CHECKING:  # the worker passes its backend in; models/ does not import worker/
+    from radixserve.worker.attention.base import AttentionBackend
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Norms and router softmax run in float32 for half types (like transformers), else in
+    the model dtype (so a float64 model is a true float64 forward)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim (hidden size, or head_dim for Qwen3's q/k norms)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(compute_dtype(dtype))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Attention(nn.Module):
+    """Fused q/k/v projection, optional per-head q/k RMSNorm (Qwen3), rotary, paged
+    attention, output projection."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.sizes = (q_size, kv_size, kv_size)
+        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        # Qwen3 normalises each q and k head over head_dim before rotary.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        # Rows contiguous again (a skinny product is a transposed view): attention
+        # reads q/k/v per token.
+        qkv = self.qkv_proj(x).contiguous()
+        q_and_k, v = qkv.split((self.sizes[0] + self.sizes[1], self.sizes[2]), dim=-1)
+        qk = q_and_k.view(t, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        # One rotary pass over the q and k heads together (same positions).
+        q, k = apply_rotary(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        out = backend.forward(self.layer, q, k, v)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up as one matrix."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,89 @@
+"""Where each of our parameters comes from in a family's transformers checkpoint.
+
+``checkpoint_sources(cfg)`` maps every parameter name of ``CausalLM`` to the
+checkpoint tensors it is built from: a list of groups, each group's tensors
+concatenated along dim 0 (q, k, v -> ``qkv_proj``; gate, up -> ``gate_up_proj``),
+and for stacked experts one group per expert. What differs per family:
+
+- Llama, Mistral, Qwen2, Qwen3: separate ``q_proj``/``k_proj``/``v_proj`` and
+  ``gate_proj``/``up_proj``; Qwen3 adds ``q_norm``/``k_norm`` per layer.
+- Phi-3: ``qkv_proj`` and ``gate_up_proj`` already fused, in our order.
+- Mixtral: ``block_sparse_moe.gate`` (router) and ``experts.{e}.w1/w3/w2``
+  (gate/up/down) per expert.
+- Qwen3-MoE: ``mlp.gate`` (router) and ``mlp.experts.{e}.gate_proj/up_proj/down_proj``;
+  layers listed in ``mlp_only_layers`` (or off ``decoder_sparse_step``) have a dense ``mlp``.
+
+These are the names ``save_pretrained`` writes and the Hub checkpoints use.
+"""
+
+from __future__ import annotations
+
+from radixserve.models.config import ModelConfig
+
+Sources = dict[str, list[tuple[str, ...]]]
+
+#: family -> (router name, expert tensor names for gate, up, down) under the MoE prefix.
+_EXPERT_NAMES = {
+    "mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+def checkpoint_sources(cfg: ModelConfig) -> Sources:
+    """Our parameter name -> checkpoint tensor groups (see the module docstring)."""
+    out: Sources = {
+        "embed_tokens.weight": [("model.embed_tokens.weight",)],
+        "norm.weight": [("model.norm.weight",)],
+        "lm_head.weight": [("lm_head.weight",)],
+    }
+    fused = cfg.family == "phi3"
+    for i in range(cfg.num_layers):
+        ours, hf = f"layers.{i}.", f"model.layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[ours + norm + ".weight"] = [(hf + norm + ".weight",)]
+        out.update(_attention(cfg, ours + "self_attn.", hf + "self_attn.", fused))
+        if cfg.moe is not None and cfg.moe.sparse_layers[i]:
+            out.update(_experts(cfg, ours + "mlp.", hf))
+        else:
+            out.update(_dense_mlp(cfg, ours + "mlp.", hf + "mlp.", fused))
+    return out
+
+
+def _attention(cfg: ModelConfig, ours: str, hf: str, fused: bool) -> Sources:
+    qkv = ("qkv",) if fused else tuple("qkv")
+    out: Sources = {
+        ours + "qkv_proj.weight": [tuple(f"{hf}{x}_proj.weight" for x in qkv)],
+        ours + "o_proj.weight": [(hf + "o_proj.weight",)],
+    }
+    if cfg.qkv_bias:
+        out[ours + "qkv_proj.bias"] = [tuple(f"{hf}{x}_proj.bias" for x in qkv)]
+    if cfg.o_bias:
+        out[ours + "o_proj.bias"] = [(hf + "o_proj.bias",)]
+    if cfg.qk_norm:
+        out[ours + "q_norm.weight"] = [(hf + "q_norm.weight",)]
+        out[ours + "k_norm.weight"] = [(hf + "k_norm.weight",)]
+    return out
+
+
+def _dense_mlp(cfg: ModelConfig, ours: str, hf: str, fused: bool) -> Sources:
+    gate_up = ("gate_up",) if fused else ("gate", "up")
+    out: Sources = {
+        ours + "gate_up_proj.weight": [tuple(f"{hf}{x}_proj.weight" for x in gate_up)],
+        ours + "down_proj.weight": [(hf + "down_proj.weight",)],
+    }
+    if cfg.mlp_bias:
+        out[ours + "gate_up_proj.bias"] = [tuple(f"{hf}{x}_proj.bias" for x in gate_up)]
+        out[ours + "down_proj.bias"] = [(hf + "down_proj.bias",)]
+    return out
+
+
+def _experts(cfg: ModelConfig, ours: str, hf_layer: str) -> Sources:
+    assert cfg.moe is not None
+    prefix, router, (gate, up, down) = _EXPERT_NAMES[cfg.family]
+    hf = f"{hf_layer}{prefix}."
+    experts = [f"{hf}experts.{e}." for e in range(cfg.moe.num_experts)]
+    return {
+        ours + "router.weight": [(f"{hf}{router}.weight",)],
+        ours + "experts.gate_up": [(e + gate + ".weight", e + up + ".weight") for e in experts],
+        ours + "experts.down": [(e + down + ".weight",) for e in experts],
+    }

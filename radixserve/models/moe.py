@@ -1,0 +1,87 @@
+"""The sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks ``top_k``
+experts per token, each a SwiGLU MLP, and the token's output is their weighted sum.
+
+Routing follows transformers exactly, so the same experts win, ties included:
+softmax over all experts' logits (float32 for half types, else the model dtype),
+``torch.topk`` over those probabilities, then, where the family asks for it
+(``MoEConfig.renormalize``), division by the chosen probabilities' sum (for
+Mixtral that is the softmax over the top-k logits).
+
+Experts are computed grouped by expert: the (token, expert) pairs are sorted by
+expert, and each expert that got tokens runs one gate/up and one down product
+over all of its tokens; the weighted results are added back per token in expert
+order. The group sizes are read on the host (one sync per MoE layer).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from radixserve.layers.linear import linear
+from radixserve.models.blocks import compute_dtype
+from radixserve.models.config import ModelConfig, MoEConfig
+
+
+class Router(nn.Module):
+    """Top-k expert choice: ``weight`` [num_experts, hidden]."""
+
+    def __init__(self, moe: MoEConfig, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        self.top_k, self.renormalize = moe.top_k, moe.renormalize
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, top_k] in the routing dtype, expert ids [T, top_k])."""
+        # F.linear, as transformers: a tie between logits must stay a tie bit for bit.
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits.to(compute_dtype(x.dtype)), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+
+class Experts(nn.Module):
+    """``num_experts`` SwiGLU MLPs stacked: ``gate_up`` [E, 2I, hidden], ``down`` [E, hidden, I]."""
+
+    def __init__(self, moe: MoEConfig, hidden_size: int) -> None:
+        super().__init__()
+        e, i = moe.num_experts, moe.intermediate_size
+        self.intermediate = i
+        self.gate_up = nn.Parameter(torch.empty(e, 2 * i, hidden_size))
+        self.down = nn.Parameter(torch.empty(e, hidden_size, i))
+
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        top_k = experts.shape[1]
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens ascending
+        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
+        tokens = order // top_k
+        pair_weights = weights.flatten()[order]
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = tokens[start : start + n]
+            gate, up = linear(x[rows], self.gate_up[e]).split(self.intermediate, dim=-1)
+            y = linear(F.silu(gate) * up, self.down[e])
+            w = pair_weights[start : start + n, None]
+            out.index_add_(0, rows, (y.to(w.dtype) * w).to(x.dtype))
+            start += n
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        assert cfg.moe is not None
+        self.router = Router(cfg.moe, cfg.hidden_size)
+        self.experts = Experts(cfg.moe, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, *self.router(x))
