@@ -44,20 +44,26 @@ def test_abort_is_scoped_to_the_sender(server, client):
     assert 1 + len(rest) < LONG
 
 
-def test_client_disconnect_aborts_its_requests(server, client):
-    steps_before = client.stats()["steps"]
+def _raw_generate(server, rid: str, input_ids: list[int], stream: bool):
+    """A long greedy request sent from a bare DEALER socket; returns (context, socket)."""
     ctx = zmq.Context()
     raw = ctx.socket(zmq.DEALER)
     raw.connect(server.endpoint)
     request = {
         "type": "generate",
         "v": 1,
-        "id": "leaver",
-        "input_ids": [5, 6, 7, 8],
+        "id": rid,
+        "input_ids": input_ids,
         "sampling": {"max_tokens": LONG, "temperature": 0.0, "ignore_eos": True},
-        "stream": True,
+        "stream": stream,
     }
     raw.send(msgpack.packb(request))
+    return ctx, raw
+
+
+def test_client_disconnect_aborts_its_requests(server, client):
+    steps_before = client.stats()["steps"]
+    ctx, raw = _raw_generate(server, "leaver", [5, 6, 7, 8], stream=True)
     for _ in range(2):
         assert msgpack.unpackb(raw.recv())["type"] == "chunk"
     raw.close(linger=0)
@@ -71,17 +77,7 @@ def test_client_disconnect_aborts_a_non_streaming_request(server, client):
     """No reply goes to it before its request finishes: the server must notice the
     connection closing (socket monitor), not a reply it cannot route."""
     steps_before = client.stats()["steps"]
-    ctx = zmq.Context()
-    raw = ctx.socket(zmq.DEALER)
-    raw.connect(server.endpoint)
-    request = {
-        "type": "generate",
-        "v": 1,
-        "id": "quiet-leaver",
-        "input_ids": [5, 6, 7, 9],
-        "sampling": {"max_tokens": LONG, "temperature": 0.0, "ignore_eos": True},
-    }
-    raw.send(msgpack.packb(request))
+    ctx, raw = _raw_generate(server, "quiet-leaver", [5, 6, 7, 9], stream=False)
     while client.stats()["running"] == 0:
         pass
     raw.close(linger=0)
