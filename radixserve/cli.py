@@ -283,6 +283,17 @@ def build_parser() -> argparse.ArgumentParser:
         "fail and the server exits 1 (a hung or stopped worker); 0: no watchdog",
     )
     p.add_argument(
+        "--api-key",
+        default=None,
+        help="HTTP front: require `Authorization: Bearer KEY` on /v1 and /stats "
+        "(default: $RADIXSERVE_API_KEY)",
+    )
+    p.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="HTTP front: the key /flush_cache requires (default: $RADIXSERVE_ADMIN_API_KEY)",
+    )
+    p.add_argument(
         "--exit-with-parent",
         action="store_true",
         help="stop the server when the process that started `radixserve launch` exits "
@@ -321,6 +332,15 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
+def http_keys(args: argparse.Namespace):  # -> radixserve.http.auth.Keys
+    """The HTTP front's keys: the flags, else the environment. They never enter the
+    ServerConfig, which travels on the children's command lines."""
+    from radixserve.http.auth import Keys
+
+    env = Keys.from_env()
+    return Keys(args.api_key or env.api_key, args.admin_api_key or env.admin_key)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
@@ -335,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "launch":
         from radixserve.launch import launch
 
-        return launch(config_from_args(args))
+        return launch(config_from_args(args), http_keys(args))
     return 2
 
 

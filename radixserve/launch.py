@@ -40,6 +40,7 @@ import zmq
 
 import radixserve
 from radixserve import protocol as P
+from radixserve.http.auth import ADMIN_KEY_ENV, API_KEY_ENV, NO_KEYS, Keys
 from radixserve.server_config import CONTROL, HTTP_IN, TOKENIZER_IN, ServerConfig
 
 log = logging.getLogger("radixserve.launch")
@@ -59,7 +60,8 @@ class LaunchError(RuntimeError):
 
 
 class Launcher:
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, http_keys: Keys = NO_KEYS) -> None:
+        self.http_keys = http_keys
         self.run_dir = tempfile.mkdtemp(prefix="rs-")  # mode 0700: private to this user
         self.config = replace(config, run_dir=self.run_dir, launcher_pid=os.getpid())
         self.parent_pid = os.getppid()
@@ -99,7 +101,9 @@ class Launcher:
         return {name: p.pid for name, p in self.children.items()}
 
     def _spawn(self, name: str) -> None:
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, ADMIN_KEY_ENV)}
+        if name == "http":  # secrets go by environment, never on a command line
+            env.update(self.http_keys.env())
         root = os.path.dirname(os.path.dirname(os.path.abspath(radixserve.__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         cmd = [sys.executable, "-m", MODULES[name], self.config.to_json()]
@@ -216,9 +220,9 @@ def _wait_or_kill(proc: subprocess.Popen, send_term: bool) -> None:
         proc.wait()
 
 
-def launch(config: ServerConfig) -> int:
+def launch(config: ServerConfig, http_keys: Keys = NO_KEYS) -> int:
     """Run the server until a signal or a child's death; return the exit code."""
-    launcher = Launcher(config)
+    launcher = Launcher(config, http_keys)
     signal.signal(signal.SIGINT, launcher.on_signal)
     signal.signal(signal.SIGTERM, launcher.on_signal)
     try:

@@ -9,8 +9,10 @@
 | ``GET /stats`` | the scheduler's stats (``Client.stats()``) |
 | ``GET /metrics`` | Prometheus text format (``metrics.py``) |
 
+With ``--api-key`` / ``--admin-api-key``, routes need a Bearer key (``auth.py``).
 Every error is OpenAI's ``{"error": {...}}`` with its status: 400 for a bad body or a
-request the server refuses, 404 for an unknown model, 503 while the server stops.
+request the server refuses, 401 without the right key, 404 for an unknown model, 503
+while the server stops.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from radixserve.client import RequestTimeout, ServerError
 from radixserve.http import completions as C
+from radixserve.http.auth import NO_KEYS, Keys
 from radixserve.http.errors import HTTPError
 from radixserve.http.state import FrontState
 
@@ -33,7 +36,7 @@ T = TypeVar("T")
 ADMIN_TIMEOUT_S = 30.0  # health, stats, flush: answered between two scheduler steps
 
 
-def create_app(state: FrontState) -> FastAPI:
+def create_app(state: FrontState, keys: Keys = NO_KEYS) -> FastAPI:
     app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.front = state
 
@@ -64,16 +67,19 @@ def create_app(state: FrontState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        keys.check(request)
         _serving()
         return await C.completions(state, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        keys.check(request)
         _serving()
         return await C.chat_completions(state, request)
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models(request: Request) -> dict:
+        keys.check(request)
         card = {
             "id": state.served_model_name,
             "object": "model",
@@ -96,11 +102,13 @@ def create_app(state: FrontState) -> FastAPI:
         return {"status": "ok"}
 
     @app.post("/flush_cache")
-    async def flush_cache() -> dict:
+    async def flush_cache(request: Request) -> dict:
+        keys.check(request, admin=True)
         return {"freed_pages": await _admin(state.client.flush_cache)}
 
     @app.get("/stats")
-    async def stats() -> dict:
+    async def stats(request: Request) -> dict:
+        keys.check(request)
         return await _admin(state.client.stats)
 
     @app.get("/metrics")

@@ -11,6 +11,7 @@ from radixserve.protocol import MAX_ERROR_CHARS
 
 _TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",

@@ -31,6 +31,7 @@ from prometheus_client import disable_created_metrics
 from radixserve import protocol as P
 from radixserve.client import AsyncClient
 from radixserve.http.app import create_app
+from radixserve.http.auth import Keys
 from radixserve.http.metrics import Metrics
 from radixserve.http.state import FrontState, body_limit
 from radixserve.server_config import CONTROL, HTTP_IN, PUBLIC_IPC, ServerConfig
@@ -86,7 +87,7 @@ async def serve(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
         )
         sock = bind(config.host, config.http_port)
         uv = uvicorn.Config(
-            create_app(state),
+            create_app(state, Keys.from_env()),
             log_level=config.log_level,
             access_log=False,
             lifespan="off",

@@ -1,0 +1,65 @@
+"""API keys of the HTTP front (``--api-key``, ``--admin-api-key``), as vLLM's ``--api-key``.
+
+With an API key set, ``/v1/*`` and ``/stats`` need ``Authorization: Bearer <key>``;
+``/flush_cache`` needs the admin key when one is set (else the API key). The admin
+key is accepted wherever the API key is. ``/health`` and ``/metrics`` stay open
+(load balancers and Prometheus probe them). A missing or wrong key is a 401 in
+OpenAI's shape, code ``invalid_api_key``; keys are compared in constant time.
+
+The keys reach the HTTP process through its environment (``API_KEY_ENV``,
+``ADMIN_KEY_ENV``), never its command line, which any local user can read.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the launcher imports this module too, without the web stack
+    from fastapi import Request
+
+API_KEY_ENV = "RADIXSERVE_API_KEY"
+ADMIN_KEY_ENV = "RADIXSERVE_ADMIN_API_KEY"
+
+
+@dataclass(frozen=True)
+class Keys:
+    api_key: str | None = None
+    admin_key: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> Keys:
+        return cls(env.get(API_KEY_ENV) or None, env.get(ADMIN_KEY_ENV) or None)
+
+    def env(self) -> dict[str, str]:
+        """The environment entries that carry these keys to the HTTP process."""
+        out = {API_KEY_ENV: self.api_key, ADMIN_KEY_ENV: self.admin_key}
+        return {k: v for k, v in out.items() if v}
+
+    def check(self, request: Request, admin: bool = False) -> None:
+        """Raise a 401 unless the request brings a key that opens this route."""
+        if admin:
+            wanted = [self.admin_key] if self.admin_key else [self.api_key]
+        else:  # open without an API key; the admin key opens it too
+            wanted = [self.api_key, self.admin_key] if self.api_key else []
+        wanted = [k for k in wanted if k]
+        if not wanted:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and any(_same(given.strip(), k) for k in wanted):
+            return
+        from radixserve.http.errors import HTTPError
+
+        what = "the admin API key" if admin and self.admin_key else "an API key"
+        raise HTTPError(401, f"this route needs {what}: Authorization: Bearer <key>",
+                        code="invalid_api_key")  # fmt: skip
+
+
+NO_KEYS = Keys()  # every route open, as without --api-key
+
+
+def _same(given: str, key: str) -> bool:
+    return hmac.compare_digest(given.encode(), key.encode())
