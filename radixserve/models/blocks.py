@@ -10,18 +10,14 @@ the checkpoint) for fewer, larger matmuls.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from radixserve.layers.attention import LayerAttention
 from radixserve.layers.linear import Linear
 from radixserve.models.config import ModelConfig
 from radixserve.models.rope import apply_rotary
-
-if TYPE_CHECKING:  # the worker passes its backend in; models/ does not import worker/
-    from radixserve.worker.attention.base import AttentionBackend
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -67,7 +63,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        backend: AttentionBackend,
+        backend: LayerAttention,
     ) -> torch.Tensor:
         t = x.shape[0]
         # Rows contiguous again (a skinny product is a transposed view): attention

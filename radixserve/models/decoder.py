@@ -13,20 +13,17 @@ reaches the KV pages).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from radixserve.layers.attention import LayerAttention
 from radixserve.layers.linear import Linear
 from radixserve.models.blocks import MLP, Attention, RMSNorm
 from radixserve.models.checkpoint import checkpoint_sources
 from radixserve.models.config import ModelConfig
 from radixserve.models.moe import SparseMoeBlock
 from radixserve.models.rope import RotaryEmbedding
-
-if TYPE_CHECKING:
-    from radixserve.worker.attention.base import AttentionBackend
 
 
 class DecoderLayer(nn.Module):
@@ -39,7 +36,7 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module = SparseMoeBlock(cfg) if sparse else MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: LayerAttention
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -71,7 +68,7 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         max_position: int,
-        backend: AttentionBackend,
+        backend: LayerAttention,
         logits_index: torch.Tensor,
     ) -> torch.Tensor:
         """Logits [len(logits_index), vocab] for the selected rows of the flat batch.
