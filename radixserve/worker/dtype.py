@@ -20,10 +20,13 @@ import torch
 
 def cpu_has_fast_bf16() -> tuple[bool, str]:
     """Whether this CPU runs bfloat16 matmuls natively, and the feature that says so."""
-    if torch.cpu._is_amx_tile_supported():
-        return True, "AMX"
-    if torch.cpu._is_avx512_bf16_supported():
-        return True, "AVX512_BF16"
+    # torch's own queries (private, so each is looked up, not assumed).
+    for feature, query in (
+        ("AMX", "_is_amx_tile_supported"),
+        ("AVX512_BF16", "_is_avx512_bf16_supported"),
+    ):
+        if getattr(torch.cpu, query, lambda: False)():
+            return True, feature
     return False, torch.backends.cpu.get_cpu_capability()
 
 
