@@ -19,10 +19,10 @@ from typing import Any
 
 from radixserve.config import EngineConfig, build_scheduler, build_worker, tokenizer_config
 from radixserve.protocol import OutputItem
-from radixserve.results import Result, Usage
+from radixserve.results import Result, TokenLogprobs, Usage
 from radixserve.sampling_params import SamplingParams
 from radixserve.tokenizer.inputs import InputProcessor
-from radixserve.tokenizer.output import OutputStream
+from radixserve.tokenizer.output import OutputStream, TokenTexts
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 
@@ -36,6 +36,7 @@ class Engine:
         self.runner = build_worker(self.config)
         self.scheduler = build_scheduler(self.config, self.runner.info())
         self.tokenizer = load_tokenizer(model, self.config.cache_dir)
+        self.texts = TokenTexts(self.tokenizer)
         info = self.runner.info()
         self.inputs = InputProcessor(
             self.tokenizer, info.vocab_size, tokenizer_config(self.config), info.max_context_len
@@ -114,7 +115,7 @@ class Engine:
             rid = f"engine-{next(self._ids)}"
             self.scheduler.add_request(rid, ids, sp, salt=salt)
             for i in range(sp.n):
-                streams[(rid, i)] = OutputStream(self.tokenizer, ids, sp.stop)
+                streams[(rid, i)] = OutputStream(self.tokenizer, ids, sp.stop, self.texts)
         return streams
 
     def _postprocess(
@@ -130,7 +131,7 @@ class Engine:
         if stream is None:
             return None
         finish = out.finish_reason
-        stream.add(out.token_ids, finish is not None)
+        stream.add(out.token_ids, finish is not None, out.logprobs, out.prompt_logprobs)
         if stream.stop_hit and finish is None:
             self.scheduler.abort_request(out.rid, reason="stop", index=out.index)
             finish = "stop"
@@ -144,6 +145,8 @@ class Engine:
             token_ids=list(stream.token_ids),
             finish_reason=finish,
             usage=Usage(out.prompt_tokens, len(stream.token_ids), out.cached_tokens),
+            logprobs=TokenLogprobs.list_from_wire(stream.logprobs),
+            prompt_logprobs=TokenLogprobs.list_from_wire(stream.prompt_logprobs),
         )
 
 

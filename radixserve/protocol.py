@@ -126,6 +126,63 @@ I32 = Kind(
 )
 # The same bytes as a list: the few token ids of one output, read as Python ints.
 I32_LIST = Kind(I32.what, I32.check, lambda x: _i32(x).tolist(), _i32_bytes)
+F64 = Kind(
+    "float64 little-endian bytes",
+    lambda x: isinstance(x, bytes) and len(x) % 8 == 0,
+    lambda x: np.frombuffer(x, dtype="<f8").astype(np.float64, copy=False),
+    lambda x: np.asarray(x, dtype="<f8").tobytes(),
+)
+
+
+def _is_float(x: Any) -> bool:
+    return isinstance(x, float) or _is_int(x)
+
+
+def _is_scored(x: Any) -> bool:
+    """One position's logprobs inside the server: [logprob, [top ids], [top logprobs]]."""
+    return (
+        isinstance(x, list)
+        and len(x) == 3
+        and _is_float(x[0])
+        and isinstance(x[1], list)
+        and isinstance(x[2], list)
+        and len(x[1]) == len(x[2])
+        and all(map(_is_int, x[1]))
+        and all(map(_is_float, x[2]))
+    )
+
+
+def _is_public_scored(x: Any) -> bool:
+    """One position's logprobs for a client: [token id, text, logprob, [[id, text, logprob], ...]]."""
+    return (
+        isinstance(x, list)
+        and len(x) == 4
+        and _is_int(x[0])
+        and isinstance(x[1], str)
+        and _is_float(x[2])
+        and isinstance(x[3], list)
+        and all(
+            isinstance(t, list)
+            and len(t) == 3
+            and _is_int(t[0])
+            and isinstance(t[1], str)
+            and _is_float(t[2])
+            for t in x[3]
+        )
+    )
+
+
+def _scored_list(entry: Callable[[Any], bool], what: str) -> Kind:
+    return _optional(
+        Kind(
+            f"a list of {what} (or null entries)",
+            lambda x: isinstance(x, list) and all(e is None or entry(e) for e in x),
+        )
+    )
+
+
+SCORED = _scored_list(_is_scored, "[logprob, top ids, top logprobs]")
+PUBLIC_SCORED = _scored_list(_is_public_scored, "[token id, text, logprob, top]")
 SAMPLING = Kind(
     "a map of sampling parameters", lambda x: isinstance(x, dict), _sampling, SamplingParams.to_dict
 )
@@ -278,6 +335,10 @@ class Chunk(Message):
     token_ids: list[int] = f(INT_LIST)
     finish_reason: str | None = f(FINISH, None)
     usage: dict | None = f(_optional(MAP), None)
+    # One entry per token of token_ids, when logprobs were asked for.
+    logprobs: list | None = f(PUBLIC_SCORED, None)
+    # Every prompt position (null where not scored): in the sample's first chunk.
+    prompt_logprobs: list | None = f(PUBLIC_SCORED, None)
 
 
 @dataclass
@@ -291,6 +352,8 @@ class ResultMsg(Message):
     token_ids: list[int] = f(INT_LIST)
     finish_reason: str = f(FINISH)
     usage: dict = f(MAP)
+    logprobs: list | None = f(PUBLIC_SCORED, None)
+    prompt_logprobs: list | None = f(PUBLIC_SCORED, None)
 
 
 @dataclass
@@ -358,6 +421,10 @@ class OutputItem(Message):
 
     ``index`` says which of the request's n samples; ``token_ids`` are the new
     tokens (none for an abort); ``finish_reason`` is None while it runs.
+    ``logprobs``: one ``[logprob, top ids, top logprobs]`` per token of
+    ``token_ids`` when the request asked for them. ``prompt_logprobs``: one
+    entry per prompt position (null where not scored), once, with the first
+    token of sample 0.
     """
 
     rid: str = f(STR)
@@ -367,6 +434,8 @@ class OutputItem(Message):
     prompt_tokens: int = f(INT)
     completion_tokens: int = f(INT)
     cached_tokens: int = f(INT)
+    logprobs: list | None = f(SCORED, None)
+    prompt_logprobs: list | None = f(SCORED, None)
 
 
 @dataclass
@@ -408,6 +477,13 @@ class StepReq(Message):
     sample: whether to sample a token after this step (False for non-final
     prefill chunks).
     sampling: given in the step that adds the slot; remembered until released.
+    With it come ``prompt_len`` (the request's prompt length: what
+    ``min_tokens`` counts from) and, when the parameters have penalties,
+    ``history``: every token of the request so far (prompt, then generated),
+    from which the penalties' counts start.
+    score_ids: prompt tokens to score (prompt logprobs): ``score_ids[j]`` is
+    the token at position ``score_pos + j``, scored from the logits of the
+    position before it, which this step computes.
     """
 
     slot: int = f(INT)
@@ -416,6 +492,10 @@ class StepReq(Message):
     new_pages: np.ndarray = f(I32)
     sample: bool = f(BOOL, True)
     sampling: SamplingParams | None = f(_optional(SAMPLING), None)
+    prompt_len: int = f(INT, 0)
+    history: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    score_pos: int = f(INT, 0)
+    score_ids: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
 
 
 @dataclass
@@ -430,10 +510,36 @@ class Step(Message):
 
 
 @dataclass
+class Scores(Message):
+    """Logprobs the worker computed for ``slot``: of the token at each position
+    ``pos .. pos + m - 1`` (prompt tokens it was given, or the token it just
+    sampled), with the top ``k`` alternatives of each, most likely first
+    (``top_ids`` and ``top_logprobs`` hold m rows of k)."""
+
+    slot: int = f(INT)
+    pos: int = f(INT)
+    logprobs: np.ndarray = f(F64)
+    top_ids: np.ndarray = f(I32)
+    top_logprobs: np.ndarray = f(F64)
+
+    def entries(self) -> list[list]:
+        """As ``OutputItem`` carries them: one ``[logprob, top ids, top logprobs]`` each."""
+        m = len(self.logprobs)
+        k = len(self.top_ids) // m if m else 0
+        ids = self.top_ids.reshape(m, k).tolist()
+        lps = self.top_logprobs.reshape(m, k).tolist()
+        return [[lp, i, v] for lp, i, v in zip(self.logprobs.tolist(), ids, lps)]
+
+
+@dataclass
 class StepResult(Message):
+    """The tokens sampled in step ``step_id`` (one per ``sample=True`` request, in
+    order) and the logprobs computed in it."""
+
     TYPE: ClassVar[str] = "step_result"
     step_id: int = f(INT)
     tokens: np.ndarray = f(I32)
+    scores: list[Scores] = f(_nested(Scores), [])
 
 
 # --------------------------------------------------------------------- control

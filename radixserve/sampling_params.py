@@ -18,6 +18,10 @@ TOKEN_ID_MAX = 2**31 - 1  # token ids travel as int32
 # Temperatures below this sample greedily: dividing logits by a tiny temperature
 # overflows to inf and NaN (vLLM uses the same bound).
 GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20  # the most alternatives per position (OpenAI's top_logprobs bound)
+MAX_LOGIT_BIAS = 100.0  # biases are clamped to [-100, 100] (OpenAI's range)
+MAX_LOGIT_BIAS_ENTRIES = 1024  # token ids one request may bias
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,20 @@ class SamplingParams:
     temperature 0 (or below ``GREEDY_TEMPERATURE``) means greedy. ``top_k`` <= 0 and ``top_p`` == 1 and
     ``min_p`` == 0 disable those filters. ``seed`` makes a request's output a
     function of (seed, prompt) alone, whatever else shares its batch.
+
+    Logprobs (docs/sampling.md): ``logprobs=k`` returns, for each generated
+    token, its log-probability and the ``k`` most likely alternatives;
+    ``prompt_logprobs=k`` does the same for each prompt token from position
+    ``logprob_start_len`` on (position 0 has none). Both are the log-softmax of
+    the model's raw logits: before penalties, biases, temperature and filters.
+
+    Logits processing, in this order, before temperature and the filters:
+    ``min_tokens`` (EOS and ``stop_token_ids`` masked until that many tokens
+    were generated), ``logit_bias`` (token id -> bias added, clamped to
+    +-100), ``repetition_penalty`` (HF's: over prompt and generated tokens, a
+    positive logit divided by it, a negative one multiplied), then
+    ``frequency_penalty`` (times the token's count) and ``presence_penalty``
+    (once per token present), OpenAI's, subtracted, over generated tokens.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -39,6 +57,15 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     n: int = 1
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # (token id, bias) pairs, sorted by token id; a mapping is accepted too.
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logprob_start_len: int = 0
 
     def __post_init__(self) -> None:
         # Accept lists / a single string for convenience, store tuples (hashable, frozen).
@@ -47,18 +74,35 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self.validate()
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty needs the request's token history (worker side)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether anything changes the logits before temperature and the filters."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+
     def for_worker(self) -> SamplingParams:
         """These parameters without what only the tokenizer and the scheduler use
-        (stop strings, stop token ids), as they travel to the worker."""
-        if not self.stop and not self.stop_token_ids:
+        (stop strings; stop token ids unless ``min_tokens`` masks them), as they
+        travel to the worker."""
+        keep_ids = self.stop_token_ids if self.min_tokens > 0 else ()
+        if not self.stop and keep_ids == self.stop_token_ids:
             return self
-        return replace(self, stop=(), stop_token_ids=())
+        return replace(self, stop=(), stop_token_ids=keep_ids)
 
     def validate(self) -> None:
         def bad(msg: str) -> ValueError:
@@ -93,11 +137,38 @@ class SamplingParams:
             raise bad("stop_token_ids must be token ids (integers in [0, 2**31))")
         if not isinstance(self.ignore_eos, bool):
             raise bad(f"ignore_eos must be a boolean, got {short_repr(self.ignore_eos)}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad(
+                f"min_tokens must be an integer in [0, max_tokens], got {short_repr(self.min_tokens)}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise bad(f"{name} must be in [-2, 2], got {short_repr(v)}")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not 0 < rp < math.inf:
+            raise bad(f"repetition_penalty must be a finite number > 0, got {short_repr(rp)}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise bad(
+                f"logit_bias has {len(self.logit_bias)} entries; at most "
+                f"{MAX_LOGIT_BIAS_ENTRIES} are allowed"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise bad(
+                    f"{name} must be null or an integer in [0, {MAX_LOGPROBS}], got {short_repr(v)}"
+                )
+        if not _is_int(self.logprob_start_len) or not 0 <= self.logprob_start_len <= INT64_MAX:
+            raise bad(
+                f"logprob_start_len must be an integer >= 0, got {short_repr(self.logprob_start_len)}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["logit_bias"] = [[t, b] for t, b in self.logit_bias]
         return d
 
     @classmethod
@@ -115,6 +186,40 @@ def short_repr(value: object, limit: int = 64) -> str:
         return f"an integer of {value.bit_length()} bits"
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted (token id, bias) pairs, biases clamped to +-100.
+
+    Takes a mapping (token ids as ints or decimal strings, as JSON carries them)
+    or a sequence of pairs; anything else is a ValueError naming the field."""
+
+    def bad(msg: str) -> ValueError:
+        return ValueError(f"invalid sampling parameter: logit_bias {msg}")
+
+    if not bias:
+        return ()
+    if isinstance(bias, dict):
+        items = list(bias.items())
+    elif isinstance(bias, (list, tuple)) and all(
+        isinstance(p, (list, tuple)) and len(p) == 2 for p in bias
+    ):
+        items = list(bias)
+    else:
+        raise bad("must map token ids to biases")
+    if len(items) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad(f"has {len(items)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed")
+    out: dict[int, float] = {}
+    for key, value in items:
+        tid = key
+        if isinstance(key, str) and key.isdigit() and len(key) <= 10:
+            tid = int(key)
+        if not _is_int(tid) or not 0 <= tid <= TOKEN_ID_MAX:
+            raise bad(f"keys must be token ids (integers in [0, 2**31)), got {short_repr(key)}")
+        if not _is_number(value) or not math.isfinite(value):
+            raise bad(f"values must be finite numbers, got {short_repr(value)}")
+        out[tid] = float(min(max(value, -MAX_LOGIT_BIAS), MAX_LOGIT_BIAS))
+    return tuple(sorted(out.items()))
 
 
 def _is_int(x: object) -> bool:

@@ -13,7 +13,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from radixserve import protocol as P
-from radixserve.results import Result, Usage
+from radixserve.results import Result, TokenLogprobs, Usage
 from radixserve.sampling_params import TOKEN_ID_MAX, SamplingParams, short_repr
 
 DEFAULT_TIMEOUT = 300.0
@@ -187,6 +187,8 @@ class _Results:
                 finish_reason=msg.finish_reason,
                 usage=Usage(**msg.usage),
                 index=msg.index,
+                logprobs=TokenLogprobs.list_from_wire(msg.logprobs),
+                prompt_logprobs=TokenLogprobs.list_from_wire(msg.prompt_logprobs),
             )
         return len(self.results) == self.n
 

@@ -4,7 +4,8 @@ This is the one place that decides who owns which page, the only writer of
 a request's page table (``req.table[:req.num_pages]``), and the one place that
 counts pages (``pages_for``, ``pages_missing``):
 
-- ``acquire_prefix`` matches a request's tokens (all but the last one, whole
+- ``acquire_prefix`` matches a request's tokens (``req.match_len`` of them:
+  all but the last one, fewer when prompt logprobs need their logits; whole
   pages) and locks the match: those pages belong to the cache and are now
   protected; they start the request's page table.
 - ``alloc`` hands out fresh pages, evicting unlocked cache leaves when short;
@@ -58,12 +59,12 @@ class KVCacheManager:
 
     def peek(self, req: Request) -> int:
         """The request's cached prefix length, changing nothing."""
-        return self.cache.peek_prefix(req.tokens[: req.num_tokens - 1], req.salt)
+        return self.cache.peek_prefix(req.tokens[: req.match_len], req.salt)
 
     def acquire_prefix(self, req: Request) -> int:
         """Match and lock the request's cached prefix; it starts the page table."""
         assert req.num_pages == 0 and req.node is None
-        m = self.cache.match_prefix(req.tokens[: req.num_tokens - 1], req.salt)
+        m = self.cache.match_prefix(req.tokens[: req.match_len], req.salt)
         self.cache.lock(m.last_node)
         req.node = m.last_node
         req.locked_len = m.hit_len

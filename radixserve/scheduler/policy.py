@@ -39,9 +39,9 @@ def order_waiting(
 
 
 def shared_prefix_len(req: Request, in_flight: list[Request]) -> int:
-    """The longest prefix of ``req``'s matchable tokens (all but the last) that it
+    """The longest prefix of ``req``'s matchable tokens (``match_len``) that it
     shares with a prompt being prefilled in this step (same salt)."""
-    tokens = req.tokens[: req.num_tokens - 1]
+    tokens = req.tokens[: req.match_len]
     best = 0
     for other in in_flight:
         if other.salt != req.salt:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import zmq
 
 from radixserve import protocol as P
@@ -86,8 +85,8 @@ class SchedulerLoop:
                 self.to_tokenizer.send(P.Outputs(outputs).encode())
             idle = not self.scheduler.has_work()
 
-    def run_step(self, step: P.Step) -> np.ndarray:
-        """Send ``step`` to the worker and wait for its tokens."""
+    def run_step(self, step: P.Step) -> P.StepResult:
+        """Send ``step`` to the worker and wait for its result."""
         self.to_worker.send(step.encode())
         start = time.monotonic()
         while not self.from_worker.poll(POLL_MS):
@@ -102,7 +101,7 @@ class SchedulerLoop:
         result = P.decode(self.from_worker.recv(), {P.StepResult.TYPE: P.StepResult})
         if result.step_id != step.step_id:
             raise RuntimeError(f"worker answered step {result.step_id}, expected {step.step_id}")
-        return result.tokens
+        return result
 
     def handle(self, msg: P.Message) -> None:
         s = self.scheduler

@@ -48,6 +48,12 @@ class Request:
     same tokens; with ``cache="none"``, every computed page), which the request
     frees when it releases its KV. Pages from ``locked_len // page_size`` on are
     the request's own.
+
+    Prompt logprobs: ``score_next`` is the first prompt position still to be
+    scored (-1: none). The logits of the position before it must be computed,
+    so the request may match at most ``score_next - 1`` tokens in the cache
+    (``match_len``); the entries collect in ``prompt_scores`` and go out with
+    the first sampled token.
     """
 
     rid: str
@@ -73,6 +79,8 @@ class Request:
     waited_steps: int = 0
     announced: bool = False  # the worker has its sampling params
     final_len: int = 0  # the most tokens it can ever hold (prompt + max_tokens, capped)
+    score_next: int = -1
+    prompt_scores: list | None = None
 
     @classmethod
     def create(
@@ -95,7 +103,20 @@ class Request:
         table = np.zeros(min(table_pages, size), dtype=np.int32)
         req = cls(rid, index, len(prompt), sampling, salt, arrival, tokens, len(prompt), table)
         req.final_len = final_len
+        # Scored once per request (sample 0): position 0 has no logprob.
+        if sampling.prompt_logprobs is not None and index == 0:
+            req.prompt_scores = [None] * len(prompt)
+            first = max(sampling.logprob_start_len, 1)
+            if first < len(prompt):
+                req.score_next = first
         return req
+
+    @property
+    def match_len(self) -> int:
+        """How many leading tokens may come from the cache: all but the last one
+        (its logits give the next token), and none a prompt logprob needs."""
+        n = self.num_tokens - 1
+        return n if self.score_next < 0 else min(n, self.score_next - 1)
 
     def append_token(self, token: int) -> None:
         """Add a sampled token (growing the buffer when full)."""
@@ -118,7 +139,12 @@ class Request:
     def num_output(self) -> int:
         return self.num_tokens - self.prompt_len
 
-    def output(self, token_ids: list[int]) -> OutputItem:
+    def output(
+        self,
+        token_ids: list[int],
+        logprobs: list | None = None,
+        prompt_logprobs: list | None = None,
+    ) -> OutputItem:
         """What the request produced now (``token_ids``), as the protocol carries it."""
         return OutputItem(
             self.rid,
@@ -128,4 +154,6 @@ class Request:
             self.prompt_len,
             self.num_output,
             max(self.cached_tokens, 0),
+            logprobs,
+            prompt_logprobs,
         )

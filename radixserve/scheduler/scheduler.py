@@ -41,7 +41,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from radixserve.protocol import OutputItem, Step, StepReq
+from radixserve.protocol import OutputItem, Step, StepReq, StepResult
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.config import SchedulerConfig
@@ -49,6 +49,8 @@ from radixserve.scheduler.kv_cache import KVCacheManager
 from radixserve.scheduler.policy import order_waiting, shared_prefix_len
 from radixserve.scheduler.radix_impl import make_prefix_cache
 from radixserve.scheduler.request import ReqStatus, Request
+
+_NO_TOKENS = np.zeros(0, dtype=np.int32)
 
 
 class Scheduler:
@@ -124,6 +126,11 @@ class Scheduler:
                 f"the prompt has {len(prompt)} tokens; the model's context is "
                 f"{cfg.max_context_len}, leaving no room for output"
             )
+        if sampling.prompt_logprobs is not None and sampling.logprob_start_len > len(prompt):
+            raise ValueError(
+                f"logprob_start_len is {sampling.logprob_start_len}; the prompt has "
+                f"{len(prompt)} tokens"
+            )
         need = self.kv.pages_for(self._final_len(len(prompt), sampling))
         if need > cfg.num_pages:
             raise ValueError(
@@ -176,9 +183,12 @@ class Scheduler:
         return len(self.running)
 
     # ----------------------------------------------------------------- step
-    def step(self, run: Callable[[Step], np.ndarray | Sequence[int]]) -> list[OutputItem]:
-        """One step: plan it, ``run`` it (the worker: a Step in, its sampled
-        tokens out), and return every output since the last step (aborts first).
+    def step(
+        self, run: Callable[[Step], StepResult | np.ndarray | Sequence[int]]
+    ) -> list[OutputItem]:
+        """One step: plan it, ``run`` it (the worker: a Step in, a StepResult or
+        just its sampled tokens out), and return every output since the last
+        step (aborts first).
 
         A step that only releases slots is run too, so the worker clears them;
         with nothing to compute or release, ``run`` is not called.
@@ -214,11 +224,18 @@ class Scheduler:
         reqs = [self._req_step(req, n) for req, n in batch]
         return Step(reqs, np.asarray(release, dtype=np.int32), self.num_steps)
 
-    def _process_step_result(self, tokens: np.ndarray | list[int]) -> list[OutputItem]:
-        """Take the sampled tokens of the last step; return what it produced."""
+    def _process_step_result(
+        self, result: StepResult | np.ndarray | Sequence[int]
+    ) -> list[OutputItem]:
+        """Take the sampled tokens (and logprobs) of the last step; return what it produced."""
         outputs: list[OutputItem] = []
         batch, self._batch = self._batch, []
-        tokens = tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
+        if isinstance(result, StepResult):
+            tokens, scores = result.tokens.tolist(), result.scores
+        else:
+            tokens = result.tolist() if isinstance(result, np.ndarray) else list(result)
+            scores = []
+        token_scores = self._take_scores(batch, scores)
         eos = self._eos
         i = 0
         for req, n in batch:
@@ -228,11 +245,13 @@ class Scheduler:
             if req.kv_len < req.num_tokens:  # a non-final prefill chunk
                 self.kv.cache_computed(req)
                 continue
+            prompt_scores = None
             if req.status is ReqStatus.PREFILL:
                 if req is self.chunked:
                     self.chunked = None
                 self.kv.cache_computed(req)
                 req.status = ReqStatus.DECODE
+                prompt_scores, req.prompt_scores = req.prompt_scores, None
             token = tokens[i]
             i += 1
             req.append_token(token)
@@ -246,10 +265,31 @@ class Scheduler:
                 reason = "length"
             if reason is not None:
                 self._finish(req, reason)
-            outputs.append(req.output([token]))
+            entry = token_scores.get(id(req))
+            if sp.logprobs is not None and entry is None:
+                raise ValueError(f"the worker returned no logprobs for {req.rid!r}")
+            outputs.append(req.output([token], None if entry is None else [entry], prompt_scores))
         if i != len(tokens):
             raise ValueError(f"the worker returned {len(tokens)} tokens, expected {i}")
         return outputs
+
+    def _take_scores(self, batch: list[tuple[Request, int]], scores: list) -> dict[int, list]:
+        """File the step's logprobs: prompt positions into their request's
+        ``prompt_scores``; the sampled tokens' entries returned by request."""
+        if not scores:
+            return {}
+        by_slot = {req.slot: req for req, _ in batch if req.slot is not None}
+        sampled: dict[int, list] = {}
+        for sc in scores:
+            req = by_slot.get(sc.slot)
+            if req is None:
+                continue  # aborted after the step was planned
+            entries = sc.entries()
+            if sc.pos >= req.prompt_len:  # the token sampled in this step
+                sampled[id(req)] = entries[0]
+            elif req.prompt_scores is not None:
+                req.prompt_scores[sc.pos : sc.pos + len(entries)] = entries
+        return sampled
 
     # -------------------------------------------------------------- helpers
     def _req_step(self, req: Request, n: int) -> StepReq:
@@ -258,10 +298,20 @@ class Scheduler:
         new_pages = req.table[req.sent_pages : req.num_pages]
         req.sent_pages = req.num_pages
         sampling = None
+        history = _NO_TOKENS
         if not req.announced:
             sampling = req.sampling.for_worker()
             req.announced = True
+            if sampling.penalized:
+                history = req.tokens[: req.num_tokens]
         start = req.kv_len
+        score_pos, score_ids = 0, _NO_TOKENS
+        if req.score_next >= 0:
+            # Prompt positions whose previous position this step computes.
+            end = min(start + n + 1, req.prompt_len)
+            if end > req.score_next:
+                score_pos, score_ids = req.score_next, req.tokens[req.score_next : end]
+                req.score_next = end if end < req.prompt_len else -1
         return StepReq(
             req.slot,
             req.tokens[start : start + n],
@@ -269,6 +319,10 @@ class Scheduler:
             new_pages,
             start + n == req.num_tokens,
             sampling,
+            req.prompt_len,
+            history,
+            score_pos,
+            score_ids,
         )
 
     def _schedule_decodes(self, batch: list[tuple[Request, int]]) -> None:

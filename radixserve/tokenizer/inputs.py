@@ -61,7 +61,8 @@ class InputProcessor:
 
     def check_sampling(self, sp: SamplingParams) -> None:
         """The limits on sampling parameters that depend on the server, not the request:
-        samples per request, stop lists, stop token ids inside the vocabulary."""
+        samples per request, stop lists, stop token ids and biased token ids inside
+        the vocabulary."""
         cfg = self.config
         if sp.n > cfg.max_n:
             raise ValueError(f"n is {sp.n}; this server allows at most {cfg.max_n}")
@@ -84,6 +85,11 @@ class InputProcessor:
             if t >= self.vocab_size:
                 raise ValueError(
                     f"stop token id {t} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        for t, _ in sp.logit_bias:
+            if t >= self.vocab_size:
+                raise ValueError(
+                    f"logit_bias token id {t} is outside the vocabulary [0, {self.vocab_size})"
                 )
 
     def _check_chars(self, n: int) -> None:

@@ -61,7 +61,7 @@ from radixserve.server_config import (
 )
 from radixserve.tokenizer.connections import Connections
 from radixserve.tokenizer.inputs import InputProcessor
-from radixserve.tokenizer.output import OutputStream
+from radixserve.tokenizer.output import OutputStream, TokenTexts
 from radixserve.utils.proc import POLL_MS, Lifeline, child_main, socket
 
 log = logging.getLogger("radixserve.tokenizer")
@@ -94,6 +94,7 @@ class TokenizerServer:
         self.config = config
         self.model = config.model
         self.tokenizer = tokenizer
+        self.texts = TokenTexts(tokenizer)
         self.limits = tokenizer_config(config.engine)
         self.inputs = InputProcessor(
             tokenizer, config.model.vocab_size, self.limits, config.model.max_context_len
@@ -203,7 +204,7 @@ class TokenizerServer:
         except Exception as e:  # a tokenizer or chat template failing on odd input
             self.send_error(identity, msg.id, f"could not tokenize the prompt: {short_repr(e)}")
             return
-        outputs = [OutputStream(self.tokenizer, ids, sp.stop) for _ in range(sp.n)]
+        outputs = [OutputStream(self.tokenizer, ids, sp.stop, self.texts) for _ in range(sp.n)]
         self.next_rid += 1
         rid = f"{identity.hex()}/{self.next_rid}"
         self.requests[rid] = InFlight(rid, identity, msg.id, msg.stream, outputs)
@@ -234,7 +235,7 @@ class TokenizerServer:
             return  # a finished sample's late step, or a request whose client left
         out = req.outputs[item.index]
         finish = item.finish_reason
-        delta = out.add(item.token_ids, finish is not None)
+        delta = out.add(item.token_ids, finish is not None, item.logprobs, item.prompt_logprobs)
         if out.stop_hit and finish is None:
             # Stop now so no more KV is spent on text the client will never see.
             self.to_scheduler.send(P.AbortRequest(item.rid, "stop", item.index).encode())
@@ -251,12 +252,18 @@ class TokenizerServer:
                 self.forget(req)
         try:
             if req.stream:
-                self.send(
-                    req.identity, P.Chunk(req.id, item.index, delta, item.token_ids, finish, usage)
-                )
+                prompt_lps = out.prompt_logprobs if item.prompt_logprobs is not None else None
+                chunk = P.Chunk(
+                    req.id, item.index, delta, item.token_ids, finish, usage,
+                    out.new_logprobs, prompt_lps,
+                )  # fmt: skip
+                self.send(req.identity, chunk)
             elif finish is not None:
                 text, ids = out.text, list(out.token_ids)
-                self.send(req.identity, P.ResultMsg(req.id, item.index, text, ids, finish, usage))
+                result = P.ResultMsg(
+                    req.id, item.index, text, ids, finish, usage, out.logprobs, out.prompt_logprobs
+                )
+                self.send(req.identity, result)
         except ClientGone:
             self.client_gone(req.identity)
 

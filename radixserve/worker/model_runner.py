@@ -7,7 +7,12 @@
    ``start_pos + len(input_ids)`` tokens;
 3. runs the model on all new tokens at once (the attention backend writes their
    K/V into their pages);
-4. samples one token for every request with ``sample=True``, in batch order.
+4. computes the logprobs of the prompt tokens it was asked to score
+   (``score_ids``), from the logits of the positions before them;
+5. for every request with ``sample=True``, in batch order: takes the raw
+   logprobs when asked for, applies ``min_tokens``, ``logit_bias`` and the
+   penalties (``logits.py``) and samples one token.
+It returns a ``protocol.StepResult``: the tokens and the logprobs (``Scores``).
 
 At start it fixes the allocator policy (``malloc.py``), resolves ``dtype="auto"``
 (``dtype.py``) and, unless ``config.warmup`` is off, runs a warm-up (one
@@ -24,12 +29,13 @@ from radixserve.config import ModelInfo
 from radixserve.models.config import ModelConfig
 from radixserve.models.loader import load_hf_config, load_model, parse_dtype
 from radixserve.models.source import resolve_model
-from radixserve.protocol import Step, StepReq
+from radixserve.protocol import Scores, Step, StepReq, StepResult
 from radixserve.sampling_params import SamplingParams
 from radixserve.worker.attention import AttentionBatch, create_backend
 from radixserve.worker.config import WorkerConfig
 from radixserve.worker.dtype import choose_dtype
 from radixserve.worker.kv_pool import DEFAULT_KV_MEMORY, KVPool
+from radixserve.worker.logits import LogitsProcessor, token_logprobs
 from radixserve.worker.malloc import tune_malloc
 from radixserve.worker.page_table import PageTable
 from radixserve.worker.sampler import Sampler
@@ -70,6 +76,7 @@ class ModelRunner:
         max_pages_per_slot = min(num_pages, -(-cfg.max_context_len // config.page_size))
         self.page_table = PageTable(config.max_running_requests, max_pages_per_slot, num_pages)
         self.sampler = Sampler(config.seed)
+        self.logits_processor = LogitsProcessor(cfg.vocab_size, cfg.eos_token_ids, self._device)
         if config.warmup:
             self.warmup(config.chunked_prefill_size, config.max_running_requests)
 
@@ -146,24 +153,62 @@ class ModelRunner:
         self.step(Step(decode))
         self.step(Step([], release=np.arange(batch, dtype=np.int32)))
 
-    def step(self, batch: Step) -> np.ndarray:
-        """Run one step; int32 array with one token per ``sample=True`` request, in order."""
-        logits = self.forward_logits(batch)
+    @torch.inference_mode()
+    def step(self, batch: Step) -> StepResult:
+        """Run one step: the sampled tokens (one per ``sample=True`` request, in
+        order) and the logprobs computed, as a ``StepResult``."""
+        logits, num_sampled, plans = self._forward(batch)
+        scores = []
+        for slot, pos, lo, hi, ids in plans:
+            k = self.sampler.params(slot).prompt_logprobs or 0
+            chosen, top_ids, top_lps = token_logprobs(logits[lo:hi], ids, k)
+            scores.append(Scores(slot, pos, chosen, top_ids.ravel(), top_lps.ravel()))
         sampling = [r for r in batch.reqs if r.sample]
         if not sampling:
-            return np.zeros(0, dtype=np.int32)
+            return StepResult(batch.step_id, np.zeros(0, dtype=np.int32), scores)
+        logits = logits[:num_sampled]
+        if logits.dtype in (torch.bfloat16, torch.float16):
+            # Exactly the same values: argmax picks the same (first) maximum, and the
+            # processing, filters and softmax run in float32.
+            logits = logits.float()
         slots = [r.slot for r in sampling]
         positions = [r.start_pos + len(r.input_ids) for r in sampling]
-        return self.sampler.sample(logits, slots, positions)
+        want = [(i, p.logprobs) for i, p in enumerate(map(self.sampler.params, slots))]
+        want = [(i, k) for i, k in want if k is not None]
+        raw = logits[[i for i, _ in want]].clone() if want else None
+        if self.logits_processor.active(slots):
+            logits = self.logits_processor.apply(logits, slots, positions)
+        tokens = self.sampler.sample(logits, slots, positions)
+        self.logits_processor.record(slots, tokens)
+        if want:
+            picked = torch.from_numpy(tokens[[i for i, _ in want]]).to(raw.device)
+            chosen, top_ids, top_lps = token_logprobs(raw, picked, max(k for _, k in want))
+            for j, (i, k) in enumerate(want):
+                scores.append(
+                    Scores(
+                        slots[i], positions[i], chosen[j : j + 1], top_ids[j, :k], top_lps[j, :k]
+                    )
+                )
+        return StepResult(batch.step_id, tokens, scores)
 
+    @torch.inference_mode()
     def forward_logits(self, batch: Step) -> torch.Tensor:
         """Steps 1-3 of ``step``: logits [num sampling requests, vocab] (no sampling)."""
+        logits, num_sampled, _ = self._forward(batch)
+        return logits[:num_sampled]
+
+    def _forward(self, batch: Step) -> tuple[torch.Tensor, int, list[tuple]]:
+        """Steps 1-3: the logits of the sampling rows (first, in order) and of the
+        rows that score prompt tokens, how many sampling rows there are, and the
+        scoring plans ``(slot, first position, first row, end row, token ids)``."""
         for slot in batch.release:
             self.page_table.clear(slot)
             self.sampler.remove(slot)
+            self.logits_processor.remove(slot)
         if not batch.reqs:
-            return torch.zeros(0, self.vocab_size)
-        ids, positions, logits_rows = [], [], []
+            return torch.zeros(0, self.vocab_size), 0, []
+        ids, positions, logits_rows, score_rows = [], [], [], []
+        plans: list[tuple] = []
         qo_indptr, kv_lens, page_counts, tables = [0], [], [], []
         seen: set[int] = set()
         s = self.page_size
@@ -174,6 +219,7 @@ class ModelRunner:
             self.page_table.check_slot(r.slot)
             if r.sampling is not None:
                 self.sampler.add(r.slot, r.sampling)
+                self.logits_processor.add(r.slot, r.sampling, r.prompt_len, r.history)
             elif r.sample and not self.sampler.has(r.slot):
                 raise ValueError(f"slot {r.slot} samples but was never given SamplingParams")
             self.page_table.append(r.slot, r.new_pages)
@@ -194,6 +240,10 @@ class ModelRunner:
             qo_indptr.append(qo_indptr[-1] + n)
             if r.sample:
                 logits_rows.append(qo_indptr[-1] - 1)
+            if len(r.score_ids):
+                plans.append(self._score_plan(r, len(score_rows)))
+                first = qo_indptr[-2] + r.score_pos - 1 - r.start_pos  # the row before it
+                score_rows.extend(range(first, first + len(r.score_ids)))
             kv_lens.append(kv_len)
             tables.append(self.page_table.pages(r.slot)[:need])
             page_counts.append(need)
@@ -208,10 +258,34 @@ class ModelRunner:
         if input_ids.min() < 0 or input_ids.max() >= self.vocab_size:
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
         dev = self._device
-        return self.model(
+        logits = self.model(
             torch.from_numpy(input_ids).to(dev),
             torch.from_numpy(np.concatenate(positions)).to(dev),
             max(kv_lens) - 1,
             self.backend,
-            torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            torch.tensor(logits_rows + score_rows, dtype=torch.int64, device=dev),
         )
+        num_sampled = len(logits_rows)  # the scoring rows come after the sampling ones
+        plans = [
+            (slot, pos, lo + num_sampled, hi + num_sampled, t) for slot, pos, lo, hi, t in plans
+        ]
+        return logits, num_sampled, plans
+
+    def _score_plan(self, r: StepReq, first_row: int) -> tuple:
+        """Check ``r``'s prompt tokens to score (the positions before them must be
+        computed in this step, the slot must have asked for prompt logprobs);
+        its plan, with rows counted among the scoring rows from ``first_row``."""
+        m = len(r.score_ids)
+        if not (
+            r.start_pos + 1 <= r.score_pos and r.score_pos + m - 1 <= r.start_pos + len(r.input_ids)
+        ):
+            raise ValueError(
+                f"slot {r.slot}: tokens to score at positions {r.score_pos}..{r.score_pos + m - 1} "
+                f"need logits this step does not compute"
+            )
+        if not self.sampler.has(r.slot) or self.sampler.params(r.slot).prompt_logprobs is None:
+            raise ValueError(f"slot {r.slot}: prompt tokens to score but no prompt_logprobs")
+        if int(r.score_ids.min()) < 0 or int(r.score_ids.max()) >= self.vocab_size:
+            raise ValueError(f"token id to score out of range [0, {self.vocab_size})")
+        ids = torch.from_numpy(np.asarray(r.score_ids, dtype=np.int64)).to(self._device)
+        return (r.slot, r.score_pos, first_row, first_row + m, ids)

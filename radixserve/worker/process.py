@@ -35,8 +35,7 @@ def run(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
         if not steps.poll(POLL_MS):
             continue
         step = P.decode(steps.recv(), {P.Step.TYPE: P.Step})
-        tokens = runner.step(step)
-        results.send(P.StepResult(step.step_id, tokens).encode())
+        results.send(runner.step(step).encode())
 
 
 def main() -> None:

@@ -39,6 +39,9 @@ class Sampler:
     def has(self, slot: int) -> bool:
         return slot in self._params
 
+    def params(self, slot: int) -> SamplingParams:
+        return self._params[slot]
+
     def sample(self, logits: torch.Tensor, slots: list[int], positions: list[int]) -> np.ndarray:
         """One token id per row of ``logits`` [N, vocab], row i sampled for ``slots[i]``
         as the token at absolute position ``positions[i]``."""
@@ -46,9 +49,7 @@ class Sampler:
             raise ValueError("one slot and one position per logits row are required")
         params = [self._params[s] for s in slots]
         if logits.dtype in (torch.bfloat16, torch.float16):
-            # Exactly the same values: argmax picks the same (first) maximum, and the
-            # filters and softmax run in float32. CPU argmax over bf16 is ~3x slower.
-            logits = logits.float()
+            logits = logits.float()  # the same values; CPU argmax over bf16 is ~3x slower
         out = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:

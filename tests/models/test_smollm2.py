@@ -75,7 +75,7 @@ def test_greedy_chat_matches_transformers(runner, tok, hf_smollm2):
                 first_logits, list(range(len(prompts))), [len(x) for x in ids]
             )
         else:
-            toks = runner.step(batch)
+            toks = runner.step(batch).tokens
         for i, t in enumerate(toks):
             pos[i] += len(ids[i])
             ids[i] = np.array([t], np.int32)

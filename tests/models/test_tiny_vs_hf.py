@@ -63,7 +63,7 @@ def run_greedy(runner, prompt, n, chunks, slot=0):
     tokens = [int(logits0.argmax())]
     while len(tokens) < n:
         req = StepReq(slot, np.array(tokens[-1:], np.int32), pos, pages.grow(pos + 1), True)
-        tokens.append(int(runner.step(Step([req]))[0]))
+        tokens.append(int(runner.step(Step([req])).tokens[0]))
         pos += 1
     runner.step(Step([], release=[slot]))
     return tokens, logits0
@@ -93,7 +93,7 @@ def test_cached_prefix_then_suffix_matches_hf(tiny):
     prefix = prompt[:32]
     other = np.random.default_rng(9).integers(4, 512, 20).astype(np.int32)
     pages_a = np.array([5, 2, 40], np.int32)  # first request: prompt tokens 0..39
-    out_a = runner.step(Step([StepReq(0, prompt, 0, pages_a, True, GREEDY)]))
+    out_a = runner.step(Step([StepReq(0, prompt, 0, pages_a, True, GREEDY)])).tokens
     pages_b = np.array([11, 12], np.int32)  # unrelated request already decoding in slot 2
     runner.step(Step([StepReq(2, other, 0, pages_b, True, GREEDY)]))
     # Slot 1: cached prefix = A's first two pages (32 tokens), then its own suffix page.

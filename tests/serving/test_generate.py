@@ -122,6 +122,40 @@ def test_stop_string_and_n(client, engine):
     assert [r.token_ids for r in many] == [r.token_ids for r in want_many]
 
 
+def same_logprobs(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None)
+        if a is None:
+            continue
+        assert (a.token_id, a.text) == (b.token_id, b.text)
+        assert [(t.token_id, t.text) for t in a.top] == [(t.token_id, t.text) for t in b.top]
+        lps = [a.logprob] + [t.logprob for t in a.top]
+        np.testing.assert_allclose(lps, [b.logprob] + [t.logprob for t in b.top], atol=1e-9)
+
+
+def test_logprobs_and_penalties_equal_engine(client, engine, prompts):
+    sp = SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=2,
+        logprob_start_len=20, frequency_penalty=0.5, logit_bias={7: 2.5}, min_tokens=2,
+    )  # fmt: skip
+    [want] = engine.generate([prompts[1]], sp)
+    got = client.generate(input_ids=prompts[1], sampling_params=sp)
+    assert got.token_ids == want.token_ids
+    same_logprobs(got.logprobs, want.logprobs)  # other pages and chunks: same to 1e-9
+    same_logprobs(got.prompt_logprobs, want.prompt_logprobs)
+    assert got.prompt_logprobs[:20] == [None] * 20
+    assert got.usage.cached_tokens <= 19
+    assert all(e.text == engine.tokenizer.decode([e.token_id]) for e in got.logprobs)
+    chunks = list(client.generate_stream(input_ids=prompts[1], sampling_params=sp))
+    assert [len(c.logprobs) for c in chunks] == [1] * len(chunks)
+    assert chunks[0].prompt_logprobs is not None
+    assert all(c.prompt_logprobs is None for c in chunks[1:])
+    np.testing.assert_allclose(
+        [c.logprobs[0][2] for c in chunks], [e.logprob for e in want.logprobs], atol=1e-9
+    )
+
+
 def test_concurrent_threads_share_one_client(server, client, prompts, expected):
     import threading
 

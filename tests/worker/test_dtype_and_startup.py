@@ -78,7 +78,7 @@ def _generate(runner, prompt, n):
     for i in range(n):
         need = -(-(pos + len(ids)) // 4)
         greedy = SamplingParams(temperature=0) if i == 0 else None
-        tok = runner.step(Step([StepReq(3, ids, pos, pages[held:need], True, greedy)]))
+        tok = runner.step(Step([StepReq(3, ids, pos, pages[held:need], True, greedy)])).tokens
         held, pos, ids = need, pos + len(ids), tok
         out.append(int(tok[0]))
     runner.step(Step([], release=[3]))

@@ -51,7 +51,7 @@ def script(runner: ModelRunner, page_size: int) -> dict[int, list[int]]:
         return r
 
     def run(reqs):
-        toks = runner.step(Step(reqs))
+        toks = runner.step(Step(reqs)).tokens
         for r, t in zip([r for r in reqs if r.sample], toks):
             out[r.slot].append(int(t))
 

@@ -33,7 +33,7 @@ def generate_alone(runner, prompt, n, slot=0, first_page=0):
         need = -(-(pos + len(ids)) // 4)
         req = StepReq(slot, ids, pos, pages[held:need], True, GREEDY if i == 0 else None)
         held = need
-        tok = runner.step(Step([req]))
+        tok = runner.step(Step([req])).tokens
         pos += len(ids)
         ids = tok
         out.append(int(tok[0]))
@@ -68,7 +68,7 @@ def test_staggered_batch_equals_each_request_alone(runner):
             new = np.arange(s[3] + s[2], s[3] + need, dtype=np.int32)
             reqs.append(StepReq(slot, s[1], s[0], new, True, GREEDY if s[0] == 0 else None))
             s[2] = need
-        toks = runner.step(Step(reqs, release))
+        toks = runner.step(Step(reqs, release)).tokens
         for r, t in zip(reqs, toks):
             s = state[r.slot]
             s[0] += len(s[1])
@@ -90,7 +90,7 @@ def test_released_slot_is_reused_in_the_same_step(runner):
         req = StepReq(3, ids, pos, np.arange(100 + held, 100 + need, dtype=np.int32), True,
                       GREEDY if i == 0 else None)  # fmt: skip
         held = need
-        ids = runner.step(Step([req], release=[3] if i == 0 else []))
+        ids = runner.step(Step([req], release=[3] if i == 0 else [])).tokens
         pos += len(req.input_ids)
         out.append(int(ids[0]))
     runner.step(Step([], release=[3]))
@@ -99,7 +99,7 @@ def test_released_slot_is_reused_in_the_same_step(runner):
 
 def test_non_sampling_chunk_returns_no_token(runner):
     p = prompts(1, seed=2)[0]
-    out = runner.step(Step([StepReq(0, p, 0, np.arange(8, dtype=np.int32), False, GREEDY)]))
+    out = runner.step(Step([StepReq(0, p, 0, np.arange(8, dtype=np.int32), False, GREEDY)])).tokens
     assert out.dtype == np.int32 and out.shape == (0,)
     runner.step(Step([], release=[0]))
 
