@@ -153,13 +153,14 @@ def _is_scored(x: Any) -> bool:
 
 
 def _is_public_scored(x: Any) -> bool:
-    """One position's logprobs for a client: [token id, text, logprob, [[id, text, logprob], ...]]."""
+    """One position's logprobs for a client: [token id, text, logprob, [[id, text, logprob], ...]]
+    (a prompt position not scored: [token id, text, null, []])."""
     return (
         isinstance(x, list)
         and len(x) == 4
         and _is_int(x[0])
         and isinstance(x[1], str)
-        and _is_float(x[2])
+        and (_is_float(x[2]) or (x[2] is None and x[3] == []))
         and isinstance(x[3], list)
         and all(
             isinstance(t, list)
@@ -282,6 +283,8 @@ class Generate(Message):
     sampling: SamplingParams = f(SAMPLING, SamplingParams())
     stream: bool = f(BOOL, False)
     cache_salt: str | None = f(_optional(STR), None)
+    # Send the prompt back as text (each sample's first chunk, or its result).
+    echo: bool = f(BOOL, False)
 
 
 @dataclass
@@ -337,8 +340,10 @@ class Chunk(Message):
     usage: dict | None = f(_optional(MAP), None)
     # One entry per token of token_ids, when logprobs were asked for.
     logprobs: list | None = f(PUBLIC_SCORED, None)
-    # Every prompt position (null where not scored): in the sample's first chunk.
+    # Every prompt position (logprob null where not scored): in the sample's first chunk.
     prompt_logprobs: list | None = f(PUBLIC_SCORED, None)
+    # With echo: the prompt as text, in the sample's first chunk.
+    prompt_text: str | None = f(_optional(STR), None)
 
 
 @dataclass
@@ -354,6 +359,7 @@ class ResultMsg(Message):
     usage: dict = f(MAP)
     logprobs: list | None = f(PUBLIC_SCORED, None)
     prompt_logprobs: list | None = f(PUBLIC_SCORED, None)
+    prompt_text: str | None = f(_optional(STR), None)
 
 
 @dataclass

@@ -42,9 +42,10 @@ class TokenLogprobs:
 
     @classmethod
     def list_from_wire(cls, entries: list | None) -> list[TokenLogprobs | None] | None:
+        """A list of wire entries; positions not scored (logprob null) are None."""
         if entries is None:
             return None
-        return [None if e is None else cls.from_wire(e) for e in entries]
+        return [None if e is None or e[2] is None else cls.from_wire(e) for e in entries]
 
 
 @dataclass
@@ -64,6 +65,8 @@ class Result:
     # position 0 and those before logprob_start_len). Computed once per request,
     # carried by sample 0.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # With echo: the prompt as text (the ZeroMQ client's echo=True).
+    prompt_text: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -56,11 +56,13 @@ class AsyncClient:
         cache_salt: str | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
+        echo: bool = False,
         **sampling: Any,
     ) -> Result | list[Result]:
         msg = build_generate(
-            prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, False
-        )
+            prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, False,
+            echo,
+        )  # fmt: skip
         results = _Results(msg.sampling.n)
         deadline = self._deadline(timeout)
         async with self._request(msg) as queue:
@@ -78,11 +80,13 @@ class AsyncClient:
         cache_salt: str | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
+        echo: bool = False,
         **sampling: Any,
     ) -> AsyncIterator[P.Chunk]:
         msg = build_generate(
-            prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, True
-        )
+            prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, True,
+            echo,
+        )  # fmt: skip
         left = msg.sampling.n
         async with self._request(msg) as queue:
             while left:

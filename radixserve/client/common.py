@@ -145,6 +145,7 @@ def build_generate(
     cache_salt: str | None,
     request_id: str | None,
     stream: bool,
+    echo: bool = False,
 ) -> P.Generate:
     """The ``generate`` message for these arguments (SamplingParams validated here)."""
     if sampling_params is not None and sampling:
@@ -166,6 +167,7 @@ def build_generate(
         sampling=sp,
         stream=stream,
         cache_salt=cache_salt,
+        echo=echo,
     )
 
 
@@ -189,6 +191,7 @@ class _Results:
                 index=msg.index,
                 logprobs=TokenLogprobs.list_from_wire(msg.logprobs),
                 prompt_logprobs=TokenLogprobs.list_from_wire(msg.prompt_logprobs),
+                prompt_text=msg.prompt_text,
             )
         return len(self.results) == self.n
 

@@ -56,12 +56,17 @@ class Client:
         cache_salt: str | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
+        echo: bool = False,
         **sampling: Any,
     ) -> Result | list[Result]:
-        """Generate; a Result (n == 1) or n Results by index (n > 1)."""
+        """Generate; a Result (n == 1) or n Results by index (n > 1).
+
+        ``sampling`` are SamplingParams' fields (``logprobs``, ``prompt_logprobs``,
+        penalties, ...); ``echo=True`` returns the prompt as text in ``prompt_text``."""
         msg = build_generate(
-            prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, False
-        )
+            prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, False,
+            echo,
+        )  # fmt: skip
         results = _Results(msg.sampling.n)
         deadline = self._deadline(timeout)
         with self._request(msg):
@@ -79,13 +84,15 @@ class Client:
         cache_salt: str | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
+        echo: bool = False,
         **sampling: Any,
     ) -> Iterator[P.Chunk]:
         """Yield chunks as they come; stops after every sample's last chunk (finish_reason
         set). Closing the iterator early aborts the request."""
         msg = build_generate(
-            prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, True
-        )
+            prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, True,
+            echo,
+        )  # fmt: skip
         left = msg.sampling.n
         with self._request(msg):
             while left:

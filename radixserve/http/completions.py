@@ -25,7 +25,8 @@ from pydantic import BaseModel, ValidationError
 from radixserve import protocol as P
 from radixserve.client import ServerError
 from radixserve.http.errors import HTTPError, from_validation
-from radixserve.http.generation import Generation
+from radixserve.http.generation import Choice, Generation
+from radixserve.http.logprobs import chat_logprobs, completion_logprobs
 from radixserve.http.openai_schema import ChatCompletionRequest, CompletionRequest
 from radixserve.http.state import FrontState
 from radixserve.sampling_params import SamplingParams
@@ -79,7 +80,14 @@ async def completions(state: FrontState, request: Request) -> Response:
     for p in body.prompts():
         kind = "prompt" if isinstance(p, str) else "input_ids"
         gens.append(
-            Generation(state.client, state.metrics, sp, cache_salt=body.cache_salt, **{kind: p})
+            Generation(
+                state.client,
+                state.metrics,
+                sp,
+                cache_salt=body.cache_salt,
+                echo=body.echo,
+                **{kind: p},
+            )  # fmt: skip
         )
     if not gens:
         raise HTTPError(400, "prompt must not be an empty list", "prompt")
@@ -139,6 +147,9 @@ class _Format:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.n = body.n
+        self.echo = not chat and body.echo
+        self.logprobs = body.logprobs if chat else body.logprobs is not None
+        self._offsets: dict[int, int] = {}  # streamed text_offset so far, by choice
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {
@@ -168,13 +179,21 @@ class _Format:
                 if self.chat:
                     out["message"] = {"role": "assistant", "content": text}
                 else:
-                    out["text"] = text
-                out.update(logprobs=None, finish_reason=c.finish_reason)
+                    out["text"] = (c.prompt_text or "") + text if self.echo else text
+                out.update(logprobs=self._whole_logprobs(gen, c), finish_reason=c.finish_reason)
                 if self.body.return_token_ids:
                     out["token_ids"] = list(c.token_ids)
                 choices.append(out)
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._head(obj), "choices": choices, "usage": self.usage()}
+
+    def _whole_logprobs(self, gen: Generation, c: Choice) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(c.logprobs)
+        prompt = (gen.prompt_logprobs or []) if self.echo else []
+        return completion_logprobs(prompt + c.logprobs)
 
     async def sse(
         self, first: tuple[int, P.Chunk], rest: AsyncIterator[tuple[int, P.Chunk]]
@@ -195,7 +214,9 @@ class _Format:
             while pending is not None:
                 p, chunk = pending
                 ids = self.body.return_token_ids and chunk.token_ids
-                if chunk.text or ids or chunk.finish_reason is not None:
+                lps = self.logprobs and (chunk.logprobs or chunk.prompt_logprobs)
+                echo = self.echo and chunk.prompt_text
+                if chunk.text or ids or lps or echo or chunk.finish_reason is not None:
                     yield event([self._delta(p * self.n + chunk.index, chunk)])
                 pending = await anext(rest, None)
             if self.body.include_usage:
@@ -211,11 +232,24 @@ class _Format:
         if self.chat:
             out["delta"] = {"content": chunk.text} if chunk.text else {}
         else:
-            out["text"] = chunk.text
-        out.update(logprobs=None, finish_reason=chunk.finish_reason)
+            echo = chunk.prompt_text if self.echo and chunk.prompt_text else ""
+            out["text"] = echo + chunk.text
+        out.update(logprobs=self._delta_logprobs(index, chunk), finish_reason=chunk.finish_reason)
         if self.body.return_token_ids:
             out["token_ids"] = list(chunk.token_ids)
         return out
+
+    def _delta_logprobs(self, index: int, chunk: P.Chunk) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        entries = chunk.logprobs or []
+        if self.chat:
+            return chat_logprobs(entries)
+        if self.echo and chunk.prompt_logprobs:
+            entries = chunk.prompt_logprobs + entries
+        offset = self._offsets.get(index, 0)
+        self._offsets[index] = offset + sum(len(e[1]) for e in entries)
+        return completion_logprobs(entries, offset)
 
 
 class _EventStream(StreamingResponse):

@@ -33,6 +33,9 @@ class Choice:
     num_tokens: int = 0
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
+    # Wire entries ([token id, text, logprob, top]) when logprobs were asked for.
+    logprobs: list[list] = field(default_factory=list)
+    prompt_text: str | None = None  # with echo
 
 
 class Generation:
@@ -48,6 +51,7 @@ class Generation:
         input_ids: list[int] | None = None,
         messages: list[dict[str, str]] | None = None,
         cache_salt: str | None = None,
+        echo: bool = False,
     ) -> None:
         self.client, self.metrics, self.sampling = client, metrics, sampling
         self.inputs: dict[str, Any] = {
@@ -55,7 +59,10 @@ class Generation:
             "input_ids": input_ids,
             "messages": messages,
             "cache_salt": cache_salt,
+            "echo": echo,
         }
+        # Scored once per prompt (they come with choice 0's first chunk), shared by all n.
+        self.prompt_logprobs: list | None = None
         self.request_id = f"http-{uuid.uuid4().hex}"
         self.choices = [Choice(i) for i in range(sampling.n)]
         self.arrival = time.monotonic()
@@ -102,6 +109,12 @@ class Generation:
                         self.metrics.itl.labels(self.metrics.model_name).observe(gap)
                     last_token[chunk.index] = now
                 choice.text.append(chunk.text)
+                if chunk.logprobs:
+                    choice.logprobs.extend(chunk.logprobs)
+                if chunk.prompt_logprobs is not None:
+                    self.prompt_logprobs = chunk.prompt_logprobs
+                if chunk.prompt_text is not None:
+                    choice.prompt_text = chunk.prompt_text
                 choice.token_ids.extend(chunk.token_ids)
                 choice.num_tokens += len(chunk.token_ids)
                 if chunk.finish_reason is not None:

@@ -5,6 +5,7 @@ fit int64 (token ids int32), and unknown fields are refused, so a misspelt or un
 instead of a silently different completion. Fields OpenAI defines that this
 server cannot honour are declared here only to refuse them with a message
 (``unsupported()``); ``user`` is accepted because it never changes the output.
+docs/http.md lists every field with its semantics.
 """
 
 from __future__ import annotations
@@ -49,19 +50,16 @@ class _Common(BaseModel):
     cache_salt: StrictStr | None = None
     # vLLM's extension: each choice (and each streamed delta) also carries its token ids
     return_token_ids: StrictBool = False
-    # OpenAI fields refused unless they are at their no-op value
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[StrictStr, Number] | None = None
+    # vLLM's sampling extras
+    repetition_penalty: Number | None = None
+    min_tokens: Int | None = None
+    stop_token_ids: list[TokenId] | None = None
 
     def unsupported(self) -> str | None:
         """Why this request asks for something the server cannot do (None: it doesn't)."""
-        if self.presence_penalty not in (None, 0):
-            return "presence_penalty is not supported"
-        if self.frequency_penalty not in (None, 0):
-            return "frequency_penalty is not supported"
-        if self.logit_bias:
-            return "logit_bias is not supported"
         if self.stream_options is not None and not self.stream:
             return "stream_options is only allowed with stream=true"
         return None
@@ -73,14 +71,21 @@ class _Common(BaseModel):
     def sampling(self, max_tokens: int) -> SamplingParams:
         """SamplingParams for this request (ValueError names a bad value)."""
         fields: dict[str, Any] = {"max_tokens": max_tokens, "n": self.n}
-        for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+        for name in (
+            "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+            "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids",
+            "logit_bias",
+        ):  # fmt: skip
             value = getattr(self, name)
             if value is not None:
                 fields[name] = value
         if self.stop is not None:
             fields["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         fields["ignore_eos"] = self.ignore_eos
-        return SamplingParams(**fields)
+        return SamplingParams(**fields, **self._logprob_fields())
+
+    def _logprob_fields(self) -> dict[str, Any]:
+        return {}
 
 
 class CompletionRequest(_Common):
@@ -94,15 +99,20 @@ class CompletionRequest(_Common):
     suffix: StrictStr | None = None
 
     def unsupported(self) -> str | None:
-        if self.logprobs is not None:
-            return "logprobs is not supported"
-        if self.echo:
-            return "echo is not supported"
         if self.best_of not in (None, self.n):
             return "best_of is not supported (use n)"
         if self.suffix:
             return "suffix is not supported"
         return super().unsupported()
+
+    def _logprob_fields(self) -> dict[str, Any]:
+        # echo with logprobs scores the whole prompt too (OpenAI's shape: the first
+        # token has no logprob).
+        if self.logprobs is None:
+            return {}
+        if self.echo:
+            return {"logprobs": self.logprobs, "prompt_logprobs": self.logprobs}
+        return {"logprobs": self.logprobs}
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request: one text or token list each (OpenAI allows a batch)."""
@@ -145,8 +155,8 @@ class ChatCompletionRequest(_Common):
     response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> str | None:
-        if self.logprobs or self.top_logprobs is not None:
-            return "logprobs is not supported"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs needs logprobs=true"
         if self.tools or self.tool_choice not in (None, "none"):
             return "tools are not supported"
         if self.response_format not in (None, {"type": "text"}):
@@ -154,6 +164,11 @@ class ChatCompletionRequest(_Common):
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             return "give max_completion_tokens or max_tokens, not both"
         return super().unsupported()
+
+    def _logprob_fields(self) -> dict[str, Any]:
+        if not self.logprobs:
+            return {}
+        return {"logprobs": self.top_logprobs or 0}
 
     def messages_as_dicts(self) -> list[dict[str, str]]:
         # "developer" is OpenAI's newer name for the system role; chat templates know "system".

@@ -85,12 +85,13 @@ class TokenTexts:
 
     def public(self, entries: list, token_ids: list[int]) -> list:
         """The scheduler's ``[logprob, top ids, top logprobs]`` entries for
-        ``token_ids`` (null entries stay null) as the public
-        ``[token id, text, logprob, [[id, text, logprob], ...]]``."""
+        ``token_ids`` as the public ``[token id, text, logprob, [[id, text,
+        logprob], ...]]``; a null entry (a prompt position not scored) becomes
+        ``[token id, text, null, []]``, so every prompt token's text is there."""
         out: list = []
         for tid, e in zip(token_ids, entries):
             if e is None:
-                out.append(None)
+                out.append([tid, self.text(tid), None, []])
                 continue
             lp, ids, lps = e
             top = [[i, self.text(i), v] for i, v in zip(ids, lps)]

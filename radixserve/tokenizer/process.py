@@ -79,9 +79,12 @@ class InFlight:
     stream: bool
     outputs: list[OutputStream]
     done: list[bool] = field(default_factory=list)
+    prompt_text: str | None = None  # with echo; sent with each sample's first chunk
+    started: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.done = [False] * len(self.outputs)
+        self.started = [False] * len(self.outputs)
 
 
 class ClientGone(Exception):
@@ -198,6 +201,11 @@ class TokenizerServer:
             # Everything is checked before anything is queued.
             self.inputs.check_sampling(sp)
             ids = self.inputs.to_ids(msg.prompt, msg.input_ids, msg.messages)
+            echo = None
+            if msg.echo:  # the prompt as given, or the text of its tokens
+                echo = msg.prompt
+                if echo is None:
+                    echo = self.tokenizer.decode(ids, skip_special_tokens=True)
         except ValueError as e:
             self.send_error(identity, msg.id, str(e))
             return
@@ -207,7 +215,7 @@ class TokenizerServer:
         outputs = [OutputStream(self.tokenizer, ids, sp.stop, self.texts) for _ in range(sp.n)]
         self.next_rid += 1
         rid = f"{identity.hex()}/{self.next_rid}"
-        self.requests[rid] = InFlight(rid, identity, msg.id, msg.stream, outputs)
+        self.requests[rid] = InFlight(rid, identity, msg.id, msg.stream, outputs, prompt_text=echo)
         self.by_client[(identity, msg.id)] = rid
         self.per_client[identity] += 1
         # Stop strings are applied here: the scheduler and the worker never see them.
@@ -253,16 +261,19 @@ class TokenizerServer:
         try:
             if req.stream:
                 prompt_lps = out.prompt_logprobs if item.prompt_logprobs is not None else None
+                echo = None if req.started[item.index] else req.prompt_text
+                req.started[item.index] = True
                 chunk = P.Chunk(
                     req.id, item.index, delta, item.token_ids, finish, usage,
-                    out.new_logprobs, prompt_lps,
+                    out.new_logprobs, prompt_lps, echo,
                 )  # fmt: skip
                 self.send(req.identity, chunk)
             elif finish is not None:
                 text, ids = out.text, list(out.token_ids)
                 result = P.ResultMsg(
-                    req.id, item.index, text, ids, finish, usage, out.logprobs, out.prompt_logprobs
-                )
+                    req.id, item.index, text, ids, finish, usage,
+                    out.logprobs, out.prompt_logprobs, req.prompt_text,
+                )  # fmt: skip
                 self.send(req.identity, result)
         except ClientGone:
             self.client_gone(req.identity)

@@ -50,9 +50,17 @@ BAD_BODIES = [
     ({**GOOD, "top_p": 2.0}, "top_p must be in (0, 1]", None),
     ({**GOOD, "max_tokens": 0}, "max_tokens must be an integer >= 1", None),
     ({**GOOD, "seed": -1}, "seed", None),
-    ({**GOOD, "logprobs": 2}, "logprobs is not supported", None),
-    ({**GOOD, "echo": True}, "echo is not supported", None),
-    ({**GOOD, "presence_penalty": 0.5}, "presence_penalty is not supported", None),
+    ({**GOOD, "logprobs": 21}, "logprobs must be null or an integer in [0, 20]", None),
+    ({**GOOD, "logprobs": True}, "valid integer", "logprobs"),
+    ({**GOOD, "presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]", None),
+    ({**GOOD, "frequency_penalty": "1"}, "frequency_penalty", "frequency_penalty"),
+    ({**GOOD, "repetition_penalty": 0}, "repetition_penalty", None),
+    ({**GOOD, "logit_bias": {"x": 1}}, "logit_bias keys must be token ids", None),
+    ({**GOOD, "logit_bias": {"5": "1"}}, "logit_bias", "logit_bias"),
+    ({**GOOD, "logit_bias": {"99999": 1}}, "logit_bias token id 99999", None),
+    ({**GOOD, "min_tokens": 20, "max_tokens": 5}, "min_tokens", None),
+    ({**GOOD, "stop_token_ids": [-1]}, "greater than or equal", "stop_token_ids"),
+    ({**GOOD, "suffix": "x"}, "suffix is not supported", None),
     ({**GOOD, "stream_options": {"include_usage": True}}, "stream_options", None),
     # integers msgpack cannot carry are a 400 naming the field, not a 500
     ({**GOOD, "max_tokens": 2**64}, "less than or equal", "max_tokens"),
@@ -85,8 +93,10 @@ def test_bad_json_oversized_prompt_and_unknown_model(http, zmq_client):
     assert "not valid JSON" in error_of(bad, 400)["message"]
     not_object = http.post("/v1/completions", json=["a", "list"])
     error_of(not_object, 400)
-    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}
-    assert "logprobs" in error_of(http.post("/v1/chat/completions", json=chat), 400)["message"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}
+    assert (
+        "needs logprobs" in error_of(http.post("/v1/chat/completions", json=chat), 400)["message"]
+    )
     chat = {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}
     assert error_of(http.post("/v1/chat/completions", json=chat), 400)["param"] == "messages"
     huge = {**GOOD, "prompt": "word " * 2000}

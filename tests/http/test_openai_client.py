@@ -235,3 +235,103 @@ def test_concurrent_streams_like_a_benchmark(base_url, zmq_client):
     assert [u.prompt_tokens for _, u in got] == [w.usage.prompt_tokens for w in want]
     assert all(u.completion_tokens == MAX for _, u in got)
     assert sum(u.prompt_tokens_details.cached_tokens for _, u in got) > 0  # the shared prefix
+
+
+def test_completions_echo_logprobs_equal_the_zmq_client(oai, zmq_client):
+    """lm-eval's loglikelihood request: token ids, echo, logprobs, one new token."""
+    ids = zmq_client.generate("Scoring a continuation", max_tokens=10, temperature=0).token_ids
+    prompt = [5, 9, 33] + ids
+    want = zmq_client.generate(
+        input_ids=prompt, max_tokens=1, temperature=0, logprobs=1, prompt_logprobs=1, echo=True
+    )
+    got = oai.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True
+    )
+    [choice] = got.choices
+    lp = choice.logprobs
+    assert choice.text == want.prompt_text + want.text
+    assert len(lp.tokens) == len(prompt) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    scored = want.prompt_logprobs[1:] + want.logprobs
+    np.testing.assert_allclose(lp.token_logprobs[1:], [e.logprob for e in scored], atol=1e-9)
+    assert lp.tokens[1:] == [e.text for e in scored]
+    for top, e in zip(lp.top_logprobs[1:], scored):  # the best token, and the chosen one
+        assert top[e.top[0].text] == pytest.approx(e.top[0].logprob, abs=1e-9)
+        assert top[e.text] == pytest.approx(e.logprob, abs=1e-9)
+    assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
+    # Without echo: only the new tokens, and the text alone.
+    plain = oai.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=3, extra_body=EXTRA
+    )
+    assert (
+        plain.choices[0].text
+        == zmq_client.generate(input_ids=prompt, max_tokens=3, temperature=0, ignore_eos=True).text
+    )
+    assert len(plain.choices[0].logprobs.tokens) == 3
+    assert all(len(t) >= 3 for t in plain.choices[0].logprobs.top_logprobs)
+
+
+def test_completions_stream_echo_logprobs(oai, zmq_client):
+    prompt = [7, 11, 13, 17, 19, 23]
+    whole = oai.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=2, echo=True,
+        extra_body=EXTRA,
+    )  # fmt: skip
+    chunks = list(
+        oai.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=4,
+            temperature=0,
+            logprobs=2,
+            echo=True,
+            extra_body=EXTRA,
+            stream=True,
+        )  # fmt: skip
+    )
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    streamed = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.tokens]
+    assert streamed == whole.choices[0].logprobs.tokens
+    offsets = [
+        x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.text_offset
+    ]
+    assert offsets == whole.choices[0].logprobs.text_offset
+
+
+def test_chat_logprobs_and_penalties(oai, zmq_client):
+    sampling = dict(
+        temperature=0, frequency_penalty=0.7, presence_penalty=0.3, logit_bias={"40": 3.0}
+    )
+    want = zmq_client.generate(
+        messages=CHAT, max_tokens=MAX, ignore_eos=True, logprobs=5, **sampling
+    )
+    got = oai.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=MAX, logprobs=True, top_logprobs=5,
+        extra_body=EXTRA, **sampling,
+    )  # fmt: skip
+    [choice] = got.choices
+    assert choice.message.content == want.text
+    content = choice.logprobs.content
+    assert [c.token for c in content] == [e.text for e in want.logprobs]
+    np.testing.assert_allclose(
+        [c.logprob for c in content], [e.logprob for e in want.logprobs], atol=1e-9
+    )
+    assert all(len(c.top_logprobs) == 5 for c in content)
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    # The penalties changed the greedy text (else this test would prove nothing).
+    plain = zmq_client.generate(messages=CHAT, max_tokens=MAX, temperature=0, ignore_eos=True)
+    assert plain.token_ids != want.token_ids
+    stream = oai.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=MAX, logprobs=True, top_logprobs=2,
+        extra_body=EXTRA, stream=True, **sampling,
+    )  # fmt: skip
+    tokens = [
+        t.token for ch in stream if ch.choices[0].logprobs for t in ch.choices[0].logprobs.content
+    ]
+    assert tokens == [e.text for e in want.logprobs]
+    # min_tokens and stop_token_ids pass through as vLLM's extras.
+    eos_first = oai.completions.create(
+        model=MODEL, prompt="x", max_tokens=8, temperature=0, logit_bias={"2": 50},
+        extra_body={"min_tokens": 3},
+    )  # fmt: skip
+    assert eos_first.usage.completion_tokens == 4 and eos_first.choices[0].finish_reason == "stop"
