@@ -95,7 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="also serve the OpenAI-compatible HTTP API (and /metrics) on this port of "
-        "--host; 0 picks a free one (printed); without it: no HTTP front",
+        "--http-host; 0 picks a free one (printed); without it: no HTTP front",
+    )
+    p.add_argument(
+        "--http-host",
+        default=None,
+        help="address the HTTP front binds (default: --host); e.g. 0.0.0.0 serves HTTP "
+        "beyond loopback while the ZeroMQ socket stays on 127.0.0.1",
     )
     p.add_argument(
         "--served-model-name",
@@ -372,6 +378,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         log_level=args.log_level,
         http_port=args.http_port,
+        http_host=args.http_host,
         served_model_name=args.served_model_name,
         watchdog_timeout=args.watchdog_timeout,
         exit_with_parent=args.exit_with_parent,

@@ -279,6 +279,10 @@ def launch(config: ServerConfig, http_keys: Keys = NO_KEYS) -> int:
     except LaunchError as e:
         print(f"radixserve: {e}", file=sys.stderr, flush=True)
         return 1
+    http_host = config.http_host or config.host
+    if config.http_port is not None and not is_loopback(http_host) and not http_keys.api_key:
+        log.warning("the HTTP front binds %s without --api-key: anyone who reaches it "
+                    "may generate", http_host)  # fmt: skip
     launcher = Launcher(config, http_keys)
     signal.signal(signal.SIGINT, launcher.on_signal)
     signal.signal(signal.SIGTERM, launcher.on_signal)

@@ -29,6 +29,7 @@ class ServerConfig:
     curve_allow_any_client: bool = False  # any client holding the server's public key
     log_level: str = "info"
     http_port: int | None = None  # the OpenAI-compatible HTTP front's port (0: any free one)
+    http_host: str | None = None  # the address the HTTP front binds (None: ``host``)
     served_model_name: str | None = None  # the model id the HTTP front answers to
     # Fail the requests in flight and stop the server when the worker takes longer than
     # this many seconds over one step (a hung or stopped worker); 0: never.

@@ -87,7 +87,7 @@ async def serve(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
             config.model.max_context_len,
             max_body_bytes=body_limit(config.engine.max_message_bytes),
         )
-        sock = bind(config.host, config.http_port)
+        sock = bind(config.http_host or config.host, config.http_port)
         uv = uvicorn.Config(
             create_app(state, keys),
             log_level=config.log_level,
