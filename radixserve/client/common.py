@@ -53,7 +53,9 @@ class RequestTimeout(TimeoutError):
 
 class ConnectionLost(ServerError):
     """The connection to the server dropped (or stayed down) while the request was
-    pending, so no answer can come: the server stopped, or stopped answering heartbeats."""
+    pending, so no answer can come: the server stopped, or stopped answering heartbeats;
+    or the server refused the handshake (the message begins "authentication with the
+    server at ... failed")."""
 
 
 def routing_id() -> bytes:
