@@ -3,7 +3,8 @@ lists every flag.
 
 Subcommands: ``launch`` (start a server; its command line is turned into one
 ``ServerConfig`` here, and only here: one flag per ``EngineConfig`` field, whose
-dest is the field's name) and ``bench`` (the shared-prompt benchmark
+dest is the field's name), ``keys`` (write CURVE certificates for the public
+socket, ``radixserve.curve``) and ``bench`` (the shared-prompt benchmark
 suite, ``radixserve.benchmark``; ``radixserve bench --help``).
 """
 
@@ -94,7 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="also serve the OpenAI-compatible HTTP API (and /metrics) on this port of "
-        "--host; 0 picks a free one (printed); without it: no HTTP front",
+        "--http-host; 0 picks a free one (printed); without it: no HTTP front",
+    )
+    p.add_argument(
+        "--http-host",
+        default=None,
+        help="address the HTTP front binds (default: --host); e.g. 0.0.0.0 serves HTTP "
+        "beyond loopback while the ZeroMQ socket stays on 127.0.0.1",
     )
     p.add_argument(
         "--served-model-name",
@@ -282,16 +289,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds the worker may take over one step; past it the requests in flight "
         "fail and the server exits 1 (a hung or stopped worker); 0: no watchdog",
     )
-    p.add_argument(
+    auth = p.add_argument_group("authentication (docs/security.md)")
+    auth.add_argument(
         "--api-key",
         default=None,
         help="HTTP front: require `Authorization: Bearer KEY` on /v1 and /stats "
         "(default: $RADIXSERVE_API_KEY)",
     )
-    p.add_argument(
+    auth.add_argument(
         "--admin-api-key",
         default=None,
-        help="HTTP front: the key /flush_cache requires (default: $RADIXSERVE_ADMIN_API_KEY)",
+        help="the key flush_cache and check require, over HTTP (/flush_cache) and ZeroMQ "
+        "(default: $RADIXSERVE_ADMIN_API_KEY)",
+    )
+    auth.add_argument(
+        "--curve-secret-key",
+        metavar="FILE",
+        default=None,
+        help="the server's secret CURVE certificate (`radixserve keys` writes "
+        "DIR/server.key_secret): the public TCP socket then encrypts and authenticates "
+        "every connection; required when --host is not a loopback address",
+    )
+    auth.add_argument(
+        "--curve-allowed-clients",
+        metavar="DIR",
+        default=None,
+        help="with --curve-secret-key: only clients whose public certificates (*.key) are "
+        "in DIR may connect (read at start)",
+    )
+    auth.add_argument(
+        "--curve-allow-any-client",
+        action="store_true",
+        help="with --curve-secret-key: any client that has the server's public key may "
+        "connect (encrypted, but clients are not authenticated)",
     )
     p.add_argument(
         "--exit-with-parent",
@@ -304,6 +334,28 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error"],
         default="warning",
         help="log level of every process (logs go to stderr)",
+    )
+    k = sub.add_parser(
+        "keys",
+        help="write CURVE certificates for the public socket (server and clients)",
+        description="Write CURVE certificates (pyzmq's zmq.auth format) into DIR: the "
+        "server's (unless --no-server, or DIR already has one) and one per --client "
+        "(default: one named 'client'). Secret files get mode 0600; nothing is "
+        "overwritten. Prints what to pass to `radixserve launch` and to the client.",
+    )
+    k.add_argument("dir", metavar="DIR", help="where to write (created with mode 0700)")
+    k.add_argument(
+        "--client",
+        action="append",
+        dest="clients",
+        metavar="NAME",
+        help="a client certificate to write (repeatable; default: 'client')",
+    )
+    k.add_argument(
+        "--server",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write the server's certificate unless DIR has one",
     )
     b = sub.add_parser(
         "bench",
@@ -326,19 +378,61 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         log_level=args.log_level,
         http_port=args.http_port,
+        http_host=args.http_host,
         served_model_name=args.served_model_name,
         watchdog_timeout=args.watchdog_timeout,
         exit_with_parent=args.exit_with_parent,
+        curve_secret_key=args.curve_secret_key,
+        curve_allowed_clients=args.curve_allowed_clients,
+        curve_allow_any_client=args.curve_allow_any_client,
     )
 
 
 def http_keys(args: argparse.Namespace):  # -> radixserve.http.auth.Keys
-    """The HTTP front's keys: the flags, else the environment. They never enter the
-    ServerConfig, which travels on the children's command lines."""
+    """The API keys: the flags, else the environment. They never enter the ServerConfig,
+    which travels on the children's command lines (the HTTP front gets both by
+    environment, the tokenizer the admin key)."""
     from radixserve.http.auth import Keys
 
     env = Keys.from_env()
     return Keys(args.api_key or env.api_key, args.admin_api_key or env.admin_key)
+
+
+def keys_main(args: argparse.Namespace) -> int:
+    """``radixserve keys``: write the certificates, say where each one goes."""
+    from radixserve.curve import CLIENTS_DIR, SERVER_NAME, CurveError, write_keys
+
+    clients = args.clients or (["client"] if args.server else [])
+    if not clients and not args.server:
+        print("radixserve keys: nothing to write (--no-server and no --client)", file=sys.stderr)
+        return 2
+    try:
+        written = write_keys(args.dir, clients, args.server)
+    except (CurveError, OSError) as e:
+        print(f"radixserve keys: {e}", file=sys.stderr)
+        return 1
+    for path in written:
+        kind = "secret, mode 0600" if path.suffix == ".key_secret" else "public"
+        print(f"wrote {path} ({kind})")
+    d = args.dir.rstrip("/") or "/"
+    server_secret, server_public = f"{d}/{SERVER_NAME}.key_secret", f"{d}/{SERVER_NAME}.key"
+    if args.server and not any(p.name == f"{SERVER_NAME}.key_secret" for p in written):
+        print(f"kept {server_secret} (it exists)")
+    print(
+        f"\nserver: radixserve launch --host 0.0.0.0 --curve-secret-key {server_secret} "
+        f"--curve-allowed-clients {d}/{CLIENTS_DIR}"
+    )
+    for name in clients:
+        print(
+            f"client {name}: Client('tcp://HOST:PORT', curve_server_key='{server_public}', "
+            f"curve_client_key='{d}/{name}.key_secret')"
+        )
+    print(
+        f"Keep {server_secret} on the server only; give each client {server_public} and "
+        "its own .key_secret. To allow another client, put its public .key file into "
+        f"{d}/{CLIENTS_DIR} and restart the server."
+    )
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -347,6 +441,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from radixserve.benchmark.cli import main as bench_main
 
         return bench_main(args)
+    if args.command == "keys":
+        return keys_main(args)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s launch %(levelname)s %(message)s",

@@ -18,6 +18,11 @@ A signal (SIGINT/SIGTERM) stops the server with exit code 0; the death of any
 child stops it with exit code 1; with ``exit_with_parent``, the death of the
 process that started the launcher stops it with exit code 1.
 
+Before anything starts, ``check_public_socket`` refuses a public socket bound
+beyond loopback without CURVE keys (docs/security.md). Secrets reach children by
+environment only: the HTTP front's API keys, and the admin key to the tokenizer
+(which checks it on ``flush_cache`` and ``check``).
+
 No child outlives the launcher, even one killed with SIGKILL: each child gets
 ``PR_SET_PDEATHSIG`` and watches that the launcher's pid (``launcher_pid`` in
 its config) is still its parent, then fails what it has in flight, exits, and
@@ -40,6 +45,14 @@ import zmq
 
 import radixserve
 from radixserve import protocol as P
+from radixserve.curve import (
+    CurveError,
+    is_loopback,
+    load_allowed_keys,
+    load_secret_certificate,
+    require_curve,
+    secret_file_problem,
+)
 from radixserve.http.auth import ADMIN_KEY_ENV, API_KEY_ENV, NO_KEYS, Keys
 from radixserve.server_config import CONTROL, HTTP_IN, TOKENIZER_IN, ServerConfig
 
@@ -102,8 +115,11 @@ class Launcher:
 
     def _spawn(self, name: str) -> None:
         env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, ADMIN_KEY_ENV)}
-        if name == "http":  # secrets go by environment, never on a command line
+        # Secrets go by environment, never on a command line, and only where they are used.
+        if name == "http":
             env.update(self.http_keys.env())
+        elif name == "tokenizer" and self.http_keys.admin_key:  # flush_cache, check
+            env[ADMIN_KEY_ENV] = self.http_keys.admin_key
         root = os.path.dirname(os.path.dirname(os.path.abspath(radixserve.__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         cmd = [sys.executable, "-m", MODULES[name], self.config.to_json()]
@@ -220,8 +236,53 @@ def _wait_or_kill(proc: subprocess.Popen, send_term: bool) -> None:
         proc.wait()
 
 
+def check_public_socket(config: ServerConfig) -> None:
+    """Refuse (``LaunchError``, saying what to pass) a public socket whose security does
+    not fit its address: a non-loopback ``--host`` needs CURVE keys, and the CURVE flags
+    must make sense together and name usable files. Checked before anything starts."""
+    curve = config.curve_secret_key is not None
+    if not curve and not is_loopback(config.host):
+        raise LaunchError(
+            f"--host {config.host} is not a loopback address, so the public socket needs "
+            "CURVE keys: run `radixserve keys DIR` and pass --curve-secret-key "
+            "DIR/server.key_secret --curve-allowed-clients DIR/clients "
+            '(docs/security.md, "Serving beyond loopback")'
+        )
+    if not curve:
+        if config.curve_allowed_clients or config.curve_allow_any_client:
+            raise LaunchError(
+                "--curve-allowed-clients and --curve-allow-any-client need --curve-secret-key"
+            )
+        return
+    if bool(config.curve_allowed_clients) == config.curve_allow_any_client:
+        raise LaunchError(
+            "--curve-secret-key needs exactly one of --curve-allowed-clients DIR (only the "
+            "clients whose public keys are in DIR may connect) or --curve-allow-any-client "
+            "(any client that has the server's public key)"
+        )
+    try:
+        require_curve()
+        load_secret_certificate(config.curve_secret_key)
+        if config.curve_allowed_clients:
+            load_allowed_keys(config.curve_allowed_clients)
+    except CurveError as e:
+        raise LaunchError(str(e)) from None
+    problem = secret_file_problem(config.curve_secret_key)
+    if problem:
+        log.warning("--curve-secret-key %s", problem)
+
+
 def launch(config: ServerConfig, http_keys: Keys = NO_KEYS) -> int:
     """Run the server until a signal or a child's death; return the exit code."""
+    try:
+        check_public_socket(config)
+    except LaunchError as e:
+        print(f"radixserve: {e}", file=sys.stderr, flush=True)
+        return 1
+    http_host = config.http_host or config.host
+    if config.http_port is not None and not is_loopback(http_host) and not http_keys.api_key:
+        log.warning("the HTTP front binds %s without --api-key: anyone who reaches it "
+                    "may generate", http_host)  # fmt: skip
     launcher = Launcher(config, http_keys)
     signal.signal(signal.SIGINT, launcher.on_signal)
     signal.signal(signal.SIGTERM, launcher.on_signal)

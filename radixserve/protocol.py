@@ -297,8 +297,12 @@ class Abort(Message):
 
 @dataclass
 class FlushCache(Message):
+    """Evict every unlocked cached page. ``admin_key``: the server's admin API key, which
+    it must bring when the server has one (else it is refused with an ``Error``)."""
+
     TYPE: ClassVar[str] = "flush_cache"
     id: str = f(ID)
+    admin_key: str | None = f(_optional(STR), None)
 
 
 @dataclass
@@ -315,10 +319,12 @@ class Health(Message):
 
 @dataclass
 class Check(Message):
-    """Run the scheduler's idle-invariant check (tests and debugging)."""
+    """Run the scheduler's idle-invariant check (tests and debugging); ``admin_key`` as
+    for ``FlushCache``."""
 
     TYPE: ClassVar[str] = "check"
     id: str = f(ID)
+    admin_key: str | None = f(_optional(STR), None)
 
 
 PUBLIC_REQUESTS: dict[str, type[Message]] = {

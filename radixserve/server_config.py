@@ -1,6 +1,7 @@
 """The server's configuration: one frozen dataclass, built once by the CLI.
 
-The launcher hands it to each child as JSON on the command line (never pickle);
+The launcher hands it to each child as JSON on the command line (never pickle), so
+it holds no secret: key files appear as paths, API keys travel by environment;
 each process builds its own part from it (``radixserve.config``: the worker
 with ``build_worker``, the scheduler with ``build_scheduler`` and the worker's
 ``ModelInfo``, the tokenizer from ``engine.model``).
@@ -21,8 +22,14 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
     port: int = 30000  # 0: any free port (the launcher prints the one bound)
+    # CURVE on the public TCP socket (radixserve/curve.py); required when ``host`` is not
+    # a loopback address. Paths only: the secret key itself never enters this config.
+    curve_secret_key: str | None = None  # the server's secret certificate (.key_secret)
+    curve_allowed_clients: str | None = None  # a directory of client public certificates
+    curve_allow_any_client: bool = False  # any client holding the server's public key
     log_level: str = "info"
     http_port: int | None = None  # the OpenAI-compatible HTTP front's port (0: any free one)
+    http_host: str | None = None  # the address the HTTP front binds (None: ``host``)
     served_model_name: str | None = None  # the model id the HTTP front answers to
     # Fail the requests in flight and stop the server when the worker takes longer than
     # this many seconds over one step (a hung or stopped worker); 0: never.

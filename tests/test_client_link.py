@@ -65,3 +65,40 @@ def test_request_ids_the_server_cannot_echo_are_refused():
     for bad in ("", "x" * (C.P.MAX_ID_LEN + 1)):
         with pytest.raises(ValueError, match="request_id"):
             C.check_request_id(bad)
+
+
+def failed(kind: int, value: int) -> list[bytes]:
+    return [struct.pack("=hi", kind, value), b"tcp://127.0.0.1:1"]
+
+
+@pytest.mark.parametrize(
+    ("curve", "frames", "words"),
+    [
+        (False, failed(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                       zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH), "requires CURVE"),
+        (True, failed(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                      zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH), "uses none"),
+        (True, failed(zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400), "refused this client's CURVE key"),
+        (True, failed(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 32), "curve_server_key"),
+    ],
+)  # fmt: skip
+def test_a_failed_handshake_fails_at_once_and_refuses_until_one_succeeds(curve, frames, words):
+    link = C.Link("tcp://x", curve=curve)
+    assert link.on_event(frames)  # before any connection was up
+    lost = link.to_fail(["a", "b"], dropped=True)
+    assert [x.id for x in lost] == ["a", "b"]
+    assert "authentication" in lost[0].message and words in lost[0].message
+    assert link.on_event(frames) and link.to_fail(["a", "b"], dropped=True) == []  # once each
+    with pytest.raises(ConnectionLost, match=words):
+        link.check_send("c")
+    assert not link.on_event(UP)
+    link.check_send("c")
+
+
+def test_a_handshake_without_detail_waits_for_the_next_without_keys():
+    """Without keys, a server requiring CURVE may close before its greeting is read; the
+    reconnect then reports the mechanism mismatch."""
+    link = C.Link("tcp://x", curve=False)
+    assert not link.on_event(failed(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 32))
+    assert link.to_fail(["a"], dropped=False) == []
+    link.check_send("b")

@@ -7,6 +7,11 @@
         for chunk in c.generate_stream(messages=[{"role": "user", "content": "Hi"}]):
             print(chunk.text, end="", flush=True)
 
+A server started with CURVE keys (docs/security.md) takes
+``Client(endpoint, curve_server_key="server.key", curve_client_key="client.key_secret")``;
+``admin_key=`` (default ``$RADIXSERVE_ADMIN_API_KEY``) goes with ``flush_cache`` and
+``check``. See ``Client``'s docstring.
+
 ``Client`` is synchronous and thread-safe: one socket, guarded by a lock, and
 replies are sorted into per-request mailboxes, so several threads (or several
 open ``generate_stream`` iterators) may use one client at once. ``AsyncClient``
@@ -22,8 +27,9 @@ here first, and again by the server.
 Errors: ``ServerError`` when the server rejects a request or fails it (its
 message says why); ``ConnectionLost`` (a ``ServerError``) when the connection to
 the server drops, or stays down, while a request is pending (ZeroMQ heartbeats
-notice a server that died or hangs within seconds); ``RequestTimeout`` when no reply came within ``timeout``
-seconds — for a streaming request, between two chunks; for anything else, the
+notice a server that died or hangs within seconds), or when the server refused the
+handshake (CURVE keys missing, wrong or not allowed: the message says authentication
+failed, and why); ``RequestTimeout`` when no reply came within ``timeout`` seconds — for a streaming request, between two chunks; for anything else, the
 whole call. A timed-out request is aborted on the server.
 """
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
@@ -22,7 +22,10 @@ from radixserve.client.common import (
     ServerError,
     _raise_on_error,
     _Results,
+    admin_key_or_env,
+    admin_message,
     build_generate,
+    curve_keys,
     setup_socket,
 )
 from radixserve.results import Result
@@ -30,15 +33,26 @@ from radixserve.sampling_params import SamplingParams
 
 
 class AsyncClient:
-    """asyncio client: the same calls as ``Client``, awaited; any number concurrently."""
+    """asyncio client: the same calls as ``Client``, awaited; any number concurrently.
+    The arguments (CURVE keys, the admin key) are ``Client``'s."""
 
-    def __init__(self, endpoint: str, *, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        curve_server_key: str | bytes | os.PathLike | None = None,
+        curve_client_key: str | os.PathLike | tuple[str | bytes, str | bytes] | None = None,
+        admin_key: str | None = None,
+    ) -> None:
+        curve = curve_keys(curve_server_key, curve_client_key)
         self.endpoint = endpoint
         self.timeout = timeout
+        self._admin_key = admin_key_or_env(admin_key)
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
-        self._monitor = setup_socket(self._sock)
-        self._link = Link(endpoint)
+        self._monitor = setup_socket(self._sock, curve)
+        self._link = Link(endpoint, curve is not None)
         self._sock.connect(endpoint)
         self._poller = zmq.asyncio.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
@@ -99,8 +113,11 @@ class AsyncClient:
     async def abort(self, request_id: str) -> None:
         await self._sock.send(P.Abort(request_id).encode())
 
-    async def flush_cache(self, timeout: float | None = None) -> int:
-        return (await self._admin(P.FlushCache, timeout))["freed_pages"]
+    async def flush_cache(
+        self, timeout: float | None = None, *, admin_key: str | None = None
+    ) -> int:
+        key = admin_key or self._admin_key
+        return (await self._admin(P.FlushCache, timeout, key))["freed_pages"]
 
     async def stats(self, timeout: float | None = None) -> dict[str, int]:
         return await self._admin(P.Stats, timeout)
@@ -108,8 +125,10 @@ class AsyncClient:
     async def health(self, timeout: float | None = None) -> dict[str, Any]:
         return await self._admin(P.Health, timeout)
 
-    async def check(self, timeout: float | None = None) -> dict[str, Any]:
-        return await self._admin(P.Check, timeout)
+    async def check(
+        self, timeout: float | None = None, *, admin_key: str | None = None
+    ) -> dict[str, Any]:
+        return await self._admin(P.Check, timeout, admin_key or self._admin_key)
 
     def close(self) -> None:
         if self._reader is not None:
@@ -130,8 +149,10 @@ class AsyncClient:
         timeout = self.timeout if timeout is None else timeout
         return None if timeout is None else time.monotonic() + timeout
 
-    async def _admin(self, cls: type[P.Message], timeout: float | None) -> dict[str, Any]:
-        msg = cls(id=uuid.uuid4().hex)  # type: ignore[call-arg]
+    async def _admin(
+        self, cls: type[P.Message], timeout: float | None, admin_key: str | None = None
+    ) -> dict[str, Any]:
+        msg = admin_message(cls, admin_key)
         async with self._request(msg) as queue:
             reply = await self._next(queue, msg.id, self._deadline(timeout))  # type: ignore[attr-defined]
         _raise_on_error(reply)

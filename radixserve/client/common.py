@@ -1,5 +1,5 @@
-"""What both clients share: errors, the socket's setup and the connection's state,
-building a ``generate`` message, collecting results."""
+"""What both clients share: errors, keys, the socket's setup and the connection's
+state, building a ``generate`` message, collecting results."""
 
 from __future__ import annotations
 
@@ -7,12 +7,15 @@ import os
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from radixserve import protocol as P
+from radixserve.curve import load_public_key, load_secret_certificate, require_curve
+from radixserve.http.auth import ADMIN_KEY_ENV
 from radixserve.results import Result, TokenLogprobs, Usage
 from radixserve.sampling_params import TOKEN_ID_MAX, SamplingParams, short_repr
 
@@ -22,7 +25,14 @@ Chunk = P.Chunk  # what generate_stream yields: id, index, text, token_ids, fini
 # A connection that is down this long after it was up fails what is still pending,
 # and requests made meanwhile fail at once (a reconnect to a live server takes ~0.1 s).
 LINK_GRACE_S = 3.0
-MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+# A handshake that fails (wrong or missing CURVE keys, a refused client key) will fail
+# again: the requests fail at once, with a message saying which.
+HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
 
 
 class ServerError(RuntimeError):
@@ -43,7 +53,9 @@ class RequestTimeout(TimeoutError):
 
 class ConnectionLost(ServerError):
     """The connection to the server dropped (or stayed down) while the request was
-    pending, so no answer can come: the server stopped, or stopped answering heartbeats."""
+    pending, so no answer can come: the server stopped, or stopped answering heartbeats;
+    or the server refused the handshake (the message begins "authentication with the
+    server at ... failed")."""
 
 
 def routing_id() -> bytes:
@@ -54,9 +66,61 @@ def routing_id() -> bytes:
     return bytes(rid)
 
 
-def setup_socket(sock: zmq.Socket) -> zmq.Socket:
+@dataclass(frozen=True)
+class CurveKeys:
+    """What a client needs for a CURVE connection: the server's public key and its own
+    key pair (Z85)."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+
+def curve_keys(
+    server_key: str | bytes | os.PathLike | None,
+    client_key: str | os.PathLike | tuple[str | bytes, str | bytes] | None,
+) -> CurveKeys | None:
+    """The keys a client was given (see ``Client``), checked; None without
+    ``server_key`` (a plain connection). Without ``client_key`` a fresh key pair is
+    made, which only a server that allows any client accepts."""
+    if server_key is None:
+        if client_key is not None:
+            raise ValueError("curve_client_key needs curve_server_key (the server's public key)")
+        return None
+    require_curve()
+    server_public = load_public_key(server_key)
+    if client_key is None:
+        public, secret = zmq.curve_keypair()
+    elif isinstance(client_key, tuple):
+        public, secret = (k.encode() if isinstance(k, str) else k for k in client_key)
+        if zmq.curve_public(secret) != public:
+            raise ValueError("curve_client_key: the public key is not the secret key's")
+    else:
+        public, secret = load_secret_certificate(client_key)
+    return CurveKeys(server_public, public, secret)
+
+
+def admin_key_or_env(admin_key: str | None) -> str | None:
+    """The admin key a client sends with ``flush_cache`` and ``check``: its own, else
+    ``$RADIXSERVE_ADMIN_API_KEY``, else none."""
+    return admin_key or os.environ.get(ADMIN_KEY_ENV) or None
+
+
+def admin_message(cls: type[P.Message], admin_key: str | None) -> P.Message:
+    """A ``flush_cache`` / ``stats`` / ``health`` / ``check`` message with a fresh id;
+    the admin key goes only with the calls that need it."""
+    if cls in (P.FlushCache, P.Check):
+        return cls(id=uuid.uuid4().hex, admin_key=admin_key)  # type: ignore[call-arg]
+    return cls(id=uuid.uuid4().hex)  # type: ignore[call-arg]
+
+
+def setup_socket(sock: zmq.Socket, curve: CurveKeys | None = None) -> zmq.Socket:
     """Configure a fresh DEALER before ``connect``; returns its monitor socket (events
     read with ``Link.on_event``)."""
+    if curve is not None:
+        sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_public)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
     sock.setsockopt(zmq.ROUTING_ID, routing_id())
     sock.setsockopt(zmq.LINGER, 0)
     # Heartbeats (protocol.HEARTBEAT_*): a server that stops answering them (stopped,
@@ -82,22 +146,35 @@ class Link:
     Up after a handshake; a drop (``DISCONNECTED`` after being up) fails every
     pending request at once; while it stays down ``LINK_GRACE_S`` or longer, every
     pending request fails, and new ones are refused (``check_send``). Before the
-    first handshake nothing fails early: the server may still be starting.
+    first handshake nothing fails early: the server may still be starting. A failed
+    handshake (``refused``: keys missing, wrong or not allowed) fails every pending
+    request at once and refuses new ones until a handshake succeeds.
     """
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, curve: bool = False) -> None:
         self.endpoint = endpoint
+        self.curve = curve  # whether this client brings CURVE keys (for the messages)
         self.up = False
         self.down_since: float | None = None  # None: up, or never connected
+        self.refused: str | None = None  # why the last handshake failed, until one succeeds
         self._failed: set[str] = set()  # pending requests already failed in this outage
 
     def on_event(self, frames: list[bytes]) -> bool:
-        """Take one monitor event; True when it is a drop of a live connection."""
-        event = parse_monitor_message(frames)["event"]
+        """Take one monitor event; True when pending requests must fail now (a drop of a
+        live connection, or a failed handshake)."""
+        parsed = parse_monitor_message(frames)
+        event = parsed["event"]
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self.up, self.down_since = True, None
+            self.up, self.down_since, self.refused = True, None, None
             self._failed.clear()
             return False
+        if event & HANDSHAKE_FAILED:
+            if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and not self.curve:
+                # Without keys this says nothing yet (a server that requires CURVE may
+                # close before its greeting is read): the reconnect's event will tell.
+                return False
+            self.refused = self._handshake_failure(event, int(parsed["value"]))
+            return True
         if event == zmq.EVENT_DISCONNECTED and self.up:
             self.up, self.down_since = False, time.monotonic()
             return True
@@ -108,17 +185,45 @@ class Link:
 
     def to_fail(self, pending: Iterable[str], dropped: bool) -> list[LinkLost]:
         """What to put in the mailboxes of ``pending`` requests now (one each)."""
-        if not (dropped or self.down_too_long()):
+        if not (dropped or self.refused or self.down_too_long()):
             return []
-        fresh = [rid for rid in pending if dropped or rid not in self._failed]
+        fresh = [rid for rid in pending if rid not in self._failed]
         self._failed.update(fresh)
-        why = "the connection dropped" if dropped else "no connection"
-        return [LinkLost(rid, self._message(why)) for rid in fresh]
+        if self.refused:
+            message = self.refused
+        else:
+            message = self._message("the connection dropped" if dropped else "no connection")
+        return [LinkLost(rid, message) for rid in fresh]
 
     def check_send(self, request_id: str) -> None:
-        """Refuse a request while the connection has been down too long."""
+        """Refuse a request after a failed handshake, or while the connection has been
+        down too long."""
+        if self.refused:
+            raise ConnectionLost(self.refused, request_id)
         if self.down_too_long():
             raise ConnectionLost(self._message("no connection"), request_id)
+
+    def _handshake_failure(self, event: int, value: int) -> str:
+        where = f"authentication with the server at {self.endpoint} failed"
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return (
+                f"{where}: it refused this client's CURVE key (status {value}); the "
+                "server admits only the public keys in its --curve-allowed-clients"
+            )
+        if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            if self.curve:
+                return f"{where}: this client brings CURVE keys, the server uses none"
+            return (
+                f"{where}: the server requires CURVE; pass curve_server_key (the "
+                "server's public certificate) and curve_client_key (this client's "
+                "secret certificate), see `radixserve keys`"
+            )
+        if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # with CURVE keys (see on_event)
+            return (
+                f"{where}: the CURVE handshake failed; is curve_server_key the server's "
+                "public key, and does the server use CURVE?"
+            )
+        return f"{where}: the handshake failed (ZMTP protocol error {value:#x})"
 
     def _message(self, why: str) -> str:
         return (

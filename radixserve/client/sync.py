@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -21,7 +21,10 @@ from radixserve.client.common import (
     ServerError,
     _raise_on_error,
     _Results,
+    admin_key_or_env,
+    admin_message,
     build_generate,
+    curve_keys,
     setup_socket,
 )
 from radixserve.results import Result
@@ -29,15 +32,42 @@ from radixserve.sampling_params import SamplingParams
 
 
 class Client:
-    """Synchronous client; safe to share between threads (see the module docstring)."""
+    """Synchronous client; safe to share between threads (see the module docstring).
 
-    def __init__(self, endpoint: str, *, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+    ``endpoint``: the server's ``tcp://host:port`` (or ``ipc://path``). ``timeout``: the
+    default of every call (seconds; None waits forever).
+
+    CURVE (a server started with ``--curve-secret-key``; docs/security.md):
+    ``curve_server_key`` is the server's public key: the path of its public certificate
+    (``server.key``, written by ``radixserve keys``) or the 40-character Z85 key.
+    ``curve_client_key`` is this client's key pair: the path of its secret certificate
+    (``NAME.key_secret``) or a ``(public, secret)`` pair of Z85 keys; without it a fresh
+    pair is made, which only a server started with ``--curve-allow-any-client`` accepts.
+    A server that refuses the keys (or needs keys this client was not given) fails
+    every call at once with ``ConnectionLost`` saying that authentication failed.
+
+    ``admin_key``: sent with ``flush_cache`` and ``check``, which a server started with
+    ``--admin-api-key`` refuses without it (``ServerError``); default
+    ``$RADIXSERVE_ADMIN_API_KEY``, read here.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        curve_server_key: str | bytes | os.PathLike | None = None,
+        curve_client_key: str | os.PathLike | tuple[str | bytes, str | bytes] | None = None,
+        admin_key: str | None = None,
+    ) -> None:
+        curve = curve_keys(curve_server_key, curve_client_key)
         self.endpoint = endpoint
         self.timeout = timeout
+        self._admin_key = admin_key_or_env(admin_key)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
-        self._monitor = setup_socket(self._sock)
-        self._link = Link(endpoint)
+        self._monitor = setup_socket(self._sock, curve)
+        self._link = Link(endpoint, curve is not None)
         self._sock.connect(endpoint)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
@@ -106,9 +136,10 @@ class Client:
         """Abort one of this client's requests; it ends with finish_reason "abort"."""
         self._send(P.Abort(request_id))
 
-    def flush_cache(self, timeout: float | None = None) -> int:
-        """Evict every unlocked cached page; returns how many pages were freed."""
-        return self._admin(P.FlushCache, timeout)["freed_pages"]
+    def flush_cache(self, timeout: float | None = None, *, admin_key: str | None = None) -> int:
+        """Evict every unlocked cached page; returns how many pages were freed.
+        ``admin_key``: instead of the client's (an admin call, see ``Client``)."""
+        return self._admin(P.FlushCache, timeout, admin_key or self._admin_key)["freed_pages"]
 
     def stats(self, timeout: float | None = None) -> dict[str, int]:
         """pages_free/used/cached/evictable, num_pages, page_size, hit_tokens,
@@ -120,9 +151,12 @@ class Client:
         trip through the tokenizer and the scheduler."""
         return self._admin(P.Health, timeout)
 
-    def check(self, timeout: float | None = None) -> dict[str, Any]:
-        """Run the scheduler's idle-invariant check: {"ok": bool, "error": str | None}."""
-        return self._admin(P.Check, timeout)
+    def check(
+        self, timeout: float | None = None, *, admin_key: str | None = None
+    ) -> dict[str, Any]:
+        """Run the scheduler's idle-invariant check: {"ok": bool, "error": str | None}.
+        ``admin_key`` as for ``flush_cache``."""
+        return self._admin(P.Check, timeout, admin_key or self._admin_key)
 
     def close(self) -> None:
         self._sock.disable_monitor()
@@ -141,8 +175,10 @@ class Client:
         timeout = self.timeout if timeout is None else timeout
         return None if timeout is None else time.monotonic() + timeout
 
-    def _admin(self, cls: type[P.Message], timeout: float | None) -> dict[str, Any]:
-        msg = cls(id=uuid.uuid4().hex)  # type: ignore[call-arg]
+    def _admin(
+        self, cls: type[P.Message], timeout: float | None, admin_key: str | None = None
+    ) -> dict[str, Any]:
+        msg = admin_message(cls, admin_key)
         with self._request(msg):
             reply = self._next(msg.id, self._deadline(timeout))  # type: ignore[attr-defined]
         _raise_on_error(reply)

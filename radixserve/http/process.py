@@ -69,7 +69,9 @@ def run(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
 
 async def serve(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
     assert config.model is not None and config.http_port is not None
-    client = AsyncClient(config.endpoint(PUBLIC_IPC), timeout=None)
+    keys = Keys.from_env()
+    # The front's /flush_cache reaches the tokenizer with the admin key (when there is one).
+    client = AsyncClient(config.endpoint(PUBLIC_IPC), timeout=None, admin_key=keys.admin_key)
     actx = zmq.asyncio.Context.shadow(ctx.underlying)
     inbox = actx.socket(zmq.PULL)
     inbox.setsockopt(zmq.LINGER, 0)
@@ -85,9 +87,9 @@ async def serve(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
             config.model.max_context_len,
             max_body_bytes=body_limit(config.engine.max_message_bytes),
         )
-        sock = bind(config.host, config.http_port)
+        sock = bind(config.http_host or config.host, config.http_port)
         uv = uvicorn.Config(
-            create_app(state, Keys.from_env()),
+            create_app(state, keys),
             log_level=config.log_level,
             access_log=False,
             lifespan="off",

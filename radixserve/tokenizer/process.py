@@ -18,6 +18,12 @@ different clients never collide, an ``Abort`` only reaches the sender's own
 request, and a late output of a finished request (the step that raced a
 stop-string abort) can never be taken for a new request that reuses its id.
 
+Authentication (docs/security.md): with ``--curve-secret-key`` the public TCP
+endpoint is a CURVE server and ``zap.ZapHandler``, polled by this loop, admits
+only the allowed clients' keys (the ipc endpoint, inside the private run dir,
+stays without CURVE). With an admin API key (``RADIXSERVE_ADMIN_API_KEY`` in this
+process's environment), ``flush_cache`` and ``check`` must bring it.
+
 A client that went away is noticed when its connection closes (the socket
 monitor, ``Connections``: the client closed it, exited, or stopped answering
 heartbeats) or when a reply to it cannot be routed (``ROUTER_MANDATORY``): its
@@ -40,6 +46,7 @@ with an automatic id, the crash again). ``radixserve.client`` picks a random
 from __future__ import annotations
 
 import ctypes
+import hmac
 import logging
 import os
 import sys
@@ -50,6 +57,7 @@ import zmq
 
 from radixserve import protocol as P
 from radixserve.config import tokenizer_config
+from radixserve.http.auth import ADMIN_KEY_ENV
 from radixserve.models.tokenizer import load_tokenizer
 from radixserve.sampling_params import short_repr
 from radixserve.server_config import (
@@ -62,6 +70,7 @@ from radixserve.server_config import (
 from radixserve.tokenizer.connections import Connections
 from radixserve.tokenizer.inputs import InputProcessor
 from radixserve.tokenizer.output import OutputStream, TokenTexts
+from radixserve.tokenizer.zap import enable_curve
 from radixserve.utils.proc import POLL_MS, Lifeline, child_main, socket
 
 log = logging.getLogger("radixserve.tokenizer")
@@ -92,7 +101,14 @@ class ClientGone(Exception):
 
 
 class TokenizerServer:
-    def __init__(self, config: ServerConfig, ctx: zmq.Context, tokenizer, life: Lifeline) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        ctx: zmq.Context,
+        tokenizer,
+        life: Lifeline,
+        admin_key: str | None = None,
+    ) -> None:
         assert config.model is not None
         self.config = config
         self.model = config.model
@@ -118,11 +134,14 @@ class TokenizerServer:
         self.router.setsockopt(zmq.HEARTBEAT_TIMEOUT, P.HEARTBEAT_TIMEOUT_MS)
         self.monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.connections = Connections()
+        # The HTTP front is one more client; it connects here, inside the private run dir,
+        # so it neither depends on --host nor goes through TCP. Bound first: CURVE, when
+        # configured, applies to the binds after it (the TCP endpoint) only.
+        self.router.bind(config.endpoint(PUBLIC_IPC))
+        self.zap = enable_curve(ctx, self.router, config)
         self.router.bind(config.public_endpoint)
         self.endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
-        # The HTTP front is one more client; it connects here, inside the private run dir,
-        # so it neither depends on --host nor goes through TCP.
-        self.router.bind(config.endpoint(PUBLIC_IPC))
+        self.admin_key = admin_key
         self.inbox = socket(ctx, zmq.PULL, config.endpoint(TOKENIZER_IN), bind=True)
         self.to_scheduler = socket(ctx, zmq.PUSH, config.endpoint(SCHEDULER_IN), bind=False)
         self.requests: dict[str, InFlight] = {}  # by the scheduler's rid
@@ -141,8 +160,12 @@ class TokenizerServer:
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.inbox, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
+        if self.zap is not None:
+            poller.register(self.zap.socket, zmq.POLLIN)
         while self.life.alive():
             events = dict(poller.poll(POLL_MS))
+            if self.zap is not None and self.zap.socket in events:
+                self.zap.handle()
             if self.inbox in events:
                 # Scheduler first: its outputs free KV, and a Shutdown must win.
                 while (data := _recv(self.inbox)) is not None:
@@ -175,6 +198,10 @@ class TokenizerServer:
             if rid is not None:
                 self.to_scheduler.send(P.AbortRequest(rid).encode())
         else:
+            refused = self.admin_refusal(msg)
+            if refused is not None:
+                self.send_error(identity, msg.id, refused)
+                return
             self.next_tag += 1
             tag = self.next_tag
             self.admin[tag] = (identity, msg.id, msg.TYPE)
@@ -185,6 +212,18 @@ class TokenizerServer:
                 P.Check: P.CheckIdle,
             }[type(msg)]
             self.to_scheduler.send(internal(tag).encode())
+
+    def admin_refusal(self, msg: P.Message) -> str | None:
+        """Why an admin call (``flush_cache``, ``check``) is refused: with an admin key
+        set, it must bring that key (compared in constant time). None: go ahead."""
+        if self.admin_key is None or not isinstance(msg, (P.FlushCache, P.Check)):
+            return None
+        given = msg.admin_key
+        if given is None:
+            return f"{msg.TYPE} needs the server's admin API key (admin_key); none was given"
+        if not hmac.compare_digest(given.encode(), self.admin_key.encode()):
+            return f"{msg.TYPE}: wrong admin API key"
+        return None
 
     def generate(self, identity: bytes, msg: P.Generate) -> None:
         if (identity, msg.id) in self.by_client:
@@ -386,7 +425,9 @@ def _recv_multipart(sock: zmq.Socket) -> list[bytes] | None:
 
 def run(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
     tokenizer = load_tokenizer(config.engine.model, config.engine.cache_dir)
-    server = TokenizerServer(config, ctx, tokenizer, life)
+    # The admin key comes by environment, never on the command line (http/auth.py).
+    admin_key = os.environ.get(ADMIN_KEY_ENV) or None
+    server = TokenizerServer(config, ctx, tokenizer, life, admin_key)
     control = socket(ctx, zmq.PUSH, config.endpoint(CONTROL), bind=False)
     control.send(P.Ready("tokenizer", {"endpoint": server.endpoint}).encode())
     log.info("ready: serving on %s", server.endpoint)

@@ -3,7 +3,8 @@
 ``Server(model_dir, "--cache", "none")`` starts it on a free port and reads the
 endpoint, the HTTP front's URL (with ``--http-port``) and the child pids from its
 stdout; ``stop()`` sends SIGTERM and returns the exit code. ``wrapper`` runs the
-launcher under another process (``proc`` is then that one). Hangs are bounded by
+launcher under another process (``proc`` is then that one); ``env`` adds to the
+launcher's environment (how secrets reach it). Hangs are bounded by
 pytest-timeout, not by sleeps here.
 """
 
@@ -15,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import radixserve
@@ -24,12 +25,18 @@ REPO_ROOT = Path(radixserve.__file__).resolve().parent.parent
 
 
 class Server:
-    def __init__(self, model_dir: str | Path, *args: str, wrapper: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *args: str,
+        wrapper: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         cmd = [*wrapper, sys.executable, "-m", "radixserve.cli", "launch"]
         cmd += ["--model", str(model_dir)]
         cmd += ["--port", "0", "--dtype", "float64", "--log-level", "warning"]
         cmd += ["--exit-with-parent", *args]  # no server outlives the test session
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
         self.endpoint = ""
