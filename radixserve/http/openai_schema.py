@@ -97,8 +97,13 @@ class CompletionRequest(_Common):
     echo: StrictBool = False
     best_of: Int | None = None
     suffix: StrictStr | None = None
+    # radixserve's extra (SGLang's name): with echo and logprobs, score the prompt from
+    # this token on; the tokens before it may come from the prefix cache.
+    logprob_start_len: Int | None = None
 
     def unsupported(self) -> str | None:
+        if self.logprob_start_len is not None and not (self.echo and self.logprobs is not None):
+            return "logprob_start_len needs echo=true and logprobs"
         if self.best_of not in (None, self.n):
             return "best_of is not supported (use n)"
         if self.suffix:
@@ -111,7 +116,12 @@ class CompletionRequest(_Common):
         if self.logprobs is None:
             return {}
         if self.echo:
-            return {"logprobs": self.logprobs, "prompt_logprobs": self.logprobs}
+            start = (
+                {}
+                if self.logprob_start_len is None
+                else {"logprob_start_len": self.logprob_start_len}
+            )
+            return {"logprobs": self.logprobs, "prompt_logprobs": self.logprobs, **start}
         return {"logprobs": self.logprobs}
 
     def prompts(self) -> list[str | list[int]]:

@@ -335,3 +335,27 @@ def test_chat_logprobs_and_penalties(oai, zmq_client):
         extra_body={"min_tokens": 3},
     )  # fmt: skip
     assert eos_first.usage.completion_tokens == 4 and eos_first.choices[0].finish_reason == "stop"
+
+
+def test_echo_scores_from_logprob_start_len_and_keeps_the_cache(oai, zmq_client):
+    context = zmq_client.generate("A few-shot context", max_tokens=40, temperature=0).token_ids
+    context = [5, 9] + context
+    choices = [[101, 102], [103, 104, 105]]
+
+    def score(choice):
+        return oai.completions.create(
+            model=MODEL, prompt=context + choice, max_tokens=1, temperature=0, logprobs=1,
+            echo=True, extra_body={"logprob_start_len": len(context)},
+        )  # fmt: skip
+
+    first = score(choices[0])
+    for choice in choices:
+        got = score(choice)
+        lp = got.choices[0].logprobs
+        assert lp.token_logprobs[: len(context)] == [None] * len(context)
+        assert all(x is not None for x in lp.token_logprobs[len(context) :])
+        # The context came from the cache (in whole 4-token pages, as the server's).
+        assert got.usage.prompt_tokens_details.cached_tokens >= len(context) - 1 - 3
+    again = score(choices[0]).choices[0].logprobs.token_logprobs[len(context) :]
+    want = first.choices[0].logprobs.token_logprobs[len(context) :]
+    np.testing.assert_allclose(again, want, atol=1e-9)  # cached or not, the same scores
