@@ -36,7 +36,10 @@ def load_hf_config(source: ModelSource) -> Any:
     from transformers import AutoConfig
 
     if source.gguf_file:
-        return AutoConfig.from_pretrained(str(source.folder), gguf_file=source.gguf_file)
+        from radixserve.models.gguf_loader import complete_config
+
+        hf = AutoConfig.from_pretrained(str(source.folder), gguf_file=source.gguf_file)
+        return complete_config(hf, source.folder / source.gguf_file)
     return AutoConfig.from_pretrained(str(source.folder))
 
 
