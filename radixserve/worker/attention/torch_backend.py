@@ -19,8 +19,8 @@ possibly a chunk) runs through its own call with an explicit bottom-right
 aligned causal mask.
 
 With a soft-cap (Gemma 2) SDPA cannot be used (it has no hook between the scores
-and the softmax): the same calls go through ``_capped_attention``, which
-computes the scores, caps them, masks and takes the softmax itself.
+and the softmax): the same calls go through ``capped_attention``, which
+computes the scores, caps them, masks and takes the softmax itself (``capped.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from torch.nn import functional as F
 
 from radixserve.worker.attention import native_decode
 from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
+from radixserve.worker.attention.capped import cap_, capped_attention
 from radixserve.worker.attention.native_decode import Segments, merge_partials
 from radixserve.worker.kv_pool import KVPool
 
@@ -314,7 +315,7 @@ class TorchAttention(AttentionBackend):
         """q [B, heads, Lq, d], k/v [B, kv_heads, Lk, d]; ``mask``: bool keep [Lq, Lk] or
         additive [B, 1, 1, Lk], None for plain causal (Lq == Lk)."""
         if self.softcap > 0:
-            return _capped_attention(q, k, v, mask, self.scale, self.softcap)
+            return capped_attention(q, k, v, mask, self.scale, self.softcap)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True
         )
@@ -354,7 +355,7 @@ class TorchAttention(AttentionBackend):
         k1 = kc.view(-1, h, d).to(ct).permute(1, 2, 0)  # [h, d, Lc]
         v1 = vc.view(-1, h, d).to(ct).transpose(0, 1)  # [h, Lc, d]
         q1 = qd.permute(1, 0, 2, 3).reshape(h, bd * g, d)
-        s1 = _cap_(torch.bmm(q1, k1).mul_(self.scale), self.softcap)  # [h, Bd*g, Lc]
+        s1 = cap_(torch.bmm(q1, k1).mul_(self.scale), self.softcap)  # [h, Bd*g, Lc]
         m1 = s1.amax(-1, keepdim=True)
         p1 = s1.sub_(m1).exp_()
         l1 = p1.sum(-1, keepdim=True)
@@ -368,7 +369,7 @@ class TorchAttention(AttentionBackend):
         torch.index_select(pages, 0, dec.gather + 1, out=vb)
         k2 = kb.view(bd, dec.max_len, h, d).to(ct).permute(0, 2, 3, 1)  # [Bd, h, d, Ls]
         v2 = vb.view(bd, dec.max_len, h, d).to(ct).transpose(1, 2)  # [Bd, h, Ls, d]
-        s2 = _cap_(torch.matmul(qd, k2).mul_(self.scale), self.softcap)
+        s2 = cap_(torch.matmul(qd, k2).mul_(self.scale), self.softcap)
         s2.add_(bias.to(ct))  # [Bd, h, g, Ls]
         m2 = s2.amax(-1, keepdim=True)  # finite: every request has its new token here
         p2 = s2.sub_(m2).exp_()
@@ -378,36 +379,6 @@ class TorchAttention(AttentionBackend):
         a1, a2 = (m1 - m).exp_(), (m2 - m).exp_()
         o = (o1 * a1 + o2 * a2) / (l1 * a1 + l2 * a2)
         return o.reshape(bd, h * g, d).to(q.dtype)
-
-
-def _cap_(scores: torch.Tensor, cap: float) -> torch.Tensor:
-    """``cap * tanh(scores / cap)`` in place (cap 0: unchanged)."""
-    return scores.div_(cap).tanh_().mul_(cap) if cap > 0 else scores
-
-
-def _capped_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    cap: float,
-) -> torch.Tensor:
-    """SDPA with the scores soft-capped before the mask (``TorchAttention._attention``'s
-    arguments); GQA by grouping the query heads of each kv head, softmax in >= float32."""
-    b, h, lq, d = q.shape
-    kvh, lk = k.shape[1], k.shape[2]
-    ct = torch.promote_types(q.dtype, torch.float32)
-    qg = q.reshape(b, kvh, h // kvh, lq, d).to(ct)
-    s = _cap_(torch.matmul(qg, k.to(ct).unsqueeze(2).transpose(-1, -2)).mul_(scale), cap)
-    if mask is None:
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril_()
-    if mask.dtype == torch.bool:
-        s.masked_fill_(~mask, float("-inf"))
-    else:
-        s.add_(mask.to(ct).unsqueeze(1))  # [B, 1, 1, Lk] -> [B, 1, 1, 1, Lk]
-    o = torch.matmul(torch.softmax(s, dim=-1), v.to(ct).unsqueeze(2))  # [B, kvh, g, Lq, d]
-    return o.reshape(b, h, lq, d).to(q.dtype)
 
 
 def _prefill_mask(qo: int, kv: int, window: int, device: torch.device) -> torch.Tensor | None:
