@@ -87,7 +87,7 @@ void paged_decode(const py::array& q, const py::array& kv, py::array& out, py::o
                   const py::array_t<int32_t, py::array::c_style>& pages,
                   const py::array_t<int32_t, py::array::c_style>& kv_begin,
                   const py::array_t<int32_t, py::array::c_style>& kv_end, double scale,
-                  int num_threads, int64_t chunk, const std::string& isa_name) {
+                  int num_threads, int64_t chunk, const std::string& isa_name, double softcap) {
   const Isa isa = parse_isa(isa_name, "paged_decode");
   require(q.ndim() == 3 && kv.ndim() == 5 && out.ndim() == 3, "q/out must be 3-D, kv 5-D");
   const auto c = py::array::c_style;
@@ -116,6 +116,8 @@ void paged_decode(const py::array& q, const py::array& kv, py::array& out, py::o
   P.kv_begin = kv_begin.data();
   P.kv_end = kv_end.data();
   P.scale = scale;
+  require(softcap >= 0, "softcap must be >= 0 (0: none)");
+  P.softcap = softcap;
   const int64_t R = q.shape(0), NP = kv.shape(0), ps = P.page_size;
   require(P.row_indptr[0] == 0 && P.row_indptr[S] == rows.shape(0), "bad row_indptr");
   require(P.page_indptr[0] == 0 && P.page_indptr[S] == pages.shape(0), "bad page_indptr");
@@ -216,8 +218,9 @@ PYBIND11_MODULE(_cpu_kernels, m) {
   m.def("paged_decode", &paged_decode, py::arg("q"), py::arg("kv"), py::arg("out"), py::arg("lse"),
         py::arg("row_indptr"), py::arg("rows"), py::arg("page_indptr"), py::arg("pages"),
         py::arg("kv_begin"), py::arg("kv_end"), py::arg("scale"), py::arg("num_threads"),
-        py::arg("chunk"), py::arg("isa") = "auto",
-        "Paged decode attention over one layer of the KV pool (csrc/paged_attention.cpp).");
+        py::arg("chunk"), py::arg("isa") = "auto", py::arg("softcap") = 0.0,
+        "Paged decode attention over one layer of the KV pool (csrc/paged_attention.cpp); "
+        "softcap > 0 caps the scores at softcap * tanh(score / softcap).");
   m.def("skinny_gemm", &skinny_gemm, py::arg("w"), py::arg("x"), py::arg("yT"),
         py::arg("num_threads"), py::arg("isa") = "auto",
         "yT [N, M] = w [N, K] . x^T for x [M, K] (any strides), w and yT C-contiguous; "

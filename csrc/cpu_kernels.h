@@ -152,6 +152,7 @@ struct PagedDecode {
   const int32_t* kv_begin;
   const int32_t* kv_end;
   double scale;
+  double softcap;  // > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
 };
 
 enum class KVType { kFloat32, kFloat64, kBFloat16 };

@@ -22,7 +22,8 @@
 // chunks so that a few long requests still keep every thread busy.
 //
 // Storage types: float32, float64 (computed in their own precision) and
-// bfloat16 (computed in float32). The pool layout is the KV pool's
+// bfloat16 (computed in float32). With a soft-cap (Gemma 2) each scaled score s
+// becomes softcap * tanh(s / softcap) before the softmax. The pool layout is the KV pool's
 // [num_pages, 2, page_size, kv_heads, head_dim], K at index 0, V at 1.
 #include "cpu_kernels.h"
 
@@ -281,6 +282,12 @@ RS_ALWAYS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q
         }
       }
     }
+  }
+  // Soft-capping (Gemma 2): on the scaled scores, before the softmax, so the
+  // statistics (and the lse the caller merges with) are those of the capped scores.
+  if (P.softcap > 0) {
+    const A cap = static_cast<A>(P.softcap);
+    for (int64_t i = 0; i < nq * len; ++i) sc[i] = cap * std::tanh(sc[i] / cap);
   }
   // Softmax statistics; slot order is [kv head][row][group member] like qs.
   for (int64_t i = 0; i < nq; ++i) {

@@ -1,4 +1,5 @@
-"""The dense building blocks every family shares: RMSNorm, attention, the SwiGLU MLP.
+"""The dense building blocks every family shares: RMSNorm, attention, the gated MLP
+(SwiGLU, or GeGLU for Gemma), soft-capping.
 
 Tensors are flat batches: [T, features], T the new tokens of every request in
 the step. Attention (KV writes into pages, masks, which keys each query sees)
@@ -9,6 +10,8 @@ the checkpoint) for fewer, larger matmuls.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -27,18 +30,34 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dim (hidden size, or head_dim for Qwen3's q/k norms)."""
+    """RMSNorm over the last dim (hidden size, or head_dim for q/k norms).
 
-    def __init__(self, size: int, eps: float) -> None:
+    ``unit_offset`` (Gemma): the scale is ``1 + weight``, applied before the cast back
+    to the input dtype, as transformers' Gemma norms do (Llama's casts first)."""
+
+    def __init__(self, size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(compute_dtype(dtype))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (h * (1.0 + self.weight.to(h.dtype))).to(dtype)
         return self.weight * h.to(dtype)
+
+
+def rms_norm(cfg: ModelConfig, size: int) -> RMSNorm:
+    """The family's RMSNorm over ``size`` features."""
+    return RMSNorm(size, cfg.rms_norm_eps, cfg.norm_unit_offset)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(x / cap)`` (Gemma 2's logit soft-capping); ``x`` itself for cap 0."""
+    return torch.tanh(x / cap) * cap if cap > 0 else x
 
 
 class Attention(nn.Module):
@@ -54,9 +73,9 @@ class Attention(nn.Module):
         self.sizes = (q_size, kv_size, kv_size)
         self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
-        # Qwen3 normalises each q and k head over head_dim before rotary.
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # Qwen3 and Gemma 3 normalise each q and k head over head_dim before rotary.
+        self.q_norm = rms_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = rms_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -81,15 +100,21 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(t, -1))
 
 
+#: ``ModelConfig.activation`` -> the gate's activation.
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up as one matrix."""
+    """SwiGLU ``down(silu(gate(x)) * up(x))``, or GeGLU (tanh-approximated GELU), with
+    gate and up as one matrix."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.act = ACTIVATIONS[cfg.activation]
         self.intermediate = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)

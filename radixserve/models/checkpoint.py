@@ -12,11 +12,17 @@ and for stacked experts one group per expert. What differs per family:
   (gate/up/down) per expert.
 - Qwen3-MoE: ``mlp.gate`` (router) and ``mlp.experts.{e}.gate_proj/up_proj/down_proj``;
   layers listed in ``mlp_only_layers`` (or off ``decoder_sparse_step``) have a dense ``mlp``.
+- Gemma 2/3: Llama's names plus ``pre_feedforward_layernorm`` and
+  ``post_feedforward_layernorm`` per layer (``post_attention_layernorm`` is the norm of
+  the attention output there); Gemma 3 adds ``q_norm``/``k_norm``. Multimodal Gemma 3
+  checkpoints keep the text model under ``language_model`` (``text_weights``).
 
 These are the names ``save_pretrained`` writes and the Hub checkpoints use.
 """
 
 from __future__ import annotations
+
+from torch import Tensor
 
 from radixserve.models.config import ModelConfig
 
@@ -37,9 +43,12 @@ def checkpoint_sources(cfg: ModelConfig) -> Sources:
         "lm_head.weight": [("lm_head.weight",)],
     }
     fused = cfg.family == "phi3"
+    norms = ("input_layernorm", "post_attention_layernorm")
+    if cfg.sandwich_norms:
+        norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
     for i in range(cfg.num_layers):
         ours, hf = f"layers.{i}.", f"model.layers.{i}."
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        for norm in norms:
             out[ours + norm + ".weight"] = [(hf + norm + ".weight",)]
         out.update(_attention(cfg, ours + "self_attn.", hf + "self_attn.", fused))
         if cfg.moe is not None and cfg.moe.sparse_layers[i]:
@@ -87,3 +96,28 @@ def _experts(cfg: ModelConfig, ours: str, hf_layer: str) -> Sources:
         ours + "experts.gate_up": [(e + gate + ".weight", e + up + ".weight") for e in experts],
         ours + "experts.down": [(e + down + ".weight",) for e in experts],
     }
+
+
+#: Where multimodal Gemma 3 checkpoints keep the text model: transformers 5's
+#: ``save_pretrained`` (``model.language_model.``) and the original Hub layout
+#: (``language_model.model.``, ``language_model.lm_head``).
+_TEXT_PREFIXES = {
+    "model.language_model.": "model.",
+    "language_model.model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+
+
+def text_weights(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The checkpoint's tensors under text-model names: a multimodal Gemma 3's text
+    model renamed (its vision tower and projector are left out); others unchanged."""
+    if cfg.architecture != "Gemma3ForConditionalGeneration":
+        return weights
+    out = {}
+    for name, t in weights.items():
+        for prefix, ours in _TEXT_PREFIXES.items():
+            if name.startswith(prefix):
+                out[ours + name.removeprefix(prefix)] = t
+        if name == "lm_head.weight":
+            out[name] = t
+    return out

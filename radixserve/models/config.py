@@ -22,9 +22,24 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    # Gemma 3's multimodal checkpoints: the text model only (its config's ``text_config``).
+    "Gemma3ForConditionalGeneration": "gemma3",
 }
-#: A config without ``architectures`` is matched by its ``model_type`` (= family name).
-_BY_MODEL_TYPE = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
+#: A config without ``architectures`` is matched by its ``model_type`` (= family name,
+#: except Gemma 3: ``gemma3`` is the multimodal config, ``gemma3_text`` the text-only one,
+#: which GGUF files give).
+_BY_MODEL_TYPE = {
+    **{family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()},
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+#: Families whose layers are Gemma's: (1 + w) RMSNorms around both sublayers, GeGLU,
+#: embeddings scaled by sqrt(hidden), attention scaled by ``query_pre_attn_scalar``.
+GEMMA_FAMILIES = ("gemma2", "gemma3")
+#: The activation of each family's gated MLP (transformers' ``hidden_act`` /
+#: ``hidden_activation`` name -> ours).
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 #: Rope scaling types our rotary embedding implements (``su`` is LongRoPE's old name).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
@@ -57,6 +72,14 @@ class ModelConfig:
     each head are rotated (partial rotary). ``rope_short_factor`` /
     ``rope_long_factor`` are LongRoPE's per-frequency divisors (empty otherwise),
     ``rope_attention_factor`` its scale on cos and sin.
+
+    Gemma's: ``activation`` ``gelu_tanh`` (GeGLU; else ``silu``, SwiGLU);
+    ``norm_unit_offset``: every RMSNorm scales by (1 + w); ``sandwich_norms``: each
+    sublayer's output is normalised too (post-attention, pre/post-feedforward norms);
+    ``embed_scale`` multiplies the embeddings; ``attn_scale`` (0: head_dim ** -0.5)
+    scales the scores; ``attn_softcap`` / ``final_softcap`` (0: none) cap attention
+    scores / logits at ``cap * tanh(x / cap)``; ``rope_local_theta`` (0: none) is the
+    rope base of the sliding-window layers, which then rotate without scaling.
     """
 
     architecture: str
@@ -89,6 +112,19 @@ class ModelConfig:
     rope_long_factor: tuple[float, ...] = ()
     rope_attention_factor: float = 1.0
     moe: MoEConfig | None = None
+    activation: str = "silu"
+    norm_unit_offset: bool = False
+    sandwich_norms: bool = False
+    embed_scale: float = 1.0
+    attn_scale: float = 0.0
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    rope_local_theta: float = 0.0
+
+    @property
+    def attention_scale(self) -> float:
+        """What attention multiplies q.k by."""
+        return self.attn_scale or self.head_dim**-0.5
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
@@ -105,13 +141,19 @@ class ModelConfig:
                     f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
                 )
         family = SUPPORTED_ARCHITECTURES[arch]
-        act = getattr(hf, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r} (only 'silu' / SwiGLU)")
+        if arch == "Gemma3ForConditionalGeneration":
+            hf = hf.text_config
+        gemma = family in GEMMA_FAMILIES
+        act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
+        if _ACTIVATIONS.get(act) != ("gelu_tanh" if gemma else "silu"):
+            want = "gelu_pytorch_tanh" if gemma else "silu"
+            raise ValueError(f"unsupported activation {act!r} for {family} (only {want!r})")
+        if getattr(hf, "use_bidirectional_attention", False):
+            raise ValueError("use_bidirectional_attention is not supported (causal LMs only)")
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         max_pos = int(getattr(hf, "max_position_embeddings", 2048))
-        rope = _rope_parameters(hf)
+        rope, local_theta = _rope_parameters(hf, family)
         rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
         rope_type = "longrope" if rope_type == "su" else rope_type
         if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -157,23 +199,54 @@ class ModelConfig:
             sliding_windows=_windows(hf, family),
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=tuple(int(e) for e in eos_ids),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
             rotary_dim=rotary_dim,
             **_longrope(rope, rope_type, rotary_dim, max_pos, original_max),
             moe=_moe(hf, family),
+            **(_gemma(hf, family, head_dim, local_theta) if gemma else {}),
         )
 
 
-def _rope_parameters(hf: Any) -> dict[str, Any]:
-    """transformers 5 keeps rope settings in ``rope_parameters``; 4.x in rope_theta/rope_scaling."""
+def _rope_parameters(hf: Any, family: str) -> tuple[dict[str, Any], float]:
+    """(rope settings of the global layers, rope base of the sliding layers or 0).
+
+    transformers 5 keeps rope settings in ``rope_parameters`` (Gemma 3: one dict per
+    layer type); 4.x in rope_theta / rope_scaling (Gemma 3: and rope_local_base_freq).
+    """
     params = getattr(hf, "rope_parameters", None)
+    local = 0.0
+    if isinstance(params, dict) and "full_attention" in params and family == "gemma3":
+        local_params = params.get("sliding_attention") or {}
+        if local_params.get("rope_type", "default") != "default":
+            raise ValueError("Gemma 3's sliding layers support the default rope type only")
+        local = float(local_params.get("rope_theta", 10000.0))
+        params = params["full_attention"]
+    elif family == "gemma3":
+        local = float(getattr(hf, "rope_local_base_freq", 10000.0))
     if isinstance(params, dict) and params:
         if "rope_theta" in params or "rope_type" in params:
-            return dict(params)
+            return dict(params), local
         raise ValueError("per-layer-type rope parameters are not supported")
     out: dict[str, Any] = dict(getattr(hf, "rope_scaling", None) or {})
     out.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
-    return out
+    return out, local
+
+
+def _gemma(hf: Any, family: str, head_dim: int, local_theta: float) -> dict[str, Any]:
+    """Gemma 2/3's fields. transformers' Gemma 3 attention has no soft-capping, whatever
+    its config's ``attn_logit_softcapping`` says."""
+    scalar = getattr(hf, "query_pre_attn_scalar", None) or head_dim
+    attn_cap = getattr(hf, "attn_logit_softcapping", None) if family == "gemma2" else None
+    return dict(
+        activation="gelu_tanh",
+        norm_unit_offset=True,
+        sandwich_norms=True,
+        embed_scale=float(hf.hidden_size) ** 0.5,
+        attn_scale=float(scalar) ** -0.5,
+        attn_softcap=float(attn_cap or 0.0),
+        final_softcap=float(getattr(hf, "final_logit_softcapping", None) or 0.0),
+        rope_local_theta=local_theta,
+    )
 
 
 def _longrope(
@@ -204,7 +277,7 @@ def _biases(hf: Any, family: str) -> tuple[bool, bool, bool]:
         return attention, attention, bool(getattr(hf, "mlp_bias", False))
     if family == "qwen2":
         return True, False, False
-    if family in ("qwen3", "qwen3_moe"):
+    if family in ("qwen3", "qwen3_moe", "gemma2", "gemma3"):
         attention = bool(getattr(hf, "attention_bias", False))
         return attention, attention, False
     return False, False, False  # mistral, mixtral, phi3
@@ -235,6 +308,13 @@ def _windows(hf: Any, family: str) -> tuple[int, ...]:
         if not getattr(hf, "use_sliding_window", False):
             return (-1,) * n
         types = getattr(hf, "layer_types", None) or ["full_attention"] * n
+        return tuple(int(window) if t == "sliding_attention" else -1 for t in types)
+    if family in GEMMA_FAMILIES:
+        # transformers 5 always writes layer_types; older configs give the pattern.
+        pattern = 2 if family == "gemma2" else int(getattr(hf, "sliding_window_pattern", 6))
+        types = getattr(hf, "layer_types", None) or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)
+        ]
         return tuple(int(window) if t == "sliding_attention" else -1 for t in types)
     if family == "qwen3_moe" and not getattr(hf, "use_sliding_window", False):
         return (-1,) * n

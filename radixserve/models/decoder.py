@@ -2,8 +2,11 @@
 (attention, then a dense or mixture-of-experts MLP), final norm, LM head.
 
 A family differs in its config (``ModelConfig``: q/k norms, biases, rotary,
-sliding windows, ``moe``) and in how its checkpoint names and splits the weights
-(``checkpoint.py``); the forward pass is this one.
+sliding windows, ``moe``, Gemma's norms, scales and soft-caps) and in how its
+checkpoint names and splits the weights (``checkpoint.py``); the forward pass is
+this one. Gemma 2/3 layers (``SandwichDecoderLayer``) also normalise each
+sublayer's output, and Gemma 3's sliding-window layers rotate with their own
+rope base (``rope_local_theta``).
 
 The model works on a flat batch: the new tokens of every request in the step,
 concatenated, with their absolute positions (``blocks.py`` says how attention
@@ -13,13 +16,14 @@ reaches the KV pages).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from radixserve.layers.attention import LayerAttention
 from radixserve.layers.linear import Linear
-from radixserve.models.blocks import MLP, Attention, RMSNorm
+from radixserve.models.blocks import MLP, Attention, rms_norm, softcap
 from radixserve.models.checkpoint import checkpoint_sources
 from radixserve.models.config import ModelConfig
 from radixserve.models.moe import SparseMoeBlock
@@ -27,11 +31,14 @@ from radixserve.models.rope import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
+    """``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (transformers' names: the second
+    norm is ``post_attention_layernorm``)."""
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = rms_norm(cfg, cfg.hidden_size)
         self.self_attn = Attention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = rms_norm(cfg, cfg.hidden_size)
         sparse = cfg.moe is not None and cfg.moe.sparse_layers[layer]
         self.mlp: nn.Module = SparseMoeBlock(cfg) if sparse else MLP(cfg)
 
@@ -40,6 +47,28 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SandwichDecoderLayer(nn.Module):
+    """Gemma 2/3: each sublayer's output is normalised before the residual add,
+    ``x + post_attention_layernorm(attn(input_layernorm(x)))``, then
+    ``x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))``."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = rms_norm(cfg, cfg.hidden_size)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = rms_norm(cfg, cfg.hidden_size)
+        self.pre_feedforward_layernorm = rms_norm(cfg, cfg.hidden_size)
+        self.mlp = MLP(cfg)
+        self.post_feedforward_layernorm = rms_norm(cfg, cfg.hidden_size)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: LayerAttention
+    ) -> torch.Tensor:
+        a = self.self_attn(self.input_layernorm(x), cos, sin, backend)
+        x = x + self.post_attention_layernorm(a)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class CausalLM(nn.Module):
@@ -52,14 +81,26 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.cfg = cfg
+        layer_type = SandwichDecoderLayer if cfg.sandwich_norms else DecoderLayer
         with torch.device("meta"):
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-            self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.layers = nn.ModuleList(layer_type(cfg, i) for i in range(cfg.num_layers))
+            self.norm = rms_norm(cfg, cfg.hidden_size)
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.to_empty(device=device)
         self.to(dtype=dtype)
+        # Gemma scales embeddings by sqrt(hidden) rounded to the model dtype, as transformers.
+        self.embed_scale = (
+            torch.tensor(cfg.embed_scale, dtype=dtype, device=device)
+            if cfg.embed_scale != 1.0
+            else None
+        )
         self.rotary = RotaryEmbedding(cfg, dtype, device)
+        # Gemma 3: sliding-window layers rotate with their own base and no scaling.
+        self.local_rotary = self.rotary
+        if cfg.rope_local_theta:
+            local = replace(cfg, rope_theta=cfg.rope_local_theta, rope_type="default")
+            self.local_rotary = RotaryEmbedding(local, dtype, device)
         self.requires_grad_(False)
 
     @torch.inference_mode()
@@ -78,10 +119,16 @@ class CausalLM(nn.Module):
         norm and the LM head.
         """
         h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, max_position)
-        for layer in self.layers:
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        full = self.rotary.cos_sin(positions, max_position)
+        local = full
+        if self.local_rotary is not self.rotary:
+            local = self.local_rotary.cos_sin(positions, max_position)
+        for layer, window in zip(self.layers, self.cfg.sliding_windows, strict=True):
+            cos, sin = local if window > 0 else full
             h = layer(h, cos, sin, backend)
-        return self.lm_head(self.norm(h[logits_index]))
+        return softcap(self.lm_head(self.norm(h[logits_index])), self.cfg.final_softcap)
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy weights given under transformers' names (``model.layers.0.self_attn.q_proj.weight``).

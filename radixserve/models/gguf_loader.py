@@ -4,18 +4,33 @@ Quantized tensors are dequantized with ``gguf.dequantize``. llama.cpp's
 converter stores the q/k projections of the ``llama`` architecture permuted
 for its interleaved rotary; we undo that permutation (Q with ``num_heads``,
 K with ``num_kv_heads``) so the weights match the HF rotate-half layout.
+
+Gemma 2/3: the converter stores every RMSNorm weight as ``1 + w`` (transformers
+subtracts the 1 again, so do we), and ``ffn_norm`` is the pre-feedforward norm.
+transformers' GGUF config reader skips some Gemma settings llama.cpp does store:
+``complete_config`` adds Gemma 2's soft-caps and Gemma 3's rope scaling from the
+file's metadata.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 #: GGUF architectures we can map, and whether their q/k are stored permuted.
-GGUF_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
+GGUF_ARCHITECTURES = {
+    "llama": True,
+    "qwen2": False,
+    "qwen3": False,
+    "gemma2": False,
+    "gemma3": False,
+}
+#: Architectures whose GGUF norm weights are stored as 1 + w.
+_UNIT_OFFSET_NORMS = ("gemma2", "gemma3")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -37,6 +52,13 @@ _BLOCK_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+#: Gemma's sandwich norms: there ``ffn_norm`` is the norm before the MLP.
+_GEMMA_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -71,11 +93,15 @@ def read_gguf_weights(
             f"unsupported GGUF architecture {arch!r} in {path}; supported: {sorted(GGUF_ARCHITECTURES)}"
         )
     permuted = GGUF_ARCHITECTURES[arch]
+    unit_offset = arch in _UNIT_OFFSET_NORMS
+    block_names = _GEMMA_BLOCK_NAMES if unit_offset else _BLOCK_NAMES
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         shape = tuple(int(x) for x in reversed(t.shape))  # ggml order is reversed
         data = np.asarray(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, block_names)
+        if unit_offset and t.name.endswith("norm.weight"):
+            data = data - 1.0
         if permuted and name.endswith("self_attn.q_proj.weight"):
             data = unpermute_rotary(data, num_heads)
         elif permuted and name.endswith("self_attn.k_proj.weight"):
@@ -84,10 +110,39 @@ def read_gguf_weights(
     return out
 
 
-def _hf_name(name: str) -> str:
+def complete_config(hf_config: Any, path: str | Path) -> Any:
+    """Add to transformers' config of a GGUF file what its reader leaves out and the file
+    holds: Gemma 2's attention and final logit soft-caps, Gemma 3's rope scaling (linear,
+    x8 on the larger models) of the global layers. Others are returned unchanged."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = str(reader.fields["general.architecture"].contents())
+
+    def value(key: str) -> Any:
+        field = reader.fields.get(key.format(arch=arch))
+        return None if field is None else field.contents()
+
+    if arch == "gemma2":
+        for key, attr in ((gguf.Keys.LLM.ATTN_LOGIT_SOFTCAPPING, "attn_logit_softcapping"),
+                          (gguf.Keys.LLM.FINAL_LOGIT_SOFTCAPPING, "final_logit_softcapping")):  # fmt: skip
+            if value(key) is not None:
+                setattr(hf_config, attr, float(value(key)))
+    kind = value(gguf.Keys.Rope.SCALING_TYPE)
+    if arch == "gemma3" and kind not in (None, "none"):
+        scaling = {"rope_type": str(kind), "factor": float(value(gguf.Keys.Rope.SCALING_FACTOR))}
+        params = getattr(hf_config, "rope_parameters", None)
+        if isinstance(params, dict) and "full_attention" in params:
+            params["full_attention"].update(scaling)
+        else:
+            hf_config.rope_scaling = scaling
+    return hf_config
+
+
+def _hf_name(name: str, block_names: dict[str, str]) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _BLOCK.match(name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
+    if m and m.group(2) in block_names:
+        return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}"
     raise ValueError(f"GGUF tensor {name!r} has no known transformers name")

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from radixserve.models.checkpoint import text_weights
 from radixserve.models.config import ModelConfig
 from radixserve.models.decoder import CausalLM
 from radixserve.models.source import ModelSource
@@ -35,7 +36,10 @@ def load_hf_config(source: ModelSource) -> Any:
     from transformers import AutoConfig
 
     if source.gguf_file:
-        return AutoConfig.from_pretrained(str(source.folder), gguf_file=source.gguf_file)
+        from radixserve.models.gguf_loader import complete_config
+
+        hf = AutoConfig.from_pretrained(str(source.folder), gguf_file=source.gguf_file)
+        return complete_config(hf, source.folder / source.gguf_file)
     return AutoConfig.from_pretrained(str(source.folder))
 
 
@@ -74,7 +78,7 @@ def load_model(
         weights = read_gguf_weights(path, cfg.num_heads, cfg.num_kv_heads)
     else:
         weights = read_safetensors_folder(source.folder)
-    weights = {k.removeprefix("_orig_mod."): v for k, v in weights.items()}
+    weights = text_weights(cfg, {k.removeprefix("_orig_mod."): v for k, v in weights.items()})
     model = CausalLM(cfg, dtype, torch.device(device))
     model.load_weights(weights)
     return model, hf_config

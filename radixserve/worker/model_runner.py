@@ -70,8 +70,8 @@ class ModelRunner:
             dtype, self._device,
         )  # fmt: skip
         self.backend = create_backend(
-            config.attention_backend, self.pool, cfg.head_dim**-0.5, cfg.sliding_windows,
-            cfg.num_heads, config.decode_kernel,
+            config.attention_backend, self.pool, cfg.attention_scale, cfg.sliding_windows,
+            cfg.num_heads, config.decode_kernel, cfg.attn_softcap,
         )  # fmt: skip
         max_pages_per_slot = min(num_pages, -(-cfg.max_context_len // config.page_size))
         self.page_table = PageTable(config.max_running_requests, max_pages_per_slot, num_pages)

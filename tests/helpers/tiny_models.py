@@ -6,15 +6,17 @@ integration tests.
 sentencepiece tokenizer (``tokenizer.model`` + ``tokenizer_config.json``,
 trained on Python's own docs, vocab 512) that ``AutoTokenizer`` loads.
 
-``patch_hf_float64(model)`` makes a transformers model compute RMSNorm, rotary
-and MoE routing in float64 (transformers keeps them in float32 even in a
-float64 model), so it is a true float64 oracle.
+``patch_hf_float64(model)`` makes a transformers model compute RMSNorm, rotary,
+MoE routing and (Gemma 2's eager attention) the attention softmax in float64
+(transformers keeps them in float32 even in a float64 model), so it is a true
+float64 oracle.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import sys
 import types
 from pathlib import Path
 
@@ -83,11 +85,22 @@ FAMILY_DIMS: dict[str, dict[str, object]] = {
                                  "partial_rotary_factor": 0.5,
                                  "short_factor": [1.0, 1.3, 2.1, 3.7],
                                  "long_factor": [1.5, 2.9, 4.4, 8.0]}},
+    # Sliding (window 16 < the 40-token prompts) and global layers alternating, a scale
+    # other than head_dim ** -0.5, soft-caps small enough to bite.
+    "gemma2": {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 16,
+               "attn_logit_softcapping": 3.0, "final_logit_softcapping": 4.0},
+    # Two sliding layers (local rope base 1000), then a global one (base 1e5, linear x2).
+    "gemma3": {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 16,
+               "num_hidden_layers": 3,
+               "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+               "rope_parameters": {
+                   "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
+                   "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}},
 }  # fmt: skip
 
 
 #: The families added after Llama / Qwen2 / Mistral, each with its own oracle tests.
-NEW_FAMILIES = ("qwen3", "mixtral", "qwen3_moe", "phi3")
+NEW_FAMILIES = ("qwen3", "mixtral", "qwen3_moe", "phi3", "gemma2", "gemma3")
 
 
 def tiny_config(arch: str = "llama", **overrides: object):
@@ -102,6 +115,8 @@ def tiny_config(arch: str = "llama", **overrides: object):
         "mixtral": transformers.MixtralConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "phi3": transformers.Phi3Config,
+        "gemma2": transformers.Gemma2Config,
+        "gemma3": transformers.Gemma3TextConfig,
     }[arch]
     return cls(**{**TINY_DIMS, **FAMILY_DIMS[arch], **overrides})
 
@@ -147,14 +162,23 @@ def make_tiny_model(
 
 
 def patch_hf_float64(model: torch.nn.Module) -> torch.nn.Module:
-    """Make a float64 transformers model compute RMSNorm, rotary (default or LongRoPE,
-    partial rotary included) and MoE routing in float64; MoE experts run transformers'
-    eager loop (its grouped matmul has no float64)."""
+    """Make a float64 transformers model compute RMSNorm, rotary (default, linear or
+    LongRoPE, partial rotary included; Gemma 3's per layer type) and MoE routing in
+    float64; MoE experts run transformers' eager loop (its grouped matmul has no
+    float64). Gemma 2's eager attention (its module's ``eager_attention_forward``) is
+    replaced for the process by one whose softmax runs in float32 or the input dtype,
+    whichever is wider: the same for half and float32 models."""
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")
     for module in model.modules():
         name = type(module).__name__
-        if name.endswith("RMSNorm"):
+        if name.startswith("Gemma") and name.endswith("RMSNorm"):
+            module.forward = types.MethodType(_gemma_rmsnorm64, module)
+        elif name.startswith("Gemma2") and name.endswith("Attention"):
+            sys.modules[type(module).__module__].eager_attention_forward = _eager64
+        elif name == "Gemma3RotaryEmbedding":
+            module.forward = types.MethodType(_gemma3_rotary64, module)
+        elif name.endswith("RMSNorm"):
             module.forward = types.MethodType(_rmsnorm64, module)
         elif name.endswith("RotaryEmbedding"):
             cfg = module.config
@@ -182,6 +206,47 @@ def _rmsnorm64(self, x: torch.Tensor) -> torch.Tensor:
     h = x.to(torch.float64)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
     return self.weight * h.to(x.dtype)
+
+
+def _gemma_rmsnorm64(self, x: torch.Tensor) -> torch.Tensor:
+    h = x.to(torch.float64)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+    return (h * (1.0 + self.weight.to(torch.float64))).to(x.dtype)
+
+
+def _inv_freq64(rope: dict, dim: int) -> torch.Tensor:
+    """Default or linear-scaled inverse frequencies in float64."""
+    inv = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if rope.get("rope_type", "default") == "linear":
+        return inv / rope["factor"]
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError("Gemma 3's float64 rotary supports default and linear rope only")
+    return inv
+
+
+def _gemma3_rotary64(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str):
+    inv = _inv_freq64(self.config.rope_parameters[layer_type], self.config.head_dim)
+    freqs = position_ids[..., None].to(torch.float64) * inv.to(x.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def _eager64(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+             softcap=None, **kwargs):  # fmt: skip
+    """transformers' eager attention (Gemma 2's: soft-cap, then mask) with the softmax in
+    float32 or the input dtype, whichever is wider."""
+    from transformers.models.gemma2.modeling_gemma2 import repeat_kv
+
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    wide = torch.promote_types(query.dtype, torch.float32)
+    probs = torch.softmax(scores, dim=-1, dtype=wide).to(query.dtype)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
 
 def _rotary64(self, x: torch.Tensor, position_ids: torch.Tensor):

@@ -1,4 +1,4 @@
-"""Qwen3, Mixtral, Qwen3-MoE and Phi-3 end to end: the Engine (scheduler, radix cache,
+"""Qwen3, Mixtral, Qwen3-MoE, Phi-3, Gemma 2 and Gemma 3 end to end: the Engine (scheduler, radix cache,
 chunked prefill) against transformers' greedy tokens, Phi-3's long rotary factors,
 config parsing, and loading each family from a saved (sharded) HF folder.
 
@@ -125,6 +125,8 @@ FAMILY_TENSOR = {
     "mixtral": "model.layers.1.block_sparse_moe.experts.3.w3.weight",
     "qwen3_moe": "model.layers.0.mlp.experts.7.down_proj.weight",
     "phi3": "model.layers.1.mlp.gate_up_proj.weight",
+    "gemma2": "model.layers.1.post_feedforward_layernorm.weight",
+    "gemma3": "model.layers.2.self_attn.q_norm.weight",
 }
 
 

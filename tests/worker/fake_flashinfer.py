@@ -7,7 +7,8 @@ wrong silently (non-int32 or device-resident plan indices, float16 as an
 unstated ``q_data_type`` default, non-half dtypes, head_dim not a multiple of
 64, last_page_len outside [1, page_size], K/V with unequal strides, run before
 plan, shapes that do not match the plan), and computes the reference math in
-float32 with FlashInfer's bottom-right causal mask and ``window_left``.
+float32 with FlashInfer's bottom-right causal mask, ``window_left``, ``sm_scale`` and
+``logits_soft_cap``.
 
 Stricter than the real API on purpose: arguments after ``page_size`` in
 ``plan`` are keyword-only (positions have shifted between releases, e.g.
@@ -132,6 +133,7 @@ class _Wrapper:
         causal: bool,
         sm_scale: float | None,
         window_left: int,
+        logits_soft_cap: float | None,
         q_data_type: object,
         kv_data_type: object,
     ) -> None:
@@ -149,6 +151,8 @@ class _Wrapper:
         _check(num_qo_heads % num_kv_heads == 0, "num_qo_heads must be a multiple of num_kv_heads")
         _check(head_dim % 64 == 0, f"head_dim {head_dim}: fa2 needs a multiple of 64")
         _check(window_left >= -1, "window_left must be >= -1")
+        cap = 0.0 if logits_soft_cap is None else logits_soft_cap
+        _check(cap >= 0, "logits_soft_cap must be >= 0 (0 or None: none)")
         batch = len(last_page_len)
         _check(len(indptr) == batch + 1 and int(indptr[0]) == 0, "indptr must be [batch + 1]")
         _check(bool((indptr.diff() >= 1).all()), "every request needs at least one page")
@@ -169,6 +173,7 @@ class _Wrapper:
             kv_lens=kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, page_size=page_size, causal=causal, window_left=window_left,
             sm_scale=head_dim**-0.5 if sm_scale is None else sm_scale, dtype=q_data_type,
+            logits_soft_cap=cap,
         )  # fmt: skip
 
     def run(
@@ -216,13 +221,14 @@ class _PrefillWrapper(_Wrapper):
         pos_encoding_mode: str = "NONE",
         sm_scale: float | None = None,
         window_left: int = -1,
+        logits_soft_cap: float | None = None,
         q_data_type: object = _UNSET,
         kv_data_type: object = None,
     ) -> None:
         _check(pos_encoding_mode == "NONE", "rotary is applied outside attention")
         self._plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                    num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal, sm_scale,
-                   window_left, q_data_type, kv_data_type)  # fmt: skip
+                   window_left, logits_soft_cap, q_data_type, kv_data_type)  # fmt: skip
 
 
 class _DecodeWrapper(_Wrapper):
@@ -254,6 +260,7 @@ class _DecodeWrapper(_Wrapper):
         *,
         pos_encoding_mode: str = "NONE",
         window_left: int = -1,
+        logits_soft_cap: float | None = None,
         sm_scale: float | None = None,
         q_data_type: object = _UNSET,
         kv_data_type: object = None,
@@ -263,7 +270,8 @@ class _DecodeWrapper(_Wrapper):
         _check(self.use_tensor_cores or group in self.CUDA_CORE_GROUPS,
                f"Unsupported group_size: {group} (CUDA-core decode; use tensor cores)")  # fmt: skip
         self._plan(None, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
-                   page_size, False, sm_scale, window_left, q_data_type, kv_data_type)  # fmt: skip
+                   page_size, False, sm_scale, window_left, logits_soft_cap, q_data_type,
+                   kv_data_type)  # fmt: skip
 
 
 def _reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: dict):
@@ -277,6 +285,8 @@ def _reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p:
         keys = k_cache[pages].flatten(0, 1)[:kv].float().repeat_interleave(group, dim=1)
         vals = v_cache[pages].flatten(0, 1)[:kv].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("thd,jhd->htj", q[q0:q1].float(), keys) * p["sm_scale"]
+        if p["logits_soft_cap"] > 0:  # FlashInfer's LogitsSoftCap: cap * tanh(score / cap)
+            scores = torch.tanh(scores / p["logits_soft_cap"]) * p["logits_soft_cap"]
         t = torch.arange(q1 - q0)[:, None] + (kv - (q1 - q0))  # query's absolute position
         j = torch.arange(kv)[None, :]
         keep = j <= t if p["causal"] else torch.ones_like(j <= t)

@@ -14,13 +14,15 @@ KERNELS = ["native", "torch"]
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-def dense_reference(q, keys, vals, kv_len, window, scale):
+def dense_reference(q, keys, vals, kv_len, window, scale, softcap=0.0):
     """q [qo, H, D], keys/vals [kv_len, KVH, D]: loop-free but per-request, from first principles."""
     qo, heads = q.shape[0], q.shape[1]
     group = heads // keys.shape[1]
     keys = keys.repeat_interleave(group, dim=1)
     vals = vals.repeat_interleave(group, dim=1)
     scores = torch.einsum("thd,jhd->htj", q, keys) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
     t = torch.arange(qo)[:, None] + kv_len - qo
     j = torch.arange(kv_len)[None, :]
     visible = j <= t
@@ -42,6 +44,8 @@ def run_case(
     decode_kernel="torch",
     dtype=torch.float64,
     max_cached=40,
+    scale=HEAD_DIM**-0.5,
+    softcap=0.0,
 ):
     """Build a batch of the given request kinds, run backend vs reference twice (two steps).
 
@@ -50,14 +54,15 @@ def run_case(
     ``prefix_of[i]`` says whose shared prefix request i starts with: a group id (every
     group has its own prefix), ``(gid, n)`` for only its first n pages, or None for no
     shared prefix. By default all requests share one prefix. ``decode_kernel`` picks the
-    backend's decode path; float32/bfloat16 ``dtype`` runs with matching tolerances."""
+    backend's decode path; float32/bfloat16 ``dtype`` runs with matching tolerances;
+    ``scale`` and ``softcap`` are the backend's."""
     heads = kv_heads * group
     num_pages = 4096 // page_size + 64
     num_pages += max_cached * 9 // page_size
     pool = KVPool(2, num_pages, page_size, kv_heads, HEAD_DIM, dtype)
     backend = create_backend(
-        "torch", pool, scale=HEAD_DIM**-0.5, sliding_windows=(window, -1), num_qo_heads=heads,
-        decode_kernel=decode_kernel,
+        "torch", pool, scale=scale, sliding_windows=(window, -1), num_qo_heads=heads,
+        decode_kernel=decode_kernel, softcap=softcap,
     )  # fmt: skip
     assert backend.decode_kernel == decode_kernel
     free = list(rng.permutation(num_pages))
@@ -125,8 +130,8 @@ def run_case(
         for i, (cached, new, _, k_hist, v_hist) in enumerate(reqs):
             rows = slice(int(batch.qo_indptr[i]), int(batch.qo_indptr[i + 1]))
             ref = dense_reference(
-                q[rows].double(), k_hist.double(), v_hist.double(), cached + new, w,
-                HEAD_DIM**-0.5,
+                q[rows].double(), k_hist.double(), v_hist.double(), cached + new, w, scale,
+                softcap,
             )  # fmt: skip
             assert out.dtype == dtype
             torch.testing.assert_close(out[rows].double(), ref, rtol=0, atol=TOLERANCE[dtype])
@@ -190,6 +195,27 @@ def test_low_precision_decodes(dtype, page_size, kernel):
     kw = {"decode_kernel": kernel, "dtype": dtype, "max_cached": 1500}
     run_case(rng, page_size, 2, 3, ["decode"] * 5 + ["prefix"], **kw)
     run_case(rng, page_size, 2, 3, ["decode"] * 5, shared=256, **kw)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_scale_and_softcap(page_size, kernel):
+    """Gemma 2's attention: scores scaled by other than head_dim ** -0.5, then capped
+    (the cap of 1 bites: scaled scores of these inputs have a standard deviation near
+    2), on sliding and global layers, fresh, cached-prefix and decode requests, and
+    decodes sharing a prefix (the cascade path). float32 and bfloat16 too."""
+    rng = np.random.default_rng(21)
+    kinds = ["decode", "fresh", "prefix", "decode"] * 2
+    kw = {"decode_kernel": kernel, "scale": 0.7, "softcap": 1.0}
+    run_case(rng, page_size, 2, 2, kinds, window=5, **kw)
+    run_case(rng, page_size, 1, 3, ["decode"] * 6, shared=96, **kw)
+    run_case(rng, page_size, 2, 2, kinds, dtype=torch.float32, **kw)
+    run_case(rng, page_size, 2, 3, ["decode"] * 5, dtype=torch.bfloat16, shared=96, **kw)
+
+
+def test_softcap_must_not_be_negative():
+    pool = KVPool(1, 4, 1, 1, HEAD_DIM, torch.float32)
+    with pytest.raises(ValueError, match="softcap must be >= 0"):
+        create_backend("torch", pool, 1.0, (-1,), 1, softcap=-1.0)
 
 
 def test_native_decode_kernel_is_chosen_where_it_runs():

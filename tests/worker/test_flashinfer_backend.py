@@ -28,8 +28,9 @@ class Twin:
     bf16 inputs step by step; every step's outputs and, at the end, the pools must agree."""
 
     def __init__(
-        self, page_size, kv_heads, group, head_dim, windows=(-1,) * LAYERS, seed=0, device="cpu"
-    ):
+        self, page_size, kv_heads, group, head_dim, windows=(-1,) * LAYERS, seed=0, device="cpu",
+        scale=None, softcap=0.0,
+    ):  # fmt: skip
         self.s, self.kvh, self.heads, self.d = page_size, kv_heads, kv_heads * group, head_dim
         self.device = device
         torch.manual_seed(seed)
@@ -39,9 +40,13 @@ class Twin:
         dims = (LAYERS, num_pages, page_size, kv_heads, head_dim)
         self.fi_pool = KVPool(*dims, torch.bfloat16, device)
         self.ref_pool = KVPool(*dims, torch.float32, device)
-        scale = head_dim**-0.5
-        self.fi = create_backend("flashinfer", self.fi_pool, scale, windows, self.heads)
-        self.ref = create_backend("torch", self.ref_pool, scale, windows, self.heads)
+        scale = head_dim**-0.5 if scale is None else scale
+        self.fi = create_backend(
+            "flashinfer", self.fi_pool, scale, windows, self.heads, softcap=softcap
+        )
+        self.ref = create_backend(
+            "torch", self.ref_pool, scale, windows, self.heads, softcap=softcap
+        )
         assert self.fi.name == "flashinfer"
         self.tables: dict[str, list[int]] = {}
         self.lens: dict[str, int] = {}
@@ -136,6 +141,28 @@ def test_sliding_window_layers(fake, page_size):
     run_script(twin, p=16)
     plans = [name for name, _ in fake.calls if name.startswith("plan")]
     assert len(plans) == 2 * 8  # one wrapper per distinct window, each planned once per step
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_gemma_scale_softcap_and_windows(fake, page_size):
+    """Gemma 2's attention: a scale other than head_dim ** -0.5 (query_pre_attn_scalar 144)
+    and a soft-cap that bites (scores of these inputs reach several times the cap),
+    alternating sliding and global layers; every wrapper is planned with both."""
+    scale, cap = 144**-0.5, 1.5
+    twin = Twin(page_size, 2, 2, 128, windows=(6, -1), seed=11, scale=scale, softcap=cap)
+    run_script(twin, p=16)
+    wrappers = [*twin.fi._prefill.values(), *twin.fi._decode.values()]
+    assert len(wrappers) == 4 and all(w.plan_args is not None for w in wrappers)
+    for w in wrappers:
+        assert (w.plan_args["sm_scale"], w.plan_args["logits_soft_cap"]) == (scale, cap)
+    lefts = sorted(w.plan_args["window_left"] for w in twin.fi._prefill.values())
+    assert lefts == [-1, 5]
+
+
+def test_no_softcap_plans_zero(fake):
+    twin = Twin(16, 2, 2, 64, seed=3)
+    run_script(twin, p=16)
+    assert all(w.plan_args["logits_soft_cap"] == 0.0 for w in twin.fi._prefill.values())
 
 
 def test_one_workspace_allocated_once(fake):

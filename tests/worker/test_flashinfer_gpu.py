@@ -7,7 +7,8 @@ compiles each kernel variant used here).
 
 - The backend on bf16 pools vs the torch backend on float32 pools, same inputs:
   fresh prefill, prefill after a cached prefix, chunked prefill, mixed and
-  decode-only steps; head_dim 64 and 128; page sizes 1 and 16; GQA; tolerance 1e-2.
+  decode-only steps; head_dim 64 and 128; page sizes 1 and 16; GQA; tolerance 1e-2;
+  and Gemma 2's scale, soft-cap and sliding window (head_dim 128 and 256).
 - SmolLM2 greedy text through a GPU engine (bf16, flashinfer) equal to the CPU
   engine's (float32, torch) on short prompts.
 """
@@ -36,6 +37,17 @@ pytestmark = [
 @pytest.mark.parametrize(("kv_heads", "group"), [(2, 1), (3, 3), (2, 4)])
 def test_kernels_match_torch_backend(page_size, head_dim, kv_heads, group):
     twin = Twin(page_size, kv_heads, group, head_dim, seed=page_size + head_dim, device="cuda")
+    run_script(twin, p=2 * page_size if page_size > 1 else 13)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_softcap_scale_and_windows_match_torch_backend(page_size, head_dim):
+    """Gemma 2's attention on the real kernels: query_pre_attn_scalar's scale, a soft-cap
+    that bites, a sliding and a global layer."""
+    twin = Twin(page_size, 2, 2, head_dim, windows=(6, -1), seed=head_dim, device="cuda",
+                scale=144**-0.5, softcap=1.5)  # fmt: skip
     run_script(twin, p=2 * page_size if page_size > 1 else 13)
     torch.cuda.synchronize()
 

@@ -23,7 +23,7 @@ def isa(request):
     return require_isa(request.param)
 
 
-def reference(q, kv, seg, scale):
+def reference(q, kv, seg, scale, softcap=0.0):
     """out and lse in float64, one (segment, row, head) at a time from first principles."""
     q, kv = q.double(), kv.double()
     heads, kv_heads = q.shape[1], kv.shape[3]
@@ -40,6 +40,8 @@ def reference(q, kv, seg, scale):
         for r in seg["rows"][seg["row_indptr"][s] : seg["row_indptr"][s + 1]]:
             for h in range(heads):
                 scores = keys[:, h // group] @ q[r, h] * scale
+                if softcap > 0:
+                    scores = softcap * torch.tanh(scores / softcap)
                 out[r, h] = scores.softmax(0) @ vals[:, h // group]
                 lse[r, h] = scores.logsumexp(0)
     return out, lse
@@ -72,13 +74,13 @@ def make_case(rng, page_size, kv_heads, group, head_dim, dtype, lens, rows_per_s
     return q, kv, seg
 
 
-def run_kernel(q, kv, seg, scale, isa, chunk, lse_dtype):
+def run_kernel(q, kv, seg, scale, isa, chunk, lse_dtype, softcap=0.0):
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"), dtype=lse_dtype)
     arr = native_decode._array
     native_decode._ext.paged_decode(
         arr(q), arr(kv), arr(out), lse.numpy(), **seg, scale=scale, num_threads=2, chunk=chunk,
-        isa=isa,
+        isa=isa, softcap=softcap,
     )  # fmt: skip
     return out, lse
 
@@ -121,3 +123,27 @@ def test_levels_agree_closely(isa):
     out, _ = run_kernel(q, kv, seg, 0.125, isa, 64, torch.float32)
     read = torch.from_numpy(seg["rows"]).long()
     torch.testing.assert_close(out[read], base[read], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("head_dim", [64, 20])
+def test_softcap_matches_float64(isa, dtype, head_dim):
+    """Gemma 2's soft-cap on the scaled scores (a cap of 2 on scores with a standard
+    deviation near 4): output and lse (of the capped scores, what cascade merging
+    needs) match the reference, chunked or not; a negative cap is refused."""
+    rng = np.random.default_rng(head_dim)
+    lens = [(0, 37), (5, 200), (0, 16), (3, 131)]
+    q, kv, seg = make_case(rng, 16, 2, 3, head_dim, dtype, lens, [1, 1, 3, 2])
+    scale, cap = 0.5, 2.0
+    ref_out, ref_lse = reference(q, kv, seg, scale, cap)
+    plain_out, _ = reference(q, kv, seg, scale)
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    read = torch.from_numpy(seg["rows"]).long()
+    tol = TOLERANCE[dtype]
+    assert (ref_out[read] - plain_out[read]).abs().max() > 100 * tol  # the cap matters
+    for chunk in (64, 1024):
+        out, lse = run_kernel(q, kv, seg, scale, isa, chunk, lse_dtype, softcap=cap)
+        torch.testing.assert_close(out[read].double(), ref_out[read], rtol=0, atol=tol)
+        torch.testing.assert_close(lse[read].double(), ref_lse[read], rtol=0, atol=tol * 10)
+    with pytest.raises(ValueError, match="softcap must be >= 0"):
+        run_kernel(q, kv, seg, scale, isa, 64, lse_dtype, softcap=-1.0)

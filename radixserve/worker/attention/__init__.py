@@ -19,11 +19,11 @@ from radixserve.worker.kv_pool import KVPool
 
 
 def _flashinfer(
-    pool: KVPool, scale: float, windows: tuple[int, ...], num_qo_heads: int
+    pool: KVPool, scale: float, windows: tuple[int, ...], num_qo_heads: int, softcap: float = 0.0
 ) -> AttentionBackend:
     from radixserve.worker.attention.flashinfer_backend import FlashInferAttention
 
-    return FlashInferAttention(pool, scale, windows, num_qo_heads)
+    return FlashInferAttention(pool, scale, windows, num_qo_heads, softcap)
 
 
 BACKENDS: dict[str, Callable[..., AttentionBackend]] = {
@@ -54,9 +54,11 @@ def create_backend(
     sliding_windows: tuple[int, ...],
     num_qo_heads: int,
     decode_kernel: str = "auto",
+    softcap: float = 0.0,
 ) -> AttentionBackend:
     """Instantiate backend ``name`` (or ``auto``); ValueError listing the known ones otherwise.
 
+    ``scale`` multiplies q.k; ``softcap`` > 0 caps the scores (base.py's contract).
     ``decode_kernel`` (``auto``/``native``/``torch``) is the torch backend's decode
     path (``TorchAttention``); other backends ignore it.
     """
@@ -64,8 +66,8 @@ def create_backend(
         raise ValueError(f"unknown attention backend {name!r}; known: {list(CHOICES)}")
     resolved = resolve_backend_name(name, pool)
     if resolved == "torch":
-        return TorchAttention(pool, scale, sliding_windows, num_qo_heads, decode_kernel)
-    return BACKENDS[resolved](pool, scale, sliding_windows, num_qo_heads)
+        return TorchAttention(pool, scale, sliding_windows, num_qo_heads, decode_kernel, softcap)
+    return BACKENDS[resolved](pool, scale, sliding_windows, num_qo_heads, softcap)
 
 
 __all__ = [

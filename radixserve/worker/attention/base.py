@@ -19,6 +19,8 @@ Contract of ``forward(layer, q, k, v)``:
   within its request) sees key j iff j <= t + kv_len - qo_len (causal mask
   aligned bottom-right), and, for a layer with sliding window w > 0, also
   j > t + kv_len - qo_len - w.
+- Scores are ``scale * q.k``, then, with ``softcap`` > 0 (Gemma 2),
+  ``softcap * tanh(score / softcap)``, before the mask and the softmax.
 """
 
 from __future__ import annotations
@@ -66,8 +68,15 @@ class AttentionBackend(ABC):
     name: str = ""
 
     def __init__(
-        self, pool: KVPool, scale: float, sliding_windows: tuple[int, ...], num_qo_heads: int
+        self,
+        pool: KVPool,
+        scale: float,
+        sliding_windows: tuple[int, ...],
+        num_qo_heads: int,
+        softcap: float = 0.0,
     ) -> None:
+        if softcap < 0:
+            raise ValueError(f"softcap must be >= 0 (0: none), got {softcap}")
         if len(sliding_windows) != pool.num_layers:
             raise ValueError("one sliding window entry per layer is required")
         # Planning needs the query head count before any q exists (FlashInfer's plan()).
@@ -79,6 +88,7 @@ class AttentionBackend(ABC):
         self.num_qo_heads = num_qo_heads
         self.pool = pool
         self.scale = scale
+        self.softcap = softcap
         self.sliding_windows = sliding_windows
 
     @abstractmethod

@@ -21,6 +21,10 @@ tensors; per layer (``forward``) the new K/V are appended into the pool with
 - Sliding windows: one planned wrapper per distinct window among the layers
   (``window_left`` is fixed at plan time). Our window w (keys in (p - w, p])
   is FlashInfer's ``window_left = w - 1`` (keys in [p - window_left, p]).
+- Scale and soft-cap: ``sm_scale`` (the model's, e.g. Gemma's
+  ``query_pre_attn_scalar ** -0.5``) and ``logits_soft_cap`` (Gemma 2's
+  ``attn_logit_softcapping``; 0 = none) are plan-time arguments of both wrappers,
+  the same for every layer.
 - All wrappers share one float workspace, allocated once: runs are sequential
   on one stream, and each wrapper keeps its plan in its own int workspace.
 """
@@ -81,9 +85,14 @@ class FlashInferAttention(AttentionBackend):
     name = "flashinfer"
 
     def __init__(
-        self, pool: KVPool, scale: float, sliding_windows: tuple[int, ...], num_qo_heads: int
+        self,
+        pool: KVPool,
+        scale: float,
+        sliding_windows: tuple[int, ...],
+        num_qo_heads: int,
+        softcap: float = 0.0,
     ) -> None:
-        super().__init__(pool, scale, sliding_windows, num_qo_heads)
+        super().__init__(pool, scale, sliding_windows, num_qo_heads, softcap)
         device = pool.layers[0].device if pool.layers else torch.device("cpu")
         reason = unsupported_reason(device, pool.dtype, pool.head_dim)
         if reason is not None:
@@ -137,7 +146,12 @@ class FlashInferAttention(AttentionBackend):
         decode = bool(np.all(qo_lens == 1))
         dtypes = {"q_data_type": self.pool.dtype, "kv_data_type": self.pool.dtype}
         for w in self._windows:
-            common = {"sm_scale": self.scale, "window_left": w - 1 if w > 0 else -1, **dtypes}
+            common = {
+                "sm_scale": self.scale,
+                "logits_soft_cap": self.softcap,
+                "window_left": w - 1 if w > 0 else -1,
+                **dtypes,
+            }
             if decode:
                 self._decode[w].plan(
                     cpu["indptr"], cpu["indices"], cpu["last"], *heads, self.pool.head_dim, s,

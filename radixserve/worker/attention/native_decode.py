@@ -107,17 +107,20 @@ def paged_decode(
     window: int,
     scale: float,
     isa: str | None = None,
+    softcap: float = 0.0,
 ) -> None:
     """out[r] (and lse[r], per head) for every row r of ``seg``; other rows untouched.
 
     q, out: contiguous [T, heads, head_dim]; kv: a layer of the pool,
     [pages, 2, page_size, kv_heads, head_dim]; lse: float32/float64 [T, heads].
+    Scores are ``scale * q.k``, capped at ``softcap * tanh(score / softcap)`` when
+    ``softcap`` > 0 (the lse is of the capped scores).
     ``isa``: the instruction-set level (default ``cpu_kernels.ISA``).
     """
     _ext.paged_decode(  # type: ignore[union-attr]
         _array(q), _array(kv), _array(out), None if lse is None else lse.numpy(),
         seg.row_indptr, seg.rows, seg.page_indptr, seg.pages, seg.kv_begin[window], seg.kv_end,
-        scale, torch.get_num_threads(), seg.chunk, isa or cpu_kernels.ISA,
+        scale, torch.get_num_threads(), seg.chunk, isa or cpu_kernels.ISA, softcap=softcap,
     )  # fmt: skip
 
 

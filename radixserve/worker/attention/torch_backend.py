@@ -17,6 +17,10 @@ Decode requests (one new token) run together as one padded batch through one
 Each prefill request (several new tokens, possibly after a cached prefix,
 possibly a chunk) runs through its own call with an explicit bottom-right
 aligned causal mask.
+
+With a soft-cap (Gemma 2) SDPA cannot be used (it has no hook between the scores
+and the softmax): the same calls go through ``capped_attention``, which
+computes the scores, caps them, masks and takes the softmax itself (``capped.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from torch.nn import functional as F
 
 from radixserve.worker.attention import native_decode
 from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
+from radixserve.worker.attention.capped import cap_, capped_attention
 from radixserve.worker.attention.native_decode import Segments, merge_partials
 from radixserve.worker.kv_pool import KVPool
 
@@ -83,8 +88,9 @@ class TorchAttention(AttentionBackend):
         sliding_windows: tuple[int, ...],
         num_qo_heads: int,
         decode_kernel: str = "auto",
+        softcap: float = 0.0,
     ) -> None:
-        super().__init__(pool, scale, sliding_windows, num_qo_heads)
+        super().__init__(pool, scale, sliding_windows, num_qo_heads, softcap)
         if decode_kernel not in DECODE_KERNELS:
             raise ValueError(
                 f"unknown decode kernel {decode_kernel!r}; known: {list(DECODE_KERNELS)}"
@@ -290,9 +296,7 @@ class TorchAttention(AttentionBackend):
             torch.index_select(pages, 0, dec.gather + 1, out=vb)
             keys = kb.view(bd, dec.max_len, h, d).transpose(1, 2)
             vals = vb.view(bd, dec.max_len, h, d).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                qd, keys, vals, attn_mask=dec.bias[window], scale=self.scale, enable_gqa=True
-            )
+            o = self._attention(qd, keys, vals, dec.bias[window])
             out.index_copy_(0, dec.rows, o.squeeze(2))
         for p in self._prefills:
             qp = q[p.rows].transpose(0, 1).unsqueeze(0)  # [1, heads, qo, d]
@@ -301,13 +305,20 @@ class TorchAttention(AttentionBackend):
             torch.index_select(pages, 0, p.gather + 1, out=vb)
             keys, vals = kb.view(-1, h, d)[: p.kv_len], vb.view(-1, h, d)[: p.kv_len]
             keys, vals = keys.transpose(0, 1).unsqueeze(0), vals.transpose(0, 1).unsqueeze(0)
-            mask = p.masks[window]
-            o = F.scaled_dot_product_attention(
-                qp, keys, vals, attn_mask=mask, is_causal=mask is None, scale=self.scale,
-                enable_gqa=True,
-            )  # fmt: skip
+            o = self._attention(qp, keys, vals, p.masks[window])
             out[p.rows] = o[0].transpose(0, 1)
         return out
+
+    def _attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q [B, heads, Lq, d], k/v [B, kv_heads, Lk, d]; ``mask``: bool keep [Lq, Lk] or
+        additive [B, 1, 1, Lk], None for plain causal (Lq == Lk)."""
+        if self.softcap > 0:
+            return capped_attention(q, k, v, mask, self.scale, self.softcap)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True
+        )
 
     def _native_decode(
         self, pool: torch.Tensor, q: torch.Tensor, out: torch.Tensor, window: int
@@ -315,14 +326,15 @@ class TorchAttention(AttentionBackend):
         nat = self._native
         assert nat is not None
         q = q.contiguous()
+        scale, cap = self.scale, self.softcap
         if nat.prefix is None:
-            native_decode.paged_decode(q, pool, out, None, nat.main, window, self.scale)
+            native_decode.paged_decode(q, pool, out, None, nat.main, window, scale, softcap=cap)
             return
         ct = torch.promote_types(q.dtype, torch.float32)
         lse = torch.empty(q.shape[:2], dtype=ct)
-        native_decode.paged_decode(q, pool, out, lse, nat.main, window, self.scale)
+        native_decode.paged_decode(q, pool, out, lse, nat.main, window, scale, softcap=cap)
         o2, lse2 = torch.empty_like(q), torch.empty_like(lse)
-        native_decode.paged_decode(q, pool, o2, lse2, nat.prefix, window, self.scale)
+        native_decode.paged_decode(q, pool, o2, lse2, nat.prefix, window, scale, softcap=cap)
         r = nat.members
         out.index_copy_(0, r, merge_partials(out[r], lse[r], o2[r], lse2[r]))
 
@@ -343,7 +355,7 @@ class TorchAttention(AttentionBackend):
         k1 = kc.view(-1, h, d).to(ct).permute(1, 2, 0)  # [h, d, Lc]
         v1 = vc.view(-1, h, d).to(ct).transpose(0, 1)  # [h, Lc, d]
         q1 = qd.permute(1, 0, 2, 3).reshape(h, bd * g, d)
-        s1 = torch.bmm(q1, k1).mul_(self.scale)  # [h, Bd*g, Lc]
+        s1 = cap_(torch.bmm(q1, k1).mul_(self.scale), self.softcap)  # [h, Bd*g, Lc]
         m1 = s1.amax(-1, keepdim=True)
         p1 = s1.sub_(m1).exp_()
         l1 = p1.sum(-1, keepdim=True)
@@ -357,7 +369,8 @@ class TorchAttention(AttentionBackend):
         torch.index_select(pages, 0, dec.gather + 1, out=vb)
         k2 = kb.view(bd, dec.max_len, h, d).to(ct).permute(0, 2, 3, 1)  # [Bd, h, d, Ls]
         v2 = vb.view(bd, dec.max_len, h, d).to(ct).transpose(1, 2)  # [Bd, h, Ls, d]
-        s2 = torch.matmul(qd, k2).mul_(self.scale).add_(bias.to(ct))  # [Bd, h, g, Ls]
+        s2 = cap_(torch.matmul(qd, k2).mul_(self.scale), self.softcap)
+        s2.add_(bias.to(ct))  # [Bd, h, g, Ls]
         m2 = s2.amax(-1, keepdim=True)  # finite: every request has its new token here
         p2 = s2.sub_(m2).exp_()
         l2 = p2.sum(-1, keepdim=True)
