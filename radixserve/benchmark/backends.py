@@ -1,10 +1,15 @@
-"""Where requests go: radixserve's ZeroMQ ``AsyncClient``, or an OpenAI-compatible
-HTTP server (``/v1/completions``, streamed as server-sent events).
+"""Where requests go: radixserve's ZeroMQ ``AsyncClient``, an OpenAI-compatible
+HTTP server (``/v1/completions``, streamed as server-sent events), or an
+in-process ``Engine``.
 
-Both send the prompt as token ids (the OpenAI API accepts ``prompt`` as a list
+All send the prompt as token ids (the OpenAI API accepts ``prompt`` as a list
 of integers), greedy, with ``ignore_eos`` so every answer has exactly
 ``max_tokens`` tokens, and stream, so the runner can time each token. What comes
 back is a series of ``StreamEvent``s, the last one carrying ``usage``.
+
+A scored request (``logprob_start_len`` not None) also asks for the prompt's
+logprobs from that position on; they come back in one event's
+``prompt_logprobs``. The OpenAI backend cannot send such requests yet.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ class StreamEvent:
     usage: Usage | None = None  # set on the last event
     cached_known: bool = True  # False: the server did not report cached tokens
     finish_reason: str | None = None
+    # Scored requests: each prompt position's logprob (None where not scored).
+    prompt_logprobs: list[float | None] | None = None
 
 
 @dataclass
@@ -38,7 +45,9 @@ class Backend(Protocol):
 
     async def info(self) -> ServerInfo: ...
 
-    def stream(self, input_ids: Sequence[int], max_tokens: int) -> AsyncIterator[StreamEvent]: ...
+    def stream(
+        self, input_ids: Sequence[int], max_tokens: int, logprob_start_len: int | None = None
+    ) -> AsyncIterator[StreamEvent]: ...
 
     async def reset_cache(self) -> bool:
         """Empty the server's prefix cache; False when this backend cannot."""
@@ -53,6 +62,7 @@ class RadixserveBackend:
     """radixserve's own ZeroMQ client: exact token ids back, and cache control."""
 
     name = "radixserve"
+    scores = True
 
     def __init__(self, endpoint: str, timeout: float = 600.0) -> None:
         from radixserve.client import AsyncClient
@@ -64,12 +74,28 @@ class RadixserveBackend:
         h = await self.client.health()
         return ServerInfo(str(h["model"]), int(h["page_size"]), int(h["max_context_len"]))
 
-    async def stream(self, input_ids: Sequence[int], max_tokens: int) -> AsyncIterator[StreamEvent]:
+    async def stream(
+        self, input_ids: Sequence[int], max_tokens: int, logprob_start_len: int | None = None
+    ) -> AsyncIterator[StreamEvent]:
+        score = {}
+        if logprob_start_len is not None:
+            score = {"prompt_logprobs": 1, "logprob_start_len": logprob_start_len}
         async for chunk in self.client.generate_stream(
-            input_ids=list(input_ids), max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+            input_ids=list(input_ids),
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            **score,
         ):
             usage = Usage(**chunk.usage) if chunk.usage else None
-            yield StreamEvent(chunk.text, list(chunk.token_ids), usage, True, chunk.finish_reason)
+            yield StreamEvent(
+                chunk.text,
+                list(chunk.token_ids),
+                usage,
+                True,
+                chunk.finish_reason,
+                _wire_logprobs(chunk.prompt_logprobs),
+            )
 
     async def reset_cache(self) -> bool:
         await self.client.flush_cache()
@@ -80,6 +106,13 @@ class RadixserveBackend:
 
     async def close(self) -> None:
         self.client.close()
+
+
+SCORE_UNSUPPORTED = (
+    "scoring needs prompt logprobs from a start position, which the openai backend "
+    "does not send (/v1/completions has no such field yet); use --backend radixserve "
+    "or --backend engine"
+)
 
 
 class OpenAIBackend:
@@ -93,6 +126,7 @@ class OpenAIBackend:
     """
 
     name = "openai"
+    scores = False  # no prompt logprobs from a start position (see SCORE_UNSUPPORTED)
 
     def __init__(
         self,
@@ -121,7 +155,11 @@ class OpenAIBackend:
             self.model = r.json()["data"][0]["id"]
         return ServerInfo(model=self.model, page_size=self.page_size)
 
-    async def stream(self, input_ids: Sequence[int], max_tokens: int) -> AsyncIterator[StreamEvent]:
+    async def stream(
+        self, input_ids: Sequence[int], max_tokens: int, logprob_start_len: int | None = None
+    ) -> AsyncIterator[StreamEvent]:
+        if logprob_start_len is not None:
+            raise NotImplementedError(SCORE_UNSUPPORTED)
         body = {
             "model": self.model,
             "prompt": list(input_ids),
@@ -189,3 +227,104 @@ def event_from_openai(obj: dict[str, Any]) -> StreamEvent:
         cached_known=cached_known,
         finish_reason=choice.get("finish_reason"),
     )
+
+
+def _wire_logprobs(entries: list | None) -> list[float | None] | None:
+    """The logprob of each position of the public ``[id, text, logprob, top]`` entries."""
+    if entries is None:
+        return None
+    return [None if e is None else float(e[2]) for e in entries]
+
+
+class EngineBackend:
+    """An in-process ``Engine``, stepped on the event loop: requests sent in the same
+    instant share a step, as on a server. One step blocks the loop while it runs, so
+    every request of a step sees its chunks at the step's end.
+
+    Uses the Engine's scheduler, runner and tokenizer directly (the Engine's own
+    ``generate`` is synchronous)."""
+
+    name = "engine"
+    scores = True
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._ids = 0
+        self._queues: dict[tuple[str, int], Any] = {}
+        self._driver: Any = None
+
+    async def info(self) -> ServerInfo:
+        i = self.engine.runner.info()
+        return ServerInfo(str(self.engine.config.model), int(i.page_size), int(i.max_context_len))
+
+    async def stream(
+        self, input_ids: Sequence[int], max_tokens: int, logprob_start_len: int | None = None
+    ) -> AsyncIterator[StreamEvent]:
+        import asyncio
+
+        from radixserve.sampling_params import SamplingParams
+        from radixserve.tokenizer.output import OutputStream
+
+        score = {}
+        if logprob_start_len is not None:
+            score = {"prompt_logprobs": 1, "logprob_start_len": logprob_start_len}
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **score)
+        eng = self.engine
+        ids = eng.inputs.to_ids(input_ids=list(input_ids))
+        eng.inputs.check_sampling(sp)
+        eng.scheduler.check_request(ids, sp)
+        self._ids += 1
+        rid = f"bench-{self._ids}"
+        queue: asyncio.Queue[tuple[Any, Any] | BaseException] = asyncio.Queue()
+        self._queues[(rid, 0)] = (OutputStream(eng.tokenizer, ids, (), eng.texts), queue)
+        eng.scheduler.add_request(rid, ids, sp)
+        if self._driver is None or self._driver.done():
+            self._driver = asyncio.ensure_future(self._drive())
+        while True:
+            ev = await queue.get()
+            if isinstance(ev, BaseException):
+                raise ev
+            yield ev
+            if ev.usage is not None:
+                return
+
+    async def _drive(self) -> None:
+        import asyncio
+
+        sched, runner = self.engine.scheduler, self.engine.runner
+        await asyncio.sleep(0)  # let every request sent in this instant in first
+        try:
+            while sched.has_work():
+                for out in sched.step(runner.step):
+                    self._dispatch(out)
+                await asyncio.sleep(0)  # let replies be read and new requests in
+        except Exception as e:  # fail every request in flight, not the run
+            for _, queue in self._queues.values():
+                queue.put_nowait(e)
+            self._queues.clear()
+
+    def _dispatch(self, out: Any) -> None:
+        entry = self._queues.get((out.rid, out.index))
+        if entry is None:
+            return
+        stream, queue = entry
+        done = out.finish_reason is not None
+        text = stream.add(out.token_ids, done, out.logprobs, out.prompt_logprobs)
+        usage = None
+        if done:
+            del self._queues[(out.rid, out.index)]
+            usage = Usage(out.prompt_tokens, len(stream.token_ids), out.cached_tokens)
+        prompt_lps = _wire_logprobs(stream.prompt_logprobs) if out.prompt_logprobs else None
+        queue.put_nowait(
+            StreamEvent(text, list(out.token_ids), usage, True, out.finish_reason, prompt_lps)
+        )
+
+    async def reset_cache(self) -> bool:
+        self.engine.flush_cache()
+        return True
+
+    async def stats(self) -> dict[str, Any] | None:
+        return dict(self.engine.stats())
+
+    async def close(self) -> None:
+        pass  # the Engine outlives the backend: its owner closes it

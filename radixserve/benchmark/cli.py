@@ -7,8 +7,15 @@ Targets, one of:
   to ``--server-args``;
 - ``--endpoint tcp://...``: a running radixserve server;
 - ``--backend openai --base-url http://HOST:PORT/v1``: any OpenAI-compatible server;
+- ``--backend engine``: an in-process ``Engine`` per variant, built from
+  ``--model``, ``--server-args`` and the ``--compare`` flags as a launch would be;
 - nothing: one fresh server launched with ``--server-args``.
 Every variant gets the same prompts (one workload, one seed).
+
+``few-shot --score`` scores multiple-choice questions instead of generating,
+and runs each target twice: prompt logprobs from each choice's start (the cache
+serves the context and question), then from position 0 (the whole prompt
+recomputed, as a client without a start position must); the table shows both.
 """
 
 from __future__ import annotations
@@ -26,17 +33,27 @@ from pathlib import Path
 from typing import Any
 
 from radixserve.benchmark import report
-from radixserve.benchmark.backends import Backend, OpenAIBackend, RadixserveBackend
-from radixserve.benchmark.metrics import summarize
+from radixserve.benchmark.backends import (
+    SCORE_UNSUPPORTED,
+    Backend,
+    EngineBackend,
+    OpenAIBackend,
+    RadixserveBackend,
+)
+from radixserve.benchmark.metrics import compare_scores, summarize
 from radixserve.benchmark.runner import run
 from radixserve.benchmark.server import LaunchedServer
 from radixserve.benchmark.workloads import (
     BUILDERS,
+    SCORE_BUILDERS,
     WORKLOADS,
     TokenSource,
     Workload,
     from_tokenizer,
 )
+
+# Scoring workloads run twice per target: (label, the runner's score_from).
+SCORE_PASSES = [("from-choice", "choice"), ("whole-prompt", "whole")]
 
 # Workload flags: each builder takes the ones named in its signature.
 WORKLOAD_FLAGS: list[tuple[str, type, str]] = [
@@ -60,6 +77,8 @@ WORKLOAD_FLAGS: list[tuple[str, type, str]] = [
     ("branches", int, "tree: continuations per answer"),
     ("root-len", int, "tree: root prompt tokens"),
     ("branch-len", int, "tree: tokens each branch adds"),
+    ("choices", int, "few-shot --score: choices per question"),
+    ("choice-len", int, "few-shot --score: most tokens per choice (each has 1 to this many)"),
 ]
 
 
@@ -75,6 +94,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="random token ids, or real English (pydoc_data.topics) tokenized",
     )
     w.add_argument("--seed", type=int, default=0, help="seeds prompts and arrivals")
+    w.add_argument(
+        "--score",
+        action="store_true",
+        help="few-shot: score multiple-choice questions (prompt logprobs of each choice), "
+        "once from the choice's start and once over the whole prompt",
+    )
 
     r = p.add_argument_group("arrival")
     r.add_argument(
@@ -105,7 +130,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     t.add_argument("--model", default="smollm2", help="model of launched servers and tokenizer")
     t.add_argument("--tokenizer", default=None, help="tokenizer (model name/path); default --model")
-    t.add_argument("--backend", choices=["radixserve", "openai"], default="radixserve")
+    t.add_argument(
+        "--backend",
+        choices=["radixserve", "openai", "engine"],
+        default="radixserve",
+        help="engine: an in-process Engine per variant (no server)",
+    )
     t.add_argument("--endpoint", default=None, help="a running radixserve server (tcp://...)")
     t.add_argument("--base-url", default=None, help="openai: e.g. http://127.0.0.1:8000/v1")
     t.add_argument("--served-model", default=None, help="openai: model name (default: /models)")
@@ -133,6 +163,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_workload(args: argparse.Namespace, src: TokenSource) -> Workload:
     builder = BUILDERS[args.workload]
+    if getattr(args, "score", False):
+        if args.workload not in SCORE_BUILDERS:
+            raise SystemExit(f"radixserve bench: --score does not apply to {args.workload}")
+        builder = SCORE_BUILDERS[args.workload]
     accepted = set(inspect.signature(builder).parameters) - {"src"}
     params = {}
     for name, _, _ in WORKLOAD_FLAGS:
@@ -141,13 +175,18 @@ def build_workload(args: argparse.Namespace, src: TokenSource) -> Workload:
         if value is None:
             continue
         if key not in accepted:
-            raise SystemExit(f"radixserve bench: --{name} does not apply to {args.workload}")
+            mode = " --score" if getattr(args, "score", False) else ""
+            raise SystemExit(f"radixserve bench: --{name} does not apply to {args.workload}{mode}")
         params[key] = value
     return builder(src, **params)
 
 
 def variants(args: argparse.Namespace) -> list[tuple[str, list[str] | None]]:
     """(label, launch flags) per variant; flags None: an existing server."""
+    if args.backend == "engine" and (args.endpoint or args.base_url):
+        raise SystemExit(
+            "radixserve bench: --backend engine runs in-process: drop --endpoint/--base-url"
+        )
     if args.endpoint or args.backend == "openai":
         if args.compare:
             raise SystemExit(
@@ -181,10 +220,32 @@ def make_backend(args: argparse.Namespace, endpoint: str | None) -> Backend:
     return RadixserveBackend(endpoint or args.endpoint, timeout=args.timeout)
 
 
+def make_engine(launch_args: Sequence[str]) -> Any:
+    """An in-process Engine configured exactly as ``radixserve launch LAUNCH_ARGS`` would be."""
+    from dataclasses import fields
+
+    from radixserve.cli import build_parser, config_from_args
+    from radixserve.engine import Engine
+
+    config = config_from_args(build_parser().parse_args(["launch", *launch_args])).engine
+    return Engine(**{f.name: getattr(config, f.name) for f in fields(config)})
+
+
 async def run_variant(
-    args: argparse.Namespace, workload: Workload, endpoint: str | None, label: str, tokenizer: Any
-) -> dict[str, Any]:
-    backend = make_backend(args, endpoint)
+    args: argparse.Namespace,
+    workload: Workload,
+    backend: Backend,
+    label: str,
+    tokenizer: Any,
+    prefix: str = "",
+) -> list[dict[str, Any]]:
+    """One target: the workload once, or a scoring workload once per SCORE_PASSES
+    (labelled ``prefix + pass``), each from a flushed cache. Each dict keeps the
+    run's records under ``_records`` (not written to the JSON)."""
+    passes = [(label, "choice")]
+    if workload.scored:
+        passes = [(prefix + name, mode) for name, mode in SCORE_PASSES]
+    out = []
     try:
         info = await backend.info()
         need = workload.max_prompt_len()
@@ -197,32 +258,39 @@ async def run_variant(
         for _ in range(args.warmup):
             async for _ev in backend.stream(warm.take(16), 4):
                 pass
-        flushed = await backend.reset_cache()
-        before = await backend.stats()
-        result = await run(
-            workload,
-            backend,
-            rate=args.rate,
-            max_concurrency=args.max_concurrency,
-            seed=args.seed,
-            encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
-            progress=not args.no_progress,
-            label=label,
-        )
-        after = await backend.stats()
+        for pass_label, score_from in passes:
+            flushed = await backend.reset_cache()
+            before = await backend.stats()
+            result = await run(
+                workload,
+                backend,
+                rate=args.rate,
+                max_concurrency=args.max_concurrency,
+                seed=args.seed,
+                encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
+                progress=not args.no_progress,
+                label=pass_label,
+                score_from=score_from,
+            )
+            after = await backend.stats()
+            v = {
+                "label": pass_label,
+                "backend": backend.name,
+                "model": info.model,
+                "page_size": info.page_size,
+                "cache_flushed_before_run": flushed,
+                "stats_before": before,
+                "stats_after": after,
+                "metrics": summarize(result, info.page_size, workload),
+                "requests": report.request_rows(result.records),
+                "_records": result.records,
+            }
+            if workload.scored:
+                v["score_from"] = score_from
+            out.append(v)
     finally:
         await backend.close()
-    return {
-        "label": label,
-        "backend": backend.name,
-        "model": info.model,
-        "page_size": info.page_size,
-        "cache_flushed_before_run": flushed,
-        "stats_before": before,
-        "stats_after": after,
-        "metrics": summarize(result, info.page_size),
-        "requests": report.request_rows(result.records),
-    }
+    return out
 
 
 def title(workload: Workload, args: argparse.Namespace) -> str:
@@ -250,19 +318,43 @@ def main(args: argparse.Namespace) -> int:
         _require("matplotlib", "the PNG plot (or pass --no-plot)")
     if args.backend == "openai":
         _require("httpx", "--backend openai")
+        if args.score:
+            raise SystemExit(f"radixserve bench: {SCORE_UNSUPPORTED}")
     plan = variants(args)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     workload = build_workload(args, from_tokenizer(tokenizer, args.prompt_kind, args.seed))
-    results = []
+    results: list[dict[str, Any]] = []
     for label, launch_args in plan:
+        prefix = f"{label} " if len(plan) > 1 else ""
         if launch_args is None:
-            results.append(asyncio.run(run_variant(args, workload, None, label, tokenizer)))
+            backend = make_backend(args, None)
+            results += asyncio.run(run_variant(args, workload, backend, label, tokenizer, prefix))
             continue
-        print(f"radixserve bench: launching {label}: {' '.join(launch_args)}", file=sys.stderr)
-        with LaunchedServer(launch_args) as server:
-            v = asyncio.run(run_variant(args, workload, server.endpoint, label, tokenizer))
-        v["server_args"], v["server_summary"] = launch_args, server.summary
-        results.append(v)
+        if args.backend == "engine":
+            print(f"radixserve bench: engine {label}: {' '.join(launch_args)}", file=sys.stderr)
+            engine = make_engine(launch_args)
+            try:
+                vs = asyncio.run(
+                    run_variant(args, workload, EngineBackend(engine), label, tokenizer, prefix)
+                )
+            finally:
+                engine.close()
+            summary = f"engine {engine.config.model}"
+        else:
+            print(f"radixserve bench: launching {label}: {' '.join(launch_args)}", file=sys.stderr)
+            with LaunchedServer(launch_args) as server:
+                backend = make_backend(args, server.endpoint)
+                vs = asyncio.run(run_variant(args, workload, backend, label, tokenizer, prefix))
+            summary = server.summary
+        for v in vs:
+            v["server_args"], v["server_summary"] = launch_args, summary
+        results += vs
+    if workload.scored:  # the same requests' scores against the first column's
+        first = results[0]["_records"]
+        for v in results[1:]:
+            v["metrics"].update(compare_scores(workload, first, v["_records"]))
+    for v in results:
+        del v["_records"]
 
     head = title(workload, args)
     print(report.table(head, results))

@@ -4,7 +4,15 @@ Latencies are in milliseconds. TTFT: send to the first chunk with output.
 ITL (inter-token latency): gaps between consecutive output chunks of one
 request (one token each on radixserve; servers that batch tokens into a chunk
 show larger gaps). Hit rate: sum of the server's ``cached_tokens`` over sum of
-its ``prompt_tokens``, over the requests that finished.
+its ``prompt_tokens``, over the requests that finished. Computed tokens: prompt
+tokens the server did not take from its cache (it ran the model over them).
+
+Scoring workloads add, per run: how many questions had every choice scored,
+the accuracy of picking the choice with the highest logprob sum (``accuracy``)
+or mean logprob per token (``accuracy_norm``), against chance (1 / choices).
+Over a random or tiny model these are a sanity check, not a measurement.
+``compare_scores`` says whether two runs of the same requests picked the same
+choices, and how far apart their logprob sums are.
 """
 
 from __future__ import annotations
@@ -14,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from radixserve.benchmark.optimal import optimal_hits
-from radixserve.benchmark.runner import RunResult, pairs
+from radixserve.benchmark.runner import RequestRecord, RunResult, pairs
+from radixserve.benchmark.workloads import Workload
 
 
 def _stats(values: list[float], prefix: str) -> dict[str, float | None]:
@@ -28,8 +37,11 @@ def _stats(values: list[float], prefix: str) -> dict[str, float | None]:
     }
 
 
-def summarize(result: RunResult, page_size: int) -> dict[str, Any]:
-    """Every number of one run (see the module docstring for definitions)."""
+def summarize(
+    result: RunResult, page_size: int, workload: Workload | None = None
+) -> dict[str, Any]:
+    """Every number of one run (see the module docstring for definitions); with a
+    scoring ``workload``, its scoring numbers too."""
     recs = result.records
     ok = [r for r in recs if r.ok]
     duration = result.duration
@@ -43,16 +55,18 @@ def summarize(result: RunResult, page_size: int) -> dict[str, Any]:
     # The optimum replays every request sent (a failed one may still have filled the
     # cache), and is summed over the finished ones, like the achieved rate.
     sent = pairs(recs)
+    starts = [r.logprob_start_len for r in recs]
     ok_idx = [i for i, r in enumerate(recs) if r.ok]
     sent_prompt = sum(len(recs[i].prompt_ids) for i in ok_idx)
 
     def optimum(ps: int) -> float | None:
-        hits = optimal_hits(sent, ps)
+        hits = optimal_hits(sent, ps, starts)
         return sum(hits[i] for i in ok_idx) / sent_prompt if sent_prompt else None
 
     hit_known = all(r.cached_known for r in ok)
     hit_rate = cached_tokens / prompt_tokens if hit_known and prompt_tokens else None
     opt1, opt_page = optimum(1), optimum(page_size)
+    scoring = score_summary(workload, recs) if workload is not None and workload.answers else {}
     return {
         "requests": len(ok),
         "failed": len(recs) - len(ok),
@@ -65,6 +79,7 @@ def summarize(result: RunResult, page_size: int) -> dict[str, Any]:
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "cached_tokens": cached_tokens if hit_known else None,
+        "computed_tokens": prompt_tokens - cached_tokens if hit_known else None,
         "sent_prompt_tokens": sent_prompt,
         "received_output_tokens": sum(len(r.output_ids) for r in ok),
         "expected_output_tokens": sum(r.max_tokens for r in ok),
@@ -83,4 +98,62 @@ def summarize(result: RunResult, page_size: int) -> dict[str, Any]:
         "optimal_hit_rate_page1": opt1,
         "optimal_hit_rate": opt_page,
         "hit_vs_optimal": hit_rate / opt_page if hit_rate is not None and opt_page else None,
+        **scoring,
+    }
+
+
+def _picks(workload: Workload, recs: list[RequestRecord]) -> dict[str, tuple[int, int]]:
+    """Question -> (the choice of highest logprob sum, of highest mean logprob per
+    choice token), over questions whose every choice was scored."""
+    n_choices = int(workload.params.get("choices") or 0)
+    by_q: dict[str, dict[int, tuple[float, int]]] = {}
+    for r, node in _scored(workload, recs):
+        if r.ok and r.choice_logprob is not None:
+            n = len(r.prompt_ids) - node.score.start  # type: ignore[union-attr]
+            by_q.setdefault(node.score.question, {})[node.score.choice] = (r.choice_logprob, n)  # type: ignore[union-attr]
+    out = {}
+    for q, scores in by_q.items():
+        if len(scores) == n_choices:
+            total = max(scores, key=lambda c: scores[c][0])
+            norm = max(scores, key=lambda c: scores[c][0] / scores[c][1])
+            out[q] = (total, norm)
+    return out
+
+
+def _scored(workload: Workload, recs: list[RequestRecord]) -> list[tuple[RequestRecord, Any]]:
+    nodes = {n.key: n for root in workload.roots for n in root.walk() if n.score is not None}
+    return [(r, nodes[r.key]) for r in recs if r.key in nodes]
+
+
+def score_summary(workload: Workload, recs: list[RequestRecord]) -> dict[str, Any]:
+    picks = _picks(workload, recs)
+    n = len(picks)
+    right = [workload.answers[q] for q in picks]
+    choices = int(workload.params.get("choices") or 0)
+    return {
+        "questions": len(workload.answers),
+        "questions_scored": n,
+        "accuracy": sum(p[0] == a for p, a in zip(picks.values(), right)) / n if n else None,
+        "accuracy_norm": sum(p[1] == a for p, a in zip(picks.values(), right)) / n if n else None,
+        "chance": 1 / choices if choices else None,
+    }
+
+
+def compare_scores(
+    workload: Workload, base: list[RequestRecord], other: list[RequestRecord]
+) -> dict[str, Any]:
+    """Two runs of the same scored requests: the share of questions where both
+    picked the same choice (by sum), and the largest |difference| of a choice's
+    logprob sum."""
+    pa, pb = _picks(workload, base), _picks(workload, other)
+    both = [q for q in pa if q in pb]
+    a = {r.key: r.choice_logprob for r in base}
+    diffs = [
+        abs(a[r.key] - r.choice_logprob)  # type: ignore[operator]
+        for r in other
+        if r.choice_logprob is not None and a.get(r.key) is not None
+    ]
+    return {
+        "picks_agree": sum(pa[q][0] == pb[q][0] for q in both) / len(both) if both else None,
+        "max_logprob_diff": max(diffs) if diffs else None,
     }

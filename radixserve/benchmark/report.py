@@ -28,10 +28,19 @@ ROWS = [  # (label, metrics key, format)
     ("e2e p99 ms", "e2e_p99_ms", "{:.0f}"),
     ("prompt tokens", "prompt_tokens", "{:.0f}"),
     ("cached tokens", "cached_tokens", "{:.0f}"),
+    ("computed tokens", "computed_tokens", "{:.0f}"),
     ("hit rate", "hit_rate", "{:.2%}"),
     ("optimal (page 1)", "optimal_hit_rate_page1", "{:.2%}"),
     ("optimal (server page)", "optimal_hit_rate", "{:.2%}"),
     ("hit / optimal", "hit_vs_optimal", "{:.3f}"),
+]
+SCORE_ROWS = [  # scoring workloads only (a sanity check: see metrics.py)
+    ("questions scored", "questions_scored", "{:.0f}"),
+    ("accuracy (sum)", "accuracy", "{:.3f}"),
+    ("accuracy (per token)", "accuracy_norm", "{:.3f}"),
+    ("chance", "chance", "{:.3f}"),
+    ("picks = first's", "picks_agree", "{:.3f}"),
+    ("max |logprob - first's|", "max_logprob_diff", "{:.1e}"),
 ]
 
 
@@ -45,7 +54,8 @@ def table(title: str, variants: list[dict[str, Any]]) -> str:
     base = labels[0]
     head = ["metric", *labels] + [f"{lab} / {base}" for lab in labels[1:]]
     lines = []
-    for name, key, fmt in ROWS:
+    rows = ROWS + (SCORE_ROWS if any("accuracy" in v["metrics"] for v in variants) else [])
+    for name, key, fmt in rows:
         vals = [v["metrics"].get(key) for v in variants]
         row = [name] + [_fmt(x, fmt) for x in vals]
         for x in vals[1:]:
@@ -83,6 +93,12 @@ def request_rows(result_records: list[Any]) -> list[dict[str, Any]]:
                 "error": r.error,
             }
         )
+        if r.score_start is not None:
+            rows[-1].update(
+                score_start=r.score_start,
+                logprob_start_len=r.logprob_start_len,
+                choice_logprob=r.choice_logprob,
+            )
     return rows
 
 

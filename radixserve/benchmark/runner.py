@@ -9,6 +9,11 @@ Each request records, relative to the run's start: when it was sent, when each
 streamed chunk with output arrived, and when it ended; the token ids sent and
 received; the server's ``usage``. ``order`` is the send order, which the
 offline-optimal hit rate replays.
+
+Scored requests (``Node.score``) are sent with ``logprob_start_len`` at the
+choice's start (``score_from="choice"``, the default) or 0 (``"whole"``: the
+whole prompt scored, what a client without the start position must ask for);
+the record keeps the logprob sum of the choice's tokens either way.
 """
 
 from __future__ import annotations
@@ -41,6 +46,11 @@ class RequestRecord:
     usage: Usage | None = None
     cached_known: bool = True
     error: str | None = None
+    # Scored requests: where the choice starts, the logprob_start_len sent, and
+    # the sum of the choice tokens' logprobs (None: not all of them came back).
+    score_start: int | None = None
+    logprob_start_len: int | None = None
+    choice_logprob: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -74,10 +84,15 @@ async def run(
     encode: Callable[[str], list[int]] | None = None,
     progress: bool = True,
     label: str = "",
+    score_from: str = "choice",
 ) -> RunResult:
     """Run the workload once; ``encode`` turns output text into ids when the backend
-    returns no ids (children's prompts need them)."""
+    returns no ids (children's prompts need them). ``score_from``: "choice" or
+    "whole", the ``logprob_start_len`` of scored requests (module docstring)."""
     from tqdm import tqdm
+
+    if score_from not in ("choice", "whole"):
+        raise ValueError(f"score_from must be choice or whole, got {score_from!r}")
 
     start = time.perf_counter()
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
@@ -97,9 +112,12 @@ async def run(
 
     async def one(node: Node, prompt: list[int]) -> RequestRecord:
         rec = RequestRecord(node.key, next(counter), prompt, node.max_tokens, now())
+        if node.score is not None:
+            rec.score_start = node.score.start
+            rec.logprob_start_len = node.score.start if score_from == "choice" else 0
         ids: list[int] | None = []
         try:
-            async for ev in backend.stream(prompt, node.max_tokens):
+            async for ev in backend.stream(prompt, node.max_tokens, rec.logprob_start_len):
                 if ev.text or ev.token_ids:
                     rec.chunk_times.append(now())
                 rec.output_text += ev.text
@@ -109,6 +127,8 @@ async def run(
                     ids = None  # text without ids: re-tokenize the whole answer below
                 if ev.usage is not None:
                     rec.usage, rec.cached_known = ev.usage, ev.cached_known
+                if ev.prompt_logprobs is not None and rec.score_start is not None:
+                    rec.choice_logprob = choice_sum(ev.prompt_logprobs, rec.score_start)
             if rec.usage is None:
                 rec.error = "the stream ended without usage"
         except Exception as e:  # a failed request is reported, not fatal to the run
@@ -142,6 +162,14 @@ async def run(
         bar.close()
     records.sort(key=lambda r: r.order)
     return RunResult(records, now(), not_sent)
+
+
+def choice_sum(prompt_logprobs: Sequence[float | None], start: int) -> float | None:
+    """Sum of the logprobs of positions ``start..``: None when one is missing."""
+    tail = prompt_logprobs[start:]
+    if not tail or any(lp is None for lp in tail):
+        return None
+    return float(sum(tail))  # type: ignore[arg-type]
 
 
 def pairs(records: Sequence[RequestRecord]) -> list[tuple[list[int], list[int]]]:

@@ -6,6 +6,10 @@ children that are sent when it finishes, each with the prompt
 turn, a branch of a tree). Prompts are token ids, so lengths are exact and the
 offline-optimal hit rate can be computed over exactly what was sent.
 
+A scored request (``Node.score``, the few-shot workload's scoring mode) asks
+for the logprobs of its prompt's last tokens instead of a completion, as an
+evaluation harness scores a multiple-choice question: one request per choice.
+
 Tokens come from a ``TokenSource``: random ids from the vocabulary (special
 tokens excluded) or runs of real English (the standard library's
 ``pydoc_data.topics``) tokenized by the model's tokenizer.
@@ -22,15 +26,27 @@ import numpy as np
 WORKLOADS = ("shared-prefix", "multi-turn", "few-shot", "tree")
 
 
+@dataclass(frozen=True)
+class Score:
+    """What a scored request is: choice ``choice`` of question ``question``, whose
+    tokens start at prompt position ``start`` (the context and question before it)."""
+
+    question: str
+    choice: int
+    start: int
+
+
 @dataclass
 class Node:
     """One request. ``tokens``: the whole prompt for a root; for a child, what follows
-    its parent's prompt and output."""
+    its parent's prompt and output. ``score``: set when the request scores its
+    prompt's tail (prompt logprobs from ``score.start`` on)."""
 
     key: str
     tokens: list[int]
     max_tokens: int
     children: list[Node] = field(default_factory=list)
+    score: Score | None = None
 
     def walk(self) -> Iterator[Node]:
         yield self
@@ -43,6 +59,12 @@ class Workload:
     name: str
     params: dict[str, Any]
     roots: list[Node]
+    # Scoring workloads: question -> the index of its right choice.
+    answers: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def scored(self) -> bool:
+        return any(n.score is not None for r in self.roots for n in r.walk())
 
     @property
     def num_requests(self) -> int:
@@ -197,6 +219,61 @@ def few_shot(
     return Workload("few-shot", params, roots)
 
 
+def few_shot_score(
+    src: TokenSource,
+    subjects: int = 8,
+    questions: int = 32,
+    shots: int = 5,
+    example_len: int = 128,
+    question_len: int = 64,
+    choices: int = 4,
+    choice_len: int = 4,
+) -> Workload:
+    """Multiple-choice scoring (as lm-eval scores MMLU-like tasks): per subject, k
+    shared examples; per question, ``choices`` requests, each = examples + question
+    + one choice (1 to ``choice_len`` tokens), asking for the logprobs of the
+    choice's tokens and one output token. Questions of all subjects are
+    interleaved; a question's choices are sent one after the other. Each question
+    gets a random right answer (for the accuracy, a sanity check only)."""
+    if choices < 1 or choice_len < 1:
+        raise ValueError(f"choices and choice_len must be >= 1, got {choices}, {choice_len}")
+    per_subject = []
+    answers: dict[str, int] = {}
+    for s in range(subjects):
+        examples = [t for _ in range(shots) for t in src.take(example_len)]
+        subject = []
+        for q in range(questions):
+            head = examples + src.take(question_len)
+            key = f"s{s}-q{q}"
+            answers[key] = int(src.rng.integers(choices))
+            drawn: list[list[int]] = []
+            for _ in range(100 * choices):  # distinct choices, as a real question has
+                if len(drawn) == choices:
+                    break
+                choice = src.between(1, choice_len)
+                if choice not in drawn:
+                    drawn.append(choice)
+            if len(drawn) < choices:
+                raise ValueError(f"could not draw {choices} distinct choices: raise --choice-len")
+            nodes = [
+                Node(f"{key}-c{c}", head + tokens, 1, [], Score(key, c, len(head)))
+                for c, tokens in enumerate(drawn)
+            ]
+            subject.append(nodes)
+        per_subject.append(subject)
+    roots = [n for q in range(questions) for s in range(subjects) for n in per_subject[s][q]]
+    params = dict(
+        subjects=subjects,
+        questions=questions,
+        shots=shots,
+        example_len=example_len,
+        question_len=question_len,
+        choices=choices,
+        choice_len=choice_len,
+    )
+    return Workload("few-shot-score", params, roots, answers)
+
+
 def tree(
     src: TokenSource,
     trees: int = 4,
@@ -235,3 +312,5 @@ BUILDERS = {
     "few-shot": few_shot,
     "tree": tree,
 }
+# The scoring mode of a workload (``radixserve bench few-shot --score``).
+SCORE_BUILDERS = {"few-shot": few_shot_score}

@@ -5,7 +5,9 @@ and the two fresh servers ``radixserve bench --compare cache=radix,none`` starts
 Checks: nothing fails; usage agrees with the tokens sent and received; a child's
 prompt is its parent's prompt + answer + its own tokens; hits never exceed the
 offline optimum and reach >= 0.98 of it; the server's own counters agree; cache
-none hits nothing; the JSON and PNG are written.
+none hits nothing; the JSON and PNG are written. A scoring workload (prompt
+logprobs from each choice's start) goes over ZeroMQ too, and again scoring
+the whole prompt: nothing hits, the scores agree.
 """
 
 from __future__ import annotations
@@ -19,9 +21,16 @@ from pathlib import Path
 import pytest
 
 from radixserve.benchmark.backends import RadixserveBackend
-from radixserve.benchmark.metrics import summarize
+from radixserve.benchmark.metrics import compare_scores, summarize
 from radixserve.benchmark.runner import run
-from radixserve.benchmark.workloads import TokenSource, few_shot, multi_turn, shared_prefix, tree
+from radixserve.benchmark.workloads import (
+    TokenSource,
+    few_shot,
+    few_shot_score,
+    multi_turn,
+    shared_prefix,
+    tree,
+)
 from radixserve.cli import main as radixserve_main
 from tests.helpers.server import Server
 from tests.helpers.tiny_models import make_tiny_model
@@ -70,6 +79,9 @@ WORKLOADS = {
     ),
     "tree": lambda: tree(
         src(4), trees=2, depth=2, branches=3, root_len=37, branch_len=5, output_len=4
+    ),
+    "few-shot-score": lambda: few_shot_score(
+        src(6), subjects=2, questions=3, shots=3, example_len=15, question_len=6, choices=3
     ),
 }
 
@@ -126,6 +138,25 @@ def test_workload_numbers_add_up(server, name):
     assert m["ttft_mean_ms"] > 0 and m["e2e_p99_ms"] >= m["ttft_p99_ms"]
     if workload.roots[0].max_tokens > 1:
         assert m["itl_mean_ms"] > 0
+
+
+def test_scoring_the_whole_prompt_over_zeromq(server):
+    w = WORKLOADS["few-shot-score"]()
+    rule, *_ = asyncio.run(bench(server.endpoint, w))
+    whole, before, after, check = asyncio.run(bench(server.endpoint, w, score_from="whole"))
+    mr, mw = summarize(rule, PAGE, w), summarize(whole, PAGE, w)
+    assert mr["failed"] == mw["failed"] == 0 and check == {"ok": True, "error": None}
+    assert mr["questions_scored"] == mw["questions_scored"] == 6
+    assert mr["hit_vs_optimal"] >= 0.98
+    assert mw["cached_tokens"] == mw["optimal_hit_rate"] == 0
+    assert after["hit_tokens"] == before["hit_tokens"]
+    assert mw["computed_tokens"] > mr["computed_tokens"]
+    # The server runs in the CPU's auto dtype (bfloat16 where it is fast), in which
+    # cached and recomputed KV may differ in the last bits; test_score.py checks
+    # equality in float64.
+    cmp = compare_scores(w, rule.records, whole.records)
+    largest = max(abs(r.choice_logprob) for r in rule.records)
+    assert cmp["picks_agree"] is not None and cmp["max_logprob_diff"] <= 0.02 * largest
 
 
 def test_compare_cache_radix_none(model_dir, tmp_path, capsys):

@@ -5,16 +5,27 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.benchmark.optimal import PrefixTrie, cacheable, optimal_hit_rate, optimal_hits
+from radixserve.benchmark.optimal import (
+    PrefixTrie,
+    cacheable,
+    hit_limit,
+    optimal_hit_rate,
+    optimal_hits,
+)
 
 
-def brute_force(requests, page_size):
+def brute_force(requests, page_size, starts=None):
     """Every prefix of every sequence with KV, in a set; a hit is the longest prefix
-    in the set, capped at len-1, rounded down to whole pages."""
+    in the set, capped at len-1 and below the first scored position (whose logit
+    comes from the position before it), rounded down to whole pages."""
     seen: set[tuple[int, ...]] = {()}
     hits = []
-    for prompt, output in requests:
+    for n, (prompt, output) in enumerate(requests):
         limit = len(prompt) - 1
+        start = None if starts is None else starts[n]
+        scored = [] if start is None else [i for i in range(1, len(prompt)) if i >= start]
+        if scored:
+            limit = min(limit, scored[0] - 1)
         k = max(i for i in range(limit + 1) if tuple(prompt[:i]) in seen) if limit > 0 else 0
         hits.append(k // page_size * page_size)
         kv = list(prompt) + list(output[:-1])
@@ -31,6 +42,13 @@ reqs = st.lists(st.tuples(seqs, st.lists(st.integers(0, 3), max_size=4)), max_si
 @given(reqs, st.sampled_from([1, 2, 3, 4]))
 def test_matches_brute_force(requests, page_size):
     assert optimal_hits(requests, page_size) == brute_force(requests, page_size)
+
+
+@settings(max_examples=300, deadline=None)
+@given(reqs, st.sampled_from([1, 2, 3]), st.data())
+def test_matches_brute_force_with_logprob_starts(requests, page_size, data):
+    starts = [data.draw(st.one_of(st.none(), st.integers(0, 14))) for _ in requests]
+    assert optimal_hits(requests, page_size, starts) == brute_force(requests, page_size, starts)
 
 
 @settings(max_examples=200, deadline=None)
@@ -63,6 +81,38 @@ def test_next_turn_reuses_the_answer_except_its_last_token():
     turn1 = ([1, 2, 3], [7, 8, 9])
     turn2 = ([1, 2, 3, 7, 8, 9, 4, 5], [6])
     assert optimal_hits([turn1, turn2], 1) == [0, 5]
+
+
+def test_multiple_choice_scoring_by_hand():
+    """A 10-token context + a 2-token question, three choices, then a second question.
+
+    Each choice is scored from position 12 (the choice's first token), whose logprob
+    needs the logits of position 11: at most 11 tokens may come from the cache, even
+    though the context and question (12 tokens) were computed by the first choice."""
+    context, q1, q2 = list(range(100, 110)), [20, 21], [22, 23]
+    requests = [
+        (context + q1 + [30], [0]),  # 13 tokens: nothing cached yet
+        (context + q1 + [31, 32], [0]),  # 14 tokens: 12 match, capped at 11
+        (context + q1 + [33], [0]),  # 13 tokens: capped at 11
+        (context + q2 + [30], [0]),  # 13 tokens: the context matches (10 < 11)
+    ]
+    starts = [12, 12, 12, 12]
+    assert optimal_hits(requests, 1, starts) == [0, 11, 11, 10]
+    assert optimal_hit_rate(requests, 1, starts) == 32 / 53
+    assert optimal_hits(requests, 4, starts) == [0, 8, 8, 8]  # whole pages only
+    # Without the cap (no prompt logprobs) the choices would reuse all 12 tokens.
+    assert optimal_hits(requests, 1) == [0, 12, 12, 10]
+    # Scoring the whole prompt (logprob_start_len 0) reuses nothing.
+    assert optimal_hits(requests, 1, [0, 0, 0, 0]) == [0, 0, 0, 0]
+
+
+def test_hit_limit():
+    assert hit_limit(10) == 9 and hit_limit(10, None) == 9
+    assert hit_limit(10, 0) == hit_limit(10, 1) == 0  # position 0 is never scored
+    assert hit_limit(10, 4) == 3
+    assert hit_limit(10, 9) == 8  # only the last token scored
+    assert hit_limit(10, 10) == hit_limit(10, 50) == 9  # nothing left to score: no cap
+    assert cacheable(8, 10, 2, 6) == 4  # min(8, 5) = 5, rounded down to pages of 2
 
 
 def test_cacheable():

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from radixserve.benchmark.runner import arrival_times
-from radixserve.benchmark.workloads import TokenSource, few_shot, multi_turn, shared_prefix, tree
+from radixserve.benchmark.workloads import (
+    TokenSource,
+    few_shot,
+    few_shot_score,
+    multi_turn,
+    shared_prefix,
+    tree,
+)
 
 
 def src(seed: int = 0) -> TokenSource:
@@ -46,6 +53,50 @@ def test_few_shot_shares_examples_per_subject():
     assert w.num_requests == 6 and all(len(r.tokens) == 26 and r.max_tokens == 1 for r in w.roots)
     assert [r.key for r in w.roots][:2] == ["s0-q0", "s1-q0"]  # subjects interleaved
     assert w.roots[0].tokens[:24] == w.roots[2].tokens[:24] != w.roots[1].tokens[:24]
+
+
+def test_few_shot_score_one_request_per_choice_scored_from_the_choice():
+    w = few_shot_score(
+        src(),
+        subjects=2,
+        questions=3,
+        shots=2,
+        example_len=5,
+        question_len=4,
+        choices=4,
+        choice_len=3,
+    )
+    assert w.name == "few-shot-score" and w.scored
+    assert w.num_requests == len(w.roots) == 2 * 3 * 4
+    assert set(w.answers) == {f"s{s}-q{q}" for s in range(2) for q in range(3)}
+    assert all(0 <= a < 4 for a in w.answers.values())
+    # Questions interleaved by subject; a question's choices sent one after the other.
+    assert [r.key for r in w.roots][:6] == [
+        "s0-q0-c0",
+        "s0-q0-c1",
+        "s0-q0-c2",
+        "s0-q0-c3",
+        "s1-q0-c0",
+        "s1-q0-c1",
+    ]
+    for i in range(0, len(w.roots), 4):
+        group = w.roots[i : i + 4]
+        head = group[0].tokens[: group[0].score.start]
+        assert {n.score.question for n in group} == {group[0].key.rsplit("-", 1)[0]}
+        assert [n.score.choice for n in group] == [0, 1, 2, 3]
+        for n in group:
+            assert n.score.start == 2 * 5 + 4 == len(head)  # context + question
+            assert n.tokens[: n.score.start] == head  # the same context and question
+            assert 1 <= len(n.tokens) - n.score.start <= 3  # the choice
+            assert n.max_tokens == 1 and not n.children
+        assert len({tuple(n.tokens[n.score.start :]) for n in group}) == 4  # distinct choices
+    # The context is shared within a subject, not across subjects.
+    s0 = [r for r in w.roots if r.key.startswith("s0-")]
+    s1 = [r for r in w.roots if r.key.startswith("s1-")]
+    assert all(r.tokens[:10] == s0[0].tokens[:10] for r in s0)
+    assert s1[0].tokens[:10] != s0[0].tokens[:10]
+    assert len({tuple(r.tokens[10:14]) for r in s0}) == 3  # one question each
+    assert not few_shot(src(), subjects=1, questions=1).scored
 
 
 def test_tree_has_b_to_the_d_leaves():
