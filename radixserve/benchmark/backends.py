@@ -108,13 +108,6 @@ class RadixserveBackend:
         self.client.close()
 
 
-SCORE_UNSUPPORTED = (
-    "scoring needs prompt logprobs from a start position, which the openai backend "
-    "does not send (/v1/completions has no such field yet); use --backend radixserve "
-    "or --backend engine"
-)
-
-
 class OpenAIBackend:
     """Any OpenAI-compatible server (radixserve's HTTP front, vLLM, SGLang).
 
@@ -123,10 +116,15 @@ class OpenAIBackend:
     ``choices[0].token_ids`` when the server returns them (the body asks with
     ``"return_token_ids": true``, which vLLM and radixserve honour), else the
     runner re-tokenizes the text.
+
+    A scored request is sent whole (not streamed) with ``echo``, ``logprobs: 0``
+    and radixserve's ``logprob_start_len``: the prompt's ``token_logprobs`` come
+    back first. A server without that extra scores the whole prompt (and, as
+    OpenAI's API has no start position, recomputes it).
     """
 
     name = "openai"
-    scores = False  # no prompt logprobs from a start position (see SCORE_UNSUPPORTED)
+    scores = True
 
     def __init__(
         self,
@@ -159,7 +157,8 @@ class OpenAIBackend:
         self, input_ids: Sequence[int], max_tokens: int, logprob_start_len: int | None = None
     ) -> AsyncIterator[StreamEvent]:
         if logprob_start_len is not None:
-            raise NotImplementedError(SCORE_UNSUPPORTED)
+            yield await self._score(input_ids, max_tokens, logprob_start_len)
+            return
         body = {
             "model": self.model,
             "prompt": list(input_ids),
@@ -175,6 +174,29 @@ class OpenAIBackend:
                 raise RuntimeError(f"HTTP {r.status_code} from {self.base_url}: {detail}")
             async for obj in sse_objects(r.aiter_lines()):
                 yield event_from_openai(obj)
+
+    async def _score(
+        self, input_ids: Sequence[int], max_tokens: int, logprob_start_len: int
+    ) -> StreamEvent:
+        body = {
+            "model": self.model,
+            "prompt": list(input_ids),
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "echo": True,
+            "logprobs": 0,
+            "logprob_start_len": logprob_start_len,
+            **self.extra_body,
+        }
+        r = await self.http.post(f"{self.base_url}/completions", json=body)
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code} from {self.base_url}: {r.text[:500]}")
+        obj = r.json()
+        event = event_from_openai(obj)
+        choice = obj["choices"][0]
+        event.text = ""  # the echoed prompt is not output; the ids say what was generated
+        event.prompt_logprobs = choice["logprobs"]["token_logprobs"][: len(input_ids)]
+        return event
 
     async def reset_cache(self) -> bool:
         return False  # no standard endpoint: start each run from a fresh server
@@ -233,7 +255,7 @@ def _wire_logprobs(entries: list | None) -> list[float | None] | None:
     """The logprob of each position of the public ``[id, text, logprob, top]`` entries."""
     if entries is None:
         return None
-    return [None if e is None else float(e[2]) for e in entries]
+    return [None if e is None or e[2] is None else float(e[2]) for e in entries]
 
 
 class EngineBackend:

@@ -34,7 +34,6 @@ from typing import Any
 
 from radixserve.benchmark import report
 from radixserve.benchmark.backends import (
-    SCORE_UNSUPPORTED,
     Backend,
     EngineBackend,
     OpenAIBackend,
@@ -318,8 +317,6 @@ def main(args: argparse.Namespace) -> int:
         _require("matplotlib", "the PNG plot (or pass --no-plot)")
     if args.backend == "openai":
         _require("httpx", "--backend openai")
-        if args.score:
-            raise SystemExit(f"radixserve bench: {SCORE_UNSUPPORTED}")
     plan = variants(args)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     workload = build_workload(args, from_tokenizer(tokenizer, args.prompt_kind, args.seed))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from radixserve.benchmark.backends import SCORE_UNSUPPORTED, EngineBackend
+from radixserve.benchmark.backends import EngineBackend
 from radixserve.benchmark.metrics import compare_scores, summarize
 from radixserve.benchmark.runner import run
 from radixserve.benchmark.workloads import TokenSource, few_shot_score
@@ -129,11 +129,6 @@ def test_command_prints_both_passes_side_by_side(model_dir, tmp_path, capsys):
 
 
 def test_refusals(model_dir):
-    with pytest.raises(SystemExit, match="openai backend"):
-        radixserve_main(
-            bench_argv(model_dir)[:-2] + ["--backend", "openai", "--base-url", "http://x/v1"]
-        )
-    assert "does not send" in SCORE_UNSUPPORTED
     argv = ["bench", "shared-prefix", "--score", "--model", str(model_dir), "--no-plot"]
     with pytest.raises(SystemExit, match="--score does not apply to shared-prefix"):
         radixserve_main(argv)

@@ -15,7 +15,7 @@ import pytest
 from radixserve.benchmark.backends import OpenAIBackend
 from radixserve.benchmark.metrics import summarize
 from radixserve.benchmark.runner import run
-from radixserve.benchmark.workloads import TokenSource, multi_turn, shared_prefix
+from radixserve.benchmark.workloads import TokenSource, few_shot_score, multi_turn, shared_prefix
 from tests.http.conftest import MODEL
 
 PAGE = 4  # tests/serving's SERVER_ARGS
@@ -56,4 +56,27 @@ def test_openai_backend_against_the_http_front(base_url, zmq_client, name):
     assert after["hit_tokens"] - before["hit_tokens"] == m["cached_tokens"] > 0
     assert after["query_tokens"] - before["query_tokens"] == m["prompt_tokens"]
     assert m["hit_rate"] <= m["optimal_hit_rate"]
+    assert m["hit_vs_optimal"] >= 0.98
+
+
+def test_openai_backend_scores_from_the_choice(base_url, zmq_client):
+    """Scoring through /v1/completions (echo + logprob_start_len): each choice is
+    scored, and the shared context still comes from the cache."""
+    src = TokenSource.random(512, 23, exclude=[0, 1, 2, 3])
+    workload = few_shot_score(
+        src, subjects=2, questions=2, shots=2, example_len=24, question_len=6, choices=3
+    )
+    zmq_client.flush_cache()
+
+    async def go():
+        backend = OpenAIBackend(base_url, model=MODEL, page_size=PAGE, timeout=120)
+        try:
+            return await run(workload, backend, progress=False)
+        finally:
+            await backend.close()
+
+    result = asyncio.run(go())
+    m = summarize(result, PAGE)
+    assert m["failed"] == 0, m["errors"]
+    assert all(r.choice_logprob is not None and r.choice_logprob < 0 for r in result.records)
     assert m["hit_vs_optimal"] >= 0.98
