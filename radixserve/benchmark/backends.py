@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from radixserve.results import Usage
+from radixserve.sampling_params import SamplingParams
 
 
 @dataclass
@@ -77,15 +78,9 @@ class RadixserveBackend:
     async def stream(
         self, input_ids: Sequence[int], max_tokens: int, logprob_start_len: int | None = None
     ) -> AsyncIterator[StreamEvent]:
-        score = {}
-        if logprob_start_len is not None:
-            score = {"prompt_logprobs": 1, "logprob_start_len": logprob_start_len}
         async for chunk in self.client.generate_stream(
             input_ids=list(input_ids),
-            max_tokens=max_tokens,
-            temperature=0.0,
-            ignore_eos=True,
-            **score,
+            sampling_params=_bench_sampling(max_tokens, logprob_start_len),
         ):
             usage = Usage(**chunk.usage) if chunk.usage else None
             yield StreamEvent(
@@ -251,6 +246,15 @@ def event_from_openai(obj: dict[str, Any]) -> StreamEvent:
     )
 
 
+def _bench_sampling(max_tokens: int, logprob_start_len: int | None) -> SamplingParams:
+    """Greedy, ``max_tokens`` exactly; a scored request asks for prompt logprobs from
+    ``logprob_start_len``."""
+    score = {}
+    if logprob_start_len is not None:
+        score = {"prompt_logprobs": 1, "logprob_start_len": logprob_start_len}
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **score)
+
+
 def _wire_logprobs(entries: list | None) -> list[float | None] | None:
     """The logprob of each position of the public ``[id, text, logprob, top]`` entries."""
     if entries is None:
@@ -284,13 +288,9 @@ class EngineBackend:
     ) -> AsyncIterator[StreamEvent]:
         import asyncio
 
-        from radixserve.sampling_params import SamplingParams
         from radixserve.tokenizer.output import OutputStream
 
-        score = {}
-        if logprob_start_len is not None:
-            score = {"prompt_logprobs": 1, "logprob_start_len": logprob_start_len}
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **score)
+        sp = _bench_sampling(max_tokens, logprob_start_len)
         eng = self.engine
         ids = eng.inputs.to_ids(input_ids=list(input_ids))
         eng.inputs.check_sampling(sp)

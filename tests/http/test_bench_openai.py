@@ -32,13 +32,7 @@ WORKLOADS = {
 }
 
 
-@pytest.mark.parametrize("name", list(WORKLOADS))
-def test_openai_backend_against_the_http_front(base_url, zmq_client, name):
-    src = TokenSource.random(512, 21, exclude=[0, 1, 2, 3])
-    workload = WORKLOADS[name](src)
-    zmq_client.flush_cache()
-    before = zmq_client.stats()
-
+def run_openai(base_url: str, workload):
     async def go():
         backend = OpenAIBackend(base_url, model=MODEL, page_size=PAGE, timeout=120)
         try:
@@ -46,7 +40,17 @@ def test_openai_backend_against_the_http_front(base_url, zmq_client, name):
         finally:
             await backend.close()
 
-    m = summarize(asyncio.run(go()), PAGE)
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_openai_backend_against_the_http_front(base_url, zmq_client, name):
+    src = TokenSource.random(512, 21, exclude=[0, 1, 2, 3])
+    workload = WORKLOADS[name](src)
+    zmq_client.flush_cache()
+    before = zmq_client.stats()
+
+    m = summarize(run_openai(base_url, workload), PAGE)
     after = zmq_client.stats()
     assert m["failed"] == 0, m["errors"]
     assert m["requests"] == workload.num_requests
@@ -68,14 +72,7 @@ def test_openai_backend_scores_from_the_choice(base_url, zmq_client):
     )
     zmq_client.flush_cache()
 
-    async def go():
-        backend = OpenAIBackend(base_url, model=MODEL, page_size=PAGE, timeout=120)
-        try:
-            return await run(workload, backend, progress=False)
-        finally:
-            await backend.close()
-
-    result = asyncio.run(go())
+    result = run_openai(base_url, workload)
     m = summarize(result, PAGE)
     assert m["failed"] == 0, m["errors"]
     assert all(r.choice_logprob is not None and r.choice_logprob < 0 for r in result.records)
