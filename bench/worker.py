@@ -122,7 +122,7 @@ def ours_decode(runner: ModelRunner, batch: int, context: int):
                                     GREEDY if step == 0 else None))  # fmt: skip
                 held[i] = need
             t = time.perf_counter()
-            toks = runner.step(Step(reqs))
+            toks = runner.step(Step(reqs)).tokens
             dt = time.perf_counter() - t
             pos = [p + 1 for p in pos]
             if step:  # the first step registers the slots

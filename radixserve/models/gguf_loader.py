@@ -10,6 +10,17 @@ subtracts the 1 again, so do we), and ``ffn_norm`` is the pre-feedforward norm.
 transformers' GGUF config reader skips some Gemma settings llama.cpp does store:
 ``complete_config`` adds Gemma 2's soft-caps and Gemma 3's rope scaling from the
 file's metadata.
+
+Phi-3 (``phi3``): q/k/v and gate/up stay fused as in the HF checkpoint (``attn_qkv``,
+``ffn_up`` holding gate then up); LongRoPE's factor lists are the tensors
+``rope_factors_long`` / ``rope_factors_short``, which ``complete_config`` turns back into
+the rope parameters (with the original context, the attention factor, the rotary
+dimension and the sliding window, none of which transformers' reader takes).
+
+Qwen3-MoE (``qwen3moe``): the router is ``ffn_gate_inp``; each layer's experts are one
+stacked tensor per projection (``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``,
+[experts, out, in]), split here into transformers' per-expert names.
+``complete_config`` adds the experts' width (``expert_feed_forward_length``).
 """
 
 from __future__ import annotations
@@ -28,6 +39,8 @@ GGUF_ARCHITECTURES = {
     "qwen3": False,
     "gemma2": False,
     "gemma3": False,
+    "phi3": False,
+    "qwen3moe": False,
 }
 #: Architectures whose GGUF norm weights are stored as 1 + w.
 _UNIT_OFFSET_NORMS = ("gemma2", "gemma3")
@@ -60,6 +73,25 @@ _GEMMA_BLOCK_NAMES = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+#: Phi-3 keeps q/k/v and gate/up fused: ``ffn_up`` is gate_up there.
+_PHI3_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
+#: Qwen3-MoE: the router, and stacked experts (split per expert in ``read_gguf_weights``).
+_MOE_BLOCK_NAMES = {**_BLOCK_NAMES, "ffn_gate_inp.weight": "mlp.gate.weight"}
+_STACKED_EXPERTS = {
+    "ffn_gate_exps.weight": "gate_proj",
+    "ffn_up_exps.weight": "up_proj",
+    "ffn_down_exps.weight": "down_proj",
+}
+#: Tensors that are config, not weights (read by ``complete_config``).
+_ROPE_FACTORS = {
+    "rope_factors_long.weight": "long_factor",
+    "rope_factors_short.weight": "short_factor",
+}
+_BLOCK_NAMES_BY_ARCH = {"phi3": _PHI3_BLOCK_NAMES, "qwen3moe": _MOE_BLOCK_NAMES}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -94,11 +126,22 @@ def read_gguf_weights(
         )
     permuted = GGUF_ARCHITECTURES[arch]
     unit_offset = arch in _UNIT_OFFSET_NORMS
-    block_names = _GEMMA_BLOCK_NAMES if unit_offset else _BLOCK_NAMES
+    block_names = (
+        _GEMMA_BLOCK_NAMES if unit_offset else _BLOCK_NAMES_BY_ARCH.get(arch, _BLOCK_NAMES)
+    )
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
+        if t.name in _ROPE_FACTORS:
+            continue
         shape = tuple(int(x) for x in reversed(t.shape))  # ggml order is reversed
         data = np.asarray(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        m = _BLOCK.match(t.name)
+        if m and m.group(2) in _STACKED_EXPERTS:
+            prefix = f"model.layers.{m.group(1)}.mlp.experts."
+            for e, w in enumerate(data):  # [experts, out, in]
+                key = f"{prefix}{e}.{_STACKED_EXPERTS[m.group(2)]}.weight"
+                out[key] = torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
+            continue
         name = _hf_name(t.name, block_names)
         if unit_offset and t.name.endswith("norm.weight"):
             data = data - 1.0
@@ -113,7 +156,9 @@ def read_gguf_weights(
 def complete_config(hf_config: Any, path: str | Path) -> Any:
     """Add to transformers' config of a GGUF file what its reader leaves out and the file
     holds: Gemma 2's attention and final logit soft-caps, Gemma 3's rope scaling (linear,
-    x8 on the larger models) of the global layers. Others are returned unchanged."""
+    x8 on the larger models) of the global layers; Phi-3's original context, sliding
+    window, rotary dimension and LongRoPE factors; Qwen3-MoE's expert width. Others are
+    returned unchanged."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -128,6 +173,17 @@ def complete_config(hf_config: Any, path: str | Path) -> Any:
                           (gguf.Keys.LLM.FINAL_LOGIT_SOFTCAPPING, "final_logit_softcapping")):  # fmt: skip
             if value(key) is not None:
                 setattr(hf_config, attr, float(value(key)))
+    if arch == "llama" and value(gguf.Keys.LLM.EXPERT_COUNT):
+        raise ValueError(
+            f"{path} is a Mixtral GGUF (architecture 'llama' with experts): transformers "
+            "reads its config as a dense Llama, so it is not supported; use the HF folder"
+        )
+    if arch == "phi3":
+        _complete_phi3(hf_config, reader, value)
+    if arch == "qwen3moe" and value(gguf.Keys.LLM.EXPERT_FEED_FORWARD_LENGTH) is not None:
+        hf_config.moe_intermediate_size = int(value(gguf.Keys.LLM.EXPERT_FEED_FORWARD_LENGTH))
+    if arch == "qwen3moe" and value(gguf.Keys.LLM.EXPERT_WEIGHTS_NORM) is not None:
+        hf_config.norm_topk_prob = bool(value(gguf.Keys.LLM.EXPERT_WEIGHTS_NORM))
     kind = value(gguf.Keys.Rope.SCALING_TYPE)
     if arch == "gemma3" and kind not in (None, "none"):
         scaling = {"rope_type": str(kind), "factor": float(value(gguf.Keys.Rope.SCALING_FACTOR))}
@@ -137,6 +193,37 @@ def complete_config(hf_config: Any, path: str | Path) -> Any:
         else:
             hf_config.rope_scaling = scaling
     return hf_config
+
+
+def _complete_phi3(hf_config: Any, reader: Any, value: Any) -> None:
+    """What llama.cpp's Phi-3 converter stores and transformers' reader skips."""
+    import gguf
+
+    window = value(gguf.Keys.Attention.SLIDING_WINDOW)
+    if window is not None:  # 0: none (Phi-4)
+        hf_config.sliding_window = int(window) or None
+    original = value(gguf.Keys.Rope.SCALING_ORIG_CTX_LEN)
+    head_dim = hf_config.hidden_size // hf_config.num_attention_heads
+    rope_dims = value(gguf.Keys.Rope.DIMENSION_COUNT)
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    params.setdefault("rope_theta", float(getattr(hf_config, "rope_theta", 10000.0)))
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        params["partial_rotary_factor"] = int(rope_dims) / head_dim
+        hf_config.partial_rotary_factor = int(rope_dims) / head_dim
+    if original is not None:
+        hf_config.original_max_position_embeddings = int(original)
+        params["original_max_position_embeddings"] = int(original)
+    factors = {
+        _ROPE_FACTORS[t.name]: [float(x) for x in np.asarray(t.data, dtype=np.float32)]
+        for t in reader.tensors
+        if t.name in _ROPE_FACTORS
+    }
+    if factors:
+        params.update(rope_type="longrope", **factors)
+        attention = value(gguf.Keys.Rope.SCALING_ATTN_FACTOR)
+        if attention is not None:
+            params["attention_factor"] = float(attention)
+    hf_config.rope_parameters = params
 
 
 def _hf_name(name: str, block_names: dict[str, str]) -> str:
