@@ -36,6 +36,7 @@ ends. It prints one table row per round. Exit status 1 if anything failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import re
@@ -268,7 +269,8 @@ def kill_round(args: argparse.Namespace, target: str, log_path: str) -> dict:
         row["problems"].append(f"the server failed before the kill: {e}")
     pid = srv.proc.pid if name == "launcher" else srv.pids[name]
     t_kill = time.monotonic()
-    os.kill(pid, signal.SIGSTOP if stop else signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGSTOP if stop else signal.SIGKILL)
     try:
         rc = srv.proc.wait(args.exit_bound)
     except subprocess.TimeoutExpired:
