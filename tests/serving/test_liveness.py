@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import msgpack
@@ -184,6 +185,42 @@ def test_clients_notice_a_stopped_then_dead_tokenizer_within_seconds(model_dir):
                 c.generate(input_ids=[5, 6], max_tokens=2)
         os.kill(srv.pids["tokenizer"], signal.SIGKILL)
         assert srv.wait(40) == 1
+    finally:
+        srv.stop()
+    assert srv.wait_orphans_gone() == []
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_of_the_scheduler_fails_plain_and_streaming_requests_in_flight(model_dir):
+    """Nothing answers for a dead scheduler: the launcher notices, the tokenizer fails
+    both requests (the plain one has no chunk to lose) at once, and nothing is left."""
+    srv = Server(model_dir, *SERVER_ARGS)
+    errors: dict[str, tuple[str, float]] = {}
+
+    def plain() -> None:
+        with Client(srv.endpoint, timeout=60) as c:
+            try:
+                c.generate(input_ids=[8, 9], **LONG)
+            except ServerError as e:
+                errors["plain"] = (str(e), time.monotonic())
+
+    try:
+        with Client(srv.endpoint, timeout=60) as c:
+            stream = c.generate_stream(input_ids=[5, 6, 7], **LONG)
+            next(stream)
+            t = threading.Thread(target=plain)
+            t.start()
+            while c.stats()["running"] < 2:
+                time.sleep(0.05)
+            t0 = time.monotonic()
+            os.kill(srv.pids["scheduler"], signal.SIGKILL)
+            with pytest.raises(ServerError, match="scheduler"):
+                for _ in stream:
+                    pass
+            t.join(30)
+        assert "scheduler" in errors["plain"][0]
+        assert errors["plain"][1] - t0 < 10  # the heartbeat timeout is 3 s
+        assert srv.wait(30) == 1
     finally:
         srv.stop()
     assert srv.wait_orphans_gone() == []
