@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from radixserve import Engine, SamplingParams
-from tests.helpers.tiny_models import hf_greedy, make_tiny_model, patch_hf_float64
+from tests.helpers.tiny_models import hf_greedy, load_hf_float64, make_tiny_model
 
 MAX_NEW = 24
 
@@ -27,10 +26,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf(tiny_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float64)
-    return patch_hf_float64(model.eval())
+    return load_hf_float64(tiny_dir)
 
 
 @pytest.fixture(scope="module")

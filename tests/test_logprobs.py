@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from radixserve import Engine, SamplingParams
-from tests.helpers.tiny_models import make_tiny_model, patch_hf_float64
+from tests.helpers.tiny_models import load_hf_float64, make_tiny_model
 
 TOL = 1e-9
 
@@ -27,10 +27,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf(tiny_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float64)
-    return patch_hf_float64(model.eval())
+    return load_hf_float64(tiny_dir)
 
 
 @pytest.fixture(scope="module")

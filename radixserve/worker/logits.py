@@ -139,11 +139,7 @@ def token_logprobs(
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     lp = torch.log_softmax(logits.to(dtype), dim=-1)
     chosen = lp.gather(1, token_ids.to(torch.int64)[:, None]).squeeze(1)
-    if k > 0:
-        top_lp, top_ids = lp.topk(k, dim=-1)
-    else:
-        top_lp = lp.new_zeros(len(lp), 0)
-        top_ids = torch.zeros(len(lp), 0, dtype=torch.int64, device=lp.device)
+    top_lp, top_ids = lp.topk(k, dim=-1)
     return (
         chosen.double().cpu().numpy(),
         top_ids.to(torch.int32).cpu().numpy(),

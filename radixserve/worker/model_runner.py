@@ -175,7 +175,7 @@ class ModelRunner:
         positions = [r.start_pos + len(r.input_ids) for r in sampling]
         want = [(i, p.logprobs) for i, p in enumerate(map(self.sampler.params, slots))]
         want = [(i, k) for i, k in want if k is not None]
-        raw = logits[[i for i, _ in want]].clone() if want else None
+        raw = logits[[i for i, _ in want]] if want else None  # a copy: indexing by list
         if self.logits_processor.active(slots):
             logits = self.logits_processor.apply(logits, slots, positions)
         tokens = self.sampler.sample(logits, slots, positions)

@@ -271,6 +271,14 @@ def _router64(self, hidden_states: torch.Tensor):
     return logits, top.to(logits.dtype), index
 
 
+def load_hf_float64(folder: str | Path) -> torch.nn.Module:
+    """The HF transformers model saved in ``folder``, in float64 throughout, for evaluation."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    return patch_hf_float64(model.eval())
+
+
 def hf_greedy(hf: torch.nn.Module, prompt, n: int) -> tuple[list[int], torch.Tensor]:
     """The oracle: HF's greedy continuation by full recomputation (no cache), and the
     first step's logits."""
