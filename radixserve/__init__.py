@@ -4,10 +4,10 @@
 """
 
 from radixserve.results import Result, Usage
-from radixserve.sampling_params import SamplingParams
+from radixserve.sampling_params import SamplingParams, StructuredOutput
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "Result", "SamplingParams", "Usage", "__version__"]
+__all__ = ["Engine", "Result", "SamplingParams", "StructuredOutput", "Usage", "__version__"]
 
 
 def __getattr__(name: str):

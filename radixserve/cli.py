@@ -270,6 +270,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="let special tokens typed inside chat message content act as control "
         "tokens (by default they are plain text)",
     )
+    so = p.add_argument_group("structured output (docs/structured.md)")
+    so.add_argument(
+        "--grammar-cache-size",
+        type=_non_negative,
+        default=d.grammar_cache_size,
+        help="compiled grammars kept for reuse once no request uses them",
+    )
+    so.add_argument(
+        "--jump-forward",
+        action=argparse.BooleanOptionalAction,
+        default=d.jump_forward,
+        help="append the tokens a grammar forces without sampling them one by one",
+    )
     p.add_argument(
         "--warmup",
         action=argparse.BooleanOptionalAction,

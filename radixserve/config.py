@@ -71,6 +71,8 @@ class EngineConfig:
     seed: int = _W.seed
     malloc_tuning: bool = _W.malloc_tuning
     warmup: bool = _W.warmup
+    grammar_cache_size: int = _W.grammar_cache_size
+    jump_forward: bool = _W.jump_forward
     # The scheduler (SchedulerConfig; page_size and max_running_requests above too;
     # the worker reads chunked_prefill_size for its warm-up).
     cache: str = _S.cache

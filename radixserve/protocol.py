@@ -115,6 +115,9 @@ INT = Kind("an integer", _is_int)
 BOOL = Kind("a boolean", lambda x: isinstance(x, bool))
 MAP = Kind("a map", lambda x: isinstance(x, dict))
 INT_LIST = Kind("a list of integers", lambda x: isinstance(x, list) and all(map(_is_int, x)))
+STR_LIST = Kind(
+    "a list of strings", lambda x: isinstance(x, list) and all(isinstance(i, str) for i in x)
+)
 MAP_LIST = Kind(
     "a list of maps", lambda x: isinstance(x, list) and all(isinstance(i, dict) for i in x)
 )
@@ -436,7 +439,8 @@ class OutputItem(Message):
     ``logprobs``: one ``[logprob, top ids, top logprobs]`` per token of
     ``token_ids`` when the request asked for them. ``prompt_logprobs``: one
     entry per prompt position (null where not scored), once, with the first
-    token of sample 0.
+    token of sample 0. ``token_ids`` may hold several tokens: those a grammar
+    forced after the sampled one (jump-forward, docs/structured.md).
     """
 
     rid: str = f(STR)
@@ -448,6 +452,8 @@ class OutputItem(Message):
     cached_tokens: int = f(INT)
     logprobs: list | None = f(SCORED, None)
     prompt_logprobs: list | None = f(SCORED, None)
+    # With finish_reason "error": what went wrong (every sample of the request fails).
+    error: str | None = f(_optional(STR), None)
 
 
 @dataclass
@@ -511,14 +517,34 @@ class StepReq(Message):
 
 
 @dataclass
+class GrammarSpec(Message):
+    """A structured-output constraint the worker must compile (``StructuredOutput``'s
+    fields, and its ``key``)."""
+
+    key: str = f(STR)
+    kind: str = f(STR)
+    spec: str = f(STR)
+
+
+@dataclass
 class Step(Message):
     """What the worker computes next: ``release`` slots are cleared first, then
-    ``reqs`` run, in order. ``step_id`` numbers the scheduler's steps from 1."""
+    ``reqs`` run, in order. ``step_id`` numbers the scheduler's steps from 1.
+
+    Grammars (docs/structured.md): ``grammars`` are to be compiled (in the
+    background; each is reported in a later ``StepResult.grammars_ready`` or
+    ``grammar_failures``) and held until named in ``drop_grammars``, after which
+    the worker may keep them in its cache of compiled grammars. A slot's
+    ``StepReq.sampling`` may name a grammar only once it was reported ready.
+    A step with no ``reqs`` waits a little for a compilation in flight.
+    """
 
     TYPE: ClassVar[str] = "step"
     reqs: list[StepReq] = f(_nested(StepReq))
     release: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
     step_id: int = f(INT, 0)
+    grammars: list[GrammarSpec] = f(_nested(GrammarSpec), [])
+    drop_grammars: list[str] = f(STR_LIST, [])
 
 
 @dataclass
@@ -544,14 +570,51 @@ class Scores(Message):
 
 
 @dataclass
+class Forced(Message):
+    """Jump-forward: ``slot``'s new tokens of this step are ``token_ids`` instead of
+    its one sampled token (the sampled token followed by the tokens its grammar
+    forces, or, when the two merge in tokenization, their retokenization)."""
+
+    slot: int = f(INT)
+    token_ids: np.ndarray = f(I32)
+
+
+@dataclass
+class SlotFailure(Message):
+    """``slot``'s request must fail with ``message`` (its grammar rejected a token)."""
+
+    slot: int = f(INT)
+    message: str = f(STR)
+
+
+@dataclass
+class GrammarFailure(Message):
+    """The grammar ``key`` could not be compiled: its requests fail with ``message``."""
+
+    key: str = f(STR)
+    message: str = f(STR)
+
+
+@dataclass
 class StepResult(Message):
     """The tokens sampled in step ``step_id`` (one per ``sample=True`` request, in
-    order) and the logprobs computed in it."""
+    order) and the logprobs computed in it.
+
+    Structured output: ``forced`` replaces some slots' sampled token by several;
+    ``terminated`` slots' grammars have ended (their requests are complete);
+    ``failed`` slots must fail; ``grammars_ready`` and ``grammar_failures``
+    report compilations finished since the last step.
+    """
 
     TYPE: ClassVar[str] = "step_result"
     step_id: int = f(INT)
     tokens: np.ndarray = f(I32)
     scores: list[Scores] = f(_nested(Scores), [])
+    forced: list[Forced] = f(_nested(Forced), [])
+    terminated: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    failed: list[SlotFailure] = f(_nested(SlotFailure), [])
+    grammars_ready: list[str] = f(STR_LIST, [])
+    grammar_failures: list[GrammarFailure] = f(_nested(GrammarFailure), [])
 
 
 # --------------------------------------------------------------------- control

@@ -7,6 +7,8 @@ message naming the field.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -22,6 +24,97 @@ MAX_LOGPROBS = 20  # the most alternatives per position (OpenAI's top_logprobs b
 MAX_LOGIT_BIAS = 100.0  # biases are clamped to [-100, 100] (OpenAI's range)
 MAX_LOGIT_BIAS_ENTRIES = 1024  # token ids one request may bias
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar")
+MAX_STRUCTURED_CHARS = 256 * 1024  # the longest schema / regex / grammar source accepted
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a completion (docs/structured.md): ``kind`` is one of
+    ``json_schema`` (``spec``: the schema as JSON text), ``json_object`` (any
+    JSON object; ``spec`` empty), ``regex`` (``spec``: the pattern, matched in
+    full) or ``grammar`` (``spec``: EBNF in xgrammar's dialect, rule ``root``).
+
+    Build one with the constructors: ``StructuredOutput.json(schema)``,
+    ``.json_object()``, ``.regex(pattern)``, ``.grammar(ebnf)``. ``key`` names
+    the compiled grammar in the worker's cache: equal sources share it.
+    """
+
+    kind: str
+    spec: str = ""
+
+    @classmethod
+    def json(cls, schema: dict[str, Any] | bool | str) -> StructuredOutput:
+        """A JSON schema (a mapping, a boolean, or its JSON text)."""
+        if not isinstance(schema, str):
+            try:
+                schema = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"invalid sampling parameter: json_schema: {e}") from None
+        return cls("json_schema", schema)
+
+    @classmethod
+    def json_object(cls) -> StructuredOutput:
+        return cls("json_object", "")
+
+    @classmethod
+    def regex(cls, pattern: str) -> StructuredOutput:
+        return cls("regex", pattern)
+
+    @classmethod
+    def grammar(cls, ebnf: str) -> StructuredOutput:
+        return cls("grammar", ebnf)
+
+    @property
+    def key(self) -> str:
+        """A hash of the kind and the source: the compiled grammar's name."""
+        digest = hashlib.sha256(f"{self.kind}\0{self.spec}".encode(errors="surrogatepass"))
+        return digest.hexdigest()[:32]
+
+    def validate(self) -> None:
+        """The checks that need no grammar library: the kind, the source's type
+        and size, and that a JSON schema is JSON (an object or a boolean)."""
+
+        def bad(msg: str) -> ValueError:
+            return ValueError(f"invalid sampling parameter: structured: {msg}")
+
+        if self.kind not in STRUCTURED_KINDS:
+            raise bad(f"kind must be one of {STRUCTURED_KINDS}, got {short_repr(self.kind)}")
+        if not isinstance(self.spec, str):
+            raise bad(f"spec must be a string, got {type(self.spec).__name__}")
+        if len(self.spec) > MAX_STRUCTURED_CHARS:
+            raise bad(
+                f"the {self.kind} has {len(self.spec)} characters; at most "
+                f"{MAX_STRUCTURED_CHARS} are allowed"
+            )
+        if self.kind == "json_object" and self.spec:
+            raise bad("json_object takes no spec")
+        if self.kind in ("regex", "grammar") and not self.spec:
+            raise bad(f"the {self.kind} is empty")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.spec)
+            except ValueError as e:
+                raise bad(f"json_schema is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise bad(
+                    f"json_schema must be an object or a boolean, got {type(schema).__name__}"
+                )
+
+    def to_dict(self) -> dict[str, str]:
+        return {"kind": self.kind, "spec": self.spec}
+
+    @classmethod
+    def from_value(cls, value: Any) -> StructuredOutput | None:
+        """From a ``StructuredOutput``, None, or the map ``to_dict`` writes."""
+        if value is None or isinstance(value, StructuredOutput):
+            return value
+        if isinstance(value, dict) and set(value) <= {"kind", "spec"} and "kind" in value:
+            return cls(value["kind"], value.get("spec", ""))
+        raise ValueError(
+            "invalid sampling parameter: structured must be null or a map "
+            '{"kind": ..., "spec": ...}'
+        )
 
 
 @dataclass(frozen=True)
@@ -45,6 +138,10 @@ class SamplingParams:
     positive logit divided by it, a negative one multiplied), then
     ``frequency_penalty`` (times the token's count) and ``presence_penalty``
     (once per token present), OpenAI's, subtracted, over generated tokens.
+
+    ``structured`` (a ``StructuredOutput``) constrains the completion to a JSON
+    schema, any JSON object, a regex or an EBNF grammar: after the processing
+    above, every token the grammar cannot take next is masked (docs/structured.md).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -66,6 +163,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logprob_start_len: int = 0
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept lists / a single string for convenience, store tuples (hashable, frozen).
@@ -75,6 +173,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        object.__setattr__(self, "structured", StructuredOutput.from_value(self.structured))
         self.validate()
 
     @property
@@ -163,12 +262,15 @@ class SamplingParams:
             raise bad(
                 f"logprob_start_len must be an integer >= 0, got {short_repr(self.logprob_start_len)}"
             )
+        if self.structured is not None:
+            self.structured.validate()
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["logit_bias"] = [[t, b] for t, b in self.logit_bias]
+        d["structured"] = None if self.structured is None else self.structured.to_dict()
         return d
 
     @classmethod

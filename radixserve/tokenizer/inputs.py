@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from radixserve.sampling_params import SamplingParams, short_repr
+from radixserve.structured import check_structured
 from radixserve.tokenizer.chat import chat_to_ids
 from radixserve.tokenizer.config import TokenizerConfig
 
@@ -62,7 +63,7 @@ class InputProcessor:
     def check_sampling(self, sp: SamplingParams) -> None:
         """The limits on sampling parameters that depend on the server, not the request:
         samples per request, stop lists, stop token ids and biased token ids inside
-        the vocabulary."""
+        the vocabulary; a structured-output constraint that makes a grammar."""
         cfg = self.config
         if sp.n > cfg.max_n:
             raise ValueError(f"n is {sp.n}; this server allows at most {cfg.max_n}")
@@ -91,6 +92,8 @@ class InputProcessor:
                 raise ValueError(
                     f"logit_bias token id {t} is outside the vocabulary [0, {self.vocab_size})"
                 )
+        # A schema, regex or grammar that does not parse is the client's error.
+        check_structured(sp.structured)
 
     def _check_chars(self, n: int) -> None:
         if n > self.config.max_prompt_chars:

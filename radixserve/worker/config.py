@@ -32,6 +32,10 @@ class WorkerConfig:
     warmup: before serving, run a prefill of ``chunked_prefill_size`` tokens (the
     largest the scheduler sends) and a decode step of every slot
     (``ModelRunner.warmup``).
+    grammar_cache_size: compiled grammars kept for reuse once no request uses
+    them (an LRU; docs/structured.md).
+    jump_forward: append the tokens a grammar forces without sampling them one
+    by one (docs/structured.md).
     """
 
     model: str | None = "smollm2"
@@ -48,6 +52,8 @@ class WorkerConfig:
     malloc_tuning: bool = True
     warmup: bool = True
     chunked_prefill_size: int = 2048  # the scheduler's (SchedulerConfig), read for the warm-up
+    grammar_cache_size: int = 64
+    jump_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -60,5 +66,7 @@ class WorkerConfig:
             raise ValueError(f"unsupported dtype {self.dtype!r}; choose from {DTYPE_CHOICES}")
         if self.chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
+        if self.grammar_cache_size < 0:
+            raise ValueError(f"grammar_cache_size must be >= 0, got {self.grammar_cache_size}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
