@@ -295,7 +295,9 @@ def test_random_workloads_keep_kv_right(w):
         for r in w["reqs"]:
             if r["arrive"] == step:
                 so = GRAMMARS[r["grammar"]]
-                s.add_request(r["rid"], r["prompt"], greedy(r["max_tokens"], n=r["n"], structured=so))
+                s.add_request(
+                    r["rid"], r["prompt"], greedy(r["max_tokens"], n=r["n"], structured=so)
+                )
             if r["abort"] == step and r["arrive"] < step:
                 s.abort_request(r["rid"])
         s.cache.check()
@@ -498,7 +500,7 @@ def test_grammar_messages_tell_the_worker_once_and_net_out():
 
 
 def test_failed_grammar_fails_its_requests_only():
-    from radixserve.protocol import GrammarFailure, StepResult
+    from radixserve.protocol import GrammarFailure
 
     sched, worker = make()
     so = StructuredOutput.regex("[a-z]+")
