@@ -333,7 +333,9 @@ def test_tool_calls_streamed_and_not(oai, zmq_client):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
     # "required": the model picks the tool; the call follows that tool's parameters.
-    required = oai.chat.completions.create(**args, tool_choice="required", n=2, temperature=1.0)
+    required = oai.chat.completions.create(
+        **{**args, "temperature": 1.0}, tool_choice="required", n=2, seed=3
+    )
     for choice in required.choices:
         [call] = choice.message.tool_calls
         assert choice.finish_reason == "tool_calls"
