@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Literal
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 from pydantic import ValidationError
 from xgrammar.testing import _is_grammar_accept_string
@@ -64,6 +66,14 @@ PARAMETERS = {
     "ping": {"type": "object", "properties": {}},
 }
 CHAT = [{"role": "user", "content": "What is the weather in Rome?"}]
+
+
+class Item(pydantic.BaseModel):
+    color: Literal["red", "green", "blue"]
+    ok: bool
+    tags: list[Literal["a", "b"]] = pydantic.Field(max_length=2)
+
+
 MAX = 64  # enough for every bounded schema here to complete
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
@@ -297,6 +307,11 @@ def test_json_schema_answers_parse_and_validate(oai, zmq_client):
     chunks = list(oai.chat.completions.create(**args, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text  # greedy: the same
     assert chunks[-1].choices[0].finish_reason == "stop"
+    # The client's own helper: a pydantic model as the schema, the answer parsed into it.
+    parsed = oai.chat.completions.parse(
+        model=MODEL, messages=CHAT, max_tokens=MAX, temperature=0, response_format=Item
+    )
+    assert isinstance(parsed.choices[0].message.parsed, Item)
     # /v1/completions, with vLLM's choice: one of the choices, exactly.
     choices = ["alpha", "beta gamma", "(delta)"]
     for n in (1, 3):
