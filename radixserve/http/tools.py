@@ -25,14 +25,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.sampling_params import StructuredOutput
+from radixserve.structured import JSON_SEPARATORS
 
 # OpenAI: a function without parameters takes an empty parameter list.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
 # Keywords whose values are JSON data, not schemas: a "$ref" inside them is no pointer.
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-_NAME_PREFIX = '{"name": "'
-_ARGUMENTS_PREFIX = '", "arguments": '
+# How a "required" completion starts: {"name": "N", "arguments": (compact JSON).
+_ITEM_SEP, _KEY_SEP = JSON_SEPARATORS
+_NAME_PREFIX = f'{{"name"{_KEY_SEP}"'
+_ARGUMENTS_PREFIX = f'"{_ITEM_SEP}"arguments"{_KEY_SEP}'
 
 
 def moved_refs(schema: Any, base: str) -> Any:
