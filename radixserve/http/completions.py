@@ -139,10 +139,12 @@ async def _respond(
 def _refused(state: FrontState, e: ServerError) -> HTTPError:
     # While stopping, the tokenizer fails every request in flight: that is a 503, not the
     # client's fault; over the front's requests in flight is a 429; otherwise the server
-    # refused the request's content.
+    # refused the request's content, unless it says the fault was its own (500).
     if state.draining:
         return HTTPError(503, str(e))
-    return HTTPError(429 if str(e).startswith(P.TOO_MANY_IN_FLIGHT) else 400, str(e))
+    if str(e).startswith(P.TOO_MANY_IN_FLIGHT):
+        return HTTPError(429, str(e))
+    return HTTPError(500 if str(e).startswith(P.SERVER_FAILED) else 400, str(e))
 
 
 class _Format:
