@@ -279,13 +279,16 @@ def decode(data: bytes, allowed: Mapping[str, type[Message]] | None = None) -> A
 # ------------------------------------------------------------ public: requests
 @dataclass
 class Generate(Message):
-    """Generate for one prompt: exactly one of prompt, input_ids, messages."""
+    """Generate for one prompt: exactly one of prompt, input_ids, messages (and, with
+    messages, the tools their chat template is given)."""
 
     TYPE: ClassVar[str] = "generate"
     id: str = f(ID)
     prompt: str | None = f(_optional(STR), None)
     input_ids: list[int] | None = f(_optional(INT_LIST), None)
     messages: list[dict] | None = f(_optional(MAP_LIST), None)
+    # Tool definitions the chat template renders (with messages only).
+    tools: list[dict] | None = f(_optional(MAP_LIST), None)
     sampling: SamplingParams = f(SAMPLING, SamplingParams())
     stream: bool = f(BOOL, False)
     cache_salt: str | None = f(_optional(STR), None)

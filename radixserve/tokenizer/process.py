@@ -239,7 +239,7 @@ class TokenizerServer:
         try:
             # Everything is checked before anything is queued.
             self.inputs.check_sampling(sp)
-            ids = self.inputs.to_ids(msg.prompt, msg.input_ids, msg.messages)
+            ids = self.inputs.to_ids(msg.prompt, msg.input_ids, msg.messages, msg.tools)
             echo = None
             if msg.echo:  # the prompt as given, or the text of its tokens
                 echo = msg.prompt
