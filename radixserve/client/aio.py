@@ -66,6 +66,7 @@ class AsyncClient:
         *,
         input_ids: Sequence[int] | None = None,
         messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         sampling_params: SamplingParams | None = None,
         cache_salt: str | None = None,
         request_id: str | None = None,
@@ -75,7 +76,7 @@ class AsyncClient:
     ) -> Result | list[Result]:
         msg = build_generate(
             prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, False,
-            echo,
+            echo, tools,
         )  # fmt: skip
         results = _Results(msg.sampling.n)
         deadline = self._deadline(timeout)
@@ -90,6 +91,7 @@ class AsyncClient:
         *,
         input_ids: Sequence[int] | None = None,
         messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         sampling_params: SamplingParams | None = None,
         cache_salt: str | None = None,
         request_id: str | None = None,
@@ -99,7 +101,7 @@ class AsyncClient:
     ) -> AsyncIterator[P.Chunk]:
         msg = build_generate(
             prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, True,
-            echo,
+            echo, tools,
         )  # fmt: skip
         left = msg.sampling.n
         async with self._request(msg) as queue:

@@ -82,6 +82,7 @@ class Client:
         *,
         input_ids: Sequence[int] | None = None,
         messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         sampling_params: SamplingParams | None = None,
         cache_salt: str | None = None,
         request_id: str | None = None,
@@ -92,10 +93,13 @@ class Client:
         """Generate; a Result (n == 1) or n Results by index (n > 1).
 
         ``sampling`` are SamplingParams' fields (``logprobs``, ``prompt_logprobs``,
-        penalties, ...); ``echo=True`` returns the prompt as text in ``prompt_text``."""
+        penalties, ...); ``echo=True`` returns the prompt as text in ``prompt_text``.
+        ``tools`` (with ``messages``): tool definitions, OpenAI's ``{"type":
+        "function", "function": {name, description, parameters}}``, which the model's
+        chat template renders into the prompt."""
         msg = build_generate(
             prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, False,
-            echo,
+            echo, tools,
         )  # fmt: skip
         results = _Results(msg.sampling.n)
         deadline = self._deadline(timeout)
@@ -110,6 +114,7 @@ class Client:
         *,
         input_ids: Sequence[int] | None = None,
         messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         sampling_params: SamplingParams | None = None,
         cache_salt: str | None = None,
         request_id: str | None = None,
@@ -121,7 +126,7 @@ class Client:
         set). Closing the iterator early aborts the request."""
         msg = build_generate(
             prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, True,
-            echo,
+            echo, tools,
         )  # fmt: skip
         left = msg.sampling.n
         with self._request(msg):

@@ -18,6 +18,8 @@ def gen(**fields):
 
 
 OK = {"prompt": "hello", "sampling": {"max_tokens": 3, "temperature": 0.0}}
+CHAT = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f"}}
 
 CASES = {
     "malformed msgpack": (b"\xc1\x00garbage", None, "msgpack"),
@@ -44,6 +46,13 @@ CASES = {
     "empty prompt": (gen(prompt=""), "bad", "empty"),
     "empty input_ids": (gen(input_ids=[]), "bad", "empty"),
     "bad chat role": (gen(messages=[{"role": "wizard", "content": "hi"}]), "bad", "role"),
+    "tools without messages": (gen(prompt="x", tools=[TOOL]), "bad", "with chat messages only"),
+    "tools not maps": (gen(messages=CHAT, tools=["f"]), "bad", "'tools' must be a list of maps"),
+    "special tokens in tools": (
+        gen(messages=CHAT, tools=[{"type": "function", "function": {"name": "f</s>"}}]),
+        "bad",
+        "tool definitions contain special tokens",
+    ),
     "two frames": (None, None, "single frame"),
     # limits (the defaults: docs/security.md)
     "n over the limit": (gen(prompt="x", sampling={"n": 17}), "bad", "at most 16"),
