@@ -173,7 +173,7 @@ def test_bad_input_raises_and_changes_nothing(tiny_dir):
     with pytest.raises(ValueError, match="chat template"):
         eng.generate([[{"role": "user", "content": "hi"}]], GREEDY)
     with pytest.raises(ValueError, match="max_tokens"):
-        SamplingParams(max_tokens=0)
+        SamplingParams(max_tokens=-1)
     [r] = eng.generate("still works", SamplingParams(max_tokens=3, temperature=0.0))
     assert r.finish_reason in ("stop", "length")
     eng.check_idle()

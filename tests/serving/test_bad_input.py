@@ -37,7 +37,9 @@ CASES = {
     "max_tokens a string": (gen(prompt="x", sampling={"max_tokens": "9"}), "bad", "max_tokens"),
     "token outside vocab": (gen(input_ids=[5, 100000]), "bad", "vocabulary"),
     "prompt longer than context": (gen(input_ids=[5] * 600), "bad", "context"),
-    "max_tokens 0": (gen(prompt="x", sampling={"max_tokens": 0}), "bad", "max_tokens"),
+    "max_tokens 0 with logprobs": (
+        gen(prompt="x", sampling={"max_tokens": 0, "logprobs": 2}), "bad", "max_tokens"
+    ),
     "max_tokens negative": (gen(prompt="x", sampling={"max_tokens": -5}), "bad", "max_tokens"),
     "temperature < 0": (gen(prompt="x", sampling={"temperature": -0.5}), "bad", "temperature"),
     "top_p 0": (gen(prompt="x", sampling={"top_p": 0.0}), "bad", "top_p"),
