@@ -40,11 +40,15 @@ def special_token_strings(tokenizer: Any) -> list[str]:
 
 
 def chat_to_ids(
-    tokenizer: Any, messages: list[dict[str, Any]], allow_special_tokens: bool = False
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    allow_special_tokens: bool = False,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
     """Token ids of ``messages`` rendered by the tokenizer's chat template, with a
-    generation prompt. Special tokens typed in content stay text unless
-    ``allow_special_tokens``."""
+    generation prompt unless ``add_generation_prompt`` is False. Special tokens typed
+    in content stay text unless ``allow_special_tokens``."""
+    gen = add_generation_prompt
     specials = special_token_strings(tokenizer)
     typed = [any(s in m["content"] for s in specials) for m in messages]
     if not allow_special_tokens and any(_typed_outside_content(m, specials) for m in messages):
@@ -55,11 +59,11 @@ def chat_to_ids(
         )
     if allow_special_tokens or not any(typed):
         return _ids(
-            tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+            tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen)
         )
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
     marked = [{**m, "content": _MARK.format(i)} for i, m in enumerate(messages)]
-    template = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
+    template = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=gen)
     pieces = _MARK_RE.split(template)  # template text, index, template text, index, ...
     order = [int(i) for i in pieces[1::2]]
     rebuilt = "".join(messages[int(p)]["content"] if k % 2 else p for k, p in enumerate(pieces))
