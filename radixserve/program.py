@@ -586,9 +586,15 @@ class _State:
         yield from self._flush_plan()
         opened = yield from self._render_plan(self._messages, opening=True)
         start = len(self._ids)
+        resident, variables, results = self._resident, dict(self._vars), dict(self.results)
         self._ids += opened[len(self._chat_ids) :]
-        text = yield from self._gen_plan(name, sp)
-        yield from self._message_plan("assistant", text, start)
+        try:
+            text = yield from self._gen_plan(name, sp)
+            yield from self._message_plan("assistant", text, start)
+        except BaseException:  # the state stays as it was
+            del self._ids[start:]
+            self._resident, self._vars, self.results = resident, variables, results
+            raise
         return text
 
 
