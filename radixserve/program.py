@@ -215,7 +215,7 @@ class EngineBackend:
             except ValueError as e:
                 return e
         # Checked one by one first, so that a bad request fails alone.
-        answers: list[Result | BaseException] = [ValueError()] * len(call.requests)
+        answers: list[Any] = [None] * len(call.requests)
         good = []
         for i, (ids, sp) in enumerate(call.requests):
             try:
@@ -487,7 +487,11 @@ class _State:
     def _flush_plan(self) -> Plan[None]:
         while self._pending:
             piece = self._pending[0]
-            ids = (yield piece) if isinstance(piece, _Tokenize) else piece
+            try:
+                ids = (yield piece) if isinstance(piece, _Tokenize) else piece
+            except Exception:
+                self._pending.clear()  # what was appended since the last success is dropped
+                raise
             self._pending.pop(0)
             self._ids += ids
             if isinstance(piece, _Tokenize) and piece.messages is not None:
@@ -501,8 +505,8 @@ class _State:
             self._resident = len(self._ids)
 
     def _gen_plan(self, name: str, sp: SamplingParams) -> Plan[str]:
-        yield from self._flush_plan()
         self._op = name
+        yield from self._flush_plan()
         [result] = yield _Generate(((list(self._ids), sp),))
         _check_finished(result, f"gen {name!r}")
         # The last generated token has no KV yet: the next request computes it.
@@ -514,12 +518,12 @@ class _State:
         return result.text
 
     def _select_plan(self, name: str, choices: Sequence[str]) -> Plan[str]:
+        self._op = name
         if isinstance(choices, str) or not choices or not all(isinstance(c, str) for c in choices):
             raise ValueError("choices must be a non-empty list of strings")
         yield from self._flush_plan()
         if not self._ids:
             raise ValueError("select needs a context: the first token of a prompt has no logprob")
-        self._op = name
         tokens = []
         for choice in choices:
             ids = yield _Tokenize(choice)
@@ -547,6 +551,7 @@ class _State:
     def _fork_plan(self, n: int) -> Plan[list]:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError("fork needs a number of branches >= 1")
+        self._op = None
         yield from self._flush_plan()
         yield from self._prefill_plan()
         return [self._copy() for _ in range(n)]
@@ -570,13 +575,20 @@ class _State:
             raise ValueError("messages need a chat program: program(messages=[...])")
         if not isinstance(content, str):
             raise ValueError("message content must be a string")
+        if start is None:
+            self._op = None
         yield from self._flush_plan()
         message = {"role": role, "content": content}
         ids = yield from self._render_plan([*self._messages, message], opening=False)
+        old = list(self._ids)
         if start is not None:  # an assistant turn: its generated tokens give way
             del self._ids[start:]
-            self._resident = min(self._resident, start)
         self._ids += ids[len(self._chat_ids) :]
+        # What earlier requests computed still counts up to where the tokens differ.
+        same = next((k for k, (a, b) in enumerate(zip(old, self._ids)) if a != b), None)
+        self._resident = min(
+            self._resident, min(len(old), len(self._ids)) if same is None else same
+        )
         self._chat_ids = ids
         self._messages.append(message)
 
@@ -584,6 +596,7 @@ class _State:
         if self._messages is None:
             raise ValueError("assistant_gen needs a chat program: program(messages=[...])")
         yield from self._flush_plan()
+        self._op = name
         opened = yield from self._render_plan(self._messages, opening=True)
         start = len(self._ids)
         resident, variables, results = self._resident, dict(self._vars), dict(self.results)
@@ -620,11 +633,7 @@ class ProgramState(_State):
 
     def __iadd__(self, piece: str | Sequence[int]) -> ProgramState:
         self._append(piece)
-        try:
-            self._do(self._flush_plan())
-        except BaseException:
-            self._pending.clear()  # the state stays as it was
-            raise
+        self._do(self._flush_plan())
         return self
 
     def gen(

@@ -113,6 +113,11 @@ def test_a_failing_branch_names_itself_and_the_variable(eng):
         branches.gen("x", max_tokens=2)
     assert (info.value.branch, info.value.name) == (1, "x")
     assert isinstance(info.value.error, ValueError) and "tokens" in str(info.value.error)
+    # Outside branches the error is raised as is, and the state stays as it was.
+    before = branches[1].token_ids
+    with pytest.raises(ValueError, match="tokens"):
+        branches[1].gen("y", max_tokens=2)
+    assert branches[1].token_ids == before and "y" not in branches[1]
     eng.check_idle()
 
 
