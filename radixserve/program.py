@@ -260,6 +260,7 @@ class ClientBackend:
         self.client, self.cache_salt, self.timeout = client, cache_salt, timeout
         self._lock = threading.Lock()
         self._in_flight: set[str] = set()
+        self._stopping = threading.Event()  # a branch of ``map`` failed: send no more
 
     def call(self, call: Call) -> Answer:
         if isinstance(call, _Tokenize):
@@ -281,6 +282,8 @@ class ClientBackend:
     def _generate(self, ids: list[int], sp: SamplingParams) -> Result | BaseException:
         rid = uuid.uuid4().hex
         with self._lock:
+            if self._stopping.is_set():
+                return ProgramError("not sent: another branch failed")
             self._in_flight.add(rid)
         try:
             return self.client.generate(
@@ -302,8 +305,12 @@ class ClientBackend:
             done, _ = wait(futures, return_when=FIRST_EXCEPTION)
             failed = [i for i, f in enumerate(futures) if f in done and f.exception()]
             if failed:
-                self.abort_all()
-                wait(futures)
+                self._stopping.set()
+                try:
+                    self.abort_all()
+                    wait(futures)
+                finally:
+                    self._stopping.clear()
                 i = failed[0]
                 error = futures[i].exception()
                 raise BranchError(i, names(i), error) from error  # type: ignore[arg-type]

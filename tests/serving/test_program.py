@@ -82,3 +82,14 @@ def test_programs_equal_the_engines_concurrently(server, client, engine):
             branches.gen("x", max_tokens=2)
     assert (info.value.branch, info.value.name) == (1, "x")
     assert isinstance(info.value.error, ServerError)
+
+    # Per-branch functions on threads: the failing one is named; the others' requests
+    # are aborted (the fixture then checks that nothing is left in flight).
+    def work(b):
+        if b is branches[1]:
+            b.gen("y", max_tokens=2)  # still beyond the context
+        return b.gen("long", max_tokens=200, **GREEDY)
+
+    with pytest.raises(BranchError) as info:
+        branches.run(work)
+    assert (info.value.branch, info.value.name) == (1, "y")
