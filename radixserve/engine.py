@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from radixserve.config import EngineConfig, build_scheduler, build_worker, tokenizer_config
+from radixserve.program import EngineBackend, ProgramState
 from radixserve.protocol import OutputItem
 from radixserve.results import Result, TokenLogprobs, Usage
 from radixserve.sampling_params import SamplingParams
@@ -78,6 +79,20 @@ class Engine:
         if len(results) != len(order):
             raise RuntimeError("the scheduler stopped with requests unfinished")
         return [results[key] for key in order]
+
+    def program(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        cache_salt: str | None = None,
+    ) -> ProgramState:
+        """A prompt program (``radixserve.program``, docs/programs.md) starting from a
+        text (tokenized with special tokens), token ids, or chat messages (rendered
+        without a generation prompt); from nothing when none is given."""
+        backend = EngineBackend(self, cache_salt)
+        return ProgramState(backend, prompt, input_ids=input_ids, messages=messages)
 
     def stats(self) -> dict[str, int]:
         return self.scheduler.stats()

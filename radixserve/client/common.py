@@ -287,6 +287,24 @@ def build_generate(
     )
 
 
+def build_tokenize(
+    prompt: str | None,
+    messages: Sequence[Mapping[str, Any]] | None,
+    add_special_tokens: bool,
+    add_generation_prompt: bool,
+) -> P.Tokenize:
+    """The ``tokenize`` message for these arguments."""
+    if (prompt is None) == (messages is None):
+        raise ValueError("give exactly one of prompt or messages")
+    return P.Tokenize(
+        id=uuid.uuid4().hex,
+        prompt=prompt,
+        messages=None if messages is None else [dict(m) for m in messages],
+        add_special_tokens=bool(add_special_tokens),
+        add_generation_prompt=bool(add_generation_prompt),
+    )
+
+
 class _Results:
     """Collects a non-streaming request's n ``result`` messages."""
 

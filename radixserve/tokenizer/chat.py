@@ -51,12 +51,15 @@ def chat_to_ids(
     messages: list[dict[str, Any]],
     allow_special_tokens: bool = False,
     tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
     """Token ids of ``messages`` (and the tool definitions ``tools``) rendered by the
-    tokenizer's chat template, with a generation prompt. Special tokens typed in
-    content stay text unless ``allow_special_tokens``; typed in tool calls or tool
-    definitions, they are refused. A template that fails (``raise_exception`` on a
-    chat it does not take) is a ValueError."""
+    tokenizer's chat template, with a generation prompt unless
+    ``add_generation_prompt`` is False. Special tokens typed in content stay text
+    unless ``allow_special_tokens``; typed in tool calls or tool definitions, they
+    are refused. A template that fails (``raise_exception`` on a chat it does not
+    take) is a ValueError."""
+    gen = add_generation_prompt
     specials = special_token_strings(tokenizer)
     typed = [any(s in m["content"] for s in specials) for m in messages]
     if not allow_special_tokens:
@@ -69,10 +72,10 @@ def chat_to_ids(
         if tools and _typed_in(tools, specials):
             raise ValueError("the tool definitions contain special tokens; remove them")
     if allow_special_tokens or not any(typed):
-        return _ids(_render(tokenizer, messages, tools, tokenize=True))
-    text = _render(tokenizer, messages, tools, tokenize=False)
+        return _ids(_render(tokenizer, messages, tools, gen, tokenize=True))
+    text = _render(tokenizer, messages, tools, gen, tokenize=False)
     marked = [{**m, "content": _MARK.format(i)} for i, m in enumerate(messages)]
-    template = _render(tokenizer, marked, tools, tokenize=False)
+    template = _render(tokenizer, marked, tools, gen, tokenize=False)
     pieces = _MARK_RE.split(template)  # template text, index, template text, index, ...
     order = [int(i) for i in pieces[1::2]]
     rebuilt = "".join(messages[int(p)]["content"] if k % 2 else p for k, p in enumerate(pieces))
@@ -92,11 +95,15 @@ def chat_to_ids(
 
 
 def _render(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, **kw: Any
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    add_generation_prompt: bool,
+    **kw: Any,
 ) -> Any:
     try:
         return tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, **kw
+            messages, tools=tools or None, add_generation_prompt=add_generation_prompt, **kw
         )
     except jinja2.TemplateError as e:  # the template's raise_exception, or its own bug
         why = str(e) if len(str(e)) <= _MAX_WHY else str(e)[: _MAX_WHY - 3] + "..."

@@ -52,19 +52,41 @@ class InputProcessor:
             raise ValueError("give exactly one of prompt, input_ids or messages")
         if tools is not None and messages is None:
             raise ValueError("tools go with chat messages only (the chat template renders them)")
+        if prompt is not None and not prompt and isinstance(prompt, str):
+            raise ValueError("the prompt is empty")  # a BOS token alone is not a prompt
+        if input_ids is not None:
+            ids = self._check_ids(input_ids)
+        else:
+            ids = self.tokenize(prompt, messages, tools=tools)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return ids
+
+    def tokenize(
+        self,
+        prompt: str | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        add_special_tokens: bool = True,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        """The token ids of a text (with the tokenizer's special tokens, such as BOS,
+        unless ``add_special_tokens`` is False) or of chat messages (with the
+        template's generation prompt unless ``add_generation_prompt`` is False; with
+        the tool definitions ``tools``): what a ``generate`` with that prompt would
+        compute, within the same limits. An empty text has no tokens (without
+        special tokens)."""
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        if tools is not None and messages is None:
+            raise ValueError("tools go with chat messages only (the chat template renders them)")
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-            if not prompt:  # a BOS token alone is not a prompt
-                raise ValueError("the prompt is empty")
             self._check_chars(len(prompt))
-            ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        elif input_ids is not None:
-            ids = self._check_ids(input_ids)
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         else:
-            ids = self.apply_chat_template(messages, tools)
-        if not ids:
-            raise ValueError("the prompt is empty")
+            ids = self.apply_chat_template(messages, tools, add_generation_prompt)
         self._check_tokens(len(ids))
         return ids
 
@@ -135,6 +157,7 @@ class InputProcessor:
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         """Messages are ``{role, content}``; an assistant's may carry the tool calls it
         made (``tool_calls``: ``[{id, type, function: {name, arguments}}]``, arguments a
@@ -176,7 +199,13 @@ class InputProcessor:
             clean.append(message)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("this model's tokenizer has no chat template; send a prompt instead")
-        return chat_to_ids(self.tokenizer, clean, self.config.chat_special_tokens, clean_tools)
+        return chat_to_ids(
+            self.tokenizer,
+            clean,
+            self.config.chat_special_tokens,
+            clean_tools,
+            add_generation_prompt,
+        )
 
 
 def _tools(tools: Any) -> tuple[list[dict[str, Any]], int]:

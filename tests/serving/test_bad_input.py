@@ -38,7 +38,9 @@ CASES = {
     "token outside vocab": (gen(input_ids=[5, 100000]), "bad", "vocabulary"),
     "prompt longer than context": (gen(input_ids=[5] * 600), "bad", "context"),
     "max_tokens 0 with logprobs": (
-        gen(prompt="x", sampling={"max_tokens": 0, "logprobs": 2}), "bad", "max_tokens"
+        gen(prompt="x", sampling={"max_tokens": 0, "logprobs": 2}),
+        "bad",
+        "max_tokens",
     ),
     "max_tokens negative": (gen(prompt="x", sampling={"max_tokens": -5}), "bad", "max_tokens"),
     "temperature < 0": (gen(prompt="x", sampling={"temperature": -0.5}), "bad", "temperature"),
