@@ -172,6 +172,12 @@ def test_masks_applied_batched_equal_masks_applied_row_by_row(bpe_engine):
         assert torch.equal(together[2], logits[2].to(dtype))
         masked = torch.isinf(together).sum(dim=1)
         assert all(masked[i] > 0 for i in range(len(batch)) if i != 2)
+    # The LM head may hand over a transposed (column-major) view: masked by rows all the same.
+    column_major = logits.float().t().contiguous().t()
+    assert not column_major.is_contiguous()
+    masked = slots.apply_masks(column_major, batch)
+    row_major = slots.apply_masks(logits.float().clone(), batch)
+    assert torch.equal(masked, row_major)
     # Every implementation agrees: the native kernel (what the CPU runs), torch's,
     # and xgrammar's own.
     rows, bitmask = slots.fill_masks(batch)

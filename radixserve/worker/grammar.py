@@ -236,9 +236,12 @@ class GrammarSlots:
         return rows, bitmask
 
     def apply_masks(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
-        """Mask, in place, every token the grammar of ``slots[i]``'s row cannot take next."""
+        """Mask every token the grammar of ``slots[i]``'s row cannot take next; returns
+        the masked logits (``logits`` itself when row-major; the LM head may hand
+        over a transposed view, which is copied once: the kernels need rows)."""
         rows, bitmask = self.fill_masks(slots)
         if rows:
+            logits = logits.contiguous()
             apply_bitmask(logits, bitmask, rows, self.vocab_size)
         return logits
 
@@ -312,6 +315,8 @@ def apply_bitmask(
     else the same in torch."""
     from radixserve.layers import cpu_kernels
 
+    if not logits.is_contiguous():
+        raise ValueError("token masks need row-major logits")
     width = min(vocab_size, logits.shape[1])
     if cpu_kernels.bitmask_ok(logits) and bitmask.shape[1] * _BITS >= logits.shape[1]:
         cpu_kernels.apply_token_bitmask(logits, bitmask, rows)
