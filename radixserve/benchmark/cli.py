@@ -4,7 +4,8 @@ more servers, print the table, write the JSON and the PNG.
 Targets, one of:
 - ``--compare KEY=V1,V2`` (repeatable: the cross product): one fresh
   ``radixserve launch`` per variant, back to back, each with ``--KEY V`` added
-  to ``--server-args``;
+  to ``--server-args`` (``_`` in KEY reads as ``-``; a boolean flag takes
+  true/false and becomes ``--KEY`` or ``--no-KEY``);
 - ``--endpoint tcp://...``: a running radixserve server;
 - ``--backend openai --base-url http://HOST:PORT/v1``: any OpenAI-compatible server;
 - ``--backend engine``: an in-process ``Engine`` per variant, built from
@@ -204,8 +205,41 @@ def variants(args: argparse.Namespace) -> list[tuple[str, list[str] | None]]:
     out = []
     for combo in itertools.product(*axes):
         label = ",".join(f"{k}={v}" for k, v in combo)
-        out.append((label, base + [a for k, v in combo for a in (f"--{k}", v)]))
+        out.append((label, base + [a for k, v in combo for a in compare_flags(k, v)]))
     return out
+
+
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def compare_flags(key: str, value: str) -> list[str]:
+    """The launch flags that give ``radixserve launch``'s ``--KEY`` the value ``value``:
+    ``--KEY VALUE``; for a boolean flag (``--KEY/--no-KEY``, or a switch) ``value``
+    is true or false and the flags are ``--KEY`` or ``--no-KEY`` (a switch: ``--KEY``
+    or nothing)."""
+    flag = "--" + key.replace("_", "-")
+    action = _launch_options().get(flag)
+    if action is None:
+        raise SystemExit(f"radixserve bench: --compare {key}: radixserve launch has no {flag}")
+    boolean = isinstance(action, argparse.BooleanOptionalAction)
+    switch = isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction)
+    if not boolean and not switch:
+        return [flag, value]
+    if value.lower() not in _TRUE + _FALSE:
+        raise SystemExit(f"radixserve bench: --compare {key}: {flag} is a switch: true or false")
+    on = value.lower() in _TRUE
+    if boolean:
+        return [flag] if on else ["--no-" + flag[2:]]
+    return [flag] if on == action.const else []
+
+
+def _launch_options() -> dict[str, argparse.Action]:
+    """``radixserve launch``'s options by flag."""
+    from radixserve.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices["launch"]._option_string_actions)
 
 
 def make_backend(args: argparse.Namespace, endpoint: str | None) -> Backend:
