@@ -40,7 +40,7 @@ from radixserve.benchmark.backends import (
     OpenAIBackend,
     RadixserveBackend,
 )
-from radixserve.benchmark.metrics import compare_scores, summarize
+from radixserve.benchmark.metrics import compare_scores, step_summary, summarize
 from radixserve.benchmark.runner import run
 from radixserve.benchmark.server import LaunchedServer
 from radixserve.benchmark.workloads import (
@@ -60,8 +60,8 @@ WORKLOAD_FLAGS: list[tuple[str, type, str]] = [
     ("groups", int, "shared-prefix: groups (distinct system prompts)"),
     ("prompts", int, "shared-prefix: prompts per group"),
     ("system-len", int, "shared-prefix, multi-turn: system prompt tokens"),
-    ("question-len", int, "shared-prefix, few-shot: question tokens"),
-    ("output-len", int, "output tokens per request (ignore_eos: exact)"),
+    ("question-len", int, "shared-prefix, few-shot, json-extract: question tokens"),
+    ("output-len", int, "output tokens per request (ignore_eos: exact; json-extract: at most)"),
     ("order", str, "shared-prefix: shuffled | ordered arrival"),
     ("conversations", int, "multi-turn: conversations (run concurrently)"),
     ("turns", int, "multi-turn: turns per conversation (sequential)"),
@@ -69,7 +69,7 @@ WORKLOAD_FLAGS: list[tuple[str, type, str]] = [
     ("user-len-max", int, "multi-turn: longest user message"),
     ("answer", str, "multi-turn: short (32 tokens) | long (256 tokens)"),
     ("subjects", int, "few-shot: subjects (distinct example sets)"),
-    ("questions", int, "few-shot: questions per subject"),
+    ("questions", int, "few-shot: questions per subject; json-extract: per document"),
     ("shots", int, "few-shot: examples per prompt"),
     ("example-len", int, "few-shot: tokens per example"),
     ("trees", int, "tree: independent trees"),
@@ -79,6 +79,8 @@ WORKLOAD_FLAGS: list[tuple[str, type, str]] = [
     ("branch-len", int, "tree: tokens each branch adds"),
     ("choices", int, "few-shot --score: choices per question"),
     ("choice-len", int, "few-shot --score: most tokens per choice (each has 1 to this many)"),
+    ("documents", int, "json-extract: documents (each shared by its questions)"),
+    ("document-len", int, "json-extract: tokens per document"),
 ]
 
 
@@ -306,6 +308,8 @@ async def run_variant(
                 score_from=score_from,
             )
             after = await backend.stats()
+            metrics = summarize(result, info.page_size, workload)
+            metrics.update(step_summary(before, after, metrics["requests"]))
             v = {
                 "label": pass_label,
                 "backend": backend.name,
@@ -314,8 +318,8 @@ async def run_variant(
                 "cache_flushed_before_run": flushed,
                 "stats_before": before,
                 "stats_after": after,
-                "metrics": summarize(result, info.page_size, workload),
-                "requests": report.request_rows(result.records),
+                "metrics": metrics,
+                "requests": report.request_rows(result.records, texts=workload.structured),
                 "_records": result.records,
             }
             if workload.scored:
@@ -351,6 +355,8 @@ def main(args: argparse.Namespace) -> int:
         _require("matplotlib", "the PNG plot (or pass --no-plot)")
     if args.backend == "openai":
         _require("httpx", "--backend openai")
+    if args.workload == "json-extract":
+        _require("jsonschema", "json-extract's validity check")
     plan = variants(args)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     workload = build_workload(args, from_tokenizer(tokenizer, args.prompt_kind, args.seed))
