@@ -125,11 +125,12 @@ def scheduler_config(config: EngineConfig, info: ModelInfo) -> SchedulerConfig:
     return _derive(SchedulerConfig, config, **{n: getattr(info, n) for n in MODEL_FIELDS})
 
 
-def build_worker(config: EngineConfig) -> ModelRunner:
-    """The worker's ``ModelRunner`` (loads the model; imports torch)."""
+def build_worker(config: EngineConfig, tokenizer: Any = None) -> ModelRunner:
+    """The worker's ``ModelRunner`` (loads the model; imports torch). ``tokenizer``:
+    the model's, if loaded already (structured output needs it)."""
     from radixserve.worker.model_runner import ModelRunner
 
-    return ModelRunner(worker_config(config))
+    return ModelRunner(worker_config(config), tokenizer)
 
 
 def build_scheduler(config: EngineConfig, info: ModelInfo) -> Scheduler:

@@ -33,9 +33,9 @@ class Engine:
         from radixserve.models.tokenizer import load_tokenizer
 
         self.config = EngineConfig(model=model, **kwargs)
-        self.runner = build_worker(self.config)
-        self.scheduler = build_scheduler(self.config, self.runner.info())
         self.tokenizer = load_tokenizer(model, self.config.cache_dir)
+        self.runner = build_worker(self.config, self.tokenizer)
+        self.scheduler = build_scheduler(self.config, self.runner.info())
         self.texts = TokenTexts(self.tokenizer)
         info = self.runner.info()
         self.inputs = InputProcessor(
@@ -147,6 +147,7 @@ class Engine:
             usage=Usage(out.prompt_tokens, len(stream.token_ids), out.cached_tokens),
             logprobs=TokenLogprobs.list_from_wire(stream.logprobs),
             prompt_logprobs=TokenLogprobs.list_from_wire(stream.prompt_logprobs),
+            error=out.error,
         )
 
 

@@ -48,7 +48,7 @@ class StructuredOutput:
         """A JSON schema (a mapping, a boolean, or its JSON text)."""
         if not isinstance(schema, str):
             try:
-                schema = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+                schema = json.dumps(schema, separators=(",", ":"))
             except (TypeError, ValueError) as e:
                 raise ValueError(f"invalid sampling parameter: json_schema: {e}") from None
         return cls("json_schema", schema)

@@ -101,19 +101,21 @@ class KVCacheManager:
         return True
 
     def grow_decodes(self, reqs: list[Request]) -> bool:
-        """Give every decoding request whose next token starts a new page that
-        page, all in one allocation; False, changing nothing, when short."""
-        ps = self.page_size
-        # A decoding request computes token kv_len: it needs page kv_len // ps.
-        needy = [r for r in reqs if r.kv_len // ps >= r.num_pages]
+        """Give every decoding request the pages its tokens still without KV need
+        (one token's, or a grammar's forced tokens'), all in one allocation;
+        False, changing nothing, when short."""
+        needy = [(r, self.pages_for(r.num_tokens) - r.num_pages) for r in reqs]
+        needy = [(r, n) for r, n in needy if n > 0]
         if not needy:
             return True
-        ids = self.alloc(len(needy))
+        ids = self.alloc(sum(n for _, n in needy))
         if ids is None:
             return False
-        for req, page in zip(needy, ids):
-            req.table_room(req.num_pages + 1)[req.num_pages] = page
-            req.num_pages += 1
+        at = 0
+        for req, n in needy:
+            req.table_room(req.num_pages + n)[req.num_pages : req.num_pages + n] = ids[at : at + n]
+            req.num_pages += n
+            at += n
         return True
 
     def cache_computed(self, req: Request) -> None:

@@ -37,11 +37,11 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from radixserve.protocol import OutputItem, Step, StepReq, StepResult
+from radixserve.protocol import GrammarSpec, OutputItem, Step, StepReq, StepResult
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.config import SchedulerConfig
@@ -51,6 +51,15 @@ from radixserve.scheduler.radix_impl import make_prefix_cache
 from radixserve.scheduler.request import ReqStatus, Request
 
 _NO_TOKENS = np.zeros(0, dtype=np.int32)
+
+
+@dataclass(eq=False)
+class _Grammar:
+    """A structured-output grammar the worker compiles: how many unfinished
+    samples use it, and whether the worker reported it compiled."""
+
+    refs: int = 0
+    ready: bool = False
 
 
 class Scheduler:
@@ -72,6 +81,12 @@ class Scheduler:
         self._arrivals = 0
         self._admissions = 0
         self.reserve_ratio = config.decode_reserve_ratio
+        # Structured output: grammars by key, and what the next step tells the worker.
+        # A grammar asked for and let go between two steps is never sent.
+        self._grammars: dict[str, _Grammar] = {}
+        self._grammar_submit: dict[str, GrammarSpec] = {}
+        self._grammar_drop: dict[str, _Grammar] = {}
+        self._sampled: list[bool] = []  # which requests of the step in flight sample
         # Counters for stats().
         self.num_steps = 0
         self.num_retractions = 0
@@ -112,6 +127,17 @@ class Scheduler:
             samples.append(req)
         self.waiting.extend(samples)
         self._requests[rid] = samples
+        so = sampling.structured
+        if so is not None:
+            grammar = self._grammars.get(so.key)
+            if grammar is None:
+                # Let go since the last step: the worker still holds it.
+                grammar = self._grammar_drop.pop(so.key, None)
+                if grammar is None:
+                    grammar = _Grammar()
+                    self._grammar_submit[so.key] = GrammarSpec(so.key, so.kind, so.spec)
+                self._grammars[so.key] = grammar
+            grammar.refs += len(samples)
 
     def check_request(
         self, prompt_ids: np.ndarray | Sequence[int], sampling: SamplingParams
@@ -167,8 +193,16 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Whether ``step`` has anything to do: requests waiting or running, outputs
-        not handed over yet, or released slots the worker has not been told of."""
-        return bool(self.waiting or self.running or self._outputs or self._release)
+        not handed over yet, or released slots and grammars the worker has not
+        been told of."""
+        return bool(
+            self.waiting
+            or self.running
+            or self._outputs
+            or self._release
+            or self._grammar_submit
+            or self._grammar_drop
+        )
 
     def request_ids(self) -> list[str]:
         """The ids of every request not finished yet (waiting or running)."""
@@ -217,30 +251,51 @@ class Scheduler:
         if budget > 0:
             self._admit(batch, budget, in_flight)
         release, self._release = self._release, []
-        if not batch and not release:
+        submit, self._grammar_submit = list(self._grammar_submit.values()), {}
+        drop, self._grammar_drop = list(self._grammar_drop), {}
+        # With nothing else to do, a step still goes out while a waiting request's
+        # grammar compiles: the worker answers it when one is ready (or soon).
+        compiling = any(not g.ready for g in self._grammars.values())
+        if not batch and not release and not submit and not drop and not compiling:
             return None
         self._batch = batch
         self.num_steps += 1
         reqs = [self._req_step(req, n) for req, n in batch]
-        return Step(reqs, np.asarray(release, dtype=np.int32), self.num_steps)
+        self._sampled = [r.sample for r in reqs]
+        return Step(reqs, np.asarray(release, dtype=np.int32), self.num_steps, submit, drop)
 
     def _process_step_result(
         self, result: StepResult | np.ndarray | Sequence[int]
     ) -> list[OutputItem]:
-        """Take the sampled tokens (and logprobs) of the last step; return what it produced."""
+        """Take the sampled tokens (and logprobs, and what the grammars made of
+        them) of the last step; return what it produced."""
         outputs: list[OutputItem] = []
         batch, self._batch = self._batch, []
+        sampled, self._sampled = self._sampled, []
+        forced: dict[int, list[int]] = {}
+        terminated: set[int] = set()
         if isinstance(result, StepResult):
             tokens, scores = result.tokens.tolist(), result.scores
+            self._take_grammar_news(result, outputs)
+            forced = {f.slot: f.token_ids.tolist() for f in result.forced}
+            terminated = set(result.terminated.tolist())
+            by_slot = {req.slot: req for req, _ in batch if req.slot is not None}
+            for failure in result.failed:
+                req = by_slot.get(failure.slot)
+                if req is not None and req.status is not ReqStatus.FINISHED:
+                    outputs += self._fail(req.rid, failure.message)
         else:
             tokens = result.tolist() if isinstance(result, np.ndarray) else list(result)
             scores = []
+        if len(tokens) != sum(sampled):
+            raise ValueError(f"the worker returned {len(tokens)} tokens, expected {sum(sampled)}")
         token_scores = self._take_scores(batch, scores)
         eos = self._eos
-        i = 0
-        for req, n in batch:
+        samples = iter(tokens)
+        for (req, n), samples_now in zip(batch, sampled):
+            token = next(samples) if samples_now else None
             if req.status is ReqStatus.FINISHED:
-                continue  # aborted after the step was planned
+                continue  # failed (or aborted) after the step was planned
             req.kv_len += n
             if req.kv_len < req.num_tokens:  # a non-final prefill chunk
                 self.kv.cache_computed(req)
@@ -252,14 +307,22 @@ class Scheduler:
                 self.kv.cache_computed(req)
                 req.status = ReqStatus.DECODE
                 prompt_scores, req.prompt_scores = req.prompt_scores, None
-            token = tokens[i]
-            i += 1
-            req.append_token(token)
             sp = req.sampling
+            # Jump-forward: the grammar's forced tokens come with (or replace) the
+            # sampled one; never past max_tokens or the context.
+            new = forced.get(req.slot, [token])
+            room = min(sp.max_tokens - req.num_output, req.final_len - req.num_tokens)
+            new = new[: max(room, 1)]
             reason = None
-            if (token in eos and not sp.ignore_eos) or token in sp.stop_token_ids:
-                reason = "stop"
-            elif (
+            for j, t in enumerate(new):
+                if (t in eos and not sp.ignore_eos) or t in sp.stop_token_ids:
+                    new, reason = new[: j + 1], "stop"
+                    break
+            for t in new:
+                req.append_token(t)
+            if reason is None and req.slot in terminated:
+                reason = "stop"  # the grammar is complete
+            if reason is None and (
                 req.num_tokens - req.prompt_len >= sp.max_tokens or req.num_tokens >= req.final_len
             ):
                 reason = "length"
@@ -268,9 +331,43 @@ class Scheduler:
             entry = token_scores.get(id(req))
             if sp.logprobs is not None and entry is None:
                 raise ValueError(f"the worker returned no logprobs for {req.rid!r}")
-            outputs.append(req.output([token], None if entry is None else [entry], prompt_scores))
-        if i != len(tokens):
-            raise ValueError(f"the worker returned {len(tokens)} tokens, expected {i}")
+            outputs.append(req.output(new, None if entry is None else [entry], prompt_scores))
+        return outputs
+
+    def _take_grammar_news(self, result: StepResult, outputs: list[OutputItem]) -> None:
+        """Mark the grammars compiled since the last step ready; fail the requests
+        of those that could not be compiled."""
+        for key in result.grammars_ready:
+            grammar = self._grammars.get(key)
+            if grammar is not None:
+                grammar.ready = True
+        for failure in result.grammar_failures:
+            if self._grammars.pop(failure.key, None) is None:
+                continue
+            rids = {
+                r.rid
+                for r in self.waiting
+                if r.sampling.structured is not None and r.sampling.structured.key == failure.key
+            }
+            for rid in sorted(rids):
+                outputs += self._fail(rid, failure.message)
+
+    def _fail(self, rid: str, message: str) -> list[OutputItem]:
+        """End every sample of ``rid`` still unfinished with finish_reason "error"."""
+        outputs = []
+        for req in self._requests.get(rid, []):
+            if req.status is ReqStatus.FINISHED:
+                continue
+            if req.status is ReqStatus.WAITING:
+                self.waiting.remove(req)
+                req.status = ReqStatus.FINISHED
+                req.finish_reason = "error"
+                self._forget(req)
+            else:
+                self._finish(req, "error")
+            item = req.output([])
+            item.error = message
+            outputs.append(item)
         return outputs
 
     def _take_scores(self, batch: list[tuple[Request, int]], scores: list) -> dict[int, list]:
@@ -302,7 +399,8 @@ class Scheduler:
         if not req.announced:
             sampling = req.sampling.for_worker()
             req.announced = True
-            if sampling.penalized:
+            if sampling.penalized or sampling.structured is not None:
+                # Penalty counts start from it; a grammar replays the output.
                 history = req.tokens[: req.num_tokens]
         start = req.kv_len
         score_pos, score_ids = 0, _NO_TOKENS
@@ -331,7 +429,8 @@ class Scheduler:
             if self.kv.grow_decodes(decoding):
                 break
             self._retract_newest()
-        batch.extend((r, 1) for r in decoding)
+        # One token each, or the tokens a grammar forced after the last one.
+        batch.extend((r, r.num_tokens - r.kv_len) for r in decoding)
 
     def _retract_newest(self) -> None:
         """Send the most recently admitted running request back to the queue.
@@ -394,6 +493,9 @@ class Scheduler:
         for req in candidates:
             if budget <= 0 or not self._free_slots:
                 break
+            so = req.sampling.structured
+            if so is not None and not self._grammars[so.key].ready:
+                continue  # its grammar is still compiling: the others go on
             if self.kv.enabled and in_flight:
                 # Hold it back while a prompt being prefilled shares a real prefix
                 # with it that is not cached yet (in whole pages, the only part it
@@ -465,6 +567,14 @@ class Scheduler:
         req.slot = None
 
     def _forget(self, req: Request) -> None:
+        so = req.sampling.structured
+        grammar = None if so is None else self._grammars.get(so.key)  # None: it failed
+        if grammar is not None:
+            grammar.refs -= 1
+            if grammar.refs == 0:
+                del self._grammars[so.key]
+                if self._grammar_submit.pop(so.key, None) is None:  # else never sent
+                    self._grammar_drop[so.key] = grammar
         samples = self._requests.get(req.rid)
         if samples is not None and all(s.status == ReqStatus.FINISHED for s in samples):
             del self._requests[req.rid]
@@ -502,3 +612,4 @@ class Scheduler:
             f"page leak: {self.config.num_pages - self.allocator.num_free - cached} pages"
         )
         assert len(self._free_slots) == self.config.max_running_requests, "a slot leaked"
+        assert not self._grammars, "a grammar outlived its requests"

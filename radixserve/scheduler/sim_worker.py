@@ -8,13 +8,21 @@ of the token sequence. So a request's outputs are right only if every page its
 table points at holds the right tokens: a page shared wrongly, freed while in
 use, or overwritten by another request changes the tokens read back and so the
 outputs, and a position with no KV raises at once.
+
+Structured output, simulated: a grammar named in a step is reported ready
+``compile_steps`` steps later; with ``jump_every`` k, a constrained slot that
+samples a token divisible by k gets the next ``jump_len`` tokens "forced"
+(``StepResult.forced``), and they are exactly the tokens the model would
+sample one by one. So jump-forward must not change a single output token,
+while the forced tokens travel the scheduler's multi-token decode path (their
+pages, their KV, the cache).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from radixserve.protocol import Step
+from radixserve.protocol import Forced, Step, StepResult
 
 _MAX_POS = 1 << 16
 _WEIGHTS = (np.arange(_MAX_POS, dtype=np.int64) * 2654435761 + 12345) % 1000003
@@ -27,7 +35,21 @@ def sim_next_token(context: np.ndarray, vocab_size: int) -> int:
 
 
 class SimWorker:
-    def __init__(self, num_pages: int, page_size: int, max_slots: int, vocab_size: int = 512):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        max_slots: int,
+        vocab_size: int = 512,
+        jump_every: int = 0,
+        jump_len: int = 3,
+        compile_steps: int = 1,
+    ):
+        self.jump_every = jump_every
+        self.jump_len = jump_len
+        self.compile_steps = compile_steps
+        self._compiling: dict[str, int] = {}  # grammar key -> steps until ready
+        self._constrained = [False] * max_slots
         self.page_size = page_size
         self.vocab_size = vocab_size
         self.tokens = np.full((num_pages, page_size), -1, dtype=np.int64)
@@ -35,19 +57,25 @@ class SimWorker:
         self.tables: list[list[int]] = [[] for _ in range(max_slots)]
         self.active = [False] * max_slots
 
-    def step(self, batch: Step) -> np.ndarray:
+    def step(self, batch: Step) -> StepResult:
         ps = self.page_size
+        for key in batch.drop_grammars:
+            self._compiling.pop(key, None)
+        for spec in batch.grammars:
+            self._compiling[spec.key] = self.compile_steps
         for slot in batch.release:
             if not self.active[slot]:
                 raise AssertionError(f"release of slot {slot}, which is not active")
             self.active[slot] = False
             self.tables[slot] = []
         out = []
+        forced = []
         for r in batch.reqs:
             if not self.active[r.slot]:
                 if r.sampling is None:
                     raise AssertionError(f"slot {r.slot}'s first step carries no sampling params")
                 self.active[r.slot] = True
+                self._constrained[r.slot] = r.sampling.structured is not None
             table = self.tables[r.slot]
             table.extend(int(p) for p in r.new_pages)
             end = r.start_pos + len(r.input_ids)
@@ -63,7 +91,21 @@ class SimWorker:
                 if not np.array_equal(seen, allpos):
                     bad = int(np.flatnonzero(seen != allpos)[0])
                     raise AssertionError(f"slot {r.slot}: position {bad} has no KV of its own")
-                out.append(
-                    sim_next_token(self.tokens[tbl[allpos // ps], allpos % ps], self.vocab_size)
-                )
-        return np.asarray(out, dtype=np.int32)
+                context = self.tokens[tbl[allpos // ps], allpos % ps]
+                token = sim_next_token(context, self.vocab_size)
+                out.append(token)
+                if self._constrained[r.slot] and self.jump_every and token % self.jump_every == 0:
+                    ids = [token]
+                    for _ in range(self.jump_len):
+                        context = np.append(context, ids[-1])
+                        ids.append(sim_next_token(context, self.vocab_size))
+                    forced.append(Forced(r.slot, np.asarray(ids, dtype=np.int32)))
+        ready = []
+        for key in list(self._compiling):
+            self._compiling[key] -= 1
+            if self._compiling[key] <= 0:
+                ready.append(key)
+                del self._compiling[key]
+        return StepResult(
+            batch.step_id, np.asarray(out, dtype=np.int32), forced=forced, grammars_ready=ready
+        )

@@ -280,6 +280,11 @@ class TokenizerServer:
         req = self.requests.get(item.rid)
         if req is None or req.done[item.index]:
             return  # a finished sample's late step, or a request whose client left
+        if item.finish_reason == "error":
+            # The whole request fails (every sample gets such an item; the first ends it).
+            self.forget(req)
+            self.send_error(req.identity, req.id, item.error or "the request failed")
+            return
         out = req.outputs[item.index]
         finish = item.finish_reason
         delta = out.add(item.token_ids, finish is not None, item.logprobs, item.prompt_logprobs)

@@ -121,13 +121,18 @@ class LogitsProcessor:
             logits.index_copy_(0, idx, sub)
         return logits
 
-    def record(self, slots: list[int], tokens: np.ndarray) -> None:
-        """Count the tokens just sampled (``tokens[i]`` for ``slots[i]``)."""
+    def record(
+        self, slots: list[int], tokens: np.ndarray, forced: dict[int, list[int]] | None = None
+    ) -> None:
+        """Count the tokens just generated: ``tokens[i]`` for ``slots[i]``, or, for a
+        slot in ``forced`` (jump-forward), the tokens that replace it."""
         for slot, token in zip(slots, tokens.tolist()):
             st = self._slots.get(slot)
-            if st is not None and st.counts is not None:
-                st.counts[token] += 1
-                st.seen[token] = True
+            if st is None or st.counts is None:
+                continue
+            for t in forced.get(slot, (token,)) if forced else (token,):
+                st.counts[t] += 1
+                st.seen[t] = True
 
 
 def token_logprobs(

@@ -22,6 +22,8 @@ first real request finds its buffers mapped and its kernels initialised.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -29,22 +31,36 @@ from radixserve.config import ModelInfo
 from radixserve.models.config import ModelConfig
 from radixserve.models.loader import load_hf_config, load_model, parse_dtype
 from radixserve.models.source import resolve_model
-from radixserve.protocol import Scores, Step, StepReq, StepResult
+from radixserve.protocol import (
+    Forced,
+    GrammarFailure,
+    Scores,
+    SlotFailure,
+    Step,
+    StepReq,
+    StepResult,
+)
 from radixserve.sampling_params import SamplingParams
 from radixserve.worker.attention import AttentionBatch, create_backend
 from radixserve.worker.config import WorkerConfig
 from radixserve.worker.dtype import choose_dtype
+from radixserve.worker.grammar import GrammarCache, GrammarSlots
 from radixserve.worker.kv_pool import DEFAULT_KV_MEMORY, KVPool
 from radixserve.worker.logits import LogitsProcessor, token_logprobs
 from radixserve.worker.malloc import tune_malloc
 from radixserve.worker.page_table import PageTable
 from radixserve.worker.sampler import Sampler
 
+# How long a step with nothing to compute waits for a grammar being compiled.
+GRAMMAR_POLL_S = 0.05
+
 
 class ModelRunner:
     """Model weights + KV pool + page tables + attention backend + sampler."""
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, tokenizer: Any = None) -> None:
+        """``tokenizer``: the model's, when the caller has loaded it already (else it
+        is loaded on the first structured-output request)."""
         self.config = config
         if config.malloc_tuning:
             tune_malloc()
@@ -77,8 +93,20 @@ class ModelRunner:
         self.page_table = PageTable(config.max_running_requests, max_pages_per_slot, num_pages)
         self.sampler = Sampler(config.seed)
         self.logits_processor = LogitsProcessor(cfg.vocab_size, cfg.eos_token_ids, self._device)
+        self._tokenizer = tokenizer
+        self.grammar_cache = GrammarCache(
+            self._get_tokenizer, cfg.vocab_size, cfg.eos_token_ids, config.grammar_cache_size
+        )
+        self.grammars = GrammarSlots(self.grammar_cache, self._get_tokenizer, config.jump_forward)
         if config.warmup:
             self.warmup(config.chunked_prefill_size, config.max_running_requests)
+
+    def _get_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from radixserve.models.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.config.model, self.config.cache_dir)
+        return self._tokenizer
 
     @property
     def num_pages(self) -> int:
@@ -156,8 +184,25 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, batch: Step) -> StepResult:
         """Run one step: the sampled tokens (one per ``sample=True`` request, in
-        order) and the logprobs computed, as a ``StepResult``."""
-        logits, num_sampled, plans = self._forward(batch)
+        order), the logprobs computed, and what the grammars made of it, as a
+        ``StepResult``."""
+        for key in batch.drop_grammars:
+            self.grammar_cache.drop(key)
+        for spec in batch.grammars:
+            self.grammar_cache.submit(spec)
+        if not batch.reqs:
+            # Nothing to compute: give a compilation in flight a moment, so a
+            # scheduler that waits only on grammars does not spin.
+            self.grammar_cache.wait(GRAMMAR_POLL_S)
+        result = self._step(batch)
+        ready, failures = self.grammar_cache.poll()
+        result.grammars_ready = ready
+        result.grammar_failures = [GrammarFailure(k, m) for k, m in failures]
+        return result
+
+    def _step(self, batch: Step) -> StepResult:
+        failed: list[SlotFailure] = []
+        logits, num_sampled, plans = self._forward(batch, failed)
         scores = []
         for slot, pos, lo, hi, ids in plans:
             k = self.sampler.params(slot).prompt_logprobs or 0
@@ -165,7 +210,7 @@ class ModelRunner:
             scores.append(Scores(slot, pos, chosen, top_ids.ravel(), top_lps.ravel()))
         sampling = [r for r in batch.reqs if r.sample]
         if not sampling:
-            return StepResult(batch.step_id, np.zeros(0, dtype=np.int32), scores)
+            return StepResult(batch.step_id, np.zeros(0, dtype=np.int32), scores, failed=failed)
         logits = logits[:num_sampled]
         if logits.dtype in (torch.bfloat16, torch.float16):
             # Exactly the same values: argmax picks the same (first) maximum, and the
@@ -178,8 +223,16 @@ class ModelRunner:
         raw = logits[[i for i, _ in want]] if want else None  # a copy: indexing by list
         if self.logits_processor.active(slots):
             logits = self.logits_processor.apply(logits, slots, positions)
+        constrained = self.grammars.active(slots)
+        if constrained:
+            logits = self.grammars.apply_masks(logits, slots)
         tokens = self.sampler.sample(logits, slots, positions)
-        self.logits_processor.record(slots, tokens)
+        forced: dict[int, list[int]] = {}
+        terminated: list[int] = []
+        if constrained:
+            forced, terminated, rejected = self.grammars.accept(slots, tokens)
+            failed += [SlotFailure(slot, message) for slot, message in rejected]
+        self.logits_processor.record(slots, tokens, forced)
         if want:
             picked = torch.from_numpy(tokens[[i for i, _ in want]]).to(raw.device)
             chosen, top_ids, top_lps = token_logprobs(raw, picked, max(k for _, k in want))
@@ -189,22 +242,33 @@ class ModelRunner:
                         slots[i], positions[i], chosen[j : j + 1], top_ids[j, :k], top_lps[j, :k]
                     )
                 )
-        return StepResult(batch.step_id, tokens, scores)
+        return StepResult(
+            batch.step_id,
+            tokens,
+            scores,
+            [Forced(slot, np.asarray(ids, dtype=np.int32)) for slot, ids in forced.items()],
+            np.asarray(terminated, dtype=np.int32),
+            failed,
+        )
 
     @torch.inference_mode()
     def forward_logits(self, batch: Step) -> torch.Tensor:
         """Steps 1-3 of ``step``: logits [num sampling requests, vocab] (no sampling)."""
-        logits, num_sampled, _ = self._forward(batch)
+        logits, num_sampled, _ = self._forward(batch, [])
         return logits[:num_sampled]
 
-    def _forward(self, batch: Step) -> tuple[torch.Tensor, int, list[tuple]]:
+    def _forward(
+        self, batch: Step, failed: list[SlotFailure]
+    ) -> tuple[torch.Tensor, int, list[tuple]]:
         """Steps 1-3: the logits of the sampling rows (first, in order) and of the
         rows that score prompt tokens, how many sampling rows there are, and the
-        scoring plans ``(slot, first position, first row, end row, token ids)``."""
+        scoring plans ``(slot, first position, first row, end row, token ids)``.
+        A slot whose grammar rejects its replayed history goes into ``failed``."""
         for slot in batch.release:
             self.page_table.clear(slot)
             self.sampler.remove(slot)
             self.logits_processor.remove(slot)
+            self.grammars.remove(slot)
         if not batch.reqs:
             return torch.zeros(0, self.vocab_size), 0, []
         ids, positions, logits_rows, score_rows = [], [], [], []
@@ -220,6 +284,9 @@ class ModelRunner:
             if r.sampling is not None:
                 self.sampler.add(r.slot, r.sampling)
                 self.logits_processor.add(r.slot, r.sampling, r.prompt_len, r.history)
+                error = self.grammars.add(r.slot, r.sampling, r.prompt_len, r.history)
+                if error is not None:
+                    failed.append(SlotFailure(r.slot, error))
             elif r.sample and not self.sampler.has(r.slot):
                 raise ValueError(f"slot {r.slot} samples but was never given SamplingParams")
             self.page_table.append(r.slot, r.new_pages)

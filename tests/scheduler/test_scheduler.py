@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixserve.sampling_params import SamplingParams
+from radixserve.sampling_params import SamplingParams, StructuredOutput
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.scheduler.sim_worker import SimWorker, sim_next_token
@@ -22,12 +22,19 @@ VOCAB = 512
 EOS = 2
 
 
-def make(num_pages=4096, page_size=1, **kw):
+def make(num_pages=4096, page_size=1, jump_every=0, compile_steps=1, **kw):
     kw.setdefault("eos_token_ids", (EOS,))
     kw.setdefault("max_context_len", 4096)
     cfg = SchedulerConfig(num_pages=num_pages, page_size=page_size, **kw)
     sched = Scheduler(cfg)
-    worker = SimWorker(num_pages, page_size, cfg.max_running_requests, VOCAB)
+    worker = SimWorker(
+        num_pages,
+        page_size,
+        cfg.max_running_requests,
+        VOCAB,
+        jump_every=jump_every,
+        compile_steps=compile_steps,
+    )
     return sched, worker
 
 
@@ -243,6 +250,9 @@ def workloads(draw):
                 "max_tokens": int(rng.integers(1, 24)),
                 "arrive": int(rng.integers(0, 12)),
                 "abort": int(rng.integers(1, 30)) if rng.random() < 0.15 else None,
+                # A constraint (one of two grammars) the simulated worker jumps forward on.
+                "grammar": int(rng.integers(3)),
+                "n": 2 if rng.random() < 0.15 else 1,
             }
         )
     longest = max(-(-(len(r["prompt"]) + r["max_tokens"]) // page_size) for r in reqs)
@@ -256,7 +266,12 @@ def workloads(draw):
         reqs=reqs,
         reserve=draw(st.sampled_from([0.0, 0.5, 1.0])),
         slots=draw(st.integers(1, 6)),
+        jump_every=draw(st.sampled_from([0, 0, 2, 3])),
+        compile_steps=draw(st.sampled_from([1, 4])),
     )
+
+
+GRAMMARS = (None, StructuredOutput.regex("[a-z]+"), StructuredOutput.regex("[0-9]+"))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -270,6 +285,8 @@ def test_random_workloads_keep_kv_right(w):
         chunked_prefill_size=w["chunk"],
         decode_reserve_ratio=w["reserve"],
         max_running_requests=w["slots"],
+        jump_every=w["jump_every"],
+        compile_steps=w["compile_steps"],
     )
     prompts = {r["rid"]: r["prompt"] for r in w["reqs"]}
     max_tokens = {r["rid"]: r["max_tokens"] for r in w["reqs"]}
@@ -277,7 +294,10 @@ def test_random_workloads_keep_kv_right(w):
     def on_step(step, s):
         for r in w["reqs"]:
             if r["arrive"] == step:
-                s.add_request(r["rid"], r["prompt"], greedy(r["max_tokens"]))
+                so = GRAMMARS[r["grammar"]]
+                s.add_request(
+                    r["rid"], r["prompt"], greedy(r["max_tokens"], n=r["n"], structured=so)
+                )
             if r["abort"] == step and r["arrive"] < step:
                 s.abort_request(r["rid"])
         s.cache.check()
@@ -435,3 +455,90 @@ def test_the_worker_gets_sampling_parameters_without_stop_lists():
     assert len(sent) == 4
     assert all(sp.stop == () and sp.stop_token_ids == () for sp in sent)
     assert sched.check_idle() is None
+
+
+def test_a_request_waits_for_its_grammar_while_the_others_run():
+    sched, worker = make(compile_steps=6)
+    so = StructuredOutput.regex("[a-z]+")
+    sched.add_request("c", [5, 6, 7], greedy(4, structured=so))
+    sched.add_request("u", [8, 9], greedy(4))
+    first = sched.step(worker.step)
+    # The unconstrained request is admitted at once; the constrained one waits.
+    assert [o.rid for o in first] == ["u"]
+    assert [r.rid for r in sched.waiting] == ["c"]
+    res = run(sched, worker)
+    assert res[("u", 0)]["finish"] is not None and len(res[("u", 0)]["tokens"]) == 3
+    assert res[("c", 0)]["tokens"] == expected_tokens([5, 6, 7], 4)
+    # Steps kept going out while only the grammar was pending (the worker polls).
+    assert sched.num_steps >= 6
+    sched.check_idle()
+
+
+def test_grammar_messages_tell_the_worker_once_and_net_out():
+    sched, worker = make()
+    so = StructuredOutput.regex("[a-z]+")
+    sent = []
+
+    def run_step(step):
+        sent.append(([g.key for g in step.grammars], list(step.drop_grammars)))
+        return worker.step(step)
+
+    sched.add_request("a", [5, 6], greedy(2, structured=so))
+    sched.abort_request("a")  # asked for and let go before any step: never sent
+    sched.step(run_step)
+    assert sent == []
+    sched.add_request("b", [5, 6], greedy(2, structured=so))
+    sched.add_request("c", [5, 7], greedy(2, structured=so))
+    while sched.has_work():
+        sched.step(run_step)
+        if len(sent) == 2:  # ready now: the next request with it needs no compilation
+            sched.add_request("d", [5, 8], greedy(2, structured=so))
+    # One grammar for all three requests, let go once the last finished.
+    assert [k for k, _ in sent if k] == [[so.key]]
+    assert [d for _, d in sent if d] == [[so.key]]
+    sched.check_idle()
+
+
+def test_failed_grammar_fails_its_requests_only():
+    from radixserve.protocol import GrammarFailure
+
+    sched, worker = make()
+    so = StructuredOutput.regex("[a-z]+")
+    sched.add_request("c", [5, 6], greedy(3, structured=so, n=2))
+    sched.add_request("u", [8, 9], greedy(3))
+
+    def failing(step):
+        result = worker.step(step)
+        result.grammars_ready = []
+        result.grammar_failures = [GrammarFailure(so.key, "could not compile the grammar: x")]
+        return result
+
+    outs = sched.step(failing)
+    errors = [o for o in outs if o.rid == "c"]
+    assert [(o.index, o.finish_reason, o.error) for o in errors] == [
+        (0, "error", "could not compile the grammar: x"),
+        (1, "error", "could not compile the grammar: x"),
+    ]
+    first = [t for o in outs if o.rid == "u" for t in o.token_ids]
+    res = run(sched, worker)
+    assert first + res[("u", 0)]["tokens"] == expected_tokens([8, 9], 3)
+    sched.check_idle()
+
+
+def test_jump_forward_takes_fewer_steps_gives_the_same_tokens_and_caches_them():
+    prompt = list(range(10, 40))
+    so = StructuredOutput.regex("[a-z]+")
+    outputs, steps = {}, {}
+    for jump in (0, 2):
+        sched, worker = make(page_size=4, jump_every=jump)
+        sched.add_request("r", prompt, greedy(40, ignore_eos=True, structured=so))
+        res = run(sched, worker)
+        outputs[jump], steps[jump] = res[("r", 0)]["tokens"], sched.num_steps
+        # The forced tokens entered the tree: the prompt + output hits all but the last.
+        full = prompt + outputs[jump]
+        sched.add_request("again", full, greedy(1, ignore_eos=True))
+        again = run(sched, worker)[("again", 0)]["out"]
+        assert again.cached_tokens == (len(full) - 1) // 4 * 4
+        sched.check_idle()
+    assert outputs[2] == outputs[0] == expected_tokens(prompt, 40, ignore_eos=True)
+    assert steps[2] < steps[0]
