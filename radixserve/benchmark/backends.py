@@ -376,6 +376,10 @@ class EngineBackend:
         if entry is None:
             return
         stream, queue = entry
+        if out.finish_reason == "error":  # the request failed (e.g. its grammar rejected a token)
+            del self._queues[(out.rid, out.index)]
+            queue.put_nowait(RuntimeError(out.error or "the request failed"))
+            return
         done = out.finish_reason is not None
         text = stream.add(out.token_ids, done, out.logprobs, out.prompt_logprobs)
         usage = None

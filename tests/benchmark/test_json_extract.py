@@ -111,3 +111,21 @@ def test_validity_rates_on_canned_outputs():
     assert m["schema_valid_rate"] == 1 / 4
     assert m["length_stops"] == 1
     assert m["chunks_per_request"] == 4.0 and m["tokens_per_chunk"] == 2.0
+
+
+def test_engine_backend_fails_a_request_the_engine_failed():
+    """A request the scheduler ends with finish_reason "error" (a grammar rejected its
+    token) is a failed request in the run, with the engine's message, not an empty answer."""
+    import asyncio
+
+    from radixserve.benchmark.backends import EngineBackend
+    from radixserve.protocol import OutputItem
+
+    backend = EngineBackend(engine=None)
+    queue: asyncio.Queue = asyncio.Queue()
+    backend._queues[("bench-1", 0)] = (None, queue)
+    message = "the grammar rejected the sampled token 7"
+    backend._dispatch(OutputItem("bench-1", 0, [], "error", 5, 0, 0, error=message))
+    failure = queue.get_nowait()
+    assert isinstance(failure, RuntimeError) and str(failure) == message
+    assert not backend._queues
