@@ -52,22 +52,35 @@ def build_grammar(so: StructuredOutput) -> Any:
     xgr = xgrammar()
     so.validate()
     try:
-        if so.kind == "json_schema":
-            return xgr.Grammar.from_json_schema(
-                so.spec, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=True
-            )
-        if so.kind == "json_object":
-            return xgr.Grammar.from_json_schema(
-                '{"type": "object"}',
+        if so.kind in ("json_schema", "json_object"):
+            schema = so.spec if so.kind == "json_schema" else '{"type": "object"}'
+            grammar = xgr.Grammar.from_json_schema(
+                schema,
                 any_whitespace=False,
                 separators=JSON_SEPARATORS,
-                strict_mode=False,
+                strict_mode=so.kind == "json_schema",
             )
+            return _escape_control_characters(xgr, grammar)
         if so.kind == "regex":
             return xgr.Grammar.from_regex(so.spec)
         return xgr.Grammar.from_ebnf(so.spec)
     except (RuntimeError, ValueError, TypeError) as e:
         raise ValueError(f"invalid {_NAMES[so.kind]}: {clean_error(e)}") from None
+
+
+# xgrammar (0.2.9) writes a length-bounded string's characters as any character
+# but quote, backslash, CR and LF: raw control characters, which JSON forbids
+# inside strings, pass. Its unbounded strings exclude U+0000..U+001F; bounded
+# ones are given the same class.
+_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
+
+
+def _escape_control_characters(xgr: Any, grammar: Any) -> Any:
+    text = str(grammar)
+    if _LOOSE_STRING_CHAR not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
 
 
 _NAMES = {

@@ -126,9 +126,11 @@ def make_tiny_model(
     arch: str = "llama",
     seed: int = 0,
     dtype: torch.dtype = torch.float64,
+    tokenizer: bool = True,
     **overrides: object,
 ) -> Path:
-    """Save a random tiny model of ``arch`` with a tokenizer into ``folder``; return it."""
+    """Save a random tiny model of ``arch`` with a tokenizer (unless ``tokenizer`` is
+    False: the caller brings one) into ``folder``; return it."""
     import transformers
 
     folder = Path(folder)
@@ -147,6 +149,8 @@ def make_tiny_model(
             else:
                 p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
     model.save_pretrained(folder)
+    if not tokenizer:
+        return folder
     (folder / "tokenizer.model").write_bytes(train_sentencepiece(config.vocab_size))
     tok_config = {
         "tokenizer_class": "LlamaTokenizer",
@@ -308,3 +312,41 @@ def hf_cached_greedy(hf: torch.nn.Module, prompt, n: int) -> list[int]:
                 return tokens
             nxt = torch.tensor([[tokens[-1]]])
             out = hf(input_ids=nxt, cache=out.past_key_values, use_cache=True)
+
+
+def use_char_tokenizer(folder: str | Path) -> Path:
+    """Replace a tiny model's tokenizer by one token per character (printable ASCII
+    and newline, ids 4..99 after unk, bos, eos, pad): every string has exactly one
+    tokenization. Built with ``tokenizers``, saved as ``tokenizer.json``."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    folder = Path(folder)
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        (folder / name).unlink(missing_ok=True)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    )
+    hf.save_pretrained(folder)
+    return folder
+
+
+def use_tokenizer_of(folder: str | Path, source: str | Path) -> Path:
+    """Replace a tiny model's tokenizer by the one in ``source`` (its tokenizer.json
+    and tokenizer_config.json), e.g. the embedded SmolLM2's byte-level BPE."""
+    import shutil
+
+    folder, source = Path(folder), Path(source)
+    (folder / "tokenizer.model").unlink(missing_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, folder / name)
+    return folder

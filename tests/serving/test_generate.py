@@ -8,8 +8,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from radixserve import SamplingParams
-from radixserve.client import AsyncClient, Client
+from radixserve import SamplingParams, StructuredOutput
+from radixserve.client import AsyncClient, Client, ServerError
 from tests.helpers.server import Server, wait_idle
 from tests.serving.conftest import SERVER_ARGS
 
@@ -197,3 +197,26 @@ def test_stats_and_health(client):
     health = client.health()
     assert health["status"] == "ok"
     assert (health["num_pages"], health["page_size"], health["max_context_len"]) == (1024, 4, 512)
+
+
+def test_structured_output_equals_engine_streamed_and_not(client, engine):
+    """The worker compiles the grammar off its step loop and jumps forward over
+    forced text; the server's tokens are the Engine's, whole or streamed, and a
+    bad regex is an error reply that leaves the server serving."""
+    import re
+
+    so = StructuredOutput.regex(r"(yes|no), because [a-z ]{1,12}\.")
+    sp = SamplingParams(max_tokens=40, temperature=0.0, structured=so)
+    [want] = engine.generate("Is it so?", sp)
+    assert want.finish_reason == "stop" and re.fullmatch(so.spec, want.text)
+    got = client.generate("Is it so?", sampling_params=sp)
+    assert (got.text, got.token_ids) == (want.text, want.token_ids)
+    chunks = list(client.generate_stream("Is it so?", sampling_params=sp))
+    assert "".join(c.text for c in chunks) == want.text
+    assert [t for c in chunks for t in c.token_ids] == want.token_ids
+    # ", because " is forced: some chunk carries several tokens.
+    assert max(len(c.token_ids) for c in chunks) > 1
+    bad = SamplingParams(max_tokens=4, structured=StructuredOutput.regex("(unclosed"))
+    with pytest.raises(ServerError, match="invalid regex"):
+        client.generate("x", sampling_params=bad)
+    assert client.generate("Still serving", sampling_params=GREEDY).finish_reason == "length"
