@@ -75,9 +75,9 @@ def summarize(
     hit_known = all(r.cached_known for r in ok)
     hit_rate = cached_tokens / prompt_tokens if hit_known and prompt_tokens else None
     opt1, opt_page = optimum(1), optimum(page_size)
-    scoring = score_summary(workload, recs) if workload is not None and workload.answers else {}
+    extra = score_summary(workload, recs) if workload is not None and workload.answers else {}
     if workload is not None and workload.structured:
-        scoring.update(structured_summary(workload, recs))
+        extra.update(structured_summary(workload, recs))
     return {
         "requests": len(ok),
         "failed": len(recs) - len(ok),
@@ -109,7 +109,7 @@ def summarize(
         "optimal_hit_rate_page1": opt1,
         "optimal_hit_rate": opt_page,
         "hit_vs_optimal": hit_rate / opt_page if hit_rate is not None and opt_page else None,
-        **scoring,
+        **extra,
     }
 
 
