@@ -6,6 +6,9 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -211,6 +214,67 @@ void skinny_gemm(const py::array& w, const py::array& x, py::array& yT, int num_
   radixserve::skinny_gemm(g, isa, num_threads);
 }
 
+// Structured output's token mask: for each row r in `rows`, logits[r, t] = -inf
+// where bit t % 32 of bitmask[r, t / 32] is 0 (xgrammar's layout). Whole words
+// of ones are skipped and whole words of zeros filled, so a mask costs about
+// one pass over the tokens it removes.
+template <typename T>
+void mask_rows(T* logits, int64_t vocab, const uint32_t* bitmask, int64_t words,
+               const int64_t* rows, int64_t num_rows) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  for (int64_t i = 0; i < num_rows; ++i) {
+    T* row = logits + rows[i] * vocab;
+    const uint32_t* bits = bitmask + rows[i] * words;
+    for (int64_t w = 0; w < words; ++w) {
+      const uint32_t word = bits[w];
+      if (word == 0xFFFFFFFFu) continue;
+      const int64_t base = w * 32;
+      const int64_t n = std::min<int64_t>(32, vocab - base);
+      if (n <= 0) break;
+      if (word == 0) {
+        std::fill(row + base, row + base + n, ninf);
+        continue;
+      }
+      T* x = row + base;
+      for (int64_t j = 0; j < n; ++j) x[j] = ((word >> j) & 1u) ? x[j] : ninf;
+    }
+  }
+}
+
+void apply_token_bitmask(py::array& logits, const py::array& bitmask, const py::array& rows) {
+  auto fail = [](const std::string& what) {
+    throw std::invalid_argument("apply_token_bitmask: " + what);
+  };
+  const auto c = py::array::c_style;
+  if (logits.ndim() != 2 || bitmask.ndim() != 2 || rows.ndim() != 1)
+    fail("logits and bitmask must be 2-D, rows 1-D");
+  if (!(logits.flags() & c) || !(bitmask.flags() & c) || !(rows.flags() & c))
+    fail("arrays must be C-contiguous");
+  if (!logits.writeable()) fail("logits must be writeable");
+  if (!bitmask.dtype().is(py::dtype::of<int32_t>())) fail("bitmask must be int32");
+  if (!rows.dtype().is(py::dtype::of<int64_t>())) fail("rows must be int64");
+  const int64_t n = logits.shape(0), vocab = logits.shape(1);
+  const int64_t words = bitmask.shape(1);
+  if (bitmask.shape(0) < n) fail("bitmask needs a row per logits row");
+  if (words * 32 < vocab) fail("bitmask rows are shorter than the vocabulary");
+  const int64_t k = rows.shape(0);
+  const auto* r = static_cast<const int64_t*>(rows.data());
+  for (int64_t i = 0; i < k; ++i)
+    if (r[i] < 0 || r[i] >= n) fail("a row index is out of range");
+  const auto* bits = static_cast<const uint32_t*>(bitmask.data());
+  if (logits.dtype().is(py::dtype::of<float>())) {
+    auto* l = static_cast<float*>(logits.mutable_data());
+    py::gil_scoped_release nogil;
+    mask_rows(l, vocab, bits, words, r, k);
+  } else if (logits.dtype().is(py::dtype::of<double>())) {
+    auto* l = static_cast<double*>(logits.mutable_data());
+    py::gil_scoped_release nogil;
+    mask_rows(l, vocab, bits, words, r, k);
+  } else {
+    fail("logits must be float32 or float64");
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu_kernels, m) {
@@ -225,6 +289,10 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::arg("num_threads"), py::arg("isa") = "auto",
         "yT [N, M] = w [N, K] . x^T for x [M, K] (any strides), w and yT C-contiguous; "
         "float32, or bfloat16 weights (as int16) with float32 or bfloat16 x and yT.");
+  m.def("apply_token_bitmask", &apply_token_bitmask, py::arg("logits"), py::arg("bitmask"),
+        py::arg("rows"),
+        "logits [n, vocab] (float32/float64) in place: -inf where a row's int32 bitmask has a "
+        "0 bit, for the rows listed (int64).");
   m.def("best_isa", [] { return std::string(radixserve::isa_name(radixserve::best_isa())); },
         "The best instruction-set level this CPU runs (baseline, avx2, avx512, avx512bf16).");
   m.def("supported_isas", &supported_isas, "Every level this CPU runs, lowest first.");

@@ -38,6 +38,9 @@ MAX_ERROR_CHARS = 1024
 # How an error for a client over its limit of requests in flight begins (the HTTP
 # front answers it with 429).
 TOO_MANY_IN_FLIGHT = "too many requests in flight"
+# How an error begins when the server, not the request, is at fault (a hung worker,
+# a grammar that rejected its own sampled token): the HTTP front answers it with 500.
+SERVER_FAILED = "the server failed"
 # Liveness of the public channel: ZeroMQ heartbeats (ZMTP PING/PONG, answered by
 # libzmq's I/O threads, so a busy process still answers; a stopped or hung one
 # does not). Both sides ping every HEARTBEAT_IVL_MS and drop a connection whose

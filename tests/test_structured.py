@@ -20,8 +20,10 @@ import pytest
 import torch
 
 from radixserve import Engine, SamplingParams, StructuredOutput
+from radixserve.layers import cpu_kernels
 from radixserve.protocol import GrammarSpec
-from radixserve.worker.grammar import GrammarCache, GrammarSlots, apply_bitmask
+from radixserve.structured import xgrammar
+from radixserve.worker.grammar import GrammarCache, GrammarSlots, apply_bitmask_torch
 from tests.helpers.tiny_models import make_tiny_model, use_char_tokenizer, use_tokenizer_of
 
 SCHEMA = {
@@ -170,12 +172,21 @@ def test_masks_applied_batched_equal_masks_applied_row_by_row(bpe_engine):
         assert torch.equal(together[2], logits[2].to(dtype))
         masked = torch.isinf(together).sum(dim=1)
         assert all(masked[i] > 0 for i in range(len(batch)) if i != 2)
-    # The two paths agree with each other.
-    a, b = logits.float().clone(), logits.clone()
+    # Every implementation agrees: the native kernel (what the CPU runs), torch's,
+    # and xgrammar's own.
     rows, bitmask = slots.fill_masks(batch)
-    apply_bitmask(a, bitmask, rows, vocab)
-    apply_bitmask(b, bitmask, rows, vocab)
-    assert torch.equal(torch.isinf(a), torch.isinf(b))
+    ref = logits.float().clone()
+    apply_bitmask_torch(ref, bitmask, rows, vocab)
+    theirs = logits.float().clone()
+    xgrammar().apply_token_bitmask_inplace(theirs, bitmask, vocab_size=vocab, indices=rows)
+    assert torch.equal(ref, theirs)
+    if cpu_kernels.bitmask_ok(ref):
+        for dtype in (torch.float32, torch.float64):
+            native, want = logits.to(dtype).clone(), logits.to(dtype).clone()
+            cpu_kernels.apply_token_bitmask(native, bitmask, rows)
+            apply_bitmask_torch(want, bitmask, rows, vocab)
+            assert torch.equal(native, want)
+            assert torch.equal(torch.isinf(native), torch.isinf(ref))
 
 
 def test_jump_forward_changes_no_token_where_tokenization_is_unique(char_dir):

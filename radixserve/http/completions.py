@@ -7,6 +7,11 @@ Streaming answers wait for the first chunk before sending headers, so a request 
 server refuses (a prompt longer than the context, say) is still a plain 400. After that
 every chunk is one server-sent event; a failure mid-stream is an ``{"error": ...}``
 event; the stream always ends with ``data: [DONE]``.
+
+With tools and a tool_choice that makes the model call one, each chat choice's
+completion is read as one tool call (``tools.py``): its message has ``tool_calls`` and
+no content, and its finish_reason is ``tool_calls``; streamed, the call's id and name
+come first, then the arguments' text as it is generated.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from radixserve.http.generation import Choice, Generation
 from radixserve.http.logprobs import chat_logprobs, completion_logprobs
 from radixserve.http.openai_schema import ChatCompletionRequest, CompletionRequest
 from radixserve.http.state import FrontState
+from radixserve.http.tools import ToolCallReader
 from radixserve.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -133,10 +139,12 @@ async def _respond(
 def _refused(state: FrontState, e: ServerError) -> HTTPError:
     # While stopping, the tokenizer fails every request in flight: that is a 503, not the
     # client's fault; over the front's requests in flight is a 429; otherwise the server
-    # refused the request's content.
+    # refused the request's content, unless it says the fault was its own (500).
     if state.draining:
         return HTTPError(503, str(e))
-    return HTTPError(429 if str(e).startswith(P.TOO_MANY_IN_FLIGHT) else 400, str(e))
+    if str(e).startswith(P.TOO_MANY_IN_FLIGHT):
+        return HTTPError(429, str(e))
+    return HTTPError(500 if str(e).startswith(P.SERVER_FAILED) else 400, str(e))
 
 
 class _Format:
@@ -150,6 +158,8 @@ class _Format:
         self.echo = not chat and body.echo
         self.logprobs = body.logprobs if chat else body.logprobs is not None
         self._offsets: dict[int, int] = {}  # streamed text_offset so far, by choice
+        self.calling = body.tool_calling() if chat else None
+        self._readers: dict[int, ToolCallReader] = {}  # streamed tool calls, by choice
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {
@@ -176,11 +186,16 @@ class _Format:
             for c in gen.choices:
                 text = "".join(c.text)
                 out: dict[str, Any] = {"index": p * self.n + c.index}
-                if self.chat:
+                finish = c.finish_reason
+                if self.calling is not None:
+                    reader = self.calling.reader()
+                    out["message"] = reader.message(text)
+                    finish = _call_finish(reader, finish)
+                elif self.chat:
                     out["message"] = {"role": "assistant", "content": text}
                 else:
                     out["text"] = (c.prompt_text or "") + text if self.echo else text
-                out.update(logprobs=self._whole_logprobs(gen, c), finish_reason=c.finish_reason)
+                out.update(logprobs=self._whole_logprobs(gen, c), finish_reason=finish)
                 if self.body.return_token_ids:
                     out["token_ids"] = list(c.token_ids)
                 choices.append(out)
@@ -207,17 +222,15 @@ class _Format:
 
         if self.chat:  # OpenAI opens each choice with the assistant's role, one per event
             for i in range(len(self.gens) * self.n):
-                role = {"role": "assistant", "content": ""}
+                role = {"role": "assistant", "content": "" if self.calling is None else None}
                 yield event([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}])
         try:
             pending: tuple[int, P.Chunk] | None = first
             while pending is not None:
                 p, chunk = pending
-                ids = self.body.return_token_ids and chunk.token_ids
-                lps = self.logprobs and (chunk.logprobs or chunk.prompt_logprobs)
-                echo = self.echo and chunk.prompt_text
-                if chunk.text or ids or lps or echo or chunk.finish_reason is not None:
-                    yield event([self._delta(p * self.n + chunk.index, chunk)])
+                delta = self._delta(p * self.n + chunk.index, chunk)
+                if delta is not None:
+                    yield event([delta])
                 pending = await anext(rest, None)
             if self.body.include_usage:
                 yield event([], usage=self.usage())
@@ -227,14 +240,27 @@ class _Format:
             await rest.aclose()
         yield "data: [DONE]\n\n"
 
-    def _delta(self, index: int, chunk: P.Chunk) -> dict[str, Any]:
+    def _delta(self, index: int, chunk: P.Chunk) -> dict[str, Any] | None:
+        """Choice ``index``'s event for ``chunk``; None when it has nothing to send."""
         out: dict[str, Any] = {"index": index}
-        if self.chat:
+        finish = chunk.finish_reason
+        if self.calling is not None:
+            reader = self._readers.setdefault(index, self.calling.reader())
+            out["delta"] = reader.delta(chunk.text, final=finish is not None)
+            finish = _call_finish(reader, finish)
+            text = bool(out["delta"])
+        elif self.chat:
             out["delta"] = {"content": chunk.text} if chunk.text else {}
+            text = bool(chunk.text)
         else:
             echo = chunk.prompt_text if self.echo and chunk.prompt_text else ""
             out["text"] = echo + chunk.text
-        out.update(logprobs=self._delta_logprobs(index, chunk), finish_reason=chunk.finish_reason)
+            text = bool(out["text"])
+        ids = self.body.return_token_ids and chunk.token_ids
+        lps = self.logprobs and (chunk.logprobs or chunk.prompt_logprobs)
+        if not (text or ids or lps or finish is not None):
+            return None
+        out.update(logprobs=self._delta_logprobs(index, chunk), finish_reason=finish)
         if self.body.return_token_ids:
             out["token_ids"] = list(chunk.token_ids)
         return out
@@ -250,6 +276,11 @@ class _Format:
         offset = self._offsets.get(index, 0)
         self._offsets[index] = offset + sum(len(e[1]) for e in entries)
         return completion_logprobs(entries, offset)
+
+
+def _call_finish(reader: ToolCallReader, reason: str | None) -> str | None:
+    # A completed call ends its choice with "tool_calls", as OpenAI's do.
+    return "tool_calls" if reason == "stop" and reader.is_call else reason
 
 
 class _EventStream(StreamingResponse):

@@ -49,7 +49,7 @@ class Generation:
         *,
         prompt: str | None = None,
         input_ids: list[int] | None = None,
-        messages: list[dict[str, str]] | None = None,
+        messages: list[dict[str, Any]] | None = None,
         cache_salt: str | None = None,
         echo: bool = False,
     ) -> None:

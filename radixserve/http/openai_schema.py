@@ -6,15 +6,37 @@ instead of a silently different completion. Fields OpenAI defines that this
 server cannot honour are declared here only to refuse them with a message
 (``unsupported()``); ``user`` is accepted because it never changes the output.
 docs/http.md lists every field with its semantics.
+
+A completion's output may be constrained (docs/structured.md) by one of: OpenAI's
+``response_format``, SGLang's ``regex`` and ``ebnf``, vLLM's ``structured_outputs``
+and its older ``guided_*`` fields, and (chat) ``tools`` with a ``tool_choice`` that
+makes the model call one (``tools.py``). A request giving more than one is refused.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
 
-from radixserve.sampling_params import INT64_MAX, TOKEN_ID_MAX, SamplingParams
+from radixserve.http.tools import NO_PARAMETERS, TOOL_NAME_PATTERN, ToolCalling
+from radixserve.sampling_params import (
+    INT64_MAX,
+    TOKEN_ID_MAX,
+    SamplingParams,
+    StructuredOutput,
+    short_repr,
+)
 
 # Integers travel to the server as msgpack int64 and token ids as int32: larger ones
 # are a 400 naming the field here, never an encoding failure further on.
@@ -24,15 +46,96 @@ Number = Int | StrictFloat
 TokenIds = list[TokenId]
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
     include_usage: StrictBool = False
 
 
-class _Common(BaseModel):
-    """Fields both endpoints share: the sampling parameters and radixserve's extras."""
+# A JSON schema: an object, or true / false (any value / none).
+Schema = dict[str, Any] | StrictBool
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+
+class JsonSchemaSpec(_Strict):
+    name: StrictStr
+    description: StrictStr | None = None
+    schema_: Schema = Field(alias="schema")
+    # Output always follows the schema strictly (as OpenAI's strict: true), either way.
+    strict: StrictBool | None = None
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")
+]
+
+
+_REGEX_META = re.compile(r"[\\^$.|?*+()\[\]{}/]")
+
+
+def choice_regex(choices: list[str]) -> str:
+    """A regex matching exactly one of ``choices``, each taken literally."""
+    return "(" + "|".join(_REGEX_META.sub(r"\\\g<0>", c) for c in choices) + ")"
+
+
+# vLLM's kinds of constraint, and the request fields giving one (SGLang's, vLLM's older).
+_KINDS = {
+    "json": StructuredOutput.json,
+    "regex": StructuredOutput.regex,
+    "choice": lambda choices: StructuredOutput.regex(choice_regex(choices)),
+    "grammar": StructuredOutput.grammar,
+}
+_FIELD_KINDS = {
+    "regex": "regex",
+    "ebnf": "grammar",
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_grammar": "grammar",
+    "guided_choice": "choice",
+}
+Choices = Annotated[list[StrictStr], Field(min_length=1)]
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs``: one of its fields."""
+
+    json_: Schema | StrictStr | None = Field(None, alias="json")  # a schema or its JSON text
+    regex: StrictStr | None = None
+    choice: Choices | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+
+    def constraints(self) -> dict[str, StructuredOutput]:
+        values = {
+            "json": self.json_,
+            "regex": self.regex,
+            "choice": self.choice,
+            "grammar": self.grammar,
+        }
+        found = {k: _KINDS[k](v) for k, v in values.items() if v is not None}
+        if self.json_object:
+            found["json_object"] = StructuredOutput.json_object()
+        if not found:
+            raise ValueError(f"structured_outputs needs one of {', '.join(values)}, json_object")
+        return found
+
+
+class _Common(_Strict):
+    """Fields both endpoints share: the sampling parameters and radixserve's extras."""
 
     model: StrictStr
     temperature: Number | None = None
@@ -57,6 +160,15 @@ class _Common(BaseModel):
     repetition_penalty: Number | None = None
     min_tokens: Int | None = None
     stop_token_ids: list[TokenId] | None = None
+    # Output constraints, one at most: OpenAI's, SGLang's extras, vLLM's extras.
+    response_format: ResponseFormat | None = None
+    regex: StrictStr | None = None
+    ebnf: StrictStr | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Schema | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_grammar: StrictStr | None = None
+    guided_choice: Choices | None = None
 
     def unsupported(self) -> str | None:
         """Why this request asks for something the server cannot do (None: it doesn't)."""
@@ -82,7 +194,34 @@ class _Common(BaseModel):
         if self.stop is not None:
             fields["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         fields["ignore_eos"] = self.ignore_eos
-        return SamplingParams(**fields, **self._logprob_fields())
+        return SamplingParams(**fields, **self._logprob_fields(), structured=self.structured())
+
+    def constraints(self) -> dict[str, StructuredOutput]:
+        """Each output constraint this request gives, by the field that gives it."""
+        found: dict[str, StructuredOutput] = {}
+        rf = self.response_format
+        if isinstance(rf, JsonObjectFormat):
+            found["response_format"] = StructuredOutput.json_object()
+        elif isinstance(rf, JsonSchemaFormat):
+            found["response_format"] = StructuredOutput.json(rf.json_schema.schema_)
+        for name, kind in _FIELD_KINDS.items():
+            value = getattr(self, name)
+            if value is not None:
+                found[name] = _KINDS[kind](value)
+        if self.structured_outputs is not None:
+            given = self.structured_outputs.constraints()
+            found.update({f"structured_outputs.{k}": v for k, v in given.items()})
+        return found
+
+    def structured(self) -> StructuredOutput | None:
+        """The request's one output constraint, if any (ValueError: more than one)."""
+        found = self.constraints()
+        if len(found) > 1:
+            raise ValueError(
+                f"give at most one output constraint; this request gives {len(found)}: "
+                + ", ".join(found)
+            )
+        return next(iter(found.values()), None)
 
     def _logprob_fields(self) -> dict[str, Any]:
         return {}
@@ -134,22 +273,91 @@ class CompletionRequest(_Common):
         return list(p)  # type: ignore[arg-type]
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+class TextPart(_Strict):
     type: Literal["text"]
     text: StrictStr
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[TextPart]
+class FunctionDef(_Strict):
+    name: Annotated[StrictStr, Field(pattern=TOOL_NAME_PATTERN)]
+    description: StrictStr | None = None
+    parameters: Schema | None = None  # none: the function takes no arguments
+    strict: StrictBool | None = None  # calls always follow parameters strictly
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: StrictStr
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Strict):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI returns it
+
+
+class ToolCall(_Strict):
+    id: StrictStr
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: StrictStr | None = None  # a tool message answers this call
+
+    @model_validator(mode="after")
+    def _fits_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs tool_call_id; other messages have none")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content is required (an assistant message may give tool_calls)")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the tokenizer takes it (docs/protocol.md)."""
+        # "developer" is OpenAI's newer name for the system role; chat templates know "system".
+        out: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text(),
+        }
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": c.function.arguments,
+                    },
+                }
+                for c in self.tool_calls
+            ]
+        if self.role == "tool":
+            out["tool_call_id"] = self.tool_call_id
+            if self.name is not None:
+                out["name"] = self.name
+        return out
 
 
 class ChatCompletionRequest(_Common):
@@ -160,32 +368,71 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: Int | None = None
     logprobs: StrictBool = False
     top_logprobs: Int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # A choice makes at most one call: what false asks, and what true allows.
+    parallel_tool_calls: StrictBool | None = None
 
     def unsupported(self) -> str | None:
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs needs logprobs=true"
-        if self.tools or self.tool_choice not in (None, "none"):
-            return "tools are not supported"
-        if self.response_format not in (None, {"type": "text"}):
-            return "response_format is not supported (only {'type': 'text'})"
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             return "give max_completion_tokens or max_tokens, not both"
-        return super().unsupported()
+        return self._tools_unsupported() or super().unsupported()
+
+    def _tools_unsupported(self) -> str | None:
+        choice = self.tool_choice
+        if not self.tools:
+            if choice in (None, "none", "auto"):
+                return None
+            return "tool_choice needs tools"
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) < len(names):
+            return "tools must have distinct function names"
+        if choice in (None, "auto"):
+            return (
+                'tool_choice "auto" (the default when tools are given) is not supported: '
+                "telling a tool call from text needs a parser for the model's tool-call "
+                'format, which radixserve does not have. Use tool_choice "required" or '
+                '{"type": "function", "function": {"name": ...}}, which constrain the '
+                'output to a call, or "none"'
+            )
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            return (
+                f"tool_choice names the function {short_repr(choice.function.name)}, "
+                "which is not among tools"
+            )
+        return None
+
+    def tool_calling(self) -> ToolCalling | None:
+        """How each choice becomes a tool call; None when tools play no part."""
+        choice = self.tool_choice
+        if not self.tools or not (choice == "required" or isinstance(choice, NamedToolChoice)):
+            return None
+        parameters = {
+            t.function.name: NO_PARAMETERS
+            if t.function.parameters is None
+            else t.function.parameters
+            for t in self.tools
+        }
+        if isinstance(choice, NamedToolChoice):
+            return ToolCalling.named(choice.function.name, parameters[choice.function.name])
+        return ToolCalling.required(parameters)
+
+    def constraints(self) -> dict[str, StructuredOutput]:
+        found = super().constraints()
+        calling = self.tool_calling()
+        if calling is not None:
+            found["tool_choice"] = calling.structured
+        return found
 
     def _logprob_fields(self) -> dict[str, Any]:
         if not self.logprobs:
             return {}
         return {"logprobs": self.top_logprobs or 0}
 
-    def messages_as_dicts(self) -> list[dict[str, str]]:
-        # "developer" is OpenAI's newer name for the system role; chat templates know "system".
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+    def messages_as_dicts(self) -> list[dict[str, Any]]:
+        return [m.as_dict() for m in self.messages]
 
     @property
     def max_new_tokens(self) -> int | None:

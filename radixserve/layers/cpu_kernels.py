@@ -108,3 +108,24 @@ def skinny_linear(
     if bias is not None:
         yt += bias[:, None]
     return yt.t()
+
+
+def bitmask_ok(logits: torch.Tensor) -> bool:
+    """Whether ``apply_token_bitmask`` takes these logits (a built extension that has
+    it; contiguous float32 or float64 on the CPU)."""
+    return (
+        hasattr(ext, "apply_token_bitmask")
+        and logits.device.type == "cpu"
+        and logits.dtype in (torch.float32, torch.float64)
+        and logits.is_contiguous()
+    )
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """In place: ``logits[r, t] = -inf`` where bit ``t % 32`` of ``bitmask[r, t // 32]``
+    is 0, for each ``r`` in ``rows`` (xgrammar's bitmask layout)."""
+    ext.apply_token_bitmask(  # type: ignore[union-attr]
+        logits.numpy(),
+        bitmask.contiguous().numpy(),
+        torch.tensor(rows, dtype=torch.int64).numpy(),
+    )

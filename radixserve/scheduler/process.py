@@ -67,7 +67,7 @@ class SchedulerLoop:
         except WorkerHung as e:
             log.error("watchdog: %s; failing every request and stopping the server", e)
             for rid in self.scheduler.request_ids():
-                self.to_tokenizer.send(P.RequestError(rid, f"the server failed: {e}").encode())
+                self.to_tokenizer.send(P.RequestError(rid, f"{P.SERVER_FAILED}: {e}").encode())
             raise SystemExit(1) from None
 
     def _loop(self) -> None:

@@ -20,6 +20,7 @@ than risk parsing typed control tokens.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -39,13 +40,19 @@ def special_token_strings(tokenizer: Any) -> list[str]:
 
 
 def chat_to_ids(
-    tokenizer: Any, messages: list[dict[str, str]], allow_special_tokens: bool = False
+    tokenizer: Any, messages: list[dict[str, Any]], allow_special_tokens: bool = False
 ) -> list[int]:
     """Token ids of ``messages`` rendered by the tokenizer's chat template, with a
     generation prompt. Special tokens typed in content stay text unless
     ``allow_special_tokens``."""
     specials = special_token_strings(tokenizer)
     typed = [any(s in m["content"] for s in specials) for m in messages]
+    if not allow_special_tokens and any(_typed_outside_content(m, specials) for m in messages):
+        # Tool calls and ids are rendered by the template itself: no marker can stand
+        # for them, so special tokens there are refused.
+        raise ValueError(
+            "a message's tool calls or tool call id contain special tokens; remove them"
+        )
     if allow_special_tokens or not any(typed):
         return _ids(
             tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
@@ -69,6 +76,14 @@ def chat_to_ids(
         elif piece:
             ids += tokenizer.encode(piece, add_special_tokens=False)
     return ids
+
+
+def _typed_outside_content(message: Mapping[str, Any], specials: list[str]) -> bool:
+    rest = {k: v for k, v in message.items() if k not in ("role", "content")}
+    if not rest:
+        return False
+    text = json.dumps(rest, ensure_ascii=False)
+    return any(s in text for s in specials)
 
 
 def _ids(out: Any) -> list[int]:

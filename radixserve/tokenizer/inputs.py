@@ -3,6 +3,7 @@ within the limits of ``TokenizerConfig`` (checked before the costly work)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -12,6 +13,7 @@ from radixserve.tokenizer.chat import chat_to_ids
 from radixserve.tokenizer.config import TokenizerConfig
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
+MAX_ARGUMENTS_DEPTH = 32  # how deeply a tool call's arguments may nest
 
 
 class InputProcessor:
@@ -124,6 +126,9 @@ class InputProcessor:
         return ids
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Messages are ``{role, content}``; an assistant's may carry the tool calls it
+        made (``tool_calls``: ``[{id, type, function: {name, arguments}}]``, arguments a
+        map or JSON text), a tool's answers one (``tool_call_id``, and ``name``)."""
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
             raise ValueError("messages must be a non-empty list of {role, content} objects")
         clean = []
@@ -136,9 +141,79 @@ class InputProcessor:
                 raise ValueError(f"message role must be one of {_ROLES}, got {short_repr(role)}")
             if not isinstance(content, str):
                 raise ValueError("message content must be a string")
-            chars += len(content)
+            message: dict[str, Any] = {"role": role, "content": content}
+            if m.get("tool_calls") is not None:
+                if role != "assistant":
+                    raise ValueError("only assistant messages have tool_calls")
+                message["tool_calls"] = _tool_calls(m["tool_calls"])
+            if role == "tool":
+                for key in ("tool_call_id", "name"):
+                    if m.get(key) is not None:
+                        if not isinstance(m[key], str):
+                            raise ValueError(f"a tool message's {key} must be a string")
+                        message[key] = m[key]
+            extras = {k: v for k, v in message.items() if k not in ("role", "content")}
+            chars += len(content) + (len(json.dumps(extras, ensure_ascii=False)) if extras else 0)
             self._check_chars(chars)
-            clean.append({"role": role, "content": content})
+            clean.append(message)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("this model's tokenizer has no chat template; send a prompt instead")
         return chat_to_ids(self.tokenizer, clean, self.config.chat_special_tokens)
+
+
+def _tool_calls(calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's tool calls, checked and copied. Arguments given as JSON
+    text of an object become that object: templates render them from a mapping (HF's
+    convention, ``| tojson``); other text stays text."""
+    bad = ValueError(
+        "tool_calls must be a list of {id, type: function, function: {name, arguments}}"
+    )
+    if not isinstance(calls, Sequence) or isinstance(calls, (str, bytes)):
+        raise bad
+    out = []
+    for call in calls:
+        if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+            raise bad
+        fn = call["function"]
+        name, arguments = fn.get("name"), fn.get("arguments")
+        if not isinstance(name, str) or not isinstance(arguments, (str, Mapping)):
+            raise bad
+        if call.get("type", "function") != "function" or not isinstance(call.get("id", ""), str):
+            raise bad
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except (ValueError, RecursionError):
+                parsed = None
+            if isinstance(parsed, dict):
+                arguments = parsed
+        if isinstance(arguments, Mapping):
+            if _depth(arguments) > MAX_ARGUMENTS_DEPTH:
+                raise ValueError(f"tool call arguments nest deeper than {MAX_ARGUMENTS_DEPTH}")
+            try:
+                json.dumps(arguments)  # JSON data only, as templates render it
+            except (TypeError, ValueError):
+                raise bad from None
+        entry: dict[str, Any] = {
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+        if "id" in call:
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out
+
+
+def _depth(value: Any) -> int:
+    """How deeply lists and maps nest in ``value`` (iteratively: any depth is safe)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, Mapping):
+            todo.extend((x, d + 1) for x in v.values())
+        elif isinstance(v, (list, tuple)):
+            todo.extend((x, d + 1) for x in v)
+        else:
+            continue
+        deepest = max(deepest, d)
+    return deepest

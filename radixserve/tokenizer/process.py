@@ -283,7 +283,7 @@ class TokenizerServer:
         if item.finish_reason == "error":
             # The whole request fails (every sample gets such an item; the first ends it).
             self.forget(req)
-            self.send_error(req.identity, req.id, item.error or "the request failed")
+            self.send_error(req.identity, req.id, f"{P.SERVER_FAILED}: {item.error}")
             return
         out = req.outputs[item.index]
         finish = item.finish_reason

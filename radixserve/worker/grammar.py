@@ -307,12 +307,26 @@ def apply_bitmask(
     logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int
 ) -> None:
     """Set to -inf, in place, the logits of ``rows`` whose token's bit is 0 in the
-    same row of ``bitmask``. xgrammar's kernel where it applies (float32, or a
-    CUDA tensor), else the same in torch."""
-    if logits.dtype == torch.float32 or logits.is_cuda:
-        bm = bitmask if bitmask.device == logits.device else bitmask.to(logits.device)
-        xgrammar().apply_token_bitmask_inplace(logits, bm, vocab_size=vocab_size, indices=rows)
+    same row of ``bitmask``: the native CPU kernel (csrc/, one pass that skips
+    whole words of allowed tokens) where it is built, xgrammar's kernel on CUDA,
+    else the same in torch."""
+    from radixserve.layers import cpu_kernels
+
+    width = min(vocab_size, logits.shape[1])
+    if cpu_kernels.bitmask_ok(logits) and bitmask.shape[1] * _BITS >= logits.shape[1]:
+        cpu_kernels.apply_token_bitmask(logits, bitmask, rows)
         return
+    if logits.is_cuda:
+        bm = bitmask.to(logits.device, non_blocking=True)
+        xgrammar().apply_token_bitmask_inplace(logits, bm, vocab_size=width, indices=rows)
+        return
+    apply_bitmask_torch(logits, bitmask, rows, vocab_size)
+
+
+def apply_bitmask_torch(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int
+) -> None:
+    """``apply_bitmask`` in plain torch (any device and dtype)."""
     idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
     allowed = unpack_bitmask(bitmask.index_select(0, idx.cpu()).to(logits.device), vocab_size)
     width = min(vocab_size, logits.shape[1])

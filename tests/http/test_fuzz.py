@@ -24,13 +24,17 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 FIELDS = [
     "model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "n",
     "seed", "stop", "stream", "stop_token_ids", "ignore_eos", "min_p", "user",
-    "response_format", "logit_bias", "stream_options", "extra",
+    "response_format", "logit_bias", "stream_options", "extra", "regex", "structured_outputs",
+    "tools", "tool_choice",
 ]  # fmt: skip
 WILD = [
     None, True, -1, 0, 1, 2**31, 2**63, 2**64, -(2**64), 1e308, -1e-320, "", "x" * 3000,
     "<|im_end|>\n<|im_start|>system", [], [None], [[[[[]]]]], {}, {"role": 5},
     [{"role": "user"}], [{"role": "user", "content": ["a", {"type": "image"}]}],
     list(range(200)), [-3, 10**12], {"include_usage": "yes"}, {"type": "json_schema"},
+    "(", {"json": {"type": "nonsense"}}, {"choice": ["a", 1]}, "required", "auto",
+    [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}],
+    {"type": "function", "function": {"name": "f"}},
 ]  # fmt: skip
 
 

@@ -136,3 +136,46 @@ def test_a_template_that_rewrites_content_with_special_tokens_is_refused(tiny_to
     assert p.to_ids(messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(ValueError, match="special tokens"):
         p.to_ids(messages=[{"role": "user", "content": "hi </s>"}])
+
+
+TOOLS_CHAT = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}[{{ c['function']['name'] }} "
+    "{{ c['function']['arguments'] | tojson }}]{% endfor %}"
+    "{% if m.get('tool_call_id') %}({{ m['tool_call_id'] }}){% endif %}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+
+def test_tool_calls_and_tool_answers_reach_the_template(tiny_tokenizer):
+    tok = load_tokenizer(tiny_tokenizer.name_or_path)
+    tok.chat_template = TOOLS_CHAT
+    p = processor(tok)
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": ""}}
+    chat = [
+        {"role": "user", "content": "2 + 3?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "5", "tool_call_id": "call_1", "name": "add"},
+    ]
+    # Arguments given as JSON text of an object reach the template as that object.
+    call["function"]["arguments"] = '{"a": 2, "b": 3}'
+    text = tok.decode(p.to_ids(messages=chat), skip_special_tokens=True)
+    assert '[add {"a": 2, "b": 3}]' in text and "tool: 5(call_1)" in text
+    call["function"]["arguments"] = {"a": 2, "b": 3}  # a map is taken as it is
+    assert tok.decode(p.to_ids(messages=chat), skip_special_tokens=True) == text
+    call["function"]["arguments"] = {"a": "</s>"}  # typed special tokens have no marker
+    with pytest.raises(ValueError, match="tool calls or tool call id contain special tokens"):
+        p.to_ids(messages=chat)
+    nested: dict = {}
+    for _ in range(40):
+        nested = {"x": nested}
+    call["function"]["arguments"] = nested
+    with pytest.raises(ValueError, match="nest deeper than 32"):
+        p.to_ids(messages=chat)
+    for bad, match in [
+        ({"role": "user", "content": "x", "tool_calls": [call]}, "only assistant"),
+        ({"role": "assistant", "content": "", "tool_calls": [{"id": 3}]}, "tool_calls must"),
+        ({"role": "tool", "content": "5", "tool_call_id": 7}, "tool_call_id must be a string"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            p.to_ids(messages=[bad])
