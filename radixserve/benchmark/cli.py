@@ -40,7 +40,7 @@ from radixserve.benchmark.backends import (
     OpenAIBackend,
     RadixserveBackend,
 )
-from radixserve.benchmark.metrics import compare_scores, step_summary, summarize
+from radixserve.benchmark.metrics import compare_scores, compare_texts, step_summary, summarize
 from radixserve.benchmark.runner import run
 from radixserve.benchmark.server import LaunchedServer
 from radixserve.benchmark.workloads import (
@@ -390,6 +390,10 @@ def main(args: argparse.Namespace) -> int:
         first = results[0]["_records"]
         for v in results[1:]:
             v["metrics"].update(compare_scores(workload, first, v["_records"]))
+    if workload.structured:  # the same requests' answers against the first column's
+        first = results[0]["_records"]
+        for v in results[1:]:
+            v["metrics"].update(compare_texts(first, v["_records"]))
     for v in results:
         del v["_records"]
 

@@ -20,7 +20,9 @@ JSON (``json_parse_rate``) and validates against its schema
 ``max_tokens`` (``length_stops``), and what jump-forward changes: output chunks
 per request (one per model step that gave the request tokens, on radixserve's
 backends) and output tokens per chunk. ``step_summary`` adds the server's own
-count of model steps over the run, when it keeps one.
+count of model steps over the run, when it keeps one; ``compare_texts``, the
+share of the same requests whose answers two runs wrote alike (jump-forward may
+change them: its forced text comes canonically tokenized, docs/structured.md).
 """
 
 from __future__ import annotations
@@ -210,3 +212,11 @@ def step_summary(
         return {"steps": None, "steps_per_request": None}
     steps = int(after["steps"]) - int(before["steps"])
     return {"steps": steps, "steps_per_request": steps / requests if requests else None}
+
+
+def compare_texts(base: list[RequestRecord], other: list[RequestRecord]) -> dict[str, Any]:
+    """Of the requests both runs finished, the share whose output text is the same."""
+    a = {r.key: r.output_text for r in base if r.ok}
+    both = [r for r in other if r.ok and r.key in a]
+    same = sum(r.output_text == a[r.key] for r in both)
+    return {"same_text": same / len(both) if both else None}

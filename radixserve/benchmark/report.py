@@ -51,6 +51,7 @@ STRUCTURED_ROWS = [  # structured workloads only (json-extract)
     ("model steps / request", "steps_per_request", "{:.1f}"),
     ("chunks / request", "chunks_per_request", "{:.1f}"),
     ("tokens / chunk", "tokens_per_chunk", "{:.2f}"),
+    ("text = first's", "same_text", "{:.2%}"),
 ]
 
 

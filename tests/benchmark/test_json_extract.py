@@ -21,7 +21,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from radixserve.benchmark.metrics import structured_summary
+from radixserve.benchmark.metrics import compare_texts, structured_summary
 from radixserve.benchmark.runner import RequestRecord
 from radixserve.benchmark.workloads import RECORDS, TokenSource, json_extract
 from radixserve.cli import main as radixserve_main
@@ -69,6 +69,9 @@ def test_jump_forward_takes_fewer_steps_for_the_same_valid_objects(model_dir, tm
             assert at == sorted(at)  # every key, in the schema's order
             valid += _valid(text, schema)
         assert m["schema_valid_rate"] == valid / 8
+    text = {r["key"]: r["output_text"] for r in on["requests"]}
+    same = [r["output_text"] == text[r["key"]] for r in off["requests"]]
+    assert "same_text" not in on["metrics"] and off["metrics"]["same_text"] == sum(same) / 8
     mon, moff = on["metrics"], off["metrics"]
     assert moff["tokens_per_chunk"] == 1.0 < mon["tokens_per_chunk"]
     assert mon["chunks_per_request"] < moff["chunks_per_request"]
@@ -111,6 +114,13 @@ def test_validity_rates_on_canned_outputs():
     assert m["schema_valid_rate"] == 1 / 4
     assert m["length_stops"] == 1
     assert m["chunks_per_request"] == 4.0 and m["tokens_per_chunk"] == 2.0
+    # Another run's answers: the same text for one of the three both finished.
+    again = [RequestRecord(r.key, r.order, [1], 256, 0.0, output_text=r.output_text) for r in recs]
+    for r, a in zip(again, recs):
+        r.usage, r.error = a.usage, a.error
+    again[0].output_text = json.dumps({**employee, "is_remote_employee": True})
+    again[1].error = "failed"
+    assert compare_texts(recs, again) == {"same_text": 2 / 3}
 
 
 def test_engine_backend_fails_a_request_the_engine_failed():
