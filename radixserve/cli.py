@@ -243,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-prompt-chars",
         type=_positive,
         default=d.max_prompt_chars,
-        help="characters of a prompt (or of all chat messages' content), checked before tokenizing",
+        help="characters of a prompt (or of a chat's content, tool calls and tools), checked "
+        "before tokenizing",
     )
     lim.add_argument(
         "--max-prompt-tokens",

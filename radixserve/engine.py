@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from radixserve.config import EngineConfig, build_scheduler, build_worker, tokenizer_config
+from radixserve.program import EngineBackend, ProgramState
 from radixserve.protocol import OutputItem
 from radixserve.results import Result, TokenLogprobs, Usage
 from radixserve.sampling_params import SamplingParams
@@ -50,10 +51,14 @@ class Engine:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         cache_salt: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[Result]:
         """Generate for one prompt or a list of them (text, token ids or chat
         messages). Returns the Results in prompt order (n per prompt when
-        ``n > 1``). Bad input raises ValueError before anything runs."""
+        ``n > 1``). ``tools``: tool definitions (OpenAI's ``{type: function,
+        function: {name, description, parameters}}``) the chat template renders into
+        each prompt, which must then all be chats. Bad input raises ValueError before
+        anything runs."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -63,7 +68,8 @@ class Engine:
             params = list(sampling_params)
             if len(params) != len(prompt_list):
                 raise ValueError("give one SamplingParams, or one per prompt")
-        streams = self._add_requests([self._to_ids(p) for p in prompt_list], params, cache_salt)
+        token_lists = [self._to_ids(p, tools) for p in prompt_list]
+        streams = self._add_requests(token_lists, params, cache_salt)
         order = list(streams)
         results: dict[tuple[str, int], Result] = {}
         while self.scheduler.has_work():
@@ -73,6 +79,20 @@ class Engine:
         if len(results) != len(order):
             raise RuntimeError("the scheduler stopped with requests unfinished")
         return [results[key] for key in order]
+
+    def program(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        cache_salt: str | None = None,
+    ) -> ProgramState:
+        """A prompt program (``radixserve.program``, docs/programs.md) starting from a
+        text (tokenized with special tokens), token ids, or chat messages (rendered
+        without a generation prompt); from nothing when none is given."""
+        backend = EngineBackend(self, cache_salt)
+        return ProgramState(backend, prompt, input_ids=input_ids, messages=messages)
 
     def stats(self) -> dict[str, int]:
         return self.scheduler.stats()
@@ -96,12 +116,12 @@ class Engine:
         self.close()
 
     # --------------------------------------------------------------- helpers
-    def _to_ids(self, prompt: Prompt) -> list[int]:
+    def _to_ids(self, prompt: Prompt, tools: Sequence[Mapping[str, Any]] | None) -> list[int]:
         if isinstance(prompt, str):
-            return self.inputs.to_ids(prompt=prompt)
+            return self.inputs.to_ids(prompt=prompt, tools=tools)
         if prompt and isinstance(prompt[0], Mapping):
-            return self.inputs.to_ids(messages=prompt)  # type: ignore[arg-type]
-        return self.inputs.to_ids(input_ids=prompt)  # type: ignore[arg-type]
+            return self.inputs.to_ids(messages=prompt, tools=tools)  # type: ignore[arg-type]
+        return self.inputs.to_ids(input_ids=prompt, tools=tools)  # type: ignore[arg-type]
 
     def _add_requests(
         self, token_lists: list[list[int]], params: list[SamplingParams], salt: str | None

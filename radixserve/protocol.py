@@ -279,13 +279,16 @@ def decode(data: bytes, allowed: Mapping[str, type[Message]] | None = None) -> A
 # ------------------------------------------------------------ public: requests
 @dataclass
 class Generate(Message):
-    """Generate for one prompt: exactly one of prompt, input_ids, messages."""
+    """Generate for one prompt: exactly one of prompt, input_ids, messages (and, with
+    messages, the tools their chat template is given)."""
 
     TYPE: ClassVar[str] = "generate"
     id: str = f(ID)
     prompt: str | None = f(_optional(STR), None)
     input_ids: list[int] | None = f(_optional(INT_LIST), None)
     messages: list[dict] | None = f(_optional(MAP_LIST), None)
+    # Tool definitions the chat template renders (with messages only).
+    tools: list[dict] | None = f(_optional(MAP_LIST), None)
     sampling: SamplingParams = f(SAMPLING, SamplingParams())
     stream: bool = f(BOOL, False)
     cache_salt: str | None = f(_optional(STR), None)
@@ -333,8 +336,24 @@ class Check(Message):
     admin_key: str | None = f(_optional(STR), None)
 
 
+@dataclass
+class Tokenize(Message):
+    """The token ids of one text or chat (exactly one of prompt, messages), as a
+    ``generate`` with it would compute them, answered with ``Reply(id, {"input_ids"})``
+    by the tokenizer process alone. ``add_special_tokens``: the tokenizer's own (BOS)
+    around a text; ``add_generation_prompt``: the template's assistant opening after
+    the messages."""
+
+    TYPE: ClassVar[str] = "tokenize"
+    id: str = f(ID)
+    prompt: str | None = f(_optional(STR), None)
+    messages: list[dict] | None = f(_optional(MAP_LIST), None)
+    add_special_tokens: bool = f(BOOL, True)
+    add_generation_prompt: bool = f(BOOL, True)
+
+
 PUBLIC_REQUESTS: dict[str, type[Message]] = {
-    c.TYPE: c for c in (Generate, Abort, FlushCache, Stats, Health, Check)
+    c.TYPE: c for c in (Generate, Abort, FlushCache, Stats, Health, Check, Tokenize)
 }
 
 
@@ -385,7 +404,7 @@ class Error(Message):
 
 @dataclass
 class Reply(Message):
-    """The answer to flush_cache / stats / health / check ``id``."""
+    """The answer to flush_cache / stats / health / check / tokenize ``id``."""
 
     TYPE: ClassVar[str] = "reply"
     id: str = f(ID)

@@ -121,7 +121,10 @@ class StructuredOutput:
 class SamplingParams:
     """How to sample one request's completion.
 
-    temperature 0 (or below ``GREEDY_TEMPERATURE``) means greedy. ``top_k`` <= 0 and ``top_p`` == 1 and
+    ``max_tokens=0`` only prefills: the prompt is computed (and cached, and
+    scored with ``prompt_logprobs``), nothing is generated, and the request
+    finishes with "length" (docs/scheduler.md). temperature 0 (or below
+    ``GREEDY_TEMPERATURE``) means greedy. ``top_k`` <= 0 and ``top_p`` == 1 and
     ``min_p`` == 0 disable those filters. ``seed`` makes a request's output a
     function of (seed, prompt) alone, whatever else shares its batch.
 
@@ -207,9 +210,9 @@ class SamplingParams:
         def bad(msg: str) -> ValueError:
             return ValueError(f"invalid sampling parameter: {msg}")
 
-        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX:
+        if not _is_int(self.max_tokens) or not 0 <= self.max_tokens <= INT64_MAX:
             raise bad(
-                f"max_tokens must be an integer >= 1 and below 2**63, got {short_repr(self.max_tokens)}"
+                f"max_tokens must be an integer >= 0 and below 2**63, got {short_repr(self.max_tokens)}"
             )
         if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
             raise bad(
@@ -264,6 +267,10 @@ class SamplingParams:
             )
         if self.structured is not None:
             self.structured.validate()
+            if self.max_tokens == 0:
+                raise bad("structured output needs max_tokens >= 1 (max_tokens 0 only prefills)")
+        if self.max_tokens == 0 and self.logprobs is not None:
+            raise bad("logprobs are for generated tokens; max_tokens 0 generates none")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -173,9 +173,42 @@ def test_bad_input_raises_and_changes_nothing(tiny_dir):
     with pytest.raises(ValueError, match="chat template"):
         eng.generate([[{"role": "user", "content": "hi"}]], GREEDY)
     with pytest.raises(ValueError, match="max_tokens"):
-        SamplingParams(max_tokens=0)
+        SamplingParams(max_tokens=-1)
     [r] = eng.generate("still works", SamplingParams(max_tokens=3, temperature=0.0))
     assert r.finish_reason in ("stop", "length")
+    eng.check_idle()
+
+
+# Prints each tool's function name before the chat, as real templates print definitions.
+TOOLS_TEMPLATE = (
+    "{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}.\n"
+    "{% endif %}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "find_flights"}},
+]
+
+
+def test_tool_definitions_reach_the_prompt(tiny_dir):
+    eng = engine(tiny_dir)
+    eng.tokenizer.chat_template = TOOLS_TEMPLATE
+    chat = [{"role": "user", "content": "Rome?"}]
+    ids = eng.inputs.to_ids(messages=chat, tools=TOOLS)
+    rendered = eng.tokenizer.apply_chat_template(
+        chat, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    assert rendered == "tools: get_weather find_flights.\nuser: Rome?\nassistant:"
+    assert ids == eng.tokenizer.encode(rendered, add_special_tokens=False)
+    assert len(ids) > len(eng.inputs.to_ids(messages=chat))
+    # generate(tools=...) runs that very prompt, for each chat given.
+    with_tools = eng.generate([chat, chat], GREEDY, tools=TOOLS)
+    [same] = eng.generate([ids], GREEDY)
+    for r in with_tools:
+        assert (r.token_ids, r.usage.prompt_tokens) == (same.token_ids, len(ids))
+    with pytest.raises(ValueError, match="tools go with chat messages only"):
+        eng.generate([chat, "a text prompt"], GREEDY, tools=TOOLS)
     eng.check_idle()
 
 

@@ -120,6 +120,22 @@ def test_logprob_start_len_caps_the_hit(tiny_dir, hf, prompts, page_size):
     eng.check_idle()
 
 
+def test_max_tokens_zero_scores_and_caches_the_prompt_only(tiny_dir, hf, prompts):
+    eng = engine(tiny_dir, page_size=4, chunked_prefill_size=16)
+    prompt = prompts[0]
+    sp = SamplingParams(max_tokens=0, prompt_logprobs=1)
+    [res] = eng.generate([prompt], sp)
+    assert (res.text, res.token_ids, res.finish_reason) == ("", [], "length")
+    assert res.usage.completion_tokens == 0
+    table = hf_logprobs(hf, prompt)
+    for p in range(1, len(prompt)):
+        check_entry(res.prompt_logprobs[p], prompt[p], table[p - 1], 1)
+    # Prefilled, it is cached: a longer prompt sharing it hits every whole page.
+    [more] = eng.generate([prompt + [9, 10]], SamplingParams(max_tokens=1, temperature=0.0))
+    assert more.usage.cached_tokens == len(prompt) // 4 * 4
+    eng.check_idle()
+
+
 def test_prompt_logprobs_with_n_are_scored_once(tiny_dir, hf, prompts):
     eng = engine(tiny_dir, page_size=16)
     prompt = prompts[0]

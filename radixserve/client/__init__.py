@@ -18,6 +18,9 @@ open ``generate_stream`` iterators) may use one client at once. ``AsyncClient``
 has the same methods as coroutines / async iterators; one reader task sorts
 replies by request id, so any number of concurrent requests share one socket.
 
+``tokenize`` returns the server's token ids for a text or a chat; ``program`` starts a
+prompt program (``radixserve.program``, docs/programs.md).
+
 ``generate`` returns a ``Result`` (the same class the in-process Engine
 returns) when ``n == 1`` and a list of ``n`` Results, by index, when ``n > 1``.
 Sampling fields are keyword arguments (``max_tokens``, ``temperature``, ...,

@@ -25,9 +25,11 @@ from radixserve.client.common import (
     admin_key_or_env,
     admin_message,
     build_generate,
+    build_tokenize,
     curve_keys,
     setup_socket,
 )
+from radixserve.program import AsyncClientBackend, AsyncProgramState
 from radixserve.results import Result
 from radixserve.sampling_params import SamplingParams
 
@@ -66,6 +68,7 @@ class AsyncClient:
         *,
         input_ids: Sequence[int] | None = None,
         messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         sampling_params: SamplingParams | None = None,
         cache_salt: str | None = None,
         request_id: str | None = None,
@@ -75,7 +78,7 @@ class AsyncClient:
     ) -> Result | list[Result]:
         msg = build_generate(
             prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, False,
-            echo,
+            echo, tools,
         )  # fmt: skip
         results = _Results(msg.sampling.n)
         deadline = self._deadline(timeout)
@@ -90,6 +93,7 @@ class AsyncClient:
         *,
         input_ids: Sequence[int] | None = None,
         messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         sampling_params: SamplingParams | None = None,
         cache_salt: str | None = None,
         request_id: str | None = None,
@@ -99,7 +103,7 @@ class AsyncClient:
     ) -> AsyncIterator[P.Chunk]:
         msg = build_generate(
             prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, True,
-            echo,
+            echo, tools,
         )  # fmt: skip
         left = msg.sampling.n
         async with self._request(msg) as queue:
@@ -109,6 +113,35 @@ class AsyncClient:
                 if isinstance(reply, P.Chunk):
                     left -= reply.finish_reason is not None
                     yield reply
+
+    async def tokenize(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        add_special_tokens: bool = True,
+        add_generation_prompt: bool = True,
+        timeout: float | None = None,
+    ) -> list[int]:
+        """``Client.tokenize``."""
+        msg = build_tokenize(prompt, messages, add_special_tokens, add_generation_prompt)
+        async with self._request(msg) as queue:
+            reply = await self._next(queue, msg.id, self._deadline(timeout))
+        _raise_on_error(reply)
+        return list(reply.data["input_ids"])  # type: ignore[union-attr]
+
+    def program(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        cache_salt: str | None = None,
+        timeout: float | None = None,
+    ) -> AsyncProgramState:
+        """``Client.program``, for asyncio: an ``AsyncProgramState``."""
+        backend = AsyncClientBackend(self, cache_salt, timeout)
+        return AsyncProgramState(backend, prompt, input_ids=input_ids, messages=messages)
 
     async def abort(self, request_id: str) -> None:
         await self._sock.send(P.Abort(request_id).encode())

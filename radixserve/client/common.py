@@ -251,10 +251,20 @@ def build_generate(
     request_id: str | None,
     stream: bool,
     echo: bool = False,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> P.Generate:
-    """The ``generate`` message for these arguments (SamplingParams validated here)."""
+    """The ``generate`` message for these arguments (SamplingParams validated here;
+    ``tools`` must come with ``messages`` and be a list of maps, the server checks the
+    rest)."""
     if sampling_params is not None and sampling:
         raise ValueError("pass sampling_params or sampling keyword arguments, not both")
+    if tools is not None:
+        if messages is None:
+            raise ValueError("tools go with messages (the chat template renders them)")
+        if isinstance(tools, (str, bytes, Mapping)) or not all(
+            isinstance(t, Mapping) for t in tools
+        ):
+            raise ValueError("tools must be a list of tool definitions (maps)")
     sp = sampling_params if sampling_params is not None else SamplingParams(**sampling)
     ids = None
     if input_ids is not None:
@@ -269,10 +279,29 @@ def build_generate(
         prompt=prompt,
         input_ids=ids,
         messages=None if messages is None else [dict(m) for m in messages],
+        tools=None if tools is None else [dict(t) for t in tools],
         sampling=sp,
         stream=stream,
         cache_salt=cache_salt,
         echo=echo,
+    )
+
+
+def build_tokenize(
+    prompt: str | None,
+    messages: Sequence[Mapping[str, Any]] | None,
+    add_special_tokens: bool,
+    add_generation_prompt: bool,
+) -> P.Tokenize:
+    """The ``tokenize`` message for these arguments."""
+    if (prompt is None) == (messages is None):
+        raise ValueError("give exactly one of prompt or messages")
+    return P.Tokenize(
+        id=uuid.uuid4().hex,
+        prompt=prompt,
+        messages=None if messages is None else [dict(m) for m in messages],
+        add_special_tokens=bool(add_special_tokens),
+        add_generation_prompt=bool(add_generation_prompt),
     )
 
 

@@ -24,9 +24,11 @@ from radixserve.client.common import (
     admin_key_or_env,
     admin_message,
     build_generate,
+    build_tokenize,
     curve_keys,
     setup_socket,
 )
+from radixserve.program import ClientBackend, ProgramState
 from radixserve.results import Result
 from radixserve.sampling_params import SamplingParams
 
@@ -82,6 +84,7 @@ class Client:
         *,
         input_ids: Sequence[int] | None = None,
         messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         sampling_params: SamplingParams | None = None,
         cache_salt: str | None = None,
         request_id: str | None = None,
@@ -92,10 +95,13 @@ class Client:
         """Generate; a Result (n == 1) or n Results by index (n > 1).
 
         ``sampling`` are SamplingParams' fields (``logprobs``, ``prompt_logprobs``,
-        penalties, ...); ``echo=True`` returns the prompt as text in ``prompt_text``."""
+        penalties, ...); ``echo=True`` returns the prompt as text in ``prompt_text``.
+        ``tools`` (with ``messages``): tool definitions, OpenAI's ``{"type":
+        "function", "function": {name, description, parameters}}``, which the model's
+        chat template renders into the prompt."""
         msg = build_generate(
             prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, False,
-            echo,
+            echo, tools,
         )  # fmt: skip
         results = _Results(msg.sampling.n)
         deadline = self._deadline(timeout)
@@ -110,6 +116,7 @@ class Client:
         *,
         input_ids: Sequence[int] | None = None,
         messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         sampling_params: SamplingParams | None = None,
         cache_salt: str | None = None,
         request_id: str | None = None,
@@ -121,7 +128,7 @@ class Client:
         set). Closing the iterator early aborts the request."""
         msg = build_generate(
             prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, True,
-            echo,
+            echo, tools,
         )  # fmt: skip
         left = msg.sampling.n
         with self._request(msg):
@@ -131,6 +138,41 @@ class Client:
                 if isinstance(reply, P.Chunk):
                     left -= reply.finish_reason is not None
                     yield reply
+
+    def tokenize(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        add_special_tokens: bool = True,
+        add_generation_prompt: bool = True,
+        timeout: float | None = None,
+    ) -> list[int]:
+        """The token ids the server computes for a text (its special tokens, such as
+        BOS, unless ``add_special_tokens`` is False) or for chat messages (the
+        template's generation prompt unless ``add_generation_prompt`` is False): hold
+        a context as these ids and send it as ``input_ids`` to avoid re-tokenizing."""
+        msg = build_tokenize(prompt, messages, add_special_tokens, add_generation_prompt)
+        with self._request(msg):
+            reply = self._next(msg.id, self._deadline(timeout))
+        _raise_on_error(reply)
+        return list(reply.data["input_ids"])  # type: ignore[union-attr]
+
+    def program(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        cache_salt: str | None = None,
+        timeout: float | None = None,
+    ) -> ProgramState:
+        """A prompt program (``radixserve.program``, docs/programs.md) on this client,
+        starting from a text (tokenized with special tokens), token ids, or chat
+        messages (rendered without a generation prompt); from nothing when none is
+        given. ``cache_salt`` and ``timeout`` go with each of its requests."""
+        backend = ClientBackend(self, cache_salt, timeout)
+        return ProgramState(backend, prompt, input_ids=input_ids, messages=messages)
 
     def abort(self, request_id: str) -> None:
         """Abort one of this client's requests; it ends with finish_reason "abort"."""

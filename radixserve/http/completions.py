@@ -8,10 +8,11 @@ server refuses (a prompt longer than the context, say) is still a plain 400. Aft
 every chunk is one server-sent event; a failure mid-stream is an ``{"error": ...}``
 event; the stream always ends with ``data: [DONE]``.
 
-With tools and a tool_choice that makes the model call one, each chat choice's
-completion is read as one tool call (``tools.py``): its message has ``tool_calls`` and
-no content, and its finish_reason is ``tool_calls``; streamed, the call's id and name
-come first, then the arguments' text as it is generated.
+Tools, when given, reach the chat template (the model sees their definitions in its
+prompt), whatever ``tool_choice`` is. With a tool_choice that makes the model call one,
+each chat choice's completion is read as one tool call (``tools.py``): its message has
+``tool_calls`` and no content, and its finish_reason is ``tool_calls``; streamed, the
+call's id and name come first, then the arguments' text as it is generated.
 """
 
 from __future__ import annotations
@@ -104,8 +105,14 @@ async def chat_completions(state: FrontState, request: Request) -> Response:
     body = await parse(state, request, ChatCompletionRequest)
     check(state, body)
     sp = _sampling(body, body.max_new_tokens, state)
-    messages = body.messages_as_dicts()
-    gen = Generation(state.client, state.metrics, sp, messages=messages, cache_salt=body.cache_salt)
+    gen = Generation(
+        state.client,
+        state.metrics,
+        sp,
+        messages=body.messages_as_dicts(),
+        tools=body.tools_as_dicts(),
+        cache_salt=body.cache_salt,
+    )
     return await _respond(state, request, body, [gen], chat=True)
 
 

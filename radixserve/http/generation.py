@@ -39,7 +39,8 @@ class Choice:
 
 
 class Generation:
-    """One prompt (text, token ids, or chat messages) with ``sampling.n`` choices."""
+    """One prompt (text, token ids, or chat messages and the tools their template is
+    given) with ``sampling.n`` choices."""
 
     def __init__(
         self,
@@ -50,6 +51,7 @@ class Generation:
         prompt: str | None = None,
         input_ids: list[int] | None = None,
         messages: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         cache_salt: str | None = None,
         echo: bool = False,
     ) -> None:
@@ -58,6 +60,7 @@ class Generation:
             "prompt": prompt,
             "input_ids": input_ids,
             "messages": messages,
+            "tools": tools,
             "cache_salt": cache_salt,
             "echo": echo,
         }

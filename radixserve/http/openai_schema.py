@@ -434,6 +434,20 @@ class ChatCompletionRequest(_Common):
     def messages_as_dicts(self) -> list[dict[str, Any]]:
         return [m.as_dict() for m in self.messages]
 
+    def tools_as_dicts(self) -> list[dict[str, Any]] | None:
+        """The tool definitions as the chat template gets them, whatever tool_choice is
+        (as vLLM does): OpenAI's ``{type: function, function: {...}}`` without unset
+        fields; a function without parameters shows the empty parameter list its calls
+        are constrained to."""
+        if not self.tools:
+            return None
+        out = []
+        for t in self.tools:
+            function = t.function.model_dump(exclude_none=True)
+            function.setdefault("parameters", NO_PARAMETERS)
+            out.append({"type": "function", "function": function})
+        return out
+
     @property
     def max_new_tokens(self) -> int | None:
         return (

@@ -308,6 +308,10 @@ class Scheduler:
                 req.status = ReqStatus.DECODE
                 prompt_scores, req.prompt_scores = req.prompt_scores, None
             sp = req.sampling
+            if sp.max_tokens == 0:  # prefill only: computed, cached, scored; done
+                self._finish(req, "length")
+                outputs.append(req.output([], None, prompt_scores))
+                continue
             # Jump-forward: the grammar's forced tokens come with (or replace) the
             # sampled one; never past max_tokens or the context.
             new = forced.get(req.slot, [token])
@@ -415,7 +419,7 @@ class Scheduler:
             req.tokens[start : start + n],
             start,
             new_pages,
-            start + n == req.num_tokens,
+            start + n == req.num_tokens and req.sampling.max_tokens > 0,
             sampling,
             req.prompt_len,
             history,

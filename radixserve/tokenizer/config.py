@@ -27,8 +27,9 @@ class TokenizerConfig:
       gone (its requests are aborted).
     - ``max_requests_per_client`` 1024: requests in flight per client identity
       (the HTTP front is one client: this also bounds its requests in flight).
-    - ``max_prompt_chars`` 1 Mi: characters of a prompt, or of all chat messages'
-      content together, checked before tokenizing.
+    - ``max_prompt_chars`` 1 Mi: characters of a prompt, or of a chat's content,
+      tool calls and tool definitions (their JSON text) together, checked before
+      tokenizing.
     - ``max_prompt_tokens`` None: prompt tokens (``input_ids`` are checked before
       anything else is); None: the model's context less one token.
     - ``max_stop`` 16 and ``max_stop_len`` 256: stop strings per request (and stop

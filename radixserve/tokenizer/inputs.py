@@ -14,6 +14,8 @@ from radixserve.tokenizer.config import TokenizerConfig
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_ARGUMENTS_DEPTH = 32  # how deeply a tool call's arguments may nest
+MAX_TOOLS = 128  # tool definitions per chat
+MAX_TOOL_DEPTH = 64  # how deeply a tool definition (its parameters' schema) may nest
 
 
 class InputProcessor:
@@ -42,23 +44,49 @@ class InputProcessor:
         prompt: str | None = None,
         input_ids: Sequence[int] | None = None,
         messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
+        """``tools``: tool definitions for the chat template (with ``messages`` only)."""
         given = [x is not None for x in (prompt, input_ids, messages)]
         if sum(given) != 1:
             raise ValueError("give exactly one of prompt, input_ids or messages")
+        if tools is not None and messages is None:
+            raise ValueError("tools go with chat messages only (the chat template renders them)")
+        if prompt is not None and not prompt and isinstance(prompt, str):
+            raise ValueError("the prompt is empty")  # a BOS token alone is not a prompt
+        if input_ids is not None:
+            ids = self._check_ids(input_ids)
+        else:
+            ids = self.tokenize(prompt, messages, tools=tools)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return ids
+
+    def tokenize(
+        self,
+        prompt: str | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        add_special_tokens: bool = True,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        """The token ids of a text (with the tokenizer's special tokens, such as BOS,
+        unless ``add_special_tokens`` is False) or of chat messages (with the
+        template's generation prompt unless ``add_generation_prompt`` is False; with
+        the tool definitions ``tools``): what a ``generate`` with that prompt would
+        compute, within the same limits. An empty text has no tokens (without
+        special tokens)."""
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        if tools is not None and messages is None:
+            raise ValueError("tools go with chat messages only (the chat template renders them)")
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-            if not prompt:  # a BOS token alone is not a prompt
-                raise ValueError("the prompt is empty")
             self._check_chars(len(prompt))
-            ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        elif input_ids is not None:
-            ids = self._check_ids(input_ids)
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         else:
-            ids = self.apply_chat_template(messages)
-        if not ids:
-            raise ValueError("the prompt is empty")
+            ids = self.apply_chat_template(messages, tools, add_generation_prompt)
         self._check_tokens(len(ids))
         return ids
 
@@ -125,14 +153,27 @@ class InputProcessor:
                 )
         return ids
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
         """Messages are ``{role, content}``; an assistant's may carry the tool calls it
         made (``tool_calls``: ``[{id, type, function: {name, arguments}}]``, arguments a
-        map or JSON text), a tool's answers one (``tool_call_id``, and ``name``)."""
+        map or JSON text), a tool's answers one (``tool_call_id``, and ``name``).
+
+        ``tools`` are the tool definitions the template renders into the prompt (JSON
+        maps, as transformers takes them: OpenAI's ``{type: function, function: {name,
+        description, parameters}}``); their JSON text counts towards the prompt's
+        characters."""
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
             raise ValueError("messages must be a non-empty list of {role, content} objects")
+        clean_tools, chars = None, 0
+        if tools is not None:
+            clean_tools, chars = _tools(tools)
+            self._check_chars(chars)
         clean = []
-        chars = 0
         for m in messages:
             if not isinstance(m, Mapping):
                 raise ValueError("each message must be an object with role and content")
@@ -158,7 +199,35 @@ class InputProcessor:
             clean.append(message)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("this model's tokenizer has no chat template; send a prompt instead")
-        return chat_to_ids(self.tokenizer, clean, self.config.chat_special_tokens)
+        return chat_to_ids(
+            self.tokenizer,
+            clean,
+            self.config.chat_special_tokens,
+            clean_tools,
+            add_generation_prompt,
+        )
+
+
+def _tools(tools: Any) -> tuple[list[dict[str, Any]], int]:
+    """Tool definitions, checked and copied as plain JSON data, and their JSON text's
+    length."""
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise ValueError("tools must be a list of tool definitions (objects)")
+    if len(tools) > MAX_TOOLS:
+        raise ValueError(f"{len(tools)} tools; at most {MAX_TOOLS} are allowed")
+    out, chars = [], 0
+    for tool in tools:
+        if not isinstance(tool, Mapping):
+            raise ValueError("each tool must be an object, e.g. {type: function, function: {...}}")
+        if _depth(tool) > MAX_TOOL_DEPTH:
+            raise ValueError(f"a tool definition nests deeper than {MAX_TOOL_DEPTH}")
+        try:
+            text = json.dumps(tool, ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError):
+            raise ValueError("a tool definition must be JSON data") from None
+        out.append(json.loads(text))
+        chars += len(text)
+    return out, chars
 
 
 def _tool_calls(calls: Any) -> list[dict[str, Any]]:

@@ -6,7 +6,9 @@ limits of ``TokenizerConfig``), completely before anything is queued, and bad
 input gets a short ``Error`` to that client only: nothing malformed reaches the
 scheduler. The socket itself bounds message size (``ZMQ_MAXMSGSIZE``) and the
 replies queued for a client that does not read them (``SNDHWM``); a client has
-at most ``max_requests_per_client`` requests in flight (docs/security.md). Good requests are tokenized and sent on as ``AddRequest``; the
+at most ``max_requests_per_client`` requests in flight (docs/security.md). Good
+requests are tokenized and sent on as ``AddRequest`` (a ``Tokenize`` is answered
+here, with the token ids, never reaching the scheduler); the
 scheduler's ``Outputs`` come back as token ids, which are detokenized
 incrementally with stop strings applied (``OutputStream``, the same code the
 in-process Engine runs) and streamed to the client as ``Chunk`` messages, or
@@ -193,6 +195,8 @@ class TokenizerServer:
             return
         if isinstance(msg, P.Generate):
             self.generate(identity, msg)
+        elif isinstance(msg, P.Tokenize):
+            self.tokenize(identity, msg)
         elif isinstance(msg, P.Abort):
             rid = self.by_client.get((identity, msg.id))
             if rid is not None:
@@ -225,6 +229,23 @@ class TokenizerServer:
             return f"{msg.TYPE}: wrong admin API key"
         return None
 
+    def tokenize(self, identity: bytes, msg: P.Tokenize) -> None:
+        """Answered here, at once: the scheduler is not involved."""
+        try:
+            ids = self.inputs.tokenize(
+                msg.prompt, msg.messages, msg.add_special_tokens, msg.add_generation_prompt
+            )
+        except ValueError as e:
+            self.send_error(identity, msg.id, str(e))
+            return
+        except Exception as e:  # a tokenizer or chat template failing on odd input
+            self.send_error(identity, msg.id, f"could not tokenize: {short_repr(e)}")
+            return
+        try:
+            self.send(identity, P.Reply(msg.id, {"input_ids": ids}))
+        except ClientGone:
+            self.client_gone(identity)
+
     def generate(self, identity: bytes, msg: P.Generate) -> None:
         if (identity, msg.id) in self.by_client:
             self.send_error(identity, msg.id, f"request id {msg.id!r} is already in use")
@@ -239,7 +260,7 @@ class TokenizerServer:
         try:
             # Everything is checked before anything is queued.
             self.inputs.check_sampling(sp)
-            ids = self.inputs.to_ids(msg.prompt, msg.input_ids, msg.messages)
+            ids = self.inputs.to_ids(msg.prompt, msg.input_ids, msg.messages, msg.tools)
             echo = None
             if msg.echo:  # the prompt as given, or the text of its tokens
                 echo = msg.prompt

@@ -48,7 +48,7 @@ BAD_BODIES = [
     ({**GOOD, "max_token": 5}, "max_token", "max_token"),  # a typo is not ignored
     ({k: v for k, v in GOOD.items() if k != "model"}, "model", "model"),
     ({**GOOD, "top_p": 2.0}, "top_p must be in (0, 1]", None),
-    ({**GOOD, "max_tokens": 0}, "max_tokens must be an integer >= 1", None),
+    ({**GOOD, "max_tokens": -1}, "max_tokens must be an integer >= 0", None),
     ({**GOOD, "seed": -1}, "seed", None),
     ({**GOOD, "logprobs": 21}, "logprobs must be null or an integer in [0, 20]", None),
     ({**GOOD, "logprobs": True}, "valid integer", "logprobs"),

@@ -542,3 +542,17 @@ def test_jump_forward_takes_fewer_steps_gives_the_same_tokens_and_caches_them():
         sched.check_idle()
     assert outputs[2] == outputs[0] == expected_tokens(prompt, 40, ignore_eos=True)
     assert steps[2] < steps[0]
+
+
+def test_max_tokens_zero_only_prefills_and_caches_the_prompt():
+    sched, worker = make(page_size=4)
+    prompt = list(range(10, 31))
+    sched.add_request("warm", prompt, greedy(0))
+    res = run(sched, worker)
+    assert res[("warm", 0)]["tokens"] == [] and res[("warm", 0)]["finish"] == "length"
+    # Every whole page of the prompt is in the tree: a request extending it hits them.
+    sched.add_request("branch", prompt + [7, 8], greedy(3))
+    res = run(sched, worker)
+    assert res[("branch", 0)]["out"].cached_tokens == len(prompt) // 4 * 4
+    assert res[("branch", 0)]["tokens"] == expected_tokens(prompt + [7, 8], 3)
+    sched.check_idle()

@@ -1,6 +1,7 @@
 """Real servers for the serving tests: launched few times, shared, checked idle after each test.
 
-One tiny float64 model (context 512, with a chat template) serves every test;
+One tiny float64 model (context 512, with a chat template that shows tool names)
+serves every test;
 ``server`` (radix cache, 4-token pages, 32-token prefill chunks) is launched
 once per session. After each test that uses ``client``, the server must be
 idle and pass the scheduler's idle-invariant check.
@@ -22,8 +23,10 @@ from tests.helpers.tiny_models import make_tiny_model
 
 CONTEXT = 512
 SERVER_ARGS = ("--num-pages", "1024", "--page-size", "4", "--chunked-prefill-size", "32")
+# Tool definitions, when given, as a line of their function names before the chat.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}.\n"
+    "{% endif %}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 

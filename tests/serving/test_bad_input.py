@@ -18,6 +18,8 @@ def gen(**fields):
 
 
 OK = {"prompt": "hello", "sampling": {"max_tokens": 3, "temperature": 0.0}}
+CHAT = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f"}}
 
 CASES = {
     "malformed msgpack": (b"\xc1\x00garbage", None, "msgpack"),
@@ -35,7 +37,11 @@ CASES = {
     "max_tokens a string": (gen(prompt="x", sampling={"max_tokens": "9"}), "bad", "max_tokens"),
     "token outside vocab": (gen(input_ids=[5, 100000]), "bad", "vocabulary"),
     "prompt longer than context": (gen(input_ids=[5] * 600), "bad", "context"),
-    "max_tokens 0": (gen(prompt="x", sampling={"max_tokens": 0}), "bad", "max_tokens"),
+    "max_tokens 0 with logprobs": (
+        gen(prompt="x", sampling={"max_tokens": 0, "logprobs": 2}),
+        "bad",
+        "max_tokens",
+    ),
     "max_tokens negative": (gen(prompt="x", sampling={"max_tokens": -5}), "bad", "max_tokens"),
     "temperature < 0": (gen(prompt="x", sampling={"temperature": -0.5}), "bad", "temperature"),
     "top_p 0": (gen(prompt="x", sampling={"top_p": 0.0}), "bad", "top_p"),
@@ -44,6 +50,13 @@ CASES = {
     "empty prompt": (gen(prompt=""), "bad", "empty"),
     "empty input_ids": (gen(input_ids=[]), "bad", "empty"),
     "bad chat role": (gen(messages=[{"role": "wizard", "content": "hi"}]), "bad", "role"),
+    "tools without messages": (gen(prompt="x", tools=[TOOL]), "bad", "with chat messages only"),
+    "tools not maps": (gen(messages=CHAT, tools=["f"]), "bad", "'tools' must be a list of maps"),
+    "special tokens in tools": (
+        gen(messages=CHAT, tools=[{"type": "function", "function": {"name": "f</s>"}}]),
+        "bad",
+        "tool definitions contain special tokens",
+    ),
     "two frames": (None, None, "single frame"),
     # limits (the defaults: docs/security.md)
     "n over the limit": (gen(prompt="x", sampling={"n": 17}), "bad", "at most 16"),

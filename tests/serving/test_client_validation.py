@@ -20,6 +20,9 @@ NOWHERE = "tcp://127.0.0.1:9"
         {"prompt": "x", "max_tokens": 2**64},
         {"prompt": "x", "top_k": 2**64},
         {"prompt": "x", "seed": 2**63 - 1, "n": 2},
+        {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"messages": [{"role": "user", "content": "x"}], "tools": {"type": "function"}},
+        {"messages": [{"role": "user", "content": "x"}], "tools": ["f"]},
     ],
 )
 def test_unsendable_values_are_a_value_error_and_leak_nothing(kwargs):

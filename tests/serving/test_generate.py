@@ -96,6 +96,24 @@ def test_text_prompt_and_messages(client, engine):
     assert (got.text, got.token_ids) == (want.text, want.token_ids)
 
 
+def test_tools_reach_the_chat_template(client, engine):
+    chat = [{"role": "user", "content": "Weather in Rome?"}]
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "book_flight"}},
+    ]
+    [want] = engine.generate([chat], GREEDY, tools=tools)
+    got = client.generate(messages=chat, tools=tools, sampling_params=GREEDY, echo=True)
+    assert got.prompt_text == "tools: get_weather book_flight.\nuser: Weather in Rome?\nassistant:"
+    assert (got.token_ids, got.usage.prompt_tokens) == (want.token_ids, want.usage.prompt_tokens)
+    plain = client.generate(messages=chat, sampling_params=GREEDY)
+    assert plain.usage.prompt_tokens < got.usage.prompt_tokens
+    chunks = list(client.generate_stream(messages=chat, tools=tools, sampling_params=GREEDY))
+    assert [t for c in chunks for t in c.token_ids] == want.token_ids
+    with pytest.raises(ServerError, match="tool definitions contain special tokens"):
+        client.generate(messages=chat, tools=[{"function": {"name": "</s>"}}], max_tokens=2)
+
+
 def test_streaming_matches_the_whole_result(client, engine):
     [want] = engine.generate("Streaming works", GREEDY)
     chunks = list(client.generate_stream("Streaming works", sampling_params=GREEDY))
