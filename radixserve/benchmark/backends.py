@@ -7,6 +7,11 @@ of integers), greedy, with ``ignore_eos`` so every answer has exactly
 ``max_tokens`` tokens, and stream, so the runner can time each token. What comes
 back is a series of ``StreamEvent``s, the last one carrying ``usage``.
 
+A structured request (``structured`` not None) is sent without ``ignore_eos``:
+it ends when its grammar does (a JSON object complete), within ``max_tokens``.
+radixserve's backends set ``SamplingParams.structured``; the OpenAI backend
+sends a ``response_format`` (``json_schema`` or ``json_object``).
+
 A scored request (``logprob_start_len`` not None) also asks for the prompt's
 logprobs from that position on; they come back in one event's
 ``prompt_logprobs``. The OpenAI backend cannot send such requests yet.
@@ -20,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from radixserve.results import Usage
-from radixserve.sampling_params import SamplingParams
+from radixserve.sampling_params import SamplingParams, StructuredOutput
 
 
 @dataclass
@@ -47,7 +52,11 @@ class Backend(Protocol):
     async def info(self) -> ServerInfo: ...
 
     def stream(
-        self, input_ids: Sequence[int], max_tokens: int, logprob_start_len: int | None = None
+        self,
+        input_ids: Sequence[int],
+        max_tokens: int,
+        logprob_start_len: int | None = None,
+        structured: StructuredOutput | None = None,
     ) -> AsyncIterator[StreamEvent]: ...
 
     async def reset_cache(self) -> bool:
@@ -76,11 +85,15 @@ class RadixserveBackend:
         return ServerInfo(str(h["model"]), int(h["page_size"]), int(h["max_context_len"]))
 
     async def stream(
-        self, input_ids: Sequence[int], max_tokens: int, logprob_start_len: int | None = None
+        self,
+        input_ids: Sequence[int],
+        max_tokens: int,
+        logprob_start_len: int | None = None,
+        structured: StructuredOutput | None = None,
     ) -> AsyncIterator[StreamEvent]:
         async for chunk in self.client.generate_stream(
             input_ids=list(input_ids),
-            sampling_params=_bench_sampling(max_tokens, logprob_start_len),
+            sampling_params=_bench_sampling(max_tokens, logprob_start_len, structured),
         ):
             usage = Usage(**chunk.usage) if chunk.usage else None
             yield StreamEvent(
@@ -149,7 +162,11 @@ class OpenAIBackend:
         return ServerInfo(model=self.model, page_size=self.page_size)
 
     async def stream(
-        self, input_ids: Sequence[int], max_tokens: int, logprob_start_len: int | None = None
+        self,
+        input_ids: Sequence[int],
+        max_tokens: int,
+        logprob_start_len: int | None = None,
+        structured: StructuredOutput | None = None,
     ) -> AsyncIterator[StreamEvent]:
         if logprob_start_len is not None:
             yield await self._score(input_ids, max_tokens, logprob_start_len)
@@ -163,6 +180,9 @@ class OpenAIBackend:
             "stream_options": {"include_usage": True},
             **self.extra_body,
         }
+        if structured is not None:
+            body["response_format"] = response_format(structured)
+            body["ignore_eos"] = False
         async with self.http.stream("POST", f"{self.base_url}/completions", json=body) as r:
             if r.status_code != 200:
                 detail = (await r.aread()).decode(errors="replace")[:500]
@@ -246,13 +266,35 @@ def event_from_openai(obj: dict[str, Any]) -> StreamEvent:
     )
 
 
-def _bench_sampling(max_tokens: int, logprob_start_len: int | None) -> SamplingParams:
-    """Greedy, ``max_tokens`` exactly; a scored request asks for prompt logprobs from
-    ``logprob_start_len``."""
+def response_format(so: StructuredOutput) -> dict[str, Any]:
+    """OpenAI's ``response_format`` for a JSON constraint (``strict``: nothing but the
+    schema's properties, as radixserve generates them)."""
+    if so.kind == "json_schema":
+        schema = json.loads(so.spec)
+        return {
+            "type": "json_schema",
+            "json_schema": {"name": "record", "schema": schema, "strict": True},
+        }
+    if so.kind == "json_object":
+        return {"type": "json_object"}
+    raise ValueError(f"the OpenAI API has no response_format for a {so.kind} constraint")
+
+
+def _bench_sampling(
+    max_tokens: int, logprob_start_len: int | None, structured: StructuredOutput | None = None
+) -> SamplingParams:
+    """Greedy; ``max_tokens`` exactly, or for a structured request until its grammar
+    ends; a scored request asks for prompt logprobs from ``logprob_start_len``."""
     score = {}
     if logprob_start_len is not None:
         score = {"prompt_logprobs": 1, "logprob_start_len": logprob_start_len}
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **score)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=structured is None,
+        structured=structured,
+        **score,
+    )
 
 
 def _wire_logprobs(entries: list | None) -> list[float | None] | None:
@@ -284,13 +326,17 @@ class EngineBackend:
         return ServerInfo(str(self.engine.config.model), int(i.page_size), int(i.max_context_len))
 
     async def stream(
-        self, input_ids: Sequence[int], max_tokens: int, logprob_start_len: int | None = None
+        self,
+        input_ids: Sequence[int],
+        max_tokens: int,
+        logprob_start_len: int | None = None,
+        structured: StructuredOutput | None = None,
     ) -> AsyncIterator[StreamEvent]:
         import asyncio
 
         from radixserve.tokenizer.output import OutputStream
 
-        sp = _bench_sampling(max_tokens, logprob_start_len)
+        sp = _bench_sampling(max_tokens, logprob_start_len, structured)
         eng = self.engine
         ids = eng.inputs.to_ids(input_ids=list(input_ids))
         eng.inputs.check_sampling(sp)
@@ -330,6 +376,10 @@ class EngineBackend:
         if entry is None:
             return
         stream, queue = entry
+        if out.finish_reason == "error":  # the request failed (e.g. its grammar rejected a token)
+            del self._queues[(out.rid, out.index)]
+            queue.put_nowait(RuntimeError(out.error or "the request failed"))
+            return
         done = out.finish_reason is not None
         text = stream.add(out.token_ids, done, out.logprobs, out.prompt_logprobs)
         usage = None

@@ -4,7 +4,8 @@ more servers, print the table, write the JSON and the PNG.
 Targets, one of:
 - ``--compare KEY=V1,V2`` (repeatable: the cross product): one fresh
   ``radixserve launch`` per variant, back to back, each with ``--KEY V`` added
-  to ``--server-args``;
+  to ``--server-args`` (``_`` in KEY reads as ``-``; a boolean flag takes
+  true/false and becomes ``--KEY`` or ``--no-KEY``);
 - ``--endpoint tcp://...``: a running radixserve server;
 - ``--backend openai --base-url http://HOST:PORT/v1``: any OpenAI-compatible server;
 - ``--backend engine``: an in-process ``Engine`` per variant, built from
@@ -39,7 +40,7 @@ from radixserve.benchmark.backends import (
     OpenAIBackend,
     RadixserveBackend,
 )
-from radixserve.benchmark.metrics import compare_scores, summarize
+from radixserve.benchmark.metrics import compare_scores, compare_texts, step_summary, summarize
 from radixserve.benchmark.runner import run
 from radixserve.benchmark.server import LaunchedServer
 from radixserve.benchmark.workloads import (
@@ -59,8 +60,8 @@ WORKLOAD_FLAGS: list[tuple[str, type, str]] = [
     ("groups", int, "shared-prefix: groups (distinct system prompts)"),
     ("prompts", int, "shared-prefix: prompts per group"),
     ("system-len", int, "shared-prefix, multi-turn: system prompt tokens"),
-    ("question-len", int, "shared-prefix, few-shot: question tokens"),
-    ("output-len", int, "output tokens per request (ignore_eos: exact)"),
+    ("question-len", int, "shared-prefix, few-shot, json-extract: question tokens"),
+    ("output-len", int, "output tokens per request (ignore_eos: exact; json-extract: at most)"),
     ("order", str, "shared-prefix: shuffled | ordered arrival"),
     ("conversations", int, "multi-turn: conversations (run concurrently)"),
     ("turns", int, "multi-turn: turns per conversation (sequential)"),
@@ -68,7 +69,7 @@ WORKLOAD_FLAGS: list[tuple[str, type, str]] = [
     ("user-len-max", int, "multi-turn: longest user message"),
     ("answer", str, "multi-turn: short (32 tokens) | long (256 tokens)"),
     ("subjects", int, "few-shot: subjects (distinct example sets)"),
-    ("questions", int, "few-shot: questions per subject"),
+    ("questions", int, "few-shot: questions per subject; json-extract: per document"),
     ("shots", int, "few-shot: examples per prompt"),
     ("example-len", int, "few-shot: tokens per example"),
     ("trees", int, "tree: independent trees"),
@@ -78,6 +79,8 @@ WORKLOAD_FLAGS: list[tuple[str, type, str]] = [
     ("branch-len", int, "tree: tokens each branch adds"),
     ("choices", int, "few-shot --score: choices per question"),
     ("choice-len", int, "few-shot --score: most tokens per choice (each has 1 to this many)"),
+    ("documents", int, "json-extract: documents (each shared by its questions)"),
+    ("document-len", int, "json-extract: tokens per document"),
 ]
 
 
@@ -204,8 +207,41 @@ def variants(args: argparse.Namespace) -> list[tuple[str, list[str] | None]]:
     out = []
     for combo in itertools.product(*axes):
         label = ",".join(f"{k}={v}" for k, v in combo)
-        out.append((label, base + [a for k, v in combo for a in (f"--{k}", v)]))
+        out.append((label, base + [a for k, v in combo for a in compare_flags(k, v)]))
     return out
+
+
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def compare_flags(key: str, value: str) -> list[str]:
+    """The launch flags that give ``radixserve launch``'s ``--KEY`` the value ``value``:
+    ``--KEY VALUE``; for a boolean flag (``--KEY/--no-KEY``, or a switch) ``value``
+    is true or false and the flags are ``--KEY`` or ``--no-KEY`` (a switch: ``--KEY``
+    or nothing)."""
+    flag = "--" + key.replace("_", "-")
+    action = _launch_options().get(flag)
+    if action is None:
+        raise SystemExit(f"radixserve bench: --compare {key}: radixserve launch has no {flag}")
+    boolean = isinstance(action, argparse.BooleanOptionalAction)
+    switch = isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction)
+    if not boolean and not switch:
+        return [flag, value]
+    if value.lower() not in _TRUE + _FALSE:
+        raise SystemExit(f"radixserve bench: --compare {key}: {flag} is a switch: true or false")
+    on = value.lower() in _TRUE
+    if boolean:
+        return [flag] if on else ["--no-" + flag[2:]]
+    return [flag] if on == action.const else []
+
+
+def _launch_options() -> dict[str, argparse.Action]:
+    """``radixserve launch``'s options by flag."""
+    from radixserve.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices["launch"]._option_string_actions)
 
 
 def make_backend(args: argparse.Namespace, endpoint: str | None) -> Backend:
@@ -272,6 +308,8 @@ async def run_variant(
                 score_from=score_from,
             )
             after = await backend.stats()
+            metrics = summarize(result, info.page_size, workload)
+            metrics.update(step_summary(before, after, metrics["requests"]))
             v = {
                 "label": pass_label,
                 "backend": backend.name,
@@ -280,8 +318,8 @@ async def run_variant(
                 "cache_flushed_before_run": flushed,
                 "stats_before": before,
                 "stats_after": after,
-                "metrics": summarize(result, info.page_size, workload),
-                "requests": report.request_rows(result.records),
+                "metrics": metrics,
+                "requests": report.request_rows(result.records, texts=workload.structured),
                 "_records": result.records,
             }
             if workload.scored:
@@ -317,6 +355,8 @@ def main(args: argparse.Namespace) -> int:
         _require("matplotlib", "the PNG plot (or pass --no-plot)")
     if args.backend == "openai":
         _require("httpx", "--backend openai")
+    if args.workload == "json-extract":
+        _require("jsonschema", "json-extract's validity check")
     plan = variants(args)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     workload = build_workload(args, from_tokenizer(tokenizer, args.prompt_kind, args.seed))
@@ -350,6 +390,10 @@ def main(args: argparse.Namespace) -> int:
         first = results[0]["_records"]
         for v in results[1:]:
             v["metrics"].update(compare_scores(workload, first, v["_records"]))
+    if workload.structured:  # the same requests' answers against the first column's
+        first = results[0]["_records"]
+        for v in results[1:]:
+            v["metrics"].update(compare_texts(first, v["_records"]))
     for v in results:
         del v["_records"]
 

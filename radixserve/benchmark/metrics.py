@@ -13,10 +13,21 @@ or mean logprob per token (``accuracy_norm``), against chance (1 / choices).
 Over a random or tiny model these are a sanity check, not a measurement.
 ``compare_scores`` says whether two runs of the same requests picked the same
 choices, and how far apart their logprob sums are.
+
+Structured workloads add the share of finished requests whose output parses as
+JSON (``json_parse_rate``) and validates against its schema
+(``schema_valid_rate``, with ``jsonschema``), the requests cut at
+``max_tokens`` (``length_stops``), and what jump-forward changes: output chunks
+per request (one per model step that gave the request tokens, on radixserve's
+backends) and output tokens per chunk. ``step_summary`` adds the server's own
+count of model steps over the run, when it keeps one; ``compare_texts``, the
+share of the same requests whose answers two runs wrote alike (jump-forward may
+change them: its forced text comes canonically tokenized, docs/structured.md).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -66,7 +77,9 @@ def summarize(
     hit_known = all(r.cached_known for r in ok)
     hit_rate = cached_tokens / prompt_tokens if hit_known and prompt_tokens else None
     opt1, opt_page = optimum(1), optimum(page_size)
-    scoring = score_summary(workload, recs) if workload is not None and workload.answers else {}
+    extra = score_summary(workload, recs) if workload is not None and workload.answers else {}
+    if workload is not None and workload.structured:
+        extra.update(structured_summary(workload, recs))
     return {
         "requests": len(ok),
         "failed": len(recs) - len(ok),
@@ -98,7 +111,7 @@ def summarize(
         "optimal_hit_rate_page1": opt1,
         "optimal_hit_rate": opt_page,
         "hit_vs_optimal": hit_rate / opt_page if hit_rate is not None and opt_page else None,
-        **scoring,
+        **extra,
     }
 
 
@@ -157,3 +170,53 @@ def compare_scores(
         "picks_agree": sum(pa[q][0] == pb[q][0] for q in both) / len(both) if both else None,
         "max_logprob_diff": max(diffs) if diffs else None,
     }
+
+
+def structured_summary(workload: Workload, recs: list[RequestRecord]) -> dict[str, Any]:
+    """Validity and chunking of the finished structured requests (module docstring)."""
+    import jsonschema
+
+    nodes = {n.key: n for root in workload.roots for n in root.walk() if n.structured is not None}
+    done = [r for r in recs if r.ok and r.key in nodes]
+    validators: dict[str, Any] = {}
+    parsed = valid = 0
+    for r in done:
+        try:
+            obj = json.loads(r.output_text)
+        except ValueError:
+            continue
+        parsed += 1
+        spec = nodes[r.key].structured.spec  # type: ignore[union-attr]
+        if spec not in validators:
+            schema = json.loads(spec)
+            validators[spec] = jsonschema.validators.validator_for(schema)(schema)
+        valid += validators[spec].is_valid(obj)
+    chunks = sum(len(r.chunk_times) for r in done)
+    tokens = sum(r.usage.completion_tokens for r in done)  # type: ignore[union-attr]
+    n = len(done)
+    return {
+        "json_parse_rate": parsed / n if n else None,
+        "schema_valid_rate": valid / n if n else None,
+        "length_stops": sum(r.finish_reason == "length" for r in done),
+        "chunks_per_request": chunks / n if n else None,
+        "tokens_per_chunk": tokens / chunks if chunks else None,
+    }
+
+
+def step_summary(
+    before: dict[str, Any] | None, after: dict[str, Any] | None, requests: int
+) -> dict[str, Any]:
+    """The server's model steps over the run (the delta of its ``steps`` counter),
+    and per finished request; None when the backend does not count them."""
+    if not before or not after or "steps" not in before or "steps" not in after:
+        return {"steps": None, "steps_per_request": None}
+    steps = int(after["steps"]) - int(before["steps"])
+    return {"steps": steps, "steps_per_request": steps / requests if requests else None}
+
+
+def compare_texts(base: list[RequestRecord], other: list[RequestRecord]) -> dict[str, Any]:
+    """Of the requests both runs finished, the share whose output text is the same."""
+    a = {r.key: r.output_text for r in base if r.ok}
+    both = [r for r in other if r.ok and r.key in a]
+    same = sum(r.output_text == a[r.key] for r in both)
+    return {"same_text": same / len(both) if both else None}

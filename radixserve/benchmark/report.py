@@ -43,6 +43,17 @@ SCORE_ROWS = [  # scoring workloads only (a sanity check: see metrics.py)
     ("max |logprob - first's|", "max_logprob_diff", "{:.1e}"),
 ]
 
+STRUCTURED_ROWS = [  # structured workloads only (json-extract)
+    ("valid JSON", "json_parse_rate", "{:.2%}"),
+    ("schema-valid", "schema_valid_rate", "{:.2%}"),
+    ("cut at max_tokens", "length_stops", "{:.0f}"),
+    ("model steps", "steps", "{:.0f}"),
+    ("model steps / request", "steps_per_request", "{:.1f}"),
+    ("chunks / request", "chunks_per_request", "{:.1f}"),
+    ("tokens / chunk", "tokens_per_chunk", "{:.2f}"),
+    ("text = first's", "same_text", "{:.2%}"),
+]
+
 
 def _fmt(value: Any, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
@@ -54,7 +65,11 @@ def table(title: str, variants: list[dict[str, Any]]) -> str:
     base = labels[0]
     head = ["metric", *labels] + [f"{lab} / {base}" for lab in labels[1:]]
     lines = []
-    rows = ROWS + (SCORE_ROWS if any("accuracy" in v["metrics"] for v in variants) else [])
+    rows = list(ROWS)
+    if any("accuracy" in v["metrics"] for v in variants):
+        rows += SCORE_ROWS
+    if any("schema_valid_rate" in v["metrics"] for v in variants):
+        rows += STRUCTURED_ROWS
     for name, key, fmt in rows:
         vals = [v["metrics"].get(key) for v in variants]
         row = [name] + [_fmt(x, fmt) for x in vals]
@@ -73,8 +88,9 @@ def table(title: str, variants: list[dict[str, Any]]) -> str:
     return "\n".join([title, rule, render(head), rule, *map(render, lines), rule])
 
 
-def request_rows(result_records: list[Any]) -> list[dict[str, Any]]:
-    """One compact line per request for the JSON (lengths, not the token ids)."""
+def request_rows(result_records: list[Any], texts: bool = False) -> list[dict[str, Any]]:
+    """One compact line per request for the JSON (lengths, not the token ids; with
+    ``texts``, the output text too)."""
     rows = []
     for r in result_records:
         u = r.usage
@@ -91,8 +107,11 @@ def request_rows(result_records: list[Any]) -> list[dict[str, Any]]:
                 "completion_tokens": u.completion_tokens if u else None,
                 "cached_tokens": u.cached_tokens if u and r.cached_known else None,
                 "error": r.error,
+                "finish_reason": r.finish_reason,
             }
         )
+        if texts:
+            rows[-1]["output_text"] = r.output_text
         if r.score_start is not None:
             rows[-1].update(
                 score_start=r.score_start,

@@ -14,6 +14,9 @@ Scored requests (``Node.score``) are sent with ``logprob_start_len`` at the
 choice's start (``score_from="choice"``, the default) or 0 (``"whole"``: the
 whole prompt scored, what a client without the start position must ask for);
 the record keeps the logprob sum of the choice's tokens either way.
+
+Structured requests (``Node.structured``) carry their constraint to the backend;
+the record keeps the finish reason (``length``: cut before the object was complete).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class RequestRecord:
     usage: Usage | None = None
     cached_known: bool = True
     error: str | None = None
+    finish_reason: str | None = None
     # Scored requests: where the choice starts, the logprob_start_len sent, and
     # the sum of the choice tokens' logprobs (None: not all of them came back).
     score_start: int | None = None
@@ -117,7 +121,10 @@ async def run(
             rec.logprob_start_len = node.score.start if score_from == "choice" else 0
         ids: list[int] | None = []
         try:
-            async for ev in backend.stream(prompt, node.max_tokens, rec.logprob_start_len):
+            stream = backend.stream(
+                prompt, node.max_tokens, rec.logprob_start_len, structured=node.structured
+            )
+            async for ev in stream:
                 if ev.text or ev.token_ids:
                     rec.chunk_times.append(now())
                 rec.output_text += ev.text
@@ -125,6 +132,8 @@ async def run(
                     ids += ev.token_ids
                 elif ev.text:
                     ids = None  # text without ids: re-tokenize the whole answer below
+                if ev.finish_reason is not None:
+                    rec.finish_reason = ev.finish_reason
                 if ev.usage is not None:
                     rec.usage, rec.cached_known = ev.usage, ev.cached_known
                 if ev.prompt_logprobs is not None and rec.score_start is not None:

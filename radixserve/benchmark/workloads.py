@@ -10,6 +10,9 @@ A scored request (``Node.score``, the few-shot workload's scoring mode) asks
 for the logprobs of its prompt's last tokens instead of a completion, as an
 evaluation harness scores a multiple-choice question: one request per choice.
 
+A structured request (``Node.structured``, the json-extract workload) constrains
+its completion to a JSON schema; it ends when the object is complete.
+
 Tokens come from a ``TokenSource``: random ids from the vocabulary (special
 tokens excluded) or runs of real English (the standard library's
 ``pydoc_data.topics``) tokenized by the model's tokenizer.
@@ -17,13 +20,16 @@ tokens excluded) or runs of real English (the standard library's
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import json
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-WORKLOADS = ("shared-prefix", "multi-turn", "few-shot", "tree")
+from radixserve.sampling_params import StructuredOutput
+
+WORKLOADS = ("shared-prefix", "multi-turn", "few-shot", "tree", "json-extract")
 
 
 @dataclass(frozen=True)
@@ -40,13 +46,16 @@ class Score:
 class Node:
     """One request. ``tokens``: the whole prompt for a root; for a child, what follows
     its parent's prompt and output. ``score``: set when the request scores its
-    prompt's tail (prompt logprobs from ``score.start`` on)."""
+    prompt's tail (prompt logprobs from ``score.start`` on). ``structured``: set
+    when its completion must follow a JSON schema (``max_tokens`` is then a bound:
+    it stops when the object is complete)."""
 
     key: str
     tokens: list[int]
     max_tokens: int
     children: list[Node] = field(default_factory=list)
     score: Score | None = None
+    structured: StructuredOutput | None = None
 
     def walk(self) -> Iterator[Node]:
         yield self
@@ -67,6 +76,10 @@ class Workload:
         return any(n.score is not None for r in self.roots for n in r.walk())
 
     @property
+    def structured(self) -> bool:
+        return any(n.structured is not None for r in self.roots for n in r.walk())
+
+    @property
     def num_requests(self) -> int:
         return sum(1 for r in self.roots for _ in r.walk())
 
@@ -81,14 +94,22 @@ class Workload:
 
 
 class TokenSource:
-    """Draws token runs: uniformly random ids, or slices of a tokenized text."""
+    """Draws token runs: uniformly random ids, or slices of a tokenized text.
+
+    ``encode`` (set when the source comes from a tokenizer) turns a fixed
+    instruction into ids; a workload that has one sends it only then."""
 
     def __init__(
-        self, rng: np.random.Generator, vocab: np.ndarray | None = None, text: Sequence[int] = ()
+        self,
+        rng: np.random.Generator,
+        vocab: np.ndarray | None = None,
+        text: Sequence[int] = (),
+        encode: Callable[[str], list[int]] | None = None,
     ) -> None:
         if vocab is None and not text:
             raise ValueError("a token source needs a vocabulary or a text")
         self.rng, self.vocab, self.text = rng, vocab, np.asarray(text, dtype=np.int64)
+        self.encode = encode
 
     @classmethod
     def random(cls, vocab_size: int, seed: int = 0, exclude: Sequence[int] = ()) -> TokenSource:
@@ -114,13 +135,16 @@ class TokenSource:
 def from_tokenizer(tokenizer: Any, kind: str, seed: int = 0) -> TokenSource:
     """A TokenSource for a transformers tokenizer: ``kind`` "random" or "text"."""
     if kind == "random":
-        return TokenSource.random(len(tokenizer), seed, exclude=tokenizer.all_special_ids)
-    if kind == "text":
+        src = TokenSource.random(len(tokenizer), seed, exclude=tokenizer.all_special_ids)
+    elif kind == "text":
         from pydoc_data.topics import topics
 
         text = "\n\n".join(topics[k] for k in sorted(topics))[:400_000]  # ample, and quick
-        return TokenSource.real_text(tokenizer.encode(text, add_special_tokens=False), seed)
-    raise ValueError(f"unknown prompt kind {kind!r}: random or text")
+        src = TokenSource.real_text(tokenizer.encode(text, add_special_tokens=False), seed)
+    else:
+        raise ValueError(f"unknown prompt kind {kind!r}: random or text")
+    src.encode = lambda s: tokenizer.encode(s, add_special_tokens=False)
+    return src
 
 
 def shared_prefix(
@@ -306,11 +330,127 @@ def tree(
     return Workload("tree", params, roots)
 
 
+def _record(*fields: tuple[str, dict[str, Any]]) -> dict[str, Any]:
+    """A strict object schema: every field required, nothing else allowed."""
+    return {
+        "type": "object",
+        "properties": dict(fields),
+        "required": [name for name, _ in fields],
+        "additionalProperties": False,
+    }
+
+
+def _text(n: int) -> dict[str, Any]:
+    return {"type": "string", "maxLength": n}
+
+
+def _int(lo: int, hi: int) -> dict[str, Any]:
+    return {"type": "integer", "minimum": lo, "maximum": hi}
+
+
+_BOOL = {"type": "boolean"}
+
+# What json-extract asks for: (what the instruction names, its schema). Long constant
+# keys, as in SGLang's JSON decoding benchmark, and one field of each kind: short
+# strings, bounded integers, an enum, a boolean. The schemas' key order is kept.
+RECORDS: list[tuple[str, dict[str, Any]]] = [
+    (
+        "employee record",
+        _record(
+            ("employee_full_name", _text(24)),
+            ("department_name", {"enum": ["Research and Development", "Customer Support",
+                                          "Finance and Accounting", "Human Resources"]}),
+            ("years_of_experience", _int(0, 50)),
+            ("is_remote_employee", _BOOL),
+            ("office_location_city", _text(20)),
+            ("performance_review_score", _int(1, 5)),
+        ),
+    ),
+    (
+        "product listing",
+        _record(
+            ("product_display_name", _text(24)),
+            ("product_category_name", {"enum": ["Home and Kitchen", "Consumer Electronics",
+                                                "Sports and Outdoors", "Books and Media"]}),
+            ("unit_price_in_dollars", _int(0, 10000)),
+            ("is_currently_in_stock", _BOOL),
+            ("manufacturer_company_name", _text(20)),
+            ("warranty_period_in_months", _int(0, 60)),
+        ),
+    ),
+    (
+        "event announcement",
+        _record(
+            ("event_title_description", _text(32)),
+            ("event_type_category", {"enum": ["conference", "workshop", "meetup", "webinar"]}),
+            ("expected_number_of_attendees", _int(0, 100000)),
+            ("is_free_admission", _BOOL),
+            ("host_city_name", _text(20)),
+            ("event_duration_in_days", _int(1, 14)),
+        ),
+    ),
+    (
+        "publication",
+        _record(
+            ("paper_title_text", _text(32)),
+            ("first_author_full_name", _text(24)),
+            ("research_field_name", {"enum": ["computer science", "molecular biology",
+                                              "economics", "theoretical physics"]}),
+            ("year_of_publication", _int(1900, 2030)),
+            ("is_peer_reviewed", _BOOL),
+            ("number_of_citations", _int(0, 100000)),
+        ),
+    ),
+]  # fmt: skip
+
+
+def json_extract(
+    src: TokenSource,
+    documents: int = 4,
+    questions: int = 8,
+    document_len: int = 800,
+    question_len: int = 16,
+    output_len: int = 256,
+) -> Workload:
+    """JSON decoding (SGLang's benchmark): per document, Q requests, each = the shared
+    document + its own question tokens + an instruction naming one of ``RECORDS``'
+    fields (when the source can encode text), whose completion must follow that
+    record's schema, greedy, within ``output_len`` tokens. Question q asks for
+    record q mod 4; questions of all documents are interleaved."""
+    per_doc = []
+    for d in range(documents):
+        document = src.take(document_len)
+        asks = []
+        for q in range(questions):
+            what, schema = RECORDS[q % len(RECORDS)]
+            tokens = document + src.take(question_len)
+            if src.encode is not None:
+                fields = ", ".join(schema["properties"])
+                instruction = (
+                    f"\n\nExtract the {what} from the document above as a JSON object "
+                    f"with the fields {fields}.\n"
+                )
+                tokens += src.encode(instruction)
+            structured = StructuredOutput.json(json.dumps(schema, separators=(",", ":")))
+            asks.append(Node(f"d{d}-q{q}", tokens, output_len, structured=structured))
+        per_doc.append(asks)
+    roots = [per_doc[d][q] for q in range(questions) for d in range(documents)]
+    params = dict(
+        documents=documents,
+        questions=questions,
+        document_len=document_len,
+        question_len=question_len,
+        output_len=output_len,
+    )
+    return Workload("json-extract", params, roots)
+
+
 BUILDERS = {
     "shared-prefix": shared_prefix,
     "multi-turn": multi_turn,
     "few-shot": few_shot,
     "tree": tree,
+    "json-extract": json_extract,
 }
 # The scoring mode of a workload (``radixserve bench few-shot --score``).
 SCORE_BUILDERS = {"few-shot": few_shot_score}

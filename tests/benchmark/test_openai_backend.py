@@ -18,6 +18,7 @@ from radixserve.benchmark.backends import OpenAIBackend
 from radixserve.benchmark.metrics import summarize
 from radixserve.benchmark.runner import run
 from radixserve.benchmark.workloads import Node, Workload
+from radixserve.sampling_params import StructuredOutput
 
 
 def sse(obj) -> bytes:
@@ -145,3 +146,28 @@ def test_runner_over_http_without_ids_or_cached_counts(base_url):
     assert m["optimal_hit_rate"] == pytest.approx(4 / 10)  # turn 2 reuses 1,2,3,10
     assert m["prompt_count_mismatches"] == m["output_count_mismatches"] == 0
     assert all(len(r.chunk_times) == 2 for r in result.records)  # the usage chunk is no token
+
+
+def test_structured_request_sends_a_response_format(base_url):
+    """A json-extract request: its schema as OpenAI's strict ``response_format``,
+    without ignore_eos (it ends with the object); json_object too; regex has none."""
+    schema = {"type": "object", "properties": {"is_peer_reviewed": {"type": "boolean"}}}
+
+    async def go():
+        b = OpenAIBackend(base_url, model="m")
+        try:
+            for so in (StructuredOutput.json(schema), StructuredOutput.json_object()):
+                _ = [ev async for ev in b.stream([5, 6], 2, structured=so)]
+            with pytest.raises(ValueError, match="no response_format for a regex"):
+                _ = [ev async for ev in b.stream([5], 2, structured=StructuredOutput.regex("a"))]
+        finally:
+            await b.close()
+
+    asyncio.run(go())
+    first, second = Peer.bodies
+    assert first["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "record", "schema": schema, "strict": True},
+    }
+    assert second["response_format"] == {"type": "json_object"}
+    assert first["ignore_eos"] is False and first["return_token_ids"] is True

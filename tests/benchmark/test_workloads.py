@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 
+from radixserve.benchmark.cli import compare_flags
 from radixserve.benchmark.runner import arrival_times
 from radixserve.benchmark.workloads import (
+    RECORDS,
     TokenSource,
     few_shot,
     few_shot_score,
+    json_extract,
     multi_turn,
     shared_prefix,
     tree,
 )
+from radixserve.structured import build_grammar
 
 
 def src(seed: int = 0) -> TokenSource:
@@ -120,3 +127,76 @@ def test_arrivals():
     assert 2000 / t[-1] == pytest.approx(50.0, rel=0.1)
     with pytest.raises(ValueError):
         arrival_times(1, 0.0)
+
+
+def test_json_extract_questions_share_their_document_and_carry_a_schema():
+    w = json_extract(src(), documents=3, questions=6, document_len=40, question_len=5)
+    assert w.name == "json-extract" and w.structured and not w.scored
+    assert w.num_requests == len(w.roots) == 18
+    assert [r.key for r in w.roots][:4] == ["d0-q0", "d1-q0", "d2-q0", "d0-q1"]  # interleaved
+    docs: dict[str, set[tuple[int, ...]]] = {}
+    for r in w.roots:
+        assert len(r.tokens) == 45 and r.max_tokens == 256 and not r.children
+        docs.setdefault(r.key.split("-")[0], set()).add(tuple(r.tokens[:40]))
+        q = int(r.key.split("-q")[1])
+        assert json.loads(r.structured.spec) == RECORDS[q % len(RECORDS)][1]
+    assert all(len(d) == 1 for d in docs.values()) and len(set().union(*docs.values())) == 3
+    assert len({tuple(r.tokens[40:]) for r in w.roots}) == 18  # every question its own
+    # Deterministic: the same seed, the same requests.
+    again = json_extract(src(), documents=3, questions=6, document_len=40, question_len=5)
+    assert [(r.key, r.tokens, r.structured) for r in again.roots] == [
+        (r.key, r.tokens, r.structured) for r in w.roots
+    ]
+    assert again.roots[0].tokens != json_extract(src(1), documents=3).roots[0].tokens[:45]
+
+
+def test_json_extract_schemas_are_valid_and_have_long_constant_keys():
+    kinds = set()
+    for _, schema in RECORDS:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+        assert schema["required"] == list(schema["properties"])
+        assert schema["additionalProperties"] is False
+        assert all(len(k) >= 10 and "_" in k for k in schema["properties"])
+        for prop in schema["properties"].values():
+            kinds.add("enum" if "enum" in prop else prop["type"])
+            if prop.get("type") == "string":
+                assert prop["maxLength"] <= 32
+            if prop.get("type") == "integer":
+                assert prop["minimum"] <= prop["maximum"]
+    assert kinds == {"string", "integer", "enum", "boolean"}
+    w = json_extract(src(), documents=1, questions=len(RECORDS), document_len=5)
+    for r, (_, schema) in zip(w.roots, RECORDS):
+        build_grammar(r.structured)  # xgrammar compiles every one
+        # Keys are written in the schema's order (not sorted): the grammar generates them so.
+        at = [r.structured.spec.index(f'"{k}"') for k in schema["properties"]]
+        assert at == sorted(at)
+
+
+def test_json_extract_instruction_names_the_fields_when_the_source_encodes():
+    plain = src()
+    encoded = src()
+    encoded.encode = lambda text: [3 + ord(c) % 900 for c in text]
+    a = json_extract(plain, documents=1, questions=2, document_len=10, question_len=3)
+    b = json_extract(encoded, documents=1, questions=2, document_len=10, question_len=3)
+    for x, y in zip(a.roots, b.roots):
+        assert y.tokens[:13] == x.tokens and len(x.tokens) == 13
+        fields = ", ".join(json.loads(y.structured.spec)["properties"])
+        assert y.tokens[13:] == encoded.encode(
+            f"\n\nExtract the {RECORDS[int(y.key[-1])][0]} from the document above as a "
+            f"JSON object with the fields {fields}.\n"
+        )
+
+
+def test_compare_flags_map_values_onto_launch_flags():
+    assert compare_flags("cache", "none") == ["--cache", "none"]
+    assert compare_flags("page_size", "16") == ["--page-size", "16"]
+    # --jump-forward/--no-jump-forward
+    assert compare_flags("jump_forward", "true") == ["--jump-forward"]
+    assert compare_flags("jump-forward", "False") == ["--no-jump-forward"]
+    # A switch (store_true): on, or nothing.
+    assert compare_flags("chat-special-tokens", "yes") == ["--chat-special-tokens"]
+    assert compare_flags("chat_special_tokens", "off") == []
+    with pytest.raises(SystemExit, match="true or false"):
+        compare_flags("jump_forward", "sometimes")
+    with pytest.raises(SystemExit, match="no --no-such-flag"):
+        compare_flags("no_such_flag", "1")
