@@ -104,6 +104,14 @@ class _Tokenize:
     add_special_tokens: bool = False
     add_generation_prompt: bool = False
 
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments of a client's ``tokenize`` after the prompt."""
+        return {
+            "messages": self.messages,
+            "add_special_tokens": self.add_special_tokens,
+            "add_generation_prompt": self.add_generation_prompt,
+        }
+
 
 @dataclass(frozen=True)
 class _Generate:
@@ -265,13 +273,7 @@ class ClientBackend:
     def call(self, call: Call) -> Answer:
         if isinstance(call, _Tokenize):
             try:
-                return self.client.tokenize(
-                    call.prompt,
-                    messages=call.messages,
-                    add_special_tokens=call.add_special_tokens,
-                    add_generation_prompt=call.add_generation_prompt,
-                    timeout=self.timeout,
-                )
+                return self.client.tokenize(call.prompt, **call.options(), timeout=self.timeout)
             except Exception as e:
                 return e
         if len(call.requests) == 1:
@@ -286,13 +288,7 @@ class ClientBackend:
                 return ProgramError("not sent: another branch failed")
             self._in_flight.add(rid)
         try:
-            return self.client.generate(
-                input_ids=ids,
-                sampling_params=sp,
-                cache_salt=self.cache_salt,
-                request_id=rid,
-                timeout=self.timeout,
-            )
+            return self.client.generate(**_request(ids, sp, rid, self))
         except Exception as e:
             return e
         finally:
@@ -323,6 +319,17 @@ class ClientBackend:
             self.client.abort(rid)
 
 
+def _request(ids: list[int], sp: SamplingParams, rid: str, backend: Any) -> dict[str, Any]:
+    """A client ``generate``'s keyword arguments for one request of a program."""
+    return {
+        "input_ids": ids,
+        "sampling_params": sp,
+        "cache_salt": backend.cache_salt,
+        "request_id": rid,
+        "timeout": backend.timeout,
+    }
+
+
 class AsyncClientBackend:
     """``ClientBackend`` for an ``AsyncClient``: a batch's requests and branches'
     functions as concurrent tasks; a failing branch cancels the others (which aborts
@@ -338,11 +345,7 @@ class AsyncClientBackend:
         if isinstance(call, _Tokenize):
             try:
                 return await self.client.tokenize(
-                    call.prompt,
-                    messages=call.messages,
-                    add_special_tokens=call.add_special_tokens,
-                    add_generation_prompt=call.add_generation_prompt,
-                    timeout=self.timeout,
+                    call.prompt, **call.options(), timeout=self.timeout
                 )
             except Exception as e:
                 return e
@@ -352,13 +355,7 @@ class AsyncClientBackend:
         rid = uuid.uuid4().hex
         self._in_flight.add(rid)
         try:
-            return await self.client.generate(
-                input_ids=ids,
-                sampling_params=sp,
-                cache_salt=self.cache_salt,
-                request_id=rid,
-                timeout=self.timeout,
-            )
+            return await self.client.generate(**_request(ids, sp, rid, self))
         except Exception as e:
             return e
         finally:
