@@ -13,6 +13,9 @@ Targets, one of:
 - nothing: one fresh server launched with ``--server-args``.
 Every variant gets the same prompts (one workload, one seed).
 
+``program`` runs the prompt programs of docs/programs.md instead of a fixed tree of
+prompts (``benchmark/programs.py``): the same targets, the same table.
+
 ``few-shot --score`` scores multiple-choice questions instead of generating,
 and runs each target twice: prompt logprobs from each choice's start (the cache
 serves the context and question), then from position 0 (the whole prompt
@@ -33,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from radixserve.benchmark import report
+from radixserve.benchmark import programs, report
 from radixserve.benchmark.backends import (
     Backend,
     EngineBackend,
@@ -85,7 +88,7 @@ WORKLOAD_FLAGS: list[tuple[str, type, str]] = [
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("workload", choices=WORKLOADS)
+    p.add_argument("workload", choices=[*WORKLOADS, "program"])
     w = p.add_argument_group("workload (defaults: docs/benchmark.md)")
     for name, typ, text in WORKLOAD_FLAGS:
         w.add_argument(f"--{name}", type=typ, default=None, help=text)
@@ -95,6 +98,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="random",
         help="random token ids, or real English (pydoc_data.topics) tokenized",
     )
+    w.add_argument(
+        "--program",
+        choices=[*programs.PROGRAMS, "all"],
+        default="all",
+        help="program: which prompt program (docs/programs.md) to run",
+    )
+    w.add_argument("--programs", type=int, default=4, help="program: programs of each kind")
     w.add_argument("--seed", type=int, default=0, help="seeds prompts and arrivals")
     w.add_argument(
         "--score",
@@ -357,6 +367,8 @@ def main(args: argparse.Namespace) -> int:
         _require("httpx", "--backend openai")
     if args.workload == "json-extract":
         _require("jsonschema", "json-extract's validity check")
+    if args.workload == "program":
+        return programs.main(args, [name for name, _, _ in WORKLOAD_FLAGS])
     plan = variants(args)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     workload = build_workload(args, from_tokenizer(tokenizer, args.prompt_kind, args.seed))

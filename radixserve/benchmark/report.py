@@ -12,6 +12,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+PROGRAM_ROWS = [  # program runs only, first
+    ("programs", "programs", "{:.0f}"),
+    ("programs failed", "programs_failed", "{:.0f}"),
+    ("programs/s", "program_throughput", "{:.3f}"),
+    ("requests / program", "requests_per_program", "{:.1f}"),
+]
 ROWS = [  # (label, metrics key, format)
     ("requests", "requests", "{:.0f}"),
     ("failed", "failed", "{:.0f}"),
@@ -66,6 +72,8 @@ def table(title: str, variants: list[dict[str, Any]]) -> str:
     head = ["metric", *labels] + [f"{lab} / {base}" for lab in labels[1:]]
     lines = []
     rows = list(ROWS)
+    if any("programs" in v["metrics"] for v in variants):
+        rows = PROGRAM_ROWS + rows
     if any("accuracy" in v["metrics"] for v in variants):
         rows += SCORE_ROWS
     if any("schema_valid_rate" in v["metrics"] for v in variants):
