@@ -363,12 +363,12 @@ def main(args: argparse.Namespace) -> int:
 
     if not args.no_plot:
         _require("matplotlib", "the PNG plot (or pass --no-plot)")
+    if args.workload == "program":
+        return programs.main(args, [name for name, _, _ in WORKLOAD_FLAGS])
     if args.backend == "openai":
         _require("httpx", "--backend openai")
     if args.workload == "json-extract":
         _require("jsonschema", "json-extract's validity check")
-    if args.workload == "program":
-        return programs.main(args, [name for name, _, _ in WORKLOAD_FLAGS])
     plan = variants(args)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     workload = build_workload(args, from_tokenizer(tokenizer, args.prompt_kind, args.seed))
