@@ -204,7 +204,11 @@ class RecordingBackend(AsyncClientBackend):
 
     async def _generate(self, ids: list[int], sp: SamplingParams) -> Result | BaseException:
         rec = self.recorder.open(f"{self.key}/{next(self._sent)}", ids, sp)
-        result = await super()._generate(ids, sp)
+        try:
+            result = await super()._generate(ids, sp)
+        except asyncio.CancelledError as e:  # another branch failed; this one still counts
+            self.recorder.close(rec, e)
+            raise
         self.recorder.close(rec, result)
         return result
 
