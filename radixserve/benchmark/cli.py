@@ -64,7 +64,11 @@ WORKLOAD_FLAGS: list[tuple[str, type, str]] = [
     ("prompts", int, "shared-prefix: prompts per group"),
     ("system-len", int, "shared-prefix, multi-turn: system prompt tokens"),
     ("question-len", int, "shared-prefix, few-shot, json-extract: question tokens"),
-    ("output-len", int, "output tokens per request (ignore_eos: exact; json-extract: at most)"),
+    (
+        "output-len",
+        int,
+        "output tokens per request (ignore_eos: exact; json-extract: at most; program: per gen)",
+    ),
     ("order", str, "shared-prefix: shuffled | ordered arrival"),
     ("conversations", int, "multi-turn: conversations (run concurrently)"),
     ("turns", int, "multi-turn: turns per conversation (sequential)"),
@@ -118,9 +122,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--rate",
         type=float,
         default=None,
-        help="Poisson arrivals at this many requests/s (default: all at once)",
+        help="Poisson arrivals at this many requests/s (program: programs/s; default: all at once)",
     )
-    r.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    r.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="requests in flight at most (program: programs)",
+    )
     r.add_argument(
         "--warmup",
         type=int,
