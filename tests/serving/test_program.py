@@ -93,3 +93,30 @@ def test_programs_equal_the_engines_concurrently(server, client, engine):
     with pytest.raises(BranchError) as info:
         branches.run(work)
     assert (info.value.branch, info.value.name) == (1, "y")
+
+
+def test_a_timed_out_program_leaves_other_programs_alone(client, engine):
+    """Requests that time out are aborted; a program running beside them is untouched
+    (and the fixture's idle check finds no page or request left)."""
+    import threading
+
+    from radixserve import SamplingParams
+    from radixserve.client import RequestTimeout
+
+    [want] = engine.generate("Facts. Then", SamplingParams(max_tokens=12, **GREEDY))
+    got = {}
+
+    def steady():
+        with client.program("Facts. Then", timeout=60) as s:
+            s.gen("x", max_tokens=12, **GREEDY)
+            got["text"] = s["x"]
+
+    thread = threading.Thread(target=steady)
+    thread.start()
+    hurried = client.program("Facts.", timeout=0.005)
+    with pytest.raises((RequestTimeout, BranchError)) as info:
+        hurried.fork(3).gen("slow", max_tokens=200, **GREEDY)
+    thread.join()
+    error = info.value.error if isinstance(info.value, BranchError) else info.value
+    assert isinstance(error, RequestTimeout)
+    assert got["text"] == want.text
