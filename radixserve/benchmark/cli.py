@@ -31,9 +31,7 @@ import itertools
 import json
 import shlex
 import sys
-import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from radixserve.benchmark import programs, report
@@ -420,24 +418,14 @@ def main(args: argparse.Namespace) -> int:
 
     head = title(workload, args)
     print(report.table(head, results))
-    prefix = Path(args.output or f"bench/results/{workload.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    doc = {
-        "title": head,
-        "workload": workload.name,
-        "workload_params": workload.params,
-        "num_requests": workload.num_requests,
-        "config": {k: v for k, v in vars(args).items() if k != "func"},
-        "argv": sys.argv,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "variants": results,
-    }
-    json_path, png_path = Path(f"{prefix}.json"), Path(f"{prefix}.png")
-    report.write_json(json_path, doc)
-    written = [str(json_path)]
-    if not args.no_plot:
-        report.write_png(png_path, head, results)
-        written.append(str(png_path))
-    print("wrote " + ", ".join(written))
+    report.save(
+        args,
+        head,
+        results,
+        workload.name,
+        workload_params=workload.params,
+        num_requests=workload.num_requests,
+    )
     return 1 if any(v["metrics"]["failed"] or v["metrics"]["not_sent"] for v in results) else 0
 
 

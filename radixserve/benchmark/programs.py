@@ -33,7 +33,6 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from radixserve.benchmark import report
@@ -462,27 +461,14 @@ def main(args: argparse.Namespace, workload_flags: Sequence[str]) -> int:
 
     head = title(args)
     print(report.table(head, results))
-    prefix = Path(args.output or f"bench/results/program-{time.strftime('%Y%m%d-%H%M%S')}")
-    doc = {
-        "title": head,
-        "workload": "program",
-        "workload_params": {
-            "program": args.program,
-            "programs": args.programs,
-            "output_len": args.output_len,
-        },
-        "num_programs": args.programs * len(kinds(args.program)),
-        "config": {k: v for k, v in vars(args).items() if k != "func"},
-        "argv": sys.argv,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "variants": results,
-    }
-    json_path, png_path = Path(f"{prefix}.json"), Path(f"{prefix}.png")
-    report.write_json(json_path, doc)
-    written = [str(json_path)]
-    if not args.no_plot:
-        report.write_png(png_path, head, results)
-        written.append(str(png_path))
-    print("wrote " + ", ".join(written))
+    params = {"program": args.program, "programs": args.programs, "output_len": args.output_len}
+    report.save(
+        args,
+        head,
+        results,
+        "program",
+        workload_params=params,
+        num_programs=args.programs * len(kinds(args.program)),
+    )
     bad = any(v["metrics"]["failed"] or v["metrics"]["programs_failed"] for v in results)
     return 1 if bad else 0

@@ -9,6 +9,8 @@ the offline optimum per variant.
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +129,29 @@ def request_rows(result_records: list[Any], texts: bool = False) -> list[dict[st
                 choice_logprob=r.choice_logprob,
             )
     return rows
+
+
+def save(args: Any, head: str, variants: list[dict[str, Any]], name: str, **fields: Any) -> None:
+    """Write a run's JSON (and PNG unless ``--no-plot``) to ``--output`` or
+    ``bench/results/NAME-<time>``: the title, ``fields`` (what the workload was), the
+    configuration and the variants; say where."""
+    prefix = Path(args.output or f"bench/results/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    doc = {
+        "title": head,
+        "workload": name,
+        **fields,
+        "config": {k: v for k, v in vars(args).items() if k != "func"},
+        "argv": sys.argv,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "variants": variants,
+    }
+    json_path, png_path = Path(f"{prefix}.json"), Path(f"{prefix}.png")
+    write_json(json_path, doc)
+    written = [str(json_path)]
+    if not args.no_plot:
+        write_png(png_path, head, variants)
+        written.append(str(png_path))
+    print("wrote " + ", ".join(written))
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixserve.layers import cpu_kernels
 from radixserve.protocol import GrammarSpec
 from radixserve.sampling_params import SamplingParams, StructuredOutput
 from radixserve.structured import build_grammar, clean_error, xgrammar
@@ -313,8 +314,6 @@ def apply_bitmask(
     same row of ``bitmask``: the native CPU kernel (csrc/, one pass that skips
     whole words of allowed tokens) where it is built, xgrammar's kernel on CUDA,
     else the same in torch."""
-    from radixserve.layers import cpu_kernels
-
     if not logits.is_contiguous():
         raise ValueError("token masks need row-major logits")
     width = min(vocab_size, logits.shape[1])
