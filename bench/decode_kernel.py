@@ -9,6 +9,10 @@ first level.
 
     python bench/decode_kernel.py                                  # float32 and bfloat16
     python bench/decode_kernel.py --isa avx2,avx512 --batch 64 --context 1024
+    python bench/decode_kernel.py --shared --batch 32 --context 1000 --dtypes bfloat16
+
+``--shared``: the cascade call instead, all ``--batch`` requests reading one prefix of
+``--context`` keys (one segment of ``--batch`` rows, as a shared system prompt is read).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=20, help="calls per level per round")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--shared", action="store_true", help="one shared prefix, read by every row")
     args = ap.parse_args()
     if not cpu_kernels.AVAILABLE:
         raise SystemExit(f"native kernels not built ({cpu_kernels.UNAVAILABLE_REASON})")
@@ -44,17 +49,22 @@ def main() -> None:
     b, ctx, ps = args.batch, args.context, args.page_size
     per_req = -(-ctx // ps)
     rng = np.random.default_rng(0)
-    pages = rng.permutation(b * per_req).astype(np.int32)
-    tables = [pages[i * per_req : (i + 1) * per_req] for i in range(b)]
-    rows = [np.array([i], np.int32) for i in range(b)]
-    seg = native_decode.Segments.build(rows, tables, np.full(b, ctx), [-1], KV_HEADS)
-    print(f"batch {b}, context {ctx}, page size {ps}, {args.threads} threads; "
+    num_pages = per_req if args.shared else b * per_req
+    pages = rng.permutation(num_pages).astype(np.int32)
+    if args.shared:
+        rows, tables, lens = [np.arange(b, dtype=np.int32)], [pages], np.full(1, ctx)
+    else:
+        tables = [pages[i * per_req : (i + 1) * per_req] for i in range(b)]
+        rows, lens = [np.array([i], np.int32) for i in range(b)], np.full(b, ctx)
+    seg = native_decode.Segments.build(rows, tables, lens, [-1], KV_HEADS)
+    shape = "one shared prefix" if args.shared else "one context per request"
+    print(f"batch {b}, context {ctx} ({shape}), page size {ps}, {args.threads} threads; "
           f"us per call (speedup over {isas[0]})\n")  # fmt: skip
     print("| dtype | " + " | ".join(isas) + " |")
     print("|---" * (len(isas) + 1) + "|")
     for name in (d for d in args.dtypes.split(",") if d):
         dtype = getattr(torch, name)
-        kv = torch.randn(b * per_req, 2, ps, KV_HEADS, HEAD_DIM).to(dtype)
+        kv = torch.randn(num_pages, 2, ps, KV_HEADS, HEAD_DIM).to(dtype)
         q = torch.randn(b, HEADS, HEAD_DIM).to(dtype)
         out = torch.empty_like(q)
         times: dict[str, list[float]] = {i: [] for i in isas}

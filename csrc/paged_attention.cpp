@@ -35,6 +35,10 @@
 #include <type_traits>
 #include <vector>
 
+#if RS_X86
+#include <immintrin.h>
+#endif
+
 using radixserve::exp8;
 using radixserve::expv;
 using radixserve::Isa;
@@ -191,6 +195,53 @@ RS_ALWAYS_INLINE void load_block(const T* kv, const int32_t* pages, int64_t ps, 
   }
 }
 
+// Soft-capping (Gemma 2) of the scaled scores, then each query vector's softmax
+// statistics (max m, sum l of exp(s - m)) into its partial slot; sc [nq][len]
+// becomes the unnormalised probabilities. The statistics (and the lse the caller
+// merges with) are those of the capped scores.
+template <typename A, typename V>
+RS_ALWAYS_INLINE void softmax_rows(A* sc, int64_t nq, int64_t len, double softcap, A* pm,
+                                   A* pl, int64_t partial) {
+  constexpr int L = lanes<V>();
+  if (softcap > 0) {
+    const A cap = static_cast<A>(softcap);
+    for (int64_t i = 0; i < nq * len; ++i) sc[i] = cap * std::tanh(sc[i] / cap);
+  }
+  // Softmax statistics; slot order is [kv head][row][group member] like qs.
+  for (int64_t i = 0; i < nq; ++i) {
+    A* si = sc + i * len;
+    A m = -std::numeric_limits<A>::infinity();
+    A l = 0;
+    int64_t j = 0;
+    if constexpr (std::is_same<A, float>::value) {  // L at a time, by hand
+      V mv = splat<V>(m);
+      for (; j + L <= len; j += L) {
+        const V x = loadv<V>(si + j);
+        mv = x > mv ? x : mv;
+      }
+      for (int k = 0; k < L; ++k) m = std::max(m, mv[k]);
+      for (; j < len; ++j) m = std::max(m, si[j]);
+      V lv = splat<V>(0);
+      for (j = 0; j + L <= len; j += L) {
+        const V e = expv(loadv<V>(si + j) - m);
+        storev(si + j, e);
+        lv += e;
+      }
+      for (int k = 0; k < L; ++k) l += lv[k];
+    } else {
+      for (; j < len; ++j) m = std::max(m, si[j]);
+      j = 0;
+    }
+    for (; j < len; ++j) {
+      const A e = exp_acc(si[j] - m);
+      si[j] = e;
+      l += e;
+    }
+    pm[partial + i] = m;
+    pl[partial + i] = l;
+  }
+}
+
 // One item: scores of every query vector of the segment (all rows, all heads)
 // against the item's keys, softmax statistics per query vector, and the
 // unnormalised weighted sum of values. A key position's K (or V) row holds all
@@ -283,45 +334,7 @@ RS_ALWAYS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q
       }
     }
   }
-  // Soft-capping (Gemma 2): on the scaled scores, before the softmax, so the
-  // statistics (and the lse the caller merges with) are those of the capped scores.
-  if (P.softcap > 0) {
-    const A cap = static_cast<A>(P.softcap);
-    for (int64_t i = 0; i < nq * len; ++i) sc[i] = cap * std::tanh(sc[i] / cap);
-  }
-  // Softmax statistics; slot order is [kv head][row][group member] like qs.
-  for (int64_t i = 0; i < nq; ++i) {
-    A* si = sc + i * len;
-    A m = -std::numeric_limits<A>::infinity();
-    A l = 0;
-    int64_t j = 0;
-    if constexpr (std::is_same<A, float>::value) {  // L at a time, by hand
-      V mv = splat<V>(m);
-      for (; j + L <= len; j += L) {
-        const V x = loadv<V>(si + j);
-        mv = x > mv ? x : mv;
-      }
-      for (int k = 0; k < L; ++k) m = std::max(m, mv[k]);
-      for (; j < len; ++j) m = std::max(m, si[j]);
-      V lv = splat<V>(0);
-      for (j = 0; j + L <= len; j += L) {
-        const V e = expv(loadv<V>(si + j) - m);
-        storev(si + j, e);
-        lv += e;
-      }
-      for (int k = 0; k < L; ++k) l += lv[k];
-    } else {
-      for (; j < len; ++j) m = std::max(m, si[j]);
-      j = 0;
-    }
-    for (; j < len; ++j) {
-      const A e = exp_acc(si[j] - m);
-      si[j] = e;
-      l += e;
-    }
-    pm[it.partial + i] = m;
-    pl[it.partial + i] = l;
-  }
+  softmax_rows<A, V>(sc, nq, len, P.softcap, pm, pl, it.partial);
   A* acc = pacc + it.partial * D;
   std::fill(acc, acc + nq * D, A(0));
   // Values, a block of keys at a time: one query vector's accumulator takes the
@@ -363,6 +376,218 @@ RS_ALWAYS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q
   }
 }
 
+#if RS_X86
+// ---- avx512bf16: bfloat16 products for segments that many query vectors read ----
+//
+// A cascade prefix is read by every member's query vectors (members x group per kv
+// head): there the item is a small matrix product, and the scores and the value sums
+// run as vdpbf16ps tiles, each instruction 16 lanes x one bfloat16 pair:
+//   scores  lanes = 16 keys, pairs over head_dim: the query pair is broadcast and
+//           meets a tile of 32 keys whose K rows are transposed into [D/2][32] pairs
+//           (once per tile, for all query vectors of the kv head);
+//   values  lanes = 16 features, pairs over keys: a query's probabilities of two
+//           consecutive keys, rounded to bfloat16 (as GPU flash attention does for
+//           its P x V product), are broadcast and meet V rows interleaved in key
+//           pairs ([len/2][D] pairs, packed once per item and kv head).
+// Queries stay exact (the pool and q are bfloat16 already), products are exact in
+// float32 and summed in float32; the scale is applied to the summed score. The
+// softmax statistics between the two are the float32 ones of the other paths.
+
+// Query vectors per kv head from which an item takes the vdpbf16ps tiles: below,
+// packing K and V costs more than the products save.
+constexpr int64_t kDpMinQueries = 8;
+constexpr int64_t kDpKeys = 32;    // keys per score tile: two 16-lane vectors
+constexpr int kDpScoreRows = 8;    // query vectors per score tile (16 accumulators)
+constexpr int kDpValueCols = 4;    // 16-feature vectors per value tile (64 features)
+constexpr int kDpValueRows = 6;    // query vectors per value tile (24 accumulators)
+
+// Scores of R query vectors (qp: rows of D2 pairs) against one tile of nb <= 32 keys
+// (kt: [D2][32] pairs), scaled, into rows of sc (stride len) at column j0.
+template <int R>
+RS_TARGET_AVX512BF16 RS_ALWAYS_INLINE void dp_score_tile(const uint32_t* qp, int64_t D2,
+                                                         const uint32_t* kt, float scale,
+                                                         float* sc, int64_t len, int64_t j0,
+                                                         int64_t nb) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const bool two = nb > 16;
+  for (int64_t p = 0; p < D2; ++p) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + p * kDpKeys);
+    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + p * kDpKeys + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * D2 + p]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qb, k0);
+      if (two) acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qb, k1);
+    }
+  }
+  const __m512 s = _mm512_set1_ps(scale);
+  const __mmask16 m0 = static_cast<__mmask16>(nb >= 16 ? 0xffffu : (1u << nb) - 1);
+  const __mmask16 m1 =
+      static_cast<__mmask16>(nb >= 32 ? 0xffffu : two ? (1u << (nb - 16)) - 1 : 0u);
+  for (int r = 0; r < R; ++r) {
+    float* dst = sc + r * len + j0;
+    _mm512_mask_storeu_ps(dst, m0, _mm512_mul_ps(acc[r][0], s));
+    if (two) _mm512_mask_storeu_ps(dst + 16, m1, _mm512_mul_ps(acc[r][1], s));
+  }
+}
+
+// out[r][16c + j] = sum over key pairs kp of pp[r][kp] . vp[kp][16c + j] for C
+// 16-feature vectors starting at feature d0 (pp: rows of np2 pairs, vp: [np2][D] pairs).
+template <int R, int C>
+RS_TARGET_AVX512BF16 RS_ALWAYS_INLINE void dp_value_tile(const uint32_t* pp, int64_t np2,
+                                                         const uint32_t* vp, int64_t D,
+                                                         int64_t d0, float* out) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < np2; ++kp) {
+    __m512bh v[C];
+    for (int c = 0; c < C; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vp + kp * D + d0 + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r * np2 + kp]));
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb, v[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + r * D + d0 + 16 * c, acc[r][c]);
+}
+
+// Rows [i, i + R) of every score tile, R < kDpScoreRows chosen at run time.
+template <int R = kDpScoreRows - 1>
+RS_TARGET_AVX512BF16 RS_ALWAYS_INLINE void dp_score_rest(int rest, const uint32_t* qp,
+                                                         int64_t D2, const uint32_t* kt,
+                                                         float scale, float* sc, int64_t len,
+                                                         int64_t j0, int64_t nb) {
+  if constexpr (R > 0) {
+    if (rest == R) return dp_score_tile<R>(qp, D2, kt, scale, sc, len, j0, nb);
+    dp_score_rest<R - 1>(rest, qp, D2, kt, scale, sc, len, j0, nb);
+  }
+}
+
+template <int R>
+RS_TARGET_AVX512BF16 RS_ALWAYS_INLINE void dp_value_cols(int cols, const uint32_t* pp,
+                                                         int64_t np2, const uint32_t* vp,
+                                                         int64_t D, int64_t d0, float* out) {
+  switch (cols) {
+    case 1: return dp_value_tile<R, 1>(pp, np2, vp, D, d0, out);
+    case 2: return dp_value_tile<R, 2>(pp, np2, vp, D, d0, out);
+    case 3: return dp_value_tile<R, 3>(pp, np2, vp, D, d0, out);
+    default: return dp_value_tile<R, 4>(pp, np2, vp, D, d0, out);
+  }
+}
+
+template <int R = kDpValueRows>
+RS_TARGET_AVX512BF16 RS_ALWAYS_INLINE void dp_value_rows(int rows, int cols, const uint32_t* pp,
+                                                         int64_t np2, const uint32_t* vp,
+                                                         int64_t D, int64_t d0, float* out) {
+  if constexpr (R > 0) {
+    if (rows == R) return dp_value_cols<R>(cols, pp, np2, vp, D, d0, out);
+    dp_value_rows<R - 1>(rows, cols, pp, np2, vp, D, d0, out);
+  }
+}
+
+// The 32-bit word p (bfloat16 features 2p, 2p + 1) of a bfloat16 row.
+RS_ALWAYS_INLINE uint32_t pair_at(const BF16* row, int64_t p) {
+  uint32_t w;
+  std::memcpy(&w, row + 2 * p, sizeof w);
+  return w;
+}
+
+// One item by vdpbf16ps tiles (bfloat16 pool, head_dim % 16 == 0): the same
+// partial results as run_item_impl.
+RS_TARGET_AVX512BF16 void run_item_dp(const Problem& P, const Item& it, const BF16* q,
+                                      const BF16* kv, float* pm, float* pl, float* pacc,
+                                      std::vector<float>& scores) {
+  static thread_local std::vector<uint32_t> packed;
+  const int64_t D = P.head_dim, D2 = D / 2, G = P.group, H = P.num_heads, KVH = P.num_kv_heads;
+  const int64_t ps = P.page_size, row_len = KVH * D, page_stride = 2 * ps * row_len;
+  const int64_t r0 = P.row_indptr[it.seg], nrows = P.row_indptr[it.seg + 1] - r0;
+  const int64_t per_head = nrows * G, nq = per_head * KVH, len = it.k1 - it.k0;
+  const int64_t np2 = (len + 1) / 2;
+  scores.resize(static_cast<size_t>(nq * len));
+  // qp [per_head][D2] | kt [D2][32] | vp [np2][D] | pp [per_head][np2]
+  packed.resize(static_cast<size_t>(per_head * D2 + D2 * kDpKeys + np2 * D + per_head * np2));
+  uint32_t* qp = packed.data();
+  uint32_t* kt = qp + per_head * D2;
+  uint32_t* vp = kt + D2 * kDpKeys;
+  uint32_t* pp = vp + np2 * D;
+  const int32_t* pages = P.pages + P.page_indptr[it.seg];
+  auto key_row = [&](int64_t j, int64_t which, int64_t h) {  // K (0) or V (1) of key k0 + j
+    const int64_t pos = it.k0 + j;
+    return kv + pages[pos / ps] * page_stride + which * ps * row_len + (pos % ps) * row_len +
+           h * D;
+  };
+  const float scale = static_cast<float>(P.scale);
+  for (int64_t h = 0; h < KVH; ++h) {
+    for (int64_t r = 0; r < nrows; ++r) {  // this kv head's query vectors, [row][member]
+      const BF16* src = q + (static_cast<int64_t>(P.rows[r0 + r]) * H + h * G) * D;
+      std::memcpy(qp + r * G * D2, src, static_cast<size_t>(G * D) * sizeof(BF16));
+    }
+    float* sh = scores.data() + h * per_head * len;
+    for (int64_t j0 = 0; j0 < len; j0 += kDpKeys) {
+      const int64_t nb = std::min(kDpKeys, len - j0);
+      for (int64_t j = 0; j < kDpKeys; ++j) {
+        if (j < nb) {
+          const BF16* k = key_row(j0 + j, 0, h);
+          for (int64_t p = 0; p < D2; ++p) kt[p * kDpKeys + j] = pair_at(k, p);
+        } else {
+          for (int64_t p = 0; p < D2; ++p) kt[p * kDpKeys + j] = 0;
+        }
+      }
+      int64_t i = 0;
+      for (; i + kDpScoreRows <= per_head; i += kDpScoreRows)
+        dp_score_tile<kDpScoreRows>(qp + i * D2, D2, kt, scale, sh + i * len, len, j0, nb);
+      if (i < per_head)
+        dp_score_rest(static_cast<int>(per_head - i), qp + i * D2, D2, kt, scale, sh + i * len,
+                      len, j0, nb);
+    }
+  }
+  softmax_rows<float, v16>(scores.data(), nq, len, P.softcap, pm, pl, it.partial);
+  // V of key pairs interleaved: word d of pair kp is (V[2kp][d], V[2kp + 1][d]).
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t h = 0; h < KVH; ++h) {
+    for (int64_t kp = 0; kp < np2; ++kp) {
+      const BF16* a = key_row(2 * kp, 1, h);
+      const bool partner = 2 * kp + 1 < len;
+      const BF16* b = partner ? key_row(2 * kp + 1, 1, h) : a;
+      uint32_t* dst = vp + kp * D;
+      for (int64_t d = 0; d < D; d += 32) {
+        const int64_t n = std::min<int64_t>(32, D - d);
+        const __mmask32 m = n == 32 ? 0xffffffffu : (1u << n) - 1;
+        const __m512i va = _mm512_maskz_loadu_epi16(m, a + d);
+        const __m512i vb = partner ? _mm512_maskz_loadu_epi16(m, b + d) : _mm512_setzero_si512();
+        _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(va, lo, vb));
+        if (n == 32) _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(va, hi, vb));
+      }
+    }
+    // Probabilities in bfloat16, in key pairs (the pair past an odd len is (p, 0)).
+    const float* sh = scores.data() + h * per_head * len;
+    for (int64_t i = 0; i < per_head; ++i) {
+      const float* src = sh + i * len;
+      uint16_t* dst = reinterpret_cast<uint16_t*>(pp + i * np2);
+      for (int64_t j = 0; j < 2 * np2; j += 16) {
+        const int64_t n = std::min<int64_t>(16, len - j);
+        const __mmask16 m = static_cast<__mmask16>(n >= 16 ? 0xffffu : n > 0 ? (1u << n) - 1 : 0u);
+        const __m256bh b16 = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + j));
+        const int64_t w = std::min<int64_t>(16, 2 * np2 - j);
+        _mm256_mask_storeu_epi16(dst + j, static_cast<__mmask16>(w >= 16 ? 0xffffu : (1u << w) - 1),
+                                 (__m256i)b16);
+      }
+    }
+    float* acc = pacc + (it.partial + h * per_head) * D;
+    for (int64_t i = 0; i < per_head; i += kDpValueRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kDpValueRows, per_head - i));
+      for (int64_t d0 = 0; d0 < D; d0 += 16 * kDpValueCols) {
+        const int cols = static_cast<int>(std::min<int64_t>(kDpValueCols, (D - d0) / 16));
+        dp_value_rows(rows, cols, pp + i * np2, np2, vp, D, d0, acc + i * D);
+      }
+    }
+  }
+}
+#endif  // RS_X86
+
 // One item, compiled per instruction set (cpu_kernels.h).
 template <typename T>
 using ItemFn = void (*)(const Problem&, const Item&, const T*, const T*, Acc<T>*, Acc<T>*,
@@ -394,6 +619,24 @@ RS_TARGET_AVX512 void item_avx512(const Problem& P, const Item& it, const T* q, 
   }
 }
 
+#if RS_X86
+// avx512bf16: a bfloat16 item that many query vectors read takes the vdpbf16ps
+// tiles, any other the avx512 loops.
+template <typename T>
+RS_TARGET_AVX512BF16 void item_avx512bf16(const Problem& P, const Item& it, const T* q,
+                                          const T* kv, Acc<T>* pm, Acc<T>* pl, Acc<T>* pacc,
+                                          std::vector<Acc<T>>& scratch) {
+  if constexpr (std::is_same<T, BF16>::value) {
+    const int64_t per_head = (P.row_indptr[it.seg + 1] - P.row_indptr[it.seg]) * P.group;
+    if (P.head_dim % 16 == 0 && per_head >= kDpMinQueries) {
+      run_item_dp(P, it, q, kv, pm, pl, pacc, scratch);
+      return;
+    }
+  }
+  item_avx512<T>(P, it, q, kv, pm, pl, pacc, scratch);
+}
+#endif
+
 template <typename T>
 ItemFn<T> item_fn(Isa isa) {
   switch (isa) {
@@ -402,8 +645,13 @@ ItemFn<T> item_fn(Isa isa) {
     case Isa::kAvx2:
       return item_avx2<T>;
     case Isa::kAvx512:
-    case Isa::kAvx512Bf16:
       break;
+    case Isa::kAvx512Bf16:
+#if RS_X86
+      return item_avx512bf16<T>;
+#else
+      break;
+#endif
   }
   return item_avx512<T>;
 }

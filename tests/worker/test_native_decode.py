@@ -147,3 +147,26 @@ def test_softcap_matches_float64(isa, dtype, head_dim):
         torch.testing.assert_close(lse[read].double(), ref_lse[read], rtol=0, atol=tol * 10)
     with pytest.raises(ValueError, match="softcap must be >= 0"):
         run_kernel(q, kv, seg, scale, isa, 64, lse_dtype, softcap=-1.0)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 128])
+@pytest.mark.parametrize(("kv_heads", "group"), [(3, 3), (2, 1)])
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+def test_shared_prefix_rows_bfloat16_match_float64(isa, head_dim, kv_heads, group, softcap):
+    """Segments that many query vectors read (a cascade prefix): from 8 query vectors
+    per kv head, a bfloat16 pool at avx512bf16 runs the vdpbf16ps tiles. Row counts
+    leave partial tiles of both products, odd key counts a lone last key pair, a
+    window start inside a page, head_dim 80 a half vector of features, and one
+    segment has too few rows (the other loops); every level must agree."""
+    rng = np.random.default_rng(head_dim * 10 + group)
+    lens = [(0, 333), (0, 20), (7, 65), (0, 9)]
+    rows_per_seg = [13, 1, 9, 2]
+    q, kv, seg = make_case(rng, 16, kv_heads, group, head_dim, torch.bfloat16, lens, rows_per_seg)
+    scale = 0.5 if softcap else head_dim**-0.5
+    ref_out, ref_lse = reference(q, kv, seg, scale, softcap)
+    read = torch.from_numpy(seg["rows"]).long()
+    tol = TOLERANCE[torch.bfloat16]
+    for chunk in (64, 1024):
+        out, lse = run_kernel(q, kv, seg, scale, isa, chunk, torch.float32, softcap=softcap)
+        torch.testing.assert_close(out[read].double(), ref_out[read], rtol=0, atol=tol)
+        torch.testing.assert_close(lse[read].double(), ref_lse[read], rtol=0, atol=tol * 10)
