@@ -11,6 +11,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "cpu_kernels.h"
 
@@ -90,7 +91,8 @@ void paged_decode(const py::array& q, const py::array& kv, py::array& out, py::o
                   const py::array_t<int32_t, py::array::c_style>& pages,
                   const py::array_t<int32_t, py::array::c_style>& kv_begin,
                   const py::array_t<int32_t, py::array::c_style>& kv_end, double scale,
-                  int num_threads, int64_t chunk, const std::string& isa_name, double softcap) {
+                  int num_threads, int64_t chunk, const std::string& isa_name, double softcap,
+                  py::object causal) {
   const Isa isa = parse_isa(isa_name, "paged_decode");
   require(q.ndim() == 3 && kv.ndim() == 5 && out.ndim() == 3, "q/out must be 3-D, kv 5-D");
   const auto c = py::array::c_style;
@@ -133,6 +135,25 @@ void paged_decode(const py::array& q, const py::array& kv, py::array& out, py::o
   }
   for (int64_t i = 0; i < rows.shape(0); ++i)
     require(0 <= P.rows[i] && P.rows[i] < R, "row out of range");
+  py::array_t<uint8_t, py::array::c_style> causal_arr;
+  if (!causal.is_none()) {
+    causal_arr = py::array_t<uint8_t, py::array::c_style>::ensure(causal);
+    require(causal_arr && causal_arr.ndim() == 1 && causal_arr.shape(0) == S,
+            "causal must be a uint8 array with one flag per segment");
+    P.causal = causal_arr.data();
+    for (int64_t s = 0; s < S; ++s)
+      require(!P.causal[s] || P.kv_end[s] - P.kv_begin[s] >= P.row_indptr[s + 1] - P.row_indptr[s],
+              "a causal segment needs at least as many keys as rows");
+  }
+  {  // a row at most once per segment (it may be in several segments)
+    std::vector<int64_t> seen(static_cast<size_t>(R), -1);
+    for (int64_t s = 0; s < S; ++s) {
+      for (int64_t i = P.row_indptr[s]; i < P.row_indptr[s + 1]; ++i) {
+        require(seen[static_cast<size_t>(P.rows[i])] != s, "a row repeats within a segment");
+        seen[static_cast<size_t>(P.rows[i])] = s;
+      }
+    }
+  }
   for (int64_t i = 0; i < pages.shape(0); ++i)
     require(0 <= P.pages[i] && P.pages[i] < NP, "page out of range");
   float* lse_f = nullptr;
@@ -283,8 +304,11 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::arg("row_indptr"), py::arg("rows"), py::arg("page_indptr"), py::arg("pages"),
         py::arg("kv_begin"), py::arg("kv_end"), py::arg("scale"), py::arg("num_threads"),
         py::arg("chunk"), py::arg("isa") = "auto", py::arg("softcap") = 0.0,
+        py::arg("causal") = py::none(),
         "Paged decode attention over one layer of the KV pool (csrc/paged_attention.cpp); "
-        "softcap > 0 caps the scores at softcap * tanh(score / softcap).");
+        "softcap > 0 caps the scores at softcap * tanh(score / softcap); causal (uint8, "
+        "one per segment): row r of n in a flagged segment sees its keys up to "
+        "kv_end - (n - 1 - r) (a prefill chunk's rows, bottom-right aligned).");
   m.def("skinny_gemm", &skinny_gemm, py::arg("w"), py::arg("x"), py::arg("yT"),
         py::arg("num_threads"), py::arg("isa") = "auto",
         "yT [N, M] = w [N, K] . x^T for x [M, K] (any strides), w and yT C-contiguous; "

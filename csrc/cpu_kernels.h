@@ -141,8 +141,9 @@ namespace radixserve {
 
 // One paged decode attention call (paged_attention.cpp). Segment s: query rows
 // rows[row_indptr[s]:row_indptr[s+1]] attend to keys [kv_begin[s], kv_end[s]) of
-// pages pages[page_indptr[s]:page_indptr[s+1]]. All indices must already be
-// valid (the bindings check them).
+// pages pages[page_indptr[s]:page_indptr[s+1]]. A row is at most once in a
+// segment; in several segments (disjoint keys) it attends to all of them. All
+// indices must already be valid (the bindings check them).
 struct PagedDecode {
   int64_t num_segments, num_heads, num_kv_heads, head_dim, page_size, group;
   const int32_t* row_indptr;
@@ -153,6 +154,9 @@ struct PagedDecode {
   const int32_t* kv_end;
   double scale;
   double softcap;  // > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
+  // Per segment, or null for none: 1 makes the segment's rows a prefill chunk's
+  // (bottom-right aligned causal): row r of n sees keys [kv_begin, kv_end - (n - 1 - r)).
+  const uint8_t* causal;
 };
 
 enum class KVType { kFloat32, kFloat64, kBFloat16 };

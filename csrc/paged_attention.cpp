@@ -14,7 +14,9 @@
 // a shared prefix read once by several requests (cascade decode) is a segment
 // with one row per request. Output goes to out[row] and, per head, the
 // log-sum-exp of the scaled scores to lse[row], so that two partial results
-// over disjoint key sets can be merged by the caller.
+// over disjoint key sets can be merged by the caller. A row may also be in several
+// segments whose keys are disjoint (a cascade member reads the shared prefix and
+// its own pages): its result is attention over all of them, merged here.
 //
 // Parallelism: work items are (segment, key chunk), run by an OpenMP
 // loop in the process's OpenMP runtime (torch's, which is loaded first); the
@@ -199,17 +201,35 @@ RS_ALWAYS_INLINE void load_block(const T* kv, const int32_t* pages, int64_t ps, 
 // statistics (max m, sum l of exp(s - m)) into its partial slot; sc [nq][len]
 // becomes the unnormalised probabilities. The statistics (and the lse the caller
 // merges with) are those of the capped scores.
+//
+// In a causal segment a query vector sees only the first keys of the item (the
+// rest are the chunk's later tokens): their scores are set to -inf after the cap,
+// and a vector that sees none of the item's keys gets m = -inf, l = 0 and zero
+// probabilities (the merge then gives that item no weight).
 template <typename A, typename V>
 RS_ALWAYS_INLINE void softmax_rows(A* sc, int64_t nq, int64_t len, double softcap, A* pm,
-                                   A* pl, int64_t partial) {
+                                   A* pl, int64_t partial, const Problem& P, const Item& it) {
   constexpr int L = lanes<V>();
   if (softcap > 0) {
     const A cap = static_cast<A>(softcap);
     for (int64_t i = 0; i < nq * len; ++i) sc[i] = cap * std::tanh(sc[i] / cap);
   }
+  const bool causal = P.causal && P.causal[it.seg];
+  const int64_t nrows = P.row_indptr[it.seg + 1] - P.row_indptr[it.seg];
   // Softmax statistics; slot order is [kv head][row][group member] like qs.
   for (int64_t i = 0; i < nq; ++i) {
     A* si = sc + i * len;
+    if (causal) {
+      const int64_t r = (i / P.group) % nrows;
+      const int64_t seen = P.kv_end[it.seg] - (nrows - 1 - r) - it.k0;
+      if (seen <= 0) {
+        std::fill(si, si + len, A(0));
+        pm[partial + i] = -std::numeric_limits<A>::infinity();
+        pl[partial + i] = 0;
+        continue;
+      }
+      for (int64_t j = seen; j < len; ++j) si[j] = -std::numeric_limits<A>::infinity();
+    }
     A m = -std::numeric_limits<A>::infinity();
     A l = 0;
     int64_t j = 0;
@@ -334,7 +354,7 @@ RS_ALWAYS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q
       }
     }
   }
-  softmax_rows<A, V>(sc, nq, len, P.softcap, pm, pl, it.partial);
+  softmax_rows<A, V>(sc, nq, len, P.softcap, pm, pl, it.partial, P, it);
   A* acc = pacc + it.partial * D;
   std::fill(acc, acc + nq * D, A(0));
   // Values, a block of keys at a time: one query vector's accumulator takes the
@@ -542,7 +562,7 @@ RS_TARGET_AVX512BF16 void run_item_dp(const Problem& P, const Item& it, const BF
                       len, j0, nb);
     }
   }
-  softmax_rows<float, v16>(scores.data(), nq, len, P.softcap, pm, pl, it.partial);
+  softmax_rows<float, v16>(scores.data(), nq, len, P.softcap, pm, pl, it.partial, P, it);
   // V of key pairs interleaved: word d of pair kp is (V[2kp][d], V[2kp + 1][d]).
   const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                       39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
@@ -691,39 +711,68 @@ void run(const Problem& P, const T* q, const T* kv, T* out, float* lse_f, double
     }
   }
 
-  // Merge the chunks of each segment into out and lse.
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+  // Merge, per query row, the partial results of every item that row is in: the
+  // chunks of its segment, and of every other segment holding it (a cascade
+  // member's shared prefix and its own suffix are two segments).
+  struct Part {
+    int64_t row, item, local;  // q row; item; the row's index in its segment
+  };
+  std::vector<Part> parts;
   for (int64_t s = 0; s < num_segments; ++s) {
     const int64_t r0 = P.row_indptr[s], nrows = P.row_indptr[s + 1] - r0;
     const int64_t i0 = first_item[static_cast<size_t>(s)];
     const int64_t i1 = first_item[static_cast<size_t>(s + 1)];
+    for (int64_t r = 0; r < nrows; ++r) {
+      if (i0 == i1) parts.push_back(Part{P.rows[r0 + r], -1, r});  // no keys: still written
+      for (int64_t it = i0; it < i1; ++it) parts.push_back(Part{P.rows[r0 + r], it, r});
+    }
+  }
+  std::stable_sort(parts.begin(), parts.end(),
+                   [](const Part& a, const Part& b) { return a.row < b.row; });
+  std::vector<int64_t> starts;
+  for (size_t i = 0; i < parts.size(); ++i)
+    if (i == 0 || parts[i].row != parts[i - 1].row) starts.push_back(static_cast<int64_t>(i));
+  starts.push_back(static_cast<int64_t>(parts.size()));
+  const int64_t num_out = static_cast<int64_t>(starts.size()) - 1;
+
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t o_i = 0; o_i < num_out; ++o_i) {
+    const int64_t b = starts[static_cast<size_t>(o_i)], e = starts[static_cast<size_t>(o_i + 1)];
+    const int64_t qrow = parts[static_cast<size_t>(b)].row;
     std::vector<A> o(static_cast<size_t>(D));
+    auto slot_of = [&](const Part& pt, int64_t h, int64_t g) {
+      const Item& it = items[static_cast<size_t>(pt.item)];
+      const int64_t nrows = P.row_indptr[it.seg + 1] - P.row_indptr[it.seg];
+      return it.partial + (h * nrows + pt.local) * G + g;
+    };
     for (int64_t h = 0; h < KVH; ++h) {
-      for (int64_t r = 0; r < nrows; ++r) {
-        const int64_t qrow = P.rows[r0 + r];
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t head = h * G + g, local = (h * nrows + r) * G + g;
-          T* dst = out + (qrow * H + head) * D;
-          A m = -std::numeric_limits<A>::infinity();
-          for (int64_t it = i0; it < i1; ++it) m = std::max(m, pm[items[it].partial + local]);
-          if (i0 == i1 || m == -std::numeric_limits<A>::infinity()) {  // no keys
-            for (int64_t d = 0; d < D; ++d) from_acc(A(0), dst + d);
-          } else {
-            A l = 0;
-            std::fill(o.begin(), o.end(), A(0));
-            for (int64_t it = i0; it < i1; ++it) {
-              const int64_t slot = items[it].partial + local;
-              const A w = std::exp(pm[slot] - m);
-              l += w * pl[slot];
-              const A* a = pacc.data() + slot * D;
-              for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
-            }
-            for (int64_t d = 0; d < D; ++d) from_acc(o[d] / l, dst + d);
-            m += std::log(l);
-          }
-          if (lse_f) lse_f[qrow * H + head] = static_cast<float>(m);
-          if (lse_d) lse_d[qrow * H + head] = static_cast<double>(m);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t head = h * G + g;
+        T* dst = out + (qrow * H + head) * D;
+        A m = -std::numeric_limits<A>::infinity();
+        for (int64_t k = b; k < e; ++k) {
+          const Part& pt = parts[static_cast<size_t>(k)];
+          if (pt.item >= 0) m = std::max(m, pm[static_cast<size_t>(slot_of(pt, h, g))]);
         }
+        if (m == -std::numeric_limits<A>::infinity()) {  // no keys
+          for (int64_t d = 0; d < D; ++d) from_acc(A(0), dst + d);
+        } else {
+          A l = 0;
+          std::fill(o.begin(), o.end(), A(0));
+          for (int64_t k = b; k < e; ++k) {
+            const Part& pt = parts[static_cast<size_t>(k)];
+            if (pt.item < 0) continue;
+            const int64_t slot = slot_of(pt, h, g);
+            const A w = std::exp(pm[static_cast<size_t>(slot)] - m);
+            l += w * pl[static_cast<size_t>(slot)];
+            const A* a = pacc.data() + slot * D;
+            for (int64_t d = 0; d < D; ++d) o[static_cast<size_t>(d)] += w * a[d];
+          }
+          for (int64_t d = 0; d < D; ++d) from_acc(o[static_cast<size_t>(d)] / l, dst + d);
+          m += std::log(l);
+        }
+        if (lse_f) lse_f[qrow * H + head] = static_cast<float>(m);
+        if (lse_d) lse_d[qrow * H + head] = static_cast<double>(m);
       }
     }
   }

@@ -23,8 +23,9 @@ def isa(request):
     return require_isa(request.param)
 
 
-def reference(q, kv, seg, scale, softcap=0.0):
-    """out and lse in float64, one (segment, row, head) at a time from first principles."""
+def reference(q, kv, seg, scale, softcap=0.0, causal=None):
+    """out and lse in float64, one (segment, row, head) at a time from first principles;
+    ``causal[s]``: row i of n in segment s sees keys below kv_end - (n - 1 - i)."""
     q, kv = q.double(), kv.double()
     heads, kv_heads = q.shape[1], kv.shape[3]
     group, ps = heads // kv_heads, kv.shape[2]
@@ -37,12 +38,16 @@ def reference(q, kv, seg, scale, softcap=0.0):
             continue
         page, off = torch.from_numpy(pages[pos // ps]), torch.from_numpy(pos % ps)
         keys, vals = kv[page, 0, off], kv[page, 1, off]  # [n, kv_heads, d]
-        for r in seg["rows"][seg["row_indptr"][s] : seg["row_indptr"][s + 1]]:
+        seg_rows = seg["rows"][seg["row_indptr"][s] : seg["row_indptr"][s + 1]]
+        for i, r in enumerate(seg_rows):
+            seen = len(pos)
+            if causal is not None and causal[s]:
+                seen = int(seg["kv_end"][s] - (len(seg_rows) - 1 - i) - seg["kv_begin"][s])
             for h in range(heads):
-                scores = keys[:, h // group] @ q[r, h] * scale
+                scores = keys[:seen, h // group] @ q[r, h] * scale
                 if softcap > 0:
                     scores = softcap * torch.tanh(scores / softcap)
-                out[r, h] = scores.softmax(0) @ vals[:, h // group]
+                out[r, h] = scores.softmax(0) @ vals[:seen, h // group]
                 lse[r, h] = scores.logsumexp(0)
     return out, lse
 
@@ -74,13 +79,14 @@ def make_case(rng, page_size, kv_heads, group, head_dim, dtype, lens, rows_per_s
     return q, kv, seg
 
 
-def run_kernel(q, kv, seg, scale, isa, chunk, lse_dtype, softcap=0.0):
+def run_kernel(q, kv, seg, scale, isa, chunk, lse_dtype, softcap=0.0, causal=None):
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"), dtype=lse_dtype)
     arr = native_decode._array
+    flags = None if causal is None else np.asarray(causal, np.uint8)
     native_decode._ext.paged_decode(
         arr(q), arr(kv), arr(out), lse.numpy(), **seg, scale=scale, num_threads=2, chunk=chunk,
-        isa=isa, softcap=softcap,
+        isa=isa, softcap=softcap, causal=flags,
     )  # fmt: skip
     return out, lse
 
@@ -170,3 +176,70 @@ def test_shared_prefix_rows_bfloat16_match_float64(isa, head_dim, kv_heads, grou
         out, lse = run_kernel(q, kv, seg, scale, isa, chunk, torch.float32, softcap=softcap)
         torch.testing.assert_close(out[read].double(), ref_out[read], rtol=0, atol=tol)
         torch.testing.assert_close(lse[read].double(), ref_lse[read], rtol=0, atol=tol * 10)
+
+
+def test_row_in_several_segments_attends_to_all(isa):
+    """Cascade in one call: rows in a shared-prefix segment and in their own segments
+    (disjoint keys) get attention over the union, as one segment over all of it would
+    give; a row twice in one segment is refused."""
+    rng = np.random.default_rng(11)
+    dtype = torch.float32
+    ps, kv_heads, group, d = 4, 2, 3, 32
+    kv = torch.from_numpy(rng.standard_normal((40, 2, ps, kv_heads, d))).to(dtype)
+    q = torch.from_numpy(rng.standard_normal((5, kv_heads * group, d))).to(dtype)
+    shared = rng.permutation(40)[:10].astype(np.int32)
+    own = [rng.permutation(np.setdiff1d(np.arange(40), shared))[:3].astype(np.int32)
+           for _ in range(4)]  # fmt: skip
+    own_lens = [1, 9, 12, 0]
+    i32 = np.int32
+    # rows 0-3 read the 40-token prefix, then their own pages; row 4 reads nothing
+    seg = {
+        "row_indptr": np.array([0, 1, 2, 3, 4, 8], i32),
+        "rows": np.array([3, 0, 2, 1, 0, 1, 2, 3], i32),
+        "page_indptr": np.array([0, 3, 6, 9, 12, 22], i32),
+        "pages": np.concatenate([own[3], own[0], own[2], own[1], shared]).astype(i32),
+        "kv_begin": np.zeros(5, i32),
+        "kv_end": np.array([own_lens[3], own_lens[0], own_lens[2], own_lens[1], 40], i32),
+    }
+    whole = {"row_indptr": np.arange(5, dtype=i32), "rows": np.arange(4, dtype=i32),
+             "page_indptr": np.arange(0, 53, 13, dtype=i32)[:5], "kv_begin": np.zeros(4, i32),
+             "pages": np.concatenate([np.concatenate([shared, own[r]]) for r in range(4)]).astype(i32),
+             "kv_end": np.array([40 + n for n in own_lens], i32)}  # fmt: skip
+    ref_out, ref_lse = reference(q, kv, whole, 0.2)
+    for chunk in (64, 8):
+        out, lse = run_kernel(q, kv, seg, 0.2, isa, chunk, torch.float32)
+        torch.testing.assert_close(out[:4].double(), ref_out[:4], rtol=0, atol=2e-5)
+        torch.testing.assert_close(lse[:4].double(), ref_lse[:4], rtol=0, atol=2e-4)
+        assert torch.isnan(out[4]).all()
+    twice = {**seg, "rows": np.array([3, 0, 2, 1, 0, 1, 2, 2], i32)}
+    with pytest.raises(ValueError, match="repeats within a segment"):
+        run_kernel(q, kv, twice, 0.2, isa, 64, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("head_dim", [64, 20])
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+def test_causal_segments_match_float64(isa, dtype, head_dim, softcap):
+    """Prefill chunks as causal segments: row i of n sees keys up to kv_end - (n - 1 - i)
+    (after a cached prefix; a whole prompt; a chunk starting inside a page; rows over
+    several key chunks, so some chunks are unseen by early rows), beside a plain
+    decode segment; many rows take the vdpbf16ps tiles at avx512bf16 for bfloat16."""
+    rng = np.random.default_rng(head_dim + int(softcap))
+    lens = [(0, 300), (0, 40), (0, 7), (5, 150)]
+    rows_per_seg = [20, 40, 1, 9]
+    causal = [1, 1, 0, 1]
+    q, kv, seg = make_case(rng, 16, 2, 3, head_dim, dtype, lens, rows_per_seg)
+    scale = 0.5 if softcap else head_dim**-0.5
+    ref_out, ref_lse = reference(q, kv, seg, scale, softcap, causal)
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    read = torch.from_numpy(seg["rows"]).long()
+    tol = TOLERANCE[dtype]
+    for chunk in (64, 1024):
+        out, lse = run_kernel(q, kv, seg, scale, isa, chunk, lse_dtype, softcap, causal)
+        torch.testing.assert_close(out[read].double(), ref_out[read], rtol=0, atol=tol)
+        torch.testing.assert_close(lse[read].double(), ref_lse[read], rtol=0, atol=tol * 10)
+    short = make_case(rng, 16, 2, 3, head_dim, dtype, [(0, 3)], [5])
+    with pytest.raises(ValueError, match="at least as many keys as rows"):
+        run_kernel(*short, scale, isa, 64, lse_dtype, causal=[1])
+    with pytest.raises(ValueError, match="one flag per segment"):
+        run_kernel(q, kv, seg, scale, isa, 64, lse_dtype, causal=[1, 1])

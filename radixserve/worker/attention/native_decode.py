@@ -9,9 +9,11 @@ kernels") has the numbers.
 Work is given as *segments*: a KV sequence (a page list and a key range in it)
 and the query rows that attend to it. A plain decode request is a one-row
 segment; a cached prefix shared by several decoding requests (cascade decode)
-is one segment with all of their rows, so its pages are read once. The kernel
-also returns the log-sum-exp of each row's scores, which is what merging the
-prefix part with each request's own suffix part needs (``merge_partials``).
+is one segment with all of their rows, so its pages are read once, and each of
+those rows is also in its request's own segment: the kernel merges a row's parts
+itself. A prefill chunk is a *causal* segment (its rows see the keys up to their
+own position). The kernel can also return the log-sum-exp of each row's scores
+(``merge_partials`` merges results over disjoint key sets outside it).
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ class Segments:
     kv_end: np.ndarray
     kv_begin: dict[int, np.ndarray]
     chunk: int
+    #: uint8 per segment, or None: 1 marks a prefill chunk's rows (causal, bottom-right
+    #: aligned: row r of n sees keys up to kv_end - (n - 1 - r)).
+    causal: np.ndarray | None = None
 
     @classmethod
     def build(
@@ -71,9 +76,12 @@ class Segments:
         kv_lens: np.ndarray,
         windows: list[int],
         num_kv_heads: int,
+        causal: list[bool] | None = None,
     ) -> Segments:
         """Segment i: rows ``row_groups[i]`` attend to keys [0, kv_lens[i]) of pages
-        ``tables[i]`` (the last kv_lens[i] - window of them with a window)."""
+        ``tables[i]`` (the last kv_lens[i] - window of them with a window); with
+        ``causal[i]``, row r of n sees only keys [0, kv_lens[i] - (n - 1 - r)): the
+        rows of a prefill chunk that ends at kv_lens[i] (no window allowed then)."""
         i32 = np.int32
         row_indptr = np.zeros(len(row_groups) + 1, i32)
         row_indptr[1:] = np.cumsum([len(r) for r in row_groups])
@@ -84,6 +92,11 @@ class Segments:
             w: (np.maximum(kv_end - w, 0) if w > 0 else np.zeros_like(kv_end)).astype(i32)
             for w in windows
         }
+        flags = None
+        if causal is not None and any(causal):
+            if any(w > 0 for w in windows):
+                raise ValueError("causal segments take no sliding window")
+            flags = np.asarray(causal, dtype=np.uint8)
         threads = torch.get_num_threads()
         work = int(kv_end.astype(np.int64).sum()) * num_kv_heads
         chunk = -(-work // (ITEMS_PER_THREAD * threads)) if work else MIN_CHUNK
@@ -95,6 +108,7 @@ class Segments:
             kv_end,
             kv_begin,
             int(min(max(chunk, MIN_CHUNK), MAX_CHUNK)),
+            flags,
         )
 
 
@@ -121,6 +135,7 @@ def paged_decode(
         _array(q), _array(kv), _array(out), None if lse is None else lse.numpy(),
         seg.row_indptr, seg.rows, seg.page_indptr, seg.pages, seg.kv_begin[window], seg.kv_end,
         scale, torch.get_num_threads(), seg.chunk, isa or cpu_kernels.ISA, softcap=softcap,
+        causal=seg.causal,
     )  # fmt: skip
 
 

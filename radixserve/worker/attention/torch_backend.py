@@ -65,11 +65,6 @@ class _Decode:
 CASCADE_MIN_TOKENS = 64
 
 
-@dataclass
-class _NativeDecode:
-    main: Segments  # every decode request's own pages (after the shared ones)
-    prefix: Segments | None = None  # one segment per cascade group: its shared pages
-    members: torch.Tensor | None = None  # q rows of the cascade groups' requests
 
 
 #: How decode attention is computed: ``native`` reads pages in place (csrc/,
@@ -128,7 +123,7 @@ class TorchAttention(AttentionBackend):
         groups, plain = self._group_decodes(batch, decode_ids, windows)
         self._decodes, self._native = [], None
         if self.decode_kernel == "native":
-            self._native = self._plan_native(batch, groups, plain, windows, device)
+            self._native = self._plan_native(batch, groups, plain, windows)
         else:
             self._decodes = [
                 self._plan_decode(batch, ids, common, windows, device) for ids, common in groups
@@ -195,11 +190,11 @@ class TorchAttention(AttentionBackend):
         groups: list[tuple[np.ndarray, int]],
         plain: np.ndarray,
         windows: list[int],
-        device: torch.device,
-    ) -> _NativeDecode | None:
+    ) -> Segments | None:
         """Segments for the native kernel: every decode request reads its own pages
         (after the shared ones for a cascade member); each cascade group's shared
-        pages are one more segment holding all of the group's rows."""
+        pages are one more segment holding all of the group's rows. A member's row is
+        thus in two segments with disjoint keys, and the kernel merges the two."""
         if not len(plain) and not groups:
             return None
         s, h = self.pool.page_size, self.pool.num_kv_heads
@@ -215,18 +210,11 @@ class TorchAttention(AttentionBackend):
             rows += [qrow[i : i + 1] for i in ids]
             tables += [table(i)[common:] for i in ids]
             kv += [int(batch.kv_lens[i]) - common * s for i in ids]
-        main = Segments.build(rows, tables, np.array(kv), windows, h)
-        if not groups:
-            return _NativeDecode(main)
-        prefix = Segments.build(
-            [qrow[ids] for ids, _ in groups],
-            [table(int(ids[0]))[:common] for ids, common in groups],
-            np.array([common * s for _, common in groups]),
-            windows,
-            h,
-        )
-        members = np.concatenate([qrow[ids] for ids, _ in groups]).astype(np.int64)
-        return _NativeDecode(main, prefix, torch.from_numpy(members).to(device))
+        for ids, common in groups:
+            rows.append(qrow[ids])
+            tables.append(table(int(ids[0]))[:common])
+            kv.append(common * s)
+        return Segments.build(rows, tables, np.array(kv), windows, h)
 
     def _plan_decode(
         self,
@@ -323,20 +311,10 @@ class TorchAttention(AttentionBackend):
     def _native_decode(
         self, pool: torch.Tensor, q: torch.Tensor, out: torch.Tensor, window: int
     ) -> None:
-        nat = self._native
-        assert nat is not None
-        q = q.contiguous()
-        scale, cap = self.scale, self.softcap
-        if nat.prefix is None:
-            native_decode.paged_decode(q, pool, out, None, nat.main, window, scale, softcap=cap)
-            return
-        ct = torch.promote_types(q.dtype, torch.float32)
-        lse = torch.empty(q.shape[:2], dtype=ct)
-        native_decode.paged_decode(q, pool, out, lse, nat.main, window, scale, softcap=cap)
-        o2, lse2 = torch.empty_like(q), torch.empty_like(lse)
-        native_decode.paged_decode(q, pool, o2, lse2, nat.prefix, window, scale, softcap=cap)
-        r = nat.members
-        out.index_copy_(0, r, merge_partials(out[r], lse[r], o2[r], lse2[r]))
+        assert self._native is not None
+        native_decode.paged_decode(
+            q.contiguous(), pool, out, None, self._native, window, self.scale, softcap=self.softcap
+        )
 
     def _cascade_decode(
         self, pages: torch.Tensor, q: torch.Tensor, dec: _Decode, bias: torch.Tensor
