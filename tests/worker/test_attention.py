@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from radixserve.layers import cpu_kernels
 from radixserve.worker.attention import AttentionBatch, KVPool, create_backend, native_decode
 from tests.helpers.native import require_built
 
@@ -46,6 +47,7 @@ def run_case(
     max_cached=40,
     scale=HEAD_DIM**-0.5,
     softcap=0.0,
+    native_prefill=None,
 ):
     """Build a batch of the given request kinds, run backend vs reference twice (two steps).
 
@@ -55,7 +57,8 @@ def run_case(
     group has its own prefix), ``(gid, n)`` for only its first n pages, or None for no
     shared prefix. By default all requests share one prefix. ``decode_kernel`` picks the
     backend's decode path; float32/bfloat16 ``dtype`` runs with matching tolerances;
-    ``scale`` and ``softcap`` are the backend's."""
+    ``scale`` and ``softcap`` are the backend's; ``native_prefill`` (with the native
+    kernel) overrides the longest prefill chunk it takes."""
     heads = kv_heads * group
     num_pages = 4096 // page_size + 64
     num_pages += max_cached * 9 // page_size
@@ -65,6 +68,8 @@ def run_case(
         decode_kernel=decode_kernel, softcap=softcap,
     )  # fmt: skip
     assert backend.decode_kernel == decode_kernel
+    if native_prefill is not None:
+        backend.native_prefill_max_tokens = native_prefill
     free = list(rng.permutation(num_pages))
     assert shared % page_size == 0
     if prefix_of is None:
@@ -195,6 +200,34 @@ def test_low_precision_decodes(dtype, page_size, kernel):
     kw = {"decode_kernel": kernel, "dtype": dtype, "max_cached": 1500}
     run_case(rng, page_size, 2, 3, ["decode"] * 5 + ["prefix"], **kw)
     run_case(rng, page_size, 2, 3, ["decode"] * 5, shared=256, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("limit", [64, 12])
+def test_prefill_chunks_through_the_native_kernel(dtype, page_size, limit):
+    """Prefill chunks as causal segments of the native kernel (on by default only for
+    bfloat16 where vdpbf16ps runs; forced here for every dtype), beside cascade decodes
+    of the same step; with limit 12 the longer chunks still go to SDPA."""
+    require_built(native_decode.AVAILABLE, native_decode.UNAVAILABLE_REASON, "native decode")
+    rng = np.random.default_rng(page_size + limit)
+    kinds = ["prefix", "decode", "fresh", "decode", "prefix", "prefix", "decode", "fresh"]
+    prefix_of = [0, 0, None, 0, (0, 2), 1, 1, None]
+    kw = {"decode_kernel": "native", "dtype": dtype, "native_prefill": limit}
+    run_case(rng, page_size, 2, 3, kinds, shared=64, prefix_of=prefix_of, **kw)
+    run_case(rng, page_size, 1, 4, kinds, softcap=1.5, scale=0.6, **kw)
+
+
+def test_native_prefill_is_on_for_bfloat16_products_only():
+    """Only where the kernel's bfloat16 products run is it faster than SDPA for chunks."""
+    require_built(native_decode.AVAILABLE, native_decode.UNAVAILABLE_REASON, "native decode")
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        pool = KVPool(1, 8, 16, 2, 64, dtype)
+        backend = create_backend("torch", pool, 1.0, (-1,), 4)
+        on = dtype == torch.bfloat16 and cpu_kernels.ISA == "avx512bf16"
+        assert backend.native_prefill_max_tokens == (1024 if on else 0)
+        torch_only = create_backend("torch", pool, 1.0, (-1,), 4, decode_kernel="torch")
+        assert torch_only.native_prefill_max_tokens == 0
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -12,8 +12,7 @@ segment; a cached prefix shared by several decoding requests (cascade decode)
 is one segment with all of their rows, so its pages are read once, and each of
 those rows is also in its request's own segment: the kernel merges a row's parts
 itself. A prefill chunk is a *causal* segment (its rows see the keys up to their
-own position). The kernel can also return the log-sum-exp of each row's scores
-(``merge_partials`` merges results over disjoint key sets outside it).
+own position). The kernel can also return the log-sum-exp of each row's scores.
 """
 
 from __future__ import annotations
@@ -137,16 +136,3 @@ def paged_decode(
         scale, torch.get_num_threads(), seg.chunk, isa or cpu_kernels.ISA, softcap=softcap,
         causal=seg.causal,
     )  # fmt: skip
-
-
-def merge_partials(
-    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
-) -> torch.Tensor:
-    """Attention over the union of two disjoint key sets from each set's normalised
-    output [n, heads, d] and log-sum-exp [n, heads]."""
-    m = torch.maximum(lse1, lse2)
-    w1, w2 = (lse1 - m).exp_(), (lse2 - m).exp_()
-    total = w1 + w2
-    ct = lse1.dtype
-    o = o1.to(ct) * (w1 / total).unsqueeze(-1) + o2.to(ct) * (w2 / total).unsqueeze(-1)
-    return o.to(o1.dtype)

@@ -31,10 +31,11 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from radixserve.layers import cpu_kernels
 from radixserve.worker.attention import native_decode
 from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
 from radixserve.worker.attention.capped import cap_, capped_attention
-from radixserve.worker.attention.native_decode import Segments, merge_partials
+from radixserve.worker.attention.native_decode import Segments
 from radixserve.worker.kv_pool import KVPool
 
 
@@ -65,6 +66,17 @@ class _Decode:
 CASCADE_MIN_TOKENS = 64
 
 
+#: The longest prefill chunk the native kernel takes where it runs bfloat16 products
+#: (AVX512_BF16): there its vdpbf16ps tiles beat SDPA up to about this length, a cached
+#: prefix or not (docs/worker.md); longer chunks, and other dtypes, go to SDPA.
+NATIVE_PREFILL_MAX_TOKENS = 1024
+
+
+def native_prefill_tokens(dtype: torch.dtype, head_dim: int) -> int:
+    """The longest prefill chunk the native kernel should take for this pool (0: none)."""
+    if dtype == torch.bfloat16 and cpu_kernels.ISA == "avx512bf16" and head_dim % 16 == 0:
+        return NATIVE_PREFILL_MAX_TOKENS
+    return 0
 
 
 #: How decode attention is computed: ``native`` reads pages in place (csrc/,
@@ -95,6 +107,13 @@ class TorchAttention(AttentionBackend):
         if decode_kernel == "native" and reason is not None:
             raise ValueError(f"the native decode kernel cannot run: {reason}")
         self.decode_kernel = "native" if decode_kernel != "torch" and reason is None else "torch"
+        #: Prefill chunks of up to this many tokens go through the native kernel too,
+        #: as causal segments (0: never; see ``native_prefill_tokens``).
+        self.native_prefill_max_tokens = (
+            native_prefill_tokens(pool.dtype, pool.head_dim)
+            if self.decode_kernel == "native"
+            else 0
+        )
 
     def begin_batch(self, batch: AttentionBatch) -> None:
         pool = self.pool
@@ -104,12 +123,17 @@ class TorchAttention(AttentionBackend):
         windows = sorted(set(self.sliding_windows))
         write_rows, self._prefills = [], []
         decode_ids = np.flatnonzero(qo_lens == 1)
+        native_prefills = []
+        native_limit = self.native_prefill_max_tokens if all(w <= 0 for w in windows) else 0
         for i in range(batch.batch_size):
             pages = batch.page_indices[batch.page_indptr[i] : batch.page_indptr[i + 1]]
             qo, kv = int(qo_lens[i]), int(kv_lens[i])
             pos = np.arange(kv - qo, kv)
             write_rows.append(pages[pos // s].astype(np.int64) * 2 * s + pos % s)
             if qo == 1:
+                continue
+            if qo <= native_limit:
+                native_prefills.append(i)
                 continue
             q0 = int(batch.qo_indptr[i])
             gather = pages[: -(-kv // s)].astype(np.int64) * 2
@@ -123,7 +147,7 @@ class TorchAttention(AttentionBackend):
         groups, plain = self._group_decodes(batch, decode_ids, windows)
         self._decodes, self._native = [], None
         if self.decode_kernel == "native":
-            self._native = self._plan_native(batch, groups, plain, windows)
+            self._native = self._plan_native(batch, groups, plain, windows, native_prefills)
         else:
             self._decodes = [
                 self._plan_decode(batch, ids, common, windows, device) for ids, common in groups
@@ -190,12 +214,15 @@ class TorchAttention(AttentionBackend):
         groups: list[tuple[np.ndarray, int]],
         plain: np.ndarray,
         windows: list[int],
+        prefills: list[int],
     ) -> Segments | None:
         """Segments for the native kernel: every decode request reads its own pages
         (after the shared ones for a cascade member); each cascade group's shared
         pages are one more segment holding all of the group's rows. A member's row is
-        thus in two segments with disjoint keys, and the kernel merges the two."""
-        if not len(plain) and not groups:
+        thus in two segments with disjoint keys, and the kernel merges the two. Each
+        request of ``prefills`` is a causal segment of its new tokens' rows over all
+        of its keys (cached prefix and chunk)."""
+        if not len(plain) and not groups and not prefills:
             return None
         s, h = self.pool.page_size, self.pool.num_kv_heads
         qrow = batch.qo_indptr
@@ -214,7 +241,13 @@ class TorchAttention(AttentionBackend):
             rows.append(qrow[ids])
             tables.append(table(int(ids[0]))[:common])
             kv.append(common * s)
-        return Segments.build(rows, tables, np.array(kv), windows, h)
+        causal = [False] * len(rows)
+        for i in prefills:
+            rows.append(np.arange(qrow[i], qrow[i + 1], dtype=np.int32))
+            tables.append(table(i)[: -(-int(batch.kv_lens[i]) // s)])
+            kv.append(int(batch.kv_lens[i]))
+            causal.append(True)
+        return Segments.build(rows, tables, np.array(kv), windows, h, causal)
 
     def _plan_decode(
         self,
