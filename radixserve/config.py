@@ -45,6 +45,9 @@ class ModelInfo:
     backend_name: str
     dtype: str
     dtype_reason: str
+    tp: int = 1  # tensor-parallel ranks (docs/parallel.md); the fields below are per rank
+    weight_bytes: int = 0  # rank 0's parameters
+    kv_bytes: int = 0  # rank 0's KV pool
 
     @classmethod
     def from_dict(cls, info: dict[str, Any]) -> ModelInfo:
@@ -73,6 +76,8 @@ class EngineConfig:
     warmup: bool = _W.warmup
     grammar_cache_size: int = _W.grammar_cache_size
     jump_forward: bool = _W.jump_forward
+    tp: int = _W.tp
+    dist_timeout: float = _W.dist_timeout
     # The scheduler (SchedulerConfig; page_size and max_running_requests above too;
     # the worker reads chunked_prefill_size for its warm-up).
     cache: str = _S.cache
