@@ -130,11 +130,20 @@ def scheduler_config(config: EngineConfig, info: ModelInfo) -> SchedulerConfig:
     return _derive(SchedulerConfig, config, **{n: getattr(info, n) for n in MODEL_FIELDS})
 
 
-def build_worker(config: EngineConfig, tokenizer: Any = None) -> ModelRunner:
+def build_worker(config: EngineConfig, tokenizer: Any = None, comm: Any = None) -> ModelRunner:
     """The worker's ``ModelRunner`` (loads the model; imports torch). ``tokenizer``:
-    the model's, if loaded already (structured output needs it)."""
+    the model's, if loaded already (structured output needs it). ``comm``: this
+    rank's tensor-parallel group (``worker/tp.py``), for a rank of a server. Without
+    it and with ``tp > 1`` (the in-process Engine): a ``WorkerGroup``, rank 0 here
+    and the other ranks as child processes, behind the same interface."""
     from radixserve.worker.model_runner import ModelRunner
 
+    if comm is not None:
+        return ModelRunner(worker_config(config), tokenizer, comm)
+    if config.tp > 1:
+        from radixserve.worker.tp import WorkerGroup
+
+        return WorkerGroup(config, tokenizer)  # type: ignore[return-value]
     return ModelRunner(worker_config(config), tokenizer)
 
 
