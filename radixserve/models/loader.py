@@ -3,7 +3,8 @@
 Weights come from safetensors (one file or sharded with an index) or from a
 GGUF file (``gguf_loader.py``); the config always comes from transformers.
 A tensor-parallel rank (``comm``) builds its shard and reads only its slices of
-the safetensors (``weights.py``); a GGUF file is dequantized whole and sliced.
+the safetensors (``weights.py``) and its slices of a GGUF file's tensors, each
+dequantized when read (``gguf_loader.GGUFWeights``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from radixserve.models.checkpoint import text_weights
 from radixserve.models.config import ModelConfig
 from radixserve.models.decoder import CausalLM
 from radixserve.models.source import ModelSource
-from radixserve.models.weights import Renamed, SafetensorsReader, TensorDict, WeightReader
+from radixserve.models.weights import Renamed, SafetensorsReader, WeightReader
 
 DTYPES = {
     "float32": torch.float32,
@@ -80,10 +81,9 @@ def load_model(
     model = CausalLM(cfg, dtype, torch.device(device), comm)  # refuses an unsplittable model
     reader: WeightReader
     if source.gguf_file:
-        from radixserve.models.gguf_loader import read_gguf_weights
+        from radixserve.models.gguf_loader import GGUFWeights
 
-        path = source.folder / source.gguf_file
-        reader = TensorDict(read_gguf_weights(path, cfg.num_heads, cfg.num_kv_heads))
+        reader = GGUFWeights(source.folder / source.gguf_file, cfg.num_heads, cfg.num_kv_heads)
     else:
         reader = SafetensorsReader(source.folder)
     names = {k.removeprefix("_orig_mod."): k for k in reader.names()}
