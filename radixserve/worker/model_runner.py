@@ -72,7 +72,10 @@ class ModelRunner:
         is loaded on the first structured-output request). ``comm``: this rank's
         tensor-parallel group (``worker/tp.py``), with ``config.tp`` ranks."""
         if comm.size != config.tp:
-            raise ValueError(f"a group of {comm.size} ranks for a config with tp={config.tp}")
+            raise ValueError(
+                f"tp={config.tp} needs a group of {config.tp} ranks, got {comm.size} (build the "
+                "worker with config.build_worker, which starts the ranks: docs/parallel.md)"
+            )
         self.config = config
         self.comm = comm
         self.leader = comm.rank == 0

@@ -132,8 +132,8 @@ class WorkerGroup:
     starts them). Its ``step``, ``forward_logits`` and ``info`` are the
     ``ModelRunner``'s; ``close`` stops the followers and leaves the group.
 
-    This process joins the group, so it runs ``cores // tp`` torch threads from then on,
-    and holds one group at a time.
+    This process joins the group, so it runs ``cores // tp`` torch threads until
+    ``close`` (which restores its count), and holds one group at a time.
     """
 
     def __init__(self, config: EngineConfig, tokenizer: Any = None, timed: bool = False) -> None:
@@ -147,6 +147,7 @@ class WorkerGroup:
         self.procs: list[subprocess.Popen] = []
         self.follower_info: list[dict[str, Any]] = []
         self._joined = False
+        self._threads = torch.get_num_threads()  # init_group sets this process's share
         try:
             self.control = self.ctx.socket(zmq.PULL)
             self.control.setsockopt(zmq.LINGER, 0)
@@ -224,6 +225,7 @@ class WorkerGroup:
         if self._joined:
             close_group()
             self._joined = False
+            torch.set_num_threads(self._threads)
         if not self.ctx.closed:
             self.ctx.destroy(linger=0)
         shutil.rmtree(self.run_dir, ignore_errors=True)
