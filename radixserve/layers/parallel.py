@@ -13,6 +13,10 @@ collectives over a ``torch.distributed`` process group (gloo on the CPU, NCCL on
 CUDA: ``worker/tp.py`` builds it). Tests simulate ranks with threads through the
 same interface (``tests/helpers/tp.py``).
 
+The sharded layers (``RowParallelLinear``, ``VocabParallelEmbedding``,
+``ParallelLMHead``) sit below; a column-parallel layer needs no class of its own
+(a plain ``Linear`` over the rank's output rows).
+
 Every collective is timed when ``timed`` is set (``bench/worker.py --tp``): on CUDA
 the clock waits for the stream, so only benchmarks turn it on.
 """

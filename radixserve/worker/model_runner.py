@@ -82,7 +82,7 @@ class ModelRunner:
         if config.malloc_tuning:
             tune_malloc()
         self._device = torch.device(config.device)
-        if comm.size > 1 and self._device.type == "cuda" and self._device.index is None:
+        if comm.size > 1 and self._device.type == "cuda":
             self._device = torch.device("cuda", comm.rank)  # one device per rank
         source = resolve_model(config.model, config.cache_dir)
         hf_config = None

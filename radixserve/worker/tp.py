@@ -49,6 +49,7 @@ log = logging.getLogger("radixserve.worker")
 STORE_FILE = "tp-store"
 POLL_MS = 500  # how often an idle follower checks that it should go on
 STOP_GRACE_S = 5.0  # how long a follower may take to exit before it is killed
+LOOPBACK_IFNAME = "lo"  # Linux's loopback interface
 
 
 def follower_socket(rank: int) -> str:
@@ -72,6 +73,11 @@ def init_group(config: WorkerConfig, rank: int, run_dir: str, timed: bool = Fals
 
     if dist.is_initialized():
         raise RuntimeError("this process is already in a torch.distributed group")
+    # All ranks are on this machine: keep the collectives' sockets on loopback rather
+    # than on whatever address the hostname resolves to (they are not authenticated).
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_IFNAME)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_IFNAME)
     if torch.device(config.device).type == "cuda":
         backend = "nccl"
         torch.cuda.set_device(rank)

@@ -33,12 +33,14 @@ def char_dir(tmp_path_factory):
 
 
 def _run(folder, **kw):
-    """Greedy with logprobs, then a regex-constrained request, then the same prompts again
-    (cached): (token ids, logprobs, constrained text)."""
+    """Greedy with logprobs, then seeded sampling and a regex-constrained request, then the
+    greedy prompts again (cached): (token ids, logprobs, constrained text, cached tokens)."""
     eng = Engine(str(folder), dtype="float64", warmup=False, num_pages=1024, **kw)
     try:
         plain = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
         first = eng.generate(PROMPTS, plain)
+        seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=7, n=2)
+        first += eng.generate(PROMPTS[0], seeded)
         constrained = SamplingParams(
             max_tokens=40, temperature=0.0, structured=StructuredOutput.regex(REGEX)
         )
@@ -48,7 +50,7 @@ def _run(folder, **kw):
     finally:
         eng.close()
     ids = [r.token_ids for r in first + again]
-    lps = np.array([[t.logprob for t in r.logprobs] for r in first + again])
+    lps = np.array([[t.logprob for t in r.logprobs] for r in first[:3] + again])
     return ids, lps, regex.text, again[0].usage.cached_tokens
 
 
