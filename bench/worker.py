@@ -24,7 +24,8 @@ over the first one. Prefill runs at the first level.
 ``--tp 1,2`` compares tensor-parallel rank counts instead of transformers: one
 runner per count (rank 0 in this process, the other ranks as processes: the
 Engine's ``WorkerGroup``), the counts taking turns in every round, each run with
-its ranks' share of the cores (``cores // tp`` threads), with the share of rank
+its ranks' share of the cores (``cores // tp`` threads; ``--threads N``: N threads
+per rank at every count, to compare at equal threads per rank), with the share of rank
 0's step time spent inside collectives (all-reduces and the logits gather,
 waiting for the slower rank included).
 
@@ -238,7 +239,7 @@ def tp_main(args, tps: list[int]) -> None:
     config = EngineConfig(model=args.model, dtype=args.dtype, cache_dir=args.cache_dir,
                           page_size=args.page_size, num_pages=pages,
                           max_running_requests=max(max_b, 1), decode_kernel=args.decode_kernel,
-                          warmup=False)  # fmt: skip
+                          warmup=False, threads=args.threads or 0)  # fmt: skip
     runners, comms = [], []
     for tp in tps:
         if tp == 1:
@@ -252,7 +253,8 @@ def tp_main(args, tps: list[int]) -> None:
             comms.append(group.runner.comm)
     print(f"model {runners[0].model_name}, dtype {args.dtype}, page_size {args.page_size}, "
           f"tp {', '.join(map(str, tps))}, threads per rank "
-          f"{', '.join(str(threads_per_rank(t)) for t in tps)}, weights per rank (MiB) "
+          f"{', '.join(str(args.threads or threads_per_rank(t)) for t in tps)}, weights per "
+          "rank (MiB) "
           f"{', '.join(f'{r.weight_bytes / 2**20:.1f}' for r in runners)}")  # fmt: skip
     rows = []
     jobs = [(f"prefill {n} tok (ms)", lambda r, n=n: ours_prefill(r, n), args.prefill_rounds, 1)
@@ -261,7 +263,7 @@ def tp_main(args, tps: list[int]) -> None:
               lambda r, b=b: ours_decode(r, b, args.context), args.rounds, args.steps)
              for b in args.batches]  # fmt: skip
     for name, make, rounds, steps in jobs:
-        streams = [with_tp(make(r), c, threads_per_rank(t))
+        streams = [with_tp(make(r), c, args.threads or threads_per_rank(t))
                    for r, c, t in zip(runners, comms, tps)]  # fmt: skip
         times: list[list[float]] = [[] for _ in tps]
         shares: list[list[float]] = [[] for _ in tps]

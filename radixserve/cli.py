@@ -305,6 +305,13 @@ def build_parser() -> argparse.ArgumentParser:
         "CPU, NCCL on CUDA, one device each); --kv-memory is then per rank",
     )
     tp.add_argument(
+        "--threads",
+        type=_non_negative,
+        default=d.threads,
+        help="torch CPU threads per worker rank; 0: torch's default with one rank, "
+        "cores // --tp with several",
+    )
+    tp.add_argument(
         "--dist-timeout",
         type=_seconds,
         default=d.dist_timeout,

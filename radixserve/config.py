@@ -78,6 +78,7 @@ class EngineConfig:
     jump_forward: bool = _W.jump_forward
     tp: int = _W.tp
     dist_timeout: float = _W.dist_timeout
+    threads: int = _W.threads
     # The scheduler (SchedulerConfig; page_size and max_running_requests above too;
     # the worker reads chunked_prefill_size for its warm-up).
     cache: str = _S.cache

@@ -40,6 +40,9 @@ class WorkerConfig:
     (``kv_memory``) is then per rank.
     dist_timeout: seconds a tensor-parallel collective (or the group's start) may
     take before the rank fails.
+    threads: torch CPU threads of each worker rank (the native kernels' OpenMP
+    regions use as many); 0: torch's default with one rank, ``cores // tp`` with
+    several.
     """
 
     model: str | None = "smollm2"
@@ -60,6 +63,7 @@ class WorkerConfig:
     jump_forward: bool = True
     tp: int = 1
     dist_timeout: float = 120.0
+    threads: int = 0
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -76,6 +80,8 @@ class WorkerConfig:
             raise ValueError(f"grammar_cache_size must be >= 0, got {self.grammar_cache_size}")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads}")
         if self.dist_timeout <= 0:
             raise ValueError(f"dist_timeout must be > 0 seconds, got {self.dist_timeout}")
         if self.max_running_requests < 1:

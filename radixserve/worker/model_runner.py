@@ -81,6 +81,8 @@ class ModelRunner:
         self.leader = comm.rank == 0
         if config.malloc_tuning:
             tune_malloc()
+        if config.threads and comm.size == 1:  # a rank of a group got its threads on joining
+            torch.set_num_threads(config.threads)
         self._device = torch.device(config.device)
         if comm.size > 1 and self._device.type == "cuda":
             self._device = torch.device("cuda", comm.rank)  # one device per rank

@@ -83,7 +83,7 @@ def init_group(config: WorkerConfig, rank: int, run_dir: str, timed: bool = Fals
         torch.cuda.set_device(rank)
     else:
         backend = "gloo"
-        torch.set_num_threads(threads_per_rank(config.tp))
+        torch.set_num_threads(config.threads or threads_per_rank(config.tp))
     dist.init_process_group(
         backend,
         init_method="file://" + os.path.join(run_dir, STORE_FILE),
