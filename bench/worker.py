@@ -21,6 +21,14 @@ the same runner (the bench switches ``cpu_kernels.ISA`` between them), so the
 levels are compared within one run, and the table adds each level's speedup
 over the first one. Prefill runs at the first level.
 
+``--tp 1,2`` compares tensor-parallel rank counts instead of transformers: one
+runner per count (rank 0 in this process, the other ranks as processes: the
+Engine's ``WorkerGroup``), the counts taking turns in every round, each run with
+its ranks' share of the cores (``cores // tp`` threads; ``--threads N``: N threads
+per rank at every count, to compare at equal threads per rank), with the share of rank
+0's step time spent inside collectives (all-reduces and the logits gather,
+waiting for the slower rank included).
+
 ``--model-config FAMILY`` (qwen3, mixtral, qwen3_moe, phi3) builds a random model of
 about 100M parameters of that family with transformers' own config class, saves it
 to a temporary folder and benchmarks it instead of ``--model``.
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -208,6 +217,83 @@ def interleaved(ours, theirs, rounds: int, steps: int) -> tuple[float, float, fl
     return float(np.median(a)), float(np.median(b)), ratios[len(ratios) // 2]
 
 
+def with_tp(stream, comm, threads: int):
+    """The same step stream at ``threads`` torch threads, each step's time with the share
+    of it spent in ``comm``'s collectives (0 without one)."""
+    while True:
+        torch.set_num_threads(threads)
+        before = comm.stats.seconds if comm is not None else 0.0
+        dt = next(stream)
+        spent = comm.stats.seconds - before if comm is not None else 0.0
+        yield dt, spent / dt
+
+
+def tp_main(args, tps: list[int]) -> None:
+    """Step times at each tensor-parallel rank count in ``tps``, side by side."""
+    from radixserve.config import EngineConfig
+    from radixserve.worker.tp import WorkerGroup, threads_per_rank
+
+    max_b = max(args.batches, default=1)
+    tokens = max(max(args.prefill, default=1), max_b * (args.context + MAX_STEPS + 2))
+    pages = -(-tokens // args.page_size) + max_b
+    config = EngineConfig(model=args.model, dtype=args.dtype, cache_dir=args.cache_dir,
+                          page_size=args.page_size, num_pages=pages,
+                          max_running_requests=max(max_b, 1), decode_kernel=args.decode_kernel,
+                          warmup=False, threads=args.threads or 0)  # fmt: skip
+    runners, comms = [], []
+    for tp in tps:
+        if tp == 1:
+            from radixserve.config import worker_config
+
+            runners.append(ModelRunner(worker_config(config)))
+            comms.append(None)
+        else:
+            group = WorkerGroup(replace(config, tp=tp), timed=True)
+            runners.append(group)
+            comms.append(group.runner.comm)
+    print(f"model {runners[0].model_name}, dtype {args.dtype}, page_size {args.page_size}, "
+          f"tp {', '.join(map(str, tps))}, threads per rank "
+          f"{', '.join(str(args.threads or threads_per_rank(t)) for t in tps)}, weights per "
+          "rank (MiB) "
+          f"{', '.join(f'{r.weight_bytes / 2**20:.1f}' for r in runners)}")  # fmt: skip
+    rows = []
+    jobs = [(f"prefill {n} tok (ms)", lambda r, n=n: ours_prefill(r, n), args.prefill_rounds, 1)
+            for n in args.prefill]  # fmt: skip
+    jobs += [(f"decode b={b} ctx={args.context} (ms/step)",
+              lambda r, b=b: ours_decode(r, b, args.context), args.rounds, args.steps)
+             for b in args.batches]  # fmt: skip
+    for name, make, rounds, steps in jobs:
+        streams = [with_tp(make(r), c, args.threads or threads_per_rank(t))
+                   for r, c, t in zip(runners, comms, tps)]  # fmt: skip
+        times: list[list[float]] = [[] for _ in tps]
+        shares: list[list[float]] = [[] for _ in tps]
+        for _ in range(rounds):
+            for i, stream in enumerate(streams):
+                dt, share = min(next(stream) for _ in range(steps))
+                times[i].append(dt)
+                shares[i].append(share)
+        for stream in streams:
+            stream.close()
+        speedups = [float(np.median([a / b for a, b in zip(times[0], t)])) for t in times]
+        rows.append((name, [float(np.median(t)) for t in times], speedups,
+                     [float(np.median(x)) for x in shares]))  # fmt: skip
+    for r in runners:
+        if hasattr(r, "close"):
+            r.close()
+    head = " | ".join(f"tp={t}" for t in tps)
+    print(f"\n| metric | {head} | " + " | ".join(f"tp={t} collectives" for t in tps[1:]) + " |")
+    print("|---" * (1 + 2 * len(tps) - 1) + "|")
+    for name, med, speedups, shares in rows:
+        cells = [f"{m * 1e3:.1f}" + (f" ({s:.2f}x)" if i else "")
+                 for i, (m, s) in enumerate(zip(med, speedups))]  # fmt: skip
+        share_cells = [f"{x:.0%}" for x in shares[1:]]
+        print(f"| {name} | " + " | ".join(cells + share_cells) + " |")
+    print(
+        f"\n(speedup over tp={tps[0]}: median of per-round ratios; collectives: the median "
+        "share of rank 0's step spent in all-reduces and the logits gather)"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
@@ -233,7 +319,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--isa", default="auto", help="CPU kernel levels, e.g. avx2,avx512 "
                     "(default: the best this CPU runs)")  # fmt: skip
+    ap.add_argument("--tp", type=ints, default=None,
+                    help="compare tensor-parallel rank counts, e.g. 1,2 (no transformers)")  # fmt: skip
     args = ap.parse_args()
+    if args.tp:
+        if args.model_config:
+            import tempfile
+
+            args.model = random_model(args.model_config, tempfile.mkdtemp(prefix="rs-bench-"))
+        return tp_main(args, args.tp)
     isas = [cpu_kernels.resolve_isa(i) for i in args.isa.split(",") if i] or [cpu_kernels.ISA]
     cpu_kernels.ISA = isas[0]
     if args.threads:

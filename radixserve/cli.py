@@ -296,6 +296,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.malloc_tuning,
         help="fix glibc's malloc policy in the worker so step buffers stay mapped",
     )
+    tp = p.add_argument_group("tensor parallelism (docs/parallel.md)")
+    tp.add_argument(
+        "--tp",
+        type=_positive,
+        default=d.tp,
+        help="tensor-parallel ranks: the model split over N worker processes (gloo on the "
+        "CPU, NCCL on CUDA, one device each); --kv-memory is then per rank",
+    )
+    tp.add_argument(
+        "--threads",
+        type=_non_negative,
+        default=d.threads,
+        help="torch CPU threads per worker rank; 0: torch's default with one rank, "
+        "cores // --tp with several",
+    )
+    tp.add_argument(
+        "--dist-timeout",
+        type=_seconds,
+        default=d.dist_timeout,
+        help="seconds a tensor-parallel collective may take before its rank fails (and "
+        "the server with it)",
+    )
     p.add_argument(
         "--watchdog-timeout",
         type=_seconds,

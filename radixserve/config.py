@@ -45,6 +45,9 @@ class ModelInfo:
     backend_name: str
     dtype: str
     dtype_reason: str
+    tp: int = 1  # tensor-parallel ranks (docs/parallel.md); the fields below are per rank
+    weight_bytes: int = 0  # rank 0's parameters
+    kv_bytes: int = 0  # rank 0's KV pool
 
     @classmethod
     def from_dict(cls, info: dict[str, Any]) -> ModelInfo:
@@ -73,6 +76,9 @@ class EngineConfig:
     warmup: bool = _W.warmup
     grammar_cache_size: int = _W.grammar_cache_size
     jump_forward: bool = _W.jump_forward
+    tp: int = _W.tp
+    dist_timeout: float = _W.dist_timeout
+    threads: int = _W.threads
     # The scheduler (SchedulerConfig; page_size and max_running_requests above too;
     # the worker reads chunked_prefill_size for its warm-up).
     cache: str = _S.cache
@@ -125,11 +131,20 @@ def scheduler_config(config: EngineConfig, info: ModelInfo) -> SchedulerConfig:
     return _derive(SchedulerConfig, config, **{n: getattr(info, n) for n in MODEL_FIELDS})
 
 
-def build_worker(config: EngineConfig, tokenizer: Any = None) -> ModelRunner:
+def build_worker(config: EngineConfig, tokenizer: Any = None, comm: Any = None) -> ModelRunner:
     """The worker's ``ModelRunner`` (loads the model; imports torch). ``tokenizer``:
-    the model's, if loaded already (structured output needs it)."""
+    the model's, if loaded already (structured output needs it). ``comm``: this
+    rank's tensor-parallel group (``worker/tp.py``), for a rank of a server. Without
+    it and with ``tp > 1`` (the in-process Engine): a ``WorkerGroup``, rank 0 here
+    and the other ranks as child processes, behind the same interface."""
     from radixserve.worker.model_runner import ModelRunner
 
+    if comm is not None:
+        return ModelRunner(worker_config(config), tokenizer, comm)
+    if config.tp > 1:
+        from radixserve.worker.tp import WorkerGroup
+
+        return WorkerGroup(config, tokenizer)  # type: ignore[return-value]
     return ModelRunner(worker_config(config), tokenizer)
 
 

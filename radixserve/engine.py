@@ -106,6 +106,9 @@ class Engine:
         self.scheduler.check_idle()
 
     def close(self) -> None:
+        """Release the worker (with ``tp > 1``: stop its other ranks' processes)."""
+        if self.runner is not None and hasattr(self.runner, "close"):
+            self.runner.close()
         self.runner = None  # type: ignore[assignment]
         self.scheduler = None  # type: ignore[assignment]
 

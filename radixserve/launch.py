@@ -1,7 +1,9 @@
 """Start the server processes, wait until each is ready, stop them together.
 
 Start order: the worker first (it loads the model and reports the facts the
-others size themselves by: page count, context length, vocabulary, EOS ids),
+others size themselves by: page count, context length, vocabulary, EOS ids;
+with ``--tp N``, N worker ranks, ``worker`` and ``worker1`` .. ``worker<N-1>``,
+each its own child: docs/parallel.md),
 then the scheduler and the tokenizer together, then (with ``--http-port``) the
 HTTP front, a client of the tokenizer. Children run as
 ``python -m radixserve.<process>.process <config json>`` with this package's
@@ -83,6 +85,7 @@ class Launcher:
         self.control.setsockopt(zmq.LINGER, 0)
         self.control.bind(self.config.endpoint(CONTROL))
         self.children: dict[str, subprocess.Popen] = {}
+        self.rank_infos: list[dict] = []  # the worker ranks above 0: their Ready info
         self.signalled: int | None = None
         self.endpoint = ""
         self.http_url = ""
@@ -90,9 +93,12 @@ class Launcher:
     # ----------------------------------------------------------------- start
     def start(self) -> None:
         """Start them all; raise LaunchError if one dies (or a signal arrives) first."""
-        self._spawn("worker")
-        info = self._wait_ready({"worker"})["worker"]
-        self.config = self.config.with_model(info)
+        ranks = self.worker_ranks()
+        for rank, name in enumerate(ranks):
+            self._spawn(name, rank)
+        infos = self._wait_ready(set(ranks))
+        self.rank_infos = [infos[name] for name in ranks[1:]]
+        self.config = self.config.with_model(infos["worker"])
         self._spawn("scheduler")
         self._spawn("tokenizer")
         ready = self._wait_ready({"scheduler", "tokenizer"})
@@ -101,19 +107,33 @@ class Launcher:
             self._spawn("http")
             self.http_url = self._wait_ready({"http"})["http"]["url"]
 
+    def worker_ranks(self) -> list[str]:
+        """The worker processes' names, rank 0 first."""
+        return ["worker"] + [f"worker{r}" for r in range(1, self.config.engine.tp)]
+
     def summary(self) -> str:
         m, e = self.config.model, self.config.engine
         assert m is not None
         return (
             f"model={m.model_name} pages={m.num_pages} page_size={m.page_size} "
             f"context={m.max_context_len} backend={m.backend_name} dtype={m.dtype} "
-            f"cache={e.cache} ({m.dtype_reason})"
+            f"cache={e.cache} {self.memory_summary()} ({m.dtype_reason})"
         )
+
+    def memory_summary(self) -> str:
+        """The tensor-parallel ranks and each rank's weights and KV pool, in MiB."""
+        m = self.config.model
+        assert m is not None
+        ranks = [(m.weight_bytes, m.kv_bytes)]
+        ranks += [(i["weight_bytes"], i["kv_bytes"]) for i in self.rank_infos]
+        weights = ",".join(f"{w / (1 << 20):.1f}" for w, _ in ranks)
+        kv = ",".join(f"{k / (1 << 20):.1f}" for _, k in ranks)
+        return f"tp={len(ranks)} weights_mib={weights} kv_mib={kv}"
 
     def pids(self) -> dict[str, int]:
         return {name: p.pid for name, p in self.children.items()}
 
-    def _spawn(self, name: str) -> None:
+    def _spawn(self, name: str, rank: int = 0) -> None:
         env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, ADMIN_KEY_ENV)}
         # Secrets go by environment, never on a command line, and only where they are used.
         if name == "http":
@@ -122,7 +142,10 @@ class Launcher:
             env[ADMIN_KEY_ENV] = self.http_keys.admin_key
         root = os.path.dirname(os.path.dirname(os.path.abspath(radixserve.__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        cmd = [sys.executable, "-m", MODULES[name], self.config.to_json()]
+        module = MODULES["worker" if name.startswith("worker") else name]
+        cmd = [sys.executable, "-m", module, self.config.to_json()]
+        if rank:
+            cmd.append(str(rank))
         self.children[name] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
 
     def _wait_ready(self, names: set[str]) -> dict[str, dict]:
@@ -166,9 +189,13 @@ class Launcher:
                 return 1
             dead = self.dead_child()
             if dead is not None:
-                name, rc = dead
-                log.error("the %s process exited (code %s): stopping the server", name, rc)
-                self.stop(f"the server stopped: its {name} process exited (code {rc})")
+                # Name every child found dead: with --tp, one rank's death makes the
+                # others' collectives fail, and the first to go may not be first in order.
+                time.sleep(0.1)
+                gone = [(n, p.returncode) for n, p in self.children.items() if p.poll() is not None]
+                what = ", ".join(f"{n} process exited (code {rc})" for n, rc in gone)
+                log.error("the %s: stopping the server", what)
+                self.stop(f"the server stopped: its {what}")
                 return 1
             time.sleep(0.1)
 

@@ -19,8 +19,10 @@ from torch.nn import functional as F
 
 from radixserve.layers.attention import LayerAttention
 from radixserve.layers.linear import Linear
+from radixserve.layers.parallel import SINGLE, Comm, RowParallelLinear
 from radixserve.models.config import ModelConfig
 from radixserve.models.rope import apply_rotary
+from radixserve.models.sharding import Shard, head_shard
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -62,17 +64,21 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
 
 class Attention(nn.Module):
     """Fused q/k/v projection, optional per-head q/k RMSNorm (Qwen3), rotary, paged
-    attention, output projection."""
+    attention, output projection.
 
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    Over several ranks (``comm``) this rank computes its heads only
+    (``sharding.head_shard``) and ``o_proj`` sums the ranks' outputs."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, comm: Comm = SINGLE) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        heads = head_shard(cfg, Shard(comm.rank, comm.size))
+        self.num_heads, self.num_kv_heads = heads.q_heads, heads.kv_heads
         self.head_dim = cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.sizes = (q_size, kv_size, kv_size)
         self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, cfg.o_bias, comm)
         # Qwen3 and Gemma 3 normalise each q and k head over head_dim before rotary.
         self.q_norm = rms_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = rms_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
@@ -106,14 +112,15 @@ ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximat
 
 class MLP(nn.Module):
     """SwiGLU ``down(silu(gate(x)) * up(x))``, or GeGLU (tanh-approximated GELU), with
-    gate and up as one matrix."""
+    gate and up as one matrix; over several ranks each holds a block of the
+    intermediate features and ``down_proj`` sums the ranks' outputs."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Comm = SINGLE) -> None:
         super().__init__()
         self.act = ACTIVATIONS[cfg.activation]
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.intermediate = cfg.intermediate_size // comm.size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(self.intermediate, cfg.hidden_size, cfg.mlp_bias, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)

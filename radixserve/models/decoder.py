@@ -22,25 +22,27 @@ import torch
 from torch import nn
 
 from radixserve.layers.attention import LayerAttention
-from radixserve.layers.linear import Linear
+from radixserve.layers.parallel import SINGLE, Comm, ParallelLMHead, VocabParallelEmbedding
 from radixserve.models.blocks import MLP, Attention, rms_norm, softcap
 from radixserve.models.checkpoint import checkpoint_sources
 from radixserve.models.config import ModelConfig
 from radixserve.models.moe import SparseMoeBlock
 from radixserve.models.rope import RotaryEmbedding
+from radixserve.models.sharding import Shard, check_tp, shard_sources, vocab_shard
+from radixserve.models.weights import WeightReader, as_reader
 
 
 class DecoderLayer(nn.Module):
     """``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (transformers' names: the second
     norm is ``post_attention_layernorm``)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, comm: Comm = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = rms_norm(cfg, cfg.hidden_size)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, comm)
         self.post_attention_layernorm = rms_norm(cfg, cfg.hidden_size)
         sparse = cfg.moe is not None and cfg.moe.sparse_layers[layer]
-        self.mlp: nn.Module = SparseMoeBlock(cfg) if sparse else MLP(cfg)
+        self.mlp: nn.Module = SparseMoeBlock(cfg, comm) if sparse else MLP(cfg, comm)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: LayerAttention
@@ -54,13 +56,13 @@ class SandwichDecoderLayer(nn.Module):
     ``x + post_attention_layernorm(attn(input_layernorm(x)))``, then
     ``x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))``."""
 
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, comm: Comm = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = rms_norm(cfg, cfg.hidden_size)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, comm)
         self.post_attention_layernorm = rms_norm(cfg, cfg.hidden_size)
         self.pre_feedforward_layernorm = rms_norm(cfg, cfg.hidden_size)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, comm)
         self.post_feedforward_layernorm = rms_norm(cfg, cfg.hidden_size)
 
     def forward(
@@ -76,17 +78,26 @@ class CausalLM(nn.Module):
 
     Parameters are allocated uninitialised (no random init: it would cost more
     than loading); call ``load_weights`` before ``forward``.
+
+    With ``comm`` of several ranks the model is this rank's shard
+    (``sharding.py``): its parameters hold only this rank's slices, and
+    ``forward`` returns the logits on rank 0 only (``None`` elsewhere).
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, comm: Comm = SINGLE
+    ) -> None:
         super().__init__()
+        check_tp(cfg, comm.size)
         self.cfg = cfg
+        self.shard = Shard(comm.rank, comm.size)
         layer_type = SandwichDecoderLayer if cfg.sandwich_norms else DecoderLayer
+        start, rows = vocab_shard(cfg.vocab_size, self.shard)
         with torch.device("meta"):
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-            self.layers = nn.ModuleList(layer_type(cfg, i) for i in range(cfg.num_layers))
+            self.embed_tokens = VocabParallelEmbedding(rows, cfg.hidden_size, start, comm)
+            self.layers = nn.ModuleList(layer_type(cfg, i, comm) for i in range(cfg.num_layers))
             self.norm = rms_norm(cfg, cfg.hidden_size)
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(cfg.hidden_size, rows, cfg.vocab_size, comm)
         self.to_empty(device=device)
         self.to(dtype=dtype)
         # Gemma scales embeddings by sqrt(hidden) rounded to the model dtype, as transformers.
@@ -111,8 +122,9 @@ class CausalLM(nn.Module):
         max_position: int,
         backend: LayerAttention,
         logits_index: torch.Tensor,
-    ) -> torch.Tensor:
-        """Logits [len(logits_index), vocab] for the selected rows of the flat batch.
+    ) -> torch.Tensor | None:
+        """Logits [len(logits_index), vocab] for the selected rows of the flat batch
+        (``None`` on a tensor-parallel rank other than 0).
 
         ``input_ids`` and ``positions`` are [T]; ``backend.begin_batch`` must
         already describe this batch. Only the selected rows go through the final
@@ -128,29 +140,43 @@ class CausalLM(nn.Module):
         for layer, window in zip(self.layers, self.cfg.sliding_windows, strict=True):
             cos, sin = local if window > 0 else full
             h = layer(h, cos, sin, backend)
-        return softcap(self.lm_head(self.norm(h[logits_index])), self.cfg.final_softcap)
+        logits = self.lm_head(self.norm(h[logits_index]))
+        return None if logits is None else softcap(logits, self.cfg.final_softcap)
 
-    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Copy weights given under transformers' names (``model.layers.0.self_attn.q_proj.weight``).
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's parameters (a tied LM head counted once)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | WeightReader) -> None:
+        """Copy weights given under transformers' names (``model.layers.0.self_attn.q_proj.weight``):
+        a mapping of tensors, or a reader (``weights.py``) from which only this
+        rank's slices are read.
 
         Raises KeyError naming every missing tensor, and ValueError on a shape mismatch.
         """
         cfg = self.cfg
+        reader = as_reader(weights)
         tied = cfg.tie_word_embeddings
         sources = checkpoint_sources(cfg)
         if tied:
             del sources["lm_head.weight"]
+        names = set(reader.names())
         needed = [n for src in sources.values() for group in src for n in group]
-        missing = [n for n in needed if n not in weights]
+        missing = [n for n in needed if n not in names]
         if missing:
             raise KeyError(f"checkpoint is missing {len(missing)} tensor(s): {missing[:8]}")
         params = dict(self.named_parameters())
         with torch.no_grad():
-            for name, groups in sources.items():
+            for name, groups in shard_sources(cfg, self.shard, sources).items():
                 param = params[name]
-                parts = [torch.cat([weights[n] for n in g]) for g in groups]
+                parts = [torch.cat([reader.read(p) for p in g]) for g in groups]
                 # One group per parameter, except stacked experts: one group per expert.
                 src = parts[0] if parts[0].dim() == param.dim() else torch.stack(parts)
+                if src.shape[0] < param.shape[0] and name.endswith(
+                    ("embed_tokens.weight", "lm_head.weight")
+                ):
+                    param[src.shape[0] :].zero_()  # the last rank's vocabulary padding
+                    param = param[: src.shape[0]]
                 if tuple(src.shape) != tuple(param.shape):
                     raise ValueError(
                         f"shape mismatch for {groups[0]}: {tuple(src.shape)} vs {tuple(param.shape)}"

@@ -26,11 +26,14 @@ stacked tensor per projection (``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from radixserve.models.sharding import Piece
 
 #: GGUF architectures we can map, and whether their q/k are stored permuted.
 GGUF_ARCHITECTURES = {
@@ -116,41 +119,83 @@ def read_gguf_weights(
 
     Raises ValueError for an unsupported architecture or a tensor name we cannot map.
     """
-    import gguf
+    weights = GGUFWeights(path, num_heads, num_kv_heads)
+    return {name: weights.read(Piece(name)) for name in weights.names()}
 
-    reader = gguf.GGUFReader(str(path))
-    arch = str(reader.fields["general.architecture"].contents())
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r} in {path}; supported: {sorted(GGUF_ARCHITECTURES)}"
+
+class GGUFWeights:
+    """A GGUF file's tensors under transformers' names, each dequantized when it is read
+    (a ``models.weights.WeightReader``): a tensor-parallel rank then keeps only its
+    slice, so loading holds the shard plus the few tensors in flight, not the whole
+    float32 model. The last few dequantized tensors are kept, because a stacked
+    expert tensor is read once per expert.
+
+    Raises ValueError for an unsupported architecture or a tensor name we cannot map.
+    """
+
+    CACHED = 3  # gate, up and down of a stacked-expert layer
+
+    def __init__(self, path: str | Path, num_heads: int, num_kv_heads: int) -> None:
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+        arch = str(reader.fields["general.architecture"].contents())
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported GGUF architecture {arch!r} in {path}; "
+                f"supported: {sorted(GGUF_ARCHITECTURES)}"
+            )
+        self.permuted = GGUF_ARCHITECTURES[arch]
+        self.unit_offset = arch in _UNIT_OFFSET_NORMS
+        self.heads = {"self_attn.q_proj.weight": num_heads, "self_attn.k_proj.weight": num_kv_heads}
+        block_names = (
+            _GEMMA_BLOCK_NAMES if self.unit_offset else _BLOCK_NAMES_BY_ARCH.get(arch, _BLOCK_NAMES)
         )
-    permuted = GGUF_ARCHITECTURES[arch]
-    unit_offset = arch in _UNIT_OFFSET_NORMS
-    block_names = (
-        _GEMMA_BLOCK_NAMES if unit_offset else _BLOCK_NAMES_BY_ARCH.get(arch, _BLOCK_NAMES)
-    )
-    out: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        if t.name in _ROPE_FACTORS:
-            continue
+        # transformers' name -> (GGUF tensor, expert index within a stacked tensor or None)
+        self._index: dict[str, tuple[Any, int | None]] = {}
+        for t in reader.tensors:
+            if t.name in _ROPE_FACTORS:
+                continue
+            m = _BLOCK.match(t.name)
+            if m and m.group(2) in _STACKED_EXPERTS:
+                prefix = f"model.layers.{m.group(1)}.mlp.experts."
+                for e in range(int(t.shape[-1])):  # ggml order: experts last
+                    self._index[f"{prefix}{e}.{_STACKED_EXPERTS[m.group(2)]}.weight"] = (t, e)
+                continue
+            self._index[_hf_name(t.name, block_names)] = (t, None)
+        self._cache: dict[str, np.ndarray] = {}
+
+    def names(self) -> Iterable[str]:
+        return self._index.keys()
+
+    def read(self, piece: Piece) -> torch.Tensor:
+        t, expert = self._index[piece.name]
+        data = self._dequantized(t, piece.name)
+        if expert is not None:
+            data = data[expert]  # [experts, out, in]
+        if piece.dim is not None:
+            index = (slice(None),) * piece.dim + (slice(piece.start, piece.stop),)
+            data = data[index]
+        return torch.from_numpy(np.array(data, dtype=np.float32, order="C", copy=True))
+
+    def _dequantized(self, t: Any, name: str) -> np.ndarray:
+        """The whole tensor in float32 in transformers' layout (norm offsets removed,
+        llama's q/k rows un-permuted)."""
+        import gguf
+
+        if t.name in self._cache:
+            return self._cache[t.name]
         shape = tuple(int(x) for x in reversed(t.shape))  # ggml order is reversed
         data = np.asarray(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        m = _BLOCK.match(t.name)
-        if m and m.group(2) in _STACKED_EXPERTS:
-            prefix = f"model.layers.{m.group(1)}.mlp.experts."
-            for e, w in enumerate(data):  # [experts, out, in]
-                key = f"{prefix}{e}.{_STACKED_EXPERTS[m.group(2)]}.weight"
-                out[key] = torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
-            continue
-        name = _hf_name(t.name, block_names)
-        if unit_offset and t.name.endswith("norm.weight"):
+        if self.unit_offset and t.name.endswith("norm.weight"):
             data = data - 1.0
-        if permuted and name.endswith("self_attn.q_proj.weight"):
-            data = unpermute_rotary(data, num_heads)
-        elif permuted and name.endswith("self_attn.k_proj.weight"):
-            data = unpermute_rotary(data, num_kv_heads)
-        out[name] = torch.from_numpy(np.array(data, dtype=np.float32, order="C", copy=True))
-    return out
+        for suffix, n_heads in self.heads.items():
+            if self.permuted and name.endswith(suffix):
+                data = unpermute_rotary(data, n_heads)
+        if len(self._cache) >= self.CACHED:
+            del self._cache[next(iter(self._cache))]
+        self._cache[t.name] = data
+        return data
 
 
 def complete_config(hf_config: Any, path: str | Path) -> Any:

@@ -2,6 +2,9 @@
 
 Weights come from safetensors (one file or sharded with an index) or from a
 GGUF file (``gguf_loader.py``); the config always comes from transformers.
+A tensor-parallel rank (``comm``) builds its shard and reads only its slices of
+the safetensors (``weights.py``) and its slices of a GGUF file's tensors, each
+dequantized when read (``gguf_loader.GGUFWeights``).
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ from typing import Any
 
 import torch
 
+from radixserve.layers.parallel import SINGLE, Comm
 from radixserve.models.checkpoint import text_weights
 from radixserve.models.config import ModelConfig
 from radixserve.models.decoder import CausalLM
 from radixserve.models.source import ModelSource
+from radixserve.models.weights import Renamed, SafetensorsReader, WeightReader
 
 DTYPES = {
     "float32": torch.float32,
@@ -65,20 +70,22 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     hf_config: Any = None,
+    comm: Comm = SINGLE,
 ) -> tuple[CausalLM, Any]:
     """Build our model for ``source`` with its weights; returns (model, transformers config).
-    ``hf_config``: the source's transformers config when the caller has read it already."""
+    ``hf_config``: the source's transformers config when the caller has read it already.
+    ``comm``: the tensor-parallel group (the model is then this rank's shard)."""
     if hf_config is None:
         hf_config = load_hf_config(source)
     cfg = ModelConfig.from_hf(hf_config)
+    model = CausalLM(cfg, dtype, torch.device(device), comm)  # refuses an unsplittable model
+    reader: WeightReader
     if source.gguf_file:
-        from radixserve.models.gguf_loader import read_gguf_weights
+        from radixserve.models.gguf_loader import GGUFWeights
 
-        path = source.folder / source.gguf_file
-        weights = read_gguf_weights(path, cfg.num_heads, cfg.num_kv_heads)
+        reader = GGUFWeights(source.folder / source.gguf_file, cfg.num_heads, cfg.num_kv_heads)
     else:
-        weights = read_safetensors_folder(source.folder)
-    weights = text_weights(cfg, {k.removeprefix("_orig_mod."): v for k, v in weights.items()})
-    model = CausalLM(cfg, dtype, torch.device(device))
-    model.load_weights(weights)
+        reader = SafetensorsReader(source.folder)
+    names = {k.removeprefix("_orig_mod."): k for k in reader.names()}
+    model.load_weights(Renamed(reader, text_weights(cfg, names)))  # type: ignore[arg-type]
     return model, hf_config

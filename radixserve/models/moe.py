@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from radixserve.layers.linear import linear
+from radixserve.layers.parallel import SINGLE, Comm
 from radixserve.models.blocks import compute_dtype
 from radixserve.models.config import ModelConfig, MoEConfig
 
@@ -44,11 +45,13 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """``num_experts`` SwiGLU MLPs stacked: ``gate_up`` [E, 2I, hidden], ``down`` [E, hidden, I]."""
+    """``num_experts`` SwiGLU MLPs stacked: ``gate_up`` [E, 2I, hidden], ``down`` [E, hidden, I].
+    Over ``size`` ranks each holds ``I / size`` of every expert's features (the
+    caller sums the ranks' outputs)."""
 
-    def __init__(self, moe: MoEConfig, hidden_size: int) -> None:
+    def __init__(self, moe: MoEConfig, hidden_size: int, size: int = 1) -> None:
         super().__init__()
-        e, i = moe.num_experts, moe.intermediate_size
+        e, i = moe.num_experts, moe.intermediate_size // size
         self.intermediate = i
         self.gate_up = nn.Parameter(torch.empty(e, 2 * i, hidden_size))
         self.down = nn.Parameter(torch.empty(e, hidden_size, i))
@@ -77,11 +80,14 @@ class Experts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Router (replicated) and experts (each split over the ranks: one all-reduce)."""
+
+    def __init__(self, cfg: ModelConfig, comm: Comm = SINGLE) -> None:
         super().__init__()
         assert cfg.moe is not None
         self.router = Router(cfg.moe, cfg.hidden_size)
-        self.experts = Experts(cfg.moe, cfg.hidden_size)
+        self.experts = Experts(cfg.moe, cfg.hidden_size, comm.size)
+        self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, *self.router(x))
+        return self.comm.all_reduce(self.experts(x, *self.router(x)))

@@ -36,6 +36,13 @@ class WorkerConfig:
     them (an LRU; docs/structured.md).
     jump_forward: append the tokens a grammar forces without sampling them one
     by one (docs/structured.md).
+    tp: tensor-parallel ranks, one process each (docs/parallel.md); the KV budget
+    (``kv_memory``) is then per rank.
+    dist_timeout: seconds a tensor-parallel collective (or the group's start) may
+    take before the rank fails.
+    threads: torch CPU threads of each worker rank (the native kernels' OpenMP
+    regions use as many); 0: torch's default with one rank, ``cores // tp`` with
+    several.
     """
 
     model: str | None = "smollm2"
@@ -54,6 +61,9 @@ class WorkerConfig:
     chunked_prefill_size: int = 2048  # the scheduler's (SchedulerConfig), read for the warm-up
     grammar_cache_size: int = 64
     jump_forward: bool = True
+    tp: int = 1
+    dist_timeout: float = 120.0
+    threads: int = 0
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -68,5 +78,11 @@ class WorkerConfig:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
         if self.grammar_cache_size < 0:
             raise ValueError(f"grammar_cache_size must be >= 0, got {self.grammar_cache_size}")
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads}")
+        if self.dist_timeout <= 0:
+            raise ValueError(f"dist_timeout must be > 0 seconds, got {self.dist_timeout}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")

@@ -14,6 +14,13 @@
    penalties (``logits.py``) and samples one token.
 It returns a ``protocol.StepResult``: the tokens and the logprobs (``Scores``).
 
+Tensor parallelism (``comm`` of several ranks, docs/parallel.md): every rank
+builds a runner over its shard of the model and its KV heads, for the same page
+ids, and every rank runs every step (``worker/tp.py`` hands them the same
+``Step``). Rank 0, the leader, samples and answers; the others (followers) run
+steps 1-3 only and keep no sampling, penalty or grammar state beyond what the
+step's checks read, and return an empty ``StepResult``.
+
 At start it fixes the allocator policy (``malloc.py``), resolves ``dtype="auto"``
 (``dtype.py``) and, unless ``config.warmup`` is off, runs a warm-up (one
 prefill of that many tokens, then a decode step of every slot at once) so the
@@ -28,8 +35,10 @@ import numpy as np
 import torch
 
 from radixserve.config import ModelInfo
+from radixserve.layers.parallel import SINGLE, Comm
 from radixserve.models.config import ModelConfig
 from radixserve.models.loader import load_hf_config, load_model, parse_dtype
+from radixserve.models.sharding import Shard, head_shard
 from radixserve.models.source import resolve_model
 from radixserve.protocol import (
     Forced,
@@ -58,37 +67,52 @@ GRAMMAR_POLL_S = 0.05
 class ModelRunner:
     """Model weights + KV pool + page tables + attention backend + sampler."""
 
-    def __init__(self, config: WorkerConfig, tokenizer: Any = None) -> None:
+    def __init__(self, config: WorkerConfig, tokenizer: Any = None, comm: Comm = SINGLE) -> None:
         """``tokenizer``: the model's, when the caller has loaded it already (else it
-        is loaded on the first structured-output request)."""
+        is loaded on the first structured-output request). ``comm``: this rank's
+        tensor-parallel group (``worker/tp.py``), with ``config.tp`` ranks."""
+        if comm.size != config.tp:
+            raise ValueError(
+                f"tp={config.tp} needs a group of {config.tp} ranks, got {comm.size} (build the "
+                "worker with config.build_worker, which starts the ranks: docs/parallel.md)"
+            )
         self.config = config
+        self.comm = comm
+        self.leader = comm.rank == 0
         if config.malloc_tuning:
             tune_malloc()
+        if config.threads and comm.size == 1:  # a rank of a group got its threads on joining
+            torch.set_num_threads(config.threads)
         self._device = torch.device(config.device)
+        if comm.size > 1 and self._device.type == "cuda":
+            self._device = torch.device("cuda", comm.rank)  # one device per rank
         source = resolve_model(config.model, config.cache_dir)
         hf_config = None
         if config.dtype == "auto" and self._device.type == "cuda":
             hf_config = load_hf_config(source)  # auto follows the checkpoint's dtype there
         self.dtype_name, self.dtype_reason = choose_dtype(config.dtype, self._device, hf_config)
         dtype = parse_dtype(self.dtype_name)
-        self.model, self.hf_config = load_model(source, dtype, self._device, hf_config)
+        self.model, self.hf_config = load_model(source, dtype, self._device, hf_config, comm)
         cfg: ModelConfig = self.model.cfg
         self.model_config = cfg
         self._model_name = source.name
-        dims = (cfg.num_layers, config.page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        heads = head_shard(cfg, Shard(comm.rank, comm.size))  # this rank's share of the heads
+        dims = (cfg.num_layers, config.page_size, heads.kv_heads, cfg.head_dim, dtype)
         if config.num_pages is not None:
             num_pages = config.num_pages
         else:
             budget = config.kv_memory if config.kv_memory is not None else DEFAULT_KV_MEMORY
             num_pages = KVPool.pages_for_budget(budget, *dims)
         self.pool = KVPool(
-            cfg.num_layers, num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim,
+            cfg.num_layers, num_pages, config.page_size, heads.kv_heads, cfg.head_dim,
             dtype, self._device,
         )  # fmt: skip
         self.backend = create_backend(
             config.attention_backend, self.pool, cfg.attention_scale, cfg.sliding_windows,
-            cfg.num_heads, config.decode_kernel, cfg.attn_softcap,
+            heads.q_heads, config.decode_kernel, cfg.attn_softcap,
         )  # fmt: skip
+        self.weight_bytes = self.model.weight_bytes()
+        self.kv_bytes = sum(t.numel() * t.element_size() for t in self.pool.layers)
         max_pages_per_slot = min(num_pages, -(-cfg.max_context_len // config.page_size))
         self.page_table = PageTable(config.max_running_requests, max_pages_per_slot, num_pages)
         self.sampler = Sampler(config.seed)
@@ -148,6 +172,9 @@ class ModelRunner:
             backend_name=self.backend_name,
             dtype=self.dtype_name,
             dtype_reason=self.dtype_reason,
+            tp=self.comm.size,
+            weight_bytes=self.weight_bytes,
+            kv_bytes=self.kv_bytes,
         )
 
     def warmup(self, prefill_tokens: int, decode_batch: int) -> None:
@@ -185,7 +212,10 @@ class ModelRunner:
     def step(self, batch: Step) -> StepResult:
         """Run one step: the sampled tokens (one per ``sample=True`` request, in
         order), the logprobs computed, and what the grammars made of it, as a
-        ``StepResult``."""
+        ``StepResult``. A follower rank computes its part and returns no tokens."""
+        if not self.leader:
+            self._forward(batch, [])
+            return StepResult(batch.step_id, np.zeros(0, dtype=np.int32), [])
         for key in batch.drop_grammars:
             self.grammar_cache.drop(key)
         for spec in batch.grammars:
@@ -253,9 +283,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_logits(self, batch: Step) -> torch.Tensor:
-        """Steps 1-3 of ``step``: logits [num sampling requests, vocab] (no sampling)."""
+        """Steps 1-3 of ``step``: logits [num sampling requests, vocab] (no sampling;
+        on a follower rank, an empty tensor)."""
         logits, num_sampled, _ = self._forward(batch, [])
-        return logits[:num_sampled]
+        return logits[:num_sampled] if self.leader else torch.zeros(0, self.vocab_size)
 
     def _forward(
         self, batch: Step, failed: list[SlotFailure]
@@ -267,8 +298,9 @@ class ModelRunner:
         for slot in batch.release:
             self.page_table.clear(slot)
             self.sampler.remove(slot)
-            self.logits_processor.remove(slot)
-            self.grammars.remove(slot)
+            if self.leader:
+                self.logits_processor.remove(slot)
+                self.grammars.remove(slot)
         if not batch.reqs:
             return torch.zeros(0, self.vocab_size), 0, []
         ids, positions, logits_rows, score_rows = [], [], [], []
@@ -282,11 +314,12 @@ class ModelRunner:
             seen.add(r.slot)
             self.page_table.check_slot(r.slot)
             if r.sampling is not None:
-                self.sampler.add(r.slot, r.sampling)
-                self.logits_processor.add(r.slot, r.sampling, r.prompt_len, r.history)
-                error = self.grammars.add(r.slot, r.sampling, r.prompt_len, r.history)
-                if error is not None:
-                    failed.append(SlotFailure(r.slot, error))
+                self.sampler.add(r.slot, r.sampling)  # followers too: the checks read it
+                if self.leader:
+                    self.logits_processor.add(r.slot, r.sampling, r.prompt_len, r.history)
+                    error = self.grammars.add(r.slot, r.sampling, r.prompt_len, r.history)
+                    if error is not None:
+                        failed.append(SlotFailure(r.slot, error))
             elif r.sample and not self.sampler.has(r.slot):
                 raise ValueError(f"slot {r.slot} samples but was never given SamplingParams")
             self.page_table.append(r.slot, r.new_pages)
@@ -332,6 +365,8 @@ class ModelRunner:
             self.backend,
             torch.tensor(logits_rows + score_rows, dtype=torch.int64, device=dev),
         )
+        if logits is None:  # a follower rank
+            return torch.zeros(0, self.vocab_size), 0, []
         num_sampled = len(logits_rows)  # the scoring rows come after the sampling ones
         plans = [
             (slot, pos, lo + num_sampled, hi + num_sampled, t) for slot, pos, lo, hi, t in plans

@@ -55,7 +55,8 @@ class Server:
                 break
             else:
                 self.summary = line.strip()
-        expected = 4 if "--http-port" in args else 3
+        tp = int(args[args.index("--tp") + 1]) if "--tp" in args else 1
+        expected = (4 if "--http-port" in args else 3) + tp - 1  # one worker per rank
         if not self.endpoint or len(self.pids) != expected:
             raise RuntimeError(f"the server did not start (exit code {self.proc.wait()})")
 
