@@ -16,7 +16,12 @@ from setuptools.command.build_ext import build_ext
 EXT_NAME = "radixserve.scheduler._radix_native"
 SOURCES = ["csrc/radix_tree.cpp", "csrc/page_free.cpp", "csrc/bindings.cpp"]
 KERNELS_EXT_NAME = "radixserve.layers._cpu_kernels"
-KERNELS_SOURCES = ["csrc/paged_attention.cpp", "csrc/skinny_gemm.cpp", "csrc/cpu_kernels.cpp"]
+KERNELS_SOURCES = [
+    "csrc/paged_attention.cpp",
+    "csrc/skinny_gemm.cpp",
+    "csrc/rms_norm.cpp",
+    "csrc/cpu_kernels.cpp",
+]
 
 
 _warned: set[str] = set()

@@ -239,6 +239,25 @@ void skinny_gemm(const py::array& w, const py::array& x, py::array& yT, int num_
 // where bit t % 32 of bitmask[r, t / 32] is 0 (xgrammar's layout). Whole words
 // of ones are skipped and whole words of zeros filled, so a mask costs about
 // one pass over the tokens it removes.
+// RMSNorm of bfloat16 rows (given as int16/uint16): x, y [rows, n], w [n], C-contiguous.
+void rms_norm(const py::array& x, const py::array& w, py::array& y, double eps, bool unit_offset,
+              int num_threads, const std::string& isa_name) {
+  auto fail = [](const std::string& what) { throw std::invalid_argument("rms_norm: " + what); };
+  const Isa isa = parse_isa(isa_name, "rms_norm");
+  const auto c = py::array::c_style;
+  if (!is_bf16(x) || !is_bf16(w) || !is_bf16(y)) fail("arrays must be bfloat16 (as int16)");
+  if (x.ndim() != 2 || w.ndim() != 1 || y.ndim() != 2) fail("x and y must be 2-D, w 1-D");
+  if (!(x.flags() & c) || !(w.flags() & c) || !(y.flags() & c) || !y.writeable())
+    fail("arrays must be C-contiguous (y writeable)");
+  if (y.shape(0) != x.shape(0) || y.shape(1) != x.shape(1) || w.shape(0) != x.shape(1))
+    fail("shapes disagree");
+  if (!(eps > 0)) fail("eps must be > 0");
+  radixserve::rms_norm_bf16(static_cast<const uint16_t*>(x.data()),
+                            static_cast<const uint16_t*>(w.data()),
+                            static_cast<uint16_t*>(y.mutable_data()), x.shape(0), x.shape(1),
+                            static_cast<float>(eps), unit_offset, isa, num_threads);
+}
+
 template <typename T>
 void mask_rows(T* logits, int64_t vocab, const uint32_t* bitmask, int64_t words,
                const int64_t* rows, int64_t num_rows) {
@@ -313,6 +332,10 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::arg("num_threads"), py::arg("isa") = "auto",
         "yT [N, M] = w [N, K] . x^T for x [M, K] (any strides), w and yT C-contiguous; "
         "float32, or bfloat16 weights (as int16) with float32 or bfloat16 x and yT.");
+  m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("w"), py::arg("y"), py::arg("eps"),
+        py::arg("unit_offset"), py::arg("num_threads"), py::arg("isa") = "auto",
+        "y = RMSNorm(x) * w (or * (1 + w) with unit_offset) for bfloat16 rows [rows, n] "
+        "(as int16), with the torch form's roundings (csrc/rms_norm.cpp).");
   m.def("apply_token_bitmask", &apply_token_bitmask, py::arg("logits"), py::arg("bitmask"),
         py::arg("rows"),
         "logits [n, vocab] (float32/float64) in place: -inf where a row's int32 bitmask has a "

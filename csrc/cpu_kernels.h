@@ -184,4 +184,9 @@ struct SkinnyGemm {
 // other level converts W to float32 on the fly and keeps x in float32.
 void skinny_gemm(const SkinnyGemm& g, Isa isa, int num_threads);
 
+// y [rows, n] = RMSNorm of bfloat16 rows x [rows, n] with weight w [n] (rms_norm.cpp),
+// all C-contiguous bfloat16 bits; unit_offset scales by (1 + w) (Gemma).
+void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t rows, int64_t n,
+                   float eps, bool unit_offset, Isa isa, int num_threads);
+
 }  // namespace radixserve

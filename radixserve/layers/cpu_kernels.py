@@ -5,6 +5,7 @@ torch backend decodes through gather + SDPA and linear layers use BLAS only.
 
 - ``paged_decode``: decode attention reading the KV pool's pages in place
   (``worker/attention/native_decode.py`` plans its work).
+- ``rms_norm``: RMSNorm of bfloat16 rows in one pass (the torch form is eight ops).
 - ``skinny_gemm``: ``W x^T`` for batches of at most ``SKINNY_KERNEL_ROWS`` rows,
   each weight element read once and used for every row from registers; float32,
   or bfloat16 weights with float32 or bfloat16 activations.
@@ -108,6 +109,33 @@ def skinny_linear(
     if bias is not None:
         yt += bias[:, None]
     return yt.t()
+
+
+def rms_norm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``rms_norm`` takes these: bfloat16 on the CPU, a built extension."""
+    return (
+        AVAILABLE
+        and x.device.type == "cpu"
+        and x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and x.shape[-1] == weight.shape[0]
+        and x.numel() > 0
+    )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool, isa: str | None = None
+) -> torch.Tensor:
+    """RMSNorm of bfloat16 ``x`` over its last dim, scaled by ``weight`` (by ``1 + weight``
+    with ``unit_offset``), in one pass with the roundings of ``models.blocks.RMSNorm``'s
+    torch form (``csrc/rms_norm.cpp``)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty_like(rows)
+    ext.rms_norm(  # type: ignore[union-attr]
+        _array(rows), _array(weight.contiguous()), _array(out), eps, unit_offset,
+        torch.get_num_threads(), isa or ISA,
+    )  # fmt: skip
+    return out.view(x.shape)
 
 
 def bitmask_ok(logits: torch.Tensor) -> bool:

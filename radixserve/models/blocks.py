@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from radixserve.layers import cpu_kernels
 from radixserve.layers.attention import LayerAttention
 from radixserve.layers.linear import Linear
 from radixserve.layers.parallel import SINGLE, Comm, RowParallelLinear
@@ -44,6 +45,12 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.rms_norm_ok(x, self.weight):  # bfloat16 on the CPU: one native pass
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, self.unit_offset)
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch form (what the native bfloat16 kernel reproduces)."""
         dtype = x.dtype
         h = x.to(compute_dtype(dtype))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -210,3 +210,38 @@ def test_without_the_extension_everything_falls_back(monkeypatch):
     assert create_backend("torch", pool, 1.0, (-1,), 1).decode_kernel == "torch"
     with pytest.raises(ValueError, match="native decode kernel cannot run.*not built"):
         create_backend("torch", pool, 1.0, (-1,), 1, decode_kernel="native")
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (5, 33), (32, 576), (3, 7, 64), (130, 576)])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_rms_norm_bfloat16_equals_the_torch_form(ext, isa, shape, unit_offset):
+    """One native pass with the torch form's roundings: Llama's norm (normalise in
+    float32, round, times the weight) bit for bit; Gemma's (1 + w) scale, all in
+    float32, within one bfloat16 rounding (the sum of squares is added in another
+    order); rows of 130 x 576 are split over threads."""
+    from radixserve.models.blocks import RMSNorm
+
+    torch.manual_seed(shape[-1] + len(shape))
+    norm = RMSNorm(shape[-1], 1e-5, unit_offset).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1]) * 0.5 + 1)
+    x = (torch.randn(*shape) * 3).to(torch.bfloat16)
+    got = cpu_kernels.rms_norm(x, norm.weight, norm.eps, unit_offset, isa)
+    want = norm.reference(x)
+    assert got.shape == x.shape and got.dtype == torch.bfloat16
+    if unit_offset:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=0)
+    else:
+        assert torch.equal(got, want)
+    assert torch.equal(norm(x), cpu_kernels.rms_norm(x, norm.weight, norm.eps, unit_offset))
+
+
+def test_rms_norm_rejects_bad_arrays(ext):
+    x = torch.zeros(2, 8, dtype=torch.int16).numpy()
+    w = torch.zeros(8, dtype=torch.int16).numpy()
+    with pytest.raises(ValueError, match="rms_norm: shapes disagree"):
+        ext.rms_norm(x, w[:4], x.copy(), 1e-5, False, 1)
+    with pytest.raises(ValueError, match="rms_norm: arrays must be bfloat16"):
+        ext.rms_norm(x.astype("float32"), w, x.copy(), 1e-5, False, 1)
+    with pytest.raises(ValueError, match="rms_norm: eps must be > 0"):
+        ext.rms_norm(x, w, x.copy(), 0.0, False, 1)
