@@ -203,7 +203,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--attention-backend",
         default=d.attention_backend,
-        help="auto (flashinfer on CUDA when it can run, else torch) | torch | flashinfer",
+        help="auto (flashinfer on CUDA when its start-up probe passes, else torch) | torch "
+        "| flashinfer (fails at start, with the reason, when it cannot run)",
+    )
+    p.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        default=d.disable_cuda_graph,
+        help="run decode steps eagerly instead of replaying CUDA graphs (graphs: CUDA "
+        "with the flashinfer backend only)",
     )
     p.add_argument(
         "--decode-kernel",

@@ -36,6 +36,8 @@ class WorkerConfig:
     them (an LRU; docs/structured.md).
     jump_forward: append the tokens a grammar forces without sampling them one
     by one (docs/structured.md).
+    disable_cuda_graph: run decode steps eagerly instead of replaying CUDA graphs
+    (graphs are used on CUDA with the flashinfer backend only; ``cuda_graph.py``).
     """
 
     model: str | None = "smollm2"
@@ -54,6 +56,7 @@ class WorkerConfig:
     chunked_prefill_size: int = 2048  # the scheduler's (SchedulerConfig), read for the warm-up
     grammar_cache_size: int = 64
     jump_forward: bool = True
+    disable_cuda_graph: bool = False
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
