@@ -20,7 +20,7 @@ from dataclasses import fields
 from radixserve.config import EngineConfig
 from radixserve.sampling_params import MAX_N
 from radixserve.server_config import ServerConfig
-from radixserve.worker.config import DTYPE_CHOICES
+from radixserve.worker.config import DTYPE_CHOICES, PREFILL_BACKENDS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
@@ -212,6 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.disable_cuda_graph,
         help="run decode steps eagerly instead of replaying CUDA graphs (graphs: CUDA "
         "with the flashinfer backend only)",
+    )
+    p.add_argument(
+        "--flashinfer-prefill-backend",
+        choices=PREFILL_BACKENDS,
+        default=d.flashinfer_prefill_backend,
+        help="flashinfer's prefill kernels: auto (fa3 on Hopper, else fa2), fa2 or fa3; "
+        "fa2 JIT-builds much faster where no prebuilt kernels are installed",
     )
     p.add_argument(
         "--decode-kernel",

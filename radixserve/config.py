@@ -74,6 +74,7 @@ class EngineConfig:
     grammar_cache_size: int = _W.grammar_cache_size
     jump_forward: bool = _W.jump_forward
     disable_cuda_graph: bool = _W.disable_cuda_graph
+    flashinfer_prefill_backend: str = _W.flashinfer_prefill_backend
     # The scheduler (SchedulerConfig; page_size and max_running_requests above too;
     # the worker reads chunked_prefill_size for its warm-up).
     cache: str = _S.cache

@@ -104,6 +104,7 @@ class ModelRunner:
         self.backend = create_backend(
             config.attention_backend, self.pool, cfg.attention_scale, cfg.sliding_windows,
             cfg.num_heads, config.decode_kernel, cfg.attn_softcap,
+            {"prefill_backend": config.flashinfer_prefill_backend},
         )  # fmt: skip
         log.info("attention backend %s (%s)", self.backend.name, self.backend.choice_reason)
         max_pages_per_slot = min(num_pages, -(-cfg.max_context_len // config.page_size))

@@ -256,6 +256,7 @@ class FlashInferAttention(AttentionBackend):
         self._g_host = {(bs, w): _HostPlan(dev, self._events) for bs in self.graph_sizes
                         for w in self._windows}  # fmt: skip
         self._g_pos_staging = Staging(dev, torch.int32, event_factory=self._events)
+        self._g_indices_staging = Staging(dev, torch.int32, event_factory=self._events)
 
     def graph_size_for(self, batch_size: int) -> int | None:
         """The capture size a decode batch of ``batch_size`` pads to (None: too big)."""
@@ -277,10 +278,13 @@ class FlashInferAttention(AttentionBackend):
         if len(indices) > self._g_indices.numel():
             raise ValueError("the batch reads more pages than the graph buffers hold")
         last = np.concatenate([last, np.ones(pad, dtype=last.dtype)])
+        # Graph-mode plan() copies a host page table into its static buffer with a blocking
+        # copy (it copies without blocking only from the device): send it there first.
+        (indices_dev,) = self._g_indices_staging.to_device([indices])
         for w in self._windows:
             host = self._g_host[(size, w)]
-            indptr_t, indices_t, last_t = host.tensors(indptr, indices, last)
-            self._plan_decode(self._g_wrappers[size][w], w, indptr_t, indices_t, last_t)
+            indptr_t, last_t = host.tensors(indptr, last)
+            self._plan_decode(self._g_wrappers[size][w], w, indptr_t, indices_dev, last_t)
             host.staging.record()
         # The append kernel reads positions from a static buffer: kv_len - 1 per row, pad rows 0.
         positions = np.concatenate([kv_lens - 1, np.zeros(pad, dtype=kv_lens.dtype)])

@@ -123,3 +123,47 @@ def _run_step(backend, ref, batch, num_qo_heads, pool, device, gen) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return err
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m radixserve.worker.attention.flashinfer_probe``: check a GPU install.
+
+    Runs the selection (static rules, then the probe) for one attention shape and prints
+    each warm-up step and the verdict; exit status 0 when flashinfer would be chosen.
+    The first run JIT-builds the kernels (into FlashInfer's cache) unless prebuilt.
+    """
+    import argparse
+
+    from radixserve.worker.attention import create_backend
+
+    p = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--heads", type=int, default=32, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument(
+        "--windows",
+        default="-1",
+        help="comma-separated sliding windows, -1: none (--windows=-1,4096)",
+    )
+    p.add_argument("--softcap", type=float, default=0.0)
+    p.add_argument("--prefill-backend", default="auto", choices=["auto", "fa2", "fa3"])
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    windows = tuple(int(w) for w in args.windows.split(","))
+    pool = KVPool(len(windows), 8, args.page_size, args.kv_heads, args.head_dim,
+                  getattr(torch, args.dtype), args.device)  # fmt: skip
+    start = time.perf_counter()
+    backend = create_backend(
+        "auto", pool, args.head_dim**-0.5, windows, args.heads, softcap=args.softcap,
+        flashinfer_options={"prefill_backend": args.prefill_backend},
+    )  # fmt: skip
+    print(f"attention backend: {backend.name} ({backend.choice_reason}) "
+          f"in {time.perf_counter() - start:.1f} s")  # fmt: skip
+    return 0 if backend.name == "flashinfer" else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
