@@ -104,7 +104,8 @@ class FlashInferAttention(AttentionBackend):
         self._fi = fi
         self._device = device
         self._events = event_factory
-        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        # FlashInfer asks for a zeroed workspace on first use (its split-KV merge state).
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._windows = sorted(set(sliding_windows))
         self.prefill_backend = prefill_backend
         self._prefill = {
