@@ -20,7 +20,7 @@ from dataclasses import fields
 from radixserve.config import EngineConfig
 from radixserve.sampling_params import MAX_N
 from radixserve.server_config import ServerConfig
-from radixserve.worker.config import DTYPE_CHOICES
+from radixserve.worker.config import DTYPE_CHOICES, PREFILL_BACKENDS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
@@ -203,7 +203,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--attention-backend",
         default=d.attention_backend,
-        help="auto (flashinfer on CUDA when it can run, else torch) | torch | flashinfer",
+        help="auto (flashinfer on CUDA when its start-up probe passes, else torch) | torch "
+        "| flashinfer (fails at start, with the reason, when it cannot run)",
+    )
+    p.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        default=d.disable_cuda_graph,
+        help="run decode steps eagerly instead of replaying CUDA graphs (graphs: CUDA "
+        "with the flashinfer backend only)",
+    )
+    p.add_argument(
+        "--flashinfer-prefill-backend",
+        choices=PREFILL_BACKENDS,
+        default=d.flashinfer_prefill_backend,
+        help="flashinfer's prefill kernels: auto (fa3 on Hopper, else fa2), fa2 or fa3; "
+        "fa2 JIT-builds much faster where no prebuilt kernels are installed",
     )
     p.add_argument(
         "--decode-kernel",

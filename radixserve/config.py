@@ -79,6 +79,8 @@ class EngineConfig:
     tp: int = _W.tp
     dist_timeout: float = _W.dist_timeout
     threads: int = _W.threads
+    disable_cuda_graph: bool = _W.disable_cuda_graph
+    flashinfer_prefill_backend: str = _W.flashinfer_prefill_backend
     # The scheduler (SchedulerConfig; page_size and max_running_requests above too;
     # the worker reads chunked_prefill_size for its warm-up).
     cache: str = _S.cache

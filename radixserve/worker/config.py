@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 #: ``auto`` resolves when the model loads (``worker/dtype.py``).
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "float64")
+#: FlashInfer's prefill implementations: ``auto`` is fa3 on Hopper where it applies, else fa2.
+PREFILL_BACKENDS = ("auto", "fa2", "fa3")
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,11 @@ class WorkerConfig:
     threads: torch CPU threads of each worker rank (the native kernels' OpenMP
     regions use as many); 0: torch's default with one rank, ``cores // tp`` with
     several.
+    disable_cuda_graph: run decode steps eagerly instead of replaying CUDA graphs
+    (graphs are used on CUDA with the flashinfer backend only; ``cuda_graph.py``).
+    flashinfer_prefill_backend: the flashinfer backend's prefill kernels, ``auto``
+    (FlashInfer's choice: fa3 on Hopper), ``fa2`` or ``fa3``. Without prebuilt kernels
+    (flashinfer-jit-cache) fa3 takes far longer to JIT-build at start than fa2.
     """
 
     model: str | None = "smollm2"
@@ -64,6 +71,8 @@ class WorkerConfig:
     tp: int = 1
     dist_timeout: float = 120.0
     threads: int = 0
+    disable_cuda_graph: bool = False
+    flashinfer_prefill_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -72,6 +81,11 @@ class WorkerConfig:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
         if self.kv_memory is not None and self.kv_memory < 1:
             raise ValueError(f"kv_memory must be a positive byte count, got {self.kv_memory}")
+        if self.flashinfer_prefill_backend not in PREFILL_BACKENDS:
+            raise ValueError(
+                f"unknown flashinfer prefill backend {self.flashinfer_prefill_backend!r}; "
+                f"choose from {PREFILL_BACKENDS}"
+            )
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; choose from {DTYPE_CHOICES}")
         if self.chunked_prefill_size < 1:

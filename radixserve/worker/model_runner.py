@@ -22,13 +22,21 @@ steps 1-3 only and keep no sampling, penalty or grammar state beyond what the
 step's checks read, and return an empty ``StepResult``.
 
 At start it fixes the allocator policy (``malloc.py``), resolves ``dtype="auto"``
-(``dtype.py``) and, unless ``config.warmup`` is off, runs a warm-up (one
-prefill of that many tokens, then a decode step of every slot at once) so the
-first real request finds its buffers mapped and its kernels initialised.
+(``dtype.py``), chooses the attention backend (``attention/__init__.py``: under
+``auto`` flashinfer only after its probe ran every mode the model needs), unless
+``config.warmup`` is off runs a warm-up (one prefill of that many tokens, then a
+decode step of every slot at once) so the first real request finds its buffers
+mapped and its kernels initialised, and on CUDA with flashinfer captures the
+decode CUDA graphs (``cuda_graph.py``; ``config.disable_cuda_graph`` turns them off).
+
+No host sync per step but reading the sampled tokens: the step's token ids,
+positions and logits rows go to the device in one non-blocking copy from a
+pinned buffer (``staging.py``), as do the attention backend's index arrays.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -50,6 +58,7 @@ from radixserve.protocol import (
     StepResult,
 )
 from radixserve.sampling_params import SamplingParams
+from radixserve.worker import cuda_graph
 from radixserve.worker.attention import AttentionBatch, create_backend
 from radixserve.worker.config import WorkerConfig
 from radixserve.worker.dtype import choose_dtype
@@ -59,9 +68,12 @@ from radixserve.worker.logits import LogitsProcessor, token_logprobs
 from radixserve.worker.malloc import tune_malloc
 from radixserve.worker.page_table import PageTable
 from radixserve.worker.sampler import Sampler
+from radixserve.worker.staging import Staging
 
 # How long a step with nothing to compute waits for a grammar being compiled.
 GRAMMAR_POLL_S = 0.05
+
+log = logging.getLogger("radixserve.worker")
 
 
 class ModelRunner:
@@ -103,18 +115,28 @@ class ModelRunner:
         else:
             budget = config.kv_memory if config.kv_memory is not None else DEFAULT_KV_MEMORY
             num_pages = KVPool.pages_for_budget(budget, *dims)
+        self._num_pages = num_pages
+        # Decode graphs only without tensor parallelism for now: a captured step would hold
+        # the ranks' collectives, and followers return no logits.
+        graphs_off = config.disable_cuda_graph or comm.size > 1
+        capturer = None if graphs_off else cuda_graph.capturer_for(self._device)
+        # With graphs possible, one more page than the scheduler is told of: pad rows of a
+        # replayed batch read and write it, and no request is ever given it.
         self.pool = KVPool(
-            cfg.num_layers, num_pages, config.page_size, heads.kv_heads, cfg.head_dim,
-            dtype, self._device,
+            cfg.num_layers, num_pages + (capturer is not None), config.page_size,
+            heads.kv_heads, cfg.head_dim, dtype, self._device,
         )  # fmt: skip
         self.backend = create_backend(
             config.attention_backend, self.pool, cfg.attention_scale, cfg.sliding_windows,
             heads.q_heads, config.decode_kernel, cfg.attn_softcap,
+            {"prefill_backend": config.flashinfer_prefill_backend},
         )  # fmt: skip
+        log.info("attention backend %s (%s)", self.backend.name, self.backend.choice_reason)
         self.weight_bytes = self.model.weight_bytes()
         self.kv_bytes = sum(t.numel() * t.element_size() for t in self.pool.layers)
         max_pages_per_slot = min(num_pages, -(-cfg.max_context_len // config.page_size))
         self.page_table = PageTable(config.max_running_requests, max_pages_per_slot, num_pages)
+        self._inputs = Staging(self._device, torch.int64)
         self.sampler = Sampler(config.seed)
         self.logits_processor = LogitsProcessor(cfg.vocab_size, cfg.eos_token_ids, self._device)
         self._tokenizer = tokenizer
@@ -122,8 +144,28 @@ class ModelRunner:
             self._get_tokenizer, cfg.vocab_size, cfg.eos_token_ids, config.grammar_cache_size
         )
         self.grammars = GrammarSlots(self.grammar_cache, self._get_tokenizer, config.jump_forward)
+        self.graphs: cuda_graph.DecodeGraphs | None = None
         if config.warmup:
             self.warmup(config.chunked_prefill_size, config.max_running_requests)
+        if capturer is not None and self.backend.name == "flashinfer":
+            self._capture_graphs(capturer, max_pages_per_slot)
+
+    def _capture_graphs(self, capturer: cuda_graph.Capturer, max_pages_per_slot: int) -> None:
+        """Capture the decode graphs; on failure (a model op that syncs, say) log why
+        and run every step eagerly."""
+        sizes = cuda_graph.capture_sizes(self.config.max_running_requests)
+        try:
+            self.backend.setup_graphs(sizes, max_pages_per_slot, pad_page=self._num_pages)
+            graphs = cuda_graph.DecodeGraphs(
+                self.model, self.backend, sizes, self.max_context_len - 1, self._device, capturer
+            )
+            with torch.inference_mode():
+                graphs.capture()
+        except Exception as e:
+            log.warning("CUDA graphs off: capture failed (%s: %s)", type(e).__name__, e)
+            return
+        self.graphs = graphs
+        log.info("CUDA graphs captured for decode batch sizes %s", list(sizes))
 
     def _get_tokenizer(self) -> Any:
         if self._tokenizer is None:
@@ -134,7 +176,8 @@ class ModelRunner:
 
     @property
     def num_pages(self) -> int:
-        return self.pool.num_pages
+        """Pages the scheduler hands out (the pool may hold one more: the graphs' pad page)."""
+        return self._num_pages
 
     @property
     def page_size(self) -> int:
@@ -353,18 +396,18 @@ class ModelRunner:
             page_indptr=np.concatenate([[0], np.cumsum(page_counts)]).astype(np.int32),
             page_indices=np.concatenate(tables).astype(np.int32),
         )
-        self.backend.begin_batch(attn)
         input_ids = np.concatenate(ids)
         if input_ids.min() < 0 or input_ids.max() >= self.vocab_size:
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
-        dev = self._device
-        logits = self.model(
-            torch.from_numpy(input_ids).to(dev),
-            torch.from_numpy(np.concatenate(positions)).to(dev),
-            max(kv_lens) - 1,
-            self.backend,
-            torch.tensor(logits_rows + score_rows, dtype=torch.int64, device=dev),
-        )
+        flat_positions = np.concatenate(positions)
+        if self._graph_step(batch, attn):
+            assert self.graphs is not None
+            logits = self.graphs.run(attn, input_ids, flat_positions)
+        else:
+            self.backend.begin_batch(attn)
+            rows = np.asarray(logits_rows + score_rows, dtype=np.int64)
+            ids_t, pos_t, rows_t = self._inputs.to_device([input_ids, flat_positions, rows])
+            logits = self.model(ids_t, pos_t, max(kv_lens) - 1, self.backend, rows_t)
         if logits is None:  # a follower rank
             return torch.zeros(0, self.vocab_size), 0, []
         num_sampled = len(logits_rows)  # the scoring rows come after the sampling ones
@@ -372,6 +415,16 @@ class ModelRunner:
             (slot, pos, lo + num_sampled, hi + num_sampled, t) for slot, pos, lo, hi, t in plans
         ]
         return logits, num_sampled, plans
+
+    def _graph_step(self, batch: Step, attn: AttentionBatch) -> bool:
+        """Whether this step replays a decode graph: every request one new token, all
+        sampling, nothing to score, and a captured size that holds the batch."""
+        return (
+            self.graphs is not None
+            and attn.num_tokens == attn.batch_size
+            and all(r.sample and not len(r.score_ids) for r in batch.reqs)
+            and self.graphs.size_for(attn.batch_size) is not None
+        )
 
     def _score_plan(self, r: StepReq, first_row: int) -> tuple:
         """Check ``r``'s prompt tokens to score (the positions before them must be

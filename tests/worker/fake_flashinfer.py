@@ -4,23 +4,35 @@ It mirrors flashinfer-python 0.7.4's signatures for
 ``BatchPrefillWithPagedKVCacheWrapper``, ``BatchDecodeWithPagedKVCacheWrapper``
 and ``append_paged_kv_cache``, refuses what the real library refuses or gets
 wrong silently (non-int32 or device-resident plan indices, float16 as an
-unstated ``q_data_type`` default, non-half dtypes, head_dim not a multiple of
-64, last_page_len outside [1, page_size], K/V with unequal strides, run before
-plan, shapes that do not match the plan), and computes the reference math in
-float32 with FlashInfer's bottom-right causal mask, ``window_left``, ``sm_scale`` and
-``logits_soft_cap``.
+unstated ``q_data_type`` default, non-half dtypes, last_page_len outside
+[1, page_size], K/V with unequal strides, run before plan, shapes that do not
+match the plan), and computes the reference math in float32 with FlashInfer's
+bottom-right causal mask, ``window_left``, ``sm_scale`` and ``logits_soft_cap``.
+
+It enforces the kernels' limits as the real library meets them, at first use:
+head_dims with kernels (append: 64/128/256/512, "Unsupported head_dim";
+fa2/fa3 prefill and decode: 64/128/256), the append kernel's block of
+``head_dim / max(8, head_dim / 32) * kv_heads`` threads within 1024, the compute
+capability (``capability``: bf16 needs sm80, fa3 sm90) and, with
+``jit_available = False``, a machine that cannot build a kernel variant it has
+not built yet (``built`` lists those built, as FlashInfer's JIT cache would).
+
+CUDA-graph mode (``use_cuda_graph=True``) behaves as FlashInfer's: the wrapper
+needs its static buffers, its batch size is fixed by them, ``plan`` writes the
+page table into them and ``run`` reads it back from them, so a stale or
+mis-sized buffer gives wrong results here too.
 
 Stricter than the real API on purpose: arguments after ``page_size`` in
 ``plan`` are keyword-only (positions have shifted between releases, e.g.
-``head_dim_vo`` was inserted) and ``backend`` must be ``"fa2"`` (``auto``
-picks fa3 on sm90, whose JIT build takes many minutes).
+``head_dim_vo`` was inserted).
 
 This proves the backend's wiring (what it plans, appends and runs, with which
 indices, dtypes and layouts), not FlashInfer's kernels: those are checked by
 ``test_flashinfer_gpu.py`` on a CUDA machine.
 
 ``install(monkeypatch)`` puts the double in ``sys.modules["flashinfer"]`` and
-lets the backend accept CPU pools; ``FakeFlashInfer.calls`` records every call.
+lets the backend accept CPU pools, with the double's ``capability`` standing in for
+the GPU's and kernels buildable; ``FakeFlashInfer.calls`` records every call.
 """
 
 from __future__ import annotations
@@ -32,6 +44,10 @@ import torch
 
 HALF = (torch.float16, torch.bfloat16)
 _UNSET = object()
+#: head_dims each kernel family is dispatched for (DISPATCH_HEAD_DIM; the AOT fa2/fa3 set).
+APPEND_HEAD_DIMS = (64, 128, 256, 512)
+ATTENTION_HEAD_DIMS = (64, 128, 256)
+MAX_THREADS = 1024
 
 
 class FakeFlashInfer(types.ModuleType):
@@ -42,6 +58,9 @@ class FakeFlashInfer(types.ModuleType):
         self.__version__ = "0.7.4+cpu-test-double"
         self.calls: list[tuple[str, object]] = []
         self.workspaces: list[torch.Tensor] = []
+        self.capability = (9, 0)  # what torch.cuda.get_device_capability would say
+        self.jit_available = True  # False: no nvcc and no prebuilt kernels
+        self.built: list[tuple] = []  # kernel variants built (or loaded) so far
         fake = self
 
         class _Prefill(_PrefillWrapper):
@@ -77,6 +96,12 @@ class FakeFlashInfer(types.ModuleType):
             _check(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
             _check(t.dim() == 1 and t.is_contiguous(), f"{name} must be contiguous 1-D")
         nnz, kv_heads, head_dim = _shape3(append_key, "append_key")
+        _check(head_dim in APPEND_HEAD_DIMS, f"Unsupported head_dim: {head_dim}")
+        vec = max(16 // append_key.element_size(), head_dim // 32)
+        threads = head_dim // vec * kv_heads
+        _check(threads <= MAX_THREADS,
+               f"CUDA error: invalid configuration argument ({threads} threads per block)")  # fmt: skip
+        self.build(("page", append_key.dtype, head_dim))
         _check(append_value.shape == append_key.shape, "append_value shape != append_key shape")
         for t in (append_value, k_cache, v_cache):
             _check(t.device == dev, f"all tensors must be on {dev}")
@@ -97,6 +122,18 @@ class FakeFlashInfer(types.ModuleType):
         k_cache[page, pos % page_size] = append_key
         v_cache[page, pos % page_size] = append_value
 
+    def build(self, variant: tuple) -> None:
+        """A kernel variant's first use: JIT-built (or loaded) once, as FlashInfer does."""
+        dtype = next((x for x in variant if isinstance(x, torch.dtype)), None)
+        if dtype == torch.bfloat16:
+            _check(self.capability >= (8, 0),
+                   f"bfloat16 kernels need sm80+, this GPU is sm{self.capability[0]}{self.capability[1]}")  # fmt: skip
+        if variant in self.built:
+            return
+        if not self.jit_available:
+            raise RuntimeError(f"Ninja build failed for {variant}: nvcc: command not found")
+        self.built.append(variant)
+
 
 class _Wrapper:
     module: FakeFlashInfer
@@ -109,10 +146,25 @@ class _Wrapper:
         use_cuda_graph: bool = False,
         *,
         backend: str = "auto",
+        buffers: dict[str, torch.Tensor | None] | None = None,
     ) -> None:
         _check(kv_layout == "NHD", f"kv_layout {kv_layout!r}: the double knows NHD only")
-        _check(not use_cuda_graph, "the double has no CUDA-graph mode")
-        _check(backend == "fa2", f"backend={backend!r}: force 'fa2' (auto picks fa3 on sm90)")
+        _check(backend in ("auto", "fa2", "fa3"), f"backend={backend!r}: auto, fa2 or fa3")
+        major = self.module.capability[0]
+        if backend == "auto":  # determine_attention_backend: fa3 on sm90 for plain f16 attention
+            backend = "fa3" if self.kind == "prefill" and major == 9 else "fa2"
+        _check(backend != "fa3" or major == 9, "fa3 needs sm90 (Hopper)")
+        self.backend = backend
+        self.graph: dict[str, torch.Tensor] | None = None
+        if use_cuda_graph:
+            _check(buffers is not None, "the double has a CUDA-graph mode for decode only")
+            for name, t in (buffers or {}).items():
+                if not torch.is_tensor(t):
+                    raise ValueError(f"{name} should be a torch.Tensor in cudagraph mode")
+            self.graph = dict(buffers)  # type: ignore[arg-type]
+            self.fixed_batch_size = len(self.graph["last"])
+            if len(self.graph["indptr"]) != self.fixed_batch_size + 1:
+                raise ValueError("The size of paged_kv_indptr_buffer should be batch_size + 1")
         ws = float_workspace_buffer
         _check(ws.dtype == torch.uint8 and ws.numel() >= 128 << 20,
                "float workspace: a uint8 buffer of at least 128 MB")  # fmt: skip
@@ -149,7 +201,7 @@ class _Wrapper:
         _check(q_data_type in HALF, f"q_data_type {q_data_type}: half precision only")
         _check(kv_data_type == q_data_type, "kv_data_type must be given and equal q_data_type")
         _check(num_qo_heads % num_kv_heads == 0, "num_qo_heads must be a multiple of num_kv_heads")
-        _check(head_dim % 64 == 0, f"head_dim {head_dim}: fa2 needs a multiple of 64")
+        _check(head_dim in ATTENTION_HEAD_DIMS, f"Unsupported head_dim: {head_dim}")
         _check(window_left >= -1, "window_left must be >= -1")
         cap = 0.0 if logits_soft_cap is None else logits_soft_cap
         _check(cap >= 0, "logits_soft_cap must be >= 0 (0 or None: none)")
@@ -166,7 +218,25 @@ class _Wrapper:
         qo_lens = qo_indptr.diff().long()
         _check(bool((qo_lens >= 1).all() and (qo_lens <= kv_lens).all()),
                "each request needs 1 <= qo_len <= kv_len")  # fmt: skip
+        tc = getattr(self, "use_tensor_cores", True)
+        self.module.build((self.kind, self.backend, q_data_type, head_dim, window_left >= 0,
+                           cap > 0, tc))  # fmt: skip
         self.module.calls.append((f"plan_{self.kind}", batch))
+        if self.graph is not None:
+            if batch != self.fixed_batch_size:
+                raise ValueError(
+                    f"The batch size should be fixed in cudagraph mode, the runtime batch size "
+                    f"{batch} mismatches the batch size set during initialization "
+                    f"{self.fixed_batch_size}"
+                )
+            if len(indices) > len(self.graph["indices"]):
+                raise ValueError(
+                    "The size of indices should be less than or equal to the allocated buffer"
+                )
+            # As FlashInfer: the page table goes into the static buffers, which run reads.
+            self.graph["indptr"].copy_(indptr)
+            self.graph["last"].copy_(last_page_len)
+            self.graph["indices"][: len(indices)].copy_(indices)
         # The real plan copies the indices to the device: later host edits do not leak in.
         self.plan_args = dict(
             qo_indptr=qo_indptr.clone(), indptr=indptr.clone(), indices=indices.clone(),
@@ -186,8 +256,12 @@ class _Wrapper:
     ) -> torch.Tensor:
         p = self.plan_args
         _check(p is not None, "run() before plan()")
-        _check(not return_lse and out is None, "the double returns a fresh output only")
+        _check(not return_lse, "the double does not return the lse")
         k_cache, v_cache = _unpack(paged_kv_cache)
+        if self.graph is not None:  # what a captured kernel sees: the buffers' contents now
+            g = self.graph
+            p = {**p, "indptr": g["indptr"].clone(), "indices": g["indices"].clone(),
+                 "kv_lens": (g["indptr"].diff().long() - 1) * p["page_size"] + g["last"].long()}  # fmt: skip
         nnz = int(p["qo_indptr"][-1])
         _check(q.shape == (nnz, p["num_qo_heads"], p["head_dim"]),
                f"q shape {tuple(q.shape)} != planned {(nnz, p['num_qo_heads'], p['head_dim'])}")  # fmt: skip
@@ -199,8 +273,16 @@ class _Wrapper:
         _check(q.device == k_cache.device == self.workspace.device,
                "q, cache and workspace must share a device")  # fmt: skip
         _check(bool((p["indices"] < k_cache.shape[0]).all()), "page index beyond the cache")
+        if out is not None:
+            _check(out.shape == q.shape and out.dtype == q.dtype and out.device == q.device,
+                   "out must match q's shape, dtype and device")  # fmt: skip
+            _check(out.is_contiguous(), "out must be contiguous")
         self.module.calls.append((f"run_{self.kind}", nnz))
-        return _reference(q, k_cache, v_cache, p)
+        result = _reference(q, k_cache, v_cache, p)
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
 
 
 class _PrefillWrapper(_Wrapper):
@@ -224,6 +306,7 @@ class _PrefillWrapper(_Wrapper):
         logits_soft_cap: float | None = None,
         q_data_type: object = _UNSET,
         kv_data_type: object = None,
+        non_blocking: bool = True,
     ) -> None:
         _check(pos_encoding_mode == "NONE", "rotary is applied outside attention")
         self._plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
@@ -242,11 +325,23 @@ class _DecodeWrapper(_Wrapper):
         kv_layout: str = "NHD",
         use_cuda_graph: bool = False,
         use_tensor_cores: bool = False,
+        paged_kv_indptr_buffer: torch.Tensor | None = None,
+        paged_kv_indices_buffer: torch.Tensor | None = None,
+        paged_kv_last_page_len_buffer: torch.Tensor | None = None,
         *,
         backend: str = "auto",
     ) -> None:
-        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend=backend)
+        buffers = {"indptr": paged_kv_indptr_buffer, "indices": paged_kv_indices_buffer,
+                   "last": paged_kv_last_page_len_buffer}  # fmt: skip
+        for key, t in buffers.items():
+            if use_cuda_graph and not torch.is_tensor(t):
+                name = {"indptr": "indptr", "indices": "indices", "last": "last_page_len"}[key]
+                raise ValueError(
+                    f"paged_kv_{name}_buffer should be a torch.Tensor in cudagraph mode"
+                )
         self.use_tensor_cores = use_tensor_cores
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend=backend,
+                         buffers=buffers)  # fmt: skip
 
     def plan(
         self,
@@ -264,6 +359,7 @@ class _DecodeWrapper(_Wrapper):
         sm_scale: float | None = None,
         q_data_type: object = _UNSET,
         kv_data_type: object = None,
+        non_blocking: bool = True,
     ) -> None:
         _check(pos_encoding_mode == "NONE", "rotary is applied outside attention")
         group = num_qo_heads // max(num_kv_heads, 1)
@@ -334,9 +430,11 @@ class FakeFlashInferError(RuntimeError):
 
 def install(monkeypatch) -> FakeFlashInfer:
     """Make ``import flashinfer`` return a fresh double and let the backend run on CPU."""
-    from radixserve.worker.attention import flashinfer_backend
+    from radixserve.worker.attention import flashinfer_support
 
     fake = FakeFlashInfer()
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    monkeypatch.setattr(flashinfer_backend, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(flashinfer_support, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(flashinfer_support, "device_capability", lambda device: fake.capability)
+    monkeypatch.setattr(flashinfer_support, "has_jit_cache", lambda: fake.jit_available)
     return fake

@@ -24,30 +24,36 @@ def fake(monkeypatch):
 
 
 class Twin:
-    """The flashinfer backend (bf16 pool) and the torch backend (float32 pool) fed the same
-    bf16 inputs step by step; every step's outputs and, at the end, the pools must agree."""
+    """The flashinfer backend (half pool, bf16 by default) and the torch backend (float32
+    pool) fed the same half inputs step by step; every step's outputs and, at the end, the
+    pools must agree. ``strided_q``: q is a view of one fused q/k/v projection, as the
+    model makes it (its rows are not contiguous); ``max_tokens``: KV capacity."""
 
     def __init__(
         self, page_size, kv_heads, group, head_dim, windows=(-1,) * LAYERS, seed=0, device="cpu",
-        scale=None, softcap=0.0,
+        scale=None, softcap=0.0, dtype=torch.bfloat16, strided_q=False, max_tokens=512,
+        prefill_backend="auto",
     ):  # fmt: skip
         self.s, self.kvh, self.heads, self.d = page_size, kv_heads, kv_heads * group, head_dim
-        self.device = device
+        self.device, self.dtype, self.strided_q = device, dtype, strided_q
         torch.manual_seed(seed)
-        num_pages = 512 // page_size + 8
+        num_pages = max_tokens // page_size + 8
         self.rng = np.random.default_rng(seed)
         self.free = list(self.rng.permutation(num_pages))
         dims = (LAYERS, num_pages, page_size, kv_heads, head_dim)
-        self.fi_pool = KVPool(*dims, torch.bfloat16, device)
+        self.fi_pool = KVPool(*dims, dtype, device)
         self.ref_pool = KVPool(*dims, torch.float32, device)
         scale = head_dim**-0.5 if scale is None else scale
         self.fi = create_backend(
-            "flashinfer", self.fi_pool, scale, windows, self.heads, softcap=softcap
-        )
+            "flashinfer", self.fi_pool, scale, windows, self.heads, softcap=softcap,
+            flashinfer_options={"prefill_backend": prefill_backend},
+        )  # fmt: skip
         self.ref = create_backend(
             "torch", self.ref_pool, scale, windows, self.heads, softcap=softcap
         )
         assert self.fi.name == "flashinfer"
+        if hasattr(self.fi._fi, "calls"):  # the double: count from here, not the start-up probe
+            self.fi._fi.calls.clear()
         self.tables: dict[str, list[int]] = {}
         self.lens: dict[str, int] = {}
 
@@ -81,18 +87,39 @@ class Twin:
         self.ref.begin_batch(batch)
         t = qo[-1]
         for layer in range(LAYERS):
-            q = torch.randn(t, self.heads, self.d, device=self.device).bfloat16()
-            # k and v as the model makes them: strided views of one fused projection.
-            kv_proj = torch.randn(t, 2 * self.kvh * self.d, device=self.device).bfloat16()
-            k, v = (x.view(t, self.kvh, self.d) for x in kv_proj.split(self.kvh * self.d, -1))
+            # k and v as the model makes them: strided views of one fused projection
+            # (q too with strided_q).
+            q_size, kv_size = self.heads * self.d * self.strided_q, self.kvh * self.d
+            proj = torch.randn(t, q_size + 2 * kv_size, device=self.device).to(self.dtype)
+            q_part, k_part, v_part = proj.split([q_size, kv_size, kv_size], -1)
+            k, v = (x.view(t, self.kvh, self.d) for x in (k_part, v_part))
+            if self.strided_q:
+                q = q_part.view(t, self.heads, self.d)
+            else:
+                q = torch.randn(t, self.heads, self.d, device=self.device).to(self.dtype)
             out = self.fi.forward(layer, q, k, v)
             want = self.ref.forward(layer, q.float(), k.float(), v.float())
-            assert out.dtype == torch.bfloat16 and out.shape == q.shape
+            assert out.dtype == self.dtype and out.shape == q.shape
             torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)
 
     def check_pools(self) -> None:
         for a, b in zip(self.fi_pool.layers, self.ref_pool.layers):
             assert torch.equal(a.float(), b)  # appends land exactly where torch writes them
+
+
+def run_long_script(twin: Twin, context: int, chunk: int = 1024) -> None:
+    """Long contexts: two requests prefilled in chunks, then decode steps of one and of
+    both (long KV with few rows: where FlashInfer's decode and prefill split the KV)."""
+    twin.new("x"), twin.new("y")
+    done = 0
+    while done < context:
+        n = min(chunk, context - done)
+        twin.step({"x": n, "y": max(1, n // 2)})
+        done += n
+    for _ in range(2):
+        twin.step({"x": 1})
+        twin.step({"x": 1, "y": 1})
+    twin.check_pools()
 
 
 def run_script(twin: Twin, p: int) -> None:
@@ -168,8 +195,11 @@ def test_no_softcap_plans_zero(fake):
 def test_one_workspace_allocated_once(fake):
     pool = KVPool(LAYERS, 8, 16, 1, 64, torch.bfloat16)
     create_backend("flashinfer", pool, 0.125, (4, -1), 2)
-    assert len(fake.workspaces) == 4  # prefill + decode wrapper per distinct window
-    assert all(w is fake.workspaces[0] for w in fake.workspaces)
+    # The probe's backend (its own tiny pool) first, then the real one: 4 wrappers each,
+    # a prefill and a decode wrapper per distinct window, sharing one workspace.
+    assert len(fake.workspaces) == 8
+    probe_ws, real_ws = fake.workspaces[:4], fake.workspaces[4:]
+    assert all(w is real_ws[0] for w in real_ws) and all(w is probe_ws[0] for w in probe_ws)
 
 
 def test_forward_before_begin_batch_is_refused(fake):
@@ -178,3 +208,14 @@ def test_forward_before_begin_batch_is_refused(fake):
     x = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="begin_batch"):
         backend.forward(0, x, x, x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_strided_q_and_float16(fake, dtype):
+    twin = Twin(16, 2, 2, 64, windows=(5, -1), seed=4, dtype=dtype, strided_q=True)
+    run_script(twin, p=16)
+
+
+def test_long_contexts(fake):
+    twin = Twin(16, 1, 2, 64, seed=8, max_tokens=2400)
+    run_long_script(twin, context=700, chunk=256)

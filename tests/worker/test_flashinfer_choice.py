@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from radixserve.worker.attention import KVPool, create_backend
-from radixserve.worker.attention import flashinfer_backend as fb
+from radixserve.worker.attention import AttentionBatch, KVPool, create_backend
+from radixserve.worker.attention import flashinfer_support as fs
 from tests.worker import fake_flashinfer
 from tests.worker.fake_flashinfer import FakeFlashInferError
 
@@ -30,7 +30,7 @@ def test_auto_on_cpu_is_torch_without_importing_flashinfer(monkeypatch):
 
 def test_flashinfer_on_cpu_is_refused_with_the_reason(monkeypatch):
     fake_flashinfer.install(monkeypatch)
-    monkeypatch.setattr(fb, "DEVICE_TYPES", ("cuda",))
+    monkeypatch.setattr(fs, "DEVICE_TYPES", ("cuda",))
     with pytest.raises(ValueError, match=r"'flashinfer' cannot run: it needs a CUDA device"):
         backend("flashinfer", pool())
 
@@ -40,7 +40,7 @@ def test_flashinfer_on_cpu_is_refused_with_the_reason(monkeypatch):
     [
         (torch.float64, 64, r"float16/bfloat16 only \(got float64\)"),
         (torch.float32, 64, r"float16/bfloat16 only \(got float32\)"),
-        (torch.bfloat16, 32, r"head_dim a multiple of 64 \(got 32\)"),
+        (torch.bfloat16, 32, r"head_dim 64/128/256 only \(got 32\)"),
     ],
 )
 def test_unsupported_models_are_refused_and_auto_falls_back(monkeypatch, dtype, head_dim, reason):
@@ -51,7 +51,8 @@ def test_unsupported_models_are_refused_and_auto_falls_back(monkeypatch, dtype, 
 
 
 def test_missing_flashinfer_is_refused_with_install_hint(monkeypatch):
-    monkeypatch.setattr(fb, "DEVICE_TYPES", ("cuda", "cpu"))  # as if on a GPU
+    monkeypatch.setattr(fs, "DEVICE_TYPES", ("cuda", "cpu"))  # as if on a GPU
+    monkeypatch.setattr(fs, "device_capability", lambda device: (9, 0))
     monkeypatch.setitem(sys.modules, "flashinfer", None)
     with pytest.raises(ValueError, match=r"not importable.*pip install radixserve\[gpu\]"):
         backend("flashinfer", pool())
@@ -99,7 +100,7 @@ def plan(w, head_dim=64, **kw):
         ({"kv_data_type": None}, "kv_data_type"),
         ({"last": torch.tensor([0], dtype=torch.int32)}, r"\[1, page_size\]"),
         ({"last": torch.tensor([17], dtype=torch.int32)}, r"\[1, page_size\]"),
-        ({"head_dim": 32}, "multiple of 64"),
+        ({"head_dim": 32}, "Unsupported head_dim: 32"),
     ],
 )
 def test_double_refuses_bad_plans(decode_wrapper, kw, message):
@@ -137,3 +138,173 @@ def test_double_append_refuses_int64_and_out_of_range(monkeypatch):
     with pytest.raises(FakeFlashInferError, match="beyond its request's pages"):
         fake.append_paged_kv_cache(k, k, i32(0), i32(3), *args[2:])
     assert np.isfinite(cache.float().numpy()).all()
+
+
+# The limits the real kernels have, refused before any kernel runs, and the probe behind them.
+
+
+def kv_pool(head_dim=64, kv_heads=1, dtype=torch.bfloat16, layers=1, page_size=16):
+    return KVPool(layers, 8, page_size, kv_heads, head_dim, dtype)
+
+
+@pytest.mark.parametrize("head_dim", [32, 96, 192, 320, 384, 512])
+def test_head_dims_without_kernels_are_refused(monkeypatch, head_dim):
+    fake_flashinfer.install(monkeypatch)
+    with pytest.raises(ValueError, match=rf"head_dim 64/128/256 only \(got {head_dim}\)"):
+        backend("flashinfer", kv_pool(head_dim))
+    chosen = backend("auto", kv_pool(head_dim))
+    assert chosen.name == "torch" and f"got {head_dim}" in chosen.choice_reason
+
+
+@pytest.mark.parametrize(("head_dim", "kv_heads", "threads"), [(256, 33, 1056), (128, 65, 1040)])
+def test_append_thread_limit_is_refused(monkeypatch, head_dim, kv_heads, threads):
+    fake_flashinfer.install(monkeypatch)
+    p = kv_pool(head_dim, kv_heads)
+    with pytest.raises(ValueError, match=rf"{threads} threads per block .* \(limit 1024\)"):
+        create_backend("flashinfer", p, 0.1, (-1,), kv_heads)
+    assert fs.append_threads(head_dim, kv_heads - 1) <= 1024  # one head fewer fits
+
+
+def test_thread_limit_edge_fits(monkeypatch):
+    fake_flashinfer.install(monkeypatch)
+    assert fs.append_threads(256, 32) == 1024
+    assert create_backend("auto", kv_pool(256, 32), 0.1, (-1,), 32).name == "flashinfer"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "capability", "ok"),
+    [
+        (torch.bfloat16, (7, 5), False),
+        (torch.bfloat16, (8, 0), True),
+        (torch.float16, (7, 5), True),
+        (torch.float16, (7, 0), False),
+    ],
+)
+def test_compute_capability(monkeypatch, dtype, capability, ok):
+    fake = fake_flashinfer.install(monkeypatch)
+    fake.capability = capability
+    chosen = backend("auto", kv_pool(dtype=dtype))
+    assert chosen.name == ("flashinfer" if ok else "torch")
+    if not ok:
+        assert f"this GPU is {capability[0]}.{capability[1]}" in chosen.choice_reason
+        with pytest.raises(ValueError, match="compute capability"):
+            backend("flashinfer", kv_pool(dtype=dtype))
+
+
+def test_no_jit_falls_back_under_auto_and_fails_when_named(monkeypatch):
+    fake = fake_flashinfer.install(monkeypatch)
+    fake.jit_available = False  # nothing built yet, no nvcc, no flashinfer-jit-cache
+    monkeypatch.setattr(fs, "find_nvcc", lambda: None)
+    with pytest.raises(ValueError, match=r"prefill step failed .*nvcc.*flashinfer-jit-cache"):
+        backend("flashinfer", kv_pool())
+    chosen = backend("auto", kv_pool())
+    assert chosen.name == "torch" and "pip install flashinfer-jit-cache" in chosen.choice_reason
+    # With the kernels already built (a filled JIT cache) the same machine runs flashinfer.
+    fake.jit_available = True
+    backend("auto", kv_pool())
+    fake.jit_available = False
+    assert backend("auto", kv_pool()).name == "flashinfer"
+
+
+def test_probe_is_what_decides_when_a_static_rule_misses(monkeypatch):
+    """With the head_dim rule switched off, head_dim 192 still cannot be chosen: the
+    double's append kernel refuses it in the probe, as the real one would."""
+    fake_flashinfer.install(monkeypatch)
+    monkeypatch.setattr(fs, "static_reason", lambda *a: None)
+    chosen = backend("auto", kv_pool(192))
+    assert chosen.name == "torch"
+    assert "prefill step failed" in chosen.choice_reason
+    assert "Unsupported head_dim: 192" in chosen.choice_reason
+
+
+def test_probe_refuses_wrong_results(monkeypatch):
+    fake_flashinfer.install(monkeypatch)
+    real = fake_flashinfer._reference
+    monkeypatch.setattr(fake_flashinfer, "_reference", lambda *a: real(*a) + 0.5)
+    with pytest.raises(ValueError, match=r"prefill step gave wrong results \(max error 0.5"):
+        backend("flashinfer", kv_pool())
+    assert backend("auto", kv_pool()).name == "torch"
+
+
+def test_probe_warms_every_mode_and_window_with_progress(monkeypatch, caplog):
+    fake = fake_flashinfer.install(monkeypatch)
+    p = kv_pool(128, 2, layers=3)
+    with caplog.at_level("INFO", logger="radixserve.worker"):
+        chosen = create_backend("auto", p, 0.1, (8, -1, 8), 4, softcap=30.0)
+    assert chosen.name == "flashinfer" and chosen.choice_reason == "auto: probe passed"
+    lines = [r.getMessage() for r in caplog.records if "flashinfer warm-up" in r.getMessage()]
+    assert [line.split(":")[0] for line in lines] == [
+        f"flashinfer warm-up {i}/3" for i in (1, 2, 3)
+    ]
+    built = {(v[0], v[4]) for v in fake.built if v[0] in ("prefill", "decode")}
+    assert built == {("prefill", True), ("prefill", False), ("decode", True), ("decode", False)}
+    assert ("page", torch.bfloat16, 128) in fake.built
+    # The served steps need nothing the warm-up did not build: with building now
+    # impossible, a prefill and a decode step on every layer still run.
+    fake.jit_available = False
+    n = len(fake.built)
+    for qo, kv in (([0, 5], [5]), ([0, 1], [6])):
+        chosen.begin_batch(AttentionBatch(np.array(qo, np.int32), np.array(kv, np.int32),
+                                          np.array([0, 1], np.int32), np.array([3], np.int32)))  # fmt: skip
+        for layer in range(3):
+            x = torch.zeros(qo[1], 4, 128, dtype=torch.bfloat16)
+            kv_x = torch.zeros(qo[1], 2, 128, dtype=torch.bfloat16)
+            chosen.forward(layer, x, kv_x, kv_x)
+    assert len(fake.built) == n
+
+
+# The double's own limits (the tests above rely on them).
+
+
+def test_double_append_head_dims_and_threads(monkeypatch):
+    fake = fake_flashinfer.install(monkeypatch)
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    for head_dim, kv_heads, message in [(192, 1, "Unsupported head_dim: 192"),
+                                        (256, 33, "invalid configuration argument")]:  # fmt: skip
+        cache = torch.zeros(2, 2, 4, kv_heads, head_dim, dtype=torch.bfloat16)
+        k = torch.ones(1, kv_heads, head_dim, dtype=torch.bfloat16)
+        with pytest.raises(FakeFlashInferError, match=message):
+            fake.append_paged_kv_cache(k, k, i32(0), i32(0), cache, i32(1), i32(0, 1), i32(1))
+    cache = torch.zeros(2, 2, 4, 2, 512, dtype=torch.bfloat16)  # append has a 512 kernel
+    k = torch.ones(1, 2, 512, dtype=torch.bfloat16)
+    fake.append_paged_kv_cache(k, k, i32(0), i32(0), cache, i32(1), i32(0, 1), i32(1))
+
+
+def test_double_attention_head_dim_capability_and_jit(decode_wrapper):
+    fake = decode_wrapper.module
+    with pytest.raises(FakeFlashInferError, match="Unsupported head_dim: 512"):
+        plan(decode_wrapper, head_dim=512)
+    fake.capability = (7, 5)
+    with pytest.raises(FakeFlashInferError, match="bfloat16 kernels need sm80"):
+        plan(decode_wrapper)
+    fake.capability = (9, 0)
+    fake.jit_available = False
+    with pytest.raises(RuntimeError, match="nvcc"):
+        plan(decode_wrapper)
+    fake.jit_available = True
+    plan(decode_wrapper)
+    fake.jit_available = False
+    plan(decode_wrapper)  # built once: no build needed any more
+
+
+def test_double_backend_choice(monkeypatch):
+    fake = fake_flashinfer.install(monkeypatch)
+    ws = torch.empty(128 << 20, dtype=torch.uint8)
+    assert fake.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="auto").backend == "fa3"
+    fake.capability = (8, 0)
+    assert fake.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="auto").backend == "fa2"
+    with pytest.raises(FakeFlashInferError, match="fa3 needs sm90"):
+        fake.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa3")
+
+
+def test_check_command(monkeypatch, capsys):
+    from radixserve.worker.attention import flashinfer_probe
+
+    fake = fake_flashinfer.install(monkeypatch)
+    args = ["--device", "cpu", "--head-dim", "64", "--heads", "4", "--kv-heads", "2",
+            "--windows=-1,4"]  # fmt: skip
+    assert flashinfer_probe.main(args) == 0
+    assert "attention backend: flashinfer (auto: probe passed)" in capsys.readouterr().out
+    fake.capability = (7, 5)
+    assert flashinfer_probe.main(args) == 1
+    assert "compute capability 8.0+" in capsys.readouterr().out

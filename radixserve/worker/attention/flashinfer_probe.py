@@ -1,0 +1,169 @@
+"""The start-up probe and warm-up of the flashinfer backend: run what the server will run.
+
+Static rules (``flashinfer_support.py``) cannot see everything: a kernel that fails
+to JIT-build (no nvcc), a CUDA error at launch, a wrong result. So before the
+backend serves, ``probe`` builds a tiny pool of the model's shape (page size, KV
+heads, head_dim, dtype, one layer per distinct sliding window) and runs, with the
+model's scale and soft-cap, the steps the server runs:
+
+1. a fresh prefill of two requests (the prefill wrappers, every window),
+2. a decode step (the decode wrappers, every window),
+3. a prefill chunk after cached tokens mixed with a decode row,
+
+each with ``append_paged_kv_cache``, checked against the torch backend in float32
+on the same inputs. Running them loads (or JIT-compiles: minutes each without
+``flashinfer-jit-cache``) every kernel variant the server uses (the CUDA-graph
+decode wrappers share the decode kernels), so this doubles as the warm-up; each
+step's time is logged as progress. Any failure raises ``ProbeError`` with the
+reason: ``create_backend`` then falls back to torch under ``auto`` and refuses
+under ``flashinfer``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from radixserve.worker.attention import flashinfer_support as support
+from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
+from radixserve.worker.attention.torch_backend import TorchAttention
+from radixserve.worker.kv_pool import KVPool
+
+log = logging.getLogger("radixserve.worker")
+
+#: Largest |flashinfer - float32 torch| accepted (half-precision inputs, outputs ~1).
+TOLERANCE = 3e-2
+#: (mode, new tokens of request 0, of request 1): every mode the server plans.
+STEPS = (("prefill", 5, 3), ("decode", 1, 1), ("chunked prefill + decode", 4, 1))
+PROBE_PAGES = 32  # 16 per request: 10 tokens at page size 1 fit
+
+
+class ProbeError(RuntimeError):
+    """FlashInfer failed the start-up probe; the message is the reason."""
+
+
+def probe(
+    make_backend: Callable[[KVPool, tuple[int, ...]], AttentionBackend],
+    pool: KVPool,
+    scale: float,
+    sliding_windows: tuple[int, ...],
+    num_qo_heads: int,
+    softcap: float = 0.0,
+    progress: Callable[[str], None] = log.info,
+) -> None:
+    """Run each step of ``STEPS`` on ``make_backend(tiny pool, windows)``; ProbeError if any
+    fails or disagrees with the torch backend."""
+    windows = tuple(sorted(set(sliding_windows)))
+    device = pool.layers[0].device if pool.layers else torch.device("cpu")
+    shape = (len(windows), PROBE_PAGES, pool.page_size, pool.num_kv_heads, pool.head_dim)
+    mode = "setup"
+    try:
+        backend = make_backend(KVPool(*shape, pool.dtype, device), windows)
+        ref = TorchAttention(KVPool(*shape, torch.float32, device), scale, windows,
+                             num_qo_heads, "torch", softcap)  # fmt: skip
+        gen = torch.Generator().manual_seed(0)
+        lens = [0, 0]
+        for i, (mode, *new) in enumerate(STEPS, 1):
+            start = time.perf_counter()
+            batch = _batch(lens, new, pool.page_size)
+            err = _run_step(backend, ref, batch, num_qo_heads, pool, device, gen)
+            if not err <= TOLERANCE:
+                raise ProbeError(f"its {mode} step gave wrong results (max error {err:.3g})")
+            progress(
+                f"flashinfer warm-up {i}/{len(STEPS)}: {mode} (windows {list(windows)}, "
+                f"head_dim {pool.head_dim}, {str(pool.dtype).removeprefix('torch.')}) "
+                f"ok in {time.perf_counter() - start:.1f} s"
+            )
+    except ProbeError:
+        raise
+    except Exception as e:
+        message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        hint = support.kernel_build_hint()
+        reason = f"its {mode} step failed ({type(e).__name__}: {message})"
+        raise ProbeError(reason + (f"; {hint}" if hint else "")) from e
+
+
+def _batch(lens: list[int], new: list[int], page_size: int) -> AttentionBatch:
+    """Request i gets ``new[i]`` tokens after its ``lens[i]``; pages laid out in order."""
+    qo, kv, counts = [0], [], []
+    for i, n in enumerate(new):
+        lens[i] += n
+        qo.append(qo[-1] + n)
+        kv.append(lens[i])
+        counts.append(-(-lens[i] // page_size))
+    # Request 0 owns pages 0.., request 1 the pages from the middle of the pool on.
+    tables = [np.arange(c) + i * (PROBE_PAGES // 2) for i, c in enumerate(counts)]
+    return AttentionBatch(
+        qo_indptr=np.asarray(qo, np.int32),
+        kv_lens=np.asarray(kv, np.int32),
+        page_indptr=np.cumsum([0, *counts]).astype(np.int32),
+        page_indices=np.concatenate(tables).astype(np.int32),
+    )
+
+
+def _run_step(backend, ref, batch, num_qo_heads, pool, device, gen) -> float:
+    """Largest |backend - ref| over every layer of one step (synchronises: kernel
+    errors surface here, not in the first real step)."""
+    backend.begin_batch(batch)
+    ref.begin_batch(batch)
+    t, kvh, d = batch.num_tokens, pool.num_kv_heads, pool.head_dim
+    err = 0.0
+    for layer in range(ref.pool.num_layers):
+        q, k, v = (
+            torch.randn(t, h, d, generator=gen).to(device=device, dtype=pool.dtype)
+            for h in (num_qo_heads, kvh, kvh)
+        )
+        out = backend.forward(layer, q, k, v)
+        want = ref.forward(layer, q.float(), k.float(), v.float())
+        err = max(err, float((out.float() - want).abs().max()))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return err
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m radixserve.worker.attention.flashinfer_probe``: check a GPU install.
+
+    Runs the selection (static rules, then the probe) for one attention shape and prints
+    each warm-up step and the verdict; exit status 0 when flashinfer would be chosen.
+    The first run JIT-builds the kernels (into FlashInfer's cache) unless prebuilt.
+    """
+    import argparse
+
+    from radixserve.worker.attention import create_backend
+
+    p = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--heads", type=int, default=32, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument(
+        "--windows",
+        default="-1",
+        help="comma-separated sliding windows, -1: none (--windows=-1,4096)",
+    )
+    p.add_argument("--softcap", type=float, default=0.0)
+    p.add_argument("--prefill-backend", default="auto", choices=["auto", "fa2", "fa3"])
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    windows = tuple(int(w) for w in args.windows.split(","))
+    pool = KVPool(len(windows), 8, args.page_size, args.kv_heads, args.head_dim,
+                  getattr(torch, args.dtype), args.device)  # fmt: skip
+    start = time.perf_counter()
+    backend = create_backend(
+        "auto", pool, args.head_dim**-0.5, windows, args.heads, softcap=args.softcap,
+        flashinfer_options={"prefill_backend": args.prefill_backend},
+    )  # fmt: skip
+    print(f"attention backend: {backend.name} ({backend.choice_reason}) "
+          f"in {time.perf_counter() - start:.1f} s")  # fmt: skip
+    return 0 if backend.name == "flashinfer" else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,146 @@
+"""CUDA graphs for decode steps: one captured model forward per batch size.
+
+A decode step launches a few hundred small kernels; at small batch sizes the
+launches, not the math, set the step time. With graphs on (CUDA, the flashinfer
+backend, ``WorkerConfig.disable_cuda_graph`` off) the worker captures, at start,
+one graph of the whole model forward per capture size (``capture_sizes``: 1, 2, 4,
+8, then every 8 up to 256, capped at ``max_running_requests``, which is always one
+of them), largest first so the smaller ones reuse its memory pool. A decode step
+(every request one new token, every request sampling, nothing to score) pads its
+batch to the smallest capture size that holds it and replays that graph; any other
+step runs eagerly.
+
+What a graph reads lives in static buffers, written before each replay without a
+host sync: token ids, positions and the logits rows here, the attention page table
+and positions in the backend (``FlashInferAttention.begin_graph_batch``, which
+re-plans that size's CUDA-graph wrappers). Pad rows have token 0 at position 0
+and attend to the pool page kept back for them; their logits are dropped.
+
+The rotary tables are grown to the model's whole context before capture (an eager
+forward at ``max_position``), so no replay can need a table the graph does not see.
+
+``capturer_for(device)`` gives the capture function: ``torch.cuda.graph`` on CUDA,
+None elsewhere (no graphs). Tests put an eager stand-in there (it returns the
+function itself), which runs the same bookkeeping on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from radixserve.worker.attention.base import AttentionBatch
+from radixserve.worker.staging import Staging
+
+#: Largest batch size captured (beyond it decode runs eagerly; launches matter less there).
+MAX_CAPTURE_SIZE = 256
+
+Forward = Callable[[], torch.Tensor]
+Capturer = Callable[[Forward], Forward]
+
+
+def capture_sizes(max_running: int, limit: int = MAX_CAPTURE_SIZE) -> tuple[int, ...]:
+    """1, 2, 4, 8, 16, 24, ... below ``min(max_running, limit)``, and that bound itself."""
+    top = max(1, min(max_running, limit))
+    ladder = [1, 2, 4, 8, *range(16, limit + 1, 8)]
+    return tuple(sorted({s for s in ladder if s < top} | {top}))
+
+
+def cuda_capturer(device: torch.device) -> Capturer:
+    """Capture ``fn`` into a CUDA graph (after two eager runs on a side stream, which
+    set up cuBLAS handles and workspaces); every graph shares one memory pool."""
+    pool = torch.cuda.graph_pool_handle()
+
+    def capture(fn: Forward) -> Forward:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            fn()
+            fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+
+        return replay
+
+    return capture
+
+
+def capturer_for(device: torch.device) -> Capturer | None:
+    """How to capture on ``device``: CUDA graphs on CUDA, none elsewhere."""
+    return cuda_capturer(device) if device.type == "cuda" else None
+
+
+class DecodeGraphs:
+    """The captured decode forwards of one model and one flashinfer backend."""
+
+    def __init__(
+        self,
+        model: Callable[..., torch.Tensor],
+        backend,
+        sizes: tuple[int, ...],
+        max_position: int,
+        device: torch.device,
+        capturer: Capturer,
+    ) -> None:
+        self.sizes = tuple(sorted(sizes))
+        self._model, self._backend, self._max_position = model, backend, max_position
+        n = max(self.sizes)
+        i64 = {"dtype": torch.int64, "device": device}
+        self._ids = torch.zeros(n, **i64)
+        self._positions = torch.zeros(n, **i64)
+        self._rows = torch.arange(n, **i64)  # every row's logits (pad rows' are dropped)
+        self._staging = Staging(device, torch.int64)
+        self._capturer = capturer
+        self._graphs: dict[int, Forward] = {}
+        self.replays: dict[int, int] = dict.fromkeys(self.sizes, 0)  # for tests and stats
+
+    def capture(self) -> None:
+        """Capture every size, largest first (an all-padding batch plans each one)."""
+        empty = AttentionBatch(
+            qo_indptr=np.zeros(1, np.int32), kv_lens=np.zeros(0, np.int32),
+            page_indptr=np.zeros(1, np.int32), page_indices=np.zeros(0, np.int32),
+        )  # fmt: skip
+        for size in sorted(self.sizes, reverse=True):
+            self._backend.begin_graph_batch(empty, size)
+            self._fill(np.zeros(0, np.int64), np.zeros(0, np.int64), size)
+            self._graphs[size] = self._capturer(self._forward(size))
+
+    def _forward(self, size: int) -> Forward:
+        def forward() -> torch.Tensor:
+            return self._model(
+                self._ids[:size], self._positions[:size], self._max_position,
+                self._backend, self._rows[:size],
+            )  # fmt: skip
+
+        return forward
+
+    def size_for(self, batch_size: int) -> int | None:
+        """The capture size a decode batch of ``batch_size`` pads to (None: runs eagerly)."""
+        return next((s for s in self.sizes if s >= batch_size), None)
+
+    def _fill(self, ids: np.ndarray, positions: np.ndarray, size: int) -> None:
+        pad = np.zeros(size - len(ids), np.int64)
+        host_ids, host_pos = self._staging.host([np.concatenate([ids, pad]),
+                                                 np.concatenate([positions, pad])])  # fmt: skip
+        self._ids[:size].copy_(host_ids, non_blocking=True)
+        self._positions[:size].copy_(host_pos, non_blocking=True)
+        self._staging.record()
+
+    def run(self, batch: AttentionBatch, ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """Logits [batch_size, vocab] of a decode batch, by replaying its size's graph.
+        The tensor is the graph's own output: valid until the next replay."""
+        size = self.size_for(batch.batch_size)
+        if size is None:
+            raise ValueError(f"no captured size holds a batch of {batch.batch_size}")
+        self._backend.begin_graph_batch(batch, size)
+        self._fill(ids.astype(np.int64), positions.astype(np.int64), size)
+        self.replays[size] += 1
+        return self._graphs[size]()[: batch.batch_size]

@@ -1,0 +1,197 @@
+"""CUDA-graph decode bookkeeping, on CPU through the flashinfer double.
+
+Capture itself needs CUDA; here an eager stand-in "captures" by keeping the
+forward function and "replays" by calling it again. Everything around it is the
+real code: capture sizes, padding a batch to one, the static buffers the graph
+reads (re-planned per replay with FlashInfer's CUDA-graph wrappers, which the
+double makes read back from those buffers), the pad page, and greedy tokens equal
+to eager runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from radixserve.protocol import Step, StepReq
+from radixserve.sampling_params import SamplingParams
+from radixserve.worker import cuda_graph
+from radixserve.worker.attention import AttentionBatch, KVPool, create_backend
+from radixserve.worker.config import WorkerConfig
+from radixserve.worker.model_runner import ModelRunner
+from tests.helpers.tiny_models import make_tiny_model
+from tests.worker import fake_flashinfer
+
+
+def eager_capturer(fn):
+    return fn
+
+
+def test_capture_sizes():
+    assert cuda_graph.capture_sizes(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    assert cuda_graph.capture_sizes(5) == (1, 2, 4, 5)  # max running is always a size
+    assert cuda_graph.capture_sizes(1) == (1,)
+    assert cuda_graph.capture_sizes(1000)[-3:] == (240, 248, 256)
+
+
+def decode_batch(kv_lens, tables):
+    return AttentionBatch(
+        qo_indptr=np.arange(len(kv_lens) + 1, dtype=np.int32),
+        kv_lens=np.array(kv_lens, np.int32),
+        page_indptr=np.cumsum([0, *map(len, tables)]).astype(np.int32),
+        page_indices=np.concatenate(tables).astype(np.int32),
+    )
+
+
+@pytest.fixture
+def graph_backend(monkeypatch):
+    fake = fake_flashinfer.install(monkeypatch)
+    pool = KVPool(2, 33, 4, 2, 64, torch.bfloat16)  # page 32: the pad page
+    backend = create_backend("flashinfer", pool, 0.125, (6, -1), 4)
+    backend.setup_graphs((1, 2, 4), max_pages_per_slot=8, pad_page=32)
+    return fake, backend
+
+
+def test_graph_batch_pads_to_its_size_in_static_buffers(graph_backend):
+    _, backend = graph_backend
+    assert [backend.graph_size_for(b) for b in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, None]
+    assert {bs: len(ws) for bs, ws in backend._g_wrappers.items()} == {1: 2, 2: 2, 4: 2}
+    ptrs = backend._g_indptr.data_ptr(), backend._g_indices.data_ptr()
+    backend.begin_graph_batch(decode_batch([5, 2, 9], [[0, 1], [4], [8, 9, 10]]), 4)
+    assert backend._g_indptr[:5].tolist() == [0, 2, 3, 6, 7]  # a pad row: one page
+    assert backend._g_indices[:7].tolist() == [0, 1, 4, 8, 9, 10, 32]  # ... the pad page
+    assert backend._g_last[:4].tolist() == [1, 2, 1, 1]
+    assert backend._g_positions[:4].tolist() == [4, 1, 8, 0]  # kv_len - 1; pad rows 0
+    backend.begin_graph_batch(decode_batch([6], [[0, 1]]), 1)
+    assert backend._g_indptr[:2].tolist() == [0, 2] and backend._g_positions[0] == 5
+    assert (backend._g_indptr.data_ptr(), backend._g_indices.data_ptr()) == ptrs  # reused
+    with pytest.raises(ValueError, match="4 or fewer decode rows"):
+        backend.begin_graph_batch(decode_batch([1] * 5, [[i] for i in range(5)]), 4)
+    with pytest.raises(ValueError, match="no CUDA-graph wrappers"):
+        backend.begin_graph_batch(decode_batch([1], [[0]]), 3)
+
+
+def test_double_graph_wrappers_have_a_fixed_batch_size(graph_backend):
+    fake, backend = graph_backend
+    wrapper = backend._g_wrappers[2][-1]
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(ValueError, match="batch size should be fixed"):
+        wrapper.plan(i32(0, 1), i32(0), i32(1), 4, 2, 64, 4, q_data_type=torch.bfloat16,
+                     kv_data_type=torch.bfloat16)  # fmt: skip
+    ws = torch.empty(128 << 20, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="paged_kv_indptr_buffer should be a torch.Tensor"):
+        fake.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=True, backend="fa2")
+
+
+def test_graph_steps_equal_eager_steps_and_touch_only_the_pad_page(graph_backend, monkeypatch):
+    """Decode steps through the graph wrappers (batch 3 padded to 4, then 1) give what
+    the torch backend gives, and the pad rows write nowhere but the pad page."""
+    _, backend = graph_backend
+    ref = create_backend("torch", KVPool(2, 33, 4, 2, 64, torch.float32), 0.125, (6, -1), 4)
+    torch.manual_seed(0)
+    tables = [[0, 1, 2], [4], [8, 9]]
+    steps = [(decode_batch([9, 3, 7], tables), 4), (decode_batch([10], [tables[0]]), 1)]
+    prefill = AttentionBatch(np.array([0, 8, 10, 16], np.int32), np.array([8, 2, 6], np.int32),
+                             np.array([0, 2, 3, 5], np.int32), np.array([0, 1, 4, 8, 9], np.int32))  # fmt: skip
+    for b, size in [(prefill, None), *steps]:
+        if size is None:
+            backend.begin_batch(b)
+        else:
+            backend.begin_graph_batch(b, size)
+        ref.begin_batch(b)
+        t = b.num_tokens
+        for layer in range(2):
+            q = torch.randn(t, 4, 64).bfloat16()
+            k, v = torch.randn(2, t, 2, 64).bfloat16()
+            if size is not None:  # the graph runs over the padded batch: pad rows of zeros
+                pad = torch.zeros(size - t, *q.shape[1:], dtype=q.dtype)
+                pad_kv = torch.zeros(size - t, 2, 64, dtype=k.dtype)
+                out = backend.forward(layer, torch.cat([q, pad]), torch.cat([k, pad_kv]),
+                                      torch.cat([v, pad_kv]))[:t]  # fmt: skip
+            else:
+                out = backend.forward(layer, q, k, v)
+            want = ref.forward(layer, q.float(), k.float(), v.float())
+            torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)
+    for a, r in zip(backend.pool.layers, ref.pool.layers):
+        assert torch.equal(a[:32].float(), r[:32])  # every page but the pad page agrees
+
+
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny-llama-graphs"), "llama", seed=7,
+        hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+
+
+def generate(runner, page_size):
+    """Three prompts, then decode steps of 3 (padded to 4) and, after one finishes, 2."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(4, 500, n).astype(np.int32) for n in (11, 5, 8)]
+    out = {s: [] for s in range(3)}
+    pos, pages = {}, {}
+
+    def req(slot, ids, first):
+        start = pos.get(slot, 0)
+        need = -(-(start + len(ids)) // page_size)
+        have = len(pages.setdefault(slot, []))
+        new = list(range(40 * slot + have, 40 * slot + need))
+        pages[slot] += new
+        pos[slot] = start + len(ids)
+        return StepReq(slot, ids, start, np.array(new, np.int32), True, GREEDY if first else None)
+
+    def run(reqs):
+        for r, t in zip(reqs, runner.step(Step(reqs)).tokens):
+            out[r.slot].append(int(t))
+
+    run([req(s, p, True) for s, p in enumerate(prompts)])
+    for _ in range(4):
+        run([req(s, np.array(out[s][-1:], np.int32), False) for s in range(3)])
+    runner.step(Step([], release=np.array([1], np.int32)))
+    for _ in range(3):
+        run([req(s, np.array(out[s][-1:], np.int32), False) for s in (0, 2)])
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_runner_graph_tokens_equal_eager(monkeypatch, model_dir, page_size):
+    """Replayed (padded) decode steps give the eager flashinfer steps' greedy tokens
+    (flashinfer vs the torch backend: test_flashinfer_runner.py)."""
+    fake_flashinfer.install(monkeypatch)
+    monkeypatch.setattr(cuda_graph, "capturer_for", lambda device: eager_capturer)
+    results, runners = {}, {}
+    for name, backend, off in [("eager", "flashinfer", True), ("graph", "flashinfer", False)]:
+        cfg = WorkerConfig(model=str(model_dir), dtype="bfloat16", page_size=page_size,
+                           num_pages=160, max_running_requests=4, attention_backend=backend,
+                           disable_cuda_graph=off, warmup=False)  # fmt: skip
+        runners[name] = ModelRunner(cfg)
+        results[name] = generate(runners[name], page_size)
+    assert results["graph"] == results["eager"]
+    assert [len(t) for t in results["graph"].values()] == [8, 5, 8]
+    graph = runners["graph"]
+    assert graph.graphs is not None and graph.graphs.sizes == (1, 2, 4)
+    assert graph.graphs.replays == {1: 0, 2: 3, 4: 4}  # 3 rows pad to 4; then 2 rows
+    assert runners["eager"].graphs is None
+    # One page more than the scheduler hands out: the pad page.
+    assert graph.num_pages == 160 and graph.pool.num_pages == 161
+    assert graph.info().num_pages == 160
+
+
+def test_capture_failure_falls_back_to_eager(monkeypatch, model_dir, caplog):
+    fake_flashinfer.install(monkeypatch)
+
+    def broken(fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cuda_graph, "capturer_for", lambda device: broken)
+    cfg = WorkerConfig(model=str(model_dir), dtype="bfloat16", page_size=16, num_pages=160,
+                       max_running_requests=4, attention_backend="flashinfer", warmup=False)  # fmt: skip
+    with caplog.at_level("WARNING", logger="radixserve.worker"):
+        runner = ModelRunner(cfg)
+    assert runner.graphs is None
+    assert any("CUDA graphs off: capture failed" in r.getMessage() for r in caplog.records)
+    assert len(generate(runner, 16)[0]) == 8
