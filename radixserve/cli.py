@@ -337,6 +337,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --curve-secret-key: any client that has the server's public key may "
         "connect (encrypted, but clients are not authenticated)",
     )
+    ev = p.add_argument_group("KV cache events and replicas (docs/scale-out.md)")
+    ev.add_argument(
+        "--kv-events",
+        metavar="tcp://HOST:PORT",
+        default=None,
+        help="publish the radix tree's changes (ZeroMQ PUB, msgpack) after every step; "
+        "loopback only unless --curve-secret-key; port 0 picks a free one (printed)",
+    )
+    ev.add_argument(
+        "--kv-events-replay",
+        metavar="tcp://HOST:PORT",
+        default=None,
+        help="the replay socket (missed batches, or a snapshot); default: --kv-events' "
+        "port + 1",
+    )
+    ev.add_argument(
+        "--replica-id", default=None, help="this server's name in its events (default host:pid)"
+    )
     p.add_argument(
         "--exit-with-parent",
         action="store_true",
@@ -395,6 +413,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         http_host=args.http_host,
         served_model_name=args.served_model_name,
         watchdog_timeout=args.watchdog_timeout,
+        kv_events=args.kv_events,
+        kv_events_replay=args.kv_events_replay,
+        replica_id=args.replica_id,
         exit_with_parent=args.exit_with_parent,
         curve_secret_key=args.curve_secret_key,
         curve_allowed_clients=args.curve_allowed_clients,
