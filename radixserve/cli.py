@@ -399,6 +399,16 @@ def build_parser() -> argparse.ArgumentParser:
     from radixserve.benchmark.cli import add_arguments
 
     add_arguments(b)
+    r = sub.add_parser(
+        "router",
+        help="one endpoint in front of several servers, routing by their caches",
+        description="Route clients (the public protocol) to replicas by the longest "
+        "prefix each one caches, from their KV events (docs/scale-out.md).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    from radixserve.router.cli import add_arguments as router_arguments
+
+    router_arguments(r)
     return parser
 
 
@@ -478,6 +488,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bench_main(args)
     if args.command == "keys":
         return keys_main(args)
+    if args.command == "router":
+        from radixserve.router.cli import main as router_main
+
+        return router_main(args)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s launch %(levelname)s %(message)s",
