@@ -349,8 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-events-replay",
         metavar="tcp://HOST:PORT",
         default=None,
-        help="the replay socket (missed batches, or a snapshot); default: --kv-events' "
-        "port + 1",
+        help="the replay socket (missed batches, or a snapshot); default: --kv-events' port + 1",
     )
     ev.add_argument(
         "--replica-id", default=None, help="this server's name in its events (default host:pid)"

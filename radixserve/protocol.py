@@ -672,9 +672,7 @@ KV_EVENTS_SCHEMA = 1
 KV_EVENT_KINDS = ("stored", "removed", "cleared")
 KEY_BYTES = 32  # one page's key: a SHA-256 digest (radixserve.scheduler.kv_events)
 FLOAT = Kind("a number", _is_float, float)
-KEYS = Kind(
-    "concatenated 32-byte keys", lambda x: isinstance(x, bytes) and len(x) % KEY_BYTES == 0
-)
+KEYS = Kind("concatenated 32-byte keys", lambda x: isinstance(x, bytes) and len(x) % KEY_BYTES == 0)
 KEY = Kind("a 32-byte key", lambda x: isinstance(x, bytes) and len(x) == KEY_BYTES)
 SALTS = Kind(
     "a list of strings or nulls",

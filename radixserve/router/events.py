@@ -82,7 +82,10 @@ class EventFollower:
 
     def tick(self) -> None:
         """Re-ask a replay that went unanswered (call now and then)."""
-        if self.pending_since is not None and time.monotonic() - self.pending_since > REPLAY_TIMEOUT_S:
+        if (
+            self.pending_since is not None
+            and time.monotonic() - self.pending_since > REPLAY_TIMEOUT_S
+        ):
             self.ask()
 
     # ----------------------------------------------------------- receive

@@ -254,7 +254,9 @@ class Router:
             return
         limit = self.config.max_requests_per_client
         if self.per_client[identity] >= limit:
-            self._send_error(identity, msg.id, f"{P.TOO_MANY_IN_FLIGHT} (at most {limit} per client)")
+            self._send_error(
+                identity, msg.id, f"{P.TOO_MANY_IN_FLIGHT} (at most {limit} per client)"
+            )
             return
         live = [r for r in self.replicas if r.up]
         if not live:
@@ -342,7 +344,9 @@ class Router:
         errors = {i: m for i, m in fan.answers.items() if isinstance(m, P.Error)}
         if not fan.answers or (errors and fan.kind is not P.Health):
             why = "; ".join(f"{self.replicas[i].name}: {m.message}" for i, m in errors.items())
-            self._send_error(fan.identity, fan.client_id, why or f"{P.SERVER_FAILED}: no replica is up")
+            self._send_error(
+                fan.identity, fan.client_id, why or f"{P.SERVER_FAILED}: no replica is up"
+            )
             return
         data = {i: m.data for i, m in fan.answers.items() if isinstance(m, P.Reply)}
         self._send(fan.identity, P.Reply(fan.client_id, self._aggregate(fan.kind, data)))

@@ -18,6 +18,7 @@ PUB drops messages for a subscriber that is slow or not connected yet (ZeroMQ's
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -159,10 +160,9 @@ class KVEventPublisher:
                 log.info("kv replay: refused a request: %s", e)
                 continue
             answer = self.log.replay(msg.since, load)
-            try:
+            # A subscriber that left asks again when it comes back.
+            with contextlib.suppress(zmq.ZMQError):
                 self.replay.send_multipart([frames[0], answer.encode()], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass  # the subscriber left; it asks again when it comes back
 
     def describe(self) -> dict:
         """The endpoints and the last seq (in stats, so a router can find them)."""

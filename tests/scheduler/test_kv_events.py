@@ -51,9 +51,14 @@ def check_mirror(sched: Scheduler, mirror: KVMirror) -> None:
         assert sched.cache.peek_prefix(np.asarray(toks, dtype=np.int32), salt) == len(toks)
     for key, page in mirror.pages.items():  # spot-check keys against a fresh chain
         parent = page.parent
-        assert key == hashlib.sha256(
-            salt_tag(page.salt) + (parent or bytes(32)) + np.asarray(page.tokens, "<i4").tobytes()
-        ).digest()
+        assert (
+            key
+            == hashlib.sha256(
+                salt_tag(page.salt)
+                + (parent or bytes(32))
+                + np.asarray(page.tokens, "<i4").tobytes()
+            ).digest()
+        )
 
 
 @st.composite
@@ -64,9 +69,10 @@ def workloads(draw):
     reqs = []
     for i in range(draw(st.integers(1, 16))):
         t = templates[int(rng.integers(3))]
-        prompt = t[: int(rng.integers(1, len(t) + 1))] + rng.integers(
-            3, VOCAB, int(rng.integers(0, 12))
-        ).tolist()
+        prompt = (
+            t[: int(rng.integers(1, len(t) + 1))]
+            + rng.integers(3, VOCAB, int(rng.integers(0, 12))).tolist()
+        )
         reqs.append(
             dict(
                 rid=f"q{i}",
