@@ -354,6 +354,34 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--replica-id", default=None, help="this server's name in its events (default host:pid)"
     )
+    ev.add_argument(
+        "--dp",
+        type=_positive,
+        default=1,
+        help="data parallelism: start this many replicas (each with its own worker, "
+        "scheduler and tokenizer) behind a cache-aware router on --host/--port",
+    )
+    from radixserve.router.policy import POLICIES, PolicyConfig
+
+    ev.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default=PolicyConfig.policy,
+        help="with --dp: how the router picks a replica (docs/scale-out.md)",
+    )
+    ev.add_argument(
+        "--balance-abs-threshold",
+        type=_non_negative,
+        default=PolicyConfig.balance_abs_threshold,
+        help="with --dp and cache_aware: the load is imbalanced when the busiest replica "
+        "has more than this many requests over the least busy one ...",
+    )
+    ev.add_argument(
+        "--balance-rel-threshold",
+        type=float,
+        default=PolicyConfig.balance_rel_threshold,
+        help="... and more than this times its load; then the least loaded replica wins",
+    )
     p.add_argument(
         "--exit-with-parent",
         action="store_true",
@@ -496,6 +524,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s launch %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    if args.command == "launch" and args.dp > 1:
+        from radixserve.router.launch_dp import launch_dp
+        from radixserve.router.policy import PolicyConfig
+
+        policy = PolicyConfig(args.policy, args.balance_abs_threshold, args.balance_rel_threshold)
+        return launch_dp(config_from_args(args), args.dp, policy, http_keys(args))
     if args.command == "launch":
         from radixserve.launch import launch
 
