@@ -41,14 +41,14 @@ class DataParallelLauncher:
         self,
         config: ServerConfig,
         dp: int,
-        policy: PolicyConfig = PolicyConfig(),
+        policy: PolicyConfig | None = None,
         http_keys: Keys = NO_KEYS,
     ) -> None:
         if dp < 1:
             raise LaunchError(f"--dp must be >= 1, got {dp}")
         self.config = config
         self.dp = dp
-        self.policy = policy
+        self.policy = policy or PolicyConfig()
         self.http_keys = http_keys
         self.replicas: list[Launcher | None] = [None] * dp
         self.ports = [0] * dp
