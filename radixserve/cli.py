@@ -3,7 +3,8 @@ lists every flag.
 
 Subcommands: ``launch`` (start a server; its command line is turned into one
 ``ServerConfig`` here, and only here: one flag per ``EngineConfig`` field, whose
-dest is the field's name), ``keys`` (write CURVE certificates for the public
+dest is the field's name; with ``--dp N``, N replicas behind a router),
+``router`` (one endpoint in front of several servers, ``radixserve.router``), ``keys`` (write CURVE certificates for the public
 socket, ``radixserve.curve``) and ``bench`` (the shared-prompt benchmark
 suite, ``radixserve.benchmark``; ``radixserve bench --help``).
 """

@@ -22,6 +22,8 @@ from radixserve.config import EngineConfig
 from radixserve.router.policy import POLICIES, PolicyConfig
 from radixserve.router.server import Router, RouterConfig
 
+STARTUP_TIMEOUT_S = 60.0
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
@@ -140,14 +142,20 @@ def main(args: argparse.Namespace) -> int:
     parent = os.getppid()
     ctx = zmq.Context()
     router = Router(config, ctx, tokenizer)
+
+    def alive() -> bool:
+        return not stop and not (args.exit_with_parent and os.getppid() != parent)
+
+    # Ready once every replica answers (a client's first request then has somewhere
+    # to go); replicas still missing after the timeout join when they come up.
+    if not router.wait_replicas(STARTUP_TIMEOUT_S, alive):
+        down = [r.name for r in router.replicas if not r.up]
+        logging.getLogger("radixserve.router").warning("replicas not up yet: %s", down)
     print(f"radixserve: serving on {router.endpoint}", flush=True)
     print(
         f"radixserve: router over {len(config.replicas)} replicas (policy {config.policy.policy})",
         flush=True,
     )
-
-    def alive() -> bool:
-        return not stop and not (args.exit_with_parent and os.getppid() != parent)
 
     try:
         router.serve(alive)

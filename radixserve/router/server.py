@@ -128,6 +128,16 @@ class Router:
         while alive():
             self.poll_once(POLL_MS)
 
+    def wait_replicas(self, timeout_s: float, alive=lambda: True) -> bool:
+        """Serve until every replica is up with its mirror synced (or ``timeout_s``
+        passed); whether they all are."""
+        deadline = time.monotonic() + timeout_s
+        while alive() and time.monotonic() < deadline:
+            if all(r.up and (r.events is None or r.mirror is not None) for r in self.replicas):
+                return True
+            self.poll_once(50)
+        return False
+
     def poll_once(self, timeout_ms: int) -> None:
         poller = zmq.Poller()
         poller.register(self.public, zmq.POLLIN)
