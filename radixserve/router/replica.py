@@ -13,6 +13,7 @@ restarted replica later.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,7 @@ class Forwarded:
     replica: int
     open_samples: int
     stream: bool
-    salt: str | None = None
+    keys: list[bytes] = field(default_factory=list)  # its prompt's, counted in ``pending``
 
 
 @dataclass
@@ -51,6 +52,8 @@ class Replica:
     stats: dict | None = None
     events: EventFollower | None = None
     in_flight: dict[str, Forwarded] = field(default_factory=dict)
+    # Keys of the prompts in flight here (how many prompts hold each).
+    pending: Counter[bytes] = field(default_factory=Counter)
     routed: int = 0  # requests sent here since the router started
     failed: int = 0  # requests failed because the replica went away
     probe_tag: int = 0
@@ -79,6 +82,27 @@ class Replica:
         if m is not None and m.load:
             reported = int(m.load.get("running", 0)) + int(m.load.get("waiting", 0))
         return max(len(self.in_flight), reported)
+
+    def add_pending(self, keys: list[bytes]) -> None:
+        self.pending.update(keys)
+
+    def drop_pending(self, keys: list[bytes]) -> None:
+        pending = self.pending
+        for k in keys:
+            n = pending[k] - 1
+            if n > 0:
+                pending[k] = n
+            else:
+                del pending[k]
+
+    def pending_match(self, keys: list[bytes]) -> int:
+        """How many leading keys of a prompt the prompts in flight here share."""
+        n = 0
+        for k in keys:
+            if k not in self.pending:
+                break
+            n += 1
+        return n
 
     def free_pages(self) -> int:
         m = self.events.mirror if self.events is not None else None
@@ -138,6 +162,7 @@ class Replica:
         lost = list(self.in_flight.values())
         self.failed += len(lost)
         self.in_flight.clear()
+        self.pending.clear()
         return lost
 
     def close(self) -> None:

@@ -273,15 +273,16 @@ class Router:
             self._send_error(identity, msg.id, f"{P.SERVER_FAILED}: no replica is up")
             return
         ids = self._prompt_ids(msg)
-        r = self._route(live, ids, msg.cache_salt, msg.id)
+        r, keys = self._route(live, ids, msg.cache_salt, msg.id)
         self.next_id += 1
         rid = f"g{self.next_id}"
-        fwd = Forwarded(identity, msg.id, r.index, msg.sampling.n, msg.stream, msg.cache_salt)
+        fwd = Forwarded(identity, msg.id, r.index, msg.sampling.n, msg.stream, keys)
         if not r.send(replace(msg, id=rid)):
             self._send_error(identity, msg.id, f"{P.SERVER_FAILED}: the replica at {r.name} "
                              "cannot take requests")  # fmt: skip
             return
         r.routed += 1
+        r.add_pending(keys)
         r.in_flight[rid] = fwd
         self.requests[rid] = fwd
         self.by_client[(identity, msg.id)] = rid
@@ -299,18 +300,27 @@ class Router:
             return None
 
     def _route(self, live: list[Replica], ids: list[int] | None, salt: str | None,
-               client_id: str) -> Replica:  # fmt: skip
+               client_id: str) -> tuple[Replica, list[bytes]]:  # fmt: skip
+        """The replica for a prompt, and the prompt's keys in its page size.
+
+        A replica's match is the longer of its mirror's and that of the prompts in
+        flight there (``Replica.pending``): a prompt being prefilled will be cached
+        a moment later, so a burst of prompts with one new prefix goes to one replica.
+        """
         keys_by_size: dict[int, list[bytes]] = {}
-        matches = []
+        matches, keys_of = [], []
         for r in live:
             m = r.mirror
             if m is None or ids is None or m.page_size is None or len(ids) < 2:
                 matches.append(0)
+                keys_of.append([])
                 continue
             ps = m.page_size
             if ps not in keys_by_size:
                 keys_by_size[ps] = page_keys(ids[: len(ids) - 1], ps, salt)
-            matches.append(m.match(keys_by_size[ps]) * ps)
+            keys = keys_by_size[ps]
+            matches.append(max(m.match(keys), r.pending_match(keys)) * ps)
+            keys_of.append(keys)
         loads = [r.load() for r in live]
         decision = choose(
             self.config.policy, self.rr, matches, loads, [r.free_pages() for r in live]
@@ -318,7 +328,7 @@ class Router:
         if self.config.decisions:
             self.decisions.append((client_id, live[decision.replica].index, matches, decision))
             del self.decisions[: -self.config.decisions]
-        return live[decision.replica]
+        return live[decision.replica], keys_of[decision.replica]
 
     def _tokenize(self, identity: bytes, msg: P.Tokenize) -> None:
         if self.inputs is None:
@@ -422,7 +432,9 @@ class Router:
         self.per_client[fwd.identity] -= 1
         if not self.per_client[fwd.identity]:
             del self.per_client[fwd.identity]
-        self.replicas[fwd.replica].in_flight.pop(rid, None)
+        r = self.replicas[fwd.replica]
+        if r.in_flight.pop(rid, None) is not None:
+            r.drop_pending(fwd.keys)
 
     def _send(self, identity: bytes, msg: P.Message) -> None:
         try:
