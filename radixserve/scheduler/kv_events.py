@@ -138,6 +138,11 @@ class KVEventRecorder:
         self._events.append(KVEvent("cleared"))
 
     # -------------------------------------------------------------- events
+    @property
+    def has_events(self) -> bool:
+        """Whether changes wait to be taken."""
+        return bool(self._events)
+
     def take(self) -> list[KVEvent]:
         """The changes since the last call, in order."""
         events, self._events = self._events, []

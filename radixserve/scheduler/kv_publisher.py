@@ -74,7 +74,7 @@ class KVEventLog:
         return self.snapshot(load)
 
     def snapshot(self, load: dict) -> P.KVSnapshot:
-        assert not self.recorder._events, "a snapshot between batches only"
+        assert not self.recorder.has_events, "a snapshot between batches only"
         keys, parents, salt_ids, salts, tokens = self.recorder.snapshot_rows()
         return P.KVSnapshot(
             self.replica, self.epoch, self.seq, time.time(), self.page_size,
