@@ -3,7 +3,8 @@ lists every flag.
 
 Subcommands: ``launch`` (start a server; its command line is turned into one
 ``ServerConfig`` here, and only here: one flag per ``EngineConfig`` field, whose
-dest is the field's name), ``keys`` (write CURVE certificates for the public
+dest is the field's name; with ``--dp N``, N replicas behind a router),
+``router`` (one endpoint in front of several servers, ``radixserve.router``), ``keys`` (write CURVE certificates for the public
 socket, ``radixserve.curve``) and ``bench`` (the shared-prompt benchmark
 suite, ``radixserve.benchmark``; ``radixserve bench --help``).
 """
@@ -374,6 +375,51 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --curve-secret-key: any client that has the server's public key may "
         "connect (encrypted, but clients are not authenticated)",
     )
+    ev = p.add_argument_group("KV cache events and replicas (docs/scale-out.md)")
+    ev.add_argument(
+        "--kv-events",
+        metavar="tcp://HOST:PORT",
+        default=None,
+        help="publish the radix tree's changes (ZeroMQ PUB, msgpack) after every step; "
+        "loopback only unless --curve-secret-key; port 0 picks a free one (printed)",
+    )
+    ev.add_argument(
+        "--kv-events-replay",
+        metavar="tcp://HOST:PORT",
+        default=None,
+        help="the replay socket (missed batches, or a snapshot); default: --kv-events' port + 1",
+    )
+    ev.add_argument(
+        "--replica-id", default=None, help="this server's name in its events (default host:pid)"
+    )
+    ev.add_argument(
+        "--dp",
+        type=_positive,
+        default=1,
+        help="data parallelism: start this many replicas (each with its own worker, "
+        "scheduler and tokenizer) behind a cache-aware router on --host/--port",
+    )
+    from radixserve.router.policy import POLICIES, PolicyConfig
+
+    ev.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default=PolicyConfig.policy,
+        help="with --dp: how the router picks a replica (docs/scale-out.md)",
+    )
+    ev.add_argument(
+        "--balance-abs-threshold",
+        type=_non_negative,
+        default=PolicyConfig.balance_abs_threshold,
+        help="with --dp and cache_aware: the load is imbalanced when the busiest replica "
+        "has more than this many requests over the least busy one ...",
+    )
+    ev.add_argument(
+        "--balance-rel-threshold",
+        type=float,
+        default=PolicyConfig.balance_rel_threshold,
+        help="... and more than this times its load; then the least loaded replica wins",
+    )
     p.add_argument(
         "--exit-with-parent",
         action="store_true",
@@ -418,6 +464,16 @@ def build_parser() -> argparse.ArgumentParser:
     from radixserve.benchmark.cli import add_arguments
 
     add_arguments(b)
+    r = sub.add_parser(
+        "router",
+        help="one endpoint in front of several servers, routing by their caches",
+        description="Route clients (the public protocol) to replicas by the longest "
+        "prefix each one caches, from their KV events (docs/scale-out.md).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    from radixserve.router.cli import add_arguments as router_arguments
+
+    router_arguments(r)
     return parser
 
 
@@ -432,6 +488,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         http_host=args.http_host,
         served_model_name=args.served_model_name,
         watchdog_timeout=args.watchdog_timeout,
+        kv_events=args.kv_events,
+        kv_events_replay=args.kv_events_replay,
+        replica_id=args.replica_id,
         exit_with_parent=args.exit_with_parent,
         curve_secret_key=args.curve_secret_key,
         curve_allowed_clients=args.curve_allowed_clients,
@@ -494,11 +553,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bench_main(args)
     if args.command == "keys":
         return keys_main(args)
+    if args.command == "router":
+        from radixserve.router.cli import main as router_main
+
+        return router_main(args)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s launch %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    if args.command == "launch" and args.dp > 1:
+        from radixserve.router.launch_dp import launch_dp
+        from radixserve.router.policy import PolicyConfig
+
+        policy = PolicyConfig(args.policy, args.balance_abs_threshold, args.balance_rel_threshold)
+        return launch_dp(config_from_args(args), args.dp, policy, http_keys(args))
     if args.command == "launch":
         from radixserve.launch import launch
 

@@ -56,6 +56,7 @@ from radixserve.curve import (
     secret_file_problem,
 )
 from radixserve.http.auth import ADMIN_KEY_ENV, API_KEY_ENV, NO_KEYS, Keys
+from radixserve.scheduler.kv_publisher import kv_events_host
 from radixserve.server_config import CONTROL, HTTP_IN, TOKENIZER_IN, ServerConfig
 
 log = logging.getLogger("radixserve.launch")
@@ -89,6 +90,7 @@ class Launcher:
         self.signalled: int | None = None
         self.endpoint = ""
         self.http_url = ""
+        self.kv_events: dict = {}  # the scheduler's events endpoints (--kv-events)
 
     # ----------------------------------------------------------------- start
     def start(self) -> None:
@@ -103,6 +105,7 @@ class Launcher:
         self._spawn("tokenizer")
         ready = self._wait_ready({"scheduler", "tokenizer"})
         self.endpoint = ready["tokenizer"]["endpoint"]
+        self.kv_events = ready["scheduler"]
         if self.config.http_port is not None:
             self._spawn("http")
             self.http_url = self._wait_ready({"http"})["http"]["url"]
@@ -268,6 +271,10 @@ def check_public_socket(config: ServerConfig) -> None:
     not fit its address: a non-loopback ``--host`` needs CURVE keys, and the CURVE flags
     must make sense together and name usable files. Checked before anything starts."""
     curve = config.curve_secret_key is not None
+    if config.kv_events is not None:
+        if config.engine.cache != "radix":
+            raise LaunchError("--kv-events needs --cache radix (--cache none caches nothing)")
+        check_kv_events(config.kv_events, config.kv_events_replay, curve)
     if not curve and not is_loopback(config.host):
         raise LaunchError(
             f"--host {config.host} is not a loopback address, so the public socket needs "
@@ -299,6 +306,21 @@ def check_public_socket(config: ServerConfig) -> None:
         log.warning("--curve-secret-key %s", problem)
 
 
+def check_kv_events(endpoint: str, replay: str | None, curve: bool) -> None:
+    """The events sockets bind loopback only, unless the server has CURVE keys (then
+    they are CURVE servers with the public socket's keys and allowed clients)."""
+    try:
+        hosts = [kv_events_host(endpoint)] + ([kv_events_host(replay)] if replay else [])
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+    for host in hosts:
+        if not curve and not is_loopback(host):
+            raise LaunchError(
+                f"--kv-events on {host}, not a loopback address, needs CURVE keys "
+                '(--curve-secret-key; docs/security.md, "Serving beyond loopback")'
+            )
+
+
 def launch(config: ServerConfig, http_keys: Keys = NO_KEYS) -> int:
     """Run the server until a signal or a child's death; return the exit code."""
     try:
@@ -326,6 +348,10 @@ def launch(config: ServerConfig, http_keys: Keys = NO_KEYS) -> int:
     print(f"radixserve: serving on {launcher.endpoint}", flush=True)
     if launcher.http_url:
         print(f"radixserve: http on {launcher.http_url} (OpenAI API at /v1)", flush=True)
+    if launcher.kv_events:
+        ev = launcher.kv_events
+        print(f"radixserve: kv events on {ev['kv_events']} (replay "
+              f"{ev['kv_events_replay']})", flush=True)  # fmt: skip
     print(f"radixserve: {launcher.summary()}", flush=True)
     print(f"radixserve: processes {pids} run_dir={launcher.run_dir} (Ctrl-C stops)", flush=True)
     try:

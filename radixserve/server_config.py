@@ -34,6 +34,11 @@ class ServerConfig:
     # Fail the requests in flight and stop the server when the worker takes longer than
     # this many seconds over one step (a hung or stopped worker); 0: never.
     watchdog_timeout: float = 300.0
+    # KV cache events (docs/scale-out.md): the scheduler's PUB endpoint, tcp://HOST:PORT
+    # (None: off), its replay socket (None: PORT + 1), and the replica's name in them.
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    replica_id: str | None = None
     exit_with_parent: bool = False  # the launcher stops when the process that started it dies
     launcher_pid: int = 0  # set by the launcher: each child stops when this pid is gone
     run_dir: str = ""  # the private runtime dir holding the ipc sockets

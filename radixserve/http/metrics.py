@@ -76,10 +76,28 @@ class Metrics:
             key: counter(name, doc) for key, (name, doc) in SCHEDULER_COUNTERS.items()
         }
         self._seen: dict[str, int] = {}
+        self._seen_replicas: dict[tuple[str, str], int] = {}
         self.running = gauge("num_requests_running", "Requests holding a worker slot.")
         self.waiting = gauge("num_requests_waiting", "Requests queued in the scheduler.")
         self.kv_pages = gauge(
             "kv_pages", "KV pages by state: free, used (by requests), cached.", ("state",)
+        )
+        # Behind a router (``radixserve launch --dp``): the same, per replica.
+        self.replica_up = gauge("replica_up", "Whether the router routes to the replica.",
+                                ("replica",))  # fmt: skip
+        self.replica_routed = counter(
+            "replica_routed_requests", "Requests the router sent to the replica.", ("replica",)
+        )
+        self.replica_counters = {
+            key: counter(f"replica_{name}", doc, ("replica",))
+            for key, (name, doc) in SCHEDULER_COUNTERS.items()
+        }
+        self.replica_running = gauge("replica_num_requests_running",
+                                     "Requests holding a worker slot.", ("replica",))  # fmt: skip
+        self.replica_waiting = gauge("replica_num_requests_waiting",
+                                     "Requests queued in the scheduler.", ("replica",))  # fmt: skip
+        self.replica_kv_pages = gauge(
+            "replica_kv_pages", "KV pages by state: free, used, cached.", ("replica", "state")
         )
         self._lock = asyncio.Lock()
         # Expose every series from the start (at 0), so a first scrape already lists them.
@@ -113,8 +131,30 @@ class Metrics:
             # The scheduler's counters only grow while it lives; treat a drop as a restart.
             counter.labels(m).inc(value - last if value >= last else value)
             self._seen[key] = value
+        for row in stats.get("replicas", ()):  # type: ignore[union-attr]
+            self._apply_replica(row)
         self.running.labels(m).set(stats["running"])
         self.waiting.labels(m).set(stats["waiting"])
         self.kv_pages.labels(m, "free").set(stats["pages_free"])
         self.kv_pages.labels(m, "used").set(stats["pages_used"])
         self.kv_pages.labels(m, "cached").set(stats["pages_cached"])
+
+    def _apply_replica(self, row: dict) -> None:
+        m, name = self.model_name, str(row["endpoint"])
+        self.replica_up.labels(m, name).set(1 if row.get("up") else 0)
+        self._grow(self.replica_routed.labels(m, name), ("routed", name), int(row["routed"]))
+        st = row.get("stats")
+        if not st:
+            return
+        for key, counter in self.replica_counters.items():
+            self._grow(counter.labels(m, name), (key, name), int(st[key]))
+        self.replica_running.labels(m, name).set(st["running"])
+        self.replica_waiting.labels(m, name).set(st["waiting"])
+        for state in ("free", "used", "cached"):
+            self.replica_kv_pages.labels(m, name, state).set(st[f"pages_{state}"])
+
+    def _grow(self, child, key: tuple[str, str], value: int) -> None:
+        """Add a counter's increase since the last scrape (a drop: it restarted)."""
+        last = self._seen_replicas.get(key, 0)
+        child.inc(value - last if value >= last else value)
+        self._seen_replicas[key] = value

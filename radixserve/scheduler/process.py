@@ -23,12 +23,17 @@ process exits 1, so the launcher stops the server (exit code 1).
 from __future__ import annotations
 
 import logging
+import os
+import socket as pysocket
+import threading
 import time
 
 import zmq
 
 from radixserve import protocol as P
 from radixserve.config import build_scheduler
+from radixserve.curve import load_allowed_keys, load_secret_certificate, require_curve
+from radixserve.scheduler.kv_publisher import KVEventLog, KVEventPublisher
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.server_config import (
     CONTROL,
@@ -38,6 +43,7 @@ from radixserve.server_config import (
     WORKER_IN,
     ServerConfig,
 )
+from radixserve.tokenizer.zap import ZapHandler
 from radixserve.utils.proc import POLL_MS, Lifeline, child_main, socket
 
 log = logging.getLogger("radixserve.scheduler")
@@ -51,9 +57,15 @@ class WorkerHung(RuntimeError):
 
 class SchedulerLoop:
     def __init__(
-        self, scheduler: Scheduler, ctx: zmq.Context, config: ServerConfig, life: Lifeline
+        self,
+        scheduler: Scheduler,
+        ctx: zmq.Context,
+        config: ServerConfig,
+        life: Lifeline,
+        events: KVEventPublisher | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.events = events
         self.watchdog_timeout = config.watchdog_timeout  # 0: no watchdog
         self.inbox = socket(ctx, zmq.PULL, config.endpoint(SCHEDULER_IN), bind=True)
         self.from_worker = socket(ctx, zmq.PULL, config.endpoint(SCHEDULER_FROM_WORKER), bind=True)
@@ -72,8 +84,13 @@ class SchedulerLoop:
 
     def _loop(self) -> None:
         idle = True
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        if self.events is not None:
+            poller.register(self.events.replay, zmq.POLLIN)
         while self.life.alive():
-            if self.inbox.poll(POLL_MS if idle else 0):
+            ready = dict(poller.poll(POLL_MS if idle else 0))
+            if self.inbox in ready:
                 while True:
                     try:
                         data = self.inbox.recv(zmq.NOBLOCK)
@@ -81,9 +98,26 @@ class SchedulerLoop:
                         break
                     self.handle(P.decode(data, INBOX))
             outputs = self.scheduler.step(self.run_step)
+            if self.events is not None:
+                # Before the outputs: a client that got its result finds the KV it
+                # left already announced.
+                load = self.load()
+                self.events.publish(load)
+                if self.events.replay in ready:
+                    self.events.serve_replays(load)
             if outputs:
                 self.to_tokenizer.send(P.Outputs(outputs).encode())
             idle = not self.scheduler.has_work()
+
+    def load(self) -> dict:
+        s = self.scheduler
+        return {
+            "running": s.num_running,
+            "waiting": s.num_waiting,
+            "pages_free": s.allocator.num_free,
+            "pages_evictable": s.cache.evictable_pages,
+            "num_pages": s.config.num_pages,
+        }
 
     def run_step(self, step: P.Step) -> P.StepResult:
         """Send ``step`` to the worker and wait for its result."""
@@ -114,8 +148,13 @@ class SchedulerLoop:
             s.abort_request(msg.rid, reason=msg.reason, index=msg.index)
         elif isinstance(msg, P.Flush):
             self.reply(msg.tag, {"freed_pages": s.flush_cache()})
+            if self.events is not None:
+                self.events.publish(self.load())
         elif isinstance(msg, P.GetStats):
-            self.reply(msg.tag, s.stats())
+            stats: dict = s.stats()
+            if self.events is not None:
+                stats.update(self.events.describe())
+            self.reply(msg.tag, stats)
         elif isinstance(msg, P.CheckIdle):
             self.reply(msg.tag, self.check_idle())
 
@@ -137,11 +176,42 @@ class SchedulerLoop:
 def run(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
     assert config.model is not None, "the launcher passes the worker's model info"
     scheduler = build_scheduler(config.engine, config.model)
-    loop = SchedulerLoop(scheduler, ctx, config, life)
+    events = start_kv_events(scheduler, ctx, config)
+    loop = SchedulerLoop(scheduler, ctx, config, life, events)
     control = socket(ctx, zmq.PUSH, config.endpoint(CONTROL), bind=False)
-    control.send(P.Ready("scheduler").encode())
+    info = {} if events is None else events.describe()
+    control.send(P.Ready("scheduler", info).encode())
     log.info("ready: %d pages of %d tokens", config.model.num_pages, config.model.page_size)
     loop.run()
+
+
+def start_kv_events(
+    scheduler: Scheduler, ctx: zmq.Context, config: ServerConfig
+) -> KVEventPublisher | None:
+    """With ``--kv-events``: record the tree's changes and bind the PUB and replay
+    sockets (CURVE servers, with the public socket's keys, when it has them)."""
+    if config.kv_events is None:
+        return None
+    curve = None
+    if config.curve_secret_key is not None:
+        require_curve()
+        curve = load_secret_certificate(config.curve_secret_key)
+        allowed = None
+        if not config.curve_allow_any_client:
+            assert config.curve_allowed_clients is not None  # the launcher checked
+            allowed = load_allowed_keys(config.curve_allowed_clients)
+        zap = ZapHandler(ctx, allowed)  # before the CURVE sockets bind
+        threading.Thread(target=_serve_zap, args=(zap,), daemon=True).start()
+    replica = config.replica_id or f"{pysocket.gethostname()}:{os.getpid()}"
+    log_ = KVEventLog(scheduler.record_kv_events(), replica)
+    return KVEventPublisher(ctx, log_, config.kv_events, config.kv_events_replay, curve)
+
+
+def _serve_zap(zap: ZapHandler) -> None:
+    """Answer ZAP requests for the events sockets (a thread: the loop blocks in steps)."""
+    while True:
+        zap.socket.poll()
+        zap.handle()
 
 
 def main() -> None:

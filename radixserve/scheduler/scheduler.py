@@ -46,6 +46,7 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.kv_cache import KVCacheManager
+from radixserve.scheduler.kv_events import KVEventRecorder
 from radixserve.scheduler.policy import order_waiting, shared_prefix_len
 from radixserve.scheduler.radix_impl import make_prefix_cache
 from radixserve.scheduler.request import ReqStatus, Request
@@ -584,6 +585,13 @@ class Scheduler:
             del self._requests[req.rid]
 
     # ------------------------------------------------------ cache and stats
+    def record_kv_events(self) -> KVEventRecorder:
+        """From now on, record every change of the tree (``--kv-events``,
+        docs/scale-out.md); the recorder wraps the cache, so call before any request."""
+        recorder = KVEventRecorder(self.cache, self.allocator)
+        self.cache = self.kv.cache = recorder
+        return recorder
+
     def flush_cache(self) -> int:
         """Evict every unlocked page now; returns how many pages were freed."""
         return self.kv.flush()

@@ -1,0 +1,475 @@
+"""The router: one public endpoint in front of several replicas, routing by cache.
+
+It speaks the public protocol exactly as a server's tokenizer does (the same
+``protocol.decode``, limits, heartbeats, routing-id rules and CURVE option), so
+``radixserve.client``, ``radixserve bench`` and the HTTP front work against it
+unchanged. Per message:
+
+* ``generate``: tokenized here as the replicas would (same tokenizer, chat
+  template and ``chat_special_tokens``), the key chain of its prompt (less the
+  last token, as the scheduler matches) looked up in every live replica's
+  mirror, the replica chosen by the policy (``policy.py``), and the message
+  forwarded with a router-made id; every reply goes back with the client's id.
+  A prompt the router cannot tokenize is forwarded unrouted, so the replica's
+  own error reaches the client word for word.
+* ``abort``: to the replica running it. ``tokenize``: answered here.
+* ``stats``, ``health``, ``flush_cache``, ``check``: sent to every live replica
+  and answered once all did (or went away), aggregated: sums of the counters,
+  and ``replicas``, one entry per replica with its own stats.
+
+A replica whose connection closes fails the requests in flight on it (``error``,
+starting with "the server failed") and gets no new ones; when it comes back (a
+new handshake) it is probed, its mirror rebuilt from a snapshot, and it is
+routed to again. A client that goes away has its requests aborted on the
+replicas.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import zmq
+
+from radixserve import protocol as P
+from radixserve.router.policy import Decision, PolicyConfig, RoundRobin, choose
+from radixserve.router.replica import Forwarded, Replica
+from radixserve.scheduler.kv_events import page_keys
+from radixserve.tokenizer.config import TokenizerConfig
+from radixserve.tokenizer.connections import Connections
+from radixserve.tokenizer.inputs import InputProcessor
+from radixserve.tokenizer.process import seed_routing_ids
+from radixserve.tokenizer.zap import enable_curve
+
+log = logging.getLogger("radixserve.router")
+
+POLL_MS = 200
+PROBE_EVERY_S = 1.0
+ADMIN_TYPES = (P.Stats, P.Health, P.FlushCache, P.Check)
+# Stats summed over replicas (the rest are per replica, under "replicas").
+SUMMED = (
+    "num_pages", "pages_free", "pages_cached", "pages_used", "pages_evictable", "hit_tokens",
+    "query_tokens", "running", "waiting", "releasing", "steps", "preemptions", "in_flight",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    replicas: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 30000
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    model: str | None = None  # whose tokenizer routes prompts (the replicas' model)
+    cache_dir: str | None = None
+    chat_special_tokens: bool = False
+    max_message_bytes: int = 8 << 20
+    max_requests_per_client: int = 1024
+    curve_secret_key: str | None = None
+    curve_allowed_clients: str | None = None
+    curve_allow_any_client: bool = False
+    curve_server_key: str | None = None  # the replicas' public key, when they use CURVE
+    curve_client_key: str | None = None  # this router's key pair towards the replicas
+    ipc_endpoint: str | None = None  # a second public endpoint (the HTTP front's)
+    decisions: int = 0  # how many routing decisions to keep for inspection (tests)
+
+
+@dataclass
+class _Fanout:
+    identity: bytes
+    client_id: str
+    kind: type
+    waiting: set[int]
+    answers: dict[int, P.Message] = field(default_factory=dict)
+
+
+class Router:
+    def __init__(self, config: RouterConfig, ctx: zmq.Context, tokenizer: Any) -> None:
+        if not config.replicas:
+            raise ValueError("the router needs at least one --replica")
+        self.config = config
+        self.ctx = ctx
+        limits = TokenizerConfig(chat_special_tokens=config.chat_special_tokens)
+        self.inputs = None if tokenizer is None else InputProcessor(tokenizer, None, limits)
+        curve = None
+        if config.curve_server_key is not None:
+            from radixserve.client.common import curve_keys
+
+            curve = curve_keys(config.curve_server_key, config.curve_client_key)
+        self.replicas = [Replica(i, ep, ctx, curve) for i, ep in enumerate(config.replicas)]
+        seed_routing_ids()
+        self.public = ctx.socket(zmq.ROUTER)
+        self.public.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.public.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
+        self.public.setsockopt(zmq.LINGER, 1000)
+        self.public.setsockopt(zmq.HEARTBEAT_IVL, P.HEARTBEAT_IVL_MS)
+        self.public.setsockopt(zmq.HEARTBEAT_TIMEOUT, P.HEARTBEAT_TIMEOUT_MS)
+        self.client_monitor = self.public.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.connections = Connections()
+        if config.ipc_endpoint:
+            self.public.bind(config.ipc_endpoint)
+        self.zap = enable_curve(ctx, self.public, config)  # type: ignore[arg-type]
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        self.public.bind(f"tcp://{host}:{config.port if config.port else '*'}")
+        self.endpoint = self.public.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.rr = RoundRobin()
+        self.requests: dict[str, Forwarded] = {}  # by router id
+        self.by_client: dict[tuple[bytes, str], str] = {}
+        self.per_client: Counter[bytes] = Counter()
+        self.fanouts: dict[str, _Fanout] = {}
+        self.next_id = 0
+        self.decisions: list[tuple[str, int, list[int], Decision]] = []
+        self.last_probe = 0.0
+
+    # ------------------------------------------------------------------ loop
+    def serve(self, alive=lambda: True) -> None:
+        while alive():
+            self.poll_once(POLL_MS)
+
+    def wait_replicas(self, timeout_s: float, alive=lambda: True) -> bool:
+        """Serve until every replica is up with its mirror synced (or ``timeout_s``
+        passed); whether they all are."""
+        deadline = time.monotonic() + timeout_s
+        while alive() and time.monotonic() < deadline:
+            if all(r.up and (r.events is None or r.mirror is not None) for r in self.replicas):
+                return True
+            self.poll_once(50)
+        return False
+
+    def poll_once(self, timeout_ms: int) -> None:
+        poller = zmq.Poller()
+        poller.register(self.public, zmq.POLLIN)
+        poller.register(self.client_monitor, zmq.POLLIN)
+        if self.zap is not None:
+            poller.register(self.zap.socket, zmq.POLLIN)
+        owner: dict[zmq.Socket, tuple[Replica, str]] = {}
+        for r in self.replicas:
+            owner[r.sock] = (r, "reply")
+            owner[r.monitor] = (r, "monitor")
+            if r.events is not None:
+                for s in r.events.sockets():
+                    owner[s] = (r, "events")
+        for s in owner:
+            poller.register(s, zmq.POLLIN)
+        ready = dict(poller.poll(timeout_ms))
+        if self.zap is not None and self.zap.socket in ready:
+            self.zap.handle()
+        for sock in ready:
+            if sock in owner:
+                r, what = owner[sock]
+                if what == "monitor":
+                    self._on_monitor(r)
+                elif what == "reply":
+                    self._on_replica_replies(r)
+                elif r.events is not None:
+                    r.events.on_readable(sock)
+        self._take_client_disconnects()
+        if self.public in ready:
+            while (frames := _recv_frames(self.public)) is not None:
+                self._take_client_disconnects()
+                self.connections.seen(frames[0].bytes, frames[-1])
+                self._on_client([f.bytes for f in frames])
+        now = time.monotonic()
+        if now - self.last_probe >= PROBE_EVERY_S:
+            self.last_probe = now
+            for r in self.replicas:
+                if r.events is not None:
+                    r.events.tick()
+
+    # ------------------------------------------------------ replica events
+    def _on_monitor(self, r: Replica) -> None:
+        while (frames := _recv_multipart(r.monitor)) is not None:
+            was_up = r.link.up
+            dropped = r.link.on_event(frames)
+            if r.link.up and not was_up:
+                r.probe()
+            elif dropped and not r.link.up:
+                self._replica_down(r, "its connection closed")
+
+    def _replica_down(self, r: Replica, why: str) -> None:
+        lost = r.down()
+        log.warning("replica %s is down (%s): %d requests in flight fail", r.name, why, len(lost))
+        message = f"{P.SERVER_FAILED}: the replica at {r.name} went away ({why})"
+        for rid, fwd in [(k, v) for k, v in self.requests.items() if v.replica == r.index]:
+            self._forget(rid)
+            self._send_error(fwd.identity, fwd.client_id, message)
+        for fid, fan in list(self.fanouts.items()):
+            if r.index in fan.waiting:
+                fan.waiting.discard(r.index)
+                self._maybe_answer(fid)
+
+    def _on_replica_replies(self, r: Replica) -> None:
+        while (data := _recv(r.sock)) is not None:
+            try:
+                msg = P.decode(data, P.PUBLIC_REPLIES)
+            except P.ProtocolError as e:
+                log.warning("replica %s sent a bad reply: %s", r.name, e)
+                continue
+            rid = getattr(msg, "id", None)
+            if rid is None:
+                log.warning("replica %s: an error without an id: %s", r.name, msg)
+            elif rid.startswith("probe:"):
+                if r.on_probe(msg):
+                    log.info("replica %s is up", r.name)
+            elif rid.startswith("admin:"):
+                fid = rid.split(":", 2)[1]
+                fan = self.fanouts.get(fid)
+                if fan is not None and r.index in fan.waiting:
+                    fan.waiting.discard(r.index)
+                    fan.answers[r.index] = msg
+                    self._maybe_answer(fid)
+            else:
+                self._relay(rid, msg)
+
+    def _relay(self, rid: str, msg: P.Message) -> None:
+        fwd = self.requests.get(rid)
+        if fwd is None:
+            return  # aborted, or its client left
+        if isinstance(msg, P.Error):
+            self._forget(rid)
+        elif isinstance(msg, P.ResultMsg) or getattr(msg, "finish_reason", None) is not None:
+            fwd.open_samples -= 1
+            if fwd.open_samples <= 0:
+                self._forget(rid)
+        self._send(fwd.identity, replace(msg, id=fwd.client_id))
+
+    # ------------------------------------------------------ client messages
+    def _on_client(self, parts: list[bytes]) -> None:
+        identity = parts[0]
+        if len(parts) != 2:
+            self._send_error(identity, None, "a message must be a single frame")
+            return
+        try:
+            msg = P.decode(parts[1], P.PUBLIC_REQUESTS)
+        except P.ProtocolError as e:
+            self._send_error(identity, e.request_id, str(e))
+            return
+        if isinstance(msg, P.Generate):
+            self._generate(identity, msg)
+        elif isinstance(msg, P.Abort):
+            rid = self.by_client.get((identity, msg.id))
+            if rid is not None:
+                self.replicas[self.requests[rid].replica].send(P.Abort(rid))
+                # Its last reply (an abort) still comes back and is relayed.
+        elif isinstance(msg, P.Tokenize):
+            self._tokenize(identity, msg)
+        else:
+            self._fan_out(identity, msg)
+
+    def _generate(self, identity: bytes, msg: P.Generate) -> None:
+        if (identity, msg.id) in self.by_client:
+            self._send_error(identity, msg.id, f"request id {msg.id!r} is already in use")
+            return
+        limit = self.config.max_requests_per_client
+        if self.per_client[identity] >= limit:
+            self._send_error(
+                identity, msg.id, f"{P.TOO_MANY_IN_FLIGHT} (at most {limit} per client)"
+            )
+            return
+        live = [r for r in self.replicas if r.up]
+        if not live:
+            self._send_error(identity, msg.id, f"{P.SERVER_FAILED}: no replica is up")
+            return
+        ids = self._prompt_ids(msg)
+        r, keys = self._route(live, ids, msg.cache_salt, msg.id)
+        self.next_id += 1
+        rid = f"g{self.next_id}"
+        fwd = Forwarded(identity, msg.id, r.index, msg.sampling.n, msg.stream, keys)
+        if not r.send(replace(msg, id=rid)):
+            self._send_error(identity, msg.id, f"{P.SERVER_FAILED}: the replica at {r.name} "
+                             "cannot take requests")  # fmt: skip
+            return
+        r.routed += 1
+        r.add_pending(keys)
+        r.in_flight[rid] = fwd
+        self.requests[rid] = fwd
+        self.by_client[(identity, msg.id)] = rid
+        self.per_client[identity] += 1
+
+    def _prompt_ids(self, msg: P.Generate) -> list[int] | None:
+        """The prompt's tokens as the replicas compute them (None: let them say why not)."""
+        if msg.input_ids is not None:
+            return msg.input_ids
+        if self.inputs is None:
+            return None
+        try:
+            return self.inputs.to_ids(msg.prompt, None, msg.messages, msg.tools)
+        except Exception:  # the replica answers the same input with its own error
+            return None
+
+    def _route(self, live: list[Replica], ids: list[int] | None, salt: str | None,
+               client_id: str) -> tuple[Replica, list[bytes]]:  # fmt: skip
+        """The replica for a prompt, and the prompt's keys in its page size.
+
+        A replica's match is the longer of its mirror's and that of the prompts in
+        flight there (``Replica.pending``): a prompt being prefilled will be cached
+        a moment later, so a burst of prompts with one new prefix goes to one replica.
+        """
+        keys_by_size: dict[int, list[bytes]] = {}
+        matches, keys_of = [], []
+        for r in live:
+            m = r.mirror
+            if m is None or ids is None or m.page_size is None or len(ids) < 2:
+                matches.append(0)
+                keys_of.append([])
+                continue
+            ps = m.page_size
+            if ps not in keys_by_size:
+                keys_by_size[ps] = page_keys(ids[: len(ids) - 1], ps, salt)
+            keys = keys_by_size[ps]
+            matches.append(max(m.match(keys), r.pending_match(keys)) * ps)
+            keys_of.append(keys)
+        loads = [r.load() for r in live]
+        decision = choose(
+            self.config.policy, self.rr, matches, loads, [r.free_pages() for r in live]
+        )
+        if self.config.decisions:
+            self.decisions.append((client_id, live[decision.replica].index, matches, decision))
+            del self.decisions[: -self.config.decisions]
+        return live[decision.replica], keys_of[decision.replica]
+
+    def _tokenize(self, identity: bytes, msg: P.Tokenize) -> None:
+        if self.inputs is None:
+            self._send_error(identity, msg.id, "this router has no tokenizer (--model)")
+            return
+        try:
+            ids = self.inputs.tokenize(
+                msg.prompt, msg.messages, msg.add_special_tokens, msg.add_generation_prompt
+            )
+        except Exception as e:
+            self._send_error(identity, msg.id, str(e) if isinstance(e, ValueError)
+                             else f"could not tokenize: {e!r}"[:200])  # fmt: skip
+            return
+        self._send(identity, P.Reply(msg.id, {"input_ids": ids}))
+
+    # --------------------------------------------------------- aggregation
+    def _fan_out(self, identity: bytes, msg: P.Message) -> None:
+        live = [r for r in self.replicas if r.up]
+        self.next_id += 1
+        fid = str(self.next_id)
+        fan = _Fanout(identity, msg.id, type(msg), set())  # type: ignore[attr-defined]
+        self.fanouts[fid] = fan
+        for r in live:
+            if r.send(replace(msg, id=f"admin:{fid}:{r.index}")):
+                fan.waiting.add(r.index)
+        self._maybe_answer(fid)
+
+    def _maybe_answer(self, fid: str) -> None:
+        fan = self.fanouts[fid]
+        if fan.waiting:
+            return
+        del self.fanouts[fid]
+        errors = {i: m for i, m in fan.answers.items() if isinstance(m, P.Error)}
+        if not fan.answers or (errors and fan.kind is not P.Health):
+            why = "; ".join(f"{self.replicas[i].name}: {m.message}" for i, m in errors.items())
+            self._send_error(
+                fan.identity, fan.client_id, why or f"{P.SERVER_FAILED}: no replica is up"
+            )
+            return
+        data = {i: m.data for i, m in fan.answers.items() if isinstance(m, P.Reply)}
+        self._send(fan.identity, P.Reply(fan.client_id, self._aggregate(fan.kind, data)))
+
+    def _aggregate(self, kind: type, data: dict[int, dict]) -> dict:
+        if kind is P.FlushCache:
+            return {"freed_pages": sum(int(d.get("freed_pages", 0)) for d in data.values())}
+        if kind is P.Check:
+            bad = [f"{self.replicas[i].name}: {d.get('error')}" for i, d in data.items()
+                   if not d.get("ok")]  # fmt: skip
+            return {"ok": not bad, "error": "; ".join(bad) or None}
+        if kind is P.Health:
+            first = data[min(data)] if data else {}
+            return {**first, "status": "ok", "endpoint": self.endpoint,
+                    "replicas": self._replica_table(data)}  # fmt: skip
+        out: dict[str, Any] = {k: 0 for k in SUMMED}
+        for d in data.values():
+            for k in SUMMED:
+                v = d.get(k)
+                if isinstance(v, int) and not isinstance(v, bool):
+                    out[k] += v
+        out["in_flight"] = len(self.requests)
+        out["page_size"] = next((d.get("page_size") for d in data.values()), None)
+        out["replicas"] = self._replica_table(data)
+        return out
+
+    def _replica_table(self, data: dict[int, dict]) -> list[dict]:
+        table = []
+        for r in self.replicas:
+            m = r.mirror
+            row = {
+                "endpoint": r.name,
+                "up": r.up,
+                "routed": r.routed,
+                "failed": r.failed,
+                "in_flight": len(r.in_flight),
+                "mirror_pages": m.num_pages if m is not None else 0,
+                "mirror_seq": m.seq if m is not None else 0,
+            }
+            if r.index in data:
+                row["stats"] = data[r.index]
+            table.append(row)
+        return table
+
+    # -------------------------------------------------------------- clients
+    def _take_client_disconnects(self) -> None:
+        while (event := _recv_multipart(self.client_monitor)) is not None:
+            for identity in self.connections.closed(event):
+                self._client_gone(identity)
+
+    def _client_gone(self, identity: bytes) -> None:
+        for (ident, _), rid in list(self.by_client.items()):
+            if ident == identity:
+                fwd = self.requests[rid]
+                self.replicas[fwd.replica].send(P.Abort(rid))
+                self._forget(rid)
+        for fid in [k for k, f in self.fanouts.items() if f.identity == identity]:
+            del self.fanouts[fid]
+
+    def _forget(self, rid: str) -> None:
+        fwd = self.requests.pop(rid)
+        del self.by_client[(fwd.identity, fwd.client_id)]
+        self.per_client[fwd.identity] -= 1
+        if not self.per_client[fwd.identity]:
+            del self.per_client[fwd.identity]
+        r = self.replicas[fwd.replica]
+        if r.in_flight.pop(rid, None) is not None:
+            r.drop_pending(fwd.keys)
+
+    def _send(self, identity: bytes, msg: P.Message) -> None:
+        try:
+            self.public.send_multipart([identity, msg.encode()], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self._client_gone(identity)
+
+    def _send_error(self, identity: bytes, rid: str | None, message: str) -> None:
+        if len(message) > P.MAX_ERROR_CHARS:
+            message = message[: P.MAX_ERROR_CHARS - 3] + "..."
+        self._send(identity, P.Error(rid, message))
+
+    def close(self) -> None:
+        for r in self.replicas:
+            r.close()
+        self.client_monitor.close(0)
+        self.public.close(0)
+
+
+def _recv(sock: zmq.Socket) -> bytes | None:
+    try:
+        return sock.recv(zmq.NOBLOCK)
+    except zmq.Again:
+        return None
+
+
+def _recv_frames(sock: zmq.Socket) -> list[zmq.Frame] | None:
+    try:
+        return sock.recv_multipart(zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        return None
+
+
+def _recv_multipart(sock: zmq.Socket) -> list[bytes] | None:
+    try:
+        return sock.recv_multipart(zmq.NOBLOCK)
+    except zmq.Again:
+        return None
