@@ -232,9 +232,25 @@ class Client:
     def _send(self, msg: P.Message) -> None:
         self._send_bytes(msg.encode())
 
-    def _send_bytes(self, data: bytes) -> None:
-        with self._lock:
-            self._sock.send(data)
+    def _send_bytes(self, data: bytes, request_id: str | None = None) -> None:
+        """Queue ``data`` for the server. With no connection to queue it on (before the
+        first handshake, or once the server has refused this client's keys) a blocking
+        send would wait for ever, so this waits in short slices and takes the monitor's
+        events meanwhile: a refused handshake (or a link down too long) then raises
+        ``ConnectionLost`` for a new request (``request_id``), and drops an abort."""
+        while True:
+            with self._lock:
+                try:
+                    self._sock.send(data, zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    pass
+                self._read()
+                if request_id is None and (self._link.refused or self._link.down_too_long()):
+                    return  # nothing to abort on a connection that is not there
+                if request_id is not None:
+                    self._link.check_send(request_id)
+                self._poller.poll(50)
 
     def _next(self, rid: str, deadline: float | None) -> P.Message | LinkLost:
         """The next reply for ``rid``, sorting replies for other requests into their boxes
@@ -288,7 +304,7 @@ class _InFlight:
             self.client._link.check_send(rid)
             self.client._mail[rid] = deque()
         try:
-            self.client._send_bytes(data)
+            self.client._send_bytes(data, rid)
         except BaseException:
             with self.client._lock:
                 del self.client._mail[rid]
