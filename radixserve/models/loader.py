@@ -48,10 +48,9 @@ def load_hf_config(source: ModelSource) -> Any:
     return AutoConfig.from_pretrained(str(source.folder))
 
 
-def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a safetensors checkpoint, single file or sharded (index.json)."""
-    from safetensors.torch import load_file
-
+def safetensors_files(folder: Path) -> list[str]:
+    """The weight files of a safetensors checkpoint: the index's (sharded) or every
+    ``*.safetensors`` in the folder. FileNotFoundError when there are none."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -59,6 +58,14 @@ def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
         files = sorted(p.name for p in folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no safetensors weights in {folder}")
+    return files
+
+
+def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors checkpoint, single file or sharded (index.json)."""
+    from safetensors.torch import load_file
+
+    files = safetensors_files(folder)
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         weights.update(load_file(str(folder / f)))

@@ -10,7 +10,6 @@ Both take transformers' names; ``renamed`` puts a name map in front of one.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -53,13 +52,9 @@ class SafetensorsReader:
     def __init__(self, folder: Path) -> None:
         from safetensors import safe_open
 
-        index = folder / "model.safetensors.index.json"
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        else:
-            files = sorted(p.name for p in folder.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no safetensors weights in {folder}")
+        from radixserve.models.loader import safetensors_files
+
+        files = safetensors_files(folder)
         self._handles = [safe_open(str(folder / f), framework="pt") for f in files]
         self._where: dict[str, Any] = {}
         for handle in self._handles:

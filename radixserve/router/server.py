@@ -43,6 +43,7 @@ from radixserve.tokenizer.connections import Connections
 from radixserve.tokenizer.inputs import InputProcessor
 from radixserve.tokenizer.process import seed_routing_ids
 from radixserve.tokenizer.zap import enable_curve
+from radixserve.utils.sockets import recv, recv_frames, recv_multipart
 
 log = logging.getLogger("radixserve.router")
 
@@ -167,7 +168,7 @@ class Router:
                     r.events.on_readable(sock)
         self._take_client_disconnects()
         if self.public in ready:
-            while (frames := _recv_frames(self.public)) is not None:
+            while (frames := recv_frames(self.public)) is not None:
                 self._take_client_disconnects()
                 self.connections.seen(frames[0].bytes, frames[-1])
                 self._on_client([f.bytes for f in frames])
@@ -180,7 +181,7 @@ class Router:
 
     # ------------------------------------------------------ replica events
     def _on_monitor(self, r: Replica) -> None:
-        while (frames := _recv_multipart(r.monitor)) is not None:
+        while (frames := recv_multipart(r.monitor)) is not None:
             was_up = r.link.up
             dropped = r.link.on_event(frames)
             if r.link.up and not was_up:
@@ -201,7 +202,7 @@ class Router:
                 self._maybe_answer(fid)
 
     def _on_replica_replies(self, r: Replica) -> None:
-        while (data := _recv(r.sock)) is not None:
+        while (data := recv(r.sock)) is not None:
             try:
                 msg = P.decode(data, P.PUBLIC_REPLIES)
             except P.ProtocolError as e:
@@ -413,7 +414,7 @@ class Router:
 
     # -------------------------------------------------------------- clients
     def _take_client_disconnects(self) -> None:
-        while (event := _recv_multipart(self.client_monitor)) is not None:
+        while (event := recv_multipart(self.client_monitor)) is not None:
             for identity in self.connections.closed(event):
                 self._client_gone(identity)
 
@@ -452,24 +453,3 @@ class Router:
             r.close()
         self.client_monitor.close(0)
         self.public.close(0)
-
-
-def _recv(sock: zmq.Socket) -> bytes | None:
-    try:
-        return sock.recv(zmq.NOBLOCK)
-    except zmq.Again:
-        return None
-
-
-def _recv_frames(sock: zmq.Socket) -> list[zmq.Frame] | None:
-    try:
-        return sock.recv_multipart(zmq.NOBLOCK, copy=False)
-    except zmq.Again:
-        return None
-
-
-def _recv_multipart(sock: zmq.Socket) -> list[bytes] | None:
-    try:
-        return sock.recv_multipart(zmq.NOBLOCK)
-    except zmq.Again:
-        return None

@@ -74,6 +74,7 @@ from radixserve.tokenizer.inputs import InputProcessor
 from radixserve.tokenizer.output import OutputStream, TokenTexts
 from radixserve.tokenizer.zap import enable_curve
 from radixserve.utils.proc import POLL_MS, Lifeline, child_main, socket
+from radixserve.utils.sockets import recv, recv_frames, recv_multipart
 
 log = logging.getLogger("radixserve.tokenizer")
 
@@ -170,11 +171,11 @@ class TokenizerServer:
                 self.zap.handle()
             if self.inbox in events:
                 # Scheduler first: its outputs free KV, and a Shutdown must win.
-                while (data := _recv(self.inbox)) is not None:
+                while (data := recv(self.inbox)) is not None:
                     self.handle_internal(P.decode(data, INTERNAL))
             self.take_disconnects()
             if self.router in events:
-                while (frames := _recv_frames(self.router)) is not None:
+                while (frames := recv_frames(self.router)) is not None:
                     # A closed connection's descriptor may be reused by the next one:
                     # take the close before any message that may come on the new one.
                     self.take_disconnects()
@@ -359,7 +360,7 @@ class TokenizerServer:
             self.client_gone(identity)
 
     def take_disconnects(self) -> None:
-        while (event := _recv_multipart(self.monitor)) is not None:
+        while (event := recv_multipart(self.monitor)) is not None:
             for identity in self.connections.closed(event):
                 self.client_gone(identity)
 
@@ -426,27 +427,6 @@ def _model_dict(model) -> dict:
         "max_context_len": model.max_context_len,
         "backend": model.backend_name,
     }
-
-
-def _recv(sock: zmq.Socket) -> bytes | None:
-    try:
-        return sock.recv(zmq.NOBLOCK)
-    except zmq.Again:
-        return None
-
-
-def _recv_frames(sock: zmq.Socket) -> list[zmq.Frame] | None:
-    try:
-        return sock.recv_multipart(zmq.NOBLOCK, copy=False)
-    except zmq.Again:
-        return None
-
-
-def _recv_multipart(sock: zmq.Socket) -> list[bytes] | None:
-    try:
-        return sock.recv_multipart(zmq.NOBLOCK)
-    except zmq.Again:
-        return None
 
 
 def run(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
