@@ -144,7 +144,7 @@ class AsyncClient:
         return AsyncProgramState(backend, prompt, input_ids=input_ids, messages=messages)
 
     async def abort(self, request_id: str) -> None:
-        await self._sock.send(P.Abort(request_id).encode())
+        await self._send_bytes(P.Abort(request_id).encode())
 
     async def flush_cache(
         self, timeout: float | None = None, *, admin_key: str | None = None
@@ -192,9 +192,31 @@ class AsyncClient:
         return reply.data  # type: ignore[attr-defined]
 
     def _request(self, msg: P.Message) -> _AsyncInFlight:
+        self._ensure_reader()
+        return _AsyncInFlight(self, msg)
+
+    async def _send_bytes(self, data: bytes, request_id: str | None = None) -> None:
+        """Queue ``data`` for the server. With no connection to queue it on (before the
+        first handshake, or once the server has refused this client's keys) an awaited
+        send would wait for ever, so this tries in short slices while the reader task takes
+        the monitor's events: a refused handshake (or a link down too long) then raises
+        ``ConnectionLost`` for a new request (``request_id``), and drops an abort."""
+        self._ensure_reader()
+        while True:
+            try:
+                await self._sock.send(data, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+            if request_id is None and (self._link.refused or self._link.down_too_long()):
+                return  # nothing to abort on a connection that is not there
+            if request_id is not None:
+                self._link.check_send(request_id)
+            await asyncio.sleep(0.05)
+
+    def _ensure_reader(self) -> None:
         if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(self._read())
-        return _AsyncInFlight(self, msg)
 
     async def _read(self) -> None:
         """Sort every reply into its request's queue (one reader for all requests): monitor
@@ -244,7 +266,7 @@ class _AsyncInFlight:
         queue: asyncio.Queue[P.Message | LinkLost] = asyncio.Queue()
         self.client._queues[rid] = queue
         try:
-            await self.client._sock.send(data)
+            await self.client._send_bytes(data, rid)
         except BaseException:
             del self.client._queues[rid]
             raise

@@ -192,11 +192,15 @@ def test_clients_without_the_right_keys_fail_fast(curve_server, keys, kind, word
             c.stats()  # refused at once from now on
 
 
-def test_async_client_with_an_unlisted_key_fails_fast(curve_server, keys):
+@pytest.mark.parametrize("kind", ["no keys", "wrong server key", "unlisted client key"])
+def test_async_client_without_the_right_keys_fails_fast(curve_server, keys, kind):
     async def run() -> None:
-        async with AsyncClient(curve_server.endpoint, timeout=60, **_stranger("x", keys)) as c:
+        async with AsyncClient(curve_server.endpoint, timeout=60, **_stranger(kind, keys)) as c:
             with pytest.raises(ConnectionLost, match="authentication"):
-                await asyncio.wait_for(c.stats(), FAIL_FAST_S)
+                await asyncio.wait_for(c.generate("Hello", max_tokens=4), FAIL_FAST_S)
+            with pytest.raises(ConnectionLost, match="authentication"):
+                await asyncio.wait_for(c.stats(), FAIL_FAST_S)  # refused at once from now on
+            await c.abort("never-sent")  # dropped, not waited on for ever
 
     asyncio.run(run())
 
