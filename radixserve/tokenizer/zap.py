@@ -56,9 +56,12 @@ class ZapHandler:
         blocks (the scheduler in its steps, a worker); the socket is then the thread's."""
 
         def serve() -> None:
-            while True:
-                self.socket.poll()
-                self.handle()
+            try:
+                while True:
+                    self.socket.poll()
+                    self.handle()
+            except zmq.ZMQError:  # the context is being destroyed: the process is exiting
+                return
 
         threading.Thread(target=serve, name="zap", daemon=True).start()
 

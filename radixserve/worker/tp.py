@@ -229,7 +229,7 @@ class WorkerGroup:
         if self._joined:
             close_group()
             self._joined = False
-            torch.set_num_threads(self._threads)
+        torch.set_num_threads(self._threads)  # set on joining, even if the group never formed
         if not self.ctx.closed:
             self.ctx.destroy(linger=0)
         shutil.rmtree(self.run_dir, ignore_errors=True)
