@@ -3,7 +3,9 @@
 Start order: the worker first (it loads the model and reports the facts the
 others size themselves by: page count, context length, vocabulary, EOS ids;
 with ``--tp N``, N worker ranks, ``worker`` and ``worker1`` .. ``worker<N-1>``,
-each its own child: docs/parallel.md),
+each its own child: docs/parallel.md; with ``--nnodes M``, this node's ``N / M``
+of them only, and a node other than the head (``--node-rank`` > 0) starts
+nothing else: ``nodes.py``),
 then the scheduler and the tokenizer together, then (with ``--http-port``) the
 HTTP front, a client of the tokenizer. Children run as
 ``python -m radixserve.<process>.process <config json>`` with this package's
@@ -20,7 +22,9 @@ A signal (SIGINT/SIGTERM) stops the server with exit code 0; the death of any
 child stops it with exit code 1; with ``exit_with_parent``, the death of the
 process that started the launcher stops it with exit code 1.
 
-Before anything starts, ``check_public_socket`` refuses a public socket bound
+Before anything starts, ``check_nodes`` refuses a node layout that cannot work
+(and a non-loopback ``--dist-init-addr`` without node keys), and
+``check_public_socket`` refuses a public socket bound
 beyond loopback without CURVE keys (docs/security.md). Secrets reach children by
 environment only: the HTTP front's API keys, and the admin key to the tokenizer
 (which checks it on ``flush_cache`` and ``check``).

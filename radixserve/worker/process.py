@@ -75,7 +75,9 @@ def run(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
     assert relay is not None
     runner = build_worker(config.engine, comm=comm)
     control = socket(ctx, zmq.PUSH, config.endpoint(CONTROL), bind=False)
-    for hello in relay.wait_joined(range(1, config.engine.tp), rv.timeout, check):
+    hellos = relay.wait_joined(range(1, config.engine.tp), rv.timeout, check)
+    TP.check_agree(runner, [P.decode(h, {P.Ready.TYPE: P.Ready}).info for h in hellos])
+    for hello in hellos:
         control.send(hello)  # the launcher hears of every rank, of every node
     _serve(config, ctx, life, runner, relay, control)
 

@@ -137,8 +137,27 @@ def follow(runner: Any, feed: StepFeed, alive: Callable[[], bool]) -> None:
 
 
 def rank_info(runner: Any, rank: int) -> dict[str, Any]:
-    """What a follower reports when ready (the launcher prints it)."""
-    return {"rank": rank, "weight_bytes": runner.weight_bytes, "kv_bytes": runner.kv_bytes}
+    """What a follower reports when ready (the launcher prints the bytes; rank 0 checks
+    the rest with ``check_agree``)."""
+    return {
+        "rank": rank,
+        "weight_bytes": runner.weight_bytes,
+        "kv_bytes": runner.kv_bytes,
+        "num_pages": runner.num_pages,
+        "dtype": runner.dtype_name,
+    }
+
+
+def check_agree(runner: Any, infos: list[dict[str, Any]]) -> None:
+    """RuntimeError unless every follower resolved the KV pool's page count and the
+    dtype as rank 0 did (``--dtype auto`` resolves per machine: docs/parallel.md)."""
+    for info in infos:
+        for key, mine in (("num_pages", runner.num_pages), ("dtype", runner.dtype_name)):
+            if info.get(key) != mine:
+                raise RuntimeError(
+                    f"tensor-parallel rank {info.get('rank')} has {key}={info.get(key)!r}, "
+                    f"rank 0 {mine!r}: give every node the same --{key.replace('_', '-')}"
+                )
 
 
 class WorkerGroup:
@@ -174,6 +193,7 @@ class WorkerGroup:
             ranks = range(1, config.tp)
             hellos = self.relay.wait_joined(ranks, config.dist_timeout, self.check_followers)
             self.follower_info = [P.decode(h, {P.Ready.TYPE: P.Ready}).info for h in hellos]
+            check_agree(self.runner, self.follower_info)
         except BaseException:
             self.close()
             raise
