@@ -117,6 +117,12 @@ def _follow(config: ServerConfig, ctx: zmq.Context, life: Lifeline, rank: int, c
         feed = StepFeed(ctx, config.endpoint(RELAY), rank)
     else:
         feed = StepFeed(ctx, relay_endpoint(config), rank, relay_client_keys(config))
+
+    def check() -> None:
+        if not life.alive():
+            raise RuntimeError(f"stopped while connecting to rank 0: {life.why_stopped()}")
+
+    feed.wait_connected(config.engine.dist_timeout, check)  # a refused key fails here
     runner = build_worker(config.engine, comm=comm)
     ready = P.Ready(f"worker{rank}", TP.rank_info(runner, rank))
     feed.hello(ready)

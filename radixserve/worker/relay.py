@@ -137,13 +137,40 @@ class StepFeed:
             self.sock.setsockopt(zmq.CURVE_SERVERKEY, curve[0])
             self.sock.setsockopt(zmq.CURVE_PUBLICKEY, curve[1])
             self.sock.setsockopt(zmq.CURVE_SECRETKEY, curve[2])
-        events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        events |= zmq.EVENT_HANDSHAKE_FAILED_AUTH
         events |= zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
         self.monitor = self.sock.get_monitor_socket(events)
+        self.connected = False
         self.sock.connect(endpoint)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
+
+    def wait_connected(self, timeout: float, check: Callable[[], None]) -> None:
+        """Wait until the connection's handshake succeeds, calling ``check`` between
+        polls (before a follower loads its shard: a refused key fails it at once);
+        ``LeaderGone`` when it fails, RuntimeError after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self.connected:
+            check()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"could not reach rank 0's step relay {self.endpoint}")
+            if self.monitor.poll(POLL_MS):
+                self._event()
+
+    def _event(self) -> None:
+        event = recv_monitor_message(self.monitor)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.connected = True
+        elif event == zmq.EVENT_DISCONNECTED:
+            raise LeaderGone(f"the connection to rank 0 ({self.endpoint}) closed")
+        else:
+            raise LeaderGone(
+                f"rank 0 ({self.endpoint}) refused this node's CURVE handshake: are "
+                "--curve-head-key the head's public key and this node's key in the "
+                "head's --curve-allowed-nodes?"
+            )
 
     def hello(self, ready: P.Ready) -> None:
         self.sock.send(ready.encode())
@@ -153,14 +180,7 @@ class StepFeed:
         ``LeaderGone`` once the connection closes (or its handshake fails)."""
         events = dict(self.poller.poll(timeout_ms))
         if self.monitor in events:
-            event = recv_monitor_message(self.monitor)["event"]
-            if event == zmq.EVENT_DISCONNECTED:
-                raise LeaderGone(f"the connection to rank 0 ({self.endpoint}) closed")
-            raise LeaderGone(
-                f"rank 0 ({self.endpoint}) refused this node's CURVE handshake: are "
-                "--curve-head-key the head's public key and this node's key in the "
-                "head's --curve-allowed-nodes?"
-            )
+            self._event()
         if self.sock in events:
             raw = self.sock.recv()
             return raw or None  # an empty frame is the leader's ping

@@ -153,8 +153,9 @@ def test_relay_over_curve_and_either_side_gone(keys, tmp_path):
         assert [P.decode(h, {P.Ready.TYPE: P.Ready}).process for h in hellos] == [
             "worker1", "worker2"]  # fmt: skip
         with pytest.raises(LeaderGone, match="refused this node's CURVE handshake"):
-            while refused.next(100) is None:
-                pass
+            refused.wait_connected(30, lambda: None)
+        feed.wait_connected(30, lambda: None)
+        local.wait_connected(30, lambda: None)
         relay.ping()  # skipped by the followers
         relay.send(b"step bytes")
         for f in (feed, local):
