@@ -70,7 +70,7 @@ def test_two_nodes_serve_like_one_rank_and_stop_together(char_dir, keys):
     expected = [r.token_ids for r in want.generate(PROMPTS, sp)]
     want.close()
     common = ["--tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{_free_port_pair()}",
-              "--num-pages", "256", "--page-size", "4", "--no-warmup"]  # fmt: skip
+              "--num-pages", "256", "--page-size", "4", "--no-warmup", "--threads", "1"]  # fmt: skip
     head = Server(char_dir, *common, "--node-rank", "0",
                   "--curve-node-key", str(keys / "head.key_secret"),
                   "--curve-allowed-nodes", str(keys / "clients"), wait=False)  # fmt: skip
