@@ -332,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_seconds,
         default=d.dist_timeout,
         help="seconds a tensor-parallel collective may take before its rank fails (and "
-        "the server with it)",
+        "the server with it); also how long the ranks wait for each other at start",
     )
     tp.add_argument(
         "--nnodes",
