@@ -22,6 +22,8 @@ private network (docs/parallel.md).
 
 from __future__ import annotations
 
+import socket
+
 from radixserve.curve import (
     CurveError,
     is_loopback,
@@ -45,18 +47,14 @@ def parse_addr(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def relay_endpoint(config: ServerConfig) -> str:
-    """The head's step relay for the other nodes: ``tcp://HOST:PORT+1``."""
+def relay_endpoint(config: ServerConfig, bind: bool = False) -> str:
+    """The head's step relay for the other nodes: ``tcp://HOST:PORT+1`` (to bind: with a
+    host name resolved to its address, since ZeroMQ binds addresses and interfaces)."""
     assert config.dist_init_addr is not None
     host, port = parse_addr(config.dist_init_addr)
+    if bind:
+        host = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
     return f"tcp://{'[' + host + ']' if ':' in host else host}:{port + 1}"
-
-
-def all_local(config: ServerConfig) -> bool:
-    """Whether every rank of the server runs on this machine."""
-    if config.nnodes == 1 or config.dist_init_addr is None:
-        return True
-    return is_loopback(parse_addr(config.dist_init_addr)[0])
 
 
 def check_nodes(config: ServerConfig) -> None:

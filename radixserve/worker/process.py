@@ -39,6 +39,8 @@ from radixserve.server_config import (
     ServerConfig,
 )
 from radixserve.utils.proc import POLL_MS, Lifeline, child_main, socket
+from radixserve.worker.relay import StepFeed, StepRelay
+from radixserve.worker.rendezvous import Rendezvous
 
 log = logging.getLogger("radixserve.worker")
 
@@ -48,14 +50,13 @@ def run(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
     if config.engine.tp == 1:
         return _serve(config, ctx, life, build_worker(config.engine), None)
     from radixserve.worker import tp as TP
-    from radixserve.worker.relay import StepRelay
 
     def check() -> None:
         if not life.alive():
             raise RuntimeError(f"stopped while the ranks met: {life.why_stopped()}")
 
     wc = worker_config(config.engine)
-    rv = TP.Rendezvous(
+    rv = Rendezvous(
         config.engine.tp,
         config.run_dir,
         parse_addr(config.dist_init_addr) if config.dist_init_addr else None,
@@ -67,7 +68,7 @@ def run(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
     relay = None
     if rank == 0:  # bound before the others look for it
         remote = config.nnodes > 1
-        relay = StepRelay(ctx, config.endpoint(RELAY), relay_endpoint(config) if remote else None,
+        relay = StepRelay(ctx, config.endpoint(RELAY), relay_endpoint(config, bind=True) if remote else None,
                           relay_server_keys(config) if remote else None)  # fmt: skip
     comm = TP.init_group(wc, rank, rv, check, rank - local.start, len(local))
     if rank > 0:
@@ -87,7 +88,7 @@ def _serve(
     ctx: zmq.Context,
     life: Lifeline,
     runner: Any,
-    relay: Any,
+    relay: StepRelay | None,
     control: zmq.Socket | None = None,
 ) -> None:
     """Rank 0 (or the only rank): report ready, then serve steps until stopped."""
@@ -111,7 +112,6 @@ def _serve(
 
 def _follow(config: ServerConfig, ctx: zmq.Context, life: Lifeline, rank: int, comm) -> None:
     from radixserve.worker import tp as TP
-    from radixserve.worker.relay import StepFeed
 
     if config.node_rank == 0:
         feed = StepFeed(ctx, config.endpoint(RELAY), rank)

@@ -41,7 +41,8 @@ class LeaderGone(RuntimeError):
     """The follower's connection to rank 0 closed: the leader (or its node) is gone."""
 
 
-def _heartbeats(sock: zmq.Socket) -> None:
+def _options(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.IPV6, 1)  # a --dist-init-addr may be an IPv6 address
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     sock.setsockopt(zmq.LINGER, 0)
@@ -60,7 +61,7 @@ class StepRelay:
     ) -> None:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        _heartbeats(self.sock)
+        _options(self.sock)
         self.sock.bind(ipc_endpoint)  # security options apply to later binds only
         if tcp_endpoint is not None:
             if curve is not None:
@@ -132,7 +133,7 @@ class StepFeed:
         self.endpoint = endpoint
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.ROUTING_ID, str(rank).encode())
-        _heartbeats(self.sock)
+        _options(self.sock)
         if curve is not None:
             self.sock.setsockopt(zmq.CURVE_SERVERKEY, curve[0])
             self.sock.setsockopt(zmq.CURVE_PUBLICKEY, curve[1])
