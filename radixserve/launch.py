@@ -355,7 +355,8 @@ def launch(config: ServerConfig, http_keys: Keys = NO_KEYS) -> int:
         print(f"radixserve: {e}", file=sys.stderr, flush=True)
         return 1
     http_host = config.http_host or config.host
-    if config.http_port is not None and not is_loopback(http_host) and not http_keys.api_key:
+    serves_http = config.http_port is not None and config.node_rank == 0
+    if serves_http and not is_loopback(http_host) and not http_keys.api_key:
         log.warning("the HTTP front binds %s without --api-key: anyone who reaches it "
                     "may generate", http_host)  # fmt: skip
     launcher = Launcher(config, http_keys)
