@@ -332,7 +332,28 @@ def build_parser() -> argparse.ArgumentParser:
         type=_seconds,
         default=d.dist_timeout,
         help="seconds a tensor-parallel collective may take before its rank fails (and "
-        "the server with it)",
+        "the server with it); also how long the ranks wait for each other at start",
+    )
+    tp.add_argument(
+        "--nnodes",
+        type=_positive,
+        default=ServerConfig.nnodes,
+        help="machines the --tp ranks are spread over, --tp / --nnodes each; run one "
+        'launch per node (docs/parallel.md, "Several nodes")',
+    )
+    tp.add_argument(
+        "--node-rank",
+        type=_non_negative,
+        default=ServerConfig.node_rank,
+        help="this node's index: 0 is the head (tokenizer, scheduler, rank 0), a node > 0 "
+        "runs only its worker ranks",
+    )
+    tp.add_argument(
+        "--dist-init-addr",
+        metavar="HOST:PORT",
+        default=None,
+        help="an address of the head that every node reaches: its rendezvous store binds "
+        "HOST:PORT, its step relay HOST:PORT+1 (needed with --nnodes > 1)",
     )
     p.add_argument(
         "--watchdog-timeout",
@@ -374,6 +395,27 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --curve-secret-key: any client that has the server's public key may "
         "connect (encrypted, but clients are not authenticated)",
+    )
+    auth.add_argument(
+        "--curve-node-key",
+        metavar="FILE",
+        default=None,
+        help="with --nnodes > 1: this node's secret CURVE certificate, for the step relay "
+        "between nodes; required unless --dist-init-addr is a loopback address",
+    )
+    auth.add_argument(
+        "--curve-allowed-nodes",
+        metavar="DIR",
+        default=None,
+        help="the head, with --curve-node-key: only nodes whose public certificates "
+        "(*.key) are in DIR may join",
+    )
+    auth.add_argument(
+        "--curve-head-key",
+        metavar="FILE",
+        default=None,
+        help="a node > 0, with --curve-node-key: the head's public certificate (its "
+        "--curve-node-key's .key file)",
     )
     ev = p.add_argument_group("KV cache events and replicas (docs/scale-out.md)")
     ev.add_argument(
@@ -495,6 +537,12 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         curve_secret_key=args.curve_secret_key,
         curve_allowed_clients=args.curve_allowed_clients,
         curve_allow_any_client=args.curve_allow_any_client,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        dist_init_addr=args.dist_init_addr,
+        curve_node_key=args.curve_node_key,
+        curve_head_key=args.curve_head_key,
+        curve_allowed_nodes=args.curve_allowed_nodes,
     )
 
 
@@ -562,6 +610,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s launch %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    if args.command == "launch" and args.dp > 1 and args.nnodes > 1:
+        print("radixserve: --dp and --nnodes cannot be combined", file=sys.stderr)
+        return 2
     if args.command == "launch" and args.dp > 1:
         from radixserve.router.launch_dp import launch_dp
         from radixserve.router.policy import PolicyConfig

@@ -82,16 +82,19 @@ def load_public_key(key: str | bytes | os.PathLike) -> bytes:
     return _load(key)[0]
 
 
-def load_allowed_keys(directory: str | os.PathLike) -> frozenset[bytes]:
-    """The public keys of every ``*.key`` certificate in ``directory`` (at least one)."""
+def load_allowed_keys(
+    directory: str | os.PathLike, flag: str = "--curve-allowed-clients"
+) -> frozenset[bytes]:
+    """The public keys of every ``*.key`` certificate in ``directory`` (at least one);
+    errors name ``directory`` as the value of ``flag``."""
     folder = Path(directory)
     if not folder.is_dir():
-        raise CurveError(f"--curve-allowed-clients {directory}: not a directory")
+        raise CurveError(f"{flag} {directory}: not a directory")
     keys = frozenset(_load(p)[0] for p in sorted(folder.glob("*.key")))
     if not keys:
         raise CurveError(
-            f"--curve-allowed-clients {directory}: no client certificate (*.key) in it, "
-            "so no client could connect (`radixserve keys` writes them)"
+            f"{flag} {directory}: no public certificate (*.key) in it, so no peer "
+            "could connect (`radixserve keys` writes them)"
         )
     return keys
 

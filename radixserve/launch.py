@@ -3,7 +3,9 @@
 Start order: the worker first (it loads the model and reports the facts the
 others size themselves by: page count, context length, vocabulary, EOS ids;
 with ``--tp N``, N worker ranks, ``worker`` and ``worker1`` .. ``worker<N-1>``,
-each its own child: docs/parallel.md),
+each its own child: docs/parallel.md; with ``--nnodes M``, this node's ``N / M``
+of them only, and a node other than the head (``--node-rank`` > 0) starts
+nothing else: ``nodes.py``),
 then the scheduler and the tokenizer together, then (with ``--http-port``) the
 HTTP front, a client of the tokenizer. Children run as
 ``python -m radixserve.<process>.process <config json>`` with this package's
@@ -20,7 +22,9 @@ A signal (SIGINT/SIGTERM) stops the server with exit code 0; the death of any
 child stops it with exit code 1; with ``exit_with_parent``, the death of the
 process that started the launcher stops it with exit code 1.
 
-Before anything starts, ``check_public_socket`` refuses a public socket bound
+Before anything starts, ``check_nodes`` refuses a node layout that cannot work
+(and a non-loopback ``--dist-init-addr`` without node keys), and
+``check_public_socket`` refuses a public socket bound
 beyond loopback without CURVE keys (docs/security.md). Secrets reach children by
 environment only: the HTTP front's API keys, and the admin key to the tokenizer
 (which checks it on ``flush_cache`` and ``check``).
@@ -56,6 +60,7 @@ from radixserve.curve import (
     secret_file_problem,
 )
 from radixserve.http.auth import ADMIN_KEY_ENV, API_KEY_ENV, NO_KEYS, Keys
+from radixserve.nodes import check_nodes
 from radixserve.scheduler.kv_publisher import kv_events_host
 from radixserve.server_config import CONTROL, HTTP_IN, TOKENIZER_IN, ServerConfig
 
@@ -95,11 +100,16 @@ class Launcher:
     # ----------------------------------------------------------------- start
     def start(self) -> None:
         """Start them all; raise LaunchError if one dies (or a signal arrives) first."""
-        ranks = self.worker_ranks()
-        for rank, name in enumerate(ranks):
-            self._spawn(name, rank)
+        for rank in self.config.local_ranks:
+            self._spawn(rank_name(rank), rank)
+        # The head hears of every rank (rank 0 forwards the others' Ready), a node > 0 of its own.
+        ranks = [rank_name(r) for r in range(self.config.engine.tp)]
+        if self.config.node_rank > 0:
+            ranks = [rank_name(r) for r in self.config.local_ranks]
         infos = self._wait_ready(set(ranks))
-        self.rank_infos = [infos[name] for name in ranks[1:]]
+        self.rank_infos = [infos[name] for name in ranks if name != "worker"]
+        if self.config.node_rank > 0:
+            return
         self.config = self.config.with_model(infos["worker"])
         self._spawn("scheduler")
         self._spawn("tokenizer")
@@ -110,11 +120,16 @@ class Launcher:
             self._spawn("http")
             self.http_url = self._wait_ready({"http"})["http"]["url"]
 
-    def worker_ranks(self) -> list[str]:
-        """The worker processes' names, rank 0 first."""
-        return ["worker"] + [f"worker{r}" for r in range(1, self.config.engine.tp)]
-
     def summary(self) -> str:
+        if self.config.node_rank > 0:
+            ranks = ",".join(str(r) for r in self.config.local_ranks)
+            weights = ",".join(f"{i['weight_bytes'] / (1 << 20):.1f}" for i in self.rank_infos)
+            kv = ",".join(f"{i['kv_bytes'] / (1 << 20):.1f}" for i in self.rank_infos)
+            return (
+                f"node {self.config.node_rank} of {self.config.nnodes}: worker ranks {ranks} "
+                f"joined the head at {self.config.dist_init_addr} weights_mib={weights} "
+                f"kv_mib={kv}"
+            )
         m, e = self.config.model, self.config.engine
         assert m is not None
         return (
@@ -254,6 +269,11 @@ class Launcher:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
+def rank_name(rank: int) -> str:
+    """A worker rank's process name: ``worker`` (rank 0), ``worker1``, ..."""
+    return f"worker{rank}" if rank else "worker"
+
+
 def _wait_or_kill(proc: subprocess.Popen, send_term: bool) -> None:
     if proc.poll() is not None:
         return
@@ -324,12 +344,19 @@ def check_kv_events(endpoint: str, replay: str | None, curve: bool) -> None:
 def launch(config: ServerConfig, http_keys: Keys = NO_KEYS) -> int:
     """Run the server until a signal or a child's death; return the exit code."""
     try:
-        check_public_socket(config)
+        check_nodes(config)
+    except ValueError as e:
+        print(f"radixserve: {e}", file=sys.stderr, flush=True)
+        return 1
+    try:
+        if config.node_rank == 0:
+            check_public_socket(config)
     except LaunchError as e:
         print(f"radixserve: {e}", file=sys.stderr, flush=True)
         return 1
     http_host = config.http_host or config.host
-    if config.http_port is not None and not is_loopback(http_host) and not http_keys.api_key:
+    serves_http = config.http_port is not None and config.node_rank == 0
+    if serves_http and not is_loopback(http_host) and not http_keys.api_key:
         log.warning("the HTTP front binds %s without --api-key: anyone who reaches it "
                     "may generate", http_host)  # fmt: skip
     launcher = Launcher(config, http_keys)
@@ -345,7 +372,8 @@ def launch(config: ServerConfig, http_keys: Keys = NO_KEYS) -> int:
         launcher.close()
         raise
     pids = " ".join(f"{k}={v}" for k, v in launcher.pids().items())
-    print(f"radixserve: serving on {launcher.endpoint}", flush=True)
+    if launcher.endpoint:
+        print(f"radixserve: serving on {launcher.endpoint}", flush=True)
     if launcher.http_url:
         print(f"radixserve: http on {launcher.http_url} (OpenAI API at /v1)", flush=True)
     if launcher.kv_events:

@@ -39,6 +39,17 @@ class ServerConfig:
     kv_events: str | None = None
     kv_events_replay: str | None = None
     replica_id: str | None = None
+    # Several nodes (docs/parallel.md, "Several nodes"): this launch is node ``node_rank``
+    # of ``nnodes``, each running ``engine.tp // nnodes`` worker ranks; they meet at
+    # ``dist_init_addr`` (HOST:PORT on the head: its rendezvous store; PORT + 1: its
+    # step relay). CURVE on the relay: this node's key pair, the head's public key
+    # (nodes > 0), the nodes allowed to join (the head). Paths only, as above.
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    curve_node_key: str | None = None
+    curve_head_key: str | None = None
+    curve_allowed_nodes: str | None = None
     exit_with_parent: bool = False  # the launcher stops when the process that started it dies
     launcher_pid: int = 0  # set by the launcher: each child stops when this pid is gone
     run_dir: str = ""  # the private runtime dir holding the ipc sockets
@@ -55,6 +66,16 @@ class ServerConfig:
     def public_endpoint(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"tcp://{host}:{self.port if self.port else '*'}"
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.engine.tp // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        """The worker ranks this node runs (the head: rank 0 first)."""
+        per = self.ranks_per_node
+        return range(self.node_rank * per, (self.node_rank + 1) * per)
 
     def with_model(self, info: ModelInfo | dict[str, Any]) -> ServerConfig:
         """This config with the worker's ``ModelInfo`` (or its wire form, a dict)."""
@@ -81,3 +102,4 @@ TOKENIZER_IN = "tok"  # tokenizer PULL <- scheduler PUSH, launcher PUSH
 PUBLIC_IPC = "public"  # tokenizer ROUTER (its second public endpoint) <- HTTP front DEALER
 HTTP_IN = "http"  # HTTP front PULL <- launcher PUSH (shutdown)
 CONTROL = "ctl"  # launcher PULL <- every child PUSH (ready)
+RELAY = "relay"  # worker rank 0 ROUTER <- its node's other ranks DEALER (steps)

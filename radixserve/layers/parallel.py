@@ -36,6 +36,7 @@ from radixserve.layers.linear import linear
 class Comm(Protocol):
     rank: int
     size: int
+    local_rank: int  # the rank among those on this machine (its device index on CUDA)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks, in place; returns ``t`` (contiguous)."""
@@ -51,6 +52,7 @@ class SingleComm:
 
     rank = 0
     size = 1
+    local_rank = 0
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         return t
@@ -76,8 +78,16 @@ class CommStats:
 class TorchComm:
     """Collectives over an initialised ``torch.distributed`` process group."""
 
-    def __init__(self, rank: int, size: int, group: object = None, timed: bool = False) -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        group: object = None,
+        timed: bool = False,
+        local_rank: int | None = None,
+    ) -> None:
         self.rank, self.size = rank, size
+        self.local_rank = rank if local_rank is None else local_rank
         self.group = group
         self.timed = timed
         self.stats = CommStats()

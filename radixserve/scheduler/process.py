@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import socket as pysocket
-import threading
 import time
 
 import zmq
@@ -200,18 +199,10 @@ def start_kv_events(
         if not config.curve_allow_any_client:
             assert config.curve_allowed_clients is not None  # the launcher checked
             allowed = load_allowed_keys(config.curve_allowed_clients)
-        zap = ZapHandler(ctx, allowed)  # before the CURVE sockets bind
-        threading.Thread(target=_serve_zap, args=(zap,), daemon=True).start()
+        ZapHandler(ctx, allowed).serve_in_thread()  # before the CURVE sockets bind
     replica = config.replica_id or f"{pysocket.gethostname()}:{os.getpid()}"
     log_ = KVEventLog(scheduler.record_kv_events(), replica)
     return KVEventPublisher(ctx, log_, config.kv_events, config.kv_events_replay, curve)
-
-
-def _serve_zap(zap: ZapHandler) -> None:
-    """Answer ZAP requests for the events sockets (a thread: the loop blocks in steps)."""
-    while True:
-        zap.socket.poll()
-        zap.handle()
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ the loop is busy, never longer. The allowed keys are read once, at start.
 from __future__ import annotations
 
 import logging
+import threading
 
 import zmq
 from zmq.utils import z85
@@ -49,6 +50,20 @@ class ZapHandler:
             except zmq.Again:
                 return
             self.socket.send_multipart(self.answer(frames))
+
+    def serve_in_thread(self) -> None:
+        """Answer requests on a daemon thread from now on, for a process whose loop
+        blocks (the scheduler in its steps, a worker); the socket is then the thread's."""
+
+        def serve() -> None:
+            try:
+                while True:
+                    self.socket.poll()
+                    self.handle()
+            except zmq.ZMQError:  # the context is being destroyed: the process is exiting
+                return
+
+        threading.Thread(target=serve, name="zap", daemon=True).start()
 
     def answer(self, frames: list[bytes]) -> list[bytes]:
         """The reply frames to one request: version, request id, status code and text,

@@ -97,7 +97,7 @@ class ModelRunner:
             torch.set_num_threads(config.threads)
         self._device = torch.device(config.device)
         if comm.size > 1 and self._device.type == "cuda":
-            self._device = torch.device("cuda", comm.rank)  # one device per rank
+            self._device = torch.device("cuda", comm.local_rank)  # one device per rank
         source = resolve_model(config.model, config.cache_dir)
         hf_config = None
         if config.dtype == "auto" and self._device.type == "cuda":

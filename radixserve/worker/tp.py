@@ -1,23 +1,25 @@
 """Tensor parallelism across processes: the group, the step relay, the followers' loop.
 
 N ranks, one process each, form one ``torch.distributed`` process group (gloo on
-the CPU, NCCL on CUDA with rank ``r`` on ``cuda:r``), meeting through a
-``FileStore`` in the private run dir. Rank 0, the *leader*, is the worker the
-scheduler knows: it receives each ``Step`` (msgpack bytes), forwards the same
-bytes to every *follower* over ipc (``StepRelay``: no pickle, no re-encoding),
-then runs the step itself; only it samples and answers. Followers run every
-step's forward pass (their collectives meet the leader's) and answer nothing.
-Steps travel over ZeroMQ, not the process group, so an idle server holds no
-collective open: ``dist_timeout`` bounds a step's collectives only.
+the CPU, NCCL on CUDA with each rank on ``cuda:<its rank on its machine>``), after
+meeting through a store (``rendezvous.py``: a ``FileStore`` in the private run
+dir, or with several nodes a ``TCPStore`` on the head). Rank 0, the *leader*, is
+the worker the scheduler knows: it receives each ``Step`` (msgpack bytes),
+forwards the same bytes to every *follower* (``relay.py``), then runs the step
+itself; only it samples and answers. Followers run every step's forward pass
+(their collectives meet the leader's) and answer nothing. Steps travel over
+ZeroMQ, not the process group, so an idle server holds no collective open:
+``dist_timeout`` bounds a step's collectives only.
 
 Who starts the ranks:
-- ``radixserve launch --tp N`` starts every rank as its own child
-  (``worker/process.py``), so the death of any rank stops the server;
+- ``radixserve launch --tp N`` starts every rank of its node as its own child
+  (``worker/process.py``), so the death of any rank stops the server; with
+  ``--nnodes``, each node's launch starts that node's ranks (``nodes.py``);
 - the in-process ``Engine`` holds rank 0 in its own process and starts the
   followers as children (``WorkerGroup``), with the same follower code.
 
-On the CPU each rank runs ``cores // N`` threads (at least one), so N ranks do
-not oversubscribe the machine's cores.
+On the CPU each rank runs ``cores // (ranks on this machine)`` threads (at least
+one), so the ranks of one machine do not oversubscribe its cores.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
+from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
@@ -39,22 +41,20 @@ import zmq
 
 from radixserve import protocol as P
 from radixserve.config import EngineConfig, ModelInfo, worker_config
+from radixserve.curve import is_loopback
 from radixserve.layers.parallel import TorchComm
 from radixserve.protocol import Step, StepResult
 from radixserve.worker.config import WorkerConfig
+from radixserve.worker.relay import StepFeed, StepRelay
+from radixserve.worker.rendezvous import Rendezvous, meet, open_store
 
 log = logging.getLogger("radixserve.worker")
 
-#: The file the ranks meet through, inside the run dir.
-STORE_FILE = "tp-store"
+#: WorkerConfig fields that may differ between the ranks' machines.
+PER_MACHINE = ("model", "cache_dir", "threads", "device")
 POLL_MS = 500  # how often an idle follower checks that it should go on
 STOP_GRACE_S = 5.0  # how long a follower may take to exit before it is killed
 LOOPBACK_IFNAME = "lo"  # Linux's loopback interface
-
-
-def follower_socket(rank: int) -> str:
-    """The ipc name (in the run dir) follower ``rank`` binds for its steps."""
-    return f"worker{rank}"
 
 
 def threads_per_rank(size: int) -> int:
@@ -66,34 +66,57 @@ def threads_per_rank(size: int) -> int:
     return max(1, cores // size)
 
 
-def init_group(config: WorkerConfig, rank: int, run_dir: str, timed: bool = False) -> TorchComm:
-    """Join the ``config.tp``-rank group as ``rank``; blocks until every rank has joined
-    (or ``dist_timeout`` passes: RuntimeError)."""
+def rank_settings(config: WorkerConfig) -> dict[str, Any]:
+    """What every rank must share (``rendezvous.meet`` compares them): the worker's
+    settings but the paths and the thread count, which may differ between machines."""
+    settings = {k: v for k, v in asdict(config).items() if k not in PER_MACHINE}
+    settings["device"] = torch.device(config.device).type
+    return settings
+
+
+def init_group(
+    config: WorkerConfig,
+    rank: int,
+    rv: Rendezvous,
+    check: Callable[[], None],
+    local_rank: int | None = None,
+    local_size: int | None = None,
+    timed: bool = False,
+) -> TorchComm:
+    """Join the ``config.tp``-rank group as ``rank``, ``local_rank`` of the
+    ``local_size`` ranks on this machine (default: every rank is here). Blocks until
+    every rank has joined; RuntimeError when ``check()`` raises meanwhile, when
+    ``dist_timeout`` passes, or when the ranks' settings differ."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         raise RuntimeError("this process is already in a torch.distributed group")
-    # All ranks are on this machine: keep the collectives' sockets on loopback rather
-    # than on whatever address the hostname resolves to (they are not authenticated).
-    if sys.platform.startswith("linux"):
+    local_rank = rank if local_rank is None else local_rank
+    local_size = config.tp if local_size is None else local_size
+    # With every rank on this machine, keep the collectives' sockets on loopback
+    # rather than on whatever address the hostname resolves to (they are not
+    # authenticated); across nodes the environment names the interface.
+    if sys.platform.startswith("linux") and (rv.addr is None or is_loopback(rv.addr[0])):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_IFNAME)
         os.environ.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_IFNAME)
     if torch.device(config.device).type == "cuda":
         backend = "nccl"
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(local_rank)
     else:
         backend = "gloo"
-        torch.set_num_threads(config.threads or threads_per_rank(config.tp))
+        torch.set_num_threads(config.threads or threads_per_rank(local_size))
+    store = open_store(rv, rank, check)
+    meet(store, rv, rank, rank_settings(config), check)
     dist.init_process_group(
         backend,
-        init_method="file://" + os.path.join(run_dir, STORE_FILE),
+        store=store,
         rank=rank,
         world_size=config.tp,
         timeout=timedelta(seconds=config.dist_timeout),
     )
     log.info("rank %d of %d joined (%s, %d threads)", rank, config.tp, backend,
              torch.get_num_threads())  # fmt: skip
-    return TorchComm(rank, config.tp, timed=timed)
+    return TorchComm(rank, config.tp, timed=timed, local_rank=local_rank)
 
 
 def close_group() -> None:
@@ -103,33 +126,38 @@ def close_group() -> None:
         dist.destroy_process_group()
 
 
-class StepRelay:
-    """The leader's side: each step's bytes, as received, to every follower."""
-
-    def __init__(self, ctx: zmq.Context, endpoints: list[str]) -> None:
-        self.sockets = []
-        for endpoint in endpoints:
-            sock = ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(endpoint)
-            self.sockets.append(sock)
-
-    def send(self, raw: bytes) -> None:
-        for sock in self.sockets:
-            sock.send(raw, copy=False)
-
-
-def follow(runner: Any, steps: zmq.Socket, alive: Callable[[], bool]) -> None:
+def follow(runner: Any, feed: StepFeed, alive: Callable[[], bool]) -> None:
     """A follower's loop: run every step the leader relays, until ``alive()`` is false.
-    A failed collective raises (the leader or another follower is gone)."""
+    A failed collective raises (the leader or another follower is gone), and so
+    does the relay's connection closing (``LeaderGone``)."""
     while alive():
-        if steps.poll(POLL_MS):
-            runner.step(P.decode(steps.recv(), {P.Step.TYPE: P.Step}))
+        raw = feed.next(POLL_MS)
+        if raw is not None:
+            runner.step(P.decode(raw, {P.Step.TYPE: P.Step}))
 
 
 def rank_info(runner: Any, rank: int) -> dict[str, Any]:
-    """What a follower reports when ready (the launcher prints it)."""
-    return {"rank": rank, "weight_bytes": runner.weight_bytes, "kv_bytes": runner.kv_bytes}
+    """What a follower reports when ready (the launcher prints the bytes; rank 0 checks
+    the rest with ``check_agree``)."""
+    return {
+        "rank": rank,
+        "weight_bytes": runner.weight_bytes,
+        "kv_bytes": runner.kv_bytes,
+        "num_pages": runner.num_pages,
+        "dtype": runner.dtype_name,
+    }
+
+
+def check_agree(runner: Any, infos: list[dict[str, Any]]) -> None:
+    """RuntimeError unless every follower resolved the KV pool's page count and the
+    dtype as rank 0 did (``--dtype auto`` resolves per machine: docs/parallel.md)."""
+    for info in infos:
+        for key, mine in (("num_pages", runner.num_pages), ("dtype", runner.dtype_name)):
+            if info.get(key) != mine:
+                raise RuntimeError(
+                    f"tensor-parallel rank {info.get('rank')} has {key}={info.get(key)!r}, "
+                    f"rank 0 {mine!r}: give every node the same --{key.replace('_', '-')}"
+                )
 
 
 class WorkerGroup:
@@ -144,28 +172,28 @@ class WorkerGroup:
 
     def __init__(self, config: EngineConfig, tokenizer: Any = None, timed: bool = False) -> None:
         """``timed``: rank 0 times its collectives (``comm.stats``; benchmarks)."""
-        from radixserve.server_config import CONTROL, ServerConfig
+        from radixserve.server_config import RELAY, ServerConfig
         from radixserve.worker.model_runner import ModelRunner
 
         self.run_dir = tempfile.mkdtemp(prefix="rs-")
         self.server = ServerConfig(engine=config, run_dir=self.run_dir, launcher_pid=os.getpid())
         self.ctx = zmq.Context()
         self.procs: list[subprocess.Popen] = []
-        self.follower_info: list[dict[str, Any]] = []
+        self.follower_info: list[dict[str, Any]] = []  # the followers' Ready info
         self._joined = False
         self._threads = torch.get_num_threads()  # init_group sets this process's share
         try:
-            self.control = self.ctx.socket(zmq.PULL)
-            self.control.setsockopt(zmq.LINGER, 0)
-            self.control.bind(self.server.endpoint(CONTROL))
+            self.relay = StepRelay(self.ctx, self.server.endpoint(RELAY))
             self.procs = [self._spawn(r) for r in range(1, config.tp)]
             wc = worker_config(config)
-            comm = init_group(wc, 0, self.run_dir, timed)
+            rv = Rendezvous(config.tp, self.run_dir, timeout=config.dist_timeout)
+            comm = init_group(wc, 0, rv, self.check_followers, timed=timed)
             self._joined = True
             self.runner = ModelRunner(wc, tokenizer, comm)
-            self._wait_ready(config.tp - 1, config.dist_timeout)
-            endpoints = [self.server.endpoint(follower_socket(r)) for r in range(1, config.tp)]
-            self.relay = StepRelay(self.ctx, endpoints)
+            ranks = range(1, config.tp)
+            hellos = self.relay.wait_joined(ranks, config.dist_timeout, self.check_followers)
+            self.follower_info = [P.decode(h, {P.Ready.TYPE: P.Ready}).info for h in hellos]
+            check_agree(self.runner, self.follower_info)
         except BaseException:
             self.close()
             raise
@@ -178,16 +206,6 @@ class WorkerGroup:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         cmd = [sys.executable, "-m", "radixserve.worker.process", self.server.to_json(), str(rank)]
         return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
-
-    def _wait_ready(self, count: int, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while len(self.follower_info) < count:
-            self.check_followers()
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"tensor-parallel followers not ready in {timeout:.0f} s")
-            if self.control.poll(200):
-                msg = P.decode(self.control.recv(), {P.Ready.TYPE: P.Ready})
-                self.follower_info.append(msg.info)
 
     def check_followers(self) -> None:
         """RuntimeError if a follower process has exited."""
@@ -231,7 +249,7 @@ class WorkerGroup:
         if self._joined:
             close_group()
             self._joined = False
-            torch.set_num_threads(self._threads)
+        torch.set_num_threads(self._threads)  # set on joining, even if the group never formed
         if not self.ctx.closed:
             self.ctx.destroy(linger=0)
         shutil.rmtree(self.run_dir, ignore_errors=True)

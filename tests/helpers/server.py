@@ -2,7 +2,9 @@
 
 ``Server(model_dir, "--cache", "none")`` starts it on a free port and reads the
 endpoint, the HTTP front's URL (with ``--http-port``) and the child pids from its
-stdout; ``stop()`` sends SIGTERM and returns the exit code. ``wrapper`` runs the
+stdout (``wait=False``: only starts it, ``wait_started()`` reads them; for launches
+that wait on each other, as the nodes of one server do: a node > 0 has no endpoint,
+only its worker ranks); ``stop()`` sends SIGTERM and returns the exit code. ``wrapper`` runs the
 launcher under another process (``proc`` is then that one); ``env`` adds to the
 launcher's environment (how secrets reach it). Hangs are bounded by
 pytest-timeout, not by sleeps here.
@@ -31,6 +33,7 @@ class Server:
         *args: str,
         wrapper: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
+        wait: bool = True,
     ) -> None:
         cmd = [*wrapper, sys.executable, "-m", "radixserve.cli", "launch"]
         cmd += ["--model", str(model_dir)]
@@ -39,11 +42,20 @@ class Server:
         env = {**os.environ, **(env or {})}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+        self.args = args
         self.endpoint = ""
         self.http_url = ""
         self.pids: dict[str, int] = {}
         self.summary = ""
         self.run_dir = ""
+        if wait:
+            self.wait_started()
+
+    def _flag(self, name: str, default: int) -> int:
+        return int(self.args[self.args.index(name) + 1]) if name in self.args else default
+
+    def wait_started(self) -> None:
+        """Read the launcher's start lines (RuntimeError if it exits first)."""
         for line in self.proc.stdout:  # type: ignore[union-attr]
             if m := re.search(r"serving on (\S+)", line):
                 self.endpoint = m.group(1)
@@ -55,9 +67,10 @@ class Server:
                 break
             else:
                 self.summary = line.strip()
-        tp = int(args[args.index("--tp") + 1]) if "--tp" in args else 1
-        expected = (4 if "--http-port" in args else 3) + tp - 1  # one worker per rank
-        if not self.endpoint or len(self.pids) != expected:
+        per_node = self._flag("--tp", 1) // self._flag("--nnodes", 1)  # one worker per rank
+        head = self._flag("--node-rank", 0) == 0
+        expected = (4 if "--http-port" in self.args else 3) + per_node - 1 if head else per_node
+        if (head and not self.endpoint) or len(self.pids) != expected:
             raise RuntimeError(f"the server did not start (exit code {self.proc.wait()})")
 
     def wait(self, timeout: float = 60.0) -> int:

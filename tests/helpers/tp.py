@@ -29,6 +29,7 @@ class ThreadComm:
 
     def __init__(self, shared: _Shared, rank: int) -> None:
         self.shared, self.rank, self.size = shared, rank, shared.size
+        self.local_rank = rank
         self.calls = 0
 
     def _exchange(self, t: torch.Tensor) -> list[torch.Tensor]:

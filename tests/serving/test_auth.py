@@ -82,7 +82,7 @@ def test_launch_refuses_a_public_bind_without_keys(capsys, keys, tmp_path):
         check_public_socket(
             ServerConfig(curve_secret_key=str(keys / "server.key"), curve_allow_any_client=True)
         )
-    with pytest.raises(LaunchError, match="no client certificate"):
+    with pytest.raises(LaunchError, match="no public certificate"):
         check_public_socket(
             ServerConfig(curve_secret_key=secret, curve_allowed_clients=str(tmp_path))
         )
