@@ -323,9 +323,9 @@ class Router:
             matches.append(max(m.match(keys), r.pending_match(keys)) * ps)
             keys_of.append(keys)
         loads = [r.load() for r in live]
-        decision = choose(
-            self.config.policy, self.rr, matches, loads, [r.free_pages() for r in live]
-        )
+        prompt_len = len(ids) - 1 if ids else 0
+        free = [r.free_pages() for r in live]
+        decision = choose(self.config.policy, self.rr, matches, loads, free, prompt_len)
         if self.config.decisions:
             self.decisions.append((client_id, live[decision.replica].index, matches, decision))
             del self.decisions[: -self.config.decisions]
