@@ -189,4 +189,5 @@ def test_a_dead_replica_fails_only_its_requests_and_is_readded(cluster, model_di
         for i in range(4):
             c.generate(input_ids=[100 + i, 1, 2, 3, 4, 5], max_tokens=2, temperature=0.0)
         assert victim.routed > routed
+        assert router.totals.restarts == {1: 1}  # seen by the probe, a new epoch
         wait_idle(c)
