@@ -423,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument(
         "--cache-threshold",
-        type=float,
+        type=_ratio,
         default=PolicyConfig.cache_threshold,
         help="with --dp and cache_aware: route by the cache only when the longest match "
         "covers more than this share of the prompt; else to the least loaded replica",

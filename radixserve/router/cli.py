@@ -67,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--cache-threshold",
-        type=float,
+        type=_share,
         default=PolicyConfig.cache_threshold,
         help="cache_aware: route by the cache only when the longest match covers more "
         "than this share of the prompt; else to the least loaded replica",
@@ -105,6 +105,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="stop when the process that started the router exits",
     )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning")
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:

@@ -52,8 +52,8 @@ class PolicyConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
             raise ValueError("balance thresholds: absolute >= 0, relative >= 1")
-        if not 0.0 <= self.cache_threshold < 1.0:
-            raise ValueError(f"cache_threshold must be in [0, 1), got {self.cache_threshold}")
+        if not 0.0 <= self.cache_threshold <= 1.0:  # 1: never by the cache
+            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
 
 
 @dataclass(frozen=True)

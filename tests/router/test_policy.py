@@ -50,7 +50,7 @@ def test_thresholds_and_policy_names_are_checked():
     with pytest.raises(ValueError):
         PolicyConfig(balance_rel_threshold=0.5)
     with pytest.raises(ValueError):
-        PolicyConfig(cache_threshold=1.0)
+        PolicyConfig(cache_threshold=1.5)
 
 
 def test_a_match_under_the_cache_threshold_is_a_miss():
