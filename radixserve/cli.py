@@ -452,15 +452,23 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--balance-abs-threshold",
         type=_non_negative,
-        default=PolicyConfig.balance_abs_threshold,
+        default=None,
         help="with --dp and cache_aware: the load is imbalanced when the busiest replica "
-        "has more than this many requests over the least busy one ...",
+        "has more than this many requests over the least busy one (default: "
+        "--max-running-requests, a whole batch) ...",
     )
     ev.add_argument(
         "--balance-rel-threshold",
         type=float,
         default=PolicyConfig.balance_rel_threshold,
         help="... and more than this times its load; then the least loaded replica wins",
+    )
+    ev.add_argument(
+        "--cache-threshold",
+        type=_ratio,
+        default=PolicyConfig.cache_threshold,
+        help="with --dp and cache_aware: route by the cache only when the longest match "
+        "covers more than this share of the prompt; else to the least loaded replica",
     )
     p.add_argument(
         "--exit-with-parent",
@@ -617,8 +625,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from radixserve.router.launch_dp import launch_dp
         from radixserve.router.policy import PolicyConfig
 
-        policy = PolicyConfig(args.policy, args.balance_abs_threshold, args.balance_rel_threshold)
-        return launch_dp(config_from_args(args), args.dp, policy, http_keys(args))
+        config = config_from_args(args)
+        abs_threshold = args.balance_abs_threshold
+        if abs_threshold is None:  # a whole batch of one replica (docs/scale-out.md)
+            abs_threshold = config.engine.max_running_requests
+        policy = PolicyConfig(
+            args.policy, abs_threshold, args.balance_rel_threshold, args.cache_threshold
+        )
+        return launch_dp(config, args.dp, policy, http_keys(args))
     if args.command == "launch":
         from radixserve.launch import launch
 

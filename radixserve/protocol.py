@@ -705,7 +705,10 @@ class KVEventBatch(Message):
 
     ``seq`` counts batches from 1 per ``epoch`` (a random number drawn at each start
     of the scheduler: a new epoch means a new, empty tree). ``load``: running,
-    waiting, pages_free, pages_evictable, num_pages at the time of the batch."""
+    waiting, pages_free, pages_evictable, num_pages at the time of the batch.
+    There is no batch-level salt: one step serves requests of many salts, so each
+    ``stored`` event names its own, and every key hashes its salt in, so a
+    ``removed`` key needs none (``salt`` is null on ``removed`` and ``cleared``)."""
 
     TYPE: ClassVar[str] = "kv_events"
     replica: str = f(STR)

@@ -56,13 +56,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--balance-abs-threshold",
         type=int,
         default=PolicyConfig.balance_abs_threshold,
-        help="cache_aware: imbalanced when max - min load exceeds this (requests)...",
+        help="cache_aware: imbalanced when max - min load exceeds this (requests; size it "
+        "to what a replica runs at once, its --max-running-requests)...",
     )
     p.add_argument(
         "--balance-rel-threshold",
         type=float,
         default=PolicyConfig.balance_rel_threshold,
         help="... and max load exceeds this times the min load",
+    )
+    p.add_argument(
+        "--cache-threshold",
+        type=_share,
+        default=PolicyConfig.cache_threshold,
+        help="cache_aware: route by the cache only when the longest match covers more "
+        "than this share of the prompt; else to the least loaded replica",
     )
     p.add_argument(
         "--max-requests-per-client",
@@ -99,12 +107,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning")
 
 
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         replicas=tuple(args.replica),
         host=args.host,
         port=args.port,
-        policy=PolicyConfig(args.policy, args.balance_abs_threshold, args.balance_rel_threshold),
+        policy=PolicyConfig(
+            args.policy,
+            args.balance_abs_threshold,
+            args.balance_rel_threshold,
+            args.cache_threshold,
+        ),
         model=args.model,
         cache_dir=args.cache_dir,
         chat_special_tokens=args.chat_special_tokens,

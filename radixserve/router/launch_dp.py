@@ -99,6 +99,7 @@ class DataParallelLauncher:
                "--port", str(c.port), "--policy", p.policy,
                "--balance-abs-threshold", str(p.balance_abs_threshold),
                "--balance-rel-threshold", str(p.balance_rel_threshold),
+               "--cache-threshold", str(p.cache_threshold),
                "--max-requests-per-client", str(c.engine.max_requests_per_client),
                "--ipc-endpoint", self.front.config.endpoint(PUBLIC_IPC),
                "--exit-with-parent", "--log-level", c.log_level]  # fmt: skip

@@ -9,12 +9,27 @@ tested without sockets:
   router has in flight there and what the replica last reported);
 * ``free[i]``: the pages replica i could hand out now (free + evictable).
 
-``cache_aware`` (as SGLang's router): while the load is balanced, the replica
-with the longest cached prefix wins; the load is imbalanced when both
-``max - min > balance_abs_threshold`` and ``max > balance_rel_threshold * min``
-hold, and then the least loaded replica wins. ``least_load``: always the least
-loaded (then the most free pages). ``round_robin``: in turn. Ties go round
-robin among the tied replicas, so prompts nobody caches spread evenly.
+``cache_aware`` (SGLang's router's rule, with exact matches instead of its
+approximate per-worker trees):
+
+1. the load is imbalanced when both ``max - min > balance_abs_threshold`` and
+   ``max > balance_rel_threshold * min`` hold; then the least loaded replica
+   wins, whatever it caches;
+2. otherwise, when the longest match covers more than ``cache_threshold`` of
+   the prompt (``prompt_len``: the tokens the scheduler can match), the replica
+   holding it wins;
+3. otherwise (a miss: nothing, or only a short common head such as a chat
+   template's system prompt, which every replica soon holds) the least loaded
+   wins, then the one with the most free pages (SGLang: the smallest tree).
+
+The thresholds are counts of requests, so they only mean something beside
+what a replica runs at once: ``radixserve launch --dp`` sets the absolute one
+to the replicas' ``--max-running-requests`` unless told otherwise, so a
+replica keeps the prompts it caches until it would queue a whole batch more
+than another (64, SGLang's default, is also the replicas' default batch).
+``least_load``: always the least loaded (then the most free pages).
+``round_robin``: in turn. Ties go round robin among the tied replicas, so
+prompts nobody caches spread evenly.
 """
 
 from __future__ import annotations
@@ -28,20 +43,23 @@ POLICIES = ("cache_aware", "round_robin", "least_load")
 @dataclass(frozen=True)
 class PolicyConfig:
     policy: str = "cache_aware"
-    balance_abs_threshold: int = 32  # requests
+    balance_abs_threshold: int = 64  # requests
     balance_rel_threshold: float = 1.5
+    cache_threshold: float = 0.3  # the share of a prompt a match must exceed
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
             raise ValueError("balance thresholds: absolute >= 0, relative >= 1")
+        if not 0.0 <= self.cache_threshold <= 1.0:  # 1: never by the cache
+            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
 
 
 @dataclass(frozen=True)
 class Decision:
     replica: int  # index into the candidates given
-    reason: str  # "cache", "balance", "least_load", "round_robin"
+    reason: str  # "cache", "balance", "miss", "least_load", "round_robin"
 
 
 class RoundRobin:
@@ -67,20 +85,23 @@ def choose(
     matches: Sequence[int],
     loads: Sequence[int],
     free: Sequence[int],
+    prompt_len: int = 0,
 ) -> Decision:
-    """The replica (an index into the sequences, all of one length >= 1) for a request."""
+    """The replica (an index into the sequences, all of one length >= 1) for a request
+    whose prompt has ``prompt_len`` matchable tokens (``matches`` in tokens too)."""
     n = len(loads)
     assert n and len(matches) == len(free) == n
     everyone = list(range(n))
     if cfg.policy == "round_robin":
         return Decision(rr.pick(everyone), "round_robin")
-    if cfg.policy == "cache_aware" and not imbalanced(loads, cfg):
+    reason = "least_load"
+    if cfg.policy == "cache_aware":
+        reason = "balance" if imbalanced(loads, cfg) else "miss"
         best = max(matches)
-        if best > 0:
+        if reason == "miss" and best > 0 and best > cfg.cache_threshold * prompt_len:
             return Decision(rr.pick([i for i in everyone if matches[i] == best]), "cache")
     least = min(loads)
     tied = [i for i in everyone if loads[i] == least]
     most_free = max(free[i] for i in tied)
     tied = [i for i in tied if free[i] == most_free]
-    reason = "balance" if cfg.policy == "cache_aware" else "least_load"
     return Decision(rr.pick(tied), reason)

@@ -14,8 +14,10 @@ unchanged. Per message:
   own error reaches the client word for word.
 * ``abort``: to the replica running it. ``tokenize``: answered here.
 * ``stats``, ``health``, ``flush_cache``, ``check``: sent to every live replica
-  and answered once all did (or went away), aggregated: sums of the counters,
-  and ``replicas``, one entry per replica with its own stats.
+  and answered once all did (or went away), aggregated: gauges summed over the
+  live replicas, counters over every replica's every life (``totals.py``: they
+  never fall when a replica dies or restarts), and ``replicas``, one entry per
+  replica with its own stats.
 
 A replica whose connection closes fails the requests in flight on it (``error``,
 starting with "the server failed") and gets no new ones; when it comes back (a
@@ -37,6 +39,7 @@ import zmq
 from radixserve import protocol as P
 from radixserve.router.policy import Decision, PolicyConfig, RoundRobin, choose
 from radixserve.router.replica import Forwarded, Replica
+from radixserve.router.totals import CounterTotals
 from radixserve.scheduler.kv_events import page_keys
 from radixserve.tokenizer.config import TokenizerConfig
 from radixserve.tokenizer.connections import Connections
@@ -50,10 +53,11 @@ log = logging.getLogger("radixserve.router")
 POLL_MS = 200
 PROBE_EVERY_S = 1.0
 ADMIN_TYPES = (P.Stats, P.Health, P.FlushCache, P.Check)
-# Stats summed over replicas (the rest are per replica, under "replicas").
+# Gauges summed over the live replicas; the counters (``totals.COUNTERS``) are summed
+# over every replica's every life. The rest are per replica, under "replicas".
 SUMMED = (
-    "num_pages", "pages_free", "pages_cached", "pages_used", "pages_evictable", "hit_tokens",
-    "query_tokens", "running", "waiting", "releasing", "steps", "preemptions", "in_flight",
+    "num_pages", "pages_free", "pages_cached", "pages_used", "pages_evictable", "running",
+    "waiting", "releasing", "in_flight",
 )  # fmt: skip
 
 
@@ -123,6 +127,7 @@ class Router:
         self.next_id = 0
         self.decisions: list[tuple[str, int, list[int], Decision]] = []
         self.last_probe = 0.0
+        self.totals = CounterTotals()
 
     # ------------------------------------------------------------------ loop
     def serve(self, alive=lambda: True) -> None:
@@ -214,6 +219,8 @@ class Router:
             elif rid.startswith("probe:"):
                 if r.on_probe(msg):
                     log.info("replica %s is up", r.name)
+                if rid.startswith("probe:s:") and r.stats is getattr(msg, "data", None):
+                    self.totals.update(r.index, r.stats)  # a restart seen before any routing
             elif rid.startswith("admin:"):
                 fid = rid.split(":", 2)[1]
                 fan = self.fanouts.get(fid)
@@ -323,9 +330,9 @@ class Router:
             matches.append(max(m.match(keys), r.pending_match(keys)) * ps)
             keys_of.append(keys)
         loads = [r.load() for r in live]
-        decision = choose(
-            self.config.policy, self.rr, matches, loads, [r.free_pages() for r in live]
-        )
+        prompt_len = len(ids) - 1 if ids else 0
+        free = [r.free_pages() for r in live]
+        decision = choose(self.config.policy, self.rr, matches, loads, free, prompt_len)
         if self.config.decisions:
             self.decisions.append((client_id, live[decision.replica].index, matches, decision))
             del self.decisions[: -self.config.decisions]
@@ -384,11 +391,13 @@ class Router:
             return {**first, "status": "ok", "endpoint": self.endpoint,
                     "replicas": self._replica_table(data)}  # fmt: skip
         out: dict[str, Any] = {k: 0 for k in SUMMED}
-        for d in data.values():
+        for i, d in data.items():
+            self.totals.update(i, d)
             for k in SUMMED:
                 v = d.get(k)
                 if isinstance(v, int) and not isinstance(v, bool):
                     out[k] += v
+        out.update(self.totals.totals())
         out["in_flight"] = len(self.requests)
         out["page_size"] = next((d.get("page_size") for d in data.values()), None)
         out["replicas"] = self._replica_table(data)

@@ -7,9 +7,9 @@ import pytest
 from radixserve.router.policy import PolicyConfig, RoundRobin, choose, imbalanced
 
 
-def pick(policy, matches, loads, free=None, **kw):
+def pick(policy, matches, loads, free=None, prompt_len=0, **kw):
     cfg = PolicyConfig(policy, **kw)
-    return choose(cfg, RoundRobin(), matches, loads, free or [0] * len(loads))
+    return choose(cfg, RoundRobin(), matches, loads, free or [0] * len(loads), prompt_len)
 
 
 def test_cache_aware_prefers_the_longest_match_while_balanced():
@@ -43,8 +43,27 @@ def test_round_robin_and_least_load_ignore_the_cache():
 
 
 def test_thresholds_and_policy_names_are_checked():
-    assert imbalanced([0, 40], PolicyConfig()) and not imbalanced([30, 40], PolicyConfig())
+    assert imbalanced([0, 65], PolicyConfig()) and not imbalanced([0, 64], PolicyConfig())
+    assert not imbalanced([150, 220], PolicyConfig())  # 70 > 64, but 220 <= 1.5 * 150
     with pytest.raises(ValueError):
         PolicyConfig("random")
     with pytest.raises(ValueError):
         PolicyConfig(balance_rel_threshold=0.5)
+    with pytest.raises(ValueError):
+        PolicyConfig(cache_threshold=1.5)
+
+
+def test_a_match_under_the_cache_threshold_is_a_miss():
+    # 16 of 100 tokens (a shared chat-template head, say) is not worth a queue:
+    # the least loaded replica wins, as when nothing matches.
+    d = pick("cache_aware", [16, 0], [3, 1], prompt_len=100, cache_threshold=0.3)
+    assert (d.replica, d.reason) == (1, "miss")
+    # 31 of 100 passes 0.3: the match wins although replica 0 is busier.
+    d = pick("cache_aware", [31, 0], [3, 1], prompt_len=100, cache_threshold=0.3)
+    assert (d.replica, d.reason) == (0, "cache")
+    # Among misses: least loaded, then the most free pages.
+    d = pick("cache_aware", [16, 8, 0], [2, 1, 1], [0, 3, 9], prompt_len=100)
+    assert (d.replica, d.reason) == (2, "miss")
+    # Imbalance beats any match.
+    d = pick("cache_aware", [99, 0], [70, 1], prompt_len=100)
+    assert (d.replica, d.reason) == (1, "balance")

@@ -180,3 +180,29 @@ def test_a_mirror_refuses_gaps_other_epochs_and_orphans():
     with pytest.raises(MirrorOutOfSync):
         m.apply(P.KVEventBatch("r", 1, 2, 0.0, 1, [orphan]))
     assert m.seq == 1 and m.match(page_keys([1, 2, 3], 1)) == 2
+
+
+def test_one_batch_mixes_salts_each_stored_event_names_its_own():
+    """The schema's choice (docs/protocol.md): the salt is per ``stored`` event, since
+    one step's batch mixes tenants; ``removed`` carries none (the key holds it)."""
+    cfg = SchedulerConfig(num_pages=8, page_size=4, max_context_len=256, eos_token_ids=(2,),
+                          max_running_requests=2, chunked_prefill_size=64)  # fmt: skip
+    sched = Scheduler(cfg)
+    log = KVEventLog(sched.record_kv_events(), "r0", epoch=1)
+    worker = SimWorker(cfg.num_pages, cfg.page_size, cfg.max_running_requests, VOCAB)
+    prompt = list(range(10, 19))  # two whole pages and one token
+    for rid, salt in (("a", "tenant-a"), ("b", None)):
+        sched.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0), salt=salt)
+    sched.step(worker.step)  # both prefills in one step
+    batch = P.decode(log.next_batch({}).encode(), P.KV_STREAM)
+    stored = {e.salt: e for e in batch.events if e.kind == "stored"}
+    assert set(stored) == {"tenant-a", None}
+    for salt, e in stored.items():  # same tokens, other salt: other keys
+        assert e.hashes == b"".join(page_keys(prompt, 4, salt))[: len(e.hashes)]
+    while sched.has_work():
+        sched.step(worker.step)
+    sched.flush_cache()
+    flushed = P.decode(log.next_batch({}).encode(), P.KV_STREAM)
+    gone = [e for e in flushed.events if e.kind in ("removed", "cleared")]
+    assert gone and all(e.salt is None and e.parent is None for e in gone)
+    assert (batch.replica, batch.seq, flushed.seq) == ("r0", 1, log.seq) and flushed.ts > 0
