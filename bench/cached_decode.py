@@ -10,7 +10,9 @@ products' choices inside this process (``layers/cpu_kernels.py``):
 
 - ``amx=0|1``: ``cpu_kernels.AMX`` (bfloat16 products of 2+ rows through oneDNN's
   AMX code, or through the skinny kernel);
-- ``isa=LEVEL``: ``cpu_kernels.ISA``.
+- ``isa=LEVEL``: ``cpu_kernels.ISA``;
+- ``flash=0|1``: the attention backend's ``shared_prefix_flash`` (the shared
+  prefix through torch's CPU flash attention, or through the native kernel).
 
 Each variant is a comma-separated list of those, ``;`` between variants ("" is the
 process's own choice). The table gives per variant the median over rounds of the
@@ -44,8 +46,10 @@ def parse_variant(text: str) -> dict:
             out["AMX"] = value == "1"
         elif name == "isa":
             out["ISA"] = cpu_kernels.resolve_isa(value)
+        elif name == "flash":
+            out["flash"] = value == "1"
         else:
-            raise SystemExit(f"unknown variant key {name!r} (amx, isa)")
+            raise SystemExit(f"unknown variant key {name!r} (amx, isa, flash)")
     return out
 
 
@@ -87,12 +91,16 @@ def main() -> None:
     engine.runner.step = timed_step  # type: ignore[method-assign]
     first = engine.generate(prompts, sp)[0].token_ids[:8]
     variants = [(v.strip(), parse_variant(v)) for v in args.variants.split(";")]
+    backend = engine.runner.backend
     own = {"AMX": cpu_kernels.AMX, "ISA": cpu_kernels.ISA}
+    own_flash = getattr(backend, "shared_prefix_flash", False)
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in variants}
     tokens: dict[str, list[int]] = {}
     for _ in range(args.rounds):
         for name, setting in variants:
-            for key, value in {**own, **setting}.items():
+            setting = {"flash": own_flash, **own, **setting}
+            backend.shared_prefix_flash = setting.pop("flash")
+            for key, value in setting.items():
                 setattr(cpu_kernels, key, value)
             step_times.clear()
             t = time.perf_counter()
@@ -103,7 +111,7 @@ def main() -> None:
     engine.close()
     print(f"{args.prompts} prompts x {args.system_len}-token shared prefix, {args.output_len} "
           f"tokens, {info.dtype}, {torch.get_num_threads()} threads, isa {own['ISA']}, "
-          f"AMX {own['AMX']}; first run's tokens {first}")  # fmt: skip
+          f"AMX {own['AMX']}, flash {own_flash}; first run's tokens {first}")  # fmt: skip
     print("| variant | repeat s | decode step ms | repeat vs first | step vs first | tokens |")
     print("|---|---|---|---|---|---|")
     base = runs[variants[0][0]]
