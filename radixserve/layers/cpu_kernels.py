@@ -6,6 +6,7 @@ torch backend decodes through gather + SDPA and linear layers use BLAS only.
 - ``paged_decode``: decode attention reading the KV pool's pages in place
   (``worker/attention/native_decode.py`` plans its work).
 - ``rms_norm``: RMSNorm of bfloat16 rows in one pass (the torch form is eight ops).
+- ``argmax``: greedy sampling's argmax over the LM head's ``[vocab, rows]`` output.
 - ``skinny_gemm``: ``W x^T`` for batches of at most ``SKINNY_KERNEL_ROWS`` rows,
   each weight element read once and used for every row from registers; float32,
   or bfloat16 weights with float32 or bfloat16 activations.
@@ -180,6 +181,28 @@ def rms_norm(
         torch.get_num_threads(), isa or ISA,
     )  # fmt: skip
     return out.view(x.shape)
+
+
+def argmax_ok(logits: torch.Tensor) -> bool:
+    """Whether ``argmax`` takes these logits: ``[rows, vocab]`` on the CPU, float32 or
+    bfloat16, the transposed view of a contiguous ``[vocab, rows]`` tensor (how the LM
+    head returns them), a built extension."""
+    return (
+        AVAILABLE
+        and logits.dim() == 2
+        and logits.device.type == "cpu"
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and logits.shape[1] > 0
+        and logits.t().is_contiguous()
+    )
+
+
+def argmax(logits: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` (int64; the first maximum, a NaN counting as largest)
+    read in the ``[vocab, rows]`` order the values lie in (``csrc/argmax.cpp``)."""
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    ext.argmax_columns(_array(logits.t()), out.numpy(), isa or ISA)  # type: ignore[union-attr]
+    return out
 
 
 def bitmask_ok(logits: torch.Tensor) -> bool:

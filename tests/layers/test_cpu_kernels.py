@@ -269,3 +269,40 @@ def test_rms_norm_rejects_bad_arrays(ext):
         ext.rms_norm(x.astype("float32"), w, x.copy(), 1e-5, False, 1)
     with pytest.raises(ValueError, match="rms_norm: eps must be > 0"):
         ext.rms_norm(x, w, x.copy(), 0.0, False, 1)
+
+
+@pytest.mark.parametrize(("vocab", "rows"), [(1, 1), (7, 3), (1000, 1), (517, 64), (333, 130)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_columns_matches_float64_argmax(ext, isa, vocab, rows, dtype):
+    """The first index of each row's maximum, read from the [vocab, rows] layout, at
+    every level: ties (bfloat16 rounding makes many), -inf, and NaN counting as largest
+    (torch.argmax's rules); blocks of 64 rows and a ragged last block."""
+    g = torch.Generator().manual_seed(vocab * 7 + rows)
+    yt = (torch.randn(vocab, rows, generator=g) * 4).round().to(dtype)  # many equal values
+    yt[torch.rand(vocab, rows, generator=g) < 0.05] = float("-inf")
+    if rows > 2:
+        yt[vocab // 2, 1] = float("nan")
+        yt[vocab - 1, 1] = float("nan")
+        yt[:, 2] = float("-inf")
+    logits = yt.t()
+    assert cpu_kernels.argmax_ok(logits)
+    got = cpu_kernels.argmax(logits, isa=isa)
+    assert got.dtype == torch.int64
+    ref = logits.double().argmax(dim=-1)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    if rows > 2:
+        assert got[1] == vocab // 2 and got[2] == 0
+
+
+def test_argmax_columns_refuses_other_layouts(ext):
+    assert not cpu_kernels.argmax_ok(torch.zeros(3, 5))  # rows contiguous: torch's argmax
+    assert not cpu_kernels.argmax_ok(torch.zeros(5, 3, dtype=torch.float64).t())
+    out = torch.empty(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        ext.argmax_columns(torch.zeros(5, 3, dtype=torch.float64).numpy(), out.numpy())
+    with pytest.raises(ValueError, match="one entry per column"):
+        ext.argmax_columns(torch.zeros(5, 4).numpy(), out.numpy())
+    with pytest.raises(ValueError, match="int64"):
+        ext.argmax_columns(torch.zeros(5, 3).numpy(), torch.empty(3, dtype=torch.int32).numpy())
+    with pytest.raises(ValueError, match="at least one row"):
+        ext.argmax_columns(torch.zeros(0, 3).numpy(), out.numpy())
