@@ -49,6 +49,7 @@ def run_case(
     softcap=0.0,
     native_prefill=None,
     shared_flash=None,
+    consecutive_prefix=False,
 ):
     """Build a batch of the given request kinds, run backend vs reference twice (two steps).
 
@@ -61,10 +62,13 @@ def run_case(
     ``scale`` and ``softcap`` are the backend's; ``native_prefill`` (with the native
     kernel) overrides the longest prefill chunk it takes; ``shared_flash`` (with the
     native kernel) forces cascade prefixes through torch's CPU flash attention on or off
-    (and, when on, checks that some group took it)."""
+    (and, when on, checks that some group took it); ``consecutive_prefix`` stores each
+    shared prefix in consecutive pages (as the allocator usually does)."""
     heads = kv_heads * group
     num_pages = 4096 // page_size + 64
     num_pages += max_cached * 9 // page_size
+    reserve = 2 * shared // page_size if consecutive_prefix else 0
+    num_pages += reserve
     pool = KVPool(2, num_pages, page_size, kv_heads, HEAD_DIM, dtype)
     backend = create_backend(
         "torch", pool, scale=scale, sliding_windows=(window, -1), num_qo_heads=heads,
@@ -75,7 +79,8 @@ def run_case(
         backend.native_prefill_max_tokens = native_prefill
     if shared_flash is not None:
         backend.shared_prefix_flash = shared_flash
-    free = list(rng.permutation(num_pages))
+    free = list(rng.permutation(num_pages - reserve))
+    block = num_pages - reserve  # consecutive prefixes are taken from here
     assert shared % page_size == 0
     if prefix_of is None:
         prefix_of = [0] * len(kinds)
@@ -83,8 +88,13 @@ def run_case(
     for spec in prefix_of:
         gid = spec[0] if isinstance(spec, tuple) else spec
         if gid is not None and gid not in prefixes:
+            n = shared // page_size
+            if consecutive_prefix:
+                pre_pages, block = list(range(block, block + n)), block + n
+            else:
+                pre_pages = [free.pop() for _ in range(n)]
             prefixes[gid] = (
-                [free.pop() for _ in range(shared // page_size)],
+                pre_pages,
                 torch.randn(shared, kv_heads, HEAD_DIM, dtype=torch.float64),
                 torch.randn(shared, kv_heads, HEAD_DIM, dtype=torch.float64),
             )
@@ -133,6 +143,8 @@ def run_case(
     backend.begin_batch(batch)
     if shared_flash:
         assert backend._shared, "no cascade group went through flash attention"
+        in_place = [p.run_start is not None for p in backend._shared]
+        assert all(in_place) if consecutive_prefix and page_size == 1 else not any(in_place)
     for layer in range(2):
         q = torch.randn(int(qo.sum()), heads, HEAD_DIM, dtype=torch.float64).to(dtype)
         k = torch.cat([r[3][r[0] :] for r in reqs])
@@ -240,6 +252,9 @@ def test_shared_prefixes_through_flash_attention(monkeypatch, dtype, page_size, 
     kw = {"decode_kernel": "native", "dtype": dtype, "shared_flash": True, "native_prefill": 64}
     run_case(rng, page_size, 2, 3, kinds, shared=80, prefix_of=prefix_of, **kw)
     run_case(rng, page_size, 3, 3, ["decode"] * 4, shared=272, **kw)
+    # Consecutive pages: with one token per page, read in place (no gather).
+    run_case(rng, page_size, 2, 3, kinds, shared=80, prefix_of=prefix_of, consecutive_prefix=True,
+             **kw)  # fmt: skip
 
 
 def test_shared_prefix_flash_is_on_for_bfloat16_with_amx_only(monkeypatch):

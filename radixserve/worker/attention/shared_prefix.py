@@ -18,8 +18,10 @@ and the backend does not use this path with a soft-cap).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -34,12 +36,31 @@ def available() -> bool:
 class SharedPrefix:
     """One cascade group: its members' rows of q (int64), the shared pages' K rows in
     the pool viewed as ``[num_pages * 2, page_size * kv_heads * head_dim]`` (V is the
-    next row), and the number of shared keys."""
+    next row), and the number of shared keys. ``run_start``: with one token per page
+    and the shared pages consecutive (as the allocator usually hands out a prefill's
+    pages), the first K row; attention then reads the pool in place, no gather."""
 
     rows: torch.Tensor
     k_rows: torch.Tensor
     kv_len: int
     buffers: tuple[torch.Tensor, torch.Tensor]  # K, V gather destinations, reused per layer
+    run_start: int | None = None
+
+    @classmethod
+    def build(
+        cls,
+        rows: np.ndarray,
+        pages: np.ndarray,
+        page_size: int,
+        make_buffers: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    ) -> SharedPrefix:
+        """From the members' q rows and the shared page ids; ``make_buffers(n)`` gives
+        gather destinations for n pages (asked only when the pages are not a run)."""
+        k_rows = pages.astype(np.int64) * 2
+        run = page_size == 1 and len(pages) > 0 and bool((np.diff(pages) == 1).all())
+        buffers = (torch.empty(0), torch.empty(0)) if run else make_buffers(len(pages))
+        return cls(torch.from_numpy(rows.astype(np.int64)), torch.from_numpy(k_rows),
+                   len(pages) * page_size, buffers, int(k_rows[0]) if run else None)  # fmt: skip
 
 
 def attend(
@@ -55,9 +76,13 @@ def attend(
     part already in ``out[rows]`` / ``lse[rows]`` (float32 or float64 [T, heads])."""
     t_rows, heads, d = plan.rows.shape[0], q.shape[1], q.shape[2]
     group = heads // kv_heads
-    kb, vb = plan.buffers
-    torch.index_select(pages, 0, plan.k_rows, out=kb)
-    torch.index_select(pages, 0, plan.k_rows + 1, out=vb)
+    if plan.run_start is not None:  # every second row of the pool, from run_start
+        end = plan.run_start + 2 * plan.kv_len
+        kb, vb = pages[plan.run_start : end : 2], pages[plan.run_start + 1 : end : 2]
+    else:
+        kb, vb = plan.buffers
+        torch.index_select(pages, 0, plan.k_rows, out=kb)
+        torch.index_select(pages, 0, plan.k_rows + 1, out=vb)
     keys = kb.view(-1, kv_heads, d)[: plan.kv_len].transpose(0, 1).unsqueeze(0)
     vals = vb.view(-1, kv_heads, d)[: plan.kv_len].transpose(0, 1).unsqueeze(0)
     # Every member's query heads of one KV head are queries of one attention call.

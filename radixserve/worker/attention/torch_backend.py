@@ -251,11 +251,8 @@ class TorchAttention(AttentionBackend):
             kv += [int(batch.kv_lens[i]) - common * s for i in ids]
         for ids, common in groups:
             if self.shared_prefix_flash:
-                shared = table(int(ids[0]))[:common].astype(np.int64) * 2
-                self._shared.append(
-                    SharedPrefix(torch.from_numpy(qrow[ids].astype(np.int64)),
-                                 torch.from_numpy(shared), common * s, self._buffers(common))
-                )  # fmt: skip
+                shared = table(int(ids[0]))[:common]
+                self._shared.append(SharedPrefix.build(qrow[ids], shared, s, self._buffers))
                 continue
             rows.append(qrow[ids])
             tables.append(table(int(ids[0]))[:common])
