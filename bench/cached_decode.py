@@ -21,14 +21,25 @@ one token), and each variant's ratio to the first within each round (median; a
 drift in the machine's speed hits all variants alike).
 
     python bench/cached_decode.py --variants "amx=0;amx=1" --threads 1
-    python bench/cached_decode.py --variants "" --json new.json   # one side of a cross-tree A/B
+
+``--tree DIR`` (repeatable) compares checkouts instead (an older commit exported to
+DIR with its native extensions built or copied): each tree runs this script with
+default variants in fresh processes, with ``PYTHONPATH=DIR``, the trees taking
+turns ``--processes`` times; the table gives each tree's median repeat and decode
+step over all its rounds and its ratio to the first tree (median over the turns).
+
+    python bench/cached_decode.py --tree /tmp/old --tree . --processes 2 --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -65,7 +76,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--json", help="write the per-round timings here")
+    ap.add_argument("--tree", action="append", help="compare these checkouts (see above)")
+    ap.add_argument("--processes", type=int, default=2, help="turns per tree with --tree")
     args = ap.parse_args()
+    if args.tree:
+        return compare_trees(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     from radixserve import Engine, SamplingParams
@@ -92,7 +107,7 @@ def main() -> None:
     first = engine.generate(prompts, sp)[0].token_ids[:8]
     variants = [(v.strip(), parse_variant(v)) for v in args.variants.split(";")]
     backend = engine.runner.backend
-    own = {"AMX": cpu_kernels.AMX, "ISA": cpu_kernels.ISA}
+    own = {"AMX": getattr(cpu_kernels, "AMX", False), "ISA": cpu_kernels.ISA}
     own_flash = getattr(backend, "shared_prefix_flash", False)
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in variants}
     tokens: dict[str, list[int]] = {}
@@ -125,6 +140,46 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"runs": runs, "tokens": tokens, "first": first}, f)
+
+
+def compare_trees(args: argparse.Namespace) -> None:
+    """Each tree in fresh processes, the trees taking turns; one table with ratios."""
+    trees = [os.path.abspath(t) for t in args.tree]
+    passed = ["--rounds", str(args.rounds), "--prompts", str(args.prompts), "--system-len",
+              str(args.system_len), "--question-len", str(args.question_len), "--output-len",
+              str(args.output_len), "--seed", str(args.seed), "--model", args.model]  # fmt: skip
+    if args.threads:
+        passed += ["--threads", str(args.threads)]
+    turns: dict[str, list[dict]] = {t: [] for t in trees}
+    with tempfile.TemporaryDirectory() as tmp:
+        for turn in range(args.processes):
+            for i, tree in enumerate(trees):
+                out = os.path.join(tmp, f"{turn}-{i}.json")
+                env = {**os.environ, "PYTHONPATH": tree}
+                cmd = [sys.executable, os.path.abspath(__file__), *passed, "--json", out]
+                subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+                with open(out) as f:
+                    turns[tree].append(json.load(f))
+    print(f"{args.prompts} prompts x {args.system_len}-token shared prefix, {args.output_len} "
+          f"tokens, {args.threads or 'default'} threads, {args.processes} processes per tree "
+          f"x {args.rounds} rounds")  # fmt: skip
+    print("| tree | repeat s | decode step ms | repeat vs first | step vs first | tokens |")
+    print("|---|---|---|---|---|---|")
+
+    def medians(turn: dict) -> tuple[float, float]:
+        [rs] = turn["runs"].values()
+        return statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs)
+
+    base = [medians(t) for t in turns[trees[0]]]
+    for tree in trees:
+        ms = [medians(t) for t in turns[tree]]
+        rounds = [r for t in turns[tree] for r in next(iter(t["runs"].values()))]
+        ratio_r = statistics.median(b[0] / m[0] for b, m in zip(base, ms))
+        ratio_s = statistics.median(b[1] / m[1] for b, m in zip(base, ms))
+        [tokens] = turns[tree][-1]["tokens"].values()
+        print(f"| {tree} | {statistics.median(r[0] for r in rounds):.3f} | "
+              f"{statistics.median(r[1] for r in rounds) * 1e3:.1f} | {ratio_r:.2f}x | "
+              f"{ratio_s:.2f}x | {tokens} |")  # fmt: skip
 
 
 if __name__ == "__main__":
