@@ -20,6 +20,7 @@ KERNELS_SOURCES = [
     "csrc/paged_attention.cpp",
     "csrc/skinny_gemm.cpp",
     "csrc/rms_norm.cpp",
+    "csrc/argmax.cpp",
     "csrc/cpu_kernels.cpp",
 ]
 

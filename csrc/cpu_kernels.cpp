@@ -258,6 +258,26 @@ void rms_norm(const py::array& x, const py::array& w, py::array& y, double eps, 
                             static_cast<float>(eps), unit_offset, isa, num_threads);
 }
 
+// out [rows] (int64) = argmax over dim 0 of x [vocab, rows] (float32, or bfloat16 as int16).
+void argmax_columns(const py::array& x, py::array& out, const std::string& isa_name) {
+  auto fail = [](const std::string& what) {
+    throw std::invalid_argument("argmax_columns: " + what);
+  };
+  const Isa isa = parse_isa(isa_name, "argmax_columns");
+  const auto c = py::array::c_style;
+  const bool bf16 = is_bf16(x);
+  if (!bf16 && !py::isinstance<py::array_t<float>>(x)) fail("x must be float32 or bfloat16");
+  if (x.ndim() != 2 || out.ndim() != 1) fail("x must be [vocab, rows], out [rows]");
+  if (!(x.flags() & c) || !(out.flags() & c) || !out.writeable())
+    fail("arrays must be C-contiguous (out writeable)");
+  if (!py::isinstance<py::array_t<int64_t>>(out)) fail("out must be int64");
+  if (out.shape(0) != x.shape(1)) fail("out must have one entry per column of x");
+  if (x.shape(0) < 1) fail("x needs at least one row");
+  if (x.shape(0) > INT32_MAX) fail("x has too many rows");
+  radixserve::argmax_columns(x.data(), bf16, x.shape(0), x.shape(1),
+                             static_cast<int64_t*>(out.mutable_data()), isa);
+}
+
 template <typename T>
 void mask_rows(T* logits, int64_t vocab, const uint32_t* bitmask, int64_t words,
                const int64_t* rows, int64_t num_rows) {
@@ -336,6 +356,9 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::arg("unit_offset"), py::arg("num_threads"), py::arg("isa") = "auto",
         "y = RMSNorm(x) * w (or * (1 + w) with unit_offset) for bfloat16 rows [rows, n] "
         "(as int16), with the torch form's roundings (csrc/rms_norm.cpp).");
+  m.def("argmax_columns", &argmax_columns, py::arg("x"), py::arg("out"), py::arg("isa") = "auto",
+        "out [rows] (int64) = the first index of each column's maximum of x [vocab, rows] "
+        "(float32, or bfloat16 as int16; C-contiguous), NaN counting as largest (torch.argmax).");
   m.def("apply_token_bitmask", &apply_token_bitmask, py::arg("logits"), py::arg("bitmask"),
         py::arg("rows"),
         "logits [n, vocab] (float32/float64) in place: -inf where a row's int32 bitmask has a "

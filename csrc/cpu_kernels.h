@@ -135,6 +135,11 @@ RS_ALWAYS_INLINE uint16_t f32_to_bf16(float x) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+// out[r] = the first v with the largest x[v, r] (a NaN counting as largest) for
+// x [vocab, rows] C-contiguous, float32 or bfloat16 bits (argmax.cpp).
+void argmax_columns(const void* x, bool bf16, int64_t vocab, int64_t rows, int64_t* out,
+                    Isa isa);
+
 }  // namespace radixserve
 
 namespace radixserve {
@@ -188,5 +193,10 @@ void skinny_gemm(const SkinnyGemm& g, Isa isa, int num_threads);
 // all C-contiguous bfloat16 bits; unit_offset scales by (1 + w) (Gemma).
 void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t rows, int64_t n,
                    float eps, bool unit_offset, Isa isa, int num_threads);
+
+// out[r] = the first v with the largest x[v, r] (a NaN counting as largest) for
+// x [vocab, rows] C-contiguous, float32 or bfloat16 bits (argmax.cpp).
+void argmax_columns(const void* x, bool bf16, int64_t vocab, int64_t rows, int64_t* out,
+                    Isa isa);
 
 }  // namespace radixserve

@@ -6,13 +6,16 @@ torch backend decodes through gather + SDPA and linear layers use BLAS only.
 - ``paged_decode``: decode attention reading the KV pool's pages in place
   (``worker/attention/native_decode.py`` plans its work).
 - ``rms_norm``: RMSNorm of bfloat16 rows in one pass (the torch form is eight ops).
+- ``argmax``: greedy sampling's argmax over the LM head's ``[vocab, rows]`` output.
 - ``skinny_gemm``: ``W x^T`` for batches of at most ``SKINNY_KERNEL_ROWS`` rows,
   each weight element read once and used for every row from registers; float32,
   or bfloat16 weights with float32 or bfloat16 activations.
 
 Every hot loop is compiled for several instruction-set levels (``ISAS``) and
 each call names the one it runs; ``ISA`` is the one this process uses
-(docs/worker.md, "CPU kernels").
+(docs/worker.md, "CPU kernels"). ``AMX`` says whether oneDNN runs this process's
+bfloat16 products on the CPU's AMX tiles; where it does, those beat the skinny
+kernel from ``AMX_KERNEL_ROWS + 1`` rows on (``skinny_ok``).
 """
 
 from __future__ import annotations
@@ -60,6 +63,43 @@ def resolve_isa(name: str) -> str:
 #: ``RADIXSERVE_CPU_ISA`` names another.
 ISA = resolve_isa(os.environ.get(ISA_ENV, "auto") or "auto")
 
+#: The environment variable that rules oneDNN's AMX products out of ``Linear``'s
+#: choice (``0``) or lets the CPU decide (``auto``, the default); read once, when
+#: this module loads.
+AMX_ENV = "RADIXSERVE_CPU_AMX"
+
+
+def amx_supported() -> bool:
+    """Whether oneDNN can run bfloat16 products on AMX tiles here: the CPU has them
+    and the OS granted this process their register state (torch's own probe; False
+    where this torch has none)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe is not None and probe())
+
+
+def resolve_amx(name: str) -> bool:
+    """``auto`` -> ``amx_supported()``; ``0`` -> False; ``1`` -> True if supported.
+    ValueError otherwise, or for ``1`` on a CPU without AMX."""
+    if name in ("auto", ""):
+        return amx_supported()
+    if name == "0":
+        return False
+    if name == "1":
+        if not amx_supported():
+            raise ValueError(f"{AMX_ENV}=1, but this CPU (or OS) gives no AMX tiles")
+        return True
+    raise ValueError(f"{AMX_ENV} must be auto, 0 or 1, not {name!r}")
+
+
+#: Whether bfloat16 products of more than ``AMX_KERNEL_ROWS`` rows go to oneDNN's
+#: AMX code (as ``(W x^T)^T``, the skinny kernel's layout) rather than to
+#: ``skinny_gemm``: the CPU's AMX unless ``RADIXSERVE_CPU_AMX=0``.
+AMX = resolve_amx(os.environ.get(AMX_ENV, "auto"))
+
+#: Where oneDNN has AMX, the skinny kernel still wins at this many rows (one
+#: decode request; docs/worker.md, "CPU kernels", has the numbers).
+AMX_KERNEL_ROWS = 1
+
 #: Row counts up to which ``skinny_gemm`` beats BLAS when the weights stream from
 #: memory (docs/worker.md, "CPU kernels", has the numbers and how to measure them).
 SKINNY_KERNEL_ROWS = 32
@@ -68,8 +108,9 @@ SKINNY_KERNEL_ROWS = 32
 def skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``Linear`` computes this product with ``skinny_linear``: float32, and
     bfloat16 where the CPU has AVX512_BF16 (there the kernel beats oneDNN's
-    bfloat16 products; its float32-converting fallback does not, so bfloat16 stays
-    with oneDNN elsewhere: docs/worker.md has the numbers)."""
+    AVX-512 bfloat16 products; its float32-converting fallback does not, so
+    bfloat16 stays with oneDNN elsewhere) but, where oneDNN has AMX (``AMX``),
+    only up to ``AMX_KERNEL_ROWS`` rows (docs/worker.md has the numbers)."""
     if not (
         AVAILABLE
         and x.dim() == 2
@@ -81,7 +122,11 @@ def skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if x.dtype == torch.float32:
         return True
-    return x.dtype == torch.bfloat16 and ISA == "avx512bf16"
+    return (
+        x.dtype == torch.bfloat16
+        and ISA == "avx512bf16"
+        and (not AMX or x.shape[0] <= AMX_KERNEL_ROWS)
+    )
 
 
 def _array(t: torch.Tensor):
@@ -136,6 +181,28 @@ def rms_norm(
         torch.get_num_threads(), isa or ISA,
     )  # fmt: skip
     return out.view(x.shape)
+
+
+def argmax_ok(logits: torch.Tensor) -> bool:
+    """Whether ``argmax`` takes these logits: ``[rows, vocab]`` on the CPU, float32 or
+    bfloat16, the transposed view of a contiguous ``[vocab, rows]`` tensor (how the LM
+    head returns them), a built extension."""
+    return (
+        AVAILABLE
+        and logits.dim() == 2
+        and logits.device.type == "cpu"
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and logits.shape[1] > 0
+        and logits.t().is_contiguous()
+    )
+
+
+def argmax(logits: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` (int64; the first maximum, a NaN counting as largest)
+    read in the ``[vocab, rows]`` order the values lie in (``csrc/argmax.cpp``)."""
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    ext.argmax_columns(_array(logits.t()), out.numpy(), isa or ISA)  # type: ignore[union-attr]
+    return out
 
 
 def bitmask_ok(logits: torch.Tensor) -> bool:

@@ -21,7 +21,8 @@ SKINNY_ROWS = 512
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` with the skinny-batch CPU form above (float32/float64), and
+    """``nn.Linear`` with the skinny-batch CPU form above (float32/float64, and
+    bfloat16 where oneDNN runs it on AMX tiles: ``cpu_kernels.AMX``), and
     for batches of up to ``cpu_kernels.SKINNY_KERNEL_ROWS`` rows the native
     kernel (``csrc/skinny_gemm.cpp``, ``cpu_kernels.skinny_ok`` says when: float32,
     and bfloat16 on CPUs with AVX512_BF16), which returns the same layout.
@@ -47,7 +48,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x.dim() == 2
         and x.shape[0] <= SKINNY_ROWS
         and x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.float64)
+        and (
+            x.dtype in (torch.float32, torch.float64)
+            or (x.dtype == torch.bfloat16 and cpu_kernels.AMX)
+        )
     ):
         if bias is None:
             return torch.mm(weight, x.t()).t()

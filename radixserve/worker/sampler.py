@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from radixserve.layers import cpu_kernels
 from radixserve.sampling_params import SamplingParams
 
 
@@ -50,7 +51,11 @@ class Sampler:
         params = [self._params[s] for s in slots]
         if logits.dtype in (torch.bfloat16, torch.float16):
             logits = logits.float()  # the same values; CPU argmax over bf16 is ~3x slower
-        out = logits.argmax(dim=-1)
+        if cpu_kernels.argmax_ok(logits):
+            # The LM head's [vocab, rows] layout (kept by .float()), read in that order.
+            out = cpu_kernels.argmax(logits)
+        else:
+            out = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
             picked = [params[i] for i in rows]

@@ -165,15 +165,22 @@ def test_linear_equals_torch_linear_on_every_path(dtype, rows, bias):
             torch.testing.assert_close(y, ref, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("rows", [1, 5, SKINNY_KERNEL_ROWS, SKINNY_KERNEL_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 5, SKINNY_KERNEL_ROWS, SKINNY_KERNEL_ROWS + 1])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("level", ["avx512bf16", "avx512"])
-def test_bfloat16_linear(monkeypatch, rows, bias, level):
+@pytest.mark.parametrize(
+    ("level", "amx"), [("avx512bf16", False), ("avx512", False), ("avx512bf16", True)]
+)
+def test_bfloat16_linear(monkeypatch, rows, bias, level, amx):
     """A bfloat16 Linear runs the native kernel only at avx512bf16 (elsewhere oneDNN is
-    faster) and up to SKINNY_KERNEL_ROWS rows; either way the values are the float64
-    product of its bfloat16 operands, rounded once to bfloat16 (plus the bias)."""
+    faster) and up to SKINNY_KERNEL_ROWS rows, and where oneDNN has AMX tiles only
+    up to AMX_KERNEL_ROWS rows (then oneDNN's weight-major product); every way the
+    values are the float64 product of its bfloat16 operands, rounded once to
+    bfloat16 (plus the bias), in the kernel's layout."""
     require_isa(level)
+    if amx and not cpu_kernels.amx_supported():
+        pytest.skip("this CPU (or OS) gives no AMX tiles")
     monkeypatch.setattr(cpu_kernels, "ISA", level)
+    monkeypatch.setattr(cpu_kernels, "AMX", amx)
     g = torch.Generator().manual_seed(rows + bias)
     layer = Linear(577, 97, bias=bias).to(torch.bfloat16).requires_grad_(False)
     with torch.no_grad():
@@ -181,7 +188,8 @@ def test_bfloat16_linear(monkeypatch, rows, bias, level):
         if bias:
             layer.bias.copy_(torch.randn(97, generator=g))
     x = torch.randn(rows, 577, generator=g).bfloat16()
-    native = level == "avx512bf16" and rows <= SKINNY_KERNEL_ROWS
+    limit = cpu_kernels.AMX_KERNEL_ROWS if amx else SKINNY_KERNEL_ROWS
+    native = level == "avx512bf16" and rows <= limit
     assert cpu_kernels.skinny_ok(x, layer.weight) == native
     ref = x.double() @ layer.weight.double().t()
     if bias:
@@ -190,8 +198,24 @@ def test_bfloat16_linear(monkeypatch, rows, bias, level):
         for inp in (x, x.t().contiguous().t()):
             y = layer(inp)
             assert y.dtype == torch.bfloat16 and y.shape == (rows, 97)
+            # the skinny kernel's [out, rows] layout, which the next layer reads as is
+            assert y.t().is_contiguous() or not (native or amx)
             # one rounding of the product, one of the bias sum; float32 sums of 577 terms
             torch.testing.assert_close(y.double(), ref, rtol=2**-7, atol=1e-2)
+
+
+def test_amx_choice(monkeypatch):
+    """RADIXSERVE_CPU_AMX: auto follows the CPU, 0 rules AMX out, 1 demands it."""
+    assert cpu_kernels.resolve_amx("auto") == cpu_kernels.amx_supported()
+    assert cpu_kernels.resolve_amx("0") is False
+    with pytest.raises(ValueError, match="auto, 0 or 1"):
+        cpu_kernels.resolve_amx("yes")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    with pytest.raises(ValueError, match="gives no AMX tiles"):
+        cpu_kernels.resolve_amx("1")
+    assert cpu_kernels.resolve_amx("auto") is False
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert cpu_kernels.resolve_amx("1") is True
 
 
 def test_without_the_extension_everything_falls_back(monkeypatch):
@@ -245,3 +269,40 @@ def test_rms_norm_rejects_bad_arrays(ext):
         ext.rms_norm(x.astype("float32"), w, x.copy(), 1e-5, False, 1)
     with pytest.raises(ValueError, match="rms_norm: eps must be > 0"):
         ext.rms_norm(x, w, x.copy(), 0.0, False, 1)
+
+
+@pytest.mark.parametrize(("vocab", "rows"), [(1, 1), (7, 3), (1000, 1), (517, 64), (333, 130)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_columns_matches_float64_argmax(ext, isa, vocab, rows, dtype):
+    """The first index of each row's maximum, read from the [vocab, rows] layout, at
+    every level: ties (bfloat16 rounding makes many), -inf, and NaN counting as largest
+    (torch.argmax's rules); blocks of 64 rows and a ragged last block."""
+    g = torch.Generator().manual_seed(vocab * 7 + rows)
+    yt = (torch.randn(vocab, rows, generator=g) * 4).round().to(dtype)  # many equal values
+    yt[torch.rand(vocab, rows, generator=g) < 0.05] = float("-inf")
+    if rows > 2:
+        yt[vocab // 2, 1] = float("nan")
+        yt[vocab - 1, 1] = float("nan")
+        yt[:, 2] = float("-inf")
+    logits = yt.t()
+    assert cpu_kernels.argmax_ok(logits)
+    got = cpu_kernels.argmax(logits, isa=isa)
+    assert got.dtype == torch.int64
+    ref = logits.double().argmax(dim=-1)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    if rows > 2:
+        assert got[1] == vocab // 2 and got[2] == 0
+
+
+def test_argmax_columns_refuses_other_layouts(ext):
+    assert not cpu_kernels.argmax_ok(torch.zeros(3, 5))  # rows contiguous: torch's argmax
+    assert not cpu_kernels.argmax_ok(torch.zeros(5, 3, dtype=torch.float64).t())
+    out = torch.empty(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        ext.argmax_columns(torch.zeros(5, 3, dtype=torch.float64).numpy(), out.numpy())
+    with pytest.raises(ValueError, match="one entry per column"):
+        ext.argmax_columns(torch.zeros(5, 4).numpy(), out.numpy())
+    with pytest.raises(ValueError, match="int64"):
+        ext.argmax_columns(torch.zeros(5, 3).numpy(), torch.empty(3, dtype=torch.int32).numpy())
+    with pytest.raises(ValueError, match="at least one row"):
+        ext.argmax_columns(torch.zeros(0, 3).numpy(), out.numpy())

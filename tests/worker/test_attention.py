@@ -8,7 +8,7 @@ import torch
 
 from radixserve.layers import cpu_kernels
 from radixserve.worker.attention import AttentionBatch, KVPool, create_backend, native_decode
-from tests.helpers.native import require_built
+from tests.helpers.native import require_built, require_isa
 
 HEAD_DIM = 8
 KERNELS = ["native", "torch"]
@@ -48,6 +48,8 @@ def run_case(
     scale=HEAD_DIM**-0.5,
     softcap=0.0,
     native_prefill=None,
+    shared_flash=None,
+    consecutive_prefix=False,
 ):
     """Build a batch of the given request kinds, run backend vs reference twice (two steps).
 
@@ -58,10 +60,15 @@ def run_case(
     shared prefix. By default all requests share one prefix. ``decode_kernel`` picks the
     backend's decode path; float32/bfloat16 ``dtype`` runs with matching tolerances;
     ``scale`` and ``softcap`` are the backend's; ``native_prefill`` (with the native
-    kernel) overrides the longest prefill chunk it takes."""
+    kernel) overrides the longest prefill chunk it takes; ``shared_flash`` (with the
+    native kernel) forces cascade prefixes through torch's CPU flash attention on or off
+    (and, when on, checks that some group took it); ``consecutive_prefix`` stores each
+    shared prefix in consecutive pages (as the allocator usually does)."""
     heads = kv_heads * group
     num_pages = 4096 // page_size + 64
     num_pages += max_cached * 9 // page_size
+    reserve = 2 * shared // page_size if consecutive_prefix else 0
+    num_pages += reserve
     pool = KVPool(2, num_pages, page_size, kv_heads, HEAD_DIM, dtype)
     backend = create_backend(
         "torch", pool, scale=scale, sliding_windows=(window, -1), num_qo_heads=heads,
@@ -70,7 +77,10 @@ def run_case(
     assert backend.decode_kernel == decode_kernel
     if native_prefill is not None:
         backend.native_prefill_max_tokens = native_prefill
-    free = list(rng.permutation(num_pages))
+    if shared_flash is not None:
+        backend.shared_prefix_flash = shared_flash
+    free = list(rng.permutation(num_pages - reserve))
+    block = num_pages - reserve  # consecutive prefixes are taken from here
     assert shared % page_size == 0
     if prefix_of is None:
         prefix_of = [0] * len(kinds)
@@ -78,8 +88,13 @@ def run_case(
     for spec in prefix_of:
         gid = spec[0] if isinstance(spec, tuple) else spec
         if gid is not None and gid not in prefixes:
+            n = shared // page_size
+            if consecutive_prefix:
+                pre_pages, block = list(range(block, block + n)), block + n
+            else:
+                pre_pages = [free.pop() for _ in range(n)]
             prefixes[gid] = (
-                [free.pop() for _ in range(shared // page_size)],
+                pre_pages,
                 torch.randn(shared, kv_heads, HEAD_DIM, dtype=torch.float64),
                 torch.randn(shared, kv_heads, HEAD_DIM, dtype=torch.float64),
             )
@@ -126,6 +141,10 @@ def run_case(
         page_indices=np.concatenate([r[2] for r in reqs]).astype(np.int32),
     )
     backend.begin_batch(batch)
+    if shared_flash:
+        assert backend._shared, "no cascade group went through flash attention"
+        in_place = [p.run_start is not None for p in backend._shared]
+        assert all(in_place) if consecutive_prefix and page_size == 1 else not any(in_place)
     for layer in range(2):
         q = torch.randn(int(qo.sum()), heads, HEAD_DIM, dtype=torch.float64).to(dtype)
         k = torch.cat([r[3][r[0] :] for r in reqs])
@@ -216,6 +235,42 @@ def test_prefill_chunks_through_the_native_kernel(dtype, page_size, limit):
     kw = {"decode_kernel": "native", "dtype": dtype, "native_prefill": limit}
     run_case(rng, page_size, 2, 3, kinds, shared=64, prefix_of=prefix_of, **kw)
     run_case(rng, page_size, 1, 4, kinds, softcap=1.5, scale=0.6, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+def test_shared_prefixes_through_flash_attention(monkeypatch, dtype, page_size, isa):
+    """Cascade prefixes through torch's CPU flash attention, merged with the native
+    kernel's suffixes by log-sum-exp (on by default only for bfloat16 pools where
+    oneDNN has AMX tiles; forced here for float64 too, the suffixes at every level),
+    beside plain decodes, prefill chunks and a second group."""
+    monkeypatch.setattr(cpu_kernels, "ISA", require_isa(isa))
+    rng = np.random.default_rng(page_size + len(isa))
+    kinds = ["decode", "decode", "prefix", "decode", "decode", "fresh", "decode", "decode"]
+    prefix_of = [0, 0, 0, 1, (0, 2), None, 1, 0]
+    kw = {"decode_kernel": "native", "dtype": dtype, "shared_flash": True, "native_prefill": 64}
+    run_case(rng, page_size, 2, 3, kinds, shared=80, prefix_of=prefix_of, **kw)
+    run_case(rng, page_size, 3, 3, ["decode"] * 4, shared=272, **kw)
+    # Consecutive pages: with one token per page, read in place (no gather).
+    run_case(rng, page_size, 2, 3, kinds, shared=80, prefix_of=prefix_of, consecutive_prefix=True,
+             **kw)  # fmt: skip
+
+
+def test_shared_prefix_flash_is_on_for_bfloat16_with_amx_only(monkeypatch):
+    """The flash path runs only where oneDNN has AMX tiles, for bfloat16 pools, with the
+    native kernel and no soft-cap."""
+    require_built(native_decode.AVAILABLE, native_decode.UNAVAILABLE_REASON, "native decode")
+    for amx in (False, True):
+        monkeypatch.setattr(cpu_kernels, "AMX", amx)
+        for dtype in (torch.float32, torch.bfloat16):
+            pool = KVPool(1, 8, 16, 2, 64, dtype)
+            backend = create_backend("torch", pool, 1.0, (-1,), 4)
+            assert backend.shared_prefix_flash == (amx and dtype == torch.bfloat16)
+        pool = KVPool(1, 8, 16, 2, 64, torch.bfloat16)
+        assert not create_backend("torch", pool, 1.0, (-1,), 4, softcap=2.0).shared_prefix_flash
+        torch_only = create_backend("torch", pool, 1.0, (-1,), 4, decode_kernel="torch")
+        assert not torch_only.shared_prefix_flash
 
 
 def test_native_prefill_is_on_for_bfloat16_products_only():

@@ -27,6 +27,23 @@ def test_greedy_is_argmax(logits):
     assert set(draw(SamplingParams(temperature=0), logits, n=5)) == {int(logits.argmax())}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_rows_of_the_lm_heads_layout(dtype):
+    """Logits as the LM head gives them on the CPU (the transposed view of [vocab, rows],
+    which the native argmax reads in place) beside sampled rows: the greedy rows get
+    the first maximum, with ties everywhere (rounded values)."""
+    g = torch.Generator().manual_seed(1)
+    yt = (torch.randn(997, 9, generator=g) * 3).round().to(dtype)
+    logits = yt.t()
+    s = Sampler(0)
+    for slot in range(9):
+        s.add(slot, SamplingParams(temperature=0 if slot % 3 else 1.0))
+    tokens = s.sample(logits, list(range(9)), [5] * 9)
+    greedy = [r for r in range(9) if r % 3]
+    ref = logits.double().argmax(dim=-1)
+    assert tokens[greedy].tolist() == ref[greedy].tolist()
+
+
 def test_top_k_keeps_only_k_best(logits):
     best = set(torch.topk(logits, 3).indices.tolist())
     got = set(draw(SamplingParams(temperature=5.0, top_k=3), logits))

@@ -32,10 +32,11 @@ import torch
 from torch.nn import functional as F
 
 from radixserve.layers import cpu_kernels
-from radixserve.worker.attention import native_decode
+from radixserve.worker.attention import native_decode, shared_prefix
 from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
 from radixserve.worker.attention.capped import cap_, capped_attention
 from radixserve.worker.attention.native_decode import Segments
+from radixserve.worker.attention.shared_prefix import SharedPrefix
 from radixserve.worker.kv_pool import KVPool
 
 
@@ -114,6 +115,17 @@ class TorchAttention(AttentionBackend):
             if self.decode_kernel == "native"
             else 0
         )
+        #: Whether a cascade group's shared prefix goes through torch's CPU flash
+        #: attention (``shared_prefix.py``) while the native kernel computes the
+        #: members' own suffixes: bfloat16 pools where oneDNN has AMX tiles (tests
+        #: force it for other dtypes).
+        self.shared_prefix_flash = (
+            self.decode_kernel == "native"
+            and pool.dtype == torch.bfloat16
+            and cpu_kernels.AMX
+            and softcap == 0
+            and shared_prefix.available()
+        )
 
     def begin_batch(self, batch: AttentionBatch) -> None:
         pool = self.pool
@@ -145,7 +157,7 @@ class TorchAttention(AttentionBackend):
         rows = np.concatenate(write_rows) if write_rows else np.zeros(0, np.int64)
         self._write = torch.from_numpy(rows).to(device)
         groups, plain = self._group_decodes(batch, decode_ids, windows)
-        self._decodes, self._native = [], None
+        self._decodes, self._native, self._shared = [], None, []
         if self.decode_kernel == "native":
             self._native = self._plan_native(batch, groups, plain, windows, native_prefills)
         else:
@@ -238,6 +250,10 @@ class TorchAttention(AttentionBackend):
             tables += [table(i)[common:] for i in ids]
             kv += [int(batch.kv_lens[i]) - common * s for i in ids]
         for ids, common in groups:
+            if self.shared_prefix_flash:
+                shared = table(int(ids[0]))[:common]
+                self._shared.append(SharedPrefix.build(qrow[ids], shared, s, self._buffers))
+                continue
             rows.append(qrow[ids])
             tables.append(table(int(ids[0]))[:common])
             kv.append(common * s)
@@ -304,7 +320,13 @@ class TorchAttention(AttentionBackend):
         pages = pool.view(-1, s * h * d)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self._native is not None:
-            self._native_decode(pool, q, out, window)
+            lse = None
+            if self._shared:
+                ct = torch.promote_types(q.dtype, torch.float32)
+                lse = torch.empty(q.shape[:2], dtype=ct, device=q.device)
+            self._native_decode(pool, q, out, window, lse)
+            for plan in self._shared:
+                shared_prefix.attend(plan, q, pages, out, lse, h, self.scale)  # type: ignore[arg-type]
         for dec in self._decodes:
             if dec.shared is not None:
                 o = self._cascade_decode(pages, q, dec, dec.bias[window])
@@ -342,11 +364,16 @@ class TorchAttention(AttentionBackend):
         )
 
     def _native_decode(
-        self, pool: torch.Tensor, q: torch.Tensor, out: torch.Tensor, window: int
+        self,
+        pool: torch.Tensor,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        window: int,
+        lse: torch.Tensor | None = None,
     ) -> None:
         assert self._native is not None
         native_decode.paged_decode(
-            q.contiguous(), pool, out, None, self._native, window, self.scale, softcap=self.softcap
+            q.contiguous(), pool, out, lse, self._native, window, self.scale, softcap=self.softcap
         )
 
     def _cascade_decode(
