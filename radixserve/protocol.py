@@ -548,6 +548,8 @@ class PageCopies(Message):
     """The KV copies between tiers (docs/cache-tiers.md) the worker performs at the
     start of a step, before computing anything, in this order:
 
+    0. ``save``: pool page ``save_pages[i]`` is written to the disk tier as the page
+       file of key ``save_keys[32 i : 32 i + 32]`` (write-through of computed pages);
     1. ``to_disk``: host slot ``to_disk_slots[i]`` is written to the disk tier as the
        page file of key ``to_disk_keys[32 i : 32 i + 32]``;
     2. ``demote``: pool page ``demote_pages[i]`` is copied to host slot
@@ -561,6 +563,8 @@ class PageCopies(Message):
     reused by a demotion, and a page demoted may be the target of a promotion.
     """
 
+    save_pages: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    save_keys: bytes = f(KEYS, b"")
     to_disk_slots: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
     to_disk_keys: bytes = f(KEYS, b"")
     demote_pages: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
@@ -573,6 +577,7 @@ class PageCopies(Message):
     def __post_init__(self) -> None:
         n = KEY_BYTES
         pairs = (
+            (len(self.save_keys) // n, len(self.save_pages), "save"),
             (len(self.to_disk_keys) // n, len(self.to_disk_slots), "to_disk"),
             (len(self.demote_pages), len(self.demote_slots), "demote"),
             (len(self.promote_slots), len(self.promote_pages), "promote"),
@@ -584,7 +589,8 @@ class PageCopies(Message):
 
     def __len__(self) -> int:
         return (
-            len(self.to_disk_slots)
+            len(self.save_pages)
+            + len(self.to_disk_slots)
             + len(self.demote_pages)
             + len(self.promote_pages)
             + len(self.load_pages)

@@ -132,6 +132,12 @@ class DiskTier:
         self._entries[key] = DiskEntry(pending=True)
         return True
 
+    def forget_pending(self, keys: list[bytes]) -> None:
+        """Writes planned and then called off (a flush): no file will come."""
+        for key in keys:
+            if key in self._entries and self._entries[key].pending:
+                del self._entries[key]
+
     def pin_read(self, key: bytes) -> None:
         self._entries[key].read = True
         self._entries.move_to_end(key)

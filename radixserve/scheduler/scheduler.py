@@ -207,6 +207,7 @@ class Scheduler:
             or self._release
             or self._grammar_submit
             or self._grammar_drop
+            or (self.kv.tiers is not None and self.kv.tiers.has_copies)
         )
 
     def request_ids(self) -> list[str]:

@@ -18,6 +18,10 @@ page neither holds.
   fresh pool pages are allocated (evicting, hence demoting, if short), inserted
   into the tree under the matched path, and filled from L2 (the slot is then
   freed: a page lives in L2 or L1, not both) or from L3 (the file stays).
+* **Write-through to disk.** With a disk tier, every page the tree gains by an
+  insert (a computed page) is also written to disk at the start of the next step,
+  unless the disk tier has it already; so a server that stops, however it stops,
+  finds on restart everything it computed (within the disk tier's bound).
 * **Copies.** Both directions are planned here and performed by the worker at the
   start of the step that follows (``protocol.PageCopies``: to disk, demote,
   promote, load, in that order), before it computes anything; so a pool page freed
@@ -64,19 +68,22 @@ class _Plan:
     """One step's copies, in the worker's order."""
 
     def __init__(self) -> None:
+        self.save: list[tuple[int, bytes]] = []
         self.to_disk: list[tuple[int, bytes]] = []
         self.demote: list[tuple[int, int]] = []
         # pool page -> (tier, key, host slot or -1): dict, so a cancelled one goes
         self.promote: dict[int, tuple[int, bytes, int]] = {}
 
     def __bool__(self) -> bool:
-        return bool(self.to_disk or self.demote or self.promote)
+        return bool(self.save or self.to_disk or self.demote or self.promote)
 
     def message(self) -> PageCopies:
         i32 = lambda xs: np.asarray(xs, dtype=np.int32)  # noqa: E731
         up2 = [(slot, p) for p, (t, _, slot) in self.promote.items() if t == L2]
         up3 = [(key, p) for p, (t, key, _) in self.promote.items() if t == L3]
         return PageCopies(
+            save_pages=i32([p for p, _ in self.save]),
+            save_keys=b"".join(k for _, k in self.save),
             to_disk_slots=i32([s for s, _ in self.to_disk]),
             to_disk_keys=b"".join(k for _, k in self.to_disk),
             demote_pages=i32([p for p, _ in self.demote]),
@@ -122,7 +129,7 @@ class TieredCache:
         self.last_match_tiers = (0, 0, 0)
         # Counters (pages) for stats.
         self.demoted = self.promoted = self.loaded = self.to_disk = 0
-        self.dropped = self.cancelled = 0
+        self.dropped = self.cancelled = self.saved = 0
 
     # ------------------------------------------------------------- contract
     @property
@@ -262,7 +269,19 @@ class TieredCache:
                 parent = tier_keys(tokens[: first * ps], ps, salt, self.root_key)[-1]
             keys = page_keys(tokens[first * ps : end * ps], ps, salt, parent)
             self._own(pages[first:end], keys)
+            if self.disk is not None:
+                self._write_through(pages[first:end].tolist(), keys)
         return cached_len, node
+
+    def _write_through(self, pages: list[int], keys: list[bytes]) -> None:
+        disk = self.disk
+        assert disk is not None
+        for page, key in zip(pages, keys):
+            if key in disk:
+                disk.touch(key)
+            elif disk.add_pending(key):
+                self._plan.save.append((page, key))
+                self.saved += 1
 
     def _own(self, pages: np.ndarray, keys: list[bytes]) -> None:
         self._owned[pages] = True
@@ -331,6 +350,11 @@ class TieredCache:
             self.disk.cancel_read(key)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------ the step
+    @property
+    def has_copies(self) -> bool:
+        """Whether copies wait for a step (write-through after the last insert)."""
+        return bool(self._plan)
+
     def take_copies(self) -> PageCopies | None:
         """The copies the next step must perform (None: none)."""
         if not self._plan:
@@ -348,7 +372,11 @@ class TieredCache:
     def flush(self, keep_disk: bool = False) -> int:
         """Drop every unlocked L1 page (no demotion), the host tier, and the disk
         tier unless ``keep_disk``; the L1 pages freed. Between steps only."""
-        assert not self._plan, "flush while a step's copies are planned"
+        # Between steps only writes-through can be planned; a flush forgets them.
+        assert not (self._plan.to_disk or self._plan.demote or self._plan.promote)
+        if self.disk is not None:
+            self.disk.forget_pending([key for _, key in self._plan.save])
+        self._plan = _Plan()
         freed = self.inner.evict(self.inner.evictable_pages)
         self._gone()
         self.host.clear()
@@ -360,6 +388,8 @@ class TieredCache:
         """Empty every tier (the tree's ``reset``: idle only)."""
         self.inner.reset()
         self._owned[:] = False
+        if self.disk is not None:
+            self.disk.forget_pending([key for _, key in self._plan.save])
         self._plan = _Plan()
         self.host.clear()
         if self.disk is not None:
@@ -384,7 +414,7 @@ class TieredCache:
             "pages_demoted": self.demoted,
             "pages_promoted": self.promoted,
             "pages_loaded": self.loaded,
-            "pages_written": self.to_disk,
+            "pages_written": self.to_disk + self.saved,
             "pages_dropped": self.dropped,
         }
 

@@ -321,6 +321,7 @@ class TokenizerServer:
                 "prompt_tokens": item.prompt_tokens,
                 "completion_tokens": len(out.token_ids),
                 "cached_tokens": item.cached_tokens,
+                "cached_tokens_by_tier": list(item.cached_tokens_by_tier),
             }
             if all(req.done):
                 self.forget(req)

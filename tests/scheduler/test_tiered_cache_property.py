@@ -70,6 +70,10 @@ class SimStore:
         if copies is None:
             return
         n = 32
+        for i, page in enumerate(copies.save_pages.tolist()):
+            key = copies.save_keys[n * i : n * i + n]
+            assert self.pool[page] == content(key), "a page written through holds other KV"
+            kv_file.write_page_file(self.directory, key, IDENTITY, self.pool[page])
         for i, slot in enumerate(copies.to_disk_slots.tolist()):
             key = copies.to_disk_keys[n * i : n * i + n]
             assert self.host[slot] == content(key), "a host slot written to disk holds other KV"
