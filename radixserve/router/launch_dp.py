@@ -198,6 +198,15 @@ class DataParallelLauncher:
 
 def launch_dp(config: ServerConfig, dp: int, policy: PolicyConfig, http_keys: Keys) -> int:
     """``radixserve launch --dp N``: run until a signal; return the exit code."""
+    if config.engine.host_cache_gb:
+        # The router follows each replica's KV events, which do not see the tiers.
+        print(
+            "radixserve: --dp does not support cache tiers yet (--host-cache-gb, "
+            "--disk-cache-dir): the router's KV events do not see promotions",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     try:
         check_public_socket(config)
     except LaunchError as e:
