@@ -242,7 +242,9 @@ class TieredCache:
         scheduling policy peeks every waiting prompt every step."""
         if not len(tokens):
             return self.root_key
-        memo = (salt, tokens.tobytes())
+        # Python's hash of the bytes: a collision could only misorder scheduling (a
+        # peek is an estimate; match_prefix recomputes every key it uses).
+        memo = (salt, len(tokens), hash(tokens.tobytes()))
         key = self._peek_memo.get(memo)
         if key is None:
             if len(self._peek_memo) >= 4096:
