@@ -596,16 +596,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s launch %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    if args.command == "launch":
+        try:
+            config = config_from_args(args)
+        except ValueError as e:  # options that cannot go together
+            print(f"radixserve: {e}", file=sys.stderr, flush=True)
+            return 1
     if args.command == "launch" and args.dp > 1:
         from radixserve.router.launch_dp import launch_dp
         from radixserve.router.policy import PolicyConfig
 
         policy = PolicyConfig(args.policy, args.balance_abs_threshold, args.balance_rel_threshold)
-        return launch_dp(config_from_args(args), args.dp, policy, http_keys(args))
+        return launch_dp(config, args.dp, policy, http_keys(args))
     if args.command == "launch":
         from radixserve.launch import launch
 
-        return launch(config_from_args(args), http_keys(args))
+        return launch(config, http_keys(args))
     return 2
 
 

@@ -111,6 +111,25 @@ class EngineConfig:
     max_n: int = _T.max_n
     chat_special_tokens: bool = _T.chat_special_tokens
 
+    def __post_init__(self) -> None:
+        # Cache tiers' combinations, refused before any process or model starts (the
+        # libraries' configs check them again when built alone).
+        if self.host_cache_gb and self.cache != "radix":
+            raise ValueError(
+                "cache tiers (--host-cache-gb, --disk-cache-dir) need --cache radix: "
+                "--cache none keeps nothing to demote"
+            )
+        if self.host_cache_gb and self.tp > 1:
+            raise ValueError(
+                "cache tiers (--host-cache-gb, --disk-cache-dir) do not support tensor "
+                "parallelism yet (--tp > 1)"
+            )
+        if self.disk_cache_dir is not None and not self.host_cache_gb:
+            raise ValueError(
+                "--disk-cache-dir needs a host tier (--host-cache-gb > 0): pages reach "
+                "the disk through host memory"
+            )
+
 
 #: SchedulerConfig fields that come from the loaded model, not from the user.
 MODEL_FIELDS = (

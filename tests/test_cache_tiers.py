@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from radixserve import Engine, SamplingParams
+from radixserve.cli import main
 from radixserve.protocol import PageCopies
 from radixserve.worker.host_cache import HostCache
 from radixserve.worker.kv_pool import KVPool
@@ -146,10 +147,13 @@ def test_copies_are_bit_exact(tmp_path, dtype):
         assert torch.equal(layer[2], b[4])  # host tier, then disk, then loaded
 
 
-def test_refusals(tiny_dir, tmp_path):
+def test_refusals(tiny_dir, tmp_path, capsys):
     with pytest.raises(ValueError, match="--cache radix"):
         engine(tiny_dir, num_pages=64, cache="none", host_cache_gb=gib(8))
     with pytest.raises(ValueError, match="needs a host tier"):
         engine(tiny_dir, num_pages=64, disk_cache_dir=str(tmp_path))
     with pytest.raises(ValueError, match="tensor parallelism"):
         engine(tiny_dir, num_pages=64, host_cache_gb=gib(8), tp=2)
+    # radixserve launch says so and exits 1 before starting anything.
+    assert main(["launch", "--cache", "none", "--host-cache-gb", "1"]) == 1
+    assert "need --cache radix" in capsys.readouterr().err
