@@ -309,12 +309,14 @@ class Abort(Message):
 
 @dataclass
 class FlushCache(Message):
-    """Evict every unlocked cached page. ``admin_key``: the server's admin API key, which
+    """Evict every unlocked cached page (with cache tiers: empty the host tier, and the
+    disk tier unless ``keep_disk``). ``admin_key``: the server's admin API key, which
     it must bring when the server has one (else it is refused with an ``Error``)."""
 
     TYPE: ClassVar[str] = "flush_cache"
     id: str = f(ID)
     admin_key: str | None = f(_optional(STR), None)
+    keep_disk: bool = f(BOOL, False)
 
 
 @dataclass
@@ -441,6 +443,7 @@ class AbortRequest(Message):
 class Flush(Message):
     TYPE: ClassVar[str] = "flush"
     tag: int = f(INT)
+    keep_disk: bool = f(BOOL, False)
 
 
 @dataclass

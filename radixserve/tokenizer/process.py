@@ -216,7 +216,10 @@ class TokenizerServer:
                 P.Health: P.GetStats,
                 P.Check: P.CheckIdle,
             }[type(msg)]
-            self.to_scheduler.send(internal(tag).encode())
+            out = internal(tag)
+            if isinstance(msg, P.FlushCache):
+                out.keep_disk = msg.keep_disk
+            self.to_scheduler.send(out.encode())
 
     def admin_refusal(self, msg: P.Message) -> str | None:
         """Why an admin call (``flush_cache``, ``check``) is refused: with an admin key

@@ -49,6 +49,11 @@ def test_tiers_through_a_launch(model_dir, engine):
             assert stats["host_pages"] == 8 and stats["pages_written"] > 0
             assert c.check() == {"ok": True, "error": None}
             assert any(n.endswith(".kv") for n in os.listdir(disk))
+            on_disk = c.stats()["disk_pages_cached"]
+            c.flush_cache(keep_disk=True)
+            stats = c.stats()
+            assert stats["disk_pages_cached"] == on_disk > 0
+            assert stats["host_pages_cached"] == stats["pages_cached"] == 0
             c.flush_cache()
             assert c.stats()["disk_pages_cached"] == 0
         assert srv.stop() == 0
