@@ -9,7 +9,9 @@ The lifecycle of a request, in the order ``_schedule()`` handles it:
 Each step is lockstep with the worker: ``step(run)`` plans what the worker
 must compute (``_schedule()``, a ``protocol.Step``), has ``run`` compute it and
 return the sampled tokens, decides who finished (``_process_step_result``), and
-returns the outputs, those of aborts since the last step included. Between
+returns the outputs, those of aborts since the last step included. With cache
+tiers (``tiered_cache.py``) the step also carries the copies between tiers that
+planning caused; they are unpinned once ``run`` returns. Between
 steps the caller may add and abort requests; it steps while ``has_work()``.
 
 A step, in order:
