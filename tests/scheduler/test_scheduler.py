@@ -286,7 +286,7 @@ def test_random_workloads_keep_kv_right(w):
     run_workload(w)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads(), st.integers(1, 12), st.booleans())
 def test_random_workloads_with_cache_tiers_keep_kv_right(w, host_pages, disk):
     """The same workloads with a host tier (and a disk tier): pages demoted, promoted,

@@ -306,7 +306,7 @@ class TieredMachine(RuleBasedStateMachine):
 
 
 SETTINGS = settings(
-    max_examples=40,
+    max_examples=30,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
