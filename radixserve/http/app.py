@@ -105,8 +105,9 @@ def create_app(state: FrontState, keys: Keys = NO_KEYS) -> FastAPI:
     @app.post("/flush_cache")
     async def flush_cache(request: Request) -> dict:
         keys.check(request, admin=True)
-        keep_disk = request.query_params.get("keep_disk", "false").lower() in ("1", "true")
-        call = functools.partial(state.client.flush_cache, keep_disk=keep_disk)
+        call = state.client.flush_cache
+        if request.query_params.get("keep_disk", "false").lower() in ("1", "true"):
+            call = functools.partial(call, keep_disk=True)
         return {"freed_pages": await _admin(call)}
 
     @app.get("/stats")
