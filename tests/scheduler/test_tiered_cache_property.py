@@ -259,7 +259,7 @@ class TieredMachine(RuleBasedStateMachine):
             raw = f.read()
         if how == "truncate":
             raw = raw[: len(raw) // 2]
-        elif how == "flip":
+        elif how == "flip" and raw:  # (a file truncated to nothing stays empty)
             raw = raw[:-1] + bytes([raw[-1] ^ 1])
         else:
             raw = b"not a page"
