@@ -119,10 +119,10 @@ class EngineConfig:
                 "cache tiers (--host-cache-gb, --disk-cache-dir) need --cache radix: "
                 "--cache none keeps nothing to demote"
             )
-        if self.host_cache_gb and self.tp > 1:
+        if self.disk_cache_dir is not None and self.tp > 1:
             raise ValueError(
-                "cache tiers (--host-cache-gb, --disk-cache-dir) do not support tensor "
-                "parallelism yet (--tp > 1)"
+                "the disk tier (--disk-cache-dir) does not support tensor parallelism yet "
+                "(--tp > 1); the host tier does"
             )
         if self.disk_cache_dir is not None and not self.host_cache_gb:
             raise ValueError(

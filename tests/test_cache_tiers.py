@@ -153,7 +153,7 @@ def test_refusals(tiny_dir, tmp_path, capsys):
     with pytest.raises(ValueError, match="needs a host tier"):
         engine(tiny_dir, num_pages=64, disk_cache_dir=str(tmp_path))
     with pytest.raises(ValueError, match="tensor parallelism"):
-        engine(tiny_dir, num_pages=64, host_cache_gb=gib(8), tp=2)
+        engine(tiny_dir, num_pages=64, host_cache_gb=gib(8), disk_cache_dir="d", tp=2)
     # radixserve launch says so and exits 1 before starting anything.
     assert main(["launch", "--cache", "none", "--host-cache-gb", "1"]) == 1
     assert "need --cache radix" in capsys.readouterr().err

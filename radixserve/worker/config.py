@@ -48,9 +48,10 @@ class WorkerConfig:
     disable_cuda_graph: run decode steps eagerly instead of replaying CUDA graphs
     (graphs are used on CUDA with the flashinfer backend only; ``cuda_graph.py``).
     host_cache_gb: the host tier of the KV cache (docs/cache-tiers.md), GiB of host
-    memory (pinned on CUDA) holding pages evicted from the pool; 0: no tiers.
+    memory (pinned on CUDA; per rank with ``tp`` > 1) holding pages evicted from the
+    pool; 0: no tiers.
     disk_cache_dir: the disk tier's directory (page files that survive restarts);
-    needs a host tier.
+    needs a host tier; not with ``tp`` > 1 yet.
     flashinfer_prefill_backend: the flashinfer backend's prefill kernels, ``auto``
     (FlashInfer's choice: fa3 on Hopper), ``fa2`` or ``fa3``. Without prebuilt kernels
     (flashinfer-jit-cache) fa3 takes far longer to JIT-build at start than fa2.
@@ -107,10 +108,10 @@ class WorkerConfig:
                 "--disk-cache-dir needs a host tier (--host-cache-gb > 0): pages reach "
                 "the disk through host memory"
             )
-        if self.tp > 1 and self.host_cache_gb:
+        if self.tp > 1 and self.disk_cache_dir is not None:
             raise ValueError(
-                "cache tiers (--host-cache-gb, --disk-cache-dir) do not support tensor "
-                "parallelism yet (--tp > 1)"
+                "the disk tier (--disk-cache-dir) does not support tensor parallelism yet "
+                "(--tp > 1); the host tier does"
             )
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
