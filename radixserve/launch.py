@@ -274,11 +274,6 @@ def check_public_socket(config: ServerConfig) -> None:
     if config.kv_events is not None:
         if config.engine.cache != "radix":
             raise LaunchError("--kv-events needs --cache radix (--cache none caches nothing)")
-        if config.engine.host_cache_gb:
-            raise LaunchError(
-                "--kv-events does not support cache tiers yet (--host-cache-gb): a "
-                "subscriber would not see pages promoted back from the host or disk tier"
-            )
         check_kv_events(config.kv_events, config.kv_events_replay, curve)
     if not curve and not is_loopback(config.host):
         raise LaunchError(

@@ -198,11 +198,11 @@ class DataParallelLauncher:
 
 def launch_dp(config: ServerConfig, dp: int, policy: PolicyConfig, http_keys: Keys) -> int:
     """``radixserve launch --dp N``: run until a signal; return the exit code."""
-    if config.engine.host_cache_gb:
-        # The router follows each replica's KV events, which do not see the tiers.
+    if config.engine.disk_cache_dir is not None:
+        # One directory would be shared by every replica, each evicting the others' files.
         print(
-            "radixserve: --dp does not support cache tiers yet (--host-cache-gb, "
-            "--disk-cache-dir): the router's KV events do not see promotions",
+            "radixserve: --dp does not support the disk tier yet (--disk-cache-dir): "
+            "the replicas would share one directory",
             file=sys.stderr,
             flush=True,
         )

@@ -610,12 +610,16 @@ class Scheduler:
     # ------------------------------------------------------ cache and stats
     def record_kv_events(self) -> KVEventRecorder:
         """From now on, record every change of the tree (``--kv-events``,
-        docs/scale-out.md); the recorder wraps the cache, so call before any request."""
-        if self.kv.tiers is not None:
-            raise ValueError(
-                "KV events do not support cache tiers yet (--kv-events with "
-                "--host-cache-gb): a subscriber would not see promotions"
-            )
+        docs/scale-out.md); the recorder wraps the cache (with tiers: the tree below
+        them), so call before any request."""
+        tiers = self.kv.tiers
+        if tiers is not None:
+            # Under the tiers: the events describe the pool (L1), whose pages a match
+            # promotes (stored) and an eviction demotes (removed) through the tree's
+            # own insert and evict, which the recorder sees.
+            recorder = KVEventRecorder(tiers.inner, self.allocator)
+            tiers.inner = recorder
+            return recorder
         recorder = KVEventRecorder(self.cache, self.allocator)
         self.cache = self.kv.cache = recorder
         return recorder
