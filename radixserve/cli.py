@@ -70,6 +70,20 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _gib(text: str) -> float:
+    value = float(text)
+    if not value >= 0.0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 GiB, got {text}")
+    return value
+
+
+def _positive_gib(text: str) -> float:
+    value = _gib(text)
+    if value == 0.0:
+        raise argparse.ArgumentTypeError("must be > 0 GiB")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radixserve", description="A prefix-caching LLM serving runtime."
@@ -194,6 +208,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.shared_prefix_min_tokens,
         help="hold a waiting request back while it shares at least this many uncached "
         "prefix tokens with a prompt being prefilled (it then hits them in the tree)",
+    )
+    p.add_argument(
+        "--host-cache-gb",
+        type=_gib,
+        default=d.host_cache_gb,
+        help="the KV cache's host tier: GiB of host memory (pinned on CUDA) that keeps "
+        "pages evicted from the pool and gives them back on a hit; 0: off "
+        "(docs/cache-tiers.md)",
+    )
+    p.add_argument(
+        "--disk-cache-dir",
+        default=d.disk_cache_dir,
+        help="the KV cache's disk tier: a directory of page files, written through as "
+        "pages are computed, that survives restarts (needs --host-cache-gb)",
+    )
+    p.add_argument(
+        "--disk-cache-gb",
+        type=_positive_gib,
+        default=d.disk_cache_gb,
+        help="the disk tier's size bound in GiB (least recently used files go first)",
     )
     p.add_argument(
         "--radix-impl",
@@ -621,11 +655,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "launch" and args.dp > 1 and args.nnodes > 1:
         print("radixserve: --dp and --nnodes cannot be combined", file=sys.stderr)
         return 2
+    if args.command == "launch":
+        try:
+            config = config_from_args(args)
+        except ValueError as e:  # options that cannot go together
+            print(f"radixserve: {e}", file=sys.stderr, flush=True)
+            return 1
     if args.command == "launch" and args.dp > 1:
         from radixserve.router.launch_dp import launch_dp
         from radixserve.router.policy import PolicyConfig
 
-        config = config_from_args(args)
         abs_threshold = args.balance_abs_threshold
         if abs_threshold is None:  # a whole batch of one replica (docs/scale-out.md)
             abs_threshold = config.engine.max_running_requests
@@ -636,7 +675,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "launch":
         from radixserve.launch import launch
 
-        return launch(config_from_args(args), http_keys(args))
+        return launch(config, http_keys(args))
     return 2
 
 

@@ -48,6 +48,9 @@ class ModelInfo:
     tp: int = 1  # tensor-parallel ranks (docs/parallel.md); the fields below are per rank
     weight_bytes: int = 0  # rank 0's parameters
     kv_bytes: int = 0  # rank 0's KV pool
+    host_pages: int = 0  # the host tier's size in pages (0: no cache tiers)
+    page_bytes: int = 0  # one page's KV, all layers
+    kv_identity: str = ""  # what a page's KV depends on besides its tokens (disk tier)
 
     @classmethod
     def from_dict(cls, info: dict[str, Any]) -> ModelInfo:
@@ -81,6 +84,8 @@ class EngineConfig:
     threads: int = _W.threads
     disable_cuda_graph: bool = _W.disable_cuda_graph
     flashinfer_prefill_backend: str = _W.flashinfer_prefill_backend
+    host_cache_gb: float = _W.host_cache_gb
+    disk_cache_dir: str | None = _W.disk_cache_dir  # the scheduler's too
     # The scheduler (SchedulerConfig; page_size and max_running_requests above too;
     # the worker reads chunked_prefill_size for its warm-up).
     cache: str = _S.cache
@@ -94,6 +99,7 @@ class EngineConfig:
     decode_reserve_decay_steps: int = _S.decode_reserve_decay_steps
     max_admit_skips: int = _S.max_admit_skips
     shared_prefix_min_tokens: int = _S.shared_prefix_min_tokens
+    disk_cache_gb: float = _S.disk_cache_gb
     # The tokenizer (TokenizerConfig): limits on input (docs/security.md), chat parsing.
     max_message_bytes: int = _T.max_message_bytes
     max_queued_replies: int = _T.max_queued_replies
@@ -105,9 +111,36 @@ class EngineConfig:
     max_n: int = _T.max_n
     chat_special_tokens: bool = _T.chat_special_tokens
 
+    def __post_init__(self) -> None:
+        # Cache tiers' combinations, refused before any process or model starts (the
+        # libraries' configs check them again when built alone).
+        if self.host_cache_gb and self.cache != "radix":
+            raise ValueError(
+                "cache tiers (--host-cache-gb, --disk-cache-dir) need --cache radix: "
+                "--cache none keeps nothing to demote"
+            )
+        if self.disk_cache_dir is not None and self.tp > 1:
+            raise ValueError(
+                "the disk tier (--disk-cache-dir) does not support tensor parallelism yet "
+                "(--tp > 1); the host tier does"
+            )
+        if self.disk_cache_dir is not None and not self.host_cache_gb:
+            raise ValueError(
+                "--disk-cache-dir needs a host tier (--host-cache-gb > 0): pages reach "
+                "the disk through host memory"
+            )
+
 
 #: SchedulerConfig fields that come from the loaded model, not from the user.
-MODEL_FIELDS = ("num_pages", "page_size", "max_context_len", "eos_token_ids")
+MODEL_FIELDS = (
+    "num_pages",
+    "page_size",
+    "max_context_len",
+    "eos_token_ids",
+    "host_pages",
+    "page_bytes",
+    "kv_identity",
+)
 
 _C = TypeVar("_C")
 

@@ -97,9 +97,10 @@ class Engine:
     def stats(self) -> dict[str, int]:
         return self.scheduler.stats()
 
-    def flush_cache(self) -> int:
-        """Evict every unlocked cached page; returns how many were freed."""
-        return self.scheduler.flush_cache()
+    def flush_cache(self, keep_disk: bool = False) -> int:
+        """Evict every unlocked cached page (and empty the cache tiers, the disk tier
+        unless ``keep_disk``); returns how many pool pages were freed."""
+        return self.scheduler.flush_cache(keep_disk)
 
     def check_idle(self) -> None:
         """Assert the idle invariant (every page free or owned by one tree node)."""
@@ -167,7 +168,12 @@ class Engine:
             text=stream.text,
             token_ids=list(stream.token_ids),
             finish_reason=finish,
-            usage=Usage(out.prompt_tokens, len(stream.token_ids), out.cached_tokens),
+            usage=Usage(
+                out.prompt_tokens,
+                len(stream.token_ids),
+                out.cached_tokens,
+                list(out.cached_tokens_by_tier),
+            ),
             logprobs=TokenLogprobs.list_from_wire(stream.logprobs),
             prompt_logprobs=TokenLogprobs.list_from_wire(stream.prompt_logprobs),
             error=out.error,

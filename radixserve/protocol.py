@@ -130,6 +130,9 @@ I32 = Kind(
     _i32,
     _i32_bytes,
 )
+KEY_BYTES = 32  # one page's key: a SHA-256 digest (radixserve.scheduler.kv_events)
+KEYS = Kind("concatenated 32-byte keys", lambda x: isinstance(x, bytes) and len(x) % KEY_BYTES == 0)
+KEY = Kind("a 32-byte key", lambda x: isinstance(x, bytes) and len(x) == KEY_BYTES)
 # The same bytes as a list: the few token ids of one output, read as Python ints.
 I32_LIST = Kind(I32.what, I32.check, lambda x: _i32(x).tolist(), _i32_bytes)
 F64 = Kind(
@@ -306,12 +309,14 @@ class Abort(Message):
 
 @dataclass
 class FlushCache(Message):
-    """Evict every unlocked cached page. ``admin_key``: the server's admin API key, which
+    """Evict every unlocked cached page (with cache tiers: empty the host tier, and the
+    disk tier unless ``keep_disk``). ``admin_key``: the server's admin API key, which
     it must bring when the server has one (else it is refused with an ``Error``)."""
 
     TYPE: ClassVar[str] = "flush_cache"
     id: str = f(ID)
     admin_key: str | None = f(_optional(STR), None)
+    keep_disk: bool = f(BOOL, False)
 
 
 @dataclass
@@ -438,6 +443,7 @@ class AbortRequest(Message):
 class Flush(Message):
     TYPE: ClassVar[str] = "flush"
     tag: int = f(INT)
+    keep_disk: bool = f(BOOL, False)
 
 
 @dataclass
@@ -476,6 +482,8 @@ class OutputItem(Message):
     prompt_logprobs: list | None = f(SCORED, None)
     # With finish_reason "error": what went wrong (every sample of the request fails).
     error: str | None = f(_optional(STR), None)
+    # cached_tokens split by where they were found: [pool (L1), host (L2), disk (L3)].
+    cached_tokens_by_tier: list[int] = f(INT_LIST, [0, 0, 0])
 
 
 @dataclass
@@ -539,6 +547,60 @@ class StepReq(Message):
 
 
 @dataclass
+class PageCopies(Message):
+    """The KV copies between tiers (docs/cache-tiers.md) the worker performs at the
+    start of a step, before computing anything, in this order:
+
+    0. ``save``: pool page ``save_pages[i]`` is written to the disk tier as the page
+       file of key ``save_keys[32 i : 32 i + 32]`` (write-through of computed pages);
+    1. ``to_disk``: host slot ``to_disk_slots[i]`` is written to the disk tier as the
+       page file of key ``to_disk_keys[32 i : 32 i + 32]``;
+    2. ``demote``: pool page ``demote_pages[i]`` is copied to host slot
+       ``demote_slots[i]``;
+    3. ``promote``: host slot ``promote_slots[i]`` is copied to pool page
+       ``promote_pages[i]``;
+    4. ``load``: the page file of key ``load_keys[32 i : 32 i + 32]`` is read into
+       pool page ``load_pages[i]``.
+
+    The order is what makes one step's copies safe: a slot written to disk may be
+    reused by a demotion, and a page demoted may be the target of a promotion.
+    """
+
+    save_pages: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    save_keys: bytes = f(KEYS, b"")
+    to_disk_slots: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    to_disk_keys: bytes = f(KEYS, b"")
+    demote_pages: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    demote_slots: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    promote_slots: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    promote_pages: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    load_keys: bytes = f(KEYS, b"")
+    load_pages: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+
+    def __post_init__(self) -> None:
+        n = KEY_BYTES
+        pairs = (
+            (len(self.save_keys) // n, len(self.save_pages), "save"),
+            (len(self.to_disk_keys) // n, len(self.to_disk_slots), "to_disk"),
+            (len(self.demote_pages), len(self.demote_slots), "demote"),
+            (len(self.promote_slots), len(self.promote_pages), "promote"),
+            (len(self.load_keys) // n, len(self.load_pages), "load"),
+        )
+        for a, b, name in pairs:
+            if a != b:
+                raise ValueError(f"page copies: {name} has {a} sources and {b} targets")
+
+    def __len__(self) -> int:
+        return (
+            len(self.save_pages)
+            + len(self.to_disk_slots)
+            + len(self.demote_pages)
+            + len(self.promote_pages)
+            + len(self.load_pages)
+        )
+
+
+@dataclass
 class GrammarSpec(Message):
     """A structured-output constraint the worker must compile (``StructuredOutput``'s
     fields, and its ``key``)."""
@@ -550,8 +612,9 @@ class GrammarSpec(Message):
 
 @dataclass
 class Step(Message):
-    """What the worker computes next: ``release`` slots are cleared first, then
-    ``reqs`` run, in order. ``step_id`` numbers the scheduler's steps from 1.
+    """What the worker computes next: the ``copies`` between cache tiers are done
+    first (``PageCopies``), then ``release`` slots are cleared, then ``reqs`` run,
+    in order. ``step_id`` numbers the scheduler's steps from 1.
 
     Grammars (docs/structured.md): ``grammars`` are to be compiled (in the
     background; each is reported in a later ``StepResult.grammars_ready`` or
@@ -567,6 +630,7 @@ class Step(Message):
     step_id: int = f(INT, 0)
     grammars: list[GrammarSpec] = f(_nested(GrammarSpec), [])
     drop_grammars: list[str] = f(STR_LIST, [])
+    copies: list[PageCopies] = f(_nested(PageCopies), [])  # none or one (docs/cache-tiers.md)
 
 
 @dataclass
@@ -670,10 +734,7 @@ class Draining(Message):
 # refuses batches of a schema it does not know).
 KV_EVENTS_SCHEMA = 1
 KV_EVENT_KINDS = ("stored", "removed", "cleared")
-KEY_BYTES = 32  # one page's key: a SHA-256 digest (radixserve.scheduler.kv_events)
 FLOAT = Kind("a number", _is_float, float)
-KEYS = Kind("concatenated 32-byte keys", lambda x: isinstance(x, bytes) and len(x) % KEY_BYTES == 0)
-KEY = Kind("a 32-byte key", lambda x: isinstance(x, bytes) and len(x) == KEY_BYTES)
 SALTS = Kind(
     "a list of strings or nulls",
     lambda x: isinstance(x, list) and all(i is None or isinstance(i, str) for i in x),

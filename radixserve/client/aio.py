@@ -147,10 +147,14 @@ class AsyncClient:
         await self._send_bytes(P.Abort(request_id).encode())
 
     async def flush_cache(
-        self, timeout: float | None = None, *, admin_key: str | None = None
+        self,
+        timeout: float | None = None,
+        *,
+        admin_key: str | None = None,
+        keep_disk: bool = False,
     ) -> int:
         key = admin_key or self._admin_key
-        return (await self._admin(P.FlushCache, timeout, key))["freed_pages"]
+        return (await self._admin(P.FlushCache, timeout, key, keep_disk=keep_disk))["freed_pages"]
 
     async def stats(self, timeout: float | None = None) -> dict[str, int]:
         return await self._admin(P.Stats, timeout)
@@ -183,9 +187,13 @@ class AsyncClient:
         return None if timeout is None else time.monotonic() + timeout
 
     async def _admin(
-        self, cls: type[P.Message], timeout: float | None, admin_key: str | None = None
+        self,
+        cls: type[P.Message],
+        timeout: float | None,
+        admin_key: str | None = None,
+        **fields: Any,
     ) -> dict[str, Any]:
-        msg = admin_message(cls, admin_key)
+        msg = admin_message(cls, admin_key, **fields)
         async with self._request(msg) as queue:
             reply = await self._next(queue, msg.id, self._deadline(timeout))  # type: ignore[attr-defined]
         _raise_on_error(reply)

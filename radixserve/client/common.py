@@ -106,11 +106,11 @@ def admin_key_or_env(admin_key: str | None) -> str | None:
     return admin_key or os.environ.get(ADMIN_KEY_ENV) or None
 
 
-def admin_message(cls: type[P.Message], admin_key: str | None) -> P.Message:
-    """A ``flush_cache`` / ``stats`` / ``health`` / ``check`` message with a fresh id;
-    the admin key goes only with the calls that need it."""
+def admin_message(cls: type[P.Message], admin_key: str | None, **fields: Any) -> P.Message:
+    """A ``flush_cache`` / ``stats`` / ``health`` / ``check`` message with a fresh id
+    (and ``fields``); the admin key goes only with the calls that need it."""
     if cls in (P.FlushCache, P.Check):
-        return cls(id=uuid.uuid4().hex, admin_key=admin_key)  # type: ignore[call-arg]
+        return cls(id=uuid.uuid4().hex, admin_key=admin_key, **fields)  # type: ignore[call-arg]
     return cls(id=uuid.uuid4().hex)  # type: ignore[call-arg]
 
 

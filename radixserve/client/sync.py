@@ -178,10 +178,18 @@ class Client:
         """Abort one of this client's requests; it ends with finish_reason "abort"."""
         self._send(P.Abort(request_id))
 
-    def flush_cache(self, timeout: float | None = None, *, admin_key: str | None = None) -> int:
+    def flush_cache(
+        self,
+        timeout: float | None = None,
+        *,
+        admin_key: str | None = None,
+        keep_disk: bool = False,
+    ) -> int:
         """Evict every unlocked cached page; returns how many pages were freed.
-        ``admin_key``: instead of the client's (an admin call, see ``Client``)."""
-        return self._admin(P.FlushCache, timeout, admin_key or self._admin_key)["freed_pages"]
+        ``admin_key``: instead of the client's (an admin call, see ``Client``). With
+        cache tiers the host tier is emptied too, and the disk tier unless ``keep_disk``."""
+        key = admin_key or self._admin_key
+        return self._admin(P.FlushCache, timeout, key, keep_disk=keep_disk)["freed_pages"]
 
     def stats(self, timeout: float | None = None) -> dict[str, int]:
         """pages_free/used/cached/evictable, num_pages, page_size, hit_tokens,
@@ -218,9 +226,13 @@ class Client:
         return None if timeout is None else time.monotonic() + timeout
 
     def _admin(
-        self, cls: type[P.Message], timeout: float | None, admin_key: str | None = None
+        self,
+        cls: type[P.Message],
+        timeout: float | None,
+        admin_key: str | None = None,
+        **fields: Any,
     ) -> dict[str, Any]:
-        msg = admin_message(cls, admin_key)
+        msg = admin_message(cls, admin_key, **fields)
         with self._request(msg):
             reply = self._next(msg.id, self._deadline(timeout))  # type: ignore[attr-defined]
         _raise_on_error(reply)

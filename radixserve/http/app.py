@@ -5,7 +5,7 @@
 | ``POST /v1/completions``, ``POST /v1/chat/completions`` | see ``completions.py`` |
 | ``GET /v1/models`` | the one served model |
 | ``GET /health`` | 200 after a round trip through the tokenizer and the scheduler; else 503 |
-| ``POST /flush_cache`` | ``{"freed_pages": n}`` |
+| ``POST /flush_cache`` | ``{"freed_pages": n}`` (``?keep_disk=true``: keep the disk tier) |
 | ``GET /stats`` | the scheduler's stats (``Client.stats()``) |
 | ``GET /metrics`` | Prometheus text format (``metrics.py``) |
 
@@ -17,6 +17,7 @@ while the server stops.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -104,7 +105,10 @@ def create_app(state: FrontState, keys: Keys = NO_KEYS) -> FastAPI:
     @app.post("/flush_cache")
     async def flush_cache(request: Request) -> dict:
         keys.check(request, admin=True)
-        return {"freed_pages": await _admin(state.client.flush_cache)}
+        call = state.client.flush_cache
+        if request.query_params.get("keep_disk", "false").lower() in ("1", "true"):
+            call = functools.partial(call, keep_disk=True)
+        return {"freed_pages": await _admin(call)}
 
     @app.get("/stats")
     async def stats(request: Request) -> dict:

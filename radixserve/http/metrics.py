@@ -99,6 +99,15 @@ class Metrics:
         self.replica_kv_pages = gauge(
             "replica_kv_pages", "KV pages by state: free, used, cached.", ("replica", "state")
         )
+        # With cache tiers (docs/cache-tiers.md): hits by tier, pages held below the pool.
+        self.tier_hits = counter(
+            "prefix_cache_hits_by_tier",
+            "Prompt tokens whose KV came from each cache tier (l1 pool, l2 host, l3 disk).",
+            ("tier",),
+        )
+        self.tier_pages = gauge(
+            "cache_tier_pages", "KV pages held by the host and disk tiers.", ("tier",)
+        )
         self._lock = asyncio.Lock()
         # Expose every series from the start (at 0), so a first scrape already lists them.
         for family in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e):
@@ -138,6 +147,12 @@ class Metrics:
         self.kv_pages.labels(m, "free").set(stats["pages_free"])
         self.kv_pages.labels(m, "used").set(stats["pages_used"])
         self.kv_pages.labels(m, "cached").set(stats["pages_cached"])
+        if "hit_tokens_l1" in stats:
+            for tier in ("l1", "l2", "l3"):
+                key = f"hit_tokens_{tier}"
+                self._grow(self.tier_hits.labels(m, tier), (key, ""), int(stats[key]))
+            self.tier_pages.labels(m, "host").set(stats["host_pages_cached"])
+            self.tier_pages.labels(m, "disk").set(stats["disk_pages_cached"])
 
     def _apply_replica(self, row: dict) -> None:
         m, name = self.model_name, str(row["endpoint"])

@@ -199,6 +199,15 @@ class DataParallelLauncher:
 
 def launch_dp(config: ServerConfig, dp: int, policy: PolicyConfig, http_keys: Keys) -> int:
     """``radixserve launch --dp N``: run until a signal; return the exit code."""
+    if config.engine.disk_cache_dir is not None:
+        # One directory would be shared by every replica, each evicting the others' files.
+        print(
+            "radixserve: --dp does not support the disk tier yet (--disk-cache-dir): "
+            "the replicas would share one directory",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     try:
         check_public_socket(config)
     except LaunchError as e:

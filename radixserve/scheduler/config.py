@@ -56,6 +56,16 @@ class SchedulerConfig:
     # whole pages) is not cached yet (DESIGN: shared prefixes inside one batch);
     # once that prefill is done it hits the whole prefix in the tree.
     shared_prefix_min_tokens: int = 32
+    # Cache tiers below the pool (docs/cache-tiers.md). ``host_pages``: the worker's
+    # host buffer in pages (ModelInfo, from --host-cache-gb; 0: no tiers).
+    # ``disk_cache_dir``: the disk tier's directory (None: none), bounded to
+    # ``disk_cache_gb`` GiB of page files. ``page_bytes`` and ``kv_identity``
+    # (ModelInfo) size and name the disk tier's files.
+    host_pages: int = 0
+    disk_cache_dir: str | None = None
+    disk_cache_gb: float = 16.0
+    page_bytes: int = 0
+    kv_identity: str = ""
 
     def __post_init__(self) -> None:
         if self.cache not in CACHE_MODES:
@@ -69,6 +79,20 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunked_prefill_size < self.page_size:
             raise ValueError("chunked_prefill_size must be at least one page")
+        if self.host_pages < 0:
+            raise ValueError(f"host_pages must be >= 0, got {self.host_pages}")
+        if self.host_pages and self.cache != "radix":
+            raise ValueError(
+                "cache tiers (--host-cache-gb, --disk-cache-dir) need --cache radix: "
+                "--cache none keeps nothing to demote"
+            )
+        if self.disk_cache_dir is not None and not self.host_pages:
+            raise ValueError(
+                "--disk-cache-dir needs a host tier (--host-cache-gb > 0): pages reach "
+                "the disk through host memory"
+            )
+        if self.disk_cache_gb <= 0:
+            raise ValueError(f"disk_cache_gb must be > 0, got {self.disk_cache_gb}")
         for name in ("decode_reserve_ratio", "decode_reserve_min_ratio"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1]")

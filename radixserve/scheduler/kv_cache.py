@@ -21,7 +21,10 @@ counts pages (``pages_for``, ``pages_missing``):
 
 The cache is a ``PrefixCache``: a radix tree, or with ``cache="none"`` the
 ``NoCache``, whose inserts leave every page with the request (as duplicates),
-so release frees the whole page table (plain PagedAttention).
+so release frees the whole page table (plain PagedAttention), or a
+``TieredCache`` (a tree with host and disk tiers below it, docs/cache-tiers.md):
+its matches may promote pages, its evictions demote them, and the copies that
+takes are handed to the next step (``take_copies``, ``step_done``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import numpy as np
 from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.prefix_cache import PrefixCache
 from radixserve.scheduler.request import Request
+from radixserve.scheduler.tiered_cache import TieredCache
 
 
 class KVCacheManager:
@@ -38,6 +42,11 @@ class KVCacheManager:
         self.allocator = allocator
         self.cache = cache
         self.page_size = allocator.page_size
+
+    @property
+    def tiers(self) -> TieredCache | None:
+        """The tiered cache, when the tree has tiers below it."""
+        return self.cache if isinstance(self.cache, TieredCache) else None
 
     @property
     def enabled(self) -> bool:
@@ -68,6 +77,8 @@ class KVCacheManager:
         self.cache.lock(m.last_node)
         req.node = m.last_node
         req.locked_len = m.hit_len
+        tiers = self.tiers
+        req.cached_by_tier = tiers.last_match_tiers if tiers else (m.hit_len, 0, 0)
         req.kv_len = m.hit_len
         n = len(m.pages)
         req.table_room(n)[:n] = m.pages
@@ -148,6 +159,10 @@ class KVCacheManager:
         own = req.num_pages - req.locked_len // self.page_size
         return own + sum(len(d) for d in req.dups)
 
-    def flush(self) -> int:
-        """Evict every unlocked page now; running requests keep theirs."""
+    def flush(self, keep_disk: bool = False) -> int:
+        """Evict every unlocked page now; running requests keep theirs. With tiers,
+        the host tier is emptied too, and the disk tier unless ``keep_disk``."""
+        tiers = self.tiers
+        if tiers is not None:
+            return tiers.flush(keep_disk)
         return self.cache.evict(self.cache.evictable_pages)

@@ -146,7 +146,7 @@ class SchedulerLoop:
         elif isinstance(msg, P.AbortRequest):
             s.abort_request(msg.rid, reason=msg.reason, index=msg.index)
         elif isinstance(msg, P.Flush):
-            self.reply(msg.tag, {"freed_pages": s.flush_cache()})
+            self.reply(msg.tag, {"freed_pages": s.flush_cache(msg.keep_disk)})
             if self.events is not None:
                 self.events.publish(self.load())
         elif isinstance(msg, P.GetStats):

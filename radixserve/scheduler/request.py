@@ -75,6 +75,10 @@ class Request:
     locked_len: int = 0
     dups: list[np.ndarray] = field(default_factory=list)
     cached_tokens: int = -1  # hit length at first admission (-1: not admitted yet)
+    # The last match's hit in each cache tier (L1 pool, L2 host, L3 disk), in tokens;
+    # taken into ``tier_hits`` at first admission, with ``cached_tokens``.
+    cached_by_tier: tuple[int, int, int] = (0, 0, 0)
+    tier_hits: tuple[int, int, int] = (0, 0, 0)
     admitted: int = -1  # admission counter (retraction picks the newest)
     waited_steps: int = 0
     announced: bool = False  # the worker has its sampling params
@@ -156,4 +160,5 @@ class Request:
             max(self.cached_tokens, 0),
             logprobs,
             prompt_logprobs,
+            cached_tokens_by_tier=list(self.tier_hits),
         )

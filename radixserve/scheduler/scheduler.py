@@ -9,7 +9,9 @@ The lifecycle of a request, in the order ``_schedule()`` handles it:
 Each step is lockstep with the worker: ``step(run)`` plans what the worker
 must compute (``_schedule()``, a ``protocol.Step``), has ``run`` compute it and
 return the sampled tokens, decides who finished (``_process_step_result``), and
-returns the outputs, those of aborts since the last step included. Between
+returns the outputs, those of aborts since the last step included. With cache
+tiers (``tiered_cache.py``) the step also carries the copies between tiers that
+planning caused; they are unpinned once ``run`` returns. Between
 steps the caller may add and abort requests; it steps while ``has_work()``.
 
 A step, in order:
@@ -50,6 +52,7 @@ from radixserve.scheduler.kv_events import KVEventRecorder
 from radixserve.scheduler.policy import order_waiting, shared_prefix_len
 from radixserve.scheduler.radix_impl import make_prefix_cache
 from radixserve.scheduler.request import ReqStatus, Request
+from radixserve.scheduler.tiered_cache import build_tiers
 
 _NO_TOKENS = np.zeros(0, dtype=np.int32)
 
@@ -69,6 +72,8 @@ class Scheduler:
         self.page_size = config.page_size
         self.allocator = PageAllocator(config.num_pages, config.page_size)
         self.cache = make_prefix_cache(self.allocator, config.cache, config.radix_impl)
+        if config.host_pages:
+            self.cache = build_tiers(self.cache, self.allocator, config)
         self.kv = KVCacheManager(self.allocator, self.cache)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -93,6 +98,7 @@ class Scheduler:
         self.num_retractions = 0
         self.hit_tokens = 0
         self.query_tokens = 0
+        self.tier_hit_tokens = [0, 0, 0]  # hit_tokens by tier: pool, host, disk
 
     # ------------------------------------------------------------- requests
     def add_request(
@@ -203,6 +209,7 @@ class Scheduler:
             or self._release
             or self._grammar_submit
             or self._grammar_drop
+            or (self.kv.tiers is not None and self.kv.tiers.has_copies)
         )
 
     def request_ids(self) -> list[str]:
@@ -231,7 +238,10 @@ class Scheduler:
         outputs, self._outputs = self._outputs, []
         batch = self._schedule()
         if batch is not None:
-            outputs += self._process_step_result(run(batch))
+            result = run(batch)
+            if batch.copies:
+                self.kv.tiers.step_done()  # type: ignore[union-attr]
+            outputs += self._process_step_result(result)
         return outputs
 
     def _schedule(self) -> Step | None:
@@ -257,13 +267,23 @@ class Scheduler:
         # With nothing else to do, a step still goes out while a waiting request's
         # grammar compiles: the worker answers it when one is ready (or soon).
         compiling = any(not g.ready for g in self._grammars.values())
-        if not batch and not release and not submit and not drop and not compiling:
+        tiers = self.kv.tiers
+        copies = tiers.take_copies() if tiers is not None else None
+        idle = not (batch or release or submit or drop or compiling)
+        if idle and copies is None:
             return None
         self._batch = batch
         self.num_steps += 1
         reqs = [self._req_step(req, n) for req, n in batch]
         self._sampled = [r.sample for r in reqs]
-        return Step(reqs, np.asarray(release, dtype=np.int32), self.num_steps, submit, drop)
+        return Step(
+            reqs,
+            np.asarray(release, dtype=np.int32),
+            self.num_steps,
+            submit,
+            drop,
+            [copies] if copies is not None else [],
+        )
 
     def _process_step_result(
         self, result: StepResult | np.ndarray | Sequence[int]
@@ -539,7 +559,10 @@ class Scheduler:
             budget -= chunk
             if req.cached_tokens < 0:
                 req.cached_tokens = hit
+                req.tier_hits = req.cached_by_tier
                 self.hit_tokens += hit
+                for i, n in enumerate(req.tier_hits):
+                    self.tier_hit_tokens[i] += n
                 self.query_tokens += req.prompt_len
             req.status = ReqStatus.PREFILL
             req.slot = self._free_slots.pop()
@@ -587,18 +610,28 @@ class Scheduler:
     # ------------------------------------------------------ cache and stats
     def record_kv_events(self) -> KVEventRecorder:
         """From now on, record every change of the tree (``--kv-events``,
-        docs/scale-out.md); the recorder wraps the cache, so call before any request."""
+        docs/scale-out.md); the recorder wraps the cache (with tiers: the tree below
+        them), so call before any request."""
+        tiers = self.kv.tiers
+        if tiers is not None:
+            # Under the tiers: the events describe the pool (L1), whose pages a match
+            # promotes (stored) and an eviction demotes (removed) through the tree's
+            # own insert and evict, which the recorder sees.
+            recorder = KVEventRecorder(tiers.inner, self.allocator)
+            tiers.inner = recorder
+            return recorder
         recorder = KVEventRecorder(self.cache, self.allocator)
         self.cache = self.kv.cache = recorder
         return recorder
 
-    def flush_cache(self) -> int:
-        """Evict every unlocked page now; returns how many pages were freed."""
-        return self.kv.flush()
+    def flush_cache(self, keep_disk: bool = False) -> int:
+        """Evict every unlocked page now (with tiers: empty the host tier, and the
+        disk tier unless ``keep_disk``); returns how many pool pages were freed."""
+        return self.kv.flush(keep_disk)
 
     def stats(self) -> dict[str, int]:
         cached = self.cache.cached_pages
-        return {
+        out = {
             "num_pages": self.config.num_pages,
             "page_size": self.page_size,
             "pages_free": self.allocator.num_free,
@@ -613,6 +646,12 @@ class Scheduler:
             "steps": self.num_steps,
             "preemptions": self.num_retractions,
         }
+        tiers = self.kv.tiers
+        if tiers is not None:
+            out.update(tiers.stats())
+            for name, n in zip(("l1", "l2", "l3"), self.tier_hit_tokens):
+                out[f"hit_tokens_{name}"] = n
+        return out
 
     def check_idle(self) -> None:
         """At idle every page is free or held by exactly one tree node, no locks."""

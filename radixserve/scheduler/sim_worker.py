@@ -9,6 +9,12 @@ table points at holds the right tokens: a page shared wrongly, freed while in
 use, or overwritten by another request changes the tokens read back and so the
 outputs, and a position with no KV raises at once.
 
+Cache tiers, simulated (docs/cache-tiers.md): with ``host_slots`` it keeps a host
+buffer of the same (token, position) records, and with ``disk_dir`` it writes and
+reads real page files (``utils/kv_file.py``, payload: the page's tokens and positions
+as int64); it performs a step's copies first, in the protocol's order, so a page
+demoted or promoted wrongly changes the outputs too.
+
 Structured output, simulated: a grammar named in a step is reported ready
 ``compile_steps`` steps later; with ``jump_every`` k, a constrained slot that
 samples a token divisible by k gets the next ``jump_len`` tokens "forced"
@@ -20,10 +26,14 @@ pages, their KV, the cache).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
-from radixserve.protocol import Forced, Step, StepResult
+from radixserve.protocol import KEY_BYTES, Forced, PageCopies, Step, StepResult
+from radixserve.utils import kv_file
 
+SIM_IDENTITY = "sim-worker"  # the simulated model's identity (its page files' header)
 _MAX_POS = 1 << 16
 _WEIGHTS = (np.arange(_MAX_POS, dtype=np.int64) * 2654435761 + 12345) % 1000003
 
@@ -44,6 +54,9 @@ class SimWorker:
         jump_every: int = 0,
         jump_len: int = 3,
         compile_steps: int = 1,
+        host_slots: int = 0,
+        disk_dir: str | None = None,
+        identity: str = SIM_IDENTITY,
     ):
         self.jump_every = jump_every
         self.jump_len = jump_len
@@ -56,9 +69,51 @@ class SimWorker:
         self.positions = np.full((num_pages, page_size), -1, dtype=np.int64)
         self.tables: list[list[int]] = [[] for _ in range(max_slots)]
         self.active = [False] * max_slots
+        self.host = np.full((host_slots, 2, page_size), -1, dtype=np.int64)
+        self.disk_dir = disk_dir
+        self.identity = kv_file.identity_digest(identity)
+
+    @staticmethod
+    def page_bytes(page_size: int) -> int:
+        """A simulated page's payload in a page file: tokens and positions, int64."""
+        return 16 * page_size
+
+    def _page(self, page: int) -> np.ndarray:
+        return np.stack([self.tokens[page], self.positions[page]])
+
+    def _set_page(self, page: int, kv: np.ndarray) -> None:
+        self.tokens[page], self.positions[page] = kv[0], kv[1]
+
+    def _copies(self, c: PageCopies) -> None:
+        n = KEY_BYTES
+        for i, page in enumerate(c.save_pages.tolist()):
+            payload = self._page(page).astype("<i8").tobytes()
+            kv_file.write_page_file(
+                self.disk_dir, c.save_keys[n * i : n * i + n], self.identity, payload
+            )  # type: ignore[arg-type]
+        for i, slot in enumerate(c.to_disk_slots.tolist()):
+            payload = self.host[slot].astype("<i8").tobytes()
+            kv_file.write_page_file(
+                self.disk_dir, c.to_disk_keys[n * i : n * i + n], self.identity, payload
+            )  # type: ignore[arg-type]
+        for page, slot in zip(c.demote_pages.tolist(), c.demote_slots.tolist()):
+            self.host[slot] = self._page(page)
+        for slot, page in zip(c.promote_slots.tolist(), c.promote_pages.tolist()):
+            self._set_page(page, self.host[slot])
+        for i, page in enumerate(c.load_pages.tolist()):
+            key = c.load_keys[n * i : n * i + n]
+            path = os.path.join(self.disk_dir, kv_file.file_name(key))  # type: ignore[arg-type]
+            payload = kv_file.read_payload(
+                path, key, self.identity, self.page_bytes(self.page_size)
+            )
+            if payload is None:
+                raise AssertionError(f"page file {path} is broken after the scheduler verified it")
+            self._set_page(page, np.frombuffer(payload, dtype="<i8").reshape(2, self.page_size))
 
     def step(self, batch: Step) -> StepResult:
         ps = self.page_size
+        for copies in batch.copies:
+            self._copies(copies)
         for key in batch.drop_grammars:
             self._compiling.pop(key, None)
         for spec in batch.grammars:

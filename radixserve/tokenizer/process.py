@@ -216,7 +216,10 @@ class TokenizerServer:
                 P.Health: P.GetStats,
                 P.Check: P.CheckIdle,
             }[type(msg)]
-            self.to_scheduler.send(internal(tag).encode())
+            out = internal(tag)
+            if isinstance(msg, P.FlushCache):
+                out.keep_disk = msg.keep_disk
+            self.to_scheduler.send(out.encode())
 
     def admin_refusal(self, msg: P.Message) -> str | None:
         """Why an admin call (``flush_cache``, ``check``) is refused: with an admin key
@@ -321,6 +324,7 @@ class TokenizerServer:
                 "prompt_tokens": item.prompt_tokens,
                 "completion_tokens": len(out.token_ids),
                 "cached_tokens": item.cached_tokens,
+                "cached_tokens_by_tier": list(item.cached_tokens_by_tier),
             }
             if all(req.done):
                 self.forget(req)

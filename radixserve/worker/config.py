@@ -47,6 +47,11 @@ class WorkerConfig:
     several.
     disable_cuda_graph: run decode steps eagerly instead of replaying CUDA graphs
     (graphs are used on CUDA with the flashinfer backend only; ``cuda_graph.py``).
+    host_cache_gb: the host tier of the KV cache (docs/cache-tiers.md), GiB of host
+    memory (pinned on CUDA; per rank with ``tp`` > 1) holding pages evicted from the
+    pool; 0: no tiers.
+    disk_cache_dir: the disk tier's directory (page files that survive restarts);
+    needs a host tier; not with ``tp`` > 1 yet.
     flashinfer_prefill_backend: the flashinfer backend's prefill kernels, ``auto``
     (FlashInfer's choice: fa3 on Hopper), ``fa2`` or ``fa3``. Without prebuilt kernels
     (flashinfer-jit-cache) fa3 takes far longer to JIT-build at start than fa2.
@@ -73,6 +78,8 @@ class WorkerConfig:
     threads: int = 0
     disable_cuda_graph: bool = False
     flashinfer_prefill_backend: str = "auto"
+    host_cache_gb: float = 0.0
+    disk_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -94,6 +101,18 @@ class WorkerConfig:
             raise ValueError(f"grammar_cache_size must be >= 0, got {self.grammar_cache_size}")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.host_cache_gb < 0:
+            raise ValueError(f"host_cache_gb must be >= 0, got {self.host_cache_gb}")
+        if self.disk_cache_dir is not None and not self.host_cache_gb:
+            raise ValueError(
+                "--disk-cache-dir needs a host tier (--host-cache-gb > 0): pages reach "
+                "the disk through host memory"
+            )
+        if self.tp > 1 and self.disk_cache_dir is not None:
+            raise ValueError(
+                "the disk tier (--disk-cache-dir) does not support tensor parallelism yet "
+                "(--tp > 1); the host tier does"
+            )
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
         if self.dist_timeout <= 0:

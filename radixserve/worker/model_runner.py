@@ -1,6 +1,7 @@
 """The worker's engine room: runs one scheduler step on the model and samples.
 
 ``ModelRunner(config).step(batch)``, ``batch`` a ``protocol.Step``:
+0. performs the copies between cache tiers (``batch.copies``, ``host_cache.py``);
 1. clears the slots in ``batch.release`` (page table, sampling state);
 2. for each request: remembers its sampling params if given, appends
    ``new_pages`` to its slot's page table, and checks the table covers
@@ -63,6 +64,7 @@ from radixserve.worker.attention import AttentionBatch, create_backend
 from radixserve.worker.config import WorkerConfig
 from radixserve.worker.dtype import choose_dtype
 from radixserve.worker.grammar import GrammarCache, GrammarSlots
+from radixserve.worker.host_cache import HostCache, kv_identity, weights_fingerprint
 from radixserve.worker.kv_pool import DEFAULT_KV_MEMORY, KVPool
 from radixserve.worker.logits import LogitsProcessor, token_logprobs
 from radixserve.worker.malloc import tune_malloc
@@ -133,6 +135,14 @@ class ModelRunner:
         )  # fmt: skip
         log.info("attention backend %s (%s)", self.backend.name, self.backend.choice_reason)
         self.weight_bytes = self.model.weight_bytes()
+        self.page_bytes = KVPool.bytes_per_page(*dims)
+        self.kv_identity = ""
+        self.host_cache: HostCache | None = None
+        if config.host_cache_gb:
+            fingerprint = weights_fingerprint(self.model)
+            self.kv_identity = kv_identity(source.name, fingerprint, self.dtype_name, self.pool)
+            slots = HostCache.slots_for(config.host_cache_gb, self.page_bytes)
+            self.host_cache = HostCache(self.pool, slots, config.disk_cache_dir, self.kv_identity)
         self.kv_bytes = sum(t.numel() * t.element_size() for t in self.pool.layers)
         max_pages_per_slot = min(num_pages, -(-cfg.max_context_len // config.page_size))
         self.page_table = PageTable(config.max_running_requests, max_pages_per_slot, num_pages)
@@ -218,6 +228,9 @@ class ModelRunner:
             tp=self.comm.size,
             weight_bytes=self.weight_bytes,
             kv_bytes=self.kv_bytes,
+            host_pages=0 if self.host_cache is None else self.host_cache.num_slots,
+            page_bytes=self.page_bytes,
+            kv_identity=self.kv_identity,
         )
 
     def warmup(self, prefill_tokens: int, decode_batch: int) -> None:
@@ -263,7 +276,7 @@ class ModelRunner:
             self.grammar_cache.drop(key)
         for spec in batch.grammars:
             self.grammar_cache.submit(spec)
-        if not batch.reqs:
+        if not batch.reqs and not batch.copies:
             # Nothing to compute: give a compilation in flight a moment, so a
             # scheduler that waits only on grammars does not spin.
             self.grammar_cache.wait(GRAMMAR_POLL_S)
@@ -337,7 +350,12 @@ class ModelRunner:
         """Steps 1-3: the logits of the sampling rows (first, in order) and of the
         rows that score prompt tokens, how many sampling rows there are, and the
         scoring plans ``(slot, first position, first row, end row, token ids)``.
-        A slot whose grammar rejects its replayed history goes into ``failed``."""
+        A slot whose grammar rejects its replayed history goes into ``failed``.
+        The step's copies between cache tiers come first of all."""
+        for copies in batch.copies:
+            if self.host_cache is None:
+                raise ValueError("a step with cache tier copies, but this worker has no tiers")
+            self.host_cache.apply(copies)
         for slot in batch.release:
             self.page_table.clear(slot)
             self.sampler.remove(slot)

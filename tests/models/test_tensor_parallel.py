@@ -183,3 +183,44 @@ def test_replicated_kv_heads_follow_their_query_heads():
     assert [(h.q_start, h.q_heads, h.kv_start, h.kv_heads) for h in layout] == [
         (0, 2, 0, 1), (2, 2, 0, 1), (4, 2, 1, 1), (6, 2, 1, 1),
     ]  # fmt: skip
+
+
+def test_tp_host_tier_copies_each_ranks_heads(llama_8_4):
+    """With tensor parallelism every rank keeps its own KV heads' host copies under
+    the same slot ids: pages demoted, overwritten in the pool and promoted into other
+    pages give the last prompt token bit-identical logits."""
+    from radixserve.protocol import PageCopies
+
+    prompt = np.random.default_rng(8).integers(4, 512, 17).astype(np.int32)
+    i32 = lambda xs: np.asarray(xs, dtype=np.int32)  # noqa: E731
+
+    def run(comm):
+        config = WorkerConfig(
+            model=str(llama_8_4), dtype="float64", page_size=4, num_pages=24,
+            max_running_requests=4, warmup=False, tp=2, host_cache_gb=2**-15,
+        )  # fmt: skip
+        runner = ModelRunner(config, comm=comm)
+        first, second = i32([3, 7, 1, 9]), i32([12, 20, 15, 4])
+        # 16 tokens in whole pages, then the last one read through two page tables.
+        runner.step(Step([StepReq(0, prompt[:16], 0, first, False, GREEDY)]))
+        want = runner.forward_logits(
+            Step([StepReq(1, prompt[16:], 16, i32([*first, 22]), True, GREEDY)])
+        )
+        runner.step(Step([], release=i32([0, 1])))
+        runner.step(
+            Step([], copies=[PageCopies(demote_pages=first, demote_slots=i32([5, 0, 2, 1]))])
+        )
+        for layer in runner.pool.layers:
+            layer[first] = torch.randn_like(layer[first])
+        runner.step(
+            Step([], copies=[PageCopies(promote_slots=i32([5, 0, 2, 1]), promote_pages=second)])
+        )
+        got = runner.forward_logits(
+            Step([StepReq(2, prompt[16:], 16, i32([*second, 23]), True, GREEDY)])
+        )
+        return runner.info().host_pages, want, got
+
+    results = run_ranks(2, run)
+    assert results[0][0] == results[1][0] > 4  # the same slot count on every rank
+    _, want, got = results[0]
+    assert torch.equal(want, got)

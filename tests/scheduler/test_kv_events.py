@@ -36,6 +36,8 @@ IMPLS = ["python", "native"] if NATIVE_AVAILABLE else ["python"]
 def tree_paths(sched: Scheduler) -> set:
     """The scheduler's tree as (salt, tokens) prefixes, whatever the implementation."""
     inner = sched.cache.inner
+    while hasattr(inner, "inner"):  # the recorder under cache tiers
+        inner = inner.inner
     if hasattr(inner, "_roots"):
         return set(tree_contents(inner))
     return None  # the native tree: compared through peek_prefix below
@@ -93,6 +95,7 @@ def workloads(draw):
         slots=draw(st.integers(1, 4)),
         drops=set(draw(st.lists(st.integers(1, 60), max_size=6))),
         buffer=draw(st.sampled_from([2, 1024])),
+        host_pages=draw(st.sampled_from([0, 0, 3, 16])),  # cache tiers below the tree
     )
 
 
@@ -107,10 +110,13 @@ def test_mirror_from_events_matches_the_tree_after_every_step(w):
         radix_impl=w["impl"],
         max_running_requests=w["slots"],
         chunked_prefill_size=max(16, w["page_size"]),
+        host_pages=w["host_pages"],
     )
     sched = Scheduler(cfg)
     log = KVEventLog(sched.record_kv_events(), "r0", buffer_size=w["buffer"], epoch=7)
-    worker = SimWorker(cfg.num_pages, cfg.page_size, cfg.max_running_requests, VOCAB)
+    worker = SimWorker(
+        cfg.num_pages, cfg.page_size, cfg.max_running_requests, VOCAB, host_slots=cfg.host_pages
+    )
     mirror, lossy = KVMirror(), KVMirror()
 
     def publish():
@@ -206,3 +212,34 @@ def test_one_batch_mixes_salts_each_stored_event_names_its_own():
     gone = [e for e in flushed.events if e.kind in ("removed", "cleared")]
     assert gone and all(e.salt is None and e.parent is None for e in gone)
     assert (batch.replica, batch.seq, flushed.seq) == ("r0", 1, log.seq) and flushed.ts > 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_mirror_follows_demotions_and_promotions_under_cache_tiers(page_size):
+    """With a host tier the events describe the pool: a demoted page is removed, a
+    promoted one stored again, and the mirror matches the tree after every step."""
+    cfg = SchedulerConfig(
+        num_pages=20 // page_size + 1,
+        page_size=page_size,
+        max_context_len=4096,
+        eos_token_ids=(2,),
+        host_pages=32,
+    )
+    sched = Scheduler(cfg)
+    log = KVEventLog(sched.record_kv_events(), "r0", epoch=1)
+    worker = SimWorker(cfg.num_pages, page_size, 64, VOCAB, host_slots=cfg.host_pages)
+    mirror = KVMirror()
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    prompts = [[5] * 12, [6] * 16, [5] * 12 + [7, 8], [6] * 16 + [9]]
+    for i, prompt in enumerate(prompts):
+        sched.add_request(f"r{i}", prompt, sp)
+        while sched.has_work():
+            sched.step(worker.step)
+            batch = log.next_batch({})
+            if batch is not None:
+                mirror.apply(batch)
+            check_mirror(sched, mirror)
+    stats = sched.stats()
+    assert stats["pages_demoted"] > 0 and stats["pages_promoted"] > 0
+    assert stats["hit_tokens_l2"] >= 12 + 16 - 2 * page_size
+    sched.check_idle()

@@ -8,6 +8,8 @@ eviction, retraction, chunking). Every test ends with the idle invariant.
 
 from __future__ import annotations
 
+import tempfile
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,7 +18,7 @@ from hypothesis import strategies as st
 from radixserve.sampling_params import SamplingParams, StructuredOutput
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.scheduler import Scheduler
-from radixserve.scheduler.sim_worker import SimWorker, sim_next_token
+from radixserve.scheduler.sim_worker import SIM_IDENTITY, SimWorker, sim_next_token
 
 VOCAB = 512
 EOS = 2
@@ -25,6 +27,8 @@ EOS = 2
 def make(num_pages=4096, page_size=1, jump_every=0, compile_steps=1, **kw):
     kw.setdefault("eos_token_ids", (EOS,))
     kw.setdefault("max_context_len", 4096)
+    if kw.get("host_pages"):
+        kw.update(page_bytes=SimWorker.page_bytes(page_size), kv_identity=SIM_IDENTITY)
     cfg = SchedulerConfig(num_pages=num_pages, page_size=page_size, **kw)
     sched = Scheduler(cfg)
     worker = SimWorker(
@@ -34,6 +38,8 @@ def make(num_pages=4096, page_size=1, jump_every=0, compile_steps=1, **kw):
         VOCAB,
         jump_every=jump_every,
         compile_steps=compile_steps,
+        host_slots=cfg.host_pages,
+        disk_dir=cfg.disk_cache_dir,
     )
     return sched, worker
 
@@ -277,6 +283,21 @@ GRAMMARS = (None, StructuredOutput.regex("[a-z]+"), StructuredOutput.regex("[0-9
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads_keep_kv_right(w):
+    run_workload(w)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.integers(1, 12), st.booleans())
+def test_random_workloads_with_cache_tiers_keep_kv_right(w, host_pages, disk):
+    """The same workloads with a host tier (and a disk tier): pages demoted, promoted,
+    written through and loaded must give the same tokens; more hits than without."""
+    w = {**w, "cache": "radix"}
+    with tempfile.TemporaryDirectory(prefix="rs-sim-kv-") as d:
+        sched = run_workload(w, host_pages=host_pages, disk_cache_dir=d if disk else None)
+    assert sched.hit_tokens == sum(sched.tier_hit_tokens)
+
+
+def run_workload(w, **tiers):
     sched, worker = make(
         num_pages=w["num_pages"],
         page_size=w["page_size"],
@@ -287,6 +308,7 @@ def test_random_workloads_keep_kv_right(w):
         max_running_requests=w["slots"],
         jump_every=w["jump_every"],
         compile_steps=w["compile_steps"],
+        **tiers,
     )
     prompts = {r["rid"]: r["prompt"] for r in w["reqs"]}
     max_tokens = {r["rid"]: r["max_tokens"] for r in w["reqs"]}
@@ -323,6 +345,7 @@ def test_random_workloads_keep_kv_right(w):
     sched.check_idle()
     if w["cache"] == "none":
         assert sched.hit_tokens == 0
+    return sched
 
 
 def test_lone_request_holding_duplicates_is_retracted_not_stuck():

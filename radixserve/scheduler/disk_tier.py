@@ -1,0 +1,161 @@
+"""The disk tier's index (L3): the page files of a directory, LRU first, size-bounded.
+
+Files are written and read by the worker (``worker/host_cache.py``) in the format of
+``utils/kv_file.py``; this index, in the scheduler, decides which exist. It is built
+at start by scanning the directory (**eagerly**: names, lengths and headers):
+
+* leftover temporary files (``.tmp-*``, a write cut short) are deleted;
+* a ``<key>.kv`` file of this model (header identity) and the right length is an
+  entry, oldest modification time first (checksums are verified when used); a short, long or unreadable one is deleted;
+  files of another model identity are left alone and not counted;
+* entries beyond ``max_files`` are deleted, oldest first.
+
+An entry is **pending** while the worker writes it (the step that demotes it to
+disk): it is neither matched (the file is not there yet) nor evicted. It is **read**
+while a promotion loads it. ``verify(key)`` reads the whole file and checks it
+each time a match would load it (a file may be damaged at any time; the second
+read, by the worker, then comes from the page cache): a corrupt or truncated file
+is a miss, is deleted and counted in ``corrupt``. Evicting an entry
+(LRU, to make room) deletes its file at once; the scheduler owns the directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from radixserve.utils import kv_file
+
+
+@dataclass
+class DiskEntry:
+    pending: bool = False  # the worker writes it in this step
+    read: bool = False  # a promotion loads it in this step
+
+    @property
+    def pinned(self) -> bool:
+        return self.pending or self.read
+
+
+class DiskTier:
+    def __init__(self, directory: str, identity: bytes, payload_bytes: int, max_files: int) -> None:
+        if max_files < 1:
+            raise ValueError(f"the disk tier needs room for at least one page, got {max_files}")
+        self.directory = directory
+        self.identity = identity
+        self.payload_bytes = payload_bytes
+        self.max_files = max_files
+        self.corrupt = 0  # files found corrupt or truncated (and deleted)
+        self._entries: OrderedDict[bytes, DiskEntry] = OrderedDict()
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self._scan()
+
+    def _scan(self) -> None:
+        found = []
+        for entry in os.scandir(self.directory):
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            if entry.name.startswith(kv_file.TMP_PREFIX):
+                self._unlink(entry.name)
+                continue
+            key = kv_file.key_of_name(entry.name)
+            if key is None:
+                continue
+            header = kv_file.read_header(entry.path)
+            if header is not None and header[0] != self.identity:
+                continue  # another model's page: not ours to judge
+            size = entry.stat(follow_symlinks=False).st_size
+            if (
+                header is None
+                or header[1] != key
+                or header[2] != self.payload_bytes
+                or size != kv_file.HEADER_BYTES + self.payload_bytes
+            ):
+                self.corrupt += 1
+                self._unlink(entry.name)
+                continue
+            found.append((entry.stat().st_mtime_ns, entry.name, key))
+        for _, _, key in sorted(found):
+            self._entries[key] = DiskEntry()
+        while len(self._entries) > self.max_files:
+            key, _ = self._entries.popitem(last=False)
+            self._unlink(kv_file.file_name(key))
+
+    def _unlink(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.directory, name))
+
+    def path(self, key: bytes) -> str:
+        return os.path.join(self.directory, kv_file.file_name(key))
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def cached_keys(self) -> list[bytes]:
+        return list(self._entries)
+
+    def ready(self, key: bytes) -> bool:
+        """Whether a match may load ``key`` (present, written, not loading already);
+        the file itself is checked by ``verify``."""
+        e = self._entries.get(key)
+        return e is not None and not e.pinned
+
+    def verify(self, key: bytes) -> bool:
+        """Whether ``key``'s file is whole; a broken one is deleted (a miss)."""
+        if kv_file.check_page_file(self.path(key), key, self.identity, self.payload_bytes):
+            return True
+        del self._entries[key]
+        self._unlink(kv_file.file_name(key))
+        self.corrupt += 1
+        return False
+
+    def touch(self, key: bytes) -> None:
+        self._entries.move_to_end(key)
+
+    def add_pending(self, key: bytes) -> bool:
+        """Make room for ``key`` (evicting idle files, LRU first) and mark it being
+        written; False when every entry is pinned."""
+        assert key not in self._entries
+        while len(self._entries) >= self.max_files:
+            victim = next((k for k, e in self._entries.items() if not e.pinned), None)
+            if victim is None:
+                return False
+            del self._entries[victim]
+            self._unlink(kv_file.file_name(victim))
+        # Verified when used, like a file found at start: a write that failed (a
+        # full disk) is then a miss, not wrong KV.
+        self._entries[key] = DiskEntry(pending=True)
+        return True
+
+    def forget_pending(self, keys: list[bytes]) -> None:
+        """Writes planned and then called off (a flush): no file will come."""
+        for key in keys:
+            if key in self._entries and self._entries[key].pending:
+                del self._entries[key]
+
+    def pin_read(self, key: bytes) -> None:
+        self._entries[key].read = True
+        self._entries.move_to_end(key)
+
+    def cancel_read(self, key: bytes) -> None:
+        self._entries[key].read = False
+
+    def step_done(self) -> None:
+        for e in self._entries.values():
+            e.pending = e.read = False
+
+    def clear(self) -> int:
+        """Delete every file that is not pinned; how many."""
+        dropped = [k for k, e in self._entries.items() if not e.pinned]
+        for key in dropped:
+            del self._entries[key]
+            self._unlink(kv_file.file_name(key))
+        return len(dropped)
+
+    def check(self) -> None:
+        assert len(self._entries) <= self.max_files, "the disk tier is over its bound"

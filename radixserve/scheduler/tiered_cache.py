@@ -1,0 +1,439 @@
+"""A hierarchical prefix cache: the radix tree over the pool (L1), a host tier (L2)
+and a disk tier (L3) below it (docs/cache-tiers.md).
+
+``TieredCache`` is a ``PrefixCache`` that wraps either tree through its public
+contract (as the KV event recorder does), so the Python and the native tree both
+keep working unchanged: L1 is the tree as it is; pages that leave it go down to an
+index keyed by **page keys** (``tier_keys``: the SHA-256 chain over the model
+identity, the salt and the page's token prefix). A key names a page's content, not
+a tree position, so the lower tiers need no tree of their own: a match walks L1,
+then goes on page by page in L2/L3 with the chained keys, and stops at the first
+page neither holds.
+
+* **Demote.** ``evict`` (the pool is short) frees L1 leaves; each freed page moves
+  to a host slot (``HostTier``) when a slot is free, else the host tier's LRU
+  entry makes room: it is written to disk when a disk tier is configured
+  (``DiskTier``), else dropped. A page whose key L2 already holds is not copied.
+* **Promote.** ``match_prefix`` counts L2 and L3 pages after the L1 match as hits:
+  fresh pool pages are allocated (evicting, hence demoting, if short), inserted
+  into the tree under the matched path, and filled from L2 (the slot is then
+  freed: a page lives in L2 or L1, not both) or from L3 (the file stays).
+* **Write-through to disk.** With a disk tier, every page the tree gains by an
+  insert (a computed page) is also written to disk at the start of the next step,
+  unless the disk tier has it already; so a server that stops, however it stops,
+  finds on restart everything it computed (within the disk tier's bound).
+* **Copies.** Both directions are planned here and performed by the worker at the
+  start of the step that follows (``protocol.PageCopies``: to disk, demote,
+  promote, load, in that order), before it computes anything; so a pool page freed
+  by a demotion may be handed out in the same step, and a request's promoted pages
+  hold its KV when its first step runs.
+* **Locks.** A page taking part in a step's copies is pinned at both ends until
+  ``step_done()``: host slots and disk files being written or read are never
+  evicted; a host slot read by a promotion is freed only after the step. A pool
+  page that is evicted again in the step it was promoted to never received its KV:
+  its promotion is cancelled and the source stays where it was.
+
+Hits per tier of the last match are in ``last_match_tiers`` (tokens in L1, L2, L3).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from radixserve.protocol import KEY_BYTES, PageCopies
+from radixserve.scheduler.allocator import PageAllocator
+from radixserve.scheduler.config import SchedulerConfig
+from radixserve.scheduler.disk_tier import DiskTier
+from radixserve.scheduler.host_tier import HostTier
+from radixserve.scheduler.kv_events import page_keys, salt_tag
+from radixserve.scheduler.prefix_cache import CacheNode, MatchResult, PrefixCache
+from radixserve.scheduler.radix_cache import as_tokens
+from radixserve.utils import kv_file
+
+L2, L3 = 2, 3
+
+
+def tier_keys(
+    tokens: np.ndarray | Sequence[int], page_size: int, salt: str | None, root: bytes
+) -> list[bytes]:
+    """The tier keys of the whole pages of ``tokens``: the KV events' chain with the
+    model identity's digest (``utils/kv_file.identity_digest``) as the first parent."""
+    return page_keys(tokens, page_size, salt, root)
+
+
+class _Plan:
+    """One step's copies, in the worker's order."""
+
+    def __init__(self) -> None:
+        self.save: list[tuple[int, bytes]] = []
+        self.to_disk: list[tuple[int, bytes]] = []
+        self.demote: list[tuple[int, int]] = []
+        # pool page -> (tier, key, host slot or -1): dict, so a cancelled one goes
+        self.promote: dict[int, tuple[int, bytes, int]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.save or self.to_disk or self.demote or self.promote)
+
+    def message(self) -> PageCopies:
+        i32 = lambda xs: np.asarray(xs, dtype=np.int32)  # noqa: E731
+        up2 = [(slot, p) for p, (t, _, slot) in self.promote.items() if t == L2]
+        up3 = [(key, p) for p, (t, key, _) in self.promote.items() if t == L3]
+        return PageCopies(
+            save_pages=i32([p for p, _ in self.save]),
+            save_keys=b"".join(k for _, k in self.save),
+            to_disk_slots=i32([s for s, _ in self.to_disk]),
+            to_disk_keys=b"".join(k for _, k in self.to_disk),
+            demote_pages=i32([p for p, _ in self.demote]),
+            demote_slots=i32([s for _, s in self.demote]),
+            promote_slots=i32([s for s, _ in up2]),
+            promote_pages=i32([p for _, p in up2]),
+            load_keys=b"".join(k for k, _ in up3),
+            load_pages=i32([p for _, p in up3]),
+        )
+
+
+class TieredCache:
+    """L1 (``inner``, a radix tree) with a host tier and optionally a disk tier."""
+
+    keeps_prefixes = True
+
+    def __init__(
+        self,
+        inner: PrefixCache,
+        allocator: PageAllocator,
+        host: HostTier,
+        disk: DiskTier | None,
+        root_key: bytes,
+    ) -> None:
+        if not inner.keeps_prefixes:
+            raise ValueError("cache tiers need a prefix cache (--cache radix)")
+        if host.num_slots < 1:
+            raise ValueError("cache tiers need a host tier of at least one page")
+        assert len(root_key) == KEY_BYTES
+        self.inner = inner
+        self.allocator = allocator
+        self.host = host
+        self.disk = disk
+        self.root_key = root_key
+        self.page_size = inner.page_size
+        self.lock = inner.lock
+        self.unlock = inner.unlock
+        n = allocator.num_pages
+        self._owned = np.zeros(n, dtype=bool)  # pages the tree holds, with their keys
+        self._key = np.zeros((n, KEY_BYTES), dtype=np.uint8)
+        self._plan = _Plan()
+        self._peek_memo: dict[tuple, bytes] = {}
+        self.last_match_tiers = (0, 0, 0)
+        # Counters (pages) for stats.
+        self.demoted = self.promoted = self.loaded = self.to_disk = 0
+        self.dropped = self.cancelled = self.saved = 0
+
+    # ------------------------------------------------------------- contract
+    @property
+    def evictable_pages(self) -> int:
+        return self.inner.evictable_pages
+
+    @property
+    def protected_pages(self) -> int:
+        return self.inner.protected_pages
+
+    @property
+    def cached_pages(self) -> int:
+        return self.inner.cached_pages
+
+    def _has_lower(self) -> bool:
+        return len(self.host) > 0 or (self.disk is not None and len(self.disk) > 0)
+
+    def _next_key(self, tag: bytes, parent: bytes, page: np.ndarray) -> bytes:
+        return hashlib.sha256(tag + parent + page.astype("<i4", copy=False).tobytes()).digest()
+
+    def _lower_tier(self, key: bytes, verify: bool) -> int:
+        """Where below L1 ``key`` can be had now: L2, L3 or 0."""
+        if self.host.readable(key):
+            return L2
+        disk = self.disk
+        if disk is not None and disk.ready(key) and (not verify or disk.verify(key)):
+            return L3
+        return 0
+
+    def _lower_run(
+        self,
+        tokens: np.ndarray,
+        first: int,
+        end: int,
+        parent: bytes,
+        salt: str | None,
+        verify: bool,
+    ) -> list[tuple[int, bytes]]:
+        """The pages ``first..end-1`` that L2/L3 hold, in order, up to the first miss."""
+        ps = self.page_size
+        tag = salt_tag(salt)
+        run = []
+        for i in range(first, end):
+            key = self._next_key(tag, parent, tokens[i * ps : (i + 1) * ps])
+            tier = self._lower_tier(key, verify)
+            if not tier:
+                break
+            run.append((tier, key))
+            parent = key
+        return run
+
+    def match_prefix(
+        self, tokens: np.ndarray | Sequence[int], salt: str | None = None
+    ) -> MatchResult:
+        m = self.inner.match_prefix(tokens, salt)
+        self.last_match_tiers = (m.hit_len, 0, 0)
+        if not self._has_lower():
+            return m
+        tokens = as_tokens(tokens)
+        ps = self.page_size
+        first, end = m.hit_len // ps, len(tokens) // ps
+        parent = self._key[m.pages[-1]].tobytes() if first else self.root_key
+        run = self._lower_run(tokens, first, end, parent, salt, verify=True)
+        if not run:
+            return m
+        for tier, key in run:  # pinned: the evictions below must not take them
+            self.host.pin_read(key) if tier == L2 else self.disk.pin_read(key)  # type: ignore[union-attr]
+        self.inner.lock(m.last_node)  # nor the matched path
+        n = len(run)
+        ids = self.allocator.alloc(n)
+        if ids is None:
+            self.evict(n - self.allocator.num_free)
+            ids = self.allocator.alloc(min(n, self.allocator.num_free))
+        self.inner.unlock(m.last_node)
+        k = 0 if ids is None else len(ids)
+        for tier, key in run[k:]:
+            self._cancel(tier, key)
+        if k == 0:
+            return m
+        pages = np.concatenate([m.pages, ids]).astype(np.int32)
+        cached_len, node = self.inner.insert(tokens[: (first + k) * ps], pages, salt)
+        assert cached_len == m.hit_len, "the matched path changed under a lock"
+        self._own(ids, [key for _, key in run[:k]])
+        l2 = 0
+        for (tier, key), page in zip(run[:k], ids.tolist()):
+            if tier == L2:
+                self._plan.promote[page] = (L2, key, self.host.slot(key))
+                self.promoted += 1
+                l2 += 1
+            else:
+                self._plan.promote[page] = (L3, key, -1)
+                self.loaded += 1
+        self.last_match_tiers = (m.hit_len, l2 * ps, (k - l2) * ps)
+        return MatchResult((first + k) * ps, pages, node)
+
+    def peek_prefix(self, tokens: np.ndarray | Sequence[int], salt: str | None = None) -> int:
+        hit = self.inner.peek_prefix(tokens, salt)
+        if not self._has_lower():
+            return hit
+        tokens = as_tokens(tokens)
+        ps = self.page_size
+        first, end = hit // ps, len(tokens) // ps
+        if first >= end:
+            return hit
+        parent = self._prefix_key(tokens[:hit], salt)
+        return hit + ps * len(self._lower_run(tokens, first, end, parent, salt, verify=False))
+
+    def _prefix_key(self, tokens: np.ndarray, salt: str | None) -> bytes:
+        """The key of the last page of ``tokens`` (whole pages), memoised: the
+        scheduling policy peeks every waiting prompt every step."""
+        if not len(tokens):
+            return self.root_key
+        # Python's hash of the bytes: a collision could only misorder scheduling (a
+        # peek is an estimate; match_prefix recomputes every key it uses).
+        memo = (salt, len(tokens), hash(tokens.tobytes()))
+        key = self._peek_memo.get(memo)
+        if key is None:
+            if len(self._peek_memo) >= 4096:
+                self._peek_memo.clear()
+            key = self._peek_memo[memo] = tier_keys(tokens, self.page_size, salt, self.root_key)[-1]
+        return key
+
+    def insert(
+        self, tokens: np.ndarray | Sequence[int], pages: np.ndarray, salt: str | None = None
+    ) -> tuple[int, CacheNode]:
+        cached_len, node = self.inner.insert(tokens, pages, salt)
+        ps = self.page_size
+        first, end = cached_len // ps, len(tokens) // ps
+        if first < end:
+            tokens = as_tokens(tokens)
+            pages = np.asarray(pages, dtype=np.int32)
+            if first == 0:
+                parent = self.root_key
+            elif self._owned[pages[first - 1]]:
+                # The caller's page before is the tree's (it matched or inserted it),
+                # so its key is known; else it holds a duplicate there.
+                parent = self._key[pages[first - 1]].tobytes()
+            else:
+                parent = tier_keys(tokens[: first * ps], ps, salt, self.root_key)[-1]
+            keys = page_keys(tokens[first * ps : end * ps], ps, salt, parent)
+            self._own(pages[first:end], keys)
+            if self.disk is not None:
+                self._write_through(pages[first:end].tolist(), keys)
+        return cached_len, node
+
+    def _write_through(self, pages: list[int], keys: list[bytes]) -> None:
+        disk = self.disk
+        assert disk is not None
+        for page, key in zip(pages, keys):
+            if key in disk:
+                disk.touch(key)
+            elif disk.add_pending(key):
+                self._plan.save.append((page, key))
+                self.saved += 1
+
+    def _own(self, pages: np.ndarray, keys: list[bytes]) -> None:
+        self._owned[pages] = True
+        self._key[pages] = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(-1, KEY_BYTES)
+
+    def _gone(self) -> np.ndarray:
+        """The pages the tree held and has freed since the last call."""
+        owned = np.flatnonzero(self._owned)
+        gone = owned[~self.allocator.is_allocated(owned)]
+        self._owned[gone] = False
+        return gone
+
+    # -------------------------------------------------------------- demotion
+    def evict(self, num_pages: int) -> int:
+        freed = self.inner.evict(num_pages)
+        if freed:
+            for page in self._gone().tolist():
+                self._demote(page, self._key[page].tobytes())
+        return freed
+
+    def _demote(self, page: int, key: bytes) -> None:
+        promotion = self._plan.promote.pop(page, None)
+        if promotion is not None:
+            # Promoted in this step and evicted before its KV arrived: the source
+            # still holds the page.
+            self._cancel(promotion[0], promotion[1])
+            self.cancelled += 1
+            return
+        if key in self.host:
+            self.host.touch(key)
+            return
+        slot = self._host_slot()
+        if slot is None:
+            self.dropped += 1
+            return
+        self.host.add_written(key, slot)
+        self._plan.demote.append((page, slot))
+        self.demoted += 1
+
+    def _host_slot(self) -> int | None:
+        """A host slot for a demotion: a free one, else the LRU entry's (written to
+        disk first when there is a disk tier and it lacks the page)."""
+        slot = self.host.take_slot()
+        if slot is not None:
+            return slot
+        victim = self.host.pop_lru()
+        if victim is None:
+            return None
+        key, slot = victim
+        disk = self.disk
+        if disk is None:
+            self.dropped += 1
+        elif key in disk:
+            disk.touch(key)
+        elif disk.add_pending(key):
+            self._plan.to_disk.append((slot, key))
+            self.to_disk += 1
+        else:
+            self.dropped += 1
+        return slot
+
+    def _cancel(self, tier: int, key: bytes) -> None:
+        if tier == L2:
+            self.host.cancel_read(key)
+        else:
+            self.disk.cancel_read(key)  # type: ignore[union-attr]
+
+    # ------------------------------------------------------------ the step
+    @property
+    def has_copies(self) -> bool:
+        """Whether copies wait for a step (write-through after the last insert)."""
+        return bool(self._plan)
+
+    def take_copies(self) -> PageCopies | None:
+        """The copies the next step must perform (None: none)."""
+        if not self._plan:
+            return None
+        return self._plan.message()
+
+    def step_done(self) -> None:
+        """The worker performed the copies taken: unpin, free promoted host slots."""
+        self._plan = _Plan()
+        self.host.step_done()
+        if self.disk is not None:
+            self.disk.step_done()
+
+    # ----------------------------------------------------------- flush, reset
+    def flush(self, keep_disk: bool = False) -> int:
+        """Drop every unlocked L1 page (no demotion), the host tier, and the disk
+        tier unless ``keep_disk``; the L1 pages freed. Between steps only."""
+        # Between steps only writes-through can be planned; a flush forgets them.
+        assert not (self._plan.to_disk or self._plan.demote or self._plan.promote)
+        if self.disk is not None:
+            self.disk.forget_pending([key for _, key in self._plan.save])
+        self._plan = _Plan()
+        freed = self.inner.evict(self.inner.evictable_pages)
+        self._gone()
+        self.host.clear()
+        if self.disk is not None and not keep_disk:
+            self.disk.clear()
+        return freed
+
+    def reset(self) -> None:
+        """Empty every tier (the tree's ``reset``: idle only)."""
+        self.inner.reset()
+        self._owned[:] = False
+        if self.disk is not None:
+            self.disk.forget_pending([key for _, key in self._plan.save])
+        self._plan = _Plan()
+        self.host.clear()
+        if self.disk is not None:
+            self.disk.clear()
+
+    def check(self) -> None:
+        self.inner.check()
+        self.host.check()
+        if self.disk is not None:
+            self.disk.check()
+        owned = np.flatnonzero(self._owned)
+        assert len(owned) == self.inner.cached_pages, "the tier index lost track of L1 pages"
+        assert self.allocator.is_allocated(owned).all(), "an L1 page of the tree is free"
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "host_pages": self.host.num_slots,
+            "host_pages_cached": len(self.host),
+            "disk_pages_cached": 0 if self.disk is None else len(self.disk),
+            "disk_pages_max": 0 if self.disk is None else self.disk.max_files,
+            "disk_corrupt_files": 0 if self.disk is None else self.disk.corrupt,
+            "pages_demoted": self.demoted,
+            "pages_promoted": self.promoted,
+            "pages_loaded": self.loaded,
+            "pages_written": self.to_disk + self.saved,
+            "pages_dropped": self.dropped,
+        }
+
+    def __repr__(self) -> str:
+        return f"TieredCache({self.inner!r}, host={len(self.host)}/{self.host.num_slots})"
+
+
+def build_tiers(
+    inner: PrefixCache, allocator: PageAllocator, config: SchedulerConfig
+) -> TieredCache:
+    """``inner`` with the tiers ``config`` asks for (``host_pages`` > 0)."""
+    identity = kv_file.identity_digest(config.kv_identity)
+    disk = None
+    if config.disk_cache_dir is not None:
+        if config.page_bytes < 1 or not config.kv_identity:
+            raise ValueError("the disk tier needs the worker's page_bytes and kv_identity")
+        file_bytes = kv_file.HEADER_BYTES + config.page_bytes
+        max_files = int(config.disk_cache_gb * (1 << 30)) // file_bytes
+        disk = DiskTier(config.disk_cache_dir, identity, config.page_bytes, max_files)
+    return TieredCache(inner, allocator, HostTier(config.host_pages), disk, identity)

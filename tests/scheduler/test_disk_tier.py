@@ -1,0 +1,81 @@
+"""The disk tier's index at start and its page files: what is kept, what is deleted,
+what is left alone, and the bound."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from radixserve.scheduler.disk_tier import DiskTier
+from radixserve.utils import kv_file
+
+ME = kv_file.identity_digest("model a")
+OTHER = kv_file.identity_digest("model b")
+N = 48
+
+
+def key(i: int) -> bytes:
+    return bytes([i]) * 32
+
+
+def write(directory: str, i: int, identity: bytes = ME, payload: bytes | None = None) -> str:
+    return kv_file.write_page_file(directory, key(i), identity, payload or bytes([i]) * N)
+
+
+def test_scan_keeps_deletes_and_leaves_alone(tmp_path):
+    d = str(tmp_path)
+    for i in range(4):
+        os.utime(write(d, i), ns=(i, i))  # page 0 is the oldest
+    write(d, 9, OTHER)  # another model's page: not ours
+    short = write(d, 5, payload=b"x" * (N - 1))  # wrong length
+    with open(write(d, 6), "r+b") as f:  # truncated
+        f.truncate(kv_file.HEADER_BYTES + 10)
+    (tmp_path / ".tmp-abc").write_bytes(b"half a write")
+    (tmp_path / "notes.txt").write_text("left alone")
+    tier = DiskTier(d, ME, N, max_files=3)
+    # Oldest first beyond the bound: page 0 went.
+    assert tier.cached_keys() == [key(1), key(2), key(3)]
+    assert not os.path.exists(os.path.join(d, kv_file.file_name(key(0))))
+    assert not os.path.exists(short) and tier.corrupt == 2
+    assert not (tmp_path / ".tmp-abc").exists()
+    assert (tmp_path / "notes.txt").exists()
+    assert os.path.exists(os.path.join(d, kv_file.file_name(key(9))))
+
+
+def test_verify_deletes_a_damaged_file_and_bound_evicts_lru(tmp_path):
+    d = str(tmp_path)
+    tier = DiskTier(d, ME, N, max_files=2)
+    for i in (1, 2):
+        assert tier.add_pending(key(i))
+        write(d, i)
+    tier.step_done()
+    assert tier.verify(key(1)) and tier.verify(key(2))
+    path = tier.path(key(2))
+    with open(path, "r+b") as f:
+        f.seek(kv_file.HEADER_BYTES + 3)
+        f.write(b"\x00\x01")
+    assert not tier.verify(key(2))
+    assert key(2) not in tier and not os.path.exists(path) and tier.corrupt == 1
+    tier.touch(key(1))
+    assert tier.add_pending(key(3)) and tier.add_pending(key(4))  # 1 is evicted for 4
+    assert key(1) not in tier and not os.path.exists(tier.path(key(1)))
+    assert not tier.add_pending(key(5))  # both entries are being written: no room
+    assert not tier.ready(key(3))  # pending: not matched before it is written
+    tier.step_done()
+    assert tier.ready(key(3))
+
+
+def test_write_is_atomic(tmp_path, monkeypatch):
+    d = str(tmp_path)
+    write(d, 1)
+
+    def fail(*a):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        write(d, 1, payload=b"\xff" * N)
+    path = os.path.join(d, kv_file.file_name(key(1)))
+    assert kv_file.read_payload(path, key(1), ME, N) == bytes([1]) * N
+    assert os.listdir(d) == [kv_file.file_name(key(1))]  # no temporary file left

@@ -1,0 +1,159 @@
+"""Cache tiers end to end through the in-process Engine on a tiny float64 model.
+
+* Under KV pressure (a pool of about two requests), greedy outputs with a host
+  tier equal those of a roomy pool without tiers, while the second round's prefixes
+  come back from the host tier (demoted, then promoted: the KV must be exact).
+* Restart: an Engine with a disk tier computes a long system prompt and closes; a
+  new Engine on the same directory hits that prompt's page-aligned length from disk
+  and answers exactly as a cold run; with one page file corrupted in between it
+  counts one corrupt file (a miss), recomputes from there and is still exact.
+* The worker's copies are bit-exact in bfloat16 too, and refusals are clear.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from radixserve import Engine, SamplingParams
+from radixserve.cli import main
+from radixserve.protocol import PageCopies
+from radixserve.worker.host_cache import HostCache
+from radixserve.worker.kv_pool import KVPool
+from tests.helpers.tiny_models import make_tiny_model
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PAGE = 4
+# The tiny model's page: 2 layers x K,V x 4 tokens x 2 KV heads x head_dim 16 x 8 bytes.
+PAGE_BYTES = 2 * 2 * PAGE * 2 * 16 * 8
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny-tiers"), "llama", seed=11, max_position_embeddings=1024
+    )
+
+
+def engine(tiny_dir, **kw) -> Engine:
+    kw.setdefault("dtype", "float64")
+    kw.setdefault("page_size", PAGE)
+    kw.setdefault("warmup", False)
+    return Engine(str(tiny_dir), **kw)
+
+
+def gib(pages: int) -> float:
+    return pages * PAGE_BYTES / (1 << 30)
+
+
+def test_host_tier_under_pressure_is_exact(tiny_dir):
+    rng = np.random.default_rng(1)
+    firsts = [rng.integers(4, 512, 60).tolist() for _ in range(4)]
+    seconds = [p + rng.integers(4, 512, 7).tolist() for p in firsts]
+    ref = engine(tiny_dir, num_pages=4096)
+    expected = [r.token_ids for r in ref.generate(firsts + seconds, GREEDY)]
+
+    # 48 pages: the four first-round prompts (16 pages each with output) cannot stay.
+    eng = engine(tiny_dir, num_pages=48, host_cache_gb=gib(256), decode_reserve_ratio=0.0)
+    got = [r.token_ids for r in eng.generate(firsts, GREEDY)]
+    results = eng.generate(seconds, GREEDY)
+    got += [r.token_ids for r in results]
+    assert got == expected
+    stats = eng.stats()
+    assert stats["pages_demoted"] > 0 and stats["pages_promoted"] > 0
+    assert stats["hit_tokens_l2"] > 0
+    by_tier = [r.usage.cached_tokens_by_tier for r in results]
+    assert sum(t[1] for t in by_tier) == stats["hit_tokens_l2"]
+    assert all(sum(t) == r.usage.cached_tokens for t, r in zip(by_tier, results))
+    eng.check_idle()
+    assert eng.flush_cache() >= 0 and eng.stats()["host_pages_cached"] == 0
+
+
+def test_disk_tier_survives_restart_and_corruption(tiny_dir, tmp_path):
+    rng = np.random.default_rng(2)
+    system = rng.integers(4, 512, 203).tolist()  # 50 whole pages and 3 tokens
+    first = system + rng.integers(4, 512, 9).tolist()
+    question = system + rng.integers(4, 512, 11).tolist()
+    cold = engine(tiny_dir, num_pages=1024)
+    [want] = cold.generate([question], GREEDY)
+    disk = str(tmp_path / "kv")
+    tiers = dict(num_pages=1024, host_cache_gb=gib(64), disk_cache_dir=disk)
+
+    eng = engine(tiny_dir, **tiers)
+    eng.generate([first], GREEDY)
+    eng.close()
+    files = sorted(os.listdir(disk))
+    assert len(files) >= 50 and all(f.endswith(".kv") for f in files)
+
+    again = engine(tiny_dir, **tiers)
+    [r] = again.generate([question], GREEDY)
+    assert r.token_ids == want.token_ids
+    assert r.usage.cached_tokens >= 200
+    assert r.usage.cached_tokens_by_tier == [0, 0, r.usage.cached_tokens]
+    assert again.stats()["disk_corrupt_files"] == 0
+    again.check_idle()
+    identity = again.runner.kv_identity
+    again.close()
+
+    # Damage the file of the 26th page of the system prompt: pages 0-24 still come
+    # from disk, the rest is recomputed.
+    from radixserve.scheduler.tiered_cache import tier_keys
+    from radixserve.utils import kv_file
+
+    root = kv_file.identity_digest(identity)
+    key = tier_keys(system[:200], PAGE, None, root)[25]
+    path = os.path.join(disk, kv_file.file_name(key))
+    with open(path, "r+b") as f:
+        f.seek(kv_file.HEADER_BYTES + 100)
+        f.write(b"\xff\xff\xff\xff")
+    third = engine(tiny_dir, **tiers)
+    [r] = third.generate([question], GREEDY)
+    assert r.token_ids == want.token_ids
+    assert r.usage.cached_tokens == 25 * PAGE
+    assert third.stats()["disk_corrupt_files"] == 1
+    assert not os.path.exists(path) or kv_file.check_page_file(path, key, root, PAGE_BYTES)
+    third.check_idle()
+    third.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_copies_are_bit_exact(tmp_path, dtype):
+    pool = KVPool(3, 6, 4, 2, 8, dtype)
+    for layer in pool.layers:
+        layer.normal_()
+    before = [layer.clone() for layer in pool.layers]
+    host = HostCache(pool, 3, str(tmp_path), "test")
+    i32 = lambda xs: np.asarray(xs, dtype=np.int32)  # noqa: E731
+    keys = bytes(range(32)) + bytes(range(1, 33))
+    host.apply(PageCopies(demote_pages=i32([1, 4]), demote_slots=i32([2, 0])))
+    host.apply(PageCopies(save_pages=i32([3]), save_keys=keys[:32]))
+    host.apply(PageCopies(to_disk_slots=i32([0]), to_disk_keys=keys[32:]))
+    for layer in pool.layers:
+        layer.zero_()
+    host.apply(
+        PageCopies(
+            promote_slots=i32([2]),
+            promote_pages=i32([5]),
+            load_keys=keys,
+            load_pages=i32([0, 2]),
+        )
+    )
+    for b, layer in zip(before, pool.layers):
+        assert torch.equal(layer[5], b[1])  # via the host tier
+        assert torch.equal(layer[0], b[3])  # written through to disk, loaded
+        assert torch.equal(layer[2], b[4])  # host tier, then disk, then loaded
+
+
+def test_refusals(tiny_dir, tmp_path, capsys):
+    with pytest.raises(ValueError, match="--cache radix"):
+        engine(tiny_dir, num_pages=64, cache="none", host_cache_gb=gib(8))
+    with pytest.raises(ValueError, match="needs a host tier"):
+        engine(tiny_dir, num_pages=64, disk_cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        engine(tiny_dir, num_pages=64, host_cache_gb=gib(8), disk_cache_dir="d", tp=2)
+    # radixserve launch says so and exits 1 before starting anything.
+    assert main(["launch", "--cache", "none", "--host-cache-gb", "1"]) == 1
+    assert "need --cache radix" in capsys.readouterr().err
