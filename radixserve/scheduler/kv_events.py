@@ -37,7 +37,7 @@ import numpy as np
 
 from radixserve.protocol import KEY_BYTES, KVEvent
 from radixserve.scheduler.allocator import PageAllocator
-from radixserve.scheduler.prefix_cache import CacheNode, PrefixCache
+from radixserve.scheduler.prefix_cache import CacheNode, PageFollower, PrefixCache
 
 NO_PARENT = bytes(KEY_BYTES)
 
@@ -70,7 +70,7 @@ def page_keys(
     return keys
 
 
-class KVEventRecorder:
+class KVEventRecorder(PageFollower):
     """A ``PrefixCache`` that records its changes (see the module docstring).
 
     The hot read-only calls (match, peek, lock, unlock) are the inner cache's
@@ -78,20 +78,12 @@ class KVEventRecorder:
     """
 
     def __init__(self, inner: PrefixCache, allocator: PageAllocator) -> None:
-        if not inner.keeps_prefixes:
-            raise ValueError("KV events need a prefix cache that keeps prefixes (--cache radix)")
-        self.inner = inner
-        self.allocator = allocator
-        self.keeps_prefixes = True
-        self.page_size = inner.page_size
+        super().__init__(inner, allocator, "KV events")
         self.match_prefix = inner.match_prefix
         self.peek_prefix = inner.peek_prefix
-        self.lock = inner.lock
-        self.unlock = inner.unlock
         self.check = inner.check
         n, ps = allocator.num_pages, self.page_size
         # Per page the tree owns: its key, its parent's key, depth, salt, tokens.
-        self._owned = np.zeros(n, dtype=bool)
         self._key = np.zeros((n, KEY_BYTES), dtype=np.uint8)
         self._parent = np.zeros((n, KEY_BYTES), dtype=np.uint8)
         self._depth = np.zeros(n, dtype=np.int32)
@@ -102,18 +94,6 @@ class KVEventRecorder:
         self._events: list[KVEvent] = []
 
     # ------------------------------------------------------------ contract
-    @property
-    def evictable_pages(self) -> int:
-        return self.inner.evictable_pages
-
-    @property
-    def protected_pages(self) -> int:
-        return self.inner.protected_pages
-
-    @property
-    def cached_pages(self) -> int:
-        return self.inner.cached_pages
-
     def insert(
         self, tokens: np.ndarray | Sequence[int], pages: np.ndarray, salt: str | None = None
     ) -> tuple[int, CacheNode]:
@@ -127,9 +107,7 @@ class KVEventRecorder:
     def evict(self, num_pages: int) -> int:
         freed = self.inner.evict(num_pages)
         if freed:
-            owned = np.flatnonzero(self._owned)
-            gone = owned[~self.allocator.is_allocated(owned)]
-            self._removed(gone)
+            self._removed(self._gone())
         return freed
 
     def reset(self) -> None:
@@ -203,7 +181,6 @@ class KVEventRecorder:
     def _removed(self, gone: np.ndarray) -> None:
         if not len(gone):
             return
-        self._owned[gone] = False
         if self.inner.cached_pages == 0:
             self._owned[:] = False
             self._events.append(KVEvent("cleared"))

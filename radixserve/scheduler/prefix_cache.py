@@ -14,6 +14,11 @@ docs/architecture.md; in short:
   and the caller keeps them while its page table points at them and frees them
   when it releases its KV.
 * ``evict`` frees unlocked pages (LRU); locked ones are never freed.
+
+``PageFollower`` is the base of the caches that wrap another through this
+contract (the KV event recorder, the cache tiers): it hands the read-only calls
+through and keeps, per page, whether the wrapped tree holds it, so an eviction's
+victims are the pages it held that the allocator no longer counts as allocated.
 """
 
 from __future__ import annotations
@@ -145,3 +150,42 @@ class NoCache:
 
     def __repr__(self) -> str:
         return f"NoCache(page_size={self.page_size})"
+
+
+class PageFollower:
+    """Wraps a prefix cache that keeps prefixes and follows which pool pages it holds.
+
+    ``lock``/``unlock`` are the inner cache's bound methods (no extra frame on the
+    hot path); subclasses mark pages in ``_owned`` as the tree takes them and call
+    ``_gone`` after an ``evict`` of the inner cache."""
+
+    keeps_prefixes = True
+
+    def __init__(self, inner: PrefixCache, allocator: PageAllocator, needs: str) -> None:
+        if not inner.keeps_prefixes:
+            raise ValueError(f"{needs} need a prefix cache that keeps prefixes (--cache radix)")
+        self.inner = inner
+        self.allocator = allocator
+        self.page_size = inner.page_size
+        self.lock = inner.lock
+        self.unlock = inner.unlock
+        self._owned = np.zeros(allocator.num_pages, dtype=bool)  # pages the tree holds
+
+    @property
+    def evictable_pages(self) -> int:
+        return self.inner.evictable_pages
+
+    @property
+    def protected_pages(self) -> int:
+        return self.inner.protected_pages
+
+    @property
+    def cached_pages(self) -> int:
+        return self.inner.cached_pages
+
+    def _gone(self) -> np.ndarray:
+        """The pages the tree held and has freed since the last call (no longer owned)."""
+        owned = np.flatnonzero(self._owned)
+        gone = owned[~self.allocator.is_allocated(owned)]
+        self._owned[gone] = False
+        return gone

@@ -49,7 +49,7 @@ from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.disk_tier import DiskTier
 from radixserve.scheduler.host_tier import HostTier
 from radixserve.scheduler.kv_events import page_keys, salt_tag
-from radixserve.scheduler.prefix_cache import CacheNode, MatchResult, PrefixCache
+from radixserve.scheduler.prefix_cache import CacheNode, MatchResult, PageFollower, PrefixCache
 from radixserve.scheduler.radix_cache import as_tokens
 from radixserve.utils import kv_file
 
@@ -95,10 +95,8 @@ class _Plan:
         )
 
 
-class TieredCache:
+class TieredCache(PageFollower):
     """L1 (``inner``, a radix tree) with a host tier and optionally a disk tier."""
-
-    keeps_prefixes = True
 
     def __init__(
         self,
@@ -108,21 +106,14 @@ class TieredCache:
         disk: DiskTier | None,
         root_key: bytes,
     ) -> None:
-        if not inner.keeps_prefixes:
-            raise ValueError("cache tiers need a prefix cache (--cache radix)")
+        super().__init__(inner, allocator, "cache tiers")
         if host.num_slots < 1:
             raise ValueError("cache tiers need a host tier of at least one page")
         assert len(root_key) == KEY_BYTES
-        self.inner = inner
-        self.allocator = allocator
         self.host = host
         self.disk = disk
         self.root_key = root_key
-        self.page_size = inner.page_size
-        self.lock = inner.lock
-        self.unlock = inner.unlock
         n = allocator.num_pages
-        self._owned = np.zeros(n, dtype=bool)  # pages the tree holds, with their keys
         self._key = np.zeros((n, KEY_BYTES), dtype=np.uint8)
         self._plan = _Plan()
         self._peek_memo: dict[tuple, bytes] = {}
@@ -132,18 +123,6 @@ class TieredCache:
         self.dropped = self.cancelled = self.saved = 0
 
     # ------------------------------------------------------------- contract
-    @property
-    def evictable_pages(self) -> int:
-        return self.inner.evictable_pages
-
-    @property
-    def protected_pages(self) -> int:
-        return self.inner.protected_pages
-
-    @property
-    def cached_pages(self) -> int:
-        return self.inner.cached_pages
-
     def _has_lower(self) -> bool:
         return len(self.host) > 0 or (self.disk is not None and len(self.disk) > 0)
 
@@ -288,13 +267,6 @@ class TieredCache:
     def _own(self, pages: np.ndarray, keys: list[bytes]) -> None:
         self._owned[pages] = True
         self._key[pages] = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(-1, KEY_BYTES)
-
-    def _gone(self) -> np.ndarray:
-        """The pages the tree held and has freed since the last call."""
-        owned = np.flatnonzero(self._owned)
-        gone = owned[~self.allocator.is_allocated(owned)]
-        self._owned[gone] = False
-        return gone
 
     # -------------------------------------------------------------- demotion
     def evict(self, num_pages: int) -> int:
