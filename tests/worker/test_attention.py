@@ -273,13 +273,16 @@ def test_shared_prefix_flash_is_on_for_bfloat16_with_amx_only(monkeypatch):
         assert not torch_only.shared_prefix_flash
 
 
-def test_native_prefill_is_on_for_bfloat16_products_only():
-    """Only where the kernel's bfloat16 products run is it faster than SDPA for chunks."""
+@pytest.mark.parametrize("amx", [False, True])
+def test_native_prefill_is_on_for_bfloat16_products_without_amx_only(monkeypatch, amx):
+    """Only where the kernel's bfloat16 products run, and oneDNN has no AMX tiles for
+    SDPA's, is it faster than SDPA for chunks."""
     require_built(native_decode.AVAILABLE, native_decode.UNAVAILABLE_REASON, "native decode")
+    monkeypatch.setattr(cpu_kernels, "AMX", amx)
     for dtype in (torch.float64, torch.float32, torch.bfloat16):
         pool = KVPool(1, 8, 16, 2, 64, dtype)
         backend = create_backend("torch", pool, 1.0, (-1,), 4)
-        on = dtype == torch.bfloat16 and cpu_kernels.ISA == "avx512bf16"
+        on = dtype == torch.bfloat16 and cpu_kernels.ISA == "avx512bf16" and not amx
         assert backend.native_prefill_max_tokens == (1024 if on else 0)
         torch_only = create_backend("torch", pool, 1.0, (-1,), 4, decode_kernel="torch")
         assert torch_only.native_prefill_max_tokens == 0

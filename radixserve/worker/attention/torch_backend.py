@@ -68,14 +68,21 @@ CASCADE_MIN_TOKENS = 64
 
 
 #: The longest prefill chunk the native kernel takes where it runs bfloat16 products
-#: (AVX512_BF16): there its vdpbf16ps tiles beat SDPA up to about this length, a cached
-#: prefix or not (docs/worker.md); longer chunks, and other dtypes, go to SDPA.
+#: (AVX512_BF16 without AMX): there its vdpbf16ps tiles beat SDPA up to about this
+#: length, a cached prefix or not (docs/worker.md); longer chunks, and other dtypes, go
+#: to SDPA. Where oneDNN has AMX tiles, SDPA's products run on them and every prefill
+#: chunk is faster there (docs/worker.md, "Decode steps on an Intel Xeon with AMX").
 NATIVE_PREFILL_MAX_TOKENS = 1024
 
 
 def native_prefill_tokens(dtype: torch.dtype, head_dim: int) -> int:
     """The longest prefill chunk the native kernel should take for this pool (0: none)."""
-    if dtype == torch.bfloat16 and cpu_kernels.ISA == "avx512bf16" and head_dim % 16 == 0:
+    if (
+        dtype == torch.bfloat16
+        and cpu_kernels.ISA == "avx512bf16"
+        and not cpu_kernels.AMX
+        and head_dim % 16 == 0
+    ):
         return NATIVE_PREFILL_MAX_TOKENS
     return 0
 
