@@ -99,7 +99,9 @@ def test_greedy_chat_matches_transformers(runner, tok, hf_smollm2):
 
 def test_bfloat16_first_step_is_close_to_float32(runner, tok, smollm2_cache_dir):
     """bf16 (what ``--dtype auto`` picks on CPUs with bf16 instructions) against float32:
-    first-step logits within bf16's rounding, and the same greedy first token."""
+    first-step logits within bf16's rounding, and the same greedy first token but where
+    float32's top two are nearer than bf16's rounding (such a tie may go either way,
+    and which way depends on the CPU's bf16 products and attention path)."""
     bf16 = ModelRunner(WorkerConfig(model="smollm2", cache_dir=smollm2_cache_dir, page_size=16,
                                     num_pages=256, max_running_requests=8, dtype="bfloat16",
                                     warmup=False))  # fmt: skip
@@ -116,7 +118,13 @@ def test_bfloat16_first_step_is_close_to_float32(runner, tok, smollm2_cache_dir)
     spread = logits[0].abs().max().item()
     print(f"\nSmolLM2 bfloat16 vs float32: max |logit diff| on first step = {gap:.3f}")
     assert gap < 0.05 * spread
-    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+    # bf16's greedy token is float32's, or one float32 ranks within that row's typical
+    # bf16 error (rms over the vocabulary) of the best: a near-tie, not a wrong answer.
+    f32, ours = logits[0], logits[1].argmax(-1)
+    behind = f32.max(-1).values - f32.gather(-1, ours[:, None])[:, 0]
+    rms = (logits[0] - logits[1]).pow(2).mean(-1).sqrt()
+    assert bool((behind <= rms).all()), (behind.tolist(), rms.tolist())
+    assert int((ours == f32.argmax(-1)).sum()) >= len(prompts) - 1
 
 
 def test_converted_cache_is_reused(smollm2_cache_dir):
