@@ -50,6 +50,12 @@ def salt_tag(salt: str | None) -> bytes:
     return b"\x01" + len(raw).to_bytes(4, "little") + raw
 
 
+def next_page_key(tag: bytes, parent: bytes, page: bytes) -> bytes:
+    """One link of the chain: SHA-256 over (salt tag, parent key, the page's tokens as
+    little-endian int32 bytes)."""
+    return hashlib.sha256(tag + parent + page).digest()
+
+
 def page_keys(
     tokens: np.ndarray | Sequence[int],
     page_size: int,
@@ -65,7 +71,7 @@ def page_keys(
     key = parent if parent is not None else NO_PARENT
     keys = []
     for i in range(n):
-        key = hashlib.sha256(tag + key + data[i * step : (i + 1) * step]).digest()
+        key = next_page_key(tag, key, data[i * step : (i + 1) * step])
         keys.append(key)
     return keys
 

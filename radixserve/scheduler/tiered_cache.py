@@ -38,7 +38,6 @@ Hits per tier of the last match are in ``last_match_tiers`` (tokens in L1, L2, L
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -48,7 +47,7 @@ from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.disk_tier import DiskTier
 from radixserve.scheduler.host_tier import HostTier
-from radixserve.scheduler.kv_events import page_keys, salt_tag
+from radixserve.scheduler.kv_events import next_page_key, page_keys, salt_tag
 from radixserve.scheduler.prefix_cache import CacheNode, MatchResult, PageFollower, PrefixCache
 from radixserve.scheduler.radix_cache import as_tokens
 from radixserve.utils import kv_file
@@ -126,9 +125,6 @@ class TieredCache(PageFollower):
     def _has_lower(self) -> bool:
         return len(self.host) > 0 or (self.disk is not None and len(self.disk) > 0)
 
-    def _next_key(self, tag: bytes, parent: bytes, page: np.ndarray) -> bytes:
-        return hashlib.sha256(tag + parent + page.astype("<i4", copy=False).tobytes()).digest()
-
     def _lower_tier(self, key: bytes, verify: bool) -> int:
         """Where below L1 ``key`` can be had now: L2, L3 or 0."""
         if self.host.readable(key):
@@ -152,7 +148,8 @@ class TieredCache(PageFollower):
         tag = salt_tag(salt)
         run = []
         for i in range(first, end):
-            key = self._next_key(tag, parent, tokens[i * ps : (i + 1) * ps])
+            page = tokens[i * ps : (i + 1) * ps].astype("<i4", copy=False).tobytes()
+            key = next_page_key(tag, parent, page)
             tier = self._lower_tier(key, verify)
             if not tier:
                 break
