@@ -135,11 +135,6 @@ RS_ALWAYS_INLINE uint16_t f32_to_bf16(float x) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-// out[r] = the first v with the largest x[v, r] (a NaN counting as largest) for
-// x [vocab, rows] C-contiguous, float32 or bfloat16 bits (argmax.cpp).
-void argmax_columns(const void* x, bool bf16, int64_t vocab, int64_t rows, int64_t* out,
-                    Isa isa);
-
 }  // namespace radixserve
 
 namespace radixserve {

@@ -100,11 +100,11 @@ def test_disk_tier_survives_restart_and_corruption(tiny_dir, tmp_path):
 
     # Damage the file of the 26th page of the system prompt: pages 0-24 still come
     # from disk, the rest is recomputed.
-    from radixserve.scheduler.tiered_cache import tier_keys
+    from radixserve.scheduler.kv_events import page_keys
     from radixserve.utils import kv_file
 
     root = kv_file.identity_digest(identity)
-    key = tier_keys(system[:200], PAGE, None, root)[25]
+    key = page_keys(system[:200], PAGE, None, root)[25]
     path = os.path.join(disk, kv_file.file_name(key))
     with open(path, "r+b") as f:
         f.seek(kv_file.HEADER_BYTES + 100)

@@ -216,10 +216,8 @@ class AsyncClient:
                 return
             except zmq.Again:
                 pass
-            if request_id is None and (self._link.refused or self._link.down_too_long()):
-                return  # nothing to abort on a connection that is not there
-            if request_id is not None:
-                self._link.check_send(request_id)
+            if not self._link.keep_trying_send(request_id):
+                return
             await asyncio.sleep(0.05)
 
     def _ensure_reader(self) -> None:

@@ -203,6 +203,15 @@ class Link:
         if self.down_too_long():
             raise ConnectionLost(self._message("no connection"), request_id)
 
+    def keep_trying_send(self, request_id: str | None) -> bool:
+        """After a send found no connection to queue on: raise ``ConnectionLost`` for a
+        new request (``request_id``) on a link refused or down too long; False to drop an
+        abort (None) there, since nothing is left to abort; otherwise True: wait, retry."""
+        if request_id is not None:
+            self.check_send(request_id)
+            return True
+        return not (self.refused or self.down_too_long())
+
     def _handshake_failure(self, event: int, value: int) -> str:
         where = f"authentication with the server at {self.endpoint} failed"
         if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:

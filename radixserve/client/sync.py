@@ -258,10 +258,8 @@ class Client:
                 except zmq.Again:
                     pass
                 self._read()
-                if request_id is None and (self._link.refused or self._link.down_too_long()):
-                    return  # nothing to abort on a connection that is not there
-                if request_id is not None:
-                    self._link.check_send(request_id)
+                if not self._link.keep_trying_send(request_id):
+                    return
                 self._poller.poll(50)
 
     def _next(self, rid: str, deadline: float | None) -> P.Message | LinkLost:

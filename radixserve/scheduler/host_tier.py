@@ -105,10 +105,6 @@ class HostTier:
             self._free.append(self._entries.pop(key).slot)
         return len(dropped)
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
     def check(self) -> None:
         slots = [e.slot for e in self._entries.values()] + self._free + self._releasing
         assert len(slots) == self.num_slots, (

@@ -4,8 +4,9 @@ and a disk tier (L3) below it (docs/cache-tiers.md).
 ``TieredCache`` is a ``PrefixCache`` that wraps either tree through its public
 contract (as the KV event recorder does), so the Python and the native tree both
 keep working unchanged: L1 is the tree as it is; pages that leave it go down to an
-index keyed by **page keys** (``tier_keys``: the SHA-256 chain over the model
-identity, the salt and the page's token prefix). A key names a page's content, not
+index keyed by **page keys** (``kv_events.page_keys`` rooted at ``root_key``,
+the model identity's digest: the SHA-256 chain over it, the salt and the page's
+token prefix). A key names a page's content, not
 a tree position, so the lower tiers need no tree of their own: a match walks L1,
 then goes on page by page in L2/L3 with the chained keys, and stops at the first
 page neither holds.
@@ -53,14 +54,6 @@ from radixserve.scheduler.radix_cache import as_tokens
 from radixserve.utils import kv_file
 
 L2, L3 = 2, 3
-
-
-def tier_keys(
-    tokens: np.ndarray | Sequence[int], page_size: int, salt: str | None, root: bytes
-) -> list[bytes]:
-    """The tier keys of the whole pages of ``tokens``: the KV events' chain with the
-    model identity's digest (``utils/kv_file.identity_digest``) as the first parent."""
-    return page_keys(tokens, page_size, salt, root)
 
 
 class _Plan:
@@ -225,7 +218,7 @@ class TieredCache(PageFollower):
         if key is None:
             if len(self._peek_memo) >= 4096:
                 self._peek_memo.clear()
-            key = self._peek_memo[memo] = tier_keys(tokens, self.page_size, salt, self.root_key)[-1]
+            key = self._peek_memo[memo] = page_keys(tokens, self.page_size, salt, self.root_key)[-1]
         return key
 
     def insert(
@@ -244,7 +237,7 @@ class TieredCache(PageFollower):
                 # so its key is known; else it holds a duplicate there.
                 parent = self._key[pages[first - 1]].tobytes()
             else:
-                parent = tier_keys(tokens[: first * ps], ps, salt, self.root_key)[-1]
+                parent = page_keys(tokens[: first * ps], ps, salt, self.root_key)[-1]
             keys = page_keys(tokens[first * ps : end * ps], ps, salt, parent)
             self._own(pages[first:end], keys)
             if self.disk is not None:
@@ -387,6 +380,7 @@ class TieredCache(PageFollower):
             "pages_loaded": self.loaded,
             "pages_written": self.to_disk + self.saved,
             "pages_dropped": self.dropped,
+            "promotions_cancelled": self.cancelled,
         }
 
     def __repr__(self) -> str:

@@ -1,7 +1,7 @@
 """The disk tier's page file: one KV page, content-addressed, checksummed.
 
 A page file is named by its page key (``<64 hex digits>.kv``, the SHA-256 chain of
-``scheduler/tier_keys.py``) and holds::
+``scheduler/kv_events.page_keys`` rooted at the model identity's digest) and holds::
 
     magic  b"RSKV"           4 bytes
     version                  u32 little-endian (1)

@@ -35,8 +35,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.disk_tier import DiskTier
 from radixserve.scheduler.host_tier import HostTier
+from radixserve.scheduler.kv_events import page_keys
 from radixserve.scheduler.radix_cache import RadixCache
-from radixserve.scheduler.tiered_cache import TieredCache, tier_keys
+from radixserve.scheduler.tiered_cache import TieredCache
 from radixserve.utils import kv_file
 
 SALTS = st.sampled_from([None, None, "a"])
@@ -123,7 +124,7 @@ class TieredMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ helpers
     def keys(self, tokens: np.ndarray, salt) -> list[bytes]:
-        return tier_keys(tokens, self.page_size, salt, IDENTITY)
+        return page_keys(tokens, self.page_size, salt, IDENTITY)
 
     def end_step(self) -> None:
         self.store.apply(self.cache.take_copies())
