@@ -74,6 +74,7 @@ class StepRelay:
                 self.sock.setsockopt(zmq.ZAP_DOMAIN, b"radixserve")
             self.sock.bind(tcp_endpoint)
         self.ranks: list[int] = []  # the followers that said hello
+        self._ids: list[bytes] = []  # their routing ids, built once
 
     def wait_joined(
         self, ranks: Iterable[int], timeout: float, check: Callable[[], None]
@@ -101,14 +102,18 @@ class StepRelay:
             P.decode(frames[1], {P.Ready.TYPE: P.Ready})  # a hello, or raise
             hellos[rank] = frames[1]
         self.ranks = sorted(hellos)
+        self._ids = [str(r).encode() for r in self.ranks]
         return [hellos[r] for r in self.ranks]
 
     def send(self, raw: bytes) -> None:
         """``raw`` to every follower; RuntimeError naming a rank that is gone."""
-        for rank in self.ranks:
+        for rank, rid in zip(self.ranks, self._ids):
             try:
-                self.sock.send_multipart([str(rank).encode(), raw], zmq.NOBLOCK)
-            except zmq.ZMQError as e:
+                try:
+                    self.sock.send_multipart([rid, raw], zmq.NOBLOCK, copy=False)
+                except zmq.Again:  # its queue is full, not gone: wait for room
+                    self.sock.send_multipart([rid, raw], copy=False)
+            except zmq.ZMQError as e:  # ROUTER_MANDATORY: EHOSTUNREACH once it is gone
                 raise RuntimeError(
                     f"tensor-parallel rank {rank} is gone (its step relay connection "
                     f"closed: {e.strerror})"
