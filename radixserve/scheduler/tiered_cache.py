@@ -118,12 +118,12 @@ class TieredCache(PageFollower):
     def _has_lower(self) -> bool:
         return len(self.host) > 0 or (self.disk is not None and len(self.disk) > 0)
 
-    def _lower_tier(self, key: bytes, verify: bool) -> int:
+    def _lower_tier(self, key: bytes) -> int:
         """Where below L1 ``key`` can be had now: L2, L3 or 0."""
         if self.host.readable(key):
             return L2
         disk = self.disk
-        if disk is not None and disk.ready(key) and (not verify or disk.verify(key)):
+        if disk is not None and disk.ready(key):
             return L3
         return 0
 
@@ -134,7 +134,6 @@ class TieredCache(PageFollower):
         end: int,
         parent: bytes,
         salt: str | None,
-        verify: bool,
     ) -> list[tuple[int, bytes]]:
         """The pages ``first..end-1`` that L2/L3 hold, in order, up to the first miss."""
         ps = self.page_size
@@ -143,7 +142,7 @@ class TieredCache(PageFollower):
         for i in range(first, end):
             page = tokens[i * ps : (i + 1) * ps].astype("<i4", copy=False).tobytes()
             key = next_page_key(tag, parent, page)
-            tier = self._lower_tier(key, verify)
+            tier = self._lower_tier(key)
             if not tier:
                 break
             run.append((tier, key))
@@ -161,7 +160,8 @@ class TieredCache(PageFollower):
         ps = self.page_size
         first, end = m.hit_len // ps, len(tokens) // ps
         parent = self._key[m.pages[-1]].tobytes() if first else self.root_key
-        run = self._lower_run(tokens, first, end, parent, salt, verify=True)
+        # Files are checked below, only those that will load (a check reads the file).
+        run = self._lower_run(tokens, first, end, parent, salt)
         if not run:
             return m
         for tier, key in run:  # pinned: the evictions below must not take them
@@ -176,6 +176,14 @@ class TieredCache(PageFollower):
         k = 0 if ids is None else len(ids)
         for tier, key in run[k:]:
             self._cancel(tier, key)
+        for j in range(k):  # a broken file is deleted (a miss) and ends the run there
+            tier, key = run[j]
+            if tier == L3 and not self.disk.verify(key):  # type: ignore[union-attr]
+                for t, later in run[j + 1 : k]:
+                    self._cancel(t, later)
+                self.allocator.free(ids[j:])  # type: ignore[index]
+                ids, k = ids[:j], j  # type: ignore[index]
+                break
         if k == 0:
             return m
         pages = np.concatenate([m.pages, ids]).astype(np.int32)
@@ -204,7 +212,7 @@ class TieredCache(PageFollower):
         if first >= end:
             return hit
         parent = self._prefix_key(tokens[:hit], salt)
-        return hit + ps * len(self._lower_run(tokens, first, end, parent, salt, verify=False))
+        return hit + ps * len(self._lower_run(tokens, first, end, parent, salt))
 
     def _prefix_key(self, tokens: np.ndarray, salt: str | None) -> bytes:
         """The key of the last page of ``tokens`` (whole pages), memoised: the
