@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from radixserve.scheduler.config import SchedulerConfig
+from radixserve.scheduler.config import SchedulerConfig, check_cache_tiers
 from radixserve.tokenizer.config import TokenizerConfig
 from radixserve.worker.config import WorkerConfig
 
@@ -114,20 +114,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         # Cache tiers' combinations, refused before any process or model starts (the
         # libraries' configs check them again when built alone).
-        if self.host_cache_gb and self.cache != "radix":
-            raise ValueError(
-                "cache tiers (--host-cache-gb, --disk-cache-dir) need --cache radix: "
-                "--cache none keeps nothing to demote"
-            )
+        check_cache_tiers(self.cache, self.host_cache_gb > 0, self.disk_cache_dir)
         if self.disk_cache_dir is not None and self.tp > 1:
             raise ValueError(
                 "the disk tier (--disk-cache-dir) does not support tensor parallelism yet "
                 "(--tp > 1); the host tier does"
-            )
-        if self.disk_cache_dir is not None and not self.host_cache_gb:
-            raise ValueError(
-                "--disk-cache-dir needs a host tier (--host-cache-gb > 0): pages reach "
-                "the disk through host memory"
             )
 
 

@@ -8,6 +8,20 @@ CACHE_MODES = ("radix", "none")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 
 
+def check_cache_tiers(cache: str, has_host: bool, disk_cache_dir: str | None) -> None:
+    """The cache tiers' combinations that cannot work (ValueError saying why)."""
+    if has_host and cache != "radix":
+        raise ValueError(
+            "cache tiers (--host-cache-gb, --disk-cache-dir) need --cache radix: "
+            "--cache none keeps nothing to demote"
+        )
+    if disk_cache_dir is not None and not has_host:
+        raise ValueError(
+            "--disk-cache-dir needs a host tier (--host-cache-gb > 0): pages reach "
+            "the disk through host memory"
+        )
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """How the scheduler batches requests over a pool of ``num_pages`` KV pages.
@@ -81,16 +95,7 @@ class SchedulerConfig:
             raise ValueError("chunked_prefill_size must be at least one page")
         if self.host_pages < 0:
             raise ValueError(f"host_pages must be >= 0, got {self.host_pages}")
-        if self.host_pages and self.cache != "radix":
-            raise ValueError(
-                "cache tiers (--host-cache-gb, --disk-cache-dir) need --cache radix: "
-                "--cache none keeps nothing to demote"
-            )
-        if self.disk_cache_dir is not None and not self.host_pages:
-            raise ValueError(
-                "--disk-cache-dir needs a host tier (--host-cache-gb > 0): pages reach "
-                "the disk through host memory"
-            )
+        check_cache_tiers(self.cache, self.host_pages > 0, self.disk_cache_dir)
         if self.disk_cache_gb <= 0:
             raise ValueError(f"disk_cache_gb must be > 0, got {self.disk_cache_gb}")
         for name in ("decode_reserve_ratio", "decode_reserve_min_ratio"):
