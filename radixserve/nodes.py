@@ -22,6 +22,7 @@ private network (docs/parallel.md).
 
 from __future__ import annotations
 
+import logging
 import socket
 
 from radixserve.curve import (
@@ -31,8 +32,11 @@ from radixserve.curve import (
     load_public_key,
     load_secret_certificate,
     require_curve,
+    secret_file_problem,
 )
 from radixserve.server_config import ServerConfig
+
+log = logging.getLogger("radixserve.launch")
 
 
 def parse_addr(text: str) -> tuple[str, int]:
@@ -110,6 +114,9 @@ def check_nodes(config: ServerConfig) -> None:
             load_public_key(config.curve_head_key)
     except CurveError as e:
         raise ValueError(str(e)) from None
+    problem = secret_file_problem(config.curve_node_key)
+    if problem:
+        log.warning("--curve-node-key %s", problem)
 
 
 def relay_server_keys(config: ServerConfig) -> tuple[bytes, bytes, frozenset[bytes]] | None:
