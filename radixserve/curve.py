@@ -99,6 +99,16 @@ def load_allowed_keys(
     return keys
 
 
+def make_curve_server(sock: zmq.Socket, public: bytes, secret: bytes) -> None:
+    """Make ``sock``'s next binds CURVE servers with these keys, their clients judged by
+    the ZAP handler of the ``radixserve`` domain (tokenizer/zap.py), which the caller
+    runs. ZeroMQ applies security options to the binds made after they are set."""
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    sock.setsockopt(zmq.ZAP_DOMAIN, b"radixserve")
+
+
 def secret_file_problem(path: str | os.PathLike) -> str | None:
     """Why a secret certificate's permissions are unsafe (group or others may read
     it), or None."""

@@ -28,6 +28,7 @@ from collections import deque
 import zmq
 
 from radixserve import protocol as P
+from radixserve.curve import make_curve_server
 from radixserve.scheduler.kv_events import KVEventRecorder
 
 log = logging.getLogger("radixserve.scheduler")
@@ -121,10 +122,7 @@ class KVEventPublisher:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 100_000)
             if curve is not None:  # the ZAP handler is the caller's (tokenizer/zap.py)
-                sock.setsockopt(zmq.CURVE_SERVER, 1)
-                sock.setsockopt(zmq.CURVE_PUBLICKEY, curve[0])
-                sock.setsockopt(zmq.CURVE_SECRETKEY, curve[1])
-                sock.setsockopt(zmq.ZAP_DOMAIN, b"radixserve")
+                make_curve_server(sock, curve[0], curve[1])
         self.replay.setsockopt(zmq.MAXMSGSIZE, 4096)  # a KVReplay is a few bytes
         replay_endpoint = replay_endpoint or replay_endpoint_for(endpoint)
         self.pub.bind(endpoint[:-2] + ":*" if endpoint.endswith(":0") else endpoint)

@@ -23,7 +23,12 @@ import threading
 import zmq
 from zmq.utils import z85
 
-from radixserve.curve import load_allowed_keys, load_secret_certificate, require_curve
+from radixserve.curve import (
+    load_allowed_keys,
+    load_secret_certificate,
+    make_curve_server,
+    require_curve,
+)
 from radixserve.server_config import ServerConfig
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
@@ -104,8 +109,5 @@ def enable_curve(ctx: zmq.Context, router: zmq.Socket, config: ServerConfig) -> 
         assert config.curve_allowed_clients is not None  # the launcher checked
         allowed = load_allowed_keys(config.curve_allowed_clients)
     zap = ZapHandler(ctx, allowed)
-    router.setsockopt(zmq.CURVE_SERVER, 1)
-    router.setsockopt(zmq.CURVE_PUBLICKEY, public)
-    router.setsockopt(zmq.CURVE_SECRETKEY, secret)
-    router.setsockopt(zmq.ZAP_DOMAIN, b"radixserve")
+    make_curve_server(router, public, secret)
     return zap

@@ -29,6 +29,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from radixserve import protocol as P
+from radixserve.curve import make_curve_server
 
 log = logging.getLogger("radixserve.worker")
 
@@ -68,10 +69,7 @@ class StepRelay:
                 from radixserve.tokenizer.zap import ZapHandler
 
                 ZapHandler(ctx, curve[2]).serve_in_thread()
-                self.sock.setsockopt(zmq.CURVE_SERVER, 1)
-                self.sock.setsockopt(zmq.CURVE_PUBLICKEY, curve[0])
-                self.sock.setsockopt(zmq.CURVE_SECRETKEY, curve[1])
-                self.sock.setsockopt(zmq.ZAP_DOMAIN, b"radixserve")
+                make_curve_server(self.sock, curve[0], curve[1])
             self.sock.bind(tcp_endpoint)
         self.ranks: list[int] = []  # the followers that said hello
         self._ids: list[bytes] = []  # their routing ids, built once
