@@ -548,22 +548,29 @@ class StepReq(Message):
 
 @dataclass
 class PageCopies(Message):
-    """The KV copies between tiers (docs/cache-tiers.md) the worker performs at the
-    start of a step, before computing anything, in this order:
+    """The KV copies between tiers (docs/cache-tiers.md) one step asks for, under a
+    ``ticket`` (numbered by the scheduler from 1). The worker performs them in this
+    order; what is marked *in step* is done before the step computes anything, the
+    rest may run in the background (a copy thread, a copy stream) while steps go on:
 
     0. ``save``: pool page ``save_pages[i]`` is written to the disk tier as the page
-       file of key ``save_keys[32 i : 32 i + 32]`` (write-through of computed pages);
+       file of key ``save_keys[32 i : 32 i + 32]`` (write-through of computed pages;
+       the page is read in step, the file written in the background);
     1. ``to_disk``: host slot ``to_disk_slots[i]`` is written to the disk tier as the
-       page file of key ``to_disk_keys[32 i : 32 i + 32]``;
+       page file of key ``to_disk_keys[32 i : 32 i + 32]`` (the slot is read in
+       step, the file written in the background);
     2. ``demote``: pool page ``demote_pages[i]`` is copied to host slot
-       ``demote_slots[i]``;
+       ``demote_slots[i]`` (in step);
     3. ``promote``: host slot ``promote_slots[i]`` is copied to pool page
-       ``promote_pages[i]``;
+       ``promote_pages[i]`` (background);
     4. ``load``: the page file of key ``load_keys[32 i : 32 i + 32]`` is read into
-       pool page ``load_pages[i]``.
+       pool page ``load_pages[i]`` (background).
 
     The order is what makes one step's copies safe: a slot written to disk may be
     reused by a demotion, and a page demoted may be the target of a promotion.
+    The ticket is reported in ``StepResult.copies_done`` once all of it is done;
+    until then the scheduler computes on no page being filled and reuses no slot
+    or file being read or written.
     """
 
     save_pages: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
@@ -576,6 +583,7 @@ class PageCopies(Message):
     promote_pages: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
     load_keys: bytes = f(KEYS, b"")
     load_pages: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    ticket: int = f(INT, 0)
 
     def __post_init__(self) -> None:
         n = KEY_BYTES
@@ -621,7 +629,8 @@ class Step(Message):
     ``grammar_failures``) and held until named in ``drop_grammars``, after which
     the worker may keep them in its cache of compiled grammars. A slot's
     ``StepReq.sampling`` may name a grammar only once it was reported ready.
-    A step with no ``reqs`` waits a little for a compilation in flight.
+    A step with no ``reqs`` waits a little for a compilation, or a ticket of
+    copies, in flight.
     """
 
     TYPE: ClassVar[str] = "step"
@@ -690,6 +699,9 @@ class StepResult(Message):
     ``terminated`` slots' grammars have ended (their requests are complete);
     ``failed`` slots must fail; ``grammars_ready`` and ``grammar_failures``
     report compilations finished since the last step.
+
+    Cache tiers: ``copies_done`` are the tickets of ``PageCopies`` whose copies
+    finished since the last step (each reported once, in any order).
     """
 
     TYPE: ClassVar[str] = "step_result"
@@ -701,6 +713,7 @@ class StepResult(Message):
     failed: list[SlotFailure] = f(_nested(SlotFailure), [])
     grammars_ready: list[str] = f(STR_LIST, [])
     grammar_failures: list[GrammarFailure] = f(_nested(GrammarFailure), [])
+    copies_done: list[int] = f(INT_LIST, [])
 
 
 # --------------------------------------------------------------------- control

@@ -10,9 +10,12 @@ at start by scanning the directory (**eagerly**: names, lengths and headers):
   files of another model identity are left alone and not counted;
 * entries beyond ``max_files`` are deleted, oldest first.
 
-An entry is **pending** while the worker writes it (the step that demotes it to
-disk): it is neither matched (the file is not there yet) nor evicted. It is **read**
-while a promotion loads it. ``verify(key)`` reads the whole file and checks it
+An entry is **pending** while the worker writes it (from the step that plans the
+write until its ticket is reported, ``written``): it is neither matched (the file
+may not be there yet) nor evicted. It is **read** while a promotion loads it (until
+that ticket is reported, ``read_done``). A flush (``clear``) deletes idle files at
+once and marks pinned ones **doomed**: deleted when their copy is done (unless a
+page with that key is wanted again meanwhile: ``touch``). ``verify(key)`` reads the whole file and checks it
 each time a match would load it (a file may be damaged at any time; the second
 read, by the worker, then comes from the page cache): a corrupt or truncated file
 is a miss, is deleted and counted in ``corrupt``. Evicting an entry
@@ -31,8 +34,9 @@ from radixserve.utils import kv_file
 
 @dataclass
 class DiskEntry:
-    pending: bool = False  # the worker writes it in this step
-    read: bool = False  # a promotion loads it in this step
+    pending: bool = False  # the worker writes it (until its ticket is done)
+    read: bool = False  # a promotion loads it (until its ticket is done)
+    doomed: bool = False  # flushed while pinned: deleted once unpinned
 
     @property
     def pinned(self) -> bool:
@@ -103,7 +107,7 @@ class DiskTier:
         """Whether a match may load ``key`` (present, written, not loading already);
         the file itself is checked by ``verify``."""
         e = self._entries.get(key)
-        return e is not None and not e.pinned
+        return e is not None and not e.pinned and not e.doomed
 
     def verify(self, key: bytes) -> bool:
         """Whether ``key``'s file is whole; a broken one is deleted (a miss)."""
@@ -115,6 +119,8 @@ class DiskTier:
         return False
 
     def touch(self, key: bytes) -> None:
+        """``key``'s page is wanted: most recently used (and kept, if a flush doomed it)."""
+        self._entries[key].doomed = False
         self._entries.move_to_end(key)
 
     def add_pending(self, key: bytes) -> bool:
@@ -145,13 +151,33 @@ class DiskTier:
     def cancel_read(self, key: bytes) -> None:
         self._entries[key].read = False
 
-    def step_done(self) -> None:
-        for e in self._entries.values():
-            e.pending = e.read = False
+    def read_done(self, key: bytes) -> None:
+        """A load of ``key`` is done (its ticket was reported)."""
+        e = self._entries[key]
+        e.read = False
+        self._settle(key, e)
+
+    def written(self, key: bytes) -> None:
+        """The write of ``key`` is done (its ticket was reported); a write that
+        failed leaves no file, a miss when verified."""
+        e = self._entries[key]
+        e.pending = False
+        self._settle(key, e)
+
+    def _settle(self, key: bytes, e: DiskEntry) -> None:
+        if e.doomed and not e.pinned:
+            del self._entries[key]
+            self._unlink(kv_file.file_name(key))
 
     def clear(self) -> int:
-        """Delete every file that is not pinned; how many."""
-        dropped = [k for k, e in self._entries.items() if not e.pinned]
+        """Delete every file that is not pinned, and each pinned one once its copy
+        is done; how many were deleted now."""
+        dropped = []
+        for key, e in self._entries.items():
+            if e.pinned:
+                e.doomed = True
+            else:
+                dropped.append(key)
         for key in dropped:
             del self._entries[key]
             self._unlink(kv_file.file_name(key))

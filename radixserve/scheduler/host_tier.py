@@ -2,18 +2,16 @@
 
 The worker owns the host buffer (``worker/host_cache.py``: ``num_slots`` pages of KV
 in host memory); this index decides what goes where. A slot is in exactly one of
-four places (``check()`` counts them):
+three places (``check()`` counts them):
 
 * free;
 * an **idle** entry: holds a page's KV, evictable, in LRU order;
-* a **pinned** entry: taking part in this step's copies, so never evicted before
-  the step is done: *written* (a demotion fills it this step) and/or *read* (a
-  promotion copies it to the pool this step);
-* **releasing**: its entry was promoted this step; the slot becomes free when the
-  step is done (a demotion in the same step must not overwrite it before it is read).
-
-``step_done()`` ends the step: read entries leave the tier (promotion moves a page
-up: the pool holds it now), written ones become idle.
+* a **pinned** entry, never evicted: *written* (a demotion fills it in the step
+  being planned; the worker does that before the step computes, so the pin ends
+  with the step: ``step_done()``) and/or *read* (a promotion copies it to the pool
+  under a ticket; the copy may run while later steps go on, so the pin ends when
+  the ticket is reported: ``release(key)`` then frees the slot, since promotion
+  moves a page up and the pool holds it now).
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ from dataclasses import dataclass
 class HostEntry:
     slot: int
     written: bool = False  # a demotion fills the slot in this step
-    read: bool = False  # a promotion reads the slot in this step
+    read: bool = False  # a promotion reads the slot (until its ticket is done)
 
     @property
     def pinned(self) -> bool:
@@ -40,7 +38,7 @@ class HostTier:
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
         self._entries: OrderedDict[bytes, HostEntry] = OrderedDict()  # oldest first
-        self._releasing: list[int] = []
+        self._written_now: list[bytes] = []  # entries a demotion fills in this step
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
@@ -56,7 +54,7 @@ class HostTier:
         return self._entries[key].slot
 
     def readable(self, key: bytes) -> bool:
-        """Whether a match may promote ``key`` now (present, not promoted already)."""
+        """Whether a match may promote ``key`` now (present, not being promoted)."""
         e = self._entries.get(key)
         return e is not None and not e.read
 
@@ -79,10 +77,11 @@ class HostTier:
     def add_written(self, key: bytes, slot: int) -> None:
         assert key not in self._entries
         self._entries[key] = HostEntry(slot, written=True)
+        self._written_now.append(key)
 
     def pin_read(self, key: bytes) -> int:
         e = self._entries[key]
-        assert not e.read, "a host entry promoted twice in one step"
+        assert not e.read, "a host entry promoted twice at once"
         e.read = True
         return e.slot
 
@@ -90,23 +89,34 @@ class HostTier:
         """The promotion of ``key`` did not happen after all: it stays here."""
         self._entries[key].read = False
 
+    def release(self, key: bytes) -> None:
+        """The promotion of ``key`` is done: the entry goes, its slot is free."""
+        e = self._entries.pop(key)
+        assert e.read and not e.written, "a host entry released that was not being promoted"
+        self._free.append(e.slot)
+
     def step_done(self) -> None:
-        for key in [k for k, e in self._entries.items() if e.read]:
-            self._releasing.append(self._entries.pop(key).slot)
-        for e in self._entries.values():
-            e.written = False
-        self._free.extend(self._releasing)
-        self._releasing = []
+        """The step's demotions are done: the slots they filled may be read now."""
+        for key in self._written_now:
+            e = self._entries.get(key)
+            if e is not None:
+                e.written = False
+        self._written_now = []
 
     def clear(self) -> int:
-        """Drop every entry that is not pinned; how many were dropped."""
+        """Drop every entry that is not pinned; how many were dropped (a pinned one
+        leaves when its promotion is done)."""
         dropped = [k for k, e in self._entries.items() if not e.pinned]
         for key in dropped:
             self._free.append(self._entries.pop(key).slot)
         return len(dropped)
 
+    @property
+    def num_reading(self) -> int:
+        return sum(e.read for e in self._entries.values())
+
     def check(self) -> None:
-        slots = [e.slot for e in self._entries.values()] + self._free + self._releasing
+        slots = [e.slot for e in self._entries.values()] + self._free
         assert len(slots) == self.num_slots, (
             f"host slots not conserved: {len(slots)} of {self.num_slots}"
         )

@@ -23,8 +23,10 @@ The cache is a ``PrefixCache``: a radix tree, or with ``cache="none"`` the
 ``NoCache``, whose inserts leave every page with the request (as duplicates),
 so release frees the whole page table (plain PagedAttention), or a
 ``TieredCache`` (a tree with host and disk tiers below it, docs/cache-tiers.md):
-its matches may promote pages, its evictions demote them, and the copies that
-takes are handed to the next step (``take_copies``, ``step_done``).
+``promote`` extends an admitted request's match with pages copied up from the
+lower tiers, its evictions demote pages, and the copies that takes are handed to
+the next step (``take_copies``, ``step_done``, ``copies_done``). A request whose
+matched pages are still on their way (``loading``) must not compute yet.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from radixserve.scheduler.allocator import PageAllocator
-from radixserve.scheduler.prefix_cache import PrefixCache
+from radixserve.scheduler.prefix_cache import MatchResult, PrefixCache
 from radixserve.scheduler.request import Request
 from radixserve.scheduler.tiered_cache import TieredCache
 
@@ -77,13 +79,41 @@ class KVCacheManager:
         self.cache.lock(m.last_node)
         req.node = m.last_node
         req.locked_len = m.hit_len
-        tiers = self.tiers
-        req.cached_by_tier = tiers.last_match_tiers if tiers else (m.hit_len, 0, 0)
+        req.cached_by_tier = (m.hit_len, 0, 0)
         req.kv_len = m.hit_len
         n = len(m.pages)
         req.table_room(n)[:n] = m.pages
         req.num_pages = n
         return m.hit_len
+
+    def promote(self, req: Request) -> int:
+        """With tiers: extend the request's locked match (``acquire_prefix``, no page
+        of its own yet) with the pages the host and disk tiers hold after it; they
+        arrive later (``loading``). Returns the new hit length."""
+        tiers = self.tiers
+        if tiers is None:
+            return req.kv_len
+        assert req.num_pages * self.page_size == req.locked_len == req.kv_len
+        old = MatchResult(req.locked_len, req.table[: req.num_pages], req.node)  # type: ignore[arg-type]
+        m = tiers.promote(req.tokens[: req.match_len], old, req.salt)
+        if m.hit_len == req.locked_len:
+            return req.kv_len
+        self.cache.lock(m.last_node)
+        self.cache.unlock(req.node)  # type: ignore[arg-type]
+        req.node = m.last_node
+        req.cached_by_tier = tiers.last_match_tiers
+        req.locked_len = req.kv_len = m.hit_len
+        n = len(m.pages)
+        req.table_room(n)[:n] = m.pages
+        req.num_pages = n
+        return m.hit_len
+
+    def loading(self, req: Request) -> bool:
+        """Whether some of the request's cached prefix is still being copied up."""
+        tiers = self.tiers
+        if tiers is None or not tiers.pages_loading:
+            return False
+        return tiers.loading(req.table[: req.locked_len // self.page_size])
 
     def release_prefix(self, req: Request) -> None:
         """Undo ``acquire_prefix`` for a request that was not admitted after all."""

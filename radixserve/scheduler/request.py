@@ -24,6 +24,9 @@ def _grown(buf: np.ndarray, need: int, cap: int) -> np.ndarray:
 
 class ReqStatus(enum.Enum):
     WAITING = "waiting"  # queued, or retracted and queued again
+    # Admitted (a slot, its pages), but some of its cached prefix is still being
+    # copied up from the host or disk tier: it computes once every page arrived.
+    LOADING = "loading"
     PREFILL = "prefill"  # holds a slot; computing its prompt (possibly in chunks)
     DECODE = "decode"  # holds a slot; one token per step
     FINISHED = "finished"  # stop / length / abort; its KV is released
@@ -75,8 +78,9 @@ class Request:
     locked_len: int = 0
     dups: list[np.ndarray] = field(default_factory=list)
     cached_tokens: int = -1  # hit length at first admission (-1: not admitted yet)
-    # The last match's hit in each cache tier (L1 pool, L2 host, L3 disk), in tokens;
-    # taken into ``tier_hits`` at first admission, with ``cached_tokens``.
+    # The hit of its admission's match in each cache tier (L1 pool, L2 host, L3 disk;
+    # pages promoted for it count in their tier even though it computes steps
+    # later), in tokens; taken into ``tier_hits`` at first admission.
     cached_by_tier: tuple[int, int, int] = (0, 0, 0)
     tier_hits: tuple[int, int, int] = (0, 0, 0)
     admitted: int = -1  # admission counter (retraction picks the newest)

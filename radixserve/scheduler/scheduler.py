@@ -3,29 +3,43 @@
 The lifecycle of a request, in the order ``_schedule()`` handles it:
 
     WAITING --admit--> PREFILL (chunks) --last chunk sampled--> DECODE --> FINISHED
-       ^                  |                                      |
-       +---- retract -----+--------------------------------------+
+       |   ^              ^  |                                   |
+       |   +-- retract ---|--+-----------------------------------+
+       |   |              |
+       +-admit-> LOADING -+ (pages copied up from the cache tiers have arrived)
 
 Each step is lockstep with the worker: ``step(run)`` plans what the worker
 must compute (``_schedule()``, a ``protocol.Step``), has ``run`` compute it and
 return the sampled tokens, decides who finished (``_process_step_result``), and
-returns the outputs, those of aborts since the last step included. With cache
-tiers (``tiered_cache.py``) the step also carries the copies between tiers that
-planning caused; they are unpinned once ``run`` returns. Between
+returns the outputs, those of aborts since the last step included. Between
 steps the caller may add and abort requests; it steps while ``has_work()``.
+
+Cache tiers (``tiered_cache.py``, docs/cache-tiers.md): a step also carries the
+copies between tiers that planning caused, under a ticket; the worker reports
+each ticket when its copies are done, possibly steps later (the copy thread or
+stream runs while steps go on). A request admitted with pages promoted from the
+host or disk tier, or whose match reaches pages another request's promotion is
+still filling, is LOADING: it holds its slot and pages but computes nothing
+until every page of its match has arrived; the others are scheduled as usual.
+While tickets are in flight the scheduler keeps stepping (``has_work``), and a
+step with nothing else to do lets the worker wait for the next ticket.
 
 A step, in order:
 1. slots released since the last step go in ``release``;
 2. every running request that is not mid-prefill decodes one token; pages for
    those that cross a page boundary are allocated first (evicting LRU leaves,
    then retracting the newest requests when even that is not enough);
-3. the chunked prefill in progress continues, within the token budget;
+3. the chunked prefill in progress continues, within the token budget, then the
+   LOADING requests whose pages have all arrived start their prefill, in
+   admission order (one of them may become the chunked prefill);
 4. waiting requests are admitted by policy while the token budget, the memory
    budget (free + evictable pages minus what running requests still reserve)
    and the slots allow. A request sharing an uncached prefix with a prompt
    being prefilled in this step waits one step and then hits it in the tree.
    A request whose pages do not fit is passed over (up to ``max_admit_skips``
-   per step), so it cannot hold back the requests behind it.
+   per step), so it cannot hold back the requests behind it. The fit is judged
+   on its pool (L1) match; only an admitted request promotes pages from the
+   lower tiers (then it is LOADING), so one passed over copies nothing.
 
 Reservations: each running request reserves ``reserve_ratio`` of the pages it
 may still need. The ratio starts at ``decode_reserve_ratio``, falls each step
@@ -209,8 +223,14 @@ class Scheduler:
             or self._release
             or self._grammar_submit
             or self._grammar_drop
-            or (self.kv.tiers is not None and self.kv.tiers.has_copies)
+            or self.copies_pending
         )
+
+    @property
+    def copies_pending(self) -> bool:
+        """Whether copies between cache tiers wait for a step or are in flight."""
+        tiers = self.kv.tiers
+        return tiers is not None and (tiers.has_copies or tiers.in_flight > 0)
 
     def request_ids(self) -> list[str]:
         """The ids of every request not finished yet (waiting or running)."""
@@ -239,8 +259,12 @@ class Scheduler:
         batch = self._schedule()
         if batch is not None:
             result = run(batch)
-            if batch.copies:
-                self.kv.tiers.step_done()  # type: ignore[union-attr]
+            tiers = self.kv.tiers
+            if tiers is not None:
+                if batch.copies:
+                    tiers.step_done()
+                if isinstance(result, StepResult):
+                    tiers.copies_done(result.copies_done)
             outputs += self._process_step_result(result)
         return outputs
 
@@ -259,6 +283,7 @@ class Scheduler:
             budget -= chunk
             batch.append((req, chunk))
             in_flight.append(req)
+        budget = self._start_loaded(batch, budget, in_flight)
         if budget > 0:
             self._admit(batch, budget, in_flight)
         release, self._release = self._release, []
@@ -269,7 +294,10 @@ class Scheduler:
         compiling = any(not g.ready for g in self._grammars.values())
         tiers = self.kv.tiers
         copies = tiers.take_copies() if tiers is not None else None
-        idle = not (batch or release or submit or drop or compiling)
+        # Copies in flight: a step goes out so the worker can report them (it waits
+        # for the next one to finish when the step has nothing to compute).
+        waiting_copies = tiers is not None and tiers.in_flight > 0
+        idle = not (batch or release or submit or drop or compiling or waiting_copies)
         if idle and copies is None:
             return None
         self._batch = batch
@@ -450,9 +478,16 @@ class Scheduler:
 
     def _schedule_decodes(self, batch: list[tuple[Request, int]]) -> None:
         while True:
-            decoding = [r for r in self.running if r is not self.chunked]
+            decoding = [
+                r for r in self.running if r is not self.chunked and r.status is ReqStatus.DECODE
+            ]
             if self.kv.grow_decodes(decoding):
                 break
+            tiers = self.kv.tiers
+            if not self._retractable() and tiers is not None and tiers.pages_loading:
+                # Pages locked by copies in flight come back once they are reported:
+                # the decodes wait a step rather than fail.
+                return
             self._retract_newest()
         # One token each, or the tokens a grammar forced after the last one.
         batch.extend((r, r.num_tokens - r.kv_len) for r in decoding)
@@ -467,8 +502,7 @@ class Scheduler:
         A lone request without such duplicates always fits (add_request checks);
         with ``cache="none"`` the cache holds no copy of anything.
         """
-        lone = len(self.running) == 1
-        if not self.running or (lone and not (self.kv.enabled and self.running[0].dups)):
+        if not self._retractable():
             raise RuntimeError("out of KV pages with a single running request")
         req = max(self.running, key=lambda r: r.admitted)
         self.running.remove(req)
@@ -482,6 +516,33 @@ class Scheduler:
         self.num_retractions += 1
         # Reservations proved too optimistic: reserve fully again, then decay.
         self.reserve_ratio = self.config.decode_reserve_ratio
+
+    def _retractable(self) -> bool:
+        """Whether retracting can free pages (see ``_retract_newest``)."""
+        lone = len(self.running) == 1
+        return bool(self.running) and not (lone and not (self.kv.enabled and self.running[0].dups))
+
+    def _start_loaded(
+        self, batch: list[tuple[Request, int]], budget: int, in_flight: list[Request]
+    ) -> int:
+        """Start the prefill of LOADING requests whose pages have all arrived, in
+        admission order, within ``budget`` tokens; the budget left."""
+        for req in self.running:
+            if budget <= 0:
+                break
+            if req.status is not ReqStatus.LOADING or self.kv.loading(req):
+                continue
+            chunk = req.num_tokens - req.kv_len
+            if chunk > budget:
+                if self.chunked is not None:
+                    continue
+                chunk = budget
+                self.chunked = req
+            req.status = ReqStatus.PREFILL
+            budget -= chunk
+            batch.append((req, chunk))
+            in_flight.append(req)
+        return budget
 
     def _decay_reserve_ratio(self) -> None:
         cfg = self.config
@@ -532,7 +593,7 @@ class Scheduler:
                     shared - shared % ps > self.kv.peek(req)
                 ):
                     continue
-            hit = self.kv.acquire_prefix(req)
+            hit = self.kv.acquire_prefix(req)  # the pool's (L1) match
             need = self.kv.pages_missing(req, req.num_tokens)
             final_pages = self.kv.pages_missing(req, req.final_len) - need
             reserve = math.ceil(final_pages * self.reserve_ratio)
@@ -545,8 +606,11 @@ class Scheduler:
                 if skipped > cfg.max_admit_skips:
                     break
                 continue
+            # Pages the lower tiers hold come from the budget just checked.
+            hit = self.kv.promote(req)
+            loading = self.kv.loading(req)
             chunk = req.num_tokens - hit
-            if chunk > budget:
+            if chunk > budget and not loading:
                 if self.chunked is not None:
                     self.kv.release_prefix(req)
                     break
@@ -556,7 +620,6 @@ class Scheduler:
                 self.kv.release_prefix(req)
                 break
             reserved += reserve
-            budget -= chunk
             if req.cached_tokens < 0:
                 req.cached_tokens = hit
                 req.tier_hits = req.cached_by_tier
@@ -564,14 +627,18 @@ class Scheduler:
                 for i, n in enumerate(req.tier_hits):
                     self.tier_hit_tokens[i] += n
                 self.query_tokens += req.prompt_len
-            req.status = ReqStatus.PREFILL
             req.slot = self._free_slots.pop()
             req.admitted = self._admissions
             self._admissions += 1
-            if chunk < req.num_tokens - req.kv_len:
-                self.chunked = req
             self.running.append(req)
             admitted.append(req)
+            if loading:
+                req.status = ReqStatus.LOADING  # computes once its pages arrived
+                continue
+            req.status = ReqStatus.PREFILL
+            budget -= chunk
+            if chunk < req.num_tokens - req.kv_len:
+                self.chunked = req
             in_flight.append(req)
             batch.append((req, chunk))
         for req in admitted:
@@ -590,7 +657,8 @@ class Scheduler:
         self._forget(req)
 
     def _free_slot(self, req: Request) -> None:
-        self._release.append(req.slot)
+        if req.announced:  # a LOADING request's slot never reached the worker
+            self._release.append(req.slot)
         self._free_slots.append(req.slot)
         req.slot = None
 
@@ -626,7 +694,10 @@ class Scheduler:
 
     def flush_cache(self, keep_disk: bool = False) -> int:
         """Evict every unlocked page now (with tiers: empty the host tier, and the
-        disk tier unless ``keep_disk``); returns how many pool pages were freed."""
+        disk tier unless ``keep_disk``); returns how many pool pages were freed.
+        With copies in flight, what they hold goes when they are done (pages being
+        promoted stay in the pool): callers that want every tier empty step until
+        ``copies_pending`` is False first (the Engine, the scheduler process)."""
         return self.kv.flush(keep_disk)
 
     def stats(self) -> dict[str, int]:
@@ -649,13 +720,16 @@ class Scheduler:
         tiers = self.kv.tiers
         if tiers is not None:
             out.update(tiers.stats())
+            out["loading"] = sum(r.status is ReqStatus.LOADING for r in self.running)
             for name, n in zip(("l1", "l2", "l3"), self.tier_hit_tokens):
                 out[f"hit_tokens_{name}"] = n
         return out
 
     def check_idle(self) -> None:
-        """At idle every page is free or held by exactly one tree node, no locks."""
+        """At idle every page is free or held by exactly one tree node, no locks
+        (with tiers: no copies in flight; step until ``copies_pending`` is False)."""
         assert not self.running and not self.waiting, "the scheduler is not idle"
+        assert not self.copies_pending, "copies between cache tiers are in flight"
         self.cache.check()
         assert self.cache.protected_pages == 0, "a lock survived its request"
         cached = self.cache.cached_pages

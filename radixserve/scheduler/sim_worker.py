@@ -12,8 +12,15 @@ outputs, and a position with no KV raises at once.
 Cache tiers, simulated (docs/cache-tiers.md): with ``host_slots`` it keeps a host
 buffer of the same (token, position) records, and with ``disk_dir`` it writes and
 reads real page files (``utils/kv_file.py``, payload: the page's tokens and positions
-as int64); it performs a step's copies first, in the protocol's order, so a page
-demoted or promoted wrongly changes the outputs too.
+as int64); it performs a step's copies in the protocol's order, so a page
+demoted or promoted wrongly changes the outputs too. Like the real worker it does
+the in-step part first (demotions; reading the pages and slots to be written to
+disk) and the rest later: with ``copy_delay`` d, each ticket's promotions, loads
+and file writes happen at the end of a step 0..d steps later (random, so tickets
+finish out of order; at once when a step has nothing to compute), after that
+step's compute, and the ticket is reported then. A scheduler that computes on a
+page still in flight, or reuses a slot, page or file a ticket still reads or
+writes, changes the outputs or fails a check.
 
 Structured output, simulated: a grammar named in a step is reported ready
 ``compile_steps`` steps later; with ``jump_every`` k, a constrained slot that
@@ -27,6 +34,8 @@ pages, their KV, the cache).
 from __future__ import annotations
 
 import os
+import random
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -36,6 +45,18 @@ from radixserve.utils import kv_file
 SIM_IDENTITY = "sim-worker"  # the simulated model's identity (its page files' header)
 _MAX_POS = 1 << 16
 _WEIGHTS = (np.arange(_MAX_POS, dtype=np.int64) * 2654435761 + 12345) % 1000003
+
+
+@dataclass
+class _Copies:
+    """The part of a ticket's copies done late: file writes (of what was read in
+    step), promotions and loads."""
+
+    ticket: int
+    due: int  # the step at whose end it is done
+    writes: list[tuple[bytes, np.ndarray]]
+    promote: list[tuple[int, int]]  # (slot, page)
+    load: list[tuple[bytes, int]]  # (key, page)
 
 
 def sim_next_token(context: np.ndarray, vocab_size: int) -> int:
@@ -57,6 +78,8 @@ class SimWorker:
         host_slots: int = 0,
         disk_dir: str | None = None,
         identity: str = SIM_IDENTITY,
+        copy_delay: int = 0,
+        seed: int = 0,
     ):
         self.jump_every = jump_every
         self.jump_len = jump_len
@@ -72,6 +95,10 @@ class SimWorker:
         self.host = np.full((host_slots, 2, page_size), -1, dtype=np.int64)
         self.disk_dir = disk_dir
         self.identity = kv_file.identity_digest(identity)
+        self.copy_delay = copy_delay
+        self._rng = random.Random(seed)
+        self._late: list[_Copies] = []
+        self._steps = 0
 
     @staticmethod
     def page_bytes(page_size: int) -> int:
@@ -85,33 +112,52 @@ class SimWorker:
         self.tokens[page], self.positions[page] = kv[0], kv[1]
 
     def _copies(self, c: PageCopies) -> None:
+        """The in-step part now; the rest queued for a later step's end."""
         n = KEY_BYTES
-        for i, page in enumerate(c.save_pages.tolist()):
-            payload = self._page(page).astype("<i8").tobytes()
-            kv_file.write_page_file(
-                self.disk_dir, c.save_keys[n * i : n * i + n], self.identity, payload
-            )  # type: ignore[arg-type]
-        for i, slot in enumerate(c.to_disk_slots.tolist()):
-            payload = self.host[slot].astype("<i8").tobytes()
-            kv_file.write_page_file(
-                self.disk_dir, c.to_disk_keys[n * i : n * i + n], self.identity, payload
-            )  # type: ignore[arg-type]
+        writes = [
+            (c.save_keys[n * i : n * i + n], self._page(page))
+            for i, page in enumerate(c.save_pages.tolist())
+        ]
+        writes += [
+            (c.to_disk_keys[n * i : n * i + n], self.host[slot].copy())
+            for i, slot in enumerate(c.to_disk_slots.tolist())
+        ]
         for page, slot in zip(c.demote_pages.tolist(), c.demote_slots.tolist()):
             self.host[slot] = self._page(page)
-        for slot, page in zip(c.promote_slots.tolist(), c.promote_pages.tolist()):
-            self._set_page(page, self.host[slot])
-        for i, page in enumerate(c.load_pages.tolist()):
-            key = c.load_keys[n * i : n * i + n]
-            path = os.path.join(self.disk_dir, kv_file.file_name(key))  # type: ignore[arg-type]
-            payload = kv_file.read_payload(
-                path, key, self.identity, self.page_bytes(self.page_size)
-            )
-            if payload is None:
-                raise AssertionError(f"page file {path} is broken after the scheduler verified it")
-            self._set_page(page, np.frombuffer(payload, dtype="<i8").reshape(2, self.page_size))
+        load = [(c.load_keys[n * i : n * i + n], p) for i, p in enumerate(c.load_pages.tolist())]
+        due = self._steps + self._rng.randint(0, self.copy_delay)
+        promote = list(zip(c.promote_slots.tolist(), c.promote_pages.tolist()))
+        self._late.append(_Copies(c.ticket, due, writes, promote, load))
+
+    def _finish_copies(self, idle: bool) -> list[int]:
+        """Do the late copies that are due (all of one at least when ``idle``), in
+        random order; their tickets."""
+        due = [c for c in self._late if c.due <= self._steps]
+        if idle and not due and self._late:
+            due = [min(self._late, key=lambda c: c.due)]
+        self._rng.shuffle(due)
+        for c in due:
+            self._late.remove(c)
+            for key, kv in c.writes:
+                payload = kv.astype("<i8").tobytes()
+                kv_file.write_page_file(self.disk_dir, key, self.identity, payload)  # type: ignore[arg-type]
+            for slot, page in c.promote:
+                self._set_page(page, self.host[slot])
+            for key, page in c.load:
+                path = os.path.join(self.disk_dir, kv_file.file_name(key))  # type: ignore[arg-type]
+                payload = kv_file.read_payload(
+                    path, key, self.identity, self.page_bytes(self.page_size)
+                )
+                if payload is None:
+                    raise AssertionError(
+                        f"page file {path} is broken after the scheduler verified it"
+                    )
+                self._set_page(page, np.frombuffer(payload, dtype="<i8").reshape(2, self.page_size))
+        return [c.ticket for c in due]
 
     def step(self, batch: Step) -> StepResult:
         ps = self.page_size
+        self._steps += 1
         for copies in batch.copies:
             self._copies(copies)
         for key in batch.drop_grammars:
@@ -161,6 +207,11 @@ class SimWorker:
             if self._compiling[key] <= 0:
                 ready.append(key)
                 del self._compiling[key]
+        done = self._finish_copies(idle=not batch.reqs)
         return StepResult(
-            batch.step_id, np.asarray(out, dtype=np.int32), forced=forced, grammars_ready=ready
+            batch.step_id,
+            np.asarray(out, dtype=np.int32),
+            forced=forced,
+            grammars_ready=ready,
+            copies_done=done,
         )

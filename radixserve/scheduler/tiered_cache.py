@@ -15,26 +15,30 @@ page neither holds.
   to a host slot (``HostTier``) when a slot is free, else the host tier's LRU
   entry makes room: it is written to disk when a disk tier is configured
   (``DiskTier``), else dropped. A page whose key L2 already holds is not copied.
-* **Promote.** ``match_prefix`` counts L2 and L3 pages after the L1 match as hits:
-  fresh pool pages are allocated (evicting, hence demoting, if short), inserted
-  into the tree under the matched path, and filled from L2 (the slot is then
-  freed: a page lives in L2 or L1, not both) or from L3 (the file stays).
+* **Promote.** ``match_prefix`` is the tree's (L1) match; ``peek_prefix`` also
+  counts the L2 and L3 pages after it (an estimate, for scheduling). Once the
+  scheduler has admitted a request, ``promote`` extends its locked L1 match: fresh
+  pool pages are allocated (evicting, hence demoting, if short), inserted into the
+  tree under the matched path, and filled from L2 (the slot is then freed: a page
+  lives in L2 or L1, not both) or from L3 (the file stays).
 * **Write-through to disk.** With a disk tier, every page the tree gains by an
-  insert (a computed page) is also written to disk at the start of the next step,
-  unless the disk tier has it already; so a server that stops, however it stops,
-  finds on restart everything it computed (within the disk tier's bound).
-* **Copies.** Both directions are planned here and performed by the worker at the
-  start of the step that follows (``protocol.PageCopies``: to disk, demote,
-  promote, load, in that order), before it computes anything; so a pool page freed
-  by a demotion may be handed out in the same step, and a request's promoted pages
-  hold its KV when its first step runs.
-* **Locks.** A page taking part in a step's copies is pinned at both ends until
-  ``step_done()``: host slots and disk files being written or read are never
-  evicted; a host slot read by a promotion is freed only after the step. A pool
-  page that is evicted again in the step it was promoted to never received its KV:
-  its promotion is cancelled and the source stays where it was.
+  insert (a computed page) is also written to disk by the next step's copies,
+  unless the disk tier has it already; so a server that stops finds on restart
+  everything it computed (within the disk tier's bound), except the writes still
+  in flight if it did not stop cleanly.
+* **Copies and tickets.** Both directions are planned here and taken by the next
+  step (``take_copies``: a ``protocol.PageCopies`` under a ticket, numbered from 1).
+  The worker does the demotions (and reads the pages and slots to be written to
+  disk) before that step computes (``step_done``); promotions, loads and file
+  writes may finish steps later, and the worker reports the ticket when all of its
+  copies are done (``copies_done``).
+* **In flight.** Until its ticket is reported, a promoted page is *in flight*
+  (``loading``): its node is locked by this cache (never evicted), and no request
+  may compute on it; the host slots and disk files it comes from, and the files
+  being written, stay pinned. The scheduler keeps a request whose match reaches an
+  in-flight page (whoever promoted it) in its LOADING state.
 
-Hits per tier of the last match are in ``last_match_tiers`` (tokens in L1, L2, L3).
+``last_match_tiers`` holds the last ``promote``'s split (tokens from L1, L2, L3).
 """
 
 from __future__ import annotations
@@ -57,14 +61,16 @@ L2, L3 = 2, 3
 
 
 class _Plan:
-    """One step's copies, in the worker's order."""
+    """One step's copies, in the worker's order, under ``ticket``."""
 
-    def __init__(self) -> None:
+    def __init__(self, ticket: int) -> None:
+        self.ticket = ticket
         self.save: list[tuple[int, bytes]] = []
         self.to_disk: list[tuple[int, bytes]] = []
         self.demote: list[tuple[int, int]] = []
-        # pool page -> (tier, key, host slot or -1): dict, so a cancelled one goes
+        # pool page -> (tier, key, host slot or -1)
         self.promote: dict[int, tuple[int, bytes, int]] = {}
+        self.nodes: list[CacheNode] = []  # locked while their promoted pages are in flight
 
     def __bool__(self) -> bool:
         return bool(self.save or self.to_disk or self.demote or self.promote)
@@ -84,7 +90,19 @@ class _Plan:
             promote_pages=i32([p for _, p in up2]),
             load_keys=b"".join(k for k, _ in up3),
             load_pages=i32([p for _, p in up3]),
+            ticket=self.ticket,
         )
+
+
+class _Flight:
+    """What one ticket's copies hold until the worker reports them done."""
+
+    def __init__(self, plan: _Plan) -> None:
+        self.pages = np.fromiter(plan.promote, dtype=np.int32, count=len(plan.promote))
+        self.host_reads = [key for t, key, _ in plan.promote.values() if t == L2]
+        self.disk_reads = [key for t, key, _ in plan.promote.values() if t == L3]
+        self.disk_writes = [key for _, key in plan.save] + [key for _, key in plan.to_disk]
+        self.nodes = plan.nodes
 
 
 class TieredCache(PageFollower):
@@ -107,14 +125,23 @@ class TieredCache(PageFollower):
         self.root_key = root_key
         n = allocator.num_pages
         self._key = np.zeros((n, KEY_BYTES), dtype=np.uint8)
-        self._plan = _Plan()
+        self._loading = np.zeros(n, dtype=bool)  # pool pages whose KV is on its way
+        self.pages_loading = 0
+        self._plan = _Plan(1)
+        self._flights: dict[int, _Flight] = {}  # ticket -> copies not reported done
         self._peek_memo: dict[tuple, bytes] = {}
         self.last_match_tiers = (0, 0, 0)
         # Counters (pages) for stats.
         self.demoted = self.promoted = self.loaded = self.to_disk = 0
-        self.dropped = self.cancelled = self.saved = 0
+        self.dropped = self.saved = 0
 
     # ------------------------------------------------------------- contract
+    def match_prefix(
+        self, tokens: np.ndarray | Sequence[int], salt: str | None = None
+    ) -> MatchResult:
+        """The tree's match (L1): pages in flight included (see ``loading``)."""
+        return self.inner.match_prefix(tokens, salt)
+
     def _has_lower(self) -> bool:
         return len(self.host) > 0 or (self.disk is not None and len(self.disk) > 0)
 
@@ -149,10 +176,15 @@ class TieredCache(PageFollower):
             parent = key
         return run
 
-    def match_prefix(
-        self, tokens: np.ndarray | Sequence[int], salt: str | None = None
+    def promote(
+        self, tokens: np.ndarray | Sequence[int], m: MatchResult, salt: str | None = None
     ) -> MatchResult:
-        m = self.inner.match_prefix(tokens, salt)
+        """Extend ``m``, an L1 match of ``tokens`` whose ``last_node`` the caller
+        has locked, with the L2/L3 pages after it: fresh pool pages (evicting if
+        short; fewer when the pool cannot give them all), inserted into the tree
+        and locked until the copies filling them are reported done. Returns the
+        longer match (``m`` itself when nothing was promoted); the caller moves
+        its lock to the new ``last_node``."""
         self.last_match_tiers = (m.hit_len, 0, 0)
         if not self._has_lower():
             return m
@@ -166,13 +198,11 @@ class TieredCache(PageFollower):
             return m
         for tier, key in run:  # pinned: the evictions below must not take them
             self.host.pin_read(key) if tier == L2 else self.disk.pin_read(key)  # type: ignore[union-attr]
-        self.inner.lock(m.last_node)  # nor the matched path
         n = len(run)
         ids = self.allocator.alloc(n)
         if ids is None:
             self.evict(n - self.allocator.num_free)
             ids = self.allocator.alloc(min(n, self.allocator.num_free))
-        self.inner.unlock(m.last_node)
         k = 0 if ids is None else len(ids)
         for tier, key in run[k:]:
             self._cancel(tier, key)
@@ -189,7 +219,11 @@ class TieredCache(PageFollower):
         pages = np.concatenate([m.pages, ids]).astype(np.int32)
         cached_len, node = self.inner.insert(tokens[: (first + k) * ps], pages, salt)
         assert cached_len == m.hit_len, "the matched path changed under a lock"
+        self.inner.lock(node)  # until the copies are done: evicting it would lose them
+        self._plan.nodes.append(node)
         self._own(ids, [key for _, key in run[:k]])
+        self._loading[ids] = True
+        self.pages_loading += k
         l2 = 0
         for (tier, key), page in zip(run[:k], ids.tolist()):
             if tier == L2:
@@ -201,6 +235,10 @@ class TieredCache(PageFollower):
                 self.loaded += 1
         self.last_match_tiers = (m.hit_len, l2 * ps, (k - l2) * ps)
         return MatchResult((first + k) * ps, pages, node)
+
+    def loading(self, pages: np.ndarray) -> bool:
+        """Whether any of ``pages`` (L1 pages) still waits for its KV."""
+        return bool(self._loading[pages].any())
 
     def peek_prefix(self, tokens: np.ndarray | Sequence[int], salt: str | None = None) -> int:
         hit = self.inner.peek_prefix(tokens, salt)
@@ -275,13 +313,7 @@ class TieredCache(PageFollower):
         return freed
 
     def _demote(self, page: int, key: bytes) -> None:
-        promotion = self._plan.promote.pop(page, None)
-        if promotion is not None:
-            # Promoted in this step and evicted before its KV arrived: the source
-            # still holds the page.
-            self._cancel(promotion[0], promotion[1])
-            self.cancelled += 1
-            return
+        assert not self._loading[page], "a page in flight was evicted"
         if key in self.host:
             self.host.touch(key)
             return
@@ -327,28 +359,57 @@ class TieredCache(PageFollower):
         """Whether copies wait for a step (write-through after the last insert)."""
         return bool(self._plan)
 
+    @property
+    def in_flight(self) -> int:
+        """Tickets taken and not reported done yet."""
+        return len(self._flights)
+
     def take_copies(self) -> PageCopies | None:
-        """The copies the next step must perform (None: none)."""
-        if not self._plan:
+        """The copies the next step must perform (None: none), under a new ticket."""
+        plan = self._plan
+        if not plan:
+            assert not plan.nodes
             return None
-        return self._plan.message()
+        self._flights[plan.ticket] = _Flight(plan)
+        self._plan = _Plan(plan.ticket + 1)
+        return plan.message()
 
     def step_done(self) -> None:
-        """The worker performed the copies taken: unpin, free promoted host slots."""
-        self._plan = _Plan()
+        """The worker ran the step that carried the last copies taken: its
+        demotions are done (the host slots they filled may be read)."""
         self.host.step_done()
-        if self.disk is not None:
-            self.disk.step_done()
+
+    def copies_done(self, tickets: Sequence[int]) -> None:
+        """The worker finished these tickets' copies: promoted pages hold their KV
+        (their nodes are unlocked), promoted host slots are freed, files read are
+        unpinned and files written become readable."""
+        for ticket in tickets:
+            flight = self._flights.pop(int(ticket), None)
+            if flight is None:
+                raise ValueError(f"the worker reported copies {ticket}, which are not in flight")
+            self._loading[flight.pages] = False
+            self.pages_loading -= len(flight.pages)
+            for node in flight.nodes:
+                self.inner.unlock(node)
+            for key in flight.host_reads:
+                self.host.release(key)
+            if self.disk is not None:
+                for key in flight.disk_reads:
+                    self.disk.read_done(key)
+                for key in flight.disk_writes:
+                    self.disk.written(key)
 
     # ----------------------------------------------------------- flush, reset
     def flush(self, keep_disk: bool = False) -> int:
         """Drop every unlocked L1 page (no demotion), the host tier, and the disk
-        tier unless ``keep_disk``; the L1 pages freed. Between steps only."""
+        tier unless ``keep_disk``; the L1 pages freed. Between steps only. Pages
+        being promoted stay in L1 (locked, like a running request's); host slots
+        and files being copied leave when their ticket is done."""
         # Between steps only writes-through can be planned; a flush forgets them.
         assert not (self._plan.to_disk or self._plan.demote or self._plan.promote)
         if self.disk is not None:
             self.disk.forget_pending([key for _, key in self._plan.save])
-        self._plan = _Plan()
+        self._plan = _Plan(self._plan.ticket)
         freed = self.inner.evict(self.inner.evictable_pages)
         self._gone()
         self.host.clear()
@@ -357,12 +418,13 @@ class TieredCache(PageFollower):
         return freed
 
     def reset(self) -> None:
-        """Empty every tier (the tree's ``reset``: idle only)."""
+        """Empty every tier (the tree's ``reset``: idle only, no copies in flight)."""
+        assert not self._flights, "reset with copies in flight"
         self.inner.reset()
         self._owned[:] = False
         if self.disk is not None:
             self.disk.forget_pending([key for _, key in self._plan.save])
-        self._plan = _Plan()
+        self._plan = _Plan(self._plan.ticket)
         self.host.clear()
         if self.disk is not None:
             self.disk.clear()
@@ -375,6 +437,18 @@ class TieredCache(PageFollower):
         owned = np.flatnonzero(self._owned)
         assert len(owned) == self.inner.cached_pages, "the tier index lost track of L1 pages"
         assert self.allocator.is_allocated(owned).all(), "an L1 page of the tree is free"
+        loading = np.flatnonzero(self._loading)
+        assert self._owned[loading].all(), "a page in flight left the tree"
+        assert (
+            len(loading)
+            == self.pages_loading
+            == len(self._plan.promote) + sum(len(f.pages) for f in self._flights.values())
+        )
+        for flight in self._flights.values():
+            for key in flight.host_reads:
+                assert key in self.host and not self.host.readable(key), "a source slot left"
+            for key in flight.disk_reads:
+                assert self.disk is not None and key in self.disk, "a source file left"
 
     def stats(self) -> dict[str, int]:
         return {
@@ -388,7 +462,7 @@ class TieredCache(PageFollower):
             "pages_loaded": self.loaded,
             "pages_written": self.to_disk + self.saved,
             "pages_dropped": self.dropped,
-            "promotions_cancelled": self.cancelled,
+            "copies_in_flight": len(self._flights),
         }
 
     def __repr__(self) -> str:

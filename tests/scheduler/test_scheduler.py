@@ -24,7 +24,7 @@ VOCAB = 512
 EOS = 2
 
 
-def make(num_pages=4096, page_size=1, jump_every=0, compile_steps=1, **kw):
+def make(num_pages=4096, page_size=1, jump_every=0, compile_steps=1, copy_delay=0, **kw):
     kw.setdefault("eos_token_ids", (EOS,))
     kw.setdefault("max_context_len", 4096)
     if kw.get("host_pages"):
@@ -40,6 +40,8 @@ def make(num_pages=4096, page_size=1, jump_every=0, compile_steps=1, **kw):
         compile_steps=compile_steps,
         host_slots=cfg.host_pages,
         disk_dir=cfg.disk_cache_dir,
+        copy_delay=copy_delay,
+        seed=num_pages,
     )
     return sched, worker
 
@@ -287,18 +289,24 @@ def test_random_workloads_keep_kv_right(w):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workloads(), st.integers(1, 12), st.booleans())
-def test_random_workloads_with_cache_tiers_keep_kv_right(w, host_pages, disk):
+@given(workloads(), st.integers(1, 12), st.booleans(), st.integers(0, 3))
+def test_random_workloads_with_cache_tiers_keep_kv_right(w, host_pages, disk, delay):
     """The same workloads with a host tier (and a disk tier): pages demoted, promoted,
-    written through and loaded must give the same tokens; more hits than without."""
+    written through and loaded must give the same tokens; more hits than without.
+    The simulated worker finishes each ticket's late copies 0..``delay`` steps after
+    the step that carried them, out of order."""
     w = {**w, "cache": "radix"}
     with tempfile.TemporaryDirectory(prefix="rs-sim-kv-") as d:
-        sched = run_workload(w, host_pages=host_pages, disk_cache_dir=d if disk else None)
+        sched = run_workload(
+            w, host_pages=host_pages, disk_cache_dir=d if disk else None, copy_delay=delay
+        )
     assert sched.hit_tokens == sum(sched.tier_hit_tokens)
+    assert sched.stats()["copies_in_flight"] == 0
 
 
-def run_workload(w, **tiers):
+def run_workload(w, copy_delay=0, **tiers):
     sched, worker = make(
+        copy_delay=copy_delay,
         num_pages=w["num_pages"],
         page_size=w["page_size"],
         cache=w["cache"],
