@@ -100,11 +100,21 @@ class Engine:
     def flush_cache(self, keep_disk: bool = False) -> int:
         """Evict every unlocked cached page (and empty the cache tiers, the disk tier
         unless ``keep_disk``); returns how many pool pages were freed."""
+        self._finish_copies()
         return self.scheduler.flush_cache(keep_disk)
 
     def check_idle(self) -> None:
         """Assert the idle invariant (every page free or owned by one tree node)."""
+        self._finish_copies()
         self.scheduler.check_idle()
+
+    def _finish_copies(self) -> None:
+        """Step until no copy between cache tiers waits or is in flight (between
+        ``generate`` calls there are none: it steps while any is)."""
+        while self.scheduler.copies_pending and not (
+            self.scheduler.num_running or self.scheduler.num_waiting
+        ):
+            self.scheduler.step(self.runner.step)
 
     def close(self) -> None:
         """Release the worker (with ``tp > 1``: stop its other ranks' processes)."""

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -119,30 +120,62 @@ def test_disk_tier_survives_restart_and_corruption(tiny_dir, tmp_path):
     third.close()
 
 
+def settle(host: HostCache, ticket: int) -> None:
+    """Wait until ``ticket``'s copies are done."""
+    done: list[int] = []
+    while ticket not in done:
+        host.wait(1.0)
+        done += host.finished()
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_copies_are_bit_exact(tmp_path, dtype):
+def test_copies_are_bit_exact(tmp_path, dtype, asynchronous):
     pool = KVPool(3, 6, 4, 2, 8, dtype)
     for layer in pool.layers:
         layer.normal_()
     before = [layer.clone() for layer in pool.layers]
-    host = HostCache(pool, 3, str(tmp_path), "test")
+    host = HostCache(pool, 3, str(tmp_path), "test", asynchronous)
+    go = threading.Event()  # ticket 2's background part waits for it
+    host.before_copies = lambda ticket: go.wait(10) if ticket == 2 else None
     i32 = lambda xs: np.asarray(xs, dtype=np.int32)  # noqa: E731
     keys = bytes(range(32)) + bytes(range(1, 33))
-    host.apply(PageCopies(demote_pages=i32([1, 4]), demote_slots=i32([2, 0])))
-    host.apply(PageCopies(save_pages=i32([3]), save_keys=keys[:32]))
-    host.apply(PageCopies(to_disk_slots=i32([0]), to_disk_keys=keys[32:]))
+    host.apply(PageCopies(demote_pages=i32([1, 4]), demote_slots=i32([2, 0]), ticket=1))
+    settle(host, 1)
+    # The page and the slot written to disk are read in step: overwriting them right
+    # after (a demotion into the slot in the same step, a prefill into the page)
+    # must not change the files.
+    host.apply(
+        PageCopies(
+            save_pages=i32([3]),
+            save_keys=keys[:32],
+            to_disk_slots=i32([0]),
+            to_disk_keys=keys[32:],
+            demote_pages=i32([5]),
+            demote_slots=i32([0]),
+            ticket=2,
+        )
+    )
+    for layer in pool.layers:
+        layer[3].zero_()
+    go.set()
+    settle(host, 2)
     for layer in pool.layers:
         layer.zero_()
     host.apply(
         PageCopies(
-            promote_slots=i32([2]),
-            promote_pages=i32([5]),
+            promote_slots=i32([2, 0]),
+            promote_pages=i32([5, 1]),
             load_keys=keys,
             load_pages=i32([0, 2]),
+            ticket=3,
         )
     )
+    settle(host, 3)
+    host.close()
     for b, layer in zip(before, pool.layers):
         assert torch.equal(layer[5], b[1])  # via the host tier
+        assert torch.equal(layer[1], b[5])  # demoted into a slot written to disk in step
         assert torch.equal(layer[0], b[3])  # written through to disk, loaded
         assert torch.equal(layer[2], b[4])  # host tier, then disk, then loaded
 

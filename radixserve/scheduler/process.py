@@ -10,6 +10,11 @@ Each turn of the loop:
 3. send every output of the turn (aborts included) to the tokenizer in one
    ``Outputs`` message.
 
+Flush and idle check with cache tiers: while no request is queued or running but
+copies between tiers are still planned or in flight (write-through after the last
+request, a load), they wait until those are done (the loop keeps stepping while
+any is), so a flush empties every tier and an idle check sees no lock left.
+
 A request the scheduler refuses (``add_request`` raises ValueError) is answered
 with ``RequestError``; anything else that raises is a bug, and the process exits
 non-zero so the launcher stops the server.
@@ -71,6 +76,7 @@ class SchedulerLoop:
         self.to_worker = socket(ctx, zmq.PUSH, config.endpoint(WORKER_IN), bind=False)
         self.to_tokenizer = socket(ctx, zmq.PUSH, config.endpoint(TOKENIZER_IN), bind=False)
         self.life = life
+        self._after_copies: list[P.Message] = []  # Flush / CheckIdle waiting for copies
 
     def run(self) -> None:
         try:
@@ -106,6 +112,10 @@ class SchedulerLoop:
                     self.events.serve_replays(load)
             if outputs:
                 self.to_tokenizer.send(P.Outputs(outputs).encode())
+            if self._after_copies:  # each waits again if it still must
+                waited, self._after_copies = self._after_copies, []
+                for msg in waited:
+                    self.handle(msg)
             idle = not self.scheduler.has_work()
 
     def load(self) -> dict:
@@ -145,6 +155,8 @@ class SchedulerLoop:
                 self.to_tokenizer.send(P.RequestError(msg.rid, str(e)).encode())
         elif isinstance(msg, P.AbortRequest):
             s.abort_request(msg.rid, reason=msg.reason, index=msg.index)
+        elif isinstance(msg, (P.Flush, P.CheckIdle)) and self._copies_first(msg):
+            return
         elif isinstance(msg, P.Flush):
             self.reply(msg.tag, {"freed_pages": s.flush_cache(msg.keep_disk)})
             if self.events is not None:
@@ -156,6 +168,15 @@ class SchedulerLoop:
             self.reply(msg.tag, stats)
         elif isinstance(msg, P.CheckIdle):
             self.reply(msg.tag, self.check_idle())
+
+    def _copies_first(self, msg: P.Message) -> bool:
+        """Whether ``msg`` waits for the copies between cache tiers to be done (no
+        request queued or running, copies planned or in flight)."""
+        s = self.scheduler
+        if s.num_running or s.num_waiting or not s.copies_pending:
+            return False
+        self._after_copies.append(msg)
+        return True
 
     def check_idle(self) -> dict:
         s = self.scheduler

@@ -2,22 +2,39 @@
 
 ``HostCache`` holds ``num_slots`` pages of KV in host memory, one tensor
 ``[slots, layers, 2, page_size, kv_heads, head_dim]`` in the pool's dtype (pinned
-when the pool is on CUDA, so copies to and from the device can be asynchronous;
-plain memory on CPU: the same code). ``apply(copies)`` performs a step's
-``protocol.PageCopies`` in their order, before the step computes anything:
+when the pool is on CUDA; plain memory on CPU: the same code). ``apply(copies)``
+performs a step's ``protocol.PageCopies`` in their order. What the step needs in
+place before it computes is done at once, in ``apply``:
 
-0. pool pages written to the disk tier (write-through of computed pages);
-1. host slots written to the disk tier as page files (``utils/kv_file.py``; atomic,
+0. the pool pages to be written to the disk tier are read (a snapshot: the step
+   may overwrite them once they are freed);
+1. the host slots to be written to the disk tier are read (a demotion below may
+   reuse them);
+2. pool pages are copied to host slots (demotion: the pool page may be handed out
+   in this very step).
+
+The rest runs in the background, in a **copy thread** (on CUDA its copies go on a
+copy stream of their own, after an event recorded on the compute stream when the
+step began, and the thread waits for them), ticket after ticket:
+
+0./1. the snapshots are written as page files (``utils/kv_file.py``; atomic,
    checksummed; a failed write is logged and becomes a miss: the scheduler
    verifies a file before it is loaded);
-2. pool pages copied to host slots (demotion);
-3. host slots copied to pool pages (promotion);
-4. page files read into pool pages (the scheduler verified them when it matched;
-   a file broken since then fails the step with a clear error, never loads wrong KV).
+3. host slots are copied to pool pages (promotion);
+4. page files are read, checked and copied into pool pages (the scheduler
+   verified them when it matched; a file broken since then fails the next step
+   with a clear error, never loads wrong KV).
 
-The copies are synchronous at the start of the step (the scheduler plans them so
-that this order is always safe); overlapping them with the step's compute (a copy
-stream on CUDA, a copy thread on CPU) is not done yet (docs/cache-tiers.md).
+``finished()`` returns the tickets done since the last call (the worker reports
+them in ``StepResult.copies_done``); the scheduler neither computes on a page nor
+reuses a slot or file a ticket still fills or reads until it is reported.
+``wait(timeout)`` waits for the next ticket (a step with nothing to compute);
+``close()`` finishes every ticket queued and joins the thread, so a clean stop
+loses no write-through file. With ``asynchronous=False`` (tensor parallelism:
+every rank must have done a ticket before it is reported, and each rank does its
+own copies in step, so rank 0's report covers them all) ``apply`` does
+everything at once and the ticket is finished when it returns. ``before_copies``
+is a hook for tests: called in the copy thread with each ticket before its copies.
 
 ``kv_identity`` names what a page's KV depends on besides its tokens: the model
 (name, a fingerprint of its weights), the dtype and the pool layout. It goes into
@@ -26,9 +43,15 @@ every page key and file header, so files of another model are never loaded.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,8 +83,28 @@ def kv_identity(model_name: str, fingerprint: str, dtype: str, pool: KVPool) -> 
     )
 
 
+@dataclass
+class _Job:
+    """A ticket's copies left for the copy thread."""
+
+    ticket: int
+    writes: list[tuple[bytes, torch.Tensor]]  # (key, a page's KV on the CPU)
+    promote_slots: np.ndarray
+    promote_pages: np.ndarray
+    load_keys: list[bytes]
+    load_pages: np.ndarray
+    after: Any = None  # CUDA: an event of the compute stream to wait for
+
+
 class HostCache:
-    def __init__(self, pool: KVPool, num_slots: int, disk_dir: str | None, identity: str) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        num_slots: int,
+        disk_dir: str | None,
+        identity: str,
+        asynchronous: bool = True,
+    ) -> None:
         if num_slots < 1:
             raise ValueError("the host cache needs room for at least one page")
         self.pool = pool
@@ -70,12 +113,24 @@ class HostCache:
         self.identity = kv_file.identity_digest(identity)
         self.device = pool.layers[0].device
         shape = (num_slots, pool.num_layers, 2, pool.page_size, pool.num_kv_heads, pool.head_dim)
-        pin = self.device.type == "cuda"
-        self.buf = torch.zeros(shape, dtype=pool.dtype, pin_memory=pin)
+        cuda = self.device.type == "cuda"
+        self.buf = torch.zeros(shape, dtype=pool.dtype, pin_memory=cuda)
         self.page_shape = shape[1:]
         self.page_bytes = self.buf[0].numel() * self.buf.element_size()
         if disk_dir is not None:
             os.makedirs(disk_dir, mode=0o700, exist_ok=True)
+        self.asynchronous = asynchronous
+        self.before_copies: Callable[[int], None] | None = None
+        self._cond = threading.Condition()
+        self._done: list[int] = []  # tickets finished, not reported yet
+        self._queued = 0  # tickets given to the thread, not finished yet
+        self._error: BaseException | None = None
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._stream = torch.cuda.Stream(self.device) if cuda and asynchronous else None
+        self._thread: threading.Thread | None = None
+        if asynchronous:
+            self._thread = threading.Thread(target=self._serve, name="kv-copies", daemon=True)
+            self._thread.start()
 
     @staticmethod
     def slots_for(gib: float, page_bytes: int) -> int:
@@ -95,29 +150,108 @@ class HostCache:
         except OSError as e:
             log.warning("disk tier: could not write page %s: %s", key.hex()[:16], e)
 
+    # ------------------------------------------------------------- the step
     def apply(self, c: PageCopies) -> None:
+        """The in-step part of ``c`` now; the rest queued (or done now when not
+        asynchronous)."""
+        if self._thread is not None and not self._thread.is_alive():
+            raise RuntimeError("the cache tiers' copy thread is gone")
         layers = self.pool.layers
+        writes: list[tuple[bytes, torch.Tensor]] = []
         if len(c.save_pages):
             pages = self._index(c.save_pages, self.device)
             kv = torch.stack([layer[pages] for layer in layers], dim=1).to("cpu")
-            for i in range(len(c.save_pages)):
-                key = c.save_keys[i * KEY_BYTES : (i + 1) * KEY_BYTES]
-                self._write(key, kv[i].contiguous().view(torch.uint8).numpy().tobytes())
-        for i, slot in enumerate(c.to_disk_slots.tolist()):
-            key = c.to_disk_keys[i * KEY_BYTES : (i + 1) * KEY_BYTES]
-            self._write(key, self.buf[slot].view(torch.uint8).numpy().tobytes())
+            writes += [(_key(c.save_keys, i), kv[i]) for i in range(len(c.save_pages))]
+        if len(c.to_disk_slots):
+            kv = self.buf[self._index(c.to_disk_slots, torch.device("cpu"))]  # a copy
+            writes += [(_key(c.to_disk_keys, i), kv[i]) for i in range(len(c.to_disk_slots))]
         if len(c.demote_pages):
             pages = self._index(c.demote_pages, self.device)
             slots = self._index(c.demote_slots, torch.device("cpu"))
             for i, layer in enumerate(layers):
                 self.buf[slots, i] = layer[pages].to("cpu")
-        if len(c.promote_pages):
-            pages = self._index(c.promote_pages, self.device)
-            slots = self._index(c.promote_slots, torch.device("cpu"))
+        job = _Job(
+            c.ticket,
+            writes,
+            c.promote_slots,
+            c.promote_pages,
+            [_key(c.load_keys, i) for i in range(len(c.load_pages))],
+            c.load_pages,
+        )
+        if not self.asynchronous:
+            self._run(job)
+            self._done.append(job.ticket)
+            return
+        if self._stream is not None:
+            job.after = torch.cuda.Event()
+            job.after.record()  # the compute stream, as the step began
+        with self._cond:
+            self._queued += 1
+        self._jobs.put(job)
+
+    def finished(self) -> list[int]:
+        """The tickets finished since the last call; raises what failed in the thread."""
+        with self._cond:
+            if self._error is not None:
+                raise RuntimeError(f"cache tier copies failed: {self._error}") from self._error
+            done, self._done = self._done, []
+        return done
+
+    @property
+    def busy(self) -> bool:
+        """Whether tickets are queued or being copied."""
+        return self._queued > 0
+
+    def wait(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds) until a ticket is finished or none is queued."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._done or not self._queued, timeout)
+
+    def close(self) -> None:
+        """Finish every ticket queued and stop the thread (files are all written)."""
+        if self._thread is not None and self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+        self._thread = None
+
+    # ----------------------------------------------------- the copy thread
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                if self.before_copies is not None:
+                    self.before_copies(job.ticket)
+                if self._error is None:
+                    self._run(job)
+            except BaseException as e:  # reported to the step loop by finished()
+                log.exception("cache tier copies of ticket %d failed", job.ticket)
+                with self._cond:
+                    self._error = e
+            with self._cond:
+                self._queued -= 1
+                self._done.append(job.ticket)
+                self._cond.notify_all()
+
+    @torch.inference_mode()
+    def _run(self, job: _Job) -> None:
+        """A ticket's background part: file writes, promotions, loads."""
+        for key, kv in job.writes:
+            self._write(key, kv.contiguous().view(torch.uint8).numpy().tobytes())
+        stream = self._stream
+        if stream is not None and job.after is not None:
+            stream.wait_event(job.after)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            self._to_pool(job)
+        if stream is not None:
+            stream.synchronize()
+
+    def _to_pool(self, job: _Job) -> None:
+        layers = self.pool.layers
+        if len(job.promote_pages):
+            pages = self._index(job.promote_pages, self.device)
+            slots = self._index(job.promote_slots, torch.device("cpu"))
             for i, layer in enumerate(layers):
                 layer[pages] = self.buf[slots, i].to(self.device, non_blocking=True)
-        for i, page in enumerate(c.load_pages.tolist()):
-            key = c.load_keys[i * KEY_BYTES : (i + 1) * KEY_BYTES]
+        for key, page in zip(job.load_keys, job.load_pages.tolist()):
             path = os.path.join(self.disk_dir, kv_file.file_name(key))  # type: ignore[arg-type]
             payload = kv_file.read_payload(path, key, self.identity, self.page_bytes)
             if payload is None:
@@ -129,3 +263,7 @@ class HostCache:
             kv = kv.view(self.pool.dtype).reshape(self.page_shape)
             for j, layer in enumerate(layers):
                 layer[page] = kv[j].to(self.device)
+
+
+def _key(keys: bytes, i: int) -> bytes:
+    return keys[i * KEY_BYTES : (i + 1) * KEY_BYTES]

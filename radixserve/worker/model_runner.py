@@ -1,7 +1,8 @@
 """The worker's engine room: runs one scheduler step on the model and samples.
 
 ``ModelRunner(config).step(batch)``, ``batch`` a ``protocol.Step``:
-0. performs the copies between cache tiers (``batch.copies``, ``host_cache.py``);
+0. performs the copies between cache tiers (``batch.copies``, ``host_cache.py``):
+   the part the step needs now (demotions), the rest handed to the copy thread;
 1. clears the slots in ``batch.release`` (page table, sampling state);
 2. for each request: remembers its sampling params if given, appends
    ``new_pages`` to its slot's page table, and checks the table covers
@@ -13,7 +14,11 @@
 5. for every request with ``sample=True``, in batch order: takes the raw
    logprobs when asked for, applies ``min_tokens``, ``logit_bias`` and the
    penalties (``logits.py``) and samples one token.
-It returns a ``protocol.StepResult``: the tokens and the logprobs (``Scores``).
+It returns a ``protocol.StepResult``: the tokens and the logprobs (``Scores``),
+and the tickets of cache tier copies finished since the last step. A step with
+nothing to compute waits (briefly) for a ticket in flight or a grammar being
+compiled, so a scheduler waiting only for those does not spin. ``close()`` finishes
+the copies queued (a clean stop loses no write-through file).
 
 Tensor parallelism (``comm`` of several ranks, docs/parallel.md): every rank
 builds a runner over its shard of the model and its KV heads, for the same page
@@ -72,8 +77,9 @@ from radixserve.worker.page_table import PageTable
 from radixserve.worker.sampler import Sampler
 from radixserve.worker.staging import Staging
 
-# How long a step with nothing to compute waits for a grammar being compiled.
-GRAMMAR_POLL_S = 0.05
+# How long a step with nothing to compute waits for a grammar being compiled or a
+# ticket of cache tier copies.
+IDLE_WAIT_S = 0.05
 
 log = logging.getLogger("radixserve.worker")
 
@@ -142,7 +148,10 @@ class ModelRunner:
             fingerprint = weights_fingerprint(self.model)
             self.kv_identity = kv_identity(source.name, fingerprint, self.dtype_name, self.pool)
             slots = HostCache.slots_for(config.host_cache_gb, self.page_bytes)
-            self.host_cache = HostCache(self.pool, slots, config.disk_cache_dir, self.kv_identity)
+            # With several ranks each does its copies in step (HostCache's docstring).
+            self.host_cache = HostCache(
+                self.pool, slots, config.disk_cache_dir, self.kv_identity, comm.size == 1
+            )
         self.kv_bytes = sum(t.numel() * t.element_size() for t in self.pool.layers)
         max_pages_per_slot = min(num_pages, -(-cfg.max_context_len // config.page_size))
         self.page_table = PageTable(config.max_running_requests, max_pages_per_slot, num_pages)
@@ -271,20 +280,33 @@ class ModelRunner:
         ``StepResult``. A follower rank computes its part and returns no tokens."""
         if not self.leader:
             self._forward(batch, [])
+            if self.host_cache is not None:
+                self.host_cache.finished()  # in step: done; rank 0 reports
             return StepResult(batch.step_id, np.zeros(0, dtype=np.int32), [])
         for key in batch.drop_grammars:
             self.grammar_cache.drop(key)
         for spec in batch.grammars:
             self.grammar_cache.submit(spec)
-        if not batch.reqs and not batch.copies:
+        copying = self.host_cache is not None and (self.host_cache.busy or bool(batch.copies))
+        if not batch.reqs and not copying:
             # Nothing to compute: give a compilation in flight a moment, so a
             # scheduler that waits only on grammars does not spin.
-            self.grammar_cache.wait(GRAMMAR_POLL_S)
+            self.grammar_cache.wait(IDLE_WAIT_S)
         result = self._step(batch)
+        if self.host_cache is not None:
+            if not batch.reqs and self.host_cache.busy:
+                # Nothing to compute: wait for the next ticket instead of spinning.
+                self.host_cache.wait(IDLE_WAIT_S)
+            result.copies_done = self.host_cache.finished()
         ready, failures = self.grammar_cache.poll()
         result.grammars_ready = ready
         result.grammar_failures = [GrammarFailure(k, m) for k, m in failures]
         return result
+
+    def close(self) -> None:
+        """Finish the cache tier copies queued and stop the copy thread."""
+        if self.host_cache is not None:
+            self.host_cache.close()
 
     def _step(self, batch: Step) -> StepResult:
         failed: list[SlotFailure] = []

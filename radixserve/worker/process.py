@@ -98,16 +98,19 @@ def _serve(
     info = asdict(runner.info())
     control.send(P.Ready("worker", info).encode())
     log.info("ready: %s", info)
-    while life.alive():
-        if not steps.poll(POLL_MS):
+    try:
+        while life.alive():
+            if not steps.poll(POLL_MS):
+                if relay is not None:
+                    relay.ping()
+                continue
+            raw = steps.recv()
             if relay is not None:
-                relay.ping()
-            continue
-        raw = steps.recv()
-        if relay is not None:
-            relay.send(raw)
-        step = P.decode(raw, {P.Step.TYPE: P.Step})
-        results.send(runner.step(step).encode())
+                relay.send(raw)
+            step = P.decode(raw, {P.Step.TYPE: P.Step})
+            results.send(runner.step(step).encode())
+    finally:
+        runner.close()  # the cache tiers' copies queued are finished (files written)
 
 
 def _follow(config: ServerConfig, ctx: zmq.Context, life: Lifeline, rank: int, comm) -> None:

@@ -236,6 +236,9 @@ class WorkerGroup:
 
     def close(self) -> None:
         """Stop the followers (SIGTERM, then SIGKILL), leave the group, remove the run dir."""
+        runner = self.__dict__.get("runner")
+        if runner is not None:
+            runner.close()
         for proc in self.procs:
             if proc.poll() is None:
                 proc.terminate()
