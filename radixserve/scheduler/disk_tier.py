@@ -183,5 +183,9 @@ class DiskTier:
             self._unlink(kv_file.file_name(key))
         return len(dropped)
 
+    def keys_where(self, flag: str) -> list[bytes]:
+        """The entries being ``"read"`` or written (``"pending"``), for checks."""
+        return [k for k, e in self._entries.items() if getattr(e, flag)]
+
     def check(self) -> None:
         assert len(self._entries) <= self.max_files, "the disk tier is over its bound"

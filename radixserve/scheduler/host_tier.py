@@ -111,9 +111,9 @@ class HostTier:
             self._free.append(self._entries.pop(key).slot)
         return len(dropped)
 
-    @property
-    def num_reading(self) -> int:
-        return sum(e.read for e in self._entries.values())
+    def reading_keys(self) -> list[bytes]:
+        """The entries being promoted (for checks)."""
+        return [k for k, e in self._entries.items() if e.read]
 
     def check(self) -> None:
         slots = [e.slot for e in self._entries.values()] + self._free

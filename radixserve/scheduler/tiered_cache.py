@@ -444,11 +444,19 @@ class TieredCache(PageFollower):
             == self.pages_loading
             == len(self._plan.promote) + sum(len(f.pages) for f in self._flights.values())
         )
+        # Pinned for copies exactly while a ticket (taken or planned) holds them.
+        plan = self._plan
+        reads = [key for t, key, _ in plan.promote.values() if t == L2]
+        loads = [key for t, key, _ in plan.promote.values() if t == L3]
+        writes = [key for _, key in plan.save] + [key for _, key in plan.to_disk]
         for flight in self._flights.values():
-            for key in flight.host_reads:
-                assert key in self.host and not self.host.readable(key), "a source slot left"
-            for key in flight.disk_reads:
-                assert self.disk is not None and key in self.disk, "a source file left"
+            reads += flight.host_reads
+            loads += flight.disk_reads
+            writes += flight.disk_writes
+        assert sorted(reads) == sorted(self.host.reading_keys()), "a host slot pin leaked"
+        if self.disk is not None:
+            assert sorted(loads) == sorted(self.disk.keys_where("read")), "a file pin leaked"
+            assert sorted(writes) == sorted(self.disk.keys_where("pending")), "a write leaked"
 
     def stats(self) -> dict[str, int]:
         return {

@@ -49,7 +49,7 @@ def test_verify_deletes_a_damaged_file_and_bound_evicts_lru(tmp_path):
     for i in (1, 2):
         assert tier.add_pending(key(i))
         write(d, i)
-    tier.step_done()
+        tier.written(key(i))
     assert tier.verify(key(1)) and tier.verify(key(2))
     path = tier.path(key(2))
     with open(path, "r+b") as f:
@@ -62,8 +62,31 @@ def test_verify_deletes_a_damaged_file_and_bound_evicts_lru(tmp_path):
     assert key(1) not in tier and not os.path.exists(tier.path(key(1)))
     assert not tier.add_pending(key(5))  # both entries are being written: no room
     assert not tier.ready(key(3))  # pending: not matched before it is written
-    tier.step_done()
-    assert tier.ready(key(3))
+    tier.written(key(3))
+    assert tier.ready(key(3)) and not tier.ready(key(4))
+
+
+def test_flush_deletes_pinned_files_once_their_copies_are_done(tmp_path):
+    d = str(tmp_path)
+    tier = DiskTier(d, ME, N, max_files=4)
+    for i in (1, 2, 3):
+        assert tier.add_pending(key(i))
+        write(d, i)
+    tier.written(key(1))
+    tier.written(key(2))
+    tier.pin_read(key(2))  # being loaded; 3 is being written
+    assert tier.clear() == 1 and key(1) not in tier  # idle: at once
+    assert not tier.ready(key(2)) and not tier.ready(key(3))
+    tier.read_done(key(2))
+    tier.written(key(3))
+    assert len(tier) == 0 and not os.listdir(d)
+    # A page wanted again before its write is done is kept after all.
+    assert tier.add_pending(key(4))
+    write(d, 4)
+    tier.clear()
+    tier.touch(key(4))
+    tier.written(key(4))
+    assert tier.ready(key(4)) and tier.verify(key(4))
 
 
 def test_write_is_atomic(tmp_path, monkeypatch):

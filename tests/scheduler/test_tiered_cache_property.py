@@ -1,17 +1,24 @@
 """The tiered cache against a simulated KV store and a brute-force model.
 
 A hypothesis state machine drives ``TieredCache`` the way the scheduler does, one
-step per rule: requests match (promoting from the host and disk tiers), lock,
-allocate (evicting, hence demoting), are computed, insert and finish; evictions,
-flushes (keeping the disk tier or not), corrupted and truncated page files and
-restarts (a new cache over the same directory) come in between. Each step's copies
-are performed by a simulated worker on a simulated pool, host buffer and real page
-files (``utils/kv_file.py``), in the protocol's order, so the test sees the data:
+step per rule: requests match, lock, promote from the host and disk tiers,
+allocate (evicting, hence demoting), are computed once their promoted pages have
+arrived, insert and finish; evictions, requests abandoned while their pages are in
+flight, flushes (keeping the disk tier or not), corrupted and truncated page files
+and restarts (a new cache over the same directory, losing the copies in flight)
+come in between. Each step's copies are performed by a simulated worker on a
+simulated pool, host buffer and real page files (``utils/kv_file.py``) as the real
+one does: the in-step part (demotions, reading what is to be written to disk) at
+the step, the rest (file writes, promotions, loads) when a rule finishes that
+ticket, late and in any order, so the test sees the data:
 
 * **content**: after every step, every page the tree holds, every host slot and
   every disk file holds exactly the KV of its token prefix (here: its key, an
-  oracle computed from the tokens alone), and every page a match returns holds its
-  prefix's KV once the step's copies are done;
+  oracle computed from the tokens alone) — a page in flight once its ticket is
+  done —, and every page a request computes on holds its prefix's KV;
+* **locks at both ends**: a page in flight stays in the tree, its node locked
+  (evictions never take it), and the host slot or file it comes from stays until
+  its ticket is done;
 * **conservation per tier**: pool pages free + in the tree + held by requests ==
   the pool; host slots free + in entries == the host buffer (``check()``); disk
   files within the bound;
@@ -56,6 +63,9 @@ class Req:
     node: object
     locked_len: int
     table: np.ndarray
+    hit_len: int
+    computed: bool = False
+    early: bool = False  # inserts its pages as soon as it computed them
     dups: list[np.ndarray] = field(default_factory=list)
 
 
@@ -66,25 +76,40 @@ class SimStore:
         self.pool: list[bytes | None] = [None] * num_pages
         self.host: list[bytes | None] = [None] * host_slots
         self.directory = directory
+        self.late: dict[int, tuple] = {}  # ticket -> the copies done when it finishes
 
     def apply(self, copies) -> None:
+        """The in-step part now (what is to be written to disk is read, demotions);
+        the rest when ``finish`` is called for the ticket."""
         if copies is None:
             return
         n = 32
+        writes = []
         for i, page in enumerate(copies.save_pages.tolist()):
             key = copies.save_keys[n * i : n * i + n]
             assert self.pool[page] == content(key), "a page written through holds other KV"
-            kv_file.write_page_file(self.directory, key, IDENTITY, self.pool[page])
+            writes.append((key, self.pool[page]))
         for i, slot in enumerate(copies.to_disk_slots.tolist()):
             key = copies.to_disk_keys[n * i : n * i + n]
             assert self.host[slot] == content(key), "a host slot written to disk holds other KV"
-            kv_file.write_page_file(self.directory, key, IDENTITY, self.host[slot])
+            writes.append((key, self.host[slot]))
         for page, slot in zip(copies.demote_pages.tolist(), copies.demote_slots.tolist()):
             self.host[slot] = self.pool[page]
-        for slot, page in zip(copies.promote_slots.tolist(), copies.promote_pages.tolist()):
+        promote = list(zip(copies.promote_slots.tolist(), copies.promote_pages.tolist()))
+        load = [
+            (copies.load_keys[n * i : n * i + n], page)
+            for i, page in enumerate(copies.load_pages.tolist())
+        ]
+        assert copies.ticket not in self.late
+        self.late[copies.ticket] = (writes, promote, load)
+
+    def finish(self, ticket: int) -> None:
+        writes, promote, load = self.late.pop(ticket)
+        for key, payload in writes:
+            kv_file.write_page_file(self.directory, key, IDENTITY, payload)
+        for slot, page in promote:
             self.pool[page] = self.host[slot]
-        for i, page in enumerate(copies.load_pages.tolist()):
-            key = copies.load_keys[n * i : n * i + n]
+        for key, page in load:
             path = os.path.join(self.directory, kv_file.file_name(key))
             payload = kv_file.read_payload(path, key, IDENTITY, PAYLOAD)
             assert payload is not None, "a page file the scheduler verified is broken"
@@ -130,6 +155,33 @@ class TieredMachine(RuleBasedStateMachine):
         self.store.apply(self.cache.take_copies())
         self.cache.step_done()
 
+    def compute_ready(self) -> None:
+        """Requests whose promoted pages have all arrived compute their own pages."""
+        ps = self.page_size
+        for req in self.reqs:
+            if req.computed or self.cache.loading(req.table[: req.hit_len // ps]):
+                continue
+            req.computed = True
+            keys = self.keys(req.tokens, req.salt)
+            for i, page in enumerate(req.table[: req.hit_len // ps].tolist()):
+                assert self.store.pool[page] == content(keys[i]), f"page {i} of a hit is wrong"
+            for i in range(req.hit_len // ps, len(req.table)):  # the prefill writes its pages
+                whole = i < len(keys)
+                self.store.pool[int(req.table[i])] = content(keys[i]) if whole else b"partial"
+            if req.early:
+                self.insert(req, len(req.tokens))
+
+    def match_and_promote(self, tokens: np.ndarray, salt):
+        """The scheduler's admission: the L1 match, locked, then promotion."""
+        m = self.cache.match_prefix(tokens, salt)
+        self.cache.lock(m.last_node)
+        p = self.cache.promote(tokens, m, salt)
+        assert sum(self.cache.last_match_tiers) == p.hit_len
+        if p.last_node is not m.last_node:
+            self.cache.lock(p.last_node)
+            self.cache.unlock(m.last_node)
+        return p
+
     def gen_tokens(self, data) -> np.ndarray:
         base: tuple = ()
         if self.model and data.draw(st.booleans()):
@@ -170,38 +222,37 @@ class TieredMachine(RuleBasedStateMachine):
     # -------------------------------------------------------------- rules
     @rule(data=st.data(), salt=SALTS, cache_early=st.booleans())
     def start_request(self, data, salt, cache_early, tokens=None):
-        """One step: match (promoting), lock, allocate, copy, compute."""
+        """One step: match, lock, promote, allocate, copy; compute once arrived."""
         ps = self.page_size
         if tokens is None:
             tokens = self.gen_tokens(data)
         peek = self.cache.peek_prefix(tokens[:-1], salt)
-        m = self.cache.match_prefix(tokens[:-1], salt)
+        m = self.match_and_promote(tokens[:-1], salt)
         assert m.hit_len <= peek  # fewer only when the pool could not take them all
-        assert sum(self.cache.last_match_tiers) == m.hit_len
-        self.cache.lock(m.last_node)
         need = -(-len(tokens) // ps) - m.hit_len // ps
         own = self.alloc_or_evict(need)
         self.end_step()
-        keys = self.keys(tokens[:-1], salt)
-        for i, page in enumerate(m.pages.tolist()):
-            assert self.store.pool[page] == content(keys[i]), f"page {i} of a hit holds other KV"
         if own is None:
-            self.cache.unlock(m.last_node)
+            self.cache.unlock(m.last_node)  # passed over (its pages still arrive)
             return
         table = np.concatenate([m.pages, own]).astype(np.int32)
-        all_keys = self.keys(tokens, salt)
-        for i in range(m.hit_len // ps, len(table)):  # the prefill writes its pages
-            whole = i < len(all_keys)
-            self.store.pool[int(table[i])] = content(all_keys[i]) if whole else b"partial"
-        req = Req(tokens, salt, m.last_node, m.hit_len, table)
-        self.reqs.append(req)
-        if cache_early:
-            self.insert(req, len(tokens))
+        self.reqs.append(Req(tokens, salt, m.last_node, m.hit_len, table, m.hit_len))
+        self.reqs[-1].early = cache_early
+        self.compute_ready()
 
-    @precondition(lambda self: self.reqs)
+    @precondition(lambda self: self.store.late)
+    @rule(data=st.data())
+    def finish_copies(self, data):
+        """The worker reports a ticket (any of those in flight, late)."""
+        ticket = data.draw(st.sampled_from(sorted(self.store.late)))
+        self.store.finish(ticket)
+        self.cache.copies_done([ticket])
+        self.compute_ready()
+
+    @precondition(lambda self: any(r.computed for r in self.reqs))
     @rule(data=st.data(), early=st.booleans())
     def finish(self, data, early):
-        req = data.draw(st.sampled_from(self.reqs))
+        req = data.draw(st.sampled_from([r for r in self.reqs if r.computed]))
         self.reqs.remove(req)
         if not early:
             self.insert(req, len(req.tokens))
@@ -210,12 +261,23 @@ class TieredMachine(RuleBasedStateMachine):
             self.alloc.free(pages)
         self.cache.unlock(req.node)
 
+    @precondition(lambda self: any(not r.computed for r in self.reqs))
+    @rule(data=st.data())
+    def abandon_loading(self, data):
+        """A request aborted (or retracted) while its pages are in flight: it
+        frees its own pages; the pages in flight stay locked until they arrive."""
+        req = data.draw(st.sampled_from([r for r in self.reqs if not r.computed]))
+        self.reqs.remove(req)
+        self.alloc.free(req.table[req.locked_len // self.page_size :])
+        self.cache.unlock(req.node)
+
     @rule(data=st.data(), salt=SALTS, n=st.integers(0, 8))
     def match_then_evict(self, data, salt, n):
-        """A match whose promoted pages are evicted again in the same step (the
-        request was passed over): the promotion is cancelled, nothing is lost."""
+        """Pages promoted for a request that then gives them up, and an eviction in
+        the same step: the pages in flight are not evicted, nothing is lost."""
         tokens = self.gen_tokens(data)
-        self.cache.match_prefix(tokens, salt)
+        m = self.match_and_promote(tokens, salt)
+        self.cache.unlock(m.last_node)
         self.cache.evict(n)
         self.end_step()
 
@@ -246,7 +308,8 @@ class TieredMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.dir is not None and not self.reqs)
     @rule()
     def restart(self):
-        """A new server over the same directory: only the disk tier survives."""
+        """A new server over the same directory: only the disk tier survives (a
+        crash: the copies in flight never happen)."""
         self.start()
 
     @precondition(lambda self: self.dir is not None)
@@ -272,6 +335,7 @@ class TieredMachine(RuleBasedStateMachine):
     def tiers_hold_their_kv(self):
         cache, ps = self.cache, self.page_size
         cache.check()
+        assert cache.in_flight == len(self.store.late)
         tree = cache.inner
         for salt, root in tree._roots.items():
             stack = [(c, ()) for c in root.children.values()]
@@ -281,6 +345,9 @@ class TieredMachine(RuleBasedStateMachine):
                 keys = self.keys(np.array(full, dtype=np.int32), salt)
                 for i, page in enumerate(node.pages.tolist()):
                     key = keys[len(prefix) // ps + i]
+                    if cache.loading(np.array([page])):
+                        assert node.lock_ref > 0, "a page in flight is evictable"
+                        continue
                     assert self.store.pool[page] == content(key), "a tree page holds other KV"
                 stack.extend((c, full) for c in node.children.values())
         for key in cache.host.cached_keys():
