@@ -22,6 +22,7 @@ import torch
 from radixserve import Engine, SamplingParams
 from radixserve.cli import main
 from radixserve.protocol import PageCopies
+from radixserve.scheduler.request import ReqStatus
 from radixserve.worker.host_cache import HostCache
 from radixserve.worker.kv_pool import KVPool
 from tests.helpers.tiny_models import make_tiny_model
@@ -71,6 +72,52 @@ def test_host_tier_under_pressure_is_exact(tiny_dir):
     assert all(sum(t) == r.usage.cached_tokens for t, r in zip(by_tier, results))
     eng.check_idle()
     assert eng.flush_cache() >= 0 and eng.stats()["host_pages_cached"] == 0
+
+
+def test_loading_requests_wait_while_others_run(tiny_dir):
+    """Pages promoted from the host tier arrive while the step loop goes on: the
+    copy thread is held (a hook) until an unrelated request has produced tokens;
+    the request that promoted the prefix and another matching the pages in flight
+    wait in LOADING meanwhile, then answer exactly as a roomy pool without tiers."""
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(4, 512, 40).tolist()
+    a, b = prefix + [7, 8, 9], prefix + [10, 11]
+    c = rng.integers(4, 512, 9).tolist()
+    ref = engine(tiny_dir, num_pages=4096)
+    want = {rid: r.token_ids for rid, r in zip("abc", ref.generate([a, b, c], GREEDY))}
+
+    eng = engine(tiny_dir, num_pages=64, host_cache_gb=gib(64))
+    eng.generate([prefix + [5]], GREEDY)
+    sched, runner = eng.scheduler, eng.runner
+    assert sched.cache.evict(sched.cache.evictable_pages) > 0  # all of it to the host tier
+    go = threading.Event()
+    runner.host_cache.before_copies = lambda ticket: go.wait(60)
+    for rid, prompt in zip("abc", (a, b, c)):
+        sched.add_request(rid, prompt, GREEDY)
+    got: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+    usage = {}
+
+    def step() -> None:
+        for out in sched.step(runner.step):
+            got[out.rid] += list(out.token_ids)
+            if out.finish_reason is not None:
+                usage[out.rid] = out.cached_tokens_by_tier
+
+    status = lambda rid: sched._requests[rid][0].status  # noqa: E731
+    while len(got["c"]) < 6:  # c makes progress while a and b wait for their pages
+        step()
+        assert status("a") is ReqStatus.LOADING and status("b") is ReqStatus.LOADING
+        assert not got["a"] and not got["b"]
+    assert sched.stats()["loading"] == 2
+    go.set()
+    while sched.has_work():
+        step()
+    assert got == want
+    hit = len(prefix) - len(prefix) % PAGE
+    assert usage["a"] == [0, hit, 0]  # it promoted them, and is credited for it
+    assert usage["b"] == [hit, 0, 0]  # it found them in the pool, on their way
+    eng.check_idle()
+    eng.close()
 
 
 def test_disk_tier_survives_restart_and_corruption(tiny_dir, tmp_path):
