@@ -49,6 +49,7 @@ import logging
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -129,8 +130,12 @@ class HostCache:
         self._stream = torch.cuda.Stream(self.device) if cuda and asynchronous else None
         self._thread: threading.Thread | None = None
         if asynchronous:
-            self._thread = threading.Thread(target=self._serve, name="kv-copies", daemon=True)
+            # The thread holds a weak reference: a cache dropped without close()
+            # is collected, and its finalizer stops the thread.
+            args = (weakref.ref(self), self._jobs)
+            self._thread = threading.Thread(target=_serve, args=args, name="kv-copies", daemon=True)
             self._thread.start()
+            weakref.finalize(self, self._jobs.put, None)
 
     @staticmethod
     def slots_for(gib: float, page_bytes: int) -> int:
@@ -215,21 +220,20 @@ class HostCache:
         self._thread = None
 
     # ----------------------------------------------------- the copy thread
-    def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            try:
-                if self.before_copies is not None:
-                    self.before_copies(job.ticket)
-                if self._error is None:
-                    self._run(job)
-            except BaseException as e:  # reported to the step loop by finished()
-                log.exception("cache tier copies of ticket %d failed", job.ticket)
-                with self._cond:
-                    self._error = e
+    def _serve_one(self, job: _Job) -> None:
+        try:
+            if self.before_copies is not None:
+                self.before_copies(job.ticket)
+            if self._error is None:
+                self._run(job)
+        except BaseException as e:  # reported to the step loop by finished()
+            log.exception("cache tier copies of ticket %d failed", job.ticket)
             with self._cond:
-                self._queued -= 1
-                self._done.append(job.ticket)
-                self._cond.notify_all()
+                self._error = e
+        with self._cond:
+            self._queued -= 1
+            self._done.append(job.ticket)
+            self._cond.notify_all()
 
     @torch.inference_mode()
     def _run(self, job: _Job) -> None:
@@ -263,6 +267,16 @@ class HostCache:
             kv = kv.view(self.pool.dtype).reshape(self.page_shape)
             for j, layer in enumerate(layers):
                 layer[page] = kv[j].to(self.device)
+
+
+def _serve(ref: weakref.ref[HostCache], jobs: queue.SimpleQueue[_Job | None]) -> None:
+    """The copy thread: one ticket after the other, until told to stop."""
+    while (job := jobs.get()) is not None:
+        cache = ref()
+        if cache is None:
+            return
+        cache._serve_one(job)
+        del cache
 
 
 def _key(keys: bytes, i: int) -> bytes:
