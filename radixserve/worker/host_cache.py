@@ -255,7 +255,13 @@ class HostCache:
             slots = self._index(job.promote_slots, torch.device("cpu"))
             for i, layer in enumerate(layers):
                 layer[pages] = self.buf[slots, i].to(self.device, non_blocking=True)
-        for key, page in zip(job.load_keys, job.load_pages.tolist()):
+        n = len(job.load_pages)
+        if n == 0:
+            return
+        # Every file into one buffer first (reads and checksums release the GIL),
+        # then one copy per layer: few Python steps beside the step loop's.
+        raw = bytearray(n * self.page_bytes)
+        for i, key in enumerate(job.load_keys):
             path = os.path.join(self.disk_dir, kv_file.file_name(key))  # type: ignore[arg-type]
             payload = kv_file.read_payload(path, key, self.identity, self.page_bytes)
             if payload is None:
@@ -263,10 +269,12 @@ class HostCache:
                     f"the disk tier's page file {path} was damaged after it was verified; "
                     "the directory must be written by this server only"
                 )
-            kv = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            kv = kv.view(self.pool.dtype).reshape(self.page_shape)
-            for j, layer in enumerate(layers):
-                layer[page] = kv[j].to(self.device)
+            raw[i * self.page_bytes : (i + 1) * self.page_bytes] = payload
+        kv = torch.frombuffer(raw, dtype=torch.uint8).view(self.pool.dtype)
+        kv = kv.reshape(n, *self.page_shape)
+        pages = self._index(job.load_pages, self.device)
+        for j, layer in enumerate(layers):
+            layer[pages] = kv[:, j].to(self.device, non_blocking=True)
 
 
 def _serve(ref: weakref.ref[HostCache], jobs: queue.SimpleQueue[_Job | None]) -> None:
