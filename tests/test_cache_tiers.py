@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from radixserve import Engine, SamplingParams
 from radixserve.cli import main
 from radixserve.protocol import PageCopies
 from radixserve.scheduler.request import ReqStatus
+from radixserve.utils import kv_file
 from radixserve.worker.host_cache import HostCache
 from radixserve.worker.kv_pool import KVPool
 from tests.helpers.tiny_models import make_tiny_model
@@ -149,7 +151,6 @@ def test_disk_tier_survives_restart_and_corruption(tiny_dir, tmp_path):
     # Damage the file of the 26th page of the system prompt: pages 0-24 still come
     # from disk, the rest is recomputed.
     from radixserve.scheduler.kv_events import page_keys
-    from radixserve.utils import kv_file
 
     root = kv_file.identity_digest(identity)
     key = page_keys(system[:200], PAGE, None, root)[25]
@@ -225,6 +226,23 @@ def test_copies_are_bit_exact(tmp_path, dtype, asynchronous):
         assert torch.equal(layer[1], b[5])  # demoted into a slot written to disk in step
         assert torch.equal(layer[0], b[3])  # written through to disk, loaded
         assert torch.equal(layer[2], b[4])  # host tier, then disk, then loaded
+
+
+def test_close_finishes_the_writes_queued(tmp_path):
+    """A clean stop loses no write-through file: ``close`` joins the copy thread
+    after the copies queued (held back here a little by the hook)."""
+    pool = KVPool(2, 4, 4, 2, 8, torch.float32)
+    pool.layers[0].normal_()
+    host = HostCache(pool, 2, str(tmp_path), "test")
+    host.before_copies = lambda ticket: time.sleep(0.05)
+    keys = bytes(range(32)) + bytes(range(1, 33))
+    pages = np.asarray([1, 2], dtype=np.int32)
+    host.apply(PageCopies(save_pages=pages, save_keys=keys, ticket=1))
+    host.close()
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        kv_file.file_name(keys[i : i + 32]) for i in (0, 32)
+    )
+    assert host.finished() == [1]
 
 
 def test_refusals(tiny_dir, tmp_path, capsys):
