@@ -47,7 +47,8 @@ def test_tiers_through_a_launch(model_dir, engine):
             assert stats["hit_tokens_l2"] == sum(t[1] for t in tiers)
             assert stats["hit_tokens_l3"] == sum(t[2] for t in tiers)
             assert stats["host_pages"] == 8 and stats["pages_written"] > 0
-            assert c.check() == {"ok": True, "error": None}
+            assert c.check() == {"ok": True, "error": None}  # after the copies in flight
+            assert c.stats()["copies_in_flight"] == 0
             assert any(n.endswith(".kv") for n in os.listdir(disk))
             on_disk = c.stats()["disk_pages_cached"]
             c.flush_cache(keep_disk=True)
