@@ -373,7 +373,7 @@ class ModelRunner:
         rows that score prompt tokens, how many sampling rows there are, and the
         scoring plans ``(slot, first position, first row, end row, token ids)``.
         A slot whose grammar rejects its replayed history goes into ``failed``.
-        The step's copies between cache tiers come first of all."""
+        The step's copies between cache tiers come first (their in-step part)."""
         for copies in batch.copies:
             if self.host_cache is None:
                 raise ValueError("a step with cache tier copies, but this worker has no tiers")
