@@ -18,7 +18,8 @@ the in-step part first (demotions; reading the pages and slots to be written to
 disk) and the rest later: with ``copy_delay`` d, each ticket's promotions, loads
 and file writes happen at the end of a step 0..d steps later (random, so tickets
 finish out of order; at once when a step has nothing to compute), after that
-step's compute, and the ticket is reported then. A scheduler that computes on a
+step's compute, and the ticket is reported then (``hold_copies``: only when a
+step has nothing to compute). A scheduler that computes on a
 page still in flight, or reuses a slot, page or file a ticket still reads or
 writes, changes the outputs or fails a check.
 
@@ -98,6 +99,7 @@ class SimWorker:
         self.copy_delay = copy_delay
         self._rng = random.Random(seed)
         self._late: list[_Copies] = []
+        self.hold_copies = False  # tests: only a step with nothing to compute finishes one
         self._steps = 0
 
     @staticmethod
@@ -132,7 +134,7 @@ class SimWorker:
     def _finish_copies(self, idle: bool) -> list[int]:
         """Do the late copies that are due (all of one at least when ``idle``), in
         random order; their tickets."""
-        due = [c for c in self._late if c.due <= self._steps]
+        due = [] if self.hold_copies else [c for c in self._late if c.due <= self._steps]
         if idle and not due and self._late:
             due = [min(self._late, key=lambda c: c.due)]
         self._rng.shuffle(due)

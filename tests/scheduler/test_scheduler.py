@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from radixserve.sampling_params import SamplingParams, StructuredOutput
 from radixserve.scheduler.config import SchedulerConfig
+from radixserve.scheduler.request import ReqStatus
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.scheduler.sim_worker import SIM_IDENTITY, SimWorker, sim_next_token
 
@@ -586,4 +587,38 @@ def test_max_tokens_zero_only_prefills_and_caches_the_prompt():
     res = run(sched, worker)
     assert res[("branch", 0)]["out"].cached_tokens == len(prompt) // 4 * 4
     assert res[("branch", 0)]["tokens"] == expected_tokens(prompt + [7, 8], 3)
+    sched.check_idle()
+
+
+def test_decodes_wait_for_pages_locked_by_copies_in_flight():
+    """A lone decoding request that needs a page while the rest of the pool holds
+    pages being promoted (locked until their ticket is reported) waits a step
+    instead of failing; the LOADING request is retracted first (it is newer)."""
+    sched, worker = make(num_pages=20, host_pages=20, decode_reserve_ratio=0.0)
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(3, VOCAB, 10).tolist()
+    sched.add_request("p", prefix + [3], greedy(1, ignore_eos=True))
+    run(sched, worker)
+    assert sched.cache.evict(sched.cache.evictable_pages) > 0  # to the host tier
+    prompts = {"r": rng.integers(3, VOCAB, 5).tolist(), "w": prefix + [4]}
+    lengths = {"r": 12, "w": 2}
+    sched.add_request("r", prompts["r"], greedy(12, ignore_eos=True))
+    results: dict = {}
+    for out in sched.step(worker.step):  # carries the demotions; r starts
+        _collect(results, out)
+    worker.hold_copies = True  # only a step with nothing to compute finishes a ticket
+    sched.add_request("w", prompts["w"], greedy(2, ignore_eos=True))
+    for out in sched.step(worker.step):  # w promotes its 10 pages: LOADING
+        _collect(results, out)
+    assert sched._requests["w"][0].status is ReqStatus.LOADING
+    r_tokens = results[("r", 0)]["tokens"]
+    stalled = 0
+    while sched.has_work():
+        before = len(r_tokens)
+        for out in sched.step(worker.step):
+            _collect(results, out)
+        stalled += results[("r", 0)]["finish"] is None and len(r_tokens) == before
+    assert sched.num_retractions >= 1  # w, while LOADING
+    assert stalled >= 1  # r waited for w's pages to arrive (and be evicted)
+    check_outputs({k: v for k, v in results.items() if k[0] in prompts}, prompts, lengths)
     sched.check_idle()
