@@ -3,10 +3,10 @@
 The lifecycle of a request, in the order ``_schedule()`` handles it:
 
     WAITING --admit--> PREFILL (chunks) --last chunk sampled--> DECODE --> FINISHED
-       |   ^              ^  |                                   |
-       |   +-- retract ---|--+-----------------------------------+
-       |   |              |
-       +-admit-> LOADING -+ (pages copied up from the cache tiers have arrived)
+     ^  |                   ^   |                                   |
+     |  +-admit-> LOADING --+   |  (LOADING: pages copied up from the cache
+     |              |           |   tiers have not all arrived; then PREFILL)
+     +-- retract ---+-----------+-----------------------------------+
 
 Each step is lockstep with the worker: ``step(run)`` plans what the worker
 must compute (``_schedule()``, a ``protocol.Step``), has ``run`` compute it and
@@ -28,7 +28,9 @@ A step, in order:
 1. slots released since the last step go in ``release``;
 2. every running request that is not mid-prefill decodes one token; pages for
    those that cross a page boundary are allocated first (evicting LRU leaves,
-   then retracting the newest requests when even that is not enough);
+   then retracting the newest requests when even that is not enough; when
+   retracting cannot help but copies in flight lock pages, the decodes wait a
+   step for them);
 3. the chunked prefill in progress continues, within the token budget, then the
    LOADING requests whose pages have all arrived start their prefill, in
    admission order (one of them may become the chunked prefill);
