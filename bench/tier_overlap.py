@@ -9,8 +9,8 @@ threads per step wait for each other when one is descheduled (steps 30x slower);
 one step thread leaves the other core to the copy thread.
 
 1. An Engine with a disk tier computes the system prompt (written through) and closes.
-2. Per trial and mode (``sync``, ``async``, alternating), a new Engine on the same
-   directory (a restart) starts a batch of ``--batch`` short requests with long
+2. Per trial and mode (``sync``, ``async``, alternating), a new Engine on a copy of
+   that directory (a restart; every trial finds the same files) starts a batch of ``--batch`` short requests with long
    outputs; once they decode, a request of system prompt + question arrives: its
    system prompt's pages load from disk (LOADING) while the batch goes on.
    ``sync`` replaces the worker's host cache by one without the copy thread (the
@@ -54,7 +54,12 @@ def synchronous(engine: Engine) -> None:
 
 
 def trial(args, tiers: dict, mode: str, system: list[int], rng) -> dict:
-    eng = Engine(args.model, **tiers)
+    # Every trial restarts from the cold run's files alone (a trial writes its own
+    # question's pages through, which would change the next trial's hit).
+    run_dir = tempfile.mkdtemp(prefix="rs-tier-overlap-run-")
+    shutil.rmtree(run_dir)
+    shutil.copytree(tiers["disk_cache_dir"], run_dir)
+    eng = Engine(args.model, **{**tiers, "disk_cache_dir": run_dir})
     if mode == "sync":
         synchronous(eng)
     sched, runner = eng.scheduler, eng.runner
@@ -94,6 +99,7 @@ def trial(args, tiers: dict, mode: str, system: list[int], rng) -> dict:
                 steps[-1] = (t1 - t0, "prefill")  # this step computed its prefill
                 phase = "after"
     eng.close()
+    shutil.rmtree(run_dir, ignore_errors=True)
     window = [t for t, p in steps if p == "window"]
     longest = max(i for i, (t, p) in enumerate(steps) if p == "window" and t == max(window))
     usual = [t for t, p in steps if p == "before"][1:]  # the first is the batch's prefill
@@ -156,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.trials):
         a, s = results["async"][i], results["sync"][i]
         if a["tokens"] != s["tokens"]:
-            print(f"trial {i}: tokens differ between sync and async", file=sys.stderr)
+            differ = sorted(k for k in a["tokens"] if a["tokens"][k] != s["tokens"].get(k))
+            print(f"trial {i}: tokens differ between sync and async: {differ}", file=sys.stderr)
             return 1
         if a["cached"][2] < args.system_len - args.system_len % args.page_size:
             print(f"trial {i}: the system prompt did not come from disk: {a['cached']}")

@@ -74,6 +74,7 @@ def test_host_tier_under_pressure_is_exact(tiny_dir):
     assert all(sum(t) == r.usage.cached_tokens for t, r in zip(by_tier, results))
     eng.check_idle()
     assert eng.flush_cache() >= 0 and eng.stats()["host_pages_cached"] == 0
+    eng.close()
 
 
 def test_loading_requests_wait_while_others_run(tiny_dir):

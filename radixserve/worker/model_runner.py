@@ -144,6 +144,7 @@ class ModelRunner:
         self.page_bytes = KVPool.bytes_per_page(*dims)
         self.kv_identity = ""
         self.host_cache: HostCache | None = None
+        self._restore_threads = 0
         if config.host_cache_gb:
             fingerprint = weights_fingerprint(self.model)
             self.kv_identity = kv_identity(source.name, fingerprint, self.dtype_name, self.pool)
@@ -152,6 +153,14 @@ class ModelRunner:
             self.host_cache = HostCache(
                 self.pool, slots, config.disk_cache_dir, self.kv_identity, comm.size == 1
             )
+            if self.host_cache.asynchronous and self._device.type == "cpu" and not config.threads:
+                # The copy thread gets a core of its own: an OpenMP team that loses a
+                # core to it waits at every barrier (docs/cache-tiers.md).
+                n = torch.get_num_threads()
+                if n > 1:
+                    torch.set_num_threads(n - 1)
+                    self._restore_threads = n  # by close()
+                    log.info("cache tiers: %d compute threads, a core left to the copies", n - 1)
         self.kv_bytes = sum(t.numel() * t.element_size() for t in self.pool.layers)
         max_pages_per_slot = min(num_pages, -(-cfg.max_context_len // config.page_size))
         self.page_table = PageTable(config.max_running_requests, max_pages_per_slot, num_pages)
@@ -304,9 +313,13 @@ class ModelRunner:
         return result
 
     def close(self) -> None:
-        """Finish the cache tier copies queued and stop the copy thread."""
+        """Finish the cache tier copies queued and stop the copy thread (and give
+        back the core it was left)."""
         if self.host_cache is not None:
             self.host_cache.close()
+        if self._restore_threads:
+            torch.set_num_threads(self._restore_threads)
+            self._restore_threads = 0
 
     def _step(self, batch: Step) -> StepResult:
         failed: list[SlotFailure] = []
