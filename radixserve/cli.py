@@ -358,8 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads",
         type=_non_negative,
         default=d.threads,
-        help="torch CPU threads per worker rank; 0: torch's default with one rank, "
-        "cores // --tp with several",
+        help="torch CPU threads per worker rank; 0: torch's default with one rank (one "
+        "fewer on the CPU with --host-cache-gb, for the copy thread), cores // --tp with several",
     )
     tp.add_argument(
         "--dist-timeout",
