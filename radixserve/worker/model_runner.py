@@ -153,7 +153,9 @@ class ModelRunner:
             self.host_cache = HostCache(
                 self.pool, slots, config.disk_cache_dir, self.kv_identity, comm.size == 1
             )
-            if self.host_cache.asynchronous and self._device.type == "cpu" and not config.threads:
+            busy = config.disk_cache_dir is not None  # write-through: copies every few steps
+            cpu = self._device.type == "cpu"
+            if self.host_cache.asynchronous and cpu and busy and not config.threads:
                 # The copy thread gets a core of its own: an OpenMP team that loses a
                 # core to it waits at every barrier (docs/cache-tiers.md).
                 n = torch.get_num_threads()
