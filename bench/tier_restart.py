@@ -10,6 +10,8 @@
    question i: the prompt's whole pages come from disk.
 3. An Engine without tiers answers the same prompts (recomputed).
 TTFT is the time of a one-token generation (Engine start-up and warm-up excluded).
+Every Engine runs ``--threads`` step threads (default 1: on a shared 2-core
+machine two OpenMP threads stall whenever one is descheduled).
 The first tokens must agree; the table prints each variant's TTFT and its ratio to
 recomputing.
 """
@@ -52,6 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=2)
     p.add_argument("--host-cache-gb", type=float, default=0.25)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of every Engine (0: the default, which with a disk tier on "
+        "the CPU leaves a core to the copy thread, so the variants would differ)",
+    )
     args = p.parse_args(argv)
 
     rng = np.random.default_rng(args.seed)
@@ -59,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     questions = [
         rng.integers(100, 40000, args.question_len).tolist() for _ in range(args.trials + 1)
     ]
-    base = dict(dtype=args.dtype, page_size=args.page_size)
+    base = dict(dtype=args.dtype, page_size=args.page_size, threads=args.threads)
     disk = tempfile.mkdtemp(prefix="rs-tier-bench-")
     tiers = dict(base, host_cache_gb=args.host_cache_gb, disk_cache_dir=disk)
     rows = []
@@ -92,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ref = statistics.median(recompute)
     print(
         f"system prompt {args.system_len} tokens + question {args.question_len}, "
-        f"page size {args.page_size}, model {args.model} ({args.dtype})"
+        f"page size {args.page_size}, model {args.model} ({args.dtype}), "
+        f"{args.threads} thread(s)"
     )
     print(
         f"{'variant':<24} {'TTFT s':>8} {'cached':>7} {'by tier [pool,host,disk]':>26} {'/ recompute':>12}"
