@@ -359,7 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative,
         default=d.threads,
         help="torch CPU threads per worker rank; 0: torch's default with one rank (one "
-        "fewer on the CPU with --disk-cache-dir, for the copy thread), cores // --tp with several",
+        "fewer on the CPU during steps while the cache tiers' copy thread has work), "
+        "cores // --tp with several",
     )
     tp.add_argument(
         "--dist-timeout",

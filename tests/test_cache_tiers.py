@@ -94,6 +94,7 @@ def test_loading_requests_wait_while_others_run(tiny_dir):
     sched, runner = eng.scheduler, eng.runner
     assert sched.cache.evict(sched.cache.evictable_pages) > 0  # all of it to the host tier
     go = threading.Event()
+    runner.host_cache.inline_pages = 0  # every ticket through the thread
     runner.host_cache.before_copies = lambda ticket: go.wait(60)
     for rid, prompt in zip("abc", (a, b, c)):
         sched.add_request(rid, prompt, GREEDY)
@@ -185,6 +186,7 @@ def test_copies_are_bit_exact(tmp_path, dtype, asynchronous):
         layer.normal_()
     before = [layer.clone() for layer in pool.layers]
     host = HostCache(pool, 3, str(tmp_path), "test", asynchronous)
+    host.inline_pages = 0
     go = threading.Event()  # ticket 2's background part waits for it
     host.before_copies = lambda ticket: go.wait(10) if ticket == 2 else None
     i32 = lambda xs: np.asarray(xs, dtype=np.int32)  # noqa: E731
@@ -235,6 +237,7 @@ def test_close_finishes_the_writes_queued(tmp_path):
     pool = KVPool(2, 4, 4, 2, 8, torch.float32)
     pool.layers[0].normal_()
     host = HostCache(pool, 2, str(tmp_path), "test")
+    host.inline_pages = 0
     host.before_copies = lambda ticket: time.sleep(0.05)
     keys = bytes(range(32)) + bytes(range(1, 33))
     pages = np.asarray([1, 2], dtype=np.int32)
@@ -244,6 +247,32 @@ def test_close_finishes_the_writes_queued(tmp_path):
         kv_file.file_name(keys[i : i + 32]) for i in (0, 32)
     )
     assert host.finished() == [1]
+
+
+def test_small_tickets_are_done_in_step_while_the_thread_is_idle(tmp_path):
+    """On the CPU a ticket under ``inline_pages`` is done in ``apply`` when nothing
+    is queued (finished at once, hook never called); a bigger one, or any ticket
+    behind a queued one, goes to the thread in order."""
+    pool = KVPool(2, 40, 4, 2, 8, torch.float32)
+    pool.layers[0].normal_()
+    host = HostCache(pool, 4, str(tmp_path), "test")
+    assert host.inline_pages == 16
+    threaded: list[int] = []
+    go = threading.Event()
+    host.before_copies = lambda ticket: (threaded.append(ticket), go.wait(10))
+    keys = b"".join(bytes([i]) * 32 for i in range(1, 21))
+    pages = lambda n: np.arange(1, n + 1, dtype=np.int32)  # noqa: E731
+    host.apply(PageCopies(save_pages=pages(2), save_keys=keys[:64], ticket=1))
+    assert host.finished() == [1] and not host.busy
+    host.apply(PageCopies(save_pages=pages(20), save_keys=keys, ticket=2))
+    assert host.busy
+    host.apply(PageCopies(save_pages=pages(1), save_keys=keys[:32], ticket=3))  # behind 2
+    assert host.finished() == []
+    go.set()
+    settle(host, 3)
+    host.close()
+    assert threaded == [2, 3]
+    assert len(os.listdir(tmp_path)) == 20
 
 
 def test_refusals(tiny_dir, tmp_path, capsys):

@@ -44,7 +44,8 @@ class WorkerConfig:
     take before the rank fails.
     threads: torch CPU threads of each worker rank (the native kernels' OpenMP
     regions use as many); 0: torch's default with one rank (one fewer on the CPU
-    with a disk tier: a core for the copy thread), ``cores // tp`` with several.
+    during steps while the cache tiers' copy thread has work), ``cores // tp`` with
+    several.
     disable_cuda_graph: run decode steps eagerly instead of replaying CUDA graphs
     (graphs are used on CUDA with the flashinfer backend only; ``cuda_graph.py``).
     host_cache_gb: the host tier of the KV cache (docs/cache-tiers.md), GiB of host

@@ -33,8 +33,11 @@ reuses a slot or file a ticket still fills or reads until it is reported.
 loses no write-through file. With ``asynchronous=False`` (tensor parallelism:
 every rank must have done a ticket before it is reported, and each rank does its
 own copies in step, so rank 0's report covers them all) ``apply`` does
-everything at once and the ticket is finished when it returns. ``before_copies``
-is a hook for tests: called in the copy thread with each ticket before its copies.
+everything at once and the ticket is finished when it returns; so does a small
+ticket on the CPU (fewer than ``inline_pages`` pages, nothing queued before it:
+a thread of its own would cost the step's threads more than the copies).
+``before_copies`` is a hook for tests: called in the copy thread with each
+ticket before its copies.
 
 ``kv_identity`` names what a page's KV depends on besides its tokens: the model
 (name, a fingerprint of its weights), the dtype and the pool layout. It goes into
@@ -64,6 +67,7 @@ from radixserve.worker.kv_pool import KVPool
 log = logging.getLogger("radixserve.worker")
 
 GIB = 1 << 30
+INLINE_PAGES = 16  # HostCache.inline_pages on the CPU
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
@@ -96,6 +100,10 @@ class _Job:
     load_pages: np.ndarray
     after: Any = None  # CUDA: an event of the compute stream to wait for
 
+    @property
+    def pages(self) -> int:
+        return len(self.writes) + len(self.promote_pages) + len(self.load_pages)
+
 
 class HostCache:
     def __init__(
@@ -121,10 +129,16 @@ class HostCache:
         if disk_dir is not None:
             os.makedirs(disk_dir, mode=0o700, exist_ok=True)
         self.asynchronous = asynchronous
+        # On the CPU a ticket of fewer pages than this, with the thread idle, is
+        # done at once in the step (a decode's few pages written through): on
+        # cores the step's threads all use, a thread of its own would cost the
+        # step more than the copies. 0: everything goes to the thread.
+        self.inline_pages = 0 if cuda else INLINE_PAGES
         self.before_copies: Callable[[int], None] | None = None
         self._cond = threading.Condition()
         self._done: list[int] = []  # tickets finished, not reported yet
         self._queued = 0  # tickets given to the thread, not finished yet
+        self._queued_pages = 0  # their pages (writes, promotions, loads)
         self._error: BaseException | None = None
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._stream = torch.cuda.Stream(self.device) if cuda and asynchronous else None
@@ -183,7 +197,7 @@ class HostCache:
             [_key(c.load_keys, i) for i in range(len(c.load_pages))],
             c.load_pages,
         )
-        if not self.asynchronous:
+        if not self.asynchronous or (self._queued == 0 and job.pages < self.inline_pages):
             self._run(job)
             self._done.append(job.ticket)
             return
@@ -192,6 +206,7 @@ class HostCache:
             job.after.record()  # the compute stream, as the step began
         with self._cond:
             self._queued += 1
+            self._queued_pages += job.pages
         self._jobs.put(job)
 
     def finished(self) -> list[int]:
@@ -206,6 +221,11 @@ class HostCache:
     def busy(self) -> bool:
         """Whether tickets are queued or being copied."""
         return self._queued > 0
+
+    @property
+    def queued_pages(self) -> int:
+        """Pages the thread has yet to copy (those of unfinished tickets)."""
+        return self._queued_pages
 
     def wait(self, timeout: float) -> None:
         """Wait (at most ``timeout`` seconds) until a ticket is finished or none is queued."""
@@ -232,6 +252,7 @@ class HostCache:
                 self._error = e
         with self._cond:
             self._queued -= 1
+            self._queued_pages -= job.pages
             self._done.append(job.ticket)
             self._cond.notify_all()
 

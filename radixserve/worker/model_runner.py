@@ -144,7 +144,7 @@ class ModelRunner:
         self.page_bytes = KVPool.bytes_per_page(*dims)
         self.kv_identity = ""
         self.host_cache: HostCache | None = None
-        self._restore_threads = 0
+        self._threads: tuple[int, int] | None = None  # (idle, while copying)
         if config.host_cache_gb:
             fingerprint = weights_fingerprint(self.model)
             self.kv_identity = kv_identity(source.name, fingerprint, self.dtype_name, self.pool)
@@ -153,16 +153,15 @@ class ModelRunner:
             self.host_cache = HostCache(
                 self.pool, slots, config.disk_cache_dir, self.kv_identity, comm.size == 1
             )
-            busy = config.disk_cache_dir is not None  # write-through: copies every few steps
+            # On the CPU the copy thread takes a core from the step while it has work:
+            # an OpenMP team that loses a core to it waits at every barrier
+            # (docs/cache-tiers.md). Steps run on one thread fewer while the thread
+            # has work, on all of them otherwise (unless --threads says); a small
+            # ticket is done in the step (HostCache.inline_pages).
+            n = torch.get_num_threads()
             cpu = self._device.type == "cpu"
-            if self.host_cache.asynchronous and cpu and busy and not config.threads:
-                # The copy thread gets a core of its own: an OpenMP team that loses a
-                # core to it waits at every barrier (docs/cache-tiers.md).
-                n = torch.get_num_threads()
-                if n > 1:
-                    torch.set_num_threads(n - 1)
-                    self._restore_threads = n  # by close()
-                    log.info("cache tiers: %d compute threads, a core left to the copies", n - 1)
+            if self.host_cache.asynchronous and cpu and not config.threads and n > 1:
+                self._threads = (n, n - 1)
         self.kv_bytes = sum(t.numel() * t.element_size() for t in self.pool.layers)
         max_pages_per_slot = min(num_pages, -(-cfg.max_context_len // config.page_size))
         self.page_table = PageTable(config.max_running_requests, max_pages_per_slot, num_pages)
@@ -303,6 +302,19 @@ class ModelRunner:
             # Nothing to compute: give a compilation in flight a moment, so a
             # scheduler that waits only on grammars does not spin.
             self.grammar_cache.wait(IDLE_WAIT_S)
+        if self._threads is not None:
+            hc = self.host_cache
+            assert hc is not None
+            pages = sum(
+                len(c.save_pages) + len(c.to_disk_slots) + len(c.promote_pages) + len(c.load_pages)
+                for c in batch.copies
+            )
+            # What HostCache.apply gives the thread: anything while it is busy, a
+            # big ticket when not (a small one is done in the step).
+            heavy = hc.busy or (pages > 0 and pages >= hc.inline_pages)
+            want = self._threads[1] if heavy else self._threads[0]
+            if torch.get_num_threads() != want:
+                torch.set_num_threads(want)
         result = self._step(batch)
         if self.host_cache is not None:
             if not batch.reqs and self.host_cache.busy:
@@ -315,13 +327,13 @@ class ModelRunner:
         return result
 
     def close(self) -> None:
-        """Finish the cache tier copies queued and stop the copy thread (and give
-        back the core it was left)."""
+        """Finish the cache tier copies queued and stop the copy thread (the
+        process's threads as they were)."""
         if self.host_cache is not None:
             self.host_cache.close()
-        if self._restore_threads:
-            torch.set_num_threads(self._restore_threads)
-            self._restore_threads = 0
+        if self._threads is not None:
+            torch.set_num_threads(self._threads[0])
+            self._threads = None
 
     def _step(self, batch: Step) -> StepResult:
         failed: list[SlotFailure] = []
