@@ -189,6 +189,23 @@ void skinny_gemm(const SkinnyGemm& g, Isa isa, int num_threads);
 void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t rows, int64_t n,
                    float eps, bool unit_offset, Isa isa, int num_threads);
 
+// Two partial attention results merged by their log-sum-exps (lse_merge.cpp): vector
+// (h, l) of part [heads, len, dim] (element strides stride_h, stride_l; features
+// contiguous) with its lse part_lse[h * lse_stride_h + l * lse_stride_l] is merged
+// into row index[h * len + l] of out [rows, dim] and lse [rows] (C-contiguous), in
+// place. out and part are `type`; the lse arrays float64 for kFloat64, else float32.
+// Indices must be valid (the bindings check them).
+struct MergeAttention {
+  KVType type;
+  void* out;
+  void* lse;
+  const void* part;
+  const void* part_lse;
+  const int64_t* index;
+  int64_t heads, len, dim, stride_h, stride_l, lse_stride_h, lse_stride_l;
+};
+void merge_attention(const MergeAttention& m);
+
 // out[r] = the first v with the largest x[v, r] (a NaN counting as largest) for
 // x [vocab, rows] C-contiguous, float32 or bfloat16 bits (argmax.cpp).
 void argmax_columns(const void* x, bool bf16, int64_t vocab, int64_t rows, int64_t* out,

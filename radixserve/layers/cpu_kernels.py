@@ -7,6 +7,8 @@ torch backend decodes through gather + SDPA and linear layers use BLAS only.
   (``worker/attention/native_decode.py`` plans its work).
 - ``rms_norm``: RMSNorm of bfloat16 rows in one pass (the torch form is eight ops).
 - ``argmax``: greedy sampling's argmax over the LM head's ``[vocab, rows]`` output.
+- ``merge_attention``: two partial attention results merged by their log-sum-exps
+  (a cascade group's shared prefix and its members' suffixes).
 - ``skinny_gemm``: ``W x^T`` for batches of at most ``SKINNY_KERNEL_ROWS`` rows,
   each weight element read once and used for every row from registers; float32,
   or bfloat16 weights with float32 or bfloat16 activations.
@@ -203,6 +205,28 @@ def argmax(logits: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     ext.argmax_columns(_array(logits.t()), out.numpy(), isa or ISA)  # type: ignore[union-attr]
     return out
+
+
+def merge_ok() -> bool:
+    """Whether the built extension has ``merge_attention``."""
+    return hasattr(ext, "merge_attention")
+
+
+def merge_attention(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    part: torch.Tensor,
+    part_lse: torch.Tensor,
+    index: torch.Tensor,
+) -> None:
+    """In place: row ``index[h, l]`` of ``out`` [rows, dim] and ``lse`` [rows] := the
+    log-sum-exp merge of itself and ``part[h, l]`` with ``part_lse[h, l]``
+    (``csrc/lse_merge.cpp``). ``out``/``part`` float32, float64 or bfloat16 (one
+    dtype); ``lse``/``part_lse`` float64 for float64, else float32; ``part`` and
+    ``part_lse`` [heads, len, ...] with any strides (features contiguous)."""
+    ext.merge_attention(  # type: ignore[union-attr]
+        _array(out), lse.numpy(), _array(part), part_lse.numpy(), index.numpy()
+    )
 
 
 def bitmask_ok(logits: torch.Tensor) -> bool:
