@@ -22,6 +22,8 @@ KERNELS_SOURCES = [
     "csrc/rms_norm.cpp",
     "csrc/argmax.cpp",
     "csrc/lse_merge.cpp",
+    "csrc/add_rms_norm.cpp",
+    "csrc/rotary.cpp",
     "csrc/step_bindings.cpp",
     "csrc/cpu_kernels.cpp",
 ]

@@ -1,5 +1,6 @@
 """The per-layer helper kernels of a decode step against float64 references: the
-log-sum-exp merge of two partial attention results."""
+log-sum-exp merge of two partial attention results, the residual add fused with
+RMSNorm and rotary embedding from the q/k/v product (every instruction-set level)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from radixserve.layers import cpu_kernels
-from tests.helpers.native import require_built
+from tests.helpers.native import require_built, require_isa
 
 
 @pytest.fixture
@@ -86,3 +87,128 @@ def test_merge_attention_rejects_bad_arrays(ext):
         cpu_kernels.merge_attention(out, lse, torch.zeros(1, 2, 4), part_lse, index)
     with pytest.raises(ValueError, match="contiguous"):
         cpu_kernels.merge_attention(out, lse, torch.zeros(1, 2, 16)[..., ::2], part_lse, index)
+
+
+@pytest.fixture(params=cpu_kernels.ISAS)
+def isa(request):
+    """Every instruction-set level; those this CPU lacks are skipped with the reason."""
+    return require_isa(request.param)
+
+
+def add_norm_float64(x, a, weight, eps, unit_offset):
+    s = x.double() + a.double()
+    h = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
+    return s, h * ((1 + weight.double()) if unit_offset else weight.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 7), (5, 33), (32, 576), (130, 577)])
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("layout", ["rows", "transposed"])
+def test_add_rms_norm_matches_float64_and_the_torch_form(
+    ext, isa, dtype, shape, unit_offset, layout
+):
+    """The fused add + RMSNorm on odd shapes, ``a`` as rows or as the transposed view
+    of a [features, rows] product (how a sublayer's output comes): the sum exactly
+    the torch form's; the norm within a rounding of float64 and, in bfloat16, of the
+    torch form (the sum of squares is added in another order)."""
+    from radixserve.models.blocks import RMSNorm
+
+    g = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
+    rows, n = shape
+    norm = RMSNorm(n, 1e-5, unit_offset).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(n, generator=g) * 0.5 + 1)
+    x = (torch.randn(rows, n, generator=g) * 3).to(dtype)
+    a = torch.randn(rows, n, generator=g).to(dtype)
+    if layout == "transposed":
+        a = a.t().contiguous().t()
+    s, y = cpu_kernels.add_rms_norm(x, a, norm.weight, norm.eps, unit_offset, isa)
+    assert s.dtype == y.dtype == dtype and s.is_contiguous() and y.is_contiguous()
+    assert torch.equal(s, x + a)
+    want_s, _ = add_norm_float64(x, a, norm.weight, norm.eps, unit_offset)
+    eps = torch.finfo(dtype).eps
+    # From the rounded sum s: a float32 sum of n squares, then one or two roundings.
+    rtol = 2 * eps + 2**-24 * (4 + n**0.5 / 2)
+    want_y = add_norm_float64(s, torch.zeros_like(s), norm.weight, norm.eps, unit_offset)[1]
+    torch.testing.assert_close(y.double(), want_y, rtol=rtol, atol=1e-6)
+    if dtype == torch.float32:
+        torch.testing.assert_close(s.double(), want_s, rtol=eps, atol=0)
+    if dtype == torch.bfloat16:  # two roundings apart at most (the sum of squares' order)
+        torch.testing.assert_close(y.float(), norm.reference(x + a).float(), rtol=2**-6, atol=0)
+    got_s, got_y = norm.add_norm(x, a)  # the model's call: the same kernel
+    assert torch.equal(got_s, s) and torch.equal(got_y, y)
+
+
+def test_add_rms_norm_rejects_bad_arrays(ext):
+    x, w = torch.zeros(2, 8), torch.ones(8)
+    with pytest.raises(ValueError, match="one dtype"):
+        y = x.bfloat16().view(torch.int16).numpy()
+        ext.add_rms_norm(x.numpy(), x.numpy(), w.numpy(), x.numpy(), y, 1e-5, False, 1)
+    with pytest.raises(ValueError, match="one shape"):
+        ext.add_rms_norm(x.numpy(), torch.zeros(2, 9).numpy(), w.numpy(), x.numpy(), x.numpy(),
+                         1e-5, False, 1)  # fmt: skip
+    with pytest.raises(ValueError, match="float64"):
+        d = x.double().numpy()
+        ext.add_rms_norm(d, d, w.double().numpy(), d, d, 1e-5, False, 1)
+
+
+def rotary_float64(qkv, cos, sin, heads, kv_heads, head_dim):
+    """apply_rotary's formula in float64 on the split product."""
+    from radixserve.models.rope import apply_rotary
+
+    t = qkv.shape[0]
+    x = qkv.double().reshape(t, heads + 2 * kv_heads, head_dim)
+    qk = apply_rotary(x[:, : heads + kv_heads], cos.double()[:, None], sin.double()[:, None])
+    return qk[:, :heads], qk[:, heads:], x[:, heads + kv_heads :]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("tokens", "heads", "kv_heads", "head_dim", "rot_dim"),
+    [(1, 1, 1, 2, 2), (3, 4, 2, 6, 6), (5, 9, 3, 64, 64), (7, 6, 2, 80, 32), (33, 3, 1, 64, 48)],
+)
+@pytest.mark.parametrize("layout", ["rows", "transposed"])
+def test_rotary_qkv_matches_float64_and_the_torch_form(
+    ext, isa, dtype, tokens, heads, kv_heads, head_dim, rot_dim, layout
+):
+    """q and k rotated, v copied, from the product as rows or as the transposed view
+    of a [features, tokens] product; partial rotary (rot_dim < head_dim) passes the
+    rest through. Bit for bit the torch form's (models/rope.py: each product and the
+    sum rounded) and within two roundings of float64."""
+    from radixserve.models.rope import apply_rotary
+
+    g = torch.Generator().manual_seed(tokens * 100 + head_dim + rot_dim)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(tokens, width, generator=g).to(dtype)
+    if layout == "transposed":
+        qkv = qkv.t().contiguous().t()
+    angles = torch.rand(tokens, rot_dim // 2, generator=g, dtype=torch.float64) * 100
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+    sin = torch.cat((angles.sin(), angles.sin()), -1).to(dtype)
+    q, k, v = cpu_kernels.rotary_qkv(qkv, cos, sin, heads, kv_heads, head_dim, isa)
+    for got in (q, k, v):
+        assert got.dtype == dtype and got.is_contiguous()
+    assert q.shape == (tokens, heads, head_dim) and k.shape == v.shape
+    want = rotary_float64(qkv, cos, sin, heads, kv_heads, head_dim)
+    eps = torch.finfo(dtype).eps
+    for got, ref in zip((q, k, v), want):
+        torch.testing.assert_close(got.double(), ref, rtol=0, atol=4 * eps * 2)
+    x = qkv.reshape(tokens, heads + 2 * kv_heads, head_dim)
+    torch_qk = apply_rotary(x[:, : heads + kv_heads], cos[:, None], sin[:, None])
+    assert torch.equal(q, torch_qk[:, :heads]) and torch.equal(k, torch_qk[:, heads:])
+    assert torch.equal(v, x[:, heads + kv_heads :])
+
+
+def test_rotary_qkv_rejects_bad_arrays(ext):
+    qkv, cos = torch.zeros(2, 4 * 8), torch.zeros(2, 8)
+    q, k, v = torch.zeros(2, 2, 8), torch.zeros(2, 1, 8), torch.zeros(2, 1, 8)
+    with pytest.raises(ValueError, match="features"):
+        ext.rotary_qkv(qkv[:, :24].numpy(), cos.numpy(), cos.numpy(), q.numpy(), k.numpy(),
+                       v.numpy(), 1)  # fmt: skip
+    with pytest.raises(ValueError, match="rot_dim"):
+        c = torch.zeros(2, 3).numpy()
+        ext.rotary_qkv(qkv.numpy(), c, c, q.numpy(), k.numpy(), v.numpy(), 1)
+    with pytest.raises(ValueError, match="one dtype"):
+        c = cos.bfloat16().view(torch.int16).numpy()
+        ext.rotary_qkv(qkv.numpy(), c, cos.numpy(), q.numpy(), k.numpy(), v.numpy(), 1)
