@@ -14,6 +14,7 @@
 // with h = rot_dim / 2; bfloat16 products and sums are exact in float32.
 #include "cpu_kernels.h"
 
+#include <algorithm>
 #include <cstdint>
 
 namespace {
@@ -57,17 +58,18 @@ RS_ALWAYS_INLINE void head(const typename IO::T* x, int64_t xs, const typename I
   for (int64_t i = rot; i < dim; ++i) out[i] = x[i * xs];
 }
 
-template <typename IO, int>
-RS_ALWAYS_INLINE void rotary_rows(const RotaryQkv& p, int num_threads) {
+// Tokens [t0, t1). Always inlined into one function per level: each gets its own
+// vector code (an OpenMP region's outlined body would not: it drops the target).
+template <typename IO>
+RS_ALWAYS_INLINE void rotary_rows(const RotaryQkv& p, int64_t t0, int64_t t1) {
   typedef typename IO::T T;
   const T* qkv = static_cast<const T*>(p.qkv);
   const T* cos = static_cast<const T*>(p.cos);
   const T* sin = static_cast<const T*>(p.sin);
   T* outs[3] = {static_cast<T*>(p.q), static_cast<T*>(p.k), static_cast<T*>(p.v)};
   const int64_t counts[3] = {p.heads, p.kv_heads, p.kv_heads};
-  const int64_t d = p.head_dim, total = p.heads + 2 * p.kv_heads;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (p.tokens * total * d >= (1 << 17))
-  for (int64_t t = 0; t < p.tokens; ++t) {
+  const int64_t d = p.head_dim;
+  for (int64_t t = t0; t < t1; ++t) {
     const T* row = qkv + t * p.row_stride;
     int64_t at = 0;
     for (int part = 0; part < 3; ++part) {
@@ -82,31 +84,31 @@ RS_ALWAYS_INLINE void rotary_rows(const RotaryQkv& p, int num_threads) {
 }
 
 template <typename IO>
-void rotary_baseline(const RotaryQkv& p, int num_threads) {
-  rotary_rows<IO, 0>(p, num_threads);
+void rows_baseline(const RotaryQkv& p, int64_t t0, int64_t t1) {
+  rotary_rows<IO>(p, t0, t1);
 }
 
 template <typename IO>
-RS_TARGET_AVX2 void rotary_avx2(const RotaryQkv& p, int num_threads) {
-  rotary_rows<IO, 1>(p, num_threads);
+RS_TARGET_AVX2 void rows_avx2(const RotaryQkv& p, int64_t t0, int64_t t1) {
+  rotary_rows<IO>(p, t0, t1);
 }
 
 template <typename IO>
-RS_TARGET_AVX512 void rotary_avx512(const RotaryQkv& p, int num_threads) {
-  rotary_rows<IO, 2>(p, num_threads);
+RS_TARGET_AVX512 void rows_avx512(const RotaryQkv& p, int64_t t0, int64_t t1) {
+  rotary_rows<IO>(p, t0, t1);
 }
 
 template <typename IO>
 void dispatch(const RotaryQkv& p, radixserve::Isa isa, int num_threads) {
-  switch (isa) {
-    case radixserve::Isa::kBaseline:
-      return rotary_baseline<IO>(p, num_threads);
-    case radixserve::Isa::kAvx2:
-      return rotary_avx2<IO>(p, num_threads);
-    case radixserve::Isa::kAvx512:
-    case radixserve::Isa::kAvx512Bf16:
-      return rotary_avx512<IO>(p, num_threads);
-  }
+  void (*fn)(const RotaryQkv&, int64_t, int64_t) = rows_baseline<IO>;
+  if (isa == radixserve::Isa::kAvx2) fn = rows_avx2<IO>;
+  if (isa >= radixserve::Isa::kAvx512) fn = rows_avx512<IO>;
+  // A decode step's tokens are too few to share: threads only for prefill chunks.
+  const int64_t work = p.tokens * (p.heads + 2 * p.kv_heads) * p.head_dim;
+  const int64_t parts = work >= (1 << 17) ? std::min<int64_t>(num_threads, p.tokens) : 1;
+  if (parts <= 1) return fn(p, 0, p.tokens);
+#pragma omp parallel for schedule(static) num_threads(static_cast<int>(parts))
+  for (int64_t i = 0; i < parts; ++i) fn(p, p.tokens * i / parts, p.tokens * (i + 1) / parts);
 }
 
 }  // namespace

@@ -116,7 +116,8 @@ void merge_attention_py(py::array& out, py::array& lse, const py::array& part,
   radixserve::merge_attention(m);
 }
 
-// s, y [rows, n] := x + a, RMSNorm(x + a) * w; x and a 2-D with any strides.
+// s, y [n, rows] (feature-major) := x + a, RMSNorm(x + a) * w for x, a [rows, n] with
+// any strides.
 void add_rms_norm_py(const py::array& x, const py::array& a, const py::array& w, py::array& s,
                      py::array& y, double eps, bool unit_offset, int num_threads,
                      const std::string& isa_name) {
@@ -131,8 +132,9 @@ void add_rms_norm_py(const py::array& x, const py::array& a, const py::array& w,
     fail("x, a, s, y must be 2-D, w 1-D");
   p.rows = x.shape(0);
   p.n = x.shape(1);
-  for (const py::array* o : std::initializer_list<const py::array*>{&a, &s, &y})
-    if (o->shape(0) != p.rows || o->shape(1) != p.n) fail("x, a, s and y must have one shape");
+  if (a.shape(0) != p.rows || a.shape(1) != p.n) fail("x and a must have one shape");
+  for (const py::array* o : std::initializer_list<const py::array*>{&s, &y})
+    if (o->shape(0) != p.n || o->shape(1) != p.rows) fail("s and y must be [n, rows]");
   if (w.shape(0) != p.n) fail("w must have one entry per feature");
   const auto c = py::array::c_style;
   if (!(w.flags() & c) || !(s.flags() & c) || !(y.flags() & c) || !s.writeable() ||
@@ -208,7 +210,8 @@ void radixserve::bind_step_kernels(py::module_& m) {
         py::arg("y"), py::arg("eps"), py::arg("unit_offset"), py::arg("num_threads"),
         py::arg("isa") = "auto",
         "s = x + a and y = RMSNorm(s) * w (or * (1 + w)) for float32 or bfloat16 (as int16) "
-        "rows, x and a with any strides, with the torch form's roundings "
+        "rows, x and a [rows, n] with any strides, s and y written [n, rows] (feature-major), "
+        "with the torch form's roundings "
         "(csrc/add_rms_norm.cpp).");
   m.def("rotary_qkv", &rotary_qkv_py, py::arg("qkv"), py::arg("cos"), py::arg("sin"),
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("num_threads"), py::arg("isa") = "auto",

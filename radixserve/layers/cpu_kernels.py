@@ -232,14 +232,16 @@ def add_rms_norm(
     isa: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = x + a`` and ``RMSNorm(s)`` (``models.blocks.RMSNorm``'s roundings) for
-    [rows, features] ``x`` and ``a`` of any strides, in one pass (``csrc/add_rms_norm.cpp``)."""
-    s = torch.empty(x.shape, dtype=x.dtype)
-    y = torch.empty(x.shape, dtype=x.dtype)
+    [rows, features] ``x`` and ``a`` of any strides, in one pass (``csrc/add_rms_norm.cpp``).
+    Both results are the transposed views of ``[features, rows]`` tensors (``Linear``'s
+    output layout, which the next product reads without a copy)."""
+    s = torch.empty(x.shape[1], x.shape[0], dtype=x.dtype)
+    y = torch.empty(x.shape[1], x.shape[0], dtype=x.dtype)
     ext.add_rms_norm(  # type: ignore[union-attr]
         _array(x), _array(a), _array(weight.detach().contiguous()), _array(s), _array(y), eps,
         unit_offset, torch.get_num_threads(), isa or ISA,
     )  # fmt: skip
-    return s, y
+    return s.t(), y.t()
 
 
 def rotary_qkv(

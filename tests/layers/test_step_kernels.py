@@ -124,7 +124,7 @@ def test_add_rms_norm_matches_float64_and_the_torch_form(
     if layout == "transposed":
         a = a.t().contiguous().t()
     s, y = cpu_kernels.add_rms_norm(x, a, norm.weight, norm.eps, unit_offset, isa)
-    assert s.dtype == y.dtype == dtype and s.is_contiguous() and y.is_contiguous()
+    assert s.dtype == y.dtype == dtype and s.t().is_contiguous() and y.t().is_contiguous()
     assert torch.equal(s, x + a)
     want_s, _ = add_norm_float64(x, a, norm.weight, norm.eps, unit_offset)
     eps = torch.finfo(dtype).eps
@@ -136,8 +136,16 @@ def test_add_rms_norm_matches_float64_and_the_torch_form(
         torch.testing.assert_close(s.double(), want_s, rtol=eps, atol=0)
     if dtype == torch.bfloat16:  # two roundings apart at most (the sum of squares' order)
         torch.testing.assert_close(y.float(), norm.reference(x + a).float(), rtol=2**-6, atol=0)
-    got_s, got_y = norm.add_norm(x, a)  # the model's call: the same kernel
-    assert torch.equal(got_s, s) and torch.equal(got_y, y)
+    got_s, got_y = norm.add_norm(x, a)  # the model's call (at this process's level)
+    assert torch.equal(got_s, s)
+    torch.testing.assert_close(got_y.double(), want_y, rtol=rtol, atol=1e-6)
+    # Feature-major inputs (the layout of the results and of a product's output).
+    s2, y2 = cpu_kernels.add_rms_norm(s, a.t().contiguous().t(), norm.weight, norm.eps,
+                                      unit_offset, isa)  # fmt: skip
+    assert torch.equal(s2, s + a)
+    s3, y3 = cpu_kernels.add_rms_norm(s.contiguous(), a.contiguous(), norm.weight, norm.eps,
+                                      unit_offset, isa)  # fmt: skip
+    assert torch.equal(s2, s3) and torch.equal(y2, y3)
 
 
 def test_add_rms_norm_rejects_bad_arrays(ext):
