@@ -10,9 +10,10 @@
 //   unit offset: y = round(s * r * (1 + w))   (Gemma)
 // computed in float32 (bfloat16 widened exactly), the sum of squares in float32.
 // x and a may have any element strides (a sublayer's output is the transposed
-// view of a [features, rows] product); s and y are written feature-major, [n][rows]
-// (the same layout: the next product reads y as a plain matrix, and the next add
-// finds s and the sublayer's output both feature-major, contiguous over rows).
+// view of a [features, rows] product); s and y are written in a's layout when a is
+// feature-major ([n][rows]: the next product reads y as a plain matrix, and the next
+// add finds s and the sublayer's output both feature-major, contiguous over rows),
+// else row-major ([rows][n]).
 #include "cpu_kernels.h"
 
 #include <algorithm>
@@ -87,19 +88,68 @@ RS_ALWAYS_INLINE void add_norm_rows(const AddRmsNorm& p, int64_t r0, int64_t r1,
   }
 }
 
+// The same, row by row, with s and y row-major ([rows][n]): for a row-major a (a
+// large prefill's product comes from F.linear that way), so that each inner loop
+// again runs over contiguous memory.
+template <typename IO>
+RS_ALWAYS_INLINE void add_norm_rows_rm(const AddRmsNorm& p, int64_t r0, int64_t r1) {
+  typedef typename IO::T T;
+  const T* x = static_cast<const T*>(p.x);
+  const T* a = static_cast<const T*>(p.a);
+  const T* w = static_cast<const T*>(p.w);
+  const int64_t n = p.n;
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* xr = x + r * p.x_row;
+    const T* ar = a + r * p.a_row;
+    T* sr = static_cast<T*>(p.s) + r * n;
+    T* yr = static_cast<T*>(p.y) + r * n;
+    float ss = 0;
+    if (p.x_col == 1 && p.a_col == 1) {
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = IO::load(IO::store(IO::load(xr[i]) + IO::load(ar[i])));
+        sr[i] = IO::store(v);
+        ss += v * v;
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = IO::load(IO::store(IO::load(xr[i * p.x_col]) + IO::load(ar[i * p.a_col])));
+        sr[i] = IO::store(v);
+        ss += v * v;
+      }
+    }
+    const float scale = 1.0f / std::sqrt(ss / static_cast<float>(n) + p.eps);
+    if (p.unit_offset) {
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i)
+        yr[i] = IO::store(IO::load(sr[i]) * scale * (1.0f + IO::load(w[i])));
+    } else {
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i)
+        yr[i] = IO::store(IO::load(w[i]) * IO::load(IO::store(IO::load(sr[i]) * scale)));
+    }
+  }
+}
+
+template <typename IO>
+RS_ALWAYS_INLINE void add_norm_any(const AddRmsNorm& p, int64_t r0, int64_t r1, float* ss) {
+  if (p.feature_major) return add_norm_rows<IO>(p, r0, r1, ss);
+  add_norm_rows_rm<IO>(p, r0, r1);
+}
+
 template <typename IO>
 void rows_baseline(const AddRmsNorm& p, int64_t r0, int64_t r1, float* ss) {
-  add_norm_rows<IO>(p, r0, r1, ss);
+  add_norm_any<IO>(p, r0, r1, ss);
 }
 
 template <typename IO>
 RS_TARGET_AVX2 void rows_avx2(const AddRmsNorm& p, int64_t r0, int64_t r1, float* ss) {
-  add_norm_rows<IO>(p, r0, r1, ss);
+  add_norm_any<IO>(p, r0, r1, ss);
 }
 
 template <typename IO>
 RS_TARGET_AVX512 void rows_avx512(const AddRmsNorm& p, int64_t r0, int64_t r1, float* ss) {
-  add_norm_rows<IO>(p, r0, r1, ss);
+  add_norm_any<IO>(p, r0, r1, ss);
 }
 
 template <typename IO>

@@ -191,10 +191,10 @@ void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t ro
 
 // s = x + a and y = RMSNorm(s) * w (or * (1 + w) with unit_offset) over rows of n
 // features (add_rms_norm.cpp), all float32 or all bfloat16 bits (bf16). x and a
-// with element strides (row, col); s and y feature-major ([n][rows], C-contiguous),
-// w [n].
+// with element strides (row, col); s and y C-contiguous, feature-major ([n][rows])
+// with feature_major, else row-major ([rows][n]); w [n].
 struct AddRmsNorm {
-  bool bf16, unit_offset;
+  bool bf16, unit_offset, feature_major;
   const void* x;
   const void* a;
   const void* w;

@@ -116,11 +116,11 @@ void merge_attention_py(py::array& out, py::array& lse, const py::array& part,
   radixserve::merge_attention(m);
 }
 
-// s, y [n, rows] (feature-major) := x + a, RMSNorm(x + a) * w for x, a [rows, n] with
-// any strides.
+// s, y := x + a, RMSNorm(x + a) * w for x, a [rows, n] with any strides; s and y
+// [n, rows] (feature-major) or [rows, n].
 void add_rms_norm_py(const py::array& x, const py::array& a, const py::array& w, py::array& s,
-                     py::array& y, double eps, bool unit_offset, int num_threads,
-                     const std::string& isa_name) {
+                     py::array& y, double eps, bool unit_offset, bool feature_major,
+                     int num_threads, const std::string& isa_name) {
   const std::string where = "add_rms_norm";
   auto fail = [&](const std::string& what) { throw std::invalid_argument(where + ": " + what); };
   const Isa isa = parse_isa(isa_name, "add_rms_norm");
@@ -133,8 +133,12 @@ void add_rms_norm_py(const py::array& x, const py::array& a, const py::array& w,
   p.rows = x.shape(0);
   p.n = x.shape(1);
   if (a.shape(0) != p.rows || a.shape(1) != p.n) fail("x and a must have one shape");
-  for (const py::array* o : std::initializer_list<const py::array*>{&s, &y})
-    if (o->shape(0) != p.n || o->shape(1) != p.rows) fail("s and y must be [n, rows]");
+  p.feature_major = feature_major;
+  for (const py::array* o : std::initializer_list<const py::array*>{&s, &y}) {
+    if (feature_major ? o->shape(0) != p.n || o->shape(1) != p.rows
+                      : o->shape(0) != p.rows || o->shape(1) != p.n)
+      fail(feature_major ? "s and y must be [n, rows]" : "s and y must be [rows, n]");
+  }
   if (w.shape(0) != p.n) fail("w must have one entry per feature");
   const auto c = py::array::c_style;
   if (!(w.flags() & c) || !(s.flags() & c) || !(y.flags() & c) || !s.writeable() ||
@@ -207,10 +211,12 @@ void radixserve::bind_step_kernels(py::module_& m) {
         "In place: row index[h, l] of out [rows, dim] and lse [rows] := the log-sum-exp "
         "merge of itself and vector part[h, l] with part_lse[h, l] (csrc/lse_merge.cpp).");
   m.def("add_rms_norm", &add_rms_norm_py, py::arg("x"), py::arg("a"), py::arg("w"), py::arg("s"),
-        py::arg("y"), py::arg("eps"), py::arg("unit_offset"), py::arg("num_threads"),
+        py::arg("y"), py::arg("eps"), py::arg("unit_offset"), py::arg("feature_major"),
+        py::arg("num_threads"),
         py::arg("isa") = "auto",
         "s = x + a and y = RMSNorm(s) * w (or * (1 + w)) for float32 or bfloat16 (as int16) "
-        "rows, x and a [rows, n] with any strides, s and y written [n, rows] (feature-major), "
+        "rows, x and a [rows, n] with any strides, s and y [n, rows] with feature_major, "
+        "else [rows, n], "
         "with the torch form's roundings "
         "(csrc/add_rms_norm.cpp).");
   m.def("rotary_qkv", &rotary_qkv_py, py::arg("qkv"), py::arg("cos"), py::arg("sin"),

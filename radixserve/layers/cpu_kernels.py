@@ -233,15 +233,19 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = x + a`` and ``RMSNorm(s)`` (``models.blocks.RMSNorm``'s roundings) for
     [rows, features] ``x`` and ``a`` of any strides, in one pass (``csrc/add_rms_norm.cpp``).
-    Both results are the transposed views of ``[features, rows]`` tensors (``Linear``'s
-    output layout, which the next product reads without a copy)."""
-    s = torch.empty(x.shape[1], x.shape[0], dtype=x.dtype)
-    y = torch.empty(x.shape[1], x.shape[0], dtype=x.dtype)
+    Where ``a`` is the transposed view of a ``[features, rows]`` tensor (``Linear``'s
+    output layout), so are both results (the next product reads them without a copy);
+    else both are row-major."""
+    rows, n = x.shape
+    feature_major = rows > 1 and a.stride(0) == 1
+    shape = (n, rows) if feature_major else (rows, n)
+    s = torch.empty(shape, dtype=x.dtype)
+    y = torch.empty(shape, dtype=x.dtype)
     ext.add_rms_norm(  # type: ignore[union-attr]
         _array(x), _array(a), _array(weight.detach().contiguous()), _array(s), _array(y), eps,
-        unit_offset, torch.get_num_threads(), isa or ISA,
+        unit_offset, feature_major, torch.get_num_threads(), isa or ISA,
     )  # fmt: skip
-    return s.t(), y.t()
+    return (s.t(), y.t()) if feature_major else (s, y)
 
 
 def rotary_qkv(

@@ -51,8 +51,8 @@ class RMSNorm(nn.Module):
 
     def add_norm(self, x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``s = x + a`` (a residual add) and this norm of ``s``: one native pass on the
-        CPU for float32 and bfloat16 (both results then in ``Linear``'s transposed
-        layout), else the two torch steps (same roundings)."""
+        CPU for float32 and bfloat16 (both results then in ``a``'s layout where ``a`` is
+        ``Linear``'s transposed view), else the two torch steps (same roundings)."""
         if cpu_kernels.fused_ok(x, a) and self.weight.dtype == x.dtype:
             return cpu_kernels.add_rms_norm(x, a, self.weight, self.eps, self.unit_offset)
         s = x + a
