@@ -42,14 +42,15 @@ def available() -> bool:
 
 @dataclass
 class Group:
-    """One cascade group: the shared pages' K rows in the pool viewed as
-    ``[num_pages * 2, page_size * kv_heads * head_dim]`` (V is the next row), the
+    """One cascade group: the shared pages' K and V rows in the pool viewed as
+    ``[num_pages * 2, page_size * kv_heads * head_dim]`` (V is the row after K), the
     number of shared keys, and where its query vectors are in the step's index
     (``begin:end``). ``run_start``: with one token per page and the shared pages
     consecutive (as the allocator usually hands out a prefill's pages), the first
     K row; attention then reads the pool in place, no gather."""
 
     k_rows: torch.Tensor
+    v_rows: torch.Tensor  # k_rows + 1
     kv_len: int
     begin: int
     end: int
@@ -92,8 +93,9 @@ class SharedPrefixes:
             k_rows = pages.astype(np.int64) * 2
             run = page_size == 1 and len(pages) > 0 and bool((np.diff(pages) == 1).all())
             buffers = (torch.empty(0), torch.empty(0)) if run else make_buffers(len(pages))
-            plans.append(Group(torch.from_numpy(k_rows), len(pages) * page_size, at,
-                               at + idx.size, buffers, int(k_rows[0]) if run else None))  # fmt: skip
+            plans.append(Group(torch.from_numpy(k_rows), torch.from_numpy(k_rows + 1),
+                               len(pages) * page_size, at, at + idx.size, buffers,
+                               int(k_rows[0]) if run else None))  # fmt: skip
             at += idx.size
         index = np.concatenate(parts) if parts else np.zeros(0, np.int64)
         return cls(plans, torch.from_numpy(index))
@@ -121,7 +123,7 @@ def attend(
         else:
             kb, vb = grp.buffers
             torch.index_select(pages, 0, grp.k_rows, out=kb)
-            torch.index_select(pages, 0, grp.k_rows + 1, out=vb)
+            torch.index_select(pages, 0, grp.v_rows, out=vb)
         keys = kb.view(-1, kv_heads, d)[: grp.kv_len].transpose(0, 1).unsqueeze(0)
         vals = vb.view(-1, kv_heads, d)[: grp.kv_len].transpose(0, 1).unsqueeze(0)
         # Every member's query heads of one KV head are queries of one attention call.
