@@ -21,6 +21,10 @@ KERNELS_SOURCES = [
     "csrc/skinny_gemm.cpp",
     "csrc/rms_norm.cpp",
     "csrc/argmax.cpp",
+    "csrc/lse_merge.cpp",
+    "csrc/add_rms_norm.cpp",
+    "csrc/rotary.cpp",
+    "csrc/step_bindings.cpp",
     "csrc/cpu_kernels.cpp",
 ]
 
@@ -83,7 +87,7 @@ def _extensions() -> list:
                 KERNELS_EXT_NAME,
                 KERNELS_SOURCES,
                 include_dirs=["csrc"],
-                depends=["csrc/cpu_kernels.h"],
+                depends=["csrc/cpu_kernels.h", "csrc/step_bindings.h"],
                 cxx_std=17,
                 extra_compile_args=["-O3", "-Wall", "-Wextra", "-Wno-psabi", "-fopenmp"],
                 extra_link_args=["-fopenmp"],

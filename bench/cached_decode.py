@@ -2,7 +2,9 @@
 
 The offline shared-prefix workload of ``bench/engine_trials.py`` (P prompts sharing
 one S-token system prompt plus Q-token questions, O output tokens, greedy,
-``ignore_eos``) through one in-process Engine with default flags. A first run
+``ignore_eos``; with ``--groups G``, G groups of P / G prompts, each group with
+its own system prompt, so a decode step holds G cascade groups) through one
+in-process Engine with default flags. A first run
 fills the cache; then every round runs the same prompts again once per variant
 (nothing flushed: everything but the questions is cached, so the run is one
 short prefill and O - 1 decode steps at batch P). Variants switch the CPU
@@ -29,6 +31,9 @@ turns ``--processes`` times; the table gives each tree's median repeat and decod
 step over all its rounds and its ratio to the first tree (median over the turns).
 
     python bench/cached_decode.py --tree /tmp/old --tree . --processes 2 --threads 1
+
+``--profile N`` runs the first variant once more under cProfile after the rounds
+and prints the N functions with the most own time.
 """
 
 from __future__ import annotations
@@ -69,7 +74,8 @@ def main() -> None:
     ap.add_argument("--variants", default="", help='e.g. "amx=0;amx=1"')
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=32, help="in all, over the groups")
+    ap.add_argument("--groups", type=int, default=1, help="system prompts (cascade groups)")
     ap.add_argument("--system-len", type=int, default=1000)
     ap.add_argument("--question-len", type=int, default=30)
     ap.add_argument("--output-len", type=int, default=32)
@@ -78,6 +84,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the per-round timings here")
     ap.add_argument("--tree", action="append", help="compare these checkouts (see above)")
     ap.add_argument("--processes", type=int, default=2, help="turns per tree with --tree")
+    ap.add_argument("--profile", type=int, default=0, help="print this many cProfile rows")
     args = ap.parse_args()
     if args.tree:
         return compare_trees(args)
@@ -89,7 +96,12 @@ def main() -> None:
 
     tok = load_tokenizer(args.model)
     src = TokenSource.random(len(tok), args.seed, exclude=tok.all_special_ids)
-    work = shared_prefix(src, 1, args.prompts, args.system_len, args.question_len, args.output_len)
+    if args.groups < 1 or args.prompts % args.groups:
+        raise SystemExit("--prompts must be a multiple of --groups")
+    per_group = args.prompts // args.groups
+    work = shared_prefix(
+        src, args.groups, per_group, args.system_len, args.question_len, args.output_len
+    )
     prompts = [node.tokens for node in work.roots]
     sp = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     engine = Engine(model=args.model)
@@ -122,9 +134,12 @@ def main() -> None:
             results = engine.generate(prompts, sp)
             runs[name].append((time.perf_counter() - t, statistics.median(step_times)))
             tokens[name] = results[0].token_ids[:8]
+    if args.profile:
+        profile_repeat(engine, prompts, sp, args.profile)
     info = engine.runner.info()
     engine.close()
-    print(f"{args.prompts} prompts x {args.system_len}-token shared prefix, {args.output_len} "
+    print(f"{args.prompts} prompts in {args.groups} group(s) x {args.system_len}-token shared "
+          f"prefix, {args.output_len} "
           f"tokens, {info.dtype}, {torch.get_num_threads()} threads, isa {own['ISA']}, "
           f"AMX {own['AMX']}, flash {own_flash}; first run's tokens {first}")  # fmt: skip
     print("| variant | repeat s | decode step ms | repeat vs first | step vs first | tokens |")
@@ -142,10 +157,23 @@ def main() -> None:
             json.dump({"runs": runs, "tokens": tokens, "first": first}, f)
 
 
+def profile_repeat(engine, prompts: list, sp, rows: int) -> None:
+    """One more repeat under cProfile: the functions with the most own time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    engine.generate(prompts, sp)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(rows)
+
+
 def compare_trees(args: argparse.Namespace) -> None:
     """Each tree in fresh processes, the trees taking turns; one table with ratios."""
     trees = [os.path.abspath(t) for t in args.tree]
-    passed = ["--rounds", str(args.rounds), "--prompts", str(args.prompts), "--system-len",
+    passed = ["--rounds", str(args.rounds), "--prompts", str(args.prompts), "--groups",
+              str(args.groups), "--system-len",
               str(args.system_len), "--question-len", str(args.question_len), "--output-len",
               str(args.output_len), "--seed", str(args.seed), "--model", args.model]  # fmt: skip
     if args.threads:
@@ -160,8 +188,8 @@ def compare_trees(args: argparse.Namespace) -> None:
                 subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
                 with open(out) as f:
                     turns[tree].append(json.load(f))
-    print(f"{args.prompts} prompts x {args.system_len}-token shared prefix, {args.output_len} "
-          f"tokens, {args.threads or 'default'} threads, {args.processes} processes per tree "
+    print(f"{args.prompts} prompts in {args.groups} group(s) x {args.system_len}-token shared "
+          f"prefix, {args.output_len} tokens, {args.threads or 'default'} threads, {args.processes} processes per tree "
           f"x {args.rounds} rounds")  # fmt: skip
     print("| tree | repeat s | decode step ms | repeat vs first | step vs first | tokens |")
     print("|---|---|---|---|---|---|")

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "step_bindings.h"
 
 namespace py = pybind11;
 
@@ -363,6 +364,7 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::arg("rows"),
         "logits [n, vocab] (float32/float64) in place: -inf where a row's int32 bitmask has a "
         "0 bit, for the rows listed (int64).");
+  radixserve::bind_step_kernels(m);
   m.def("best_isa", [] { return std::string(radixserve::isa_name(radixserve::best_isa())); },
         "The best instruction-set level this CPU runs (baseline, avx2, avx512, avx512bf16).");
   m.def("supported_isas", &supported_isas, "Every level this CPU runs, lowest first.");

@@ -189,6 +189,56 @@ void skinny_gemm(const SkinnyGemm& g, Isa isa, int num_threads);
 void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t rows, int64_t n,
                    float eps, bool unit_offset, Isa isa, int num_threads);
 
+// s = x + a and y = RMSNorm(s) * w (or * (1 + w) with unit_offset) over rows of n
+// features (add_rms_norm.cpp), all float32 or all bfloat16 bits (bf16). x and a
+// with element strides (row, col); s and y C-contiguous, feature-major ([n][rows])
+// with feature_major, else row-major ([rows][n]); w [n].
+struct AddRmsNorm {
+  bool bf16, unit_offset, feature_major;
+  const void* x;
+  const void* a;
+  const void* w;
+  void* s;
+  void* y;
+  int64_t rows, n, x_row, x_col, a_row, a_col;
+  float eps;
+};
+void add_rms_norm(const AddRmsNorm& p, Isa isa, int num_threads);
+
+// Rotary embedding of q and k from the fused q/k/v product (rotary.cpp): token t's
+// features qkv[t * row_stride + f * col_stride], f < (heads + 2 kv_heads) head_dim,
+// into q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim] (C-contiguous);
+// q and k rotated (rotate-half) by cos/sin [tokens, rot_dim], rot_dim even and at
+// most min(head_dim, 512); all float32 or all bfloat16 bits.
+struct RotaryQkv {
+  bool bf16;
+  const void* qkv;
+  const void* cos;
+  const void* sin;
+  void* q;
+  void* k;
+  void* v;
+  int64_t tokens, heads, kv_heads, head_dim, rot_dim, row_stride, col_stride;
+};
+void rotary_qkv(const RotaryQkv& p, Isa isa, int num_threads);
+
+// Two partial attention results merged by their log-sum-exps (lse_merge.cpp): vector
+// (h, l) of part [heads, len, dim] (element strides stride_h, stride_l; features
+// contiguous) with its lse part_lse[h * lse_stride_h + l * lse_stride_l] is merged
+// into row index[h * len + l] of out [rows, dim] and lse [rows] (C-contiguous), in
+// place. out and part are `type`; the lse arrays float64 for kFloat64, else float32.
+// Indices must be valid (the bindings check them).
+struct MergeAttention {
+  KVType type;
+  void* out;
+  void* lse;
+  const void* part;
+  const void* part_lse;
+  const int64_t* index;
+  int64_t heads, len, dim, stride_h, stride_l, lse_stride_h, lse_stride_l;
+};
+void merge_attention(const MergeAttention& m);
+
 // out[r] = the first v with the largest x[v, r] (a NaN counting as largest) for
 // x [vocab, rows] C-contiguous, float32 or bfloat16 bits (argmax.cpp).
 void argmax_columns(const void* x, bool bf16, int64_t vocab, int64_t rows, int64_t* out,

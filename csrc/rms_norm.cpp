@@ -10,19 +10,20 @@
 // with x, w widened exactly to float32 and the sum of squares in float32.
 #include "cpu_kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
 namespace {
 
-template <int>
-RS_ALWAYS_INLINE void norm_rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t rows,
-                                int64_t n, float eps, bool unit_offset, int num_threads) {
+// Rows [r0, r1). Always inlined into one function per level, which the OpenMP loop
+// below calls: an OpenMP region's outlined body drops its function's target
+// attribute, so vector code written inside it would be SSE at every level.
+RS_ALWAYS_INLINE void norm_rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t r0,
+                                int64_t r1, int64_t n, float eps, bool unit_offset) {
   using radixserve::bf16_to_f32;
   using radixserve::f32_to_bf16;
-  const int64_t work = rows * n;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (work >= (1 << 16))
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = r0; r < r1; ++r) {
     const uint16_t* xr = x + r * n;
     uint16_t* yr = y + r * n;
     float ss = 0;
@@ -46,20 +47,22 @@ RS_ALWAYS_INLINE void norm_rows(const uint16_t* x, const uint16_t* w, uint16_t* 
   }
 }
 
-void norm_baseline(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t rows, int64_t n,
-                   float eps, bool unit_offset, int num_threads) {
-  norm_rows<0>(x, w, y, rows, n, eps, unit_offset, num_threads);
+typedef void (*NormFn)(const uint16_t*, const uint16_t*, uint16_t*, int64_t, int64_t, int64_t,
+                       float, bool);
+
+void norm_baseline(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t r0, int64_t r1,
+                   int64_t n, float eps, bool unit_offset) {
+  norm_rows(x, w, y, r0, r1, n, eps, unit_offset);
 }
 
-RS_TARGET_AVX2 void norm_avx2(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t rows,
-                              int64_t n, float eps, bool unit_offset, int num_threads) {
-  norm_rows<1>(x, w, y, rows, n, eps, unit_offset, num_threads);
+RS_TARGET_AVX2 void norm_avx2(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t r0,
+                              int64_t r1, int64_t n, float eps, bool unit_offset) {
+  norm_rows(x, w, y, r0, r1, n, eps, unit_offset);
 }
 
-RS_TARGET_AVX512 void norm_avx512(const uint16_t* x, const uint16_t* w, uint16_t* y,
-                                  int64_t rows, int64_t n, float eps, bool unit_offset,
-                                  int num_threads) {
-  norm_rows<2>(x, w, y, rows, n, eps, unit_offset, num_threads);
+RS_TARGET_AVX512 void norm_avx512(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t r0,
+                                  int64_t r1, int64_t n, float eps, bool unit_offset) {
+  norm_rows(x, w, y, r0, r1, n, eps, unit_offset);
 }
 
 }  // namespace
@@ -67,13 +70,13 @@ RS_TARGET_AVX512 void norm_avx512(const uint16_t* x, const uint16_t* w, uint16_t
 void radixserve::rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t rows,
                                int64_t n, float eps, bool unit_offset, Isa isa,
                                int num_threads) {
-  switch (isa) {
-    case Isa::kBaseline:
-      return norm_baseline(x, w, y, rows, n, eps, unit_offset, num_threads);
-    case Isa::kAvx2:
-      return norm_avx2(x, w, y, rows, n, eps, unit_offset, num_threads);
-    case Isa::kAvx512:
-    case Isa::kAvx512Bf16:
-      return norm_avx512(x, w, y, rows, n, eps, unit_offset, num_threads);
-  }
+  NormFn fn = norm_baseline;
+  if (isa == Isa::kAvx2) fn = norm_avx2;
+  if (isa >= Isa::kAvx512) fn = norm_avx512;
+  // A decode step's rows are too few to share: threads only for prefill chunks.
+  const int64_t parts = rows * n >= (1 << 16) ? std::min<int64_t>(num_threads, rows) : 1;
+  if (parts <= 1) return fn(x, w, y, 0, rows, n, eps, unit_offset);
+#pragma omp parallel for schedule(static) num_threads(static_cast<int>(parts))
+  for (int64_t i = 0; i < parts; ++i)
+    fn(x, w, y, rows * i / parts, rows * (i + 1) / parts, n, eps, unit_offset);
 }

@@ -7,6 +7,11 @@ torch backend decodes through gather + SDPA and linear layers use BLAS only.
   (``worker/attention/native_decode.py`` plans its work).
 - ``rms_norm``: RMSNorm of bfloat16 rows in one pass (the torch form is eight ops).
 - ``argmax``: greedy sampling's argmax over the LM head's ``[vocab, rows]`` output.
+- ``merge_attention``: two partial attention results merged by their log-sum-exps
+  (a cascade group's shared prefix and its members' suffixes).
+- ``add_rms_norm``: the residual add fused with the next RMSNorm; ``rotary_qkv``:
+  rotary embedding of q and k read straight from the q/k/v product (float32 and
+  bfloat16: each replaces several small torch ops of a decode step's layer).
 - ``skinny_gemm``: ``W x^T`` for batches of at most ``SKINNY_KERNEL_ROWS`` rows,
   each weight element read once and used for every row from registers; float32,
   or bfloat16 weights with float32 or bfloat16 activations.
@@ -203,6 +208,90 @@ def argmax(logits: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     ext.argmax_columns(_array(logits.t()), out.numpy(), isa or ISA)  # type: ignore[union-attr]
     return out
+
+
+def fused_ok(x: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether ``add_rms_norm`` / ``rotary_qkv`` take these: 2-D float32 or bfloat16 on
+    the CPU, one dtype, a built extension that has them."""
+    return (
+        hasattr(ext, "rotary_qkv")
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and other.dtype == x.dtype
+        and x.dim() == 2
+        and x.numel() > 0
+    )
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool,
+    isa: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + a`` and ``RMSNorm(s)`` (``models.blocks.RMSNorm``'s roundings) for
+    [rows, features] ``x`` and ``a`` of any strides, in one pass (``csrc/add_rms_norm.cpp``).
+    Where ``a`` is the transposed view of a ``[features, rows]`` tensor (``Linear``'s
+    output layout), so are both results (the next product reads them without a copy);
+    else both are row-major."""
+    rows, n = x.shape
+    feature_major = rows > 1 and a.stride(0) == 1
+    shape = (n, rows) if feature_major else (rows, n)
+    s = torch.empty(shape, dtype=x.dtype)
+    y = torch.empty(shape, dtype=x.dtype)
+    ext.add_rms_norm(  # type: ignore[union-attr]
+        _array(x), _array(a), _array(weight.detach().contiguous()), _array(s), _array(y), eps,
+        unit_offset, feature_major, torch.get_num_threads(), isa or ISA,
+    )  # fmt: skip
+    return (s.t(), y.t()) if feature_major else (s, y)
+
+
+def rotary_qkv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    isa: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, heads, head_dim] and k [T, kv_heads, head_dim] rotated by ``cos``/``sin``
+    [T, rotary_dim] (rotate-half; features past rotary_dim pass through), and v,
+    from the fused product ``qkv`` [T, (heads + 2 kv_heads) head_dim] of any strides;
+    each C-contiguous, with ``models.rope.apply_rotary``'s roundings (``csrc/rotary.cpp``)."""
+    t = qkv.shape[0]
+    q = torch.empty(t, heads, head_dim, dtype=qkv.dtype)
+    k = torch.empty(t, kv_heads, head_dim, dtype=qkv.dtype)
+    v = torch.empty(t, kv_heads, head_dim, dtype=qkv.dtype)
+    ext.rotary_qkv(  # type: ignore[union-attr]
+        _array(qkv), _array(cos.contiguous()), _array(sin.contiguous()), _array(q), _array(k),
+        _array(v), torch.get_num_threads(), isa or ISA,
+    )  # fmt: skip
+    return q, k, v
+
+
+def merge_ok() -> bool:
+    """Whether the built extension has ``merge_attention``."""
+    return hasattr(ext, "merge_attention")
+
+
+def merge_attention(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    part: torch.Tensor,
+    part_lse: torch.Tensor,
+    index: torch.Tensor,
+) -> None:
+    """In place: row ``index[h, l]`` of ``out`` [rows, dim] and ``lse`` [rows] := the
+    log-sum-exp merge of itself and ``part[h, l]`` with ``part_lse[h, l]``
+    (``csrc/lse_merge.cpp``). ``out``/``part`` float32, float64 or bfloat16 (one
+    dtype); ``lse``/``part_lse`` float64 for float64, else float32; ``part`` and
+    ``part_lse`` [heads, len, ...] with any strides (features contiguous)."""
+    ext.merge_attention(  # type: ignore[union-attr]
+        _array(out), lse.numpy(), _array(part), part_lse.numpy(), index.numpy()
+    )
 
 
 def bitmask_ok(logits: torch.Tensor) -> bool:

@@ -49,6 +49,15 @@ class RMSNorm(nn.Module):
             return cpu_kernels.rms_norm(x, self.weight, self.eps, self.unit_offset)
         return self.reference(x)
 
+    def add_norm(self, x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``s = x + a`` (a residual add) and this norm of ``s``: one native pass on the
+        CPU for float32 and bfloat16 (both results then in ``a``'s layout where ``a`` is
+        ``Linear``'s transposed view), else the two torch steps (same roundings)."""
+        if cpu_kernels.fused_ok(x, a) and self.weight.dtype == x.dtype:
+            return cpu_kernels.add_rms_norm(x, a, self.weight, self.eps, self.unit_offset)
+        s = x + a
+        return s, self(s)
+
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The torch form (what the native bfloat16 kernel reproduces)."""
         dtype = x.dtype
@@ -98,9 +107,18 @@ class Attention(nn.Module):
         backend: LayerAttention,
     ) -> torch.Tensor:
         t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        if self.q_norm is None and cpu_kernels.fused_ok(qkv, cos):
+            # One native pass reads the product where it lies and writes q, k
+            # (rotated) and v as the contiguous rows attention reads.
+            q, k, v = cpu_kernels.rotary_qkv(
+                qkv, cos.view(t, -1), sin.view(t, -1), self.num_heads, self.num_kv_heads,
+                self.head_dim,
+            )  # fmt: skip
+            return self.o_proj(backend.forward(self.layer, q, k, v).reshape(t, -1))
         # Rows contiguous again (a skinny product is a transposed view): attention
         # reads q/k/v per token.
-        qkv = self.qkv_proj(x).contiguous()
+        qkv = qkv.contiguous()
         q_and_k, v = qkv.split((self.sizes[0] + self.sizes[1], self.sizes[2]), dim=-1)
         qk = q_and_k.view(t, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:

@@ -47,8 +47,28 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: LayerAttention
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, residual = self.step(x, None, cos, sin, backend)
+        return residual + h
+
+    def step(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: LayerAttention,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on the hidden state ``residual + h`` (``h`` alone for None), given
+        apart so that each residual add is fused with the norm after it
+        (``RMSNorm.add_norm``); returns the same kind of pair (the MLP's output, the
+        residual stream before it)."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            residual, x = self.input_layernorm.add_norm(residual, h)
+        a = self.self_attn(x, cos, sin, backend)
+        residual, x = self.post_attention_layernorm.add_norm(residual, a)
+        return self.mlp(x), residual
 
 
 class SandwichDecoderLayer(nn.Module):
@@ -64,6 +84,17 @@ class SandwichDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = rms_norm(cfg, cfg.hidden_size)
         self.mlp = MLP(cfg, comm)
         self.post_feedforward_layernorm = rms_norm(cfg, cfg.hidden_size)
+
+    def step(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: LayerAttention,
+    ) -> tuple[torch.Tensor, None]:
+        """``DecoderLayer.step``'s contract; the hidden state is summed first."""
+        return self(h if residual is None else residual + h, cos, sin, backend), None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: LayerAttention
@@ -137,10 +168,15 @@ class CausalLM(nn.Module):
         local = full
         if self.local_rotary is not self.rotary:
             local = self.local_rotary.cos_sin(positions, max_position)
+        residual = None
         for layer, window in zip(self.layers, self.cfg.sliding_windows, strict=True):
             cos, sin = local if window > 0 else full
-            h = layer(h, cos, sin, backend)
-        logits = self.lm_head(self.norm(h[logits_index]))
+            h, residual = layer.step(h, residual, cos, sin, backend)
+        if residual is None:
+            x = self.norm(h[logits_index])
+        else:
+            _, x = self.norm.add_norm(residual[logits_index], h[logits_index])
+        logits = self.lm_head(x)
         return None if logits is None else softcap(logits, self.cfg.final_softcap)
 
     def weight_bytes(self) -> int:

@@ -143,7 +143,7 @@ def run_case(
     backend.begin_batch(batch)
     if shared_flash:
         assert backend._shared, "no cascade group went through flash attention"
-        in_place = [p.run_start is not None for p in backend._shared]
+        in_place = [p.run_start is not None for p in backend._shared.groups]
         assert all(in_place) if consecutive_prefix and page_size == 1 else not any(in_place)
     for layer in range(2):
         q = torch.randn(int(qo.sum()), heads, HEAD_DIM, dtype=torch.float64).to(dtype)

@@ -1,4 +1,4 @@
-"""A cascade group's shared prefix through oneDNN's attention (for CPUs with AMX tiles).
+"""Cascade groups' shared prefixes through oneDNN's attention (for CPUs with AMX tiles).
 
 When decode requests share a cached prefix, the native kernel reads it once for
 all of them as one segment (``native_decode.py``). That part is a small matrix
@@ -7,13 +7,18 @@ runs bfloat16 products on AMX tiles (``cpu_kernels.AMX``) torch's CPU flash
 attention computes it several times faster than the kernel's ``vdpbf16ps``
 tiles (docs/worker.md, "CPU kernels"). Then the native kernel computes only each
 member's own suffix, with the log-sum-exp of its scores, and ``attend`` merges
-the two parts per row and head by their log-sum-exps: the same attention over
-the concatenated keys.
+the two parts per row and head by their log-sum-exps (``cpu_kernels.merge_attention``,
+one native call per group): the same attention over the concatenated keys.
 
-Contract: ``attend`` reads rows ``plan.rows`` of ``out`` and ``lse`` (the
-suffix part, already written) and overwrites those rows of ``out``. No sliding
-window and no soft-cap (the planner does not form cascade groups with windows,
-and the backend does not use this path with a soft-cap).
+Everything that depends only on the step's page tables is in ``SharedPrefixes``,
+built once per step for every group of the step (``build``): per layer ``attend``
+gathers every group's query vectors with one ``index_select``, then runs one
+flash call and one merge per group.
+
+Contract: ``attend`` reads the member rows of ``out`` and ``lse`` (the suffix
+part, already written) and overwrites those rows of both with the merged
+result. No sliding window and no soft-cap (the planner does not form cascade
+groups with windows, and the backend does not use this path with a soft-cap).
 """
 
 from __future__ import annotations
@@ -24,47 +29,80 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from radixserve.layers import cpu_kernels
+
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def available() -> bool:
-    """Whether this torch has the CPU flash attention that returns the log-sum-exp."""
-    return _FLASH is not None
+    """Whether this torch has the CPU flash attention that returns the log-sum-exp,
+    and the native extension the merge."""
+    return _FLASH is not None and cpu_kernels.merge_ok()
 
 
 @dataclass
-class SharedPrefix:
-    """One cascade group: its members' rows of q (int64), the shared pages' K rows in
-    the pool viewed as ``[num_pages * 2, page_size * kv_heads * head_dim]`` (V is the
-    next row), and the number of shared keys. ``run_start``: with one token per page
-    and the shared pages consecutive (as the allocator usually hands out a prefill's
-    pages), the first K row; attention then reads the pool in place, no gather."""
+class Group:
+    """One cascade group: the shared pages' K and V rows in the pool viewed as
+    ``[num_pages * 2, page_size * kv_heads * head_dim]`` (V is the row after K), the
+    number of shared keys, and where its query vectors are in the step's index
+    (``begin:end``). ``run_start``: with one token per page and the shared pages
+    consecutive (as the allocator usually hands out a prefill's pages), the first
+    K row; attention then reads the pool in place, no gather."""
 
-    rows: torch.Tensor
     k_rows: torch.Tensor
+    v_rows: torch.Tensor  # k_rows + 1
     kv_len: int
+    begin: int
+    end: int
     buffers: tuple[torch.Tensor, torch.Tensor]  # K, V gather destinations, reused per layer
     run_start: int | None = None
+
+
+@dataclass
+class SharedPrefixes:
+    """A step's cascade groups. ``index`` (int64): for every group, kv head, member
+    and query head of that kv head's group, the row of that query vector in q
+    viewed as ``[tokens * heads, head_dim]`` (the same row of ``out``, and of
+    ``lse`` viewed flat)."""
+
+    groups: list[Group]
+    index: torch.Tensor
 
     @classmethod
     def build(
         cls,
-        rows: np.ndarray,
-        pages: np.ndarray,
+        groups: list[tuple[np.ndarray, np.ndarray]],
         page_size: int,
+        heads: int,
+        kv_heads: int,
         make_buffers: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-    ) -> SharedPrefix:
-        """From the members' q rows and the shared page ids; ``make_buffers(n)`` gives
-        gather destinations for n pages (asked only when the pages are not a run)."""
-        k_rows = pages.astype(np.int64) * 2
-        run = page_size == 1 and len(pages) > 0 and bool((np.diff(pages) == 1).all())
-        buffers = (torch.empty(0), torch.empty(0)) if run else make_buffers(len(pages))
-        return cls(torch.from_numpy(rows.astype(np.int64)), torch.from_numpy(k_rows),
-                   len(pages) * page_size, buffers, int(k_rows[0]) if run else None)  # fmt: skip
+    ) -> SharedPrefixes:
+        """From each group's members' q rows and shared page ids; ``make_buffers(n)``
+        gives gather destinations for n pages (asked only when a group's pages are not
+        a run)."""
+        g = heads // kv_heads
+        parts, plans, at = [], [], 0
+        for rows, pages in groups:
+            # [kv head][member][query head of the kv head's group]
+            idx = (
+                rows.astype(np.int64)[None, :, None] * heads
+                + np.arange(kv_heads)[:, None, None] * g
+                + np.arange(g)[None, None, :]
+            )
+            parts.append(idx.reshape(-1))
+            k_rows = pages.astype(np.int64) * 2
+            run = page_size == 1 and len(pages) > 0 and bool((np.diff(pages) == 1).all())
+            buffers = (torch.empty(0), torch.empty(0)) if run else make_buffers(len(pages))
+            plans.append(Group(torch.from_numpy(k_rows), torch.from_numpy(k_rows + 1),
+                               len(pages) * page_size, at, at + idx.size, buffers,
+                               int(k_rows[0]) if run else None))  # fmt: skip
+            at += idx.size
+        index = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        return cls(plans, torch.from_numpy(index))
 
 
 def attend(
-    plan: SharedPrefix,
+    plan: SharedPrefixes,
     q: torch.Tensor,
     pages: torch.Tensor,
     out: torch.Tensor,
@@ -72,30 +110,25 @@ def attend(
     kv_heads: int,
     scale: float,
 ) -> None:
-    """``out[rows]`` := attention of ``q[rows]`` over the shared keys and the suffix
-    part already in ``out[rows]`` / ``lse[rows]`` (float32 or float64 [T, heads])."""
-    t_rows, heads, d = plan.rows.shape[0], q.shape[1], q.shape[2]
-    group = heads // kv_heads
-    if plan.run_start is not None:  # every second row of the pool, from run_start
-        end = plan.run_start + 2 * plan.kv_len
-        kb, vb = pages[plan.run_start : end : 2], pages[plan.run_start + 1 : end : 2]
-    else:
-        kb, vb = plan.buffers
-        torch.index_select(pages, 0, plan.k_rows, out=kb)
-        torch.index_select(pages, 0, plan.k_rows + 1, out=vb)
-    keys = kb.view(-1, kv_heads, d)[: plan.kv_len].transpose(0, 1).unsqueeze(0)
-    vals = vb.view(-1, kv_heads, d)[: plan.kv_len].transpose(0, 1).unsqueeze(0)
-    # Every member's query heads of one KV head are queries of one attention call.
-    qs = q.index_select(0, plan.rows).view(t_rows, kv_heads, group, d).transpose(0, 1)
-    qs = qs.reshape(1, kv_heads, t_rows * group, d)
-    o_shared, lse_shared = _FLASH(qs, keys, vals, scale=scale)  # type: ignore[misc]
-    o_shared = o_shared.reshape(kv_heads, t_rows, group, d).transpose(0, 1)
-    lse_shared = lse_shared.reshape(kv_heads, t_rows, group).transpose(0, 1)
-    ct = lse.dtype
-    l1 = lse.index_select(0, plan.rows).view(t_rows, kv_heads, group)
-    l2 = lse_shared.to(ct)
-    m = torch.maximum(l1, l2)
-    w1, w2 = (l1 - m).exp_().unsqueeze(-1), (l2 - m).exp_().unsqueeze(-1)
-    o1 = out.index_select(0, plan.rows).view(t_rows, kv_heads, group, d).to(ct)
-    merged = (o1 * w1 + o_shared.to(ct) * w2) / (w1 + w2)
-    out.index_copy_(0, plan.rows, merged.reshape(t_rows, heads, d).to(out.dtype))
+    """Every group's members: ``out`` and ``lse`` (float32, or float64 for float64
+    values, [T, heads]) := attention over the shared keys merged with the suffix part
+    already there. ``q`` and ``out`` contiguous [T, heads, head_dim]."""
+    d = q.shape[2]
+    qs = q.view(-1, d).index_select(0, plan.index)
+    flat_out, flat_lse = out.view(-1, d), lse.view(-1)
+    for grp in plan.groups:
+        if grp.run_start is not None:  # every second row of the pool, from run_start
+            end = grp.run_start + 2 * grp.kv_len
+            kb, vb = pages[grp.run_start : end : 2], pages[grp.run_start + 1 : end : 2]
+        else:
+            kb, vb = grp.buffers
+            torch.index_select(pages, 0, grp.k_rows, out=kb)
+            torch.index_select(pages, 0, grp.v_rows, out=vb)
+        keys = kb.view(-1, kv_heads, d)[: grp.kv_len].transpose(0, 1).unsqueeze(0)
+        vals = vb.view(-1, kv_heads, d)[: grp.kv_len].transpose(0, 1).unsqueeze(0)
+        # Every member's query heads of one KV head are queries of one attention call.
+        n = (grp.end - grp.begin) // kv_heads
+        part_q = qs[grp.begin : grp.end].view(1, kv_heads, n, d)
+        part, part_lse = _FLASH(part_q, keys, vals, scale=scale)  # type: ignore[misc]
+        index = plan.index[grp.begin : grp.end].view(kv_heads, n)
+        cpu_kernels.merge_attention(flat_out, flat_lse, part[0], part_lse[0], index)

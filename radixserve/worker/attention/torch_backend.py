@@ -36,7 +36,7 @@ from radixserve.worker.attention import native_decode, shared_prefix
 from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
 from radixserve.worker.attention.capped import cap_, capped_attention
 from radixserve.worker.attention.native_decode import Segments
-from radixserve.worker.attention.shared_prefix import SharedPrefix
+from radixserve.worker.attention.shared_prefix import SharedPrefixes
 from radixserve.worker.kv_pool import KVPool
 
 
@@ -164,7 +164,7 @@ class TorchAttention(AttentionBackend):
         rows = np.concatenate(write_rows) if write_rows else np.zeros(0, np.int64)
         self._write = torch.from_numpy(rows).to(device)
         groups, plain = self._group_decodes(batch, decode_ids, windows)
-        self._decodes, self._native, self._shared = [], None, []
+        self._decodes, self._native, self._shared, self._lse = [], None, None, None
         if self.decode_kernel == "native":
             self._native = self._plan_native(batch, groups, plain, windows, native_prefills)
         else:
@@ -256,14 +256,18 @@ class TorchAttention(AttentionBackend):
             rows += [qrow[i : i + 1] for i in ids]
             tables += [table(i)[common:] for i in ids]
             kv += [int(batch.kv_lens[i]) - common * s for i in ids]
+        flash = []
         for ids, common in groups:
             if self.shared_prefix_flash:
-                shared = table(int(ids[0]))[:common]
-                self._shared.append(SharedPrefix.build(qrow[ids], shared, s, self._buffers))
+                flash.append((qrow[ids], table(int(ids[0]))[:common]))
                 continue
             rows.append(qrow[ids])
             tables.append(table(int(ids[0]))[:common])
             kv.append(common * s)
+        if flash:
+            self._shared = SharedPrefixes.build(flash, s, self.num_qo_heads, h, self._buffers)
+            ct = torch.promote_types(self.pool.dtype, torch.float32)
+            self._lse = torch.empty(int(qrow[-1]), self.num_qo_heads, dtype=ct)
         causal = [False] * len(rows)
         for i in prefills:
             rows.append(np.arange(qrow[i], qrow[i + 1], dtype=np.int32))
@@ -327,13 +331,10 @@ class TorchAttention(AttentionBackend):
         pages = pool.view(-1, s * h * d)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self._native is not None:
-            lse = None
-            if self._shared:
-                ct = torch.promote_types(q.dtype, torch.float32)
-                lse = torch.empty(q.shape[:2], dtype=ct, device=q.device)
-            self._native_decode(pool, q, out, window, lse)
-            for plan in self._shared:
-                shared_prefix.attend(plan, q, pages, out, lse, h, self.scale)  # type: ignore[arg-type]
+            q = q.contiguous()
+            self._native_decode(pool, q, out, window, self._lse)
+            if self._shared is not None:
+                shared_prefix.attend(self._shared, q, pages, out, self._lse, h, self.scale)  # type: ignore[arg-type]
         for dec in self._decodes:
             if dec.shared is not None:
                 o = self._cascade_decode(pages, q, dec, dec.bias[window])
