@@ -46,29 +46,30 @@ const char* isa_name(Isa isa) {
   return "?";
 }
 
-}  // namespace radixserve
-
-namespace {
-
-using radixserve::Isa;
-
 // "auto" (the best this CPU runs) or a level's name; a level the CPU lacks is
 // refused here, so a kernel never executes an instruction the CPU does not have.
 Isa parse_isa(const std::string& name, const char* where) {
-  const Isa best = radixserve::best_isa();
+  const Isa best = best_isa();
   if (name == "auto") return best;
   for (int i = 0; i <= static_cast<int>(Isa::kAvx512Bf16); ++i) {
     const Isa isa = static_cast<Isa>(i);
-    if (name != radixserve::isa_name(isa)) continue;
+    if (name != isa_name(isa)) continue;
     if (isa > best) {
       throw std::invalid_argument(std::string(where) + ": this CPU does not run isa '" + name +
-                                  "' (best: " + radixserve::isa_name(best) + ")");
+                                  "' (best: " + isa_name(best) + ")");
     }
     return isa;
   }
   throw std::invalid_argument(std::string(where) + ": unknown isa '" + name +
                               "' (auto, baseline, avx2, avx512, avx512bf16)");
 }
+
+}  // namespace radixserve
+
+namespace {
+
+using radixserve::Isa;
+using radixserve::parse_isa;
 
 py::list supported_isas() {
   py::list out;

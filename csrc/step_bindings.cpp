@@ -31,19 +31,7 @@ KVType value_type(const py::array& a, const char* where) {
                               ": arrays must be float32, float64 or bfloat16 (as int16)");
 }
 
-Isa parse_isa(const std::string& name, const char* where) {
-  const Isa best = radixserve::best_isa();
-  if (name == "auto") return best;
-  for (int i = 0; i <= static_cast<int>(Isa::kAvx512Bf16); ++i) {
-    const Isa isa = static_cast<Isa>(i);
-    if (name != radixserve::isa_name(isa)) continue;
-    if (isa > best)
-      throw std::invalid_argument(std::string(where) + ": this CPU does not run isa '" + name +
-                                  "'");
-    return isa;
-  }
-  throw std::invalid_argument(std::string(where) + ": unknown isa '" + name + "'");
-}
+using radixserve::parse_isa;
 
 // float32 or bfloat16 (as int16) for the norm and rotary kernels: true for bfloat16.
 bool bf16_or_f32(const py::array& a, const std::string& where) {
