@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from radixserve.layers import cpu_kernels
-from radixserve.worker.attention import AttentionBatch, KVPool, create_backend, native_decode
+from radixserve.worker.attention import (
+    AttentionBatch,
+    KVPool,
+    create_backend,
+    native_decode,
+    torch_backend,
+)
 from tests.helpers.native import require_built, require_isa
 
 HEAD_DIM = 8
@@ -255,6 +261,51 @@ def test_shared_prefixes_through_flash_attention(monkeypatch, dtype, page_size, 
     # Consecutive pages: with one token per page, read in place (no gather).
     run_case(rng, page_size, 2, 3, kinds, shared=80, prefix_of=prefix_of, consecutive_prefix=True,
              **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefill_chunks_join_cascade_groups(dtype, page_size):
+    """Short prefill chunks over a shared cached prefix (questions after one system
+    prompt) join the cascade groups: flash attention over the prefix for all their
+    rows, their own keys causal in the native kernel, merged; with SDPA for every
+    other chunk (as on AMX CPUs), beside decodes of the same groups and a lone chunk."""
+    require_built(native_decode.AVAILABLE, native_decode.UNAVAILABLE_REASON, "native decode")
+    rng = np.random.default_rng(7 + page_size)
+    kw = {"decode_kernel": "native", "dtype": dtype, "shared_flash": True, "native_prefill": 0}
+    kinds = ["prefix", "prefix", "decode", "prefix", "prefix", "fresh", "prefix", "decode"]
+    prefix_of = [0, 0, 0, 1, 1, None, (0, 2), 1]
+    run_case(rng, page_size, 2, 3, kinds, shared=96, prefix_of=prefix_of, **kw)
+    run_case(rng, page_size, 1, 4, ["prefix"] * 5, shared=128, **kw)
+
+
+def test_which_prefill_chunks_join_cascade_groups():
+    """Chunks sharing a long enough prefix join; a chunk alone with its prefix, one
+    without, and one longer than CASCADE_PREFILL_MAX_TOKENS go to SDPA."""
+    require_built(native_decode.AVAILABLE, native_decode.UNAVAILABLE_REASON, "native decode")
+    s, n = 16, torch_backend.CASCADE_PREFILL_MAX_TOKENS
+    pool = KVPool(1, 512, s, 1, HEAD_DIM, torch.bfloat16)
+    backend = create_backend("torch", pool, 1.0, (-1,), 2, decode_kernel="native")
+    backend.shared_prefix_flash, backend.native_prefill_max_tokens = True, 0
+    shared = list(range(8))  # 128 cached tokens in pages 0..7
+    tables = [
+        shared + [100, 101],
+        shared + [102, 103],
+        list(range(200, 210)),
+        [300],
+        shared + list(range(400, 417)),
+    ]
+    qo = [20, 30, 20, 10, n + 1]
+    kv = [128 + 20, 128 + 30, 128 + 20, 10, 128 + n + 1]
+    batch = AttentionBatch(
+        qo_indptr=np.concatenate([[0], np.cumsum(qo)]).astype(np.int32),
+        kv_lens=np.array(kv, np.int32),
+        page_indptr=np.concatenate([[0], np.cumsum([len(t) for t in tables])]).astype(np.int32),
+        page_indices=np.concatenate(tables).astype(np.int32),
+    )
+    backend.begin_batch(batch)
+    assert [len(g.k_rows) for g in backend._shared.groups] == [8]
+    assert sorted(p.kv_len for p in backend._prefills) == sorted([kv[2], kv[3], kv[4]])
 
 
 def test_shared_prefix_flash_is_on_for_bfloat16_with_amx_only(monkeypatch):

@@ -66,6 +66,12 @@ class _Decode:
 # (a second softmax and the merge) costs more than gathering a few pages again.
 CASCADE_MIN_TOKENS = 64
 
+#: The longest prefill chunk that joins a cascade group (``shared_prefix_flash``): its
+#: rows go through flash attention over the shared prefix with the group's decodes
+#: and other chunks, and the native kernel computes the chunk's own keys causally (a
+#: short segment); a longer chunk goes to SDPA over all of its keys.
+CASCADE_PREFILL_MAX_TOKENS = 256
+
 
 #: The longest prefill chunk the native kernel takes where it runs bfloat16 products
 #: (AVX512_BF16 without AMX): there its vdpbf16ps tiles beat SDPA up to about this
@@ -142,6 +148,16 @@ class TorchAttention(AttentionBackend):
         windows = sorted(set(self.sliding_windows))
         write_rows, self._prefills = [], []
         decode_ids = np.flatnonzero(qo_lens == 1)
+        if self.shared_prefix_flash and all(w <= 0 for w in windows):
+            # Short prefill chunks over a cached prefix they share with others (the
+            # questions after one system prompt) read it once, as decodes do.
+            short = (qo_lens > 1) & (qo_lens <= CASCADE_PREFILL_MAX_TOKENS)
+            candidates = np.flatnonzero(short | (qo_lens == 1))
+            groups, plain = self._group_decodes(batch, candidates, windows)
+        else:
+            groups, plain = self._group_decodes(batch, decode_ids, windows)
+        grouped = {int(i) for ids, _ in groups for i in ids if qo_lens[i] > 1}
+        plain = plain[qo_lens[plain] == 1]  # the chunks left alone are planned below
         native_prefills = []
         native_limit = self.native_prefill_max_tokens if all(w <= 0 for w in windows) else 0
         for i in range(batch.batch_size):
@@ -149,7 +165,7 @@ class TorchAttention(AttentionBackend):
             qo, kv = int(qo_lens[i]), int(kv_lens[i])
             pos = np.arange(kv - qo, kv)
             write_rows.append(pages[pos // s].astype(np.int64) * 2 * s + pos % s)
-            if qo == 1:
+            if qo == 1 or i in grouped:
                 continue
             if qo <= native_limit:
                 native_prefills.append(i)
@@ -163,7 +179,6 @@ class TorchAttention(AttentionBackend):
             )  # fmt: skip
         rows = np.concatenate(write_rows) if write_rows else np.zeros(0, np.int64)
         self._write = torch.from_numpy(rows).to(device)
-        groups, plain = self._group_decodes(batch, decode_ids, windows)
         self._decodes, self._native, self._shared, self._lse = [], None, None, None
         if self.decode_kernel == "native":
             self._native = self._plan_native(batch, groups, plain, windows, native_prefills)
@@ -177,20 +192,25 @@ class TorchAttention(AttentionBackend):
     def _group_decodes(
         self, batch: AttentionBatch, ids: np.ndarray, windows: list[int]
     ) -> tuple[list[tuple[np.ndarray, int]], np.ndarray]:
-        """Split the decode requests into groups whose page tables start with the same
-        ``common`` pages (a shared cached prefix, read once by cascade attention) and
-        the others: ``([(ids, common), ...], plain ids)``."""
+        """Split the decode requests (and prefill chunks) into groups whose page tables
+        start with the same ``common`` pages (a shared cached prefix, read once by
+        cascade attention) and the others: ``([(ids, common), ...], plain ids)``. A
+        chunk's shared pages end before its first new token: every row of the group
+        sees every shared key."""
         if not len(ids):
             return [], ids
         s = self.pool.page_size
         tables = [batch.page_indices[batch.page_indptr[i] : batch.page_indptr[i + 1]] for i in ids]
+        # Keys every row of a request sees: a decode all of its own (kv), a chunk those
+        # before its first new token and that token (kv - qo + 1).
+        seen = (batch.kv_lens[ids].astype(np.int64) - batch.qo_lens[ids] + 1).tolist()
         plain: list[int] = []
         groups: list[tuple[np.ndarray, int]] = []
 
         def common_pages(members: list[int]) -> int:
             # Pages that start every member's table hold the same tokens for all of
             # them (the radix cache shares whole pages only).
-            full = int(min(batch.kv_lens[ids[r]] for r in members) // s)
+            full = int(min(seen[r] for r in members) // s)
             first = tables[members[0]][:full]
             for r in members[1:]:
                 same = tables[r][:full] == first
@@ -249,26 +269,32 @@ class TorchAttention(AttentionBackend):
         def table(i: int) -> np.ndarray:
             return batch.page_indices[batch.page_indptr[i] : batch.page_indptr[i + 1]]
 
+        def q_rows(ids: np.ndarray) -> np.ndarray:
+            return np.concatenate([np.arange(qrow[i], qrow[i + 1], dtype=np.int32) for i in ids])
+
         rows = [qrow[i : i + 1] for i in plain]
         tables = [table(i) for i in plain]
         kv = [int(batch.kv_lens[i]) for i in plain]
+        causal = [False] * len(rows)
         for ids, common in groups:
-            rows += [qrow[i : i + 1] for i in ids]
+            # Each member's own keys after the shared ones: causal for a chunk's rows.
+            rows += [q_rows(ids[j : j + 1]) for j in range(len(ids))]
             tables += [table(i)[common:] for i in ids]
             kv += [int(batch.kv_lens[i]) - common * s for i in ids]
+            causal += [bool(batch.qo_lens[i] > 1) for i in ids]
         flash = []
         for ids, common in groups:
             if self.shared_prefix_flash:
-                flash.append((qrow[ids], table(int(ids[0]))[:common]))
+                flash.append((q_rows(ids), table(int(ids[0]))[:common]))
                 continue
-            rows.append(qrow[ids])
+            rows.append(q_rows(ids))
             tables.append(table(int(ids[0]))[:common])
             kv.append(common * s)
+            causal.append(False)
         if flash:
             self._shared = SharedPrefixes.build(flash, s, self.num_qo_heads, h, self._buffers)
             ct = torch.promote_types(self.pool.dtype, torch.float32)
             self._lse = torch.empty(int(qrow[-1]), self.num_qo_heads, dtype=ct)
-        causal = [False] * len(rows)
         for i in prefills:
             rows.append(np.arange(qrow[i], qrow[i + 1], dtype=np.int32))
             tables.append(table(i)[: -(-int(batch.kv_lens[i]) // s)])
