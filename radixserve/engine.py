@@ -111,9 +111,7 @@ class Engine:
     def _finish_copies(self) -> None:
         """Step until no copy between cache tiers waits or is in flight (between
         ``generate`` calls there are none: it steps while any is)."""
-        while self.scheduler.copies_pending and not (
-            self.scheduler.num_running or self.scheduler.num_waiting
-        ):
+        while self.scheduler.only_copies_pending:
             self.scheduler.step(self.runner.step)
 
     def close(self) -> None:

@@ -77,14 +77,18 @@ class KVCacheManager:
         assert req.num_pages == 0 and req.node is None
         m = self.cache.match_prefix(req.tokens[: req.match_len], req.salt)
         self.cache.lock(m.last_node)
+        self._hold(req, m, (m.hit_len, 0, 0))
+        return m.hit_len
+
+    def _hold(self, req: Request, m: MatchResult, by_tier: tuple[int, int, int]) -> None:
+        """The request holds match ``m`` (its node locked already): its page table
+        starts with the matched pages, computed up to the hit."""
         req.node = m.last_node
-        req.locked_len = m.hit_len
-        req.cached_by_tier = (m.hit_len, 0, 0)
-        req.kv_len = m.hit_len
+        req.locked_len = req.kv_len = m.hit_len
+        req.cached_by_tier = by_tier
         n = len(m.pages)
         req.table_room(n)[:n] = m.pages
         req.num_pages = n
-        return m.hit_len
 
     def promote(self, req: Request) -> int:
         """With tiers: extend the request's locked match (``acquire_prefix``, no page
@@ -100,12 +104,7 @@ class KVCacheManager:
             return req.kv_len
         self.cache.lock(m.last_node)
         self.cache.unlock(req.node)  # type: ignore[arg-type]
-        req.node = m.last_node
-        req.cached_by_tier = tiers.last_match_tiers
-        req.locked_len = req.kv_len = m.hit_len
-        n = len(m.pages)
-        req.table_room(n)[:n] = m.pages
-        req.num_pages = n
+        self._hold(req, m, tiers.last_match_tiers)
         return m.hit_len
 
     def loading(self, req: Request) -> bool:

@@ -172,8 +172,7 @@ class SchedulerLoop:
     def _copies_first(self, msg: P.Message) -> bool:
         """Whether ``msg`` waits for the copies between cache tiers to be done (no
         request queued or running, copies planned or in flight)."""
-        s = self.scheduler
-        if s.num_running or s.num_waiting or not s.copies_pending:
+        if not self.scheduler.only_copies_pending:
             return False
         self._after_copies.append(msg)
         return True

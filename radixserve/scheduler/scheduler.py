@@ -234,6 +234,13 @@ class Scheduler:
         tiers = self.kv.tiers
         return tiers is not None and (tiers.has_copies or tiers.in_flight > 0)
 
+    @property
+    def only_copies_pending(self) -> bool:
+        """No request queued or running, but copies between cache tiers still wait
+        for a step or are in flight: step until this is False before a flush that
+        must empty every tier, or an idle check."""
+        return self.copies_pending and not (self.running or self.waiting)
+
     def request_ids(self) -> list[str]:
         """The ids of every request not finished yet (waiting or running)."""
         return list(self._requests)

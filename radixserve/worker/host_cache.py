@@ -100,10 +100,6 @@ class _Job:
     load_pages: np.ndarray
     after: Any = None  # CUDA: an event of the compute stream to wait for
 
-    @property
-    def pages(self) -> int:
-        return len(self.writes) + len(self.promote_pages) + len(self.load_pages)
-
 
 class HostCache:
     def __init__(
@@ -138,7 +134,6 @@ class HostCache:
         self._cond = threading.Condition()
         self._done: list[int] = []  # tickets finished, not reported yet
         self._queued = 0  # tickets given to the thread, not finished yet
-        self._queued_pages = 0  # their pages (writes, promotions, loads)
         self._error: BaseException | None = None
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._stream = torch.cuda.Stream(self.device) if cuda and asynchronous else None
@@ -197,7 +192,7 @@ class HostCache:
             [_key(c.load_keys, i) for i in range(len(c.load_pages))],
             c.load_pages,
         )
-        if not self.asynchronous or (self._queued == 0 and job.pages < self.inline_pages):
+        if not self.goes_to_thread(c):
             self._run(job)
             self._done.append(job.ticket)
             return
@@ -206,8 +201,18 @@ class HostCache:
             job.after.record()  # the compute stream, as the step began
         with self._cond:
             self._queued += 1
-            self._queued_pages += job.pages
         self._jobs.put(job)
+
+    def goes_to_thread(self, c: PageCopies) -> bool:
+        """Whether ``apply(c)`` will leave work to the copy thread: with one, any
+        ticket while it is busy (tickets run in order), else one of at least
+        ``inline_pages`` pages to write, promote or load."""
+        if not self.asynchronous:
+            return False
+        if self._queued:
+            return True
+        pages = len(c.save_pages) + len(c.to_disk_slots) + len(c.promote_pages) + len(c.load_pages)
+        return pages > 0 and pages >= self.inline_pages
 
     def finished(self) -> list[int]:
         """The tickets finished since the last call; raises what failed in the thread."""
@@ -221,11 +226,6 @@ class HostCache:
     def busy(self) -> bool:
         """Whether tickets are queued or being copied."""
         return self._queued > 0
-
-    @property
-    def queued_pages(self) -> int:
-        """Pages the thread has yet to copy (those of unfinished tickets)."""
-        return self._queued_pages
 
     def wait(self, timeout: float) -> None:
         """Wait (at most ``timeout`` seconds) until a ticket is finished or none is queued."""
@@ -252,7 +252,6 @@ class HostCache:
                 self._error = e
         with self._cond:
             self._queued -= 1
-            self._queued_pages -= job.pages
             self._done.append(job.ticket)
             self._cond.notify_all()
 

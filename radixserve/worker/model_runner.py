@@ -305,13 +305,8 @@ class ModelRunner:
         if self._threads is not None:
             hc = self.host_cache
             assert hc is not None
-            pages = sum(
-                len(c.save_pages) + len(c.to_disk_slots) + len(c.promote_pages) + len(c.load_pages)
-                for c in batch.copies
-            )
-            # What HostCache.apply gives the thread: anything while it is busy, a
-            # big ticket when not (a small one is done in the step).
-            heavy = hc.busy or (pages > 0 and pages >= hc.inline_pages)
+            # The copy thread gets a core while it has work (this step's or earlier).
+            heavy = hc.busy or any(hc.goes_to_thread(c) for c in batch.copies)
             want = self._threads[1] if heavy else self._threads[0]
             if torch.get_num_threads() != want:
                 torch.set_num_threads(want)

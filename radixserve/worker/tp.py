@@ -182,6 +182,7 @@ class WorkerGroup:
         self.follower_info: list[dict[str, Any]] = []  # the followers' Ready info
         self._joined = False
         self._threads = torch.get_num_threads()  # init_group sets this process's share
+        self.runner: ModelRunner | None = None
         try:
             self.relay = StepRelay(self.ctx, self.server.endpoint(RELAY))
             self.procs = [self._spawn(r) for r in range(1, config.tp)]
@@ -236,9 +237,8 @@ class WorkerGroup:
 
     def close(self) -> None:
         """Stop the followers (SIGTERM, then SIGKILL), leave the group, remove the run dir."""
-        runner = self.__dict__.get("runner")
-        if runner is not None:
-            runner.close()
+        if self.runner is not None:
+            self.runner.close()  # the cache tiers' copies queued are finished
         for proc in self.procs:
             if proc.poll() is None:
                 proc.terminate()

@@ -1,7 +1,8 @@
 """The ``torch`` attention backend: gather pages, then dense attention. Any device, any dtype.
 
-Decode requests that share a cached prefix (the same first pages) read it once:
-see ``_group_decodes`` and ``_cascade_decode`` (docs/worker.md, "Cascade decode").
+Decode requests (and, with ``shared_prefix_flash``, short prefill chunks) that
+share a cached prefix (the same first pages) read it once:
+see ``_cascade_groups`` and ``_cascade_decode`` (docs/worker.md, "Cascade decode").
 
 ``begin_batch`` turns the page tables into row indices once per step:
 - write rows: where each new token's K (and V, ``page_size`` rows further) goes
@@ -147,15 +148,12 @@ class TorchAttention(AttentionBackend):
         qo_lens, kv_lens = batch.qo_lens, batch.kv_lens.astype(np.int64)
         windows = sorted(set(self.sliding_windows))
         write_rows, self._prefills = [], []
-        decode_ids = np.flatnonzero(qo_lens == 1)
+        members = qo_lens == 1
         if self.shared_prefix_flash and all(w <= 0 for w in windows):
             # Short prefill chunks over a cached prefix they share with others (the
             # questions after one system prompt) read it once, as decodes do.
-            short = (qo_lens > 1) & (qo_lens <= CASCADE_PREFILL_MAX_TOKENS)
-            candidates = np.flatnonzero(short | (qo_lens == 1))
-            groups, plain = self._group_decodes(batch, candidates, windows)
-        else:
-            groups, plain = self._group_decodes(batch, decode_ids, windows)
+            members |= qo_lens <= CASCADE_PREFILL_MAX_TOKENS
+        groups, plain = self._cascade_groups(batch, np.flatnonzero(members), windows)
         grouped = {int(i) for ids, _ in groups for i in ids if qo_lens[i] > 1}
         plain = plain[qo_lens[plain] == 1]  # the chunks left alone are planned below
         native_prefills = []
@@ -189,7 +187,7 @@ class TorchAttention(AttentionBackend):
             if len(plain):
                 self._decodes.append(self._plan_decode(batch, plain, 0, windows, device))
 
-    def _group_decodes(
+    def _cascade_groups(
         self, batch: AttentionBatch, ids: np.ndarray, windows: list[int]
     ) -> tuple[list[tuple[np.ndarray, int]], np.ndarray]:
         """Split the decode requests (and prefill chunks) into groups whose page tables
