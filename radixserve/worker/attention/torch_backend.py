@@ -268,6 +268,9 @@ class TorchAttention(AttentionBackend):
             return batch.page_indices[batch.page_indptr[i] : batch.page_indptr[i + 1]]
 
         def q_rows(ids: np.ndarray) -> np.ndarray:
+            """The query rows of requests ``ids`` (one each for decodes)."""
+            if (batch.qo_lens[ids] == 1).all():
+                return qrow[ids]
             return np.concatenate([np.arange(qrow[i], qrow[i + 1], dtype=np.int32) for i in ids])
 
         rows = [qrow[i : i + 1] for i in plain]
@@ -276,7 +279,7 @@ class TorchAttention(AttentionBackend):
         causal = [False] * len(rows)
         for ids, common in groups:
             # Each member's own keys after the shared ones: causal for a chunk's rows.
-            rows += [q_rows(ids[j : j + 1]) for j in range(len(ids))]
+            rows += [np.arange(qrow[i], qrow[i + 1], dtype=np.int32) for i in ids]
             tables += [table(i)[common:] for i in ids]
             kv += [int(batch.kv_lens[i]) - common * s for i in ids]
             causal += [bool(batch.qo_lens[i] > 1) for i in ids]
