@@ -100,6 +100,7 @@ SCHEDULER_FROM_WORKER = "sched-w"  # scheduler PULL <- worker PUSH
 WORKER_IN = "worker"  # worker PULL <- scheduler PUSH
 TOKENIZER_IN = "tok"  # tokenizer PULL <- scheduler PUSH, launcher PUSH
 PUBLIC_IPC = "public"  # tokenizer ROUTER (its second public endpoint) <- HTTP front DEALER
+PUBLIC_TCP = "public-tcp"  # tokenizer ROUTER <- the routing-id gate on the public TCP port
 HTTP_IN = "http"  # HTTP front PULL <- launcher PUSH (shutdown)
 CONTROL = "ctl"  # launcher PULL <- every child PUSH (ready)
 RELAY = "relay"  # worker rank 0 ROUTER <- its node's other ranks DEALER (steps)

@@ -29,6 +29,9 @@ replicas.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -47,6 +50,7 @@ from radixserve.tokenizer.inputs import InputProcessor
 from radixserve.tokenizer.process import seed_routing_ids
 from radixserve.tokenizer.zap import enable_curve
 from radixserve.utils.sockets import recv, recv_frames, recv_multipart
+from radixserve.utils.zmtp_gate import RoutingIdGate
 
 log = logging.getLogger("radixserve.router")
 
@@ -116,9 +120,20 @@ class Router:
         if config.ipc_endpoint:
             self.public.bind(config.ipc_endpoint)
         self.zap = enable_curve(ctx, self.public, config)  # type: ignore[arg-type]
-        host = f"[{config.host}]" if ":" in config.host else config.host
-        self.public.bind(f"tcp://{host}:{config.port if config.port else '*'}")
-        self.endpoint = self.public.getsockopt(zmq.LAST_ENDPOINT).decode()
+        # Without CURVE the TCP port is a routing-id gate in front of a private ipc
+        # endpoint, as the tokenizer's (utils/zmtp_gate.py: no peer chooses its id).
+        self.gate: RoutingIdGate | None = None
+        self._gate_dir: str | None = None
+        if self.zap is None:
+            self._gate_dir = tempfile.mkdtemp(prefix="rs-")
+            upstream = os.path.join(self._gate_dir, "public-tcp")
+            self.public.bind(f"ipc://{upstream}")
+            self.gate = RoutingIdGate(config.host, config.port, upstream).start()
+            self.endpoint = self.gate.endpoint
+        else:
+            host = f"[{config.host}]" if ":" in config.host else config.host
+            self.public.bind(f"tcp://{host}:{config.port if config.port else '*'}")
+            self.endpoint = self.public.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.rr = RoundRobin()
         self.requests: dict[str, Forwarded] = {}  # by router id
         self.by_client: dict[tuple[bytes, str], str] = {}
@@ -460,5 +475,9 @@ class Router:
     def close(self) -> None:
         for r in self.replicas:
             r.close()
+        if self.gate is not None:
+            self.gate.close()
         self.client_monitor.close(0)
         self.public.close(0)
+        if self._gate_dir is not None:
+            shutil.rmtree(self._gate_dir, ignore_errors=True)

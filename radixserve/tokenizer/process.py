@@ -32,22 +32,22 @@ heartbeats) or when a reply to it cannot be routed (``ROUTER_MANDATORY``): its
 requests are aborted, so their KV is released.
 
 Routing ids (docs/serving.md, "Routing ids"): a ZeroMQ peer may choose its own
-routing id, and the ROUTER hands an automatic one (a zero byte and a counter)
-to a peer that does not, without checking that the value is free: a peer that
-claimed the next automatic id in advance makes libzmq abort the whole process
-when the counter reaches it. libzmq starts the counter from the C library's
-``rand()``, unseeded, so the value is the same on every start; this process
-seeds ``rand()`` from ``os.urandom`` before it creates the ROUTER, so the
-counter cannot be aimed at. A peer that claims an id already in use is ignored
-until the first peer with that id leaves (no ``ROUTER_HANDOVER``: a handover
-would give the newcomer the first peer's replies, and relabel the first peer
-with an automatic id, the crash again). ``radixserve.client`` picks a random
-16-byte id per client, never a zero-led one.
+routing id, and libzmq aborts the whole process when the automatic id it gives a
+peer that chose none was claimed by another already. So without CURVE the public
+TCP port is a ``RoutingIdGate`` (``utils/zmtp_gate.py``): it relays each
+connection to the ROUTER's ipc endpoint inside the run dir and replaces the
+peer's announced id with 16 random bytes, so the ROUTER never sees a
+peer-chosen or an automatic id. With CURVE the handshake is encrypted and the
+ROUTER binds the TCP port itself; there the remaining guard is that the
+automatic ids start from a random counter (``seed_routing_ids``) that no reply
+and no log line shows. Logs name a client by a keyed hash of its id
+(``client_tag``), never by the id, and never by its address.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import hmac
 import logging
 import os
@@ -65,6 +65,7 @@ from radixserve.sampling_params import short_repr
 from radixserve.server_config import (
     CONTROL,
     PUBLIC_IPC,
+    PUBLIC_TCP,
     SCHEDULER_IN,
     TOKENIZER_IN,
     ServerConfig,
@@ -75,6 +76,7 @@ from radixserve.tokenizer.output import OutputStream, TokenTexts
 from radixserve.tokenizer.zap import enable_curve
 from radixserve.utils.proc import POLL_MS, Lifeline, child_main, socket
 from radixserve.utils.sockets import recv, recv_frames, recv_multipart
+from radixserve.utils.zmtp_gate import RoutingIdGate
 
 log = logging.getLogger("radixserve.tokenizer")
 
@@ -142,8 +144,15 @@ class TokenizerServer:
         # configured, applies to the binds after it (the TCP endpoint) only.
         self.router.bind(config.endpoint(PUBLIC_IPC))
         self.zap = enable_curve(ctx, self.router, config)
-        self.router.bind(config.public_endpoint)
-        self.endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.gate: RoutingIdGate | None = None
+        if self.zap is None:  # the public TCP port is the gate's (module docstring)
+            self.router.bind(config.endpoint(PUBLIC_TCP))
+            upstream = config.endpoint(PUBLIC_TCP).removeprefix("ipc://")
+            self.gate = RoutingIdGate(config.host, config.port, upstream).start()
+            self.endpoint = self.gate.endpoint
+        else:
+            self.router.bind(config.public_endpoint)
+            self.endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.admin_key = admin_key
         self.inbox = socket(ctx, zmq.PULL, config.endpoint(TOKENIZER_IN), bind=True)
         self.to_scheduler = socket(ctx, zmq.PUSH, config.endpoint(SCHEDULER_IN), bind=False)
@@ -278,7 +287,7 @@ class TokenizerServer:
             return
         outputs = [OutputStream(self.tokenizer, ids, sp.stop, self.texts) for _ in range(sp.n)]
         self.next_rid += 1
-        rid = f"{identity.hex()}/{self.next_rid}"
+        rid = f"{client_tag(identity)}/{self.next_rid}"
         self.requests[rid] = InFlight(rid, identity, msg.id, msg.stream, outputs, prompt_text=echo)
         self.by_client[(identity, msg.id)] = rid
         self.per_client[identity] += 1
@@ -374,7 +383,9 @@ class TokenizerServer:
             self.forget(req)
             self.to_scheduler.send(P.AbortRequest(req.rid).encode())
         if gone:
-            log.info("client %s went away; its %d requests were aborted", identity.hex(), len(gone))
+            log.info(
+                "client %s went away; its %d requests were aborted", client_tag(identity), len(gone)
+            )
 
     def shutdown(self, message: str) -> None:
         """The server is stopping (a child died, or a signal): answer everything, then exit."""
@@ -409,6 +420,15 @@ class TokenizerServer:
             self.send(identity, P.Error(rid, message))
         except ClientGone:
             self.client_gone(identity)
+
+
+_TAG_KEY = os.urandom(16)
+
+
+def client_tag(identity: bytes) -> str:
+    """A short name for a client in logs and scheduler ids: a keyed hash of its routing
+    id (the key is this process's own), so neither tells anyone the id."""
+    return hashlib.blake2b(identity, digest_size=4, key=_TAG_KEY).hexdigest()
 
 
 def seed_routing_ids() -> None:

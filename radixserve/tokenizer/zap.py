@@ -76,7 +76,7 @@ class ZapHandler:
         if len(frames) < 6:
             return [ZAP_VERSION, frames[1] if len(frames) > 1 else b"", b"500", b"bad request",
                     b"", b""]  # fmt: skip
-        version, request_id, _domain, address, _routing_id, mechanism = frames[:6]
+        version, request_id, _domain, _address, _routing_id, mechanism = frames[:6]
         credentials = frames[6:]
         if version != ZAP_VERSION:
             return [ZAP_VERSION, request_id, b"500", b"unsupported ZAP version", b"", b""]
@@ -84,11 +84,8 @@ class ZapHandler:
             return [ZAP_VERSION, request_id, b"400", b"CURVE required", b"", b""]
         key = credentials[0]
         if self.allowed is not None and key not in self.allowed:
-            log.info(
-                "refused a client from %s: its public key %s is not allowed",
-                address.decode(errors="replace"),
-                z85.encode(key).decode(),
-            )
+            # The key is public and names the client; its address stays out of logs.
+            log.info("refused a client: its public key %s is not allowed", z85.encode(key).decode())
             return [ZAP_VERSION, request_id, b"400", b"client key not allowed", b"", b""]
         return [ZAP_VERSION, request_id, b"200", b"OK", z85.encode(key), b""]
 

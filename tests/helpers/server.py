@@ -6,7 +6,7 @@ stdout (``wait=False``: only starts it, ``wait_started()`` reads them; for launc
 that wait on each other, as the nodes of one server do: a node > 0 has no endpoint,
 only its worker ranks); ``stop()`` sends SIGTERM and returns the exit code. ``wrapper`` runs the
 launcher under another process (``proc`` is then that one); ``env`` adds to the
-launcher's environment (how secrets reach it). Hangs are bounded by
+launcher's environment (how secrets reach it); ``stderr`` a file for its logs. Hangs are bounded by
 pytest-timeout, not by sleeps here.
 """
 
@@ -34,6 +34,7 @@ class Server:
         wrapper: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         wait: bool = True,
+        stderr: Path | None = None,
     ) -> None:
         cmd = [*wrapper, sys.executable, "-m", "radixserve.cli", "launch"]
         cmd += ["--model", str(model_dir)]
@@ -41,7 +42,12 @@ class Server:
         cmd += ["--exit-with-parent", *args]  # no server outlives the test session
         env = {**os.environ, **(env or {})}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+        err = None if stderr is None else open(stderr, "w")  # noqa: SIM115 (the child's)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=REPO_ROOT
+        )
+        if err is not None:
+            err.close()
         self.args = args
         self.endpoint = ""
         self.http_url = ""

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +21,7 @@ import pytest
 import zmq
 
 from radixserve.client import AsyncClient, Client, ConnectionLost, ServerError
-from tests.helpers.server import Server
+from tests.helpers.server import REPO_ROOT, Server
 from tests.serving.conftest import SERVER_ARGS
 
 LONG = {"max_tokens": 500, "ignore_eos": True, "temperature": 0.0}  # outlasts every wait here
@@ -43,9 +45,12 @@ def admin(kind: str) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def victim(model_dir):
-    """A server of its own: the last test of the module SIGKILLs its launcher."""
-    srv = Server(model_dir, *SERVER_ARGS)
+def victim(model_dir, tmp_path_factory):
+    """A server of its own, logging everything (``victim.log``): the last test of the
+    module SIGKILLs its launcher."""
+    log = tmp_path_factory.mktemp("victim") / "server.log"
+    srv = Server(model_dir, *SERVER_ARGS, "--log-level", "debug", stderr=log)
+    srv.log = log
     yield srv
     srv.stop()
     assert srv.wait_orphans_gone() == []
@@ -68,36 +73,66 @@ def dealer(ctx: zmq.Context, endpoint: str, routing_id: bytes | None = None) -> 
     return sock
 
 
-@pytest.mark.timeout(120)
-def test_peers_claiming_the_automatic_ids_cannot_crash_the_server(victim, zctx):
+def learn_counters(victim, zctx) -> set[int]:
+    """What a client can learn of the ROUTER's automatic-id counter: the value libzmq
+    starts from in a process whose rand() nobody seeded, and every automatic id the
+    server's log shows after an anonymous client with a request in flight went away."""
     out = subprocess.check_output([sys.executable, "-c", FIRST_AUTO_ID], text=True)
-    start = int(out.strip()[2:], 16)
+    counters = {int(out.strip()[2:], 16)}
+    for _ in range(3):
+        anonymous = dealer(zctx, victim.endpoint)
+        anonymous.send(msgpack.packb({"type": "generate", "v": 1, "id": "g", "input_ids": [5, 6],
+                                      "stream": True, "sampling": LONG}))  # fmt: skip
+        assert msgpack.unpackb(anonymous.recv())["type"] == "chunk"
+        anonymous.close(0)
+    deadline = time.monotonic() + 30  # liveness only: the server notices the closes
+    while victim.log.read_text().count("went away") < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log = victim.log.read_text()
+    assert log.count("went away") >= 3
+    counters |= {int(h, 16) for h in re.findall(r"\b00([0-9a-f]{8})\b", log)}
+    return counters
+
+
+@pytest.mark.timeout(180)
+def test_claiming_the_next_routing_id_cannot_crash_the_server(victim, zctx):
+    """Learn the counter any way a client can, claim the ids around it, then connect
+    ordinary clients: the server answers them all and stays up."""
     claimers = []
-    for i in range(32):
-        claimed = b"\0" + ((start + i) % 2**32).to_bytes(4, "big")
-        claimers.append(dealer(zctx, victim.endpoint, claimed))
-        claimers[-1].send(admin("stats"))
+    for counter in learn_counters(victim, zctx):
+        for d in range(-4, 28):
+            claimed = b"\0" + ((counter + d) % 2**32).to_bytes(4, "big")
+            claimers.append(dealer(zctx, victim.endpoint, claimed))
+            claimers[-1].send(admin("stats"))
     for sock in claimers:  # each connection is identified once the server answers it
         assert msgpack.unpackb(sock.recv())["type"] == "reply"
-    anonymous = dealer(zctx, victim.endpoint)  # gets an automatic id
-    anonymous.send(admin("health"))
-    assert msgpack.unpackb(anonymous.recv())["type"] == "reply"
+    for _ in range(4):
+        anonymous = dealer(zctx, victim.endpoint)  # an ordinary peer with no id
+        anonymous.send(admin("health"))
+        assert msgpack.unpackb(anonymous.recv())["type"] == "reply"
     with Client(victim.endpoint, timeout=60) as c:
         assert c.health()["status"] == "ok"
     assert victim.proc.poll() is None
+    log = victim.log.read_text()
+    for sock in claimers[:8]:  # no routing id, claimed or drawn, in the log
+        assert sock.getsockopt(zmq.ROUTING_ID).hex() not in log
+    assert not re.search(r"\b00[0-9a-f]{8}\b", log), "an automatic routing id was logged"
+    assert "127.0.0.1:" not in log.replace(victim.endpoint, ""), "a peer address was logged"
 
 
 @pytest.mark.timeout(120)
-def test_a_peer_reusing_a_connected_id_is_refused_and_the_first_keeps_working(victim, zctx):
+def test_a_peer_announcing_a_connected_peers_id_gets_its_own(victim, zctx):
+    """Ids are the server's: a second peer that announces the first's id is served on
+    an id of its own, and neither gets the other's replies."""
     first = dealer(zctx, victim.endpoint, b"taken-id")
-    first.send(admin("stats"))
-    assert msgpack.unpackb(first.recv())["type"] == "reply"
+    first.send(msgpack.packb({"type": "health", "v": 1, "id": "first"}))
+    assert msgpack.unpackb(first.recv())["id"] == "first"
     second = dealer(zctx, victim.endpoint, b"taken-id")
-    second.send(admin("stats"))
-    assert not second.poll(1000), "the second peer with the id must not be served"
-    first.send(admin("health"))
-    assert msgpack.unpackb(first.recv())["type"] == "reply"  # nor take the first's replies
-    assert not second.poll(200)
+    second.send(msgpack.packb({"type": "health", "v": 1, "id": "second"}))
+    assert msgpack.unpackb(second.recv())["id"] == "second"
+    first.send(msgpack.packb({"type": "health", "v": 1, "id": "first-again"}))
+    assert msgpack.unpackb(first.recv())["id"] == "first-again"
+    assert not second.poll(200) and not first.poll(200)
     assert victim.proc.poll() is None
 
 
@@ -128,6 +163,41 @@ def test_exit_with_parent_stops_the_server_when_its_parent_dies(model_dir):
         time.sleep(0.1)
     assert srv.wait_orphans_gone(20) == []
     assert not os.path.exists(f"/proc/{launcher}") or _zombie(launcher)
+
+
+@pytest.mark.timeout(150)
+def test_a_launcher_whose_stdout_reader_dies_keeps_serving(model_dir):
+    """The pipe the launcher prints its start lines to is closed before the first
+    line: the server serves on (as under nohup), and SIGTERM still stops it cleanly."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "radixserve.cli", "launch", "--model", str(model_dir),
+           "--port", str(port), "--dtype", "float64", "--log-level", "warning",
+           "--exit-with-parent", *SERVER_ARGS]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    read_end, write_end = os.pipe()
+    proc = subprocess.Popen(cmd, stdout=write_end, env=env, cwd=REPO_ROOT)
+    os.close(write_end)
+    os.close(read_end)  # the reader is gone before the launcher has printed anything
+    try:
+        endpoint = f"tcp://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90  # liveness only: the server starts meanwhile
+        while True:
+            assert proc.poll() is None, "the launcher exited"
+            try:
+                with Client(endpoint, timeout=5) as c:
+                    r = c.generate(input_ids=[5, 6, 7], max_tokens=4, temperature=0.0)
+                    break
+            except (ServerError, TimeoutError):
+                assert time.monotonic() < deadline, "the server never answered"
+                time.sleep(0.5)
+        assert r.usage.completion_tokens == 4
+        time.sleep(1)  # past the start lines: still serving
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
 
 
 def _zombie(pid: int) -> bool:
