@@ -53,7 +53,6 @@ likely to produce it, and retraction is the safety net when it does.
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -69,6 +68,7 @@ from radixserve.scheduler.policy import order_waiting, shared_prefix_len
 from radixserve.scheduler.radix_impl import make_prefix_cache
 from radixserve.scheduler.request import ReqStatus, Request
 from radixserve.scheduler.tiered_cache import build_tiers
+from radixserve.scheduler.waiting import WaitingQueue
 
 _NO_TOKENS = np.zeros(0, dtype=np.int32)
 
@@ -91,7 +91,7 @@ class Scheduler:
         if config.host_pages:
             self.cache = build_tiers(self.cache, self.allocator, config)
         self.kv = KVCacheManager(self.allocator, self.cache)
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.chunked: Request | None = None  # the request whose prefill continues next step
         self._requests: dict[str, list[Request]] = {}
