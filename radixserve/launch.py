@@ -63,6 +63,7 @@ from radixserve.http.auth import ADMIN_KEY_ENV, API_KEY_ENV, NO_KEYS, Keys
 from radixserve.nodes import check_nodes
 from radixserve.scheduler.kv_publisher import kv_events_host
 from radixserve.server_config import CONTROL, HTTP_IN, TOKENIZER_IN, ServerConfig
+from radixserve.utils.proc import say
 
 log = logging.getLogger("radixserve.launch")
 
@@ -346,13 +347,13 @@ def launch(config: ServerConfig, http_keys: Keys = NO_KEYS) -> int:
     try:
         check_nodes(config)
     except ValueError as e:
-        print(f"radixserve: {e}", file=sys.stderr, flush=True)
+        say(f"radixserve: {e}", sys.stderr)
         return 1
     try:
         if config.node_rank == 0:
             check_public_socket(config)
     except LaunchError as e:
-        print(f"radixserve: {e}", file=sys.stderr, flush=True)
+        say(f"radixserve: {e}", sys.stderr)
         return 1
     http_host = config.http_host or config.host
     serves_http = config.http_port is not None and config.node_rank == 0
@@ -365,7 +366,7 @@ def launch(config: ServerConfig, http_keys: Keys = NO_KEYS) -> int:
     try:
         launcher.start()
     except LaunchError as e:
-        print(f"radixserve: {e}", file=sys.stderr, flush=True)
+        say(f"radixserve: {e}", sys.stderr)
         launcher.stop("the server failed to start")
         return 1
     except BaseException:
@@ -373,15 +374,14 @@ def launch(config: ServerConfig, http_keys: Keys = NO_KEYS) -> int:
         raise
     pids = " ".join(f"{k}={v}" for k, v in launcher.pids().items())
     if launcher.endpoint:
-        print(f"radixserve: serving on {launcher.endpoint}", flush=True)
+        say(f"radixserve: serving on {launcher.endpoint}")
     if launcher.http_url:
-        print(f"radixserve: http on {launcher.http_url} (OpenAI API at /v1)", flush=True)
+        say(f"radixserve: http on {launcher.http_url} (OpenAI API at /v1)")
     if launcher.kv_events:
         ev = launcher.kv_events
-        print(f"radixserve: kv events on {ev['kv_events']} (replay "
-              f"{ev['kv_events_replay']})", flush=True)  # fmt: skip
-    print(f"radixserve: {launcher.summary()}", flush=True)
-    print(f"radixserve: processes {pids} run_dir={launcher.run_dir} (Ctrl-C stops)", flush=True)
+        say(f"radixserve: kv events on {ev['kv_events']} (replay {ev['kv_events_replay']})")
+    say(f"radixserve: {launcher.summary()}")
+    say(f"radixserve: processes {pids} run_dir={launcher.run_dir} (Ctrl-C stops)")
     try:
         return launcher.serve()
     finally:

@@ -30,6 +30,7 @@ from radixserve.http.auth import NO_KEYS, Keys
 from radixserve.launch import Launcher, LaunchError, _wait_or_kill, check_public_socket
 from radixserve.router.policy import PolicyConfig
 from radixserve.server_config import PUBLIC_IPC, ServerConfig
+from radixserve.utils.proc import say
 
 log = logging.getLogger("radixserve.launch")
 
@@ -211,7 +212,7 @@ def launch_dp(config: ServerConfig, dp: int, policy: PolicyConfig, http_keys: Ke
     try:
         check_public_socket(config)
     except LaunchError as e:
-        print(f"radixserve: {e}", file=sys.stderr, flush=True)
+        say(f"radixserve: {e}", sys.stderr)
         return 1
     launcher = DataParallelLauncher(config, dp, policy, http_keys)
     signal.signal(signal.SIGINT, launcher.on_signal)
@@ -219,20 +220,20 @@ def launch_dp(config: ServerConfig, dp: int, policy: PolicyConfig, http_keys: Ke
     try:
         launcher.start()
     except LaunchError as e:
-        print(f"radixserve: {e}", file=sys.stderr, flush=True)
+        say(f"radixserve: {e}", sys.stderr)
         launcher.stop("the server failed to start")
         return 1
     except BaseException:
         launcher.close()
         raise
-    print(f"radixserve: serving on {launcher.endpoint}", flush=True)
+    say(f"radixserve: serving on {launcher.endpoint}")
     if launcher.http_url:
-        print(f"radixserve: http on {launcher.http_url} (OpenAI API at /v1)", flush=True)
+        say(f"radixserve: http on {launcher.http_url} (OpenAI API at /v1)")
     replicas = " ".join(r.endpoint for r in launcher.replicas if r is not None)
-    print(f"radixserve: router over {dp} replicas ({policy.policy}): {replicas}", flush=True)
+    say(f"radixserve: router over {dp} replicas ({policy.policy}): {replicas}")
     first = launcher.replicas[0]
     if first is not None:
-        print(f"radixserve: {first.summary()} dp={dp}", flush=True)
+        say(f"radixserve: {first.summary()} dp={dp}")
     pids = {"router": launcher.router.pid if launcher.router else 0}
     for i, r in enumerate(launcher.replicas):
         if r is not None:
@@ -240,7 +241,7 @@ def launch_dp(config: ServerConfig, dp: int, policy: PolicyConfig, http_keys: Ke
     if "http" in launcher.front.children:
         pids["http"] = launcher.front.children["http"].pid
     pid_text = " ".join(f"{k}={v}" for k, v in pids.items())
-    print(f"radixserve: processes {pid_text} run_dir={launcher.front.run_dir}", flush=True)
+    say(f"radixserve: processes {pid_text} run_dir={launcher.front.run_dir}")
     try:
         return launcher.serve()
     finally:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import os
 import shutil
@@ -106,6 +107,26 @@ def child_main(name: str, run: Callable[[ServerConfig, zmq.Context, Lifeline], N
         log.warning("%s: stopping", life.why_stopped())
         code = code or 1
     exit_now(ctx, code, config.run_dir if orphan else None)
+
+
+def say(text: str, stream=None) -> None:
+    """Print one of the launcher's lines (``stream``: stdout by default). When whoever
+    read it went away (a closed pipe: a supervisor's log reader that died), the
+    server keeps serving as under nohup: the stream's descriptor is pointed at
+    /dev/null, and this and every later line go there."""
+    stream = sys.stdout if stream is None else stream
+    try:
+        print(text, file=stream, flush=True)
+    except OSError as e:
+        if not isinstance(e, BrokenPipeError) and e.errno != errno.EPIPE:
+            raise
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, stream.fileno())
+        finally:
+            os.close(devnull)
+        with contextlib.suppress(OSError):
+            stream.flush()  # what was buffered goes to /dev/null too
 
 
 def exit_now(ctx: zmq.Context, code: int, remove_dir: str | None = None) -> None:
