@@ -53,6 +53,7 @@ async def parse(state: FrontState, request: Request, cls: type[Body]) -> Body:
     if declared.isdigit() and int(declared) > limit:  # refused before it is read
         raise HTTPError(413, f"the body has {declared} bytes; this server accepts {limit}")
     data = await request.body()
+    state.large_bodies.read(len(data))
     if len(data) > limit:
         raise HTTPError(413, f"the body has {len(data)} bytes; this server accepts {limit}")
     try:
@@ -316,6 +317,9 @@ async def _all(jobs: Any) -> None:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        # A failed task holds its exception, whose traceback holds this frame: without
+        # this the request's body lived on in that cycle until the next full collection.
+        tasks.clear()
 
 
 async def _merge(gens: list[Generation]) -> AsyncIterator[tuple[int, P.Chunk]]:
@@ -370,7 +374,10 @@ async def _unless_disconnected(request: Request, job: Awaitable[T]) -> T:
             await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():
         raise ClientGone
-    return task.result()
+    try:
+        return task.result()
+    finally:
+        del task  # no cycle through the exception's traceback (see ``_all``)
 
 
 async def _disconnected(request: Request) -> None:

@@ -32,6 +32,7 @@ from radixserve import protocol as P
 from radixserve.client import AsyncClient
 from radixserve.http.app import create_app
 from radixserve.http.auth import Keys
+from radixserve.http.large_bodies import map_large_blocks
 from radixserve.http.metrics import Metrics
 from radixserve.http.state import FrontState, body_limit
 from radixserve.server_config import CONTROL, HTTP_IN, PUBLIC_IPC, ServerConfig
@@ -64,6 +65,7 @@ def bind(host: str, port: int) -> pysocket.socket:
 def run(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
     assert config.model is not None and config.http_port is not None
     disable_created_metrics()  # the *_created series only double the exposition's size
+    map_large_blocks()  # large bodies go back to the kernel when freed (large_bodies.py)
     asyncio.run(serve(config, ctx, life))
 
 

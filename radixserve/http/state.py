@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from radixserve.client import AsyncClient
+from radixserve.http.large_bodies import LargeBodies
 from radixserve.http.metrics import Metrics
 from radixserve.tokenizer.config import TokenizerConfig
 
@@ -30,3 +31,4 @@ class FrontState:
     draining: bool = False  # the server is stopping: new requests get 503
     max_body_bytes: int = body_limit(TokenizerConfig.max_message_bytes)  # else a 413
     created: int = field(default_factory=lambda: int(time.time()))  # the model card's
+    large_bodies: LargeBodies = field(default_factory=LargeBodies)

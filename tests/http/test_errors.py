@@ -209,3 +209,29 @@ def test_a_body_too_large_for_the_tokenizer_is_413_and_the_front_keeps_serving(h
     assert "bytes" in err["message"] and len(err["message"]) < 200
     ok = http.post("/v1/completions", json=GOOD)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.timeout(300)
+def test_rejected_large_prompts_leave_no_memory_behind(http, http_server):
+    """100 prompts of 5 MiB that the tokenizer refuses (over --max-prompt-chars): the
+    front answers each 400 and its resident memory ends within 30 MiB of where it
+    started (the cycles a failed request leaves are collected soon after it)."""
+    pid = http_server.pids["http"]
+    big = {**GOOD, "prompt": "hello world " * (5 * 1024 * 1024 // 12)}
+    error_of(http.post("/v1/completions", json=big), 400)  # warm the error path once
+    time.sleep(1)
+    start = _rss_mib(pid)
+    for _ in range(100):
+        assert "characters" in error_of(http.post("/v1/completions", json=big), 400)["message"]
+    time.sleep(1)  # past the front's delayed collection
+    assert _rss_mib(pid) - start < 30
+    r = http.post("/v1/completions", json=GOOD)
+    assert r.status_code == 200
