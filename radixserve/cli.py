@@ -467,6 +467,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="the replay socket (missed batches, or a snapshot); default: --kv-events' port + 1",
     )
     ev.add_argument(
+        "--kv-events-format",
+        choices=("radixserve", "vllm"),
+        default="radixserve",
+        help="radixserve's own events (epochs, heartbeats, snapshots), or vLLM's KVEventBatch "
+        "wire format (BlockStored/BlockRemoved/AllBlocksCleared, vLLM's sha256 block hashes, "
+        "its replay protocol) for consumers written for vLLM",
+    )
+    ev.add_argument(
+        "--kv-events-topic",
+        default="",
+        help="with --kv-events-format vllm: the topic frame of every batch (vLLM's default: empty)",
+    )
+    ev.add_argument(
         "--replica-id", default=None, help="this server's name in its events (default host:pid)"
     )
     ev.add_argument(
@@ -575,6 +588,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         watchdog_timeout=args.watchdog_timeout,
         kv_events=args.kv_events,
         kv_events_replay=args.kv_events_replay,
+        kv_events_format=args.kv_events_format,
+        kv_events_topic=args.kv_events_topic,
         replica_id=args.replica_id,
         exit_with_parent=args.exit_with_parent,
         curve_secret_key=args.curve_secret_key,

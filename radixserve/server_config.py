@@ -38,6 +38,10 @@ class ServerConfig:
     # (None: off), its replay socket (None: PORT + 1), and the replica's name in them.
     kv_events: str | None = None
     kv_events_replay: str | None = None
+    # The events' wire format: radixserve's own (docs/scale-out.md), or "vllm" (vLLM's
+    # KVEventBatch; scheduler/kv_events_vllm.py), published under ``kv_events_topic``.
+    kv_events_format: str = "radixserve"
+    kv_events_topic: str = ""
     replica_id: str | None = None
     # Several nodes (docs/parallel.md, "Several nodes"): this launch is node ``node_rank``
     # of ``nnodes``, each running ``engine.tp // nnodes`` worker ranks; they meet at

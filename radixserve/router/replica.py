@@ -22,6 +22,7 @@ import zmq
 from radixserve import protocol as P
 from radixserve.client.common import Link, setup_socket
 from radixserve.router.events import EventFollower
+from radixserve.router.events_vllm import VllmEventFollower
 from radixserve.router.mirror import KVMirror
 
 log = logging.getLogger("radixserve.router")
@@ -50,7 +51,7 @@ class Replica:
     up: bool = False
     health: dict | None = None
     stats: dict | None = None
-    events: EventFollower | None = None
+    events: EventFollower | VllmEventFollower | None = None
     in_flight: dict[str, Forwarded] = field(default_factory=dict)
     # Keys of the prompts in flight here (how many prompts hold each).
     pending: Counter[bytes] = field(default_factory=Counter)
@@ -148,6 +149,13 @@ class Replica:
                         self.name)  # fmt: skip
             return
         host = _host(self.endpoint)
+        if stats.get("kv_events_format") == "vllm":  # vLLM's wire format, translated
+            topic = stats.get("kv_events_topic")
+            self.events = VllmEventFollower(
+                self.ctx, self.name, _with_host(ep, host), _with_host(replay, host), self.curve,
+                topic if isinstance(topic, str) else "",
+            )  # fmt: skip
+            return
         self.events = EventFollower(
             self.ctx, self.name, _with_host(ep, host), _with_host(replay, host), self.curve
         )

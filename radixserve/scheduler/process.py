@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket as pysocket
 import time
 
@@ -37,6 +38,7 @@ import zmq
 from radixserve import protocol as P
 from radixserve.config import build_scheduler
 from radixserve.curve import load_allowed_keys, load_secret_certificate, require_curve
+from radixserve.scheduler.kv_events_vllm import VllmKVEventPublisher
 from radixserve.scheduler.kv_publisher import KVEventLog, KVEventPublisher
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.server_config import (
@@ -222,6 +224,12 @@ def start_kv_events(
         ZapHandler(ctx, allowed).serve_in_thread()  # before the CURVE sockets bind
     replica = config.replica_id or f"{pysocket.gethostname()}:{os.getpid()}"
     log_ = KVEventLog(scheduler.record_kv_events(), replica)
+    if config.kv_events_format == "vllm":
+        rank = re.fullmatch(r"dp(\d+)", config.replica_id or "")  # a replica of --dp N
+        return VllmKVEventPublisher(
+            ctx, log_, config.kv_events, config.kv_events_replay, curve,
+            topic=config.kv_events_topic, data_parallel_rank=int(rank[1]) if rank else 0,
+        )  # fmt: skip
     return KVEventPublisher(ctx, log_, config.kv_events, config.kv_events_replay, curve)
 
 
