@@ -29,7 +29,11 @@ REPLAY_TIMEOUT_S = 3.0
 MAX_HELD = 10_000  # stream batches held while a replay is pending
 
 
-class EventFollower:
+class FollowerSockets:
+    """What both followers share: the SUB socket on the stream, a DEALER for replays
+    (a fresh one per request: a DEALER would deliver an old answer late), CURVE on
+    both when the replica uses it, and re-asking a replay left unanswered."""
+
     def __init__(
         self,
         ctx: zmq.Context,
@@ -37,6 +41,7 @@ class EventFollower:
         endpoint: str,
         replay_endpoint: str,
         curve: object | None = None,
+        topic: bytes = b"",
     ) -> None:
         self.ctx = ctx
         self.name = name
@@ -48,13 +53,11 @@ class EventFollower:
         self._secure(self.sub)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.RCVHWM, 100_000)
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic)
         self.sub.connect(endpoint)
         self.replay: zmq.Socket | None = None
         self.pending_since: float | None = None  # when the replay was asked
-        self.held: list[P.KVEventBatch] = []
         self.resyncs = 0
-        self.ask()  # the mirror starts from a snapshot
 
     def sockets(self) -> list[zmq.Socket]:
         return [s for s in (self.sub, self.replay) if s is not None]
@@ -66,19 +69,21 @@ class EventFollower:
             sock.setsockopt(zmq.CURVE_PUBLICKEY, c.public)  # type: ignore[attr-defined]
             sock.setsockopt(zmq.CURVE_SECRETKEY, c.secret)  # type: ignore[attr-defined]
 
-    # ------------------------------------------------------------ replay
     def ask(self) -> None:
-        """Ask the replay socket for what the mirror lacks (a snapshot if never synced)."""
+        raise NotImplementedError
+
+    def _fresh_replay_socket(self) -> zmq.Socket:
+        """A new DEALER on the replay endpoint, the old one closed; the request is
+        counted and timed from now."""
         if self.replay is not None:
             self.replay.close(0)
         self.replay = self.ctx.socket(zmq.DEALER)
         self._secure(self.replay)
         self.replay.setsockopt(zmq.LINGER, 0)
         self.replay.connect(self.replay_endpoint)
-        since = self.mirror.seq if self.mirror.synced else -1
-        self.replay.send(P.KVReplay(since).encode())
         self.pending_since = time.monotonic()
         self.resyncs += 1
+        return self.replay
 
     def tick(self) -> None:
         """Re-ask a replay that went unanswered (call now and then)."""
@@ -87,6 +92,30 @@ class EventFollower:
             and time.monotonic() - self.pending_since > REPLAY_TIMEOUT_S
         ):
             self.ask()
+
+    def close(self) -> None:
+        for s in self.sockets():
+            s.close(0)
+
+
+class EventFollower(FollowerSockets):
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        name: str,
+        endpoint: str,
+        replay_endpoint: str,
+        curve: object | None = None,
+    ) -> None:
+        super().__init__(ctx, name, endpoint, replay_endpoint, curve)
+        self.held: list[P.KVEventBatch] = []
+        self.ask()  # the mirror starts from a snapshot
+
+    # ------------------------------------------------------------ replay
+    def ask(self) -> None:
+        """Ask the replay socket for what the mirror lacks (a snapshot if never synced)."""
+        since = self.mirror.seq if self.mirror.synced else -1
+        self._fresh_replay_socket().send(P.KVReplay(since).encode())
 
     # ----------------------------------------------------------- receive
     def on_readable(self, sock: zmq.Socket) -> None:
@@ -153,7 +182,3 @@ class EventFollower:
         held, self.held = self.held, []
         for batch in held:
             self._on_stream(batch)
-
-    def close(self) -> None:
-        for s in self.sockets():
-            s.close(0)

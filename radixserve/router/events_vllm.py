@@ -32,18 +32,18 @@ import numpy as np
 import zmq
 
 from radixserve import protocol as P
-from radixserve.router.mirror import KVMirror, MirrorOutOfSync
+from radixserve.router.events import FollowerSockets
+from radixserve.router.mirror import MirrorOutOfSync
 from radixserve.scheduler.kv_events import page_keys
 
 log = logging.getLogger("radixserve.router")
 
-REPLAY_TIMEOUT_S = 3.0
 END_SEQ = -1
 MAX_HELD = 10_000
 EPOCH = 1  # the mirror's epoch: vLLM has none; a restart resets the mirror instead
 
 
-class VllmEventFollower:
+class VllmEventFollower(FollowerSockets):
     def __init__(
         self,
         ctx: zmq.Context,
@@ -53,54 +53,15 @@ class VllmEventFollower:
         curve: object | None = None,
         topic: str = "",
     ) -> None:
-        self.ctx = ctx
-        self.name = name
-        self.replay_endpoint = replay_endpoint
-        self.curve = curve
-        self.mirror = KVMirror()
+        super().__init__(ctx, name, endpoint, replay_endpoint, curve, topic.encode())
         self.blocks: dict[Any, tuple[bytes, str | None]] = {}  # vLLM hash -> (key, salt)
         self.last = -1  # the last vLLM seq applied
-        self.sub = ctx.socket(zmq.SUB)
-        self._secure(self.sub)
-        self.sub.setsockopt(zmq.LINGER, 0)
-        self.sub.setsockopt(zmq.RCVHWM, 100_000)
-        self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        self.sub.connect(endpoint)
-        self.replay: zmq.Socket | None = None
-        self.pending_since: float | None = None
         self.held: list[tuple[int, bytes]] = []
-        self.resyncs = 0
         self.ask()
 
-    def sockets(self) -> list[zmq.Socket]:
-        return [s for s in (self.sub, self.replay) if s is not None]
-
-    def _secure(self, sock: zmq.Socket) -> None:
-        c = self.curve
-        if c is not None:
-            sock.setsockopt(zmq.CURVE_SERVERKEY, c.server_public)  # type: ignore[attr-defined]
-            sock.setsockopt(zmq.CURVE_PUBLICKEY, c.public)  # type: ignore[attr-defined]
-            sock.setsockopt(zmq.CURVE_SECRETKEY, c.secret)  # type: ignore[attr-defined]
-
-    # ------------------------------------------------------------ replay
     def ask(self) -> None:
         """Ask for every batch after the last one applied."""
-        if self.replay is not None:
-            self.replay.close(0)
-        self.replay = self.ctx.socket(zmq.DEALER)
-        self._secure(self.replay)
-        self.replay.setsockopt(zmq.LINGER, 0)
-        self.replay.connect(self.replay_endpoint)
-        self.replay.send_multipart([b"", (self.last + 1).to_bytes(8, "big")])
-        self.pending_since = time.monotonic()
-        self.resyncs += 1
-
-    def tick(self) -> None:
-        if (
-            self.pending_since is not None
-            and time.monotonic() - self.pending_since > REPLAY_TIMEOUT_S
-        ):
-            self.ask()
+        self._fresh_replay_socket().send_multipart([b"", (self.last + 1).to_bytes(8, "big")])
 
     # ----------------------------------------------------------- receive
     def on_readable(self, sock: zmq.Socket) -> None:
@@ -208,10 +169,6 @@ class VllmEventFollower:
         for h, k in zip(hashes, keys):
             self.blocks[h] = (k, salt)
         return [P.KVEvent("stored", b"".join(keys), parent_key, tokens, salt)]
-
-    def close(self) -> None:
-        for s in self.sockets():
-            s.close(0)
 
 
 def _decode(payload: bytes) -> list[dict]:

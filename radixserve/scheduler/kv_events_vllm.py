@@ -158,11 +158,7 @@ class VllmKVEventPublisher(KVEventPublisher):
 
     def serve_replays(self, load: dict) -> None:
         """Answer every waiting replay request: the batches from its seq, then the end."""
-        while True:
-            try:
-                frames = self.replay.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        for frames in self.replay_requests():
             if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
                 log.info("kv replay: refused a request of %d frames", len(frames))
                 continue

@@ -143,13 +143,17 @@ class KVEventPublisher:
             return
         self.last_sent = now
 
-    def serve_replays(self, load: dict) -> None:
-        """Answer every waiting ``KVReplay`` (bad requests are dropped, logged)."""
+    def replay_requests(self):
+        """The requests waiting on the replay socket, as frame lists, until none is."""
         while True:
             try:
-                frames = self.replay.recv_multipart(zmq.NOBLOCK)
+                yield self.replay.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+
+    def serve_replays(self, load: dict) -> None:
+        """Answer every waiting ``KVReplay`` (bad requests are dropped, logged)."""
+        for frames in self.replay_requests():
             if len(frames) != 2:
                 continue
             try:

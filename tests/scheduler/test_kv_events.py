@@ -131,6 +131,19 @@ def test_mirror_from_events_matches_the_tree_after_every_step(w):
         except MirrorOutOfSync:
             resync(lossy, log)
 
+    def after_change():
+        publish()
+        check_mirror(sched, mirror)
+
+    drive(sched, worker, w, after_change)
+    sched.check_idle()
+    resync(lossy, log)  # a drop at the very end shows only in a heartbeat
+    assert lossy.pages == mirror.pages and lossy.seq == mirror.seq == log.seq
+
+
+def drive(sched: Scheduler, worker: SimWorker, w: dict, after_change) -> None:
+    """Run workload ``w`` (arrivals, aborts, flushes) to idle, calling
+    ``after_change()`` after every flush and every step."""
     step = 0
     while step < 20 or sched.has_work():
         for r in w["reqs"]:
@@ -141,16 +154,11 @@ def test_mirror_from_events_matches_the_tree_after_every_step(w):
                 sched.abort_request(r["rid"])
         if step in w["flushes"]:
             sched.flush_cache()
-            publish()
-            check_mirror(sched, mirror)
+            after_change()
         sched.step(worker.step)
-        publish()
-        check_mirror(sched, mirror)
+        after_change()
         step += 1
         assert step < 3000
-    sched.check_idle()
-    resync(lossy, log)  # a drop at the very end shows only in a heartbeat
-    assert lossy.pages == mirror.pages and lossy.seq == mirror.seq == log.seq
 
 
 def resync(mirror: KVMirror, log: KVEventLog) -> None:

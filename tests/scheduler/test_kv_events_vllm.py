@@ -35,7 +35,7 @@ from radixserve.scheduler.kv_events_vllm import (
 from radixserve.scheduler.kv_publisher import KVEventLog
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.scheduler.sim_worker import SimWorker
-from tests.scheduler.test_kv_events import VOCAB, check_mirror, workloads
+from tests.scheduler.test_kv_events import VOCAB, check_mirror, drive, workloads
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -162,21 +162,8 @@ def test_a_vllm_consumer_holds_exactly_the_trees_blocks(w):
         assert set(consumer.blocks) == want
         assert set(encoder.hashes.values()) == want and len(encoder.hashes) == len(want)
 
-    step = 0
-    while step < 20 or sched.has_work():
-        for r in w["reqs"]:
-            if r["arrive"] == step:
-                sp = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0)
-                sched.add_request(r["rid"], r["prompt"], sp, salt=r["salt"])
-            if r["abort"] == step and r["arrive"] < step:
-                sched.abort_request(r["rid"])
-        if step in w["flushes"]:
-            sched.flush_cache()
-            publish()
-        sched.step(worker.step)
-        publish()
-        step += 1
-        assert step < 3000
+    drive(sched, worker, w, publish)
+    sched.check_idle()
 
 
 def test_a_stored_event_names_its_salt_only_on_a_prompts_first_block():
