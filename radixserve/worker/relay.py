@@ -94,8 +94,8 @@ class StepRelay:
             frames = self.sock.recv_multipart()
             rank = _rank_of(frames[0])
             if rank not in want or len(frames) != 2:
-                log.warning("step relay: dropped a message from an unexpected peer %r",
-                            frames[0][:16])  # fmt: skip
+                # Never the peer's routing id in a log (docs/serving.md, "Routing ids").
+                log.warning("step relay: dropped a message from an unexpected peer")
                 continue
             P.decode(frames[1], {P.Ready.TYPE: P.Ready})  # a hello, or raise
             hellos[rank] = frames[1]
