@@ -159,9 +159,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--schedule-policy",
-        choices=["lpm", "fcfs"],
+        choices=["lpm", "fcfs", "priority"],
         default=d.schedule_policy,
-        help="lpm: longest cached prefix first (with aging); fcfs: arrival order",
+        help="lpm: longest cached prefix first (with aging); fcfs: arrival order; priority: "
+        "a request's priority first (lower first, as vLLM's), lpm within a level, and a "
+        "request that cannot be admitted preempts running ones of a worse priority",
+    )
+    p.add_argument(
+        "--max-preemptions",
+        type=_non_negative,
+        default=d.max_preemptions,
+        help="with --schedule-policy priority: a request preempted this many times is not "
+        "preempted again",
     )
     p.add_argument(
         "--lpm-max-waiting",

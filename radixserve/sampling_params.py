@@ -145,6 +145,12 @@ class SamplingParams:
     ``structured`` (a ``StructuredOutput``) constrains the completion to a JSON
     schema, any JSON object, a regex or an EBNF grammar: after the processing
     above, every token the grammar cannot take next is masked (docs/structured.md).
+
+    Two scheduling fields travel with the rest (docs/scheduler.md, "Priorities"):
+    ``priority`` (an integer, lower goes first, as vLLM's; it orders and preempts
+    only under ``--schedule-policy priority``) and ``timeout`` (seconds from
+    arrival at the scheduler: a request still unfinished then is ended with an
+    error and its KV released; None: no limit).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -167,6 +173,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logprob_start_len: int = 0
     structured: StructuredOutput | None = None
+    priority: int = 0
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
         # Accept lists / a single string for convenience, store tuples (hashable, frozen).
@@ -264,6 +272,16 @@ class SamplingParams:
         if not _is_int(self.logprob_start_len) or not 0 <= self.logprob_start_len <= INT64_MAX:
             raise bad(
                 f"logprob_start_len must be an integer >= 0, got {short_repr(self.logprob_start_len)}"
+            )
+        if not _is_int(self.priority) or not -INT64_MAX <= self.priority <= INT64_MAX:
+            raise bad(
+                f"priority must be an integer (lower goes first), got {short_repr(self.priority)}"
+            )
+        if self.timeout is not None and (
+            not _is_number(self.timeout) or not 0 < self.timeout < math.inf
+        ):
+            raise bad(
+                f"timeout must be null or a number of seconds > 0, got {short_repr(self.timeout)}"
             )
         if self.structured is not None:
             self.structured.validate()

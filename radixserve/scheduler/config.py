@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 CACHE_MODES = ("radix", "none")
-SCHEDULE_POLICIES = ("lpm", "fcfs")
+SCHEDULE_POLICIES = ("lpm", "fcfs", "priority")
 
 
 def check_cache_tiers(cache: str, has_host: bool, disk_cache_dir: str | None) -> None:
@@ -45,6 +45,11 @@ class SchedulerConfig:
       that ask for far more output than they produce (``max_tokens`` up to the
       context) do not hold the pool against everyone else; retraction is the
       safety net when they do produce it.
+    - ``schedule_policy`` "priority": by ``SamplingParams.priority`` (lower
+      first), lpm with aging within a level; a waiting request that cannot be
+      admitted preempts running requests of a worse priority (docs/scheduler.md).
+    - ``max_preemptions`` 4: a request preempted this many times is not
+      preempted again (nothing is preempted forever).
     - ``max_admit_skips`` 32: a waiting request whose pages do not fit is
       passed over and admission goes on with the requests behind it, up to
       this many such requests per step (then admission stops for the step).
@@ -65,6 +70,7 @@ class SchedulerConfig:
     decode_reserve_min_ratio: float = 0.1
     decode_reserve_decay_steps: int = 500
     max_admit_skips: int = 32
+    max_preemptions: int = 4
     # A waiting request is held back while it shares a prefix of at least this
     # many tokens with a prompt being prefilled now and part of that prefix (in
     # whole pages) is not cached yet (DESIGN: shared prefixes inside one batch);
@@ -107,6 +113,7 @@ class SchedulerConfig:
             "shared_prefix_min_tokens",
             "decode_reserve_decay_steps",
             "max_admit_skips",
+            "max_preemptions",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

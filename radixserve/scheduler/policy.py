@@ -20,8 +20,16 @@ def order_waiting(
     ``max_wait_steps`` steps goes before every younger one, so nothing starves.
     With more than ``lpm_max_waiting`` requests waiting, lpm falls back to fcfs:
     peeking every prompt each step would cost more than it saves.
+    ``priority``: lower ``priority`` first, lpm (as above) within a level.
     """
     reqs = list(waiting)
+    if config.schedule_policy == "priority":
+        # Stable: within a priority level the lpm order stands.
+        return sorted(_lpm(reqs, kv, config), key=lambda r: r.sampling.priority)
+    return _lpm(reqs, kv, config)
+
+
+def _lpm(reqs: list[Request], kv: KVCacheManager, config: SchedulerConfig) -> list[Request]:
     if (
         config.schedule_policy == "fcfs"
         or not kv.enabled

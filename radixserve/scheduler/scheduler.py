@@ -52,7 +52,9 @@ likely to produce it, and retraction is the safety net when it does.
 
 from __future__ import annotations
 
+import heapq
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -103,6 +105,10 @@ class Scheduler:
         self._arrivals = 0
         self._admissions = 0
         self.reserve_ratio = config.decode_reserve_ratio
+        # Per-request timeouts: (deadline, arrival, rid), earliest first; ``clock`` is
+        # replaceable (tests).
+        self.clock: Callable[[], float] = time.monotonic
+        self._deadlines: list[tuple[float, int, str]] = []
         # Structured output: grammars by key, and what the next step tells the worker.
         # A grammar asked for and let go between two steps is never sent.
         self._grammars: dict[str, _Grammar] = {}
@@ -112,6 +118,8 @@ class Scheduler:
         # Counters for stats().
         self.num_steps = 0
         self.num_retractions = 0
+        self.num_priority_preemptions = 0
+        self.num_timeouts = 0
         self.hit_tokens = 0
         self.query_tokens = 0
         self.tier_hit_tokens = [0, 0, 0]  # hit_tokens by tier: pool, host, disk
@@ -150,6 +158,8 @@ class Scheduler:
             samples.append(req)
         self.waiting.extend(samples)
         self._requests[rid] = samples
+        if sampling.timeout is not None:
+            heapq.heappush(self._deadlines, (self.clock() + sampling.timeout, self._arrivals, rid))
         so = sampling.structured
         if so is not None:
             grammar = self._grammars.get(so.key)
@@ -264,6 +274,7 @@ class Scheduler:
         A step that only releases slots is run too, so the worker clears them;
         with nothing to compute or release, ``run`` is not called.
         """
+        self._expire()
         outputs, self._outputs = self._outputs, []
         batch = self._schedule()
         if batch is not None:
@@ -277,9 +288,60 @@ class Scheduler:
             outputs += self._process_step_result(result)
         return outputs
 
+    def _expire(self) -> None:
+        """End the requests whose ``timeout`` has passed (an error; KV released)."""
+        now = self.clock()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, rid = heapq.heappop(self._deadlines)
+            samples = self._requests.get(rid)
+            if samples is None:
+                continue  # finished in time
+            timeout = samples[0].sampling.timeout
+            self.num_timeouts += 1
+            self._outputs += self._fail(rid, f"the request timed out after {timeout:g} s")
+
+    def _preempt(self) -> None:
+        """Under the priority policy: while the best waiting request (lowest
+        ``priority``, then oldest) cannot be admitted (no free slot, or too few
+        pages), retract running requests of a worse priority, worst and newest
+        first. Their computed KV goes into the tree, so they resume from the cache;
+        one preempted ``max_preemptions`` times is not preempted again."""
+        if not self.waiting or not self.running:
+            return
+        best = min(self.waiting, key=lambda r: (r.sampling.priority, r.arrival))
+        level = best.sampling.priority
+        victims = [
+            r
+            for r in self.running
+            if r.sampling.priority > level
+            and r.preemptions < self.config.max_preemptions
+            and r.status in (ReqStatus.PREFILL, ReqStatus.DECODE)
+        ]
+        victims.sort(key=lambda r: (r.sampling.priority, r.admitted), reverse=True)
+        for victim in victims:
+            if self._fits(best):
+                return
+            victim.preemptions += 1
+            self._retract(victim)
+            self.num_priority_preemptions += 1
+
+    def _fits(self, req: Request) -> bool:
+        """Whether ``req`` could be admitted now, as ``_admit`` counts (a slot, its
+        prompt's pages beyond its cached prefix, its decode reservation)."""
+        if not self._free_slots:
+            return False
+        kv = self.kv
+        hit = kv.peek(req) if kv.enabled else 0
+        need = kv.pages_for(req.num_tokens) - hit // self.page_size
+        final = kv.pages_for(req.final_len) - kv.pages_for(req.num_tokens)
+        reserve = math.ceil(final * self.reserve_ratio)
+        return need + reserve <= kv.available_pages - self._reserved_pages()
+
     def _schedule(self) -> Step | None:
         """Plan the next step; None when there is nothing to compute."""
         assert not self._batch, "the last step's tokens were not taken back"
+        if self.config.schedule_policy == "priority":
+            self._preempt()
         batch: list[tuple[Request, int]] = []
         self._schedule_decodes(batch)
         if batch:
@@ -513,7 +575,13 @@ class Scheduler:
         """
         if not self._retractable():
             raise RuntimeError("out of KV pages with a single running request")
-        req = max(self.running, key=lambda r: r.admitted)
+        self._retract(max(self.running, key=lambda r: r.admitted))
+        # Reservations proved too optimistic: reserve fully again, then decay.
+        self.reserve_ratio = self.config.decode_reserve_ratio
+
+    def _retract(self, req: Request) -> None:
+        """Send a running request back to the front of the queue; its computed KV
+        stays in the tree, unlocked, so it resumes from there."""
         self.running.remove(req)
         if req is self.chunked:
             self.chunked = None
@@ -523,8 +591,6 @@ class Scheduler:
         req.announced = False
         self.waiting.appendleft(req)
         self.num_retractions += 1
-        # Reservations proved too optimistic: reserve fully again, then decay.
-        self.reserve_ratio = self.config.decode_reserve_ratio
 
     def _retractable(self) -> bool:
         """Whether retracting can free pages (see ``_retract_newest``)."""
@@ -724,7 +790,9 @@ class Scheduler:
             "waiting": len(self.waiting),
             "releasing": len(self._release),  # finished slots the worker is not told of yet
             "steps": self.num_steps,
-            "preemptions": self.num_retractions,
+            "preemptions": self.num_retractions,  # every retraction, priority's included
+            "priority_preemptions": self.num_priority_preemptions,
+            "timeouts": self.num_timeouts,
         }
         tiers = self.kv.tiers
         if tiers is not None:

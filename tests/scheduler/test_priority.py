@@ -1,0 +1,178 @@
+"""Priorities, preemption and timeouts (docs/scheduler.md, "Priorities, preemption
+and timeouts"), on the simulated worker: its next token is a function of the whole
+context, so a request that was preempted and resumed from the cache must produce
+exactly the tokens of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from radixserve.sampling_params import SamplingParams
+from radixserve.scheduler.request import ReqStatus
+from tests.scheduler.test_scheduler import _collect, check_outputs, expected_tokens, make, run
+
+
+def params(max_tokens: int, priority: int = 0, **kw) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, priority=priority, **kw
+    )
+
+
+def expected(prompt, n):
+    return expected_tokens(prompt, n, ignore_eos=True)
+
+
+def finish(sched, worker, results: dict) -> dict:
+    """Step to idle, adding every output to ``results``."""
+    for _ in range(100_000):
+        if not sched.has_work():
+            return results
+        for out in sched.step(worker.step):
+            _collect(results, out)
+    raise AssertionError("did not finish")
+
+
+@pytest.mark.parametrize("shortage", ["slots", "pages"])
+def test_a_high_priority_request_preempts_a_flood_of_low_priority_ones(shortage):
+    """The flood holds every slot (or every page); the urgent request is admitted in
+    the very next step, and the preempted requests end with the tokens they would
+    have produced anyway."""
+    if shortage == "slots":
+        sched, worker = make(num_pages=4096, page_size=4, schedule_policy="priority",
+                             max_running_requests=4)  # fmt: skip
+    else:
+        sched, worker = make(num_pages=96, page_size=4, schedule_policy="priority",
+                             max_running_requests=16)  # fmt: skip
+    rng = np.random.default_rng(5)
+    prompts = {f"low{i}": rng.integers(3, 64, 40).tolist() for i in range(6)}
+    for rid, p in prompts.items():
+        sched.add_request(rid, p, params(30, priority=5))
+    results: dict = {}
+    for _ in range(6):  # the flood runs
+        for out in sched.step(worker.step):
+            _collect(results, out)
+    assert len(sched.running) >= 2
+    prompts["urgent"] = rng.integers(3, 64, 40).tolist()
+    sched.add_request("urgent", prompts["urgent"], params(8, priority=-1))
+    for out in sched.step(worker.step):
+        _collect(results, out)
+    urgent = sched._requests["urgent"][0]
+    assert urgent.status in (ReqStatus.PREFILL, ReqStatus.DECODE), "not admitted at once"
+    assert sched.num_priority_preemptions >= 1
+    finish(sched, worker, results)
+    for rid, p in prompts.items():
+        n = 8 if rid == "urgent" else 30
+        assert results[(rid, 0)]["tokens"] == expected(p, n), rid
+    sched.check_idle()
+
+
+def test_equal_or_better_priorities_are_never_preempted():
+    sched, worker = make(num_pages=4096, schedule_policy="priority", max_running_requests=2)
+    for i in range(2):
+        sched.add_request(f"a{i}", list(range(3, 30)), params(20, priority=1))
+    sched.step(worker.step)
+    sched.add_request("same", list(range(5, 30)), params(4, priority=1))
+    sched.add_request("worse", list(range(6, 30)), params(4, priority=3))
+    for _ in range(3):
+        sched.step(worker.step)
+    assert sched.num_priority_preemptions == 0
+    assert {r.rid for r in sched.running} == {"a0", "a1"}
+    run(sched, worker)
+    sched.check_idle()
+
+
+def test_no_request_is_preempted_more_than_the_bound():
+    """A stream of urgent requests against one low-priority request: it is preempted
+    at most ``max_preemptions`` times, then finishes with its own tokens."""
+    sched, worker = make(num_pages=4096, schedule_policy="priority", max_running_requests=1,
+                         max_preemptions=2)  # fmt: skip
+    low = list(range(3, 40))
+    sched.add_request("low", low, params(40, priority=9))
+    results: dict = {}
+    for i in range(12):
+        sched.add_request(f"u{i}", [7, 8, 9, 10 + i], params(2, priority=0))
+        for _ in range(4):
+            for out in sched.step(worker.step):
+                _collect(results, out)
+    finish(sched, worker, results)
+    req_low = results[("low", 0)]
+    assert req_low["tokens"] == expected(low, 40)
+    assert sched.num_priority_preemptions == 2
+    sched.check_idle()
+
+
+def test_priority_orders_admission_then_lpm_within_a_level():
+    sched, worker = make(num_pages=4096, schedule_policy="priority", max_running_requests=1)
+    order = []
+    for rid, prio in (("c", 2), ("a", 0), ("b", 1), ("a2", 0)):
+        sched.add_request(rid, [3, 4, 5, len(rid) + prio], params(1, priority=prio))
+    while sched.has_work():
+        for out in sched.step(worker.step):
+            if out.finish_reason:
+                order.append(out.rid)
+    assert order == ["a", "a2", "b", "c"]
+    sched.check_idle()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("where", ["waiting", "running"])
+def test_a_request_past_its_timeout_ends_with_an_error_and_frees_its_pages(where):
+    sched, worker = make(num_pages=64, page_size=4, max_running_requests=1)
+    clock = sched.clock = FakeClock()
+    sched.add_request("first", list(range(3, 20)), params(50))
+    sched.add_request("timed", list(range(4, 21)), params(50, timeout=2.5))
+    if where == "running":
+        sched.abort_request("first")
+    results: dict = {}
+    for _ in range(3):
+        for out in sched.step(worker.step):
+            _collect(results, out)
+    timed = sched._requests["timed"][0]
+    assert timed.status is (ReqStatus.WAITING if where == "waiting" else ReqStatus.DECODE)
+    clock.now += 2.6
+    for out in sched.step(worker.step):
+        _collect(results, out)
+    assert results[("timed", 0)]["finish"] == "error"
+    assert "timed out after 2.5 s" in results[("timed", 0)]["out"].error
+    assert sched.stats()["timeouts"] == 1
+    finish(sched, worker, results)
+    if where == "waiting":
+        check_outputs({("first", 0): results[("first", 0)]}, {"first": list(range(3, 20))},
+                      {"first": 50})  # fmt: skip
+    sched.check_idle()
+
+
+def test_a_request_finished_in_time_is_not_timed_out():
+    sched, worker = make(num_pages=64, page_size=4)
+    clock = sched.clock = FakeClock()
+    sched.add_request("quick", list(range(3, 20)), params(2, timeout=1.0))
+    res = run(sched, worker)
+    assert res[("quick", 0)]["finish"] == "length"
+    clock.now += 5
+    assert sched.step(worker.step) == []
+    assert sched.stats()["timeouts"] == 0
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"priority": 1.5},
+        {"priority": "high"},
+        {"timeout": 0},
+        {"timeout": -1},
+        {"timeout": float("inf")},
+        {"timeout": "soon"},
+    ],  # fmt: skip
+)
+def test_bad_priority_or_timeout_is_refused_naming_the_field(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams(**bad)
