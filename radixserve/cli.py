@@ -123,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the model id the HTTP API answers to (default: the model's name)",
     )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json", "mistral", "qwen3_xml"),
+        default=None,
+        help="the model's tool-call format (vLLM's names): the HTTP API's tool_choice "
+        '"auto" reads calls out of free output with it (without it: a 400)',
+    )
     p.add_argument("--page-size", type=_positive, default=d.page_size, help="tokens per KV page")
     pool = p.add_mutually_exclusive_group()
     pool.add_argument("--num-pages", type=_positive, default=None, help="KV pool size in pages")
@@ -585,6 +592,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         http_port=args.http_port,
         http_host=args.http_host,
         served_model_name=args.served_model_name,
+        tool_call_parser=args.tool_call_parser,
         watchdog_timeout=args.watchdog_timeout,
         kv_events=args.kv_events,
         kv_events_replay=args.kv_events_replay,

@@ -94,6 +94,7 @@ async def serve(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
             model_info=model_info(config),
             server_args=server_args(config, name),
             eos_token_ids=tuple(config.model.eos_token_ids),
+            tool_call_parser=config.tool_call_parser,
         )
         sock = bind(config.http_host or config.host, config.http_port)
         uv = uvicorn.Config(
@@ -157,6 +158,7 @@ def server_args(config: ServerConfig, served_model_name: str) -> dict[str, Any]:
         "page_size": model.page_size,
         "max_total_num_tokens": model.num_pages * model.page_size,
         "dtype": model.dtype,
+        "tool_call_parser": config.tool_call_parser,
         "version": __version__,
     }
 

@@ -38,6 +38,7 @@ class FrontState:
     model_info: dict[str, Any] = field(default_factory=dict)
     server_args: dict[str, Any] = field(default_factory=dict)
     eos_token_ids: tuple[int, ...] = ()
+    tool_call_parser: str | None = None  # --tool-call-parser: tool_choice "auto" (tool_parsers.py)
     # The /generate requests (Generations) not yet collected, for SGLang's abort_all: a
     # weak set, so a request whose response ended, however it ended, leaves it.
     sglang_requests: weakref.WeakSet = field(default_factory=weakref.WeakSet)
