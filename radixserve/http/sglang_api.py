@@ -115,7 +115,8 @@ class _Format:
         self, state: FrontState, body: GenerateRequest, plans: list[Plan], gens: list[Generation]
     ) -> None:
         self.state, self.body, self.plans, self.gens = state, body, plans, gens
-        self.n = plans[0].sampling.n if plans else 1
+        # Prompt p's samples come at index first[p] on (n may differ by prompt).
+        self.first = [sum(q.sampling.n for q in plans[:p]) for p in range(len(plans))]
         self.listed = body.is_batch or any(p.sampling.n > 1 for p in plans)
 
     def whole(self) -> dict[str, Any] | list[dict[str, Any]]:
@@ -152,7 +153,10 @@ class _Format:
 
     def _logprobs(self, plan: Plan, gen: Generation, c: Choice) -> dict[str, Any]:
         text = self.body.return_text_in_logprobs
-        prompt = (gen.prompt_logprobs or []) if plan.logprob_start_len >= 0 else []
+        # The tokenizer gives every prompt position (null before the start); SGLang's
+        # lists begin at logprob_start_len.
+        start = plan.logprob_start_len
+        prompt = (gen.prompt_logprobs or [])[start:] if start >= 0 else []
         out = {
             "input_token_logprobs": [_entry(e[2], e[0], e[1], text) for e in prompt],
             "output_token_logprobs": [_entry(e[2], e[0], e[1], text) for e in c.logprobs],
@@ -173,7 +177,7 @@ class _Format:
                     gen = self.gens[p]
                     item = self.item(self.plans[p], gen, gen.choices[chunk.index])
                     if self.listed:
-                        item["index"] = p * self.n + chunk.index
+                        item["index"] = self.first[p] + chunk.index
                     yield f"data: {json.dumps(item)}\n\n"
                 pending = await anext(rest, None)
         except ServerError as e:

@@ -74,6 +74,13 @@ def test_generate_stops_with_sglang_finish_reasons(http, engine):  # noqa: F811
     r = http.post("/generate", json={"text": "Stop here", "sampling_params": params}).json()
     assert r["output_ids"] == free.token_ids[:3]
     assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+    # Per-prompt sampling params, n differing: items in prompt order, streamed with index.
+    body = {"text": ["Stop here", "a b"], "stream": True,
+            "sampling_params": [{**GREEDY, "n": 2}, GREEDY]}  # fmt: skip
+    with http.stream("POST", "/generate", json=body) as r:
+        events = [json.loads(x[6:]) for x in r.iter_lines() if x and x != "data: [DONE]"]
+    finals = {e["index"]: e["output_ids"] for e in events if e["meta_info"]["finish_reason"]}
+    assert finals == {0: free.token_ids, 1: free.token_ids, 2: _want(engine, ["a b"])[0].token_ids}
     # n > 1: a list of n samples (greedy: equal).
     r = http.post("/generate", json={"text": "Stop here", "sampling_params": {**GREEDY, "n": 2}})
     assert [x["output_ids"] for x in r.json()] == [free.token_ids] * 2
@@ -150,6 +157,14 @@ def test_logprobs_equal_completions(http, base_url):
         for lp, _, text in top:  # OpenAI's shape maps text to logprob: skip texts two share
             if texts.count(text) == 1:
                 assert want[text] == pytest.approx(lp, abs=1e-9)
+    # From a later start: the lists begin there (the cache serves the prompt before it).
+    meta = http.post("/generate", json={**body, "logprob_start_len": 2}).json()["meta_info"]
+    assert [e[2] for e in meta["input_token_logprobs"]] == ref["tokens"][2 : len(entries) - 4]
+    np.testing.assert_allclose(
+        [e[0] for e in meta["input_token_logprobs"]],
+        ref["token_logprobs"][2 : len(entries) - 4],
+        atol=1e-9,
+    )
     # Without return_text_in_logprobs the text is null; without logprob_start_len no prompt.
     body.update(return_text_in_logprobs=False, logprob_start_len=-1, top_logprobs_num=0)
     meta = http.post("/generate", json=body).json()["meta_info"]
