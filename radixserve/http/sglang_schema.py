@@ -104,6 +104,8 @@ class SGLangSampling(_Strict):
             value = getattr(self, name)
             if value is not None:
                 fields[renamed.get(name, name)] = value
+        if fields["max_tokens"] == 0:  # a prefill (SGLang's prefix caching, select's scoring)
+            logprobs = {k: v for k, v in logprobs.items() if k != "logprobs"}
         return SamplingParams(**fields, **logprobs, structured=self.structured())
 
 

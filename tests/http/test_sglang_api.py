@@ -276,3 +276,40 @@ def test_generate_request_schema_maps_sglang_names():
     assert (sp.max_tokens, sp.min_tokens, sp.seed, sp.top_k) == (99, 2, 7, -1)
     assert sp.structured.kind == "json_schema"
     assert GenerateRequest.model_validate({"text": "x"}).plans(99)[0].sampling.max_tokens == 128
+
+
+def test_the_sglang_frontends_requests(http, engine, zmq_client):  # noqa: F811
+    """What ``sglang.lang``'s RuntimeEndpoint (``sgl.function`` programs) sends: its
+    model lookup, cache flush, prefix caching, ``gen`` with every field its sampling
+    parameters carry, and ``select``'s choice scoring."""
+    assert "model_path" in http.get("/get_model_info").json()
+    assert http.post("/flush_cache", json={"empty_cache": True}).status_code == 200
+    prefix = "Q: Is a radix tree a trie? A:"
+    cached = http.post("/generate", json={"text": prefix, "sampling_params": {"max_new_tokens": 0}})
+    meta = cached.json()["meta_info"]
+    assert cached.json()["text"] == "" and meta["completion_tokens"] == 0
+    prompt_len = meta["prompt_tokens"]
+    # gen: the frontend's sampling fields, unset ones as it sends them.
+    params = {"skip_special_tokens": True, "spaces_between_special_tokens": True,
+              "max_new_tokens": MAX, "min_new_tokens": 0, "n": 1, "stop": [],
+              "stop_token_ids": [], "stop_regex": None, "temperature": 0, "top_p": 1.0,
+              "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+              "ignore_eos": True, "regex": None, "json_schema": None}  # fmt: skip
+    r = http.post("/generate", json={"text": prefix, "sampling_params": params})
+    assert r.json()["text"] == _want(engine, [prefix])[0].text
+    # select: each choice's prompt scored from two tokens before the shared prefix's end.
+    choices = [" yes", " no"]
+    start = max(prompt_len - 2, 0)
+    body = {"text": [prefix + c for c in choices],
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+            "return_logprob": True, "return_text_in_logprobs": True,
+            "logprob_start_len": start}  # fmt: skip
+    items = http.post("/generate", json=body).json()
+    assert isinstance(items, list), items
+    for choice, item in zip(choices, items):
+        got = item["meta_info"]["input_token_logprobs"]
+        want = zmq_client.generate(prefix + choice, max_tokens=0, prompt_logprobs=0,
+                                   logprob_start_len=start).prompt_logprobs[start:]  # fmt: skip
+        assert [(e[1], e[2]) for e in got] == [(w.token_id, w.text) for w in want]
+        np.testing.assert_allclose([e[0] for e in got], [w.logprob for w in want], atol=1e-9)
+        assert item["meta_info"]["output_token_logprobs"] == []
