@@ -120,8 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="the model id the HTTP API answers to (default: the model's name)",
+        help="the model id the HTTP API answers to (default: the model's name); as vLLM's, "
+        "several names are all accepted and the first is the one answers carry",
     )
     p.add_argument(
         "--tool-call-parser",
@@ -591,7 +593,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         log_level=args.log_level,
         http_port=args.http_port,
         http_host=args.http_host,
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name[0] if args.served_model_name else None,
+        served_model_aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
         tool_call_parser=args.tool_call_parser,
         watchdog_timeout=args.watchdog_timeout,
         kv_events=args.kv_events,

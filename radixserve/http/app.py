@@ -3,7 +3,7 @@
 | route | answer |
 |---|---|
 | ``POST /v1/completions``, ``POST /v1/chat/completions`` | see ``completions.py`` |
-| ``GET /v1/models`` | the one served model |
+| ``GET /v1/models`` | the served model, once per served name (``--served-model-name`` may give several) |
 | ``GET /health`` | 200 after a round trip through the tokenizer and the scheduler; else 503 |
 | ``POST /flush_cache`` | ``{"freed_pages": n}`` (``?keep_disk=true``: keep the disk tier) |
 | ``GET /stats`` | the scheduler's stats (``Client.stats()``) |
@@ -84,14 +84,17 @@ def create_app(state: FrontState, keys: Keys = NO_KEYS) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         keys.check(request)
-        card = {
-            "id": state.served_model_name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "radixserve",
-            "max_model_len": state.max_context_len,
-        }
-        return {"object": "list", "data": [card]}
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "radixserve",
+                "max_model_len": state.max_context_len,
+            }
+            for name in (state.served_model_name, *state.model_aliases)
+        ]
+        return {"object": "list", "data": cards}
 
     async def _admin(call: Callable[..., Awaitable[T]]) -> T:
         _serving()

@@ -67,7 +67,7 @@ async def parse(state: FrontState, request: Request, cls: type[Body]) -> Body:
 
 
 def check(state: FrontState, body: CompletionRequest | ChatCompletionRequest) -> None:
-    if body.model != state.served_model_name:
+    if not state.serves(body.model):
         raise HTTPError(404, f"the model {body.model!r} does not exist", "model", "model_not_found")
     chat = isinstance(body, ChatCompletionRequest)
     why = body.unsupported(state.tool_call_parser) if chat else body.unsupported()
@@ -181,7 +181,7 @@ class _Format:
             "id": self.id,
             "object": obj,
             "created": self.created,
-            "model": self.body.model,
+            "model": self.state.served_model_name,  # the first name, whichever was asked
         }
 
     def usage(self) -> dict[str, Any]:

@@ -95,6 +95,7 @@ async def serve(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
             server_args=server_args(config, name),
             eos_token_ids=tuple(config.model.eos_token_ids),
             tool_call_parser=config.tool_call_parser,
+            model_aliases=tuple(config.served_model_aliases),
         )
         sock = bind(config.http_host or config.host, config.http_port)
         uv = uvicorn.Config(

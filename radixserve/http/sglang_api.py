@@ -233,7 +233,7 @@ def server_info(state: FrontState, stats: dict[str, Any]) -> dict[str, Any]:
 
 # ----------------------------------------------------------- tokenizer routes
 def _check_model(state: FrontState, model: str | None) -> None:
-    if model is not None and model != state.served_model_name:
+    if model is not None and not state.serves(model):
         raise HTTPError(404, f"the model {model!r} does not exist", "model", "model_not_found")
 
 

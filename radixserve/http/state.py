@@ -38,7 +38,12 @@ class FrontState:
     model_info: dict[str, Any] = field(default_factory=dict)
     server_args: dict[str, Any] = field(default_factory=dict)
     eos_token_ids: tuple[int, ...] = ()
+    model_aliases: tuple[str, ...] = ()  # accepted as ``model`` too; answers carry the name
     tool_call_parser: str | None = None  # --tool-call-parser: tool_choice "auto" (tool_parsers.py)
     # The /generate requests (Generations) not yet collected, for SGLang's abort_all: a
     # weak set, so a request whose response ended, however it ended, leaves it.
     sglang_requests: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+
+    def serves(self, model: str) -> bool:
+        """Whether ``model`` names the served model (its name or an alias)."""
+        return model == self.served_model_name or model in self.model_aliases
