@@ -14,7 +14,7 @@ docs/http.md lists every field.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from pydantic import Field, StrictBool, StrictStr
 
@@ -26,6 +26,7 @@ from radixserve.http.openai_schema import (
     TokenIds,
     _Strict,
 )
+from radixserve.protocol import MAX_ID_LEN
 from radixserve.sampling_params import SamplingParams, StructuredOutput
 
 SGLANG_MAX_NEW_TOKENS = 128  # SGLang's default for max_new_tokens
@@ -199,8 +200,12 @@ class GenerateRequest(_Strict):
 
     def _rids(self, k: int) -> list[str | None]:
         if isinstance(self.rid, str) and self.is_batch:
-            return [f"{self.rid}_{p}" for p in range(k)]  # SGLang's per-item ids
-        return _each(self.rid, k, "rid")
+            rids: list[str | None] = [f"{self.rid}_{p}" for p in range(k)]  # SGLang's per item
+        else:
+            rids = _each(self.rid, k, "rid")
+        if any(r is not None and not 0 < len(r) <= MAX_ID_LEN for r in rids):
+            raise ValueError(f"rid must be a non-empty string of at most {MAX_ID_LEN} characters")
+        return rids
 
 
 def _each(value: T | list[T] | None, k: int, name: str) -> list[T | None]:
@@ -216,7 +221,7 @@ class AbortRequest(_Strict):
     """SGLang's ``POST /abort_request``: one request by its ``rid``, or every ``/generate``
     request in flight with ``abort_all``."""
 
-    rid: StrictStr = ""
+    rid: Annotated[StrictStr, Field(max_length=MAX_ID_LEN)] = ""
     abort_all: StrictBool = False
 
 

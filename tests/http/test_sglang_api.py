@@ -313,3 +313,43 @@ def test_the_sglang_frontends_requests(http, engine, zmq_client):  # noqa: F811
         assert [(e[1], e[2]) for e in got] == [(w.token_id, w.text) for w in want]
         np.testing.assert_allclose([e[0] for e in got], [w.logprob for w in want], atol=1e-9)
         assert item["meta_info"]["output_token_logprobs"] == []
+
+
+FUZZ_BODIES = 150
+WILD = [
+    None, True, -1, 0, 1, 21, 2**31, 2**63, -(2**64), 1e308, "", "x" * 300, [], [None], [[]],
+    [[1, 2], "a"], {}, {"max_new_tokens": "3"}, [{"n": 0}], {"json_schema": "{"},
+    {"regex": "("}, {"stop": [1]}, {"top_k": 2**40}, list(range(40)), [-3, 10**12], "auto",
+]  # fmt: skip
+FIELDS = {
+    "/generate": ["text", "input_ids", "sampling_params", "rid", "return_logprob",
+                  "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
+                  "stream", "cache_salt", "lora_path"],
+    "/tokenize": ["prompt", "messages", "add_special_tokens", "model", "return_token_strs"],
+    "/detokenize": ["tokens", "skip_special_tokens", "model"],
+    "/abort_request": ["rid", "abort_all"],
+}  # fmt: skip
+BASES = {
+    "/generate": {"text": "fuzz", "sampling_params": {"max_new_tokens": 2}},
+    "/tokenize": {"prompt": "fuzz"},
+    "/detokenize": {"tokens": [1, 2]},
+    "/abort_request": {"rid": "nothing"},
+}
+
+
+def test_hostile_bodies_get_4xx_never_500(http, zmq_client):
+    import random
+
+    rng = random.Random(3407)
+    statuses: dict[int, int] = {}
+    for _ in range(FUZZ_BODIES):
+        path = rng.choice(sorted(FIELDS))
+        body = dict(BASES[path])
+        for _ in range(rng.randint(1, 3)):
+            body[rng.choice(FIELDS[path])] = rng.choice(WILD)
+        r = http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+        statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+        assert r.status_code < 500, (path, body, r.text[:300])
+        if r.status_code >= 400:
+            assert r.json()["error"]["message"]
+    assert statuses.get(400, 0) > FUZZ_BODIES // 3, statuses  # the hostile bodies were refused
