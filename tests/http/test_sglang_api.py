@@ -214,20 +214,26 @@ def test_info_health_and_admin_routes(http, http_server):
     assert http.post("/abort_request", json={}).status_code == 400
 
 
-def test_abort_request_by_rid_ends_a_generate(http, http_server):
+@pytest.mark.parametrize(
+    "prompts, abort", [("long", {"rid": "to-abort"}), (["long", "longer"], {"abort_all": True})]
+)
+def test_abort_request_ends_generate_requests(http, http_server, zmq_client, prompts, abort):
     import threading
 
-    body = {"text": "long", "rid": "to-abort", "sampling_params": {**GREEDY, "max_new_tokens": 400}}
+    long = {**GREEDY, "max_new_tokens": 400}
+    body = {"text": prompts, "rid": "to-abort", "sampling_params": long}
     out = {}
     t = threading.Thread(target=lambda: out.update(r=http.post("/generate", json=body).json()))
     t.start()
     with httpx.Client(base_url=http_server.http_url, timeout=60) as admin:
         while t.is_alive():
-            admin.post("/abort_request", json={"rid": "to-abort"})
+            assert admin.post("/abort_request", json=abort).status_code == 200
             t.join(0.05)
-    meta = out["r"]["meta_info"]
-    assert meta["finish_reason"]["type"] == "abort"
-    assert meta["completion_tokens"] < 400
+    items = out["r"] if isinstance(out["r"], list) else [out["r"]]
+    assert len(items) == (len(prompts) if isinstance(prompts, list) else 1)
+    for item in items:
+        assert item["meta_info"]["finish_reason"]["type"] == "abort"
+        assert item["meta_info"]["completion_tokens"] < 400
 
 
 def test_tokenize_and_detokenize_in_both_dialects(http, zmq_client):
