@@ -6,7 +6,7 @@
 |---|---|---|
 | ``hermes`` | ``<tool_call>{"name": N, "arguments": {...}}</tool_call>``, repeated | Hermes, Qwen2.5, Qwen3 |
 | ``llama3_json`` | ``{"name": N, "parameters": {...}}`` as its whole answer (after ``<|python_tag|>`` when that token is kept), several separated by ``;`` | Llama 3.1-3.3 |
-| ``mistral`` | ``[TOOL_CALLS]`` then ``[{"name": N, "arguments": {...}}, ...]`` (or, newer, ``N[ARGS]{...}`` or ``N{...}``, repeated) | Mistral |
+| ``mistral`` | ``[TOOL_CALLS]`` then ``[{"name": N, "arguments": {...}}, ...]`` (or, newer, ``N[ARGS]{...}`` or ``N{...}``, repeated); the array alone when the marker, a control token, was left out of the text | Mistral |
 | ``qwen3_xml`` | ``<tool_call><function=N><parameter=P>value</parameter>...</function></tool_call>`` | Qwen3-Coder |
 
 Text before the first call is ``content``; a call's arguments are JSON text (the
@@ -207,6 +207,16 @@ class MistralParser(ToolParser):
     _ID_CHARS = string.ascii_letters + string.digits
 
     def split(self, text: str, final: bool) -> tuple[int, int | None]:
+        # [TOOL_CALLS] is a control token in Mistral's vocabularies, which generated text
+        # leaves out: an answer that opens with a JSON array of objects is read as calls
+        # too (with no named call in it, it is content after all).
+        start = _skip_space(text, 0)
+        if text.find(self.MARK) < 0 and text[start : start + 1] == "[":
+            after = _skip_space(text, start + 1)
+            if text[after : after + 1] == "{":
+                return 0, start
+            if after == len(text) and not final:
+                return 0, None  # undecided
         return _marker_split(text, self.MARK, final)
 
     def call_id(self) -> str:

@@ -54,6 +54,10 @@ CASES = [
     ("mistral", '[TOOL_CALLS]get_weather{"city": "Rome", "days": 3}[TOOL_CALLS]get_weather{"city": "Oslo", "days": 1}',
      None, [("get_weather", W1), ("get_weather", W2)]),
     ("mistral", "No [TOOL] here.", "No [TOOL] here.", []),
+    # [TOOL_CALLS] is a control token, left out of generated text: the array alone.
+    ("mistral", '[{"name": "get_weather", "arguments": {"city": "Rome", "days": 3}}]', None, [("get_weather", W1)]),
+    ("mistral", "[1, 2] are numbers.", "[1, 2] are numbers.", []),
+    ("mistral", '[{"a": 1}] is JSON.', '[{"a": 1}] is JSON.', []),
     ("qwen3_xml", "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=days>\n3\n"
      "</parameter>\n</function>\n</tool_call>", None, [("get_weather", W1)]),
     ("qwen3_xml", "I'll look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
@@ -103,7 +107,9 @@ def test_parser_details():
     text = CASES[1][1]
     assert len(read_whole("hermes", text, parallel=False)["tool_calls"]) == 1
     # Mistral's templates need 9-character ids; the others are OpenAI's call_ ids.
-    [call] = read_whole("mistral", CASES[9][1])["tool_calls"]
+    [call] = read_whole("mistral", 'Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}')[
+        "tool_calls"
+    ]
     assert re.fullmatch(r"[A-Za-z0-9]{9}", call["id"])
     assert read_whole("hermes", CASES[0][1])["tool_calls"][0]["id"].startswith("call_")
     # A call cut short (max_tokens) is a call with the arguments so far.
