@@ -120,8 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="the model id the HTTP API answers to (default: the model's name)",
+        help="the model id the HTTP API answers to (default: the model's name); as vLLM's, "
+        "several names are all accepted and the first is the one answers carry",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json", "mistral", "qwen3_xml"),
+        default=None,
+        help="the model's tool-call format (vLLM's names): the HTTP API's tool_choice "
+        '"auto" reads calls out of free output with it (without it: a 400)',
     )
     p.add_argument("--page-size", type=_positive, default=d.page_size, help="tokens per KV page")
     pool = p.add_mutually_exclusive_group()
@@ -593,7 +602,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         log_level=args.log_level,
         http_port=args.http_port,
         http_host=args.http_host,
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name[0] if args.served_model_name else None,
+        served_model_aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
+        tool_call_parser=args.tool_call_parser,
         watchdog_timeout=args.watchdog_timeout,
         kv_events=args.kv_events,
         kv_events_replay=args.kv_events_replay,

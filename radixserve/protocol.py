@@ -357,8 +357,20 @@ class Tokenize(Message):
     add_generation_prompt: bool = f(BOOL, True)
 
 
+@dataclass
+class Detokenize(Message):
+    """The text of token ids, answered with ``Reply(id, {"text"})`` by the tokenizer
+    process alone (ids outside the vocabulary are an error); ``skip_special_tokens``
+    leaves special tokens' text out, as generated text does."""
+
+    TYPE: ClassVar[str] = "detokenize"
+    id: str = f(ID)
+    token_ids: list[int] = f(INT_LIST)
+    skip_special_tokens: bool = f(BOOL, True)
+
+
 PUBLIC_REQUESTS: dict[str, type[Message]] = {
-    c.TYPE: c for c in (Generate, Abort, FlushCache, Stats, Health, Check, Tokenize)
+    c.TYPE: c for c in (Generate, Abort, FlushCache, Stats, Health, Check, Tokenize, Detokenize)
 }
 
 

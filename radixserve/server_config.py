@@ -31,6 +31,8 @@ class ServerConfig:
     http_port: int | None = None  # the OpenAI-compatible HTTP front's port (0: any free one)
     http_host: str | None = None  # the address the HTTP front binds (None: ``host``)
     served_model_name: str | None = None  # the model id the HTTP front answers to
+    served_model_aliases: tuple[str, ...] = ()  # more ids it accepts (vLLM's several names)
+    tool_call_parser: str | None = None  # the HTTP front's reader of tool_choice "auto"
     # Fail the requests in flight and stop the server when the worker takes longer than
     # this many seconds over one step (a hung or stopped worker); 0: never.
     watchdog_timeout: float = 300.0
@@ -94,6 +96,7 @@ class ServerConfig:
     def from_json(cls, text: str) -> ServerConfig:
         d = json.loads(text)
         d["engine"] = EngineConfig(**d["engine"])
+        d["served_model_aliases"] = tuple(d.get("served_model_aliases", ()))  # JSON has lists
         cfg = cls(**{**d, "model": None})
         return cfg.with_model(d["model"]) if d["model"] else cfg
 

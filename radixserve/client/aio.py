@@ -24,9 +24,11 @@ from radixserve.client.common import (
     _Results,
     admin_key_or_env,
     admin_message,
+    build_detokenize,
     build_generate,
     build_tokenize,
     curve_keys,
+    detokenized,
     setup_socket,
 )
 from radixserve.program import AsyncClientBackend, AsyncProgramState
@@ -129,6 +131,20 @@ class AsyncClient:
             reply = await self._next(queue, msg.id, self._deadline(timeout))
         _raise_on_error(reply)
         return list(reply.data["input_ids"])  # type: ignore[union-attr]
+
+    async def detokenize(
+        self,
+        token_ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = True,
+        timeout: float | None = None,
+    ) -> str:
+        """``Client.detokenize``."""
+        msg = build_detokenize(token_ids, skip_special_tokens)
+        async with self._request(msg) as queue:
+            reply = await self._next(queue, msg.id, self._deadline(timeout))
+        _raise_on_error(reply)
+        return detokenized(reply)
 
     def program(
         self,

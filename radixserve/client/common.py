@@ -314,6 +314,28 @@ def build_tokenize(
     )
 
 
+def build_detokenize(token_ids: Sequence[int], skip_special_tokens: bool) -> P.Detokenize:
+    """The ``detokenize`` message for these arguments."""
+    if isinstance(token_ids, (str, bytes)) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in token_ids
+    ):
+        raise ValueError("token_ids must be a list of integers")
+    return P.Detokenize(
+        id=uuid.uuid4().hex,
+        token_ids=list(token_ids),
+        skip_special_tokens=bool(skip_special_tokens),
+    )
+
+
+def detokenized(reply: P.Message | LinkLost) -> str:
+    """The text of a ``detokenize`` reply (a server that does not know the message may
+    answer with something else: that is its error, not a crash here)."""
+    text = reply.data.get("text") if isinstance(reply, P.Reply) else None
+    if not isinstance(text, str):
+        raise ServerError("the server did not answer detokenize with a text")
+    return text
+
+
 class _Results:
     """Collects a non-streaming request's n ``result`` messages."""
 

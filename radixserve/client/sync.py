@@ -23,9 +23,11 @@ from radixserve.client.common import (
     _Results,
     admin_key_or_env,
     admin_message,
+    build_detokenize,
     build_generate,
     build_tokenize,
     curve_keys,
+    detokenized,
     setup_socket,
 )
 from radixserve.program import ClientBackend, ProgramState
@@ -157,6 +159,21 @@ class Client:
             reply = self._next(msg.id, self._deadline(timeout))
         _raise_on_error(reply)
         return list(reply.data["input_ids"])  # type: ignore[union-attr]
+
+    def detokenize(
+        self,
+        token_ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = True,
+        timeout: float | None = None,
+    ) -> str:
+        """The text of ``token_ids`` as the server's tokenizer decodes it (special
+        tokens left out unless ``skip_special_tokens`` is False)."""
+        msg = build_detokenize(token_ids, skip_special_tokens)
+        with self._request(msg):
+            reply = self._next(msg.id, self._deadline(timeout))
+        _raise_on_error(reply)
+        return detokenized(reply)
 
     def program(
         self,

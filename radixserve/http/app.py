@@ -3,11 +3,13 @@
 | route | answer |
 |---|---|
 | ``POST /v1/completions``, ``POST /v1/chat/completions`` | see ``completions.py`` |
-| ``GET /v1/models`` | the one served model |
+| ``GET /v1/models`` | the served model, once per served name (``--served-model-name`` may give several) |
 | ``GET /health`` | 200 after a round trip through the tokenizer and the scheduler; else 503 |
 | ``POST /flush_cache`` | ``{"freed_pages": n}`` (``?keep_disk=true``: keep the disk tier) |
 | ``GET /stats`` | the scheduler's stats (``Client.stats()``) |
 | ``GET /metrics`` | Prometheus text format (``metrics.py``) |
+| ``POST /reset_prefix_cache`` | vLLM's name for ``/flush_cache`` |
+| SGLang's ``/generate``, ``/get_model_info``, ``/get_server_info`` (``/server_info``), ``/health_generate``, ``/abort_request``; ``/tokenize``, ``/detokenize`` (SGLang's and vLLM's) | see ``sglang_api.py`` |
 
 With ``--api-key`` / ``--admin-api-key``, routes need a Bearer key (``auth.py``).
 Every error is OpenAI's ``{"error": {...}}`` with its status: 400 for a bad body or a
@@ -28,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from radixserve.client import RequestTimeout, ServerError
 from radixserve.http import completions as C
+from radixserve.http import sglang_api as S
 from radixserve.http.auth import NO_KEYS, Keys
 from radixserve.http.errors import HTTPError
 from radixserve.http.state import FrontState
@@ -81,14 +84,17 @@ def create_app(state: FrontState, keys: Keys = NO_KEYS) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         keys.check(request)
-        card = {
-            "id": state.served_model_name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "radixserve",
-            "max_model_len": state.max_context_len,
-        }
-        return {"object": "list", "data": [card]}
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "radixserve",
+                "max_model_len": state.max_context_len,
+            }
+            for name in (state.served_model_name, *state.model_aliases)
+        ]
+        return {"object": "list", "data": cards}
 
     async def _admin(call: Callable[..., Awaitable[T]]) -> T:
         _serving()
@@ -109,6 +115,51 @@ def create_app(state: FrontState, keys: Keys = NO_KEYS) -> FastAPI:
         if request.query_params.get("keep_disk", "false").lower() in ("1", "true"):
             call = functools.partial(call, keep_disk=True)
         return {"freed_pages": await _admin(call)}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> dict:
+        keys.check(request, admin=True)
+        return {"freed_pages": await _admin(state.client.flush_cache)}
+
+    # SGLang's native API and the tokenizer routes (sglang_api.py).
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        keys.check(request)
+        _serving()
+        return await S.generate(state, request)
+
+    @app.get("/get_model_info")
+    async def get_model_info(request: Request) -> dict:
+        keys.check(request)
+        return S.model_info(state)
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def get_server_info(request: Request) -> dict:
+        keys.check(request)
+        return S.server_info(state, await _admin(state.client.stats))
+
+    @app.get("/health_generate")
+    async def health_generate() -> dict:
+        _serving()
+        return await S.health_generate(state)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        keys.check(request, admin=True)
+        return await S.abort_request(state, request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        keys.check(request)
+        _serving()
+        return await S.tokenize(state, request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        keys.check(request)
+        _serving()
+        return await S.detokenize(state, request)
 
     @app.get("/stats")
     async def stats(request: Request) -> dict:

@@ -1,9 +1,10 @@
 """API keys of the HTTP front (``--api-key``, ``--admin-api-key``), as vLLM's ``--api-key``.
 
-With an API key set, ``/v1/*`` and ``/stats`` need ``Authorization: Bearer <key>``;
-``/flush_cache`` needs the admin key when one is set (else the API key). The admin
-key is accepted wherever the API key is. ``/health`` and ``/metrics`` stay open
-(load balancers and Prometheus probe them). A missing or wrong key is a 401 in
+With an API key set, ``/v1/*``, ``/stats``, ``/tokenize``, ``/detokenize`` and SGLang's
+``/generate`` and info routes need ``Authorization: Bearer <key>``; ``/flush_cache``,
+``/reset_prefix_cache`` and ``/abort_request`` need the admin key when one is set (else
+the API key). The admin key is accepted wherever the API key is. ``/health``,
+``/health_generate`` and ``/metrics`` stay open (load balancers and Prometheus probe them). A missing or wrong key is a 401 in
 OpenAI's shape, code ``invalid_api_key``; keys are compared in constant time.
 
 The keys reach the HTTP process through its environment (``API_KEY_ENV``,

@@ -12,7 +12,10 @@ Tools, when given, reach the chat template (the model sees their definitions in 
 prompt), whatever ``tool_choice`` is. With a tool_choice that makes the model call one,
 each chat choice's completion is read as one tool call (``tools.py``): its message has
 ``tool_calls`` and no content, and its finish_reason is ``tool_calls``; streamed, the
-call's id and name come first, then the arguments' text as it is generated.
+call's id and name come first, then the arguments' text as it is generated. With
+``tool_choice: "auto"`` on a server started with ``--tool-call-parser``, the output is
+free and read by that parser (``tool_parsers.py``): content, then any calls the model
+wrote in its own format, streamed the same way.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from radixserve.http.generation import Choice, Generation
 from radixserve.http.logprobs import chat_logprobs, completion_logprobs
 from radixserve.http.openai_schema import ChatCompletionRequest, CompletionRequest
 from radixserve.http.state import FrontState
-from radixserve.http.tools import ToolCallReader
+from radixserve.http.tool_parsers import AutoToolCalling, AutoToolReader
+from radixserve.http.tools import ToolCalling, ToolCallReader
 from radixserve.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -63,9 +67,10 @@ async def parse(state: FrontState, request: Request, cls: type[Body]) -> Body:
 
 
 def check(state: FrontState, body: CompletionRequest | ChatCompletionRequest) -> None:
-    if body.model != state.served_model_name:
+    if not state.serves(body.model):
         raise HTTPError(404, f"the model {body.model!r} does not exist", "model", "model_not_found")
-    why = body.unsupported()
+    chat = isinstance(body, ChatCompletionRequest)
+    why = body.unsupported(state.tool_call_parser) if chat else body.unsupported()
     if why is not None:
         raise HTTPError(400, why)
 
@@ -166,15 +171,17 @@ class _Format:
         self.echo = not chat and body.echo
         self.logprobs = body.logprobs if chat else body.logprobs is not None
         self._offsets: dict[int, int] = {}  # streamed text_offset so far, by choice
-        self.calling = body.tool_calling() if chat else None
-        self._readers: dict[int, ToolCallReader] = {}  # streamed tool calls, by choice
+        self.calling: ToolCalling | AutoToolCalling | None = None
+        if chat:  # a constrained call, else with tool_choice "auto" calls in free output
+            self.calling = body.tool_calling() or body.auto_calling(state.tool_call_parser)
+        self._readers: dict[int, ToolCallReader | AutoToolReader] = {}  # by choice
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": obj,
             "created": self.created,
-            "model": self.body.model,
+            "model": self.state.served_model_name,  # the first name, whichever was asked
         }
 
     def usage(self) -> dict[str, Any]:
@@ -286,7 +293,7 @@ class _Format:
         return completion_logprobs(entries, offset)
 
 
-def _call_finish(reader: ToolCallReader, reason: str | None) -> str | None:
+def _call_finish(reader: ToolCallReader | AutoToolReader, reason: str | None) -> str | None:
     # A completed call ends its choice with "tool_calls", as OpenAI's do.
     return "tool_calls" if reason == "stop" and reader.is_call else reason
 

@@ -54,6 +54,7 @@ class Generation:
         tools: list[dict[str, Any]] | None = None,
         cache_salt: str | None = None,
         echo: bool = False,
+        request_id: str | None = None,
     ) -> None:
         self.client, self.metrics, self.sampling = client, metrics, sampling
         self.inputs: dict[str, Any] = {
@@ -66,9 +67,14 @@ class Generation:
         }
         # Scored once per prompt (they come with choice 0's first chunk), shared by all n.
         self.prompt_logprobs: list | None = None
-        self.request_id = f"http-{uuid.uuid4().hex}"
+        # The client's own id (SGLang's rid, to abort it by) or a fresh one.
+        self.request_id = request_id or f"http-{uuid.uuid4().hex}"
         self.choices = [Choice(i) for i in range(sampling.n)]
         self.arrival = time.monotonic()
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
 
     @property
     def usage(self) -> dict[str, int]:

@@ -29,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+from radixserve.http.tool_parsers import AutoToolCalling
 from radixserve.http.tools import NO_PARAMETERS, TOOL_NAME_PATTERN, ToolCalling
 from radixserve.sampling_params import (
     INT64_MAX,
@@ -370,17 +371,19 @@ class ChatCompletionRequest(_Common):
     top_logprobs: Int | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    # A choice makes at most one call: what false asks, and what true allows.
+    # A constrained choice makes one call: what false asks, and what true allows; "auto"
+    # keeps every call the model writes unless this is false.
     parallel_tool_calls: StrictBool | None = None
 
-    def unsupported(self) -> str | None:
+    def unsupported(self, tool_parser: str | None = None) -> str | None:
+        """``tool_parser``: the server's ``--tool-call-parser`` (which makes "auto" work)."""
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs needs logprobs=true"
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             return "give max_completion_tokens or max_tokens, not both"
-        return self._tools_unsupported() or super().unsupported()
+        return self._tools_unsupported(tool_parser) or super().unsupported()
 
-    def _tools_unsupported(self) -> str | None:
+    def _tools_unsupported(self, tool_parser: str | None) -> str | None:
         choice = self.tool_choice
         if not self.tools:
             if choice in (None, "none", "auto"):
@@ -389,13 +392,13 @@ class ChatCompletionRequest(_Common):
         names = [t.function.name for t in self.tools]
         if len(set(names)) < len(names):
             return "tools must have distinct function names"
-        if choice in (None, "auto"):
+        if choice in (None, "auto") and tool_parser is None:
             return (
                 'tool_choice "auto" (the default when tools are given) is not supported: '
                 "telling a tool call from text needs a parser for the model's tool-call "
-                'format, which radixserve does not have. Use tool_choice "required" or '
-                '{"type": "function", "function": {"name": ...}}, which constrain the '
-                'output to a call, or "none"'
+                "format, which this server was not started with (--tool-call-parser). "
+                'Use tool_choice "required" or {"type": "function", "function": '
+                '{"name": ...}}, which constrain the output to a call, or "none"'
             )
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             return (
@@ -418,6 +421,14 @@ class ChatCompletionRequest(_Common):
         if isinstance(choice, NamedToolChoice):
             return ToolCalling.named(choice.function.name, parameters[choice.function.name])
         return ToolCalling.required(parameters)
+
+    def auto_calling(self, tool_parser: str | None) -> AutoToolCalling | None:
+        """With tools and tool_choice "auto" (or none given) on a server with a tool-call
+        parser: the output stays free and is read into calls (tool_parsers.py)."""
+        if not self.tools or self.tool_choice not in (None, "auto") or tool_parser is None:
+            return None
+        parameters = {t.function.name: t.function.parameters for t in self.tools}
+        return AutoToolCalling(tool_parser, parameters, self.parallel_tool_calls is not False)
 
     def constraints(self) -> dict[str, StructuredOutput]:
         found = super().constraints()

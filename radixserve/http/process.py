@@ -22,12 +22,15 @@ import logging
 import signal
 import socket as pysocket
 from collections.abc import Iterator
+from dataclasses import asdict
+from typing import Any
 
 import uvicorn
 import zmq
 import zmq.asyncio
 from prometheus_client import disable_created_metrics
 
+from radixserve import __version__
 from radixserve import protocol as P
 from radixserve.client import AsyncClient
 from radixserve.http.app import create_app
@@ -88,6 +91,11 @@ async def serve(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
             name,
             config.model.max_context_len,
             max_body_bytes=body_limit(config.engine.max_message_bytes),
+            model_info=model_info(config),
+            server_args=server_args(config, name),
+            eos_token_ids=tuple(config.model.eos_token_ids),
+            tool_call_parser=config.tool_call_parser,
+            model_aliases=tuple(config.served_model_aliases),
         )
         sock = bind(config.http_host or config.host, config.http_port)
         uv = uvicorn.Config(
@@ -123,6 +131,37 @@ async def serve(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
         client.close()
         inbox.close(linger=0)
         control.close(linger=0)
+
+
+def model_info(config: ServerConfig) -> dict[str, Any]:
+    """What SGLang's /get_model_info reports, for this server's model."""
+    return {
+        "model_path": config.engine.model,
+        "tokenizer_path": config.engine.model,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+    }
+
+
+def server_args(config: ServerConfig, served_model_name: str) -> dict[str, Any]:
+    """What SGLang's /get_server_info reports besides the scheduler's stats: the engine's
+    options (no secret is among them: server_config.py) and the model's limits."""
+    assert config.model is not None
+    model = config.model
+    return {
+        **asdict(config.engine),
+        "model_path": config.engine.model,
+        "served_model_name": served_model_name,
+        "context_length": model.max_context_len,
+        "page_size": model.page_size,
+        "max_total_num_tokens": model.num_pages * model.page_size,
+        "dtype": model.dtype,
+        "tool_call_parser": config.tool_call_parser,
+        "version": __version__,
+    }
 
 
 async def _drain_on_shutdown(

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 from radixserve.client import AsyncClient
 from radixserve.http.large_bodies import LargeBodies
@@ -32,3 +34,16 @@ class FrontState:
     max_body_bytes: int = body_limit(TokenizerConfig.max_message_bytes)  # else a 413
     created: int = field(default_factory=lambda: int(time.time()))  # the model card's
     large_bodies: LargeBodies = field(default_factory=LargeBodies)
+    # What /get_model_info and /get_server_info report (sglang_api.py).
+    model_info: dict[str, Any] = field(default_factory=dict)
+    server_args: dict[str, Any] = field(default_factory=dict)
+    eos_token_ids: tuple[int, ...] = ()
+    model_aliases: tuple[str, ...] = ()  # accepted as ``model`` too; answers carry the name
+    tool_call_parser: str | None = None  # --tool-call-parser: tool_choice "auto" (tool_parsers.py)
+    # The /generate requests (Generations) not yet collected, for SGLang's abort_all: a
+    # weak set, so a request whose response ended, however it ended, leaves it.
+    sglang_requests: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+
+    def serves(self, model: str) -> bool:
+        """Whether ``model`` names the served model (its name or an alias)."""
+        return model == self.served_model_name or model in self.model_aliases

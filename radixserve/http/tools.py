@@ -1,9 +1,9 @@
 """Function tools as constrained output: a request's tools and tool_choice become one JSON
 schema, and the completion that schema produces becomes OpenAI's ``tool_calls``.
 
-radixserve has no model-specific tool-call parser, so it cannot tell a tool call from
-plain text in free output (``tool_choice: "auto"``). It makes the model call a tool
-instead, by constraining the completion (docs/structured.md):
+Here the model is made to call a tool, by constraining the completion (docs/structured.md),
+whatever its own tool-call format; ``tool_choice: "auto"`` instead reads calls out of free
+output in the model's format (``tool_parsers.py``, with ``--tool-call-parser``):
 
 - ``tool_choice: {"type": "function", "function": {"name": F}}``: the completion is F's
   arguments, a JSON object following F's ``parameters``.

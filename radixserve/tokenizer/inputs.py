@@ -139,6 +139,10 @@ class InputProcessor:
                 "(the model's context leaves room for one output token)"
             )
 
+    def check_ids(self, input_ids: Sequence[int]) -> list[int]:
+        """Token ids inside the vocabulary and within the prompt limits, as a list."""
+        return self._check_ids(input_ids)
+
     def _check_ids(self, input_ids: Sequence[int]) -> list[int]:
         if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence):
             raise ValueError("input_ids must be a list of integers")

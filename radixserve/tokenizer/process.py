@@ -207,6 +207,8 @@ class TokenizerServer:
             self.generate(identity, msg)
         elif isinstance(msg, P.Tokenize):
             self.tokenize(identity, msg)
+        elif isinstance(msg, P.Detokenize):
+            self.detokenize(identity, msg)
         elif isinstance(msg, P.Abort):
             rid = self.by_client.get((identity, msg.id))
             if rid is not None:
@@ -256,6 +258,22 @@ class TokenizerServer:
             return
         try:
             self.send(identity, P.Reply(msg.id, {"input_ids": ids}))
+        except ClientGone:
+            self.client_gone(identity)
+
+    def detokenize(self, identity: bytes, msg: P.Detokenize) -> None:
+        """Answered here, at once, like ``tokenize``."""
+        try:
+            ids = self.inputs.check_ids(msg.token_ids)
+            text = self.tokenizer.decode(ids, skip_special_tokens=msg.skip_special_tokens)
+        except ValueError as e:
+            self.send_error(identity, msg.id, str(e))
+            return
+        except Exception as e:  # a tokenizer failing on odd input
+            self.send_error(identity, msg.id, f"could not detokenize: {short_repr(e)}")
+            return
+        try:
+            self.send(identity, P.Reply(msg.id, {"text": text}))
         except ClientGone:
             self.client_gone(identity)
 

@@ -1,6 +1,7 @@
 """One real server with the HTTP front, shared by every test here (launches are costly).
 
-The tiny float64 model of ``tests/serving`` serves as ``tiny``. The ZeroMQ ``zmq_client``
+The tiny float64 model of ``tests/serving`` serves as ``tiny``, with the ``hermes``
+tool-call parser. The ZeroMQ ``zmq_client``
 is the oracle: the same greedy request through it and through HTTP must agree. After each
 test the server must be idle and pass the scheduler's idle-invariant check. At the end
 the HTTP front is killed: like any child's death, that must stop the whole server with
@@ -19,11 +20,15 @@ from tests.helpers.server import Server, wait_idle
 from tests.serving.conftest import SERVER_ARGS, model_dir  # noqa: F401  (a shared fixture)
 
 MODEL = "tiny"
+TOOL_CALL_PARSER = "hermes"  # tool_choice "auto" reads Hermes-style calls (test_tool_parsers)
 
 
 @pytest.fixture(scope="session")
 def http_server(model_dir):  # noqa: F811
-    srv = Server(model_dir, *SERVER_ARGS, "--http-port", "0", "--served-model-name", MODEL)
+    srv = Server(
+        model_dir, *SERVER_ARGS, "--http-port", "0", "--served-model-name", MODEL,
+        "--tool-call-parser", TOOL_CALL_PARSER,
+    )  # fmt: skip
     yield srv
     os.kill(srv.pids["http"], signal.SIGKILL)
     assert srv.wait(60) == 1, "a dead child stops the server with exit code 1"

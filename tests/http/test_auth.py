@@ -66,6 +66,18 @@ BOTH = Keys(api_key="user-key", admin_key="admin-key")
         (Keys(api_key="user-key"), "POST", "/flush_cache", None, 401),
         (Keys(admin_key="admin-key"), "GET", "/v1/models", None, 200),
         (Keys(admin_key="admin-key"), "POST", "/flush_cache", None, 401),
+        # vLLM's and SGLang's routes: the admin ones, then those of the API key
+        (BOTH, "POST", "/reset_prefix_cache", "user-key", 401),
+        (BOTH, "POST", "/reset_prefix_cache", "admin-key", 200),
+        (BOTH, "POST", "/abort_request", "user-key", 401),
+        (BOTH, "POST", "/abort_request", "admin-key", 400),  # in, but without a body
+        (BOTH, "POST", "/generate", None, 401),
+        (BOTH, "POST", "/tokenize", None, 401),
+        (BOTH, "POST", "/detokenize", None, 401),
+        (BOTH, "GET", "/get_model_info", None, 401),
+        (BOTH, "GET", "/get_model_info", "user-key", 200),
+        (BOTH, "GET", "/get_server_info", None, 401),
+        (BOTH, "GET", "/server_info", "user-key", 200),
     ],
 )
 def test_routes_need_their_key(keys, method, path, key, status):

@@ -4,7 +4,8 @@ Without a server: which request fields become which ``StructuredOutput``, what i
 refused and why, the schema of a "required" tool call, and how a completion is read
 into ``tool_calls`` whole or piece by piece. With the shared server and the official
 ``openai`` client: JSON-schema answers and tool calls (streamed and not) parse and
-validate, and bad schemas, ``tool_choice: "auto"`` and two constraints are 400s.
+validate, and bad schemas and two constraints are 400s (``tool_choice: "auto"`` is
+refused without a tool-call parser: test_tool_parsers.py).
 """
 
 from __future__ import annotations
@@ -417,8 +418,6 @@ def test_refusals_are_400s(oai, zmq_client):
     refused('invalid JSON schema: Unsupported type "nonsense"', response_format=rf)
     refused("invalid regex", extra_body={"regex": "(ab"})
     refused("invalid grammar", extra_body={"ebnf": "root ::= "})
-    refused('tool_choice "auto"', tools=TOOLS)
-    refused('tool_choice "auto"', tools=TOOLS, tool_choice="auto")
     refused("gives 2: response_format, regex", response_format=rf, extra_body={"regex": "a"})
     # Streamed too: the refusal comes before any event.
     refused("invalid regex", stream=True, extra_body={"regex": "(ab"})
