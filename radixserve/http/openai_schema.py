@@ -159,6 +159,7 @@ class _Common(_Strict):
     logit_bias: dict[StrictStr, Number] | None = None
     # vLLM's sampling extras
     repetition_penalty: Number | None = None
+    priority: Int | None = None  # vLLM's: lower first (docs/scheduler.md, "Priorities")
     min_tokens: Int | None = None
     stop_token_ids: list[TokenId] | None = None
     # Output constraints, one at most: OpenAI's, SGLang's extras, vLLM's extras.
@@ -187,7 +188,7 @@ class _Common(_Strict):
         for name in (
             "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
             "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids",
-            "logit_bias",
+            "logit_bias", "priority",
         ):  # fmt: skip
             value = getattr(self, name)
             if value is not None:

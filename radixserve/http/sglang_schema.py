@@ -61,14 +61,17 @@ class SGLangSampling(_Strict):
     skip_special_tokens: StrictBool | None = None
     spaces_between_special_tokens: StrictBool | None = None
     no_stop_trim: StrictBool | None = None
-    # Declared to be refused (unsupported below).
+    # Declared to be refused (unsupported below); SGLang's frontend always sends an
+    # empty stop_regex list, which means none.
     stop_regex: StrictStr | list[StrictStr] | None = None
     structural_tag: StrictStr | None = None
     custom_params: dict[str, Any] | None = None
     stream_interval: Int | None = None
 
     def unsupported(self) -> str | None:
-        for name in ("stop_regex", "structural_tag", "custom_params", "stream_interval"):
+        if self.stop_regex:
+            return "sampling_params.stop_regex is not supported"
+        for name in ("structural_tag", "custom_params", "stream_interval"):
             if getattr(self, name) is not None:
                 return f"sampling_params.{name} is not supported"
         if self.skip_special_tokens is False:
@@ -91,7 +94,9 @@ class SGLangSampling(_Strict):
             raise ValueError("sampling_params: give at most one of json_schema, regex, ebnf")
         return found[0] if found else None
 
-    def sampling(self, context_len: int, logprobs: dict[str, int]) -> SamplingParams:
+    def sampling(
+        self, context_len: int, logprobs: dict[str, int], priority: int | None = None
+    ) -> SamplingParams:
         """radixserve's SamplingParams (ValueError names a bad value)."""
         fields: dict[str, Any] = {
             "max_tokens": context_len if self.max_new_tokens is None else self.max_new_tokens
@@ -107,6 +112,8 @@ class SGLangSampling(_Strict):
                 fields[renamed.get(name, name)] = value
         if fields["max_tokens"] == 0:  # a prefill (SGLang's prefix caching, select's scoring)
             logprobs = {k: v for k, v in logprobs.items() if k != "logprobs"}
+        if priority is not None:
+            fields["priority"] = priority
         return SamplingParams(**fields, **logprobs, structured=self.structured())
 
 
@@ -139,6 +146,7 @@ class GenerateRequest(_Strict):
     return_text_in_logprobs: StrictBool = False
     stream: StrictBool = False
     cache_salt: StrictStr | list[StrictStr] | None = None
+    priority: Int | list[Int] | None = None  # lower first (docs/scheduler.md, "Priorities")
     log_metrics: StrictBool = True  # radixserve's metrics count every request either way
 
     @property
@@ -167,6 +175,7 @@ class GenerateRequest(_Strict):
         starts = _each(self.logprob_start_len, k, "logprob_start_len")
         tops = _each(self.top_logprobs_num, k, "top_logprobs_num")
         salts = _each(self.cache_salt, k, "cache_salt")
+        priorities = _each(self.priority, k, "priority")
         plans = []
         for p, prompt in enumerate(prompts):
             sp = sampling[p] or SGLangSampling()
@@ -188,7 +197,7 @@ class GenerateRequest(_Strict):
                 Plan(
                     text,
                     ids,
-                    sp.sampling(context_len, logprobs),
+                    sp.sampling(context_len, logprobs, priorities[p]),
                     rids[p],
                     salts[p],
                     start,

@@ -282,6 +282,10 @@ def test_generate_request_schema_maps_sglang_names():
     assert (sp.max_tokens, sp.min_tokens, sp.seed, sp.top_k) == (99, 2, 7, -1)
     assert sp.structured.kind == "json_schema"
     assert GenerateRequest.model_validate({"text": "x"}).plans(99)[0].sampling.max_tokens == 128
+    # SGLang's frontend sends an empty stop_regex list with every gen: it means none.
+    empty = {"text": ["x", "y"], "sampling_params": {"stop_regex": []}, "priority": [3, -1]}
+    plans = GenerateRequest.model_validate(empty).plans(99)
+    assert [p.sampling.priority for p in plans] == [3, -1]
 
 
 def test_the_sglang_frontends_requests(http, engine, zmq_client):  # noqa: F811
