@@ -278,6 +278,8 @@ class Router:
                 # Its last reply (an abort) still comes back and is relayed.
         elif isinstance(msg, P.Tokenize):
             self._tokenize(identity, msg)
+        elif isinstance(msg, P.Detokenize):
+            self._detokenize(identity, msg)
         else:
             self._fan_out(identity, msg)
 
@@ -366,6 +368,20 @@ class Router:
                              else f"could not tokenize: {e!r}"[:200])  # fmt: skip
             return
         self._send(identity, P.Reply(msg.id, {"input_ids": ids}))
+
+    def _detokenize(self, identity: bytes, msg: P.Detokenize) -> None:
+        """Answered here, as ``tokenize`` is: every replica serves the same model."""
+        if self.inputs is None:
+            self._send_error(identity, msg.id, "this router has no tokenizer (--model)")
+            return
+        try:
+            ids = self.inputs.check_ids(msg.token_ids)
+            text = self.inputs.tokenizer.decode(ids, skip_special_tokens=msg.skip_special_tokens)
+        except Exception as e:
+            self._send_error(identity, msg.id, str(e) if isinstance(e, ValueError)
+                             else f"could not detokenize: {e!r}"[:200])  # fmt: skip
+            return
+        self._send(identity, P.Reply(msg.id, {"text": text}))
 
     # --------------------------------------------------------- aggregation
     def _fan_out(self, identity: bytes, msg: P.Message) -> None:

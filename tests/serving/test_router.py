@@ -131,6 +131,8 @@ def test_routes_by_the_mirror_and_matches_the_engine(cluster, engine):
         assert stats["query_tokens"] == sum(row["stats"]["query_tokens"]
                                             for row in stats["replicas"])  # fmt: skip
         assert all(row["routed"] > 0 for row in stats["replicas"])  # both were used
+        ids = c.tokenize(prompt="hello there")  # the router answers both itself
+        assert c.detokenize(ids, skip_special_tokens=True) == direct[0].detokenize(ids)
         wait_idle(c)
         assert c.check() == {"ok": True, "error": None}
     for d in direct:
