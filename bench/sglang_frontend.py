@@ -49,7 +49,9 @@ def tip_suggestion(s):
 def regular_expression_gen(s):
     s += "Q: What is the IP address of the Google DNS servers?\n"
     s += "A: " + sgl.gen(
-        "answer", temperature=0, regex=r"((25[0-5]|2[0-4]\d|[01]?\d\d?).){3}(25[0-5]|2[0-4]\d|[01]?\d\d?)"
+        "answer",
+        temperature=0,
+        regex=r"((25[0-5]|2[0-4]\d|[01]?\d\d?).){3}(25[0-5]|2[0-4]\d|[01]?\d\d?)",
     )
 
 

@@ -160,6 +160,13 @@ class _Common(_Strict):
     # vLLM's sampling extras
     repetition_penalty: Number | None = None
     priority: Int | None = None  # vLLM's: lower first (docs/scheduler.md, "Priorities")
+    # vLLM's and SGLang's text options, which SGLang's gateway sends with every request:
+    # accepted at the only values radixserve serves (special tokens skipped and joined
+    # without spaces, the text ending before a matched stop string, no hidden states).
+    skip_special_tokens: StrictBool | None = None
+    spaces_between_special_tokens: StrictBool | None = None
+    no_stop_trim: StrictBool | None = None
+    return_hidden_states: StrictBool | None = None
     min_tokens: Int | None = None
     stop_token_ids: list[TokenId] | None = None
     # Output constraints, one at most: OpenAI's, SGLang's extras, vLLM's extras.
@@ -176,6 +183,11 @@ class _Common(_Strict):
         """Why this request asks for something the server cannot do (None: it doesn't)."""
         if self.stream_options is not None and not self.stream:
             return "stream_options is only allowed with stream=true"
+        for name, served in (("skip_special_tokens", True), ("spaces_between_special_tokens", True),
+                             ("no_stop_trim", False), ("return_hidden_states", False)):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and value != served:
+                return f"{name}={str(value).lower()} is not supported"
         return None
 
     @property

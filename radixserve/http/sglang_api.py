@@ -70,6 +70,8 @@ HEALTH_TIMEOUT_S = 30.0
 # ------------------------------------------------------------------ /generate
 async def generate(state: FrontState, request: Request) -> Response:
     body = await parse(state, request, GenerateRequest)
+    if body.model is not None and not state.serves(body.model):
+        raise HTTPError(404, f"the model {body.model!r} does not exist", "model", "model_not_found")
     try:
         plans = body.plans(state.max_context_len)
     except ValueError as e:

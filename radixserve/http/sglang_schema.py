@@ -9,6 +9,12 @@ routes, types are strict and unknown fields are refused with a 400 naming them. 
 SGLang defines that radixserve cannot honour are declared only to refuse them with a
 message (``unsupported``): a request never silently gets a different completion.
 docs/http.md lists every field.
+
+One leniency, for gateways that re-serialize SGLang's whole ``GenerateReqInput``
+(SGLang's model gateway, ``sglang-router``, sends every field it knows, most at their
+defaults): on ``/generate`` an unknown top-level field whose value asks for nothing
+(null, false, an empty string, list or map) is dropped; with any other value it is
+refused as before. ``model`` is taken and must then be a served name.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
-from pydantic import Field, StrictBool, StrictStr
+from pydantic import Field, StrictBool, StrictStr, model_validator
 
 from radixserve.http.openai_schema import (
     ChatMessage,
@@ -147,7 +153,21 @@ class GenerateRequest(_Strict):
     stream: StrictBool = False
     cache_salt: StrictStr | list[StrictStr] | None = None
     priority: Int | list[Int] | None = None  # lower first (docs/scheduler.md, "Priorities")
+    model: StrictStr | None = None  # a gateway's: the served name it routed by
     log_metrics: StrictBool = True  # radixserve's metrics count every request either way
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_neutral_extras(cls, data: Any) -> Any:
+        """Unknown fields that ask for nothing are dropped (module docstring)."""
+        if not isinstance(data, dict):
+            return data
+        known = cls.model_fields
+        return {
+            k: v
+            for k, v in data.items()
+            if k in known or not (v is None or v is False or v in ("", [], {}))
+        }
 
     @property
     def is_batch(self) -> bool:

@@ -282,6 +282,13 @@ def test_generate_request_schema_maps_sglang_names():
     assert (sp.max_tokens, sp.min_tokens, sp.seed, sp.top_k) == (99, 2, 7, -1)
     assert sp.structured.kind == "json_schema"
     assert GenerateRequest.model_validate({"text": "x"}).plans(99)[0].sampling.max_tokens == 128
+    # A gateway re-serializing SGLang's whole GenerateReqInput: fields at their
+    # defaults are dropped, a field that asks for something is still refused.
+    gateway = {"text": "x", "return_hidden_states": False, "background": False,
+               "no_logs": False, "lora_path": None, "session_params": {}, "model": "m"}  # fmt: skip
+    assert GenerateRequest.model_validate(gateway).model == "m"
+    with pytest.raises(ValueError, match="return_hidden_states"):
+        GenerateRequest.model_validate({"text": "x", "return_hidden_states": True})
     # SGLang's frontend sends an empty stop_regex list with every gen: it means none.
     empty = {"text": ["x", "y"], "sampling_params": {"stop_regex": []}, "priority": [3, -1]}
     plans = GenerateRequest.model_validate(empty).plans(99)
