@@ -148,9 +148,10 @@ class SamplingParams:
 
     Two scheduling fields travel with the rest (docs/scheduler.md, "Priorities"):
     ``priority`` (an integer, lower goes first, as vLLM's; it orders and preempts
-    only under ``--schedule-policy priority``) and ``timeout`` (seconds from
-    arrival at the scheduler: a request still unfinished then is ended with an
-    error and its KV released; None: no limit).
+    only under ``--schedule-policy priority``) and ``request_timeout`` (seconds
+    from arrival at the scheduler: a request still unfinished then is ended with
+    an error and its KV released; None: no limit; the client library's own
+    ``timeout`` is how long the client waits, a different thing).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -174,7 +175,7 @@ class SamplingParams:
     logprob_start_len: int = 0
     structured: StructuredOutput | None = None
     priority: int = 0
-    timeout: float | None = None
+    request_timeout: float | None = None
 
     def __post_init__(self) -> None:
         # Accept lists / a single string for convenience, store tuples (hashable, frozen).
@@ -277,11 +278,10 @@ class SamplingParams:
             raise bad(
                 f"priority must be an integer (lower goes first), got {short_repr(self.priority)}"
             )
-        if self.timeout is not None and (
-            not _is_number(self.timeout) or not 0 < self.timeout < math.inf
-        ):
+        t = self.request_timeout
+        if t is not None and (not _is_number(t) or not 0 < t < math.inf):
             raise bad(
-                f"timeout must be null or a number of seconds > 0, got {short_repr(self.timeout)}"
+                f"request_timeout must be null or a number of seconds > 0, got {short_repr(t)}"
             )
         if self.structured is not None:
             self.structured.validate()

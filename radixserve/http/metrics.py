@@ -35,7 +35,12 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320
 SCHEDULER_COUNTERS = {
     "query_tokens": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "hit_tokens": ("prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache."),
-    "preemptions": ("preemptions", "Requests retracted to free KV pages for others."),
+    "preemptions": ("preemptions", "Requests retracted (for KV pages, or for a better priority)."),
+    "priority_preemptions": (
+        "priority_preemptions",
+        "Requests retracted for a waiting request of a better priority.",
+    ),
+    "timeouts": ("request_timeouts", "Requests ended by their timeout."),
 }
 
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 from typing import Any
 
-COUNTERS = ("hit_tokens", "query_tokens", "steps", "preemptions")
+COUNTERS = (
+    "hit_tokens", "query_tokens", "steps", "preemptions", "priority_preemptions", "timeouts"
+)  # fmt: skip
 
 
 class CounterTotals:

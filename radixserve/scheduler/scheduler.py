@@ -105,7 +105,7 @@ class Scheduler:
         self._arrivals = 0
         self._admissions = 0
         self.reserve_ratio = config.decode_reserve_ratio
-        # Per-request timeouts: (deadline, arrival, rid), earliest first; ``clock`` is
+        # Per-request timeouts (``request_timeout``): (deadline, arrival, rid), earliest first; ``clock`` is
         # replaceable (tests).
         self.clock: Callable[[], float] = time.monotonic
         self._deadlines: list[tuple[float, int, str]] = []
@@ -158,8 +158,10 @@ class Scheduler:
             samples.append(req)
         self.waiting.extend(samples)
         self._requests[rid] = samples
-        if sampling.timeout is not None:
-            heapq.heappush(self._deadlines, (self.clock() + sampling.timeout, self._arrivals, rid))
+        if sampling.request_timeout is not None:
+            heapq.heappush(
+                self._deadlines, (self.clock() + sampling.request_timeout, self._arrivals, rid)
+            )
         so = sampling.structured
         if so is not None:
             grammar = self._grammars.get(so.key)
@@ -289,14 +291,14 @@ class Scheduler:
         return outputs
 
     def _expire(self) -> None:
-        """End the requests whose ``timeout`` has passed (an error; KV released)."""
+        """End the requests whose ``request_timeout`` has passed (an error; KV released)."""
         now = self.clock()
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, rid = heapq.heappop(self._deadlines)
             samples = self._requests.get(rid)
             if samples is None:
                 continue  # finished in time
-            timeout = samples[0].sampling.timeout
+            timeout = samples[0].sampling.request_timeout
             self.num_timeouts += 1
             self._outputs += self._fail(rid, f"the request timed out after {timeout:g} s")
 

@@ -129,7 +129,7 @@ def test_a_request_past_its_timeout_ends_with_an_error_and_frees_its_pages(where
     sched, worker = make(num_pages=64, page_size=4, max_running_requests=1)
     clock = sched.clock = FakeClock()
     sched.add_request("first", list(range(3, 20)), params(50))
-    sched.add_request("timed", list(range(4, 21)), params(50, timeout=2.5))
+    sched.add_request("timed", list(range(4, 21)), params(50, request_timeout=2.5))
     if where == "running":
         sched.abort_request("first")
     results: dict = {}
@@ -154,7 +154,7 @@ def test_a_request_past_its_timeout_ends_with_an_error_and_frees_its_pages(where
 def test_a_request_finished_in_time_is_not_timed_out():
     sched, worker = make(num_pages=64, page_size=4)
     clock = sched.clock = FakeClock()
-    sched.add_request("quick", list(range(3, 20)), params(2, timeout=1.0))
+    sched.add_request("quick", list(range(3, 20)), params(2, request_timeout=1.0))
     res = run(sched, worker)
     assert res[("quick", 0)]["finish"] == "length"
     clock.now += 5
@@ -167,10 +167,10 @@ def test_a_request_finished_in_time_is_not_timed_out():
     [
         {"priority": 1.5},
         {"priority": "high"},
-        {"timeout": 0},
-        {"timeout": -1},
-        {"timeout": float("inf")},
-        {"timeout": "soon"},
+        {"request_timeout": 0},
+        {"request_timeout": -1},
+        {"request_timeout": float("inf")},
+        {"request_timeout": "soon"},
     ],  # fmt: skip
 )
 def test_bad_priority_or_timeout_is_refused_naming_the_field(bad):

@@ -238,3 +238,14 @@ def test_structured_output_equals_engine_streamed_and_not(client, engine):
     with pytest.raises(ServerError, match="invalid regex"):
         client.generate("x", sampling_params=bad)
     assert client.generate("Still serving", sampling_params=GREEDY).finish_reason == "length"
+
+
+def test_a_request_past_its_timeout_fails_with_a_clear_error(client):
+    """The scheduler enforces ``timeout``: the request ends with an error naming it, its
+    KV is released (the fixture checks the idle invariant), and the client goes on."""
+    with pytest.raises(ServerError, match="timed out after 0.001 s"):
+        client.generate(input_ids=[5, 6, 7], max_tokens=400, ignore_eos=True,
+                        temperature=0.0, request_timeout=0.001)  # fmt: skip
+    assert client.stats()["timeouts"] >= 1
+    r = client.generate(input_ids=[5, 6, 7], max_tokens=2, temperature=0.0, priority=3)
+    assert r.usage.completion_tokens == 2
