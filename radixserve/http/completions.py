@@ -130,8 +130,15 @@ async def _respond(
     gens: list[Generation],
     chat: bool,
 ) -> Response:
-    fmt = _Format(state, body, gens, chat)
-    if not body.stream:
+    return await answer(state, request, gens, _Format(state, body, gens, chat), body.stream)
+
+
+async def answer(
+    state: FrontState, request: Request, gens: list[Generation], fmt: Any, stream: bool
+) -> Response:
+    """Run ``gens`` and answer in ``fmt``'s dialect (``whole()`` for one JSON answer;
+    ``sse(first, events)`` for a stream): the OpenAI routes' and SGLang's alike."""
+    if not stream:
         try:
             await _unless_disconnected(request, _all(_drain(g) for g in gens))
         except ServerError as e:

@@ -38,17 +38,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from radixserve import protocol as P
 from radixserve.client import ServerError
 from radixserve.http.completions import (
-    _all,
     _drain,
-    _EventStream,
-    _merge,
     _refused,
-    _unless_disconnected,
+    answer,
     parse,
 )
 from radixserve.http.errors import HTTPError
@@ -91,23 +88,7 @@ async def generate(state: FrontState, request: Request) -> Response:
     if len({g.request_id for g in gens}) < len(gens):
         raise HTTPError(400, "each prompt of a batch needs its own rid", "rid")
     state.sglang_requests.update(gens)
-    fmt = _Format(state, body, plans, gens)
-    if not body.stream:
-        try:
-            await _unless_disconnected(request, _all(_drain(g) for g in gens))
-        except ServerError as e:
-            raise _refused(state, e) from None
-        return JSONResponse(fmt.whole())
-    events = _merge(gens)
-    try:
-        first = await _unless_disconnected(request, anext(events))
-    except ServerError as e:
-        await events.aclose()
-        raise _refused(state, e) from None
-    except BaseException:
-        await events.aclose()
-        raise
-    return _EventStream(fmt.sse(first, events), media_type="text/event-stream")
+    return await answer(state, request, gens, _Format(state, body, plans, gens), body.stream)
 
 
 class _Format:
