@@ -175,6 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
         "request that cannot be admitted preempts running ones of a worse priority",
     )
     p.add_argument(
+        "--radix-eviction-policy",
+        choices=["lru", "lfu", "priority"],
+        default=d.radix_eviction_policy,
+        help="which cached prefixes go first under memory pressure: lru, lfu (fewest hits), "
+        "or priority (requests' cache_retention hints, then lru); lfu and priority run the "
+        "Python radix tree",
+    )
+    p.add_argument(
         "--max-preemptions",
         type=_non_negative,
         default=d.max_preemptions,

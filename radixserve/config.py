@@ -99,6 +99,7 @@ class EngineConfig:
     decode_reserve_decay_steps: int = _S.decode_reserve_decay_steps
     max_admit_skips: int = _S.max_admit_skips
     max_preemptions: int = _S.max_preemptions
+    radix_eviction_policy: str = _S.radix_eviction_policy
     shared_prefix_min_tokens: int = _S.shared_prefix_min_tokens
     disk_cache_gb: float = _S.disk_cache_gb
     # The tokenizer (TokenizerConfig): limits on input (docs/security.md), chat parsing.

@@ -152,6 +152,9 @@ class SamplingParams:
     from arrival at the scheduler: a request still unfinished then is ended with
     an error and its KV released; None: no limit; the client library's own
     ``timeout`` is how long the client waits, a different thing).
+    ``cache_retention`` (``[level, seconds]``, level 1..100, higher kept longer)
+    asks that the prompt's cached prefix outlive others' for that long under
+    ``--radix-eviction-policy priority`` (ignored under the other policies).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -176,6 +179,7 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     priority: int = 0
     request_timeout: float | None = None
+    cache_retention: tuple[int, float] | None = None
 
     def __post_init__(self) -> None:
         # Accept lists / a single string for convenience, store tuples (hashable, frozen).
@@ -186,6 +190,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         object.__setattr__(self, "structured", StructuredOutput.from_value(self.structured))
+        if isinstance(self.cache_retention, list):
+            object.__setattr__(self, "cache_retention", tuple(self.cache_retention))
         self.validate()
 
     @property
@@ -283,6 +289,19 @@ class SamplingParams:
             raise bad(
                 f"request_timeout must be null or a number of seconds > 0, got {short_repr(t)}"
             )
+        cr = self.cache_retention
+        if cr is not None and not (
+            isinstance(cr, tuple)
+            and len(cr) == 2
+            and _is_int(cr[0])
+            and 1 <= cr[0] <= 100
+            and _is_number(cr[1])
+            and 0 < cr[1] < math.inf
+        ):
+            raise bad(
+                "cache_retention must be null or [level, seconds] with level in [1, 100] "
+                f"and seconds > 0, got {short_repr(cr)}"
+            )
         if self.structured is not None:
             self.structured.validate()
             if self.max_tokens == 0:
@@ -296,6 +315,7 @@ class SamplingParams:
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["logit_bias"] = [[t, b] for t, b in self.logit_bias]
         d["structured"] = None if self.structured is None else self.structured.to_dict()
+        d["cache_retention"] = None if self.cache_retention is None else list(self.cache_retention)
         return d
 
     @classmethod

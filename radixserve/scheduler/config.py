@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 CACHE_MODES = ("radix", "none")
 SCHEDULE_POLICIES = ("lpm", "fcfs", "priority")
+EVICTION_POLICIES = ("lru", "lfu", "priority")  # radix_cache.py's
 
 
 def check_cache_tiers(cache: str, has_host: bool, disk_cache_dir: str | None) -> None:
@@ -48,6 +49,9 @@ class SchedulerConfig:
     - ``schedule_policy`` "priority": by ``SamplingParams.priority`` (lower
       first), lpm with aging within a level; a waiting request that cannot be
       admitted preempts running requests of a worse priority (docs/scheduler.md).
+    - ``radix_eviction_policy`` "lru": which unlocked leaves go first under memory
+      pressure: ``lru``, ``lfu`` (fewest hits first), or ``priority`` (requests'
+      ``cache_retention`` hints first, then LRU); the last two run the Python tree.
     - ``max_preemptions`` 4: a request preempted this many times is not
       preempted again (nothing is preempted forever).
     - ``max_admit_skips`` 32: a waiting request whose pages do not fit is
@@ -71,6 +75,7 @@ class SchedulerConfig:
     decode_reserve_decay_steps: int = 500
     max_admit_skips: int = 32
     max_preemptions: int = 4
+    radix_eviction_policy: str = "lru"
     # A waiting request is held back while it shares a prefix of at least this
     # many tokens with a prompt being prefilled now and part of that prefix (in
     # whole pages) is not cached yet (DESIGN: shared prefixes inside one batch);
@@ -90,6 +95,10 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.cache not in CACHE_MODES:
             raise ValueError(f"cache must be one of {CACHE_MODES}, got {self.cache!r}")
+        if self.radix_eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(
+                f"radix_eviction_policy must be one of {EVICTION_POLICIES}, got {self.radix_eviction_policy!r}"
+            )
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"

@@ -166,6 +166,9 @@ class KVCacheManager:
             return
         cached_len, node = self.cache.insert(req.tokens[:full], req.table[: full // ps], req.salt)
         assert cached_len >= req.locked_len, "the locked prefix vanished from the cache"
+        hint = req.sampling.cache_retention
+        if hint is not None and (retain := getattr(self.cache, "retain", None)) is not None:
+            retain(node, hint[0], hint[1])
         if cached_len > req.locked_len:
             req.dups.append(req.table[req.locked_len // ps : cached_len // ps].copy())
         self.cache.lock(node)

@@ -13,7 +13,11 @@ docs/architecture.md; in short:
   pages past ``cached_len``; the caller's pages before it duplicate the cache's,
   and the caller keeps them while its page table points at them and frees them
   when it releases its KV.
-* ``evict`` frees unlocked pages (LRU); locked ones are never freed.
+* ``evict`` frees unlocked pages (LRU, or the tree's ``policy``); locked ones are
+  never freed.
+* ``retain(node, level, seconds)`` (optional: only the Python tree has it, for
+  its ``priority`` eviction policy) keeps the path from ``node`` up at a
+  retention level for a while; callers look it up with ``getattr``.
 
 ``PageFollower`` is the base of the caches that wrap another through this
 contract (the KV event recorder, the cache tiers): it hands the read-only calls
@@ -182,6 +186,11 @@ class PageFollower:
     @property
     def cached_pages(self) -> int:
         return self.inner.cached_pages
+
+    def retain(self, node: CacheNode, level: int, seconds: float) -> None:
+        retain = getattr(self.inner, "retain", None)
+        if retain is not None:
+            retain(node, level, seconds)
 
     def _gone(self) -> np.ndarray:
         """The pages the tree held and has freed since the last call (no longer owned)."""

@@ -33,6 +33,21 @@ still an unlocked leaf with the same stamp, and stale entries are dropped when
 popped or when the heap is compacted (amortised O(1) per push). Each victim
 costs O(log n).
 
+Eviction policies (``policy``, ``--radix-eviction-policy``; this tree only, the
+native one is LRU): the heap orders candidates by a key, and an entry is valid
+while its node's key is unchanged.
+
+* ``lru``: ``(last_access,)``.
+* ``lfu``: ``(hits, last_access)``: ``hits`` counts the match and insert calls
+  that stamped the node (a split's new parent inherits it, so a parent never has
+  fewer than its children), least used first, LRU among equals.
+* ``priority``: ``(retention, last_access)``: ``retain(node, level, seconds)``
+  gives the path from ``node`` up a retention level (1..100, higher kept longer)
+  until a deadline on ``clock`` (a hint decays instead of pinning memory: past it
+  the level is 0 again); the lowest effective level goes first, LRU within a
+  level. Expiries are kept in a second heap and applied before each eviction, so
+  every valid heap entry carries its node's current key.
+
 Salts give tenants separate namespaces: each salt has its own root, so two
 salts never share a node; the LRU clock and the page pool are global.
 """
@@ -40,7 +55,8 @@ salts never share a node; the LRU clock and the page pool are global.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -69,6 +85,9 @@ class RadixNode:
         "first_key",
         "is_root",
         "salt",
+        "hits",
+        "retention",
+        "retain_until",
     )
 
     def __init__(
@@ -93,6 +112,9 @@ class RadixNode:
         self.first_key = first_key  # this node's key in parent.children
         self.is_root = is_root
         self.salt = salt
+        self.hits = 1  # match / insert calls that stamped it (lfu)
+        self.retention = 0  # retention level while retain_until lasts (priority)
+        self.retain_until = 0.0
 
     @property
     def attached(self) -> bool:
@@ -104,6 +126,14 @@ class RadixNode:
             f"RadixNode(id={self.node_id}, tokens={len(self.key)}, pages={len(self.pages)}, "
             f"lock_ref={self.lock_ref}, last_access={self.last_access})"
         )
+
+
+def _lru_key(node: RadixNode) -> tuple:
+    return (node.last_access,)
+
+
+def _lfu_key(node: RadixNode) -> tuple:
+    return (node.hits, node.last_access)
 
 
 def as_tokens(tokens: np.ndarray | Sequence[int]) -> np.ndarray:
@@ -129,12 +159,28 @@ def _common_len(key: np.ndarray, tokens: np.ndarray, pos: int, end: int) -> int:
     return i if neq[i] else n
 
 
+EVICTION_POLICIES = ("lru", "lfu", "priority")
+MAX_RETENTION = 100
+
+
 class RadixCache:
     """The reference prefix cache (``PrefixCache``): a radix tree in Python."""
 
     keeps_prefixes = True
 
-    def __init__(self, allocator: PageAllocator, page_size: int = 1) -> None:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        page_size: int = 1,
+        policy: str = "lru",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction policy must be one of {EVICTION_POLICIES}, got {policy!r}")
+        self.policy = policy
+        self.clock = clock
+        self._key = {"lru": _lru_key, "lfu": _lfu_key, "priority": self._retention_key}[policy]
+        self._expiries: list[tuple[float, int, RadixNode]] = []
         if page_size != allocator.page_size:
             raise ValueError(
                 f"page_size {page_size} differs from the allocator's {allocator.page_size}"
@@ -147,7 +193,7 @@ class RadixCache:
         self._num_nodes = 0  # non-root nodes
         self._evictable = 0  # pages in unlocked nodes
         self._protected = 0  # pages in locked nodes
-        self._heap: list[tuple[int, int, RadixNode]] = []
+        self._heap: list[tuple[tuple, int, RadixNode]] = []
         self._root(None)
 
     # ------------------------------------------------------------------ sizes
@@ -189,8 +235,12 @@ class RadixCache:
             return int(tokens[pos])
         return tokens[pos : pos + self.page_size].tobytes()
 
+    def _retention_key(self, node: RadixNode) -> tuple:
+        level = node.retention if node.retain_until > self.clock() else 0
+        return (level, node.last_access)
+
     def _push_candidate(self, node: RadixNode) -> None:
-        heapq.heappush(self._heap, (node.last_access, node.node_id, node))
+        heapq.heappush(self._heap, (self._key(node), node.node_id, node))
         if len(self._heap) > 2 * self._num_nodes + 64:
             self._compact_heap()
 
@@ -202,8 +252,8 @@ class RadixCache:
         seen: set[int] = set()
         kept = []
         for entry in self._heap:
-            t, nid, node = entry
-            if nid not in seen and self._is_candidate(node) and node.last_access == t:
+            key, nid, node = entry
+            if nid not in seen and self._is_candidate(node) and self._key(node) == key:
                 seen.add(nid)
                 kept.append(entry)
         heapq.heapify(kept)
@@ -229,6 +279,10 @@ class RadixCache:
         self._next_id += 1
         self._num_nodes += 1
         prefix.lock_ref = child.lock_ref
+        prefix.hits = child.hits
+        prefix.retention, prefix.retain_until = child.retention, child.retain_until
+        if child.retention:  # its hint runs out as the child's does
+            heapq.heappush(self._expiries, (prefix.retain_until, prefix.node_id, prefix))
         child.key = child.key[at:]
         child.pages = child.pages[at // ps :]
         child.first_key = self._key_at(child.key, 0)
@@ -261,6 +315,7 @@ class RadixCache:
             if ends_inside:
                 child = self._split(child, c)
             child.last_access = now
+            child.hits += 1
             pages.append(child.pages)
             pos += c
             node = child
@@ -350,11 +405,43 @@ class RadixCache:
             if c < len(child.key):
                 child = self._split(child, c)
             child.last_access = now
+            child.hits += 1
             pos += c
             node = child
         if not node.is_root and self._is_candidate(node):
             self._push_candidate(node)
         return pos, node
+
+    # -------------------------------------------------------------- retention
+    def retain(self, node: RadixNode, level: int, seconds: float) -> None:
+        """Keep the path from ``node`` up at retention ``level`` (1..100) for
+        ``seconds`` (the ``priority`` policy; the others ignore it). A node keeps the
+        stronger of its hints: the higher level, or the same level for longer."""
+        if self.policy != "priority" or not node.attached or node.is_root:
+            return
+        if not 1 <= level <= MAX_RETENTION or not seconds > 0:
+            raise ValueError(
+                f"a retention hint needs a level in [1, {MAX_RETENTION}] and seconds > 0"
+            )
+        now = self.clock()
+        until = now + seconds
+        while not node.is_root:
+            current = node.retention if node.retain_until > now else 0
+            if level > current or (level == current and until > node.retain_until):
+                node.retention, node.retain_until = level, until
+                heapq.heappush(self._expiries, (until, node.node_id, node))
+                if self._is_candidate(node):
+                    self._push_candidate(node)
+            node = node.parent  # type: ignore[assignment]
+
+    def _apply_expiries(self) -> None:
+        """Hints whose time is up: their nodes go back to the heap at level 0."""
+        now = self.clock()
+        exp = self._expiries
+        while exp and exp[0][0] <= now:
+            until, _, node = heapq.heappop(exp)
+            if node.retain_until == until and self._is_candidate(node):
+                self._push_candidate(node)
 
     # ------------------------------------------------------------------ locks
     def lock(self, node: RadixNode) -> None:
@@ -400,10 +487,13 @@ class RadixCache:
         """
         freed = 0
         victims = []
+        if self._expiries:
+            self._apply_expiries()
         heap = self._heap
+        key_of = self._key
         while freed < num_pages and heap:
-            t, _, node = heapq.heappop(heap)
-            if node.last_access != t or not self._is_candidate(node):
+            key, _, node = heapq.heappop(heap)
+            if not self._is_candidate(node) or key_of(node) != key:
                 continue  # stale entry
             parent = node.parent
             assert parent is not None
@@ -419,7 +509,7 @@ class RadixCache:
                 if parent.salt is not None:
                     del self._roots[parent.salt]
             elif parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+                heapq.heappush(heap, (key_of(parent), parent.node_id, parent))
         if victims:
             self.allocator.free(np.concatenate(victims))
         return freed
@@ -447,6 +537,7 @@ class RadixCache:
             root.children = {}
         self._roots = {None: self._roots[None]}
         self._heap = []
+        self._expiries = []
         self._num_nodes = 0
         self._evictable = 0
         self._protected = 0
@@ -467,6 +558,7 @@ class RadixCache:
 
     def check(self) -> None:
         """Verify every invariant; raise AssertionError naming the first broken one."""
+        self._apply_expiries()  # a hint that ran out since the last eviction changes keys
         check_tree(self)
 
     def __repr__(self) -> str:

@@ -29,7 +29,7 @@ def check_tree(tree: RadixCache) -> None:
     ps = tree.page_size
     evictable = protected = count = 0
     seen_pages: list[np.ndarray] = []
-    heap_ids = {nid for t, nid, n in tree._heap if n.last_access == t}
+    heap_ids = {nid for key, nid, n in tree._heap if tree._key(n) == key}
     for salt, root in tree._roots.items():
         require(root.is_root and root.parent is None, f"root of salt {salt!r} malformed")
         require(root.salt == salt, f"root of salt {salt!r} records salt {root.salt!r}")

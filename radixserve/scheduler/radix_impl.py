@@ -54,20 +54,29 @@ def resolve_impl(impl: str = "auto") -> str:
 
 
 def make_radix_cache(
-    allocator: PageAllocator, page_size: int = 1, impl: str = "auto"
+    allocator: PageAllocator, page_size: int = 1, impl: str = "auto", policy: str = "lru"
 ) -> PrefixCache:
-    """A radix tree over ``allocator``: ``impl`` is "auto", "native" or "python"."""
+    """A radix tree over ``allocator``: ``impl`` is "auto", "native" or "python";
+    ``policy`` the eviction order. The native tree is LRU only: another policy takes
+    the Python tree under "auto", and is an error with "native"."""
+    if policy != "lru":
+        if impl == "native":
+            raise ValueError(
+                f"the native radix tree evicts LRU only; --radix-eviction-policy {policy} "
+                "needs --radix-impl python or auto"
+            )
+        return RadixCache(allocator, page_size, policy)
     if resolve_impl(impl) == "native":
         return NativeRadixCache(allocator, page_size)  # type: ignore[misc]
     return RadixCache(allocator, page_size)
 
 
 def make_prefix_cache(
-    allocator: PageAllocator, cache: str = "radix", impl: str = "auto"
+    allocator: PageAllocator, cache: str = "radix", impl: str = "auto", policy: str = "lru"
 ) -> PrefixCache:
     """The prefix cache over ``allocator``: ``cache`` is "radix" or "none"."""
     if cache == "none":
         return NoCache(allocator)
     if cache != "radix":
         raise ValueError(f"unknown cache {cache!r}; choose from ('radix', 'none')")
-    return make_radix_cache(allocator, allocator.page_size, impl)
+    return make_radix_cache(allocator, allocator.page_size, impl, policy)

@@ -89,7 +89,9 @@ class Scheduler:
         self.config = config
         self.page_size = config.page_size
         self.allocator = PageAllocator(config.num_pages, config.page_size)
-        self.cache = make_prefix_cache(self.allocator, config.cache, config.radix_impl)
+        self.cache = make_prefix_cache(
+            self.allocator, config.cache, config.radix_impl, config.radix_eviction_policy
+        )
         if config.host_pages:
             self.cache = build_tiers(self.cache, self.allocator, config)
         self.kv = KVCacheManager(self.allocator, self.cache)

@@ -238,7 +238,9 @@ def test_rejected_large_prompts_leave_no_memory_behind(http, http_server):
 
 
 def test_priority_in_a_body_reaches_the_scheduler_and_a_bad_one_is_a_400(http):
-    r = http.post("/v1/completions", json={**GOOD, "priority": -5})
+    r = http.post("/v1/completions", json={**GOOD, "priority": -5, "cache_retention": [9, 30]})
     assert r.status_code == 200, r.text
+    err = error_of(http.post("/v1/completions", json={**GOOD, "cache_retention": [0, 30]}), 400)
+    assert "cache_retention" in err["message"]
     err = error_of(http.post("/v1/completions", json={**GOOD, "priority": "high"}), 400)
     assert "priority" in err["message"]

@@ -176,3 +176,17 @@ def test_a_request_finished_in_time_is_not_timed_out():
 def test_bad_priority_or_timeout_is_refused_naming_the_field(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
+
+
+def test_a_retention_hint_keeps_its_prompt_cached_under_memory_pressure():
+    """--radix-eviction-policy priority: the prompt of a request with cache_retention
+    survives the pressure that evicts the prefixes of requests without one."""
+    sched, worker = make(num_pages=64, page_size=4, radix_eviction_policy="priority")
+    kept = list(range(3, 43))  # 10 pages
+    sched.add_request("kept", kept, params(1, cache_retention=[50, 60.0]))
+    run(sched, worker)
+    for i in range(6):  # 6 x 10 pages more than the pool holds beside it
+        sched.add_request(f"o{i}", [50 + i] * 40, params(1))
+        run(sched, worker)
+    assert sched.cache.peek_prefix(np.asarray(kept, dtype=np.int32)) == 40
+    sched.check_idle()
