@@ -183,6 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
         "Python radix tree",
     )
     p.add_argument(
+        "--max-retained-share",
+        type=float,
+        default=d.max_retained_share,
+        help="with --radix-eviction-policy priority: the most of the KV pool one tenant "
+        "(cache_salt) may hold under cache_retention hints (a hint past it is not applied)",
+    )
+    p.add_argument(
         "--max-preemptions",
         type=_non_negative,
         default=d.max_preemptions,

@@ -100,6 +100,7 @@ class EngineConfig:
     max_admit_skips: int = _S.max_admit_skips
     max_preemptions: int = _S.max_preemptions
     radix_eviction_policy: str = _S.radix_eviction_policy
+    max_retained_share: float = _S.max_retained_share
     shared_prefix_min_tokens: int = _S.shared_prefix_min_tokens
     disk_cache_gb: float = _S.disk_cache_gb
     # The tokenizer (TokenizerConfig): limits on input (docs/security.md), chat parsing.

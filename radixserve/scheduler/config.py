@@ -52,6 +52,8 @@ class SchedulerConfig:
     - ``radix_eviction_policy`` "lru": which unlocked leaves go first under memory
       pressure: ``lru``, ``lfu`` (fewest hits first), or ``priority`` (requests'
       ``cache_retention`` hints first, then LRU); the last two run the Python tree.
+    - ``max_retained_share`` 0.5: under the priority eviction policy, the most of
+      the pool one tenant (salt) may hold under running retention hints.
     - ``max_preemptions`` 4: a request preempted this many times is not
       preempted again (nothing is preempted forever).
     - ``max_admit_skips`` 32: a waiting request whose pages do not fit is
@@ -76,6 +78,7 @@ class SchedulerConfig:
     max_admit_skips: int = 32
     max_preemptions: int = 4
     radix_eviction_policy: str = "lru"
+    max_retained_share: float = 0.5
     # A waiting request is held back while it shares a prefix of at least this
     # many tokens with a prompt being prefilled now and part of that prefix (in
     # whole pages) is not cached yet (DESIGN: shared prefixes inside one batch);
@@ -113,7 +116,7 @@ class SchedulerConfig:
         check_cache_tiers(self.cache, self.host_pages > 0, self.disk_cache_dir)
         if self.disk_cache_gb <= 0:
             raise ValueError(f"disk_cache_gb must be > 0, got {self.disk_cache_gb}")
-        for name in ("decode_reserve_ratio", "decode_reserve_min_ratio"):
+        for name in ("decode_reserve_ratio", "decode_reserve_min_ratio", "max_retained_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1]")
         for name in (

@@ -46,7 +46,9 @@ while its node's key is unchanged.
   until a deadline on ``clock`` (a hint decays instead of pinning memory: past it
   the level is 0 again); the lowest effective level goes first, LRU within a
   level. Expiries are kept in a second heap and applied before each eviction, so
-  every valid heap entry carries its node's current key.
+  every valid heap entry carries its node's current key. A tenant (salt) holds at
+  most ``max_retained_pages`` pages under running hints: a hint that would take it
+  past that is not applied (``retain`` returns False), so no tenant pins the pool.
 
 Salts give tenants separate namespaces: each salt has its own root, so two
 salts never share a node; the LRU clock and the page pool are global.
@@ -88,6 +90,7 @@ class RadixNode:
         "hits",
         "retention",
         "retain_until",
+        "counted",
     )
 
     def __init__(
@@ -115,6 +118,7 @@ class RadixNode:
         self.hits = 1  # match / insert calls that stamped it (lfu)
         self.retention = 0  # retention level while retain_until lasts (priority)
         self.retain_until = 0.0
+        self.counted = False  # its pages count towards its salt's retained pages
 
     @property
     def attached(self) -> bool:
@@ -174,6 +178,7 @@ class RadixCache:
         page_size: int = 1,
         policy: str = "lru",
         clock: Callable[[], float] = time.monotonic,
+        max_retained_pages: int | None = None,
     ) -> None:
         if policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction policy must be one of {EVICTION_POLICIES}, got {policy!r}")
@@ -181,6 +186,10 @@ class RadixCache:
         self.clock = clock
         self._key = {"lru": _lru_key, "lfu": _lfu_key, "priority": self._retention_key}[policy]
         self._expiries: list[tuple[float, int, RadixNode]] = []
+        self.max_retained_pages = (
+            allocator.num_pages if max_retained_pages is None else max_retained_pages
+        )
+        self.retained: dict[str | None, int] = {}  # pages under running hints, by salt
         if page_size != allocator.page_size:
             raise ValueError(
                 f"page_size {page_size} differs from the allocator's {allocator.page_size}"
@@ -281,6 +290,7 @@ class RadixCache:
         prefix.lock_ref = child.lock_ref
         prefix.hits = child.hits
         prefix.retention, prefix.retain_until = child.retention, child.retain_until
+        prefix.counted = child.counted  # the two split the pages: the salt's sum holds
         if child.retention:  # its hint runs out as the child's does
             heapq.heappush(self._expiries, (prefix.retain_until, prefix.node_id, prefix))
         child.key = child.key[at:]
@@ -413,26 +423,54 @@ class RadixCache:
         return pos, node
 
     # -------------------------------------------------------------- retention
-    def retain(self, node: RadixNode, level: int, seconds: float) -> None:
+    def retain(self, node: RadixNode, level: int, seconds: float) -> bool:
         """Keep the path from ``node`` up at retention ``level`` (1..100) for
         ``seconds`` (the ``priority`` policy; the others ignore it). A node keeps the
-        stronger of its hints: the higher level, or the same level for longer."""
+        stronger of its hints: the higher level, or the same level for longer.
+        Returns False when the hint was not applied: another policy, or it would take
+        the salt past ``max_retained_pages``."""
         if self.policy != "priority" or not node.attached or node.is_root:
-            return
+            return False
         if not 1 <= level <= MAX_RETENTION or not seconds > 0:
             raise ValueError(
                 f"a retention hint needs a level in [1, {MAX_RETENTION}] and seconds > 0"
             )
+        self._apply_expiries()
         now = self.clock()
         until = now + seconds
+        path = []
         while not node.is_root:
-            current = node.retention if node.retain_until > now else 0
-            if level > current or (level == current and until > node.retain_until):
-                node.retention, node.retain_until = level, until
-                heapq.heappush(self._expiries, (until, node.node_id, node))
-                if self._is_candidate(node):
-                    self._push_candidate(node)
+            path.append(node)
             node = node.parent  # type: ignore[assignment]
+        salt = node.salt
+        extra = sum(len(n.pages) for n in path if not n.counted)
+        if self.retained.get(salt, 0) + extra > self.max_retained_pages:
+            return False
+        for n in path:
+            current = n.retention if n.retain_until > now else 0
+            if level > current or (level == current and until > n.retain_until):
+                n.retention, n.retain_until = level, until
+                heapq.heappush(self._expiries, (until, n.node_id, n))
+                if self._is_candidate(n):
+                    self._push_candidate(n)
+            if not n.counted:
+                n.counted = True
+                self.retained[salt] = self.retained.get(salt, 0) + len(n.pages)
+        return True
+
+    def _uncount(self, node: RadixNode, salt: str | None) -> None:
+        node.counted = False
+        left = self.retained[salt] - len(node.pages)
+        if left:
+            self.retained[salt] = left
+        else:
+            del self.retained[salt]
+
+    @staticmethod
+    def _salt_of(node: RadixNode) -> str | None:
+        while node.parent is not None:
+            node = node.parent
+        return node.salt
 
     def _apply_expiries(self) -> None:
         """Hints whose time is up: their nodes go back to the heap at level 0."""
@@ -440,7 +478,11 @@ class RadixCache:
         exp = self._expiries
         while exp and exp[0][0] <= now:
             until, _, node = heapq.heappop(exp)
-            if node.retain_until == until and self._is_candidate(node):
+            if node.retain_until != until or not node.attached:
+                continue  # a stronger hint replaced it, or the node is gone
+            if node.counted:
+                self._uncount(node, self._salt_of(node))
+            if self._is_candidate(node):
                 self._push_candidate(node)
 
     # ------------------------------------------------------------------ locks
@@ -497,6 +539,8 @@ class RadixCache:
                 continue  # stale entry
             parent = node.parent
             assert parent is not None
+            if node.counted:
+                self._uncount(node, self._salt_of(node))
             del parent.children[node.first_key]
             node.parent = None
             self._num_nodes -= 1
@@ -538,6 +582,7 @@ class RadixCache:
         self._roots = {None: self._roots[None]}
         self._heap = []
         self._expiries = []
+        self.retained = {}
         self._num_nodes = 0
         self._evictable = 0
         self._protected = 0

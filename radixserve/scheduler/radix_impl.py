@@ -54,7 +54,11 @@ def resolve_impl(impl: str = "auto") -> str:
 
 
 def make_radix_cache(
-    allocator: PageAllocator, page_size: int = 1, impl: str = "auto", policy: str = "lru"
+    allocator: PageAllocator,
+    page_size: int = 1,
+    impl: str = "auto",
+    policy: str = "lru",
+    max_retained_pages: int | None = None,
 ) -> PrefixCache:
     """A radix tree over ``allocator``: ``impl`` is "auto", "native" or "python";
     ``policy`` the eviction order. The native tree is LRU only: another policy takes
@@ -65,18 +69,22 @@ def make_radix_cache(
                 f"the native radix tree evicts LRU only; --radix-eviction-policy {policy} "
                 "needs --radix-impl python or auto"
             )
-        return RadixCache(allocator, page_size, policy)
+        return RadixCache(allocator, page_size, policy, max_retained_pages=max_retained_pages)
     if resolve_impl(impl) == "native":
         return NativeRadixCache(allocator, page_size)  # type: ignore[misc]
     return RadixCache(allocator, page_size)
 
 
 def make_prefix_cache(
-    allocator: PageAllocator, cache: str = "radix", impl: str = "auto", policy: str = "lru"
+    allocator: PageAllocator,
+    cache: str = "radix",
+    impl: str = "auto",
+    policy: str = "lru",
+    max_retained_pages: int | None = None,
 ) -> PrefixCache:
     """The prefix cache over ``allocator``: ``cache`` is "radix" or "none"."""
     if cache == "none":
         return NoCache(allocator)
     if cache != "radix":
         raise ValueError(f"unknown cache {cache!r}; choose from ('radix', 'none')")
-    return make_radix_cache(allocator, allocator.page_size, impl, policy)
+    return make_radix_cache(allocator, allocator.page_size, impl, policy, max_retained_pages)

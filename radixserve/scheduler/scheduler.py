@@ -90,7 +90,11 @@ class Scheduler:
         self.page_size = config.page_size
         self.allocator = PageAllocator(config.num_pages, config.page_size)
         self.cache = make_prefix_cache(
-            self.allocator, config.cache, config.radix_impl, config.radix_eviction_policy
+            self.allocator,
+            config.cache,
+            config.radix_impl,
+            config.radix_eviction_policy,
+            int(config.max_retained_share * config.num_pages),
         )
         if config.host_pages:
             self.cache = build_tiers(self.cache, self.allocator, config)

@@ -54,7 +54,7 @@ def test_every_victim_is_the_brute_force_minimum(policy, seed, page_size):
     rng = np.random.default_rng(seed)
     alloc = PageAllocator(256, page_size)
     clock = Clock()
-    tree = RadixCache(alloc, page_size, policy, clock)
+    tree = RadixCache(alloc, page_size, policy, clock, max_retained_pages=40)
     templates = [rng.integers(0, 6, 24).astype(np.int32) for _ in range(3)]
     locked: list = []
     for _ in range(80):
@@ -95,6 +95,25 @@ def test_every_victim_is_the_brute_force_minimum(policy, seed, page_size):
                 gone = before - set(tree.all_pages().tolist())
                 assert gone == pages, f"{policy}: evicted {gone}, the minimum was {pages}"
         tree.check()
+        held: dict = {}
+        for n in tree._iter_nodes():
+            if n.retention and n.retain_until > clock.now:
+                salt = tree._salt_of(n)
+                held[salt] = held.get(salt, 0) + len(n.pages)
+        assert held == tree.retained
+        assert all(v <= tree.max_retained_pages for v in held.values())
+
+
+def test_a_tenant_cannot_retain_more_than_its_share():
+    alloc = PageAllocator(64, 1)
+    tree = RadixCache(alloc, 1, "priority", Clock(), max_retained_pages=12)
+    _, a = tree.insert(np.arange(10, 20, dtype=np.int32), alloc.alloc(10), salt="t")
+    assert tree.retain(a, 9, 5.0) and tree.retained == {"t": 10}
+    _, b = tree.insert(np.arange(30, 35, dtype=np.int32), alloc.alloc(5), salt="t")
+    assert not tree.retain(b, 9, 5.0)  # 15 > 12: not applied
+    assert b.retention == 0 and tree.retained == {"t": 10}
+    _, c = tree.insert(np.arange(30, 35, dtype=np.int32), alloc.alloc(5), salt="u")
+    assert tree.retain(c, 9, 5.0) and tree.retained == {"t": 10, "u": 5}  # per tenant
 
 
 def test_a_retained_prefix_outlives_others_until_its_hint_expires():
