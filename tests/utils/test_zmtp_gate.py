@@ -130,11 +130,13 @@ ATTACK = textwrap.dedent(
         s = peer("ipc://" + path)
         s.send(b"?")
         serve(1)
-        return int.from_bytes(s.recv()[1:], "big")
+        value = int.from_bytes(s.recv()[1:], "big")
+        s.close(0)
+        return value
 
     counter = learn_counter() + 1  # the next automatic id
     claims = []
-    for d in range(-8, 24):  # a sweep around the counter, the next id included
+    for d in range(32):  # the next automatic id and the 31 after it
         claims.append(peer(public, b"\\0" + ((counter + d) % 2**32).to_bytes(4, "big")))
         claims[-1].send(b"claim")
     serve(len(claims))
