@@ -14,8 +14,8 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from radixserve import protocol as P
+from radixserve.auth_env import ADMIN_KEY_ENV
 from radixserve.curve import load_public_key, load_secret_certificate, require_curve
-from radixserve.http.auth import ADMIN_KEY_ENV
 from radixserve.results import Result, TokenLogprobs, Usage
 from radixserve.sampling_params import TOKEN_ID_MAX, SamplingParams, short_repr
 
