@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "radixserve.model_info",
             "radixserve.curve",
             "radixserve.auth_env",
+            "radixserve.version",
             "radixserve.utils",
             "radixserve.utils.kv_file",
             "radixserve.utils.sockets",
