@@ -3,6 +3,10 @@
 name (``config_from_args``), plus the server's own (sockets, events, CURVE keys,
 nodes). The API keys never enter the config (``http_keys``).
 
+``--disk-cache-dir`` alone gets a host tier sized from the memory free at launch
+(``default_host_cache_gb``, printed), since pages reach the disk through host
+memory; ``--host-cache-gb`` given, even 0, is taken as it is.
+
 ``radixserve`` (``cli.py``) mounts these flags as its ``launch`` subcommand;
 ``radixserve bench`` reads them to launch its variants and to build an in-process
 ``Engine`` exactly as a launch would (``launch_parser``).
@@ -11,13 +15,18 @@ nodes). The API keys never enter the config (``http_keys``).
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import sys
 from dataclasses import fields
 
 from radixserve.config import EngineConfig
 from radixserve.sampling_params import MAX_N
 from radixserve.server_config import ServerConfig
 from radixserve.worker.config import DTYPE_CHOICES, PREFILL_BACKENDS
+
+#: The largest host tier ``--disk-cache-dir`` gets by itself, in GiB.
+HOST_TIER_CAP_GB = 16.0
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
@@ -230,16 +239,18 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--host-cache-gb",
         type=_gib,
-        default=d.host_cache_gb,
+        default=None,
         help="the KV cache's host tier: GiB of host memory (pinned on CUDA) that keeps "
-        "pages evicted from the pool and gives them back on a hit; 0: off "
-        "(docs/cache-tiers.md)",
+        "pages evicted from the pool and gives them back on a hit; 0: off; not given: "
+        "off, or with --disk-cache-dir a quarter of the free host memory (at most "
+        f"{HOST_TIER_CAP_GB:g} GiB, printed) (docs/cache-tiers.md)",
     )
     p.add_argument(
         "--disk-cache-dir",
         default=d.disk_cache_dir,
         help="the KV cache's disk tier: a directory of page files, written through as "
-        "pages are computed, that survives restarts (needs --host-cache-gb)",
+        "pages are computed, that survives restarts (through a host tier: "
+        "--host-cache-gb, or one sized from free memory)",
     )
     p.add_argument(
         "--disk-cache-gb",
@@ -557,8 +568,47 @@ def launch_parser() -> argparse.ArgumentParser:
     return p
 
 
+def available_memory() -> int:
+    """Bytes of host memory free for a new allocation (the kernel's MemAvailable),
+    or 0 when the system does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def default_host_cache_gb(available: int) -> float:
+    """The host tier of ``--disk-cache-dir`` without ``--host-cache-gb``: a quarter of
+    ``available`` bytes (the rest stays for the processes and the page cache the disk
+    tier reads through), in whole half GiB, at least 0.5 and at most
+    ``HOST_TIER_CAP_GB``."""
+    quarter = available / 4 / 1024**3
+    return min(HOST_TIER_CAP_GB, max(0.5, int(quarter * 2) / 2))
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    engine = EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+    options = {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
+    if options["host_cache_gb"] is None:
+        options["host_cache_gb"] = 0.0
+        if options["disk_cache_dir"] is not None:
+            free = available_memory()
+            options["host_cache_gb"] = default_host_cache_gb(free)
+            print(
+                f"radixserve: --disk-cache-dir without --host-cache-gb: a "
+                f"{options['host_cache_gb']:g} GiB host tier (a quarter of the "
+                f"{free / 1024**3:.1f} GiB free, at most {HOST_TIER_CAP_GB:g}); "
+                "--host-cache-gb N chooses it",
+                file=sys.stderr,
+                flush=True,
+            )
+    engine = EngineConfig(**options)
     return ServerConfig(
         engine=engine,
         host=args.host,
