@@ -385,6 +385,7 @@ class TokenizerServer:
             data["in_flight"] = len(self.requests)
         elif kind == P.Health.TYPE:
             data = {"status": "ok", "endpoint": self.endpoint, **_model_dict(self.model)}
+            data["max_message_bytes"] = self.limits.max_message_bytes  # clients check sizes
         try:
             self.send(identity, P.Reply(rid, data))
         except ClientGone:
