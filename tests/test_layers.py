@@ -220,3 +220,12 @@ def test_the_checks_see_a_circle_and_an_upward_import(tmp_path):
     assert layer_of("radixserve.config") > layer_of("radixserve.worker.config")
     with pytest.raises(LookupError):
         layer_of("elsewhere.module")
+
+
+def test_docs_draw_the_same_layers():
+    doc = (ROOT.parent / "docs" / "architecture.md").read_text()
+    table = doc.split("## Layers", 1)[1].split("\n\n")[2]
+    rows = [line.split("|")[1].strip() for line in table.splitlines()[2:]]
+    assert rows[::-1] == [name for name, _ in LAYERS], (
+        "docs/architecture.md lists the layers top first"
+    )
