@@ -43,17 +43,13 @@ A step, in order:
    on its pool (L1) match; only an admitted request promotes pages from the
    lower tiers (then it is LOADING), so one passed over copies nothing.
 
-Reservations: each running request reserves ``reserve_ratio`` of the pages it
-may still need. The ratio starts at ``decode_reserve_ratio``, falls each step
-towards ``decode_reserve_min_ratio`` and goes back up after a retraction: a
-request that asks for a whole context of output reserves it only while it is
-likely to produce it, and retraction is the safety net when it does.
+Reservations (``reserve.py``): each running request reserves a share of the pages
+it may still need; the share falls each step and goes back up after a retraction.
 """
 
 from __future__ import annotations
 
 import heapq
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -70,6 +66,7 @@ from radixserve.scheduler.kv_events import KVEventRecorder
 from radixserve.scheduler.policy import order_waiting, shared_prefix_len
 from radixserve.scheduler.radix_impl import make_prefix_cache
 from radixserve.scheduler.request import ReqStatus, Request
+from radixserve.scheduler.reserve import DecodeReserve
 from radixserve.scheduler.step_io import file_scores, step_req, take_tokens
 from radixserve.scheduler.tiered_cache import build_tiers
 from radixserve.scheduler.waiting import WaitingQueue
@@ -101,7 +98,7 @@ class Scheduler:
         self._eos = frozenset(config.eos_token_ids)
         self._arrivals = 0
         self._admissions = 0
-        self.reserve_ratio = config.decode_reserve_ratio
+        self.reserve = DecodeReserve(config)
         # Per-request timeouts (``request_timeout``): (deadline, arrival, rid), earliest first; ``clock`` is
         # replaceable (tests).
         self.clock: Callable[[], float] = time.monotonic
@@ -319,8 +316,8 @@ class Scheduler:
         hit = kv.peek(req) if kv.enabled else 0
         need = kv.pages_for(req.num_tokens) - hit // self.page_size
         final = kv.pages_for(req.final_len) - kv.pages_for(req.num_tokens)
-        reserve = math.ceil(final * self.reserve_ratio)
-        return need + reserve <= kv.available_pages - self._reserved_pages()
+        reserve = self.reserve.of(final)
+        return need + reserve <= kv.available_pages - self.reserve.held(self.running, kv)
 
     def _schedule(self) -> Step | None:
         """Plan the next step; None when there is nothing to compute."""
@@ -330,7 +327,7 @@ class Scheduler:
         batch: list[tuple[Request, int]] = []
         self._schedule_decodes(batch)
         if batch:
-            self._decay_reserve_ratio()
+            self.reserve.decay()
         budget = self.config.chunked_prefill_size
         in_flight: list[Request] = []
         if self.chunked is not None:
@@ -487,8 +484,7 @@ class Scheduler:
         if not self._retractable():
             raise RuntimeError("out of KV pages with a single running request")
         self._retract(max(self.running, key=lambda r: r.admitted))
-        # Reservations proved too optimistic: reserve fully again, then decay.
-        self.reserve_ratio = self.config.decode_reserve_ratio
+        self.reserve.reset()  # reservations proved too optimistic
 
     def _retract(self, req: Request) -> None:
         """Send a running request back to the front of the queue; its computed KV
@@ -530,27 +526,6 @@ class Scheduler:
             in_flight.append(req)
         return budget
 
-    def _decay_reserve_ratio(self) -> None:
-        cfg = self.config
-        floor = min(cfg.decode_reserve_min_ratio, cfg.decode_reserve_ratio)
-        if cfg.decode_reserve_decay_steps == 0 or self.reserve_ratio <= floor:
-            return
-        step = (cfg.decode_reserve_ratio - floor) / cfg.decode_reserve_decay_steps
-        self.reserve_ratio = max(floor, self.reserve_ratio - step)
-
-    def _reserved_pages(self) -> int:
-        """The share (``reserve_ratio``) of the pages running requests may still
-        need to reach their final length."""
-        ratio = self.reserve_ratio
-        if ratio == 0.0:
-            return 0
-        total = 0
-        for r in self.running:
-            remaining = self.kv.pages_missing(r, r.final_len)
-            if remaining > 0:
-                total += math.ceil(remaining * ratio)
-        return total
-
     def _admit(
         self, batch: list[tuple[Request, int]], budget: int, in_flight: list[Request]
     ) -> None:
@@ -559,7 +534,7 @@ class Scheduler:
         if not self.waiting:
             return
         candidates = order_waiting(self.waiting, self.kv, cfg)
-        reserved = self._reserved_pages()
+        reserved = self.reserve.held(self.running, self.kv)
         admitted: list[Request] = []
         skipped = 0
         for req in candidates:
@@ -582,7 +557,7 @@ class Scheduler:
             hit = self.kv.acquire_prefix(req)  # the pool's (L1) match
             need = self.kv.pages_missing(req, req.num_tokens)
             final_pages = self.kv.pages_missing(req, req.final_len) - need
-            reserve = math.ceil(final_pages * self.reserve_ratio)
+            reserve = self.reserve.of(final_pages)
             if need + reserve > self.kv.available_pages - reserved:
                 # Pass it over: a request that does not fit must not hold back
                 # smaller ones behind it (it is tried again next step, first
