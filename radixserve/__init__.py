@@ -5,8 +5,8 @@
 
 from radixserve.results import Result, Usage
 from radixserve.sampling_params import SamplingParams, StructuredOutput
+from radixserve.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["Engine", "Result", "SamplingParams", "StructuredOutput", "Usage", "__version__"]
 
 

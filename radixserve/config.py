@@ -9,53 +9,35 @@ so it can be built alone in tests (``WorkerConfig`` in ``worker/config.py``,
 name (``worker_config``, ``scheduler_config``, ``tokenizer_config``), and
 ``EngineConfig``'s defaults are those configs' defaults, so no value is
 declared twice. ``ModelInfo`` is what the worker reports once its model is
-loaded; the scheduler's page count, context length and EOS ids come from it.
+loaded (``model_info.py``, re-exported here); the scheduler's page count, context
+length and EOS ids come from it.
 
-This module imports no torch: the launcher, the CLI and every process import
-it. The ``build_*`` factories import their library when called (the worker's
-imports torch).
+This module holds data only: it imports the libraries' config modules and nothing
+that runs. The parts are put together above it (``compose.py``: ``build_worker``,
+``build_scheduler``), so the libraries' processes may import this module without
+a loop. It imports no torch: the launcher, the CLI and every process import it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
+from radixserve.model_info import ModelInfo
 from radixserve.scheduler.config import SchedulerConfig, check_cache_tiers
 from radixserve.tokenizer.config import TokenizerConfig
 from radixserve.worker.config import WorkerConfig
 
-if TYPE_CHECKING:
-    from radixserve.scheduler.scheduler import Scheduler
-    from radixserve.worker.model_runner import ModelRunner
+__all__ = [
+    "MODEL_FIELDS",
+    "EngineConfig",
+    "ModelInfo",
+    "scheduler_config",
+    "tokenizer_config",
+    "worker_config",
+]
 
 _W, _S, _T = WorkerConfig, SchedulerConfig, TokenizerConfig
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the worker reports once its model is loaded; the others size themselves by it."""
-
-    num_pages: int
-    page_size: int
-    max_context_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    model_name: str
-    backend_name: str
-    dtype: str
-    dtype_reason: str
-    tp: int = 1  # tensor-parallel ranks (docs/parallel.md); the fields below are per rank
-    weight_bytes: int = 0  # rank 0's parameters
-    kv_bytes: int = 0  # rank 0's KV pool
-    host_pages: int = 0  # the host tier's size in pages (0: no cache tiers)
-    page_bytes: int = 0  # one page's KV, all layers
-    kv_identity: str = ""  # what a page's KV depends on besides its tokens (disk tier)
-
-    @classmethod
-    def from_dict(cls, info: dict[str, Any]) -> ModelInfo:
-        """From its wire form (a msgpack map: ``eos_token_ids`` arrives as a list)."""
-        return cls(**{**info, "eos_token_ids": tuple(info["eos_token_ids"])})
 
 
 @dataclass(frozen=True)
@@ -158,27 +140,3 @@ def scheduler_config(config: EngineConfig, info: ModelInfo) -> SchedulerConfig:
     if info.page_size != config.page_size:
         raise ValueError(f"the worker's page size {info.page_size} != {config.page_size}")
     return _derive(SchedulerConfig, config, **{n: getattr(info, n) for n in MODEL_FIELDS})
-
-
-def build_worker(config: EngineConfig, tokenizer: Any = None, comm: Any = None) -> ModelRunner:
-    """The worker's ``ModelRunner`` (loads the model; imports torch). ``tokenizer``:
-    the model's, if loaded already (structured output needs it). ``comm``: this
-    rank's tensor-parallel group (``worker/tp.py``), for a rank of a server. Without
-    it and with ``tp > 1`` (the in-process Engine): a ``WorkerGroup``, rank 0 here
-    and the other ranks as child processes, behind the same interface."""
-    from radixserve.worker.model_runner import ModelRunner
-
-    if comm is not None:
-        return ModelRunner(worker_config(config), tokenizer, comm)
-    if config.tp > 1:
-        from radixserve.worker.tp import WorkerGroup
-
-        return WorkerGroup(config, tokenizer)  # type: ignore[return-value]
-    return ModelRunner(worker_config(config), tokenizer)
-
-
-def build_scheduler(config: EngineConfig, info: ModelInfo) -> Scheduler:
-    """A ``Scheduler`` over the pool the worker reported in ``info``."""
-    from radixserve.scheduler.scheduler import Scheduler
-
-    return Scheduler(scheduler_config(config, info))

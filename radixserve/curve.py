@@ -2,7 +2,7 @@
 
 ZeroMQ's CURVE mechanism (CurveZMQ) encrypts a connection and authenticates the
 server to the client by its public key; the server authenticates a client by the
-client's public key, through a ZAP handler (``radixserve/tokenizer/zap.py``).
+client's public key, through a ZAP handler (``radixserve/zap.py``).
 Keys are 40-character Z85 strings; they are kept in pyzmq's certificate files
 (``zmq.auth``): ``NAME.key`` holds a public key, ``NAME.key_secret`` the public and
 the secret key (mode 0600).
@@ -101,7 +101,7 @@ def load_allowed_keys(
 
 def make_curve_server(sock: zmq.Socket, public: bytes, secret: bytes) -> None:
     """Make ``sock``'s next binds CURVE servers with these keys, their clients judged by
-    the ZAP handler of the ``radixserve`` domain (tokenizer/zap.py), which the caller
+    the ZAP handler of the ``radixserve`` domain (zap.py), which the caller
     runs. ZeroMQ applies security options to the binds made after they are set."""
     sock.setsockopt(zmq.CURVE_SERVER, 1)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, public)

@@ -18,8 +18,8 @@ import signal
 import subprocess
 import sys
 
-import radixserve
 from radixserve.client import AsyncClient
+from radixserve.utils.paths import SOURCE_ROOT
 
 SYSTEM = (
     "You are a concise geography tutor. Answer every question in one short sentence, "
@@ -34,7 +34,7 @@ QUESTIONS = [
 
 
 def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(radixserve.__file__)))
+    root = SOURCE_ROOT
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "radixserve.cli", "launch", "--port", "0", *extra]

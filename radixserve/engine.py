@@ -17,7 +17,8 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from radixserve.config import EngineConfig, build_scheduler, build_worker, tokenizer_config
+from radixserve.compose import build_scheduler, build_worker
+from radixserve.config import EngineConfig, tokenizer_config
 from radixserve.program import EngineBackend, ProgramState
 from radixserve.protocol import OutputItem
 from radixserve.results import Result, TokenLogprobs, Usage

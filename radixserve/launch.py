@@ -49,7 +49,6 @@ from dataclasses import replace
 
 import zmq
 
-import radixserve
 from radixserve import protocol as P
 from radixserve.curve import (
     CurveError,
@@ -63,6 +62,7 @@ from radixserve.http.auth import ADMIN_KEY_ENV, API_KEY_ENV, NO_KEYS, Keys
 from radixserve.nodes import check_nodes
 from radixserve.scheduler.kv_publisher import kv_events_host
 from radixserve.server_config import CONTROL, HTTP_IN, TOKENIZER_IN, ServerConfig
+from radixserve.utils.paths import SOURCE_ROOT
 from radixserve.utils.proc import say
 
 log = logging.getLogger("radixserve.launch")
@@ -159,7 +159,7 @@ class Launcher:
             env.update(self.http_keys.env())
         elif name == "tokenizer" and self.http_keys.admin_key:  # flush_cache, check
             env[ADMIN_KEY_ENV] = self.http_keys.admin_key
-        root = os.path.dirname(os.path.dirname(os.path.abspath(radixserve.__file__)))
+        root = SOURCE_ROOT
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         module = MODULES["worker" if name.startswith("worker") else name]
         cmd = [sys.executable, "-m", module, self.config.to_json()]

@@ -2,7 +2,7 @@
 
 The launcher hands it to each child as JSON on the command line (never pickle), so
 it holds no secret: key files appear as paths, API keys travel by environment;
-each process builds its own part from it (``radixserve.config``: the worker
+each process builds its own part from it (``radixserve.compose``: the worker
 with ``build_worker``, the scheduler with ``build_scheduler`` and the worker's
 ``ModelInfo``, the tokenizer from ``engine.model``).
 """
@@ -14,7 +14,8 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from radixserve.config import EngineConfig, ModelInfo
+from radixserve.config import EngineConfig
+from radixserve.model_info import ModelInfo
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,23 @@ def test_nothing_fails_before_the_first_connection():
     link.check_send("b")
 
 
+def test_no_handshake_within_the_connect_timeout_fails_with_no_server(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(C.time, "monotonic", lambda: now[0])
+    link = C.Link("tcp://x", connect_timeout=5.0)
+    assert link.to_fail(["a"], dropped=False) == []  # still within its window
+    now[0] += 5.0
+    lost = link.to_fail(["a", "b"], dropped=False)
+    assert [x.id for x in lost] == ["a", "b"] and {x.error for x in lost} == {C.NoServer}
+    assert "nothing answered at tcp://x within 5 s" in lost[0].message
+    assert [x.id for x in link.to_fail(["c"], dropped=False)] == ["c"]  # sent later: too
+    with pytest.raises(C.NoServer, match="no server listens there"):
+        C._raise_on_error(lost[0])
+    assert issubclass(C.NoServer, ConnectionLost)
+    assert not link.on_event(UP)  # a server came up after all: nothing fails any more
+    assert link.to_fail(["d"], dropped=False) == []
+
+
 def test_a_drop_fails_every_pending_request_once_then_a_long_outage_refuses(monkeypatch):
     now = [100.0]
     monkeypatch.setattr(C.time, "monotonic", lambda: now[0])

@@ -12,6 +12,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_FREE = [
     "radixserve.config",
+    "radixserve.compose",
     "radixserve.cli",
     "radixserve.scheduler.process",
     "radixserve.tokenizer.process",

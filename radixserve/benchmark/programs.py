@@ -428,10 +428,10 @@ def title(args: argparse.Namespace) -> str:
 
 
 def main(args: argparse.Namespace, workload_flags: Sequence[str]) -> int:
-    """``radixserve bench program``: every variant of ``cli.variants``, then the table,
+    """``radixserve bench program``: every variant of ``targets.variants``, then the table,
     the JSON and the PNG, as for the other workloads."""
-    from radixserve.benchmark.cli import make_backend, make_engine, variants
     from radixserve.benchmark.server import LaunchedServer
+    from radixserve.benchmark.targets import make_backend, make_engine, variants
 
     check_args(args, workload_flags)
     results: list[dict[str, Any]] = []

@@ -14,9 +14,9 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-import radixserve
+from radixserve.utils.paths import SOURCE_ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(radixserve.__file__)))
+ROOT = SOURCE_ROOT
 
 
 class LaunchedServer:

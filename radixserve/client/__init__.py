@@ -32,26 +32,36 @@ message says why); ``ConnectionLost`` (a ``ServerError``) when the connection to
 the server drops, or stays down, while a request is pending (ZeroMQ heartbeats
 notice a server that died or hangs within seconds), or when the server refused the
 handshake (CURVE keys missing, wrong or not allowed: the message says authentication
-failed, and why); ``RequestTimeout`` when no reply came within ``timeout`` seconds — for a streaming request, between two chunks; for anything else, the
+failed, and why); ``NoServer`` (a ``ConnectionLost``) when nothing answered at the
+endpoint within ``connect_timeout`` seconds (default 5: no server listens there);
+``MessageTooLarge`` (a ``ValueError``, nothing sent) for a request over the server's
+``--max-message-bytes``, which the client learns from ``health()`` before its first
+large request; ``RequestTimeout`` when no reply came within ``timeout`` seconds — for a streaming request, between two chunks; for anything else, the
 whole call. A timed-out request is aborted on the server.
 """
 
 from radixserve.client.aio import AsyncClient
 from radixserve.client.common import (
+    DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_TIMEOUT,
     Chunk,
     ConnectionLost,
+    MessageTooLarge,
+    NoServer,
     RequestTimeout,
     ServerError,
 )
 from radixserve.client.sync import Client
 
 __all__ = [
+    "DEFAULT_CONNECT_TIMEOUT",
     "DEFAULT_TIMEOUT",
     "AsyncClient",
     "Chunk",
     "Client",
     "ConnectionLost",
+    "MessageTooLarge",
+    "NoServer",
     "RequestTimeout",
     "ServerError",
 ]

@@ -15,7 +15,9 @@ import zmq.asyncio
 
 from radixserve import protocol as P
 from radixserve.client.common import (
+    DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_TIMEOUT,
+    SIZE_CHECK_BYTES,
     Link,
     LinkLost,
     RequestTimeout,
@@ -27,8 +29,10 @@ from radixserve.client.common import (
     build_detokenize,
     build_generate,
     build_tokenize,
+    check_message_size,
     curve_keys,
     detokenized,
+    server_message_limit,
     setup_socket,
 )
 from radixserve.program import AsyncClientBackend, AsyncProgramState
@@ -48,6 +52,7 @@ class AsyncClient:
         curve_server_key: str | bytes | os.PathLike | None = None,
         curve_client_key: str | os.PathLike | tuple[str | bytes, str | bytes] | None = None,
         admin_key: str | None = None,
+        connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT,
     ) -> None:
         curve = curve_keys(curve_server_key, curve_client_key)
         self.endpoint = endpoint
@@ -56,7 +61,9 @@ class AsyncClient:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._monitor = setup_socket(self._sock, curve)
-        self._link = Link(endpoint, curve is not None)
+        self._link = Link(endpoint, curve is not None, connect_timeout)
+        # (handshakes then, the server's message limit) once learnt from a health reply
+        self._limit: tuple[int, int | None] | None = None
         self._sock.connect(endpoint)
         self._poller = zmq.asyncio.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
@@ -176,7 +183,9 @@ class AsyncClient:
         return await self._admin(P.Stats, timeout)
 
     async def health(self, timeout: float | None = None) -> dict[str, Any]:
-        return await self._admin(P.Health, timeout)
+        data = await self._admin(P.Health, timeout)
+        self._limit = (self._link.handshakes, server_message_limit(data))
+        return data
 
     async def check(
         self, timeout: float | None = None, *, admin_key: str | None = None
@@ -198,6 +207,16 @@ class AsyncClient:
         self.close()
 
     # --------------------------------------------------------------- helpers
+    async def _check_size(self, size: int) -> None:
+        """Refuse a request over the server's message limit before it is sent; a large
+        one makes the client learn the limit first (once per connection)."""
+        if size <= SIZE_CHECK_BYTES:
+            return
+        if self._limit is None or self._limit[0] != self._link.handshakes:
+            await self.health()
+        assert self._limit is not None
+        check_message_size(size, self._limit[1], self.endpoint)
+
     def _deadline(self, timeout: float | None) -> float | None:
         timeout = self.timeout if timeout is None else timeout
         return None if timeout is None else time.monotonic() + timeout
@@ -284,6 +303,7 @@ class _AsyncInFlight:
         if rid in self.client._queues:
             raise ValueError(f"request id {rid!r} is already in use by this client")
         data = self.msg.encode()  # before registering: a failure must leave nothing behind
+        await self.client._check_size(len(data))
         self.client._link.check_send(rid)
         queue: asyncio.Queue[P.Message | LinkLost] = asyncio.Queue()
         self.client._queues[rid] = queue

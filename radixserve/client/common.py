@@ -14,12 +14,19 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from radixserve import protocol as P
+from radixserve.auth_env import ADMIN_KEY_ENV
 from radixserve.curve import load_public_key, load_secret_certificate, require_curve
-from radixserve.http.auth import ADMIN_KEY_ENV
 from radixserve.results import Result, TokenLogprobs, Usage
 from radixserve.sampling_params import TOKEN_ID_MAX, SamplingParams, short_repr
 
 DEFAULT_TIMEOUT = 300.0
+# How long a client waits for a first handshake before what it sent fails: a server that
+# listens answers in milliseconds, so this is about a wrong address, not a slow server.
+DEFAULT_CONNECT_TIMEOUT = 5.0
+# A request this large or smaller goes without asking the server's message limit first;
+# a larger one makes the client learn it (one health call per connection) and refuse a
+# request over it, which the server's socket would otherwise drop with the connection.
+SIZE_CHECK_BYTES = 64 << 10
 Chunk = P.Chunk  # what generate_stream yields: id, index, text, token_ids, finish_reason, usage
 
 # A connection that is down this long after it was up fails what is still pending,
@@ -56,6 +63,33 @@ class ConnectionLost(ServerError):
     pending, so no answer can come: the server stopped, or stopped answering heartbeats;
     or the server refused the handshake (the message begins "authentication with the
     server at ... failed")."""
+
+
+class NoServer(ConnectionLost):
+    """Nothing answered at the endpoint within the client's ``connect_timeout``: no
+    server listens there (a wrong address or port), or it has not started yet."""
+
+
+class MessageTooLarge(ValueError):
+    """A request larger than the server accepts (its ``--max-message-bytes``), refused
+    before it is sent."""
+
+
+def check_message_size(size: int, limit: int | None, endpoint: str) -> None:
+    """Raise ``MessageTooLarge`` for a request of ``size`` encoded bytes over the server's
+    ``limit`` (None: not known, nothing to check)."""
+    if limit is not None and size > limit:
+        raise MessageTooLarge(
+            f"this request is {size} bytes encoded, over the {limit}-byte message limit of "
+            f"the server at {endpoint}: send a shorter prompt, or start the server with a "
+            f"larger --max-message-bytes (at least {size})"
+        )
+
+
+def server_message_limit(health: Mapping[str, Any]) -> int | None:
+    """The message limit a ``health`` reply states (None: a server that does not say)."""
+    limit = health.get("max_message_bytes")
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
 
 def routing_id() -> bytes:
@@ -135,9 +169,12 @@ class LinkLost:
     """Not a protocol message: what a client puts in a pending request's mailbox when
     the connection is gone (``raise_on_error`` turns it into ``ConnectionLost``)."""
 
-    def __init__(self, request_id: str, message: str) -> None:
+    def __init__(
+        self, request_id: str, message: str, error: type[ConnectionLost] = ConnectionLost
+    ) -> None:
         self.id = request_id
         self.message = message
+        self.error = error
 
 
 class Link:
@@ -148,12 +185,20 @@ class Link:
     pending request fails, and new ones are refused (``check_send``). Before the
     first handshake nothing fails early: the server may still be starting. A failed
     handshake (``refused``: keys missing, wrong or not allowed) fails every pending
-    request at once and refuses new ones until a handshake succeeds.
+    request at once and refuses new ones until a handshake succeeds. With a
+    ``connect_timeout``, a link that has had no handshake that long after it was made
+    fails what is pending with ``NoServer`` (and what is sent later, at its first read),
+    until a handshake succeeds; without one it waits for a server to start.
     """
 
-    def __init__(self, endpoint: str, curve: bool = False) -> None:
+    def __init__(
+        self, endpoint: str, curve: bool = False, connect_timeout: float | None = None
+    ) -> None:
         self.endpoint = endpoint
         self.curve = curve  # whether this client brings CURVE keys (for the messages)
+        self.connect_timeout = connect_timeout
+        self.created = time.monotonic()
+        self.handshakes = 0  # so far: a new one may be a restarted server's
         self.up = False
         self.down_since: float | None = None  # None: up, or never connected
         self.refused: str | None = None  # why the last handshake failed, until one succeeds
@@ -166,6 +211,7 @@ class Link:
         event = parsed["event"]
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.up, self.down_since, self.refused = True, None, None
+            self.handshakes += 1
             self._failed.clear()
             return False
         if event & HANDSHAKE_FAILED:
@@ -183,8 +229,27 @@ class Link:
     def down_too_long(self) -> bool:
         return self.down_since is not None and time.monotonic() - self.down_since >= LINK_GRACE_S
 
+    def never_answered(self) -> bool:
+        """No handshake yet, ``connect_timeout`` after the link was made. Checked only
+        where the monitor's events were just read (``to_fail``): an unread handshake
+        must not count as none."""
+        return (
+            self.connect_timeout is not None
+            and self.handshakes == 0
+            and not self.refused
+            and time.monotonic() - self.created >= self.connect_timeout
+        )
+
     def to_fail(self, pending: Iterable[str], dropped: bool) -> list[LinkLost]:
         """What to put in the mailboxes of ``pending`` requests now (one each)."""
+        if self.never_answered():
+            # Not remembered in _failed: every request sent meanwhile fails too.
+            message = (
+                f"nothing answered at {self.endpoint} within {self.connect_timeout:g} s: no "
+                "server listens there, or it has not started yet (a longer "
+                "connect_timeout waits for it)"
+            )
+            return [LinkLost(rid, message, NoServer) for rid in pending]
         if not (dropped or self.refused or self.down_too_long()):
             return []
         fresh = [rid for rid in pending if rid not in self._failed]
@@ -210,7 +275,7 @@ class Link:
         if request_id is not None:
             self.check_send(request_id)
             return True
-        return not (self.refused or self.down_too_long())
+        return not (self.refused or self.down_too_long() or self.never_answered())
 
     def _handshake_failure(self, event: int, value: int) -> str:
         where = f"authentication with the server at {self.endpoint} failed"
@@ -369,4 +434,4 @@ def _raise_on_error(msg: P.Message | LinkLost) -> None:
     if isinstance(msg, P.Error):
         raise ServerError(msg.message, msg.id)
     if isinstance(msg, LinkLost):
-        raise ConnectionLost(msg.message, msg.id)
+        raise msg.error(msg.message, msg.id)

@@ -14,7 +14,9 @@ import zmq
 
 from radixserve import protocol as P
 from radixserve.client.common import (
+    DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_TIMEOUT,
+    SIZE_CHECK_BYTES,
     Link,
     LinkLost,
     RequestTimeout,
@@ -26,8 +28,10 @@ from radixserve.client.common import (
     build_detokenize,
     build_generate,
     build_tokenize,
+    check_message_size,
     curve_keys,
     detokenized,
+    server_message_limit,
     setup_socket,
 )
 from radixserve.program import ClientBackend, ProgramState
@@ -40,6 +44,11 @@ class Client:
 
     ``endpoint``: the server's ``tcp://host:port`` (or ``ipc://path``). ``timeout``: the
     default of every call (seconds; None waits forever).
+    ``connect_timeout``: how long the first handshake may take before what was sent
+    fails with ``NoServer`` (nothing answered at ``endpoint``); None waits for a server
+    to start. A request larger than the server accepts (``--max-message-bytes``, stated
+    in ``health()``, which the client asks before its first large request) is refused
+    with ``MessageTooLarge`` before it is sent.
 
     CURVE (a server started with ``--curve-secret-key``; docs/security.md):
     ``curve_server_key`` is the server's public key: the path of its public certificate
@@ -63,6 +72,7 @@ class Client:
         curve_server_key: str | bytes | os.PathLike | None = None,
         curve_client_key: str | os.PathLike | tuple[str | bytes, str | bytes] | None = None,
         admin_key: str | None = None,
+        connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT,
     ) -> None:
         curve = curve_keys(curve_server_key, curve_client_key)
         self.endpoint = endpoint
@@ -71,7 +81,9 @@ class Client:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._monitor = setup_socket(self._sock, curve)
-        self._link = Link(endpoint, curve is not None)
+        self._link = Link(endpoint, curve is not None, connect_timeout)
+        # (handshakes then, the server's message limit) once learnt from a health reply
+        self._limit: tuple[int, int | None] | None = None
         self._sock.connect(endpoint)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
@@ -214,9 +226,11 @@ class Client:
         return self._admin(P.Stats, timeout)
 
     def health(self, timeout: float | None = None) -> dict[str, Any]:
-        """{"status": "ok", model, num_pages, page_size, max_context_len, backend}: a round
-        trip through the tokenizer and the scheduler."""
-        return self._admin(P.Health, timeout)
+        """{"status": "ok", model, num_pages, page_size, max_context_len, backend,
+        max_message_bytes}: a round trip through the tokenizer and the scheduler."""
+        data = self._admin(P.Health, timeout)
+        self._limit = (self._link.handshakes, server_message_limit(data))
+        return data
 
     def check(
         self, timeout: float | None = None, *, admin_key: str | None = None
@@ -238,6 +252,16 @@ class Client:
         self.close()
 
     # --------------------------------------------------------------- helpers
+    def _check_size(self, size: int) -> None:
+        """Refuse a request over the server's message limit before it is sent; a large
+        one makes the client learn the limit first (once per connection)."""
+        if size <= SIZE_CHECK_BYTES:
+            return
+        if self._limit is None or self._limit[0] != self._link.handshakes:
+            self.health()
+        assert self._limit is not None
+        check_message_size(size, self._limit[1], self.endpoint)
+
     def _deadline(self, timeout: float | None) -> float | None:
         timeout = self.timeout if timeout is None else timeout
         return None if timeout is None else time.monotonic() + timeout
@@ -327,6 +351,7 @@ class _InFlight:
         if rid in self.client._mail:
             raise ValueError(f"request id {rid!r} is already in use by this client")
         data = self.msg.encode()  # before registering: a failure must leave nothing behind
+        self.client._check_size(len(data))
         with self.client._lock:
             self.client._link.check_send(rid)
             self.client._mail[rid] = deque()

@@ -19,11 +19,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from radixserve.auth_env import ADMIN_KEY_ENV, API_KEY_ENV
+
 if TYPE_CHECKING:  # the launcher imports this module too, without the web stack
     from fastapi import Request
-
-API_KEY_ENV = "RADIXSERVE_API_KEY"
-ADMIN_KEY_ENV = "RADIXSERVE_ADMIN_API_KEY"
 
 
 @dataclass(frozen=True)

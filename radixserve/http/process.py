@@ -30,7 +30,6 @@ import zmq
 import zmq.asyncio
 from prometheus_client import disable_created_metrics
 
-from radixserve import __version__
 from radixserve import protocol as P
 from radixserve.client import AsyncClient
 from radixserve.http.app import create_app
@@ -40,6 +39,7 @@ from radixserve.http.metrics import Metrics
 from radixserve.http.state import FrontState, body_limit
 from radixserve.server_config import CONTROL, HTTP_IN, PUBLIC_IPC, ServerConfig
 from radixserve.utils.proc import Lifeline, child_main, socket
+from radixserve.version import __version__
 
 log = logging.getLogger("radixserve.http")
 GRACEFUL_S = 3.0  # how long open responses may take to end after SIGTERM

@@ -9,7 +9,6 @@ dequantized when read (``gguf_loader.GGUFWeights``).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,12 @@ from radixserve.models.checkpoint import text_weights
 from radixserve.models.config import ModelConfig
 from radixserve.models.decoder import CausalLM
 from radixserve.models.source import ModelSource
-from radixserve.models.weights import Renamed, SafetensorsReader, WeightReader
+from radixserve.models.weights import (
+    Renamed,
+    SafetensorsReader,
+    WeightReader,
+    safetensors_files,
+)
 
 DTYPES = {
     "float32": torch.float32,
@@ -46,19 +50,6 @@ def load_hf_config(source: ModelSource) -> Any:
         hf = AutoConfig.from_pretrained(str(source.folder), gguf_file=source.gguf_file)
         return complete_config(hf, source.folder / source.gguf_file)
     return AutoConfig.from_pretrained(str(source.folder))
-
-
-def safetensors_files(folder: Path) -> list[str]:
-    """The weight files of a safetensors checkpoint: the index's (sharded) or every
-    ``*.safetensors`` in the folder. FileNotFoundError when there are none."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no safetensors weights in {folder}")
-    return files
 
 
 def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:

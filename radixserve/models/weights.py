@@ -10,6 +10,7 @@ Both take transformers' names; ``renamed`` puts a name map in front of one.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -45,14 +46,25 @@ class TensorDict:
         return t.narrow(piece.dim, piece.start, piece.stop - piece.start)
 
 
+def safetensors_files(folder: Path) -> list[str]:
+    """The weight files of a safetensors checkpoint: the index's (sharded) or every
+    ``*.safetensors`` in the folder. FileNotFoundError when there are none."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {folder}")
+    return files
+
+
 class SafetensorsReader:
     """A safetensors checkpoint (one file, or sharded with ``model.safetensors.index.json``),
     read lazily tensor by tensor and slice by slice."""
 
     def __init__(self, folder: Path) -> None:
         from safetensors import safe_open
-
-        from radixserve.models.loader import safetensors_files
 
         files = safetensors_files(folder)
         self._handles = [safe_open(str(folder / f), framework="pt") for f in files]

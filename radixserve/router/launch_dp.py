@@ -25,11 +25,11 @@ import sys
 import time
 from dataclasses import replace
 
-import radixserve
 from radixserve.http.auth import NO_KEYS, Keys
 from radixserve.launch import Launcher, LaunchError, _wait_or_kill, check_public_socket
 from radixserve.router.policy import PolicyConfig
 from radixserve.server_config import PUBLIC_IPC, ServerConfig
+from radixserve.utils.paths import SOURCE_ROOT
 from radixserve.utils.proc import say
 
 log = logging.getLogger("radixserve.launch")
@@ -119,7 +119,7 @@ class DataParallelLauncher:
         for r in self.replicas:
             assert r is not None
             cmd += ["--replica", r.endpoint]
-        root = os.path.dirname(os.path.dirname(os.path.abspath(radixserve.__file__)))
+        root = SOURCE_ROOT
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self.router = subprocess.Popen(

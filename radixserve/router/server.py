@@ -48,9 +48,9 @@ from radixserve.tokenizer.config import TokenizerConfig
 from radixserve.tokenizer.connections import Connections
 from radixserve.tokenizer.inputs import InputProcessor
 from radixserve.tokenizer.process import seed_routing_ids
-from radixserve.tokenizer.zap import enable_curve
 from radixserve.utils.sockets import recv, recv_frames, recv_multipart
 from radixserve.utils.zmtp_gate import RoutingIdGate
+from radixserve.zap import enable_curve
 
 log = logging.getLogger("radixserve.router")
 

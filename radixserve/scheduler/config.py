@@ -18,8 +18,10 @@ def check_cache_tiers(cache: str, has_host: bool, disk_cache_dir: str | None) ->
         )
     if disk_cache_dir is not None and not has_host:
         raise ValueError(
-            "--disk-cache-dir needs a host tier (--host-cache-gb > 0): pages reach "
-            "the disk through host memory"
+            "--disk-cache-dir needs a host tier: pages reach the disk through host "
+            "memory; pass --host-cache-gb N (an Engine: host_cache_gb=N), N GiB of host "
+            "memory, e.g. 4 (radixserve launch picks one from free memory when the flag "
+            "is not given)"
         )
 
 

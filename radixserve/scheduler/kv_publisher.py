@@ -121,7 +121,7 @@ class KVEventPublisher:
         for sock in (self.pub, self.replay):
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 100_000)
-            if curve is not None:  # the ZAP handler is the caller's (tokenizer/zap.py)
+            if curve is not None:  # the ZAP handler is the caller's (zap.py)
                 make_curve_server(sock, curve[0], curve[1])
         self.replay.setsockopt(zmq.MAXMSGSIZE, 4096)  # a KVReplay is a few bytes
         replay_endpoint = replay_endpoint or replay_endpoint_for(endpoint)

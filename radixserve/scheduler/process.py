@@ -36,7 +36,7 @@ import time
 import zmq
 
 from radixserve import protocol as P
-from radixserve.config import build_scheduler
+from radixserve.compose import build_scheduler
 from radixserve.curve import load_allowed_keys, load_secret_certificate, require_curve
 from radixserve.scheduler.kv_events_vllm import VllmKVEventPublisher
 from radixserve.scheduler.kv_publisher import KVEventLog, KVEventPublisher
@@ -49,8 +49,8 @@ from radixserve.server_config import (
     WORKER_IN,
     ServerConfig,
 )
-from radixserve.tokenizer.zap import ZapHandler
 from radixserve.utils.proc import POLL_MS, Lifeline, child_main, socket
+from radixserve.zap import ZapHandler
 
 log = logging.getLogger("radixserve.scheduler")
 

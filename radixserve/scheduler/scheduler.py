@@ -43,45 +43,33 @@ A step, in order:
    on its pool (L1) match; only an admitted request promotes pages from the
    lower tiers (then it is LOADING), so one passed over copies nothing.
 
-Reservations: each running request reserves ``reserve_ratio`` of the pages it
-may still need. The ratio starts at ``decode_reserve_ratio``, falls each step
-towards ``decode_reserve_min_ratio`` and goes back up after a retraction: a
-request that asks for a whole context of output reserves it only while it is
-likely to produce it, and retraction is the safety net when it does.
+Reservations (``reserve.py``): each running request reserves a share of the pages
+it may still need; the share falls each step and goes back up after a retraction.
 """
 
 from __future__ import annotations
 
 import heapq
-import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
-from radixserve.protocol import GrammarSpec, OutputItem, Step, StepReq, StepResult
+from radixserve.protocol import OutputItem, Step, StepResult
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.config import SchedulerConfig
+from radixserve.scheduler.grammars import Grammars
 from radixserve.scheduler.kv_cache import KVCacheManager
 from radixserve.scheduler.kv_events import KVEventRecorder
 from radixserve.scheduler.policy import order_waiting, shared_prefix_len
 from radixserve.scheduler.radix_impl import make_prefix_cache
 from radixserve.scheduler.request import ReqStatus, Request
+from radixserve.scheduler.reserve import DecodeReserve
+from radixserve.scheduler.step_io import file_scores, step_req, take_tokens
 from radixserve.scheduler.tiered_cache import build_tiers
 from radixserve.scheduler.waiting import WaitingQueue
-
-_NO_TOKENS = np.zeros(0, dtype=np.int32)
-
-
-@dataclass(eq=False)
-class _Grammar:
-    """A structured-output grammar the worker compiles: how many unfinished
-    samples use it, and whether the worker reported it compiled."""
-
-    refs: int = 0
-    ready: bool = False
 
 
 class Scheduler:
@@ -110,16 +98,12 @@ class Scheduler:
         self._eos = frozenset(config.eos_token_ids)
         self._arrivals = 0
         self._admissions = 0
-        self.reserve_ratio = config.decode_reserve_ratio
+        self.reserve = DecodeReserve(config)
         # Per-request timeouts (``request_timeout``): (deadline, arrival, rid), earliest first; ``clock`` is
         # replaceable (tests).
         self.clock: Callable[[], float] = time.monotonic
         self._deadlines: list[tuple[float, int, str]] = []
-        # Structured output: grammars by key, and what the next step tells the worker.
-        # A grammar asked for and let go between two steps is never sent.
-        self._grammars: dict[str, _Grammar] = {}
-        self._grammar_submit: dict[str, GrammarSpec] = {}
-        self._grammar_drop: dict[str, _Grammar] = {}
+        self.grammars = Grammars()  # structured output's, compiled by the worker
         self._sampled: list[bool] = []  # which requests of the step in flight sample
         # Counters for stats().
         self.num_steps = 0
@@ -168,17 +152,8 @@ class Scheduler:
             heapq.heappush(
                 self._deadlines, (self.clock() + sampling.request_timeout, self._arrivals, rid)
             )
-        so = sampling.structured
-        if so is not None:
-            grammar = self._grammars.get(so.key)
-            if grammar is None:
-                # Let go since the last step: the worker still holds it.
-                grammar = self._grammar_drop.pop(so.key, None)
-                if grammar is None:
-                    grammar = _Grammar()
-                    self._grammar_submit[so.key] = GrammarSpec(so.key, so.kind, so.spec)
-                self._grammars[so.key] = grammar
-            grammar.refs += len(samples)
+        if sampling.structured is not None:
+            self.grammars.use(sampling.structured, len(samples))
 
     def check_request(
         self, prompt_ids: np.ndarray | Sequence[int], sampling: SamplingParams
@@ -241,8 +216,7 @@ class Scheduler:
             or self.running
             or self._outputs
             or self._release
-            or self._grammar_submit
-            or self._grammar_drop
+            or self.grammars.news_pending
             or self.copies_pending
         )
 
@@ -342,8 +316,8 @@ class Scheduler:
         hit = kv.peek(req) if kv.enabled else 0
         need = kv.pages_for(req.num_tokens) - hit // self.page_size
         final = kv.pages_for(req.final_len) - kv.pages_for(req.num_tokens)
-        reserve = math.ceil(final * self.reserve_ratio)
-        return need + reserve <= kv.available_pages - self._reserved_pages()
+        reserve = self.reserve.of(final)
+        return need + reserve <= kv.available_pages - self.reserve.held(self.running, kv)
 
     def _schedule(self) -> Step | None:
         """Plan the next step; None when there is nothing to compute."""
@@ -353,7 +327,7 @@ class Scheduler:
         batch: list[tuple[Request, int]] = []
         self._schedule_decodes(batch)
         if batch:
-            self._decay_reserve_ratio()
+            self.reserve.decay()
         budget = self.config.chunked_prefill_size
         in_flight: list[Request] = []
         if self.chunked is not None:
@@ -366,11 +340,10 @@ class Scheduler:
         if budget > 0:
             self._admit(batch, budget, in_flight)
         release, self._release = self._release, []
-        submit, self._grammar_submit = list(self._grammar_submit.values()), {}
-        drop, self._grammar_drop = list(self._grammar_drop), {}
+        submit, drop = self.grammars.take_news()
         # With nothing else to do, a step still goes out while a waiting request's
         # grammar compiles: the worker answers it when one is ready (or soon).
-        compiling = any(not g.ready for g in self._grammars.values())
+        compiling = self.grammars.compiling
         tiers = self.kv.tiers
         copies = tiers.take_copies() if tiers is not None else None
         # Copies in flight: a step goes out so the worker can report them (it waits
@@ -381,7 +354,7 @@ class Scheduler:
             return None
         self._batch = batch
         self.num_steps += 1
-        reqs = [self._req_step(req, n) for req, n in batch]
+        reqs = [step_req(req, n) for req, n in batch]
         self._sampled = [r.sample for r in reqs]
         return Step(
             reqs,
@@ -417,7 +390,7 @@ class Scheduler:
             scores = []
         if len(tokens) != sum(sampled):
             raise ValueError(f"the worker returned {len(tokens)} tokens, expected {sum(sampled)}")
-        token_scores = self._take_scores(batch, scores)
+        token_scores = file_scores(batch, scores)
         eos = self._eos
         samples = iter(tokens)
         for (req, n), samples_now in zip(batch, sampled):
@@ -440,24 +413,9 @@ class Scheduler:
                 self._finish(req, "length")
                 outputs.append(req.output([], None, prompt_scores))
                 continue
-            # Jump-forward: the grammar's forced tokens come with (or replace) the
-            # sampled one; never past max_tokens or the context.
-            new = forced.get(req.slot, [token])
-            room = min(sp.max_tokens - req.num_output, req.final_len - req.num_tokens)
-            new = new[: max(room, 1)]
-            reason = None
-            for j, t in enumerate(new):
-                if (t in eos and not sp.ignore_eos) or t in sp.stop_token_ids:
-                    new, reason = new[: j + 1], "stop"
-                    break
-            for t in new:
-                req.append_token(t)
-            if reason is None and req.slot in terminated:
-                reason = "stop"  # the grammar is complete
-            if reason is None and (
-                req.num_tokens - req.prompt_len >= sp.max_tokens or req.num_tokens >= req.final_len
-            ):
-                reason = "length"
+            new, reason = take_tokens(
+                req, forced.get(req.slot, [token]), eos, req.slot in terminated
+            )
             if reason is not None:
                 self._finish(req, reason)
             entry = token_scores.get(id(req))
@@ -469,20 +427,14 @@ class Scheduler:
     def _take_grammar_news(self, result: StepResult, outputs: list[OutputItem]) -> None:
         """Mark the grammars compiled since the last step ready; fail the requests
         of those that could not be compiled."""
-        for key in result.grammars_ready:
-            grammar = self._grammars.get(key)
-            if grammar is not None:
-                grammar.ready = True
-        for failure in result.grammar_failures:
-            if self._grammars.pop(failure.key, None) is None:
-                continue
+        for key, message in self.grammars.take_result(result):
             rids = {
                 r.rid
                 for r in self.waiting
-                if r.sampling.structured is not None and r.sampling.structured.key == failure.key
+                if r.sampling.structured is not None and r.sampling.structured.key == key
             }
             for rid in sorted(rids):
-                outputs += self._fail(rid, failure.message)
+                outputs += self._fail(rid, message)
 
     def _fail(self, rid: str, message: str) -> list[OutputItem]:
         """End every sample of ``rid`` still unfinished with finish_reason "error"."""
@@ -502,59 +454,7 @@ class Scheduler:
             outputs.append(item)
         return outputs
 
-    def _take_scores(self, batch: list[tuple[Request, int]], scores: list) -> dict[int, list]:
-        """File the step's logprobs: prompt positions into their request's
-        ``prompt_scores``; the sampled tokens' entries returned by request."""
-        if not scores:
-            return {}
-        by_slot = {req.slot: req for req, _ in batch if req.slot is not None}
-        sampled: dict[int, list] = {}
-        for sc in scores:
-            req = by_slot.get(sc.slot)
-            if req is None:
-                continue  # aborted after the step was planned
-            entries = sc.entries()
-            if sc.pos >= req.prompt_len:  # the token sampled in this step
-                sampled[id(req)] = entries[0]
-            elif req.prompt_scores is not None:
-                req.prompt_scores[sc.pos : sc.pos + len(entries)] = entries
-        return sampled
-
     # -------------------------------------------------------------- helpers
-    def _req_step(self, req: Request, n: int) -> StepReq:
-        # Views, not copies: these ranges of a request's buffers never change
-        # while it runs, and the worker consumes the step before the next one.
-        new_pages = req.table[req.sent_pages : req.num_pages]
-        req.sent_pages = req.num_pages
-        sampling = None
-        history = _NO_TOKENS
-        if not req.announced:
-            sampling = req.sampling.for_worker()
-            req.announced = True
-            if sampling.penalized or sampling.structured is not None:
-                # Penalty counts start from it; a grammar replays the output.
-                history = req.tokens[: req.num_tokens]
-        start = req.kv_len
-        score_pos, score_ids = 0, _NO_TOKENS
-        if req.score_next >= 0:
-            # Prompt positions whose previous position this step computes.
-            end = min(start + n + 1, req.prompt_len)
-            if end > req.score_next:
-                score_pos, score_ids = req.score_next, req.tokens[req.score_next : end]
-                req.score_next = end if end < req.prompt_len else -1
-        return StepReq(
-            req.slot,
-            req.tokens[start : start + n],
-            start,
-            new_pages,
-            start + n == req.num_tokens and req.sampling.max_tokens > 0,
-            sampling,
-            req.prompt_len,
-            history,
-            score_pos,
-            score_ids,
-        )
-
     def _schedule_decodes(self, batch: list[tuple[Request, int]]) -> None:
         while True:
             decoding = [
@@ -584,8 +484,7 @@ class Scheduler:
         if not self._retractable():
             raise RuntimeError("out of KV pages with a single running request")
         self._retract(max(self.running, key=lambda r: r.admitted))
-        # Reservations proved too optimistic: reserve fully again, then decay.
-        self.reserve_ratio = self.config.decode_reserve_ratio
+        self.reserve.reset()  # reservations proved too optimistic
 
     def _retract(self, req: Request) -> None:
         """Send a running request back to the front of the queue; its computed KV
@@ -627,27 +526,6 @@ class Scheduler:
             in_flight.append(req)
         return budget
 
-    def _decay_reserve_ratio(self) -> None:
-        cfg = self.config
-        floor = min(cfg.decode_reserve_min_ratio, cfg.decode_reserve_ratio)
-        if cfg.decode_reserve_decay_steps == 0 or self.reserve_ratio <= floor:
-            return
-        step = (cfg.decode_reserve_ratio - floor) / cfg.decode_reserve_decay_steps
-        self.reserve_ratio = max(floor, self.reserve_ratio - step)
-
-    def _reserved_pages(self) -> int:
-        """The share (``reserve_ratio``) of the pages running requests may still
-        need to reach their final length."""
-        ratio = self.reserve_ratio
-        if ratio == 0.0:
-            return 0
-        total = 0
-        for r in self.running:
-            remaining = self.kv.pages_missing(r, r.final_len)
-            if remaining > 0:
-                total += math.ceil(remaining * ratio)
-        return total
-
     def _admit(
         self, batch: list[tuple[Request, int]], budget: int, in_flight: list[Request]
     ) -> None:
@@ -656,14 +534,14 @@ class Scheduler:
         if not self.waiting:
             return
         candidates = order_waiting(self.waiting, self.kv, cfg)
-        reserved = self._reserved_pages()
+        reserved = self.reserve.held(self.running, self.kv)
         admitted: list[Request] = []
         skipped = 0
         for req in candidates:
             if budget <= 0 or not self._free_slots:
                 break
             so = req.sampling.structured
-            if so is not None and not self._grammars[so.key].ready:
+            if so is not None and not self.grammars.ready(so.key):
                 continue  # its grammar is still compiling: the others go on
             if self.kv.enabled and in_flight:
                 # Hold it back while a prompt being prefilled shares a real prefix
@@ -679,7 +557,7 @@ class Scheduler:
             hit = self.kv.acquire_prefix(req)  # the pool's (L1) match
             need = self.kv.pages_missing(req, req.num_tokens)
             final_pages = self.kv.pages_missing(req, req.final_len) - need
-            reserve = math.ceil(final_pages * self.reserve_ratio)
+            reserve = self.reserve.of(final_pages)
             if need + reserve > self.kv.available_pages - reserved:
                 # Pass it over: a request that does not fit must not hold back
                 # smaller ones behind it (it is tried again next step, first
@@ -746,14 +624,8 @@ class Scheduler:
         req.slot = None
 
     def _forget(self, req: Request) -> None:
-        so = req.sampling.structured
-        grammar = None if so is None else self._grammars.get(so.key)  # None: it failed
-        if grammar is not None:
-            grammar.refs -= 1
-            if grammar.refs == 0:
-                del self._grammars[so.key]
-                if self._grammar_submit.pop(so.key, None) is None:  # else never sent
-                    self._grammar_drop[so.key] = grammar
+        if req.sampling.structured is not None:
+            self.grammars.release(req.sampling.structured)
         samples = self._requests.get(req.rid)
         if samples is not None and all(s.status == ReqStatus.FINISHED for s in samples):
             del self._requests[req.rid]
@@ -822,4 +694,4 @@ class Scheduler:
             f"page leak: {self.config.num_pages - self.allocator.num_free - cached} pages"
         )
         assert len(self._free_slots) == self.config.max_running_requests, "a slot leaked"
-        assert not self._grammars, "a grammar outlived its requests"
+        assert not self.grammars.in_use, "a grammar outlived its requests"

@@ -58,8 +58,8 @@ from dataclasses import dataclass, field, replace
 import zmq
 
 from radixserve import protocol as P
+from radixserve.auth_env import ADMIN_KEY_ENV
 from radixserve.config import tokenizer_config
-from radixserve.http.auth import ADMIN_KEY_ENV
 from radixserve.models.tokenizer import load_tokenizer
 from radixserve.sampling_params import short_repr
 from radixserve.server_config import (
@@ -73,10 +73,10 @@ from radixserve.server_config import (
 from radixserve.tokenizer.connections import Connections
 from radixserve.tokenizer.inputs import InputProcessor
 from radixserve.tokenizer.output import OutputStream, TokenTexts
-from radixserve.tokenizer.zap import enable_curve
 from radixserve.utils.proc import POLL_MS, Lifeline, child_main, socket
 from radixserve.utils.sockets import recv, recv_frames, recv_multipart
 from radixserve.utils.zmtp_gate import RoutingIdGate
+from radixserve.zap import enable_curve
 
 log = logging.getLogger("radixserve.tokenizer")
 
@@ -385,6 +385,7 @@ class TokenizerServer:
             data["in_flight"] = len(self.requests)
         elif kind == P.Health.TYPE:
             data = {"status": "ok", "endpoint": self.endpoint, **_model_dict(self.model)}
+            data["max_message_bytes"] = self.limits.max_message_bytes  # clients check sizes
         try:
             self.send(identity, P.Reply(rid, data))
         except ClientGone:

@@ -48,8 +48,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixserve.config import ModelInfo
 from radixserve.layers.parallel import SINGLE, Comm
+from radixserve.model_info import ModelInfo
 from radixserve.models.config import ModelConfig
 from radixserve.models.loader import load_hf_config, load_model, parse_dtype
 from radixserve.models.sharding import Shard, head_shard
@@ -94,7 +94,7 @@ class ModelRunner:
         if comm.size != config.tp:
             raise ValueError(
                 f"tp={config.tp} needs a group of {config.tp} ranks, got {comm.size} (build the "
-                "worker with config.build_worker, which starts the ranks: docs/parallel.md)"
+                "worker with compose.build_worker, which starts the ranks: docs/parallel.md)"
             )
         self.config = config
         self.comm = comm

@@ -1,6 +1,6 @@
 """The worker process: one ``Step`` message in, one ``StepResult`` out, lockstep.
 
-It loads the model (``config.build_worker``), reports ``Ready`` with the
+It loads the model (``compose.build_worker``), reports ``Ready`` with the
 model's facts (``ModelInfo``: page count, context length, vocabulary, EOS ids) to the
 launcher, then serves steps until the launcher stops it (SIGTERM) or dies
 (``utils.proc``: it is checked between steps). It decides nothing:
@@ -29,7 +29,8 @@ from typing import Any
 import zmq
 
 from radixserve import protocol as P
-from radixserve.config import build_worker, worker_config
+from radixserve.compose import build_worker
+from radixserve.config import worker_config
 from radixserve.nodes import parse_addr, relay_client_keys, relay_endpoint, relay_server_keys
 from radixserve.server_config import (
     CONTROL,

@@ -66,7 +66,7 @@ class StepRelay:
         self.sock.bind(ipc_endpoint)  # security options apply to later binds only
         if tcp_endpoint is not None:
             if curve is not None:
-                from radixserve.tokenizer.zap import ZapHandler
+                from radixserve.zap import ZapHandler
 
                 ZapHandler(ctx, curve[2]).serve_in_thread()
                 make_curve_server(self.sock, curve[0], curve[1])

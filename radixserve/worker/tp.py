@@ -44,6 +44,7 @@ from radixserve.config import EngineConfig, ModelInfo, worker_config
 from radixserve.curve import is_loopback
 from radixserve.layers.parallel import TorchComm
 from radixserve.protocol import Step, StepResult
+from radixserve.utils.paths import SOURCE_ROOT
 from radixserve.worker.config import WorkerConfig
 from radixserve.worker.relay import StepFeed, StepRelay
 from radixserve.worker.rendezvous import Rendezvous, meet, open_store
@@ -200,9 +201,7 @@ class WorkerGroup:
             raise
 
     def _spawn(self, rank: int) -> subprocess.Popen:
-        import radixserve
-
-        root = os.path.dirname(os.path.dirname(os.path.abspath(radixserve.__file__)))
+        root = SOURCE_ROOT
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         cmd = [sys.executable, "-m", "radixserve.worker.process", self.server.to_json(), str(rank)]

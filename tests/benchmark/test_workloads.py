@@ -7,8 +7,8 @@ import json
 import jsonschema
 import pytest
 
-from radixserve.benchmark.cli import compare_flags
 from radixserve.benchmark.runner import arrival_times
+from radixserve.benchmark.targets import compare_flags
 from radixserve.benchmark.workloads import (
     RECORDS,
     TokenSource,

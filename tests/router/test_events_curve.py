@@ -25,7 +25,7 @@ from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.kv_publisher import KVEventLog, KVEventPublisher
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.scheduler.sim_worker import SimWorker
-from radixserve.tokenizer.zap import ZapHandler
+from radixserve.zap import ZapHandler
 
 
 def test_events_with_curve_reach_allowed_keys_only(tmp_path):

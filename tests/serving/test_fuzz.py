@@ -27,7 +27,7 @@ from tests.helpers.server import wait_idle
 
 FRAMES = 2400
 PEERS = 4
-REPLY_TYPES = {"chunk", "result", "error", "reply"}  # protocol.py: what a client receives
+REPLY_TYPES = {"chunk", "result", "error", "reply"}  # protocol/public.py: what a client receives
 
 VALID = [
     {"type": "generate", "v": 1, "id": "g", "input_ids": [5, 6, 7, 8],

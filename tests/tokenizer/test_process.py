@@ -151,3 +151,15 @@ def test_the_send_high_water_mark_is_the_limit(front):
     server, _, _ = front
     assert server.router.getsockopt(zmq.SNDHWM) == LIMITS["max_queued_replies"]
     assert server.router.getsockopt(zmq.MAXMSGSIZE) == LIMITS["max_message_bytes"]
+
+
+def test_health_states_the_message_limit_clients_check_against(front):
+    server, scheduler, client = front
+    sock = client()
+    sock.send(msgpack.packb({"type": "health", "v": 1, "id": "h"}))
+    assert pump(server) == 1
+    asked = P.decode(scheduler.recv(), {"get_stats": P.GetStats})
+    server.on_admin_reply(P.AdminReply(asked.tag, {}))
+    answer = P.decode(sock.recv(), P.PUBLIC_REPLIES)
+    assert answer.data["status"] == "ok"
+    assert answer.data["max_message_bytes"] == LIMITS["max_message_bytes"]

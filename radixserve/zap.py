@@ -1,4 +1,4 @@
-"""The tokenizer's ZAP handler: which CURVE clients may connect to the public socket.
+"""The server's ZAP handler: which CURVE clients may connect to a public socket.
 
 libzmq asks a ZAP handler (ZeroMQ RFC 27), over the context's
 ``inproc://zeromq.zap.01``, whether to accept each connection whose handshake
@@ -9,8 +9,11 @@ handshake with an ERROR command, which the client's monitor reports as
 ``HANDSHAKE_FAILED_AUTH`` (``radixserve.client`` fails with ``ConnectionLost``
 saying the key was refused).
 
-The handler is a REP socket the tokenizer's own loop polls, as it polls the
-ROUTER: no thread (the process's lifecycle stays one loop, ``utils/proc.py``),
+The tokenizer's public ROUTER, the router's, the scheduler's KV-event publisher
+and the tensor-parallel step relay all admit clients through it, so it sits
+below those packages, beside ``server_config.py`` whose keys it reads. The
+handler is a REP socket the owning process's loop polls, as the tokenizer polls
+its ROUTER: no thread (the process's lifecycle stays one loop, ``utils/proc.py``),
 and its socket closes with the others. A connection waits in its handshake while
 the loop is busy, never longer. The allowed keys are read once, at start.
 """

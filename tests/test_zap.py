@@ -6,7 +6,7 @@ import pytest
 import zmq
 from zmq.utils import z85
 
-from radixserve.tokenizer.zap import ZapHandler
+from radixserve.zap import ZapHandler
 
 
 @pytest.fixture

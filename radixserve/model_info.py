@@ -1,0 +1,39 @@
+"""What the worker reports once its model is loaded: ``ModelInfo``.
+
+The worker builds it (``ModelRunner.info()``), the ``Ready`` message carries its
+wire form (a msgpack map), and the scheduler sizes itself by it (page count,
+context length, EOS ids). Data only, and below every package that reads it: the
+worker, the server's config (``server_config.py``) and ``config.py``, which
+re-exports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the worker reports once its model is loaded; the others size themselves by it."""
+
+    num_pages: int
+    page_size: int
+    max_context_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    model_name: str
+    backend_name: str
+    dtype: str
+    dtype_reason: str
+    tp: int = 1  # tensor-parallel ranks (docs/parallel.md); the fields below are per rank
+    weight_bytes: int = 0  # rank 0's parameters
+    kv_bytes: int = 0  # rank 0's KV pool
+    host_pages: int = 0  # the host tier's size in pages (0: no cache tiers)
+    page_bytes: int = 0  # one page's KV, all layers
+    kv_identity: str = ""  # what a page's KV depends on besides its tokens (disk tier)
+
+    @classmethod
+    def from_dict(cls, info: dict[str, Any]) -> ModelInfo:
+        """From its wire form (a msgpack map: ``eos_token_ids`` arrives as a list)."""
+        return cls(**{**info, "eos_token_ids": tuple(info["eos_token_ids"])})

@@ -1,0 +1,360 @@
+"""The messages between the server's own processes: tokenizer <-> scheduler
+(requests in; outputs, errors and admin replies out), scheduler <-> worker (the
+``Step`` the scheduler plans and the ``StepResult`` the worker answers: they are the
+step itself, of which no copy exists), and the control messages (``Ready``,
+``Shutdown``, ``Draining``). No client sends or sees these (docs/protocol.md).
+Internal token and page id arrays travel as little-endian int32 bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from radixserve.protocol.wire import (
+    BOOL,
+    F64,
+    FINISH,
+    I32,
+    I32_LIST,
+    INT,
+    INT_LIST,
+    KEY_BYTES,
+    KEYS,
+    MAP,
+    SAMPLING,
+    SCORED,
+    STR,
+    STR_LIST,
+    Kind,
+    Message,
+    _nested,
+    _optional,
+    f,
+)
+from radixserve.sampling_params import SamplingParams
+
+
+# ------------------------------------------------------- tokenizer <-> scheduler
+@dataclass
+class AddRequest(Message):
+    TYPE: ClassVar[str] = "add_request"
+    rid: str = f(STR)
+    input_ids: np.ndarray = f(I32)
+    sampling: SamplingParams = f(SAMPLING)
+    salt: str | None = f(_optional(STR), None)
+
+
+@dataclass
+class AbortRequest(Message):
+    """Finish ``rid`` now; reason "stop" when the tokenizer saw a stop string."""
+
+    TYPE: ClassVar[str] = "abort_request"
+    rid: str = f(STR)
+    reason: str = f(Kind('"abort" or "stop"', lambda x: x in ("abort", "stop")), "abort")
+    index: int | None = f(_optional(INT), None)
+
+
+@dataclass
+class Flush(Message):
+    TYPE: ClassVar[str] = "flush"
+    tag: int = f(INT)
+    keep_disk: bool = f(BOOL, False)
+
+
+@dataclass
+class GetStats(Message):
+    TYPE: ClassVar[str] = "get_stats"
+    tag: int = f(INT)
+
+
+@dataclass
+class CheckIdle(Message):
+    TYPE: ClassVar[str] = "check_idle"
+    tag: int = f(INT)
+
+
+@dataclass
+class OutputItem(Message):
+    """What one step (or an abort) produced for one sample of a request.
+
+    ``index`` says which of the request's n samples; ``token_ids`` are the new
+    tokens (none for an abort); ``finish_reason`` is None while it runs.
+    ``logprobs``: one ``[logprob, top ids, top logprobs]`` per token of
+    ``token_ids`` when the request asked for them. ``prompt_logprobs``: one
+    entry per prompt position (null where not scored), once, with the first
+    token of sample 0. ``token_ids`` may hold several tokens: those a grammar
+    forced after the sampled one (jump-forward, docs/structured.md).
+    """
+
+    rid: str = f(STR)
+    index: int = f(INT)
+    token_ids: list[int] = f(I32_LIST)
+    finish_reason: str | None = f(FINISH)
+    prompt_tokens: int = f(INT)
+    completion_tokens: int = f(INT)
+    cached_tokens: int = f(INT)
+    logprobs: list | None = f(SCORED, None)
+    prompt_logprobs: list | None = f(SCORED, None)
+    # With finish_reason "error": what went wrong (every sample of the request fails).
+    error: str | None = f(_optional(STR), None)
+    # cached_tokens split by where they were found: [pool (L1), host (L2), disk (L3)].
+    cached_tokens_by_tier: list[int] = f(INT_LIST, [0, 0, 0])
+
+
+@dataclass
+class Outputs(Message):
+    TYPE: ClassVar[str] = "outputs"
+    items: list[OutputItem] = f(_nested(OutputItem))
+
+
+@dataclass
+class RequestError(Message):
+    """The scheduler refused ``rid`` (e.g. a prompt that can never fit the pool)."""
+
+    TYPE: ClassVar[str] = "request_error"
+    rid: str = f(STR)
+    message: str = f(STR)
+
+
+@dataclass
+class AdminReply(Message):
+    TYPE: ClassVar[str] = "admin_reply"
+    tag: int = f(INT)
+    data: dict = f(MAP)
+
+
+# ---------------------------------------------------------- scheduler <-> worker
+@dataclass
+class StepReq(Message):
+    """One request's share of a step.
+
+    slot: the request's slot (its page table and sampling state live there).
+    input_ids: int32 tokens to compute now, at absolute positions
+    ``start_pos .. start_pos + len(input_ids) - 1``.
+    start_pos: number of tokens already in the KV pool for this slot (cached
+    prefix included).
+    new_pages: int32 page ids appended to the slot's page table since its last
+    step; a slot's first step carries its whole table so far (cached-prefix
+    pages included). After appending, the table must cover
+    ``start_pos + len(input_ids)`` tokens.
+    sample: whether to sample a token after this step (False for non-final
+    prefill chunks).
+    sampling: given in the step that adds the slot; remembered until released.
+    With it come ``prompt_len`` (the request's prompt length: what
+    ``min_tokens`` counts from) and, when the parameters have penalties,
+    ``history``: every token of the request so far (prompt, then generated),
+    from which the penalties' counts start.
+    score_ids: prompt tokens to score (prompt logprobs): ``score_ids[j]`` is
+    the token at position ``score_pos + j``, scored from the logits of the
+    position before it, which this step computes.
+    """
+
+    slot: int = f(INT)
+    input_ids: np.ndarray = f(I32)
+    start_pos: int = f(INT)
+    new_pages: np.ndarray = f(I32)
+    sample: bool = f(BOOL, True)
+    sampling: SamplingParams | None = f(_optional(SAMPLING), None)
+    prompt_len: int = f(INT, 0)
+    history: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    score_pos: int = f(INT, 0)
+    score_ids: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+
+
+@dataclass
+class PageCopies(Message):
+    """The KV copies between tiers (docs/cache-tiers.md) one step asks for, under a
+    ``ticket`` (numbered by the scheduler from 1). The worker performs them in this
+    order; what is marked *in step* is done before the step computes anything, the
+    rest may run in the background (a copy thread, a copy stream) while steps go on:
+
+    0. ``save``: pool page ``save_pages[i]`` is written to the disk tier as the page
+       file of key ``save_keys[32 i : 32 i + 32]`` (write-through of computed pages;
+       the page is read in step, the file written in the background);
+    1. ``to_disk``: host slot ``to_disk_slots[i]`` is written to the disk tier as the
+       page file of key ``to_disk_keys[32 i : 32 i + 32]`` (the slot is read in
+       step, the file written in the background);
+    2. ``demote``: pool page ``demote_pages[i]`` is copied to host slot
+       ``demote_slots[i]`` (in step);
+    3. ``promote``: host slot ``promote_slots[i]`` is copied to pool page
+       ``promote_pages[i]`` (background);
+    4. ``load``: the page file of key ``load_keys[32 i : 32 i + 32]`` is read into
+       pool page ``load_pages[i]`` (background).
+
+    The order is what makes one step's copies safe: a slot written to disk may be
+    reused by a demotion, and a page demoted may be the target of a promotion.
+    The ticket is reported in ``StepResult.copies_done`` once all of it is done;
+    until then the scheduler computes on no page being filled and reuses no slot
+    or file being read or written.
+    """
+
+    save_pages: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    save_keys: bytes = f(KEYS, b"")
+    to_disk_slots: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    to_disk_keys: bytes = f(KEYS, b"")
+    demote_pages: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    demote_slots: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    promote_slots: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    promote_pages: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    load_keys: bytes = f(KEYS, b"")
+    load_pages: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    ticket: int = f(INT, 0)
+
+    def __post_init__(self) -> None:
+        n = KEY_BYTES
+        pairs = (
+            (len(self.save_keys) // n, len(self.save_pages), "save"),
+            (len(self.to_disk_keys) // n, len(self.to_disk_slots), "to_disk"),
+            (len(self.demote_pages), len(self.demote_slots), "demote"),
+            (len(self.promote_slots), len(self.promote_pages), "promote"),
+            (len(self.load_keys) // n, len(self.load_pages), "load"),
+        )
+        for a, b, name in pairs:
+            if a != b:
+                raise ValueError(f"page copies: {name} has {a} sources and {b} targets")
+
+    def __len__(self) -> int:
+        return (
+            len(self.save_pages)
+            + len(self.to_disk_slots)
+            + len(self.demote_pages)
+            + len(self.promote_pages)
+            + len(self.load_pages)
+        )
+
+
+@dataclass
+class GrammarSpec(Message):
+    """A structured-output constraint the worker must compile (``StructuredOutput``'s
+    fields, and its ``key``)."""
+
+    key: str = f(STR)
+    kind: str = f(STR)
+    spec: str = f(STR)
+
+
+@dataclass
+class Step(Message):
+    """What the worker computes next: the ``copies`` between cache tiers are done
+    first (``PageCopies``), then ``release`` slots are cleared, then ``reqs`` run,
+    in order. ``step_id`` numbers the scheduler's steps from 1.
+
+    Grammars (docs/structured.md): ``grammars`` are to be compiled (in the
+    background; each is reported in a later ``StepResult.grammars_ready`` or
+    ``grammar_failures``) and held until named in ``drop_grammars``, after which
+    the worker may keep them in its cache of compiled grammars. A slot's
+    ``StepReq.sampling`` may name a grammar only once it was reported ready.
+    A step with no ``reqs`` waits a little for a compilation, or a ticket of
+    copies, in flight.
+    """
+
+    TYPE: ClassVar[str] = "step"
+    reqs: list[StepReq] = f(_nested(StepReq))
+    release: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    step_id: int = f(INT, 0)
+    grammars: list[GrammarSpec] = f(_nested(GrammarSpec), [])
+    drop_grammars: list[str] = f(STR_LIST, [])
+    copies: list[PageCopies] = f(_nested(PageCopies), [])  # none or one (docs/cache-tiers.md)
+
+
+@dataclass
+class Scores(Message):
+    """Logprobs the worker computed for ``slot``: of the token at each position
+    ``pos .. pos + m - 1`` (prompt tokens it was given, or the token it just
+    sampled), with the top ``k`` alternatives of each, most likely first
+    (``top_ids`` and ``top_logprobs`` hold m rows of k)."""
+
+    slot: int = f(INT)
+    pos: int = f(INT)
+    logprobs: np.ndarray = f(F64)
+    top_ids: np.ndarray = f(I32)
+    top_logprobs: np.ndarray = f(F64)
+
+    def entries(self) -> list[list]:
+        """As ``OutputItem`` carries them: one ``[logprob, top ids, top logprobs]`` each."""
+        m = len(self.logprobs)
+        k = len(self.top_ids) // m if m else 0
+        ids = self.top_ids.reshape(m, k).tolist()
+        lps = self.top_logprobs.reshape(m, k).tolist()
+        return [[lp, i, v] for lp, i, v in zip(self.logprobs.tolist(), ids, lps)]
+
+
+@dataclass
+class Forced(Message):
+    """Jump-forward: ``slot``'s new tokens of this step are ``token_ids`` instead of
+    its one sampled token (the sampled token followed by the tokens its grammar
+    forces, or, when the two merge in tokenization, their retokenization)."""
+
+    slot: int = f(INT)
+    token_ids: np.ndarray = f(I32)
+
+
+@dataclass
+class SlotFailure(Message):
+    """``slot``'s request must fail with ``message`` (its grammar rejected a token)."""
+
+    slot: int = f(INT)
+    message: str = f(STR)
+
+
+@dataclass
+class GrammarFailure(Message):
+    """The grammar ``key`` could not be compiled: its requests fail with ``message``."""
+
+    key: str = f(STR)
+    message: str = f(STR)
+
+
+@dataclass
+class StepResult(Message):
+    """The tokens sampled in step ``step_id`` (one per ``sample=True`` request, in
+    order) and the logprobs computed in it.
+
+    Structured output: ``forced`` replaces some slots' sampled token by several;
+    ``terminated`` slots' grammars have ended (their requests are complete);
+    ``failed`` slots must fail; ``grammars_ready`` and ``grammar_failures``
+    report compilations finished since the last step.
+
+    Cache tiers: ``copies_done`` are the tickets of ``PageCopies`` whose copies
+    finished since the last step (each reported once, in any order).
+    """
+
+    TYPE: ClassVar[str] = "step_result"
+    step_id: int = f(INT)
+    tokens: np.ndarray = f(I32)
+    scores: list[Scores] = f(_nested(Scores), [])
+    forced: list[Forced] = f(_nested(Forced), [])
+    terminated: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    failed: list[SlotFailure] = f(_nested(SlotFailure), [])
+    grammars_ready: list[str] = f(STR_LIST, [])
+    grammar_failures: list[GrammarFailure] = f(_nested(GrammarFailure), [])
+    copies_done: list[int] = f(INT_LIST, [])
+
+
+# --------------------------------------------------------------------- control
+@dataclass
+class Ready(Message):
+    """A child finished starting; ``info`` is what the launcher needs from it."""
+
+    TYPE: ClassVar[str] = "ready"
+    process: str = f(STR)
+    info: dict = f(MAP, {})
+
+
+@dataclass
+class Shutdown(Message):
+    """Launcher -> tokenizer: answer everything in flight with ``message`` and exit."""
+
+    TYPE: ClassVar[str] = "shutdown"
+    message: str = f(STR)
+
+
+@dataclass
+class Draining(Message):
+    """A child acknowledges ``Shutdown``: it now refuses new work (the HTTP front's 503s)."""
+
+    TYPE: ClassVar[str] = "draining"
+    process: str = f(STR)

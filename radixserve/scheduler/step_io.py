@@ -1,0 +1,100 @@
+"""Between a request and the step: what the worker is sent for it (``step_req``),
+where the scores it sends back go (``file_scores``), and what the tokens it sampled
+mean for the request (``take_tokens``: appended, and whether it finished).
+
+Both read and update one request's own fields only (what it has been sent, which
+prompt positions are scored), so the scheduler's step (``scheduler.py``) plans and
+takes results without the per-request wire detail.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from radixserve.protocol import StepReq
+from radixserve.scheduler.request import Request
+
+_NO_TOKENS = np.zeros(0, dtype=np.int32)
+
+
+def step_req(req: Request, n: int) -> StepReq:
+    """What the worker computes for ``req`` this step: ``n`` tokens from ``req.kv_len``,
+    the pages it has not been sent, its sampling the first time, and the prompt
+    positions to score."""
+    # Views, not copies: these ranges of a request's buffers never change
+    # while it runs, and the worker consumes the step before the next one.
+    new_pages = req.table[req.sent_pages : req.num_pages]
+    req.sent_pages = req.num_pages
+    sampling = None
+    history = _NO_TOKENS
+    if not req.announced:
+        sampling = req.sampling.for_worker()
+        req.announced = True
+        if sampling.penalized or sampling.structured is not None:
+            # Penalty counts start from it; a grammar replays the output.
+            history = req.tokens[: req.num_tokens]
+    start = req.kv_len
+    score_pos, score_ids = 0, _NO_TOKENS
+    if req.score_next >= 0:
+        # Prompt positions whose previous position this step computes.
+        end = min(start + n + 1, req.prompt_len)
+        if end > req.score_next:
+            score_pos, score_ids = req.score_next, req.tokens[req.score_next : end]
+            req.score_next = end if end < req.prompt_len else -1
+    return StepReq(
+        req.slot,
+        req.tokens[start : start + n],
+        start,
+        new_pages,
+        start + n == req.num_tokens and req.sampling.max_tokens > 0,
+        sampling,
+        req.prompt_len,
+        history,
+        score_pos,
+        score_ids,
+    )
+
+
+def file_scores(batch: list[tuple[Request, int]], scores: list) -> dict[int, list]:
+    """File the step's logprobs: prompt positions into their request's
+    ``prompt_scores``; the sampled tokens' entries returned by request."""
+    if not scores:
+        return {}
+    by_slot = {req.slot: req for req, _ in batch if req.slot is not None}
+    sampled: dict[int, list] = {}
+    for sc in scores:
+        req = by_slot.get(sc.slot)
+        if req is None:
+            continue  # aborted after the step was planned
+        entries = sc.entries()
+        if sc.pos >= req.prompt_len:  # the token sampled in this step
+            sampled[id(req)] = entries[0]
+        elif req.prompt_scores is not None:
+            req.prompt_scores[sc.pos : sc.pos + len(entries)] = entries
+    return sampled
+
+
+def take_tokens(
+    req: Request, new: list[int], eos: frozenset[int], grammar_done: bool
+) -> tuple[list[int], str | None]:
+    """Append this step's tokens to ``req`` (the sampled one, or with jump-forward the
+    grammar's forced tokens with or instead of it), never past ``max_tokens`` or the
+    context and never past a stop token; return them and the finish reason ("stop",
+    "length") or None while it goes on. ``grammar_done``: its grammar is complete."""
+    sp = req.sampling
+    room = min(sp.max_tokens - req.num_output, req.final_len - req.num_tokens)
+    new = new[: max(room, 1)]
+    reason = None
+    for j, t in enumerate(new):
+        if (t in eos and not sp.ignore_eos) or t in sp.stop_token_ids:
+            new, reason = new[: j + 1], "stop"
+            break
+    for t in new:
+        req.append_token(t)
+    if reason is None and grammar_done:
+        reason = "stop"
+    if reason is None and (
+        req.num_tokens - req.prompt_len >= sp.max_tokens or req.num_tokens >= req.final_len
+    ):
+        reason = "length"
+    return new, reason
