@@ -239,6 +239,44 @@ struct MergeAttention {
 };
 void merge_attention(const MergeAttention& m);
 
+// Every decoder layer of a decode step (decode_layers.cpp): a pre-norm Llama-style
+// layer (fused q/k/v, rotary, paged attention through one PagedDecode plan for all
+// layers, output projection, SwiGLU with fused gate/up, no biases), all float32 or
+// all bfloat16 bits. Per layer: norm weights [hidden], products row-major [out, in]
+// (qkv [(heads + 2 kv_heads) head_dim, hidden], o [hidden, heads head_dim], gate_up
+// [2 intermediate, hidden], down [hidden, intermediate]) and its pool layer
+// [pages, 2, page_size, kv_heads, head_dim]. The caller gives the embeddings
+// (`residual`, [tokens][hidden]) and layer 0's input norm of them (`x`, same
+// layout), cos/sin [tokens][rot_dim], and each new token's K row in the pool viewed
+// as [pages * 2 * page_size][kv_heads * head_dim] (V is page_size rows on). Out:
+// the last MLP output and the residual stream before it, [hidden][tokens] each.
+// Every index must already be valid (the bindings check them).
+struct DecodeLayerWeights {
+  const void* ln1;
+  const void* qkv;
+  const void* o;
+  const void* ln2;
+  const void* gate_up;
+  const void* down;
+  void* kv;
+};
+struct DecodeLayers {
+  bool bf16, unit_offset;
+  int64_t layers, tokens, hidden, heads, kv_heads, head_dim, rot_dim, intermediate, page_size;
+  float eps;
+  const DecodeLayerWeights* weights;
+  const void* residual;
+  const void* x;
+  const void* cos;
+  const void* sin;
+  const int64_t* write_rows;
+  PagedDecode attn;
+  int64_t chunk;
+  void* h_out;
+  void* residual_out;
+};
+void decode_layers(const DecodeLayers& p, Isa isa, int num_threads);
+
 // out[r] = the first v with the largest x[v, r] (a NaN counting as largest) for
 // x [vocab, rows] C-contiguous, float32 or bfloat16 bits (argmax.cpp).
 void argmax_columns(const void* x, bool bf16, int64_t vocab, int64_t rows, int64_t* out,

@@ -177,6 +177,7 @@ class TorchAttention(AttentionBackend):
             )  # fmt: skip
         rows = np.concatenate(write_rows) if write_rows else np.zeros(0, np.int64)
         self._write = torch.from_numpy(rows).to(device)
+        self._write_rows = rows
         self._decodes, self._native, self._shared, self._lse = [], None, None, None
         if self.decode_kernel == "native":
             self._native = self._plan_native(batch, groups, plain, windows, native_prefills)
@@ -186,6 +187,26 @@ class TorchAttention(AttentionBackend):
             ]
             if len(plain):
                 self._decodes.append(self._plan_decode(batch, plain, 0, windows, device))
+
+    def native_step_plan(self) -> tuple[np.ndarray, Segments] | None:
+        """This step's K/V write rows (int64, in the pool viewed as ``[pages * 2 *
+        page_size, kv_heads * head_dim]``) and its native attention plan, when that
+        one plan computes every row of the batch with nothing else around it (no
+        shared prefix through flash attention, no gather + SDPA, no causal chunk, no
+        sliding window or soft-cap); else None. A caller that runs every layer in
+        native code (``models/decode_step.py``) writes and attends with these."""
+        seg = self._native
+        if (
+            seg is None
+            or self._shared is not None
+            or self._decodes
+            or self._prefills
+            or seg.causal is not None
+            or self.softcap > 0
+            or any(w > 0 for w in self.sliding_windows)
+        ):
+            return None
+        return self._write_rows, seg
 
     def _cascade_groups(
         self, batch: AttentionBatch, ids: np.ndarray, windows: list[int]
