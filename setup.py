@@ -26,6 +26,7 @@ KERNELS_SOURCES = [
     "csrc/rotary.cpp",
     "csrc/step_bindings.cpp",
     "csrc/decode_layers.cpp",
+    "csrc/amx_gemm.cpp",
     "csrc/cpu_kernels.cpp",
 ]
 

@@ -214,7 +214,7 @@ bool is_bf16(const py::array& a) {
 }
 
 void skinny_gemm(const py::array& w, const py::array& x, py::array& yT, int num_threads,
-                 const std::string& isa_name) {
+                 const std::string& isa_name, bool amx) {
   auto fail = [](const std::string& what) { throw std::invalid_argument("skinny_gemm: " + what); };
   const Isa isa = parse_isa(isa_name, "skinny_gemm");
   const auto c = py::array::c_style;
@@ -247,6 +247,17 @@ void skinny_gemm(const py::array& w, const py::array& x, py::array& yT, int num_
   g.yT = yT.mutable_data();
   g.sm = x.strides(0) / item;
   g.sk = x.strides(1) / item;
+  if (amx) {
+    // The caller vouches for the CPU (cpu_kernels.AMX); the shape and the OS are checked.
+    if (!radixserve::amx_gemm_takes(g)) fail("amx takes bfloat16 w, 1-32 rows, K % 32 == 0, N % 16 == 0");
+    bool done;
+    {
+      py::gil_scoped_release nogil;
+      done = radixserve::skinny_gemm_amx(g, num_threads);
+    }
+    if (!done) fail("the OS refused this process the AMX tile state");
+    return;
+  }
   py::gil_scoped_release nogil;
   radixserve::skinny_gemm(g, isa, num_threads);
 }
@@ -320,7 +331,7 @@ class DecodeLayersPy {
            const I32Array& row_indptr, const I32Array& rows, const I32Array& page_indptr,
            const I32Array& pages, const I32Array& kv_begin, const I32Array& kv_end, double scale,
            int64_t chunk, py::array& h_out, py::array& residual_out, int num_threads,
-           const std::string& isa_name) {
+           const std::string& isa_name, bool amx) {
     const Isa isa = parse_isa(isa_name, "DecodeLayers");
     radixserve::DecodeLayers p = p_;
     const int64_t t = x.ndim() == 2 ? x.shape(0) : 0, hd = p.hidden;
@@ -372,6 +383,7 @@ class DecodeLayersPy {
     p.chunk = chunk;
     p.h_out = h_out.mutable_data();
     p.residual_out = residual_out.mutable_data();
+    p.amx = amx && p.bf16;  // the caller vouches for the CPU (cpu_kernels.AMX)
     py::gil_scoped_release nogil;
     radixserve::decode_layers(p, isa, num_threads);
   }
@@ -500,7 +512,7 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         "one per segment): row r of n in a flagged segment sees its keys up to "
         "kv_end - (n - 1 - r) (a prefill chunk's rows, bottom-right aligned).");
   m.def("skinny_gemm", &skinny_gemm, py::arg("w"), py::arg("x"), py::arg("yT"),
-        py::arg("num_threads"), py::arg("isa") = "auto",
+        py::arg("num_threads"), py::arg("isa") = "auto", py::arg("amx") = false,
         "yT [N, M] = w [N, K] . x^T for x [M, K] (any strides), w and yT C-contiguous; "
         "float32, or bfloat16 weights (as int16) with float32 or bfloat16 x and yT.");
   m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("w"), py::arg("y"), py::arg("eps"),
@@ -527,7 +539,7 @@ PYBIND11_MODULE(_cpu_kernels, m) {
            py::arg("sin"), py::arg("write_rows"), py::arg("row_indptr"), py::arg("rows"),
            py::arg("page_indptr"), py::arg("pages"), py::arg("kv_begin"), py::arg("kv_end"),
            py::arg("scale"), py::arg("chunk"), py::arg("h_out"), py::arg("residual_out"),
-           py::arg("num_threads"), py::arg("isa") = "auto");
+           py::arg("num_threads"), py::arg("isa") = "auto", py::arg("amx") = false);
   radixserve::bind_step_kernels(m);
   m.def("best_isa", [] { return std::string(radixserve::isa_name(radixserve::best_isa())); },
         "The best instruction-set level this CPU runs (baseline, avx2, avx512, avx512bf16).");

@@ -184,6 +184,13 @@ struct SkinnyGemm {
 // other level converts W to float32 on the fly and keeps x in float32.
 void skinny_gemm(const SkinnyGemm& g, Isa isa, int num_threads);
 
+// The same product on AMX tiles (amx_gemm.cpp) for bfloat16 weights, 1 to 32 rows of
+// x, K a multiple of 32 and N of 16 (amx_gemm_takes). Only for CPUs with amx_bf16:
+// the caller checks; false (nothing computed) when the shape is not taken or the OS
+// refuses this process the tile state.
+bool amx_gemm_takes(const SkinnyGemm& g);
+bool skinny_gemm_amx(const SkinnyGemm& g, int num_threads);
+
 // y [rows, n] = RMSNorm of bfloat16 rows x [rows, n] with weight w [n] (rms_norm.cpp),
 // all C-contiguous bfloat16 bits; unit_offset scales by (1 + w) (Gemma).
 void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t rows, int64_t n,
@@ -262,6 +269,7 @@ struct DecodeLayerWeights {
 };
 struct DecodeLayers {
   bool bf16, unit_offset;
+  bool amx;  // bfloat16 products of 2+ rows on AMX tiles (skinny_gemm_amx) where it takes them
   int64_t layers, tokens, hidden, heads, kv_heads, head_dim, rot_dim, intermediate, page_size;
   float eps;
   const DecodeLayerWeights* weights;

@@ -12,6 +12,10 @@
 // where torch uses its own exp (within 1 ulp), each result rounded as torch rounds
 // it: round(round(silu(g)) * u).
 //
+// With `amx` (a CPU with AMX tiles), bfloat16 products of 2 to 32 rows run on them
+// (amx_gemm.cpp): float32 sums in another order than the skinny kernel's, the same
+// single rounding.
+//
 // The caller computes the embeddings and the first layer's input norm (as the
 // torch path does) and the final norm and the LM head after.
 #include <algorithm>
@@ -116,6 +120,7 @@ void run(const DecodeLayers& p, Isa isa, int num_threads) {
   auto gemm = [&](const void* w, int64_t n, int64_t kk, const T* x, int64_t sm, int64_t sk,
                   T* out) {
     radixserve::SkinnyGemm g{w, x, out, dt, dt, dt, n, kk, t, sm, sk};
+    if (p.amx && t > 1 && radixserve::skinny_gemm_amx(g, num_threads)) return;
     radixserve::skinny_gemm(g, isa, num_threads);
   };
   auto add_norm = [&](const T* x, int64_t x_row, int64_t x_col, const T* a, const void* w,

@@ -9,14 +9,16 @@ uses one by one, when the step allows it:
 
 - the model: ``DecoderLayer``s with dense SwiGLU MLPs, no biases, no q/k norms,
   one rank, no sliding windows (``supported``);
-- every product through the skinny kernel (``cpu_kernels.skinny_ok`` for the
-  step's rows: float32 up to 32 rows; bfloat16 where the CPU has AVX512_BF16, one
-  row where oneDNN has AMX);
+- every product in the call's kernels (``products_ok``): float32 up to 32 rows
+  (the skinny kernel); bfloat16 up to 32 rows where the CPU has AVX512_BF16 (the
+  skinny kernel, and from 2 rows the AMX product, ``csrc/amx_gemm.cpp``, where
+  the CPU has AMX tiles: ``cpu_kernels.AMX``);
 - attention in one native plan for every row (``TorchAttention.native_step_plan``).
 
 Otherwise it returns None and the caller runs the layers in Python. The results
 are the torch path's bits except SiLU's exp (the kernel's own, about 2 ulp,
-where torch's is within 1 ulp); ``tests/layers/test_decode_layers.py`` compares
+where torch's is within 1 ulp) and, on AMX, the bfloat16 products' float32
+sums (in another order than oneDNN's); ``tests/layers/test_decode_layers.py`` compares
 the two paths. ``RADIXSERVE_DECODE_LAYERS=0`` (read when this module loads) or
 ``ENABLED = False`` turns the call off.
 """
@@ -79,13 +81,35 @@ class _Native:
         )
 
 
+def products_ok(rows: int, dtype: torch.dtype) -> bool:
+    """Whether every product of a step of ``rows`` rows runs in the call's kernels."""
+    if not cpu_kernels.AVAILABLE or not 1 <= rows <= cpu_kernels.SKINNY_KERNEL_ROWS:
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_kernels.ISA == "avx512bf16")
+
+
+def takes(model, rows: int) -> bool:
+    """Whether a decode step of ``rows`` rows of this model runs in the call (the
+    attention backend's plan aside); the runner hands this to the backend, which
+    then plans such steps' shared prefixes for the native kernel."""
+    if not ENABLED or not hasattr(cpu_kernels.ext, "DecodeLayers"):
+        return False
+    if not products_ok(rows, model.layers[0].self_attn.qkv_proj.weight.dtype):
+        return False
+    ok = getattr(model, "_native_supported", None)
+    if ok is None:
+        ok = model._native_supported = supported(model)  # checked once per model
+    return ok
+
+
 def run(
     model, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(h, residual)`` after every layer (``DecoderLayer.step``'s pair, each the
     transposed view of a ``[hidden, tokens]`` tensor) for the embeddings ``h``
     [tokens, hidden], or None when this step is not one the native call computes."""
-    if not ENABLED or not hasattr(cpu_kernels.ext, "DecodeLayers"):
+    t = h.shape[0]
+    if not takes(model, t) or h.dtype != model.layers[0].self_attn.qkv_proj.weight.dtype:
         return None
     plan = getattr(backend, "native_step_plan", None)
     plan = plan() if plan is not None else None
@@ -93,18 +117,11 @@ def run(
         return None
     write_rows, seg = plan
     first = model.layers[0]
-    if not cpu_kernels.skinny_ok(h, first.self_attn.qkv_proj.weight):
-        return None
     native = getattr(model, "_native_decode", None)
-    if native is None and not supported(model):
-        model._native_decode = False  # checked once per model
-        return None
-    if native is False:
-        return None
     pool = backend.pool.layers
-    if native is None or native.key != tuple(t.data_ptr() for t in pool):
+    if native is None or native.key != tuple(layer.data_ptr() for layer in pool):
         native = model._native_decode = _Native(model, pool)
-    t, n = h.shape
+    n = h.shape[1]
     h = h.contiguous()
     x = first.input_layernorm(h).contiguous()  # as DecoderLayer.step does for layer 0
     h_out = torch.empty(n, t, dtype=h.dtype)
@@ -115,6 +132,6 @@ def run(
         view(sin.reshape(t, -1).contiguous()), write_rows, seg.row_indptr, seg.rows,
         seg.page_indptr, seg.pages, seg.kv_begin[backend.sliding_windows[0]], seg.kv_end,
         backend.scale, seg.chunk, view(h_out), view(residual), torch.get_num_threads(),
-        cpu_kernels.ISA,
+        cpu_kernels.ISA, amx=cpu_kernels.AMX,
     )  # fmt: skip
     return h_out.t(), residual.t()

@@ -4,7 +4,7 @@ random Llama: the same greedy tokens and logits within float32 rounding (the
 activation's exp differs by ulps) at every instruction-set level; bfloat16
 teacher-forced (both paths fed the same tokens) within bfloat16's rounding.
 Plain decode batches, a cascade group over a shared prefix (a row in two
-segments) and the checks on a bad plan."""
+segments), the checks on a bad plan, and the AMX product against float64."""
 
 from __future__ import annotations
 
@@ -137,12 +137,16 @@ def test_float32_cascade_group_over_a_shared_prefix(runners, isa, native_calls, 
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("batch", [1, 4])
-def test_bfloat16_teacher_forced_within_rounding(runners, native_calls, monkeypatch, batch):
-    """bfloat16 products go through the skinny kernel only at avx512bf16 (and, where
-    oneDNN has AMX, one row: AMX is ruled out here so that both paths use the kernel)."""
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("batch", [1, 4, 8])
+def test_bfloat16_teacher_forced_within_rounding(runners, native_calls, monkeypatch, batch, amx):
+    """bfloat16 runs the call at avx512bf16: the skinny kernel, and with ``amx`` (CPUs
+    with AMX tiles) the AMX product from 2 rows, against oneDNN's products in the
+    torch path."""
     monkeypatch.setattr(cpu_kernels, "ISA", require_isa("avx512bf16"))
-    monkeypatch.setattr(cpu_kernels, "AMX", False)
+    if amx and not cpu_kernels.amx_supported():
+        pytest.skip("this CPU (or OS) gives no AMX tiles")
+    monkeypatch.setattr(cpu_kernels, "AMX", amx)
     runner = runners[torch.bfloat16]
     ps = prompts(batch, seed=10 + batch)
     ref, ref_fed = decode(runner, ps, 6, native=False)
@@ -195,3 +199,32 @@ def test_bad_plan_is_refused(runners):
         call([PAGE])  # a V row, not a K row
     with pytest.raises(ValueError, match="page out of range"):
         call([0], pages=np.array([10**6], i32))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 32])
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (48, 64), (96, 576)])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_amx_product_matches_float64(rows, n, k, out_dtype):
+    """``skinny_gemm(..., amx=True)``: exact float32 sums of bfloat16 products, one
+    rounding; x given as a transposed view (the layers' feature-major layout)."""
+    require_built(cpu_kernels.AVAILABLE, cpu_kernels.UNAVAILABLE_REASON, "native CPU kernels")
+    if not cpu_kernels.amx_supported():
+        pytest.skip("this CPU (or OS) gives no AMX tiles")
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(k, rows, generator=g).to(torch.bfloat16).t()  # strides (1, rows)
+    y = torch.empty(n, rows, dtype=out_dtype)
+    view = cpu_kernels._array
+    cpu_kernels.ext.skinny_gemm(view(w), view(x), view(y), 2, amx=True)
+    ref = w.double() @ x.double().t()
+    tol = 1e-5 if out_dtype == torch.float32 else 2**-8
+    assert ((y.double() - ref).abs() <= tol * ref.abs() + 1e-4).all()
+
+
+def test_amx_product_refuses_shapes_it_does_not_take():
+    require_built(cpu_kernels.AVAILABLE, cpu_kernels.UNAVAILABLE_REASON, "native CPU kernels")
+    view = cpu_kernels._array
+    w = torch.zeros(16, 40, dtype=torch.bfloat16)  # K not a multiple of 32
+    x, y = torch.zeros(2, 40, dtype=torch.bfloat16), torch.zeros(16, 2, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="amx takes"):
+        cpu_kernels.ext.skinny_gemm(view(w), view(x), view(y), 1, amx=True)

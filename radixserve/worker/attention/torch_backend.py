@@ -26,6 +26,7 @@ computes the scores, caps them, masks and takes the softmax itself (``capped.py`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,6 +141,12 @@ class TorchAttention(AttentionBackend):
             and softcap == 0
             and shared_prefix.available()
         )
+        #: Set by the runner: whether a decode step of this many rows runs every layer
+        #: in one native call (``models/decode_step.py``). Such a step reads its shared
+        #: prefixes through the native kernel, not flash attention: that call takes
+        #: one attention plan for all rows (``native_step_plan``).
+        self.native_layers: Callable[[int], bool] | None = None
+        self._flash = self.shared_prefix_flash
 
     def begin_batch(self, batch: AttentionBatch) -> None:
         pool = self.pool
@@ -149,7 +156,10 @@ class TorchAttention(AttentionBackend):
         windows = sorted(set(self.sliding_windows))
         write_rows, self._prefills = [], []
         members = qo_lens == 1
-        if self.shared_prefix_flash and all(w <= 0 for w in windows):
+        self._flash = self.shared_prefix_flash
+        if self._flash and self.native_layers is not None and members.all():
+            self._flash = not self.native_layers(len(qo_lens))
+        if self._flash and all(w <= 0 for w in windows):
             # Short prefill chunks over a cached prefix they share with others (the
             # questions after one system prompt) read it once, as decodes do.
             members |= qo_lens <= CASCADE_PREFILL_MAX_TOKENS
@@ -306,7 +316,7 @@ class TorchAttention(AttentionBackend):
             causal += [bool(batch.qo_lens[i] > 1) for i in ids]
         flash = []
         for ids, common in groups:
-            if self.shared_prefix_flash:
+            if self._flash:
                 flash.append((q_rows(ids), table(int(ids[0]))[:common]))
                 continue
             rows.append(q_rows(ids))
