@@ -1,7 +1,9 @@
 """Decode steps against this machine's roofline: measured / the least the step could take.
 
 Measures two figures of this machine at the thread count the worker uses
-(``torch.get_num_threads()``, or ``--threads``):
+(``torch.get_num_threads()``, or ``--threads``), before and after the steps,
+keeping the better of the two (other jobs on a shared machine lower them;
+``--bandwidth`` and ``--peak`` give a quiet run's figures instead):
 
 - **bandwidth**: the faster of a large float32 copy (bytes read + bytes written per
   second) and a large float32 sum (bytes read per second), 256 MiB each, far
@@ -26,9 +28,11 @@ timed step's bound is the larger of
 The table gives the median measured step, the median bound and the median of
 per-step ratios. ``--idle S`` also sleeps S seconds after the rounds and runs the
 prompts once more: its first decode step against the steady median (a lone
-request after an idle server).
+request after an idle server). ``--layers 0,1`` runs each round once per value
+of ``models.decode_step.ENABLED`` (the layers one by one in Python, or in one
+native call where it can), taking turns, and gives a row per value.
 
-    python bench/roofline.py --batches 1,8,32 --system-len 400 --rounds 3
+    python bench/roofline.py --batches 1,8,32 --system-len 400 --rounds 3 --layers 0,1
 """
 
 from __future__ import annotations
@@ -104,17 +108,22 @@ def main() -> None:
     ap.add_argument("--idle", type=float, default=0.0, help="seconds idle before a last run")
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--layers", default="1", help="decode_step.ENABLED values, e.g. 0,1")
+    ap.add_argument("--bandwidth", type=float, help="GB/s: skip measuring (a quiet run's)")
+    ap.add_argument("--peak", type=float, help="bf16 GFLOP/s: skip measuring")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    copy_bw, read_bw = measure_bandwidth()
-    bandwidth = max(copy_bw, read_bw)
-    peak = measure_bf16_peak()
+    # Other jobs on the machine lower what is measured: both figures are measured
+    # before and after the steps and the better kept (or given).
+    copy_bw, read_bw = measure_bandwidth() if args.bandwidth is None else (0.0, 0.0)
+    peak = measure_bf16_peak() if args.peak is None else args.peak * 1e9
 
     from radixserve import Engine, SamplingParams
     from radixserve.benchmark.workloads import TokenSource, shared_prefix
     from radixserve.layers import cpu_kernels
+    from radixserve.models import decode_step
     from radixserve.models.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.model)
@@ -140,34 +149,56 @@ def main() -> None:
         work = shared_prefix(src, 1, b, args.system_len, args.question_len, args.output_len)
         prompts = [node.tokens for node in work.roots]
         engine.generate(prompts, sp)  # fills the cache
-        steps.clear()
+        modes = [m.strip() == "1" for m in args.layers.split(",")]
+        timed: dict[bool, list] = {m: [] for m in modes}
         for _ in range(args.rounds):
-            engine.generate(prompts, sp)
-        measured = [t for t, _ in steps]
-        bounds = [
-            max(cost.bytes(c, args.system_len) / bandwidth, cost.flops(c) / peak) for _, c in steps
-        ]
-        mem = statistics.median(cost.bytes(c, args.system_len) / bandwidth for _, c in steps)
-        comp = statistics.median(cost.flops(c) / peak for _, c in steps)
-        idle = ""
-        if args.idle > 0:
-            steps.clear()
-            time.sleep(args.idle)
-            engine.generate(prompts, sp)
-            idle = f"{steps[0][0] * 1e3:.1f}"
-        rows.append(
-            (
-                b,
-                statistics.median(measured) * 1e3,
-                mem * 1e3,
-                comp * 1e3,
-                statistics.median(bounds) * 1e3,
-                statistics.median(m / x for m, x in zip(measured, bounds)),
-                idle,
+            for mode in modes:
+                decode_step.ENABLED = mode
+                steps.clear()
+                engine.generate(prompts, sp)
+                timed[mode] += steps
+        for mode in modes:
+            done = timed[mode]
+            measured = [t for t, _ in done]
+            nbytes = [cost.bytes(c, args.system_len) for _, c in done]
+            flops = [cost.flops(c) for _, c in done]
+
+            def ratio(bw, pk, measured=measured, nbytes=nbytes, flops=flops):
+                bounds = [max(n / bw, f / pk) for n, f in zip(nbytes, flops)]
+                return statistics.median(m / x for m, x in zip(measured, bounds))
+
+            idle = ""
+            if args.idle > 0:
+                decode_step.ENABLED = mode
+                steps.clear()
+                time.sleep(args.idle)
+                engine.generate(prompts, sp)
+                idle = f"{steps[0][0] * 1e3:.1f}"
+            rows.append(
+                (
+                    b,
+                    "" if len(modes) == 1 else ("one call" if mode else "per op"),
+                    statistics.median(measured) * 1e3,
+                    statistics.median(nbytes) / 1e9 * 1e3,  # ms at 1 GB/s
+                    statistics.median(flops),
+                    ratio,
+                    idle,
+                )
             )
-        )
+        decode_step.ENABLED = True
     info = runner.info()
     engine.close()
+    if args.bandwidth is None:
+        copy2, read2 = measure_bandwidth()
+        copy_bw, read_bw = max(copy_bw, copy2), max(read_bw, read2)
+    if args.peak is None:
+        peak = max(peak, measure_bf16_peak())
+    bandwidth = args.bandwidth * 1e9 if args.bandwidth else max(copy_bw, read_bw)
+    rows = [
+        (b, mode, m, mem_s * 1e9 / bandwidth, comp_f / peak * 1e3,
+         max(mem_s * 1e9 / bandwidth, comp_f / peak * 1e3), ratio_fn(bandwidth, peak), idle)
+        for b, mode, m, mem_s, comp_f, ratio_fn, idle in rows
+    ]  # fmt: skip
     print(
         f"{info.model_name}, {info.dtype}, {threads} threads, isa {cpu_kernels.ISA}, AMX "
         f"{cpu_kernels.AMX}; weights {cost.weight_bytes / 1e6:.1f} MB, K/V "
@@ -178,11 +209,12 @@ def main() -> None:
         f"bandwidth {bandwidth / 1e9:.1f} GB/s (copy {copy_bw / 1e9:.1f}, read "
         f"{read_bw / 1e9:.1f}); bf16 peak {peak / 1e9:.0f} GFLOP/s"
     )
-    print("| batch | measured ms | memory bound ms | compute bound ms | bound ms | measured / bound "
-          "| first step after idle ms |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
-    for b, m, mem, comp, bound, ratio, idle in rows:
-        print(f"| {b} | {m:.1f} | {mem:.1f} | {comp:.1f} | {bound:.1f} | {ratio:.2f}x | {idle} |")
+    print("| batch | layers | measured ms | memory bound ms | compute bound ms | bound ms "
+          "| measured / bound | first step after idle ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for b, mode, m, mem, comp, bound, ratio, idle in rows:
+        print(f"| {b} | {mode} | {m:.1f} | {mem:.1f} | {comp:.1f} | {bound:.1f} | {ratio:.2f}x "
+              f"| {idle} |")  # fmt: skip
 
 
 if __name__ == "__main__":
