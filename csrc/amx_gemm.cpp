@@ -156,19 +156,21 @@ bool amx_gemm_takes(const SkinnyGemm& g) {
 bool skinny_gemm_amx(const SkinnyGemm& g, int num_threads) {
   if (!amx_gemm_takes(g) || !request_tiles()) return false;
   const int64_t K = g.K, M = g.M, mb = M > 16 ? 2 : 1;
-  // x^T in pairs: xp[b][k / 2][j][k % 2] = x[16 b + j][k], zero past M.
+  // x^T in pairs: xp[b][k / 2][j][k % 2] = x[16 b + j][k], zero past M. K outside:
+  // the layers' x is feature-major (sm == 1), so the inner loop reads contiguously.
   std::vector<uint16_t> xp(static_cast<size_t>(mb * K * 16), 0);
-  for (int64_t m = 0; m < M; ++m) {
-    uint16_t* col = xp.data() + (m / 16) * (K / 2 * 32) + (m % 16) * 2;
+  const int64_t block = K / 2 * 32;
+  auto pack = [&](auto convert, const auto* x) {
     for (int64_t k = 0; k < K; ++k) {
-      uint16_t b;
-      if (g.x_type == DType::kFloat32) {
-        b = f32_to_bf16(static_cast<const float*>(g.x)[m * g.sm + k * g.sk]);
-      } else {
-        b = static_cast<const uint16_t*>(g.x)[m * g.sm + k * g.sk];
-      }
-      col[(k / 2) * 32 + (k & 1)] = b;
+      uint16_t* row = xp.data() + (k / 2) * 32 + (k & 1);
+      for (int64_t m = 0; m < M; ++m)
+        row[(m / 16) * block + (m % 16) * 2] = convert(x[m * g.sm + k * g.sk]);
     }
+  };
+  if (g.x_type == DType::kFloat32) {
+    pack([](float v) { return f32_to_bf16(v); }, static_cast<const float*>(g.x));
+  } else {
+    pack([](uint16_t v) { return v; }, static_cast<const uint16_t*>(g.x));
   }
   const uint16_t* W = static_cast<const uint16_t*>(g.W);
   // Blocks of 32 weight rows shared evenly (a thread's range stays contiguous, so
