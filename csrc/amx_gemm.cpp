@@ -11,10 +11,10 @@
 // at these sizes, each call paying its set-up; here the weights stream once.
 // Sums are float32 (exact products of bfloat16 pairs); the result is rounded once.
 //
-// AMX instructions run only where the caller says the CPU has them and the OS
-// granted this process the tile state (skinny_gemm_amx requests it and refuses
-// otherwise); nothing else in the extension issues them, so the build still runs
-// on any x86-64 CPU.
+// AMX instructions run only where CPUID says the CPU has them and the OS granted
+// this process the tile state (skinny_gemm_amx checks both once and refuses
+// otherwise, and callers then fall back to the skinny kernel); nothing else in the
+// extension issues them, so the build still runs on any x86-64 CPU.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -27,6 +27,7 @@
 #endif
 
 #if RS_X86
+#include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -48,8 +49,13 @@ struct alignas(64) TileConfig {
 // Linux hands out the AMX tile state only on request (arch_prctl
 // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); torch's own probe asks too, and a
 // second request is harmless.
+// The CPU's own word first (CPUID leaf 7: EDX bit 24 AMX-TILE, bit 22 AMX-BF16), so
+// that a caller's flag alone can never run a tile instruction on a CPU without them.
 bool request_tiles() {
   static const bool granted = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 24) & 1u) || !((d >> 22) & 1u)) return false;
     constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
   }();

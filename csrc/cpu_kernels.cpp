@@ -248,14 +248,14 @@ void skinny_gemm(const py::array& w, const py::array& x, py::array& yT, int num_
   g.sm = x.strides(0) / item;
   g.sk = x.strides(1) / item;
   if (amx) {
-    // The caller vouches for the CPU (cpu_kernels.AMX); the shape and the OS are checked.
+    // The shape, the CPU and the OS are checked before any tile instruction.
     if (!radixserve::amx_gemm_takes(g)) fail("amx takes bfloat16 w, 1-32 rows, K % 32 == 0, N % 16 == 0");
     bool done;
     {
       py::gil_scoped_release nogil;
       done = radixserve::skinny_gemm_amx(g, num_threads);
     }
-    if (!done) fail("the OS refused this process the AMX tile state");
+    if (!done) fail("this CPU has no AMX tiles, or the OS refused this process their state");
     return;
   }
   py::gil_scoped_release nogil;
@@ -383,7 +383,7 @@ class DecodeLayersPy {
     p.chunk = chunk;
     p.h_out = h_out.mutable_data();
     p.residual_out = residual_out.mutable_data();
-    p.amx = amx && p.bf16;  // the caller vouches for the CPU (cpu_kernels.AMX)
+    p.amx = amx && p.bf16;  // where the CPU has no tiles, the products fall back
     py::gil_scoped_release nogil;
     radixserve::decode_layers(p, isa, num_threads);
   }

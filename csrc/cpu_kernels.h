@@ -185,9 +185,9 @@ struct SkinnyGemm {
 void skinny_gemm(const SkinnyGemm& g, Isa isa, int num_threads);
 
 // The same product on AMX tiles (amx_gemm.cpp) for bfloat16 weights, 1 to 32 rows of
-// x, K a multiple of 32 and N of 16 (amx_gemm_takes). Only for CPUs with amx_bf16:
-// the caller checks; false (nothing computed) when the shape is not taken or the OS
-// refuses this process the tile state.
+// x, K a multiple of 32 and N of 16 (amx_gemm_takes); false (nothing computed) when
+// the shape is not taken, the CPU has no AMX tiles or the OS refuses this process
+// the tile state.
 bool amx_gemm_takes(const SkinnyGemm& g);
 bool skinny_gemm_amx(const SkinnyGemm& g, int num_threads);
 
