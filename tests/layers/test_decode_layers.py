@@ -158,6 +158,41 @@ def test_bfloat16_teacher_forced_within_rounding(runners, native_calls, monkeypa
         assert (b - a).abs().max() <= 2e-2 * scale
 
 
+def test_bfloat16_cascade_on_amx_reads_the_prefix_in_the_native_kernel(
+    runners, native_calls, monkeypatch
+):
+    """Where the per-op path sends a shared prefix to flash attention (bfloat16, AMX),
+    a step the one call takes plans it for the native kernel instead (one plan for
+    every row); teacher-forced, the logits stay within bfloat16 rounding of the
+    flash path's."""
+    monkeypatch.setattr(cpu_kernels, "ISA", require_isa("avx512bf16"))
+    if not cpu_kernels.amx_supported():
+        pytest.skip("this CPU (or OS) gives no AMX tiles")
+    monkeypatch.setattr(cpu_kernels, "AMX", True)
+    runner = runners[torch.bfloat16]
+    monkeypatch.setattr(runner.backend, "shared_prefix_flash", True)
+    base = prompts(1, length=70, seed=17)[0]
+    rng = np.random.default_rng(18)
+    ps = [base] + [np.concatenate([base[:64], rng.integers(4, 512, 6).astype(np.int32)])
+                   for _ in range(3)]  # fmt: skip
+    ref, ref_fed = decode(runner, ps, 5, native=False, fork=64)
+    plan, widest = runner.backend.native_step_plan, []
+
+    def recorded():
+        out = plan()
+        if out is not None:
+            widest.append(int(np.diff(out[1].row_indptr).max()))
+        return out
+
+    monkeypatch.setattr(runner.backend, "native_step_plan", recorded)
+    native_calls.clear()
+    got, _ = decode(runner, ps, 5, native=True, forced=ref_fed, fork=64)
+    assert native_calls[-5:] == [True] * 5
+    assert widest[-5:] == [4] * 5, "the shared prefix is one segment of all four rows"
+    for a, b in zip(ref, got, strict=True):
+        assert (b - a).abs().max() <= 2e-2 * a.abs().max()
+
+
 def test_steps_it_cannot_compute_take_the_torch_path(runners, native_calls):
     """A prefill (several tokens of one request) is not a decode step: the layers run
     in Python."""
