@@ -109,7 +109,9 @@ def run(
     transposed view of a ``[hidden, tokens]`` tensor) for the embeddings ``h``
     [tokens, hidden], or None when this step is not one the native call computes."""
     t = h.shape[0]
-    if not takes(model, t) or h.dtype != model.layers[0].self_attn.qkv_proj.weight.dtype:
+    if h.device.type != "cpu" or not takes(model, t):
+        return None
+    if h.dtype != model.layers[0].self_attn.qkv_proj.weight.dtype:
         return None
     plan = getattr(backend, "native_step_plan", None)
     plan = plan() if plan is not None else None
