@@ -25,6 +25,8 @@ KERNELS_SOURCES = [
     "csrc/add_rms_norm.cpp",
     "csrc/rotary.cpp",
     "csrc/step_bindings.cpp",
+    "csrc/decode_layers.cpp",
+    "csrc/amx_gemm.cpp",
     "csrc/cpu_kernels.cpp",
 ]
 

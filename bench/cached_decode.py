@@ -14,7 +14,9 @@ products' choices inside this process (``layers/cpu_kernels.py``):
   AMX code, or through the skinny kernel);
 - ``isa=LEVEL``: ``cpu_kernels.ISA``;
 - ``flash=0|1``: the attention backend's ``shared_prefix_flash`` (the shared
-  prefix through torch's CPU flash attention, or through the native kernel).
+  prefix through torch's CPU flash attention, or through the native kernel);
+- ``layers=0|1``: ``models.decode_step.ENABLED`` (every layer of a decode step in
+  one native call where it can, or the layers one by one in Python).
 
 Each variant is a comma-separated list of those, ``;`` between variants ("" is the
 process's own choice). The table gives per variant the median over rounds of the
@@ -50,6 +52,7 @@ import time
 import torch
 
 from radixserve.layers import cpu_kernels
+from radixserve.models import decode_step
 
 
 def parse_variant(text: str) -> dict:
@@ -64,8 +67,10 @@ def parse_variant(text: str) -> dict:
             out["ISA"] = cpu_kernels.resolve_isa(value)
         elif name == "flash":
             out["flash"] = value == "1"
+        elif name == "layers":
+            out["layers"] = value == "1"
         else:
-            raise SystemExit(f"unknown variant key {name!r} (amx, isa, flash)")
+            raise SystemExit(f"unknown variant key {name!r} (amx, isa, flash, layers)")
     return out
 
 
@@ -125,8 +130,9 @@ def main() -> None:
     tokens: dict[str, list[int]] = {}
     for _ in range(args.rounds):
         for name, setting in variants:
-            setting = {"flash": own_flash, **own, **setting}
+            setting = {"flash": own_flash, "layers": True, **own, **setting}
             backend.shared_prefix_flash = setting.pop("flash")
+            decode_step.ENABLED = setting.pop("layers")
             for key, value in setting.items():
                 setattr(cpu_kernels, key, value)
             step_times.clear()

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -82,6 +83,49 @@ void require(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("paged_decode: " + what);
 }
 
+using I32Array = py::array_t<int32_t, py::array::c_style>;
+
+// A plan's segment arrays (int32) for R query rows over NP pages of P.page_size
+// tokens, every index checked before it is stored in P; the row repeat check
+// included (a row at most once per segment, possibly in several segments).
+void check_segments(radixserve::PagedDecode& P, int64_t R, int64_t NP, const I32Array& row_indptr,
+                    const I32Array& rows, const I32Array& page_indptr, const I32Array& pages,
+                    const I32Array& kv_begin, const I32Array& kv_end) {
+  const int64_t S = kv_end.shape(0);
+  require(row_indptr.shape(0) == S + 1 && page_indptr.shape(0) == S + 1 && kv_begin.shape(0) == S,
+          "segment arrays disagree in length");
+  P.num_segments = S;
+  P.row_indptr = row_indptr.data();
+  P.rows = rows.data();
+  P.page_indptr = page_indptr.data();
+  P.pages = pages.data();
+  P.kv_begin = kv_begin.data();
+  P.kv_end = kv_end.data();
+  const int64_t ps = P.page_size;
+  require(P.row_indptr[0] == 0 && P.row_indptr[S] == rows.shape(0), "bad row_indptr");
+  require(P.page_indptr[0] == 0 && P.page_indptr[S] == pages.shape(0), "bad page_indptr");
+  for (int64_t s = 0; s < S; ++s) {
+    require(P.row_indptr[s] <= P.row_indptr[s + 1] && P.page_indptr[s] <= P.page_indptr[s + 1],
+            "indptr not monotone");
+    require(0 <= P.kv_begin[s] && P.kv_begin[s] <= P.kv_end[s] &&
+                P.kv_end[s] <= (P.page_indptr[s + 1] - P.page_indptr[s]) * ps,
+            "key range outside the segment's pages");
+  }
+  for (int64_t i = 0; i < rows.shape(0); ++i)
+    require(0 <= P.rows[i] && P.rows[i] < R, "row out of range");
+  {
+    std::vector<int64_t> seen(static_cast<size_t>(R), -1);
+    for (int64_t s = 0; s < S; ++s) {
+      for (int64_t i = P.row_indptr[s]; i < P.row_indptr[s + 1]; ++i) {
+        require(seen[static_cast<size_t>(P.rows[i])] != s, "a row repeats within a segment");
+        seen[static_cast<size_t>(P.rows[i])] = s;
+      }
+    }
+  }
+  for (int64_t i = 0; i < pages.shape(0); ++i)
+    require(0 <= P.pages[i] && P.pages[i] < NP, "page out of range");
+}
+
 // q: [R, H, D]; kv: [pages, 2, page_size, KVH, D]; out like q; lse: [R, H] float32/float64
 // or None. Index arrays are int32. dtype: float32, float64, or bfloat16 given as
 // int16/uint16 (numpy has no bfloat16). Every index is checked here, once, so the
@@ -112,31 +156,12 @@ void paged_decode(const py::array& q, const py::array& kv, py::array& out, py::o
   require(out.shape(0) == q.shape(0) && out.shape(1) == P.num_heads && out.shape(2) == P.head_dim,
           "out must have q's shape");
   P.group = P.num_heads / P.num_kv_heads;
-  const int64_t S = kv_end.shape(0);
-  require(row_indptr.shape(0) == S + 1 && page_indptr.shape(0) == S + 1 && kv_begin.shape(0) == S,
-          "segment arrays disagree in length");
-  P.num_segments = S;
-  P.row_indptr = row_indptr.data();
-  P.rows = rows.data();
-  P.page_indptr = page_indptr.data();
-  P.pages = pages.data();
-  P.kv_begin = kv_begin.data();
-  P.kv_end = kv_end.data();
   P.scale = scale;
   require(softcap >= 0, "softcap must be >= 0 (0: none)");
   P.softcap = softcap;
-  const int64_t R = q.shape(0), NP = kv.shape(0), ps = P.page_size;
-  require(P.row_indptr[0] == 0 && P.row_indptr[S] == rows.shape(0), "bad row_indptr");
-  require(P.page_indptr[0] == 0 && P.page_indptr[S] == pages.shape(0), "bad page_indptr");
-  for (int64_t s = 0; s < S; ++s) {
-    require(P.row_indptr[s] <= P.row_indptr[s + 1] && P.page_indptr[s] <= P.page_indptr[s + 1],
-            "indptr not monotone");
-    require(0 <= P.kv_begin[s] && P.kv_begin[s] <= P.kv_end[s] &&
-                P.kv_end[s] <= (P.page_indptr[s + 1] - P.page_indptr[s]) * ps,
-            "key range outside the segment's pages");
-  }
-  for (int64_t i = 0; i < rows.shape(0); ++i)
-    require(0 <= P.rows[i] && P.rows[i] < R, "row out of range");
+  const int64_t R = q.shape(0);
+  check_segments(P, R, kv.shape(0), row_indptr, rows, page_indptr, pages, kv_begin, kv_end);
+  const int64_t S = P.num_segments;
   py::array_t<uint8_t, py::array::c_style> causal_arr;
   if (!causal.is_none()) {
     causal_arr = py::array_t<uint8_t, py::array::c_style>::ensure(causal);
@@ -147,17 +172,6 @@ void paged_decode(const py::array& q, const py::array& kv, py::array& out, py::o
       require(!P.causal[s] || P.kv_end[s] - P.kv_begin[s] >= P.row_indptr[s + 1] - P.row_indptr[s],
               "a causal segment needs at least as many keys as rows");
   }
-  {  // a row at most once per segment (it may be in several segments)
-    std::vector<int64_t> seen(static_cast<size_t>(R), -1);
-    for (int64_t s = 0; s < S; ++s) {
-      for (int64_t i = P.row_indptr[s]; i < P.row_indptr[s + 1]; ++i) {
-        require(seen[static_cast<size_t>(P.rows[i])] != s, "a row repeats within a segment");
-        seen[static_cast<size_t>(P.rows[i])] = s;
-      }
-    }
-  }
-  for (int64_t i = 0; i < pages.shape(0); ++i)
-    require(0 <= P.pages[i] && P.pages[i] < NP, "page out of range");
   float* lse_f = nullptr;
   double* lse_d = nullptr;
   if (!lse.is_none()) {
@@ -200,7 +214,7 @@ bool is_bf16(const py::array& a) {
 }
 
 void skinny_gemm(const py::array& w, const py::array& x, py::array& yT, int num_threads,
-                 const std::string& isa_name) {
+                 const std::string& isa_name, bool amx) {
   auto fail = [](const std::string& what) { throw std::invalid_argument("skinny_gemm: " + what); };
   const Isa isa = parse_isa(isa_name, "skinny_gemm");
   const auto c = py::array::c_style;
@@ -233,9 +247,156 @@ void skinny_gemm(const py::array& w, const py::array& x, py::array& yT, int num_
   g.yT = yT.mutable_data();
   g.sm = x.strides(0) / item;
   g.sk = x.strides(1) / item;
+  if (amx) {
+    // The shape, the CPU and the OS are checked before any tile instruction.
+    if (!radixserve::amx_gemm_takes(g)) fail("amx takes bfloat16 w, 1-32 rows, K % 32 == 0, N % 16 == 0");
+    bool done;
+    {
+      py::gil_scoped_release nogil;
+      done = radixserve::skinny_gemm_amx(g, num_threads);
+    }
+    if (!done) fail("this CPU has no AMX tiles, or the OS refused this process their state");
+    return;
+  }
   py::gil_scoped_release nogil;
   radixserve::skinny_gemm(g, isa, num_threads);
 }
+
+// Every decoder layer of a decode step in one call (decode_layers.cpp). Built once
+// per model and KV pool: the weights' and pool layers' arrays are checked here and
+// held (their pointers stay valid while this object lives); run() checks the
+// step's arrays and every index of its plan before any is read.
+class DecodeLayersPy {
+ public:
+  DecodeLayersPy(const py::list& ln1, const py::list& qkv, const py::list& o, const py::list& ln2,
+                 const py::list& gate_up, const py::list& down, const py::list& kv,
+                 int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
+                 bool unit_offset) {
+    const size_t n = py::len(ln1);
+    for (const py::list* l : std::initializer_list<const py::list*>{&qkv, &o, &ln2, &gate_up, &down, &kv})
+      check(py::len(*l) == n, "one array per layer in every list");
+    check(n > 0, "at least one layer");
+    check(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0,
+          "heads must be a positive multiple of kv_heads");
+    check(eps > 0, "eps must be > 0");
+    const py::array first = qkv[0].cast<py::array>();
+    p_.bf16 = is_bf16(first);
+    check(p_.bf16 || first.dtype().is(py::dtype::of<float>()),
+          "arrays must be float32 or bfloat16 (as int16)");
+    p_.layers = static_cast<int64_t>(n);
+    p_.heads = heads;
+    p_.kv_heads = kv_heads;
+    p_.head_dim = head_dim;
+    p_.eps = static_cast<float>(eps);
+    p_.unit_offset = unit_offset;
+    p_.hidden = ln1[0].cast<py::array>().shape(0);
+    p_.intermediate = down[0].cast<py::array>().ndim() == 2 ? down[0].cast<py::array>().shape(1) : 0;
+    const py::array kv0 = kv[0].cast<py::array>();
+    check(kv0.ndim() == 5, "pool layers must be [pages, 2, page_size, kv_heads, head_dim]");
+    num_pages_ = kv0.shape(0);
+    p_.page_size = kv0.shape(2);
+    const int64_t hd = p_.hidden, qd = heads * head_dim, kvd = kv_heads * head_dim;
+    auto take = [&](const py::list& l, size_t i, std::initializer_list<int64_t> shape,
+                    bool writeable) -> py::array {
+      py::array a = l[i].cast<py::array>();
+      check(is_bf16(a) == p_.bf16 && (p_.bf16 || a.dtype().is(py::dtype::of<float>())),
+            "arrays must share one dtype");
+      check((a.flags() & py::array::c_style) && (!writeable || a.writeable()),
+            "arrays must be C-contiguous (pool layers writeable)");
+      check(a.ndim() == static_cast<py::ssize_t>(shape.size()), "an array has the wrong rank");
+      int d = 0;
+      for (int64_t e : shape) check(a.shape(d++) == e, "an array has the wrong shape");
+      held_.push_back(a);
+      return a;
+    };
+    weights_.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      radixserve::DecodeLayerWeights& w = weights_[i];
+      w.ln1 = take(ln1, i, {hd}, false).data();
+      w.qkv = take(qkv, i, {qd + 2 * kvd, hd}, false).data();
+      w.o = take(o, i, {hd, qd}, false).data();
+      w.ln2 = take(ln2, i, {hd}, false).data();
+      w.gate_up = take(gate_up, i, {2 * p_.intermediate, hd}, false).data();
+      w.down = take(down, i, {hd, p_.intermediate}, false).data();
+      w.kv = take(kv, i, {num_pages_, 2, p_.page_size, kv_heads, head_dim}, true).mutable_data();
+    }
+    p_.weights = weights_.data();
+  }
+
+  // residual (the embeddings) and x (layer 0's input norm of them): [tokens, hidden];
+  // cos, sin [tokens, rot_dim]; write_rows int64 [tokens]; the plan's segments as
+  // paged_decode's; h_out and residual_out [hidden, tokens]. All C-contiguous.
+  void run(const py::array& residual, const py::array& x, const py::array& cos,
+           const py::array& sin, const py::array_t<int64_t, py::array::c_style>& write_rows,
+           const I32Array& row_indptr, const I32Array& rows, const I32Array& page_indptr,
+           const I32Array& pages, const I32Array& kv_begin, const I32Array& kv_end, double scale,
+           int64_t chunk, py::array& h_out, py::array& residual_out, int num_threads,
+           const std::string& isa_name, bool amx) {
+    const Isa isa = parse_isa(isa_name, "DecodeLayers");
+    radixserve::DecodeLayers p = p_;
+    const int64_t t = x.ndim() == 2 ? x.shape(0) : 0, hd = p.hidden;
+    check(t > 0, "x must be [tokens, hidden] with at least one token");
+    const auto c = py::array::c_style;
+    auto same = [&](const py::array& a) {
+      return (a.flags() & c) && is_bf16(a) == p.bf16 &&
+             (p.bf16 || a.dtype().is(py::dtype::of<float>()));
+    };
+    for (const py::array* a : std::initializer_list<const py::array*>{
+             &residual, &x, &cos, &sin, &h_out, &residual_out})
+      check(same(*a), "arrays must be C-contiguous, of the weights' dtype");
+    check(residual.ndim() == 2 && residual.shape(0) == t && residual.shape(1) == hd &&
+              x.shape(1) == hd,
+          "residual and x must be [tokens, hidden]");
+    check(h_out.ndim() == 2 && h_out.shape(0) == hd && h_out.shape(1) == t &&
+              residual_out.ndim() == 2 && residual_out.shape(0) == hd &&
+              residual_out.shape(1) == t && h_out.writeable() && residual_out.writeable(),
+          "h_out and residual_out must be writeable [hidden, tokens]");
+    check(cos.ndim() == 2 && sin.ndim() == 2 && cos.shape(0) == t && sin.shape(0) == t &&
+              cos.shape(1) == sin.shape(1),
+          "cos and sin must be [tokens, rot_dim]");
+    p.rot_dim = cos.shape(1);
+    check(p.rot_dim % 2 == 0 && p.rot_dim <= p.head_dim && p.rot_dim <= 512,
+          "rot_dim must be even and at most min(head_dim, 512)");
+    check(write_rows.ndim() == 1 && write_rows.shape(0) == t, "write_rows: one per token");
+    const int64_t ps = p.page_size;
+    for (int64_t i = 0; i < t; ++i) {
+      const int64_t r = write_rows.data()[i];
+      check(r >= 0 && r / (2 * ps) < num_pages_ && r % (2 * ps) < ps,
+            "a write row is outside the pool's K rows");
+    }
+    check(chunk > 0 && num_threads > 0, "chunk and num_threads must be positive");
+    p.attn = radixserve::PagedDecode{};
+    p.attn.num_heads = p.heads;
+    p.attn.num_kv_heads = p.kv_heads;
+    p.attn.head_dim = p.head_dim;
+    p.attn.page_size = ps;
+    p.attn.group = p.heads / p.kv_heads;
+    p.attn.scale = scale;
+    check_segments(p.attn, t, num_pages_, row_indptr, rows, page_indptr, pages, kv_begin,
+                   kv_end);
+    p.tokens = t;
+    p.residual = residual.data();
+    p.x = x.data();
+    p.cos = cos.data();
+    p.sin = sin.data();
+    p.write_rows = write_rows.data();
+    p.chunk = chunk;
+    p.h_out = h_out.mutable_data();
+    p.residual_out = residual_out.mutable_data();
+    p.amx = amx && p.bf16;  // where the CPU has no tiles, the products fall back
+    py::gil_scoped_release nogil;
+    radixserve::decode_layers(p, isa, num_threads);
+  }
+
+ private:
+  static void check(bool ok, const std::string& what) {
+    if (!ok) throw std::invalid_argument("DecodeLayers: " + what);
+  }
+  radixserve::DecodeLayers p_{};
+  std::vector<radixserve::DecodeLayerWeights> weights_;
+  std::vector<py::array> held_;
+  int64_t num_pages_ = 0;
+};
 
 // Structured output's token mask: for each row r in `rows`, logits[r, t] = -inf
 // where bit t % 32 of bitmask[r, t / 32] is 0 (xgrammar's layout). Whole words
@@ -351,7 +512,7 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         "one per segment): row r of n in a flagged segment sees its keys up to "
         "kv_end - (n - 1 - r) (a prefill chunk's rows, bottom-right aligned).");
   m.def("skinny_gemm", &skinny_gemm, py::arg("w"), py::arg("x"), py::arg("yT"),
-        py::arg("num_threads"), py::arg("isa") = "auto",
+        py::arg("num_threads"), py::arg("isa") = "auto", py::arg("amx") = false,
         "yT [N, M] = w [N, K] . x^T for x [M, K] (any strides), w and yT C-contiguous; "
         "float32, or bfloat16 weights (as int16) with float32 or bfloat16 x and yT.");
   m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("w"), py::arg("y"), py::arg("eps"),
@@ -365,6 +526,20 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::arg("rows"),
         "logits [n, vocab] (float32/float64) in place: -inf where a row's int32 bitmask has a "
         "0 bit, for the rows listed (int64).");
+  py::class_<DecodeLayersPy>(m, "DecodeLayers",
+                             "Every decoder layer of a decode step in one call "
+                             "(csrc/decode_layers.cpp).")
+      .def(py::init<const py::list&, const py::list&, const py::list&, const py::list&,
+                    const py::list&, const py::list&, const py::list&, int64_t, int64_t,
+                    int64_t, double, bool>(),
+           py::arg("ln1"), py::arg("qkv"), py::arg("o"), py::arg("ln2"), py::arg("gate_up"),
+           py::arg("down"), py::arg("kv"), py::arg("heads"), py::arg("kv_heads"),
+           py::arg("head_dim"), py::arg("eps"), py::arg("unit_offset"))
+      .def("run", &DecodeLayersPy::run, py::arg("residual"), py::arg("x"), py::arg("cos"),
+           py::arg("sin"), py::arg("write_rows"), py::arg("row_indptr"), py::arg("rows"),
+           py::arg("page_indptr"), py::arg("pages"), py::arg("kv_begin"), py::arg("kv_end"),
+           py::arg("scale"), py::arg("chunk"), py::arg("h_out"), py::arg("residual_out"),
+           py::arg("num_threads"), py::arg("isa") = "auto", py::arg("amx") = false);
   radixserve::bind_step_kernels(m);
   m.def("best_isa", [] { return std::string(radixserve::isa_name(radixserve::best_isa())); },
         "The best instruction-set level this CPU runs (baseline, avx2, avx512, avx512bf16).");

@@ -184,6 +184,13 @@ struct SkinnyGemm {
 // other level converts W to float32 on the fly and keeps x in float32.
 void skinny_gemm(const SkinnyGemm& g, Isa isa, int num_threads);
 
+// The same product on AMX tiles (amx_gemm.cpp) for bfloat16 weights, 1 to 32 rows of
+// x, K a multiple of 32 and N of 16 (amx_gemm_takes); false (nothing computed) when
+// the shape is not taken, the CPU has no AMX tiles or the OS refuses this process
+// the tile state.
+bool amx_gemm_takes(const SkinnyGemm& g);
+bool skinny_gemm_amx(const SkinnyGemm& g, int num_threads);
+
 // y [rows, n] = RMSNorm of bfloat16 rows x [rows, n] with weight w [n] (rms_norm.cpp),
 // all C-contiguous bfloat16 bits; unit_offset scales by (1 + w) (Gemma).
 void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t rows, int64_t n,
@@ -238,6 +245,45 @@ struct MergeAttention {
   int64_t heads, len, dim, stride_h, stride_l, lse_stride_h, lse_stride_l;
 };
 void merge_attention(const MergeAttention& m);
+
+// Every decoder layer of a decode step (decode_layers.cpp): a pre-norm Llama-style
+// layer (fused q/k/v, rotary, paged attention through one PagedDecode plan for all
+// layers, output projection, SwiGLU with fused gate/up, no biases), all float32 or
+// all bfloat16 bits. Per layer: norm weights [hidden], products row-major [out, in]
+// (qkv [(heads + 2 kv_heads) head_dim, hidden], o [hidden, heads head_dim], gate_up
+// [2 intermediate, hidden], down [hidden, intermediate]) and its pool layer
+// [pages, 2, page_size, kv_heads, head_dim]. The caller gives the embeddings
+// (`residual`, [tokens][hidden]) and layer 0's input norm of them (`x`, same
+// layout), cos/sin [tokens][rot_dim], and each new token's K row in the pool viewed
+// as [pages * 2 * page_size][kv_heads * head_dim] (V is page_size rows on). Out:
+// the last MLP output and the residual stream before it, [hidden][tokens] each.
+// Every index must already be valid (the bindings check them).
+struct DecodeLayerWeights {
+  const void* ln1;
+  const void* qkv;
+  const void* o;
+  const void* ln2;
+  const void* gate_up;
+  const void* down;
+  void* kv;
+};
+struct DecodeLayers {
+  bool bf16, unit_offset;
+  bool amx;  // bfloat16 products of 2+ rows on AMX tiles (skinny_gemm_amx) where it takes them
+  int64_t layers, tokens, hidden, heads, kv_heads, head_dim, rot_dim, intermediate, page_size;
+  float eps;
+  const DecodeLayerWeights* weights;
+  const void* residual;
+  const void* x;
+  const void* cos;
+  const void* sin;
+  const int64_t* write_rows;
+  PagedDecode attn;
+  int64_t chunk;
+  void* h_out;
+  void* residual_out;
+};
+void decode_layers(const DecodeLayers& p, Isa isa, int num_threads);
 
 // out[r] = the first v with the largest x[v, r] (a NaN counting as largest) for
 // x [vocab, rows] C-contiguous, float32 or bfloat16 bits (argmax.cpp).

@@ -23,6 +23,7 @@ from torch import nn
 
 from radixserve.layers.attention import LayerAttention
 from radixserve.layers.parallel import SINGLE, Comm, ParallelLMHead, VocabParallelEmbedding
+from radixserve.models import decode_step
 from radixserve.models.blocks import MLP, Attention, rms_norm, softcap
 from radixserve.models.checkpoint import checkpoint_sources
 from radixserve.models.config import ModelConfig
@@ -169,9 +170,17 @@ class CausalLM(nn.Module):
         if self.local_rotary is not self.rotary:
             local = self.local_rotary.cos_sin(positions, max_position)
         residual = None
-        for layer, window in zip(self.layers, self.cfg.sliding_windows, strict=True):
-            cos, sin = local if window > 0 else full
-            h, residual = layer.step(h, residual, cos, sin, backend)
+        # A decode step the native kernels compute whole takes one call for every
+        # layer (decode_step.py); otherwise the layers run one by one.
+        stepped = None
+        if self.local_rotary is self.rotary:
+            stepped = decode_step.run(self, h, *full, backend)
+        if stepped is not None:
+            h, residual = stepped
+        else:
+            for layer, window in zip(self.layers, self.cfg.sliding_windows, strict=True):
+                cos, sin = local if window > 0 else full
+                h, residual = layer.step(h, residual, cos, sin, backend)
         if residual is None:
             x = self.norm(h[logits_index])
         else:

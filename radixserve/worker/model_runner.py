@@ -50,6 +50,7 @@ import torch
 
 from radixserve.layers.parallel import SINGLE, Comm
 from radixserve.model_info import ModelInfo
+from radixserve.models import decode_step
 from radixserve.models.config import ModelConfig
 from radixserve.models.loader import load_hf_config, load_model, parse_dtype
 from radixserve.models.sharding import Shard, head_shard
@@ -140,6 +141,10 @@ class ModelRunner:
             {"prefill_backend": config.flashinfer_prefill_backend},
         )  # fmt: skip
         log.info("attention backend %s (%s)", self.backend.name, self.backend.choice_reason)
+        if hasattr(self.backend, "native_layers"):
+            # Decode steps the one-call layers take get one native attention plan.
+            model = self.model
+            self.backend.native_layers = lambda rows: decode_step.takes(model, rows)
         self.weight_bytes = self.model.weight_bytes()
         self.page_bytes = KVPool.bytes_per_page(*dims)
         self.kv_identity = ""

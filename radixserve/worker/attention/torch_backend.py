@@ -26,6 +26,7 @@ computes the scores, caps them, masks and takes the softmax itself (``capped.py`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,6 +141,12 @@ class TorchAttention(AttentionBackend):
             and softcap == 0
             and shared_prefix.available()
         )
+        #: Set by the runner: whether a decode step of this many rows runs every layer
+        #: in one native call (``models/decode_step.py``). Such a step reads its shared
+        #: prefixes through the native kernel, not flash attention: that call takes
+        #: one attention plan for all rows (``native_step_plan``).
+        self.native_layers: Callable[[int], bool] | None = None
+        self._flash = self.shared_prefix_flash
 
     def begin_batch(self, batch: AttentionBatch) -> None:
         pool = self.pool
@@ -149,7 +156,10 @@ class TorchAttention(AttentionBackend):
         windows = sorted(set(self.sliding_windows))
         write_rows, self._prefills = [], []
         members = qo_lens == 1
-        if self.shared_prefix_flash and all(w <= 0 for w in windows):
+        self._flash = self.shared_prefix_flash
+        if self._flash and self.native_layers is not None and members.all():
+            self._flash = not self.native_layers(len(qo_lens))
+        if self._flash and all(w <= 0 for w in windows):
             # Short prefill chunks over a cached prefix they share with others (the
             # questions after one system prompt) read it once, as decodes do.
             members |= qo_lens <= CASCADE_PREFILL_MAX_TOKENS
@@ -177,6 +187,7 @@ class TorchAttention(AttentionBackend):
             )  # fmt: skip
         rows = np.concatenate(write_rows) if write_rows else np.zeros(0, np.int64)
         self._write = torch.from_numpy(rows).to(device)
+        self._write_rows = rows
         self._decodes, self._native, self._shared, self._lse = [], None, None, None
         if self.decode_kernel == "native":
             self._native = self._plan_native(batch, groups, plain, windows, native_prefills)
@@ -186,6 +197,26 @@ class TorchAttention(AttentionBackend):
             ]
             if len(plain):
                 self._decodes.append(self._plan_decode(batch, plain, 0, windows, device))
+
+    def native_step_plan(self) -> tuple[np.ndarray, Segments] | None:
+        """This step's K/V write rows (int64, in the pool viewed as ``[pages * 2 *
+        page_size, kv_heads * head_dim]``) and its native attention plan, when that
+        one plan computes every row of the batch with nothing else around it (no
+        shared prefix through flash attention, no gather + SDPA, no causal chunk, no
+        sliding window or soft-cap); else None. A caller that runs every layer in
+        native code (``models/decode_step.py``) writes and attends with these."""
+        seg = self._native
+        if (
+            seg is None
+            or self._shared is not None
+            or self._decodes
+            or self._prefills
+            or seg.causal is not None
+            or self.softcap > 0
+            or any(w > 0 for w in self.sliding_windows)
+        ):
+            return None
+        return self._write_rows, seg
 
     def _cascade_groups(
         self, batch: AttentionBatch, ids: np.ndarray, windows: list[int]
@@ -285,7 +316,7 @@ class TorchAttention(AttentionBackend):
             causal += [bool(batch.qo_lens[i] > 1) for i in ids]
         flash = []
         for ids, common in groups:
-            if self.shared_prefix_flash:
+            if self._flash:
                 flash.append((q_rows(ids), table(int(ids[0]))[:common]))
                 continue
             rows.append(q_rows(ids))

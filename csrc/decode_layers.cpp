@@ -1,0 +1,197 @@
+// Every decoder layer of a decode step in one call (radixserve.layers._cpu_kernels.DecodeLayers).
+//
+// At decode batch sizes a Llama-style layer is four skinny products that stream
+// the weights and, around them, a dozen small steps (the residual adds and norms,
+// rotary, the K/V writes, attention, the activation): from Python each is a
+// dispatch, a NumPy view per array and a module call, about 0.3 ms per layer on a
+// 2-core CPU, as much as the products at batch 1. Here the layers run back to
+// back with the kernels the torch path calls one by one (skinny_gemm,
+// add_rms_norm, rotary_qkv, paged_decode), on the same layouts (products
+// feature-major, [features][rows]), so every value is the same bits as that path
+// except the activation: silu(gate) * up is computed here with expv (about 2 ulp)
+// where torch uses its own exp (within 1 ulp), each result rounded as torch rounds
+// it: round(round(silu(g)) * u).
+//
+// With `amx` (a CPU with AMX tiles), bfloat16 products of 2 to 32 rows run on them
+// (amx_gemm.cpp): float32 sums in another order than the skinny kernel's, the same
+// single rounding.
+//
+// The caller computes the embeddings and the first layer's input norm (as the
+// torch path does) and the final norm and the LM head after.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_kernels.h"
+
+namespace {
+
+using radixserve::DecodeLayers;
+using radixserve::Isa;
+
+struct F32 {
+  typedef float T;
+  static RS_ALWAYS_INLINE float load(float x) { return x; }
+  static RS_ALWAYS_INLINE float store(float x) { return x; }
+};
+
+struct BF16 {
+  typedef uint16_t T;
+  static RS_ALWAYS_INLINE float load(uint16_t x) { return radixserve::bf16_to_f32(x); }
+  static RS_ALWAYS_INLINE uint16_t store(float x) { return radixserve::f32_to_bf16(x); }
+};
+
+// out[i] = round(round(silu(g[i])) * u[i]), silu(x) = x / (1 + exp(-x)) written with
+// e = exp(-|x|) <= 1 (expv takes arguments <= 0): x / (1 + e) for x >= 0, and
+// x * e / (1 + e) = x / (1 + 1 / e) for x < 0.
+template <typename V, typename IO>
+RS_ALWAYS_INLINE void silu_mul_range(const typename IO::T* g, const typename IO::T* u,
+                                     typename IO::T* out, int64_t n) {
+  constexpr int L = radixserve::lanes<V>();
+  int64_t i = 0;
+  float buf[L];
+  for (; i + L <= n; i += L) {
+    for (int j = 0; j < L; ++j) buf[j] = IO::load(g[i + j]);
+    const V x = radixserve::loadv<V>(buf);
+    const V ax = x < 0 ? -x : x;
+    const V e = radixserve::expv<V>(-ax);
+    const V s = x < 0 ? x * e / (e + 1.0f) : x / (e + 1.0f);
+    radixserve::storev(buf, s);
+    for (int j = 0; j < L; ++j)
+      out[i + j] = IO::store(IO::load(IO::store(buf[j])) * IO::load(u[i + j]));
+  }
+  for (; i < n; ++i) {
+    const float x = IO::load(g[i]);
+    const float s = x / (1.0f + std::exp(-x));
+    out[i] = IO::store(IO::load(IO::store(s)) * IO::load(u[i]));
+  }
+}
+
+// One function per level (always-inlined bodies get the caller's target; an OpenMP
+// region's outlined body would not, so the parallel loop calls these).
+template <typename IO>
+void silu_mul_baseline(const typename IO::T* g, const typename IO::T* u, typename IO::T* out,
+                       int64_t n) {
+  silu_mul_range<radixserve::v8, IO>(g, u, out, n);
+}
+
+template <typename IO>
+RS_TARGET_AVX2 void silu_mul_avx2(const typename IO::T* g, const typename IO::T* u,
+                                  typename IO::T* out, int64_t n) {
+  silu_mul_range<radixserve::v8, IO>(g, u, out, n);
+}
+
+template <typename IO>
+RS_TARGET_AVX512 void silu_mul_avx512(const typename IO::T* g, const typename IO::T* u,
+                                      typename IO::T* out, int64_t n) {
+  silu_mul_range<radixserve::v16, IO>(g, u, out, n);
+}
+
+template <typename IO>
+void silu_mul(const typename IO::T* g, const typename IO::T* u, typename IO::T* out, int64_t n,
+              Isa isa, int num_threads) {
+  typedef typename IO::T T;
+  void (*fn)(const T*, const T*, T*, int64_t) = silu_mul_baseline<IO>;
+  if (isa == Isa::kAvx2) fn = silu_mul_avx2<IO>;
+  if (isa >= Isa::kAvx512) fn = silu_mul_avx512<IO>;
+  // Small steps stay on one thread: a parallel region costs more than 16k elements.
+  const int64_t parts = n >= (1 << 14) ? num_threads : 1;
+  const int64_t per = (n + parts - 1) / parts;
+#pragma omp parallel for schedule(static) num_threads(parts) if (parts > 1)
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t lo = p * per, hi = std::min(n, lo + per);
+    if (lo < hi) fn(g + lo, u + lo, out + lo, hi - lo);
+  }
+}
+
+template <typename IO>
+void run(const DecodeLayers& p, Isa isa, int num_threads) {
+  typedef typename IO::T T;
+  using radixserve::DType;
+  const int64_t t = p.tokens, hd = p.hidden, dh = p.head_dim, inter = p.intermediate;
+  const int64_t qd = p.heads * dh, kvd = p.kv_heads * dh, qkv_n = qd + 2 * kvd;
+  const DType dt = p.bf16 ? DType::kBFloat16 : DType::kFloat32;
+  std::vector<T> res[2] = {std::vector<T>(hd * t), std::vector<T>(hd * t)};
+  std::vector<T> y(hd * t), h(hd * t), qkv(qkv_n * t), q(qd * t), k(kvd * t), v(kvd * t);
+  std::vector<T> att(qd * t), o(hd * t), gu(2 * inter * t), act(inter * t);
+
+  auto gemm = [&](const void* w, int64_t n, int64_t kk, const T* x, int64_t sm, int64_t sk,
+                  T* out) {
+    radixserve::SkinnyGemm g{w, x, out, dt, dt, dt, n, kk, t, sm, sk};
+    if (p.amx && t > 1 && radixserve::skinny_gemm_amx(g, num_threads)) return;
+    radixserve::skinny_gemm(g, isa, num_threads);
+  };
+  auto add_norm = [&](const T* x, int64_t x_row, int64_t x_col, const T* a, const void* w,
+                      T* s, T* out) {
+    // a, s and out feature-major ([hidden][tokens]); x as given. One row is written
+    // row-major, as the torch path's call does (the same memory, and its own loop).
+    radixserve::AddRmsNorm n{p.bf16, p.unit_offset, t > 1, x, a, w, s, out, t, hd,
+                             x_row, x_col, 1, t, p.eps};
+    radixserve::add_rms_norm(n, isa, num_threads);
+  };
+
+  // The residual stream: layer 0's is the embeddings (row-major), then each add
+  // writes the sum into the buffer it does not read.
+  const T* resid = static_cast<const T*>(p.residual);
+  int64_t r_row = hd, r_col = 1;
+  int cur = 1;
+  auto add_into_stream = [&](const T* a, const void* w) {
+    cur ^= 1;
+    T* s = res[cur].data();
+    add_norm(resid, r_row, r_col, a, w, s, y.data());
+    resid = s;
+    r_row = 1;
+    r_col = t;
+  };
+  const size_t row_bytes = static_cast<size_t>(kvd) * sizeof(T);
+  for (int64_t l = 0; l < p.layers; ++l) {
+    const radixserve::DecodeLayerWeights& w = p.weights[l];
+    // Layer 0's input norm is the caller's (row-major [tokens][hidden]); later
+    // layers add the MLP's output h and normalise, feature-major.
+    const T* x = static_cast<const T*>(p.x);
+    int64_t x_sm = hd, x_sk = 1;
+    if (l > 0) {
+      add_into_stream(h.data(), w.ln1);
+      x = y.data();
+      x_sm = 1;
+      x_sk = t;
+    }
+    gemm(w.qkv, qkv_n, hd, x, x_sm, x_sk, qkv.data());
+    radixserve::RotaryQkv r{p.bf16, qkv.data(), p.cos, p.sin, q.data(), k.data(), v.data(),
+                            t, p.heads, p.kv_heads, dh, p.rot_dim, 1, t};
+    radixserve::rotary_qkv(r, isa, num_threads);
+    char* kv = static_cast<char*>(w.kv);
+    for (int64_t i = 0; i < t; ++i) {
+      const int64_t row = p.write_rows[i];
+      std::memcpy(kv + row * row_bytes, k.data() + i * kvd, row_bytes);
+      std::memcpy(kv + (row + p.page_size) * row_bytes, v.data() + i * kvd, row_bytes);
+    }
+    radixserve::paged_decode(p.attn, p.bf16 ? radixserve::KVType::kBFloat16
+                                            : radixserve::KVType::kFloat32,
+                             q.data(), w.kv, att.data(), nullptr, nullptr, isa, num_threads,
+                             p.chunk);
+    gemm(w.o, hd, qd, att.data(), qd, 1, o.data());
+    add_into_stream(o.data(), w.ln2);
+    gemm(w.gate_up, 2 * inter, hd, y.data(), 1, t, gu.data());
+    silu_mul<IO>(gu.data(), gu.data() + inter * t, act.data(), inter * t, isa, num_threads);
+    gemm(w.down, hd, inter, act.data(), 1, t, h.data());
+  }
+  std::memcpy(p.h_out, h.data(), sizeof(T) * hd * t);
+  std::memcpy(p.residual_out, resid, sizeof(T) * hd * t);
+}
+
+}  // namespace
+
+namespace radixserve {
+
+void decode_layers(const DecodeLayers& p, Isa isa, int num_threads) {
+  if (p.bf16) {
+    run<BF16>(p, isa, num_threads);
+  } else {
+    run<F32>(p, isa, num_threads);
+  }
+}
+
+}  // namespace radixserve

@@ -1,0 +1,265 @@
+"""Every decoder layer of a decode step in one native call (``models/decode_step.py``,
+``csrc/decode_layers.cpp``) against the torch path, layer by layer, on a tiny
+random Llama: the same greedy tokens and logits within float32 rounding (the
+activation's exp differs by ulps) at every instruction-set level; bfloat16
+teacher-forced (both paths fed the same tokens) within bfloat16's rounding.
+Plain decode batches, a cascade group over a shared prefix (a row in two
+segments), the checks on a bad plan, and the AMX product against float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from radixserve.layers import cpu_kernels
+from radixserve.models import decode_step
+from radixserve.protocol import Step, StepReq
+from radixserve.sampling_params import SamplingParams
+from radixserve.worker.config import WorkerConfig
+from radixserve.worker.model_runner import ModelRunner
+from tests.helpers.native import require_built, require_isa
+
+GREEDY = SamplingParams(temperature=0)
+PAGE = 4
+
+
+@pytest.fixture(params=cpu_kernels.ISAS)
+def isa(request, monkeypatch):
+    """Every instruction-set level, for both paths; those this CPU lacks are skipped."""
+    monkeypatch.setattr(cpu_kernels, "ISA", require_isa(request.param))
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def runners(tiny_llama_dir):
+    require_built(cpu_kernels.AVAILABLE, cpu_kernels.UNAVAILABLE_REASON, "native CPU kernels")
+    make = lambda dtype: ModelRunner(  # noqa: E731
+        WorkerConfig(model=str(tiny_llama_dir), dtype=dtype, page_size=PAGE, num_pages=512,
+                     max_running_requests=8, warmup=False)
+    )  # fmt: skip
+    return {torch.float32: make("float32"), torch.bfloat16: make("bfloat16")}
+
+
+@pytest.fixture
+def native_calls(monkeypatch):
+    """How many steps took the native call (each test checks that its steps did)."""
+    calls = []
+    run = decode_step.run
+
+    def counted(*args, **kwargs):
+        out = run(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(decode_step, "run", counted)
+    return calls
+
+
+def decode(runner, prompts, steps, native, forced=None, fork=0):
+    """Prefill all but the last token of ``prompts`` (slot i each), then ``steps``
+    decode steps of every slot at once, the first feeding the prompts' last tokens;
+    returns each decode step's logits and the tokens fed after the first step.
+    ``forced``: feed these (teacher forcing) instead of each step's argmax. ``fork``:
+    slots after the first take slot 0's pages of its first ``fork`` tokens as theirs
+    (a shared cached prefix; a multiple of the page size)."""
+    decode_step.ENABLED = native
+    try:
+        pages, tables = iter(range(runner.num_pages)), []
+        for i, p in enumerate(prompts):
+            start = fork if i else 0
+            need = -(-(len(p) + steps) // PAGE) - start // PAGE
+            shared = tables[0][: start // PAGE] if i else []
+            tables.append(shared + [next(pages) for _ in range(need)])
+            req = StepReq(i, p[start:-1], start, np.asarray(tables[i], np.int32), True, GREEDY)
+            runner.forward_logits(Step([req]))  # slot 0 first: the forks read its K/V
+        out, fed = [], []
+        toks = np.array([p[-1] for p in prompts])
+        for s in range(steps):
+            if s:
+                toks = forced[s - 1] if forced is not None else out[-1].argmax(-1).numpy()
+                fed.append(np.asarray(toks))
+            reqs = [StepReq(i, np.array([toks[i]], np.int32), len(p) - 1 + s,
+                            np.zeros(0, np.int32), True)
+                    for i, p in enumerate(prompts)]  # fmt: skip
+            out.append(runner.forward_logits(Step(reqs)).float())
+        return out, fed
+    finally:
+        decode_step.ENABLED = True
+        runner.step(Step([], release=np.arange(len(prompts), dtype=np.int32)))
+
+
+def prompts(n, length=9, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(4, 512, length).astype(np.int32) for _ in range(n)]
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_float32_same_tokens_as_the_torch_path(runners, isa, native_calls, batch):
+    runner = runners[torch.float32]
+    ps = prompts(batch, seed=batch)
+    ref, ref_fed = decode(runner, ps, 6, native=False)
+    assert not any(native_calls)
+    native_calls.clear()
+    got, got_fed = decode(runner, ps, 6, native=True)
+    assert native_calls[-6:] == [True] * 6, "every decode step takes the native call"
+    for a, b in zip(ref_fed, got_fed, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(ref, got, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_float32_cascade_group_over_a_shared_prefix(runners, isa, native_calls, monkeypatch):
+    """Four slots over slot 0's first 64 tokens: one segment of the shared pages with
+    every member's row plus each member's own, merged inside the kernel."""
+    runner = runners[torch.float32]
+    base = prompts(1, length=70, seed=7)[0]
+    rng = np.random.default_rng(8)
+    ps = [base] + [np.concatenate([base[:64], rng.integers(4, 512, 6).astype(np.int32)])
+                   for _ in range(3)]  # fmt: skip
+    ref, ref_fed = decode(runner, ps, 5, native=False, fork=64)
+    native_calls.clear()
+    plan, widest = runner.backend.native_step_plan, []
+
+    def recorded():
+        out = plan()
+        if out is not None:
+            widest.append(int(np.diff(out[1].row_indptr).max()))
+        return out
+
+    monkeypatch.setattr(runner.backend, "native_step_plan", recorded)
+    got, got_fed = decode(runner, ps, 5, native=True, fork=64)
+    assert widest[-5:] == [4] * 5, "the shared prefix is one segment of all four rows"
+    assert native_calls[-5:] == [True] * 5
+    for a, b in zip(ref_fed, got_fed, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(ref, got, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("batch", [1, 4, 8])
+def test_bfloat16_teacher_forced_within_rounding(runners, native_calls, monkeypatch, batch, amx):
+    """bfloat16 runs the call at avx512bf16: the skinny kernel, and with ``amx`` (CPUs
+    with AMX tiles) the AMX product from 2 rows, against oneDNN's products in the
+    torch path."""
+    monkeypatch.setattr(cpu_kernels, "ISA", require_isa("avx512bf16"))
+    if amx and not cpu_kernels.amx_supported():
+        pytest.skip("this CPU (or OS) gives no AMX tiles")
+    monkeypatch.setattr(cpu_kernels, "AMX", amx)
+    runner = runners[torch.bfloat16]
+    ps = prompts(batch, seed=10 + batch)
+    ref, ref_fed = decode(runner, ps, 6, native=False)
+    native_calls.clear()
+    got, _ = decode(runner, ps, 6, native=True, forced=ref_fed)
+    assert native_calls[-6:] == [True] * 6
+    for a, b in zip(ref, got, strict=True):
+        scale = a.abs().max()
+        assert (b - a).abs().max() <= 2e-2 * scale
+
+
+def test_bfloat16_cascade_on_amx_reads_the_prefix_in_the_native_kernel(
+    runners, native_calls, monkeypatch
+):
+    """Where the per-op path sends a shared prefix to flash attention (bfloat16, AMX),
+    a step the one call takes plans it for the native kernel instead (one plan for
+    every row); teacher-forced, the logits stay within bfloat16 rounding of the
+    flash path's."""
+    monkeypatch.setattr(cpu_kernels, "ISA", require_isa("avx512bf16"))
+    if not cpu_kernels.amx_supported():
+        pytest.skip("this CPU (or OS) gives no AMX tiles")
+    monkeypatch.setattr(cpu_kernels, "AMX", True)
+    runner = runners[torch.bfloat16]
+    monkeypatch.setattr(runner.backend, "shared_prefix_flash", True)
+    base = prompts(1, length=70, seed=17)[0]
+    rng = np.random.default_rng(18)
+    ps = [base] + [np.concatenate([base[:64], rng.integers(4, 512, 6).astype(np.int32)])
+                   for _ in range(3)]  # fmt: skip
+    ref, ref_fed = decode(runner, ps, 5, native=False, fork=64)
+    plan, widest = runner.backend.native_step_plan, []
+
+    def recorded():
+        out = plan()
+        if out is not None:
+            widest.append(int(np.diff(out[1].row_indptr).max()))
+        return out
+
+    monkeypatch.setattr(runner.backend, "native_step_plan", recorded)
+    native_calls.clear()
+    got, _ = decode(runner, ps, 5, native=True, forced=ref_fed, fork=64)
+    assert native_calls[-5:] == [True] * 5
+    assert widest[-5:] == [4] * 5, "the shared prefix is one segment of all four rows"
+    for a, b in zip(ref, got, strict=True):
+        assert (b - a).abs().max() <= 2e-2 * a.abs().max()
+
+
+def test_steps_it_cannot_compute_take_the_torch_path(runners, native_calls):
+    """A prefill (several tokens of one request) is not a decode step: the layers run
+    in Python."""
+    runner = runners[torch.float32]
+    p = prompts(1, length=12)[0]
+    req = StepReq(0, p, 0, np.arange(4, dtype=np.int32), True, GREEDY)
+    runner.forward_logits(Step([req]))
+    runner.step(Step([], release=np.array([0], np.int32)))
+    assert native_calls == [False]
+
+
+def test_bad_plan_is_refused(runners):
+    """Every index is checked before the kernel reads: a K/V write row past the pool,
+    a page out of range."""
+    runner = runners[torch.float32]
+    model, backend = runner.model, runner.backend
+    native = decode_step._Native(model, backend.pool.layers)
+    t, n = 1, model.cfg.hidden_size
+    h = torch.zeros(t, n)
+    cos, sin = torch.ones(t, model.cfg.head_dim), torch.zeros(t, model.cfg.head_dim)
+    i32 = np.int32
+    seg = dict(row_indptr=np.array([0, 1], i32), rows=np.array([0], i32),
+               page_indptr=np.array([0, 1], i32), pages=np.array([0], i32),
+               kv_begin=np.array([0], i32), kv_end=np.array([1], i32))  # fmt: skip
+    out = [torch.empty(n, t), torch.empty(n, t)]
+    view = cpu_kernels._array
+
+    def call(write_rows, **changes):
+        args = {**seg, **changes}
+        native.ext.run(view(h), view(h), view(cos), view(sin), np.asarray(write_rows, np.int64),
+                       args["row_indptr"], args["rows"], args["page_indptr"], args["pages"],
+                       args["kv_begin"], args["kv_end"], 1.0, 64, view(out[0]), view(out[1]),
+                       1, cpu_kernels.ISA)  # fmt: skip
+
+    call([0])  # a valid plan runs
+    with pytest.raises(ValueError, match="write row"):
+        call([runner.pool.layers[0].shape[0] * 2 * PAGE])
+    with pytest.raises(ValueError, match="write row"):
+        call([PAGE])  # a V row, not a K row
+    with pytest.raises(ValueError, match="page out of range"):
+        call([0], pages=np.array([10**6], i32))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 32])
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (48, 64), (96, 576)])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_amx_product_matches_float64(rows, n, k, out_dtype):
+    """``skinny_gemm(..., amx=True)``: exact float32 sums of bfloat16 products, one
+    rounding; x given as a transposed view (the layers' feature-major layout)."""
+    require_built(cpu_kernels.AVAILABLE, cpu_kernels.UNAVAILABLE_REASON, "native CPU kernels")
+    if not cpu_kernels.amx_supported():
+        pytest.skip("this CPU (or OS) gives no AMX tiles")
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(k, rows, generator=g).to(torch.bfloat16).t()  # strides (1, rows)
+    y = torch.empty(n, rows, dtype=out_dtype)
+    view = cpu_kernels._array
+    cpu_kernels.ext.skinny_gemm(view(w), view(x), view(y), 2, amx=True)
+    ref = w.double() @ x.double().t()
+    tol = 1e-5 if out_dtype == torch.float32 else 2**-8
+    assert ((y.double() - ref).abs() <= tol * ref.abs() + 1e-4).all()
+
+
+def test_amx_product_refuses_shapes_it_does_not_take():
+    require_built(cpu_kernels.AVAILABLE, cpu_kernels.UNAVAILABLE_REASON, "native CPU kernels")
+    view = cpu_kernels._array
+    w = torch.zeros(16, 40, dtype=torch.bfloat16)  # K not a multiple of 32
+    x, y = torch.zeros(2, 40, dtype=torch.bfloat16), torch.zeros(16, 2, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="amx takes"):
+        cpu_kernels.ext.skinny_gemm(view(w), view(x), view(y), 1, amx=True)
