@@ -140,6 +140,8 @@ class MLP(nn.Module):
     gate and up as one matrix; over several ranks each holds a block of the
     intermediate features and ``down_proj`` sums the ranks' outputs."""
 
+    NATIVE_DECODE = True  # decode_step.py computes exactly this class (see DecoderLayer)
+
     def __init__(self, cfg: ModelConfig, comm: Comm = SINGLE) -> None:
         super().__init__()
         self.act = ACTIVATIONS[cfg.activation]

@@ -35,17 +35,21 @@ from radixserve.layers import cpu_kernels
 ENABLED = os.environ.get("RADIXSERVE_DECODE_LAYERS", "1") != "0"
 
 
+def _declares_native(cls: type) -> bool:
+    return cls.__dict__.get("NATIVE_DECODE", False) is True
+
+
 def supported(model) -> bool:
-    """Whether the model's layers are what the native call computes."""
-    from radixserve.models.blocks import MLP
-    from radixserve.models.decoder import DecoderLayer
+    """Whether the model's layers are what the native call computes (classes that
+    declare ``NATIVE_DECODE`` in their own body: no import of the model code, which
+    imports this module)."""
 
     if model.shard.size != 1 or any(w > 0 for w in model.cfg.sliding_windows):
         return False
     if model.cfg.activation != "silu":
         return False
     for layer in model.layers:
-        if type(layer) is not DecoderLayer or type(layer.mlp) is not MLP:
+        if not (_declares_native(type(layer)) and _declares_native(type(layer.mlp))):
             return False
         attn, mlp = layer.self_attn, layer.mlp
         if attn.q_norm is not None or attn.o_proj.comm.size != 1:

@@ -37,6 +37,10 @@ class DecoderLayer(nn.Module):
     """``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (transformers' names: the second
     norm is ``post_attention_layernorm``)."""
 
+    # decode_step.py computes exactly this class: declared in its own body, so a
+    # subclass (another family's layer) does not inherit the claim.
+    NATIVE_DECODE = True
+
     def __init__(self, cfg: ModelConfig, layer: int, comm: Comm = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = rms_norm(cfg, cfg.hidden_size)
