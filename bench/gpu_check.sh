@@ -59,7 +59,7 @@ run_tier() {  # $1: name, $2: -k expression, then pytest args
   echo "FLASHINFER_CUDA_ARCH_LIST=$FLASHINFER_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS"
   status=0
   # The selection itself, as a server would run it at start (also fills the JIT cache).
-  "$PY" -m radixserve.worker.attention.flashinfer_probe --head-dim 128 --heads 8 \
+  "$PY" -m radixserve.worker.attention.check_flashinfer --head-dim 128 --heads 8 \
     --kv-heads 2 --prefill-backend fa2 || status=1
   if [ "$tier" != full ]; then run_tier quick quick "$@" || status=1; fi
   if [ "$tier" != quick ]; then run_tier full "not quick" "$@" || status=1; fi

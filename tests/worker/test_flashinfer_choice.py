@@ -298,13 +298,13 @@ def test_double_backend_choice(monkeypatch):
 
 
 def test_check_command(monkeypatch, capsys):
-    from radixserve.worker.attention import flashinfer_probe
+    from radixserve.worker.attention import check_flashinfer
 
     fake = fake_flashinfer.install(monkeypatch)
     args = ["--device", "cpu", "--head-dim", "64", "--heads", "4", "--kv-heads", "2",
             "--windows=-1,4"]  # fmt: skip
-    assert flashinfer_probe.main(args) == 0
+    assert check_flashinfer.main(args) == 0
     assert "attention backend: flashinfer (auto: probe passed)" in capsys.readouterr().out
     fake.capability = (7, 5)
-    assert flashinfer_probe.main(args) == 1
+    assert check_flashinfer.main(args) == 1
     assert "compute capability 8.0+" in capsys.readouterr().out
