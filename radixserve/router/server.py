@@ -491,9 +491,9 @@ class Router:
     def close(self) -> None:
         for r in self.replicas:
             r.close()
-        if self.gate is not None:
-            self.gate.close()
         self.client_monitor.close(0)
-        self.public.close(0)
+        self.public.close(1000)  # what it still sends goes to the gate ...
+        if self.gate is not None:
+            self.gate.drain()  # ... which passes it on before closing
         if self._gate_dir is not None:
             shutil.rmtree(self._gate_dir, ignore_errors=True)

@@ -73,7 +73,7 @@ from radixserve.server_config import (
 from radixserve.tokenizer.connections import Connections
 from radixserve.tokenizer.inputs import InputProcessor
 from radixserve.tokenizer.output import OutputStream, TokenTexts
-from radixserve.utils.proc import POLL_MS, Lifeline, child_main, socket
+from radixserve.utils.proc import POLL_MS, Lifeline, after_sockets_close, child_main, socket
 from radixserve.utils.sockets import recv, recv_frames, recv_multipart
 from radixserve.utils.zmtp_gate import RoutingIdGate
 from radixserve.zap import enable_curve
@@ -149,6 +149,7 @@ class TokenizerServer:
             self.router.bind(config.endpoint(PUBLIC_TCP))
             upstream = config.endpoint(PUBLIC_TCP).removeprefix("ipc://")
             self.gate = RoutingIdGate(config.host, config.port, upstream).start()
+            after_sockets_close(self.gate.drain)  # the last replies reach the clients
             self.endpoint = self.gate.endpoint
         else:
             self.router.bind(config.public_endpoint)

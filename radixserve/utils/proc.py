@@ -129,13 +129,26 @@ def say(text: str, stream=None) -> None:
             stream.flush()  # what was buffered goes to /dev/null too
 
 
+_AFTER_SOCKETS: list[Callable[[], None]] = []
+
+
+def after_sockets_close(fn: Callable[[], None]) -> None:
+    """Run ``fn`` at exit once every ZeroMQ socket has closed (and sent what it
+    lingered on), before ``os._exit``: the routing-id gate relays those last bytes."""
+    _AFTER_SOCKETS.append(fn)
+
+
 def exit_now(ctx: zmq.Context, code: int, remove_dir: str | None = None) -> None:
-    """Close every socket of ``ctx`` (bounded linger), remove ``remove_dir``, ``os._exit``."""
+    """Close every socket of ``ctx`` (bounded linger), run what ``after_sockets_close``
+    registered, remove ``remove_dir``, ``os._exit`` (all within EXIT_DEADLINE_S)."""
     timer = threading.Timer(EXIT_DEADLINE_S, os._exit, (code or 1,))
     timer.daemon = True
     timer.start()
     try:
         ctx.destroy(linger=LINGER_MS)
+        for fn in _AFTER_SOCKETS:
+            with contextlib.suppress(Exception):
+                fn()
     finally:
         if remove_dir:
             shutil.rmtree(remove_dir, ignore_errors=True)

@@ -24,7 +24,9 @@ What the gate reads of the stream (ZMTP 3.x, RFC 23/37), client to ROUTER:
 - the first command, which must be ``READY`` (at most ``MAX_READY_BYTES``).
 
 Anything else closes the connection; after ``READY`` bytes pass as they are, in
-both directions, heartbeats included. Either side closing closes the other, so
+both directions, heartbeats included. Either side closing closes the other once
+what it sent last has been passed on (``drain`` gives a stopping server's last
+replies that time), so
 the ROUTER's view of a connection (its socket monitor, heartbeat timeouts,
 ``MAXMSGSIZE`` drops) is the client's. Each direction buffers at most
 ``MAX_BUFFERED`` bytes before the gate stops reading its source, so a slow
@@ -42,6 +44,7 @@ import os
 import selectors
 import socket
 import threading
+import time
 
 log = logging.getLogger("radixserve.gate")
 
@@ -171,6 +174,7 @@ class _Conn:
         self.to_client = bytearray()
         self.filter: HandshakeFilter | None = HandshakeFilter(draw_routing_id())
         self.watched = {client, upstream}  # registered with the selector
+        self.ended: socket.socket | None = None  # the side that closed first
         self.closed = False
 
     def peer_of(self, sock: socket.socket) -> socket.socket:
@@ -223,6 +227,14 @@ class RoutingIdGate:
         self.listener.close()
         self._wake_r.close()
         self._wake_w.close()
+
+    def drain(self, timeout: float = 1.0) -> None:
+        """Let the connections whose ROUTER side closed pass their last bytes on (the
+        errors a stopping server sends), for at most ``timeout`` seconds; then close."""
+        deadline = time.monotonic() + timeout
+        while self.conns and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.close()
 
     def __len__(self) -> int:
         """Connections relayed now."""
@@ -280,9 +292,9 @@ class RoutingIdGate:
 
     def _read(self, conn: _Conn, sock: socket.socket) -> None:
         data = sock.recv(RECV_BYTES)
-        if not data:  # the end closed: pass on what it sent, then close both
-            self._flush(conn, conn.peer_of(sock), final=True)
-            self._close(conn)
+        if not data:  # this end closed: pass on what it sent, then close both
+            conn.ended = sock
+            self._flush(conn, conn.peer_of(sock))
             return
         if sock is conn.client and conn.filter is not None:
             data = conn.filter.feed(data)
@@ -292,19 +304,17 @@ class RoutingIdGate:
         conn.outbox(dest).extend(data)
         self._flush(conn, dest)
 
-    def _flush(self, conn: _Conn, dest: socket.socket, final: bool = False) -> None:
+    def _flush(self, conn: _Conn, dest: socket.socket) -> None:
         box = conn.outbox(dest)
         while box:
             try:
                 sent = dest.send(box)
             except (BlockingIOError, InterruptedError):
                 break
-            except OSError:
-                if final:
-                    return
-                raise
             del box[:sent]
-        if not final and not conn.closed:
+        if conn.ended is not None and not box:
+            self._close(conn)  # the other end's last bytes are through
+        elif not conn.closed:
             self._update(conn)
 
     def _update(self, conn: _Conn) -> None:
@@ -312,7 +322,7 @@ class RoutingIdGate:
         writability only while its own outbox holds something."""
         for sock in (conn.client, conn.upstream):
             events = 0
-            if len(conn.outbox(conn.peer_of(sock))) < MAX_BUFFERED:
+            if sock is not conn.ended and len(conn.outbox(conn.peer_of(sock))) < MAX_BUFFERED:
                 events |= selectors.EVENT_READ
             if conn.outbox(sock):
                 events |= selectors.EVENT_WRITE

@@ -247,3 +247,28 @@ def test_raw_garbage_is_closed_and_the_gate_keeps_serving(gated_router):
     assert router.poll(20000)
     assert router.recv_multipart()[1] == b"still here"
     d.close(0)
+
+
+def test_the_last_replies_of_a_closing_router_reach_the_client():
+    """A stopping server answers every request in flight, then its sockets close:
+    those answers still pass the gate before it closes (``drain``)."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    path = os.path.join(tempfile.mkdtemp(prefix="rs-"), "pub")
+    router.bind("ipc://" + path)
+    gate = RoutingIdGate("127.0.0.1", 0, path).start()
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    d.connect(gate.endpoint)
+    d.send(b"request")
+    rid, _ = router.recv_multipart()
+    for i in range(50):
+        router.send_multipart([rid, b"last words %d " % i + bytes(20_000)])
+    router.close(linger=1000)
+    gate.drain(5)
+    got = [d.recv() for _ in range(50) if d.poll(5000)]
+    assert [g[: len(b"last words %d " % i)] for i, g in enumerate(got)] == [
+        b"last words %d " % i for i in range(50)
+    ]
+    ctx.destroy(linger=0)
+    os.unlink(path)
