@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from abc import ABC, abstractmethod
 
 import zmq
 
@@ -29,7 +30,7 @@ REPLAY_TIMEOUT_S = 3.0
 MAX_HELD = 10_000  # stream batches held while a replay is pending
 
 
-class FollowerSockets:
+class FollowerSockets(ABC):
     """What both followers share: the SUB socket on the stream, a DEALER for replays
     (a fresh one per request: a DEALER would deliver an old answer late), CURVE on
     both when the replica uses it, and re-asking a replay left unanswered."""
@@ -69,8 +70,9 @@ class FollowerSockets:
             sock.setsockopt(zmq.CURVE_PUBLICKEY, c.public)  # type: ignore[attr-defined]
             sock.setsockopt(zmq.CURVE_SECRETKEY, c.secret)  # type: ignore[attr-defined]
 
+    @abstractmethod
     def ask(self) -> None:
-        raise NotImplementedError
+        """Send the replay request this follower's wire format uses."""
 
     def _fresh_replay_socket(self) -> zmq.Socket:
         """A new DEALER on the replay endpoint, the old one closed; the request is

@@ -39,7 +39,7 @@ from radixserve import protocol as P
 from radixserve.compose import build_scheduler
 from radixserve.curve import load_allowed_keys, load_secret_certificate, require_curve
 from radixserve.scheduler.kv_events_vllm import VllmKVEventPublisher
-from radixserve.scheduler.kv_publisher import KVEventLog, KVEventPublisher
+from radixserve.scheduler.kv_publisher import DEFAULT_BUFFER, KVEventLog, KVEventPublisher
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.server_config import (
     CONTROL,
@@ -223,8 +223,12 @@ def start_kv_events(
             allowed = load_allowed_keys(config.curve_allowed_clients)
         ZapHandler(ctx, allowed).serve_in_thread()  # before the CURVE sockets bind
     replica = config.replica_id or f"{pysocket.gethostname()}:{os.getpid()}"
-    log_ = KVEventLog(scheduler.record_kv_events(), replica)
-    if config.kv_events_format == "vllm":
+    vllm = config.kv_events_format == "vllm"
+    # vLLM's publisher buffers its own encoded batches for replay: the log keeps none.
+    log_ = KVEventLog(
+        scheduler.record_kv_events(), replica, buffer_size=0 if vllm else DEFAULT_BUFFER
+    )
+    if vllm:
         rank = re.fullmatch(r"dp(\d+)", config.replica_id or "")  # a replica of --dp N
         return VllmKVEventPublisher(
             ctx, log_, config.kv_events, config.kv_events_replay, curve,
