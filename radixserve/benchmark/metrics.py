@@ -89,6 +89,10 @@ def summarize(
             )
             extra.update(_stats(at, f"ttft_{name}"))
             extra[f"requests_{name}"] = sum(r.priority == level for r in ok)
+            mine = [r for r in ok if r.priority == level]
+            prompt = sum(r.usage.prompt_tokens for r in mine)  # type: ignore[union-attr]
+            cached = sum(r.usage.cached_tokens for r in mine)  # type: ignore[union-attr]
+            extra[f"hit_rate_{name}"] = cached / prompt if hit_known and prompt else None
     if workload is not None and workload.structured:
         extra.update(structured_summary(workload, recs))
     return {

@@ -67,9 +67,11 @@ PRIORITY_ROWS = [  # --priority-mix only: the two classes' first-token latency
     ("requests urgent", "requests_urgent", "{:d}"),
     ("TTFT urgent median ms", "ttft_urgent_median_ms", "{:.0f}"),
     ("TTFT urgent p99 ms", "ttft_urgent_p99_ms", "{:.0f}"),
+    ("hit rate urgent", "hit_rate_urgent", "{:.2%}"),
     ("requests normal", "requests_normal", "{:d}"),
     ("TTFT normal median ms", "ttft_normal_median_ms", "{:.0f}"),
     ("TTFT normal p99 ms", "ttft_normal_p99_ms", "{:.0f}"),
+    ("hit rate normal", "hit_rate_normal", "{:.2%}"),
 ]
 
 
