@@ -16,7 +16,9 @@ products' choices inside this process (``layers/cpu_kernels.py``):
 - ``flash=0|1``: the attention backend's ``shared_prefix_flash`` (the shared
   prefix through torch's CPU flash attention, or through the native kernel);
 - ``layers=0|1``: ``models.decode_step.ENABLED`` (every layer of a decode step in
-  one native call where it can, or the layers one by one in Python).
+  one native call where it can, or the layers one by one in Python);
+- ``det=0|1``: deterministic mode (``--deterministic``: batch-invariant products and
+  attention, docs/worker.md), switched in the running worker.
 
 Each variant is a comma-separated list of those, ``;`` between variants ("" is the
 process's own choice). The table gives per variant the median over rounds of the
@@ -41,6 +43,7 @@ and prints the N functions with the most own time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -69,8 +72,10 @@ def parse_variant(text: str) -> dict:
             out["flash"] = value == "1"
         elif name == "layers":
             out["layers"] = value == "1"
+        elif name == "det":
+            out["det"] = value == "1"
         else:
-            raise SystemExit(f"unknown variant key {name!r} (amx, isa, flash, layers)")
+            raise SystemExit(f"unknown variant key {name!r} (amx, isa, flash, layers, det)")
     return out
 
 
@@ -126,13 +131,20 @@ def main() -> None:
     backend = engine.runner.backend
     own = {"AMX": getattr(cpu_kernels, "AMX", False), "ISA": cpu_kernels.ISA}
     own_flash = getattr(backend, "shared_prefix_flash", False)
+    own_prefill = getattr(backend, "native_prefill_max_tokens", 0)
+    own_config = engine.runner.config
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in variants}
     tokens: dict[str, list[int]] = {}
     for _ in range(args.rounds):
         for name, setting in variants:
-            setting = {"flash": own_flash, "layers": True, **own, **setting}
-            backend.shared_prefix_flash = setting.pop("flash")
+            setting = {"flash": own_flash, "layers": True, "det": False, **own, **setting}
+            det = setting.pop("det")
+            backend.shared_prefix_flash = setting.pop("flash") and not det
             decode_step.ENABLED = setting.pop("layers")
+            # Deterministic mode, as the worker would be built with --deterministic.
+            backend.deterministic = det
+            backend.native_prefill_max_tokens = 1 << 62 if det else own_prefill
+            engine.runner.config = dataclasses.replace(own_config, deterministic=det)
             for key, value in setting.items():
                 setattr(cpu_kernels, key, value)
             step_times.clear()

@@ -138,8 +138,9 @@ void paged_decode(const py::array& q, const py::array& kv, py::array& out, py::o
                   const py::array_t<int32_t, py::array::c_style>& kv_begin,
                   const py::array_t<int32_t, py::array::c_style>& kv_end, double scale,
                   int num_threads, int64_t chunk, const std::string& isa_name, double softcap,
-                  py::object causal) {
+                  py::object causal, int64_t fixed) {
   const Isa isa = parse_isa(isa_name, "paged_decode");
+  require(fixed >= 0, "fixed must be >= 0 (0: off)");
   require(q.ndim() == 3 && kv.ndim() == 5 && out.ndim() == 3, "q/out must be 3-D, kv 5-D");
   const auto c = py::array::c_style;
   require((q.flags() & c) && (kv.flags() & c) && (out.flags() & c), "arrays must be C-contiguous");
@@ -159,6 +160,7 @@ void paged_decode(const py::array& q, const py::array& kv, py::array& out, py::o
   P.scale = scale;
   require(softcap >= 0, "softcap must be >= 0 (0: none)");
   P.softcap = softcap;
+  P.fixed = fixed;
   const int64_t R = q.shape(0);
   check_segments(P, R, kv.shape(0), row_indptr, rows, page_indptr, pages, kv_begin, kv_end);
   const int64_t S = P.num_segments;
@@ -506,11 +508,12 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::arg("row_indptr"), py::arg("rows"), py::arg("page_indptr"), py::arg("pages"),
         py::arg("kv_begin"), py::arg("kv_end"), py::arg("scale"), py::arg("num_threads"),
         py::arg("chunk"), py::arg("isa") = "auto", py::arg("softcap") = 0.0,
-        py::arg("causal") = py::none(),
+        py::arg("causal") = py::none(), py::arg("fixed") = 0,
         "Paged decode attention over one layer of the KV pool (csrc/paged_attention.cpp); "
         "softcap > 0 caps the scores at softcap * tanh(score / softcap); causal (uint8, "
         "one per segment): row r of n in a flagged segment sees its keys up to "
-        "kv_end - (n - 1 - r) (a prefill chunk's rows, bottom-right aligned).");
+        "kv_end - (n - 1 - r) (a prefill chunk's rows, bottom-right aligned); fixed > 0: "
+        "batch-invariant items of exactly that many keys (the chunk is ignored).");
   m.def("skinny_gemm", &skinny_gemm, py::arg("w"), py::arg("x"), py::arg("yT"),
         py::arg("num_threads"), py::arg("isa") = "auto", py::arg("amx") = false,
         "yT [N, M] = w [N, K] . x^T for x [M, K] (any strides), w and yT C-contiguous; "

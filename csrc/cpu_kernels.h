@@ -157,6 +157,12 @@ struct PagedDecode {
   // Per segment, or null for none: 1 makes the segment's rows a prefill chunk's
   // (bottom-right aligned causal): row r of n sees keys [kv_begin, kv_end - (n - 1 - r)).
   const uint8_t* causal;
+  // > 0: batch-invariant mode (``--deterministic``). Keys are cut into items of exactly
+  // this many at fixed offsets from kv_begin (the chunk argument is ignored); an item
+  // past the segment's end reads zero rows there and masks them, and the vdpbf16ps
+  // tiles are off. A row's result then depends only on its own query, keys and
+  // position: not on its batch, its segment's other rows, or how its keys were split.
+  int64_t fixed = 0;
 };
 
 enum class KVType { kFloat32, kFloat64, kBFloat16 };

@@ -215,6 +215,7 @@ RS_ALWAYS_INLINE void softmax_rows(A* sc, int64_t nq, int64_t len, double softca
     for (int64_t i = 0; i < nq * len; ++i) sc[i] = cap * std::tanh(sc[i] / cap);
   }
   const bool causal = P.causal && P.causal[it.seg];
+  const bool padded = P.fixed > 0 && it.k1 - it.k0 < len;  // keys past k1 are zero rows
   const int64_t nrows = P.row_indptr[it.seg + 1] - P.row_indptr[it.seg];
   // Softmax statistics; slot order is [kv head][row][group member] like qs.
   for (int64_t i = 0; i < nq; ++i) {
@@ -229,6 +230,8 @@ RS_ALWAYS_INLINE void softmax_rows(A* sc, int64_t nq, int64_t len, double softca
         continue;
       }
       for (int64_t j = seen; j < len; ++j) si[j] = -std::numeric_limits<A>::infinity();
+    } else if (padded) {
+      for (int64_t j = it.k1 - it.k0; j < len; ++j) si[j] = -std::numeric_limits<A>::infinity();
     }
     A m = -std::numeric_limits<A>::infinity();
     A l = 0;
@@ -276,14 +279,19 @@ RS_ALWAYS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q
   const int64_t D = P.head_dim, G = P.group, H = P.num_heads, KVH = P.num_kv_heads;
   const int64_t ps = P.page_size;
   const int64_t r0 = P.row_indptr[it.seg], r1 = P.row_indptr[it.seg + 1];
-  const int64_t nrows = r1 - r0, nq = nrows * H, len = it.k1 - it.k0;
+  // In batch-invariant mode every item spans P.fixed keys; those past k1 are zero rows,
+  // masked in softmax_rows.
+  const int64_t real = it.k1 - it.k0;
+  const int64_t nrows = r1 - r0, nq = nrows * H, len = P.fixed > 0 ? P.fixed : real;
   const int64_t row_len = KVH * D;
   // Query vectors ordered [kv head][row][group member], so that the vectors one
   // kv head's keys meet are contiguous.
-  scratch.resize(static_cast<size_t>(nq * D + nq * len + kBlock * row_len));
+  scratch.resize(static_cast<size_t>(nq * D + nq * len + kBlock * row_len + row_len));
   A* qs = scratch.data();      // [KVH, nrows, G, D], scaled
   A* sc = qs + nq * D;         // [nq, len] scores, then probabilities
   A* conv = sc + nq * len;     // a block of K or V rows in the compute type
+  A* zero = conv + kBlock * row_len;  // the row keys past k1 read (batch-invariant mode)
+  std::fill(zero, zero + row_len, A(0));
   const A scale = static_cast<A>(P.scale);
   for (int64_t r = 0; r < nrows; ++r) {
     const T* src = q + static_cast<int64_t>(P.rows[r0 + r]) * H * D;
@@ -304,7 +312,9 @@ RS_ALWAYS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q
   // of dependent FMAs, bound by their latency).
   for (int64_t jb = 0; jb < len; jb += kBlock) {
     const int64_t nb = std::min(kBlock, len - jb);
-    load_block(kv, pages, ps, row_len, it.k0 + jb, nb, it.k1, 0, conv, rows);
+    const int64_t nb_real = std::max<int64_t>(0, std::min(nb, real - jb));
+    if (nb_real > 0) load_block(kv, pages, ps, row_len, it.k0 + jb, nb_real, it.k1, 0, conv, rows);
+    for (int64_t b = nb_real; b < nb; ++b) rows[b] = zero;
     for (int64_t h = 0; h < KVH; ++h) {
       const A* qh = qs + h * per_head * D;
       A* sh = sc + h * per_head * len + jb;
@@ -361,7 +371,9 @@ RS_ALWAYS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q
   // whole block before it is stored again.
   for (int64_t jb = 0; jb < len; jb += kBlock) {
     const int64_t nb = std::min(kBlock, len - jb);
-    load_block(kv, pages, ps, row_len, it.k0 + jb, nb, it.k1, 1, conv, rows);
+    const int64_t nb_real = std::max<int64_t>(0, std::min(nb, real - jb));
+    if (nb_real > 0) load_block(kv, pages, ps, row_len, it.k0 + jb, nb_real, it.k1, 1, conv, rows);
+    for (int64_t b = nb_real; b < nb; ++b) rows[b] = zero;
     for (int64_t h = 0; h < KVH; ++h) {
       const A* ph = sc + h * per_head * len + jb;
       A* ah = acc + h * per_head * D;
@@ -648,7 +660,7 @@ RS_TARGET_AVX512BF16 void item_avx512bf16(const Problem& P, const Item& it, cons
                                           std::vector<Acc<T>>& scratch) {
   if constexpr (std::is_same<T, BF16>::value) {
     const int64_t per_head = (P.row_indptr[it.seg + 1] - P.row_indptr[it.seg]) * P.group;
-    if (P.head_dim % 16 == 0 && per_head >= kDpMinQueries) {
+    if (P.fixed == 0 && P.head_dim % 16 == 0 && per_head >= kDpMinQueries) {
       run_item_dp(P, it, q, kv, pm, pl, pacc, scratch);
       return;
     }
@@ -681,6 +693,7 @@ void run(const Problem& P, const T* q, const T* kv, T* out, float* lse_f, double
          Isa isa, int num_threads, int64_t chunk) {
   using A = Acc<T>;
   const ItemFn<T> run_item = item_fn<T>(isa);
+  if (P.fixed > 0) chunk = P.fixed;
   const int64_t D = P.head_dim, G = P.group, H = P.num_heads, KVH = P.num_kv_heads;
   const int64_t num_segments = P.num_segments;
   // Items, and where each segment's chunks start.

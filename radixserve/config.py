@@ -68,6 +68,7 @@ class EngineConfig:
     flashinfer_prefill_backend: str = _W.flashinfer_prefill_backend
     host_cache_gb: float = _W.host_cache_gb
     disk_cache_dir: str | None = _W.disk_cache_dir  # the scheduler's too
+    deterministic: bool = _W.deterministic
     # The scheduler (SchedulerConfig; page_size and max_running_requests above too;
     # the worker reads chunked_prefill_size for its warm-up).
     cache: str = _S.cache

@@ -364,6 +364,13 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
         help="append the tokens a grammar forces without sampling them one by one",
     )
     p.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=d.deterministic,
+        help="batch-invariant steps: the same tokens and logprobs for a request whatever "
+        "its batch, chunking or cache hits (CPU; costs step time: docs/worker.md)",
+    )
+    p.add_argument(
         "--warmup",
         action=argparse.BooleanOptionalAction,
         default=d.warmup,

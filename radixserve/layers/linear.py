@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from radixserve.layers import cpu_kernels
+from radixserve.layers import cpu_kernels, invariant
 
 #: Up to this many rows (decode batches, small chunks) a CPU linear layer computes
 #: y = (W x^T)^T rather than x W^T: the same values, and BLAS runs the weight-major
@@ -41,7 +41,15 @@ class Linear(nn.Linear):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T (+ b)`` by the fastest of ``Linear``'s three forms (same layout contract),
-    for weights that are not a ``Linear`` (one expert's slice of a stacked tensor)."""
+    for weights that are not a ``Linear`` (one expert's slice of a stacked tensor).
+    In batch-invariant mode (``invariant.py``): the same forms on fixed blocks of
+    rows, and a contiguous result."""
+    if invariant.enabled() and x.shape[0] > 0:
+        return invariant.blocked(x, weight, bias, _linear)
+    return _linear(x, weight, bias)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if cpu_kernels.skinny_ok(x, weight):
         return cpu_kernels.skinny_linear(x, weight, bias)
     if (

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from radixserve.layers import invariant
 from radixserve.layers.linear import linear
 from radixserve.layers.parallel import SINGLE, Comm
 from radixserve.models.blocks import compute_dtype
@@ -35,8 +36,12 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, top_k] in the routing dtype, expert ids [T, top_k])."""
-        # F.linear, as transformers: a tie between logits must stay a tie bit for bit.
-        logits = F.linear(x, self.weight)
+        # F.linear, as transformers: a tie between logits must stay a tie bit for bit
+        # (batch-invariant mode: the same, on fixed blocks of rows).
+        if invariant.enabled() and x.shape[0] > 0:
+            logits = invariant.blocked(x, self.weight, None, F.linear)
+        else:
+            logits = F.linear(x, self.weight)
         probs = torch.softmax(logits.to(compute_dtype(x.dtype)), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:

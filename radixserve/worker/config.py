@@ -53,6 +53,9 @@ class WorkerConfig:
     pool; 0: no tiers.
     disk_cache_dir: the disk tier's directory (page files that survive restarts);
     needs a host tier; not with ``tp`` > 1 yet.
+    deterministic: batch-invariant steps (``layers/invariant.py``, docs/worker.md,
+    "Deterministic mode"): a row's logits depend only on its own tokens, not on its
+    batch, its chunking or the cache; CPU only, the native kernels required.
     flashinfer_prefill_backend: the flashinfer backend's prefill kernels, ``auto``
     (FlashInfer's choice: fa3 on Hopper), ``fa2`` or ``fa3``. Without prebuilt kernels
     (flashinfer-jit-cache) fa3 takes far longer to JIT-build at start than fa2.
@@ -81,6 +84,7 @@ class WorkerConfig:
     flashinfer_prefill_backend: str = "auto"
     host_cache_gb: float = 0.0
     disk_cache_dir: str | None = None
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

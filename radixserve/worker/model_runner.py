@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixserve.layers import invariant
 from radixserve.layers.parallel import SINGLE, Comm
 from radixserve.model_info import ModelInfo
 from radixserve.models import decode_step
@@ -138,7 +139,7 @@ class ModelRunner:
         self.backend = create_backend(
             config.attention_backend, self.pool, cfg.attention_scale, cfg.sliding_windows,
             heads.q_heads, config.decode_kernel, cfg.attn_softcap,
-            {"prefill_backend": config.flashinfer_prefill_backend},
+            {"prefill_backend": config.flashinfer_prefill_backend}, config.deterministic,
         )  # fmt: skip
         log.info("attention backend %s (%s)", self.backend.name, self.backend.choice_reason)
         if hasattr(self.backend, "native_layers"):
@@ -165,7 +166,14 @@ class ModelRunner:
             # ticket is done in the step (HostCache.inline_pages).
             n = torch.get_num_threads()
             cpu = self._device.type == "cpu"
-            if self.host_cache.asynchronous and cpu and not config.threads and n > 1:
+            # Deterministic mode keeps one thread count: products' blocking may follow it.
+            if (
+                self.host_cache.asynchronous
+                and cpu
+                and not config.threads
+                and n > 1
+                and not config.deterministic
+            ):
                 self._threads = (n, n - 1)
         self.kv_bytes = sum(t.numel() * t.element_size() for t in self.pool.layers)
         max_pages_per_slot = min(num_pages, -(-cfg.max_context_len // config.page_size))
@@ -294,7 +302,8 @@ class ModelRunner:
         order), the logprobs computed, and what the grammars made of it, as a
         ``StepResult``. A follower rank computes its part and returns no tokens."""
         if not self.leader:
-            self._forward(batch, [])
+            with invariant.batch_invariant(self.config.deterministic):
+                self._forward(batch, [])
             if self.host_cache is not None:
                 self.host_cache.finished()  # in step: done; rank 0 reports
             return StepResult(batch.step_id, np.zeros(0, dtype=np.int32), [])
@@ -315,7 +324,8 @@ class ModelRunner:
             want = self._threads[1] if heavy else self._threads[0]
             if torch.get_num_threads() != want:
                 torch.set_num_threads(want)
-        result = self._step(batch)
+        with invariant.batch_invariant(self.config.deterministic):
+            result = self._step(batch)
         if self.host_cache is not None:
             if not batch.reqs and self.host_cache.busy:
                 # Nothing to compute: wait for the next ticket instead of spinning.

@@ -78,6 +78,7 @@ def create_backend(
     decode_kernel: str = "auto",
     softcap: float = 0.0,
     flashinfer_options: dict[str, Any] | None = None,
+    deterministic: bool = False,
 ) -> AttentionBackend:
     """Instantiate backend ``name`` (or ``auto``); ValueError listing the known ones otherwise.
 
@@ -88,6 +89,20 @@ def create_backend(
     """
     if name not in CHOICES:
         raise ValueError(f"unknown attention backend {name!r}; known: {list(CHOICES)}")
+    if deterministic:
+        # Batch-invariant attention is the native CPU kernel's (TorchAttention's
+        # ``deterministic``); FlashInfer's split-KV plans depend on the batch.
+        if name == "flashinfer":
+            raise ValueError(
+                "deterministic mode runs on the torch backend's native CPU kernel; "
+                "the flashinfer backend is not batch-invariant (drop --deterministic "
+                "or use --attention-backend torch on the CPU)"
+            )
+        backend = TorchAttention(
+            pool, scale, sliding_windows, num_qo_heads, decode_kernel, softcap, deterministic=True
+        )
+        backend.choice_reason = "deterministic: the native kernel, keys cut at fixed positions"
+        return backend
     if name == "torch":
         return _torch(
             pool, scale, sliding_windows, num_qo_heads, decode_kernel, softcap, "asked for"

@@ -31,6 +31,9 @@ DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 #: Items (segment x kv head x key chunk) per thread the chunking aims for.
 ITEMS_PER_THREAD = 8
 MIN_CHUNK, MAX_CHUNK = 64, 1024
+#: The keys of every item in batch-invariant mode: a row's keys are cut at multiples of
+#: it from the first, wherever its chunks, cache hits and batch put them.
+FIXED_CHUNK = 256
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -66,6 +69,9 @@ class Segments:
     #: uint8 per segment, or None: 1 marks a prefill chunk's rows (causal, bottom-right
     #: aligned: row r of n sees keys up to kv_end - (n - 1 - r)).
     causal: np.ndarray | None = None
+    #: > 0: batch-invariant items of exactly this many keys (``--deterministic``;
+    #: ``FIXED_CHUNK``), whatever ``chunk`` says.
+    fixed: int = 0
 
     @classmethod
     def build(
@@ -134,5 +140,5 @@ def paged_decode(
         _array(q), _array(kv), _array(out), None if lse is None else lse.numpy(),
         seg.row_indptr, seg.rows, seg.page_indptr, seg.pages, seg.kv_begin[window], seg.kv_end,
         scale, torch.get_num_threads(), seg.chunk, isa or cpu_kernels.ISA, softcap=softcap,
-        causal=seg.causal,
+        causal=seg.causal, fixed=seg.fixed,
     )  # fmt: skip

@@ -112,6 +112,7 @@ class TorchAttention(AttentionBackend):
         num_qo_heads: int,
         decode_kernel: str = "auto",
         softcap: float = 0.0,
+        deterministic: bool = False,
     ) -> None:
         super().__init__(pool, scale, sliding_windows, num_qo_heads, softcap)
         if decode_kernel not in DECODE_KERNELS:
@@ -120,6 +121,24 @@ class TorchAttention(AttentionBackend):
             )
         device = pool.layers[0].device if pool.layers else torch.device("cpu")
         reason = native_decode.unsupported_reason(device, pool.dtype)
+        #: Batch-invariant mode (``--deterministic``): every row, decode or prefill,
+        #: through the native kernel with its keys cut at multiples of
+        #: ``native_decode.FIXED_CHUNK`` from the first; no cascade, no flash prefix,
+        #: no SDPA. A row's output then depends only on its query and its keys.
+        self.deterministic = deterministic
+        if deterministic:
+            if reason is not None:
+                raise ValueError(
+                    f"deterministic mode needs the native CPU attention kernel: {reason}"
+                )
+            if decode_kernel == "torch":
+                raise ValueError("deterministic mode computes attention with the native kernel, "
+                                 "not decode_kernel 'torch'")  # fmt: skip
+            if any(w > 0 for w in sliding_windows):
+                raise ValueError(
+                    "deterministic mode does not support sliding-window attention yet "
+                    "(a prefill chunk's rows cannot take a window in the native kernel)"
+                )
         if decode_kernel == "native" and reason is not None:
             raise ValueError(f"the native decode kernel cannot run: {reason}")
         self.decode_kernel = "native" if decode_kernel != "torch" and reason is None else "torch"
@@ -130,12 +149,15 @@ class TorchAttention(AttentionBackend):
             if self.decode_kernel == "native"
             else 0
         )
+        if deterministic:
+            self.native_prefill_max_tokens = 1 << 62  # every chunk
         #: Whether a cascade group's shared prefix goes through torch's CPU flash
         #: attention (``shared_prefix.py``) while the native kernel computes the
         #: members' own suffixes: bfloat16 pools where oneDNN has AMX tiles (tests
         #: force it for other dtypes).
         self.shared_prefix_flash = (
             self.decode_kernel == "native"
+            and not deterministic
             and pool.dtype == torch.bfloat16
             and cpu_kernels.AMX
             and softcap == 0
@@ -163,7 +185,10 @@ class TorchAttention(AttentionBackend):
             # Short prefill chunks over a cached prefix they share with others (the
             # questions after one system prompt) read it once, as decodes do.
             members |= qo_lens <= CASCADE_PREFILL_MAX_TOKENS
-        groups, plain = self._cascade_groups(batch, np.flatnonzero(members), windows)
+        if self.deterministic:  # no cascade: a shared prefix is a split point
+            groups, plain = [], np.flatnonzero(members)
+        else:
+            groups, plain = self._cascade_groups(batch, np.flatnonzero(members), windows)
         grouped = {int(i) for ids, _ in groups for i in ids if qo_lens[i] > 1}
         plain = plain[qo_lens[plain] == 1]  # the chunks left alone are planned below
         native_prefills = []
@@ -208,6 +233,7 @@ class TorchAttention(AttentionBackend):
         seg = self._native
         if (
             seg is None
+            or self.deterministic
             or self._shared is not None
             or self._decodes
             or self._prefills
@@ -332,7 +358,10 @@ class TorchAttention(AttentionBackend):
             tables.append(table(i)[: -(-int(batch.kv_lens[i]) // s)])
             kv.append(int(batch.kv_lens[i]))
             causal.append(True)
-        return Segments.build(rows, tables, np.array(kv), windows, h, causal)
+        seg = Segments.build(rows, tables, np.array(kv), windows, h, causal)
+        if self.deterministic:
+            seg.fixed = native_decode.FIXED_CHUNK
+        return seg
 
     def _plan_decode(
         self,

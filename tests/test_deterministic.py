@@ -1,0 +1,132 @@
+"""``deterministic=True`` (``--deterministic``) in bfloat16, through the Engine: a
+request's tokens and logprobs are bit for bit the same alone, among 1..31 random
+neighbours, cold or from a cached prefix (pages of 1 and 16, chunks of 16 / 64 / 512
+tokens, a cached prefix that ends mid-page), restored from the disk tier, and with
+temperature > 0 and a seed. The default mode fails the batch check on the same model
+(the bug the mode fixes). docs/worker.md, "Deterministic mode"."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from radixserve import Engine, SamplingParams
+from radixserve.layers import cpu_kernels
+from tests.helpers.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.AVAILABLE, reason="native kernels not built")
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny-det"), "llama", seed=7, dtype=torch.bfloat16,
+        max_position_embeddings=2048, hidden_size=256, intermediate_size=512,
+        num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4,
+    )  # fmt: skip
+
+
+def engine(tiny_dir, **kw) -> Engine:
+    kw.setdefault("dtype", "bfloat16")
+    kw.setdefault("page_size", 16)
+    kw.setdefault("warmup", False)
+    kw.setdefault("max_running_requests", 40)
+    kw.setdefault("deterministic", True)
+    return Engine(str(tiny_dir), **kw)
+
+
+def sig(result) -> tuple:
+    """Tokens and every logprob (chosen and top), compared bit for bit."""
+    lps = [(t.logprob, tuple((c.token_id, c.logprob) for c in t.top)) for t in result.logprobs]
+    return tuple(result.token_ids), tuple(lps)
+
+
+def prompt(rng, n: int) -> list[int]:
+    return rng.integers(4, 500, n).tolist()
+
+
+def batch_runs(eng, target, rng, sizes, params=GREEDY) -> list[tuple]:
+    out = []
+    for size in sizes:
+        others = [prompt(rng, int(rng.integers(5, 160))) for _ in range(size - 1)]
+        where = int(rng.integers(0, size))
+        prompts = others[:where] + [target] + others[where:]
+        eng.flush_cache()
+        out.append(sig(eng.generate(prompts, params)[where]))
+    return out
+
+
+def test_alone_and_in_batches_of_any_size(tiny_dir):
+    rng = np.random.default_rng(0)
+    target = prompt(rng, 150)
+    eng = engine(tiny_dir)
+    eng.flush_cache()
+    alone = sig(eng.generate([target], GREEDY)[0])
+    for got in batch_runs(eng, target, rng, (2, 9, 32)):
+        assert got == alone
+    eng.check_idle()
+
+
+def test_the_default_mode_differs_in_batches(tiny_dir):
+    """The same check on the default mode: some batch changes the logprobs (so the
+    test above can fail)."""
+    rng = np.random.default_rng(0)
+    target = prompt(rng, 150)
+    eng = engine(tiny_dir, deterministic=False)
+    alone = sig(eng.generate([target], GREEDY)[0])
+    assert any(got != alone for got in batch_runs(eng, target, rng, (4, 16)))
+
+
+@pytest.mark.parametrize(("page_size", "chunk"), [(1, 16), (16, 64), (16, 512)])
+def test_cold_and_cached_are_the_same(tiny_dir, page_size, chunk):
+    rng = np.random.default_rng(page_size + chunk)
+    target = prompt(rng, 200)
+    eng = engine(tiny_dir, page_size=page_size, chunked_prefill_size=chunk)
+    cold = sig(eng.generate([target], GREEDY)[0])
+    eng.flush_cache()
+    # A prefix that ends mid-page (37 tokens: 2 pages of 16 and 5 tokens) cached first.
+    eng.generate([target[:37] + prompt(rng, 4)], SamplingParams(max_tokens=1))
+    [hit] = eng.generate([target], GREEDY)
+    assert hit.usage.cached_tokens >= 32
+    assert sig(hit) == cold
+    [again] = eng.generate([target], GREEDY)  # the whole prompt and its answer cached
+    assert again.usage.cached_tokens >= 199 // page_size * page_size
+    assert sig(again) == cold
+    eng.check_idle()
+
+
+def test_restored_from_the_disk_tier(tiny_dir, tmp_path):
+    rng = np.random.default_rng(5)
+    target = prompt(rng, 200)
+    tiers = dict(host_cache_gb=0.01, disk_cache_dir=str(tmp_path / "kv"))
+    cold = engine(tiny_dir)
+    want = sig(cold.generate([target], GREEDY)[0])
+    first = engine(tiny_dir, **tiers)
+    first.generate([target[:180]], SamplingParams(max_tokens=1))
+    first.close()
+    again = engine(tiny_dir, **tiers)
+    [r] = again.generate([target], GREEDY)
+    assert r.usage.cached_tokens_by_tier[2] >= 160  # from disk
+    assert sig(r) == want
+    again.close()
+
+
+def test_seeded_sampling_is_the_same_in_any_batch(tiny_dir):
+    rng = np.random.default_rng(9)
+    target = prompt(rng, 120)
+    sampled = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234,
+                             ignore_eos=True, logprobs=1)  # fmt: skip
+    eng = engine(tiny_dir)
+    alone = sig(eng.generate([target], sampled)[0])
+    for got in batch_runs(eng, target, rng, (9,), sampled):
+        assert got == alone
+
+
+def test_refusals(tiny_dir):
+    with pytest.raises(ValueError, match="flashinfer"):
+        engine(tiny_dir, attention_backend="flashinfer")
+    with pytest.raises(ValueError, match="native kernel"):
+        engine(tiny_dir, decode_kernel="torch")
