@@ -63,6 +63,7 @@ from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.grammars import Grammars
 from radixserve.scheduler.kv_cache import KVCacheManager
 from radixserve.scheduler.kv_events import KVEventRecorder
+from radixserve.scheduler.lora import LoraRegistry, check_salt, namespace
 from radixserve.scheduler.policy import order_waiting, shared_prefix_len
 from radixserve.scheduler.radix_impl import make_prefix_cache
 from radixserve.scheduler.request import ReqStatus, Request
@@ -104,7 +105,10 @@ class Scheduler:
         self.clock: Callable[[], float] = time.monotonic
         self._deadlines: list[tuple[float, int, str]] = []
         self.grammars = Grammars()  # structured output's, compiled by the worker
+        self.loras = LoraRegistry(config.max_loras, config.loras)  # docs/lora.md
         self._sampled: list[bool] = []  # which requests of the step in flight sample
+        # Answers to LoRA loads: (the caller's tag, reply), for the caller to take.
+        self.lora_replies: list[tuple] = []
         # Counters for stats().
         self.num_steps = 0
         self.num_retractions = 0
@@ -121,11 +125,18 @@ class Scheduler:
         prompt_ids: np.ndarray | list[int],
         sampling: SamplingParams,
         salt: str | None = None,
+        lora: str | None = None,
     ) -> None:
-        """Queue a request (``sampling.n`` samples). Raises ValueError on bad input."""
+        """Queue a request (``sampling.n`` samples), under the LoRA adapter named
+        ``lora`` (None: the base model). Raises ValueError on bad input."""
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         prompt = self.check_request(prompt_ids, sampling)
+        check_salt(salt)
+        adapter = None
+        if lora is not None:
+            adapter = self.loras.lookup(lora)
+            salt = namespace(salt, adapter.digest)  # the adapter's own cache namespace
         final_len = self._final_len(len(prompt), sampling)
         # Every sample is built before any is queued: a failure queues nothing.
         samples = []
@@ -145,7 +156,11 @@ class Scheduler:
                 self.kv.pages_for(final_len),
             )
             self._arrivals += 1
+            if adapter is not None:
+                req.lora = adapter.id
             samples.append(req)
+        if adapter is not None:
+            self.loras.acquire(adapter, len(samples))
         self.waiting.extend(samples)
         self._requests[rid] = samples
         if sampling.request_timeout is not None:
@@ -218,6 +233,7 @@ class Scheduler:
             or self._release
             or self.grammars.news_pending
             or self.copies_pending
+            or self.loras.busy
         )
 
     @property
@@ -341,6 +357,7 @@ class Scheduler:
             self._admit(batch, budget, in_flight)
         release, self._release = self._release, []
         submit, drop = self.grammars.take_news()
+        load_loras, drop_loras = self.loras.take_step()
         # With nothing else to do, a step still goes out while a waiting request's
         # grammar compiles: the worker answers it when one is ready (or soon).
         compiling = self.grammars.compiling
@@ -349,7 +366,10 @@ class Scheduler:
         # Copies in flight: a step goes out so the worker can report them (it waits
         # for the next one to finish when the step has nothing to compute).
         waiting_copies = tiers is not None and tiers.in_flight > 0
-        idle = not (batch or release or submit or drop or compiling or waiting_copies)
+        idle = not (
+            batch or release or submit or drop or compiling or waiting_copies or load_loras
+            or drop_loras
+        )  # fmt: skip
         if idle and copies is None:
             return None
         self._batch = batch
@@ -363,6 +383,8 @@ class Scheduler:
             submit,
             drop,
             [copies] if copies is not None else [],
+            load_loras,
+            drop_loras,
         )
 
     def _process_step_result(
@@ -377,6 +399,7 @@ class Scheduler:
         terminated: set[int] = set()
         if isinstance(result, StepResult):
             tokens, scores = result.tokens.tolist(), result.scores
+            self.lora_replies += self.loras.take_reports(result.loras)
             self._take_grammar_news(result, outputs)
             forced = {f.slot: f.token_ids.tolist() for f in result.forced}
             terminated = set(result.terminated.tolist())
@@ -537,9 +560,12 @@ class Scheduler:
         reserved = self.reserve.held(self.running, self.kv)
         admitted: list[Request] = []
         skipped = 0
+        adapters = {r.lora for r in self.running}
         for req in candidates:
             if budget <= 0 or not self._free_slots:
                 break
+            if not self.loras.fits(req.lora, adapters):
+                continue  # --max-loras adapters run already: it waits for one to finish
             so = req.sampling.structured
             if so is not None and not self.grammars.ready(so.key):
                 continue  # its grammar is still compiling: the others go on
@@ -592,6 +618,7 @@ class Scheduler:
             req.admitted = self._admissions
             self._admissions += 1
             self.running.append(req)
+            adapters.add(req.lora)
             admitted.append(req)
             if loading:
                 req.status = ReqStatus.LOADING  # computes once its pages arrived
@@ -626,6 +653,8 @@ class Scheduler:
     def _forget(self, req: Request) -> None:
         if req.sampling.structured is not None:
             self.grammars.release(req.sampling.structured)
+        if req.lora:
+            self.loras.release(req.lora)
         samples = self._requests.get(req.rid)
         if samples is not None and all(s.status == ReqStatus.FINISHED for s in samples):
             del self._requests[req.rid]
