@@ -52,6 +52,7 @@ from radixserve.protocol.internal import (
     GetStats,
     GrammarFailure,
     GrammarSpec,
+    LoraAdmin,
     LoraLoad,
     LoraReport,
     OutputItem,
@@ -67,6 +68,7 @@ from radixserve.protocol.internal import (
     StepResult,
 )
 from radixserve.protocol.public import (
+    ADMIN_REQUESTS,
     PUBLIC_REPLIES,
     PUBLIC_REQUESTS,
     Abort,
@@ -77,10 +79,13 @@ from radixserve.protocol.public import (
     FlushCache,
     Generate,
     Health,
+    ListLoraAdapters,
+    LoadLoraAdapter,
     Reply,
     ResultMsg,
     Stats,
     Tokenize,
+    UnloadLoraAdapter,
 )
 from radixserve.protocol.wire import (
     BOOL,
@@ -140,8 +145,13 @@ __all__ = [
     "GetStats",
     "GrammarFailure",
     "GrammarSpec",
+    "ADMIN_REQUESTS",
+    "ListLoraAdapters",
+    "LoadLoraAdapter",
+    "LoraAdmin",
     "LoraLoad",
     "LoraReport",
+    "UnloadLoraAdapter",
     "HEARTBEAT_IVL_MS",
     "HEARTBEAT_TIMEOUT_MS",
     "HEARTBEAT_TTL_MS",

@@ -45,6 +45,20 @@ class AddRequest(Message):
     input_ids: np.ndarray = f(I32)
     sampling: SamplingParams = f(SAMPLING)
     salt: str | None = f(_optional(STR), None)
+    lora: str | None = f(_optional(STR), None)  # the LoRA adapter's name (None: the base)
+
+
+@dataclass
+class LoraAdmin(Message):
+    """Tokenizer -> scheduler: ``op`` "load" (``name`` from ``path``), "unload"
+    (``name``) or "list"; answered with an ``AdminReply`` (``{"error"}`` when refused),
+    a load once the worker has reported it."""
+
+    TYPE: ClassVar[str] = "lora_admin"
+    tag: int = f(INT)
+    op: str = f(Kind('"load", "unload" or "list"', lambda x: x in ("load", "unload", "list")))
+    name: str = f(STR, "")
+    path: str = f(STR, "")
 
 
 @dataclass

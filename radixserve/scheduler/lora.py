@@ -73,6 +73,7 @@ class LoraRegistry:
         self.by_name: dict[str, Adapter] = {}
         self.by_id: dict[int, Adapter] = {}
         self._next_id = 1
+        self.by_digest: dict[str, tuple[str, str]] = {}  # (name, path), the last loaded
         for a in initial:
             self._add(Adapter(int(a["id"]), a["name"], a["path"], a["digest"], int(a["rank"])))
         self._loads: list[LoraLoad] = []  # to send with the next step
@@ -83,6 +84,13 @@ class LoraRegistry:
         self.by_name[adapter.name] = adapter
         self.by_id[adapter.id] = adapter
         self._next_id = max(self._next_id, adapter.id + 1)
+        if adapter.digest:
+            self.by_digest[adapter.digest] = (adapter.name, adapter.path)
+
+    def info(self, digest: str) -> tuple[str, str] | None:
+        """(name, path) of the adapter last loaded with these weights (KV events name
+        it; the KV of two names for the same weights is one namespace)."""
+        return self.by_digest.get(digest)
 
     # ----------------------------------------------------------- requests
     def lookup(self, name: str) -> Adapter:
@@ -163,6 +171,7 @@ class LoraRegistry:
                 out.append((tag, {"error": rep.error}))
                 continue
             adapter.digest, adapter.rank = rep.digest, rep.rank
+            self.by_digest[adapter.digest] = (adapter.name, adapter.path)
             out.append((tag, {"lora_name": adapter.name, **adapter.describe()}))
         return out
 

@@ -670,9 +670,11 @@ class Scheduler:
             # promotes (stored) and an eviction demotes (removed) through the tree's
             # own insert and evict, which the recorder sees.
             recorder = KVEventRecorder(tiers.inner, self.allocator)
+            recorder.lora_info = self.loras.info
             tiers.inner = recorder
             return recorder
         recorder = KVEventRecorder(self.cache, self.allocator)
+        recorder.lora_info = self.loras.info
         self.cache = self.kv.cache = recorder
         return recorder
 

@@ -352,7 +352,11 @@ class ModelRunner:
 
     def _load_loras(self, batch: Step) -> list[LoraReport]:
         """Drop, then load, the step's adapters (every rank: each holds its shard); a
-        failure is reported, not raised: the server goes on without that adapter."""
+        failure is reported, not raised: the server goes on without that adapter. The
+        step's released slots let go of theirs first (an adapter is dropped in the step
+        that releases its last request's slot)."""
+        for slot in batch.release:
+            self.loras.clear(slot)
         for lora_id in batch.drop_loras:
             self.loras.drop(lora_id)
         reports = []
