@@ -726,3 +726,6 @@ class Scheduler:
         )
         assert len(self._free_slots) == self.config.max_running_requests, "a slot leaked"
         assert not self.grammars.in_use, "a grammar outlived its requests"
+        assert not any(a.requests for a in self.loras.by_id.values()), (
+            "a LoRA adapter's request count outlived its requests"
+        )

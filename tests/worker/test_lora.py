@@ -309,3 +309,45 @@ def test_kv_events_and_the_router_key_by_the_adapter(lora_setup):
             keys = page_keys(ids, 16, mirror.salt_for(lora, salt))
             assert mirror.match(keys) == hit, (lora, salt)
     eng.close()
+
+
+def test_float32_kernels_with_adapter_rows_match_float64(lora_setup):
+    """float32 takes the CPU kernels (the skinny product, rotary from the q/k/v product,
+    the residual add + norm) whose outputs the adapters add into in place: a mixed
+    prefill and a mixed decode step (base and two adapters) give float64's logits to
+    float32 rounding, and a base-only decode step still takes the one-call layers."""
+    from radixserve.models import decode_step
+
+    base, paths = lora_setup
+    prompt = np.asarray(_prompts(1)[0], np.int32)
+    n = len(prompt)
+
+    def run(dtype):
+        config = WorkerConfig(model=str(base), dtype=dtype, page_size=16, num_pages=64,
+                              max_running_requests=4, warmup=False,
+                              lora_modules=(f"a={paths['attn']}", f"b={paths['mlp']}"))  # fmt: skip
+        runner = ModelRunner(config)
+        pages = [np.arange(4 * i, 4 * i + 4, dtype=np.int32) for i in range(3)]
+        sp = SamplingParams(temperature=0.0)
+        pre = runner.forward_logits(
+            Step([StepReq(i, prompt, 0, pages[i], True, sp, lora=i) for i in range(3)])
+        )
+        nxt = np.asarray([7], np.int32)
+        calls = []
+        native = decode_step.run
+        decode_step.run = lambda *a: calls.append(1) or native(*a)
+        try:
+            dec = runner.forward_logits(
+                Step([StepReq(i, nxt, n, pages[i][:0], True) for i in range(3)])
+            )
+            runner.forward_logits(Step([StepReq(3, nxt, 0, np.asarray([12], np.int32), True, sp)]))
+        finally:
+            decode_step.run = native
+        return pre.double(), dec.double(), calls
+
+    pre32, dec32, calls = run("float32")
+    pre64, dec64, _ = run("float64")
+    assert (pre64[0] - pre64[1]).abs().max() > 1e-2  # the adapters act
+    assert torch.allclose(pre32, pre64, atol=2e-4, rtol=0)
+    assert torch.allclose(dec32, dec64, atol=2e-4, rtol=0)
+    assert calls == [1]  # only the base-only step went to the one-call layers
