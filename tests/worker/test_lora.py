@@ -351,3 +351,39 @@ def test_float32_kernels_with_adapter_rows_match_float64(lora_setup):
     assert torch.allclose(pre32, pre64, atol=2e-4, rtol=0)
     assert torch.allclose(dec32, dec64, atol=2e-4, rtol=0)
     assert calls == [1]  # only the base-only step went to the one-call layers
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_grouped_products_equal_a_dense_reference(transposed):
+    """``LoraLayer.add`` on both layouts of ``y`` (rows, or the skinny form's transposed
+    view), for the whole batch under one adapter, small groups and large groups (the
+    column scatter): each row gets exactly its adapter's term, base rows none."""
+    from radixserve.layers.lora import SCATTER_COLUMNS, LoraBatch
+
+    g = torch.Generator().manual_seed(0)
+    t, din, dout = 3 * SCATTER_COLUMNS, 24, 40
+    ads = {k: [{"qkv": (torch.randn(din, r, generator=g, dtype=torch.float64),
+                        torch.randn(r, dout, generator=g, dtype=torch.float64))}]
+           for k, r in ((1, 4), (2, 8), (3, 2))}  # fmt: skip
+    x = torch.randn(t, din, generator=g, dtype=torch.float64)
+    y0 = torch.randn(t, dout, generator=g, dtype=torch.float64)
+    owner = torch.zeros(t, dtype=torch.long)
+    owner[: SCATTER_COLUMNS + 5] = 1  # a large group
+    owner[SCATTER_COLUMNS + 5 : SCATTER_COLUMNS + 9] = 2  # a small one
+    owner[-SCATTER_COLUMNS:] = 3  # large; the rest is the base model's
+    owner = owner[torch.randperm(t, generator=g)]
+    cases = [
+        [(None, ads[1])],  # every row under one adapter
+        [(torch.nonzero(owner == k).flatten(), ads[k]) for k in (1, 2, 3)],
+    ]
+    for groups in cases:
+        y = y0.t().contiguous().t() if transposed else y0.clone()
+        LoraBatch(groups).at(0).add(y, x, "qkv")
+        want = y0.clone()
+        for rows, w in groups:
+            rows = torch.arange(t) if rows is None else rows
+            a, b = w[0]["qkv"]
+            want[rows] += x[rows] @ a @ b
+        assert torch.allclose(y, want, rtol=0, atol=1e-12)
+        if len(groups) > 1:
+            assert torch.equal(y[owner == 0], y0[owner == 0])  # base rows: the same bits
