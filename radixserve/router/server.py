@@ -415,6 +415,14 @@ class Router:
         self._send(fan.identity, P.Reply(fan.client_id, self._aggregate(fan.kind, data)))
 
     def _aggregate(self, kind: type, data: dict[int, dict]) -> dict:
+        if kind is P.ListLoraAdapters:
+            # A request may go to any replica: the adapters every one of them serves.
+            lists = [{a["name"]: a for a in d.get("loras", [])} for _, d in sorted(data.items())]
+            common = set.intersection(*(set(x) for x in lists)) if lists else set()
+            return {"loras": [a for name, a in sorted(lists[0].items()) if name in common]}
+        if kind in (P.LoadLoraAdapter, P.UnloadLoraAdapter):
+            first = data[min(data)] if data else {}
+            return {**first, "replicas": len(data)}  # every replica did it (else an error)
         if kind is P.FlushCache:
             return {"freed_pages": sum(int(d.get("freed_pages", 0)) for d in data.values())}
         if kind is P.Check:

@@ -387,3 +387,18 @@ def test_grouped_products_equal_a_dense_reference(transposed):
         assert torch.allclose(y, want, rtol=0, atol=1e-12)
         if len(groups) > 1:
             assert torch.equal(y[owner == 0], y0[owner == 0])  # base rows: the same bits
+
+
+def test_router_answers_lora_calls_for_all_replicas():
+    """Behind a router (``launch --dp``) a listing names the adapters every replica
+    serves (a request may go to any); a load or unload answers once all did it."""
+    from radixserve import protocol as P
+    from radixserve.router.server import Router
+
+    router = Router.__new__(Router)
+    a = {"name": "a", "id": 1, "path": "/a", "digest": "d1", "rank": 4}
+    b = {"name": "b", "id": 2, "path": "/b", "digest": "d2", "rank": 8}
+    listed = router._aggregate(P.ListLoraAdapters, {0: {"loras": [b, a]}, 1: {"loras": [a]}})
+    assert listed == {"loras": [a]}
+    loaded = router._aggregate(P.LoadLoraAdapter, {1: {"name": "b", "rank": 8}, 0: {"name": "b"}})
+    assert loaded == {"name": "b", "replicas": 2}
