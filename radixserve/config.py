@@ -69,6 +69,8 @@ class EngineConfig:
     host_cache_gb: float = _W.host_cache_gb
     disk_cache_dir: str | None = _W.disk_cache_dir  # the scheduler's too
     deterministic: bool = _W.deterministic
+    lora_modules: tuple[str, ...] = _W.lora_modules
+    max_lora_rank: int = _W.max_lora_rank
     # The scheduler (SchedulerConfig; page_size and max_running_requests above too;
     # the worker reads chunked_prefill_size for its warm-up).
     cache: str = _S.cache
@@ -86,6 +88,7 @@ class EngineConfig:
     max_retained_share: float = _S.max_retained_share
     shared_prefix_min_tokens: int = _S.shared_prefix_min_tokens
     disk_cache_gb: float = _S.disk_cache_gb
+    max_loras: int = _S.max_loras
     # The tokenizer (TokenizerConfig): limits on input (docs/security.md), chat parsing.
     max_message_bytes: int = _T.max_message_bytes
     max_queued_replies: int = _T.max_queued_replies
@@ -117,6 +120,7 @@ MODEL_FIELDS = (
     "host_pages",
     "page_bytes",
     "kv_identity",
+    "loras",
 )
 
 _C = TypeVar("_C")

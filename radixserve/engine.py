@@ -30,10 +30,21 @@ Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 
 
 class Engine:
-    def __init__(self, model: str | None = "smollm2", **kwargs: Any) -> None:
-        """``kwargs`` are ``EngineConfig``'s fields (``radixserve.config``)."""
+    def __init__(
+        self,
+        model: str | None = "smollm2",
+        *,
+        lora: Mapping[str, str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """``kwargs`` are ``EngineConfig``'s fields (``radixserve.config``). ``lora``:
+        LoRA adapters to serve, name -> PEFT folder (``lora_modules`` as a mapping;
+        docs/lora.md)."""
         from radixserve.models.tokenizer import load_tokenizer
 
+        if lora:
+            modules = tuple(kwargs.pop("lora_modules", ()))
+            kwargs["lora_modules"] = modules + tuple(f"{n}={p}" for n, p in lora.items())
         self.config = EngineConfig(model=model, **kwargs)
         self.tokenizer = load_tokenizer(model, self.config.cache_dir)
         self.runner = build_worker(self.config, self.tokenizer)
@@ -53,13 +64,15 @@ class Engine:
         *,
         cache_salt: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[Result]:
         """Generate for one prompt or a list of them (text, token ids or chat
         messages). Returns the Results in prompt order (n per prompt when
         ``n > 1``). ``tools``: tool definitions (OpenAI's ``{type: function,
         function: {name, description, parameters}}``) the chat template renders into
-        each prompt, which must then all be chats. Bad input raises ValueError before
-        anything runs."""
+        each prompt, which must then all be chats. ``lora``: the name of a loaded LoRA
+        adapter to generate with (None: the base model), or one per prompt (they run
+        in the same batches). Bad input raises ValueError before anything runs."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -70,7 +83,10 @@ class Engine:
             if len(params) != len(prompt_list):
                 raise ValueError("give one SamplingParams, or one per prompt")
         token_lists = [self._to_ids(p, tools) for p in prompt_list]
-        streams = self._add_requests(token_lists, params, cache_salt)
+        loras = [lora] * len(prompt_list) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompt_list):
+            raise ValueError("give one LoRA adapter name (or None), or one per prompt")
+        streams = self._add_requests(token_lists, params, cache_salt, loras)
         order = list(streams)
         results: dict[tuple[str, int], Result] = {}
         while self.scheduler.has_work():
@@ -97,6 +113,35 @@ class Engine:
 
     def stats(self) -> dict[str, int]:
         return self.scheduler.stats()
+
+    def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Load the PEFT adapter folder ``path`` as ``name`` (ValueError saying why it
+        cannot be served; the engine goes on without it). Returns its description
+        (id, digest: its cache namespace, rank)."""
+        tag = object()
+        self.scheduler.loras.load(name, path, tag)
+        while self.scheduler.loras.busy:
+            self.scheduler.step(self.runner.step)
+        replies = self.scheduler.lora_replies
+        for i, (t, reply) in enumerate(replies):
+            if t is tag:
+                del replies[i]
+                if "error" in reply:
+                    raise ValueError(reply["error"])
+                return reply
+        raise RuntimeError("the worker did not report the LoRA load")
+
+    def unload_lora(self, name: str) -> dict[str, Any]:
+        """Stop serving ``name`` (ValueError if unknown); between ``generate`` calls no
+        request uses it, so the worker drops it at the next step."""
+        reply = self.scheduler.loras.unload(name)
+        while self.scheduler.loras.busy:
+            self.scheduler.step(self.runner.step)
+        return reply
+
+    def list_loras(self) -> list[dict[str, Any]]:
+        """The adapters served: name, id, path, digest, rank each."""
+        return self.scheduler.loras.listing()
 
     def flush_cache(self, keep_disk: bool = False) -> int:
         """Evict every unlocked cached page (and empty the cache tiers, the disk tier
@@ -137,16 +182,24 @@ class Engine:
         return self.inputs.to_ids(input_ids=prompt, tools=tools)  # type: ignore[arg-type]
 
     def _add_requests(
-        self, token_lists: list[list[int]], params: list[SamplingParams], salt: str | None
+        self,
+        token_lists: list[list[int]],
+        params: list[SamplingParams],
+        salt: str | None,
+        loras: Sequence[str | None] | None = None,
     ) -> dict[tuple[str, int], OutputStream]:
-        """Queue every prompt, checking them all first; a stream per sample."""
-        for ids, sp in zip(token_lists, params):
+        """Queue every prompt (under its LoRA adapter, if any), checking them all
+        first; a stream per sample."""
+        loras = list(loras) if loras is not None else [None] * len(token_lists)
+        for ids, sp, lora in zip(token_lists, params, loras):
             self.inputs.check_sampling(sp)
             self.scheduler.check_request(ids, sp)
+            if lora is not None:
+                self.scheduler.loras.lookup(lora)
         streams: dict[tuple[str, int], OutputStream] = {}
-        for ids, sp in zip(token_lists, params):
+        for ids, sp, lora in zip(token_lists, params, loras):
             rid = f"engine-{next(self._ids)}"
-            self.scheduler.add_request(rid, ids, sp, salt=salt)
+            self.scheduler.add_request(rid, ids, sp, salt=salt, lora=lora)
             for i in range(sp.n):
                 streams[(rid, i)] = OutputStream(self.tokenizer, ids, sp.stop, self.texts)
         return streams

@@ -259,6 +259,27 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
         help="the disk tier's size bound in GiB (least recently used files go first)",
     )
     p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=d.lora_modules,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders: adapter_config.json + adapter_model.safetensors) "
+        "served beside the base model; a request picks one by name (HTTP: the model "
+        "field) (docs/lora.md)",
+    )
+    p.add_argument(
+        "--max-loras",
+        type=_positive,
+        default=d.max_loras,
+        help="LoRA adapters whose requests may run in one batch (the base model not counted)",
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=_positive,
+        default=d.max_lora_rank,
+        help="the highest LoRA rank accepted; an adapter above it is refused",
+    )
+    p.add_argument(
         "--radix-impl",
         choices=["auto", "python", "native"],
         default=d.radix_impl,
@@ -615,6 +636,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                 file=sys.stderr,
                 flush=True,
             )
+    options["lora_modules"] = tuple(options["lora_modules"])
     engine = EngineConfig(**options)
     return ServerConfig(
         engine=engine,

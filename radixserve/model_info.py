@@ -32,8 +32,11 @@ class ModelInfo:
     host_pages: int = 0  # the host tier's size in pages (0: no cache tiers)
     page_bytes: int = 0  # one page's KV, all layers
     kv_identity: str = ""  # what a page's KV depends on besides its tokens (disk tier)
+    # The LoRA adapters loaded at start: {id, name, path, digest, rank} each (docs/lora.md).
+    loras: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def from_dict(cls, info: dict[str, Any]) -> ModelInfo:
         """From its wire form (a msgpack map: ``eos_token_ids`` arrives as a list)."""
-        return cls(**{**info, "eos_token_ids": tuple(info["eos_token_ids"])})
+        loras = tuple(dict(x) for x in info.get("loras", ()))
+        return cls(**{**info, "eos_token_ids": tuple(info["eos_token_ids"]), "loras": loras})

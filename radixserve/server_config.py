@@ -96,7 +96,9 @@ class ServerConfig:
     @classmethod
     def from_json(cls, text: str) -> ServerConfig:
         d = json.loads(text)
-        d["engine"] = EngineConfig(**d["engine"])
+        engine = d["engine"]
+        engine["lora_modules"] = tuple(engine.get("lora_modules", ()))  # JSON has lists
+        d["engine"] = EngineConfig(**engine)
         d["served_model_aliases"] = tuple(d.get("served_model_aliases", ()))  # JSON has lists
         cfg = cls(**{**d, "model": None})
         return cfg.with_model(d["model"]) if d["model"] else cfg

@@ -83,11 +83,12 @@ class AsyncClient:
         request_id: str | None = None,
         timeout: float | None = None,
         echo: bool = False,
+        lora: str | None = None,
         **sampling: Any,
     ) -> Result | list[Result]:
         msg = build_generate(
             prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, False,
-            echo, tools,
+            echo, tools, lora,
         )  # fmt: skip
         results = _Results(msg.sampling.n)
         deadline = self._deadline(timeout)
@@ -108,11 +109,12 @@ class AsyncClient:
         request_id: str | None = None,
         timeout: float | None = None,
         echo: bool = False,
+        lora: str | None = None,
         **sampling: Any,
     ) -> AsyncIterator[P.Chunk]:
         msg = build_generate(
             prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, True,
-            echo, tools,
+            echo, tools, lora,
         )  # fmt: skip
         left = msg.sampling.n
         async with self._request(msg) as queue:
@@ -191,6 +193,27 @@ class AsyncClient:
         self, timeout: float | None = None, *, admin_key: str | None = None
     ) -> dict[str, Any]:
         return await self._admin(P.Check, timeout, admin_key or self._admin_key)
+
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, timeout: float | None = None, *,
+        admin_key: str | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """``Client.load_lora_adapter``, for asyncio."""
+        key = admin_key or self._admin_key
+        return await self._admin(
+            P.LoadLoraAdapter, timeout, key, lora_name=lora_name, lora_path=lora_path
+        )
+
+    async def unload_lora_adapter(
+        self, lora_name: str, timeout: float | None = None, *, admin_key: str | None = None
+    ) -> dict[str, Any]:
+        """``Client.unload_lora_adapter``, for asyncio."""
+        key = admin_key or self._admin_key
+        return await self._admin(P.UnloadLoraAdapter, timeout, key, lora_name=lora_name)
+
+    async def list_lora_adapters(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        """``Client.list_lora_adapters``, for asyncio."""
+        return (await self._admin(P.ListLoraAdapters, timeout))["loras"]
 
     def close(self) -> None:
         if self._reader is not None:

@@ -141,9 +141,10 @@ def admin_key_or_env(admin_key: str | None) -> str | None:
 
 
 def admin_message(cls: type[P.Message], admin_key: str | None, **fields: Any) -> P.Message:
-    """A ``flush_cache`` / ``stats`` / ``health`` / ``check`` message with a fresh id
-    (and ``fields``); the admin key goes only with the calls that need it."""
-    if cls in (P.FlushCache, P.Check):
+    """An admin message (``flush_cache``, ``stats``, ``health``, ``check``, the LoRA
+    calls) with a fresh id (and ``fields``); the admin key goes only with the calls
+    that need it."""
+    if cls in P.ADMIN_REQUESTS:
         return cls(id=uuid.uuid4().hex, admin_key=admin_key, **fields)  # type: ignore[call-arg]
     return cls(id=uuid.uuid4().hex)  # type: ignore[call-arg]
 
@@ -326,6 +327,7 @@ def build_generate(
     stream: bool,
     echo: bool = False,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    lora: str | None = None,
 ) -> P.Generate:
     """The ``generate`` message for these arguments (SamplingParams validated here;
     ``tools`` must come with ``messages`` and be a list of maps, the server checks the
@@ -358,6 +360,7 @@ def build_generate(
         stream=stream,
         cache_salt=cache_salt,
         echo=echo,
+        lora=lora,
     )
 
 

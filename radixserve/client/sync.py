@@ -104,18 +104,20 @@ class Client:
         request_id: str | None = None,
         timeout: float | None = None,
         echo: bool = False,
+        lora: str | None = None,
         **sampling: Any,
     ) -> Result | list[Result]:
         """Generate; a Result (n == 1) or n Results by index (n > 1).
 
         ``sampling`` are SamplingParams' fields (``logprobs``, ``prompt_logprobs``,
-        penalties, ...); ``echo=True`` returns the prompt as text in ``prompt_text``.
+        penalties, ...); ``echo=True`` returns the prompt as text in ``prompt_text``;
+        ``lora``: a LoRA adapter the server serves, by name (docs/lora.md).
         ``tools`` (with ``messages``): tool definitions, OpenAI's ``{"type":
         "function", "function": {name, description, parameters}}``, which the model's
         chat template renders into the prompt."""
         msg = build_generate(
             prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, False,
-            echo, tools,
+            echo, tools, lora,
         )  # fmt: skip
         results = _Results(msg.sampling.n)
         deadline = self._deadline(timeout)
@@ -136,13 +138,14 @@ class Client:
         request_id: str | None = None,
         timeout: float | None = None,
         echo: bool = False,
+        lora: str | None = None,
         **sampling: Any,
     ) -> Iterator[P.Chunk]:
         """Yield chunks as they come; stops after every sample's last chunk (finish_reason
         set). Closing the iterator early aborts the request."""
         msg = build_generate(
             prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, True,
-            echo, tools,
+            echo, tools, lora,
         )  # fmt: skip
         left = msg.sampling.n
         with self._request(msg):
@@ -238,6 +241,31 @@ class Client:
         """Run the scheduler's idle-invariant check: {"ok": bool, "error": str | None}.
         ``admin_key`` as for ``flush_cache``."""
         return self._admin(P.Check, timeout, admin_key or self._admin_key)
+
+    def load_lora_adapter(
+        self, lora_name: str, lora_path: str, timeout: float | None = None, *,
+        admin_key: str | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Load the PEFT adapter folder ``lora_path`` (on the server) as ``lora_name``;
+        returns its description (id, digest, rank) once the worker has it, or raises
+        ``ServerError`` saying why it cannot be served (docs/lora.md). An admin call
+        (``admin_key`` as for ``flush_cache``)."""
+        key = admin_key or self._admin_key
+        return self._admin(
+            P.LoadLoraAdapter, timeout, key, lora_name=lora_name, lora_path=lora_path
+        )
+
+    def unload_lora_adapter(
+        self, lora_name: str, timeout: float | None = None, *, admin_key: str | None = None
+    ) -> dict[str, Any]:
+        """Stop serving ``lora_name``: refused for new requests now, dropped when the
+        requests running under it finish. An admin call."""
+        key = admin_key or self._admin_key
+        return self._admin(P.UnloadLoraAdapter, timeout, key, lora_name=lora_name)
+
+    def list_lora_adapters(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        """The adapters served: name, id, path, digest, rank each."""
+        return self._admin(P.ListLoraAdapters, timeout)["loras"]
 
     def close(self) -> None:
         self._sock.disable_monitor()

@@ -3,7 +3,8 @@
 | route | answer |
 |---|---|
 | ``POST /v1/completions``, ``POST /v1/chat/completions`` | see ``completions.py`` |
-| ``GET /v1/models`` | the served model, once per served name (``--served-model-name`` may give several) |
+| ``GET /v1/models`` | the served model, once per served name (``--served-model-name`` may give several), then each LoRA adapter (``parent``: the model) |
+| ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter`` | vLLM's bodies (``lora_name``, ``lora_path``); admin calls (docs/lora.md) |
 | ``GET /health`` | 200 after a round trip through the tokenizer and the scheduler; else 503 |
 | ``POST /flush_cache`` | ``{"freed_pages": n}`` (``?keep_disk=true``: keep the disk tier) |
 | ``GET /stats`` | the scheduler's stats (``Client.stats()``) |
@@ -38,6 +39,7 @@ from radixserve.http.state import FrontState
 log = logging.getLogger("radixserve.http")
 T = TypeVar("T")
 ADMIN_TIMEOUT_S = 30.0  # health, stats, flush: answered between two scheduler steps
+LORA_TIMEOUT_S = 120.0  # a LoRA load: read and checked by the worker in a step
 
 
 def create_app(state: FrontState, keys: Keys = NO_KEYS) -> FastAPI:
@@ -94,7 +96,65 @@ def create_app(state: FrontState, keys: Keys = NO_KEYS) -> FastAPI:
             }
             for name in (state.served_model_name, *state.model_aliases)
         ]
+        loras = []
+        if not state.draining:  # a stopping server still names its model
+            loras = await _admin(state.client.list_lora_adapters)
+            state.lora_names = {a["name"] for a in loras}
+        cards += [
+            {
+                "id": a["name"],
+                "object": "model",
+                "created": state.created,
+                "owned_by": "radixserve",
+                "root": a["path"],
+                "parent": state.served_model_name,
+                "max_model_len": state.max_context_len,
+            }
+            for a in loras
+        ]
         return {"object": "list", "data": cards}
+
+    async def _lora_body(request: Request, fields: tuple[str, ...]) -> list[str]:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise HTTPError(400, "the body is not JSON") from None
+        if not isinstance(body, dict):
+            raise HTTPError(400, "the body must be a JSON object")
+        values = []
+        for name in fields:
+            value = body.get(name)
+            if not isinstance(value, str) or not value:
+                raise HTTPError(400, f"{name} must be a non-empty string", name)
+            values.append(value)
+        return values
+
+    async def _lora_call(call: Callable[..., Awaitable[T]], *args: str) -> T:
+        _serving()
+        try:
+            return await call(*args, timeout=LORA_TIMEOUT_S)
+        except RequestTimeout as e:
+            raise HTTPError(503, f"the server did not answer: {e}") from None
+        except ServerError as e:
+            if state.draining:
+                raise HTTPError(503, str(e)) from None
+            status = 404 if str(e).startswith("unknown LoRA adapter") else 400
+            raise HTTPError(status, str(e), "lora_name") from None
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> dict:
+        keys.check(request, admin=True)
+        name, path = await _lora_body(request, ("lora_name", "lora_path"))
+        loaded = await _lora_call(state.client.load_lora_adapter, name, path)
+        state.lora_names.add(name)
+        return loaded
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> dict:
+        keys.check(request, admin=True)
+        [name] = await _lora_body(request, ("lora_name",))
+        state.lora_names.discard(name)
+        return await _lora_call(state.client.unload_lora_adapter, name)
 
     async def _admin(call: Callable[..., Awaitable[T]]) -> T:
         _serving()

@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from radixserve import protocol as P
-from radixserve.client import ServerError
+from radixserve.client import RequestTimeout, ServerError
 from radixserve.http.errors import HTTPError, from_validation
 from radixserve.http.generation import Choice, Generation
 from radixserve.http.logprobs import chat_logprobs, completion_logprobs
@@ -66,13 +66,37 @@ async def parse(state: FrontState, request: Request, cls: type[Body]) -> Body:
         raise from_validation(e) from None
 
 
-def check(state: FrontState, body: CompletionRequest | ChatCompletionRequest) -> None:
-    if not state.serves(body.model):
-        raise HTTPError(404, f"the model {body.model!r} does not exist", "model", "model_not_found")
+#: How long the front waits for the server's list of LoRA adapters.
+LORA_LIST_TIMEOUT_S = 30.0
+
+
+async def adapter_of(state: FrontState, model: str) -> str | None:
+    """The LoRA adapter ``model`` names (None: the base model, by its served names), as
+    vLLM picks adapters by ``model``; 404 for a name the server does not serve. The
+    front keeps the names it last saw and asks the server again for one it does not
+    know (an adapter unloaded since is refused by the scheduler: a 400)."""
+    if state.serves(model):
+        return None
+    if model not in state.lora_names:
+        try:
+            loras = await state.client.list_lora_adapters(timeout=LORA_LIST_TIMEOUT_S)
+        except (ServerError, RequestTimeout) as e:
+            raise HTTPError(503, f"the server did not answer: {e}") from None
+        state.lora_names = {a["name"] for a in loras}
+    if model not in state.lora_names:
+        raise HTTPError(404, f"the model {model!r} does not exist", "model", "model_not_found")
+    return model
+
+
+async def check(state: FrontState, body: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """The request's LoRA adapter (None: the base model), once the body is one the
+    front serves (else an HTTPError)."""
+    lora = await adapter_of(state, body.model)
     chat = isinstance(body, ChatCompletionRequest)
     why = body.unsupported(state.tool_call_parser) if chat else body.unsupported()
     if why is not None:
         raise HTTPError(400, why)
+    return lora
 
 
 def _sampling(
@@ -87,7 +111,7 @@ def _sampling(
 
 async def completions(state: FrontState, request: Request) -> Response:
     body = await parse(state, request, CompletionRequest)
-    check(state, body)
+    lora = await check(state, body)
     sp = _sampling(body, body.max_tokens, state)
     gens = []
     for p in body.prompts():
@@ -99,6 +123,7 @@ async def completions(state: FrontState, request: Request) -> Response:
                 sp,
                 cache_salt=body.cache_salt,
                 echo=body.echo,
+                lora=lora,
                 **{kind: p},
             )  # fmt: skip
         )
@@ -109,7 +134,7 @@ async def completions(state: FrontState, request: Request) -> Response:
 
 async def chat_completions(state: FrontState, request: Request) -> Response:
     body = await parse(state, request, ChatCompletionRequest)
-    check(state, body)
+    lora = await check(state, body)
     sp = _sampling(body, body.max_new_tokens, state)
     gen = Generation(
         state.client,
@@ -118,6 +143,7 @@ async def chat_completions(state: FrontState, request: Request) -> Response:
         messages=body.messages_as_dicts(),
         tools=body.tools_as_dicts(),
         cache_salt=body.cache_salt,
+        lora=lora,
     )
     return await _respond(state, request, body, [gen], chat=True)
 

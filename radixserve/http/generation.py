@@ -55,6 +55,7 @@ class Generation:
         cache_salt: str | None = None,
         echo: bool = False,
         request_id: str | None = None,
+        lora: str | None = None,
     ) -> None:
         self.client, self.metrics, self.sampling = client, metrics, sampling
         self.inputs: dict[str, Any] = {
@@ -64,6 +65,7 @@ class Generation:
             "tools": tools,
             "cache_salt": cache_salt,
             "echo": echo,
+            "lora": lora,
         }
         # Scored once per prompt (they come with choice 0's first chunk), shared by all n.
         self.prompt_logprobs: list | None = None

@@ -43,6 +43,8 @@ class FrontState:
     # The /generate requests (Generations) not yet collected, for SGLang's abort_all: a
     # weak set, so a request whose response ended, however it ended, leaves it.
     sglang_requests: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    # LoRA adapters' names as last listed by the server (``completions.adapter_of``).
+    lora_names: set[str] = field(default_factory=set)
 
     def serves(self, model: str) -> bool:
         """Whether ``model`` names the served model (its name or an alias)."""

@@ -24,6 +24,7 @@ the clock waits for the stream, so only benchmarks turn it on.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -137,10 +138,20 @@ class RowParallelLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.comm = comm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        extra: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """``extra(y, x)``, when given, adds to this rank's partial product ``y`` before
+        the all-reduce (a LoRA term whose input features are split like ``x``'s)."""
         if self.comm.size == 1:
-            return linear(x, self.weight, self.bias)
-        y = self.comm.all_reduce(linear(x, self.weight))
+            y = linear(x, self.weight, self.bias)
+            return y if extra is None else extra(y, x)
+        y = linear(x, self.weight)
+        if extra is not None:
+            y = extra(y, x)
+        y = self.comm.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

@@ -20,6 +20,7 @@ from torch.nn import functional as F
 from radixserve.layers import cpu_kernels
 from radixserve.layers.attention import LayerAttention
 from radixserve.layers.linear import Linear
+from radixserve.layers.lora import LoraLayer
 from radixserve.layers.parallel import SINGLE, Comm, RowParallelLinear
 from radixserve.models.config import ModelConfig
 from radixserve.models.rope import apply_rotary
@@ -105,9 +106,16 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         backend: LayerAttention,
+        lora: LoraLayer | None = None,
     ) -> torch.Tensor:
+        """``lora``: this step's adapters of this layer (``layers/lora.py``), added to
+        the q/k/v and output products of their rows."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        o_extra = None
+        if lora is not None:
+            qkv = lora.add(qkv, x, "qkv")
+            o_extra = functools.partial(lora.add, module="o")
         if self.q_norm is None and cpu_kernels.fused_ok(qkv, cos):
             # One native pass reads the product where it lies and writes q, k
             # (rotated) and v as the contiguous rows attention reads.
@@ -115,7 +123,7 @@ class Attention(nn.Module):
                 qkv, cos.view(t, -1), sin.view(t, -1), self.num_heads, self.num_kv_heads,
                 self.head_dim,
             )  # fmt: skip
-            return self.o_proj(backend.forward(self.layer, q, k, v).reshape(t, -1))
+            return self.o_proj(backend.forward(self.layer, q, k, v).reshape(t, -1), o_extra)
         # Rows contiguous again (a skinny product is a transposed view): attention
         # reads q/k/v per token.
         qkv = qkv.contiguous()
@@ -128,7 +136,7 @@ class Attention(nn.Module):
         q, k = apply_rotary(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = backend.forward(self.layer, q, k, v)
-        return self.o_proj(out.reshape(t, -1))
+        return self.o_proj(out.reshape(t, -1), o_extra)
 
 
 #: ``ModelConfig.activation`` -> the gate's activation.
@@ -149,6 +157,10 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(self.intermediate, cfg.hidden_size, cfg.mlp_bias, comm)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LoraLayer | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if lora is None:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            return self.down_proj(self.act(gate) * up)
+        gate, up = lora.add(gate_up, x, "gate_up").split(self.intermediate, dim=-1)
+        return self.down_proj(self.act(gate) * up, functools.partial(lora.add, module="down"))

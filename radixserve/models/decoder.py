@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from radixserve.layers.attention import LayerAttention
+from radixserve.layers.lora import LoraBatch, LoraLayer
 from radixserve.layers.parallel import SINGLE, Comm, ParallelLMHead, VocabParallelEmbedding
 from radixserve.models import decode_step
 from radixserve.models.blocks import MLP, Attention, rms_norm, softcap
@@ -62,18 +63,20 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         backend: LayerAttention,
+        lora: LoraLayer | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer on the hidden state ``residual + h`` (``h`` alone for None), given
         apart so that each residual add is fused with the norm after it
         (``RMSNorm.add_norm``); returns the same kind of pair (the MLP's output, the
-        residual stream before it)."""
+        residual stream before it). ``lora``: this step's adapters of this layer
+        (a mixture-of-experts MLP has none: ``models/lora.py`` refuses them)."""
         if residual is None:
             residual, x = h, self.input_layernorm(h)
         else:
             residual, x = self.input_layernorm.add_norm(residual, h)
-        a = self.self_attn(x, cos, sin, backend)
+        a = self.self_attn(x, cos, sin, backend, lora)
         residual, x = self.post_attention_layernorm.add_norm(residual, a)
-        return self.mlp(x), residual
+        return (self.mlp(x, lora) if isinstance(self.mlp, MLP) else self.mlp(x)), residual
 
 
 class SandwichDecoderLayer(nn.Module):
@@ -97,16 +100,24 @@ class SandwichDecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         backend: LayerAttention,
+        lora: LoraLayer | None = None,
     ) -> tuple[torch.Tensor, None]:
         """``DecoderLayer.step``'s contract; the hidden state is summed first."""
-        return self(h if residual is None else residual + h, cos, sin, backend), None
+        return self(h if residual is None else residual + h, cos, sin, backend, lora), None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: LayerAttention
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: LayerAttention,
+        lora: LoraLayer | None = None,
     ) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(x), cos, sin, backend)
+        a = self.self_attn(self.input_layernorm(x), cos, sin, backend, lora)
         x = x + self.post_attention_layernorm(a)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + self.post_feedforward_layernorm(
+            self.mlp(self.pre_feedforward_layernorm(x), lora)
+        )
 
 
 class CausalLM(nn.Module):
@@ -158,13 +169,16 @@ class CausalLM(nn.Module):
         max_position: int,
         backend: LayerAttention,
         logits_index: torch.Tensor,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor | None:
         """Logits [len(logits_index), vocab] for the selected rows of the flat batch
         (``None`` on a tensor-parallel rank other than 0).
 
         ``input_ids`` and ``positions`` are [T]; ``backend.begin_batch`` must
         already describe this batch. Only the selected rows go through the final
-        norm and the LM head.
+        norm and the LM head. ``lora``: the step's LoRA adapters and their rows
+        (``layers/lora.py``); a step with adapter rows runs the layers one by one
+        (the one-call native decode step computes base rows only).
         """
         h = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
@@ -177,14 +191,17 @@ class CausalLM(nn.Module):
         # A decode step the native kernels compute whole takes one call for every
         # layer (decode_step.py); otherwise the layers run one by one.
         stepped = None
-        if self.local_rotary is self.rotary:
+        if self.local_rotary is self.rotary and lora is None:
             stepped = decode_step.run(self, h, *full, backend)
         if stepped is not None:
             h, residual = stepped
         else:
-            for layer, window in zip(self.layers, self.cfg.sliding_windows, strict=True):
+            for i, (layer, window) in enumerate(
+                zip(self.layers, self.cfg.sliding_windows, strict=True)
+            ):
                 cos, sin = local if window > 0 else full
-                h, residual = layer.step(h, residual, cos, sin, backend)
+                adapters = None if lora is None else lora.at(i)
+                h, residual = layer.step(h, residual, cos, sin, backend, adapters)
         if residual is None:
             x = self.norm(h[logits_index])
         else:

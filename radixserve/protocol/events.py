@@ -42,7 +42,9 @@ class KVEvent(Message):
 
     ``stored``: pages now cached, a chain: ``hashes[0]``'s parent is ``parent``
     (null: the first page of a prompt), each next page's parent the one before;
-    ``tokens`` holds ``page_size`` tokens per page; ``salt`` the cache salt.
+    ``tokens`` holds ``page_size`` tokens per page; ``salt`` the cache salt (under a
+    LoRA adapter: its namespace, ``scheduler/lora.py``), and then ``lora`` and
+    ``lora_path`` the adapter's name and folder (docs/lora.md).
     ``removed``: pages evicted (``hashes``), deepest first; a removed page's
     descendants are removed in the same event or before. ``cleared``: the tree is
     empty (a flush, or an eviction that took everything).
@@ -53,6 +55,8 @@ class KVEvent(Message):
     parent: bytes | None = f(_optional(KEY), None)
     tokens: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
     salt: str | None = f(_optional(STR), None)
+    lora: str | None = f(_optional(STR), None)
+    lora_path: str | None = f(_optional(STR), None)
 
 
 @dataclass
@@ -113,7 +117,9 @@ class KVSnapshot(Message):
     """The whole tree as of batch ``seq``, one row per page, parents before children
     (the replay socket's answer when ``since`` is older than its buffer): row i is
     the page with key ``hashes[i]``, parent key ``parents[i]`` (32 zero bytes: none),
-    cache salt ``salts[salt_ids[i]]`` and tokens ``tokens[i*page_size:(i+1)*page_size]``."""
+    cache salt ``salts[salt_ids[i]]`` and tokens ``tokens[i*page_size:(i+1)*page_size]``.
+    ``loras``: the LoRA adapters of the salts that are adapter namespaces, digest ->
+    ``[name, path]``."""
 
     TYPE: ClassVar[str] = "kv_snapshot"
     replica: str = f(STR)
@@ -128,6 +134,7 @@ class KVSnapshot(Message):
     tokens: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
     load: dict = f(MAP, {})
     schema: int = f(INT, KV_EVENTS_SCHEMA)
+    loras: dict = f(MAP, {})
 
 
 KV_STREAM = {c.TYPE: c for c in (KVEventBatch, KVHeartbeat)}

@@ -45,6 +45,20 @@ class AddRequest(Message):
     input_ids: np.ndarray = f(I32)
     sampling: SamplingParams = f(SAMPLING)
     salt: str | None = f(_optional(STR), None)
+    lora: str | None = f(_optional(STR), None)  # the LoRA adapter's name (None: the base)
+
+
+@dataclass
+class LoraAdmin(Message):
+    """Tokenizer -> scheduler: ``op`` "load" (``name`` from ``path``), "unload"
+    (``name``) or "list"; answered with an ``AdminReply`` (``{"error"}`` when refused),
+    a load once the worker has reported it."""
+
+    TYPE: ClassVar[str] = "lora_admin"
+    tag: int = f(INT)
+    op: str = f(Kind('"load", "unload" or "list"', lambda x: x in ("load", "unload", "list")))
+    name: str = f(STR, "")
+    path: str = f(STR, "")
 
 
 @dataclass
@@ -162,6 +176,28 @@ class StepReq(Message):
     history: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
     score_pos: int = f(INT, 0)
     score_ids: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    # The slot's LoRA adapter (0: the base model), given with ``sampling``.
+    lora: int = f(INT, 0)
+
+
+@dataclass
+class LoraLoad(Message):
+    """Load the PEFT adapter folder ``path`` as adapter ``id`` (the scheduler's number,
+    never reused), called ``name``."""
+
+    id: int = f(INT)
+    name: str = f(STR)
+    path: str = f(STR)
+
+
+@dataclass
+class LoraReport(Message):
+    """What became of a ``LoraLoad``: its content ``digest`` and ``rank``, or ``error``."""
+
+    id: int = f(INT)
+    digest: str = f(STR, "")
+    rank: int = f(INT, 0)
+    error: str | None = f(_optional(STR), None)
 
 
 @dataclass
@@ -258,6 +294,9 @@ class Step(Message):
     grammars: list[GrammarSpec] = f(_nested(GrammarSpec), [])
     drop_grammars: list[str] = f(STR_LIST, [])
     copies: list[PageCopies] = f(_nested(PageCopies), [])  # none or one (docs/cache-tiers.md)
+    # LoRA adapters to load and to drop before ``reqs`` run (docs/lora.md).
+    load_loras: list[LoraLoad] = f(_nested(LoraLoad), [])
+    drop_loras: list[int] = f(INT_LIST, [])
 
 
 @dataclass
@@ -332,6 +371,7 @@ class StepResult(Message):
     grammars_ready: list[str] = f(STR_LIST, [])
     grammar_failures: list[GrammarFailure] = f(_nested(GrammarFailure), [])
     copies_done: list[int] = f(INT_LIST, [])
+    loras: list[LoraReport] = f(_nested(LoraReport), [])  # one per Step.load_loras
 
 
 # --------------------------------------------------------------------- control

@@ -44,6 +44,8 @@ class Generate(Message):
     cache_salt: str | None = f(_optional(STR), None)
     # Send the prompt back as text (each sample's first chunk, or its result).
     echo: bool = f(BOOL, False)
+    # The LoRA adapter to generate with, by name (None: the base model; docs/lora.md).
+    lora: str | None = f(_optional(STR), None)
 
 
 @dataclass
@@ -116,8 +118,56 @@ class Detokenize(Message):
     skip_special_tokens: bool = f(BOOL, True)
 
 
+@dataclass
+class LoadLoraAdapter(Message):
+    """Load the PEFT adapter folder ``lora_path`` (a path on the server) as
+    ``lora_name`` (vLLM's body); answered once the worker has it, or with an ``Error``
+    saying why it cannot be served. ``admin_key`` as for ``FlushCache``."""
+
+    TYPE: ClassVar[str] = "load_lora_adapter"
+    id: str = f(ID)
+    lora_name: str = f(STR)
+    lora_path: str = f(STR)
+    admin_key: str | None = f(_optional(STR), None)
+
+
+@dataclass
+class UnloadLoraAdapter(Message):
+    """Stop serving ``lora_name``: new requests for it are refused at once, the ones
+    running finish under it (docs/lora.md). ``admin_key`` as for ``FlushCache``."""
+
+    TYPE: ClassVar[str] = "unload_lora_adapter"
+    id: str = f(ID)
+    lora_name: str = f(STR)
+    admin_key: str | None = f(_optional(STR), None)
+
+
+@dataclass
+class ListLoraAdapters(Message):
+    """The adapters served: ``Reply(id, {"loras": [{name, id, path, digest, rank}]})``."""
+
+    TYPE: ClassVar[str] = "list_lora_adapters"
+    id: str = f(ID)
+
+
+#: The admin calls that need the admin key when the server has one.
+ADMIN_REQUESTS: tuple[type[Message], ...] = (FlushCache, Check, LoadLoraAdapter, UnloadLoraAdapter)
+
 PUBLIC_REQUESTS: dict[str, type[Message]] = {
-    c.TYPE: c for c in (Generate, Abort, FlushCache, Stats, Health, Check, Tokenize, Detokenize)
+    c.TYPE: c
+    for c in (
+        Generate,
+        Abort,
+        FlushCache,
+        Stats,
+        Health,
+        Check,
+        Tokenize,
+        Detokenize,
+        LoadLoraAdapter,
+        UnloadLoraAdapter,
+        ListLoraAdapters,
+    )  # fmt: skip
 }
 
 

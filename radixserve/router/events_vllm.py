@@ -35,6 +35,7 @@ from radixserve import protocol as P
 from radixserve.router.events import FollowerSockets
 from radixserve.router.mirror import MirrorOutOfSync
 from radixserve.scheduler.kv_events import page_keys
+from radixserve.scheduler.lora import namespace
 
 log = logging.getLogger("radixserve.router")
 
@@ -157,9 +158,16 @@ class VllmEventFollower(FollowerSockets):
         tokens = np.asarray(ev["token_ids"], dtype=np.int32)
         if len(tokens) != bs * len(hashes) or not hashes:
             return []
+        lora = ev.get("lora_name")
         if parent_hash is None:
             extra = ev.get("extra_keys") or [None]
-            salt = extra[0][-1] if extra[0] else None
+            first = list(extra[0] or ())
+            if lora is not None and first[:1] == [lora]:
+                first = first[1:]  # the adapter's name comes before the salt
+            salt = first[-1] if first else None
+            if lora is not None:
+                # vLLM's namespace is the adapter's name: the router keys by it too.
+                salt = namespace(salt, f"vllm:{lora}")
             parent_key = None
         elif parent_hash in self.blocks:
             parent_key, salt = self.blocks[parent_hash]
@@ -168,7 +176,7 @@ class VllmEventFollower(FollowerSockets):
         keys = page_keys(tokens, bs, salt, parent_key)
         for h, k in zip(hashes, keys):
             self.blocks[h] = (k, salt)
-        return [P.KVEvent("stored", b"".join(keys), parent_key, tokens, salt)]
+        return [P.KVEvent("stored", b"".join(keys), parent_key, tokens, salt, lora)]
 
 
 def _decode(payload: bytes) -> list[dict]:

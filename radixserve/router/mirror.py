@@ -2,7 +2,9 @@
 
 ``KVMirror`` applies ``KVEventBatch``es in sequence order and loads
 ``KVSnapshot``s. It keeps, per cached page key, the parent key, the salt and the
-page's tokens, so it can give back every cached prefix (``paths()``, what the
+page's tokens, and per LoRA adapter name the namespace digest its pages are stored
+under (``loras``, from stored events and snapshots: the router keys a request under
+an adapter with it, docs/lora.md), so it can give back every cached prefix (``paths()``, what the
 tests compare with the scheduler's tree) and answer the router's question: how
 many leading pages of a prompt's key chain does this replica hold
 (``match``)?
@@ -22,6 +24,7 @@ import numpy as np
 
 from radixserve import protocol as P
 from radixserve.scheduler.kv_events import NO_PARENT
+from radixserve.scheduler.lora import namespace, split_namespace
 
 
 class MirrorOutOfSync(Exception):
@@ -42,6 +45,7 @@ class KVMirror:
         self.seq = 0
         self.page_size: int | None = None
         self.load: dict = {}
+        self.loras: dict[str, str] = {}  # adapter name -> the digest of its namespace
 
     @property
     def synced(self) -> bool:
@@ -69,6 +73,8 @@ class KVMirror:
         for ev in batch.events:
             _apply_event(staged, ev, self.page_size or batch.page_size)
         self.pages = staged
+        for ev in batch.events:
+            self._learn(ev.lora, ev.salt)
         self.seq = batch.seq
         self.load = batch.load
 
@@ -89,6 +95,22 @@ class KVMirror:
             pages[key] = MirrorPage(par, snap.salts[sid], tuple(toks))
         self.pages = pages
         self.epoch, self.seq, self.page_size, self.load = snap.epoch, snap.seq, ps, snap.load
+        for digest, (name, _path) in snap.loras.items():
+            self.loras[name] = digest
+
+    def _learn(self, lora: str | None, salt: str | None) -> None:
+        digest, _ = split_namespace(salt)
+        if lora is not None and digest is not None:
+            self.loras[lora] = digest
+
+    def salt_for(self, lora: str | None, cache_salt: str | None) -> str | None:
+        """The tree salt of a request (``cache_salt`` under the adapter ``lora``) on this
+        replica. For an adapter that has stored nothing here, a salt no page has (so
+        nothing matches) that is still the same for every request under that name (so
+        the router's prompts in flight group them)."""
+        if lora is None:
+            return cache_salt
+        return namespace(cache_salt, self.loras.get(lora, f"unseen:{lora}"))
 
     # -------------------------------------------------------------- query
     def match(self, keys: Sequence[bytes]) -> int:

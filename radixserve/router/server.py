@@ -298,7 +298,7 @@ class Router:
             self._send_error(identity, msg.id, f"{P.SERVER_FAILED}: no replica is up")
             return
         ids = self._prompt_ids(msg)
-        r, keys = self._route(live, ids, msg.cache_salt, msg.id)
+        r, keys = self._route(live, ids, msg.cache_salt, msg.id, msg.lora)
         self.next_id += 1
         rid = f"g{self.next_id}"
         fwd = Forwarded(identity, msg.id, r.index, msg.sampling.n, msg.stream, keys)
@@ -325,25 +325,29 @@ class Router:
             return None
 
     def _route(self, live: list[Replica], ids: list[int] | None, salt: str | None,
-               client_id: str) -> tuple[Replica, list[bytes]]:  # fmt: skip
+               client_id: str, lora: str | None = None) -> tuple[Replica, list[bytes]]:  # fmt: skip
         """The replica for a prompt, and the prompt's keys in its page size.
 
         A replica's match is the longer of its mirror's and that of the prompts in
         flight there (``Replica.pending``): a prompt being prefilled will be cached
         a moment later, so a burst of prompts with one new prefix goes to one replica.
+        Under a LoRA adapter the keys are those of the adapter's namespace on each
+        replica (``KVMirror.salt_for``: the adapter's weights may differ between
+        replicas); a replica that stored nothing under the adapter matches nothing.
         """
-        keys_by_size: dict[int, list[bytes]] = {}
+        keys_by_size: dict[tuple[int, str | None], list[bytes]] = {}
         matches, keys_of = [], []
         for r in live:
             m = r.mirror
+            tree_salt = m.salt_for(lora, salt) if m is not None else None
             if m is None or ids is None or m.page_size is None or len(ids) < 2:
                 matches.append(0)
                 keys_of.append([])
                 continue
             ps = m.page_size
-            if ps not in keys_by_size:
-                keys_by_size[ps] = page_keys(ids[: len(ids) - 1], ps, salt)
-            keys = keys_by_size[ps]
+            if (ps, tree_salt) not in keys_by_size:
+                keys_by_size[ps, tree_salt] = page_keys(ids[: len(ids) - 1], ps, tree_salt)
+            keys = keys_by_size[ps, tree_salt]
             matches.append(max(m.match(keys), r.pending_match(keys)) * ps)
             keys_of.append(keys)
         loads = [r.load() for r in live]
@@ -411,6 +415,14 @@ class Router:
         self._send(fan.identity, P.Reply(fan.client_id, self._aggregate(fan.kind, data)))
 
     def _aggregate(self, kind: type, data: dict[int, dict]) -> dict:
+        if kind is P.ListLoraAdapters:
+            # A request may go to any replica: the adapters every one of them serves.
+            lists = [{a["name"]: a for a in d.get("loras", [])} for _, d in sorted(data.items())]
+            common = set.intersection(*(set(x) for x in lists)) if lists else set()
+            return {"loras": [a for name, a in sorted(lists[0].items()) if name in common]}
+        if kind in (P.LoadLoraAdapter, P.UnloadLoraAdapter):
+            first = data[min(data)] if data else {}
+            return {**first, "replicas": len(data)}  # every replica did it (else an error)
         if kind is P.FlushCache:
             return {"freed_pages": sum(int(d.get("freed_pages", 0)) for d in data.values())}
         if kind is P.Check:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from radixserve.scheduler.config import SchedulerConfig
     from radixserve.scheduler.grammars import Grammars
     from radixserve.scheduler.kv_cache import KVCacheManager
+    from radixserve.scheduler.lora import LoraRegistry
     from radixserve.scheduler.reserve import DecodeReserve
     from radixserve.scheduler.waiting import QueueTimes, WaitingQueue
 
@@ -46,6 +47,7 @@ class Admission:
     kv: KVCacheManager
     reserve: DecodeReserve
     grammars: Grammars
+    loras: LoraRegistry
     waiting: WaitingQueue
     running: list[Request]
     chunked: Request | None
@@ -179,9 +181,12 @@ class Admission:
         reserved = self.reserve.held(self.running, self.kv)
         admitted: list[Request] = []
         skipped = 0
+        adapters = {r.lora for r in self.running}
         for req in candidates:
             if budget <= 0 or not self._free_slots:
                 break
+            if not self.loras.fits(req.lora, adapters):
+                continue  # --max-loras adapters run already: it waits for one to finish
             so = req.sampling.structured
             if so is not None and not self.grammars.ready(so.key):
                 continue  # its grammar is still compiling: the others go on
@@ -235,6 +240,7 @@ class Admission:
             req.admitted = self._admissions
             self._admissions += 1
             self.running.append(req)
+            adapters.add(req.lora)
             admitted.append(req)
             if loading:
                 req.status = ReqStatus.LOADING  # computes once its pages arrived

@@ -58,6 +58,9 @@ class SchedulerConfig:
       the pool one tenant (salt) may hold under running retention hints.
     - ``max_preemptions`` 4: a request preempted this many times is not
       preempted again (nothing is preempted forever).
+    - ``max_loras`` 4: LoRA adapters whose requests may run in one batch (the base
+      model not counted); a request under another adapter waits (docs/lora.md).
+      ``loras``: the adapters the worker loaded at start (ModelInfo).
     - ``max_admit_skips`` 32: a waiting request whose pages do not fit is
       passed over and admission goes on with the requests behind it, up to
       this many such requests per step (then admission stops for the step).
@@ -96,8 +99,12 @@ class SchedulerConfig:
     disk_cache_gb: float = 16.0
     page_bytes: int = 0
     kv_identity: str = ""
+    max_loras: int = 4
+    loras: tuple = ()
 
     def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.cache not in CACHE_MODES:
             raise ValueError(f"cache must be one of {CACHE_MODES}, got {self.cache!r}")
         if self.radix_eviction_policy not in EVICTION_POLICIES:

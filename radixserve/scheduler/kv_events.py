@@ -31,12 +31,13 @@ that tokenizes a prompt the same way computes the same keys (never Python's
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from radixserve.protocol import KEY_BYTES, KVEvent
 from radixserve.scheduler.allocator import PageAllocator
+from radixserve.scheduler.lora import split_namespace
 from radixserve.scheduler.prefix_cache import CacheNode, PageFollower, PrefixCache
 
 NO_PARENT = bytes(KEY_BYTES)
@@ -98,6 +99,10 @@ class KVEventRecorder(PageFollower):
         self._salts: list[str | None] = [None]
         self._salt_ids: dict[str | None, int] = {None: 0}
         self._events: list[KVEvent] = []
+        # LoRA adapter digest -> (name, path), as the scheduler knows them (set by
+        # ``Scheduler.record_kv_events``); what stored events and snapshots name.
+        self.lora_info: Callable[[str], tuple[str, str] | None] = lambda digest: None
+        self._loras: dict[str, tuple[str, str]] = {}
 
     # ------------------------------------------------------------ contract
     def insert(
@@ -132,6 +137,11 @@ class KVEventRecorder(PageFollower):
         events, self._events = self._events, []
         return events
 
+    def snapshot_loras(self) -> dict[str, list[str]]:
+        """The adapters of the tree's salts: digest -> [name, path] (as first stored)."""
+        digests = {split_namespace(s)[0] for s in self._salts} - {None}
+        return {d: list(self._loras[d]) for d in digests if d in self._loras}
+
     def snapshot_rows(self) -> tuple[bytes, bytes, np.ndarray, list[str | None], np.ndarray]:
         """The whole tree, a row per page, parents first: keys, parent keys, salt
         ids, the salt table, tokens (``protocol.KVSnapshot``'s columns)."""
@@ -161,7 +171,16 @@ class KVEventRecorder(PageFollower):
         self._depth[new] = np.arange(first, end, dtype=np.int32)
         self._salt[new] = self._salt_id(salt)
         self._tokens[new] = chunk.reshape(-1, ps)
-        self._events.append(KVEvent("stored", b"".join(keys), parent, chunk.copy(), salt))
+        name = path = None
+        digest, _ = split_namespace(salt)
+        if digest is not None:
+            info = self._loras.get(digest) or self.lora_info(digest)
+            if info is not None:
+                self._loras.setdefault(digest, info)
+                name, path = info
+        self._events.append(
+            KVEvent("stored", b"".join(keys), parent, chunk.copy(), salt, name, path)
+        )
 
     def _parent_key(
         self, tokens: np.ndarray, pages: np.ndarray, first: int, salt: str | None

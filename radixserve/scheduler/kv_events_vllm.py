@@ -17,7 +17,12 @@ and so what this module produces:
   chained from ``NONE_HASH = sha256(pickle(seed))``, the seed being
   ``PYTHONHASHSEED`` when set, else ``"vllm-none-hash"``; a request's
   ``cache_salt`` is the extra key ``("cache_salt", salt)`` of the prompt's first
-  block only, and is published in that block's ``extra_keys`` entry as ``(salt,)``.
+  block only, and is published in that block's ``extra_keys`` entry as ``(salt,)``;
+  a request under a LoRA adapter has the extra key ``("lora", name, path)`` on every
+  block, before the salt's, published as ``name`` (and the event's ``lora_name``;
+  ``lora_id``, which vLLM keeps only for compatibility, stays null). radixserve's
+  namespace is the adapter's content, vLLM's its name and path: the KV of two names
+  for the same weights is published under the name it was stored with.
   (The hashed input is plain ints, bytes and strings, pickled only to hash them.)
 * the replay socket (ROUTER): a request ``[b"", start seq (8 bytes BE)]`` gets
   every buffered batch from that seq as ``[b"", seq, payload]``, then
@@ -48,6 +53,7 @@ import zmq
 
 from radixserve import protocol as P
 from radixserve.scheduler.kv_publisher import KVEventLog, KVEventPublisher
+from radixserve.scheduler.lora import split_namespace
 
 log = logging.getLogger("radixserve.scheduler")
 
@@ -74,14 +80,19 @@ def block_hashes(
     parent: bytes | None,
     salt: str | None,
     seed_hash: bytes,
+    lora: tuple[str, str] | None = None,
 ) -> list[bytes]:
     """vLLM's hashes of the whole blocks of ``tokens``, chained from ``parent`` (None:
-    they start the prompt, and the salt is the first block's extra key)."""
+    they start the prompt, and the salt is the first block's extra key); ``lora``:
+    the adapter's (name, path), every block's first extra key."""
     toks = [int(t) for t in np.asarray(tokens).reshape(-1)]
     out = []
     h = seed_hash if parent is None else parent
     for i in range(len(toks) // block_size):
-        extra = (("cache_salt", salt),) if (parent is None and i == 0 and salt) else None
+        keys = [("lora", *lora)] if lora else []
+        if parent is None and i == 0 and salt:
+            keys.append(("cache_salt", salt))
+        extra = tuple(keys) if keys else None
         h = sha256_pickle((h, tuple(toks[i * block_size : (i + 1) * block_size]), extra))
         out.append(h)
     return out
@@ -108,7 +119,9 @@ class VllmEncoder:
             gone = [self.hashes.pop(k) for k in keys]
             return {"type": "BlockRemoved", "block_hashes": gone, "medium": MEDIUM, "group_idx": 0}
         parent = None if ev.parent is None else self.hashes[ev.parent]
-        hashes = block_hashes(ev.tokens, block_size, parent, ev.salt, self.seed_hash)
+        digest, salt = split_namespace(ev.salt)  # the adapter's, the client's cache_salt
+        lora = (ev.lora or digest, ev.lora_path or "") if digest is not None else None
+        hashes = block_hashes(ev.tokens, block_size, parent, salt, self.seed_hash, lora)
         self.hashes.update(zip(keys, hashes))
         stored = {
             "type": "BlockStored",
@@ -118,10 +131,13 @@ class VllmEncoder:
             "block_size": block_size,
             "lora_id": None,
             "medium": MEDIUM,
-            "lora_name": None,
+            "lora_name": None if lora is None else lora[0],
         }
-        if parent is None and ev.salt:
-            stored["extra_keys"] = [(ev.salt,)] + [None] * (len(hashes) - 1)
+        if lora is not None:
+            first = (lora[0], salt) if parent is None and salt else (lora[0],)
+            stored["extra_keys"] = [first] + [(lora[0],)] * (len(hashes) - 1)
+        elif parent is None and salt:
+            stored["extra_keys"] = [(salt,)] + [None] * (len(hashes) - 1)
         stored["group_idx"] = 0
         return stored
 

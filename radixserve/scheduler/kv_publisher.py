@@ -80,6 +80,7 @@ class KVEventLog:
         return P.KVSnapshot(
             self.replica, self.epoch, self.seq, time.time(), self.page_size,
             keys, parents, salt_ids, salts, tokens, load,
+            loras=self.recorder.snapshot_loras(),
         )  # fmt: skip
 
 

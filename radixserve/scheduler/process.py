@@ -54,7 +54,9 @@ from radixserve.zap import ZapHandler
 
 log = logging.getLogger("radixserve.scheduler")
 
-INBOX = {c.TYPE: c for c in (P.AddRequest, P.AbortRequest, P.Flush, P.GetStats, P.CheckIdle)}
+INBOX = {
+    c.TYPE: c for c in (P.AddRequest, P.AbortRequest, P.Flush, P.GetStats, P.CheckIdle, P.LoraAdmin)
+}
 
 
 class WorkerHung(RuntimeError):
@@ -105,6 +107,9 @@ class SchedulerLoop:
                         break
                     self.handle(P.decode(data, INBOX))
             outputs = self.scheduler.step(self.run_step)
+            replies, self.scheduler.lora_replies = self.scheduler.lora_replies, []
+            for tag, data in replies:  # LoRA loads the worker has reported
+                self.reply(tag, data)
             if self.events is not None:
                 # Before the outputs: a client that got its result finds the KV it
                 # left already announced.
@@ -152,7 +157,7 @@ class SchedulerLoop:
         s = self.scheduler
         if isinstance(msg, P.AddRequest):
             try:
-                s.add_request(msg.rid, msg.input_ids, msg.sampling, salt=msg.salt)
+                s.add_request(msg.rid, msg.input_ids, msg.sampling, salt=msg.salt, lora=msg.lora)
             except ValueError as e:
                 self.to_tokenizer.send(P.RequestError(msg.rid, str(e)).encode())
         elif isinstance(msg, P.AbortRequest):
@@ -170,6 +175,22 @@ class SchedulerLoop:
             self.reply(msg.tag, stats)
         elif isinstance(msg, P.CheckIdle):
             self.reply(msg.tag, self.check_idle())
+        elif isinstance(msg, P.LoraAdmin):
+            self.lora_admin(msg)
+
+    def lora_admin(self, msg: P.LoraAdmin) -> None:
+        """A load is answered once the worker reports it (``_loop``); an unload and a
+        listing at once; a refusal as ``{"error"}``."""
+        loras = self.scheduler.loras
+        try:
+            if msg.op == "load":
+                loras.load(msg.name, msg.path, msg.tag)
+            elif msg.op == "unload":
+                self.reply(msg.tag, loras.unload(msg.name))
+            else:
+                self.reply(msg.tag, {"loras": loras.listing()})
+        except ValueError as e:
+            self.reply(msg.tag, {"error": str(e)})
 
     def _copies_first(self, msg: P.Message) -> bool:
         """Whether ``msg`` waits for the copies between cache tiers to be done (no

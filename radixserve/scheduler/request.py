@@ -91,6 +91,7 @@ class Request:
     final_len: int = 0  # the most tokens it can ever hold (prompt + max_tokens, capped)
     score_next: int = -1
     prompt_scores: list | None = None
+    lora: int = 0  # its LoRA adapter's id (0: the base model; scheduler/lora.py)
 
     @classmethod
     def create(

@@ -65,6 +65,7 @@ from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.grammars import Grammars
 from radixserve.scheduler.kv_cache import KVCacheManager
 from radixserve.scheduler.kv_events import KVEventRecorder
+from radixserve.scheduler.lora import LoraRegistry, check_salt, namespace
 from radixserve.scheduler.radix_impl import make_prefix_cache
 from radixserve.scheduler.request import ReqStatus, Request
 from radixserve.scheduler.reserve import DecodeReserve
@@ -107,7 +108,10 @@ class Scheduler(Admission):
         self.clock: Callable[[], float] = time.monotonic
         self._deadlines: list[tuple[float, int, str]] = []
         self.grammars = Grammars()  # structured output's, compiled by the worker
+        self.loras = LoraRegistry(config.max_loras, config.loras)  # docs/lora.md
         self._sampled: list[bool] = []  # which requests of the step in flight sample
+        # Answers to LoRA loads: (the caller's tag, reply), for the caller to take.
+        self.lora_replies: list[tuple] = []
         # Counters for stats().
         self.num_steps = 0
         self.num_retractions = 0
@@ -125,11 +129,18 @@ class Scheduler(Admission):
         prompt_ids: np.ndarray | list[int],
         sampling: SamplingParams,
         salt: str | None = None,
+        lora: str | None = None,
     ) -> None:
-        """Queue a request (``sampling.n`` samples). Raises ValueError on bad input."""
+        """Queue a request (``sampling.n`` samples), under the LoRA adapter named
+        ``lora`` (None: the base model). Raises ValueError on bad input."""
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         prompt = self.check_request(prompt_ids, sampling)
+        check_salt(salt)
+        adapter = None
+        if lora is not None:
+            adapter = self.loras.lookup(lora)
+            salt = namespace(salt, adapter.digest)  # the adapter's own cache namespace
         final_len = self._final_len(len(prompt), sampling)
         # Every sample is built before any is queued: a failure queues nothing.
         samples = []
@@ -151,7 +162,11 @@ class Scheduler(Admission):
             )
             self._arrivals += 1
             req.queued_at = now
+            if adapter is not None:
+                req.lora = adapter.id
             samples.append(req)
+        if adapter is not None:
+            self.loras.acquire(adapter, len(samples))
         self.waiting.extend(samples)
         self._requests[rid] = samples
         if sampling.request_timeout is not None:
@@ -224,6 +239,7 @@ class Scheduler(Admission):
             or self._release
             or self.grammars.news_pending
             or self.copies_pending
+            or self.loras.busy
         )
 
     @property
@@ -310,6 +326,7 @@ class Scheduler(Admission):
             self._admit(batch, budget, in_flight)
         release, self._release = self._release, []
         submit, drop = self.grammars.take_news()
+        load_loras, drop_loras = self.loras.take_step()
         # With nothing else to do, a step still goes out while a waiting request's
         # grammar compiles: the worker answers it when one is ready (or soon).
         compiling = self.grammars.compiling
@@ -318,7 +335,10 @@ class Scheduler(Admission):
         # Copies in flight: a step goes out so the worker can report them (it waits
         # for the next one to finish when the step has nothing to compute).
         waiting_copies = tiers is not None and tiers.in_flight > 0
-        idle = not (batch or release or submit or drop or compiling or waiting_copies)
+        idle = not (
+            batch or release or submit or drop or compiling or waiting_copies or load_loras
+            or drop_loras
+        )  # fmt: skip
         if idle and copies is None:
             return None
         self._batch = batch
@@ -332,6 +352,8 @@ class Scheduler(Admission):
             submit,
             drop,
             [copies] if copies is not None else [],
+            load_loras,
+            drop_loras,
         )
 
     def _process_step_result(
@@ -346,6 +368,7 @@ class Scheduler(Admission):
         terminated: set[int] = set()
         if isinstance(result, StepResult):
             tokens, scores = result.tokens.tolist(), result.scores
+            self.lora_replies += self.loras.take_reports(result.loras)
             self._take_grammar_news(result, outputs)
             forced = {f.slot: f.token_ids.tolist() for f in result.forced}
             terminated = set(result.terminated.tolist())
@@ -437,6 +460,8 @@ class Scheduler(Admission):
     def _forget(self, req: Request) -> None:
         if req.sampling.structured is not None:
             self.grammars.release(req.sampling.structured)
+        if req.lora:
+            self.loras.release(req.lora)
         samples = self._requests.get(req.rid)
         if samples is not None and all(s.status == ReqStatus.FINISHED for s in samples):
             del self._requests[req.rid]
@@ -452,9 +477,11 @@ class Scheduler(Admission):
             # promotes (stored) and an eviction demotes (removed) through the tree's
             # own insert and evict, which the recorder sees.
             recorder = KVEventRecorder(tiers.inner, self.allocator)
+            recorder.lora_info = self.loras.info
             tiers.inner = recorder
             return recorder
         recorder = KVEventRecorder(self.cache, self.allocator)
+        recorder.lora_info = self.loras.info
         self.cache = self.kv.cache = recorder
         return recorder
 
@@ -509,3 +536,6 @@ class Scheduler(Admission):
         )
         assert len(self._free_slots) == self.config.max_running_requests, "a slot leaked"
         assert not self.grammars.in_use, "a grammar outlived its requests"
+        assert not any(a.requests for a in self.loras.by_id.values()), (
+            "a LoRA adapter's request count outlived its requests"
+        )

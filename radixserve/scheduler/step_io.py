@@ -52,6 +52,7 @@ def step_req(req: Request, n: int) -> StepReq:
         history,
         score_pos,
         score_ids,
+        req.lora if sampling is not None else 0,
     )
 
 

@@ -222,21 +222,29 @@ class TokenizerServer:
             self.next_tag += 1
             tag = self.next_tag
             self.admin[tag] = (identity, msg.id, msg.TYPE)
-            internal = {
-                P.FlushCache: P.Flush,
-                P.Stats: P.GetStats,
-                P.Health: P.GetStats,
-                P.Check: P.CheckIdle,
-            }[type(msg)]
-            out = internal(tag)
-            if isinstance(msg, P.FlushCache):
-                out.keep_disk = msg.keep_disk
+            if isinstance(msg, P.LoadLoraAdapter):
+                out: P.Message = P.LoraAdmin(tag, "load", msg.lora_name, msg.lora_path)
+            elif isinstance(msg, P.UnloadLoraAdapter):
+                out = P.LoraAdmin(tag, "unload", msg.lora_name)
+            elif isinstance(msg, P.ListLoraAdapters):
+                out = P.LoraAdmin(tag, "list")
+            else:
+                internal = {
+                    P.FlushCache: P.Flush,
+                    P.Stats: P.GetStats,
+                    P.Health: P.GetStats,
+                    P.Check: P.CheckIdle,
+                }[type(msg)]
+                out = internal(tag)
+                if isinstance(msg, P.FlushCache):
+                    out.keep_disk = msg.keep_disk
             self.to_scheduler.send(out.encode())
 
     def admin_refusal(self, msg: P.Message) -> str | None:
-        """Why an admin call (``flush_cache``, ``check``) is refused: with an admin key
-        set, it must bring that key (compared in constant time). None: go ahead."""
-        if self.admin_key is None or not isinstance(msg, (P.FlushCache, P.Check)):
+        """Why an admin call (``flush_cache``, ``check``, LoRA loads and unloads) is
+        refused: with an admin key set, it must bring that key (compared in constant
+        time). None: go ahead."""
+        if self.admin_key is None or not isinstance(msg, P.ADMIN_REQUESTS):
             return None
         given = msg.admin_key
         if given is None:
@@ -312,7 +320,7 @@ class TokenizerServer:
         self.per_client[identity] += 1
         # Stop strings are applied here: the scheduler and the worker never see them.
         scheduled = replace(sp, stop=()) if sp.stop else sp
-        self.to_scheduler.send(P.AddRequest(rid, ids, scheduled, msg.cache_salt).encode())
+        self.to_scheduler.send(P.AddRequest(rid, ids, scheduled, msg.cache_salt, msg.lora).encode())
 
     # ---------------------------------------------------- scheduler -> server
     def handle_internal(self, msg: P.Message) -> None:
@@ -382,6 +390,9 @@ class TokenizerServer:
             return
         identity, rid, kind = pending
         data = dict(msg.data)
+        if "error" in data and kind in (P.LoadLoraAdapter.TYPE, P.UnloadLoraAdapter.TYPE):
+            self.send_error(identity, rid, str(data["error"]))
+            return
         if kind == P.Stats.TYPE:
             data["in_flight"] = len(self.requests)
         elif kind == P.Health.TYPE:

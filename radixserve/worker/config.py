@@ -56,6 +56,9 @@ class WorkerConfig:
     deterministic: batch-invariant steps (``layers/invariant.py``, docs/worker.md,
     "Deterministic mode"): a row's logits depend only on its own tokens, not on its
     batch, its chunking or the cache; CPU only, the native kernels required.
+    lora_modules: LoRA adapters (PEFT folders) loaded at start, ``name=path`` each, as
+    adapter ids 1, 2, ... in that order (docs/lora.md).
+    max_lora_rank: the highest adapter rank accepted (a higher one is refused).
     flashinfer_prefill_backend: the flashinfer backend's prefill kernels, ``auto``
     (FlashInfer's choice: fa3 on Hopper), ``fa2`` or ``fa3``. Without prebuilt kernels
     (flashinfer-jit-cache) fa3 takes far longer to JIT-build at start than fa2.
@@ -85,8 +88,13 @@ class WorkerConfig:
     host_cache_gb: float = 0.0
     disk_cache_dir: str | None = None
     deterministic: bool = False
+    lora_modules: tuple[str, ...] = ()
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        parse_lora_modules(self.lora_modules)
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 1:
@@ -124,3 +132,17 @@ class WorkerConfig:
             raise ValueError(f"dist_timeout must be > 0 seconds, got {self.dist_timeout}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+
+
+def parse_lora_modules(specs: tuple[str, ...] | list[str]) -> list[tuple[str, str]]:
+    """``name=path`` entries as (name, path) pairs; ValueError on a malformed entry or a
+    name given twice."""
+    out: list[tuple[str, str]] = []
+    for spec in specs:
+        name, sep, path = str(spec).partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"a LoRA module is given as name=path, got {spec!r}")
+        if name in (n for n, _ in out):
+            raise ValueError(f"LoRA module name {name!r} is given twice")
+        out.append((name.strip(), path.strip()))
+    return out

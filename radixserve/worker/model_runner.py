@@ -59,6 +59,7 @@ from radixserve.models.source import resolve_model
 from radixserve.protocol import (
     Forced,
     GrammarFailure,
+    LoraReport,
     Scores,
     SlotFailure,
     Step,
@@ -68,12 +69,13 @@ from radixserve.protocol import (
 from radixserve.sampling_params import SamplingParams
 from radixserve.worker import cuda_graph
 from radixserve.worker.attention import AttentionBatch, create_backend
-from radixserve.worker.config import WorkerConfig
+from radixserve.worker.config import WorkerConfig, parse_lora_modules
 from radixserve.worker.dtype import choose_dtype
 from radixserve.worker.grammar import GrammarCache, GrammarSlots
 from radixserve.worker.host_cache import HostCache, kv_identity, weights_fingerprint
 from radixserve.worker.kv_pool import DEFAULT_KV_MEMORY, KVPool
 from radixserve.worker.logits import LogitsProcessor, token_logprobs
+from radixserve.worker.lora import LoraSlots
 from radixserve.worker.malloc import tune_malloc
 from radixserve.worker.page_table import PageTable
 from radixserve.worker.sampler import Sampler
@@ -142,10 +144,14 @@ class ModelRunner:
             {"prefill_backend": config.flashinfer_prefill_backend}, config.deterministic,
         )  # fmt: skip
         log.info("attention backend %s (%s)", self.backend.name, self.backend.choice_reason)
+        self._lora_rows = False  # whether the step being planned has adapter rows
         if hasattr(self.backend, "native_layers"):
-            # Decode steps the one-call layers take get one native attention plan.
+            # Decode steps the one-call layers take get one native attention plan
+            # (steps with adapter rows run the layers one by one).
             model = self.model
-            self.backend.native_layers = lambda rows: decode_step.takes(model, rows)
+            self.backend.native_layers = lambda rows: (
+                not self._lora_rows and decode_step.takes(model, rows)
+            )
         self.weight_bytes = self.model.weight_bytes()
         self.page_bytes = KVPool.bytes_per_page(*dims)
         self.kv_identity = ""
@@ -178,6 +184,21 @@ class ModelRunner:
         self.kv_bytes = sum(t.numel() * t.element_size() for t in self.pool.layers)
         max_pages_per_slot = min(num_pages, -(-cfg.max_context_len // config.page_size))
         self.page_table = PageTable(config.max_running_requests, max_pages_per_slot, num_pages)
+        self.loras = LoraSlots(
+            self.model, dtype, self._device, config.max_lora_rank, config.max_running_requests
+        )
+        self._start_loras: list[dict] = []
+        for i, (name, path) in enumerate(parse_lora_modules(config.lora_modules), start=1):
+            adapter = self.loras.load(i, name, path)  # LoraError at start: the server fails
+            self._start_loras.append(
+                {
+                    "id": i,
+                    "name": name,
+                    "path": path,
+                    "digest": adapter.digest,
+                    "rank": adapter.rank,
+                }
+            )
         self._inputs = Staging(self._device, torch.int64)
         self.sampler = Sampler(config.seed)
         self.logits_processor = LogitsProcessor(cfg.vocab_size, cfg.eos_token_ids, self._device)
@@ -263,6 +284,7 @@ class ModelRunner:
             host_pages=0 if self.host_cache is None else self.host_cache.num_slots,
             page_bytes=self.page_bytes,
             kv_identity=self.kv_identity,
+            loras=tuple(self._start_loras),
         )
 
     def warmup(self, prefill_tokens: int, decode_batch: int) -> None:
@@ -301,6 +323,7 @@ class ModelRunner:
         """Run one step: the sampled tokens (one per ``sample=True`` request, in
         order), the logprobs computed, and what the grammars made of it, as a
         ``StepResult``. A follower rank computes its part and returns no tokens."""
+        reports = self._load_loras(batch)
         if not self.leader:
             with invariant.batch_invariant(self.config.deterministic):
                 self._forward(batch, [])
@@ -334,7 +357,28 @@ class ModelRunner:
         ready, failures = self.grammar_cache.poll()
         result.grammars_ready = ready
         result.grammar_failures = [GrammarFailure(k, m) for k, m in failures]
+        result.loras = reports
         return result
+
+    def _load_loras(self, batch: Step) -> list[LoraReport]:
+        """Drop, then load, the step's adapters (every rank: each holds its shard); a
+        failure is reported, not raised: the server goes on without that adapter. The
+        step's released slots let go of theirs first (an adapter is dropped in the step
+        that releases its last request's slot)."""
+        for slot in batch.release:
+            self.loras.clear(slot)
+        for lora_id in batch.drop_loras:
+            self.loras.drop(lora_id)
+        reports = []
+        for spec in batch.load_loras:
+            try:
+                adapter = self.loras.load(spec.id, spec.name, spec.path)
+            except (ValueError, OSError) as e:  # LoraError is a ValueError
+                reports.append(LoraReport(spec.id, error=str(e)))
+                continue
+            reports.append(LoraReport(spec.id, adapter.digest, adapter.rank))
+            log.info("LoRA %r loaded from %s (rank %d)", spec.name, spec.path, adapter.rank)
+        return reports
 
     def close(self) -> None:
         """Finish the cache tier copies queued and stop the copy thread (the
@@ -418,6 +462,7 @@ class ModelRunner:
         for slot in batch.release:
             self.page_table.clear(slot)
             self.sampler.remove(slot)
+            self.loras.clear(slot)
             if self.leader:
                 self.logits_processor.remove(slot)
                 self.grammars.remove(slot)
@@ -435,6 +480,7 @@ class ModelRunner:
             self.page_table.check_slot(r.slot)
             if r.sampling is not None:
                 self.sampler.add(r.slot, r.sampling)  # followers too: the checks read it
+                self.loras.assign(r.slot, r.lora)
                 if self.leader:
                     self.logits_processor.add(r.slot, r.sampling, r.prompt_len, r.history)
                     error = self.grammars.add(r.slot, r.sampling, r.prompt_len, r.history)
@@ -477,14 +523,16 @@ class ModelRunner:
         if input_ids.min() < 0 or input_ids.max() >= self.vocab_size:
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
         flat_positions = np.concatenate(positions)
-        if self._graph_step(batch, attn):
+        lora = self.loras.batch([r.slot for r in batch.reqs], attn.qo_indptr)
+        self._lora_rows = lora is not None
+        if lora is None and self._graph_step(batch, attn):
             assert self.graphs is not None
             logits = self.graphs.run(attn, input_ids, flat_positions)
         else:
             self.backend.begin_batch(attn)
             rows = np.asarray(logits_rows + score_rows, dtype=np.int64)
             ids_t, pos_t, rows_t = self._inputs.to_device([input_ids, flat_positions, rows])
-            logits = self.model(ids_t, pos_t, max(kv_lens) - 1, self.backend, rows_t)
+            logits = self.model(ids_t, pos_t, max(kv_lens) - 1, self.backend, rows_t, lora)
         if logits is None:  # a follower rank
             return torch.zeros(0, self.vocab_size), 0, []
         num_sampled = len(logits_rows)  # the scoring rows come after the sampling ones

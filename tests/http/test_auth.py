@@ -29,6 +29,9 @@ class Admin:
     async def health(self, timeout=None):
         return {"status": "ok"}
 
+    async def list_lora_adapters(self, timeout=None):
+        return []
+
 
 def call(keys: Keys, method: str, path: str, key: str | None) -> int:
     async def run() -> int:
@@ -60,6 +63,9 @@ BOTH = Keys(api_key="user-key", admin_key="admin-key")
         (BOTH, "GET", "/stats", "user-key", 200),
         (BOTH, "POST", "/flush_cache", "user-key", 401),
         (BOTH, "POST", "/flush_cache", "admin-key", 200),
+        (BOTH, "POST", "/v1/load_lora_adapter", "user-key", 401),
+        (BOTH, "POST", "/v1/unload_lora_adapter", "user-key", 401),
+        (BOTH, "POST", "/v1/load_lora_adapter", "admin-key", 400),  # past the key: no body
         (BOTH, "POST", "/v1/completions", None, 401),  # refused before the body is read
         (BOTH, "GET", "/health", None, 200),
         (Keys(api_key="user-key"), "POST", "/flush_cache", "user-key", 200),

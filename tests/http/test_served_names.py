@@ -20,6 +20,9 @@ class Tokenizer:
     async def tokenize(self, prompt=None, **_):
         return [1, 2, 3]
 
+    async def list_lora_adapters(self, timeout=None):
+        return [{"name": "ad", "id": 1, "path": "/adapters/ad", "digest": "d", "rank": 4}]
+
 
 def test_several_names_reach_the_front_and_each_is_served():
     args = build_parser().parse_args(["launch", "--served-model-name", "main", "alias"])
@@ -33,7 +36,8 @@ def test_several_names_reach_the_front_and_each_is_served():
         transport = httpx.ASGITransport(app=create_app(state))
         async with httpx.AsyncClient(transport=transport, base_url="http://front") as c:
             cards = (await c.get("/v1/models")).json()["data"]
-            assert [card["id"] for card in cards] == ["main", "alias"]
+            assert [card["id"] for card in cards] == ["main", "alias", "ad"]
+            assert (cards[2]["parent"], cards[2]["root"]) == ("main", "/adapters/ad")
             for name, status in (("main", 200), ("alias", 200), ("other", 404)):
                 r = await c.post("/tokenize", json={"model": name, "prompt": "x"})
                 assert r.status_code == status, (name, r.text)
