@@ -139,4 +139,13 @@ def tokenizer_config(config: EngineConfig) -> TokenizerConfig:
 def scheduler_config(config: EngineConfig, info: ModelInfo) -> SchedulerConfig:
     if info.page_size != config.page_size:
         raise ValueError(f"the worker's page size {info.page_size} != {config.page_size}")
-    return _derive(SchedulerConfig, config, **{n: getattr(info, n) for n in MODEL_FIELDS})
+    given: dict[str, Any] = {n: getattr(info, n) for n in MODEL_FIELDS}
+    if info.state_bytes:
+        # A hybrid model: a cached prefix is of no use without the recurrent state at
+        # its end, which the prefix cache does not keep, so every prompt is computed
+        # whole and pages are freed at finish (docs/models.md, "Hybrid models").
+        if config.host_cache_gb:
+            raise ValueError("cache tiers (--host-cache-gb) do not hold recurrent states: "
+                             f"{info.model_name} is a hybrid model")  # fmt: skip
+        given["cache"] = "none"
+    return _derive(SchedulerConfig, config, **given)

@@ -32,6 +32,7 @@ class ModelInfo:
     host_pages: int = 0  # the host tier's size in pages (0: no cache tiers)
     page_bytes: int = 0  # one page's KV, all layers
     kv_identity: str = ""  # what a page's KV depends on besides its tokens (disk tier)
+    state_bytes: int = 0  # one request's recurrent state (hybrid models; 0: none)
 
     @classmethod
     def from_dict(cls, info: dict[str, Any]) -> ModelInfo:

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from radixserve.layers.parallel import SINGLE, Comm
+from radixserve.layers.recurrent import StateSegment
 from radixserve.model_info import ModelInfo
 from radixserve.models import decode_step
 from radixserve.models.config import ModelConfig
@@ -77,6 +78,7 @@ from radixserve.worker.malloc import tune_malloc
 from radixserve.worker.page_table import PageTable
 from radixserve.worker.sampler import Sampler
 from radixserve.worker.staging import Staging
+from radixserve.worker.state_pool import StatePool, StepStates
 
 # How long a step with nothing to compute waits for a grammar being compiled or a
 # ticket of cache tier copies.
@@ -118,7 +120,8 @@ class ModelRunner:
         self.model_config = cfg
         self._model_name = source.name
         heads = head_shard(cfg, Shard(comm.rank, comm.size))  # this rank's share of the heads
-        dims = (cfg.num_layers, config.page_size, heads.kv_heads, cfg.head_dim, dtype)
+        # A hybrid model's recurrent layers have no K/V: the pool holds the others only.
+        dims = (len(cfg.kv_layers), config.page_size, heads.kv_heads, cfg.head_dim, dtype)
         if config.num_pages is not None:
             num_pages = config.num_pages
         else:
@@ -127,16 +130,22 @@ class ModelRunner:
         self._num_pages = num_pages
         # Decode graphs only without tensor parallelism for now: a captured step would hold
         # the ranks' collectives, and followers return no logits.
-        graphs_off = config.disable_cuda_graph or comm.size > 1
+        # Nor for hybrid models: their recurrent layers' states are not in the captured inputs.
+        graphs_off = config.disable_cuda_graph or comm.size > 1 or cfg.hybrid
         capturer = None if graphs_off else cuda_graph.capturer_for(self._device)
         # With graphs possible, one more page than the scheduler is told of: pad rows of a
         # replayed batch read and write it, and no request is ever given it.
         self.pool = KVPool(
-            cfg.num_layers, num_pages + (capturer is not None), config.page_size,
+            len(cfg.kv_layers), num_pages + (capturer is not None), config.page_size,
             heads.kv_heads, cfg.head_dim, dtype, self._device,
         )  # fmt: skip
+        # A hybrid model's recurrent states: one working entry per slot (state_pool.py).
+        self.states: StatePool | None = None
+        if cfg.hybrid:
+            self.states = StatePool(cfg, config.max_running_requests, 0, dtype, self._device)
+        self.state_bytes = StatePool.bytes_per_entry(cfg, dtype)
         self.backend = create_backend(
-            config.attention_backend, self.pool, cfg.attention_scale, cfg.sliding_windows,
+            config.attention_backend, self.pool, cfg.attention_scale, cfg.kv_sliding_windows,
             heads.q_heads, config.decode_kernel, cfg.attn_softcap,
             {"prefill_backend": config.flashinfer_prefill_backend},
         )  # fmt: skip
@@ -255,6 +264,7 @@ class ModelRunner:
             host_pages=0 if self.host_cache is None else self.host_cache.num_slots,
             page_bytes=self.page_bytes,
             kv_identity=self.kv_identity,
+            state_bytes=self.state_bytes,
         )
 
     def warmup(self, prefill_tokens: int, decode_batch: int) -> None:
@@ -416,6 +426,7 @@ class ModelRunner:
         ids, positions, logits_rows, score_rows = [], [], [], []
         plans: list[tuple] = []
         qo_indptr, kv_lens, page_counts, tables = [0], [], [], []
+        segments: list[StateSegment] = []
         seen: set[int] = set()
         s = self.page_size
         for r in batch.reqs:
@@ -448,6 +459,10 @@ class ModelRunner:
             ids.append(np.asarray(r.input_ids, dtype=np.int64))
             positions.append(np.arange(r.start_pos, kv_len, dtype=np.int64))
             qo_indptr.append(qo_indptr[-1] + n)
+            if self.states is not None:
+                if r.start_pos == 0:  # a sequence's start: its recurrent state is empty
+                    self.states.zero(r.slot)
+                segments.append(StateSegment(qo_indptr[-2], qo_indptr[-1], r.slot))
             if r.sample:
                 logits_rows.append(qo_indptr[-1] - 1)
             if len(r.score_ids):
@@ -474,7 +489,8 @@ class ModelRunner:
             self.backend.begin_batch(attn)
             rows = np.asarray(logits_rows + score_rows, dtype=np.int64)
             ids_t, pos_t, rows_t = self._inputs.to_device([input_ids, flat_positions, rows])
-            logits = self.model(ids_t, pos_t, max(kv_lens) - 1, self.backend, rows_t)
+            states = None if self.states is None else StepStates(self.states, segments)
+            logits = self.model(ids_t, pos_t, max(kv_lens) - 1, self.backend, rows_t, states)
         if logits is None:  # a follower rank
             return torch.zeros(0, self.vocab_size), 0, []
         num_sampled = len(logits_rows)  # the scoring rows come after the sampling ones
