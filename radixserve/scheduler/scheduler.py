@@ -53,26 +53,27 @@ import heapq
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
 from radixserve.protocol import OutputItem, Step, StepResult
 from radixserve.sampling_params import SamplingParams
+from radixserve.scheduler.admission import Admission
 from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.grammars import Grammars
 from radixserve.scheduler.kv_cache import KVCacheManager
 from radixserve.scheduler.kv_events import KVEventRecorder
-from radixserve.scheduler.policy import order_waiting, shared_prefix_len
 from radixserve.scheduler.radix_impl import make_prefix_cache
 from radixserve.scheduler.request import ReqStatus, Request
 from radixserve.scheduler.reserve import DecodeReserve
 from radixserve.scheduler.step_io import file_scores, step_req, take_tokens
 from radixserve.scheduler.tiered_cache import build_tiers
-from radixserve.scheduler.waiting import WaitingQueue
+from radixserve.scheduler.waiting import QueueTimes, WaitingQueue
 
 
-class Scheduler:
+class Scheduler(Admission):
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.page_size = config.page_size
@@ -84,6 +85,8 @@ class Scheduler:
             config.radix_eviction_policy,
             int(config.max_retained_share * config.num_pages),
         )
+        # What the metrics label evictions with: "none" when nothing is cached.
+        self.cache_policy = config.radix_eviction_policy if config.cache != "none" else "none"
         if config.host_pages:
             self.cache = build_tiers(self.cache, self.allocator, config)
         self.kv = KVCacheManager(self.allocator, self.cache)
@@ -113,6 +116,7 @@ class Scheduler:
         self.hit_tokens = 0
         self.query_tokens = 0
         self.tier_hit_tokens = [0, 0, 0]  # hit_tokens by tier: pool, host, disk
+        self.queue_times = QueueTimes()  # arrival to first admission, by priority
 
     # ------------------------------------------------------------- requests
     def add_request(
@@ -129,6 +133,7 @@ class Scheduler:
         final_len = self._final_len(len(prompt), sampling)
         # Every sample is built before any is queued: a failure queues nothing.
         samples = []
+        now = self.clock()
         for i in range(sampling.n):
             params = sampling
             if sampling.n > 1 and sampling.seed is not None:
@@ -145,6 +150,7 @@ class Scheduler:
                 self.kv.pages_for(final_len),
             )
             self._arrivals += 1
+            req.queued_at = now
             samples.append(req)
         self.waiting.extend(samples)
         self._requests[rid] = samples
@@ -282,43 +288,6 @@ class Scheduler:
             self.num_timeouts += 1
             self._outputs += self._fail(rid, f"the request timed out after {timeout:g} s")
 
-    def _preempt(self) -> None:
-        """Under the priority policy: while the best waiting request (lowest
-        ``priority``, then oldest) cannot be admitted (no free slot, or too few
-        pages), retract running requests of a worse priority, worst and newest
-        first. Their computed KV goes into the tree, so they resume from the cache;
-        one preempted ``max_preemptions`` times is not preempted again."""
-        if not self.waiting or not self.running:
-            return
-        best = min(self.waiting, key=lambda r: (r.sampling.priority, r.arrival))
-        level = best.sampling.priority
-        victims = [
-            r
-            for r in self.running
-            if r.sampling.priority > level
-            and r.preemptions < self.config.max_preemptions
-            and r.status in (ReqStatus.PREFILL, ReqStatus.DECODE)
-        ]
-        victims.sort(key=lambda r: (r.sampling.priority, r.admitted), reverse=True)
-        for victim in victims:
-            if self._fits(best):
-                return
-            victim.preemptions += 1
-            self._retract(victim)
-            self.num_priority_preemptions += 1
-
-    def _fits(self, req: Request) -> bool:
-        """Whether ``req`` could be admitted now, as ``_admit`` counts (a slot, its
-        prompt's pages beyond its cached prefix, its decode reservation)."""
-        if not self._free_slots:
-            return False
-        kv = self.kv
-        hit = kv.peek(req) if kv.enabled else 0
-        need = kv.pages_for(req.num_tokens) - hit // self.page_size
-        final = kv.pages_for(req.final_len) - kv.pages_for(req.num_tokens)
-        reserve = self.reserve.of(final)
-        return need + reserve <= kv.available_pages - self.reserve.held(self.running, kv)
-
     def _schedule(self) -> Step | None:
         """Plan the next step; None when there is nothing to compute."""
         assert not self._batch, "the last step's tokens were not taken back"
@@ -455,158 +424,6 @@ class Scheduler:
         return outputs
 
     # -------------------------------------------------------------- helpers
-    def _schedule_decodes(self, batch: list[tuple[Request, int]]) -> None:
-        while True:
-            decoding = [
-                r for r in self.running if r is not self.chunked and r.status is ReqStatus.DECODE
-            ]
-            if self.kv.grow_decodes(decoding):
-                break
-            tiers = self.kv.tiers
-            if not self._retractable() and tiers is not None and tiers.pages_loading:
-                # Pages locked by copies in flight come back once they are reported:
-                # the decodes wait a step rather than fail.
-                return
-            self._retract_newest()
-        # One token each, or the tokens a grammar forced after the last one.
-        batch.extend((r, r.num_tokens - r.kv_len) for r in decoding)
-
-    def _retract_newest(self) -> None:
-        """Send the most recently admitted running request back to the queue.
-
-        Even a request running alone may be retracted: it can hold duplicates
-        of pages the tree also holds for it (it computed a prefix while another
-        request cached the same one), which the fit check in add_request cannot count.
-        Retraction frees them; re-admitted, it matches its own KV in the tree.
-        A lone request without such duplicates always fits (add_request checks);
-        with ``cache="none"`` the cache holds no copy of anything.
-        """
-        if not self._retractable():
-            raise RuntimeError("out of KV pages with a single running request")
-        self._retract(max(self.running, key=lambda r: r.admitted))
-        self.reserve.reset()  # reservations proved too optimistic
-
-    def _retract(self, req: Request) -> None:
-        """Send a running request back to the front of the queue; its computed KV
-        stays in the tree, unlocked, so it resumes from there."""
-        self.running.remove(req)
-        if req is self.chunked:
-            self.chunked = None
-        self.kv.release(req)
-        self._free_slot(req)
-        req.status = ReqStatus.WAITING
-        req.announced = False
-        self.waiting.appendleft(req)
-        self.num_retractions += 1
-
-    def _retractable(self) -> bool:
-        """Whether retracting can free pages (see ``_retract_newest``)."""
-        lone = len(self.running) == 1
-        return bool(self.running) and not (lone and not (self.kv.enabled and self.running[0].dups))
-
-    def _start_loaded(
-        self, batch: list[tuple[Request, int]], budget: int, in_flight: list[Request]
-    ) -> int:
-        """Start the prefill of LOADING requests whose pages have all arrived, in
-        admission order, within ``budget`` tokens; the budget left."""
-        for req in self.running:
-            if budget <= 0:
-                break
-            if req.status is not ReqStatus.LOADING or self.kv.loading(req):
-                continue
-            chunk = req.num_tokens - req.kv_len
-            if chunk > budget:
-                if self.chunked is not None:
-                    continue
-                chunk = budget
-                self.chunked = req
-            req.status = ReqStatus.PREFILL
-            budget -= chunk
-            batch.append((req, chunk))
-            in_flight.append(req)
-        return budget
-
-    def _admit(
-        self, batch: list[tuple[Request, int]], budget: int, in_flight: list[Request]
-    ) -> None:
-        cfg = self.config
-        ps = self.page_size
-        if not self.waiting:
-            return
-        candidates = order_waiting(self.waiting, self.kv, cfg)
-        reserved = self.reserve.held(self.running, self.kv)
-        admitted: list[Request] = []
-        skipped = 0
-        for req in candidates:
-            if budget <= 0 or not self._free_slots:
-                break
-            so = req.sampling.structured
-            if so is not None and not self.grammars.ready(so.key):
-                continue  # its grammar is still compiling: the others go on
-            if self.kv.enabled and in_flight:
-                # Hold it back while a prompt being prefilled shares a real prefix
-                # with it that is not cached yet (in whole pages, the only part it
-                # can ever hit): it will hit that prefix once the prefill is done.
-                shared = shared_prefix_len(req, in_flight)
-                sibling = any(f.rid == req.rid for f in in_flight)
-                # peek only when it can matter: it walks the tree
-                if shared >= (1 if sibling else cfg.shared_prefix_min_tokens) and (
-                    shared - shared % ps > self.kv.peek(req)
-                ):
-                    continue
-            hit = self.kv.acquire_prefix(req)  # the pool's (L1) match
-            need = self.kv.pages_missing(req, req.num_tokens)
-            final_pages = self.kv.pages_missing(req, req.final_len) - need
-            reserve = self.reserve.of(final_pages)
-            if need + reserve > self.kv.available_pages - reserved:
-                # Pass it over: a request that does not fit must not hold back
-                # smaller ones behind it (it is tried again next step, first
-                # once it has aged under lpm, and its reservation shrinks).
-                self.kv.release_prefix(req)
-                skipped += 1
-                if skipped > cfg.max_admit_skips:
-                    break
-                continue
-            # Pages the lower tiers hold come from the budget just checked.
-            hit = self.kv.promote(req)
-            loading = self.kv.loading(req)
-            chunk = req.num_tokens - hit
-            if chunk > budget and not loading:
-                if self.chunked is not None:
-                    self.kv.release_prefix(req)
-                    break
-                chunk = budget
-            # The memory budget above counts evictable pages: this cannot fail.
-            if not self.kv.grow(req, req.num_tokens):
-                self.kv.release_prefix(req)
-                break
-            reserved += reserve
-            if req.cached_tokens < 0:
-                req.cached_tokens = hit
-                req.tier_hits = req.cached_by_tier
-                self.hit_tokens += hit
-                for i, n in enumerate(req.tier_hits):
-                    self.tier_hit_tokens[i] += n
-                self.query_tokens += req.prompt_len
-            req.slot = self._free_slots.pop()
-            req.admitted = self._admissions
-            self._admissions += 1
-            self.running.append(req)
-            admitted.append(req)
-            if loading:
-                req.status = ReqStatus.LOADING  # computes once its pages arrived
-                continue
-            req.status = ReqStatus.PREFILL
-            budget -= chunk
-            if chunk < req.num_tokens - req.kv_len:
-                self.chunked = req
-            in_flight.append(req)
-            batch.append((req, chunk))
-        for req in admitted:
-            self.waiting.remove(req)
-        for req in self.waiting:
-            req.waited_steps += 1
-
     def _finish(self, req: Request, reason: str) -> None:
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
@@ -616,12 +433,6 @@ class Scheduler:
         self.kv.release(req)
         self._free_slot(req)
         self._forget(req)
-
-    def _free_slot(self, req: Request) -> None:
-        if req.announced:  # a LOADING request's slot never reached the worker
-            self._release.append(req.slot)
-        self._free_slots.append(req.slot)
-        req.slot = None
 
     def _forget(self, req: Request) -> None:
         if req.sampling.structured is not None:
@@ -655,7 +466,7 @@ class Scheduler:
         ``copies_pending`` is False first (the Engine, the scheduler process)."""
         return self.kv.flush(keep_disk)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         cached = self.cache.cached_pages
         out = {
             "num_pages": self.config.num_pages,
@@ -673,6 +484,9 @@ class Scheduler:
             "preemptions": self.num_retractions,  # every retraction, priority's included
             "priority_preemptions": self.num_priority_preemptions,
             "timeouts": self.num_timeouts,
+            "evicted_pages": self.kv.evicted_pages,
+            "eviction_policy": self.cache_policy,
+            "queue_time": self.queue_times.snapshot(),
         }
         tiers = self.kv.tiers
         if tiers is not None:
