@@ -66,6 +66,7 @@ class EngineConfig:
     threads: int = _W.threads
     disable_cuda_graph: bool = _W.disable_cuda_graph
     flashinfer_prefill_backend: str = _W.flashinfer_prefill_backend
+    state_snapshots: int | None = _W.state_snapshots
     host_cache_gb: float = _W.host_cache_gb
     disk_cache_dir: str | None = _W.disk_cache_dir  # the scheduler's too
     # The scheduler (SchedulerConfig; page_size and max_running_requests above too;
@@ -116,6 +117,7 @@ MODEL_FIELDS = (
     "host_pages",
     "page_bytes",
     "kv_identity",
+    "state_snapshots",
 )
 
 _C = TypeVar("_C")
@@ -139,13 +141,9 @@ def tokenizer_config(config: EngineConfig) -> TokenizerConfig:
 def scheduler_config(config: EngineConfig, info: ModelInfo) -> SchedulerConfig:
     if info.page_size != config.page_size:
         raise ValueError(f"the worker's page size {info.page_size} != {config.page_size}")
-    given: dict[str, Any] = {n: getattr(info, n) for n in MODEL_FIELDS}
-    if info.state_bytes:
-        # A hybrid model: a cached prefix is of no use without the recurrent state at
-        # its end, which the prefix cache does not keep, so every prompt is computed
-        # whole and pages are freed at finish (docs/models.md, "Hybrid models").
-        if config.host_cache_gb:
-            raise ValueError("cache tiers (--host-cache-gb) do not hold recurrent states: "
-                             f"{info.model_name} is a hybrid model")  # fmt: skip
-        given["cache"] = "none"
-    return _derive(SchedulerConfig, config, **given)
+    if info.state_snapshots and config.host_cache_gb:
+        raise ValueError(
+            "cache tiers (--host-cache-gb) do not hold recurrent states: "
+            f"{info.model_name} is a hybrid model"
+        )
+    return _derive(SchedulerConfig, config, **{n: getattr(info, n) for n in MODEL_FIELDS})

@@ -33,6 +33,7 @@ class ModelInfo:
     page_bytes: int = 0  # one page's KV, all layers
     kv_identity: str = ""  # what a page's KV depends on besides its tokens (disk tier)
     state_bytes: int = 0  # one request's recurrent state (hybrid models; 0: none)
+    state_snapshots: int = 0  # snapshot entries of the state pool (hybrid models)
 
     @classmethod
     def from_dict(cls, info: dict[str, Any]) -> ModelInfo:

@@ -195,6 +195,9 @@ class Admission:
                 if shared >= (1 if sibling else cfg.shared_prefix_min_tokens) and (
                     shared - shared % ps > self.kv.peek(req)
                 ):
+                    # A hybrid model's prefill saves its state where they part.
+                    point = min(shared, req.match_len)
+                    self.kv.mark_divergence(req, in_flight, point - point % ps)
                     continue
             hit = self.kv.acquire_prefix(req)  # the pool's (L1) match
             need = self.kv.pages_missing(req, req.num_tokens)

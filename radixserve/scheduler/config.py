@@ -96,6 +96,9 @@ class SchedulerConfig:
     disk_cache_gb: float = 16.0
     page_bytes: int = 0
     kv_identity: str = ""
+    # A hybrid model's recurrent-state snapshots in the worker's state pool
+    # (ModelInfo; 0: not a hybrid model): the radix tree keeps them (state_cache.py).
+    state_snapshots: int = 0
 
     def __post_init__(self) -> None:
         if self.cache not in CACHE_MODES:

@@ -91,6 +91,14 @@ class Request:
     final_len: int = 0  # the most tokens it can ever hold (prompt + max_tokens, capped)
     score_next: int = -1
     prompt_scores: list | None = None
+    # Hybrid models (KVCacheManager.plan_states): the tree's snapshot to restore at
+    # the next step (-1: none), the snapshot this request holds outside the tree
+    # (-1: none) and the position its state was saved at, and where its match
+    # stopped short of the cached KV (a divergence point to snapshot; 0: none).
+    restore_state: int = -1
+    own_state: int = -1
+    own_state_at: int = 0
+    diverge_at: int = 0
 
     @classmethod
     def create(

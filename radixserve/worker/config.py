@@ -53,6 +53,9 @@ class WorkerConfig:
     pool; 0: no tiers.
     disk_cache_dir: the disk tier's directory (page files that survive restarts);
     needs a host tier; not with ``tp`` > 1 yet.
+    state_snapshots: a hybrid model's recurrent-state snapshots the prefix cache may
+    keep (each one request's state, ``ModelInfo.state_bytes``); None:
+    ``max_running_requests``. Ignored for other models.
     flashinfer_prefill_backend: the flashinfer backend's prefill kernels, ``auto``
     (FlashInfer's choice: fa3 on Hopper), ``fa2`` or ``fa3``. Without prebuilt kernels
     (flashinfer-jit-cache) fa3 takes far longer to JIT-build at start than fa2.
@@ -81,6 +84,7 @@ class WorkerConfig:
     flashinfer_prefill_backend: str = "auto"
     host_cache_gb: float = 0.0
     disk_cache_dir: str | None = None
+    state_snapshots: int | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -118,5 +122,7 @@ class WorkerConfig:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
         if self.dist_timeout <= 0:
             raise ValueError(f"dist_timeout must be > 0 seconds, got {self.dist_timeout}")
+        if self.state_snapshots is not None and self.state_snapshots < 1:
+            raise ValueError(f"state_snapshots must be >= 1, got {self.state_snapshots}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")

@@ -139,10 +139,15 @@ class ModelRunner:
             len(cfg.kv_layers), num_pages + (capturer is not None), config.page_size,
             heads.kv_heads, cfg.head_dim, dtype, self._device,
         )  # fmt: skip
-        # A hybrid model's recurrent states: one working entry per slot (state_pool.py).
+        # A hybrid model's recurrent states: one working entry per slot, then the
+        # snapshots the scheduler's tree keeps (state_pool.py).
         self.states: StatePool | None = None
+        self._warming = False
         if cfg.hybrid:
-            self.states = StatePool(cfg, config.max_running_requests, 0, dtype, self._device)
+            snapshots = config.state_snapshots or config.max_running_requests
+            self.states = StatePool(
+                cfg, config.max_running_requests, snapshots, dtype, self._device
+            )
         self.state_bytes = StatePool.bytes_per_entry(cfg, dtype)
         self.backend = create_backend(
             config.attention_backend, self.pool, cfg.attention_scale, cfg.kv_sliding_windows,
@@ -265,6 +270,7 @@ class ModelRunner:
             page_bytes=self.page_bytes,
             kv_identity=self.kv_identity,
             state_bytes=self.state_bytes,
+            state_snapshots=0 if self.states is None else self.states.num_snapshots,
         )
 
     def warmup(self, prefill_tokens: int, decode_batch: int) -> None:
@@ -283,6 +289,7 @@ class ModelRunner:
         tokens = min(prefill_tokens, self.max_context_len - 1, (self.num_pages - batch + 1) * s - 1)
         if tokens < 1 or batch < 1:
             return
+        self._warming = True  # its decodes start mid-sequence without a state snapshot
         own = -(-(tokens + 1) // s)  # slot 0: its prefill and its decoded token
         pages = np.arange(own + batch - 1, dtype=np.int32)
         first, full = -(-tokens // s), tokens // s  # pages the prefill fills / fills whole
@@ -297,6 +304,7 @@ class ModelRunner:
             decode.append(StepReq(i, ids[:1], full * s, table, True, greedy))
         self.step(Step(decode))
         self.step(Step([], release=np.arange(batch, dtype=np.int32)))
+        self._warming = False
 
     @torch.inference_mode()
     def step(self, batch: Step) -> StepResult:
@@ -415,6 +423,8 @@ class ModelRunner:
             if self.host_cache is None:
                 raise ValueError("a step with cache tier copies, but this worker has no tiers")
             self.host_cache.apply(copies)
+        if len(batch.state_saves):
+            self._save_states(batch.state_saves)
         for slot in batch.release:
             self.page_table.clear(slot)
             self.sampler.remove(slot)
@@ -460,9 +470,7 @@ class ModelRunner:
             positions.append(np.arange(r.start_pos, kv_len, dtype=np.int64))
             qo_indptr.append(qo_indptr[-1] + n)
             if self.states is not None:
-                if r.start_pos == 0:  # a sequence's start: its recurrent state is empty
-                    self.states.zero(r.slot)
-                segments.append(StateSegment(qo_indptr[-2], qo_indptr[-1], r.slot))
+                segments.append(self._state_segment(r, qo_indptr[-2]))
             if r.sample:
                 logits_rows.append(qo_indptr[-1] - 1)
             if len(r.score_ids):
@@ -498,6 +506,37 @@ class ModelRunner:
             (slot, pos, lo + num_sampled, hi + num_sampled, t) for slot, pos, lo, hi, t in plans
         ]
         return logits, num_sampled, plans
+
+    def _save_states(self, pairs: np.ndarray) -> None:
+        """``Step.state_saves``: each slot's state into a snapshot, before anything else."""
+        if self.states is None:
+            raise ValueError("a step saves recurrent states, but this model has none")
+        if len(pairs) % 2:
+            raise ValueError("state_saves holds slot, snapshot pairs")
+        for slot, snapshot in pairs.reshape(-1, 2).tolist():
+            self.page_table.check_slot(slot)
+            self.states.copy(slot, self.states.snapshot_entry(snapshot))
+
+    def _state_segment(self, r: StepReq, lo: int) -> StateSegment:
+        """Set up ``r``'s slot state for its step (empty at position 0, else restored
+        from a snapshot when given) and describe its rows for the model."""
+        assert self.states is not None
+        n = len(r.input_ids)
+        if r.start_pos == 0:
+            self.states.zero(r.slot)
+        elif r.state_restore >= 0:
+            self.states.copy(self.states.snapshot_entry(r.state_restore), r.slot)
+        elif r.sampling is not None and not self._warming:
+            raise ValueError(
+                f"slot {r.slot} starts at position {r.start_pos} without a state snapshot "
+                "(a hybrid model's recurrent layers need the state after its cached prefix)"
+            )
+        if r.state_save < 0:
+            return StateSegment(lo, lo + n, r.slot)
+        if not 1 <= r.state_save_at <= n:
+            raise ValueError(f"slot {r.slot}: state_save_at {r.state_save_at} not in [1, {n}]")
+        entry = self.states.snapshot_entry(r.state_save)
+        return StateSegment(lo, lo + n, r.slot, r.state_save_at, entry)
 
     def _graph_step(self, batch: Step, attn: AttentionBatch) -> bool:
         """Whether this step replays a decode graph: every request one new token, all
