@@ -128,6 +128,18 @@ class Admission:
         self._retract(max(self.running, key=lambda r: r.admitted))
         self.reserve.reset()  # reservations proved too optimistic
 
+    def _mark_divergences(self, rest: list[Request], in_flight: list[Request]) -> None:
+        """Hybrid models: requests left waiting this step that share a prefix with a
+        prompt being prefilled get a state snapshot where they part from it (the
+        prefill saves it), as the held-back requests above do."""
+        if self.kv.states is None or not in_flight:
+            return
+        ps = self.page_size
+        for req in rest:
+            shared = min(shared_prefix_len(req, in_flight), req.match_len)
+            if shared >= self.config.shared_prefix_min_tokens:
+                self.kv.mark_divergence(req, in_flight, shared - shared % ps)
+
     def _retract(self, req: Request) -> None:
         """Send a running request back to the front of the queue; its computed KV
         stays in the tree, unlocked, so it resumes from there."""
@@ -179,8 +191,9 @@ class Admission:
         reserved = self.reserve.held(self.running, self.kv)
         admitted: list[Request] = []
         skipped = 0
-        for req in candidates:
+        for i, req in enumerate(candidates):
             if budget <= 0 or not self._free_slots:
+                self._mark_divergences(candidates[i : i + cfg.max_admit_skips], in_flight)
                 break
             so = req.sampling.structured
             if so is not None and not self.grammars.ready(so.key):

@@ -188,6 +188,23 @@ def test_shared_prefix_hits_its_snapshots(qwen3_5_dir, hf_tokens, page_size):
     eng.check_idle()
 
 
+def test_requests_left_waiting_mark_where_they_diverge(qwen3_5_dir):
+    """Page size 1, 16-token chunks: the first prompt takes the whole budget, so the
+    other two wait without being looked at by admission; still its prefill saves its
+    state where they part from it (40 tokens, between two chunk ends), and both hit
+    all 40. Tokens equal the cache-off engine's."""
+    rng = np.random.default_rng(8)
+    shared = rng.integers(4, 512, 40).tolist()
+    prompts = [shared + rng.integers(4, 512, n).tolist() for n in (9, 4, 13)]
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    eng = Engine(str(qwen3_5_dir), dtype="float64", num_pages=512, chunked_prefill_size=16)
+    cold = Engine(str(qwen3_5_dir), dtype="float64", num_pages=512, cache="none")
+    got = eng.generate(prompts, sp)
+    assert [r.token_ids for r in got] == [r.token_ids for r in cold.generate(prompts, sp)]
+    assert [r.usage.cached_tokens for r in got] == [0, 40, 40]
+    eng.check_idle()
+
+
 def test_multi_turn_resumes_from_the_last_turn(qwen3_5_dir):
     """Each turn sends the whole conversation so far: it hits everything the last
     turn computed, in whole pages (its snapshot saved at release), and its tokens
