@@ -66,6 +66,7 @@ class EngineConfig:
     threads: int = _W.threads
     disable_cuda_graph: bool = _W.disable_cuda_graph
     flashinfer_prefill_backend: str = _W.flashinfer_prefill_backend
+    state_snapshots: int | None = _W.state_snapshots
     host_cache_gb: float = _W.host_cache_gb
     disk_cache_dir: str | None = _W.disk_cache_dir  # the scheduler's too
     deterministic: bool = _W.deterministic
@@ -121,6 +122,7 @@ MODEL_FIELDS = (
     "page_bytes",
     "kv_identity",
     "loras",
+    "state_snapshots",
 )
 
 _C = TypeVar("_C")
@@ -144,4 +146,9 @@ def tokenizer_config(config: EngineConfig) -> TokenizerConfig:
 def scheduler_config(config: EngineConfig, info: ModelInfo) -> SchedulerConfig:
     if info.page_size != config.page_size:
         raise ValueError(f"the worker's page size {info.page_size} != {config.page_size}")
+    if info.state_snapshots and config.host_cache_gb:
+        raise ValueError(
+            "cache tiers (--host-cache-gb) do not hold recurrent states: "
+            f"{info.model_name} is a hybrid model"
+        )
     return _derive(SchedulerConfig, config, **{n: getattr(info, n) for n in MODEL_FIELDS})

@@ -292,6 +292,13 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
         "| flashinfer (fails at start, with the reason, when it cannot run)",
     )
     p.add_argument(
+        "--state-snapshots",
+        type=_positive,
+        default=d.state_snapshots,
+        help="hybrid models: recurrent-state snapshots the prefix cache may keep, each "
+        "one request's state (default: --max-running-requests)",
+    )
+    p.add_argument(
         "--disable-cuda-graph",
         action="store_true",
         default=d.disable_cuda_graph,

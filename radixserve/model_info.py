@@ -34,6 +34,8 @@ class ModelInfo:
     kv_identity: str = ""  # what a page's KV depends on besides its tokens (disk tier)
     # The LoRA adapters loaded at start: {id, name, path, digest, rank} each (docs/lora.md).
     loras: tuple[dict[str, Any], ...] = ()
+    state_bytes: int = 0  # one request's recurrent state (hybrid models; 0: none)
+    state_snapshots: int = 0  # snapshot entries of the state pool (hybrid models)
 
     @classmethod
     def from_dict(cls, info: dict[str, Any]) -> ModelInfo:

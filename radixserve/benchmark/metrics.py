@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from radixserve.benchmark.optimal import optimal_hits
+from radixserve.benchmark.optimal import optimal_hits, snapshot_hits
 from radixserve.benchmark.runner import RequestRecord, RunResult, pairs
 from radixserve.benchmark.workloads import Workload
 
@@ -70,8 +70,8 @@ def summarize(
     ok_idx = [i for i, r in enumerate(recs) if r.ok]
     sent_prompt = sum(len(recs[i].prompt_ids) for i in ok_idx)
 
-    def optimum(ps: int) -> float | None:
-        hits = optimal_hits(sent, ps, starts)
+    def optimum(ps: int, rule=optimal_hits) -> float | None:
+        hits = rule(sent, ps, starts)
         return sum(hits[i] for i in ok_idx) / sent_prompt if sent_prompt else None
 
     hit_known = all(r.cached_known for r in ok)
@@ -125,6 +125,8 @@ def summarize(
         "page_size": page_size,
         "optimal_hit_rate_page1": opt1,
         "optimal_hit_rate": opt_page,
+        # What a hybrid model's snapshot rule reaches with requests one at a time.
+        "snapshot_hit_rate": optimum(page_size, snapshot_hits),
         "hit_vs_optimal": hit_rate / opt_page if hit_rate is not None and opt_page else None,
         **extra,
     }

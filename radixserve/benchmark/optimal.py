@@ -16,6 +16,17 @@ is reused). This is the scheduler's rule (``Request.match_len``).
 
 This is exactly what a radix cache that never evicts can reach when every
 shared prefix is computed once; a real server can only come close from below.
+
+``snapshot_hits`` is the same replay under the rule of a hybrid model's cache
+(recurrent-state snapshots, docs/models.md): a hit must end at a point where an
+earlier request left a snapshot: where it parted (in whole pages) from what was
+cached before it, at the last page boundary before its prompt's last token, and
+at the end of what it computed (in whole pages). Requests are taken one at a
+time, so a request that arrives after the only earlier one sharing its prefix
+finds no snapshot where they part (that one did not know of it); the scheduler
+can do better for requests waiting together (a prefill saves its state where the
+waiting ones part from it), so a server may exceed this replay, never
+``optimal_hits``.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from dataclasses import dataclass, field
 class _Node:
     edge: tuple[int, ...] = ()
     children: dict[int, _Node] = field(default_factory=dict)
+    marked: bool = False  # a marked sequence ends at this node's end
 
 
 class PrefixTrie:
@@ -50,12 +62,30 @@ class PrefixTrie:
             node = child
         return i
 
-    def insert(self, tokens: Sequence[int]) -> None:
+    def deepest_mark(self, tokens: Sequence[int], limit: int) -> int:
+        """Length of the longest prefix of ``tokens``, at most ``limit``, that a
+        ``mark=True`` insert ended at (0 when none)."""
+        node, i, best = self.root, 0, 0
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                break
+            common = _common(child.edge, tokens, i)
+            if common < len(child.edge) or i + common > limit:
+                break
+            i += common
+            node = child
+            if node.marked:
+                best = i
+        return best
+
+    def insert(self, tokens: Sequence[int], mark: bool = False) -> None:
+        """Add ``tokens``; with ``mark``, a node ends where they end and is marked."""
         node, i = self.root, 0
         while i < len(tokens):
             child = node.children.get(tokens[i])
             if child is None:
-                node.children[tokens[i]] = _Node(tuple(tokens[i:]))
+                node.children[tokens[i]] = _Node(tuple(tokens[i:]), marked=mark)
                 return
             common = _common(child.edge, tokens, i)
             if common < len(child.edge):
@@ -66,6 +96,8 @@ class PrefixTrie:
                 child = mid
             i += common
             node = child
+        if mark and node is not self.root:
+            node.marked = True
 
 
 def _common(edge: tuple[int, ...], tokens: Sequence[int], start: int) -> int:
@@ -114,6 +146,32 @@ def optimal_hits(
         start = logprob_starts[i] if logprob_starts is not None else None
         hits.append(cacheable(trie.match(prompt), len(prompt), page_size, start))
         trie.insert(list(prompt) + list(output[:-1]))
+    return hits
+
+
+def snapshot_hits(
+    requests: Iterable[tuple[Sequence[int], Sequence[int]]],
+    page_size: int = 1,
+    logprob_starts: Sequence[int | None] | None = None,
+) -> list[int]:
+    """``optimal_hits`` under the snapshot rule of hybrid models (module docstring)."""
+    cached, marks = PrefixTrie(), PrefixTrie()
+    hits = []
+    for i, (prompt, output) in enumerate(requests):
+        start = logprob_starts[i] if logprob_starts is not None else None
+        limit = hit_limit(len(prompt), start)
+        kv = cacheable(cached.match(prompt), len(prompt), page_size, start)
+        hit = marks.deepest_mark(prompt, max(limit, 0))
+        hits.append(hit)
+        seq = list(prompt) + list(output[:-1])
+        last = len(prompt) - 1
+        points = {last - last % page_size, len(seq) - len(seq) % page_size}
+        if kv > hit:  # where it parts from what was cached: it computes through it
+            points.add(kv)
+        for p in points:
+            if p > 0:
+                marks.insert(seq[:p], mark=True)
+        cached.insert(seq)
     return hits
 
 

@@ -41,6 +41,7 @@ ROWS = [  # (label, metrics key, format)
     ("optimal (page 1)", "optimal_hit_rate_page1", "{:.2%}"),
     ("optimal (server page)", "optimal_hit_rate", "{:.2%}"),
     ("hit / optimal", "hit_vs_optimal", "{:.3f}"),
+    ("snapshot rule (hybrid)", "snapshot_hit_rate", "{:.2%}"),
 ]
 SCORE_ROWS = [  # scoring workloads only (a sanity check: see metrics.py)
     ("questions scored", "questions_scored", "{:.0f}"),

@@ -12,6 +12,10 @@ and for stacked experts one group per expert. What differs per family:
   (gate/up/down) per expert.
 - Qwen3-MoE: ``mlp.gate`` (router) and ``mlp.experts.{e}.gate_proj/up_proj/down_proj``;
   layers listed in ``mlp_only_layers`` (or off ``decoder_sparse_step``) have a dense ``mlp``.
+- Qwen3.5 (hybrid): full-attention layers as Qwen3 (``q_proj`` holds each head's q
+  and its output gate); linear-attention layers under ``linear_attn.``:
+  ``in_proj_qkv``/``in_proj_z``/``in_proj_b``/``in_proj_a`` (one ``in_proj``),
+  ``conv1d.weight``, ``A_log``, ``dt_bias``, ``norm.weight``, ``out_proj``.
 - Gemma 2/3: Llama's names plus ``pre_feedforward_layernorm`` and
   ``post_feedforward_layernorm`` per layer (``post_attention_layernorm`` is the norm of
   the attention output there); Gemma 3 adds ``q_norm``/``k_norm``. Multimodal Gemma 3
@@ -50,7 +54,10 @@ def checkpoint_sources(cfg: ModelConfig) -> Sources:
         ours, hf = f"layers.{i}.", f"model.layers.{i}."
         for norm in norms:
             out[ours + norm + ".weight"] = [(hf + norm + ".weight",)]
-        out.update(_attention(cfg, ours + "self_attn.", hf + "self_attn.", fused))
+        if cfg.layer_types and cfg.layer_types[i] == "linear_attention":
+            out.update(_linear_attention(ours + "linear_attn.", hf + "linear_attn."))
+        else:
+            out.update(_attention(cfg, ours + "self_attn.", hf + "self_attn.", fused))
         if cfg.moe is not None and cfg.moe.sparse_layers[i]:
             out.update(_experts(cfg, ours + "mlp.", hf))
         else:
@@ -72,6 +79,18 @@ def _attention(cfg: ModelConfig, ours: str, hf: str, fused: bool) -> Sources:
         out[ours + "q_norm.weight"] = [(hf + "q_norm.weight",)]
         out[ours + "k_norm.weight"] = [(hf + "k_norm.weight",)]
     return out
+
+
+def _linear_attention(ours: str, hf: str) -> Sources:
+    projections = tuple(f"{hf}in_proj_{x}.weight" for x in ("qkv", "z", "b", "a"))
+    return {
+        ours + "in_proj.weight": [projections],
+        ours + "conv_weight": [(hf + "conv1d.weight",)],
+        ours + "A_log": [(hf + "A_log",)],
+        ours + "dt_bias": [(hf + "dt_bias",)],
+        ours + "norm.weight": [(hf + "norm.weight",)],
+        ours + "out_proj.weight": [(hf + "out_proj.weight",)],
+    }
 
 
 def _dense_mlp(cfg: ModelConfig, ours: str, hf: str, fused: bool) -> Sources:

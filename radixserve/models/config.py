@@ -26,6 +26,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3",
     # Gemma 3's multimodal checkpoints: the text model only (its config's ``text_config``).
     "Gemma3ForConditionalGeneration": "gemma3",
+    # Hybrid: gated delta-net linear attention beside gated full attention.
+    "Qwen3_5ForCausalLM": "qwen3_5",
 }
 #: A config without ``architectures`` is matched by its ``model_type`` (= family name,
 #: except Gemma 3: ``gemma3`` is the multimodal config, ``gemma3_text`` the text-only one,
@@ -33,7 +35,10 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 _BY_MODEL_TYPE = {
     **{family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()},
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
 }
+#: Hybrid families: some layers are recurrent (``layer_types``), the rest gated attention.
+HYBRID_FAMILIES = ("qwen3_5",)
 #: Families whose layers are Gemma's: (1 + w) RMSNorms around both sublayers, GeGLU,
 #: embeddings scaled by sqrt(hidden), attention scaled by ``query_pre_attn_scalar``.
 GEMMA_FAMILIES = ("gemma2", "gemma3")
@@ -60,6 +65,25 @@ class MoEConfig:
     intermediate_size: int
     renormalize: bool
     sparse_layers: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """A gated delta-net layer's shape: ``num_k_heads`` query/key heads of
+    ``k_head_dim``, ``num_v_heads`` value heads of ``v_head_dim`` (a multiple of the
+    key heads: each key head serves consecutive value heads), and the causal
+    convolution's kernel length."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution (q, k and v of every head)."""
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
 
 
 @dataclass(frozen=True)
@@ -120,6 +144,40 @@ class ModelConfig:
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
     rope_local_theta: float = 0.0
+    layer_types: tuple[str, ...] = ()  # hybrids: "full_attention" | "linear_attention" per layer
+    linear: LinearAttentionConfig | None = None
+    attn_output_gate: bool = False
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some layers are recurrent (their state is not per-token KV)."""
+        return "linear_attention" in self.layer_types
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers with K/V in the pool (all but the recurrent ones), in order."""
+        return tuple(i for i in range(self.num_layers) if not self._recurrent(i))
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """The recurrent layers, in order (their states live in the state pool)."""
+        return tuple(i for i in range(self.num_layers) if self._recurrent(i))
+
+    def kv_layer(self, layer: int) -> int:
+        """Layer ``layer``'s index in the KV pool."""
+        return self.kv_layers.index(layer)
+
+    def recurrent_index(self, layer: int) -> int:
+        """Layer ``layer``'s index among the recurrent layers (the state pool's)."""
+        return self.recurrent_layers.index(layer)
+
+    def _recurrent(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def kv_sliding_windows(self) -> tuple[int, ...]:
+        """``sliding_windows`` of the KV pool's layers."""
+        return tuple(self.sliding_windows[i] for i in self.kv_layers)
 
     @property
     def attention_scale(self) -> float:
@@ -199,11 +257,12 @@ class ModelConfig:
             sliding_windows=_windows(hf, family),
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=tuple(int(e) for e in eos_ids),
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "qwen3_5"),
             rotary_dim=rotary_dim,
             **_longrope(rope, rope_type, rotary_dim, max_pos, original_max),
             moe=_moe(hf, family),
             **(_gemma(hf, family, head_dim, local_theta) if gemma else {}),
+            **(_hybrid(hf, family) if family in HYBRID_FAMILIES else {}),
         )
 
 
@@ -249,6 +308,34 @@ def _gemma(hf: Any, family: str, head_dim: int, local_theta: float) -> dict[str,
     )
 
 
+def _hybrid(hf: Any, family: str) -> dict[str, Any]:
+    """Qwen3.5's fields: layer types, the gated delta-net shape, (1 + w) norms, the
+    attention output gate."""
+    types = tuple(hf.layer_types)
+    if len(types) != hf.num_hidden_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {hf.num_hidden_layers} layers")
+    unknown = sorted(set(types) - {"full_attention", "linear_attention"})
+    if unknown:
+        raise ValueError(f"unsupported layer types {unknown} for {family}")
+    lin = LinearAttentionConfig(
+        num_k_heads=int(hf.linear_num_key_heads),
+        num_v_heads=int(hf.linear_num_value_heads),
+        k_head_dim=int(hf.linear_key_head_dim),
+        v_head_dim=int(hf.linear_value_head_dim),
+        conv_kernel=int(hf.linear_conv_kernel_dim),
+    )
+    if lin.num_v_heads % lin.num_k_heads:
+        raise ValueError(
+            f"linear_num_value_heads {lin.num_v_heads} is not a multiple of "
+            f"linear_num_key_heads {lin.num_k_heads}"
+        )
+    if lin.conv_kernel < 2:
+        raise ValueError(f"linear_conv_kernel_dim must be >= 2, got {lin.conv_kernel}")
+    if "full_attention" not in types:
+        raise ValueError(f"{family} without a full-attention layer is not supported")
+    return dict(layer_types=types, linear=lin, norm_unit_offset=True, attn_output_gate=True)
+
+
 def _longrope(
     rope: dict[str, Any], rope_type: str, rotary_dim: int, max_pos: int, original_max: int
 ) -> dict[str, Any]:
@@ -277,7 +364,7 @@ def _biases(hf: Any, family: str) -> tuple[bool, bool, bool]:
         return attention, attention, bool(getattr(hf, "mlp_bias", False))
     if family == "qwen2":
         return True, False, False
-    if family in ("qwen3", "qwen3_moe", "gemma2", "gemma3"):
+    if family in ("qwen3", "qwen3_moe", "gemma2", "gemma3", "qwen3_5"):
         attention = bool(getattr(hf, "attention_bias", False))
         return attention, attention, False
     return False, False, False  # mistral, mixtral, phi3

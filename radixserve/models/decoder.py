@@ -24,10 +24,12 @@ from torch import nn
 from radixserve.layers.attention import LayerAttention
 from radixserve.layers.lora import LoraBatch, LoraLayer
 from radixserve.layers.parallel import SINGLE, Comm, ParallelLMHead, VocabParallelEmbedding
+from radixserve.layers.recurrent import LayerStates
 from radixserve.models import decode_step
 from radixserve.models.blocks import MLP, Attention, rms_norm, softcap
 from radixserve.models.checkpoint import checkpoint_sources
 from radixserve.models.config import ModelConfig
+from radixserve.models.hybrid import HybridDecoderLayer
 from radixserve.models.moe import SparseMoeBlock
 from radixserve.models.rope import RotaryEmbedding
 from radixserve.models.sharding import Shard, check_tp, shard_sources, vocab_shard
@@ -138,11 +140,15 @@ class CausalLM(nn.Module):
         check_tp(cfg, comm.size)
         self.cfg = cfg
         self.shard = Shard(comm.rank, comm.size)
-        layer_type = SandwichDecoderLayer if cfg.sandwich_norms else DecoderLayer
         start, rows = vocab_shard(cfg.vocab_size, self.shard)
         with torch.device("meta"):
             self.embed_tokens = VocabParallelEmbedding(rows, cfg.hidden_size, start, comm)
-            self.layers = nn.ModuleList(layer_type(cfg, i, comm) for i in range(cfg.num_layers))
+            if cfg.hybrid:
+                layers = [HybridDecoderLayer(cfg, i) for i in range(cfg.num_layers)]
+            else:
+                layer_type = SandwichDecoderLayer if cfg.sandwich_norms else DecoderLayer
+                layers = [layer_type(cfg, i, comm) for i in range(cfg.num_layers)]
+            self.layers = nn.ModuleList(layers)
             self.norm = rms_norm(cfg, cfg.hidden_size)
             self.lm_head = ParallelLMHead(cfg.hidden_size, rows, cfg.vocab_size, comm)
         self.to_empty(device=device)
@@ -170,6 +176,7 @@ class CausalLM(nn.Module):
         backend: LayerAttention,
         logits_index: torch.Tensor,
         lora: LoraBatch | None = None,
+        states: LayerStates | None = None,
     ) -> torch.Tensor | None:
         """Logits [len(logits_index), vocab] for the selected rows of the flat batch
         (``None`` on a tensor-parallel rank other than 0).
@@ -178,7 +185,9 @@ class CausalLM(nn.Module):
         already describe this batch. Only the selected rows go through the final
         norm and the LM head. ``lora``: the step's LoRA adapters and their rows
         (``layers/lora.py``); a step with adapter rows runs the layers one by one
-        (the one-call native decode step computes base rows only).
+        (the one-call native decode step computes base rows only). A hybrid model's
+        recurrent layers read and update their per-request states through
+        ``states`` (``layers/recurrent.py``); they take no LoRA adapter.
         """
         h = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
@@ -191,10 +200,13 @@ class CausalLM(nn.Module):
         # A decode step the native kernels compute whole takes one call for every
         # layer (decode_step.py); otherwise the layers run one by one.
         stepped = None
-        if self.local_rotary is self.rotary and lora is None:
+        if self.local_rotary is self.rotary and lora is None and not self.cfg.hybrid:
             stepped = decode_step.run(self, h, *full, backend)
         if stepped is not None:
             h, residual = stepped
+        elif self.cfg.hybrid:
+            for layer in self.layers:
+                h, residual = layer.step(h, residual, *full, backend, states)
         else:
             for i, (layer, window) in enumerate(
                 zip(self.layers, self.cfg.sliding_windows, strict=True)

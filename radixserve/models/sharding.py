@@ -75,6 +75,8 @@ def check_tp(cfg: ModelConfig, size: int) -> None:
         raise ValueError(f"--tp must be >= 1, got {size}")
     if size == 1:
         return
+    if cfg.hybrid:
+        raise ValueError(f"--tp {size}: hybrid models ({cfg.architecture}) run on one rank only")
     problems = []
     if cfg.num_heads % size:
         problems.append(f"{cfg.num_heads} attention heads are not divisible by {size}")

@@ -164,6 +164,12 @@ class StepReq(Message):
     score_ids: prompt tokens to score (prompt logprobs): ``score_ids[j]`` is
     the token at position ``score_pos + j``, scored from the logits of the
     position before it, which this step computes.
+    Hybrid models (recurrent states, docs/models.md): with ``start_pos == 0`` the
+    slot's state starts empty; ``state_restore`` (-1: none) is a snapshot copied
+    into the slot's state first (the state after ``start_pos`` tokens, which a
+    slot's first step after a cache hit needs); ``state_save`` (-1: none) is a
+    snapshot the state is copied into after the first ``state_save_at`` of this
+    step's tokens (1 <= state_save_at <= len(input_ids)).
     """
 
     slot: int = f(INT)
@@ -178,6 +184,9 @@ class StepReq(Message):
     score_ids: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
     # The slot's LoRA adapter (0: the base model), given with ``sampling``.
     lora: int = f(INT, 0)
+    state_restore: int = f(INT, -1)
+    state_save_at: int = f(INT, 0)
+    state_save: int = f(INT, -1)
 
 
 @dataclass
@@ -284,7 +293,9 @@ class Step(Message):
     the worker may keep them in its cache of compiled grammars. A slot's
     ``StepReq.sampling`` may name a grammar only once it was reported ready.
     A step with no ``reqs`` waits a little for a compilation, or a ticket of
-    copies, in flight.
+    copies, in flight. ``state_saves`` (hybrid models): pairs ``slot, snapshot``
+    (flat int32): each slot's recurrent state is copied into the snapshot before
+    anything else (before ``release`` clears the slot).
     """
 
     TYPE: ClassVar[str] = "step"
@@ -297,6 +308,7 @@ class Step(Message):
     # LoRA adapters to load and to drop before ``reqs`` run (docs/lora.md).
     load_loras: list[LoraLoad] = f(_nested(LoraLoad), [])
     drop_loras: list[int] = f(INT_LIST, [])
+    state_saves: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
 
 
 @dataclass

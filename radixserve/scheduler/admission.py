@@ -130,6 +130,18 @@ class Admission:
         self._retract(max(self.running, key=lambda r: r.admitted))
         self.reserve.reset()  # reservations proved too optimistic
 
+    def _mark_divergences(self, rest: list[Request], in_flight: list[Request]) -> None:
+        """Hybrid models: requests left waiting this step that share a prefix with a
+        prompt being prefilled get a state snapshot where they part from it (the
+        prefill saves it), as the held-back requests above do."""
+        if self.kv.states is None or not in_flight:
+            return
+        ps = self.page_size
+        for req in rest:
+            shared = min(shared_prefix_len(req, in_flight), req.match_len)
+            if shared >= self.config.shared_prefix_min_tokens:
+                self.kv.mark_divergence(req, in_flight, shared - shared % ps)
+
     def _retract(self, req: Request) -> None:
         """Send a running request back to the front of the queue; its computed KV
         stays in the tree, unlocked, so it resumes from there."""
@@ -182,8 +194,9 @@ class Admission:
         admitted: list[Request] = []
         skipped = 0
         adapters = {r.lora for r in self.running}
-        for req in candidates:
+        for i, req in enumerate(candidates):
             if budget <= 0 or not self._free_slots:
+                self._mark_divergences(candidates[i : i + cfg.max_admit_skips], in_flight)
                 break
             if not self.loras.fits(req.lora, adapters):
                 continue  # --max-loras adapters run already: it waits for one to finish
@@ -200,6 +213,9 @@ class Admission:
                 if shared >= (1 if sibling else cfg.shared_prefix_min_tokens) and (
                     shared - shared % ps > self.kv.peek(req)
                 ):
+                    # A hybrid model's prefill saves its state where they part.
+                    point = min(shared, req.match_len)
+                    self.kv.mark_divergence(req, in_flight, point - point % ps)
                     continue
             hit = self.kv.acquire_prefix(req)  # the pool's (L1) match
             need = self.kv.pages_missing(req, req.num_tokens)

@@ -101,6 +101,9 @@ class SchedulerConfig:
     kv_identity: str = ""
     max_loras: int = 4
     loras: tuple = ()
+    # A hybrid model's recurrent-state snapshots in the worker's state pool
+    # (ModelInfo; 0: not a hybrid model): the radix tree keeps them (state_cache.py).
+    state_snapshots: int = 0
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:

@@ -27,6 +27,23 @@ so release frees the whole page table (plain PagedAttention), or a
 lower tiers, its evictions demote pages, and the copies that takes are handed to
 the next step (``take_copies``, ``step_done``, ``copies_done``). A request whose
 matched pages are still on their way (``loading``) must not compute yet.
+
+A hybrid model's cache is a ``StateRadixCache`` (``state_cache.py``): a match
+ends where the tree holds a recurrent-state snapshot, which the request's first
+step restores, and ``plan_states`` picks where each step saves the request's
+state into a snapshot of its own (``own_state``), which ``cache_computed``
+hands to the tree with the pages ending there. The rule (docs/models.md):
+
+- where the request's match stopped short of the cached KV (it diverges there
+  from a cached sequence), or where a request held back for sharing this one's
+  prefix diverges from it (``mark_divergence``): the next request there hits;
+- otherwise at the last page boundary a step reaches: a prefill chunk's end (the
+  prompt's last chunk: the last boundary before its last token, where the same
+  prompt hits again), or during decode every page (page size 1: none, the state
+  is saved at release);
+- at release (finish, abort, retraction) when the computed length is a page
+  boundary: the slot's state, copied before the slot is cleared
+  (``take_state_saves``, ``Step.state_saves``).
 """
 
 from __future__ import annotations
@@ -35,7 +52,8 @@ import numpy as np
 
 from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.prefix_cache import MatchResult, PrefixCache
-from radixserve.scheduler.request import Request
+from radixserve.scheduler.request import ReqStatus, Request
+from radixserve.scheduler.state_cache import StateRadixCache
 from radixserve.scheduler.tiered_cache import TieredCache
 
 
@@ -44,6 +62,9 @@ class KVCacheManager:
         self.allocator = allocator
         self.cache = cache
         self.page_size = allocator.page_size
+        # A hybrid model's tree, which keeps recurrent-state snapshots (None: not one).
+        self.states = cache if isinstance(cache, StateRadixCache) else None
+        self._state_saves: list[int] = []  # slot, snapshot pairs for the next step
         self._evicted = 0  # pages evicted to make room (not flushes)
 
     @property
@@ -86,6 +107,10 @@ class KVCacheManager:
         m = self.cache.match_prefix(req.tokens[: req.match_len], req.salt)
         self.cache.lock(m.last_node)
         self._hold(req, m, (m.hit_len, 0, 0))
+        if self.states is not None:
+            req.restore_state = self.states.state_of(m.last_node) if m.hit_len else -1
+            kv = self.states.kv_prefix(req.tokens[: req.match_len], req.salt)
+            req.diverge_at = kv if kv > m.hit_len else 0
         return m.hit_len
 
     def _hold(self, req: Request, m: MatchResult, by_tier: tuple[int, int, int]) -> None:
@@ -128,6 +153,7 @@ class KVCacheManager:
             self.cache.unlock(req.node)
         req.node = None
         req.locked_len = req.kv_len = req.num_pages = 0
+        req.restore_state, req.diverge_at = -1, 0
 
     def alloc(self, n: int) -> np.ndarray | None:
         """``n`` fresh pages, evicting LRU cache leaves if needed; None if impossible."""
@@ -167,12 +193,28 @@ class KVCacheManager:
         return True
 
     def cache_computed(self, req: Request) -> None:
-        """Insert the request's computed whole pages into the cache; move its lock."""
+        """Insert the request's computed whole pages into the cache; move its lock.
+        A hybrid model's request hands its snapshot over with the pages ending
+        where it was saved (first, when that is short of the computed pages)."""
         ps = self.page_size
         full = req.kv_len - req.kv_len % ps
-        if full <= req.locked_len:
-            return
-        cached_len, node = self.cache.insert(req.tokens[:full], req.table[: full // ps], req.salt)
+        if req.own_state >= 0 and req.locked_len < req.own_state_at <= full:
+            state, req.own_state = req.own_state, -1
+            self._insert(req, req.own_state_at, state)
+        if full > req.locked_len:
+            self._insert(req, full, -1)
+
+    def _insert(self, req: Request, full: int, state: int) -> None:
+        ps = self.page_size
+        if state >= 0:
+            assert self.states is not None
+            cached_len, node = self.states.insert(
+                req.tokens[:full], req.table[: full // ps], req.salt, state
+            )
+        else:
+            cached_len, node = self.cache.insert(
+                req.tokens[:full], req.table[: full // ps], req.salt
+            )
         assert cached_len >= req.locked_len, "the locked prefix vanished from the cache"
         hint = req.sampling.cache_retention
         if hint is not None and (retain := getattr(self.cache, "retain", None)) is not None:
@@ -186,13 +228,92 @@ class KVCacheManager:
 
     def release(self, req: Request) -> None:
         """Give up the request's KV: cache what was computed, free the rest."""
+        if self.states is not None:
+            self._save_at_release(req)
         self.cache_computed(req)
+        if req.own_state >= 0:
+            assert self.states is not None
+            self.states.free_state(req.own_state)
+        req.own_state, req.own_state_at, req.restore_state, req.diverge_at = -1, 0, -1, 0
         own = req.table[req.locked_len // self.page_size : req.num_pages]
         self.allocator.free(np.concatenate([*req.dups, own]) if req.dups else own)
         self.cache.unlock(req.node)
         req.node = None
         req.dups = []
         req.locked_len = req.kv_len = req.num_pages = req.sent_pages = 0
+
+    # ------------------------------------------------- recurrent states
+    def plan_states(self, req: Request, n: int) -> tuple[int, int, int]:
+        """A hybrid model's state work for ``req``'s next step of ``n`` tokens:
+        ``(snapshot to restore or -1, tokens before the save or 0, snapshot to save
+        into or -1)`` (the rule is in the module docstring)."""
+        st = self.states
+        if st is None:
+            return -1, 0, -1
+        restore, req.restore_state = req.restore_state, -1
+        start, end, ps = req.kv_len, req.kv_len + n, self.page_size
+        at = 0
+        if start < req.diverge_at <= end:
+            at = req.diverge_at
+        elif not (ps == 1 and req.status is ReqStatus.DECODE):
+            # A prompt's last chunk: where the same prompt sent again can hit (a
+            # match leaves the last token to compute).
+            last = end - 1 if req.status is ReqStatus.PREFILL and end == req.num_tokens else end
+            if last - last % ps > start:
+                at = last - last % ps
+        if not at:
+            return restore, 0, -1
+        if req.own_state < 0:
+            state = st.alloc_state()
+            if state is None:  # every snapshot is on a running request's path
+                return restore, 0, -1
+            req.own_state = state
+        req.own_state_at = at
+        return restore, at - start, req.own_state
+
+    def mark_divergence(self, req: Request, others: list[Request], shared: int) -> None:
+        """``req`` waits for ``others`` (being prefilled) to cache the ``shared``
+        tokens (whole pages) they have in common: the first of them that computes
+        that point saves its state there, so ``req`` will hit it."""
+        if self.states is None or shared <= 0:
+            return
+        for other in others:
+            if (
+                other.kv_len < shared <= other.num_tokens
+                and not other.diverge_at
+                and np.array_equal(other.tokens[:shared], req.tokens[:shared])
+            ):
+                other.diverge_at = shared
+                return
+
+    def _save_at_release(self, req: Request) -> None:
+        """At a page boundary, the slot's state (all computed tokens) becomes the
+        request's snapshot there: the worker copies it before clearing the slot."""
+        assert self.states is not None
+        at = req.kv_len
+        if req.slot is None or at % self.page_size or at <= req.locked_len:
+            return
+        if req.own_state >= 0 and req.own_state_at == at:
+            return  # saved there already
+        if req.own_state < 0:
+            state = self.states.alloc_state()
+            if state is None:
+                return
+            req.own_state = state
+        req.own_state_at = at
+        self._state_saves += [req.slot, req.own_state]
+
+    def take_state_saves(self) -> np.ndarray:
+        """The ``slot, snapshot`` pairs the next step copies first (``Step.state_saves``)."""
+        saves, self._state_saves = self._state_saves, []
+        return np.asarray(saves, dtype=np.int32)
+
+    def check_states_idle(self) -> None:
+        """At idle every snapshot is free or held by the tree."""
+        st = self.states
+        if st is not None:
+            assert st.free_states + st.cached_states == st.num_states, "a snapshot leaked"
+            assert not self._state_saves, "state saves never sent"
 
     def held_pages(self, req: Request) -> int:
         """Pages the request holds outside the cache (own pages and duplicates)."""

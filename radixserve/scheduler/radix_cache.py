@@ -543,6 +543,7 @@ class RadixCache:
                 self._uncount(node, self._salt_of(node))
             del parent.children[node.first_key]
             node.parent = None
+            self._removed(node)
             self._num_nodes -= 1
             self._evictable -= len(node.pages)
             victims.append(node.pages)
@@ -557,6 +558,9 @@ class RadixCache:
         if victims:
             self.allocator.free(np.concatenate(victims))
         return freed
+
+    def _removed(self, node: RadixNode) -> None:
+        """Called for each node ``evict`` removes (a subclass frees what it attached)."""
 
     def reset(self) -> None:
         """Empty an idle tree, returning every page to the allocator (ascending ids).

@@ -18,6 +18,7 @@ from __future__ import annotations
 from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.prefix_cache import NoCache, PrefixCache
 from radixserve.scheduler.radix_cache import RadixCache
+from radixserve.scheduler.state_cache import StateRadixCache
 
 try:
     from radixserve.scheduler.radix_native import NativeRadixCache
@@ -81,10 +82,22 @@ def make_prefix_cache(
     impl: str = "auto",
     policy: str = "lru",
     max_retained_pages: int | None = None,
+    num_states: int = 0,
 ) -> PrefixCache:
-    """The prefix cache over ``allocator``: ``cache`` is "radix" or "none"."""
+    """The prefix cache over ``allocator``: ``cache`` is "radix" or "none".
+    ``num_states`` > 0 (a hybrid model's recurrent-state snapshots): the radix tree
+    is the Python ``StateRadixCache``, which keeps them (the native tree does not)."""
     if cache == "none":
         return NoCache(allocator)
     if cache != "radix":
         raise ValueError(f"unknown cache {cache!r}; choose from ('radix', 'none')")
+    if num_states:
+        if impl == "native":
+            raise ValueError(
+                "the native radix tree keeps no recurrent-state snapshots, which a hybrid "
+                "model's cache needs: use --radix-impl python or auto"
+            )
+        return StateRadixCache(
+            allocator, num_states, policy=policy, max_retained_pages=max_retained_pages
+        )
     return make_radix_cache(allocator, allocator.page_size, impl, policy, max_retained_pages)

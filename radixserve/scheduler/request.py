@@ -92,6 +92,14 @@ class Request:
     score_next: int = -1
     prompt_scores: list | None = None
     lora: int = 0  # its LoRA adapter's id (0: the base model; scheduler/lora.py)
+    # Hybrid models (KVCacheManager.plan_states): the tree's snapshot to restore at
+    # the next step (-1: none), the snapshot this request holds outside the tree
+    # (-1: none) and the position its state was saved at, and where its match
+    # stopped short of the cached KV (a divergence point to snapshot; 0: none).
+    restore_state: int = -1
+    own_state: int = -1
+    own_state_at: int = 0
+    diverge_at: int = 0
 
     @classmethod
     def create(

@@ -85,6 +85,7 @@ class Scheduler(Admission):
             config.radix_impl,
             config.radix_eviction_policy,
             int(config.max_retained_share * config.num_pages),
+            config.state_snapshots,
         )
         # What the metrics label evictions with: "none" when nothing is cached.
         self.cache_policy = config.radix_eviction_policy if config.cache != "none" else "none"
@@ -343,7 +344,7 @@ class Scheduler(Admission):
             return None
         self._batch = batch
         self.num_steps += 1
-        reqs = [step_req(req, n) for req, n in batch]
+        reqs = [step_req(req, n, self.kv.plan_states(req, n)) for req, n in batch]
         self._sampled = [r.sample for r in reqs]
         return Step(
             reqs,
@@ -354,6 +355,7 @@ class Scheduler(Admission):
             [copies] if copies is not None else [],
             load_loras,
             drop_loras,
+            self.kv.take_state_saves(),
         )
 
     def _process_step_result(
@@ -471,6 +473,11 @@ class Scheduler(Admission):
         """From now on, record every change of the tree (``--kv-events``,
         docs/scale-out.md); the recorder wraps the cache (with tiers: the tree below
         them), so call before any request."""
+        if self.kv.states is not None:
+            raise ValueError(
+                "KV cache events do not describe recurrent-state snapshots yet: not "
+                "available for hybrid models"
+            )
         tiers = self.kv.tiers
         if tiers is not None:
             # Under the tiers: the events describe the pool (L1), whose pages a match
@@ -535,6 +542,7 @@ class Scheduler(Admission):
             f"page leak: {self.config.num_pages - self.allocator.num_free - cached} pages"
         )
         assert len(self._free_slots) == self.config.max_running_requests, "a slot leaked"
+        self.kv.check_states_idle()
         assert not self.grammars.in_use, "a grammar outlived its requests"
         assert not any(a.requests for a in self.loras.by_id.values()), (
             "a LoRA adapter's request count outlived its requests"

@@ -17,10 +17,11 @@ from radixserve.scheduler.request import Request
 _NO_TOKENS = np.zeros(0, dtype=np.int32)
 
 
-def step_req(req: Request, n: int) -> StepReq:
+def step_req(req: Request, n: int, states: tuple[int, int, int] = (-1, 0, -1)) -> StepReq:
     """What the worker computes for ``req`` this step: ``n`` tokens from ``req.kv_len``,
-    the pages it has not been sent, its sampling the first time, and the prompt
-    positions to score."""
+    the pages it has not been sent, its sampling the first time, the prompt
+    positions to score, and (hybrid models) the state snapshots to restore and
+    save, ``(restore, save_at, save)`` (``KVCacheManager.plan_states``)."""
     # Views, not copies: these ranges of a request's buffers never change
     # while it runs, and the worker consumes the step before the next one.
     new_pages = req.table[req.sent_pages : req.num_pages]
@@ -53,6 +54,7 @@ def step_req(req: Request, n: int) -> StepReq:
         score_pos,
         score_ids,
         req.lora if sampling is not None else 0,
+        *states,
     )
 
 

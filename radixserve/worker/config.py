@@ -59,6 +59,9 @@ class WorkerConfig:
     lora_modules: LoRA adapters (PEFT folders) loaded at start, ``name=path`` each, as
     adapter ids 1, 2, ... in that order (docs/lora.md).
     max_lora_rank: the highest adapter rank accepted (a higher one is refused).
+    state_snapshots: a hybrid model's recurrent-state snapshots the prefix cache may
+    keep (each one request's state, ``ModelInfo.state_bytes``); None:
+    ``max_running_requests``. Ignored for other models.
     flashinfer_prefill_backend: the flashinfer backend's prefill kernels, ``auto``
     (FlashInfer's choice: fa3 on Hopper), ``fa2`` or ``fa3``. Without prebuilt kernels
     (flashinfer-jit-cache) fa3 takes far longer to JIT-build at start than fa2.
@@ -90,6 +93,7 @@ class WorkerConfig:
     deterministic: bool = False
     lora_modules: tuple[str, ...] = ()
     max_lora_rank: int = 64
+    state_snapshots: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_lora_rank < 1:
@@ -130,6 +134,8 @@ class WorkerConfig:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
         if self.dist_timeout <= 0:
             raise ValueError(f"dist_timeout must be > 0 seconds, got {self.dist_timeout}")
+        if self.state_snapshots is not None and self.state_snapshots < 1:
+            raise ValueError(f"state_snapshots must be >= 1, got {self.state_snapshots}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
 

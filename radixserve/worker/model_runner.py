@@ -50,6 +50,7 @@ import torch
 
 from radixserve.layers import invariant
 from radixserve.layers.parallel import SINGLE, Comm
+from radixserve.layers.recurrent import StateSegment
 from radixserve.model_info import ModelInfo
 from radixserve.models import decode_step
 from radixserve.models.config import ModelConfig
@@ -80,6 +81,7 @@ from radixserve.worker.malloc import tune_malloc
 from radixserve.worker.page_table import PageTable
 from radixserve.worker.sampler import Sampler
 from radixserve.worker.staging import Staging
+from radixserve.worker.state_pool import StatePool, StepStates
 
 # How long a step with nothing to compute waits for a grammar being compiled or a
 # ticket of cache tier copies.
@@ -121,7 +123,8 @@ class ModelRunner:
         self.model_config = cfg
         self._model_name = source.name
         heads = head_shard(cfg, Shard(comm.rank, comm.size))  # this rank's share of the heads
-        dims = (cfg.num_layers, config.page_size, heads.kv_heads, cfg.head_dim, dtype)
+        # A hybrid model's recurrent layers have no K/V: the pool holds the others only.
+        dims = (len(cfg.kv_layers), config.page_size, heads.kv_heads, cfg.head_dim, dtype)
         if config.num_pages is not None:
             num_pages = config.num_pages
         else:
@@ -130,16 +133,27 @@ class ModelRunner:
         self._num_pages = num_pages
         # Decode graphs only without tensor parallelism for now: a captured step would hold
         # the ranks' collectives, and followers return no logits.
-        graphs_off = config.disable_cuda_graph or comm.size > 1
+        # Nor for hybrid models: their recurrent layers' states are not in the captured inputs.
+        graphs_off = config.disable_cuda_graph or comm.size > 1 or cfg.hybrid
         capturer = None if graphs_off else cuda_graph.capturer_for(self._device)
         # With graphs possible, one more page than the scheduler is told of: pad rows of a
         # replayed batch read and write it, and no request is ever given it.
         self.pool = KVPool(
-            cfg.num_layers, num_pages + (capturer is not None), config.page_size,
+            len(cfg.kv_layers), num_pages + (capturer is not None), config.page_size,
             heads.kv_heads, cfg.head_dim, dtype, self._device,
         )  # fmt: skip
+        # A hybrid model's recurrent states: one working entry per slot, then the
+        # snapshots the scheduler's tree keeps (state_pool.py).
+        self.states: StatePool | None = None
+        self._warming = False
+        if cfg.hybrid:
+            snapshots = config.state_snapshots or config.max_running_requests
+            self.states = StatePool(
+                cfg, config.max_running_requests, snapshots, dtype, self._device
+            )
+        self.state_bytes = StatePool.bytes_per_entry(cfg, dtype)
         self.backend = create_backend(
-            config.attention_backend, self.pool, cfg.attention_scale, cfg.sliding_windows,
+            config.attention_backend, self.pool, cfg.attention_scale, cfg.kv_sliding_windows,
             heads.q_heads, config.decode_kernel, cfg.attn_softcap,
             {"prefill_backend": config.flashinfer_prefill_backend}, config.deterministic,
         )  # fmt: skip
@@ -285,6 +299,8 @@ class ModelRunner:
             page_bytes=self.page_bytes,
             kv_identity=self.kv_identity,
             loras=tuple(self._start_loras),
+            state_bytes=self.state_bytes,
+            state_snapshots=0 if self.states is None else self.states.num_snapshots,
         )
 
     def warmup(self, prefill_tokens: int, decode_batch: int) -> None:
@@ -303,6 +319,7 @@ class ModelRunner:
         tokens = min(prefill_tokens, self.max_context_len - 1, (self.num_pages - batch + 1) * s - 1)
         if tokens < 1 or batch < 1:
             return
+        self._warming = True  # its decodes start mid-sequence without a state snapshot
         own = -(-(tokens + 1) // s)  # slot 0: its prefill and its decoded token
         pages = np.arange(own + batch - 1, dtype=np.int32)
         first, full = -(-tokens // s), tokens // s  # pages the prefill fills / fills whole
@@ -317,6 +334,7 @@ class ModelRunner:
             decode.append(StepReq(i, ids[:1], full * s, table, True, greedy))
         self.step(Step(decode))
         self.step(Step([], release=np.arange(batch, dtype=np.int32)))
+        self._warming = False
 
     @torch.inference_mode()
     def step(self, batch: Step) -> StepResult:
@@ -459,6 +477,8 @@ class ModelRunner:
             if self.host_cache is None:
                 raise ValueError("a step with cache tier copies, but this worker has no tiers")
             self.host_cache.apply(copies)
+        if len(batch.state_saves):
+            self._save_states(batch.state_saves)
         for slot in batch.release:
             self.page_table.clear(slot)
             self.sampler.remove(slot)
@@ -471,6 +491,7 @@ class ModelRunner:
         ids, positions, logits_rows, score_rows = [], [], [], []
         plans: list[tuple] = []
         qo_indptr, kv_lens, page_counts, tables = [0], [], [], []
+        segments: list[StateSegment] = []
         seen: set[int] = set()
         s = self.page_size
         for r in batch.reqs:
@@ -504,6 +525,8 @@ class ModelRunner:
             ids.append(np.asarray(r.input_ids, dtype=np.int64))
             positions.append(np.arange(r.start_pos, kv_len, dtype=np.int64))
             qo_indptr.append(qo_indptr[-1] + n)
+            if self.states is not None:
+                segments.append(self._state_segment(r, qo_indptr[-2]))
             if r.sample:
                 logits_rows.append(qo_indptr[-1] - 1)
             if len(r.score_ids):
@@ -532,7 +555,8 @@ class ModelRunner:
             self.backend.begin_batch(attn)
             rows = np.asarray(logits_rows + score_rows, dtype=np.int64)
             ids_t, pos_t, rows_t = self._inputs.to_device([input_ids, flat_positions, rows])
-            logits = self.model(ids_t, pos_t, max(kv_lens) - 1, self.backend, rows_t, lora)
+            states = None if self.states is None else StepStates(self.states, segments)
+            logits = self.model(ids_t, pos_t, max(kv_lens) - 1, self.backend, rows_t, lora, states)
         if logits is None:  # a follower rank
             return torch.zeros(0, self.vocab_size), 0, []
         num_sampled = len(logits_rows)  # the scoring rows come after the sampling ones
@@ -540,6 +564,37 @@ class ModelRunner:
             (slot, pos, lo + num_sampled, hi + num_sampled, t) for slot, pos, lo, hi, t in plans
         ]
         return logits, num_sampled, plans
+
+    def _save_states(self, pairs: np.ndarray) -> None:
+        """``Step.state_saves``: each slot's state into a snapshot, before anything else."""
+        if self.states is None:
+            raise ValueError("a step saves recurrent states, but this model has none")
+        if len(pairs) % 2:
+            raise ValueError("state_saves holds slot, snapshot pairs")
+        for slot, snapshot in pairs.reshape(-1, 2).tolist():
+            self.page_table.check_slot(slot)
+            self.states.copy(slot, self.states.snapshot_entry(snapshot))
+
+    def _state_segment(self, r: StepReq, lo: int) -> StateSegment:
+        """Set up ``r``'s slot state for its step (empty at position 0, else restored
+        from a snapshot when given) and describe its rows for the model."""
+        assert self.states is not None
+        n = len(r.input_ids)
+        if r.start_pos == 0:
+            self.states.zero(r.slot)
+        elif r.state_restore >= 0:
+            self.states.copy(self.states.snapshot_entry(r.state_restore), r.slot)
+        elif r.sampling is not None and not self._warming:
+            raise ValueError(
+                f"slot {r.slot} starts at position {r.start_pos} without a state snapshot "
+                "(a hybrid model's recurrent layers need the state after its cached prefix)"
+            )
+        if r.state_save < 0:
+            return StateSegment(lo, lo + n, r.slot)
+        if not 1 <= r.state_save_at <= n:
+            raise ValueError(f"slot {r.slot}: state_save_at {r.state_save_at} not in [1, {n}]")
+        entry = self.states.snapshot_entry(r.state_save)
+        return StateSegment(lo, lo + n, r.slot, r.state_save_at, entry)
 
     def _graph_step(self, batch: Step, attn: AttentionBatch) -> bool:
         """Whether this step replays a decode graph: every request one new token, all

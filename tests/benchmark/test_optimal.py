@@ -11,6 +11,7 @@ from radixserve.benchmark.optimal import (
     hit_limit,
     optimal_hit_rate,
     optimal_hits,
+    snapshot_hits,
 )
 
 
@@ -124,3 +125,46 @@ def test_cacheable():
 
 def test_empty():
     assert optimal_hit_rate([], 1) == 0.0
+
+
+def snapshot_brute_force(requests, page_size, starts=None):
+    """The snapshot rule by brute force: a set of every (prefix) snapshot point; a hit
+    is the longest prompt prefix in it within the cap; each request adds the point
+    where it parts from what was cached (``brute_force``'s hit, when longer), its
+    prompt's last page boundary before its last token and the end of its KV."""
+    points: set[tuple[int, ...]] = set()
+    kv_hits = brute_force(requests, page_size, starts)
+    hits = []
+    for n, (prompt, output) in enumerate(requests):
+        limit = hit_limit(len(prompt), None if starts is None else starts[n])
+        hit = max((i for i in range(1, limit + 1) if tuple(prompt[:i]) in points), default=0)
+        hits.append(hit)
+        seq = list(prompt) + list(output[:-1])
+        last = len(prompt) - 1
+        for p in (last - last % page_size, len(seq) - len(seq) % page_size):
+            if p > 0:
+                points.add(tuple(seq[:p]))
+        if kv_hits[n] > hit:
+            points.add(tuple(seq[: kv_hits[n]]))
+    return hits
+
+
+@settings(max_examples=300, deadline=None)
+@given(reqs, st.sampled_from([1, 2, 3]), st.data())
+def test_snapshot_rule_matches_brute_force(requests, page_size, data):
+    starts = [data.draw(st.one_of(st.none(), st.integers(0, 14))) for _ in requests]
+    got = snapshot_hits(requests, page_size, starts)
+    assert got == snapshot_brute_force(requests, page_size, starts)
+    assert all(s <= o for s, o in zip(got, optimal_hits(requests, page_size, starts)))
+
+
+def test_snapshot_rule_on_a_shared_prefix_and_a_conversation():
+    system = list(range(100, 110))
+    requests = [(system + [1, 2], [7]), (system + [3], [7]), (system + [4, 5, 6], [7])]
+    # One at a time: the second finds no snapshot where it parts from the first
+    # (10), computes through it and leaves one there for the third.
+    assert snapshot_hits(requests, 1) == [0, 0, 10]
+    # A conversation's next turn hits the end of what the last one computed.
+    turn1 = ([1, 2, 3, 4], [5, 6, 7])
+    turn2 = ([1, 2, 3, 4, 5, 6, 7, 8, 9], [1])
+    assert snapshot_hits([turn1, turn2], 2) == optimal_hits([turn1, turn2], 2) == [0, 6]

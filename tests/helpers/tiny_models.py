@@ -96,11 +96,18 @@ FAMILY_DIMS: dict[str, dict[str, object]] = {
                "rope_parameters": {
                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
                    "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}},
+    # Hybrid: three gated delta-net layers (2 key heads serving 4 value heads), then one
+    # gated full-attention layer (a quarter of each head rotated), as Qwen3.5's pattern.
+    "qwen3_5": {"head_dim": 16, "num_hidden_layers": 4, "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4},
 }  # fmt: skip
 
 
 #: The families added after Llama / Qwen2 / Mistral, each with its own oracle tests.
 NEW_FAMILIES = ("qwen3", "mixtral", "qwen3_moe", "phi3", "gemma2", "gemma3")
+#: Hybrid families (recurrent layers beside attention), tested in tests/models/test_hybrid.py.
+HYBRID_FAMILIES = ("qwen3_5",)
 
 
 def tiny_config(arch: str = "llama", **overrides: object):
@@ -117,6 +124,7 @@ def tiny_config(arch: str = "llama", **overrides: object):
         "phi3": transformers.Phi3Config,
         "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
+        "qwen3_5": transformers.Qwen3_5TextConfig,
     }[arch]
     return cls(**{**TINY_DIMS, **FAMILY_DIMS[arch], **overrides})
 
@@ -148,6 +156,10 @@ def make_tiny_model(
                 p.normal_(0.0, 0.1)
             else:
                 p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+            if name.endswith("A_log"):  # slow decays: the state remembers tens of tokens
+                p.copy_(torch.empty_like(p).uniform_(0.005, 0.05).log())
+            elif name.endswith("dt_bias"):
+                p.normal_(-1.0, 0.5)
     model.save_pretrained(folder)
     if not tokenizer:
         return folder
@@ -176,7 +188,9 @@ def patch_hf_float64(model: torch.nn.Module) -> torch.nn.Module:
         model.set_experts_implementation("eager")
     for module in model.modules():
         name = type(module).__name__
-        if name.startswith("Gemma") and name.endswith("RMSNorm"):
+        if name.startswith("Qwen3_5"):
+            _patch_qwen3_5(module, name)
+        elif name.startswith("Gemma") and name.endswith("RMSNorm"):
             module.forward = types.MethodType(_gemma_rmsnorm64, module)
         elif name.startswith("Gemma2") and name.endswith("Attention"):
             sys.modules[type(module).__module__].eager_attention_forward = _eager64
@@ -204,6 +218,77 @@ def patch_hf_float64(model: torch.nn.Module) -> torch.nn.Module:
         elif name.endswith("TopKRouter"):
             module.forward = types.MethodType(_router64, module)
     return model
+
+
+def _patch_qwen3_5(module: torch.nn.Module, name: str) -> None:
+    """Qwen3.5 in float64: (1 + w) norms, the gated head norm, rotary (text positions),
+    and the gated delta-net, whose decay transformers computes from float32 copies
+    (``.float()``) and whose delta rule runs in float32: its forward is recompiled from
+    transformers' own source with ``.float()`` as ``.double()``, and the module's two
+    delta-rule functions become ``_delta_rule64``, the rule token by token in float64."""
+    import inspect
+    import textwrap
+
+    if name == "Qwen3_5RMSNorm":
+        module.forward = types.MethodType(_gemma_rmsnorm64, module)
+    elif name == "Qwen3_5RMSNormGated":
+        module.forward = types.MethodType(_gated_rmsnorm64, module)
+    elif name == "Qwen3_5TextRotaryEmbedding":
+        module.forward = types.MethodType(_qwen3_5_rotary64, module)
+    elif name == "Qwen3_5GatedDeltaNet":
+        mod = sys.modules[type(module).__module__]
+        mod.torch_chunk_gated_delta_rule = _delta_rule64
+        mod.torch_recurrent_gated_delta_rule = _delta_rule64
+        src = textwrap.dedent(inspect.getsource(type(module).forward))
+        src = src[src.index("def forward") :].replace(".float()", ".double()")
+        scope: dict = {}
+        exec(compile(src, mod.__file__, "exec"), mod.__dict__, scope)
+        module.forward = types.MethodType(scope["forward"], module)
+
+
+def _gated_rmsnorm64(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    h = x.to(torch.float64)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    h = self.weight * h.to(x.dtype)
+    return (h * torch.nn.functional.silu(gate.to(torch.float64))).to(x.dtype)
+
+
+def _qwen3_5_rotary64(self, x: torch.Tensor, position_ids: torch.Tensor):
+    # Text positions are the same on the three rotary grids: take the first.
+    rope = self.config.rope_parameters
+    head_dim = self.config.head_dim
+    dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    inv = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    freqs = position_ids[0][..., None].to(torch.float64) * inv.to(x.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def _delta_rule64(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=False, **kwargs):  # fmt: skip
+    """The gated delta rule by its definition, one token at a time, in float64 (the
+    signature of transformers' ``torch_*_gated_delta_rule``)."""
+    dtype = query.dtype
+    _, n, k_heads, dk = key.shape
+    v_heads = value.shape[2]
+    q, k, v, g, beta = (t.to(torch.float64) for t in (query, key, value, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * dk**-0.5
+    q = q.repeat_interleave(v_heads // k_heads, dim=2)
+    k = k.repeat_interleave(v_heads // k_heads, dim=2)
+    b = key.shape[0]
+    s = torch.zeros(b, v_heads, dk, value.shape[-1], dtype=torch.float64)
+    if initial_state is not None:
+        s = initial_state.to(torch.float64).clone()
+    out = torch.zeros(b, n, v_heads, value.shape[-1], dtype=torch.float64)
+    for t in range(n):
+        s = s * g[:, t].exp()[..., None, None]
+        read = (s * k[:, t, :, :, None]).sum(-2)
+        s = s + k[:, t, :, :, None] * (beta[:, t, :, None] * (v[:, t] - read))[:, :, None, :]
+        out[:, t] = (s * q[:, t, :, :, None]).sum(-2)
+    return out.to(dtype), (s if output_final_state else None)
 
 
 def _rmsnorm64(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,202 @@
+"""The layers of hybrid models: gated delta-net linear attention beside gated full
+attention (Qwen3.5).
+
+A hybrid model's layer is ``DecoderLayer``'s pre-norm pair with one of two token
+mixers, by ``ModelConfig.layer_types``:
+
+- ``full_attention``: ``GatedAttention``, the paged attention of ``blocks.py``
+  whose output is multiplied by ``sigmoid(gate)``, the gate being a second half of
+  each q head's projection (``q_proj`` rows are ``[q, gate]`` per head). Its K/V
+  go to the KV pool like any attention layer's; the pool holds the attention
+  layers only (``ModelConfig.kv_layer``).
+- ``linear_attention``: ``GatedDeltaNet``: q/k/v through a depthwise causal
+  convolution (SiLU), L2-normalised q and k, the gated delta rule
+  (``gated_delta.py``) with a per-head decay ``g = -exp(A_log) softplus(a + dt_bias)``
+  and write strength ``beta = sigmoid(b)``, then an RMSNorm of each head's output
+  gated by ``silu(z)``. Its state lives in the worker's state pool, reached
+  through ``LayerStates`` (``layers/recurrent.py``).
+
+The recurrent part (decay, delta rule, state) runs in float32 for half dtypes
+and in the model dtype otherwise, like the norms (``compute_dtype``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from radixserve.layers.attention import LayerAttention
+from radixserve.layers.linear import Linear
+from radixserve.layers.recurrent import LayerStates, StateSegment
+from radixserve.models import gated_delta
+from radixserve.models.blocks import MLP, Attention, compute_dtype, rms_norm
+from radixserve.models.config import ModelConfig
+from radixserve.models.rope import apply_rotary
+
+
+class GatedAttention(Attention):
+    """``Attention`` with an output gate: ``o_proj(attn(q, k, v) * sigmoid(gate))``.
+
+    ``qkv_proj`` is the checkpoint's ``q_proj`` (each head's q then its gate), ``k_proj``
+    and ``v_proj`` stacked; q/k norms as the family says (Qwen3.5: (1 + w))."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__(cfg, layer)
+        q_size, kv_size, _ = self.sizes
+        self.qkv_proj = Linear(cfg.hidden_size, 2 * q_size + 2 * kv_size, bias=cfg.qkv_bias)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: LayerAttention
+    ) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q_size, kv_size, _ = self.sizes
+        qkv = self.qkv_proj(x).contiguous()
+        q_gate, k, v = qkv.split((2 * q_size, kv_size, kv_size), dim=-1)
+        q_gate = q_gate.view(t, self.num_heads, 2, d)
+        q, gate = q_gate[:, :, 0], q_gate[:, :, 1].reshape(t, q_size)
+        k = k.view(t, self.num_kv_heads, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(torch.cat((q, k), dim=1), cos, sin).split(
+            (self.num_heads, self.num_kv_heads), dim=1
+        )
+        out = backend.forward(self.layer, q, k, v.view(t, self.num_kv_heads, d))
+        return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate))
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each head's ``value_dim`` features, scaled by ``weight`` (no unit
+    offset), then multiplied by ``silu(z)``; the norm and the gate in
+    ``compute_dtype``, the scale in the input dtype (as the checkpoints' reference)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype, wide = x.dtype, compute_dtype(x.dtype)
+        h = x.to(wide)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * F.silu(z.to(wide))).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated delta-net linear attention (see the module docstring); ``index`` is the
+    layer's place among the model's recurrent layers (its state pool slice)."""
+
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        lin = cfg.linear
+        assert lin is not None
+        self.index = index
+        self.k_heads, self.v_heads = lin.num_k_heads, lin.num_v_heads
+        self.k_dim, self.v_dim = lin.k_head_dim, lin.v_head_dim
+        key, value = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        self.conv_dim = 2 * key + value
+        self.splits = (self.conv_dim, value, self.v_heads, self.v_heads)  # qkv, z, b, a
+        # The checkpoint's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a as one product.
+        self.in_proj = Linear(cfg.hidden_size, sum(self.splits), bias=False)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, 1, lin.conv_kernel))  # as stored
+        self.A_log = nn.Parameter(torch.empty(self.v_heads))
+        self.dt_bias = nn.Parameter(torch.empty(self.v_heads))
+        self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps)
+        self.out_proj = Linear(value, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, states: LayerStates) -> torch.Tensor:
+        t = x.shape[0]
+        qkv, z, b, a = self.in_proj(x).contiguous().split(self.splits, dim=-1)
+        wide = compute_dtype(x.dtype)
+        beta = torch.sigmoid(b.to(wide))
+        g = -self.A_log.to(wide).exp() * F.softplus(a.to(wide) + self.dt_bias.to(wide))
+        conv = states.conv_state(self.index)
+        rec = states.recurrent_state(self.index)
+        out = torch.empty(t, self.v_heads, self.v_dim, dtype=wide, device=x.device)
+        segments = states.segments
+        if all(s.hi - s.lo == 1 for s in segments):
+            self._decode(qkv, g, beta, segments, conv, rec, out)
+        else:
+            for s in segments:
+                cut = s.lo + s.save_at if s.save_at else s.hi
+                self._prefill(qkv[s.lo:cut], g[s.lo:cut], beta[s.lo:cut], s.entry, conv, rec,
+                              out[s.lo:cut])  # fmt: skip
+                if s.save_at:
+                    conv[s.save_entry] = conv[s.entry]
+                    rec[s.save_entry] = rec[s.entry]
+                if cut < s.hi:
+                    self._prefill(qkv[cut:s.hi], g[cut:s.hi], beta[cut:s.hi], s.entry, conv, rec,
+                                  out[cut:s.hi])  # fmt: skip
+        o = self.norm(out.to(x.dtype), z.reshape(t, self.v_heads, self.v_dim))
+        return self.out_proj(o.reshape(t, -1))
+
+    def _qkv(self, mixed: torch.Tensor, wide: torch.dtype):
+        """Split the convolved rows [n, conv_dim] into normalised, scaled q, k and v
+        per value head ([n, v_heads, dim], in ``wide``)."""
+        n = mixed.shape[0]
+        key = self.k_heads * self.k_dim
+        q, k, v = mixed.to(wide).split((key, key, self.v_heads * self.v_dim), dim=-1)
+        q = gated_delta.l2_normalize(q.reshape(n, self.k_heads, self.k_dim)) * self.k_dim**-0.5
+        k = gated_delta.l2_normalize(k.reshape(n, self.k_heads, self.k_dim))
+        if self.v_heads != self.k_heads:  # each key head serves consecutive value heads
+            rep = self.v_heads // self.k_heads
+            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+        return q, k, v.reshape(n, self.v_heads, self.v_dim)
+
+    def _prefill(self, qkv, g, beta, entry, conv, rec, out) -> None:
+        mixed, conv[entry] = gated_delta.causal_conv(qkv, conv[entry], self.conv_weight[:, 0])
+        q, k, v = self._qkv(mixed, out.dtype)
+        out[:], rec[entry] = gated_delta.chunked(q, k, v, g, beta, rec[entry])
+
+    def _decode(self, qkv, g, beta, segments: list[StateSegment], conv, rec, out) -> None:
+        """One row per request: the states gathered, stepped together, put back."""
+        entries = torch.tensor([s.entry for s in segments], device=qkv.device)
+        mixed, conv_new = gated_delta.conv_step(qkv, conv[entries], self.conv_weight[:, 0])
+        conv.index_copy_(0, entries, conv_new.to(conv.dtype))
+        q, k, v = self._qkv(mixed, out.dtype)
+        out[:], rec_new = gated_delta.recurrent_step(q, k, v, g, beta, rec[entries])
+        rec.index_copy_(0, entries, rec_new)
+        for s in segments:
+            if s.save_at:
+                conv[s.save_entry] = conv[s.entry]
+                rec[s.save_entry] = rec[s.entry]
+
+
+class HybridDecoderLayer(nn.Module):
+    """``DecoderLayer``'s pre-norm residual pair with a gated attention or a gated
+    delta-net token mixer (``ModelConfig.layer_types``) and a dense gated MLP."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = rms_norm(cfg, cfg.hidden_size)
+        self.recurrent = cfg.layer_types[layer] == "linear_attention"
+        if self.recurrent:
+            self.linear_attn = GatedDeltaNet(cfg, cfg.recurrent_index(layer))
+        else:
+            self.self_attn = GatedAttention(cfg, cfg.kv_layer(layer))
+        self.post_attention_layernorm = rms_norm(cfg, cfg.hidden_size)
+        self.mlp = MLP(cfg)
+
+    def step(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: LayerAttention,
+        states: LayerStates | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``DecoderLayer.step``'s contract; a recurrent layer needs ``states``."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            residual, x = self.input_layernorm.add_norm(residual, h)
+        if self.recurrent:
+            if states is None:
+                raise ValueError("a recurrent layer needs the step's states (LayerStates)")
+            a = self.linear_attn(x, states)
+        else:
+            a = self.self_attn(x, cos, sin, backend)
+        residual, x = self.post_attention_layernorm.add_norm(residual, a)
+        return self.mlp(x), residual

@@ -1,0 +1,113 @@
+"""The radix tree of hybrid models (``StateRadixCache``): snapshots under random operations.
+
+Each snapshot id is saved, in the test, for one token prefix (its owner). Random
+inserts (with and without snapshots, splitting edges), matches, locks, evictions
+and snapshot allocations under a small pool run at page sizes 1 and 2 with two
+salts; after each operation every snapshot the tree holds sits at the end of
+exactly its owner's prefix, a match hits the longest prefix that ends at a
+snapshot (found by brute force over every prefix of the query), the snapshot it
+returns is that prefix's, and no snapshot or page is lost or held twice.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from radixserve.scheduler.allocator import PageAllocator
+from radixserve.scheduler.radix_impl import make_prefix_cache
+from radixserve.scheduler.state_cache import StateRadixCache
+
+
+def _paths(tree: StateRadixCache) -> dict[tuple, int]:
+    """(salt, full token prefix) -> snapshot, for every node holding one."""
+    out = {}
+    for node, state in tree._states.items():
+        parts, n = [], node
+        while not n.is_root:
+            parts.append(n.key)
+            n = n.parent
+        out[(n.salt, tuple(np.concatenate(parts[::-1]).tolist()))] = state
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_snapshots_under_random_operations(page_size):
+    rng = np.random.default_rng(page_size)
+    alloc = PageAllocator(40, page_size)
+    tree = StateRadixCache(alloc, 6)
+    owner: dict[int, tuple] = {}  # snapshot -> the (salt, prefix) it was saved for
+    locks: list = []
+    for _ in range(2500):
+        op = rng.integers(6)
+        salt = [None, "t"][rng.integers(2)]
+        tokens = rng.integers(0, 3, rng.integers(0, 13)).tolist()
+        end = len(tokens) - len(tokens) % page_size
+        if op <= 1:  # insert, with a snapshot at its end half the time
+            pages = alloc.alloc(end // page_size)
+            if pages is None:
+                tree.evict(end // page_size)
+                pages = alloc.alloc(end // page_size)
+            if pages is None:
+                continue
+            state = tree.alloc_state() if op == 0 and end else None
+            if state is not None:
+                owner[state] = (salt, tuple(tokens[:end]))
+            cached, _ = tree.insert(tokens, pages, salt, -1 if state is None else state)
+            alloc.free(pages[: cached // page_size])
+        elif op == 2:  # match: the deepest snapshot prefix, by brute force
+            paths = _paths(tree)
+            want = max(
+                (n for n in range(0, end + 1, page_size) if (salt, tuple(tokens[:n])) in paths),
+                default=0,
+            )
+            assert tree.peek_prefix(tokens, salt) == want
+            m = tree.match_prefix(tokens, salt)
+            assert m.hit_len == want
+            if want:
+                assert owner[tree.state_of(m.last_node)] == (salt, tuple(tokens[:want]))
+                tree.lock(m.last_node)
+                locks.append(m.last_node)
+        elif op == 3 and locks:
+            tree.unlock(locks.pop(rng.integers(len(locks))))
+        elif op == 4:
+            tree.evict(int(rng.integers(1, 6)))
+        else:  # a request takes a snapshot and gives it back unused
+            state = tree.alloc_state()
+            if state is not None:
+                owner.pop(state, None)
+                tree.free_state(state)
+        for key, state in _paths(tree).items():
+            assert owner[state] == key, "a snapshot sits at another prefix than its own"
+        locked = {s for n, s in tree._states.items() if n.lock_ref}
+        assert locked <= set(tree._states.values())
+        tree.check()
+        assert tree.free_states + tree.cached_states == tree.num_states
+        assert alloc.num_free + tree.cached_pages == alloc.num_pages
+    for node in locks:
+        tree.unlock(node)
+    tree.reset()
+    assert tree.free_states == tree.num_states and alloc.num_free == alloc.num_pages
+
+
+def test_locked_snapshots_are_never_dropped():
+    alloc = PageAllocator(16, 1)
+    tree = StateRadixCache(alloc, 2)
+    for tokens in ([1, 2], [3, 4]):
+        state = tree.alloc_state()
+        tree.insert(tokens, alloc.alloc(2), None, state)
+    m = tree.match_prefix([1, 2, 9])
+    assert m.hit_len == 2
+    tree.lock(m.last_node)
+    kept = tree.state_of(m.last_node)
+    assert tree.alloc_state() is not None and tree.states_dropped == 1  # [3, 4]'s went
+    assert tree.alloc_state() is None  # the only one left is locked
+    assert tree.state_of(m.last_node) == kept
+    tree.unlock(m.last_node)
+
+
+def test_hybrid_models_take_the_python_tree():
+    alloc = PageAllocator(8, 1)
+    assert isinstance(make_prefix_cache(alloc, "radix", "auto", num_states=4), StateRadixCache)
+    with pytest.raises(ValueError, match="native radix tree keeps no recurrent-state"):
+        make_prefix_cache(alloc, "radix", "native", num_states=4)
