@@ -84,6 +84,10 @@ class EngineConfig:
     radix_eviction_policy: str = _S.radix_eviction_policy
     max_retained_share: float = _S.max_retained_share
     shared_prefix_min_tokens: int = _S.shared_prefix_min_tokens
+    speculative_algorithm: str = _S.speculative_algorithm
+    speculative_num_draft_tokens: int = _S.speculative_num_draft_tokens
+    speculative_min_match: int = _S.speculative_min_match
+    speculative_max_batch: int = _S.speculative_max_batch
     disk_cache_gb: float = _S.disk_cache_gb
     # The tokenizer (TokenizerConfig): limits on input (docs/security.md), chat parsing.
     max_message_bytes: int = _T.max_message_bytes

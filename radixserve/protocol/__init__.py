@@ -63,6 +63,7 @@ from radixserve.protocol.internal import (
     Step,
     StepReq,
     StepResult,
+    Verified,
 )
 from radixserve.protocol.public import (
     PUBLIC_REPLIES,
@@ -193,6 +194,7 @@ __all__ = [
     "StepResult",
     "TOO_MANY_IN_FLIGHT",
     "Tokenize",
+    "Verified",
     "decode",
     "f",
 ]

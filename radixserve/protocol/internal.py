@@ -150,6 +150,17 @@ class StepReq(Message):
     score_ids: prompt tokens to score (prompt logprobs): ``score_ids[j]`` is
     the token at position ``score_pos + j``, scored from the logits of the
     position before it, which this step computes.
+    num_drafts: speculative decoding (docs/speculative.md): the last ``num_drafts``
+    of ``input_ids`` are draft tokens to verify (``sample`` must be True, at least
+    one input token is not a draft, and the slot has no grammar). The worker
+    samples the token after the last real input as usual, then accepts drafts
+    while each equals the token sampled before it (rejection sampling when not
+    greedy), and answers the accepted drafts plus the token sampled after them
+    (``StepResult.verified``). K/V is written for every row; only the accepted
+    rows' K/V counts: the scheduler frees the pages past them.
+    keep_pages: when >= 0, the slot's page table is first cut to this many pages
+    (the scheduler freed the pages past a verification's accepted tokens), then
+    ``new_pages`` are appended.
     """
 
     slot: int = f(INT)
@@ -162,6 +173,8 @@ class StepReq(Message):
     history: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
     score_pos: int = f(INT, 0)
     score_ids: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    num_drafts: int = f(INT, 0)
+    keep_pages: int = f(INT, -1)
 
 
 @dataclass
@@ -293,6 +306,17 @@ class Forced(Message):
 
 
 @dataclass
+class Verified(Message):
+    """Speculative decoding: ``slot``'s new tokens of this step are ``token_ids``,
+    the drafts it accepted followed by the token sampled after them (so at least
+    one, at most ``num_drafts + 1``). Its K/V now covers the step's real inputs and
+    the accepted drafts; the last token has none yet."""
+
+    slot: int = f(INT)
+    token_ids: np.ndarray = f(I32)
+
+
+@dataclass
 class SlotFailure(Message):
     """``slot``'s request must fail with ``message`` (its grammar rejected a token)."""
 
@@ -318,6 +342,9 @@ class StepResult(Message):
     ``failed`` slots must fail; ``grammars_ready`` and ``grammar_failures``
     report compilations finished since the last step.
 
+    Speculative decoding: ``verified`` gives, for each slot whose step had drafts,
+    its new tokens (its entry in ``tokens`` is the first of them).
+
     Cache tiers: ``copies_done`` are the tickets of ``PageCopies`` whose copies
     finished since the last step (each reported once, in any order).
     """
@@ -332,6 +359,7 @@ class StepResult(Message):
     grammars_ready: list[str] = f(STR_LIST, [])
     grammar_failures: list[GrammarFailure] = f(_nested(GrammarFailure), [])
     copies_done: list[int] = f(INT_LIST, [])
+    verified: list[Verified] = f(_nested(Verified), [])
 
 
 # --------------------------------------------------------------------- control
