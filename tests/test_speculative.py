@@ -5,7 +5,9 @@ Engine without speculation, whatever the drafter, page size and chunking, for
 prompts hit in the cache, prompts replayed (radix drafts that are right), prompts
 that repeat themselves (ngram drafts), ``n > 1``, stop strings, a stop token inside
 an accepted run, EOS inside an accepted run, and ``max_tokens`` ending inside one.
-The idle invariant holds after every run (no page or lock left behind).
+The idle invariant holds after every run (no page or lock left behind). Sampling
+with drafts keeps the model's distribution (a test of homogeneity against sampling
+without them).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 
 from radixserve import Engine, SamplingParams
 from tests.helpers.tiny_models import make_tiny_model, use_char_tokenizer
@@ -76,8 +79,9 @@ def plain(tiny_dir, prompts):
     return out
 
 
-@pytest.mark.parametrize("algorithm", ["ngram", "radix"])
-@pytest.mark.parametrize("page_size,chunk", [(1, 2048), (16, 16), (1, 8)])
+@pytest.mark.parametrize(
+    "algorithm,page_size,chunk", [("ngram", 1, 2048), ("radix", 16, 16), ("radix", 1, 8)]
+)
 def test_greedy_outputs_equal_those_without_speculation(
     tiny_dir, prompts, plain, algorithm, page_size, chunk
 ):
@@ -171,3 +175,44 @@ def test_eos_inside_an_accepted_run_ends_it(tiny_dir, prompts, tmp_path):
     assert out["radix"] == out["off"]
     assert out["off"][0] == full.token_ids[: full.token_ids.index(eos) + 1]
     assert out["off"][1] == "stop"
+
+
+def test_sampled_outputs_keep_their_distribution(tiny_dir):
+    """Sampling with radix drafts (the tree holds the greedy continuation and every
+    earlier sample's) against sampling without: the first two tokens of 300
+    independent seeded samples per arm, top-k 3, must come from one distribution
+    (chi-square test of homogeneity); many drafts are accepted and many rejected."""
+    prompt = np.random.default_rng(11).integers(4, 512, 20).tolist()
+    n = 300
+    counts = {}
+    for arm, algorithm in enumerate(("off", "radix")):
+        with engine(tiny_dir, speculative_algorithm=algorithm, speculative_max_batch=1000) as eng:
+            eng.generate(prompt, SamplingParams(max_tokens=4, temperature=0.0))
+            params = [
+                SamplingParams(max_tokens=3, temperature=1.5, top_k=3, seed=arm * n + i)
+                for i in range(n)
+            ]
+            res = eng.generate([prompt] * n, params)
+            stats = eng.stats()
+            eng.check_idle()
+        counts[algorithm] = {}
+        for r in res:
+            key = tuple(r.token_ids[:2])
+            counts[algorithm][key] = counts[algorithm].get(key, 0) + 1
+    assert stats["spec_accepted_tokens"] > 50
+    assert stats["spec_draft_tokens"] - stats["spec_accepted_tokens"] > 50
+    for depth in (1, 2):
+        keys = sorted({k[:depth] for c in counts.values() for k in c})
+        table = np.array(
+            [
+                [sum(v for k, v in c.items() if k[:depth] == key) for key in keys]
+                for c in counts.values()
+            ],
+            dtype=np.float64,
+        )
+        table = table[:, table.sum(axis=0) >= 10]  # chi-square needs no tiny cells
+        expected = table.sum(axis=1, keepdims=True) * table.sum(axis=0) / table.sum()
+        chi2 = float(((table - expected) ** 2 / expected).sum())
+        df = table.shape[1] - 1
+        p = float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(chi2 / 2)))
+        assert df >= 2 and p > 1e-3, (depth, table, p)
