@@ -207,11 +207,28 @@ def step_summary(
     before: dict[str, Any] | None, after: dict[str, Any] | None, requests: int
 ) -> dict[str, Any]:
     """The server's model steps over the run (the delta of its ``steps`` counter),
-    and per finished request; None when the backend does not count them."""
+    and per finished request; None when the backend does not count them. With the
+    speculative decoding counters: drafts verified, the share accepted, and tokens
+    per verification."""
     if not before or not after or "steps" not in before or "steps" not in after:
         return {"steps": None, "steps_per_request": None}
     steps = int(after["steps"]) - int(before["steps"])
-    return {"steps": steps, "steps_per_request": steps / requests if requests else None}
+    out: dict[str, Any] = {
+        "steps": steps,
+        "steps_per_request": steps / requests if requests else None,
+    }
+    if "spec_verifications" in before and "spec_verifications" in after:
+        # Speculative decoding (docs/speculative.md): drafts verified and accepted.
+        drafted, accepted, verifications = (
+            int(after[k]) - int(before[k])
+            for k in ("spec_draft_tokens", "spec_accepted_tokens", "spec_verifications")
+        )
+        out["spec_draft_tokens"] = drafted
+        out["spec_acceptance"] = accepted / drafted if drafted else None
+        out["spec_tokens_per_verification"] = (
+            1 + accepted / verifications if verifications else None
+        )
+    return out
 
 
 def compare_texts(base: list[RequestRecord], other: list[RequestRecord]) -> dict[str, Any]:

@@ -63,6 +63,14 @@ STRUCTURED_ROWS = [  # structured workloads only (json-extract)
 ]
 
 
+SPEC_ROWS = [  # speculative decoding's counters (docs/speculative.md)
+    ("model steps", "steps", "{:.0f}"),
+    ("draft tokens", "spec_draft_tokens", "{:.0f}"),
+    ("acceptance", "spec_acceptance", "{:.2%}"),
+    ("tokens / verification", "spec_tokens_per_verification", "{:.2f}"),
+]
+
+
 def _fmt(value: Any, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
@@ -80,6 +88,8 @@ def table(title: str, variants: list[dict[str, Any]]) -> str:
         rows += SCORE_ROWS
     if any("schema_valid_rate" in v["metrics"] for v in variants):
         rows += STRUCTURED_ROWS
+    if any(v["metrics"].get("spec_draft_tokens") for v in variants):
+        rows += SPEC_ROWS
     for name, key, fmt in rows:
         vals = [v["metrics"].get(key) for v in variants]
         row = [name] + [_fmt(x, fmt) for x in vals]
