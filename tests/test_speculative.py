@@ -22,7 +22,7 @@ import torch
 from radixserve import Engine, SamplingParams
 from tests.helpers.tiny_models import make_tiny_model, use_char_tokenizer
 
-MAX_NEW = 24
+MAX_NEW = 16
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ def test_a_run_of_accepted_drafts_is_cut_exactly(tiny_dir, prompts):
         full = eng.generate(p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
     stop_token = full.token_ids[11]
     stop_text = full.text[len(full.text) // 2 :][:3]
-    cases = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (1, 3, 6, 13)]
+    cases = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (1, 6)]
     cases.append(
         SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_token])
     )
@@ -144,8 +144,8 @@ def test_a_run_of_accepted_drafts_is_cut_exactly(tiny_dir, prompts):
                 out.append((r.token_ids, r.text, r.finish_reason, r.usage.completion_tokens))
             eng.check_idle()
     assert got == want
-    assert want[4][2] == "stop" and want[4][0][-1] == stop_token
-    assert want[5][2] == "stop" and stop_text not in want[5][1]
+    assert want[2][2] == "stop" and want[2][0][-1] == stop_token
+    assert want[3][2] == "stop" and stop_text not in want[3][1]
 
 
 def test_eos_inside_an_accepted_run_ends_it(tiny_dir, prompts, tmp_path):
@@ -165,25 +165,23 @@ def test_eos_inside_an_accepted_run_ends_it(tiny_dir, prompts, tmp_path):
         g = json.loads(gen.read_text())
         g["eos_token_id"] = eos
         gen.write_text(json.dumps(g))
-    out = {}
-    for algorithm in ("off", "radix"):
-        with engine(folder, speculative_algorithm=algorithm) as eng:
-            eng.generate(p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
-            r = eng.generate(p, SamplingParams(max_tokens=30, temperature=0.0))[0]
-            out[algorithm] = (r.token_ids, r.finish_reason)
-            eng.check_idle()
-    assert out["radix"] == out["off"]
-    assert out["off"][0] == full.token_ids[: full.token_ids.index(eos) + 1]
-    assert out["off"][1] == "stop"
+    with engine(folder, speculative_algorithm="radix") as eng:
+        eng.generate(p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+        r = eng.generate(p, SamplingParams(max_tokens=30, temperature=0.0))[0]
+        accepted = eng.stats()["spec_accepted_tokens"]
+        eng.check_idle()
+    # The plain output up to the first EOS, which the replay's drafts reached past.
+    assert r.token_ids == full.token_ids[: full.token_ids.index(eos) + 1]
+    assert r.finish_reason == "stop" and accepted >= len(r.token_ids) - 2
 
 
 def test_sampled_outputs_keep_their_distribution(tiny_dir):
     """Sampling with radix drafts (the tree holds the greedy continuation and every
-    earlier sample's) against sampling without: the first two tokens of 300
+    earlier sample's) against sampling without: the first two tokens of 240
     independent seeded samples per arm, top-k 3, must come from one distribution
     (chi-square test of homogeneity); many drafts are accepted and many rejected."""
     prompt = np.random.default_rng(11).integers(4, 512, 20).tolist()
-    n = 300
+    n = 240
     counts = {}
     for arm, algorithm in enumerate(("off", "radix")):
         with engine(tiny_dir, speculative_algorithm=algorithm, speculative_max_batch=1000) as eng:

@@ -105,7 +105,7 @@ def test_rejection_sampling_keeps_the_models_distribution(params, draft0):
         dtype=torch.float64,
     )
     drafts = [draft0, 1]
-    n = 5000
+    n = 3000
     first, second = [], []
     sampler, proc = Sampler(), LogitsProcessor(VOCAB, (), torch.device("cpu"))
     for seed in range(n):
@@ -118,7 +118,7 @@ def test_rejection_sampling_keeps_the_models_distribution(params, draft0):
     p1 = filtered_probs(rows[1:2], [params])[0].numpy()
     assert chi_square_p(np.asarray(first), p0) > 1e-3
     if p0[draft0] > 0:
-        assert len(second) > 250
+        assert len(second) > 150
         assert chi_square_p(np.asarray(second), p1) > 1e-3
     # The test has power: a distribution 4% off is rejected at these sizes.
     shifted = p0.copy()
