@@ -67,7 +67,6 @@ class Sampler:
             out[torch.tensor(rows, device=out.device)] = tokens
         return out.to(torch.int32).cpu().numpy()
 
-
     def uniforms(self, slot: int, position: int, n: int = 1) -> list[float]:
         """The first ``n`` uniforms of ``slot``'s stream at ``position``: the first is
         the one ``sample`` uses for the token there."""
