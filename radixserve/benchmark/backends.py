@@ -57,6 +57,8 @@ class Backend(Protocol):
         max_tokens: int,
         logprob_start_len: int | None = None,
         structured: StructuredOutput | None = None,
+        priority: int = 0,
+        retention: tuple[int, float] | None = None,
     ) -> AsyncIterator[StreamEvent]: ...
 
     async def reset_cache(self) -> bool:
@@ -90,10 +92,14 @@ class RadixserveBackend:
         max_tokens: int,
         logprob_start_len: int | None = None,
         structured: StructuredOutput | None = None,
+        priority: int = 0,
+        retention: tuple[int, float] | None = None,
     ) -> AsyncIterator[StreamEvent]:
         async for chunk in self.client.generate_stream(
             input_ids=list(input_ids),
-            sampling_params=_bench_sampling(max_tokens, logprob_start_len, structured),
+            sampling_params=_bench_sampling(
+                max_tokens, logprob_start_len, structured, priority, retention
+            ),
         ):
             usage = Usage(**chunk.usage) if chunk.usage else None
             yield StreamEvent(
@@ -167,6 +173,8 @@ class OpenAIBackend:
         max_tokens: int,
         logprob_start_len: int | None = None,
         structured: StructuredOutput | None = None,
+        priority: int = 0,
+        retention: tuple[int, float] | None = None,
     ) -> AsyncIterator[StreamEvent]:
         if logprob_start_len is not None:
             yield await self._score(input_ids, max_tokens, logprob_start_len)
@@ -183,6 +191,10 @@ class OpenAIBackend:
         if structured is not None:
             body["response_format"] = response_format(structured)
             body["ignore_eos"] = False
+        if priority:  # vLLM's field; a server without priority scheduling may refuse it
+            body["priority"] = priority
+        if retention is not None:
+            body["cache_retention"] = list(retention)
         async with self.http.stream("POST", f"{self.base_url}/completions", json=body) as r:
             if r.status_code != 200:
                 detail = (await r.aread()).decode(errors="replace")[:500]
@@ -281,10 +293,15 @@ def response_format(so: StructuredOutput) -> dict[str, Any]:
 
 
 def _bench_sampling(
-    max_tokens: int, logprob_start_len: int | None, structured: StructuredOutput | None = None
+    max_tokens: int,
+    logprob_start_len: int | None,
+    structured: StructuredOutput | None = None,
+    priority: int = 0,
+    retention: tuple[int, float] | None = None,
 ) -> SamplingParams:
     """Greedy; ``max_tokens`` exactly, or for a structured request until its grammar
-    ends; a scored request asks for prompt logprobs from ``logprob_start_len``."""
+    ends; a scored request asks for prompt logprobs from ``logprob_start_len``;
+    ``priority`` and ``retention`` (``cache_retention``) as ``--priority-mix`` set them."""
     score = {}
     if logprob_start_len is not None:
         score = {"prompt_logprobs": 1, "logprob_start_len": logprob_start_len}
@@ -293,6 +310,8 @@ def _bench_sampling(
         temperature=0.0,
         ignore_eos=structured is None,
         structured=structured,
+        priority=priority,
+        cache_retention=retention,
         **score,
     )
 
@@ -331,12 +350,14 @@ class EngineBackend:
         max_tokens: int,
         logprob_start_len: int | None = None,
         structured: StructuredOutput | None = None,
+        priority: int = 0,
+        retention: tuple[int, float] | None = None,
     ) -> AsyncIterator[StreamEvent]:
         import asyncio
 
         from radixserve.tokenizer.output import OutputStream
 
-        sp = _bench_sampling(max_tokens, logprob_start_len, structured)
+        sp = _bench_sampling(max_tokens, logprob_start_len, structured, priority, retention)
         eng = self.engine
         ids = eng.inputs.to_ids(input_ids=list(input_ids))
         eng.inputs.check_sampling(sp)

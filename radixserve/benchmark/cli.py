@@ -47,6 +47,7 @@ from radixserve.benchmark.workloads import (
     TokenSource,
     Workload,
     from_tokenizer,
+    mix_priorities,
 )
 
 # Scoring workloads run twice per target: (label, the runner's score_from).
@@ -133,6 +134,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     r.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
 
+    q = p.add_argument_group("priorities (docs/benchmark.md#priorities)")
+    q.add_argument(
+        "--priority-mix",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="send this share of the roots (with their follow-ups) at --priority-level; "
+        "the table adds TTFT per class",
+    )
+    q.add_argument(
+        "--priority-level",
+        type=int,
+        default=-1,
+        help="the urgent class's priority (lower goes first; the rest send 0)",
+    )
+    q.add_argument(
+        "--retention",
+        default=None,
+        metavar="LEVEL:SECONDS",
+        help="the urgent class also sends cache_retention [LEVEL, SECONDS] "
+        "(kept under --radix-eviction-policy priority)",
+    )
+
     t = p.add_argument_group("target")
     t.add_argument(
         "--compare",
@@ -194,7 +218,31 @@ def build_workload(args: argparse.Namespace, src: TokenSource) -> Workload:
             mode = " --score" if getattr(args, "score", False) else ""
             raise SystemExit(f"radixserve bench: --{name} does not apply to {args.workload}{mode}")
         params[key] = value
-    return builder(src, **params)
+    workload = builder(src, **params)
+    if getattr(args, "priority_mix", None) is not None:
+        try:
+            mix_priorities(
+                workload,
+                args.priority_mix,
+                args.priority_level,
+                _retention(args.retention),
+                args.seed,
+            )
+        except ValueError as e:
+            raise SystemExit(f"radixserve bench: {e}") from None
+    return workload
+
+
+def _retention(text: str | None) -> tuple[int, float] | None:
+    if text is None:
+        return None
+    level, sep, seconds = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(level), float(seconds)
+    except ValueError:
+        raise ValueError(f"--retention takes LEVEL:SECONDS, got {text!r}") from None
 
 
 async def run_variant(

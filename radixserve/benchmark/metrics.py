@@ -78,6 +78,21 @@ def summarize(
     hit_rate = cached_tokens / prompt_tokens if hit_known and prompt_tokens else None
     opt1, opt_page = optimum(1), optimum(page_size)
     extra = score_summary(workload, recs) if workload is not None and workload.answers else {}
+    levels = sorted({r.priority for r in recs})
+    if len(levels) > 1:  # --priority-mix: TTFT per level (the urgent class first)
+        for level in levels:
+            at = [
+                r.chunk_times[0] - r.send_time for r in ok if r.priority == level and r.chunk_times
+            ]
+            name = (
+                "urgent" if level == levels[0] else "normal" if level == levels[-1] else str(level)
+            )
+            extra.update(_stats(at, f"ttft_{name}"))
+            extra[f"requests_{name}"] = sum(r.priority == level for r in ok)
+            mine = [r for r in ok if r.priority == level]
+            prompt = sum(r.usage.prompt_tokens for r in mine)  # type: ignore[union-attr]
+            cached = sum(r.usage.cached_tokens for r in mine)  # type: ignore[union-attr]
+            extra[f"hit_rate_{name}"] = cached / prompt if hit_known and prompt else None
     if workload is not None and workload.structured:
         extra.update(structured_summary(workload, recs))
     return {

@@ -71,6 +71,18 @@ SPEC_ROWS = [  # speculative decoding's counters (docs/speculative.md)
 ]
 
 
+PRIORITY_ROWS = [  # --priority-mix only: the two classes' first-token latency
+    ("requests urgent", "requests_urgent", "{:d}"),
+    ("TTFT urgent median ms", "ttft_urgent_median_ms", "{:.0f}"),
+    ("TTFT urgent p99 ms", "ttft_urgent_p99_ms", "{:.0f}"),
+    ("hit rate urgent", "hit_rate_urgent", "{:.2%}"),
+    ("requests normal", "requests_normal", "{:d}"),
+    ("TTFT normal median ms", "ttft_normal_median_ms", "{:.0f}"),
+    ("TTFT normal p99 ms", "ttft_normal_p99_ms", "{:.0f}"),
+    ("hit rate normal", "hit_rate_normal", "{:.2%}"),
+]
+
+
 def _fmt(value: Any, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
@@ -90,6 +102,8 @@ def table(title: str, variants: list[dict[str, Any]]) -> str:
         rows += STRUCTURED_ROWS
     if any(v["metrics"].get("spec_draft_tokens") for v in variants):
         rows += SPEC_ROWS
+    if any("ttft_urgent_median_ms" in v["metrics"] for v in variants):
+        rows += PRIORITY_ROWS
     for name, key, fmt in rows:
         vals = [v["metrics"].get(key) for v in variants]
         row = [name] + [_fmt(x, fmt) for x in vals]
@@ -132,6 +146,8 @@ def request_rows(result_records: list[Any], texts: bool = False) -> list[dict[st
         )
         if texts:
             rows[-1]["output_text"] = r.output_text
+        if r.priority:
+            rows[-1]["priority"] = r.priority
         if r.score_start is not None:
             rows[-1].update(
                 score_start=r.score_start,

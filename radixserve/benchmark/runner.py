@@ -55,6 +55,7 @@ class RequestRecord:
     score_start: int | None = None
     logprob_start_len: int | None = None
     choice_logprob: float | None = None
+    priority: int = 0
 
     @property
     def ok(self) -> bool:
@@ -116,13 +117,19 @@ async def run(
 
     async def one(node: Node, prompt: list[int]) -> RequestRecord:
         rec = RequestRecord(node.key, next(counter), prompt, node.max_tokens, now())
+        rec.priority = node.priority
         if node.score is not None:
             rec.score_start = node.score.start
             rec.logprob_start_len = node.score.start if score_from == "choice" else 0
         ids: list[int] | None = []
         try:
             stream = backend.stream(
-                prompt, node.max_tokens, rec.logprob_start_len, structured=node.structured
+                prompt,
+                node.max_tokens,
+                rec.logprob_start_len,
+                structured=node.structured,
+                priority=node.priority,
+                retention=node.retention,
             )
             async for ev in stream:
                 if ev.text or ev.token_ids:

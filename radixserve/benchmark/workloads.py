@@ -48,7 +48,8 @@ class Node:
     its parent's prompt and output. ``score``: set when the request scores its
     prompt's tail (prompt logprobs from ``score.start`` on). ``structured``: set
     when its completion must follow a JSON schema (``max_tokens`` is then a bound:
-    it stops when the object is complete)."""
+    it stops when the object is complete). ``priority`` and ``retention`` (its
+    ``cache_retention``): what ``mix_priorities`` set, sent as they are."""
 
     key: str
     tokens: list[int]
@@ -56,6 +57,8 @@ class Node:
     children: list[Node] = field(default_factory=list)
     score: Score | None = None
     structured: StructuredOutput | None = None
+    priority: int = 0
+    retention: tuple[int, float] | None = None
 
     def walk(self) -> Iterator[Node]:
         yield self
@@ -506,3 +509,28 @@ BUILDERS = {
 }
 # The scoring mode of a workload (``radixserve bench few-shot --score``).
 SCORE_BUILDERS = {"few-shot": few_shot_score}
+
+
+def mix_priorities(
+    workload: Workload,
+    share: float,
+    level: int = -1,
+    retention: tuple[int, float] | None = None,
+    seed: int = 0,
+) -> None:
+    """``--priority-mix``: give a seeded ``share`` of the roots, with every request
+    below them (a conversation keeps one level), ``priority=level`` (lower goes first,
+    so the default -1 is the urgent class) and, when given, ``cache_retention``;
+    the rest keep priority 0. At least one root of each class when both are asked
+    for (0 < share < 1) and there are two roots."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"the priority share must be in [0, 1], got {share}")
+    roots = workload.roots
+    n = round(share * len(roots))
+    if 0.0 < share < 1.0 and len(roots) >= 2:
+        n = min(max(n, 1), len(roots) - 1)
+    rng = np.random.default_rng(seed + 7)
+    for i in sorted(rng.permutation(len(roots))[:n].tolist()):
+        for node in roots[i].walk():
+            node.priority, node.retention = level, retention
+    workload.params["priority_mix"] = share

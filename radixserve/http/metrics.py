@@ -5,9 +5,11 @@ Where each metric is measured, and why:
 - From the scheduler's ``stats()``, read at every scrape, so they cover every client
   (ZeroMQ clients too), because only the scheduler knows them: the prefix cache counters
   (``prefix_cache_queries_total`` and ``prefix_cache_hits_total``, in prompt tokens),
-  ``preemptions_total`` (retractions), speculative decoding's
-  ``spec_decode_draft_tokens_total``, ``spec_decode_accepted_tokens_total`` and
-  ``spec_decode_verifications_total``, and the gauges for running / waiting requests and
+  ``preemptions_total`` (retractions), ``prefix_cache_evicted_pages_total`` (by
+  eviction policy), speculative decoding's ``spec_decode_draft_tokens_total``,
+  ``spec_decode_accepted_tokens_total`` and ``spec_decode_verifications_total``, the
+  ``request_queue_time_seconds`` histogram (arrival to first admission, by priority:
+  the scheduler keeps its buckets), and the gauges for running / waiting requests and
   KV pages (free, used by requests, cached in the tree). The scheduler's counters are
   turned into Prometheus counters by adding the increase since the last scrape, so they
   never go down.
@@ -23,9 +25,11 @@ Where each metric is measured, and why:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
 
 PREFIX = "radixserve:"
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -52,6 +56,31 @@ SCHEDULER_COUNTERS = {
         "Verifications (one request's drafts in one step).",
     ),
 }
+
+
+class QueueTimeCollector(Collector):
+    """``request_queue_time_seconds``, arrival to first admission, by priority: the
+    scheduler keeps the histogram (it alone sees admission; stats' ``queue_time``), so
+    each scrape exposes its latest cumulative counts as they are."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.latest: dict = {"bounds": [], "levels": {}}
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        bounds = [*map(str, self.latest["bounds"]), "+Inf"]
+        family = HistogramMetricFamily(
+            PREFIX + "request_queue_time_seconds",
+            "Arrival to first admission (scheduler), by request priority.",
+            labels=["model_name", "priority"],
+        )
+        for level, h in sorted(self.latest["levels"].items()):
+            running, buckets = 0, []
+            for bound, n in zip(bounds, h["buckets"]):
+                running += int(n)
+                buckets.append((bound, running))
+            family.add_metric([self.model_name, level], buckets, float(h["sum"]))
+        yield family
 
 
 class Metrics:
@@ -123,6 +152,14 @@ class Metrics:
         self.tier_pages = gauge(
             "cache_tier_pages", "KV pages held by the host and disk tiers.", ("tier",)
         )
+        # Pages evicted from the pool to make room, labelled with the eviction policy.
+        self.evicted = counter(
+            "prefix_cache_evicted_pages",
+            "KV pages evicted from the pool to make room (flushes not counted).",
+            ("policy",),
+        )
+        self.queue_time = QueueTimeCollector(model_name)
+        r.register(self.queue_time)
         self._lock = asyncio.Lock()
         # Expose every series from the start (at 0), so a first scrape already lists them.
         for family in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e):
@@ -157,6 +194,11 @@ class Metrics:
             self._seen[key] = value
         for row in stats.get("replicas", ()):  # type: ignore[union-attr]
             self._apply_replica(row)
+        if "evicted_pages" in stats:
+            policy = str(stats.get("eviction_policy", "lru"))
+            self._grow(self.evicted.labels(m, policy), ("evicted", ""), int(stats["evicted_pages"]))
+        if "queue_time" in stats:
+            self.queue_time.latest = stats["queue_time"]  # type: ignore[assignment]
         self.running.labels(m).set(stats["running"])
         self.waiting.labels(m).set(stats["waiting"])
         self.kv_pages.labels(m, "free").set(stats["pages_free"])

@@ -31,12 +31,14 @@ from radixserve.scheduler.policy import order_waiting, shared_prefix_len
 from radixserve.scheduler.request import ReqStatus, Request
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from radixserve.scheduler.config import SchedulerConfig
     from radixserve.scheduler.grammars import Grammars
     from radixserve.scheduler.kv_cache import KVCacheManager
     from radixserve.scheduler.reserve import DecodeReserve
     from radixserve.scheduler.speculative import Drafter
-    from radixserve.scheduler.waiting import WaitingQueue
+    from radixserve.scheduler.waiting import QueueTimes, WaitingQueue
 
 
 class Admission:
@@ -59,6 +61,8 @@ class Admission:
     tier_hit_tokens: list[int]
     num_retractions: int
     num_priority_preemptions: int
+    queue_times: QueueTimes
+    clock: Callable[[], float]
 
     def _fits(self, req: Request) -> bool:
         """Whether ``req`` could be admitted now, as ``_admit`` counts (a slot, its
@@ -241,6 +245,7 @@ class Admission:
                 for i, n in enumerate(req.tier_hits):
                     self.tier_hit_tokens[i] += n
                 self.query_tokens += req.prompt_len
+                self.queue_times.observe(req.sampling.priority, self.clock() - req.queued_at)
             req.slot = self._free_slots.pop()
             req.admitted = self._admissions
             self._admissions += 1

@@ -44,11 +44,19 @@ class KVCacheManager:
         self.allocator = allocator
         self.cache = cache
         self.page_size = allocator.page_size
+        self._evicted = 0  # pages evicted to make room (not flushes)
 
     @property
     def tiers(self) -> TieredCache | None:
         """The tiered cache, when the tree has tiers below it."""
         return self.cache if isinstance(self.cache, TieredCache) else None
+
+    @property
+    def evicted_pages(self) -> int:
+        """Pool pages evicted to make room since the start (for requests' pages and,
+        with tiers, for promoted ones); a flush is not counted."""
+        tiers = self.tiers
+        return self._evicted + (tiers.promotion_evictions if tiers is not None else 0)
 
     @property
     def enabled(self) -> bool:
@@ -125,7 +133,7 @@ class KVCacheManager:
         """``n`` fresh pages, evicting LRU cache leaves if needed; None if impossible."""
         ids = self.allocator.alloc(n)
         if ids is None:
-            self.cache.evict(n - self.allocator.num_free)
+            self._evicted += self.cache.evict(n - self.allocator.num_free)
             ids = self.allocator.alloc(n)
         return ids
 

@@ -86,6 +86,7 @@ class Request:
     tier_hits: tuple[int, int, int] = (0, 0, 0)
     admitted: int = -1  # admission counter (retraction picks the newest)
     waited_steps: int = 0
+    queued_at: float = 0.0  # the scheduler's clock at arrival (queue time)
     preemptions: int = 0  # times retracted for a request of a better priority
     announced: bool = False  # the worker has its sampling params
     final_len: int = 0  # the most tokens it can ever hold (prompt + max_tokens, capped)

@@ -55,6 +55,7 @@ import heapq
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
@@ -72,7 +73,7 @@ from radixserve.scheduler.reserve import DecodeReserve
 from radixserve.scheduler.speculative import NO_DRAFT, Drafter
 from radixserve.scheduler.step_io import file_scores, step_req, take_tokens
 from radixserve.scheduler.tiered_cache import build_tiers
-from radixserve.scheduler.waiting import WaitingQueue
+from radixserve.scheduler.waiting import QueueTimes, WaitingQueue
 
 
 class Scheduler(Admission):
@@ -87,6 +88,8 @@ class Scheduler(Admission):
             config.radix_eviction_policy,
             int(config.max_retained_share * config.num_pages),
         )
+        # What the metrics label evictions with: "none" when nothing is cached.
+        self.cache_policy = config.radix_eviction_policy if config.cache != "none" else "none"
         if config.host_pages:
             self.cache = build_tiers(self.cache, self.allocator, config)
         self.kv = KVCacheManager(self.allocator, self.cache)
@@ -123,6 +126,7 @@ class Scheduler(Admission):
         self.hit_tokens = 0
         self.query_tokens = 0
         self.tier_hit_tokens = [0, 0, 0]  # hit_tokens by tier: pool, host, disk
+        self.queue_times = QueueTimes()  # arrival to first admission, by priority
 
     # ------------------------------------------------------------- requests
     def add_request(
@@ -139,6 +143,7 @@ class Scheduler(Admission):
         final_len = self._final_len(len(prompt), sampling)
         # Every sample is built before any is queued: a failure queues nothing.
         samples = []
+        now = self.clock()
         for i in range(sampling.n):
             params = sampling
             if sampling.n > 1 and sampling.seed is not None:
@@ -155,6 +160,7 @@ class Scheduler(Admission):
                 self.kv.pages_for(final_len),
             )
             self._arrivals += 1
+            req.queued_at = now
             samples.append(req)
         self.waiting.extend(samples)
         self._requests[rid] = samples
@@ -497,7 +503,7 @@ class Scheduler(Admission):
         ``copies_pending`` is False first (the Engine, the scheduler process)."""
         return self.kv.flush(keep_disk)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         cached = self.cache.cached_pages
         out = {
             "num_pages": self.config.num_pages,
@@ -516,6 +522,9 @@ class Scheduler(Admission):
             "priority_preemptions": self.num_priority_preemptions,
             "timeouts": self.num_timeouts,
             **self.drafter.stats(),
+            "evicted_pages": self.kv.evicted_pages,
+            "eviction_policy": self.cache_policy,
+            "queue_time": self.queue_times.snapshot(),
         }
         tiers = self.kv.tiers
         if tiers is not None:

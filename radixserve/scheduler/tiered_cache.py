@@ -134,6 +134,7 @@ class TieredCache(PageFollower):
         # Counters (pages) for stats.
         self.demoted = self.promoted = self.loaded = self.to_disk = 0
         self.dropped = self.saved = 0
+        self.promotion_evictions = 0  # pool pages evicted to make room for promoted ones
 
     # ------------------------------------------------------------- contract
     def match_prefix(
@@ -201,7 +202,7 @@ class TieredCache(PageFollower):
         n = len(run)
         ids = self.allocator.alloc(n)
         if ids is None:
-            self.evict(n - self.allocator.num_free)
+            self.promotion_evictions += self.evict(n - self.allocator.num_free)
             ids = self.allocator.alloc(min(n, self.allocator.num_free))
         k = 0 if ids is None else len(ids)
         for tier, key in run[k:]:

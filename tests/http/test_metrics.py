@@ -60,6 +60,12 @@ def test_counters_after_shared_prefix_requests(http_server, zmq_client):
     assert moved("requests_total", finish_reason="length") == 2
     assert moved("requests_total", finish_reason="abort") == 0
     assert moved("preemptions_total") == 0
+    assert moved("prefix_cache_evicted_pages_total", policy="lru") == 0  # no pressure
+    # Queue time, kept by the scheduler per priority: both requests were admitted.
+    key = ("radixserve:request_queue_time_seconds_count", (("priority", "0"),))
+    assert after[key] - before.get(key, 0) == 2
+    inf = ("radixserve:request_queue_time_seconds_bucket", (("le", "+Inf"), ("priority", "0")))
+    assert after[inf] == after[key]
     assert moved("time_to_first_token_seconds_count") == 2
     assert moved("e2e_request_latency_seconds_count") == 2
     assert moved("inter_token_latency_seconds_count") == 2 * (MAX - 1)  # one token per step

@@ -190,3 +190,45 @@ def test_a_retention_hint_keeps_its_prompt_cached_under_memory_pressure():
         run(sched, worker)
     assert sched.cache.peek_prefix(np.asarray(kept, dtype=np.int32)) == 40
     sched.check_idle()
+
+
+def test_queue_time_is_kept_per_priority_level_and_bounded_in_levels():
+    """Arrival to first admission, by the scheduler's clock: the second request waits
+    for the only slot; past MAX_QUEUE_LEVELS levels, the rest share "other"."""
+    from radixserve.scheduler.waiting import MAX_QUEUE_LEVELS, QUEUE_BUCKETS, QueueTimes
+
+    sched, worker = make(num_pages=256, page_size=4, max_running_requests=1)
+    clock = sched.clock = FakeClock()
+    sched.add_request("a", list(range(3, 20)), params(2))
+    sched.add_request("b", list(range(4, 21)), params(2, priority=3))
+    results: dict = {}
+    for out in sched.step(worker.step):  # "a" admitted at once
+        _collect(results, out)
+    clock.now += 0.3  # "b" waits for the slot
+    finish(sched, worker, results)
+    levels = sched.stats()["queue_time"]["levels"]
+    assert set(levels) == {"0", "3"}
+    assert levels["0"] == {"buckets": [1] + [0] * len(QUEUE_BUCKETS), "sum": 0.0, "count": 1}
+    b = levels["3"]
+    assert b["count"] == 1 and b["sum"] == pytest.approx(0.3)
+    assert b["buckets"][QUEUE_BUCKETS.index(0.5)] == 1  # 0.25 < 0.3 <= 0.5
+
+    q = QueueTimes()
+    for level in range(MAX_QUEUE_LEVELS + 3):
+        q.observe(level, 1000.0)  # past every bound: the +Inf bucket
+    snap = q.snapshot()["levels"]
+    assert len(snap) == MAX_QUEUE_LEVELS + 1 and snap["other"]["count"] == 3
+    assert snap["0"]["buckets"][-1] == 1
+
+
+def test_evicted_pages_count_pressure_evictions_only():
+    sched, worker = make(num_pages=32, page_size=4)
+    for i in range(4):  # 4 x 10 pages through a 32-page pool
+        sched.add_request(f"r{i}", [50 + i] * 40, params(1))
+        run(sched, worker)
+    stats = sched.stats()
+    assert stats["evicted_pages"] > 0 and stats["eviction_policy"] == "lru"
+    evicted = stats["evicted_pages"]
+    sched.flush_cache()
+    assert sched.stats()["evicted_pages"] == evicted  # a flush is not counted
+    sched.check_idle()
