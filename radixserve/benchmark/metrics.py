@@ -2,8 +2,11 @@
 
 Latencies are in milliseconds. TTFT: send to the first chunk with output.
 ITL (inter-token latency): gaps between consecutive output chunks of one
-request (one token each on radixserve; servers that batch tokens into a chunk
-show larger gaps). Hit rate: sum of the server's ``cached_tokens`` over sum of
+request (one token each on radixserve, but for a grammar's forced tokens and a
+speculative verification's accepted drafts; servers that batch tokens into a
+chunk show larger gaps). TPOT (time per output token): per request, first chunk
+to last over the output tokens after the first, averaged over requests: the
+per-token latency whatever the chunking. Hit rate: sum of the server's ``cached_tokens`` over sum of
 its ``prompt_tokens``, over the requests that finished. Computed tokens: prompt
 tokens the server did not take from its cache (it ran the model over them).
 
@@ -61,6 +64,11 @@ def summarize(
     cached_tokens = sum(r.usage.cached_tokens for r in ok)  # type: ignore[union-attr]
     ttft = [r.chunk_times[0] - r.send_time for r in ok if r.chunk_times]
     itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    tpot = [
+        (r.chunk_times[-1] - r.chunk_times[0]) / (len(r.output_ids) - 1)
+        for r in ok
+        if r.chunk_times and len(r.output_ids) > 1
+    ]
     e2e = [r.end_time - r.send_time for r in ok]
 
     # The optimum replays every request sent (a failed one may still have filled the
@@ -120,6 +128,7 @@ def summarize(
         **_stats(ttft, "ttft"),
         "itl_mean_ms": _stats(itl, "itl")["itl_mean_ms"],
         "itl_p99_ms": _stats(itl, "itl")["itl_p99_ms"],
+        "tpot_mean_ms": _stats(tpot, "tpot")["tpot_mean_ms"],
         **_stats(e2e, "e2e"),
         "hit_rate": hit_rate,
         "page_size": page_size,

@@ -32,6 +32,7 @@ ROWS = [  # (label, metrics key, format)
     ("TTFT p99 ms", "ttft_p99_ms", "{:.0f}"),
     ("ITL mean ms", "itl_mean_ms", "{:.1f}"),
     ("ITL p99 ms", "itl_p99_ms", "{:.1f}"),
+    ("TPOT mean ms", "tpot_mean_ms", "{:.1f}"),
     ("e2e mean ms", "e2e_mean_ms", "{:.0f}"),
     ("e2e p99 ms", "e2e_p99_ms", "{:.0f}"),
     ("prompt tokens", "prompt_tokens", "{:.0f}"),

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from radixserve.benchmark import report
-from radixserve.benchmark.metrics import step_summary
+from radixserve.benchmark.metrics import step_summary, summarize
+from radixserve.benchmark.runner import RequestRecord, RunResult
+from radixserve.results import Usage
 
 
 def test_acceptance_and_tokens_per_verification_come_from_the_counters_delta():
@@ -34,3 +36,17 @@ def test_acceptance_and_tokens_per_verification_come_from_the_counters_delta():
     text = report.table("copy", variants)
     assert "acceptance" in text and "75.00%" in text and "4.00" in text
     assert "acceptance" not in report.table("copy", variants[:1])  # no drafts: no rows
+
+
+def test_tpot_is_per_token_however_tokens_are_chunked():
+    """Two requests of 9 tokens over 0.8 s after their first chunk: one token per
+    chunk, or (accepted drafts) three per chunk. ITL differs, TPOT does not."""
+    one = RequestRecord("a", 0, [1, 2], 9, 0.0, chunk_times=[0.1 * i for i in range(1, 10)])
+    three = RequestRecord("b", 1, [1, 2], 9, 0.0, chunk_times=[0.1, 0.5, 0.9])
+    for r in (one, three):
+        r.output_ids = list(range(9))
+        r.usage = Usage(prompt_tokens=2, completion_tokens=9)
+        r.end_time = 1.0
+    m = summarize(RunResult([one, three], 1.0, 0), page_size=1)
+    assert abs(m["tpot_mean_ms"] - 100.0) < 1e-9
+    assert abs(m["itl_mean_ms"] - (8 * 100 + 2 * 400) / 10) < 1e-9
