@@ -145,6 +145,13 @@ class PyRadixTree {
     return root == radixserve::kNoSlot ? 0 : tree_.peek_prefix(t.data(), t.size(), root);
   }
 
+  py::array_t<int32_t> continuation(py::handle tokens, int64_t max_len, py::handle salt) {
+    Int32Buffer t(tokens);
+    const int32_t root = root_for(salt, false);
+    tree_.continuation(t.data(), t.size(), root, max_len, scratch_);
+    return to_array(scratch_);
+  }
+
   py::tuple insert(py::handle tokens, py::handle pages, py::handle salt) {
     Int32Buffer t(tokens);
     Int32Buffer p(pages);
@@ -256,6 +263,8 @@ PYBIND11_MODULE(_radix_native, m) {
       .def("match_prefix", &PyRadixTree::match_prefix, py::arg("tokens"),
            py::arg("salt") = py::none())
       .def("peek_prefix", &PyRadixTree::peek_prefix, py::arg("tokens"),
+           py::arg("salt") = py::none())
+      .def("continuation", &PyRadixTree::continuation, py::arg("tokens"), py::arg("max_len"),
            py::arg("salt") = py::none())
       .def("insert", &PyRadixTree::insert, py::arg("tokens"), py::arg("pages"),
            py::arg("salt") = py::none())

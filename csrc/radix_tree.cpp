@@ -188,6 +188,68 @@ int64_t RadixTree::peek_prefix(const int32_t* tokens, int64_t n, int32_t root) c
   return pos;
 }
 
+bool RadixTree::newer(int32_t a, int32_t b) const {
+  const Node& x = nodes_[a];
+  const Node& y = nodes_[b];
+  return x.last_access != y.last_access ? x.last_access > y.last_access : x.id > y.id;
+}
+
+void RadixTree::continuation(const int32_t* tokens, int64_t n, int32_t root, int64_t max_len,
+                             std::vector<int32_t>& out) const {
+  out.clear();
+  if (root == kNoSlot || max_len <= 0) return;
+  int32_t node = root;
+  int64_t pos = 0;
+  int64_t off = 0;  // where in node's edge the continuation starts
+  while (true) {
+    const int64_t rest = n - pos;
+    if (rest == 0) {
+      off = static_cast<int64_t>(nodes_[node].key.size());
+      break;
+    }
+    int32_t child = kNoSlot;
+    if (rest >= page_size_) {
+      child = find_child(node, tokens + pos);
+      if (child == kNoSlot) return;
+      const int64_t len = static_cast<int64_t>(nodes_[child].key.size());
+      const int64_t c = common_len(child, tokens + pos, rest);
+      if (c == len) {
+        pos += c;
+        node = child;
+        continue;
+      }
+      if (c < rest) return;  // a different token: not a cached path
+      node = child;
+      off = c;
+      break;
+    }
+    // A last partial page: the most recently used child whose edge starts with it.
+    for_each_child(node, [&](int32_t c) {
+      if (std::memcmp(nodes_[c].key.data(), tokens + pos, sizeof(int32_t) * rest) == 0 &&
+          (child == kNoSlot || newer(c, child)))
+        child = c;
+    });
+    if (child == kNoSlot) return;
+    node = child;
+    off = rest;
+    break;
+  }
+  while (true) {
+    const std::vector<int32_t>& key = nodes_[node].key;
+    const int64_t take = std::min<int64_t>(static_cast<int64_t>(key.size()) - off,
+                                           max_len - static_cast<int64_t>(out.size()));
+    out.insert(out.end(), key.begin() + off, key.begin() + off + take);
+    if (static_cast<int64_t>(out.size()) >= max_len) return;
+    int32_t next = kNoSlot;
+    for_each_child(node, [&](int32_t c) {
+      if (next == kNoSlot || newer(c, next)) next = c;
+    });
+    if (next == kNoSlot) return;
+    node = next;
+    off = 0;
+  }
+}
+
 RadixTree::Match RadixTree::insert(const int32_t* tokens, int64_t n, const int32_t* pages,
                                    int32_t root) {
   const int64_t end = n - n % page_size_;

@@ -66,6 +66,13 @@ class RadixTree {
   Match match_prefix(const int32_t* tokens, int64_t n, int32_t root);
   void copy_match_pages(int32_t* out) const;
   int64_t peek_prefix(const int32_t* tokens, int64_t n, int32_t root) const;
+  // The tokens that follow the whole of tokens[0:n] on a cached path (at most
+  // max_len, into `out`): the rest of the edge where the sequence ends, then down
+  // the most recently used child (last_access, then the newer id) at every node.
+  // Empty when tokens[0:n] is not a cached path. A last partial page is matched
+  // against the children's first tokens. Changes nothing (no split, no stamp).
+  void continuation(const int32_t* tokens, int64_t n, int32_t root, int64_t max_len,
+                    std::vector<int32_t>& out) const;
 
   // pages holds exactly n / page_size ids (checked by the caller).
   Match insert(const int32_t* tokens, int64_t n, const int32_t* pages, int32_t root);
@@ -123,6 +130,7 @@ class RadixTree {
   bool is_root(int32_t slot) const { return nodes_[slot].id == kRootId; }
   bool is_candidate(int32_t slot) const;
   bool live(NodeRef ref) const;
+  bool newer(int32_t a, int32_t b) const;  // a was used after b (continuation's choice)
   int32_t find_child(int32_t node, const int32_t* first_page) const;
   void add_child(int32_t parent, int32_t child);
   void remove_child(int32_t parent, int32_t child);

@@ -88,6 +88,10 @@ class EngineConfig:
     radix_eviction_policy: str = _S.radix_eviction_policy
     max_retained_share: float = _S.max_retained_share
     shared_prefix_min_tokens: int = _S.shared_prefix_min_tokens
+    speculative_algorithm: str = _S.speculative_algorithm
+    speculative_num_draft_tokens: int = _S.speculative_num_draft_tokens
+    speculative_min_match: int = _S.speculative_min_match
+    speculative_max_batch: int = _S.speculative_max_batch
     disk_cache_gb: float = _S.disk_cache_gb
     max_loras: int = _S.max_loras
     # The tokenizer (TokenizerConfig): limits on input (docs/security.md), chat parsing.
@@ -151,4 +155,12 @@ def scheduler_config(config: EngineConfig, info: ModelInfo) -> SchedulerConfig:
             "cache tiers (--host-cache-gb) do not hold recurrent states: "
             f"{info.model_name} is a hybrid model"
         )
+    if info.state_snapshots and config.speculative_algorithm != "off":
+        # A recurrent state cannot be rolled back past rejected drafts.
+        raise ValueError(
+            "speculative decoding (--speculative-algorithm) does not run hybrid models: "
+            f"{info.model_name}'s recurrent state cannot be rolled back past rejected drafts"
+        )
+    if info.state_snapshots and info.loras:
+        raise ValueError(f"LoRA adapters do not apply to hybrid models ({info.model_name})")
     return _derive(SchedulerConfig, config, **{n: getattr(info, n) for n in MODEL_FIELDS})

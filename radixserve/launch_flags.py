@@ -237,6 +237,33 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
         "prefix tokens with a prompt being prefilled (it then hits them in the tree)",
     )
     p.add_argument(
+        "--speculative-algorithm",
+        choices=["off", "ngram", "radix"],
+        default=d.speculative_algorithm,
+        help="speculative decoding's drafts: ngram (prompt lookup over the request's own "
+        "tokens) or radix (what followed the same tokens in the radix tree, same cache "
+        "salt only, then ngram); verified losslessly (docs/speculative.md)",
+    )
+    p.add_argument(
+        "--speculative-num-draft-tokens",
+        type=_non_negative,
+        default=d.speculative_num_draft_tokens,
+        help="draft tokens per request and step at most",
+    )
+    p.add_argument(
+        "--speculative-min-match",
+        type=_positive,
+        default=d.speculative_min_match,
+        help="ngram drafts: the shortest suffix of a request's tokens that must have "
+        "occurred before in them",
+    )
+    p.add_argument(
+        "--speculative-max-batch",
+        type=_non_negative,
+        default=d.speculative_max_batch,
+        help="no drafts in a step where more requests than this decode",
+    )
+    p.add_argument(
         "--host-cache-gb",
         type=_gib,
         default=None,

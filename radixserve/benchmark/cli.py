@@ -81,8 +81,9 @@ WORKLOAD_FLAGS: list[tuple[str, type, str]] = [
     ("branch-len", int, "tree: tokens each branch adds"),
     ("choices", int, "few-shot --score: choices per question"),
     ("choice-len", int, "few-shot --score: most tokens per choice (each has 1 to this many)"),
-    ("documents", int, "json-extract: documents (each shared by its questions)"),
-    ("document-len", int, "json-extract: tokens per document"),
+    ("documents", int, "json-extract: documents (each shared by its questions); copy: prompts"),
+    ("document-len", int, "json-extract, copy: tokens per document"),
+    ("repeats", int, "copy: times each prompt is sent in a row (the same request recurring)"),
 ]
 
 

@@ -2,8 +2,11 @@
 
 Latencies are in milliseconds. TTFT: send to the first chunk with output.
 ITL (inter-token latency): gaps between consecutive output chunks of one
-request (one token each on radixserve; servers that batch tokens into a chunk
-show larger gaps). Hit rate: sum of the server's ``cached_tokens`` over sum of
+request (one token each on radixserve, but for a grammar's forced tokens and a
+speculative verification's accepted drafts; servers that batch tokens into a
+chunk show larger gaps). TPOT (time per output token): per request, first chunk
+to last over the output tokens after the first, averaged over requests: the
+per-token latency whatever the chunking. Hit rate: sum of the server's ``cached_tokens`` over sum of
 its ``prompt_tokens``, over the requests that finished. Computed tokens: prompt
 tokens the server did not take from its cache (it ran the model over them).
 
@@ -61,6 +64,11 @@ def summarize(
     cached_tokens = sum(r.usage.cached_tokens for r in ok)  # type: ignore[union-attr]
     ttft = [r.chunk_times[0] - r.send_time for r in ok if r.chunk_times]
     itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    tpot = [
+        (r.chunk_times[-1] - r.chunk_times[0]) / (len(r.output_ids) - 1)
+        for r in ok
+        if r.chunk_times and len(r.output_ids) > 1
+    ]
     e2e = [r.end_time - r.send_time for r in ok]
 
     # The optimum replays every request sent (a failed one may still have filled the
@@ -120,6 +128,7 @@ def summarize(
         **_stats(ttft, "ttft"),
         "itl_mean_ms": _stats(itl, "itl")["itl_mean_ms"],
         "itl_p99_ms": _stats(itl, "itl")["itl_p99_ms"],
+        "tpot_mean_ms": _stats(tpot, "tpot")["tpot_mean_ms"],
         **_stats(e2e, "e2e"),
         "hit_rate": hit_rate,
         "page_size": page_size,
@@ -224,11 +233,28 @@ def step_summary(
     before: dict[str, Any] | None, after: dict[str, Any] | None, requests: int
 ) -> dict[str, Any]:
     """The server's model steps over the run (the delta of its ``steps`` counter),
-    and per finished request; None when the backend does not count them."""
+    and per finished request; None when the backend does not count them. With the
+    speculative decoding counters: drafts verified, the share accepted, and tokens
+    per verification."""
     if not before or not after or "steps" not in before or "steps" not in after:
         return {"steps": None, "steps_per_request": None}
     steps = int(after["steps"]) - int(before["steps"])
-    return {"steps": steps, "steps_per_request": steps / requests if requests else None}
+    out: dict[str, Any] = {
+        "steps": steps,
+        "steps_per_request": steps / requests if requests else None,
+    }
+    if "spec_verifications" in before and "spec_verifications" in after:
+        # Speculative decoding (docs/speculative.md): drafts verified and accepted.
+        drafted, accepted, verifications = (
+            int(after[k]) - int(before[k])
+            for k in ("spec_draft_tokens", "spec_accepted_tokens", "spec_verifications")
+        )
+        out["spec_draft_tokens"] = drafted
+        out["spec_acceptance"] = accepted / drafted if drafted else None
+        out["spec_tokens_per_verification"] = (
+            1 + accepted / verifications if verifications else None
+        )
+    return out
 
 
 def compare_texts(base: list[RequestRecord], other: list[RequestRecord]) -> dict[str, Any]:

@@ -32,6 +32,7 @@ ROWS = [  # (label, metrics key, format)
     ("TTFT p99 ms", "ttft_p99_ms", "{:.0f}"),
     ("ITL mean ms", "itl_mean_ms", "{:.1f}"),
     ("ITL p99 ms", "itl_p99_ms", "{:.1f}"),
+    ("TPOT mean ms", "tpot_mean_ms", "{:.1f}"),
     ("e2e mean ms", "e2e_mean_ms", "{:.0f}"),
     ("e2e p99 ms", "e2e_p99_ms", "{:.0f}"),
     ("prompt tokens", "prompt_tokens", "{:.0f}"),
@@ -64,6 +65,14 @@ STRUCTURED_ROWS = [  # structured workloads only (json-extract)
 ]
 
 
+SPEC_ROWS = [  # speculative decoding's counters (docs/speculative.md)
+    ("model steps", "steps", "{:.0f}"),
+    ("draft tokens", "spec_draft_tokens", "{:.0f}"),
+    ("acceptance", "spec_acceptance", "{:.2%}"),
+    ("tokens / verification", "spec_tokens_per_verification", "{:.2f}"),
+]
+
+
 PRIORITY_ROWS = [  # --priority-mix only: the two classes' first-token latency
     ("requests urgent", "requests_urgent", "{:d}"),
     ("TTFT urgent median ms", "ttft_urgent_median_ms", "{:.0f}"),
@@ -93,6 +102,8 @@ def table(title: str, variants: list[dict[str, Any]]) -> str:
         rows += SCORE_ROWS
     if any("schema_valid_rate" in v["metrics"] for v in variants):
         rows += STRUCTURED_ROWS
+    if any(v["metrics"].get("spec_draft_tokens") for v in variants):
+        rows += SPEC_ROWS
     if any("ttft_urgent_median_ms" in v["metrics"] for v in variants):
         rows += PRIORITY_ROWS
     for name, key, fmt in rows:

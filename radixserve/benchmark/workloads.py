@@ -29,7 +29,7 @@ import numpy as np
 
 from radixserve.sampling_params import StructuredOutput
 
-WORKLOADS = ("shared-prefix", "multi-turn", "few-shot", "tree", "json-extract")
+WORKLOADS = ("shared-prefix", "multi-turn", "few-shot", "tree", "json-extract", "copy")
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,9 @@ class TokenSource:
             raise ValueError("a token source needs a vocabulary or a text")
         self.rng, self.vocab, self.text = rng, vocab, np.asarray(text, dtype=np.int64)
         self.encode = encode
+        # One user message rendered in the model's chat format with the generation
+        # prompt after it (set by ``from_tokenizer`` when the tokenizer has a template).
+        self.chat: Callable[[str], str] | None = None
 
     @classmethod
     def random(cls, vocab_size: int, seed: int = 0, exclude: Sequence[int] = ()) -> TokenSource:
@@ -147,6 +150,10 @@ def from_tokenizer(tokenizer: Any, kind: str, seed: int = 0) -> TokenSource:
     else:
         raise ValueError(f"unknown prompt kind {kind!r}: random or text")
     src.encode = lambda s: tokenizer.encode(s, add_special_tokens=False)
+    if getattr(tokenizer, "chat_template", None):
+        src.chat = lambda s: tokenizer.apply_chat_template(
+            [{"role": "user", "content": s}], add_generation_prompt=True, tokenize=False
+        )
     return src
 
 
@@ -448,12 +455,57 @@ def json_extract(
     return Workload("json-extract", params, roots)
 
 
+def copy(
+    src: TokenSource,
+    documents: int = 8,
+    document_len: int = 256,
+    output_len: int = 128,
+    repeats: int = 1,
+) -> Workload:
+    """Outputs that copy their context: each prompt is a document (a run of the token
+    source: real text with ``--prompt-kind text``) and an instruction to repeat it
+    with one change, in the model's chat format when it has one; with ``repeats`` R
+    each prompt is sent R times in a row (the same request recurring, as an agent
+    loop replayed: the later ones find the first one's output in the cache).
+    Speculative decoding's workload (docs/speculative.md)."""
+    before, after = [], []
+    if src.encode is not None:
+        before, after = _chat_around(
+            src,
+            "Repeat the following text exactly, word for word, but write its first "
+            "word in capital letters. Output only the text.\n\n",
+        )
+    roots = []
+    for d in range(documents):
+        prompt = before + src.take(document_len) + after
+        for r in range(repeats):
+            roots.append(Node(f"doc{d}-r{r}", list(prompt), output_len))
+    params = dict(
+        documents=documents, document_len=document_len, output_len=output_len, repeats=repeats
+    )
+    return Workload("copy", params, roots)
+
+
+def _chat_around(src: TokenSource, instruction: str) -> tuple[list[int], list[int]]:
+    """The token ids before and after a document inside one user message that starts
+    with ``instruction``, in the chat format when the source has one (else plain)."""
+    encode = src.encode
+    assert encode is not None
+    mark = "\u2063DOCUMENT\u2063"
+    text = instruction + mark
+    if src.chat is not None:
+        text = src.chat(text)
+    head, _, tail = text.partition(mark)
+    return encode(head), encode(tail if src.chat is not None else "\n\nThe text, repeated:\n")
+
+
 BUILDERS = {
     "shared-prefix": shared_prefix,
     "multi-turn": multi_turn,
     "few-shot": few_shot,
     "tree": tree,
     "json-extract": json_extract,
+    "copy": copy,
 }
 # The scoring mode of a workload (``radixserve bench few-shot --score``).
 SCORE_BUILDERS = {"few-shot": few_shot_score}

@@ -6,8 +6,10 @@ Where each metric is measured, and why:
   (ZeroMQ clients too), because only the scheduler knows them: the prefix cache counters
   (``prefix_cache_queries_total`` and ``prefix_cache_hits_total``, in prompt tokens),
   ``preemptions_total`` (retractions), ``prefix_cache_evicted_pages_total`` (by
-  eviction policy), the ``request_queue_time_seconds`` histogram (arrival to first
-  admission, by priority: the scheduler keeps its buckets), and the gauges for running / waiting requests and
+  eviction policy), speculative decoding's ``spec_decode_draft_tokens_total``,
+  ``spec_decode_accepted_tokens_total`` and ``spec_decode_verifications_total``, the
+  ``request_queue_time_seconds`` histogram (arrival to first admission, by priority:
+  the scheduler keeps its buckets), and the gauges for running / waiting requests and
   KV pages (free, used by requests, cached in the tree). The scheduler's counters are
   turned into Prometheus counters by adding the increase since the last scrape, so they
   never go down.
@@ -45,6 +47,14 @@ SCHEDULER_COUNTERS = {
         "Requests retracted for a waiting request of a better priority.",
     ),
     "timeouts": ("request_timeouts", "Requests ended by their timeout."),
+    # Speculative decoding (docs/speculative.md): tokens per verification is
+    # 1 + accepted / verifications.
+    "spec_draft_tokens": ("spec_decode_draft_tokens", "Draft tokens verified."),
+    "spec_accepted_tokens": ("spec_decode_accepted_tokens", "Draft tokens accepted."),
+    "spec_verifications": (
+        "spec_decode_verifications",
+        "Verifications (one request's drafts in one step).",
+    ),
 }
 
 

@@ -66,6 +66,7 @@ from radixserve.protocol.internal import (
     Step,
     StepReq,
     StepResult,
+    Verified,
 )
 from radixserve.protocol.public import (
     ADMIN_REQUESTS,
@@ -207,6 +208,7 @@ __all__ = [
     "StepResult",
     "TOO_MANY_IN_FLIGHT",
     "Tokenize",
+    "Verified",
     "decode",
     "f",
 ]

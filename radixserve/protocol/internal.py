@@ -170,6 +170,17 @@ class StepReq(Message):
     slot's first step after a cache hit needs); ``state_save`` (-1: none) is a
     snapshot the state is copied into after the first ``state_save_at`` of this
     step's tokens (1 <= state_save_at <= len(input_ids)).
+    num_drafts: speculative decoding (docs/speculative.md): the last ``num_drafts``
+    of ``input_ids`` are draft tokens to verify (``sample`` must be True, at least
+    one input token is not a draft, and the slot has no grammar). The worker
+    samples the token after the last real input as usual, then accepts drafts
+    while each equals the token sampled before it (rejection sampling when not
+    greedy), and answers the accepted drafts plus the token sampled after them
+    (``StepResult.verified``). K/V is written for every row; only the accepted
+    rows' K/V counts: the scheduler frees the pages past them.
+    keep_pages: when >= 0, the slot's page table is first cut to this many pages
+    (the scheduler freed the pages past a verification's accepted tokens), then
+    ``new_pages`` are appended.
     """
 
     slot: int = f(INT)
@@ -187,6 +198,8 @@ class StepReq(Message):
     state_restore: int = f(INT, -1)
     state_save_at: int = f(INT, 0)
     state_save: int = f(INT, -1)
+    num_drafts: int = f(INT, 0)
+    keep_pages: int = f(INT, -1)
 
 
 @dataclass
@@ -344,6 +357,17 @@ class Forced(Message):
 
 
 @dataclass
+class Verified(Message):
+    """Speculative decoding: ``slot``'s new tokens of this step are ``token_ids``,
+    the drafts it accepted followed by the token sampled after them (so at least
+    one, at most ``num_drafts + 1``). Its K/V now covers the step's real inputs and
+    the accepted drafts; the last token has none yet."""
+
+    slot: int = f(INT)
+    token_ids: np.ndarray = f(I32)
+
+
+@dataclass
 class SlotFailure(Message):
     """``slot``'s request must fail with ``message`` (its grammar rejected a token)."""
 
@@ -369,6 +393,9 @@ class StepResult(Message):
     ``failed`` slots must fail; ``grammars_ready`` and ``grammar_failures``
     report compilations finished since the last step.
 
+    Speculative decoding: ``verified`` gives, for each slot whose step had drafts,
+    its new tokens (its entry in ``tokens`` is the first of them).
+
     Cache tiers: ``copies_done`` are the tickets of ``PageCopies`` whose copies
     finished since the last step (each reported once, in any order).
     """
@@ -384,6 +411,7 @@ class StepResult(Message):
     grammar_failures: list[GrammarFailure] = f(_nested(GrammarFailure), [])
     copies_done: list[int] = f(INT_LIST, [])
     loras: list[LoraReport] = f(_nested(LoraReport), [])  # one per Step.load_loras
+    verified: list[Verified] = f(_nested(Verified), [])
 
 
 # --------------------------------------------------------------------- control

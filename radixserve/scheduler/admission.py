@@ -5,8 +5,10 @@ step, and which running ones give them back.
 a step's token budget and the pool's memory budget, who runs:
 
 - decodes first (``_schedule_decodes``): every running request past its prefill
-  grows by its next token's page when it crosses a page boundary; when evicting
-  unlocked leaves cannot free enough, the newest request is retracted;
+  grows by its next token's page when it crosses a page boundary (and by its
+  drafts' pages under speculative decoding, ``speculative.py``); when evicting
+  unlocked leaves cannot free enough, the drafts are dropped, then the newest
+  request is retracted;
 - the LOADING requests whose pages the cache tiers have delivered start their
   prefill (``_start_loaded``);
 - waiting requests are admitted by policy (``_admit``) while the token budget,
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
     from radixserve.scheduler.kv_cache import KVCacheManager
     from radixserve.scheduler.lora import LoraRegistry
     from radixserve.scheduler.reserve import DecodeReserve
+    from radixserve.scheduler.speculative import Drafter
     from radixserve.scheduler.waiting import QueueTimes, WaitingQueue
 
 
@@ -48,6 +51,7 @@ class Admission:
     reserve: DecodeReserve
     grammars: Grammars
     loras: LoraRegistry
+    drafter: Drafter
     waiting: WaitingQueue
     running: list[Request]
     chunked: Request | None
@@ -100,20 +104,31 @@ class Admission:
             self.num_priority_preemptions += 1
 
     def _schedule_decodes(self, batch: list[tuple[Request, int]]) -> None:
+        decoding = [
+            r for r in self.running if r is not self.chunked and r.status is ReqStatus.DECODE
+        ]
+        drafted = self.drafter.propose(decoding)  # speculative decoding's drafts
         while True:
             decoding = [
                 r for r in self.running if r is not self.chunked and r.status is ReqStatus.DECODE
             ]
             if self.kv.grow_decodes(decoding):
                 break
+            if drafted:
+                # Short of pages: the drafts go before any request is retracted.
+                self.drafter.drop(decoding)
+                drafted = False
+                continue
             tiers = self.kv.tiers
             if not self._retractable() and tiers is not None and tiers.pages_loading:
                 # Pages locked by copies in flight come back once they are reported:
                 # the decodes wait a step rather than fail.
+                self.drafter.drop(decoding)
                 return
             self._retract_newest()
-        # One token each, or the tokens a grammar forced after the last one.
-        batch.extend((r, r.num_tokens - r.kv_len) for r in decoding)
+        # One token each, or the tokens a grammar forced after the last one; then the
+        # drafts to verify.
+        batch.extend((r, r.num_tokens - r.kv_len + len(r.draft)) for r in decoding)
 
     def _retract_newest(self) -> None:
         """Send the most recently admitted running request back to the queue.

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 CACHE_MODES = ("radix", "none")
 SCHEDULE_POLICIES = ("lpm", "fcfs", "priority")
 EVICTION_POLICIES = ("lru", "lfu", "priority")  # radix_cache.py's
+SPECULATIVE_ALGORITHMS = ("off", "ngram", "radix")  # speculative.py's
 
 
 def check_cache_tiers(cache: str, has_host: bool, disk_cache_dir: str | None) -> None:
@@ -64,6 +65,12 @@ class SchedulerConfig:
     - ``max_admit_skips`` 32: a waiting request whose pages do not fit is
       passed over and admission goes on with the requests behind it, up to
       this many such requests per step (then admission stops for the step).
+    - ``speculative_algorithm`` "off": speculative decoding's drafts, ``ngram``
+      (prompt lookup) or ``radix`` (the radix tree's continuation, then ngram);
+      ``speculative_num_draft_tokens`` 4 drafts per request and step at most;
+      ``speculative_min_match`` 2: the shortest suffix ngram matches;
+      ``speculative_max_batch`` 8: no drafts in a step where more requests decode
+      (docs/speculative.md, ``speculative.py``).
     """
 
     num_pages: int
@@ -94,6 +101,10 @@ class SchedulerConfig:
     # ``disk_cache_dir``: the disk tier's directory (None: none), bounded to
     # ``disk_cache_gb`` GiB of page files. ``page_bytes`` and ``kv_identity``
     # (ModelInfo) size and name the disk tier's files.
+    speculative_algorithm: str = "off"
+    speculative_num_draft_tokens: int = 4
+    speculative_min_match: int = 2
+    speculative_max_batch: int = 8
     host_pages: int = 0
     disk_cache_dir: str | None = None
     disk_cache_gb: float = 16.0
@@ -123,6 +134,18 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunked_prefill_size < self.page_size:
             raise ValueError("chunked_prefill_size must be at least one page")
+        if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(
+                f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, "
+                f"got {self.speculative_algorithm!r}"
+            )
+        for name in ("speculative_num_draft_tokens", "speculative_max_batch"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.speculative_min_match < 1:
+            raise ValueError(
+                f"speculative_min_match must be >= 1, got {self.speculative_min_match}"
+            )
         if self.host_pages < 0:
             raise ValueError(f"host_pages must be >= 0, got {self.host_pages}")
         check_cache_tiers(self.cache, self.host_pages > 0, self.disk_cache_dir)

@@ -176,9 +176,9 @@ class KVCacheManager:
 
     def grow_decodes(self, reqs: list[Request]) -> bool:
         """Give every decoding request the pages its tokens still without KV need
-        (one token's, or a grammar's forced tokens'), all in one allocation;
-        False, changing nothing, when short."""
-        needy = [(r, self.pages_for(r.num_tokens) - r.num_pages) for r in reqs]
+        (one token's, or a grammar's forced tokens', and its drafts'), all in one
+        allocation; False, changing nothing, when short."""
+        needy = [(r, self.pages_for(r.num_tokens + len(r.draft)) - r.num_pages) for r in reqs]
         needy = [(r, n) for r, n in needy if n > 0]
         if not needy:
             return True
@@ -191,6 +191,19 @@ class KVCacheManager:
             req.num_pages += n
             at += n
         return True
+
+    def trim(self, req: Request) -> None:
+        """After a verification: free the request's pages past its tokens with KV
+        (those that held only rejected drafts' K/V); the worker is told to cut its
+        table in the request's next step (``table_cut``)."""
+        keep = max(self.pages_for(req.kv_len), req.locked_len // self.page_size)
+        if keep >= req.num_pages:
+            return
+        self.allocator.free(req.table[keep : req.num_pages].copy())
+        req.num_pages = keep
+        if req.sent_pages > keep:
+            req.sent_pages = keep
+            req.table_cut = True
 
     def cache_computed(self, req: Request) -> None:
         """Insert the request's computed whole pages into the cache; move its lock.
@@ -241,6 +254,7 @@ class KVCacheManager:
         req.node = None
         req.dups = []
         req.locked_len = req.kv_len = req.num_pages = req.sent_pages = 0
+        req.table_cut = False  # the slot is released: the worker clears its table
 
     # ------------------------------------------------- recurrent states
     def plan_states(self, req: Request, n: int) -> tuple[int, int, int]:

@@ -13,6 +13,9 @@ docs/architecture.md; in short:
   pages past ``cached_len``; the caller's pages before it duplicate the cache's,
   and the caller keeps them while its page table points at them and frees them
   when it releases its KV.
+* ``continuation(tokens, max_len, salt)`` reads what follows the whole of
+  ``tokens`` on a cached path (speculative decoding's radix drafts); it changes
+  nothing.
 * ``evict`` frees unlocked pages (LRU, or the tree's ``policy``); locked ones are
   never freed.
 * ``retain(node, level, seconds)`` (optional: only the Python tree has it, for
@@ -79,6 +82,8 @@ class PrefixCache(Protocol):
 
     def peek_prefix(self, tokens: Tokens, salt: str | None = None) -> int: ...
 
+    def continuation(self, tokens: Tokens, max_len: int, salt: str | None = None) -> np.ndarray: ...
+
     def insert(
         self, tokens: Tokens, pages: np.ndarray, salt: str | None = None
     ) -> tuple[int, CacheNode]: ...
@@ -129,6 +134,9 @@ class NoCache:
     def peek_prefix(self, tokens: Tokens, salt: str | None = None) -> int:
         return 0
 
+    def continuation(self, tokens: Tokens, max_len: int, salt: str | None = None) -> np.ndarray:
+        return _EMPTY
+
     def insert(
         self, tokens: Tokens, pages: np.ndarray, salt: str | None = None
     ) -> tuple[int, CacheNode]:
@@ -173,6 +181,7 @@ class PageFollower:
         self.page_size = inner.page_size
         self.lock = inner.lock
         self.unlock = inner.unlock
+        self.continuation = inner.continuation  # read-only: what the wrapped tree holds
         self._owned = np.zeros(allocator.num_pages, dtype=bool)  # pages the tree holds
 
     @property

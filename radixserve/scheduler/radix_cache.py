@@ -362,6 +362,55 @@ class RadixCache:
             node = child
         return pos
 
+    def continuation(
+        self, tokens: np.ndarray | Sequence[int], max_len: int, salt: str | None = None
+    ) -> np.ndarray:
+        """The tokens that follow the whole of ``tokens`` on a cached path, at most
+        ``max_len`` (int32): the rest of the edge where ``tokens`` ends, then down the
+        most recently used child (``last_access``, then the newer node) at each node.
+        Empty when ``tokens`` is not a cached path. A last partial page is matched
+        against the children's first tokens. Changes nothing (no split, no stamp).
+        Speculative decoding's radix drafts (docs/speculative.md)."""
+        tokens = as_tokens(tokens)
+        self._check_salt(salt)
+        node = self._roots.get(salt)
+        if node is None or max_len <= 0:
+            return _EMPTY
+        ps, n, pos = self.page_size, len(tokens), 0
+        newest = lambda c: (c.last_access, c.node_id)  # noqa: E731
+        while True:
+            rest = n - pos
+            if rest == 0:
+                off = len(node.key)
+                break
+            if rest >= ps:
+                child = node.children.get(self._key_at(tokens, pos))
+                if child is None:
+                    return _EMPTY
+                c = _common_len(child.key, tokens, pos, n)
+                if c == len(child.key):
+                    pos += c
+                    node = child
+                    continue
+                if c < rest:
+                    return _EMPTY  # a different token: not a cached path
+                node, off = child, c
+                break
+            # A last partial page: the most recently used child whose edge starts with it.
+            part = tokens[pos:].tobytes()
+            fits = [c for c in node.children.values() if c.key[:rest].tobytes() == part]
+            if not fits:
+                return _EMPTY
+            node, off = max(fits, key=newest), rest
+            break
+        out = [node.key[off : off + max_len]]
+        got = len(out[0])
+        while got < max_len and node.children:
+            node = max(node.children.values(), key=newest)
+            out.append(node.key[: max_len - got])
+            got += len(out[-1])
+        return np.concatenate(out).astype(np.int32, copy=False)
+
     # ----------------------------------------------------------------- insert
     def insert(
         self,

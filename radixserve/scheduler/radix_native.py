@@ -2,9 +2,10 @@
 
 The tree itself is ``csrc/`` (built by ``pip install`` as the optional
 extension ``radixserve.scheduler._radix_native``); importing this module raises
-ImportError when it was not built. Every hot call (match_prefix, peek_prefix,
-insert, lock, unlock, evict) goes straight to C++ with no Python frame in
-between; this class only adds what needs Python objects: the page_size check
+ImportError when it was not built, or was built from older sources than the
+contract (a stale in-place build): the Python tree runs then. Every hot call
+(match_prefix, peek_prefix, insert, lock, unlock, evict, continuation) goes
+straight to C++ with no Python frame in between; this class only adds what needs Python objects: the page_size check
 against the allocator and the allocator side of ``check()``.
 
 Differences from the Python tree, all invisible to the scheduler:
@@ -24,6 +25,14 @@ from __future__ import annotations
 
 from radixserve.scheduler import _radix_native
 from radixserve.scheduler.allocator import PageAllocator
+
+if not hasattr(_radix_native.RadixTree, "continuation"):
+    # An extension built from older sources (an in-place build not redone after a pull):
+    # unusable, since the scheduler calls every method of the contract.
+    raise ImportError(
+        "the native radix tree was built from older sources (it has no continuation()): "
+        "rebuild it with `python setup.py build_ext --inplace` or `pip install -e .`"
+    )
 from radixserve.scheduler.radix_check import require
 
 NodeHandle = _radix_native.NodeHandle

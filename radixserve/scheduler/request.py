@@ -13,6 +13,7 @@ from radixserve.scheduler.prefix_cache import CacheNode
 
 # Tokens of room a new request's buffers get beyond its prompt; they double from there.
 INITIAL_ROOM = 64
+_NO_DRAFT = np.zeros(0, dtype=np.int32)
 
 
 def _grown(buf: np.ndarray, need: int, cap: int) -> np.ndarray:
@@ -100,6 +101,17 @@ class Request:
     own_state: int = -1
     own_state_at: int = 0
     diverge_at: int = 0
+    # Speculative decoding (``speculative.py``): the drafts of the step in flight (the
+    # tokens after ``tokens[:num_tokens]`` it verifies; they never enter ``tokens``
+    # unverified), and the adaptive drafting's state.
+    draft: np.ndarray = field(default_factory=lambda: _NO_DRAFT)
+    spec_window_drafted: int = 0
+    spec_window_accepted: int = 0
+    spec_pause: int = 0  # steps left without drafts
+    spec_backoff: int = 0  # the last pause's length
+    # The worker's page table for the slot is longer than ``sent_pages`` (pages past a
+    # verification's accepted tokens were freed): the next step tells it to cut.
+    table_cut: bool = False
 
     @classmethod
     def create(

@@ -30,7 +30,9 @@ A step, in order:
    those that cross a page boundary are allocated first (evicting LRU leaves,
    then retracting the newest requests when even that is not enough; when
    retracting cannot help but copies in flight lock pages, the decodes wait a
-   step for them);
+   step for them); under speculative decoding a request may also carry drafts to
+   verify (``speculative.py``): its new tokens are the drafts the worker accepted
+   and the one it sampled after them, and the pages past them go back at once;
 3. the chunked prefill in progress continues, within the token budget, then the
    LOADING requests whose pages have all arrived start their prefill, in
    admission order (one of them may become the chunked prefill);
@@ -69,6 +71,7 @@ from radixserve.scheduler.lora import LoraRegistry, check_salt, namespace
 from radixserve.scheduler.radix_impl import make_prefix_cache
 from radixserve.scheduler.request import ReqStatus, Request
 from radixserve.scheduler.reserve import DecodeReserve
+from radixserve.scheduler.speculative import NO_DRAFT, Drafter
 from radixserve.scheduler.step_io import file_scores, step_req, take_tokens
 from radixserve.scheduler.tiered_cache import build_tiers
 from radixserve.scheduler.waiting import QueueTimes, WaitingQueue
@@ -110,6 +113,13 @@ class Scheduler(Admission):
         self._deadlines: list[tuple[float, int, str]] = []
         self.grammars = Grammars()  # structured output's, compiled by the worker
         self.loras = LoraRegistry(config.max_loras, config.loras)  # docs/lora.md
+        self.drafter = Drafter(
+            config.speculative_algorithm,
+            config.speculative_num_draft_tokens,
+            config.speculative_min_match,
+            config.speculative_max_batch,
+            self.kv,
+        )
         self._sampled: list[bool] = []  # which requests of the step in flight sample
         # Answers to LoRA loads: (the caller's tag, reply), for the caller to take.
         self.lora_replies: list[tuple] = []
@@ -367,12 +377,14 @@ class Scheduler(Admission):
         batch, self._batch = self._batch, []
         sampled, self._sampled = self._sampled, []
         forced: dict[int, list[int]] = {}
+        verified: dict[int, list[int]] = {}
         terminated: set[int] = set()
         if isinstance(result, StepResult):
             tokens, scores = result.tokens.tolist(), result.scores
             self.lora_replies += self.loras.take_reports(result.loras)
             self._take_grammar_news(result, outputs)
             forced = {f.slot: f.token_ids.tolist() for f in result.forced}
+            verified = {v.slot: v.token_ids.tolist() for v in result.verified}
             terminated = set(result.terminated.tolist())
             by_slot = {req.slot: req for req, _ in batch if req.slot is not None}
             for failure in result.failed:
@@ -390,8 +402,10 @@ class Scheduler(Admission):
         for (req, n), samples_now in zip(batch, sampled):
             token = next(samples) if samples_now else None
             if req.status is ReqStatus.FINISHED:
+                req.draft = NO_DRAFT
                 continue  # failed (or aborted) after the step was planned
-            req.kv_len += n
+            drafts = len(req.draft)
+            req.kv_len += n - drafts  # the drafts' K/V counts once verified (below)
             if req.kv_len < req.num_tokens:  # a non-final prefill chunk
                 self.kv.cache_computed(req)
                 continue
@@ -407,16 +421,39 @@ class Scheduler(Admission):
                 self._finish(req, "length")
                 outputs.append(req.output([], None, prompt_scores))
                 continue
-            new, reason = take_tokens(
-                req, forced.get(req.slot, [token]), eos, req.slot in terminated
-            )
+            if drafts:
+                new, reason = self._take_verified(req, verified.get(req.slot), drafts)
+            else:
+                new, reason = take_tokens(
+                    req, forced.get(req.slot, [token]), eos, req.slot in terminated
+                )
             if reason is not None:
                 self._finish(req, reason)
-            entry = token_scores.get(id(req))
-            if sp.logprobs is not None and entry is None:
+            entries = token_scores.get(id(req))
+            if sp.logprobs is not None and entries is None:
                 raise ValueError(f"the worker returned no logprobs for {req.rid!r}")
-            outputs.append(req.output(new, None if entry is None else [entry], prompt_scores))
+            # One entry per token sampled (a verification's every token; with
+            # jump-forward the sampled one only).
+            logprobs = None if entries is None else entries[: len(new)]
+            outputs.append(req.output(new, logprobs, prompt_scores))
         return outputs
+
+    def _take_verified(
+        self, req: Request, tokens: list[int] | None, drafts: int
+    ) -> tuple[list[int], str | None]:
+        """Take a verification's tokens (the accepted drafts, then the token sampled
+        after them), cut exactly at a stop token, ``max_tokens`` or the context like
+        any sampled tokens. K/V now covers every token but the last (those past a
+        cut included, which are no tokens: they are dropped with their pages); the
+        pages past it go back to the allocator."""
+        if tokens is None or not 1 <= len(tokens) <= drafts + 1:
+            raise ValueError(f"the worker verified no drafts for {req.rid!r}")
+        new, reason = take_tokens(req, tokens, self._eos, False)
+        self.drafter.record(req, drafts, len(tokens) - 1)
+        req.draft = NO_DRAFT
+        req.kv_len = req.num_tokens - 1
+        self.kv.trim(req)
+        return new, reason
 
     def _take_grammar_news(self, result: StepResult, outputs: list[OutputItem]) -> None:
         """Mark the grammars compiled since the last step ready; fail the requests
@@ -518,6 +555,7 @@ class Scheduler(Admission):
             "preemptions": self.num_retractions,  # every retraction, priority's included
             "priority_preemptions": self.num_priority_preemptions,
             "timeouts": self.num_timeouts,
+            **self.drafter.stats(),
             "evicted_pages": self.kv.evicted_pages,
             "eviction_policy": self.cache_policy,
             "queue_time": self.queue_times.snapshot(),

@@ -23,6 +23,10 @@ step has nothing to compute). A scheduler that computes on a
 page still in flight, or reuses a slot, page or file a ticket still reads or
 writes, changes the outputs or fails a check.
 
+Speculative decoding: a request's drafts (``num_drafts``) are written to KV like
+any input and verified greedily against the simulated model, read back through the
+page table (``StepResult.verified``); ``keep_pages`` cuts the slot's table first.
+
 Structured output, simulated: a grammar named in a step is reported ready
 ``compile_steps`` steps later; with ``jump_every`` k, a constrained slot that
 samples a token divisible by k gets the next ``jump_len`` tokens "forced"
@@ -40,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from radixserve.protocol import KEY_BYTES, Forced, PageCopies, Step, StepResult
+from radixserve.protocol import KEY_BYTES, Forced, PageCopies, Step, StepResult, Verified
 from radixserve.utils import kv_file
 
 SIM_IDENTITY = "sim-worker"  # the simulated model's identity (its page files' header)
@@ -173,6 +177,7 @@ class SimWorker:
             self.tables[slot] = []
         out = []
         forced = []
+        verified: list[Verified] = []
         for r in batch.reqs:
             if not self.active[r.slot]:
                 if r.sampling is None:
@@ -180,6 +185,12 @@ class SimWorker:
                 self.active[r.slot] = True
                 self._constrained[r.slot] = r.sampling.structured is not None
             table = self.tables[r.slot]
+            if r.keep_pages >= 0:
+                if r.keep_pages > len(table):
+                    raise AssertionError(
+                        f"slot {r.slot}: cut to {r.keep_pages} of {len(table)} pages"
+                    )
+                del table[r.keep_pages :]
             table.extend(int(p) for p in r.new_pages)
             end = r.start_pos + len(r.input_ids)
             if len(table) * ps < end:
@@ -195,8 +206,17 @@ class SimWorker:
                     bad = int(np.flatnonzero(seen != allpos)[0])
                     raise AssertionError(f"slot {r.slot}: position {bad} has no KV of its own")
                 context = self.tokens[tbl[allpos // ps], allpos % ps]
-                token = sim_next_token(context, self.vocab_size)
+                k = r.num_drafts
+                token = sim_next_token(context[: end - k], self.vocab_size)
                 out.append(token)
+                if k:
+                    # Greedy verification: a draft is taken while it is the next token.
+                    ids = [token]
+                    for j in range(k):
+                        if ids[-1] != r.input_ids[len(r.input_ids) - k + j]:
+                            break
+                        ids.append(sim_next_token(context[: end - k + j + 1], self.vocab_size))
+                    verified.append(Verified(r.slot, np.asarray(ids, dtype=np.int32)))
                 if self._constrained[r.slot] and self.jump_every and token % self.jump_every == 0:
                     ids = [token]
                     for _ in range(self.jump_len):
@@ -216,4 +236,5 @@ class SimWorker:
             forced=forced,
             grammars_ready=ready,
             copies_done=done,
+            verified=verified,
         )

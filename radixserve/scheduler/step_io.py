@@ -18,10 +18,12 @@ _NO_TOKENS = np.zeros(0, dtype=np.int32)
 
 
 def step_req(req: Request, n: int, states: tuple[int, int, int] = (-1, 0, -1)) -> StepReq:
-    """What the worker computes for ``req`` this step: ``n`` tokens from ``req.kv_len``,
-    the pages it has not been sent, its sampling the first time, the prompt
-    positions to score, and (hybrid models) the state snapshots to restore and
-    save, ``(restore, save_at, save)`` (``KVCacheManager.plan_states``)."""
+    """What the worker computes for ``req`` this step: ``n`` tokens from ``req.kv_len``
+    (its drafts, ``req.draft``, counted in and last), the pages it has not been sent
+    (after cutting its table when a verification gave pages back), its sampling the
+    first time, the prompt positions to score, and (hybrid models) the state
+    snapshots to restore and save, ``(restore, save_at, save)``
+    (``KVCacheManager.plan_states``)."""
     # Views, not copies: these ranges of a request's buffers never change
     # while it runs, and the worker consumes the step before the next one.
     new_pages = req.table[req.sent_pages : req.num_pages]
@@ -35,6 +37,12 @@ def step_req(req: Request, n: int, states: tuple[int, int, int] = (-1, 0, -1)) -
             # Penalty counts start from it; a grammar replays the output.
             history = req.tokens[: req.num_tokens]
     start = req.kv_len
+    keep_pages = -1
+    if req.table_cut:  # a verification's rejected drafts gave pages back
+        keep_pages = req.sent_pages - len(new_pages)
+        req.table_cut = False
+    k = len(req.draft)
+    n -= k  # the request's own tokens; its drafts follow them
     score_pos, score_ids = 0, _NO_TOKENS
     if req.score_next >= 0:
         # Prompt positions whose previous position this step computes.
@@ -42,9 +50,12 @@ def step_req(req: Request, n: int, states: tuple[int, int, int] = (-1, 0, -1)) -
         if end > req.score_next:
             score_pos, score_ids = req.score_next, req.tokens[req.score_next : end]
             req.score_next = end if end < req.prompt_len else -1
+    ids = req.tokens[start : start + n]
+    if k:
+        ids = np.concatenate([ids, req.draft])
     return StepReq(
         req.slot,
-        req.tokens[start : start + n],
+        ids,
         start,
         new_pages,
         start + n == req.num_tokens and req.sampling.max_tokens > 0,
@@ -55,12 +66,15 @@ def step_req(req: Request, n: int, states: tuple[int, int, int] = (-1, 0, -1)) -
         score_ids,
         req.lora if sampling is not None else 0,
         *states,
+        k,
+        keep_pages,
     )
 
 
 def file_scores(batch: list[tuple[Request, int]], scores: list) -> dict[int, list]:
     """File the step's logprobs: prompt positions into their request's
-    ``prompt_scores``; the sampled tokens' entries returned by request."""
+    ``prompt_scores``; the sampled tokens' entries (one, or one per verified token)
+    returned by request."""
     if not scores:
         return {}
     by_slot = {req.slot: req for req, _ in batch if req.slot is not None}
@@ -70,8 +84,8 @@ def file_scores(batch: list[tuple[Request, int]], scores: list) -> dict[int, lis
         if req is None:
             continue  # aborted after the step was planned
         entries = sc.entries()
-        if sc.pos >= req.prompt_len:  # the token sampled in this step
-            sampled[id(req)] = entries[0]
+        if sc.pos >= req.prompt_len:  # the token(s) sampled in this step
+            sampled[id(req)] = entries
         elif req.prompt_scores is not None:
             req.prompt_scores[sc.pos : sc.pos + len(entries)] = entries
     return sampled

@@ -34,6 +34,7 @@ class OutputStream:
         # Public entries ([id, text, logprob, top]): all of them, and those of the last add.
         self.logprobs: list[list] | None = None
         self.new_logprobs: list[list] | None = None
+        self.new_token_ids: list[int] = []  # the tokens the last add took
         self.prompt_logprobs: list[list | None] | None = None
 
     @property
@@ -48,17 +49,30 @@ class OutputStream:
         prompt_logprobs: list | None = None,
     ) -> str:
         """Take new tokens (with their logprob entries, and the prompt's once);
-        return the text that may be shown now."""
+        return the text that may be shown now.
+
+        Several tokens at once (a verification's accepted drafts, jump-forward) are
+        detokenized one by one, as if they had come in separate steps: the text is
+        the same, and a stop string inside them ends the sample at the token that
+        completes it (``new_token_ids``: the tokens taken; those after it are not)."""
         self.new_logprobs = None
+        self.new_token_ids = []
         if self.stop.stopped:
             return ""
         if prompt_logprobs is not None:
             self.prompt_logprobs = self.texts.public(prompt_logprobs, self.prompt_ids)
+        delta = ""
+        for i, token in enumerate(token_ids):
+            delta += self.stop.feed(self.detok.add([token]))
+            if self.stop.stopped:
+                token_ids = token_ids[: i + 1]
+                break
         if logprobs is not None:
+            logprobs = logprobs[: len(token_ids)]
             self.new_logprobs = self.texts.public(logprobs, token_ids)
             self.logprobs = (self.logprobs or []) + self.new_logprobs
         self.token_ids.extend(token_ids)
-        delta = self.stop.feed(self.detok.add(token_ids))
+        self.new_token_ids = list(token_ids)
         if finished and not self.stop.stopped:
             delta += self.stop.feed(self.detok.flush())
             delta += self.stop.flush()

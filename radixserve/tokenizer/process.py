@@ -370,7 +370,7 @@ class TokenizerServer:
                 echo = None if req.started[item.index] else req.prompt_text
                 req.started[item.index] = True
                 chunk = P.Chunk(
-                    req.id, item.index, delta, item.token_ids, finish, usage,
+                    req.id, item.index, delta, out.new_token_ids, finish, usage,
                     out.new_logprobs, prompt_lps, echo,
                 )  # fmt: skip
                 self.send(req.identity, chunk)

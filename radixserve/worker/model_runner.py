@@ -4,16 +4,18 @@
 0. performs the copies between cache tiers (``batch.copies``, ``host_cache.py``):
    the part the step needs now (demotions), the rest handed to the copy thread;
 1. clears the slots in ``batch.release`` (page table, sampling state);
-2. for each request: remembers its sampling params if given, appends
-   ``new_pages`` to its slot's page table, and checks the table covers
-   ``start_pos + len(input_ids)`` tokens;
+2. for each request: remembers its sampling params if given, cuts its slot's
+   page table to ``keep_pages`` when given, appends ``new_pages``, and checks the
+   table covers ``start_pos + len(input_ids)`` tokens;
 3. runs the model on all new tokens at once (the attention backend writes their
    K/V into their pages);
 4. computes the logprobs of the prompt tokens it was asked to score
    (``score_ids``), from the logits of the positions before them;
 5. for every request with ``sample=True``, in batch order: takes the raw
    logprobs when asked for, applies ``min_tokens``, ``logit_bias`` and the
-   penalties (``logits.py``) and samples one token.
+   penalties (``logits.py``) and samples one token; a request with drafts
+   (``num_drafts``) is verified instead (``speculative.py``): its new tokens are
+   the accepted drafts and the token after them (``StepResult.verified``).
 It returns a ``protocol.StepResult``: the tokens and the logprobs (``Scores``),
 and the tickets of cache tier copies finished since the last step. A step with
 nothing to compute waits (briefly) for a ticket in flight or a grammar being
@@ -66,6 +68,7 @@ from radixserve.protocol import (
     Step,
     StepReq,
     StepResult,
+    Verified,
 )
 from radixserve.sampling_params import SamplingParams
 from radixserve.worker import cuda_graph
@@ -80,12 +83,14 @@ from radixserve.worker.lora import LoraSlots
 from radixserve.worker.malloc import tune_malloc
 from radixserve.worker.page_table import PageTable
 from radixserve.worker.sampler import Sampler
+from radixserve.worker.speculative import verify
 from radixserve.worker.staging import Staging
 from radixserve.worker.state_pool import StatePool, StepStates
 
 # How long a step with nothing to compute waits for a grammar being compiled or a
 # ticket of cache tier copies.
 IDLE_WAIT_S = 0.05
+_NO_TOKENS = np.zeros(0, dtype=np.int32)
 
 log = logging.getLogger("radixserve.worker")
 
@@ -344,7 +349,7 @@ class ModelRunner:
         reports = self._load_loras(batch)
         if not self.leader:
             with invariant.batch_invariant(self.config.deterministic):
-                self._forward(batch, [])
+                self._forward(batch, [])  # followers verify nothing: rank 0 answers
             if self.host_cache is not None:
                 self.host_cache.finished()  # in step: done; rank 0 reports
             return StepResult(batch.step_id, np.zeros(0, dtype=np.int32), [])
@@ -409,7 +414,7 @@ class ModelRunner:
 
     def _step(self, batch: Step) -> StepResult:
         failed: list[SlotFailure] = []
-        logits, num_sampled, plans = self._forward(batch, failed)
+        logits, num_sampled, plans, drafts = self._forward(batch, failed)
         scores = []
         for slot, pos, lo, hi, ids in plans:
             k = self.sampler.params(slot).prompt_logprobs or 0
@@ -418,22 +423,28 @@ class ModelRunner:
         sampling = [r for r in batch.reqs if r.sample]
         if not sampling:
             return StepResult(batch.step_id, np.zeros(0, dtype=np.int32), scores, failed=failed)
+        all_logits = logits
         logits = logits[:num_sampled]
         if logits.dtype in (torch.bfloat16, torch.float16):
             # Exactly the same values: argmax picks the same (first) maximum, and the
             # processing, filters and softmax run in float32.
             logits = logits.float()
-        slots = [r.slot for r in sampling]
-        positions = [r.start_pos + len(r.input_ids) for r in sampling]
+        plain = sampling
+        if drafts:  # the requests with drafts are verified below, one by one
+            keep = [i for i, r in enumerate(sampling) if not r.num_drafts]
+            plain = [sampling[i] for i in keep]
+            logits = logits[keep]
+        slots = [r.slot for r in plain]
+        positions = [r.start_pos + len(r.input_ids) for r in plain]
         want = [(i, p.logprobs) for i, p in enumerate(map(self.sampler.params, slots))]
         want = [(i, k) for i, k in want if k is not None]
         raw = logits[[i for i, _ in want]] if want else None  # a copy: indexing by list
-        if self.logits_processor.active(slots):
+        if slots and self.logits_processor.active(slots):
             logits = self.logits_processor.apply(logits, slots, positions)
         constrained = self.grammars.active(slots)
         if constrained:
             logits = self.grammars.apply_masks(logits, slots)
-        tokens = self.sampler.sample(logits, slots, positions)
+        tokens = self.sampler.sample(logits, slots, positions) if slots else _NO_TOKENS
         forced: dict[int, list[int]] = {}
         terminated: list[int] = []
         if constrained:
@@ -449,6 +460,9 @@ class ModelRunner:
                         slots[i], positions[i], chosen[j : j + 1], top_ids[j, :k], top_lps[j, :k]
                     )
                 )
+        verified: list[Verified] = []
+        if drafts:
+            tokens = self._verify(sampling, all_logits, tokens, drafts, verified, scores)
         return StepResult(
             batch.step_id,
             tokens,
@@ -456,21 +470,66 @@ class ModelRunner:
             [Forced(slot, np.asarray(ids, dtype=np.int32)) for slot, ids in forced.items()],
             np.asarray(terminated, dtype=np.int32),
             failed,
+            verified=verified,
         )
+
+    def _verify(
+        self,
+        sampling: list[StepReq],
+        logits: torch.Tensor,
+        plain_tokens: np.ndarray,
+        drafts: dict[int, tuple[int, int]],
+        verified: list[Verified],
+        scores: list[Scores],
+    ) -> np.ndarray:
+        """Verify the drafts of the sampling requests that have them (``worker/speculative.py``):
+        their rows are the sampling row and the draft rows of ``logits``. Returns one
+        token per sampling request (the plain ones' from ``plain_tokens``, in order);
+        fills ``verified`` and the verified tokens' logprobs into ``scores``."""
+        out = np.zeros(len(sampling), dtype=np.int32)
+        at = 0
+        for i, r in enumerate(sampling):
+            if not r.num_drafts:
+                out[i] = plain_tokens[at]
+                at += 1
+                continue
+            lo, k = drafts[r.slot]
+            rows = torch.cat([logits[i : i + 1], logits[lo : lo + k]])
+            if rows.dtype in (torch.bfloat16, torch.float16):
+                rows = rows.float()
+            first = r.start_pos + len(r.input_ids) - k  # the position row 0 samples
+            ids = verify(
+                rows,
+                r.input_ids[-k:].tolist(),
+                r.slot,
+                first,
+                self.sampler,
+                self.logits_processor,
+            )
+            out[i] = ids[0]
+            verified.append(Verified(r.slot, np.asarray(ids, dtype=np.int32)))
+            top = self.sampler.params(r.slot).logprobs
+            if top is not None:
+                picked = torch.tensor(ids, dtype=torch.int64, device=rows.device)
+                chosen, top_ids, top_lps = token_logprobs(rows[: len(ids)], picked, top)
+                scores.append(Scores(r.slot, first, chosen, top_ids.ravel(), top_lps.ravel()))
+        return out
 
     @torch.inference_mode()
     def forward_logits(self, batch: Step) -> torch.Tensor:
         """Steps 1-3 of ``step``: logits [num sampling requests, vocab] (no sampling;
         on a follower rank, an empty tensor)."""
-        logits, num_sampled, _ = self._forward(batch, [])
+        logits, num_sampled, _, _ = self._forward(batch, [])
         return logits[:num_sampled] if self.leader else torch.zeros(0, self.vocab_size)
 
     def _forward(
         self, batch: Step, failed: list[SlotFailure]
-    ) -> tuple[torch.Tensor, int, list[tuple]]:
-        """Steps 1-3: the logits of the sampling rows (first, in order) and of the
-        rows that score prompt tokens, how many sampling rows there are, and the
-        scoring plans ``(slot, first position, first row, end row, token ids)``.
+    ) -> tuple[torch.Tensor, int, list[tuple], dict[int, tuple[int, int]]]:
+        """Steps 1-3: the logits of the sampling rows (first, in order: a request with
+        drafts gives the row of its last real token here), then of its draft rows,
+        then of the rows that score prompt tokens; how many sampling rows there are;
+        the scoring plans ``(slot, first position, first row, end row, token ids)``;
+        and per slot with drafts ``(first draft row, number of drafts)``.
         A slot whose grammar rejects its replayed history goes into ``failed``.
         The step's copies between cache tiers come first (their in-step part)."""
         for copies in batch.copies:
@@ -487,8 +546,9 @@ class ModelRunner:
                 self.logits_processor.remove(slot)
                 self.grammars.remove(slot)
         if not batch.reqs:
-            return torch.zeros(0, self.vocab_size), 0, []
-        ids, positions, logits_rows, score_rows = [], [], [], []
+            return torch.zeros(0, self.vocab_size), 0, [], {}
+        ids, positions, logits_rows, score_rows, draft_rows = [], [], [], [], []
+        drafts: dict[int, tuple[int, int]] = {}
         plans: list[tuple] = []
         qo_indptr, kv_lens, page_counts, tables = [0], [], [], []
         segments: list[StateSegment] = []
@@ -509,10 +569,15 @@ class ModelRunner:
                         failed.append(SlotFailure(r.slot, error))
             elif r.sample and not self.sampler.has(r.slot):
                 raise ValueError(f"slot {r.slot} samples but was never given SamplingParams")
+            if r.keep_pages >= 0:
+                self.page_table.truncate(r.slot, r.keep_pages)
             self.page_table.append(r.slot, r.new_pages)
             n = len(r.input_ids)
             if n < 1:
                 raise ValueError(f"slot {r.slot}: a step needs at least one input token")
+            k = r.num_drafts
+            if k:
+                self._check_drafts(r)
             kv_len = r.start_pos + n
             if kv_len > self.max_context_len:
                 raise ValueError(f"slot {r.slot}: {kv_len} tokens exceed the context length")
@@ -528,7 +593,10 @@ class ModelRunner:
             if self.states is not None:
                 segments.append(self._state_segment(r, qo_indptr[-2]))
             if r.sample:
-                logits_rows.append(qo_indptr[-1] - 1)
+                logits_rows.append(qo_indptr[-1] - 1 - k)
+            if k:
+                drafts[r.slot] = (len(draft_rows), k)
+                draft_rows.extend(range(qo_indptr[-1] - k, qo_indptr[-1]))
             if len(r.score_ids):
                 plans.append(self._score_plan(r, len(score_rows)))
                 first = qo_indptr[-2] + r.score_pos - 1 - r.start_pos  # the row before it
@@ -553,17 +621,31 @@ class ModelRunner:
             logits = self.graphs.run(attn, input_ids, flat_positions)
         else:
             self.backend.begin_batch(attn)
-            rows = np.asarray(logits_rows + score_rows, dtype=np.int64)
+            rows = np.asarray(logits_rows + draft_rows + score_rows, dtype=np.int64)
             ids_t, pos_t, rows_t = self._inputs.to_device([input_ids, flat_positions, rows])
             states = None if self.states is None else StepStates(self.states, segments)
             logits = self.model(ids_t, pos_t, max(kv_lens) - 1, self.backend, rows_t, lora, states)
         if logits is None:  # a follower rank
-            return torch.zeros(0, self.vocab_size), 0, []
-        num_sampled = len(logits_rows)  # the scoring rows come after the sampling ones
-        plans = [
-            (slot, pos, lo + num_sampled, hi + num_sampled, t) for slot, pos, lo, hi, t in plans
-        ]
-        return logits, num_sampled, plans
+            return torch.zeros(0, self.vocab_size), 0, [], {}
+        num_sampled = len(logits_rows)
+        # The draft rows come after the sampling ones, the scoring rows after both.
+        before = num_sampled + len(draft_rows)
+        plans = [(slot, pos, lo + before, hi + before, t) for slot, pos, lo, hi, t in plans]
+        drafts = {slot: (num_sampled + lo, k) for slot, (lo, k) in drafts.items()}
+        return logits, num_sampled, plans, drafts
+
+    def _check_drafts(self, r: StepReq) -> None:
+        """A request's drafts are verifiable: it samples, at least one real input
+        token comes first, nothing is scored, and no grammar constrains the slot."""
+        k, n = r.num_drafts, len(r.input_ids)
+        if not r.sample or not 0 < k < n:
+            raise ValueError(
+                f"slot {r.slot}: {k} drafts need a sampling step with more than {k} input tokens"
+            )
+        if len(r.score_ids):
+            raise ValueError(f"slot {r.slot}: drafts and prompt tokens to score in one step")
+        if self.leader and self.grammars.active([r.slot]):
+            raise ValueError(f"slot {r.slot}: drafts for a request with a grammar")
 
     def _save_states(self, pairs: np.ndarray) -> None:
         """``Step.state_saves``: each slot's state into a snapshot, before anything else."""

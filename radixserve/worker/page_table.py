@@ -1,9 +1,9 @@
 """Per-slot page tables: which KV pages a request slot's tokens live in.
 
 Token p of a slot lives in ``pages(slot)[p // page_size]`` at offset
-``p % page_size``. Tables only grow by appending (the scheduler sends the page
-ids appended since the slot's last step) and are cleared when the slot is
-released.
+``p % page_size``. Tables grow by appending (the scheduler sends the page ids
+appended since the slot's last step), are cut back only after a speculative
+verification (``StepReq.keep_pages``), and are cleared when the slot is released.
 """
 
 from __future__ import annotations
@@ -40,6 +40,16 @@ class PageTable:
             raise ValueError(f"slot {slot} page table overflow ({n + len(pages)} pages)")
         self.table[slot, n : n + len(pages)] = pages
         self.lengths[slot] = n + len(pages)
+
+    def truncate(self, slot: int, num_pages: int) -> None:
+        """Cut a slot's table to its first ``num_pages`` pages (a verification's
+        rejected drafts gave back the pages past them); ValueError if it has fewer."""
+        self.check_slot(slot)
+        if not 0 <= num_pages <= self.lengths[slot]:
+            raise ValueError(
+                f"slot {slot}: cannot cut a table of {self.lengths[slot]} pages to {num_pages}"
+            )
+        self.lengths[slot] = num_pages
 
     def clear(self, slot: int) -> None:
         self.check_slot(slot)

@@ -67,11 +67,18 @@ class Sampler:
             out[torch.tensor(rows, device=out.device)] = tokens
         return out.to(torch.int32).cpu().numpy()
 
+    def uniforms(self, slot: int, position: int, n: int = 1) -> list[float]:
+        """The first ``n`` uniforms of ``slot``'s stream at ``position``: the first is
+        the one ``sample`` uses for the token there."""
+        rng = np.random.default_rng((self._slot_seeds[slot], position))
+        return rng.random(n).tolist()
 
-def sample_filtered(
-    logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float]
-) -> torch.Tensor:
-    """Inverse-CDF sampling after temperature / top-k / top-p / min-p, one row per request."""
+
+def _filtered_sorted(
+    logits: torch.Tensor, params: list[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """After temperature / top-k / top-p / min-p: each row's probabilities sorted most
+    likely first (dropped tokens 0), the token order, and the dropped mask."""
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     dev, vocab = logits.device, logits.shape[-1]
 
@@ -88,7 +95,27 @@ def sample_filtered(
     drop = mass_before >= col([p.top_p for p in params])
     drop |= probs < col([p.min_p for p in params]) * probs[:, :1]
     drop[:, 0] = False  # the most likely token always survives
-    probs = probs.masked_fill(drop, 0.0)
+    return probs.masked_fill(drop, 0.0), order, drop
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution ``sample_filtered`` draws from, one row per request, in token
+    order (float64 for float64 logits, else float32; not renormalised: the kept
+    tokens' softmax mass)."""
+    probs, order, _ = _filtered_sorted(logits, params)
+    return torch.zeros_like(probs).scatter_(1, order, probs)
+
+
+def sample_filtered(
+    logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float]
+) -> torch.Tensor:
+    """Inverse-CDF sampling after temperature / top-k / top-p / min-p, one row per request."""
+    probs, order, drop = _filtered_sorted(logits, params)
+    dtype, dev, vocab = probs.dtype, logits.device, logits.shape[-1]
+
+    def col(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=dev)[:, None]
+
     cdf = probs.cumsum(dim=-1)
     target = col(uniforms) * cdf[:, -1:]
     choice = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)

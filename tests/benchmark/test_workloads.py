@@ -12,6 +12,7 @@ from radixserve.benchmark.targets import compare_flags
 from radixserve.benchmark.workloads import (
     RECORDS,
     TokenSource,
+    copy,
     few_shot,
     few_shot_score,
     json_extract,
@@ -200,3 +201,21 @@ def test_compare_flags_map_values_onto_launch_flags():
         compare_flags("jump_forward", "sometimes")
     with pytest.raises(SystemExit, match="no --no-such-flag"):
         compare_flags("no_such_flag", "1")
+
+
+def test_copy_prompts_wrap_a_document_and_recur_in_a_row():
+    plain = copy(src(), documents=3, document_len=12, output_len=9, repeats=2)
+    assert [n.key for n in plain.roots] == [f"doc{d}-r{r}" for d in range(3) for r in range(2)]
+    docs = [n.tokens for n in plain.roots]
+    assert docs[0] == docs[1] and docs[2] == docs[3] and docs[0] != docs[2]
+    assert all(len(t) == 12 and n.max_tokens == 9 for t, n in zip(docs, plain.roots))
+    chat = src()
+    chat.encode = lambda text: [3 + ord(c) % 900 for c in text]
+    chat.chat = lambda text: f"<user>{text}</user><assistant>"
+    w = copy(chat, documents=1, document_len=12, output_len=9)
+    (node,) = w.roots
+    head = chat.encode("<user>Repeat the following text exactly, word for word, but write its ")
+    assert node.tokens[: len(head)] == head
+    tail = chat.encode("</user><assistant>")
+    assert node.tokens[-len(tail) :] == tail
+    assert len(node.tokens) - len(tail) - 12 > len(head)  # the document sits between

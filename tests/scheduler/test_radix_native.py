@@ -37,6 +37,27 @@ def py_info(node):
     return (node.node_id, node.lock_ref, node.last_access, len(node.key))
 
 
+def cached_paths(tree: RadixCache, salt) -> list[list[int]]:
+    """Every root-to-node token path of ``salt``'s namespace in the Python tree."""
+    out = []
+    for node in tree._iter_nodes():
+        if not _under(node, salt, tree):
+            continue
+        parts = []
+        n = node
+        while n is not None and not n.is_root:
+            parts.append(n.key.tolist())
+            n = n.parent
+        out.append([t for part in reversed(parts) for t in part])
+    return out
+
+
+def _under(node, salt, tree) -> bool:
+    while node.parent is not None:
+        node = node.parent
+    return node is tree._roots.get(salt)
+
+
 def same_outcome(call_py, call_nat):
     """Run both calls; they must return equal values or raise the same type."""
     out = []
@@ -96,6 +117,25 @@ class DiffMachine(RuleBasedStateMachine):
             self.py.lock(mp.last_node)
             self.nat.lock(mn.last_node)
         self.keep(mp.last_node, mn.last_node, int(lock))
+
+    @rule(data=st.data(), salt=SALTS, max_len=st.integers(0, 12))
+    def continuation(self, data, salt, max_len):
+        """Speculative decoding's radix drafts: the same tokens from both trees, and
+        they continue ``tokens`` along a path the tree holds (brute force over
+        every root-to-node path of the Python tree)."""
+        tokens = self.gen_tokens(data)
+        got = self.py.continuation(tokens, max_len, salt)
+        assert got.dtype == np.int32
+        assert self.nat.continuation(tokens, max_len, salt).tolist() == got.tolist()
+        paths = cached_paths(self.py, salt)
+        whole = tokens.tolist() + got.tolist()
+        extends = [p for p in paths if len(p) > len(tokens) and p[: len(tokens)] == tokens.tolist()]
+        assert bool(len(got)) == bool(extends and max_len > 0)
+        if len(got):
+            assert any(p[: len(whole)] == whole for p in extends)
+            # It stops at max_len or at a leaf: nothing cached continues it further.
+            if len(got) < max_len:
+                assert not any(len(p) > len(whole) and p[: len(whole)] == whole for p in paths)
 
     @rule(data=st.data(), salt=SALTS, lock=st.booleans())
     def insert(self, data, salt, lock):

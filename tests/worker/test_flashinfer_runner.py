@@ -103,3 +103,44 @@ def test_greedy_tokens_equal_torch_backend(monkeypatch, head64_dir, page_size):
     assert [len(v) for v in results["torch"].values()] == [DECODE_STEPS + 2, DECODE_STEPS + 1,
                                                            DECODE_STEPS + 1, DECODE_STEPS + 1]  # fmt: skip
     assert sum(name == "append" for name, _ in fake.calls) == 2 * (DECODE_STEPS + 2)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_verification_step_equals_torch_backend(monkeypatch, head64_dir, page_size):
+    """Speculative decoding's step on flashinfer: slot 0 verifies 4 drafts (5 query
+    rows over its paged KV, past a page boundary) beside slot 1's plain decode row;
+    then its table is cut (``keep_pages``) and it decodes on. Every row's logits
+    equal the torch backend's within bfloat16's rounding."""
+    fake_flashinfer.install(monkeypatch)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(4, 512, 14).astype(np.int32), rng.integers(4, 512, 9).astype(np.int32)]
+    drafts = rng.integers(4, 512, 4).astype(np.int32)
+    pages = {0: np.arange(0, 32, dtype=np.int32), 1: np.arange(32, 64, dtype=np.int32)}
+    per = -(-30 // page_size)  # pages each slot gets up front: 30 tokens
+    rows = {}
+    for name in ("torch", "flashinfer"):
+        cfg = WorkerConfig(model=str(head64_dir), dtype="bfloat16", page_size=page_size,
+                           num_pages=64, max_running_requests=2, attention_backend=name,
+                           warmup=False)  # fmt: skip
+        runner = ModelRunner(cfg)
+        first = Step([StepReq(s, prompts[s], 0, pages[s][:per], True, GREEDY) for s in (0, 1)])
+        out = [runner.forward_logits(first).float()]
+        last = out[0].argmax(dim=-1).to(torch.int32).numpy()
+        ids0 = np.concatenate([last[:1], drafts])
+        verify = Step([StepReq(0, ids0, 14, pages[0][:0], True, num_drafts=4),
+                       StepReq(1, last[1:], 9, pages[1][:0], True)])  # fmt: skip
+        with torch.inference_mode():
+            logits, num_sampled, _, plan = runner._forward(verify, [])
+        assert num_sampled == 2 and plan == {0: (2, 4)}
+        out.append(logits.float())
+        # Slot 0 keeps the pages of its 16 tokens with K/V (14 + the last + 1 accepted
+        # draft, as if one were) and decodes on from position 16 into a fresh page.
+        keep = -(-16 // page_size)
+        fresh = pages[0][per : per + -(-17 // page_size) - keep]  # pages not used before
+        after = Step([StepReq(0, drafts[:1], 16, fresh, True, keep_pages=keep)])
+        out.append(runner.forward_logits(after).float())
+        assert runner.page_table.pages(0).tolist() == [*pages[0][:keep], *fresh]
+        rows[name] = out
+    for a, b in zip(rows["torch"], rows["flashinfer"], strict=True):
+        assert a.shape == b.shape
+        assert (a - b).abs().max() < LOGIT_TOL
