@@ -138,19 +138,36 @@ void paged_decode(const py::array& q, const py::array& kv, py::array& out, py::o
                   const py::array_t<int32_t, py::array::c_style>& kv_begin,
                   const py::array_t<int32_t, py::array::c_style>& kv_end, double scale,
                   int num_threads, int64_t chunk, const std::string& isa_name, double softcap,
-                  py::object causal) {
+                  py::object causal, const std::string& kv_quant) {
   const Isa isa = parse_isa(isa_name, "paged_decode");
   require(q.ndim() == 3 && kv.ndim() == 5 && out.ndim() == 3, "q/out must be 3-D, kv 5-D");
   const auto c = py::array::c_style;
   require((q.flags() & c) && (kv.flags() & c) && (out.flags() & c), "arrays must be C-contiguous");
   require(out.writeable(), "out must be writeable");
-  require(q.dtype().is(kv.dtype()) && q.dtype().is(out.dtype()), "q, kv, out dtypes differ");
+  radixserve::KVQuant quant;
+  if (kv_quant == "none") {
+    quant = radixserve::KVQuant::kNone;
+  } else if (kv_quant == "int8") {
+    quant = radixserve::KVQuant::kInt8;
+  } else if (kv_quant == "fp8_e4m3") {
+    quant = radixserve::KVQuant::kFp8E4M3;
+  } else if (kv_quant == "fp8_e5m2") {
+    quant = radixserve::KVQuant::kFp8E5M2;
+  } else {
+    throw std::invalid_argument("paged_decode: kv_quant must be none, int8, fp8_e4m3 or fp8_e5m2");
+  }
+  const bool quantized = quant != radixserve::KVQuant::kNone;
+  require(q.dtype().is(out.dtype()), "q and out dtypes differ");
+  require(quantized ? kv.dtype().itemsize() == 1 : q.dtype().is(kv.dtype()),
+          quantized ? "a quantized kv must be one-byte codes" : "q, kv, out dtypes differ");
   radixserve::PagedDecode P{};
   P.num_heads = q.shape(1);
   P.head_dim = q.shape(2);
   P.page_size = kv.shape(2);
   P.num_kv_heads = kv.shape(3);
-  require(kv.shape(1) == 2 && kv.shape(4) == P.head_dim, "kv must be [pages, 2, ps, kvh, d]");
+  require(kv.shape(1) == 2 && kv.shape(4) == P.head_dim + (quantized ? 2 : 0),
+          quantized ? "a quantized kv must be [pages, 2, ps, kvh, d + 2]"
+                    : "kv must be [pages, 2, ps, kvh, d]");
   require(P.num_kv_heads > 0 && P.num_heads % P.num_kv_heads == 0,
           "heads not a multiple of kv heads");
   require(out.shape(0) == q.shape(0) && out.shape(1) == P.num_heads && out.shape(2) == P.head_dim,
@@ -204,7 +221,7 @@ void paged_decode(const py::array& q, const py::array& kv, py::array& out, py::o
   const void* kvp = kv.data();
   void* outp = out.mutable_data();
   py::gil_scoped_release nogil;
-  radixserve::paged_decode(P, type, qp, kvp, outp, lse_f, lse_d, isa, num_threads, chunk);
+  radixserve::paged_decode(P, type, qp, kvp, outp, lse_f, lse_d, isa, num_threads, chunk, quant);
 }
 
 // float32, or bfloat16 given as int16/uint16 (numpy has no bfloat16).
@@ -502,12 +519,15 @@ void apply_token_bitmask(py::array& logits, const py::array& bitmask, const py::
 
 PYBIND11_MODULE(_cpu_kernels, m) {
   m.doc() = "The worker's CPU kernels: paged decode attention, skinny products.";
+  m.attr("KV_QUANT") = true;  // paged_decode reads quantized pools (kv_quant)
   m.def("paged_decode", &paged_decode, py::arg("q"), py::arg("kv"), py::arg("out"), py::arg("lse"),
         py::arg("row_indptr"), py::arg("rows"), py::arg("page_indptr"), py::arg("pages"),
         py::arg("kv_begin"), py::arg("kv_end"), py::arg("scale"), py::arg("num_threads"),
         py::arg("chunk"), py::arg("isa") = "auto", py::arg("softcap") = 0.0,
-        py::arg("causal") = py::none(),
+        py::arg("causal") = py::none(), py::arg("kv_quant") = "none",
         "Paged decode attention over one layer of the KV pool (csrc/paged_attention.cpp); "
+        "kv_quant (int8, fp8_e4m3, fp8_e5m2): the pool holds one-byte codes and a float16 "
+        "scale per token and kv head, [pages, 2, ps, kvh, d + 2] bytes; "
         "softcap > 0 caps the scores at softcap * tanh(score / softcap); causal (uint8, "
         "one per segment): row r of n in a flagged segment sees its keys up to "
         "kv_end - (n - 1 - r) (a prefill chunk's rows, bottom-right aligned).");

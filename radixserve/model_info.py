@@ -32,6 +32,8 @@ class ModelInfo:
     host_pages: int = 0  # the host tier's size in pages (0: no cache tiers)
     page_bytes: int = 0  # one page's KV, all layers
     kv_identity: str = ""  # what a page's KV depends on besides its tokens (disk tier)
+    kv_dtype: str = ""  # what the KV pool stores (worker/kv_quant.py), e.g. bfloat16, int8
+    tokens_per_gib: int = 0  # tokens of KV (all layers) one GiB of pool holds, per rank
 
     @classmethod
     def from_dict(cls, info: dict[str, Any]) -> ModelInfo:
