@@ -85,6 +85,15 @@ void require(bool ok, const std::string& what) {
 
 using I32Array = py::array_t<int32_t, py::array::c_style>;
 
+// A pool's KV storage by its kv_quant.py name ("none": the query's dtype).
+radixserve::KVQuant parse_quant(const std::string& name) {
+  if (name == "none") return radixserve::KVQuant::kNone;
+  if (name == "int8") return radixserve::KVQuant::kInt8;
+  if (name == "fp8_e4m3") return radixserve::KVQuant::kFp8E4M3;
+  if (name == "fp8_e5m2") return radixserve::KVQuant::kFp8E5M2;
+  throw std::invalid_argument("kv_quant must be none, int8, fp8_e4m3 or fp8_e5m2, got " + name);
+}
+
 // A plan's segment arrays (int32) for R query rows over NP pages of P.page_size
 // tokens, every index checked before it is stored in P; the row repeat check
 // included (a row at most once per segment, possibly in several segments).
@@ -144,18 +153,7 @@ void paged_decode(const py::array& q, const py::array& kv, py::array& out, py::o
   const auto c = py::array::c_style;
   require((q.flags() & c) && (kv.flags() & c) && (out.flags() & c), "arrays must be C-contiguous");
   require(out.writeable(), "out must be writeable");
-  radixserve::KVQuant quant;
-  if (kv_quant == "none") {
-    quant = radixserve::KVQuant::kNone;
-  } else if (kv_quant == "int8") {
-    quant = radixserve::KVQuant::kInt8;
-  } else if (kv_quant == "fp8_e4m3") {
-    quant = radixserve::KVQuant::kFp8E4M3;
-  } else if (kv_quant == "fp8_e5m2") {
-    quant = radixserve::KVQuant::kFp8E5M2;
-  } else {
-    throw std::invalid_argument("paged_decode: kv_quant must be none, int8, fp8_e4m3 or fp8_e5m2");
-  }
+  const radixserve::KVQuant quant = parse_quant(kv_quant);
   const bool quantized = quant != radixserve::KVQuant::kNone;
   require(q.dtype().is(out.dtype()), "q and out dtypes differ");
   require(quantized ? kv.dtype().itemsize() == 1 : q.dtype().is(kv.dtype()),
@@ -279,6 +277,20 @@ void skinny_gemm(const py::array& w, const py::array& x, py::array& yT, int num_
   radixserve::skinny_gemm(g, isa, num_threads);
 }
 
+// x float32 [n, d] -> uint8 [n, d + 2]: each row quantized as the one-call decode
+// layers write K/V rows into a quantized pool (quantize_kv_row).
+py::array_t<uint8_t> quantize_kv_rows(const py::array_t<float, py::array::c_style>& x,
+                                      const std::string& kv_quant) {
+  const radixserve::KVQuant quant = parse_quant(kv_quant);
+  if (quant == radixserve::KVQuant::kNone || x.ndim() != 2)
+    throw std::invalid_argument("quantize_kv_rows: x must be [rows, d] and kv_quant a format");
+  const int64_t n = x.shape(0), d = x.shape(1);
+  py::array_t<uint8_t> out({n, d + 2});
+  for (int64_t i = 0; i < n; ++i)
+    radixserve::quantize_kv_row(x.data() + i * d, d, quant, out.mutable_data() + i * (d + 2));
+  return out;
+}
+
 // Every decoder layer of a decode step in one call (decode_layers.cpp). Built once
 // per model and KV pool: the weights' and pool layers' arrays are checked here and
 // held (their pointers stay valid while this object lives); run() checks the
@@ -288,7 +300,9 @@ class DecodeLayersPy {
   DecodeLayersPy(const py::list& ln1, const py::list& qkv, const py::list& o, const py::list& ln2,
                  const py::list& gate_up, const py::list& down, const py::list& kv,
                  int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
-                 bool unit_offset) {
+                 bool unit_offset, const std::string& kv_quant) {
+    p_.quant = parse_quant(kv_quant);
+    const bool quantized = p_.quant != radixserve::KVQuant::kNone;
     const size_t n = py::len(ln1);
     for (const py::list* l : std::initializer_list<const py::list*>{&qkv, &o, &ln2, &gate_up, &down, &kv})
       check(py::len(*l) == n, "one array per layer in every list");
@@ -310,14 +324,19 @@ class DecodeLayersPy {
     p_.intermediate = down[0].cast<py::array>().ndim() == 2 ? down[0].cast<py::array>().shape(1) : 0;
     const py::array kv0 = kv[0].cast<py::array>();
     check(kv0.ndim() == 5, "pool layers must be [pages, 2, page_size, kv_heads, head_dim]");
+    check(!quantized || kv0.dtype().itemsize() == 1, "a quantized pool holds one-byte codes");
     num_pages_ = kv0.shape(0);
     p_.page_size = kv0.shape(2);
     const int64_t hd = p_.hidden, qd = heads * head_dim, kvd = kv_heads * head_dim;
     auto take = [&](const py::list& l, size_t i, std::initializer_list<int64_t> shape,
                     bool writeable) -> py::array {
       py::array a = l[i].cast<py::array>();
-      check(is_bf16(a) == p_.bf16 && (p_.bf16 || a.dtype().is(py::dtype::of<float>())),
-            "arrays must share one dtype");
+      if (quantized && writeable) {  // a pool layer of codes
+        check(a.dtype().itemsize() == 1, "a quantized pool holds one-byte codes");
+      } else {
+        check(is_bf16(a) == p_.bf16 && (p_.bf16 || a.dtype().is(py::dtype::of<float>())),
+              "arrays must share one dtype");
+      }
       check((a.flags() & py::array::c_style) && (!writeable || a.writeable()),
             "arrays must be C-contiguous (pool layers writeable)");
       check(a.ndim() == static_cast<py::ssize_t>(shape.size()), "an array has the wrong rank");
@@ -335,7 +354,9 @@ class DecodeLayersPy {
       w.ln2 = take(ln2, i, {hd}, false).data();
       w.gate_up = take(gate_up, i, {2 * p_.intermediate, hd}, false).data();
       w.down = take(down, i, {hd, p_.intermediate}, false).data();
-      w.kv = take(kv, i, {num_pages_, 2, p_.page_size, kv_heads, head_dim}, true).mutable_data();
+      w.kv = take(kv, i, {num_pages_, 2, p_.page_size, kv_heads, head_dim + (quantized ? 2 : 0)},
+                  true)
+                 .mutable_data();
     }
     p_.weights = weights_.data();
   }
@@ -520,6 +541,9 @@ void apply_token_bitmask(py::array& logits, const py::array& bitmask, const py::
 PYBIND11_MODULE(_cpu_kernels, m) {
   m.doc() = "The worker's CPU kernels: paged decode attention, skinny products.";
   m.attr("KV_QUANT") = true;  // paged_decode reads quantized pools (kv_quant)
+  m.def("quantize_kv_rows", &quantize_kv_rows, py::arg("x"), py::arg("kv_quant"),
+        "float32 [rows, d] -> uint8 [rows, d + 2]: codes and float16 scale per row, as the "
+        "one-call decode layers write a quantized pool (radixserve/worker/kv_quant.py).");
   m.def("paged_decode", &paged_decode, py::arg("q"), py::arg("kv"), py::arg("out"), py::arg("lse"),
         py::arg("row_indptr"), py::arg("rows"), py::arg("page_indptr"), py::arg("pages"),
         py::arg("kv_begin"), py::arg("kv_end"), py::arg("scale"), py::arg("num_threads"),
@@ -551,10 +575,11 @@ PYBIND11_MODULE(_cpu_kernels, m) {
                              "(csrc/decode_layers.cpp).")
       .def(py::init<const py::list&, const py::list&, const py::list&, const py::list&,
                     const py::list&, const py::list&, const py::list&, int64_t, int64_t,
-                    int64_t, double, bool>(),
+                    int64_t, double, bool, const std::string&>(),
            py::arg("ln1"), py::arg("qkv"), py::arg("o"), py::arg("ln2"), py::arg("gate_up"),
            py::arg("down"), py::arg("kv"), py::arg("heads"), py::arg("kv_heads"),
-           py::arg("head_dim"), py::arg("eps"), py::arg("unit_offset"))
+           py::arg("head_dim"), py::arg("eps"), py::arg("unit_offset"),
+           py::arg("kv_quant") = "none")
       .def("run", &DecodeLayersPy::run, py::arg("residual"), py::arg("x"), py::arg("cos"),
            py::arg("sin"), py::arg("write_rows"), py::arg("row_indptr"), py::arg("rows"),
            py::arg("page_indptr"), py::arg("pages"), py::arg("kv_begin"), py::arg("kv_end"),

@@ -269,3 +269,18 @@ def test_a_cast_pool_stores_another_float_dtype():
     kb, vb = k.to(torch.bfloat16).double(), v.to(torch.bfloat16).double()
     assert math.isclose(0, (out.double() - dense(q.double(), kb, vb, 5, 0.25)).abs().max(),
                         abs_tol=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", QUANT_NAMES)
+def test_native_quantizer_writes_the_same_bytes(name):
+    """``csrc``'s quantize_kv_row (the one-call decode layers' K/V writes) against
+    ``kv_quant.quantize``, bit for bit: rows of every range, ties, zeros, subnormals."""
+    require_isa(cpu_kernels.ISA)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4096, 64, generator=gen)
+    x *= torch.logspace(-9, 6, 4096)[:, None]
+    x[0] = 0
+    x[1, :8] = torch.tensor([127.0, 63.5, -0.5, 1.5, 2.5, -2.5, 448.0, 3.0])  # ties in units
+    x[2] = torch.arange(64) * 2.0**-20
+    got = torch.from_numpy(cpu_kernels.ext.quantize_kv_rows(x.numpy(), name))
+    assert torch.equal(got, quantize(x, QUANTS[name]))

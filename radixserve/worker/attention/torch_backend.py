@@ -220,9 +220,10 @@ class TorchAttention(AttentionBackend):
         sliding window or soft-cap); else None. A caller that runs every layer in
         native code (``models/decode_step.py``) writes and attends with these."""
         seg = self._native
+        cast = self.pool.quant is None and not self.plain  # another float dtype
         if (
             seg is None
-            or not self.plain
+            or cast
             or self._shared is not None
             or self._decodes
             or self._prefills
