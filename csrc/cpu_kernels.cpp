@@ -85,6 +85,15 @@ void require(bool ok, const std::string& what) {
 
 using I32Array = py::array_t<int32_t, py::array::c_style>;
 
+// A pool's KV storage by its kv_quant.py name ("none": the query's dtype).
+radixserve::KVQuant parse_quant(const std::string& name) {
+  if (name == "none") return radixserve::KVQuant::kNone;
+  if (name == "int8") return radixserve::KVQuant::kInt8;
+  if (name == "fp8_e4m3") return radixserve::KVQuant::kFp8E4M3;
+  if (name == "fp8_e5m2") return radixserve::KVQuant::kFp8E5M2;
+  throw std::invalid_argument("kv_quant must be none, int8, fp8_e4m3 or fp8_e5m2, got " + name);
+}
+
 // A plan's segment arrays (int32) for R query rows over NP pages of P.page_size
 // tokens, every index checked before it is stored in P; the row repeat check
 // included (a row at most once per segment, possibly in several segments).
@@ -138,20 +147,26 @@ void paged_decode(const py::array& q, const py::array& kv, py::array& out, py::o
                   const py::array_t<int32_t, py::array::c_style>& kv_begin,
                   const py::array_t<int32_t, py::array::c_style>& kv_end, double scale,
                   int num_threads, int64_t chunk, const std::string& isa_name, double softcap,
-                  py::object causal, int64_t fixed) {
+                  py::object causal, const std::string& kv_quant, int64_t fixed) {
   const Isa isa = parse_isa(isa_name, "paged_decode");
   require(fixed >= 0, "fixed must be >= 0 (0: off)");
   require(q.ndim() == 3 && kv.ndim() == 5 && out.ndim() == 3, "q/out must be 3-D, kv 5-D");
   const auto c = py::array::c_style;
   require((q.flags() & c) && (kv.flags() & c) && (out.flags() & c), "arrays must be C-contiguous");
   require(out.writeable(), "out must be writeable");
-  require(q.dtype().is(kv.dtype()) && q.dtype().is(out.dtype()), "q, kv, out dtypes differ");
+  const radixserve::KVQuant quant = parse_quant(kv_quant);
+  const bool quantized = quant != radixserve::KVQuant::kNone;
+  require(q.dtype().is(out.dtype()), "q and out dtypes differ");
+  require(quantized ? kv.dtype().itemsize() == 1 : q.dtype().is(kv.dtype()),
+          quantized ? "a quantized kv must be one-byte codes" : "q, kv, out dtypes differ");
   radixserve::PagedDecode P{};
   P.num_heads = q.shape(1);
   P.head_dim = q.shape(2);
   P.page_size = kv.shape(2);
   P.num_kv_heads = kv.shape(3);
-  require(kv.shape(1) == 2 && kv.shape(4) == P.head_dim, "kv must be [pages, 2, ps, kvh, d]");
+  require(kv.shape(1) == 2 && kv.shape(4) == P.head_dim + (quantized ? 2 : 0),
+          quantized ? "a quantized kv must be [pages, 2, ps, kvh, d + 2]"
+                    : "kv must be [pages, 2, ps, kvh, d]");
   require(P.num_kv_heads > 0 && P.num_heads % P.num_kv_heads == 0,
           "heads not a multiple of kv heads");
   require(out.shape(0) == q.shape(0) && out.shape(1) == P.num_heads && out.shape(2) == P.head_dim,
@@ -206,7 +221,7 @@ void paged_decode(const py::array& q, const py::array& kv, py::array& out, py::o
   const void* kvp = kv.data();
   void* outp = out.mutable_data();
   py::gil_scoped_release nogil;
-  radixserve::paged_decode(P, type, qp, kvp, outp, lse_f, lse_d, isa, num_threads, chunk);
+  radixserve::paged_decode(P, type, qp, kvp, outp, lse_f, lse_d, isa, num_threads, chunk, quant);
 }
 
 // float32, or bfloat16 given as int16/uint16 (numpy has no bfloat16).
@@ -264,6 +279,20 @@ void skinny_gemm(const py::array& w, const py::array& x, py::array& yT, int num_
   radixserve::skinny_gemm(g, isa, num_threads);
 }
 
+// x float32 [n, d] -> uint8 [n, d + 2]: each row quantized as the one-call decode
+// layers write K/V rows into a quantized pool (quantize_kv_row).
+py::array_t<uint8_t> quantize_kv_rows(const py::array_t<float, py::array::c_style>& x,
+                                      const std::string& kv_quant) {
+  const radixserve::KVQuant quant = parse_quant(kv_quant);
+  if (quant == radixserve::KVQuant::kNone || x.ndim() != 2)
+    throw std::invalid_argument("quantize_kv_rows: x must be [rows, d] and kv_quant a format");
+  const int64_t n = x.shape(0), d = x.shape(1);
+  py::array_t<uint8_t> out({n, d + 2});
+  for (int64_t i = 0; i < n; ++i)
+    radixserve::quantize_kv_row(x.data() + i * d, d, quant, out.mutable_data() + i * (d + 2));
+  return out;
+}
+
 // Every decoder layer of a decode step in one call (decode_layers.cpp). Built once
 // per model and KV pool: the weights' and pool layers' arrays are checked here and
 // held (their pointers stay valid while this object lives); run() checks the
@@ -273,7 +302,9 @@ class DecodeLayersPy {
   DecodeLayersPy(const py::list& ln1, const py::list& qkv, const py::list& o, const py::list& ln2,
                  const py::list& gate_up, const py::list& down, const py::list& kv,
                  int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
-                 bool unit_offset) {
+                 bool unit_offset, const std::string& kv_quant) {
+    p_.quant = parse_quant(kv_quant);
+    const bool quantized = p_.quant != radixserve::KVQuant::kNone;
     const size_t n = py::len(ln1);
     for (const py::list* l : std::initializer_list<const py::list*>{&qkv, &o, &ln2, &gate_up, &down, &kv})
       check(py::len(*l) == n, "one array per layer in every list");
@@ -295,14 +326,19 @@ class DecodeLayersPy {
     p_.intermediate = down[0].cast<py::array>().ndim() == 2 ? down[0].cast<py::array>().shape(1) : 0;
     const py::array kv0 = kv[0].cast<py::array>();
     check(kv0.ndim() == 5, "pool layers must be [pages, 2, page_size, kv_heads, head_dim]");
+    check(!quantized || kv0.dtype().itemsize() == 1, "a quantized pool holds one-byte codes");
     num_pages_ = kv0.shape(0);
     p_.page_size = kv0.shape(2);
     const int64_t hd = p_.hidden, qd = heads * head_dim, kvd = kv_heads * head_dim;
     auto take = [&](const py::list& l, size_t i, std::initializer_list<int64_t> shape,
                     bool writeable) -> py::array {
       py::array a = l[i].cast<py::array>();
-      check(is_bf16(a) == p_.bf16 && (p_.bf16 || a.dtype().is(py::dtype::of<float>())),
-            "arrays must share one dtype");
+      if (quantized && writeable) {  // a pool layer of codes
+        check(a.dtype().itemsize() == 1, "a quantized pool holds one-byte codes");
+      } else {
+        check(is_bf16(a) == p_.bf16 && (p_.bf16 || a.dtype().is(py::dtype::of<float>())),
+              "arrays must share one dtype");
+      }
       check((a.flags() & py::array::c_style) && (!writeable || a.writeable()),
             "arrays must be C-contiguous (pool layers writeable)");
       check(a.ndim() == static_cast<py::ssize_t>(shape.size()), "an array has the wrong rank");
@@ -320,7 +356,9 @@ class DecodeLayersPy {
       w.ln2 = take(ln2, i, {hd}, false).data();
       w.gate_up = take(gate_up, i, {2 * p_.intermediate, hd}, false).data();
       w.down = take(down, i, {hd, p_.intermediate}, false).data();
-      w.kv = take(kv, i, {num_pages_, 2, p_.page_size, kv_heads, head_dim}, true).mutable_data();
+      w.kv = take(kv, i, {num_pages_, 2, p_.page_size, kv_heads, head_dim + (quantized ? 2 : 0)},
+                  true)
+                 .mutable_data();
     }
     p_.weights = weights_.data();
   }
@@ -504,12 +542,18 @@ void apply_token_bitmask(py::array& logits, const py::array& bitmask, const py::
 
 PYBIND11_MODULE(_cpu_kernels, m) {
   m.doc() = "The worker's CPU kernels: paged decode attention, skinny products.";
+  m.attr("KV_QUANT") = true;  // paged_decode reads quantized pools (kv_quant)
+  m.def("quantize_kv_rows", &quantize_kv_rows, py::arg("x"), py::arg("kv_quant"),
+        "float32 [rows, d] -> uint8 [rows, d + 2]: codes and float16 scale per row, as the "
+        "one-call decode layers write a quantized pool (radixserve/worker/kv_quant.py).");
   m.def("paged_decode", &paged_decode, py::arg("q"), py::arg("kv"), py::arg("out"), py::arg("lse"),
         py::arg("row_indptr"), py::arg("rows"), py::arg("page_indptr"), py::arg("pages"),
         py::arg("kv_begin"), py::arg("kv_end"), py::arg("scale"), py::arg("num_threads"),
         py::arg("chunk"), py::arg("isa") = "auto", py::arg("softcap") = 0.0,
-        py::arg("causal") = py::none(), py::arg("fixed") = 0,
+        py::arg("causal") = py::none(), py::arg("kv_quant") = "none", py::arg("fixed") = 0,
         "Paged decode attention over one layer of the KV pool (csrc/paged_attention.cpp); "
+        "kv_quant (int8, fp8_e4m3, fp8_e5m2): the pool holds one-byte codes and a float16 "
+        "scale per token and kv head, [pages, 2, ps, kvh, d + 2] bytes; "
         "softcap > 0 caps the scores at softcap * tanh(score / softcap); causal (uint8, "
         "one per segment): row r of n in a flagged segment sees its keys up to "
         "kv_end - (n - 1 - r) (a prefill chunk's rows, bottom-right aligned); fixed > 0: "
@@ -534,10 +578,11 @@ PYBIND11_MODULE(_cpu_kernels, m) {
                              "(csrc/decode_layers.cpp).")
       .def(py::init<const py::list&, const py::list&, const py::list&, const py::list&,
                     const py::list&, const py::list&, const py::list&, int64_t, int64_t,
-                    int64_t, double, bool>(),
+                    int64_t, double, bool, const std::string&>(),
            py::arg("ln1"), py::arg("qkv"), py::arg("o"), py::arg("ln2"), py::arg("gate_up"),
            py::arg("down"), py::arg("kv"), py::arg("heads"), py::arg("kv_heads"),
-           py::arg("head_dim"), py::arg("eps"), py::arg("unit_offset"))
+           py::arg("head_dim"), py::arg("eps"), py::arg("unit_offset"),
+           py::arg("kv_quant") = "none")
       .def("run", &DecodeLayersPy::run, py::arg("residual"), py::arg("x"), py::arg("cos"),
            py::arg("sin"), py::arg("write_rows"), py::arg("row_indptr"), py::arg("rows"),
            py::arg("page_indptr"), py::arg("pages"), py::arg("kv_begin"), py::arg("kv_end"),

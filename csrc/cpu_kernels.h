@@ -167,11 +167,18 @@ struct PagedDecode {
 
 enum class KVType { kFloat32, kFloat64, kBFloat16 };
 
+// How the pool stores K and V: values of the query's type (kNone), or one-byte codes
+// (int8, fp8 e4m3, fp8 e5m2) per element followed by a float16 scale per (token,
+// kv head) row: [pages, 2, page_size, kv_heads, head_dim + 2] bytes, value = code *
+// scale (radixserve/worker/kv_quant.py).
+enum class KVQuant { kNone, kInt8, kFp8E4M3, kFp8E5M2 };
+
 // q, out: [rows, heads, head_dim]; kv: [pages, 2, page_size, kv_heads, head_dim],
-// all of `type`; lse (one of the two, or neither): [rows, heads]. `isa` must be
-// one the CPU runs (at most best_isa()).
+// all of `type` (or quantized as `quant` says); lse (one of the two, or neither):
+// [rows, heads]. `isa` must be one the CPU runs (at most best_isa()).
 void paged_decode(const PagedDecode& p, KVType type, const void* q, const void* kv, void* out,
-                  float* lse_f, double* lse_d, Isa isa, int num_threads, int64_t chunk);
+                  float* lse_f, double* lse_d, Isa isa, int num_threads, int64_t chunk,
+                  KVQuant quant = KVQuant::kNone);
 
 // One skinny product yT [N, M] = W [N, K] . x^T: W and yT row-major, x [M, K] with
 // element strides (sm, sk), so a transposed view needs no copy. Each of W, x, yT is
@@ -288,8 +295,15 @@ struct DecodeLayers {
   int64_t chunk;
   void* h_out;
   void* residual_out;
+  // How the pool stores K/V: the weights' dtype, or quantized rows (KVQuant), which
+  // the call writes as radixserve/worker/kv_quant.py's quantize does, bit for bit.
+  KVQuant quant;
 };
 void decode_layers(const DecodeLayers& p, Isa isa, int num_threads);
+
+// One (token, kv head) row of d values quantized as kv_quant.quantize does: d codes,
+// then the float16 scale (max|x| / qmax rounded up), into dst (d + 2 bytes).
+void quantize_kv_row(const float* x, int64_t d, KVQuant quant, uint8_t* dst);
 
 // out[r] = the first v with the largest x[v, r] (a NaN counting as largest) for
 // x [vocab, rows] C-contiguous, float32 or bfloat16 bits (argmax.cpp).

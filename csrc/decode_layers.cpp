@@ -163,15 +163,32 @@ void run(const DecodeLayers& p, Isa isa, int num_threads) {
                             t, p.heads, p.kv_heads, dh, p.rot_dim, 1, t};
     radixserve::rotary_qkv(r, isa, num_threads);
     char* kv = static_cast<char*>(w.kv);
-    for (int64_t i = 0; i < t; ++i) {
-      const int64_t row = p.write_rows[i];
-      std::memcpy(kv + row * row_bytes, k.data() + i * kvd, row_bytes);
-      std::memcpy(kv + (row + p.page_size) * row_bytes, v.data() + i * kvd, row_bytes);
+    if (p.quant == radixserve::KVQuant::kNone) {
+      for (int64_t i = 0; i < t; ++i) {
+        const int64_t row = p.write_rows[i];
+        std::memcpy(kv + row * row_bytes, k.data() + i * kvd, row_bytes);
+        std::memcpy(kv + (row + p.page_size) * row_bytes, v.data() + i * kvd, row_bytes);
+      }
+    } else {
+      // Rows of kv_heads x (head_dim codes, a float16 scale).
+      const int64_t entry = dh + 2, qrow = p.kv_heads * entry;
+      std::vector<float> x(static_cast<size_t>(dh));
+      for (int64_t i = 0; i < t; ++i) {
+        const int64_t row = p.write_rows[i];
+        for (int which = 0; which < 2; ++which) {
+          const T* src = (which ? v.data() : k.data()) + i * kvd;
+          uint8_t* dst = reinterpret_cast<uint8_t*>(kv) + (row + which * p.page_size) * qrow;
+          for (int64_t hh = 0; hh < p.kv_heads; ++hh) {
+            for (int64_t d = 0; d < dh; ++d) x[static_cast<size_t>(d)] = IO::load(src[hh * dh + d]);
+            radixserve::quantize_kv_row(x.data(), dh, p.quant, dst + hh * entry);
+          }
+        }
+      }
     }
     radixserve::paged_decode(p.attn, p.bf16 ? radixserve::KVType::kBFloat16
                                             : radixserve::KVType::kFloat32,
                              q.data(), w.kv, att.data(), nullptr, nullptr, isa, num_threads,
-                             p.chunk);
+                             p.chunk, p.quant);
     gemm(w.o, hd, qd, att.data(), qd, 1, o.data());
     add_into_stream(o.data(), w.ln2);
     gemm(w.gate_up, 2 * inter, hd, y.data(), 1, t, gu.data());
@@ -184,7 +201,72 @@ void run(const DecodeLayers& p, Isa isa, int num_threads) {
 
 }  // namespace
 
+namespace {
+
+float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+uint32_t to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+// |a| (a finite float, at most the format's largest finite value) rounded to nearest
+// even in a format of M mantissa bits and exponent bias B, as its bits (no sign):
+// subnormals by scaling to units of the smallest step, normals by rounding the
+// float32 bits' low mantissa bits away.
+template <int M, int B>
+uint32_t round_to_minifloat(float a) {
+  const float min_normal = std::ldexp(1.0f, 1 - B);
+  if (a < min_normal) return static_cast<uint32_t>(std::nearbyint(std::ldexp(a, B - 1 + M)));
+  uint32_t u = to_bits(a);
+  constexpr int shift = 23 - M;
+  uint32_t r = u >> shift;
+  const uint32_t rem = u & ((1u << shift) - 1), half = 1u << (shift - 1);
+  if (rem > half || (rem == half && (r & 1u))) ++r;
+  return r - (static_cast<uint32_t>(127 - B) << M);
+}
+
+float half_bits_to_float(uint32_t h) {
+  const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0) return static_cast<float>(m) * 0x1p-24f;
+  return from_bits(((e + 112u) << 23) | (m << 13));
+}
+
+}  // namespace
+
 namespace radixserve {
+
+void quantize_kv_row(const float* x, int64_t d, KVQuant quant, uint8_t* dst) {
+  const float qmax = quant == KVQuant::kInt8 ? 127.0f : quant == KVQuant::kFp8E4M3 ? 448.0f
+                                                                                   : 57344.0f;
+  float amax = 0;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float exact = std::min(std::max(amax / qmax, 0x1p-24f), 65504.0f);
+  uint32_t h = round_to_minifloat<10, 15>(exact);
+  if (half_bits_to_float(h) < exact) ++h;  // rounded up: no code outside the format
+  const float scale = half_bits_to_float(h);
+  for (int64_t i = 0; i < d; ++i) {
+    const float y = x[i] / scale;
+    uint8_t c;
+    if (quant == KVQuant::kInt8) {
+      const float r = std::min(std::max(std::nearbyint(y), -127.0f), 127.0f);
+      c = static_cast<uint8_t>(static_cast<int8_t>(r));
+    } else {
+      const float a = std::min(std::fabs(y), qmax);
+      const uint32_t mag = quant == KVQuant::kFp8E4M3 ? round_to_minifloat<3, 7>(a)
+                                                      : round_to_minifloat<2, 15>(a);
+      c = static_cast<uint8_t>(mag | (std::signbit(y) ? 0x80u : 0u));
+    }
+    dst[i] = c;
+  }
+  const uint16_t hb = static_cast<uint16_t>(h);
+  std::memcpy(dst + d, &hb, sizeof hb);
+}
 
 void decode_layers(const DecodeLayers& p, Isa isa, int num_threads) {
   if (p.bf16) {

@@ -24,7 +24,12 @@
 // chunks so that a few long requests still keep every thread busy.
 //
 // Storage types: float32, float64 (computed in their own precision) and
-// bfloat16 (computed in float32). With a soft-cap (Gemma 2) each scaled score s
+// bfloat16 (computed in float32). A quantized pool (KVQuant: int8, fp8 e4m3 or
+// e5m2 codes, a float16 scale after each (token, kv head) row of codes) is read
+// with queries of any of the three: each block of K or V rows is turned into the
+// compute type (code * scale) in the block's L1 buffer, as bfloat16 rows are, by
+// loops the compiler vectorizes at every instruction-set level (the fp8 formats
+// by bit moves and a select for their subnormals, no table). With a soft-cap (Gemma 2) each scaled score s
 // becomes softcap * tanh(s / softcap) before the softmax. The pool layout is the KV pool's
 // [num_pages, 2, page_size, kv_heads, head_dim], K at index 0, V at 1.
 #include "cpu_kernels.h"
@@ -83,6 +88,51 @@ inline void from_acc(float x, BF16* d) {
 
 template <typename T>
 using Acc = typename std::conditional<std::is_same<T, double>::value, double, float>::type;
+
+// One-byte codes of a quantized pool; Kind 1: int8, 2: fp8 e4m3, 3: fp8 e5m2.
+template <int Kind>
+struct Q8 {
+  uint8_t bits;
+};
+template <typename KV>
+struct IsQuant : std::false_type {};
+template <int Kind>
+struct IsQuant<Q8<Kind>> : std::true_type {};
+
+RS_ALWAYS_INLINE float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// A code's value before its row's scale: exact in float32.
+RS_ALWAYS_INLINE float code_value(Q8<1> c) {
+  return static_cast<float>(static_cast<int8_t>(c.bits));
+}
+RS_ALWAYS_INLINE float code_value(Q8<2> c) {  // e4m3 (bias 7; NaN is never stored)
+  const uint32_t x = c.bits, e = (x >> 3) & 0xfu, m = x & 7u;
+  const float mag = e ? bits_to_float(((e + 120u) << 23) | (m << 20))
+                      : static_cast<float>(m) * 0x1p-9f;
+  return (x & 0x80u) ? -mag : mag;
+}
+RS_ALWAYS_INLINE float code_value(Q8<3> c) {  // e5m2 (bias 15; inf/NaN are never stored)
+  const uint32_t x = c.bits, e = (x >> 2) & 0x1fu, m = x & 3u;
+  const float mag = e ? bits_to_float(((e + 112u) << 23) | (m << 21))
+                      : static_cast<float>(m) * 0x1p-16f;
+  return (x & 0x80u) ? -mag : mag;
+}
+
+// A float16 (a row's scale) as float32, exactly.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0) {
+    const float f = static_cast<float>(m) * 0x1p-24f;
+    return sign ? -f : f;
+  }
+  const uint32_t exp = e == 31 ? 0xffu : e + 112u;
+  return bits_to_float(sign | (exp << 23) | (m << 13));
+}
 
 // exp of one float <= 0: the first lane of exp8 (the same values as the vector
 // path, for the tail of a row).
@@ -197,6 +247,55 @@ RS_ALWAYS_INLINE void load_block(const T* kv, const int32_t* pages, int64_t ps, 
   }
 }
 
+// load_block for a quantized pool: rows of KVH x (D codes, a float16 scale) bytes,
+// each turned into KVH x D values of the compute type in conv (code * scale).
+template <int Kind, typename A>
+RS_ALWAYS_INLINE void load_block_q(const Q8<Kind>* kv, const int32_t* pages, int64_t ps,
+                                   int64_t KVH, int64_t D, int64_t j0, int64_t nb, int64_t k1,
+                                   int64_t which, A* conv, const A** out) {
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(kv);
+  const int64_t E = D + 2, row = KVH * E, page_stride = 2 * ps * row;
+  int64_t pi = j0 / ps, off = j0 % ps;
+  const uint8_t* page = base + pages[pi] * page_stride + which * ps * row;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = page + off * row;
+    A* c = conv + b * KVH * D;
+    for (int64_t h = 0; h < KVH; ++h) {
+      const uint8_t* codes = p + h * E;
+      uint16_t sb;
+      std::memcpy(&sb, codes + D, sizeof sb);
+      const A sc = static_cast<A>(half_to_float(sb));
+      A* dst = c + h * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d)
+        dst[d] = static_cast<A>(code_value(Q8<Kind>{codes[d]})) * sc;
+    }
+    out[b] = c;
+    if (++off == ps && b + 1 < nb) {
+      off = 0;
+      page = base + pages[++pi] * page_stride + which * ps * row;
+    }
+  }
+  const int64_t next = j0 + nb, n_pf = std::min(kPrefetchRows, k1 - next);
+  for (int64_t r = 0, npi = next / ps, noff = next % ps; r < n_pf; ++r) {
+    const uint8_t* n = base + pages[npi] * page_stride + which * ps * row + noff * row;
+    for (int64_t o = 0; o < row; o += 64) __builtin_prefetch(n + o);
+    if (++noff == ps) noff = 0, ++npi;
+  }
+}
+
+// Rows [j0, j0 + nb) of K or V in the compute type, whatever the pool stores.
+template <typename KV, typename A>
+RS_ALWAYS_INLINE void load_rows(const KV* kv, const int32_t* pages, int64_t ps, int64_t KVH,
+                                int64_t D, int64_t j0, int64_t nb, int64_t k1, int64_t which,
+                                A* conv, const A** out) {
+  if constexpr (IsQuant<KV>::value) {
+    load_block_q(kv, pages, ps, KVH, D, j0, nb, k1, which, conv, out);
+  } else {
+    load_block(kv, pages, ps, KVH * D, j0, nb, k1, which, conv, out);
+  }
+}
+
 // Soft-capping (Gemma 2) of the scaled scores, then each query vector's softmax
 // statistics (max m, sum l of exp(s - m)) into its partial slot; sc [nq][len]
 // becomes the unnormalised probabilities. The statistics (and the lse the caller
@@ -270,8 +369,8 @@ RS_ALWAYS_INLINE void softmax_rows(A* sc, int64_t nq, int64_t len, double softca
 // unnormalised weighted sum of values. A key position's K (or V) row holds all
 // kv heads side by side, so the item walks the pages front to back, a block of
 // contiguous rows at a time. Float vectors are V (v8 or v16).
-template <typename T, typename V>
-RS_ALWAYS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q, const T* kv,
+template <typename T, typename KV, typename V>
+RS_ALWAYS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q, const KV* kv,
                                     Acc<T>* pm, Acc<T>* pl, Acc<T>* pacc,
                                     std::vector<Acc<T>>& scratch) {
   using A = Acc<T>;
@@ -313,7 +412,7 @@ RS_ALWAYS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q
   for (int64_t jb = 0; jb < len; jb += kBlock) {
     const int64_t nb = std::min(kBlock, len - jb);
     const int64_t nb_real = std::max<int64_t>(0, std::min(nb, real - jb));
-    if (nb_real > 0) load_block(kv, pages, ps, row_len, it.k0 + jb, nb_real, it.k1, 0, conv, rows);
+    if (nb_real > 0) load_rows(kv, pages, ps, KVH, D, it.k0 + jb, nb_real, it.k1, 0, conv, rows);
     for (int64_t b = nb_real; b < nb; ++b) rows[b] = zero;
     for (int64_t h = 0; h < KVH; ++h) {
       const A* qh = qs + h * per_head * D;
@@ -372,7 +471,7 @@ RS_ALWAYS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q
   for (int64_t jb = 0; jb < len; jb += kBlock) {
     const int64_t nb = std::min(kBlock, len - jb);
     const int64_t nb_real = std::max<int64_t>(0, std::min(nb, real - jb));
-    if (nb_real > 0) load_block(kv, pages, ps, row_len, it.k0 + jb, nb_real, it.k1, 1, conv, rows);
+    if (nb_real > 0) load_rows(kv, pages, ps, KVH, D, it.k0 + jb, nb_real, it.k1, 1, conv, rows);
     for (int64_t b = nb_real; b < nb; ++b) rows[b] = zero;
     for (int64_t h = 0; h < KVH; ++h) {
       const A* ph = sc + h * per_head * len + jb;
@@ -621,78 +720,79 @@ RS_TARGET_AVX512BF16 void run_item_dp(const Problem& P, const Item& it, const BF
 #endif  // RS_X86
 
 // One item, compiled per instruction set (cpu_kernels.h).
-template <typename T>
-using ItemFn = void (*)(const Problem&, const Item&, const T*, const T*, Acc<T>*, Acc<T>*,
+template <typename T, typename KV>
+using ItemFn = void (*)(const Problem&, const Item&, const T*, const KV*, Acc<T>*, Acc<T>*,
                         Acc<T>*, std::vector<Acc<T>>&);
 
-template <typename T>
-void item_baseline(const Problem& P, const Item& it, const T* q, const T* kv, Acc<T>* pm,
+template <typename T, typename KV>
+void item_baseline(const Problem& P, const Item& it, const T* q, const KV* kv, Acc<T>* pm,
                    Acc<T>* pl, Acc<T>* pacc, std::vector<Acc<T>>& scratch) {
-  run_item_impl<T, v8>(P, it, q, kv, pm, pl, pacc, scratch);
+  run_item_impl<T, KV, v8>(P, it, q, kv, pm, pl, pacc, scratch);
 }
 
-template <typename T>
-RS_TARGET_AVX2 void item_avx2(const Problem& P, const Item& it, const T* q, const T* kv,
+template <typename T, typename KV>
+RS_TARGET_AVX2 void item_avx2(const Problem& P, const Item& it, const T* q, const KV* kv,
                               Acc<T>* pm, Acc<T>* pl, Acc<T>* pacc,
                               std::vector<Acc<T>>& scratch) {
-  run_item_impl<T, v8>(P, it, q, kv, pm, pl, pacc, scratch);
+  run_item_impl<T, KV, v8>(P, it, q, kv, pm, pl, pacc, scratch);
 }
 
 // 16-float vectors where head_dim allows them, else 8-float ones (still with
 // AVX-512's 32 registers and instructions).
-template <typename T>
-RS_TARGET_AVX512 void item_avx512(const Problem& P, const Item& it, const T* q, const T* kv,
+template <typename T, typename KV>
+RS_TARGET_AVX512 void item_avx512(const Problem& P, const Item& it, const T* q, const KV* kv,
                                   Acc<T>* pm, Acc<T>* pl, Acc<T>* pacc,
                                   std::vector<Acc<T>>& scratch) {
   if (P.head_dim % 16 == 0) {
-    run_item_impl<T, v16>(P, it, q, kv, pm, pl, pacc, scratch);
+    run_item_impl<T, KV, v16>(P, it, q, kv, pm, pl, pacc, scratch);
   } else {
-    run_item_impl<T, v8>(P, it, q, kv, pm, pl, pacc, scratch);
+    run_item_impl<T, KV, v8>(P, it, q, kv, pm, pl, pacc, scratch);
   }
 }
 
 #if RS_X86
 // avx512bf16: a bfloat16 item that many query vectors read takes the vdpbf16ps
 // tiles, any other the avx512 loops.
-template <typename T>
+template <typename T, typename KV>
 RS_TARGET_AVX512BF16 void item_avx512bf16(const Problem& P, const Item& it, const T* q,
-                                          const T* kv, Acc<T>* pm, Acc<T>* pl, Acc<T>* pacc,
+                                          const KV* kv, Acc<T>* pm, Acc<T>* pl, Acc<T>* pacc,
                                           std::vector<Acc<T>>& scratch) {
-  if constexpr (std::is_same<T, BF16>::value) {
+  // (A quantized pool has no bfloat16 rows for the tiles: the avx512 loops read it.)
+  if constexpr (std::is_same<T, BF16>::value && std::is_same<KV, BF16>::value) {
     const int64_t per_head = (P.row_indptr[it.seg + 1] - P.row_indptr[it.seg]) * P.group;
     if (P.fixed == 0 && P.head_dim % 16 == 0 && per_head >= kDpMinQueries) {
       run_item_dp(P, it, q, kv, pm, pl, pacc, scratch);
       return;
     }
   }
-  item_avx512<T>(P, it, q, kv, pm, pl, pacc, scratch);
+  item_avx512<T, KV>(P, it, q, kv, pm, pl, pacc, scratch);
 }
 #endif
 
-template <typename T>
-ItemFn<T> item_fn(Isa isa) {
+template <typename T, typename KV>
+ItemFn<T, KV> item_fn(Isa isa) {
   switch (isa) {
     case Isa::kBaseline:
-      return item_baseline<T>;
+      return item_baseline<T, KV>;
     case Isa::kAvx2:
-      return item_avx2<T>;
+      return item_avx2<T, KV>;
     case Isa::kAvx512:
       break;
     case Isa::kAvx512Bf16:
 #if RS_X86
-      return item_avx512bf16<T>;
+      return item_avx512bf16<T, KV>;
 #else
       break;
 #endif
   }
-  return item_avx512<T>;
+  return item_avx512<T, KV>;
 }
 
-template <typename T>
-void run(const Problem& P, const T* q, const T* kv, T* out, float* lse_f, double* lse_d,
+template <typename T, typename KV = T>
+void run(const Problem& P, const T* q, const KV* kv, T* out, float* lse_f, double* lse_d,
          Isa isa, int num_threads, int64_t chunk) {
   using A = Acc<T>;
-  const ItemFn<T> run_item = item_fn<T>(isa);
+  const ItemFn<T, KV> run_item = item_fn<T, KV>(isa);
   if (P.fixed > 0) chunk = P.fixed;
   const int64_t D = P.head_dim, G = P.group, H = P.num_heads, KVH = P.num_kv_heads;
   const int64_t num_segments = P.num_segments;
@@ -793,9 +893,48 @@ void run(const Problem& P, const T* q, const T* kv, T* out, float* lse_f, double
 
 }  // namespace
 
+namespace {
+
+// A quantized pool with queries of type T.
+template <typename T>
+void run_quant(const Problem& P, radixserve::KVQuant quant, const void* q, const void* kv, void* out,
+               float* lse_f, double* lse_d, Isa isa, int num_threads, int64_t chunk) {
+  const T* qt = static_cast<const T*>(q);
+  T* ot = static_cast<T*>(out);
+  switch (quant) {
+    case radixserve::KVQuant::kInt8:
+      run<T, Q8<1>>(P, qt, static_cast<const Q8<1>*>(kv), ot, lse_f, lse_d, isa, num_threads,
+                    chunk);
+      break;
+    case radixserve::KVQuant::kFp8E4M3:
+      run<T, Q8<2>>(P, qt, static_cast<const Q8<2>*>(kv), ot, lse_f, lse_d, isa, num_threads,
+                    chunk);
+      break;
+    case radixserve::KVQuant::kFp8E5M2:
+      run<T, Q8<3>>(P, qt, static_cast<const Q8<3>*>(kv), ot, lse_f, lse_d, isa, num_threads,
+                    chunk);
+      break;
+    case radixserve::KVQuant::kNone:
+      break;
+  }
+}
+
+}  // namespace
+
 void radixserve::paged_decode(const PagedDecode& P, KVType type, const void* q, const void* kv,
                               void* out, float* lse_f, double* lse_d, Isa isa,
-                              int num_threads, int64_t chunk) {
+                              int num_threads, int64_t chunk, KVQuant quant) {
+  if (quant != KVQuant::kNone) {
+    switch (type) {
+      case KVType::kFloat32:
+        return run_quant<float>(P, quant, q, kv, out, lse_f, lse_d, isa, num_threads, chunk);
+      case KVType::kFloat64:
+        return run_quant<double>(P, quant, q, kv, out, lse_f, lse_d, isa, num_threads, chunk);
+      case KVType::kBFloat16:
+        return run_quant<BF16>(P, quant, q, kv, out, lse_f, lse_d, isa, num_threads, chunk);
+    }
+    return;
+  }
   switch (type) {
     case KVType::kFloat32:
       run<float>(P, static_cast<const float*>(q), static_cast<const float*>(kv),

@@ -52,6 +52,7 @@ class EngineConfig:
     page_size: int = _W.page_size
     num_pages: int | None = _W.num_pages
     kv_memory: int | None = _W.kv_memory
+    kv_cache_dtype: str = _W.kv_cache_dtype
     max_running_requests: int = _W.max_running_requests
     attention_backend: str = _W.attention_backend
     decode_kernel: str = _W.decode_kernel

@@ -136,6 +136,7 @@ class Launcher:
         return (
             f"model={m.model_name} pages={m.num_pages} page_size={m.page_size} "
             f"context={m.max_context_len} backend={m.backend_name} dtype={m.dtype} "
+            f"kv_dtype={m.kv_dtype} tokens_per_gib={m.tokens_per_gib} "
             f"cache={e.cache} {self.memory_summary()} ({m.dtype_reason})"
         )
 

@@ -24,6 +24,7 @@ from radixserve.config import EngineConfig
 from radixserve.sampling_params import MAX_N
 from radixserve.server_config import ServerConfig
 from radixserve.worker.config import DTYPE_CHOICES, PREFILL_BACKENDS
+from radixserve.worker.kv_quant import KV_CACHE_DTYPES
 
 #: The largest host tier ``--disk-cache-dir`` gets by itself, in GiB.
 HOST_TIER_CAP_GB = 16.0
@@ -134,6 +135,14 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
         type=parse_size,
         default=None,
         help="KV pool size in bytes (e.g. 2GiB); without this or --num-pages: 1 GiB",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=d.kv_cache_dtype,
+        help="what the KV pool stores: auto (the model's dtype), bfloat16, float32, or "
+        "int8/fp8_e4m3/fp8_e5m2 codes with a scale per token and kv head (about twice the "
+        "tokens per GiB; the banner prints tokens_per_gib)",
     )
     p.add_argument(
         "--cache",

@@ -36,6 +36,8 @@ class ModelInfo:
     loras: tuple[dict[str, Any], ...] = ()
     state_bytes: int = 0  # one request's recurrent state (hybrid models; 0: none)
     state_snapshots: int = 0  # snapshot entries of the state pool (hybrid models)
+    kv_dtype: str = ""  # what the KV pool stores (worker/kv_quant.py), e.g. bfloat16, int8
+    tokens_per_gib: int = 0  # tokens of KV (all layers) one GiB of pool holds, per rank
 
     @classmethod
     def from_dict(cls, info: dict[str, Any]) -> ModelInfo:

@@ -13,7 +13,9 @@ uses one by one, when the step allows it:
   (the skinny kernel); bfloat16 up to 32 rows where the CPU has AVX512_BF16 (the
   skinny kernel, and from 2 rows the AMX product, ``csrc/amx_gemm.cpp``, where
   the CPU has AMX tiles: ``cpu_kernels.AMX``);
-- attention in one native plan for every row (``TorchAttention.native_step_plan``).
+- attention in one native plan for every row (``TorchAttention.native_step_plan``),
+  over a pool of the model's dtype or a quantized one (``worker/kv_quant.py``: the
+  call writes K/V rows as ``kv_quant.quantize`` does, bit for bit).
 
 Otherwise it returns None and the caller runs the layers in Python. The results
 are the torch path's bits except SiLU's exp (the kernel's own, about 2 ulp,
@@ -64,7 +66,7 @@ class _Native:
     """The extension's ``DecodeLayers`` over one model and one KV pool (it holds
     NumPy views of their tensors: built once, reused every step)."""
 
-    def __init__(self, model, pool_layers: list[torch.Tensor]) -> None:
+    def __init__(self, model, pool_layers: list[torch.Tensor], kv_quant: str = "none") -> None:
         view = cpu_kernels._array
         layers = model.layers
         first = layers[0]
@@ -82,6 +84,7 @@ class _Native:
             first.self_attn.head_dim,
             first.input_layernorm.eps,
             first.input_layernorm.unit_offset,
+            kv_quant=kv_quant,
         )
 
 
@@ -131,7 +134,8 @@ def run(
     native = getattr(model, "_native_decode", None)
     pool = backend.pool.layers
     if native is None or native.key != tuple(layer.data_ptr() for layer in pool):
-        native = model._native_decode = _Native(model, pool)
+        quant = backend.pool.quant
+        native = model._native_decode = _Native(model, pool, quant.name if quant else "none")
     n = h.shape[1]
     h = h.contiguous()
     x = first.input_layernorm(h).contiguous()  # as DecoderLayer.step does for layer 0

@@ -7,7 +7,9 @@ at start by scanning the directory (**eagerly**: names, lengths and headers):
 * leftover temporary files (``.tmp-*``, a write cut short) are deleted;
 * a ``<key>.kv`` file of this model (header identity) and the right length is an
   entry, oldest modification time first (checksums are verified when used); a short, long or unreadable one is deleted;
-  files of another model identity are left alone and not counted;
+  files of another model identity (another model, or the same one with another dtype
+  or KV dtype, ``--kv-cache-dtype``) are left alone, not loaded, and counted in
+  ``foreign`` (logged once at start);
 * entries beyond ``max_files`` are deleted, oldest first.
 
 An entry is **pending** while the worker writes it (from the step that plans the
@@ -25,11 +27,14 @@ is a miss, is deleted and counted in ``corrupt``. Evicting an entry
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from radixserve.utils import kv_file
+
+log = logging.getLogger("radixserve.scheduler")
 
 
 @dataclass
@@ -52,6 +57,7 @@ class DiskTier:
         self.payload_bytes = payload_bytes
         self.max_files = max_files
         self.corrupt = 0  # files found corrupt or truncated (and deleted)
+        self.foreign = 0  # files of another model identity found at start (left alone)
         self._entries: OrderedDict[bytes, DiskEntry] = OrderedDict()
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self._scan()
@@ -69,7 +75,8 @@ class DiskTier:
                 continue
             header = kv_file.read_header(entry.path)
             if header is not None and header[0] != self.identity:
-                continue  # another model's page: not ours to judge
+                self.foreign += 1  # another model's page: not ours to judge
+                continue
             size = entry.stat(follow_symlinks=False).st_size
             if (
                 header is None
@@ -81,6 +88,12 @@ class DiskTier:
                 self._unlink(entry.name)
                 continue
             found.append((entry.stat().st_mtime_ns, entry.name, key))
+        if self.foreign:
+            log.warning(
+                "disk tier %s: %d page files of another model, dtype or KV dtype are not "
+                "loaded (their KV would be wrong for this server)",
+                self.directory, self.foreign,
+            )  # fmt: skip
         for _, _, key in sorted(found):
             self._entries[key] = DiskEntry()
         while len(self._entries) > self.max_files:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixserve.worker.kv_quant import KV_CACHE_DTYPES
+
 #: ``auto`` resolves when the model loads (``worker/dtype.py``).
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "float64")
 #: FlashInfer's prefill implementations: ``auto`` is fa3 on Hopper where it applies, else fa2.
@@ -25,6 +27,10 @@ class WorkerConfig:
     ``auto`` (native where it runs).
     num_pages / kv_memory: the KV pool size as a page count, else as a byte budget,
     else ``kv_pool.DEFAULT_KV_MEMORY`` bytes.
+    kv_cache_dtype: what the KV pool stores (``kv_quant.py``): ``auto`` (the model's
+    dtype), ``bfloat16``, ``float32``, or ``int8`` / ``fp8_e4m3`` / ``fp8_e5m2`` codes
+    with a float16 scale per token and kv head (about half of bfloat16's bytes: a byte
+    budget then holds about twice the pages).
     max_running_requests: number of request slots (0 .. max_running_requests - 1).
     cache_dir: where converted models are cached (default: $RADIXSERVE_CACHE_DIR,
     else ~/.cache/radixserve).
@@ -73,6 +79,7 @@ class WorkerConfig:
     page_size: int = 1
     num_pages: int | None = None
     kv_memory: int | None = None
+    kv_cache_dtype: str = "auto"
     max_running_requests: int = 64
     attention_backend: str = "auto"
     decode_kernel: str = "auto"
@@ -109,6 +116,10 @@ class WorkerConfig:
             raise ValueError(
                 f"unknown flashinfer prefill backend {self.flashinfer_prefill_backend!r}; "
                 f"choose from {PREFILL_BACKENDS}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; choose from {KV_CACHE_DTYPES}"
             )
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; choose from {DTYPE_CHOICES}")

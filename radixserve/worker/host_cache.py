@@ -1,7 +1,8 @@
 """The worker's side of the cache tiers: the host buffer (L2) and the page files (L3).
 
 ``HostCache`` holds ``num_slots`` pages of KV in host memory, one tensor
-``[slots, layers, 2, page_size, kv_heads, head_dim]`` in the pool's dtype (pinned
+``[slots, layers, 2, page_size, kv_heads, entry_dim]`` in the pool's storage dtype:
+a quantized pool's bytes, codes and scales, as they are (pinned
 when the pool is on CUDA; plain memory on CPU: the same code). ``apply(copies)``
 performs a step's ``protocol.PageCopies`` in their order. What the step needs in
 place before it computes is done at once, in ``apply``:
@@ -40,7 +41,8 @@ a thread of its own would cost the step's threads more than the copies).
 ticket before its copies.
 
 ``kv_identity`` names what a page's KV depends on besides its tokens: the model
-(name, a fingerprint of its weights), the dtype and the pool layout. It goes into
+(name, a fingerprint of its weights), the dtype, what the pool stores (its KV dtype:
+a restart with another ``--kv-cache-dtype`` loads none of the files) and the pool layout. It goes into
 every page key and file header, so files of another model are never loaded.
 """
 
@@ -83,7 +85,8 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 
 def kv_identity(model_name: str, fingerprint: str, dtype: str, pool: KVPool) -> str:
     return (
-        f"model={model_name};weights={fingerprint};dtype={dtype};layers={pool.num_layers};"
+        f"model={model_name};weights={fingerprint};dtype={dtype};kv_dtype={pool.kv_dtype_name};"
+        f"layers={pool.num_layers};"
         f"page_size={pool.page_size};kv_heads={pool.num_kv_heads};head_dim={pool.head_dim}"
     )
 
@@ -117,9 +120,9 @@ class HostCache:
         self.disk_dir = disk_dir
         self.identity = kv_file.identity_digest(identity)
         self.device = pool.layers[0].device
-        shape = (num_slots, pool.num_layers, 2, pool.page_size, pool.num_kv_heads, pool.head_dim)
+        shape = (num_slots, pool.num_layers, 2, pool.page_size, pool.num_kv_heads, pool.entry_dim)
         cuda = self.device.type == "cuda"
-        self.buf = torch.zeros(shape, dtype=pool.dtype, pin_memory=cuda)
+        self.buf = torch.zeros(shape, dtype=pool.storage_dtype, pin_memory=cuda)
         self.page_shape = shape[1:]
         self.page_bytes = self.buf[0].numel() * self.buf.element_size()
         if disk_dir is not None:
@@ -290,7 +293,7 @@ class HostCache:
                     "the directory must be written by this server only"
                 )
             raw[i * self.page_bytes : (i + 1) * self.page_bytes] = payload
-        kv = torch.frombuffer(raw, dtype=torch.uint8).view(self.pool.dtype)
+        kv = torch.frombuffer(raw, dtype=torch.uint8).view(self.pool.storage_dtype)
         kv = kv.reshape(n, *self.page_shape)
         pages = self._index(job.load_pages, self.device)
         for j, layer in enumerate(layers):

@@ -129,7 +129,10 @@ class ModelRunner:
         self._model_name = source.name
         heads = head_shard(cfg, Shard(comm.rank, comm.size))  # this rank's share of the heads
         # A hybrid model's recurrent layers have no K/V: the pool holds the others only.
-        dims = (len(cfg.kv_layers), config.page_size, heads.kv_heads, cfg.head_dim, dtype)
+        dims = (
+            len(cfg.kv_layers), config.page_size, heads.kv_heads, cfg.head_dim, dtype,
+            config.kv_cache_dtype,
+        )  # fmt: skip
         if config.num_pages is not None:
             num_pages = config.num_pages
         else:
@@ -145,7 +148,11 @@ class ModelRunner:
         # replayed batch read and write it, and no request is ever given it.
         self.pool = KVPool(
             len(cfg.kv_layers), num_pages + (capturer is not None), config.page_size,
-            heads.kv_heads, cfg.head_dim, dtype, self._device,
+            heads.kv_heads, cfg.head_dim, dtype, self._device, config.kv_cache_dtype,
+        )  # fmt: skip
+        log.info(
+            "KV pool: %d pages of %s, %d tokens per GiB",
+            num_pages, self.pool.kv_dtype_name, self.tokens_per_gib,
         )  # fmt: skip
         # A hybrid model's recurrent states: one working entry per slot, then the
         # snapshots the scheduler's tree keeps (state_pool.py).
@@ -306,7 +313,17 @@ class ModelRunner:
             loras=tuple(self._start_loras),
             state_bytes=self.state_bytes,
             state_snapshots=0 if self.states is None else self.states.num_snapshots,
+            kv_dtype=self.pool.kv_dtype_name,
+            tokens_per_gib=self.tokens_per_gib,
         )
+
+    @property
+    def tokens_per_gib(self) -> int:
+        """Tokens of KV (every layer, this rank's heads) one GiB of the pool holds."""
+        return (1 << 30) * self.pool.page_size // KVPool.bytes_per_page(
+            self.pool.num_layers, self.pool.page_size, self.pool.num_kv_heads,
+            self.pool.head_dim, self.pool.dtype, self.pool.kv_dtype,
+        )  # fmt: skip
 
     def warmup(self, prefill_tokens: int, decode_batch: int) -> None:
         """Run the largest steps the scheduler will send before any request does.

@@ -263,3 +263,44 @@ def test_amx_product_refuses_shapes_it_does_not_take():
     x, y = torch.zeros(2, 40, dtype=torch.bfloat16), torch.zeros(16, 2, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="amx takes"):
         cpu_kernels.ext.skinny_gemm(view(w), view(x), view(y), 1, amx=True)
+
+
+@pytest.fixture(scope="module")
+def quantized_runners(tiny_llama_dir):
+    require_built(cpu_kernels.AVAILABLE, cpu_kernels.UNAVAILABLE_REASON, "native CPU kernels")
+    return {
+        name: ModelRunner(
+            WorkerConfig(
+                model=str(tiny_llama_dir),
+                dtype="float32",
+                page_size=PAGE,
+                num_pages=512,
+                max_running_requests=8,
+                warmup=False,
+                kv_cache_dtype=name,
+            )
+        )  # fmt: skip
+        for name in ("int8", "fp8_e4m3", "fp8_e5m2")
+    }
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_quantized_pool_same_tokens_and_codes_as_the_torch_path(
+    quantized_runners, native_calls, name
+):
+    """The call writes K/V rows into a quantized pool as kv_quant.quantize does: layer
+    0's pages (whose K/V depend on the tokens alone) are the same bytes either way. (At
+    this CPU's level: tests/worker/test_kv_quant.py runs the attention at every one.)"""
+    runner = quantized_runners[name]
+    ps = prompts(5, seed=11)
+    ref, ref_fed = decode(runner, ps, 5, native=False)
+    ref_pool = runner.pool.layers[0].clone()
+    assert not any(native_calls)
+    native_calls.clear()
+    got, got_fed = decode(runner, ps, 5, native=True)
+    assert native_calls[-5:] == [True] * 5, "every decode step takes the native call"
+    assert torch.equal(runner.pool.layers[0], ref_pool)
+    for a, b in zip(ref_fed, got_fed, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(ref, got, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)

@@ -41,6 +41,30 @@ def test_scan_keeps_deletes_and_leaves_alone(tmp_path):
     assert not (tmp_path / ".tmp-abc").exists()
     assert (tmp_path / "notes.txt").exists()
     assert os.path.exists(os.path.join(d, kv_file.file_name(key(9))))
+    assert tier.foreign == 1
+
+
+def test_a_restart_with_another_kv_dtype_loads_none_of_the_files(tmp_path, caplog):
+    """The KV dtype is part of the identity: int8 pages are foreign to a bfloat16 pool."""
+    import torch
+
+    from radixserve.worker.host_cache import kv_identity
+    from radixserve.worker.kv_pool import KVPool
+
+    def identity(kv_dtype: str) -> bytes:
+        pool = KVPool(2, 1, 4, 1, 8, torch.bfloat16, kv_dtype=kv_dtype)
+        return kv_file.identity_digest(kv_identity("m", "w", "bfloat16", pool))
+
+    int8, auto = identity("int8"), identity("auto")
+    assert int8 != auto and auto == identity("bfloat16")
+    d = str(tmp_path)
+    for i in range(3):
+        write(d, i, int8)
+    with caplog.at_level("WARNING", logger="radixserve.scheduler"):
+        tier = DiskTier(d, auto, N, max_files=8)
+    assert len(tier) == 0 and tier.foreign == 3
+    assert "3 page files of another model, dtype or KV dtype are not loaded" in caplog.text
+    assert len(DiskTier(d, int8, N, max_files=8)) == 3  # the int8 server finds them again
 
 
 def test_verify_deletes_a_damaged_file_and_bound_evicts_lru(tmp_path):

@@ -59,6 +59,12 @@ def flashinfer_reason(pool: KVPool) -> str | None:
     never imports flashinfer (the device is checked first)."""
     from radixserve.worker.attention.flashinfer_support import unsupported_reason
 
+    if pool.quant is not None or pool.storage_dtype != pool.dtype:
+        return (
+            f"the KV pool stores {pool.kv_dtype_name} for a {pool.dtype} model; the flashinfer "
+            "backend takes a pool of the model's dtype (quantized rows carry a scale per "
+            "token and head, FlashInfer's fp8 KV one scale per tensor)"
+        )
     return unsupported_reason(_device(pool), pool.dtype, pool.head_dim, pool.num_kv_heads)
 
 

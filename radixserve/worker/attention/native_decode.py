@@ -13,6 +13,11 @@ is one segment with all of their rows, so its pages are read once, and each of
 those rows is also in its request's own segment: the kernel merges a row's parts
 itself. A prefill chunk is a *causal* segment (its rows see the keys up to their
 own position). The kernel can also return the log-sum-exp of each row's scores.
+
+A quantized pool (``kv_quant.py``: int8 or fp8 codes and a float16 scale per token
+and head) is read as it lies: the kernel turns each block of K or V rows into the
+compute type (code times scale) in a small buffer that stays in L1, at every
+instruction-set level, as it does with bfloat16 rows.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 from radixserve.layers import cpu_kernels
 from radixserve.layers.cpu_kernels import AVAILABLE, UNAVAILABLE_REASON
 from radixserve.layers.cpu_kernels import ext as _ext
+from radixserve.worker.kv_quant import Quant
 
 #: Storage dtypes the kernel runs (bfloat16 is computed in float32).
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
@@ -34,10 +40,13 @@ MIN_CHUNK, MAX_CHUNK = 64, 1024
 #: The keys of every item in batch-invariant mode: a row's keys are cut at multiples of
 #: it from the first, wherever its chunks, cache hits and batch put them.
 FIXED_CHUNK = 256
+#: Whether the built extension reads quantized pools.
+QUANT_AVAILABLE = AVAILABLE and bool(getattr(_ext, "KV_QUANT", False))
 
 
-def unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why the native kernel cannot serve this pool, or None when it can."""
+def unsupported_reason(device: torch.device, dtype: torch.dtype, pool=None) -> str | None:
+    """Why the native kernel cannot serve this pool (of model dtype ``dtype``; ``pool``
+    a ``KVPool`` that may store another dtype), or None when it can."""
     if not AVAILABLE:
         return (
             f"the native extension radixserve.layers._cpu_kernels is missing ({UNAVAILABLE_REASON})"
@@ -46,6 +55,10 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
         return f"it runs on the CPU, the KV pool is on {device}"
     if dtype not in DTYPES:
         return f"dtype {dtype} is not one of float32, float64, bfloat16"
+    if pool is not None and pool.quant is None and pool.storage_dtype != dtype:
+        return f"the pool stores {pool.storage_dtype}, the model computes in {dtype}"
+    if pool is not None and pool.quant is not None and not QUANT_AVAILABLE:
+        return "the native extension predates quantized KV: rebuild it"
     return None
 
 
@@ -127,11 +140,14 @@ def paged_decode(
     scale: float,
     isa: str | None = None,
     softcap: float = 0.0,
+    quant: Quant | None = None,
 ) -> None:
     """out[r] (and lse[r], per head) for every row r of ``seg``; other rows untouched.
 
     q, out: contiguous [T, heads, head_dim]; kv: a layer of the pool,
-    [pages, 2, page_size, kv_heads, head_dim]; lse: float32/float64 [T, heads].
+    [pages, 2, page_size, kv_heads, head_dim] of q's dtype, or with ``quant`` uint8
+    [..., head_dim + 2] (codes and float16 scale, ``kv_quant.py``); lse:
+    float32/float64 [T, heads].
     Scores are ``scale * q.k``, capped at ``softcap * tanh(score / softcap)`` when
     ``softcap`` > 0 (the lse is of the capped scores).
     ``isa``: the instruction-set level (default ``cpu_kernels.ISA``).
@@ -141,4 +157,5 @@ def paged_decode(
         seg.row_indptr, seg.rows, seg.page_indptr, seg.pages, seg.kv_begin[window], seg.kv_end,
         scale, torch.get_num_threads(), seg.chunk, isa or cpu_kernels.ISA, softcap=softcap,
         causal=seg.causal, fixed=seg.fixed,
+        kv_quant=quant.name if quant is not None else "none",
     )  # fmt: skip

@@ -19,6 +19,13 @@ Each prefill request (several new tokens, possibly after a cached prefix,
 possibly a chunk) runs through its own call with an explicit bottom-right
 aligned causal mask.
 
+A pool that stores another dtype than the model's (``--kv-cache-dtype``: int8 or fp8
+codes with a scale per token and head, or plain values of another float dtype) is
+written through ``kv_quant.quantize`` (or a cast) and read back, after the gather,
+through ``kv_quant.dequantize`` (or a cast): every path (decode, prefill, cascade)
+attends in the model's dtype over the values the pool holds. The native kernel
+dequantizes quantized pages itself, where it reads them.
+
 With a soft-cap (Gemma 2) SDPA cannot be used (it has no hook between the scores
 and the softmax): the same calls go through ``capped_attention``, which
 computes the scores, caps them, masks and takes the softmax itself (``capped.py``).
@@ -40,6 +47,7 @@ from radixserve.worker.attention.capped import cap_, capped_attention
 from radixserve.worker.attention.native_decode import Segments
 from radixserve.worker.attention.shared_prefix import SharedPrefixes
 from radixserve.worker.kv_pool import KVPool
+from radixserve.worker.kv_quant import dequantize, quantize
 
 
 @dataclass
@@ -83,10 +91,13 @@ CASCADE_PREFILL_MAX_TOKENS = 256
 NATIVE_PREFILL_MAX_TOKENS = 1024
 
 
-def native_prefill_tokens(dtype: torch.dtype, head_dim: int) -> int:
-    """The longest prefill chunk the native kernel should take for this pool (0: none)."""
+def native_prefill_tokens(dtype: torch.dtype, head_dim: int, plain: bool = True) -> int:
+    """The longest prefill chunk the native kernel should take for this pool (0: none);
+    ``plain``: the pool holds values of ``dtype`` (a quantized pool has no bfloat16
+    product tiles to win with)."""
     if (
-        dtype == torch.bfloat16
+        plain
+        and dtype == torch.bfloat16
         and cpu_kernels.ISA == "avx512bf16"
         and not cpu_kernels.AMX
         and head_dim % 16 == 0
@@ -120,7 +131,9 @@ class TorchAttention(AttentionBackend):
                 f"unknown decode kernel {decode_kernel!r}; known: {list(DECODE_KERNELS)}"
             )
         device = pool.layers[0].device if pool.layers else torch.device("cpu")
-        reason = native_decode.unsupported_reason(device, pool.dtype)
+        reason = native_decode.unsupported_reason(device, pool.dtype, pool)
+        #: The pool holds values of the model's dtype (not quantized, not another dtype).
+        self.plain = pool.quant is None and pool.storage_dtype == pool.dtype
         #: Batch-invariant mode (``--deterministic``): every row, decode or prefill,
         #: through the native kernel with its keys cut at multiples of
         #: ``native_decode.FIXED_CHUNK`` from the first; no cascade, no flash prefix,
@@ -145,7 +158,7 @@ class TorchAttention(AttentionBackend):
         #: Prefill chunks of up to this many tokens go through the native kernel too,
         #: as causal segments (0: never; see ``native_prefill_tokens``).
         self.native_prefill_max_tokens = (
-            native_prefill_tokens(pool.dtype, pool.head_dim)
+            native_prefill_tokens(pool.dtype, pool.head_dim, self.plain)
             if self.decode_kernel == "native"
             else 0
         )
@@ -159,6 +172,7 @@ class TorchAttention(AttentionBackend):
             self.decode_kernel == "native"
             and not deterministic
             and pool.dtype == torch.bfloat16
+            and self.plain
             and cpu_kernels.AMX
             and softcap == 0
             and shared_prefix.available()
@@ -231,9 +245,11 @@ class TorchAttention(AttentionBackend):
         sliding window or soft-cap); else None. A caller that runs every layer in
         native code (``models/decode_step.py``) writes and attends with these."""
         seg = self._native
+        cast = self.pool.quant is None and not self.plain  # another float dtype
         if (
             seg is None
             or self.deterministic
+            or cast
             or self._shared is not None
             or self._decodes
             or self._prefills
@@ -401,7 +417,7 @@ class TorchAttention(AttentionBackend):
     def _buffers(self, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Gathered pages land in buffers allocated once per step: a fresh multi-MB tensor per
         # layer would be mapped and page-faulted anew every time.
-        ref = self.pool.layers[0]
+        ref = self.pool.layers[0]  # in the storage dtype: codes and scales when quantized
         shape = (num_pages, ref[0, 0].numel())
         return (torch.empty(shape, dtype=ref.dtype, device=ref.device),
                 torch.empty(shape, dtype=ref.dtype, device=ref.device))  # fmt: skip
@@ -410,12 +426,12 @@ class TorchAttention(AttentionBackend):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         pool = self.pool.layers[layer]
-        s, h, d = self.pool.page_size, self.pool.num_kv_heads, self.pool.head_dim
+        s, h, e = self.pool.page_size, self.pool.num_kv_heads, self.pool.entry_dim
         window = self.sliding_windows[layer]
-        tokens = pool.view(-1, h * d)
-        tokens.index_copy_(0, self._write, k.reshape(-1, h * d))
-        tokens.index_copy_(0, self._write + s, v.reshape(-1, h * d))
-        pages = pool.view(-1, s * h * d)
+        tokens = pool.view(-1, h * e)
+        tokens.index_copy_(0, self._write, self._encode(k).reshape(-1, h * e))
+        tokens.index_copy_(0, self._write + s, self._encode(v).reshape(-1, h * e))
+        pages = pool.view(-1, s * h * e)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self._native is not None:
             q = q.contiguous()
@@ -432,8 +448,8 @@ class TorchAttention(AttentionBackend):
             kb, vb = dec.buffers
             torch.index_select(pages, 0, dec.gather, out=kb)
             torch.index_select(pages, 0, dec.gather + 1, out=vb)
-            keys = kb.view(bd, dec.max_len, h, d).transpose(1, 2)
-            vals = vb.view(bd, dec.max_len, h, d).transpose(1, 2)
+            keys = self._decode(kb.view(bd, dec.max_len, h, e)).transpose(1, 2)
+            vals = self._decode(vb.view(bd, dec.max_len, h, e)).transpose(1, 2)
             o = self._attention(qd, keys, vals, dec.bias[window])
             out.index_copy_(0, dec.rows, o.squeeze(2))
         for p in self._prefills:
@@ -441,11 +457,25 @@ class TorchAttention(AttentionBackend):
             kb, vb = p.buffers
             torch.index_select(pages, 0, p.gather, out=kb)
             torch.index_select(pages, 0, p.gather + 1, out=vb)
-            keys, vals = kb.view(-1, h, d)[: p.kv_len], vb.view(-1, h, d)[: p.kv_len]
+            keys = self._decode(kb.view(-1, h, e)[: p.kv_len])
+            vals = self._decode(vb.view(-1, h, e)[: p.kv_len])
             keys, vals = keys.transpose(0, 1).unsqueeze(0), vals.transpose(0, 1).unsqueeze(0)
             o = self._attention(qp, keys, vals, p.masks[window])
             out[p.rows] = o[0].transpose(0, 1)
         return out
+
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        """New K or V rows [T, kv_heads, head_dim] as the pool stores them."""
+        if self.pool.quant is not None:
+            return quantize(x, self.pool.quant)
+        return x.to(self.pool.storage_dtype)
+
+    def _decode(self, x: torch.Tensor) -> torch.Tensor:
+        """Gathered pool rows [..., entry_dim] as values of the model's dtype (the rows
+        themselves, not a copy, for a plain pool)."""
+        if self.pool.quant is not None:
+            return dequantize(x, self.pool.quant, self.pool.dtype)
+        return x.to(self.pool.dtype)
 
     def _attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
@@ -468,8 +498,9 @@ class TorchAttention(AttentionBackend):
     ) -> None:
         assert self._native is not None
         native_decode.paged_decode(
-            q.contiguous(), pool, out, lse, self._native, window, self.scale, softcap=self.softcap
-        )
+            q.contiguous(), pool, out, lse, self._native, window, self.scale, softcap=self.softcap,
+            quant=self.pool.quant,
+        )  # fmt: skip
 
     def _cascade_decode(
         self, pages: torch.Tensor, q: torch.Tensor, dec: _Decode, bias: torch.Tensor
@@ -477,7 +508,7 @@ class TorchAttention(AttentionBackend):
         """Decode attention in two parts merged by their log-sum-exp: every query
         against the shared prefix (one batched GEMM per kv head, K/V read once), and
         each query against its own suffix. No sliding window (planning checks)."""
-        h, d = self.pool.num_kv_heads, self.pool.head_dim
+        h, d, e = self.pool.num_kv_heads, self.pool.head_dim, self.pool.entry_dim
         bd = dec.rows.shape[0]
         g = q.shape[1] // h
         ct = torch.promote_types(q.dtype, torch.float32)  # softmax sums in >= float32
@@ -485,8 +516,8 @@ class TorchAttention(AttentionBackend):
         kc, vc = dec.shared_buffers  # type: ignore[misc]
         torch.index_select(pages, 0, dec.shared, out=kc)
         torch.index_select(pages, 0, dec.shared + 1, out=vc)
-        k1 = kc.view(-1, h, d).to(ct).permute(1, 2, 0)  # [h, d, Lc]
-        v1 = vc.view(-1, h, d).to(ct).transpose(0, 1)  # [h, Lc, d]
+        k1 = self._decode(kc.view(-1, h, e)).to(ct).permute(1, 2, 0)  # [h, d, Lc]
+        v1 = self._decode(vc.view(-1, h, e)).to(ct).transpose(0, 1)  # [h, Lc, d]
         q1 = qd.permute(1, 0, 2, 3).reshape(h, bd * g, d)
         s1 = cap_(torch.bmm(q1, k1).mul_(self.scale), self.softcap)  # [h, Bd*g, Lc]
         m1 = s1.amax(-1, keepdim=True)
@@ -500,8 +531,8 @@ class TorchAttention(AttentionBackend):
         kb, vb = dec.buffers
         torch.index_select(pages, 0, dec.gather, out=kb)
         torch.index_select(pages, 0, dec.gather + 1, out=vb)
-        k2 = kb.view(bd, dec.max_len, h, d).to(ct).permute(0, 2, 3, 1)  # [Bd, h, d, Ls]
-        v2 = vb.view(bd, dec.max_len, h, d).to(ct).transpose(1, 2)  # [Bd, h, Ls, d]
+        k2 = self._decode(kb.view(bd, dec.max_len, h, e)).to(ct).permute(0, 2, 3, 1)
+        v2 = self._decode(vb.view(bd, dec.max_len, h, e)).to(ct).transpose(1, 2)
         s2 = cap_(torch.matmul(qd, k2).mul_(self.scale), self.softcap)
         s2.add_(bias.to(ct))  # [Bd, h, g, Ls]
         m2 = s2.amax(-1, keepdim=True)  # finite: every request has its new token here

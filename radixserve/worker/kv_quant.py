@@ -1,0 +1,114 @@
+"""Quantized KV storage: one byte per K or V element plus a scale per token and head.
+
+``--kv-cache-dtype`` names how the pool stores K and V:
+
+- ``auto``: the model's dtype (what the pool always held);
+- ``bfloat16`` / ``float32``: that dtype, whatever the model computes in;
+- ``int8``, ``fp8_e4m3``, ``fp8_e5m2``: quantized. Every (token, kv head) row of
+  ``head_dim`` values is stored as ``head_dim`` one-byte codes followed by its scale,
+  a float16 (two bytes), computed on write: ``scale = max|x| / qmax`` (qmax 127 for
+  int8, 448 for e4m3, 57344 for e5m2), codes ``round(x / scale)`` (int8) or
+  ``x / scale`` rounded to the fp8 format. The value read back is ``code * scale``.
+
+A quantized layer of the pool is thus a uint8 tensor
+``[num_pages, 2, page_size, kv_heads, head_dim + 2]``: a page carries its own scales,
+so whatever copies pages (the host and disk tiers) copies them too. With head_dim 64
+a token-head takes 66 bytes against bfloat16's 128 (1.94x the tokens per GiB).
+
+Why a scale per token and head rather than one per head fixed at 1.0 (vLLM's fp8
+default): a scale fixed before the first write cannot follow the keys' range, which
+differs by layer and head by orders of magnitude; fp8 e4m3 with scale 1.0 saturates at
+448 and loses the small values to subnormals. docs/worker.md ("Quantized KV cache")
+has the measured comparison. Rounding is to nearest (ties to even) in both formats, so
+``dequantize(quantize(x))`` is within half a code step of x.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: What ``--kv-cache-dtype`` accepts.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "int8")
+#: Bytes of the scale after each row of codes.
+SCALE_BYTES = 2
+
+
+@dataclass(frozen=True)
+class Quant:
+    """A quantized storage format: its name, the code dtype and the largest code."""
+
+    name: str
+    code_dtype: torch.dtype
+    qmax: float
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.name.startswith("fp8")
+
+
+QUANTS = {
+    "int8": Quant("int8", torch.int8, 127.0),
+    "fp8_e4m3": Quant("fp8_e4m3", torch.float8_e4m3fn, 448.0),
+    "fp8_e5m2": Quant("fp8_e5m2", torch.float8_e5m2, 57344.0),
+}
+
+# Scales stay inside float16's range: the smallest subnormal and the largest finite.
+_SCALE_MIN, _SCALE_MAX = 2.0**-24, 65504.0
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> tuple[torch.dtype, Quant | None]:
+    """``(storage dtype, quant)`` for a ``--kv-cache-dtype``: the pool's element dtype and
+    the quantization (None: plain values of that dtype)."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv cache dtype {name!r}; choose from {list(KV_CACHE_DTYPES)}")
+    if name == "auto":
+        return model_dtype, None
+    if name in QUANTS:
+        return torch.uint8, QUANTS[name]
+    return getattr(torch, name), None
+
+
+def entry_dim(head_dim: int, quant: Quant | None) -> int:
+    """The last dimension of a pool layer: head_dim values, or codes + scale bytes."""
+    return head_dim + SCALE_BYTES if quant is not None else head_dim
+
+
+def quantize(x: torch.Tensor, quant: Quant) -> torch.Tensor:
+    """x [..., head_dim] (any float dtype) -> uint8 [..., head_dim + 2]: codes, then the
+    float16 scale's bytes. The scale is rounded up to float16 before the codes are
+    computed, so a code times the stored scale is what the row means and every code is
+    within the format (float16's range bounds the scale: rows below 2^-24 * qmax lose
+    precision, rows beyond 65504 * qmax are clipped; K and V are far from both)."""
+    xf = x.float()
+    amax = xf.abs().amax(-1, keepdim=True)
+    exact = (amax / quant.qmax).clamp(_SCALE_MIN, _SCALE_MAX)
+    scale = exact.to(torch.float16)
+    # Rounded up, never down, so that no code of the row falls outside the format.
+    low = scale.float() < exact
+    scale = torch.where(low, (scale.view(torch.int16) + 1).view(torch.float16), scale)
+    y = xf / scale.float()
+    if quant.is_fp8:
+        codes = y.clamp(-quant.qmax, quant.qmax).to(quant.code_dtype)
+    else:
+        codes = y.round().clamp(-quant.qmax, quant.qmax).to(torch.int8)
+    return torch.cat([codes.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
+
+
+def dequantize(entries: torch.Tensor, quant: Quant, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 [..., head_dim + 2] -> ``dtype`` [..., head_dim]: code * scale, computed in
+    float32 (float64 when ``dtype`` is), then rounded to ``dtype``."""
+    d = entries.shape[-1] - SCALE_BYTES
+    ct = torch.float64 if dtype == torch.float64 else torch.float32
+    codes = entries[..., :d].view(quant.code_dtype).to(ct)
+    scale = entries[..., d:].contiguous().view(torch.float16).to(ct)
+    return (codes * scale).to(dtype)
+
+
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str,
+                    model_dtype: torch.dtype) -> int:  # fmt: skip
+    """Pool bytes one token's K and V take over all layers."""
+    storage, quant = resolve_kv_dtype(kv_dtype, model_dtype)
+    itemsize = torch.empty((), dtype=storage).element_size()
+    return num_layers * 2 * num_kv_heads * entry_dim(head_dim, quant) * itemsize

@@ -1,0 +1,286 @@
+"""Quantized KV pools: the codes against their definition, and attention over them.
+
+Attention with a quantized pool is checked two ways, on ragged batches (a shared
+cached prefix read by cascade, prefill chunks over cached tokens, plain decodes),
+for the torch path and the native kernel at every instruction-set level, page sizes 1
+and 16, odd head counts:
+- against float64 attention on the dequantized values (the pool holds exactly
+  ``quantize(k)``; the backend must compute attention over ``dequantize`` of it: equal
+  up to the compute dtype's rounding);
+- against float64 attention on the unquantized values, within a bound computed from
+  the quantization error of each row (``attention_bound``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from radixserve.layers import cpu_kernels
+from radixserve.worker.attention import AttentionBatch, KVPool, create_backend, native_decode
+from radixserve.worker.kv_quant import (
+    KV_CACHE_DTYPES,
+    QUANTS,
+    bytes_per_token,
+    dequantize,
+    quantize,
+    resolve_kv_dtype,
+)
+from tests.helpers.native import require_isa
+
+HEAD_DIM = 16
+QUANT_NAMES = list(QUANTS)
+#: Rounding of attention computed in each dtype (the values themselves are exact).
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}
+#: Relative step of a normal code (half of it is the rounding error), and the smallest
+#: code step relative to the scale (subnormals; int8: every step).
+REL_STEP = {"int8": 0.0, "fp8_e4m3": 2.0**-3, "fp8_e5m2": 2.0**-2}
+ABS_STEP = {"int8": 1.0, "fp8_e4m3": 2.0**-9, "fp8_e5m2": 2.0**-16}
+
+
+def stored_scale(entries: torch.Tensor) -> torch.Tensor:
+    """The float16 scale at the end of each quantized row, as float64 [..., 1]."""
+    return entries[..., -2:].contiguous().view(torch.float16).double()
+
+
+def error_bound(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Per element, the largest |dequantize(quantize(x)) - x| the format allows: half a
+    code step, relative for fp8 normals, in units of the row's stored scale for int8
+    and fp8 subnormals (the scale is rounded up, so no code is clipped)."""
+    scale = stored_scale(quantize(x, QUANTS[name]))
+    return x.abs() * REL_STEP[name] / 2 + scale * ABS_STEP[name] / 2 + 1e-300
+
+
+@pytest.mark.parametrize("name", QUANT_NAMES)
+def test_round_trip_within_half_a_step(name):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 5, 24, generator=gen, dtype=torch.float64)
+    x = x * torch.logspace(-6, 3, 64, dtype=torch.float64)[:, None, None]  # rows of any range
+    x[3] = 0  # an all-zero row
+    x[4, :, 7] = 1e4  # one outlier per row
+    e = quantize(x, QUANTS[name])
+    assert e.dtype == torch.uint8 and e.shape == (64, 5, 26)
+    y = dequantize(e, QUANTS[name], torch.float64)
+    xf = x.float().double()  # codes are computed from float32 values
+    assert torch.all((y - xf).abs() <= error_bound(x, name))
+    # The scale is the row's max / qmax rounded up to float16 (or float16's smallest).
+    want = (x.float().abs().amax(-1, keepdim=True) / QUANTS[name].qmax).double()
+    got = stored_scale(e)
+    assert torch.all(got >= want) and torch.all((got <= want * (1 + 2.0**-10)) | (got <= 2.0**-14))
+    assert torch.equal(y[3], torch.zeros_like(y[3]))
+    # Each value is a code times the row's stored scale.
+    codes = e[..., :-2].view(QUANTS[name].code_dtype).double()
+    assert torch.equal(y, codes * stored_scale(e))
+
+
+def test_pool_sizes_follow_the_bytes_per_token():
+    bf16 = bytes_per_token(30, 3, 64, "auto", torch.bfloat16)
+    assert bf16 == 30 * 2 * 3 * 64 * 2
+    for name in QUANT_NAMES:
+        q = bytes_per_token(30, 3, 64, name, torch.bfloat16)
+        assert q == 30 * 2 * 3 * 66
+        assert bf16 / q >= 1.9
+        pages = KVPool.pages_for_budget(1 << 30, 30, 16, 3, 64, torch.bfloat16, name)
+        assert pages == (1 << 30) // (16 * q)
+        pool = KVPool(2, 3, 16, 3, 64, torch.bfloat16, kv_dtype=name)
+        assert pool.layers[0].dtype == torch.uint8 and pool.layers[0].shape[-1] == 66
+        assert pool.kv_dtype_name == name
+    assert resolve_kv_dtype("float32", torch.bfloat16) == (torch.float32, None)
+    assert set(KV_CACHE_DTYPES) >= {"auto", "bfloat16", "float32", *QUANT_NAMES}
+    with pytest.raises(ValueError, match="kv cache dtype"):
+        resolve_kv_dtype("fp4", torch.bfloat16)
+
+
+def dense(q, keys, vals, kv_len, scale):
+    """float64 attention of q [qo, H, D] over keys/vals [kv_len, KVH, D], bottom-right causal."""
+    qo, heads = q.shape[0], q.shape[1]
+    g = heads // keys.shape[1]
+    k = keys.double().repeat_interleave(g, dim=1)
+    v = vals.double().repeat_interleave(g, dim=1)
+    s = torch.einsum("thd,jhd->htj", q.double(), k) * scale
+    t = torch.arange(qo)[:, None] + kv_len - qo
+    s = s.masked_fill(torch.arange(kv_len)[None, :] > t, float("-inf"))
+    return torch.einsum("htj,jhd->thd", s.softmax(-1), v)
+
+
+def attention_bound(q, keys, vals, dk, dv, kv_len, scale):
+    """A bound on |attention(q, K + dK, V + dV) - attention(q, K, V)| per output element,
+    for perturbations bounded elementwise by dk, dv: each score moves by at most
+    e_j = scale * |q|.dk_j, so each weight p_j by a factor within exp(+-2 max e); the
+    output moves by at most max|V| (exp(2 max e) - 1) + max dv."""
+    qo, heads = q.shape[0], q.shape[1]
+    g = heads // keys.shape[1]
+    dk = dk.repeat_interleave(g, dim=1)
+    dv = dv.repeat_interleave(g, dim=1)
+    vmax = vals.double().abs().repeat_interleave(g, dim=1).amax(0)  # [H, D]
+    e = torch.einsum("thd,jhd->htj", q.double().abs(), dk) * scale  # [H, qo, kv]
+    t = torch.arange(qo)[:, None] + kv_len - qo
+    e = e.masked_fill(torch.arange(kv_len)[None, :] > t, 0).amax(-1)  # [H, qo]
+    shift = torch.expm1(2 * e).transpose(0, 1)[..., None]  # [qo, H, 1]
+    return vmax[None] * shift + dv.amax(0)[None]
+
+
+def run_batch(name, dtype, page_size, kv_heads, group, kernel, isa=None, seed=0):
+    """Three steps on a fresh quantized pool: a shared prefix, each request's own cached
+    tokens after it (prefill chunks), then the new tokens (decodes and chunks). Returns
+    per checked request (output, q, K, V, kv_len) with K/V the unquantized history."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    heads = kv_heads * group
+    prefix = 64 if page_size == 1 else 80  # long enough to be read by cascade
+    num_pages = 2048 // page_size + 64
+    pool = KVPool(2, num_pages, page_size, kv_heads, HEAD_DIM, dtype, kv_dtype=name)
+    backend = create_backend("torch", pool, HEAD_DIM**-0.5, (-1, -1), heads, decode_kernel=kernel)
+    assert backend.decode_kernel == kernel
+    free = list(rng.permutation(num_pages))
+    pre_pages = [free.pop() for _ in range(prefix // page_size)]
+    kinds = ["decode"] * 3 + ["chunk"] + ["alone"] * 2
+    reqs = []
+    for kind in kinds:
+        shared = kind != "alone"
+        own = int(rng.integers(1, 24))
+        new = 1 if kind != "chunk" else int(rng.integers(2, 12))
+        start = prefix if shared else 0
+        total = start + own + new
+        pages = (pre_pages if shared else []) + [
+            free.pop()
+            for _ in range(-(-total // page_size) - (prefix // page_size if shared else 0))
+        ]
+        reqs.append({"start": start, "own": own, "new": new, "pages": np.array(pages, np.int32)})
+
+    def randn(n):
+        return torch.randn(n, kv_heads, HEAD_DIM, generator=gen, dtype=torch.float64) * 2
+
+    pre_k, pre_v = randn(prefix), randn(prefix)
+    for r in reqs:
+        n = r["start"] + r["own"] + r["new"]
+        r["k"] = torch.cat([pre_k, randn(n - prefix)]) if r["start"] else randn(n)
+        r["v"] = torch.cat([pre_v, randn(n - prefix)]) if r["start"] else randn(n)
+    checked = []
+
+    def step(parts):
+        """parts: (request, first position, number of tokens): one forward per layer."""
+        qo = np.array([n for _, _, n in parts])
+        kv = np.array([p + n for _, p, n in parts])
+        tables = [r["pages"][: -(-int(k) // page_size)] for (r, _, _), k in zip(parts, kv)]
+        batch = AttentionBatch(
+            np.concatenate([[0], np.cumsum(qo)]).astype(np.int32), kv.astype(np.int32),
+            np.concatenate([[0], np.cumsum([len(t) for t in tables])]).astype(np.int32),
+            np.concatenate(tables).astype(np.int32),
+        )  # fmt: skip
+        backend.begin_batch(batch)
+        q = torch.randn(int(qo.sum()), heads, HEAD_DIM, generator=gen, dtype=torch.float64)
+        k = torch.cat([r["k"][p : p + n] for r, p, n in parts])
+        v = torch.cat([r["v"][p : p + n] for r, p, n in parts])
+        for layer in range(2):
+            out = backend.forward(layer, q.to(dtype), k.to(dtype), v.to(dtype)).clone()
+        rows = 0
+        for r, p, n in parts:
+            checked.append((out[rows : rows + n], q[rows : rows + n], r, p + n))
+            rows += n
+
+    if isa is not None:
+        backend_isa = cpu_kernels.ISA
+        cpu_kernels.ISA = isa
+    try:
+        step([(reqs[0], 0, prefix)])
+        step([(r, r["start"], r["own"]) for r in reqs])
+        step([(r, r["start"] + r["own"], r["new"]) for r in reqs])
+    finally:
+        if isa is not None:
+            cpu_kernels.ISA = backend_isa
+    return checked
+
+
+def check(checked, name, dtype):
+    quant = QUANTS[name]
+    for out, q, r, kv_len in checked:
+        if "kq" not in r:  # the keys as the pool holds them: quantized from the model's dtype
+            r["kq"] = dequantize(quantize(r["k"].to(dtype), quant), quant, torch.float64)
+            r["vq"] = dequantize(quantize(r["v"].to(dtype), quant), quant, torch.float64)
+            r["dk"], r["dv"] = error_bound(r["k"], name), error_bound(r["v"], name)
+        kq, vq = r["kq"][:kv_len], r["vq"][:kv_len]
+        qd = q.to(dtype).double()
+        ref = dense(qd, kq, vq, kv_len, HEAD_DIM**-0.5)
+        err = (out.double() - ref).abs().max().item()
+        assert err <= TOLERANCE[dtype] * max(1.0, ref.abs().max().item()), (name, dtype, err)
+        # Against the unquantized values, within the computed bound (float64 only: in
+        # lower precisions the model's own rounding comes on top).
+        if dtype == torch.float64:
+            k, v = r["k"][:kv_len], r["v"][:kv_len]
+            exact = dense(qd, k, v, kv_len, HEAD_DIM**-0.5)
+            bound = attention_bound(qd, k, v, r["dk"][:kv_len], r["dv"][:kv_len],
+                                    kv_len, HEAD_DIM**-0.5)  # fmt: skip
+            assert torch.all((out.double() - exact).abs() <= bound + 1e-12)
+            assert (out.double() - exact).abs().max() > 0  # the values were quantized
+
+
+@pytest.mark.parametrize("name", QUANT_NAMES)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_torch_path_attends_over_the_dequantized_values(name, page_size, dtype):
+    check(run_batch(name, dtype, page_size, 3, 3, "torch", seed=page_size), name, dtype)
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+@pytest.mark.parametrize("name", QUANT_NAMES)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_native_kernel_dequantizes_at_every_level(isa, name, page_size):
+    isa = require_isa(isa)
+    assert native_decode.QUANT_AVAILABLE
+    for dtype, (kv_heads, group) in ((torch.float64, (3, 3)), (torch.float32, (1, 5)),
+                                      (torch.bfloat16, (3, 1))):  # fmt: skip
+        checked = run_batch(name, dtype, page_size, kv_heads, group, "native", isa, seed=7)
+        check(checked, name, dtype)
+
+
+def test_native_kernel_refuses_a_mismatched_quantized_pool():
+    require_isa(cpu_kernels.ISA)
+    pool = KVPool(1, 4, 4, 1, HEAD_DIM, torch.float32, kv_dtype="int8")
+    seg = native_decode.Segments.build([np.array([0], np.int32)], [np.array([0], np.int32)],
+                                       np.array([1]), [-1], 1)  # fmt: skip
+    q = torch.zeros(1, 1, HEAD_DIM)
+    with pytest.raises(ValueError, match="kv_quant"):
+        cpu_kernels.ext.paged_decode(
+            q.numpy(), pool.layers[0].numpy(), q.clone().numpy(), None, seg.row_indptr, seg.rows,
+            seg.page_indptr, seg.pages, seg.kv_begin[-1], seg.kv_end, 1.0, 1, 64, kv_quant="fp4",
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"d \+ 2"):
+        native_decode.paged_decode(q, pool.layers[0][..., :HEAD_DIM].contiguous(), q.clone(),
+                                   None, seg, -1, 1.0, quant=QUANTS["int8"])  # fmt: skip
+
+
+def test_a_cast_pool_stores_another_float_dtype():
+    """``--kv-cache-dtype bfloat16`` with a float32 model: stored as bfloat16, attended in
+    float32 (the torch path; the native kernel takes the model's dtype only)."""
+    pool = KVPool(2, 64, 4, 2, HEAD_DIM, torch.float32, kv_dtype="bfloat16")
+    assert pool.layers[0].dtype == torch.bfloat16
+    backend = create_backend("torch", pool, 0.25, (-1, -1), 2)
+    assert backend.decode_kernel == "torch"
+    q = torch.randn(5, 2, HEAD_DIM)
+    k, v = torch.randn(5, 2, HEAD_DIM), torch.randn(5, 2, HEAD_DIM)
+    batch = AttentionBatch(np.array([0, 5], np.int32), np.array([5], np.int32),
+                           np.array([0, 2], np.int32), np.array([3, 9], np.int32))  # fmt: skip
+    backend.begin_batch(batch)
+    out = backend.forward(0, q, k, v)
+    kb, vb = k.to(torch.bfloat16).double(), v.to(torch.bfloat16).double()
+    assert math.isclose(0, (out.double() - dense(q.double(), kb, vb, 5, 0.25)).abs().max(),
+                        abs_tol=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", QUANT_NAMES)
+def test_native_quantizer_writes_the_same_bytes(name):
+    """``csrc``'s quantize_kv_row (the one-call decode layers' K/V writes) against
+    ``kv_quant.quantize``, bit for bit: rows of every range, ties, zeros, subnormals."""
+    require_isa(cpu_kernels.ISA)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4096, 64, generator=gen)
+    x *= torch.logspace(-9, 6, 4096)[:, None]
+    x[0] = 0
+    x[1, :8] = torch.tensor([127.0, 63.5, -0.5, 1.5, 2.5, -2.5, 448.0, 3.0])  # ties in units
+    x[2] = torch.arange(64) * 2.0**-20
+    got = torch.from_numpy(cpu_kernels.ext.quantize_kv_rows(x.numpy(), name))
+    assert torch.equal(got, quantize(x, QUANTS[name]))
