@@ -26,7 +26,7 @@ import torch
 
 #: Rows of every product in batch-invariant mode: decode batches up to this size cost
 #: one call per weight (a decode step reads the weights once, as it does anyway).
-ROWS = 16
+ROWS = 32
 
 _ON: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "radixserve_batch_invariant", default=False
