@@ -24,7 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 COUNTERS = (
-    "hit_tokens", "query_tokens", "steps", "preemptions", "priority_preemptions", "timeouts"
+    "hit_tokens", "query_tokens", "steps", "preemptions", "priority_preemptions", "timeouts",
+    "evicted_pages", "spec_draft_tokens", "spec_accepted_tokens", "spec_verifications",
 )  # fmt: skip
 
 
