@@ -23,8 +23,7 @@ from dataclasses import fields
 from radixserve.config import EngineConfig
 from radixserve.sampling_params import MAX_N
 from radixserve.server_config import ServerConfig
-from radixserve.worker.config import DTYPE_CHOICES, PREFILL_BACKENDS
-from radixserve.worker.kv_quant import KV_CACHE_DTYPES
+from radixserve.worker.config import DTYPE_CHOICES, KV_CACHE_DTYPES, PREFILL_BACKENDS
 
 #: The largest host tier ``--disk-cache-dir`` gets by itself, in GiB.
 HOST_TIER_CAP_GB = 16.0

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixserve.worker.kv_quant import KV_CACHE_DTYPES
-
 #: ``auto`` resolves when the model loads (``worker/dtype.py``).
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "float64")
 #: FlashInfer's prefill implementations: ``auto`` is fa3 on Hopper where it applies, else fa2.
 PREFILL_BACKENDS = ("auto", "fa2", "fa3")
+
+
+#: What ``--kv-cache-dtype`` takes (``kv_quant.py``); here, where no torch is imported.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.worker.config import KV_CACHE_DTYPES
+
 #: What ``--kv-cache-dtype`` accepts.
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "int8")
 #: Bytes of the scale after each row of codes.
 SCALE_BYTES = 2
 
