@@ -135,6 +135,20 @@ void check_segments(radixserve::PagedDecode& P, int64_t R, int64_t NP, const I32
     require(0 <= P.pages[i] && P.pages[i] < NP, "page out of range");
 }
 
+// The segments' causal flags (None: none causal), held in ``hold`` while P reads them.
+void check_causal(radixserve::PagedDecode& P, const py::object& causal,
+                  py::array_t<uint8_t, py::array::c_style>& hold) {
+  if (causal.is_none()) return;
+  const int64_t S = P.num_segments;
+  hold = py::array_t<uint8_t, py::array::c_style>::ensure(causal);
+  require(hold && hold.ndim() == 1 && hold.shape(0) == S,
+          "causal must be a uint8 array with one flag per segment");
+  P.causal = hold.data();
+  for (int64_t s = 0; s < S; ++s)
+    require(!P.causal[s] || P.kv_end[s] - P.kv_begin[s] >= P.row_indptr[s + 1] - P.row_indptr[s],
+            "a causal segment needs at least as many keys as rows");
+}
+
 // q: [R, H, D]; kv: [pages, 2, page_size, KVH, D]; out like q; lse: [R, H] float32/float64
 // or None. Index arrays are int32. dtype: float32, float64, or bfloat16 given as
 // int16/uint16 (numpy has no bfloat16). Every index is checked here, once, so the
@@ -178,17 +192,8 @@ void paged_decode(const py::array& q, const py::array& kv, py::array& out, py::o
   P.fixed = fixed;
   const int64_t R = q.shape(0);
   check_segments(P, R, kv.shape(0), row_indptr, rows, page_indptr, pages, kv_begin, kv_end);
-  const int64_t S = P.num_segments;
   py::array_t<uint8_t, py::array::c_style> causal_arr;
-  if (!causal.is_none()) {
-    causal_arr = py::array_t<uint8_t, py::array::c_style>::ensure(causal);
-    require(causal_arr && causal_arr.ndim() == 1 && causal_arr.shape(0) == S,
-            "causal must be a uint8 array with one flag per segment");
-    P.causal = causal_arr.data();
-    for (int64_t s = 0; s < S; ++s)
-      require(!P.causal[s] || P.kv_end[s] - P.kv_begin[s] >= P.row_indptr[s + 1] - P.row_indptr[s],
-              "a causal segment needs at least as many keys as rows");
-  }
+  check_causal(P, causal, causal_arr);
   float* lse_f = nullptr;
   double* lse_d = nullptr;
   if (!lse.is_none()) {
@@ -365,13 +370,14 @@ class DecodeLayersPy {
 
   // residual (the embeddings) and x (layer 0's input norm of them): [tokens, hidden];
   // cos, sin [tokens, rot_dim]; write_rows int64 [tokens]; the plan's segments as
-  // paged_decode's; h_out and residual_out [hidden, tokens]. All C-contiguous.
+  // paged_decode's (causal: one uint8 flag per segment, or None); h_out and
+  // residual_out [hidden, tokens]. All C-contiguous.
   void run(const py::array& residual, const py::array& x, const py::array& cos,
            const py::array& sin, const py::array_t<int64_t, py::array::c_style>& write_rows,
            const I32Array& row_indptr, const I32Array& rows, const I32Array& page_indptr,
            const I32Array& pages, const I32Array& kv_begin, const I32Array& kv_end, double scale,
            int64_t chunk, py::array& h_out, py::array& residual_out, int num_threads,
-           const std::string& isa_name, bool amx) {
+           const std::string& isa_name, bool amx, const py::object& causal) {
     const Isa isa = parse_isa(isa_name, "DecodeLayers");
     radixserve::DecodeLayers p = p_;
     const int64_t t = x.ndim() == 2 ? x.shape(0) : 0, hd = p.hidden;
@@ -414,6 +420,9 @@ class DecodeLayersPy {
     p.attn.scale = scale;
     check_segments(p.attn, t, num_pages_, row_indptr, rows, page_indptr, pages, kv_begin,
                    kv_end);
+    // A causal segment: a chunk's rows (a request's drafts) see the keys up to their own.
+    py::array_t<uint8_t, py::array::c_style> causal_arr;
+    check_causal(p.attn, causal, causal_arr);
     p.tokens = t;
     p.residual = residual.data();
     p.x = x.data();
@@ -587,7 +596,8 @@ PYBIND11_MODULE(_cpu_kernels, m) {
            py::arg("sin"), py::arg("write_rows"), py::arg("row_indptr"), py::arg("rows"),
            py::arg("page_indptr"), py::arg("pages"), py::arg("kv_begin"), py::arg("kv_end"),
            py::arg("scale"), py::arg("chunk"), py::arg("h_out"), py::arg("residual_out"),
-           py::arg("num_threads"), py::arg("isa") = "auto", py::arg("amx") = false);
+           py::arg("num_threads"), py::arg("isa") = "auto", py::arg("amx") = false,
+           py::arg("causal") = py::none());
   radixserve::bind_step_kernels(m);
   m.def("best_isa", [] { return std::string(radixserve::isa_name(radixserve::best_isa())); },
         "The best instruction-set level this CPU runs (baseline, avx2, avx512, avx512bf16).");

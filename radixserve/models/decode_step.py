@@ -13,7 +13,8 @@ uses one by one, when the step allows it:
   (the skinny kernel); bfloat16 up to 32 rows where the CPU has AVX512_BF16 (the
   skinny kernel, and from 2 rows the AMX product, ``csrc/amx_gemm.cpp``, where
   the CPU has AMX tiles: ``cpu_kernels.AMX``);
-- attention in one native plan for every row (``TorchAttention.native_step_plan``),
+- attention in one native plan for every row (``TorchAttention.native_step_plan``:
+  decodes, and short chunks as causal segments, e.g. drafts being verified),
   over a pool of the model's dtype or a quantized one (``worker/kv_quant.py``: the
   call writes K/V rows as ``kv_quant.quantize`` does, bit for bit).
 
@@ -147,6 +148,6 @@ def run(
         view(sin.reshape(t, -1).contiguous()), write_rows, seg.row_indptr, seg.rows,
         seg.page_indptr, seg.pages, seg.kv_begin[backend.sliding_windows[0]], seg.kv_end,
         backend.scale, seg.chunk, view(h_out), view(residual), torch.get_num_threads(),
-        cpu_kernels.ISA, amx=cpu_kernels.AMX,
+        cpu_kernels.ISA, amx=cpu_kernels.AMX, causal=seg.causal,
     )  # fmt: skip
     return h_out.t(), residual.t()

@@ -69,7 +69,7 @@ class SchedulerConfig:
       (prompt lookup) or ``radix`` (the radix tree's continuation, then ngram);
       ``speculative_num_draft_tokens`` 4 drafts per request and step at most;
       ``speculative_min_match`` 2: the shortest suffix ngram matches;
-      ``speculative_max_batch`` 8: no drafts in a step where more requests decode
+      ``speculative_max_batch`` 6: no drafts in a step where more requests decode
       (docs/speculative.md, ``speculative.py``).
     """
 
@@ -104,7 +104,7 @@ class SchedulerConfig:
     speculative_algorithm: str = "off"
     speculative_num_draft_tokens: int = 4
     speculative_min_match: int = 2
-    speculative_max_batch: int = 8
+    speculative_max_batch: int = 6
     host_pages: int = 0
     disk_cache_dir: str | None = None
     disk_cache_gb: float = 16.0

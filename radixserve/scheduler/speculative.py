@@ -24,8 +24,8 @@ Adaptive drafting: per request, after every ``ADAPT_WINDOW`` draft tokens whose
 acceptance rate was below ``ADAPT_MIN_RATE``, drafting pauses for a number of steps
 that doubles each time (from ``ADAPT_PAUSE`` up to ``ADAPT_MAX_PAUSE``) and is reset
 by a window that does well. For the whole step, nothing is drafted when more than
-``max_batch`` requests decode (a verification row costs about a decode row, and a
-large batch is already bound by compute, not by reading the weights).
+``max_batch`` requests decode (past the 32 rows the worker's one-call step takes, a
+verification costs about as much as its accepted drafts save: docs/speculative.md).
 """
 
 from __future__ import annotations

@@ -193,12 +193,57 @@ def test_bfloat16_cascade_on_amx_reads_the_prefix_in_the_native_kernel(
         assert (b - a).abs().max() <= 2e-2 * a.abs().max()
 
 
-def test_steps_it_cannot_compute_take_the_torch_path(runners, native_calls):
-    """A prefill (several tokens of one request) is not a decode step: the layers run
-    in Python."""
+def verify(runner, prompts, drafts, native, fork=0):
+    """Prefill all but the last token of ``prompts`` (slot i each; slots after the
+    first share slot 0's first ``fork`` tokens), then one step where every slot feeds
+    its last token and ``drafts[i]`` to verify (``num_drafts``): the logits of every
+    verified row."""
+    decode_step.ENABLED = native
+    try:
+        pages, tables = iter(range(runner.num_pages)), []
+        for i, p in enumerate(prompts):
+            start = fork if i else 0
+            need = -(-(len(p) + len(drafts[i])) // PAGE) - start // PAGE
+            shared = tables[0][: start // PAGE] if i else []
+            tables.append(shared + [next(pages) for _ in range(need)])
+            req = StepReq(i, p[start:-1], start, np.asarray(tables[i], np.int32), True, GREEDY)
+            runner.forward_logits(Step([req]))
+        reqs = [StepReq(i, np.concatenate([p[-1:], drafts[i]]).astype(np.int32), len(p) - 1,
+                        np.zeros(0, np.int32), True, num_drafts=len(drafts[i]))
+                for i, p in enumerate(prompts)]  # fmt: skip
+        with torch.inference_mode():  # as forward_logits runs it
+            logits, _, _, _ = runner._forward(Step(reqs), [])  # sampled rows, then drafts'
+        return logits.float()
+    finally:
+        decode_step.ENABLED = True
+        runner.step(Step([], release=np.arange(len(prompts), dtype=np.int32)))
+
+
+@pytest.mark.parametrize("batch,fork", [(1, 0), (4, 0), (4, 64)])
+def test_float32_drafts_verified_in_the_one_call(runners, isa, native_calls, batch, fork):
+    """A verification step (each request's last token and its drafts: a short causal
+    chunk) takes the one call, over its own keys and over a shared prefix read once
+    (a cascade group whose members are chunks), with the torch path's logits."""
     runner = runners[torch.float32]
-    p = prompts(1, length=12)[0]
-    req = StepReq(0, p, 0, np.arange(4, dtype=np.int32), True, GREEDY)
+    base = prompts(1, length=70, seed=11)[0]
+    rng = np.random.default_rng(batch)
+    ps = [base] + [np.concatenate([base[:fork], rng.integers(4, 512, 70 - fork)]).astype(np.int32)
+                   for _ in range(batch - 1)]  # fmt: skip
+    drafts = [rng.integers(4, 512, k).astype(np.int32) for k in (4, 1, 3, 4)[:batch]]
+    ref = verify(runner, ps, drafts, native=False, fork=fork)
+    assert not any(native_calls)
+    got = verify(runner, ps, drafts, native=True, fork=fork)
+    assert native_calls[-1], "the verification step takes the native call"
+    assert got.shape[0] == sum(len(d) + 1 for d in drafts)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_steps_it_cannot_compute_take_the_torch_path(runners, native_calls):
+    """A prefill of more rows than the call's products take (32) runs the layers in
+    Python."""
+    runner = runners[torch.float32]
+    p = prompts(1, length=40)[0]
+    req = StepReq(0, p, 0, np.arange(10, dtype=np.int32), True, GREEDY)
     runner.forward_logits(Step([req]))
     runner.step(Step([], release=np.array([0], np.int32)))
     assert native_calls == [False]

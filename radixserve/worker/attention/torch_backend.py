@@ -192,10 +192,17 @@ class TorchAttention(AttentionBackend):
         windows = sorted(set(self.sliding_windows))
         write_rows, self._prefills = [], []
         members = qo_lens == 1
-        self._flash = self.shared_prefix_flash
-        if self._flash and self.native_layers is not None and members.all():
-            self._flash = not self.native_layers(len(qo_lens))
-        if self._flash and all(w <= 0 for w in windows):
+        # A step whose layers all run in one native call (decode_step.py, up to 32 rows:
+        # decodes, and requests' drafts being verified as short causal chunks) gets one
+        # native plan for every row: no flash attention, no SDPA.
+        one_call = (
+            self.decode_kernel == "native"
+            and self.native_layers is not None
+            and all(w <= 0 for w in windows)
+            and self.native_layers(int(qo_lens.sum()))
+        )
+        self._flash = self.shared_prefix_flash and not one_call
+        if (self._flash or one_call) and all(w <= 0 for w in windows):
             # Short prefill chunks over a cached prefix they share with others (the
             # questions after one system prompt) read it once, as decodes do.
             members |= qo_lens <= CASCADE_PREFILL_MAX_TOKENS
@@ -207,6 +214,8 @@ class TorchAttention(AttentionBackend):
         plain = plain[qo_lens[plain] == 1]  # the chunks left alone are planned below
         native_prefills = []
         native_limit = self.native_prefill_max_tokens if all(w <= 0 for w in windows) else 0
+        if one_call:
+            native_limit = max(native_limit, int(qo_lens.max()))
         for i in range(batch.batch_size):
             pages = batch.page_indices[batch.page_indptr[i] : batch.page_indptr[i + 1]]
             qo, kv = int(qo_lens[i]), int(kv_lens[i])
@@ -241,8 +250,9 @@ class TorchAttention(AttentionBackend):
         """This step's K/V write rows (int64, in the pool viewed as ``[pages * 2 *
         page_size, kv_heads * head_dim]``) and its native attention plan, when that
         one plan computes every row of the batch with nothing else around it (no
-        shared prefix through flash attention, no gather + SDPA, no causal chunk, no
-        sliding window or soft-cap); else None. A caller that runs every layer in
+        shared prefix through flash attention, no gather + SDPA, no sliding window or
+        soft-cap); else None. Short prefill chunks (drafts being verified) are causal
+        segments of the plan. A caller that runs every layer in
         native code (``models/decode_step.py``) writes and attends with these."""
         seg = self._native
         cast = self.pool.quant is None and not self.plain  # another float dtype
@@ -253,7 +263,6 @@ class TorchAttention(AttentionBackend):
             or self._shared is not None
             or self._decodes
             or self._prefills
-            or seg.causal is not None
             or self.softcap > 0
             or any(w > 0 for w in self.sliding_windows)
         ):
