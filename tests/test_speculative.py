@@ -1,4 +1,5 @@
-"""Speculative decoding through the in-process Engine on a tiny float64 model.
+"""Speculative decoding through the in-process Engine on a tiny float64 model (and the
+embedded SmolLM2 in float32).
 
 Greedy outputs (tokens, text, finish reasons, logprobs) must be those of the same
 Engine without speculation, whatever the drafter, page size and chunking, for
@@ -214,3 +215,25 @@ def test_sampled_outputs_keep_their_distribution(tiny_dir):
         df = table.shape[1] - 1
         p = float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(chi2 / 2)))
         assert df >= 2 and p > 1e-3, (depth, table, p)
+
+
+def test_smollm2_float32_greedy_equal_with_radix_drafts(smollm2_cache_dir):
+    """The embedded model in float32: a verification's rows go through the same
+    kernels as decode rows (on the CPU, the one-call step up to 32 rows), so the
+    greedy tokens with radix drafts are those without, and most of the replays'
+    tokens come from accepted drafts."""
+    texts = [
+        "The quick brown fox jumps over the lazy dog. " * 3 + "Repeat the sentence above.",
+        "List the numbers from one to twenty in words, separated by commas.",
+        "Write the alphabet in capital letters, separated by spaces.",
+    ]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    out = {}
+    for algorithm in ("off", "radix"):
+        with Engine("smollm2", cache_dir=smollm2_cache_dir, dtype="float32", warmup=False,
+                    speculative_algorithm=algorithm) as eng:  # fmt: skip
+            out[algorithm] = [[r.token_ids for r in eng.generate(texts, params)] for _ in range(2)]
+            eng.check_idle()
+            stats = eng.stats()
+    assert out["radix"] == out["off"]
+    assert stats["spec_accepted_tokens"] >= len(texts) * 48 // 2
