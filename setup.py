@@ -27,6 +27,7 @@ KERNELS_SOURCES = [
     "csrc/step_bindings.cpp",
     "csrc/decode_layers.cpp",
     "csrc/amx_gemm.cpp",
+    "csrc/amx_attention.cpp",
     "csrc/cpu_kernels.cpp",
 ]
 

@@ -12,7 +12,7 @@
 // Sums are float32 (exact products of bfloat16 pairs); the result is rounded once.
 //
 // AMX instructions run only where CPUID says the CPU has them and the OS granted
-// this process the tile state (skinny_gemm_amx checks both once and refuses
+// this process the tile state (amx_tiles_granted checks both once; callers refuse
 // otherwise, and callers then fall back to the skinny kernel); nothing else in the
 // extension issues them, so the build still runs on any x86-64 CPU.
 #include <algorithm>
@@ -36,22 +36,12 @@
 namespace radixserve {
 
 #if RS_X86
-namespace {
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // Linux hands out the AMX tile state only on request (arch_prctl
 // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); torch's own probe asks too, and a
 // second request is harmless.
 // The CPU's own word first (CPUID leaf 7: EDX bit 24 AMX-TILE, bit 22 AMX-BF16), so
 // that a caller's flag alone can never run a tile instruction on a CPU without them.
-bool request_tiles() {
+bool amx_tiles_granted() {
   static const bool granted = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
@@ -61,6 +51,16 @@ bool request_tiles() {
   }();
   return granted;
 }
+
+namespace {
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
 
 // tmm0-3: float32 accumulators (weight rows n..n+15 / n+16..n+31 x x rows 0-15 /
 // 16-31); tmm4-5: W tiles; tmm6-7: x tiles. All 16 rows x 64 bytes.
@@ -160,7 +160,7 @@ bool amx_gemm_takes(const SkinnyGemm& g) {
 }
 
 bool skinny_gemm_amx(const SkinnyGemm& g, int num_threads) {
-  if (!amx_gemm_takes(g) || !request_tiles()) return false;
+  if (!amx_gemm_takes(g) || !amx_tiles_granted()) return false;
   const int64_t K = g.K, M = g.M, mb = M > 16 ? 2 : 1;
   // x^T in pairs: xp[b][k / 2][j][k % 2] = x[16 b + j][k], zero past M. K outside:
   // the layers' x is feature-major (sm == 1), so the inner loop reads contiguously.
@@ -206,6 +206,7 @@ bool skinny_gemm_amx(const SkinnyGemm& g, int num_threads) {
 
 #else
 
+bool amx_tiles_granted() { return false; }
 bool amx_gemm_takes(const SkinnyGemm&) { return false; }
 bool skinny_gemm_amx(const SkinnyGemm&, int) { return false; }
 

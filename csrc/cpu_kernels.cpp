@@ -161,7 +161,7 @@ void paged_decode(const py::array& q, const py::array& kv, py::array& out, py::o
                   const py::array_t<int32_t, py::array::c_style>& kv_begin,
                   const py::array_t<int32_t, py::array::c_style>& kv_end, double scale,
                   int num_threads, int64_t chunk, const std::string& isa_name, double softcap,
-                  py::object causal, const std::string& kv_quant, int64_t fixed) {
+                  py::object causal, const std::string& kv_quant, int64_t fixed, bool amx) {
   const Isa isa = parse_isa(isa_name, "paged_decode");
   require(fixed >= 0, "fixed must be >= 0 (0: off)");
   require(q.ndim() == 3 && kv.ndim() == 5 && out.ndim() == 3, "q/out must be 3-D, kv 5-D");
@@ -190,6 +190,7 @@ void paged_decode(const py::array& q, const py::array& kv, py::array& out, py::o
   require(softcap >= 0, "softcap must be >= 0 (0: none)");
   P.softcap = softcap;
   P.fixed = fixed;
+  P.amx = amx;
   const int64_t R = q.shape(0);
   check_segments(P, R, kv.shape(0), row_indptr, rows, page_indptr, pages, kv_begin, kv_end);
   py::array_t<uint8_t, py::array::c_style> causal_arr;
@@ -418,6 +419,7 @@ class DecodeLayersPy {
     p.attn.page_size = ps;
     p.attn.group = p.heads / p.kv_heads;
     p.attn.scale = scale;
+    p.attn.amx = amx && p.bf16;
     check_segments(p.attn, t, num_pages_, row_indptr, rows, page_indptr, pages, kv_begin,
                    kv_end);
     // A causal segment: a chunk's rows (a request's drafts) see the keys up to their own.
@@ -560,13 +562,16 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::arg("kv_begin"), py::arg("kv_end"), py::arg("scale"), py::arg("num_threads"),
         py::arg("chunk"), py::arg("isa") = "auto", py::arg("softcap") = 0.0,
         py::arg("causal") = py::none(), py::arg("kv_quant") = "none", py::arg("fixed") = 0,
+        py::arg("amx") = false,
         "Paged decode attention over one layer of the KV pool (csrc/paged_attention.cpp); "
         "kv_quant (int8, fp8_e4m3, fp8_e5m2): the pool holds one-byte codes and a float16 "
         "scale per token and kv head, [pages, 2, ps, kvh, d + 2] bytes; "
         "softcap > 0 caps the scores at softcap * tanh(score / softcap); causal (uint8, "
         "one per segment): row r of n in a flagged segment sees its keys up to "
         "kv_end - (n - 1 - r) (a prefill chunk's rows, bottom-right aligned); fixed > 0: "
-        "batch-invariant items of exactly that many keys (the chunk is ignored).");
+        "batch-invariant items of exactly that many keys (the chunk is ignored); amx: "
+        "bfloat16 items read by many query vectors multiply on AMX tiles where the CPU "
+        "has them.");
   m.def("skinny_gemm", &skinny_gemm, py::arg("w"), py::arg("x"), py::arg("yT"),
         py::arg("num_threads"), py::arg("isa") = "auto", py::arg("amx") = false,
         "yT [N, M] = w [N, K] . x^T for x [M, K] (any strides), w and yT C-contiguous; "

@@ -163,6 +163,9 @@ struct PagedDecode {
   // tiles are off. A row's result then depends only on its own query, keys and
   // position: not on its batch, its segment's other rows, or how its keys were split.
   int64_t fixed = 0;
+  // bfloat16 items that the vdpbf16ps tiles take run their products on AMX tiles
+  // where the CPU has them (amx_attention.cpp).
+  bool amx = false;
 };
 
 enum class KVType { kFloat32, kFloat64, kBFloat16 };
@@ -203,6 +206,27 @@ void skinny_gemm(const SkinnyGemm& g, Isa isa, int num_threads);
 // the tile state.
 bool amx_gemm_takes(const SkinnyGemm& g);
 bool skinny_gemm_amx(const SkinnyGemm& g, int num_threads);
+
+// Whether this CPU has AMX tiles (amx_bf16) and the OS granted this process their
+// state (asked once); no tile instruction runs anywhere unless it says so.
+bool amx_tiles_granted();
+
+// Attention's two products on AMX tiles (amx_attention.cpp), for paged_attention.cpp's
+// bfloat16 items. amx_attention_begin configures this thread's tiles (false: no
+// tiles, call nothing else); amx_attention_end releases them. Operands as the
+// vdpbf16ps path packs them, as 32-bit words of two bfloat16 each:
+//   amx_score_tile: sc[i][j0 + j] = scale * sum_p qp[i][p] . kt[p][j] for i < nq and
+//     j < nb <= 32; qp [round_up(nq, 16)][D2] (rows past nq zero), kt [D2][32],
+//     D2 % 16 == 0; sc rows of len floats.
+//   amx_value_rows: out[i][d] = sum_kp pp[i][kp] . vp[kp][d] for i < nq and d < D;
+//     pp [round_up(nq, 16)][np2p], vp [np2p][D] (np2p % 16 == 0, padding zero), D % 16
+//     == 0; out rows of D floats.
+bool amx_attention_begin();
+void amx_attention_end();
+void amx_score_tile(const uint32_t* qp, int64_t nq, int64_t D2, const uint32_t* kt, float scale,
+                    float* sc, int64_t len, int64_t j0, int64_t nb);
+void amx_value_rows(const uint32_t* pp, int64_t nq, int64_t np2p, const uint32_t* vp, int64_t D,
+                    float* out);
 
 // y [rows, n] = RMSNorm of bfloat16 rows x [rows, n] with weight w [n] (rms_norm.cpp),
 // all C-contiguous bfloat16 bits; unit_offset scales by (1 + w) (Gemma).

@@ -635,13 +635,23 @@ RS_TARGET_AVX512BF16 void run_item_dp(const Problem& P, const Item& it, const BF
   const int64_t r0 = P.row_indptr[it.seg], nrows = P.row_indptr[it.seg + 1] - r0;
   const int64_t per_head = nrows * G, nq = per_head * KVH, len = it.k1 - it.k0;
   const int64_t np2 = (len + 1) / 2;
+  // AMX tiles take 16 query vectors and 16 pairs at a time: qp and pp get zero rows
+  // up to a multiple of 16, pp and vp zero key pairs up to one.
+  const bool amx = P.amx && D % 32 == 0 && radixserve::amx_attention_begin();
+  const int64_t nq16 = amx ? (per_head + 15) / 16 * 16 : per_head;
+  const int64_t np2p = amx ? (np2 + 15) / 16 * 16 : np2;
   scores.resize(static_cast<size_t>(nq * len));
-  // qp [per_head][D2] | kt [D2][32] | vp [np2][D] | pp [per_head][np2]
-  packed.resize(static_cast<size_t>(per_head * D2 + D2 * kDpKeys + np2 * D + per_head * np2));
+  // qp [nq16][D2] | kt [D2][32] | vp [np2p][D] | pp [nq16][np2p]
+  packed.resize(static_cast<size_t>(nq16 * D2 + D2 * kDpKeys + np2p * D + nq16 * np2p));
   uint32_t* qp = packed.data();
-  uint32_t* kt = qp + per_head * D2;
+  uint32_t* kt = qp + nq16 * D2;
   uint32_t* vp = kt + D2 * kDpKeys;
-  uint32_t* pp = vp + np2 * D;
+  uint32_t* pp = vp + np2p * D;
+  if (amx) {
+    std::fill(qp + per_head * D2, qp + nq16 * D2, 0u);
+    std::fill(vp + np2 * D, vp + np2p * D, 0u);
+    std::fill(pp + per_head * np2p, pp + nq16 * np2p, 0u);
+  }
   const int32_t* pages = P.pages + P.page_indptr[it.seg];
   auto key_row = [&](int64_t j, int64_t which, int64_t h) {  // K (0) or V (1) of key k0 + j
     const int64_t pos = it.k0 + j;
@@ -664,6 +674,10 @@ RS_TARGET_AVX512BF16 void run_item_dp(const Problem& P, const Item& it, const BF
         } else {
           for (int64_t p = 0; p < D2; ++p) kt[p * kDpKeys + j] = 0;
         }
+      }
+      if (amx) {
+        radixserve::amx_score_tile(qp, per_head, D2, kt, scale, sh, len, j0, nb);
+        continue;
       }
       int64_t i = 0;
       for (; i + kDpScoreRows <= per_head; i += kDpScoreRows)
@@ -693,21 +707,26 @@ RS_TARGET_AVX512BF16 void run_item_dp(const Problem& P, const Item& it, const BF
         if (n == 32) _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(va, hi, vb));
       }
     }
-    // Probabilities in bfloat16, in key pairs (the pair past an odd len is (p, 0)).
+    // Probabilities in bfloat16, in key pairs (the pair past an odd len is (p, 0), and
+    // the pairs up to np2p are zero).
     const float* sh = scores.data() + h * per_head * len;
     for (int64_t i = 0; i < per_head; ++i) {
       const float* src = sh + i * len;
-      uint16_t* dst = reinterpret_cast<uint16_t*>(pp + i * np2);
-      for (int64_t j = 0; j < 2 * np2; j += 16) {
+      uint16_t* dst = reinterpret_cast<uint16_t*>(pp + i * np2p);
+      for (int64_t j = 0; j < 2 * np2p; j += 16) {
         const int64_t n = std::min<int64_t>(16, len - j);
         const __mmask16 m = static_cast<__mmask16>(n >= 16 ? 0xffffu : n > 0 ? (1u << n) - 1 : 0u);
         const __m256bh b16 = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + j));
-        const int64_t w = std::min<int64_t>(16, 2 * np2 - j);
+        const int64_t w = std::min<int64_t>(16, 2 * np2p - j);
         _mm256_mask_storeu_epi16(dst + j, static_cast<__mmask16>(w >= 16 ? 0xffffu : (1u << w) - 1),
                                  (__m256i)b16);
       }
     }
     float* acc = pacc + (it.partial + h * per_head) * D;
+    if (amx) {
+      radixserve::amx_value_rows(pp, per_head, np2p, vp, D, acc);
+      continue;
+    }
     for (int64_t i = 0; i < per_head; i += kDpValueRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kDpValueRows, per_head - i));
       for (int64_t d0 = 0; d0 < D; d0 += 16 * kDpValueCols) {
@@ -716,6 +735,7 @@ RS_TARGET_AVX512BF16 void run_item_dp(const Problem& P, const Item& it, const BF
       }
     }
   }
+  if (amx) radixserve::amx_attention_end();
 }
 #endif  // RS_X86
 

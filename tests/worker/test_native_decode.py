@@ -79,14 +79,23 @@ def make_case(rng, page_size, kv_heads, group, head_dim, dtype, lens, rows_per_s
     return q, kv, seg
 
 
-def run_kernel(q, kv, seg, scale, isa, chunk, lse_dtype, softcap=0.0, causal=None):
+@pytest.fixture(params=[False, True], ids=["dp", "amx"])
+def amx(request):
+    """bfloat16 items read by many query vectors: the vdpbf16ps products, or AMX tiles
+    (skipped on CPUs without them)."""
+    if request.param and not cpu_kernels.AMX:
+        pytest.skip("this CPU (or OS) gives no AMX tiles")
+    return request.param
+
+
+def run_kernel(q, kv, seg, scale, isa, chunk, lse_dtype, softcap=0.0, causal=None, amx=False):
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"), dtype=lse_dtype)
     arr = native_decode._array
     flags = None if causal is None else np.asarray(causal, np.uint8)
     native_decode._ext.paged_decode(
         arr(q), arr(kv), arr(out), lse.numpy(), **seg, scale=scale, num_threads=2, chunk=chunk,
-        isa=isa, softcap=softcap, causal=flags,
+        isa=isa, softcap=softcap, causal=flags, amx=amx,
     )  # fmt: skip
     return out, lse
 
@@ -158,9 +167,10 @@ def test_softcap_matches_float64(isa, dtype, head_dim):
 @pytest.mark.parametrize("head_dim", [32, 64, 80, 128])
 @pytest.mark.parametrize(("kv_heads", "group"), [(3, 3), (2, 1)])
 @pytest.mark.parametrize("softcap", [0.0, 2.0])
-def test_shared_prefix_rows_bfloat16_match_float64(isa, head_dim, kv_heads, group, softcap):
+def test_shared_prefix_rows_bfloat16_match_float64(isa, head_dim, kv_heads, group, softcap, amx):
     """Segments that many query vectors read (a cascade prefix): from 8 query vectors
-    per kv head, a bfloat16 pool at avx512bf16 runs the vdpbf16ps tiles. Row counts
+    per kv head, a bfloat16 pool at avx512bf16 runs the vdpbf16ps tiles (or, with
+    ``amx``, AMX tiles where head_dim is a multiple of 32). Row counts
     leave partial tiles of both products, odd key counts a lone last key pair, a
     window start inside a page, head_dim 80 a half vector of features, and one
     segment has too few rows (the other loops); every level must agree."""
@@ -173,7 +183,8 @@ def test_shared_prefix_rows_bfloat16_match_float64(isa, head_dim, kv_heads, grou
     read = torch.from_numpy(seg["rows"]).long()
     tol = TOLERANCE[torch.bfloat16]
     for chunk in (64, 1024):
-        out, lse = run_kernel(q, kv, seg, scale, isa, chunk, torch.float32, softcap=softcap)
+        out, lse = run_kernel(q, kv, seg, scale, isa, chunk, torch.float32, softcap=softcap,
+                              amx=amx)
         torch.testing.assert_close(out[read].double(), ref_out[read], rtol=0, atol=tol)
         torch.testing.assert_close(lse[read].double(), ref_lse[read], rtol=0, atol=tol * 10)
 
@@ -219,7 +230,7 @@ def test_row_in_several_segments_attends_to_all(isa):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("head_dim", [64, 20])
 @pytest.mark.parametrize("softcap", [0.0, 2.0])
-def test_causal_segments_match_float64(isa, dtype, head_dim, softcap):
+def test_causal_segments_match_float64(isa, dtype, head_dim, softcap, amx):
     """Prefill chunks as causal segments: row i of n sees keys up to kv_end - (n - 1 - i)
     (after a cached prefix; a whole prompt; a chunk starting inside a page; rows over
     several key chunks, so some chunks are unseen by early rows), beside a plain
@@ -235,7 +246,7 @@ def test_causal_segments_match_float64(isa, dtype, head_dim, softcap):
     read = torch.from_numpy(seg["rows"]).long()
     tol = TOLERANCE[dtype]
     for chunk in (64, 1024):
-        out, lse = run_kernel(q, kv, seg, scale, isa, chunk, lse_dtype, softcap, causal)
+        out, lse = run_kernel(q, kv, seg, scale, isa, chunk, lse_dtype, softcap, causal, amx)
         torch.testing.assert_close(out[read].double(), ref_out[read], rtol=0, atol=tol)
         torch.testing.assert_close(lse[read].double(), ref_lse[read], rtol=0, atol=tol * 10)
     short = make_case(rng, 16, 2, 3, head_dim, dtype, [(0, 3)], [5])

@@ -157,5 +157,5 @@ def paged_decode(
         seg.row_indptr, seg.rows, seg.page_indptr, seg.pages, seg.kv_begin[window], seg.kv_end,
         scale, torch.get_num_threads(), seg.chunk, isa or cpu_kernels.ISA, softcap=softcap,
         causal=seg.causal, fixed=seg.fixed,
-        kv_quant=quant.name if quant is not None else "none",
+        kv_quant=quant.name if quant is not None else "none", amx=cpu_kernels.AMX,
     )  # fmt: skip
