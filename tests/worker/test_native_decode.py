@@ -183,8 +183,9 @@ def test_shared_prefix_rows_bfloat16_match_float64(isa, head_dim, kv_heads, grou
     read = torch.from_numpy(seg["rows"]).long()
     tol = TOLERANCE[torch.bfloat16]
     for chunk in (64, 1024):
-        out, lse = run_kernel(q, kv, seg, scale, isa, chunk, torch.float32, softcap=softcap,
-                              amx=amx)
+        out, lse = run_kernel(
+            q, kv, seg, scale, isa, chunk, torch.float32, softcap=softcap, amx=amx
+        )
         torch.testing.assert_close(out[read].double(), ref_out[read], rtol=0, atol=tol)
         torch.testing.assert_close(lse[read].double(), ref_lse[read], rtol=0, atol=tol * 10)
 
