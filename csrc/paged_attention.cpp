@@ -624,6 +624,19 @@ RS_ALWAYS_INLINE uint32_t pair_at(const BF16* row, int64_t p) {
   return w;
 }
 
+// Brings rows [from, from + n) of K (which = 0) or V (1), every kv head's part, into
+// the cache.
+RS_ALWAYS_INLINE void prefetch_key_rows(const BF16* kv, const int32_t* pages, int64_t ps,
+                                        int64_t page_stride, int64_t row_len, int64_t from,
+                                        int64_t n, int64_t which) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t pos = from + j;
+    const char* row = reinterpret_cast<const char*>(kv + pages[pos / ps] * page_stride +
+                                                    which * ps * row_len + (pos % ps) * row_len);
+    for (int64_t o = 0; o < row_len * 2; o += 64) __builtin_prefetch(row + o);
+  }
+}
+
 // One item by vdpbf16ps tiles (bfloat16 pool, head_dim % 16 == 0): the same
 // partial results as run_item_impl.
 RS_TARGET_AVX512BF16 void run_item_dp(const Problem& P, const Item& it, const BF16* q,
@@ -658,6 +671,12 @@ RS_TARGET_AVX512BF16 void run_item_dp(const Problem& P, const Item& it, const BF
     return kv + pages[pos / ps] * page_stride + which * ps * row_len + (pos % ps) * row_len +
            h * D;
   };
+  // Keys are read head by head, each head a slice of every key's row: the first head's
+  // pass fetches whole rows (every head's slice) one block ahead, so the rows are in
+  // cache for it and for the heads after it (pages are scattered: the hardware
+  // prefetcher loses the stream at every page boundary).
+  // (A plain call: a lambda around the prefetches would be compiled for the baseline
+  // target, found free of side effects and its calls dropped.)
   const float scale = static_cast<float>(P.scale);
   for (int64_t h = 0; h < KVH; ++h) {
     for (int64_t r = 0; r < nrows; ++r) {  // this kv head's query vectors, [row][member]
@@ -667,6 +686,11 @@ RS_TARGET_AVX512BF16 void run_item_dp(const Problem& P, const Item& it, const BF
     float* sh = scores.data() + h * per_head * len;
     for (int64_t j0 = 0; j0 < len; j0 += kDpKeys) {
       const int64_t nb = std::min(kDpKeys, len - j0);
+      if (h == 0) {  // K one block ahead; after the last, V's first block
+        const bool last = j0 + kDpKeys >= len;
+        prefetch_key_rows(kv, pages, ps, page_stride, row_len, it.k0 + (last ? 0 : j0 + kDpKeys),
+                          std::min(kDpKeys, last ? len : len - j0 - kDpKeys), last ? 1 : 0);
+      }
       for (int64_t j = 0; j < kDpKeys; ++j) {
         if (j < nb) {
           const BF16* k = key_row(j0 + j, 0, h);
@@ -694,6 +718,9 @@ RS_TARGET_AVX512BF16 void run_item_dp(const Problem& P, const Item& it, const BF
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   for (int64_t h = 0; h < KVH; ++h) {
     for (int64_t kp = 0; kp < np2; ++kp) {
+      if (h == 0 && kp % 16 == 0)
+        prefetch_key_rows(kv, pages, ps, page_stride, row_len, it.k0 + 2 * kp + kDpKeys,
+                          std::min(kDpKeys, len - 2 * kp - kDpKeys), 1);
       const BF16* a = key_row(2 * kp, 1, h);
       const bool partner = 2 * kp + 1 < len;
       const BF16* b = partner ? key_row(2 * kp + 1, 1, h) : a;
