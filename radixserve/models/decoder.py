@@ -31,6 +31,7 @@ from radixserve.models.checkpoint import checkpoint_sources
 from radixserve.models.config import ModelConfig
 from radixserve.models.hybrid import HybridDecoderLayer
 from radixserve.models.moe import SparseMoeBlock
+from radixserve.models.nemotron_h import NemotronHLayer
 from radixserve.models.rope import RotaryEmbedding
 from radixserve.models.sharding import Shard, check_tp, shard_sources, vocab_shard
 from radixserve.models.weights import WeightReader, as_reader
@@ -143,7 +144,9 @@ class CausalLM(nn.Module):
         start, rows = vocab_shard(cfg.vocab_size, self.shard)
         with torch.device("meta"):
             self.embed_tokens = VocabParallelEmbedding(rows, cfg.hidden_size, start, comm)
-            if cfg.hybrid:
+            if cfg.family == "nemotron_h":
+                layers = [NemotronHLayer(cfg, i) for i in range(cfg.num_layers)]
+            elif cfg.hybrid:
                 layers = [HybridDecoderLayer(cfg, i) for i in range(cfg.num_layers)]
             else:
                 layer_type = SandwichDecoderLayer if cfg.sandwich_norms else DecoderLayer
