@@ -30,8 +30,8 @@ from radixserve.layers.attention import LayerAttention
 from radixserve.layers.linear import Linear
 from radixserve.layers.recurrent import LayerStates, run_segments
 from radixserve.models import gated_delta
-from radixserve.models.causal_conv import causal_conv, conv_step
 from radixserve.models.blocks import MLP, Attention, compute_dtype, rms_norm
+from radixserve.models.causal_conv import causal_conv, conv_step
 from radixserve.models.config import ModelConfig
 from radixserve.models.rope import apply_rotary
 
