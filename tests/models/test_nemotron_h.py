@@ -168,6 +168,23 @@ def test_engine_greedy_and_shared_prefix(nemotron_dir, hf_tokens, page_size):
     eng.check_idle()
 
 
+def test_snapshot_in_the_middle_of_a_chunk(nemotron_dir):
+    """Page size 1, 16-token chunks: the first prompt takes the whole budget and saves
+    its state where the other two part from it, 40 tokens in (inside its third chunk,
+    so the scan runs in two pieces around the save); both hit all 40. Tokens equal the
+    cache-off engine's."""
+    rng = np.random.default_rng(8)
+    shared = rng.integers(4, 512, 40).tolist()
+    prompts = [shared + rng.integers(4, 512, n).tolist() for n in (9, 4, 13)]
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    eng = Engine(str(nemotron_dir), dtype="float64", num_pages=512, chunked_prefill_size=16)
+    cold = Engine(str(nemotron_dir), dtype="float64", num_pages=512, cache="none")
+    got = eng.generate(prompts, sp)
+    assert [r.token_ids for r in got] == [r.token_ids for r in cold.generate(prompts, sp)]
+    assert [r.usage.cached_tokens for r in got] == [0, 40, 40]
+    eng.check_idle()
+
+
 def test_retraction_under_kv_pressure(nemotron_dir, hf_tokens):
     """A pool too small for six requests' decodes: some are retracted and readmitted
     (restoring the snapshots their release left), and every output still equals
