@@ -20,8 +20,9 @@ and for stacked experts one group per expert. What differs per family:
   ``save_pretrained`` write; a ``model.`` layout is renamed): ``embeddings``,
   ``norm_f``; per layer ``norm`` and
   one ``mixer``: Mamba-2 (``in_proj``, ``conv1d.weight``/``bias``, ``A_log``, ``D``,
-  ``dt_bias``, ``norm.weight``, ``out_proj``), attention (``q/k/v/o_proj``) or MLP
-  (``up_proj``, ``down_proj``).
+  ``dt_bias``, ``norm.weight``, ``out_proj``), attention (``q/k/v/o_proj``), MLP
+  (``up_proj``, ``down_proj``) or MoE (``gate.weight``, ``gate.e_score_correction_bias``,
+  ``experts.{e}.up_proj/down_proj``, ``shared_experts.up_proj/down_proj``).
 - Gemma 2/3: Llama's names plus ``pre_feedforward_layernorm`` and
   ``post_feedforward_layernorm`` per layer (``post_attention_layernorm`` is the norm of
   the attention output there); Gemma 3 adds ``q_norm``/``k_norm``. Multimodal Gemma 3
@@ -125,6 +126,19 @@ def _nemotron_h(cfg: ModelConfig) -> Sources:
             if m.conv_bias:
                 names["conv_bias"] = "conv1d.bias"
             biases = ("in_proj", "out_proj") if m.bias else ()
+        elif kind == "moe":
+            assert cfg.moe is not None
+            experts = [f"{hf}experts.{e}." for e in range(cfg.moe.num_experts)]
+            out[ours + "experts.gate_up"] = [(e + "up_proj.weight",) for e in experts]
+            out[ours + "experts.down"] = [(e + "down_proj.weight",) for e in experts]
+            names = {"router.weight": "gate.weight",
+                     "router.bias": "gate.e_score_correction_bias",
+                     "shared.up_proj.weight": "shared_experts.up_proj.weight",
+                     "shared.down_proj.weight": "shared_experts.down_proj.weight"}  # fmt: skip
+            biases = ()
+            if cfg.mlp_bias:
+                names.update({f"shared.{b}.bias": f"shared_experts.{b}.bias"
+                              for b in ("up_proj", "down_proj")})  # fmt: skip
         else:  # mlp
             names = {"up_proj.weight": "up_proj.weight", "down_proj.weight": "down_proj.weight"}
             biases = ("up_proj", "down_proj") if cfg.mlp_bias else ()

@@ -63,6 +63,12 @@ class MoEConfig:
     sum (Mixtral always; Qwen3-MoE when ``norm_topk_prob``). ``sparse_layers[i]``
     says whether layer i has the MoE block (else a dense MLP of the model's
     ``intermediate_size``).
+
+    Nemotron-H's (``n_group`` > 0): sigmoid scores, experts chosen by score plus a
+    per-expert correction bias among the ``topk_group`` best of ``n_group`` groups
+    (a group's worth: its two best), weights the chosen scores (renormalised when
+    ``renormalize``) times ``scaling``; squared-ReLU experts without a gate, plus a
+    shared expert of ``shared_intermediate_size``.
     """
 
     num_experts: int
@@ -70,6 +76,10 @@ class MoEConfig:
     intermediate_size: int
     renormalize: bool
     sparse_layers: tuple[bool, ...]
+    n_group: int = 0
+    topk_group: int = 0
+    scaling: float = 1.0
+    shared_intermediate_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -317,7 +327,7 @@ class ModelConfig:
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "qwen3_5"),
             rotary_dim=rotary_dim,
             **_longrope(rope, rope_type, rotary_dim, max_pos, original_max),
-            moe=_moe(hf, family),
+            **({} if family == "nemotron_h" else {"moe": _moe(hf, family)}),
             **(_gemma(hf, family, head_dim, local_theta) if gemma else {}),
             **(_hybrid(hf, family) if family == "qwen3_5" else {}),
             **(_nemotron_h(hf) if family == "nemotron_h" else {}),
@@ -397,16 +407,15 @@ def _hybrid(hf: Any, family: str) -> dict[str, Any]:
 #: Nemotron-H's layer types (transformers 5's ``layers_block_type`` names; older configs
 #: spell them as ``hybrid_override_pattern`` characters M, *, -, E) -> ours.
 _NEMOTRON_H_LAYERS = {"linear_attention": "mamba", "full_attention": "full_attention",
-                      "mlp": "mlp", "M": "mamba", "*": "full_attention", "-": "mlp"}  # fmt: skip
+                      "mlp": "mlp", "moe": "moe", "M": "mamba", "*": "full_attention",
+                      "-": "mlp", "E": "moe"}  # fmt: skip
 
 
 def _nemotron_h(hf: Any) -> dict[str, Any]:
-    """Nemotron-H's fields: one mixer per layer (Mamba-2, attention without rotary, or a
-    squared-ReLU MLP), the Mamba-2 shape. Mixture-of-experts layers, sliding windows
-    and other activations are refused."""
+    """Nemotron-H's fields: one mixer per layer (Mamba-2, attention without rotary, a
+    squared-ReLU MLP or mixture of experts), the Mamba-2 shape, the experts'. Latent
+    expert projections, sliding windows and other activations are refused."""
     blocks = getattr(hf, "layers_block_type", None) or list(hf.hybrid_override_pattern)
-    if "moe" in blocks or "E" in blocks:
-        raise ValueError("Nemotron-H mixture-of-experts layers ('moe') are not supported")
     unknown = sorted(set(blocks) - set(_NEMOTRON_H_LAYERS))
     if unknown:
         raise ValueError(f"unsupported Nemotron-H layer types {unknown}")
@@ -438,7 +447,33 @@ def _nemotron_h(hf: Any) -> dict[str, Any]:
         raise ValueError(f"conv_kernel must be >= 2, got {mamba.conv_kernel}")
     if not 0.0 <= lo <= hi:
         raise ValueError(f"bad time_step_limit {(lo, hi)}")
-    return dict(layer_types=types, mamba=mamba, activation="relu2")
+    moe = None
+    if "moe" in types:
+        moe = _nemotron_h_moe(hf, types)
+    return dict(layer_types=types, mamba=mamba, activation="relu2", moe=moe)
+
+
+def _nemotron_h_moe(hf: Any, types: tuple[str, ...]) -> MoEConfig:
+    if getattr(hf, "moe_latent_size", None) is not None:
+        raise ValueError("Nemotron-H latent expert projections (moe_latent_size) are not supported")
+    moe = MoEConfig(
+        num_experts=int(hf.n_routed_experts),
+        top_k=int(hf.num_experts_per_tok),
+        intermediate_size=int(hf.moe_intermediate_size),
+        renormalize=bool(hf.norm_topk_prob),
+        sparse_layers=tuple(t == "moe" for t in types),
+        n_group=int(hf.n_group),
+        topk_group=int(hf.topk_group),
+        scaling=float(hf.routed_scaling_factor),
+        shared_intermediate_size=int(hf.moe_shared_expert_intermediate_size),
+    )
+    if moe.num_experts % moe.n_group or moe.num_experts // moe.n_group < 2:
+        raise ValueError(
+            f"n_routed_experts {moe.num_experts} must be n_group {moe.n_group} groups of >= 2"
+        )
+    if not 0 < moe.topk_group <= moe.n_group or not 0 < moe.top_k <= moe.num_experts:
+        raise ValueError(f"bad expert choice: top {moe.top_k} in {moe.topk_group} groups")
+    return moe
 
 
 def _longrope(

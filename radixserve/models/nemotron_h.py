@@ -17,6 +17,8 @@ one of (``ModelConfig.layer_types``):
   order comes from the Mamba layers). Its K/V go to the KV pool, which holds the
   attention layers only (``ModelConfig.kv_layer``).
 - ``mlp``: ``SquaredReluMLP``, ``down(relu(up(x))^2)`` (no gate).
+- ``moe``: ``NemotronHMoE``, squared-ReLU experts chosen by ``moe.py``'s grouped
+  sigmoid router, plus a shared expert.
 
 The recurrent part (time step, decay, scan, gated norm) runs in float32 for half
 dtypes and in the model dtype otherwise (``compute_dtype``).
@@ -35,6 +37,7 @@ from radixserve.models import mamba2
 from radixserve.models.blocks import Attention, compute_dtype, rms_norm
 from radixserve.models.causal_conv import causal_conv, conv_step
 from radixserve.models.config import ModelConfig
+from radixserve.models.moe import Experts, GroupedSigmoidRouter
 
 
 class NoRopeAttention(Attention):
@@ -53,15 +56,32 @@ class NoRopeAttention(Attention):
 
 
 class SquaredReluMLP(nn.Module):
-    """``down_proj(relu(up_proj(x)) ** 2)``."""
+    """``down_proj(relu(up_proj(x)) ** 2)``, of ``intermediate`` features (default the
+    model's ``intermediate_size``)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate: int = 0) -> None:
         super().__init__()
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        inner = intermediate or cfg.intermediate_size
+        self.up_proj = Linear(cfg.hidden_size, inner, bias=cfg.mlp_bias)
+        self.down_proj = Linear(inner, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
+class NemotronHMoE(nn.Module):
+    """Routed squared-ReLU experts (``moe.py``: grouped sigmoid routing) plus a shared
+    expert every token goes through."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        assert cfg.moe is not None
+        self.router = GroupedSigmoidRouter(cfg.moe, cfg.hidden_size)
+        self.experts = Experts(cfg.moe, cfg.hidden_size, gated=False)
+        self.shared = SquaredReluMLP(cfg, cfg.moe.shared_intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, *self.router(x)) + self.shared(x)
 
 
 class GroupGatedRMSNorm(nn.Module):
@@ -144,7 +164,7 @@ class Mamba2Mixer(nn.Module):
 
 
 class NemotronHLayer(nn.Module):
-    """``x + mixer(norm(x))`` with a Mamba-2, attention or MLP mixer
+    """``x + mixer(norm(x))`` with a Mamba-2, attention, MLP or MoE mixer
     (``ModelConfig.layer_types``)."""
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
@@ -156,6 +176,8 @@ class NemotronHLayer(nn.Module):
             self.mixer = Mamba2Mixer(cfg, cfg.recurrent_index(layer))
         elif self.kind == "full_attention":
             self.mixer = NoRopeAttention(cfg, cfg.kv_layer(layer))
+        elif self.kind == "moe":
+            self.mixer = NemotronHMoE(cfg)
         else:
             self.mixer = SquaredReluMLP(cfg)
 

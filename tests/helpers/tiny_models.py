@@ -101,12 +101,16 @@ FAMILY_DIMS: dict[str, dict[str, object]] = {
     "qwen3_5": {"head_dim": 16, "num_hidden_layers": 4, "linear_num_key_heads": 2,
                 "linear_num_value_heads": 4, "linear_key_head_dim": 16,
                 "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4},
-    # Hybrid: Mamba-2 layers (8 heads of 8 in 2 groups, state 16), squared-ReLU MLPs and
-    # one attention layer (no rotary), as Nemotron-H's pattern; transformers' own scan
+    # Hybrid: Mamba-2 layers (8 heads of 8 in 2 groups, state 16), a squared-ReLU MLP,
+    # one attention layer (no rotary) and one MoE layer (8 experts in 2 groups, top 2 of
+    # the best group, shared expert), as Nemotron-H's patterns; transformers' own scan
     # chunk (8) is shorter than the prompts, so its chunked path is what is compared.
-    "nemotron_h": {"head_dim": 16, "num_hidden_layers": 6, "hybrid_override_pattern": "M-M*-M", "mamba_num_heads": 8,
-                   "mamba_head_dim": 8, "n_groups": 2, "ssm_state_size": 16,
-                   "conv_kernel": 4, "chunk_size": 8, "layer_norm_epsilon": 1e-5},
+    "nemotron_h": {"head_dim": 16, "num_hidden_layers": 6, "hybrid_override_pattern": "M-M*EM",
+                   "mamba_num_heads": 8, "mamba_head_dim": 8, "n_groups": 2,
+                   "ssm_state_size": 16, "conv_kernel": 4, "chunk_size": 8,
+                   "layer_norm_epsilon": 1e-5, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 48,
+                   "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5},
 }  # fmt: skip
 
 
@@ -167,6 +171,9 @@ def make_tiny_model(
                 p.copy_(torch.empty_like(p).uniform_(0.005, 0.05).log())
             elif name.endswith("dt_bias"):
                 p.normal_(-1.0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a buffer: choices it decides
+                b.normal_(0.0, 0.1)
     model.save_pretrained(folder)
     if not tokenizer:
         return folder
@@ -281,8 +288,8 @@ def _as_float64(mod, qualname: str):
 
 def _patch_nemotron_h(module: torch.nn.Module, name: str) -> None:
     """Nemotron-H in float64: transformers computes its norms, the gated norm, the
-    Mamba-2 decay (``A_log.float()``), its scans and the logits (``.float()``) in
-    float32; the mixer's and the model's forwards and the module's scan functions are
+    Mamba-2 decay (``A_log.float()``), its scans, the expert routing and the logits
+    (``.float()``) in float32; the mixer's and the model's forwards and the module's scan functions are
     recompiled from transformers' own source with those casts float64 ones."""
     mod = sys.modules[type(module).__module__]
     if not getattr(mod, "_float64", False):
@@ -290,7 +297,7 @@ def _patch_nemotron_h(module: torch.nn.Module, name: str) -> None:
             setattr(mod, fn, _as_float64(mod, fn))
         mod._float64 = True
     if name in ("NemotronHRMSNorm", "NemotronHRMSNormGated", "NemotronHMamba2Mixer",
-                "NemotronHForCausalLM"):  # fmt: skip
+                "NemotronHTopkRouter", "NemotronHForCausalLM"):  # fmt: skip
         forward = _as_float64(mod, f"{name}.forward")
         module.forward = types.MethodType(forward, module)
 

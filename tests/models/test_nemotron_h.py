@@ -105,12 +105,16 @@ def test_conv_with_bias_carries_its_state():
 def test_config_fields():
     cfg = ModelConfig.from_hf(tiny_config("nemotron_h"))
     assert cfg.family == "nemotron_h" and cfg.hybrid and cfg.activation == "relu2"
-    assert cfg.layer_types == ("mamba", "mlp", "mamba", "full_attention", "mlp", "mamba")
+    assert cfg.layer_types == ("mamba", "mlp", "mamba", "full_attention", "moe", "mamba")
     assert cfg.recurrent_layers == (0, 2, 5) and cfg.kv_layers == (3,)
     assert cfg.kv_layer(3) == 0 and cfg.recurrent_index(5) == 2
     assert cfg.mamba is not None and cfg.mamba.conv_dim == 8 * 8 + 2 * 2 * 16
     assert cfg.state_shapes == ((128, 3), (8, 8, 16))
     assert not cfg.qkv_bias and not cfg.qk_norm and cfg.rms_norm_eps == 1e-5
+    moe = cfg.moe
+    assert moe is not None and moe.sparse_layers == (False,) * 4 + (True, False)
+    assert (moe.num_experts, moe.top_k, moe.n_group, moe.topk_group) == (8, 2, 2, 1)
+    assert moe.scaling == 2.5 and moe.shared_intermediate_size == 48 and moe.renormalize
 
 
 def test_logits_match_transformers(nemotron_dir):
@@ -218,7 +222,8 @@ def test_bad_checkpoints_are_refused(tmp_path):
         ModelRunner(WorkerConfig(model=str(folder), dtype="float64", num_pages=16, warmup=False))
     config = json.loads((folder / "config.json").read_text())
     for key, value, message in (
-        ("layers_block_type", ["linear_attention", "moe", "full_attention"], "mixture-of-experts"),
+        ("moe_latent_size", 16, "moe_latent_size"),
+        ("n_group", 3, "must be n_group 3 groups"),
         ("layers_block_type", ["linear_attention", "mlp"], "without an attention layer"),
         ("n_groups", 3, "not a multiple of n_groups"),
         ("mlp_hidden_act", "silu", "mlp_hidden_act"),
