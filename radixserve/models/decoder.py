@@ -27,7 +27,7 @@ from radixserve.layers.lora import LoraBatch, LoraLayer
 from radixserve.layers.parallel import SINGLE, Comm, ParallelLMHead, VocabParallelEmbedding
 from radixserve.layers.recurrent import LayerStates
 from radixserve.models import decode_step
-from radixserve.models.blocks import MLP, Attention, rms_norm, softcap
+from radixserve.models.blocks import MLP, Attention, compute_dtype, rms_norm, softcap
 from radixserve.models.checkpoint import checkpoint_sources
 from radixserve.models.config import ModelConfig
 from radixserve.models.hybrid import HybridDecoderLayer
@@ -157,6 +157,9 @@ class CausalLM(nn.Module):
             self.lm_head = ParallelLMHead(cfg.hidden_size, rows, cfg.vocab_size, comm)
         self.to_empty(device=device)
         self.to(dtype=dtype)
+        for module in self.modules():  # e.g. routers transformers keeps in float32
+            if getattr(module, "KEEP_WIDE", False):
+                module.to(dtype=compute_dtype(dtype))
         # Gemma scales embeddings by sqrt(hidden) rounded to the model dtype, as transformers.
         self.embed_scale = (
             torch.tensor(cfg.embed_scale, dtype=dtype, device=device)

@@ -58,7 +58,10 @@ class Router(nn.Module):
 
 class GroupedSigmoidRouter(nn.Module):
     """Nemotron-H's expert choice (module docstring): ``weight`` [num_experts, hidden],
-    ``bias`` [num_experts] (the checkpoint's ``e_score_correction_bias``)."""
+    ``bias`` [num_experts] (the checkpoint's ``e_score_correction_bias``), held in
+    float32 in a half model (``KEEP_WIDE``), as transformers holds them."""
+
+    KEEP_WIDE = True  # CausalLM keeps this module's parameters in compute_dtype
 
     def __init__(self, moe: MoEConfig, hidden_size: int) -> None:
         super().__init__()

@@ -117,6 +117,31 @@ def test_config_fields():
     assert moe.scaling == 2.5 and moe.shared_intermediate_size == 48 and moe.renormalize
 
 
+def test_router_picks_what_transformers_picks():
+    """Nemotron-H's grouped sigmoid router (float32 weights, as transformers keeps them)
+    on bfloat16 and float32 inputs: the same experts with the same weights, bit for bit."""
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHTopkRouter
+
+    from radixserve.models.moe import GroupedSigmoidRouter
+
+    hf_cfg = tiny_config("nemotron_h")
+    cfg = ModelConfig.from_hf(hf_cfg)
+    assert cfg.moe is not None
+    hf = NemotronHTopkRouter(hf_cfg)
+    ours = GroupedSigmoidRouter(cfg.moe, cfg.hidden_size)
+    g = torch.Generator().manual_seed(2)
+    for p in (hf.weight, hf.e_score_correction_bias):
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    ours.weight.data.copy_(hf.weight)
+    ours.bias.data.copy_(hf.e_score_correction_bias)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(61, cfg.hidden_size, generator=g).to(dtype)
+        with torch.no_grad():
+            _, hf_weights, hf_experts = hf(x)
+            weights, experts = ours(x)
+        assert torch.equal(experts, hf_experts) and torch.equal(weights, hf_weights)
+
+
 def test_logits_match_transformers(nemotron_dir):
     """A prompt in three chunks (the states carried by the worker's state pool), then
     decode steps: logits within 1e-9 of transformers' float64 forward over the whole
