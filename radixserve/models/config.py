@@ -189,7 +189,8 @@ class ModelConfig:
     final_softcap: float = 0.0
     rope_local_theta: float = 0.0
     # Hybrids, per layer: "full_attention" | "linear_attention" (Qwen3.5), "full_attention"
-    # | "mamba" | "mlp" (Nemotron-H: one mixer per layer, "mlp" layers have no token mixer).
+    # | "mamba" | "mlp" | "moe" (Nemotron-H: one mixer per layer; "mlp" and "moe" layers have
+    # no token mixer).
     layer_types: tuple[str, ...] = ()
     linear: LinearAttentionConfig | None = None
     attn_output_gate: bool = False
@@ -327,7 +328,7 @@ class ModelConfig:
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "qwen3_5"),
             rotary_dim=rotary_dim,
             **_longrope(rope, rope_type, rotary_dim, max_pos, original_max),
-            **({} if family == "nemotron_h" else {"moe": _moe(hf, family)}),
+            moe=_moe(hf, family),
             **(_gemma(hf, family, head_dim, local_theta) if gemma else {}),
             **(_hybrid(hf, family) if family == "qwen3_5" else {}),
             **(_nemotron_h(hf) if family == "nemotron_h" else {}),
@@ -415,11 +416,7 @@ def _nemotron_h(hf: Any) -> dict[str, Any]:
     """Nemotron-H's fields: one mixer per layer (Mamba-2, attention without rotary, a
     squared-ReLU MLP or mixture of experts), the Mamba-2 shape, the experts'. Latent
     expert projections, sliding windows and other activations are refused."""
-    blocks = getattr(hf, "layers_block_type", None) or list(hf.hybrid_override_pattern)
-    unknown = sorted(set(blocks) - set(_NEMOTRON_H_LAYERS))
-    if unknown:
-        raise ValueError(f"unsupported Nemotron-H layer types {unknown}")
-    types = tuple(_NEMOTRON_H_LAYERS[b] for b in blocks)
+    types = _nemotron_h_types(hf)
     if "full_attention" not in types:
         raise ValueError("nemotron_h without an attention layer is not supported")
     for field, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
@@ -447,13 +444,23 @@ def _nemotron_h(hf: Any) -> dict[str, Any]:
         raise ValueError(f"conv_kernel must be >= 2, got {mamba.conv_kernel}")
     if not 0.0 <= lo <= hi:
         raise ValueError(f"bad time_step_limit {(lo, hi)}")
-    moe = None
-    if "moe" in types:
-        moe = _nemotron_h_moe(hf, types)
-    return dict(layer_types=types, mamba=mamba, activation="relu2", moe=moe)
+    return dict(layer_types=types, mamba=mamba, activation="relu2")
 
 
-def _nemotron_h_moe(hf: Any, types: tuple[str, ...]) -> MoEConfig:
+def _nemotron_h_types(hf: Any) -> tuple[str, ...]:
+    """Nemotron-H's layer types, ours (``_NEMOTRON_H_LAYERS``)."""
+    blocks = getattr(hf, "layers_block_type", None) or list(hf.hybrid_override_pattern)
+    unknown = sorted(set(blocks) - set(_NEMOTRON_H_LAYERS))
+    if unknown:
+        raise ValueError(f"unsupported Nemotron-H layer types {unknown}")
+    return tuple(_NEMOTRON_H_LAYERS[b] for b in blocks)
+
+
+def _nemotron_h_moe(hf: Any) -> MoEConfig | None:
+    """Nemotron-H's experts (``MoEConfig``'s docstring), None without MoE layers."""
+    types = _nemotron_h_types(hf)
+    if "moe" not in types:
+        return None
     if getattr(hf, "moe_latent_size", None) is not None:
         raise ValueError("Nemotron-H latent expert projections (moe_latent_size) are not supported")
     moe = MoEConfig(
@@ -467,7 +474,7 @@ def _nemotron_h_moe(hf: Any, types: tuple[str, ...]) -> MoEConfig:
         scaling=float(hf.routed_scaling_factor),
         shared_intermediate_size=int(hf.moe_shared_expert_intermediate_size),
     )
-    if moe.num_experts % moe.n_group or moe.num_experts // moe.n_group < 2:
+    if moe.n_group < 1 or moe.num_experts % moe.n_group or moe.num_experts // moe.n_group < 2:
         raise ValueError(
             f"n_routed_experts {moe.num_experts} must be n_group {moe.n_group} groups of >= 2"
         )
@@ -513,6 +520,8 @@ def _biases(hf: Any, family: str) -> tuple[bool, bool, bool]:
 
 
 def _moe(hf: Any, family: str) -> MoEConfig | None:
+    if family == "nemotron_h":
+        return _nemotron_h_moe(hf)
     n = hf.num_hidden_layers
     if family == "mixtral":
         num = int(hf.num_local_experts)
