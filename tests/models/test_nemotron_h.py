@@ -214,6 +214,26 @@ def test_snapshot_in_the_middle_of_a_chunk(nemotron_dir):
     eng.check_idle()
 
 
+def test_multi_turn_resumes_from_the_last_turn(nemotron_dir):
+    """Each turn sends the whole conversation so far: it hits everything the last turn
+    computed in whole pages (the snapshot its release saved), and its tokens equal the
+    cache-off engine's."""
+    rng = np.random.default_rng(6)
+    convs = [rng.integers(4, 512, n).tolist() for n in (21, 30)]
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    eng = Engine(str(nemotron_dir), dtype="float64", page_size=4, num_pages=512,
+                 chunked_prefill_size=16)  # fmt: skip
+    cold = Engine(str(nemotron_dir), dtype="float64", page_size=4, num_pages=512, cache="none")
+    computed = [0, 0]
+    for _ in range(3):
+        got = eng.generate(convs, sp)
+        assert [r.token_ids for r in got] == [r.token_ids for r in cold.generate(convs, sp)]
+        assert [r.usage.cached_tokens for r in got] == [c - c % 4 for c in computed]
+        computed = [len(c) + len(r.token_ids) - 1 for c, r in zip(convs, got, strict=True)]
+        convs = [c + r.token_ids + rng.integers(4, 512, 5).tolist() for c, r in zip(convs, got)]
+    eng.check_idle()
+
+
 def test_retraction_under_kv_pressure(nemotron_dir, hf_tokens):
     """A pool too small for six requests' decodes: some are retracted and readmitted
     (restoring the snapshots their release left), and every output still equals
@@ -228,6 +248,22 @@ def test_retraction_under_kv_pressure(nemotron_dir, hf_tokens):
     stats = eng.stats()
     assert stats["preemptions"] > 0 and stats["hit_tokens"] > 0
     eng.check_idle()
+
+
+def test_model_layout_is_read_as_backbone(tmp_path, nemotron_dir):
+    """A checkpoint under ``model.`` (not the Hub's ``backbone.``) loads the same weights."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "renamed"
+    folder.mkdir()
+    (folder / "config.json").write_text((nemotron_dir / "config.json").read_text())
+    weights = load_file(str(nemotron_dir / "model.safetensors"))
+    save_file({k.replace("backbone.", "model.", 1): v for k, v in weights.items()},
+              str(folder / "model.safetensors"))  # fmt: skip
+    runners = [ModelRunner(WorkerConfig(model=str(f), dtype="float64", num_pages=16,
+                                        warmup=False)) for f in (nemotron_dir, folder)]  # fmt: skip
+    a, b = (dict(r.model.named_parameters()) for r in runners)
+    assert all(torch.equal(a[n], b[n]) for n in a)
 
 
 def test_bad_checkpoints_are_refused(tmp_path):
