@@ -36,11 +36,15 @@ def recurrent_step(
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of each of R requests: ``x`` [R, H, P], ``dt`` [R, H], ``A`` [H], ``B``
-    / ``C`` [R, H, N] (each head's group's), ``state`` [R, H, P, N] -> output [R, H, P],
-    new state."""
+    / ``C`` [R, G, N] (G groups of H / G consecutive heads), ``state`` [R, H, P, N] ->
+    output [R, H, P], new state."""
+    r, h, p = x.shape
+    g, n = B.shape[1:]
     decay = (dt * A).exp()[..., None, None]
-    s = state * decay + (dt[..., None] * x)[..., :, None] * B[..., None, :]
-    return (s @ C[..., None])[..., 0], s
+    dtx = (dt[..., None] * x).view(r, g, h // g, p, 1)
+    s = state * decay + (dtx * B[:, :, None, None, :]).view(r, h, p, n)
+    y = s.view(r, g, h // g, p, n) @ C[:, :, None, :, None]
+    return y.view(r, h, p), s
 
 
 def chunked(
@@ -53,23 +57,27 @@ def chunked(
     chunk: int = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows of one request: ``x`` [n, H, P], ``dt`` [n, H], ``A`` [H], ``B`` / ``C``
-    [n, H, N], ``state`` [H, P, N] (the state before the first row) -> output [n, H, P],
-    the state after the last row (see the module docstring)."""
-    n = x.shape[0]
-    x, B, C = (t.transpose(0, 1) for t in (x, B, C))  # [H, n, *]
-    a = (dt * A).t()  # [H, n]
-    dtx = x * dt.t()[..., None]
-    out = torch.empty_like(x)
-    s = state
+    [n, G, N] (G groups of H / G consecutive heads), ``state`` [H, P, N] (the state
+    before the first row) -> output [n, H, P], the state after the last row (see the
+    module docstring). ``C B^T`` is taken once per group, not per head."""
+    n, h, p = x.shape
+    g, size_n = B.shape[1:]
+    rep = h // g
+    # Heads as [G, rep]: a group's B and C broadcast over its heads.
+    B, C = B.transpose(0, 1)[:, None], C.transpose(0, 1)[:, None]  # [G, 1, n, N]
+    a = (dt * A).t().reshape(g, rep, n)
+    dtx = (x * dt[..., None]).permute(1, 0, 2).reshape(g, rep, n, p)
+    out = torch.empty(g, rep, n, p, dtype=x.dtype, device=x.device)
+    s = state.view(g, rep, p, size_n)
     for lo in range(0, n, chunk):
         hi = min(n, lo + chunk)
-        xc, bc, cc = dtx[:, lo:hi], B[:, lo:hi], C[:, lo:hi]
-        cum = a[:, lo:hi].cumsum(-1)  # G [H, L]
+        xc, bc, cc = dtx[:, :, lo:hi], B[:, :, lo:hi], C[:, :, lo:hi]
+        cum = a[:, :, lo:hi].cumsum(-1)  # G [G, rep, L]
         size = hi - lo
         lower = torch.ones(size, size, dtype=torch.bool, device=x.device).tril()
-        decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~lower, float("-inf")).exp()
+        decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()
         scores = (cc @ bc.transpose(-1, -2)) * decay  # exp(G_i - G_j) (C_i . B_j), j <= i
-        out[:, lo:hi] = cum.exp()[..., None] * (cc @ s.transpose(-1, -2)) + scores @ xc
-        tail = (cum[:, -1:] - cum).exp()[..., None]  # exp(G_L - G_j)
-        s = cum[:, -1].exp()[:, None, None] * s + (xc * tail).transpose(-1, -2) @ bc
-    return out.transpose(0, 1), s
+        out[:, :, lo:hi] = cum.exp()[..., None] * (cc @ s.transpose(-1, -2)) + scores @ xc
+        tail = (cum[..., -1:] - cum).exp()[..., None]  # exp(G_L - G_j)
+        s = cum[..., -1].exp()[..., None, None] * s + (xc * tail).transpose(-1, -2) @ bc
+    return out.reshape(h, n, p).transpose(0, 1), s.reshape(h, p, size_n)

@@ -152,15 +152,13 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(o)
 
     def _split(self, mixed: torch.Tensor, wide: torch.dtype):
-        """The convolved rows [n, conv_dim] as x [n, heads, head_dim] and each head's
-        group's B and C [n, heads, state_size], in ``wide``."""
+        """The convolved rows [n, conv_dim] as x [n, heads, head_dim] and the groups'
+        B and C [n, n_groups, state_size], in ``wide``."""
         n = mixed.shape[0]
         gs = self.groups * self.state_size
         xs, B, C = mixed.to(wide).split((self.heads * self.head_dim, gs, gs), dim=-1)
-        rep = self.heads // self.groups  # each group serves consecutive heads
-        B = B.reshape(n, self.groups, self.state_size).repeat_interleave(rep, dim=1)
-        C = C.reshape(n, self.groups, self.state_size).repeat_interleave(rep, dim=1)
-        return xs.reshape(n, self.heads, self.head_dim), B, C
+        shape = (n, self.groups, self.state_size)
+        return xs.reshape(n, self.heads, self.head_dim), B.reshape(shape), C.reshape(shape)
 
 
 class NemotronHLayer(nn.Module):

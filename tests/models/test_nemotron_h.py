@@ -58,29 +58,38 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 
 def test_chunked_scan_equals_the_recurrence():
-    """Any split of a sequence into chunked pieces (state carried between them) gives the
-    outputs and final state of the token-by-token recurrence, to float64 rounding."""
+    """The one-step form and any split of a sequence into chunked pieces (state carried
+    between them) give the outputs and final state of the recurrence written head by
+    head (heads sharing their group's B and C), to float64 rounding."""
     rng = torch.Generator().manual_seed(0)
-    n, h, p, s = 70, 3, 4, 5
+    n, h, g, p, s = 70, 6, 2, 4, 5
     x = torch.randn(n, h, p, generator=rng, dtype=torch.float64)
     dt = torch.rand(n, h, generator=rng, dtype=torch.float64) * 0.5
     A = -torch.rand(h, generator=rng, dtype=torch.float64) * 3
-    B = torch.randn(n, h, s, generator=rng, dtype=torch.float64)
-    C = torch.randn(n, h, s, generator=rng, dtype=torch.float64)
+    B = torch.randn(n, g, s, generator=rng, dtype=torch.float64)
+    C = torch.randn(n, g, s, generator=rng, dtype=torch.float64)
     s0 = torch.randn(h, p, s, generator=rng, dtype=torch.float64)
-    want, st = [], s0[None]
+    # The recurrence by its definition, head by head (head i reads group i // 3's B, C).
+    st, want = s0.clone(), torch.empty(n, h, p, dtype=torch.float64)
     for t in range(n):
-        o, st = mamba2.recurrent_step(x[t : t + 1], dt[t : t + 1], A, B[t : t + 1],
-                                      C[t : t + 1], st)  # fmt: skip
-        want.append(o[0])
-    want = torch.stack(want)
+        for i in range(h):
+            a = (dt[t, i] * A[i]).exp()
+            st[i] = a * st[i] + dt[t, i] * x[t, i, :, None] * B[t, i // 3][None, :]
+            want[t, i] = st[i] @ C[t, i // 3]
+    steps, state = [], s0[None]
+    for t in range(n):
+        o, state = mamba2.recurrent_step(x[t : t + 1], dt[t : t + 1], A, B[t : t + 1],
+                                         C[t : t + 1], state)  # fmt: skip
+        steps.append(o[0])
+    torch.testing.assert_close(torch.stack(steps), want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(state[0], st, rtol=0, atol=1e-12)
     for cuts in ([], [1], [20, 32, 33], [16, 48], [69]):
         outs, state = [], s0
         for lo, hi in zip([0, *cuts], [*cuts, n], strict=True):
             o, state = mamba2.chunked(x[lo:hi], dt[lo:hi], A, B[lo:hi], C[lo:hi], state, chunk=16)
             outs.append(o)
         torch.testing.assert_close(torch.cat(outs), want, rtol=0, atol=1e-12)
-        torch.testing.assert_close(state, st[0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(state, st, rtol=0, atol=1e-12)
 
 
 def test_conv_with_bias_carries_its_state():
