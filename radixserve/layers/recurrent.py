@@ -1,9 +1,11 @@
-"""What a recurrent model layer needs of its state: ``LayerStates``.
+"""What a recurrent model layer needs of its state: ``LayerStates``, and
+``run_segments``, the walk over a step's requests every recurrent layer does.
 
-A hybrid model's recurrent layers (gated delta-net linear attention) carry, per
-request, a conv state (the last ``kernel - 1`` inputs of the causal convolution)
-and a recurrent state (the delta rule's ``[heads, key_dim, value_dim]`` matrix)
-from one step to the next, instead of per-token K/V. The worker keeps them in a
+A hybrid model's recurrent layers (gated delta-net linear attention, Mamba-2)
+carry, per request, a conv state (the last ``kernel - 1`` inputs of the causal
+convolution) and a recurrent state (the delta rule's ``[heads, key_dim,
+value_dim]`` matrix; Mamba-2's ``[heads, head_dim, state_size]``) from one step
+to the next, instead of per-token K/V. The worker keeps them in a
 state pool (``worker/state_pool.py``) and, for each step, hands the model an
 object of this protocol: which rows of the flat batch are which request's, the
 pool entry each request reads and updates, and where a copy of the state is to
@@ -13,6 +15,7 @@ only on this protocol, so ``models/`` imports nothing from ``worker/``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,6 +50,39 @@ class LayerStates(Protocol):
         ...
 
     def recurrent_state(self, layer: int) -> torch.Tensor:
-        """Recurrent layer ``layer``'s delta-rule states ``[entries, heads, key_dim,
-        value_dim]``, updated in place by the layer."""
+        """Recurrent layer ``layer``'s recurrent states ``[entries, ...]`` (the
+        model's ``ModelConfig.state_shapes``), updated in place by the layer."""
         ...
+
+
+def run_segments(
+    segments: list[StateSegment],
+    states: Sequence[torch.Tensor],
+    prefill: Callable[[int, int, int], None],
+    decode: Callable[[torch.Tensor], None],
+) -> None:
+    """Compute a recurrent layer's step over its requests' rows.
+
+    A decode step (one row per request, row i being ``segments[i]``'s) is one call
+    ``decode(entries)`` for all of them (the entries as a tensor, in row order).
+    Otherwise each request's rows ``[lo, hi)`` are one ``prefill(lo, hi, entry)``,
+    or two around its ``save_at`` row. Either way, where a segment asks for a
+    snapshot, every tensor of ``states`` (the layer's ``[entries, ...]`` state
+    tensors) has its ``save_entry`` row set to the ``entry`` row once the state
+    covers the rows up to ``save_at``. Both callbacks update the entries' states
+    in place."""
+    if all(s.hi - s.lo == 1 for s in segments):
+        decode(torch.tensor([s.entry for s in segments], device=states[0].device))
+        for s in segments:
+            if s.save_at:
+                for t in states:
+                    t[s.save_entry] = t[s.entry]
+        return
+    for s in segments:
+        cut = s.lo + s.save_at if s.save_at else s.hi
+        prefill(s.lo, cut, s.entry)
+        if s.save_at:
+            for t in states:
+                t[s.save_entry] = t[s.entry]
+        if cut < s.hi:
+            prefill(cut, s.hi, s.entry)

@@ -16,6 +16,13 @@ and for stacked experts one group per expert. What differs per family:
   and its output gate); linear-attention layers under ``linear_attn.``:
   ``in_proj_qkv``/``in_proj_z``/``in_proj_b``/``in_proj_a`` (one ``in_proj``),
   ``conv1d.weight``, ``A_log``, ``dt_bias``, ``norm.weight``, ``out_proj``.
+- Nemotron-H (hybrid), under ``backbone.`` (what the Hub checkpoints and
+  ``save_pretrained`` write; a ``model.`` layout is renamed): ``embeddings``,
+  ``norm_f``; per layer ``norm`` and
+  one ``mixer``: Mamba-2 (``in_proj``, ``conv1d.weight``/``bias``, ``A_log``, ``D``,
+  ``dt_bias``, ``norm.weight``, ``out_proj``), attention (``q/k/v/o_proj``), MLP
+  (``up_proj``, ``down_proj``) or MoE (``gate.weight``, ``gate.e_score_correction_bias``,
+  ``experts.{e}.up_proj/down_proj``, ``shared_experts.up_proj/down_proj``).
 - Gemma 2/3: Llama's names plus ``pre_feedforward_layernorm`` and
   ``post_feedforward_layernorm`` per layer (``post_attention_layernorm`` is the norm of
   the attention output there); Gemma 3 adds ``q_norm``/``k_norm``. Multimodal Gemma 3
@@ -41,6 +48,8 @@ _EXPERT_NAMES = {
 
 def checkpoint_sources(cfg: ModelConfig) -> Sources:
     """Our parameter name -> checkpoint tensor groups (see the module docstring)."""
+    if cfg.family == "nemotron_h":
+        return _nemotron_h(cfg)
     out: Sources = {
         "embed_tokens.weight": [("model.embed_tokens.weight",)],
         "norm.weight": [("model.norm.weight",)],
@@ -93,6 +102,51 @@ def _linear_attention(ours: str, hf: str) -> Sources:
     }
 
 
+def _nemotron_h(cfg: ModelConfig) -> Sources:
+    """Nemotron-H: ``embeddings``, ``norm_f``, and per layer ``norm`` and ``mixer``,
+    under ``backbone.`` (``text_weights`` renames a ``model.`` layout)."""
+    out: Sources = {
+        "embed_tokens.weight": [("backbone.embeddings.weight",)],
+        "norm.weight": [("backbone.norm_f.weight",)],
+        "lm_head.weight": [("lm_head.weight",)],
+    }
+    m = cfg.mamba
+    assert m is not None
+    for i, kind in enumerate(cfg.layer_types):
+        ours, hf = f"layers.{i}.", f"backbone.layers.{i}."
+        out[ours + "norm.weight"] = [(hf + "norm.weight",)]
+        ours, hf = ours + "mixer.", hf + "mixer."
+        if kind == "full_attention":
+            out.update(_attention(cfg, ours, hf, False))
+            continue
+        if kind == "mamba":
+            names = {"in_proj.weight": "in_proj.weight", "conv_weight": "conv1d.weight",
+                     "A_log": "A_log", "D": "D", "dt_bias": "dt_bias",
+                     "norm.weight": "norm.weight", "out_proj.weight": "out_proj.weight"}  # fmt: skip
+            if m.conv_bias:
+                names["conv_bias"] = "conv1d.bias"
+            biases = ("in_proj", "out_proj") if m.bias else ()
+        elif kind == "moe":
+            assert cfg.moe is not None
+            experts = [f"{hf}experts.{e}." for e in range(cfg.moe.num_experts)]
+            out[ours + "experts.gate_up"] = [(e + "up_proj.weight",) for e in experts]
+            out[ours + "experts.down"] = [(e + "down_proj.weight",) for e in experts]
+            names = {"router.weight": "gate.weight",
+                     "router.bias": "gate.e_score_correction_bias",
+                     "shared.up_proj.weight": "shared_experts.up_proj.weight",
+                     "shared.down_proj.weight": "shared_experts.down_proj.weight"}  # fmt: skip
+            biases = ()
+            if cfg.mlp_bias:
+                names.update({f"shared.{b}.bias": f"shared_experts.{b}.bias"
+                              for b in ("up_proj", "down_proj")})  # fmt: skip
+        else:  # mlp
+            names = {"up_proj.weight": "up_proj.weight", "down_proj.weight": "down_proj.weight"}
+            biases = ("up_proj", "down_proj") if cfg.mlp_bias else ()
+        names.update({f"{b}.bias": f"{b}.bias" for b in biases})
+        out.update({ours + k: [(hf + v,)] for k, v in names.items()})
+    return out
+
+
 def _dense_mlp(cfg: ModelConfig, ours: str, hf: str, fused: bool) -> Sources:
     gate_up = ("gate_up",) if fused else ("gate", "up")
     out: Sources = {
@@ -129,7 +183,13 @@ _TEXT_PREFIXES = {
 
 def text_weights(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
     """The checkpoint's tensors under text-model names: a multimodal Gemma 3's text
-    model renamed (its vision tower and projector are left out); others unchanged."""
+    model renamed (its vision tower and projector are left out); a Nemotron-H saved
+    under ``model.`` renamed to ``backbone.``; others unchanged."""
+    if cfg.family == "nemotron_h":
+        return {
+            ("backbone." + name.removeprefix("model.") if name.startswith("model.") else name): t
+            for name, t in weights.items()
+        }
     if cfg.architecture != "Gemma3ForConditionalGeneration":
         return weights
     out = {}

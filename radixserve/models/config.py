@@ -28,6 +28,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "gemma3",
     # Hybrid: gated delta-net linear attention beside gated full attention.
     "Qwen3_5ForCausalLM": "qwen3_5",
+    # Hybrid: Mamba-2 layers beside attention and MLP layers, one mixer per layer.
+    "NemotronHForCausalLM": "nemotron_h",
 }
 #: A config without ``architectures`` is matched by its ``model_type`` (= family name,
 #: except Gemma 3: ``gemma3`` is the multimodal config, ``gemma3_text`` the text-only one,
@@ -37,8 +39,11 @@ _BY_MODEL_TYPE = {
     "gemma3_text": "Gemma3ForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
 }
-#: Hybrid families: some layers are recurrent (``layer_types``), the rest gated attention.
-HYBRID_FAMILIES = ("qwen3_5",)
+#: Hybrid families: some layers are recurrent (``layer_types``), the rest attention (and,
+#: for Nemotron-H, MLP-only layers).
+HYBRID_FAMILIES = ("qwen3_5", "nemotron_h")
+#: ``layer_types`` entries whose layers carry a recurrent state instead of K/V.
+RECURRENT_LAYER_TYPES = ("linear_attention", "mamba")
 #: Families whose layers are Gemma's: (1 + w) RMSNorms around both sublayers, GeGLU,
 #: embeddings scaled by sqrt(hidden), attention scaled by ``query_pre_attn_scalar``.
 GEMMA_FAMILIES = ("gemma2", "gemma3")
@@ -58,6 +63,12 @@ class MoEConfig:
     sum (Mixtral always; Qwen3-MoE when ``norm_topk_prob``). ``sparse_layers[i]``
     says whether layer i has the MoE block (else a dense MLP of the model's
     ``intermediate_size``).
+
+    Nemotron-H's (``n_group`` > 0): sigmoid scores, experts chosen by score plus a
+    per-expert correction bias among the ``topk_group`` best of ``n_group`` groups
+    (a group's worth: its two best), weights the chosen scores (renormalised when
+    ``renormalize``) times ``scaling``; squared-ReLU experts without a gate, plus a
+    shared expert of ``shared_intermediate_size``.
     """
 
     num_experts: int
@@ -65,6 +76,10 @@ class MoEConfig:
     intermediate_size: int
     renormalize: bool
     sparse_layers: tuple[bool, ...]
+    n_group: int = 0
+    topk_group: int = 0
+    scaling: float = 1.0
+    shared_intermediate_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -84,6 +99,35 @@ class LinearAttentionConfig:
     def conv_dim(self) -> int:
         """Channels of the convolution (q, k and v of every head)."""
         return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
+
+
+@dataclass(frozen=True)
+class MambaConfig:
+    """A Mamba-2 mixer's shape: ``num_heads`` heads of ``head_dim`` channels whose
+    B and C (``state_size`` each) are shared by ``n_groups`` groups of consecutive
+    heads; the causal convolution (kernel ``conv_kernel``, bias or not) over x, B and
+    C; ``dt_limit`` clamps the time step after its softplus; ``bias``: in/out
+    projections with biases; ``norm_eps`` the gated RMSNorm's (one norm per group)."""
+
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    state_size: int
+    conv_kernel: int
+    conv_bias: bool
+    bias: bool
+    dt_limit: tuple[float, float]
+    norm_eps: float
+
+    @property
+    def inner_size(self) -> int:
+        """x's channels (every head's)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: x, B and C."""
+        return self.inner_size + 2 * self.n_groups * self.state_size
 
 
 @dataclass(frozen=True)
@@ -144,19 +188,27 @@ class ModelConfig:
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
     rope_local_theta: float = 0.0
-    layer_types: tuple[str, ...] = ()  # hybrids: "full_attention" | "linear_attention" per layer
+    # Hybrids, per layer: "full_attention" | "linear_attention" (Qwen3.5), "full_attention"
+    # | "mamba" | "mlp" | "moe" (Nemotron-H: one mixer per layer; "mlp" and "moe" layers have
+    # no token mixer).
+    layer_types: tuple[str, ...] = ()
     linear: LinearAttentionConfig | None = None
     attn_output_gate: bool = False
+    mamba: MambaConfig | None = None
 
     @property
     def hybrid(self) -> bool:
         """Whether some layers are recurrent (their state is not per-token KV)."""
-        return "linear_attention" in self.layer_types
+        return any(t in RECURRENT_LAYER_TYPES for t in self.layer_types)
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
-        """The layers with K/V in the pool (all but the recurrent ones), in order."""
-        return tuple(i for i in range(self.num_layers) if not self._recurrent(i))
+        """The layers with K/V in the pool (the attention layers), in order."""
+        return tuple(
+            i
+            for i in range(self.num_layers)
+            if not self.layer_types or self.layer_types[i] == "full_attention"
+        )
 
     @property
     def recurrent_layers(self) -> tuple[int, ...]:
@@ -172,7 +224,22 @@ class ModelConfig:
         return self.recurrent_layers.index(layer)
 
     def _recurrent(self, layer: int) -> bool:
-        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+        return bool(self.layer_types) and self.layer_types[layer] in RECURRENT_LAYER_TYPES
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """One request's state in one recurrent layer: the conv state ``(channels,
+        kernel - 1)`` and the recurrent state (gated delta-net: ``(v_heads, k_head_dim,
+        v_head_dim)``; Mamba-2: ``(heads, head_dim, state_size)``)."""
+        if self.mamba is not None:
+            m = self.mamba
+            return (m.conv_dim, m.conv_kernel - 1), (m.num_heads, m.head_dim, m.state_size)
+        if self.linear is not None:
+            lin = self.linear
+            return (lin.conv_dim, lin.conv_kernel - 1), (
+                lin.num_v_heads, lin.k_head_dim, lin.v_head_dim
+            )  # fmt: skip
+        raise ValueError(f"{self.architecture} has no recurrent layers")
 
     @property
     def kv_sliding_windows(self) -> tuple[int, ...]:
@@ -203,7 +270,8 @@ class ModelConfig:
             hf = hf.text_config
         gemma = family in GEMMA_FAMILIES
         act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
-        if _ACTIVATIONS.get(act) != ("gelu_tanh" if gemma else "silu"):
+        # Nemotron-H names its MLP activation otherwise (``_nemotron_h`` checks it).
+        if family != "nemotron_h" and _ACTIVATIONS.get(act) != ("gelu_tanh" if gemma else "silu"):
             want = "gelu_pytorch_tanh" if gemma else "silu"
             raise ValueError(f"unsupported activation {act!r} for {family} (only {want!r})")
         if getattr(hf, "use_bidirectional_attention", False):
@@ -242,7 +310,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(hf.rms_norm_eps),
+            rms_norm_eps=float(getattr(hf, "rms_norm_eps", None) or hf.layer_norm_epsilon),
             rope_theta=float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))),
             rope_type=rope_type,
             rope_factor=float(rope.get("factor") or 1.0),
@@ -262,7 +330,8 @@ class ModelConfig:
             **_longrope(rope, rope_type, rotary_dim, max_pos, original_max),
             moe=_moe(hf, family),
             **(_gemma(hf, family, head_dim, local_theta) if gemma else {}),
-            **(_hybrid(hf, family) if family in HYBRID_FAMILIES else {}),
+            **(_hybrid(hf, family) if family == "qwen3_5" else {}),
+            **(_nemotron_h(hf) if family == "nemotron_h" else {}),
         )
 
 
@@ -336,6 +405,84 @@ def _hybrid(hf: Any, family: str) -> dict[str, Any]:
     return dict(layer_types=types, linear=lin, norm_unit_offset=True, attn_output_gate=True)
 
 
+#: Nemotron-H's layer types (transformers 5's ``layers_block_type`` names; older configs
+#: spell them as ``hybrid_override_pattern`` characters M, *, -, E) -> ours.
+_NEMOTRON_H_LAYERS = {"linear_attention": "mamba", "full_attention": "full_attention",
+                      "mlp": "mlp", "moe": "moe", "M": "mamba", "*": "full_attention",
+                      "-": "mlp", "E": "moe"}  # fmt: skip
+
+
+def _nemotron_h(hf: Any) -> dict[str, Any]:
+    """Nemotron-H's fields: one mixer per layer (Mamba-2, attention without rotary, a
+    squared-ReLU MLP or mixture of experts), the Mamba-2 shape, the experts'. Latent
+    expert projections, sliding windows and other activations are refused."""
+    types = _nemotron_h_types(hf)
+    if "full_attention" not in types:
+        raise ValueError("nemotron_h without an attention layer is not supported")
+    for field, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        if getattr(hf, field, want) != want:
+            raise ValueError(f"unsupported {field} {getattr(hf, field)!r} (only {want!r})")
+    if getattr(hf, "sliding_window", None) is not None:
+        raise ValueError("Nemotron-H with sliding_window is not supported")
+    lo, hi = (float(x) for x in getattr(hf, "time_step_limit", (0.0, float("inf"))))
+    mamba = MambaConfig(
+        num_heads=int(hf.mamba_num_heads),
+        head_dim=int(hf.mamba_head_dim),
+        n_groups=int(hf.n_groups),
+        state_size=int(hf.ssm_state_size),
+        conv_kernel=int(hf.conv_kernel),
+        conv_bias=bool(hf.use_conv_bias),
+        bias=bool(getattr(hf, "use_bias", False)),
+        dt_limit=(lo, hi),
+        norm_eps=float(hf.layer_norm_epsilon),
+    )
+    if mamba.num_heads % mamba.n_groups:
+        raise ValueError(
+            f"mamba_num_heads {mamba.num_heads} is not a multiple of n_groups {mamba.n_groups}"
+        )
+    if mamba.conv_kernel < 2:
+        raise ValueError(f"conv_kernel must be >= 2, got {mamba.conv_kernel}")
+    if not 0.0 <= lo <= hi:
+        raise ValueError(f"bad time_step_limit {(lo, hi)}")
+    return dict(layer_types=types, mamba=mamba, activation="relu2")
+
+
+def _nemotron_h_types(hf: Any) -> tuple[str, ...]:
+    """Nemotron-H's layer types, ours (``_NEMOTRON_H_LAYERS``)."""
+    blocks = getattr(hf, "layers_block_type", None) or list(hf.hybrid_override_pattern)
+    unknown = sorted(set(blocks) - set(_NEMOTRON_H_LAYERS))
+    if unknown:
+        raise ValueError(f"unsupported Nemotron-H layer types {unknown}")
+    return tuple(_NEMOTRON_H_LAYERS[b] for b in blocks)
+
+
+def _nemotron_h_moe(hf: Any) -> MoEConfig | None:
+    """Nemotron-H's experts (``MoEConfig``'s docstring), None without MoE layers."""
+    types = _nemotron_h_types(hf)
+    if "moe" not in types:
+        return None
+    if getattr(hf, "moe_latent_size", None) is not None:
+        raise ValueError("Nemotron-H latent expert projections (moe_latent_size) are not supported")
+    moe = MoEConfig(
+        num_experts=int(hf.n_routed_experts),
+        top_k=int(hf.num_experts_per_tok),
+        intermediate_size=int(hf.moe_intermediate_size),
+        renormalize=bool(hf.norm_topk_prob),
+        sparse_layers=tuple(t == "moe" for t in types),
+        n_group=int(hf.n_group),
+        topk_group=int(hf.topk_group),
+        scaling=float(hf.routed_scaling_factor),
+        shared_intermediate_size=int(hf.moe_shared_expert_intermediate_size),
+    )
+    if moe.n_group < 1 or moe.num_experts % moe.n_group or moe.num_experts // moe.n_group < 2:
+        raise ValueError(
+            f"n_routed_experts {moe.num_experts} must be n_group {moe.n_group} groups of >= 2"
+        )
+    if not 0 < moe.topk_group <= moe.n_group or not 0 < moe.top_k <= moe.num_experts:
+        raise ValueError(f"bad expert choice: top {moe.top_k} in {moe.topk_group} groups")
+    return moe
+
+
 def _longrope(
     rope: dict[str, Any], rope_type: str, rotary_dim: int, max_pos: int, original_max: int
 ) -> dict[str, Any]:
@@ -367,10 +514,14 @@ def _biases(hf: Any, family: str) -> tuple[bool, bool, bool]:
     if family in ("qwen3", "qwen3_moe", "gemma2", "gemma3", "qwen3_5"):
         attention = bool(getattr(hf, "attention_bias", False))
         return attention, attention, False
+    if family == "nemotron_h":  # transformers builds its attention without biases
+        return False, False, bool(getattr(hf, "mlp_bias", False))
     return False, False, False  # mistral, mixtral, phi3
 
 
 def _moe(hf: Any, family: str) -> MoEConfig | None:
+    if family == "nemotron_h":
+        return _nemotron_h_moe(hf)
     n = hf.num_hidden_layers
     if family == "mixtral":
         num = int(hf.num_local_experts)

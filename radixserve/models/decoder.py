@@ -6,7 +6,8 @@ sliding windows, ``moe``, Gemma's norms, scales and soft-caps) and in how its
 checkpoint names and splits the weights (``checkpoint.py``); the forward pass is
 this one. Gemma 2/3 layers (``SandwichDecoderLayer``) also normalise each
 sublayer's output, and Gemma 3's sliding-window layers rotate with their own
-rope base (``rope_local_theta``).
+rope base (``rope_local_theta``). Hybrid models have layers of their own with
+recurrent state (Qwen3.5: ``hybrid.py``; Nemotron-H: ``nemotron_h.py``).
 
 The model works on a flat batch: the new tokens of every request in the step,
 concatenated, with their absolute positions (``blocks.py`` says how attention
@@ -26,11 +27,12 @@ from radixserve.layers.lora import LoraBatch, LoraLayer
 from radixserve.layers.parallel import SINGLE, Comm, ParallelLMHead, VocabParallelEmbedding
 from radixserve.layers.recurrent import LayerStates
 from radixserve.models import decode_step
-from radixserve.models.blocks import MLP, Attention, rms_norm, softcap
+from radixserve.models.blocks import MLP, Attention, compute_dtype, rms_norm, softcap
 from radixserve.models.checkpoint import checkpoint_sources
 from radixserve.models.config import ModelConfig
 from radixserve.models.hybrid import HybridDecoderLayer
 from radixserve.models.moe import SparseMoeBlock
+from radixserve.models.nemotron_h import NemotronHLayer
 from radixserve.models.rope import RotaryEmbedding
 from radixserve.models.sharding import Shard, check_tp, shard_sources, vocab_shard
 from radixserve.models.weights import WeightReader, as_reader
@@ -143,7 +145,9 @@ class CausalLM(nn.Module):
         start, rows = vocab_shard(cfg.vocab_size, self.shard)
         with torch.device("meta"):
             self.embed_tokens = VocabParallelEmbedding(rows, cfg.hidden_size, start, comm)
-            if cfg.hybrid:
+            if cfg.family == "nemotron_h":
+                layers = [NemotronHLayer(cfg, i) for i in range(cfg.num_layers)]
+            elif cfg.hybrid:
                 layers = [HybridDecoderLayer(cfg, i) for i in range(cfg.num_layers)]
             else:
                 layer_type = SandwichDecoderLayer if cfg.sandwich_norms else DecoderLayer
@@ -153,6 +157,9 @@ class CausalLM(nn.Module):
             self.lm_head = ParallelLMHead(cfg.hidden_size, rows, cfg.vocab_size, comm)
         self.to_empty(device=device)
         self.to(dtype=dtype)
+        for module in self.modules():  # e.g. routers transformers keeps in float32
+            if getattr(module, "KEEP_WIDE", False):
+                module.to(dtype=compute_dtype(dtype))
         # Gemma scales embeddings by sqrt(hidden) rounded to the model dtype, as transformers.
         self.embed_scale = (
             torch.tensor(cfg.embed_scale, dtype=dtype, device=device)

@@ -1,4 +1,5 @@
-"""The gated delta rule and the causal convolution in front of it, in torch.
+"""The gated delta rule, in torch (the causal convolution in front of it is
+``causal_conv.py``).
 
 Per head the state ``S`` is a ``[key_dim, value_dim]`` matrix; each token
 (query ``q``, key ``k``, both L2-normalised, ``q`` also scaled by
@@ -28,7 +29,6 @@ Every exponent is <= 0 (the masked ones are never taken), so nothing overflows.
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
 
 #: Tokens per chunk of the chunked form (the triangular solve is L x L per head).
 CHUNK = 64
@@ -38,27 +38,6 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(sum(x^2) + eps)`` over the last dim (the normalisation the
     gated delta-net checkpoints were trained with)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
-def causal_conv(
-    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal convolution of one request's rows ``x`` [n, C] after the
-    inputs ``state`` [C, K-1] that came before them (zeros at a sequence's start),
-    then SiLU. Returns the output [n, C] and the new state (the last K-1 inputs)."""
-    k = weight.shape[-1]
-    xx = torch.cat((state.to(x.dtype), x.t()), dim=1)  # [C, K-1+n]
-    out = F.conv1d(xx[None], weight[:, None, :], groups=weight.shape[0])[0]
-    return F.silu(out).t(), xx[:, xx.shape[1] - (k - 1) :]
-
-
-def conv_step(
-    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``causal_conv`` for one new row of each of B requests: ``x`` [B, C], ``state``
-    [B, C, K-1] -> output [B, C], new states [B, C, K-1]."""
-    xx = torch.cat((state.to(x.dtype), x[:, :, None]), dim=2)  # [B, C, K]
-    return F.silu((xx * weight).sum(-1)), xx[:, :, 1:]
 
 
 def recurrent_step(

@@ -11,7 +11,7 @@ mixers, by ``ModelConfig.layer_types``:
   layers only (``ModelConfig.kv_layer``).
 - ``linear_attention``: ``GatedDeltaNet``: q/k/v through a depthwise causal
   convolution (SiLU), L2-normalised q and k, the gated delta rule
-  (``gated_delta.py``) with a per-head decay ``g = -exp(A_log) softplus(a + dt_bias)``
+  (``gated_delta.py``, after ``causal_conv.py``) with a per-head decay ``g = -exp(A_log) softplus(a + dt_bias)``
   and write strength ``beta = sigmoid(b)``, then an RMSNorm of each head's output
   gated by ``silu(z)``. Its state lives in the worker's state pool, reached
   through ``LayerStates`` (``layers/recurrent.py``).
@@ -28,9 +28,10 @@ from torch.nn import functional as F
 
 from radixserve.layers.attention import LayerAttention
 from radixserve.layers.linear import Linear
-from radixserve.layers.recurrent import LayerStates, StateSegment
+from radixserve.layers.recurrent import LayerStates, run_segments
 from radixserve.models import gated_delta
 from radixserve.models.blocks import MLP, Attention, compute_dtype, rms_norm
+from radixserve.models.causal_conv import causal_conv, conv_step
 from radixserve.models.config import ModelConfig
 from radixserve.models.rope import apply_rotary
 
@@ -114,20 +115,14 @@ class GatedDeltaNet(nn.Module):
         conv = states.conv_state(self.index)
         rec = states.recurrent_state(self.index)
         out = torch.empty(t, self.v_heads, self.v_dim, dtype=wide, device=x.device)
-        segments = states.segments
-        if all(s.hi - s.lo == 1 for s in segments):
-            self._decode(qkv, g, beta, segments, conv, rec, out)
-        else:
-            for s in segments:
-                cut = s.lo + s.save_at if s.save_at else s.hi
-                self._prefill(qkv[s.lo:cut], g[s.lo:cut], beta[s.lo:cut], s.entry, conv, rec,
-                              out[s.lo:cut])  # fmt: skip
-                if s.save_at:
-                    conv[s.save_entry] = conv[s.entry]
-                    rec[s.save_entry] = rec[s.entry]
-                if cut < s.hi:
-                    self._prefill(qkv[cut:s.hi], g[cut:s.hi], beta[cut:s.hi], s.entry, conv, rec,
-                                  out[cut:s.hi])  # fmt: skip
+
+        def prefill(lo: int, hi: int, entry: int) -> None:
+            self._prefill(qkv[lo:hi], g[lo:hi], beta[lo:hi], entry, conv, rec, out[lo:hi])
+
+        def decode(entries: torch.Tensor) -> None:
+            self._decode(qkv, g, beta, entries, conv, rec, out)
+
+        run_segments(states.segments, (conv, rec), prefill, decode)
         o = self.norm(out.to(x.dtype), z.reshape(t, self.v_heads, self.v_dim))
         return self.out_proj(o.reshape(t, -1))
 
@@ -145,22 +140,17 @@ class GatedDeltaNet(nn.Module):
         return q, k, v.reshape(n, self.v_heads, self.v_dim)
 
     def _prefill(self, qkv, g, beta, entry, conv, rec, out) -> None:
-        mixed, conv[entry] = gated_delta.causal_conv(qkv, conv[entry], self.conv_weight[:, 0])
+        mixed, conv[entry] = causal_conv(qkv, conv[entry], self.conv_weight[:, 0])
         q, k, v = self._qkv(mixed, out.dtype)
         out[:], rec[entry] = gated_delta.chunked(q, k, v, g, beta, rec[entry])
 
-    def _decode(self, qkv, g, beta, segments: list[StateSegment], conv, rec, out) -> None:
+    def _decode(self, qkv, g, beta, entries: torch.Tensor, conv, rec, out) -> None:
         """One row per request: the states gathered, stepped together, put back."""
-        entries = torch.tensor([s.entry for s in segments], device=qkv.device)
-        mixed, conv_new = gated_delta.conv_step(qkv, conv[entries], self.conv_weight[:, 0])
+        mixed, conv_new = conv_step(qkv, conv[entries], self.conv_weight[:, 0])
         conv.index_copy_(0, entries, conv_new.to(conv.dtype))
         q, k, v = self._qkv(mixed, out.dtype)
         out[:], rec_new = gated_delta.recurrent_step(q, k, v, g, beta, rec[entries])
         rec.index_copy_(0, entries, rec_new)
-        for s in segments:
-            if s.save_at:
-                conv[s.save_entry] = conv[s.entry]
-                rec[s.save_entry] = rec[s.entry]
 
 
 class HybridDecoderLayer(nn.Module):

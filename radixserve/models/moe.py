@@ -1,11 +1,18 @@
-"""The sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks ``top_k``
-experts per token, each a SwiGLU MLP, and the token's output is their weighted sum.
+"""The sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE, Nemotron-H): a router picks
+``top_k`` experts per token, each a SwiGLU MLP (Nemotron-H: squared-ReLU, no gate), and
+the token's output is their weighted sum.
 
 Routing follows transformers exactly, so the same experts win, ties included:
 softmax over all experts' logits (float32 for half types, else the model dtype),
 ``torch.topk`` over those probabilities, then, where the family asks for it
 (``MoEConfig.renormalize``), division by the chosen probabilities' sum (for
 Mixtral that is the softmax over the top-k logits).
+
+Nemotron-H routes otherwise (``GroupedSigmoidRouter``, as transformers): sigmoid
+scores; each of ``n_group`` groups is worth the sum of its two best scores plus
+correction biases; the best ``top_k`` (score + bias) within the ``topk_group`` best
+groups are chosen (``torch.topk``), weighted by their scores (renormalised when asked,
+the sum plus 1e-20), times ``scaling``.
 
 Experts are computed grouped by expert: the (token, expert) pairs are sorted by
 expert, and each expert that got tokens runs one gate/up and one down product
@@ -49,16 +56,47 @@ class Router(nn.Module):
         return weights, experts
 
 
+class GroupedSigmoidRouter(nn.Module):
+    """Nemotron-H's expert choice (module docstring): ``weight`` [num_experts, hidden],
+    ``bias`` [num_experts] (the checkpoint's ``e_score_correction_bias``), held in
+    float32 in a half model (``KEEP_WIDE``), as transformers holds them."""
+
+    KEEP_WIDE = True  # CausalLM keeps this module's parameters in compute_dtype
+
+    def __init__(self, moe: MoEConfig, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(moe.num_experts))
+        self.moe = moe
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, top_k] in the routing dtype, expert ids [T, top_k])."""
+        m, wide = self.moe, compute_dtype(x.dtype)
+        scores = torch.sigmoid(F.linear(x.to(wide), self.weight.to(wide)))
+        choice = scores + self.bias.to(wide)
+        groups = choice.view(-1, m.n_group, m.num_experts // m.n_group)
+        group_scores = groups.topk(2, dim=-1)[0].sum(dim=-1)
+        best = torch.topk(group_scores, k=m.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        choice = groups.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+        experts = torch.topk(choice, k=m.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, experts)
+        if m.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * m.scaling, experts
+
+
 class Experts(nn.Module):
     """``num_experts`` SwiGLU MLPs stacked: ``gate_up`` [E, 2I, hidden], ``down`` [E, hidden, I].
     Over ``size`` ranks each holds ``I / size`` of every expert's features (the
-    caller sums the ranks' outputs)."""
+    caller sums the ranks' outputs). Not ``gated`` (Nemotron-H): ``gate_up`` holds the
+    up projections only [E, I, hidden], and the activation is ``relu(x) ** 2``."""
 
-    def __init__(self, moe: MoEConfig, hidden_size: int, size: int = 1) -> None:
+    def __init__(self, moe: MoEConfig, hidden_size: int, size: int = 1, gated: bool = True) -> None:
         super().__init__()
         e, i = moe.num_experts, moe.intermediate_size // size
-        self.intermediate = i
-        self.gate_up = nn.Parameter(torch.empty(e, 2 * i, hidden_size))
+        self.intermediate, self.gated = i, gated
+        self.gate_up = nn.Parameter(torch.empty(e, 2 * i if gated else i, hidden_size))
         self.down = nn.Parameter(torch.empty(e, hidden_size, i))
 
     def forward(
@@ -76,8 +114,13 @@ class Experts(nn.Module):
             if n == 0:
                 continue
             rows = tokens[start : start + n]
-            gate, up = linear(x[rows], self.gate_up[e]).split(self.intermediate, dim=-1)
-            y = linear(F.silu(gate) * up, self.down[e])
+            h = linear(x[rows], self.gate_up[e])
+            if self.gated:
+                gate, up = h.split(self.intermediate, dim=-1)
+                h = F.silu(gate) * up
+            else:
+                h = F.relu(h).square()
+            y = linear(h, self.down[e])
             w = pair_weights[start : start + n, None]
             out.index_add_(0, rows, (y.to(w.dtype) * w).to(x.dtype))
             start += n

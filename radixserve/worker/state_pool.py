@@ -1,9 +1,11 @@
 """The state pool: a hybrid model's recurrent states, beside the KV pool.
 
-Per recurrent layer two tensors of ``entries`` rows: conv states
-``[entries, conv_dim, kernel - 1]`` (the model dtype: they are inputs of the
-convolution) and delta-rule states ``[entries, v_heads, k_head_dim, v_head_dim]``
-(float32 for half dtypes, else the model dtype: ``compute_dtype``). Entry ``s``
+Per recurrent layer two tensors of ``entries`` rows, shaped by
+``ModelConfig.state_shapes``: conv states ``[entries, conv_dim, kernel - 1]`` (the
+model dtype: they are inputs of the convolution) and recurrent states (gated
+delta-net: ``[entries, v_heads, k_head_dim, v_head_dim]``; Mamba-2: ``[entries,
+heads, head_dim, state_size]``), float32 for half dtypes, else the model dtype
+(``compute_dtype``). Entry ``s``
 for ``s < num_slots`` is the working state of request slot ``s``: a step's
 recurrent layers read and update it in place, so a chunked prefill and the
 decode steps after it carry the state from one step to the next. The entries
@@ -16,6 +18,8 @@ model (``layers/recurrent.LayerStates``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -36,15 +40,14 @@ class StatePool:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> None:
-        lin = cfg.linear
-        if lin is None or not cfg.recurrent_layers:
+        if not cfg.recurrent_layers:
             raise ValueError("a state pool needs a model with recurrent layers")
         if num_slots < 1 or num_snapshots < 0:
             raise ValueError(f"bad state pool size: {num_slots} slots, {num_snapshots} snapshots")
         self.num_slots, self.num_snapshots = num_slots, num_snapshots
         entries = num_slots + num_snapshots
-        conv = (entries, lin.conv_dim, lin.conv_kernel - 1)
-        rec = (entries, lin.num_v_heads, lin.k_head_dim, lin.v_head_dim)
+        conv_shape, rec_shape = cfg.state_shapes
+        conv, rec = (entries, *conv_shape), (entries, *rec_shape)
         n = len(cfg.recurrent_layers)
         self.conv = [torch.zeros(conv, dtype=dtype, device=device) for _ in range(n)]
         self.rec = [torch.zeros(rec, dtype=compute_dtype(dtype), device=device) for _ in range(n)]
@@ -52,12 +55,12 @@ class StatePool:
     @staticmethod
     def bytes_per_entry(cfg: ModelConfig, dtype: torch.dtype) -> int:
         """One request's state over all recurrent layers, in bytes."""
-        lin = cfg.linear
-        if lin is None:
+        if not cfg.recurrent_layers:
             return 0
-        conv = lin.conv_dim * (lin.conv_kernel - 1) * torch.empty((), dtype=dtype).element_size()
+        (channels, width), rec_shape = cfg.state_shapes
+        conv = channels * width * torch.empty((), dtype=dtype).element_size()
         wide = torch.empty((), dtype=compute_dtype(dtype)).element_size()
-        rec = lin.num_v_heads * lin.k_head_dim * lin.v_head_dim * wide
+        rec = math.prod(rec_shape) * wide
         return len(cfg.recurrent_layers) * (conv + rec)
 
     def snapshot_entry(self, snapshot: int) -> int:

@@ -101,13 +101,23 @@ FAMILY_DIMS: dict[str, dict[str, object]] = {
     "qwen3_5": {"head_dim": 16, "num_hidden_layers": 4, "linear_num_key_heads": 2,
                 "linear_num_value_heads": 4, "linear_key_head_dim": 16,
                 "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4},
+    # Hybrid: Mamba-2 layers (8 heads of 8 in 2 groups, state 16), a squared-ReLU MLP,
+    # one attention layer (no rotary) and one MoE layer (8 experts in 2 groups, top 2 of
+    # the best group, shared expert), as Nemotron-H's patterns; transformers' own scan
+    # chunk (8) is shorter than the prompts, so its chunked path is what is compared.
+    "nemotron_h": {"head_dim": 16, "num_hidden_layers": 6, "hybrid_override_pattern": "M-M*EM",
+                   "mamba_num_heads": 8, "mamba_head_dim": 8, "n_groups": 2,
+                   "ssm_state_size": 16, "conv_kernel": 4, "chunk_size": 8,
+                   "layer_norm_epsilon": 1e-5, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 48,
+                   "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5},
 }  # fmt: skip
 
 
 #: The families added after Llama / Qwen2 / Mistral, each with its own oracle tests.
 NEW_FAMILIES = ("qwen3", "mixtral", "qwen3_moe", "phi3", "gemma2", "gemma3")
 #: Hybrid families (recurrent layers beside attention), tested in tests/models/test_hybrid.py.
-HYBRID_FAMILIES = ("qwen3_5",)
+HYBRID_FAMILIES = ("qwen3_5", "nemotron_h")
 
 
 def tiny_config(arch: str = "llama", **overrides: object):
@@ -125,6 +135,7 @@ def tiny_config(arch: str = "llama", **overrides: object):
         "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
         "qwen3_5": transformers.Qwen3_5TextConfig,
+        "nemotron_h": transformers.NemotronHConfig,
     }[arch]
     return cls(**{**TINY_DIMS, **FAMILY_DIMS[arch], **overrides})
 
@@ -160,6 +171,9 @@ def make_tiny_model(
                 p.copy_(torch.empty_like(p).uniform_(0.005, 0.05).log())
             elif name.endswith("dt_bias"):
                 p.normal_(-1.0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a buffer: choices it decides
+                b.normal_(0.0, 0.1)
     model.save_pretrained(folder)
     if not tokenizer:
         return folder
@@ -190,6 +204,8 @@ def patch_hf_float64(model: torch.nn.Module) -> torch.nn.Module:
         name = type(module).__name__
         if name.startswith("Qwen3_5"):
             _patch_qwen3_5(module, name)
+        elif name.startswith("NemotronH"):
+            _patch_nemotron_h(module, name)
         elif name.startswith("Gemma") and name.endswith("RMSNorm"):
             module.forward = types.MethodType(_gemma_rmsnorm64, module)
         elif name.startswith("Gemma2") and name.endswith("Attention"):
@@ -244,6 +260,46 @@ def _patch_qwen3_5(module: torch.nn.Module, name: str) -> None:
         scope: dict = {}
         exec(compile(src, mod.__file__, "exec"), mod.__dict__, scope)
         module.forward = types.MethodType(scope["forward"], module)
+
+
+def _as_float64(mod, qualname: str):
+    """Function or method ``qualname`` of module ``mod`` recompiled from the module's
+    source (decorators dropped) with every float32 cast a float64 one, in the module's
+    globals (transformers wraps some of them in objects ``inspect`` cannot read)."""
+    import ast
+    import inspect
+
+    src = inspect.getsource(mod)
+    body = ast.parse(src).body
+    node = None
+    for part in qualname.split("."):
+        node = next(n for n in body if getattr(n, "name", None) == part)
+        body = node.body
+    node.decorator_list = []
+    code = ast.get_source_segment(src, node, padded=False) or ""
+    code = code[code.index("def ") :].replace(".float()", ".double()")
+    code = code.replace("torch.float32", "torch.float64")
+    import textwrap
+
+    scope: dict = {}
+    exec(compile(textwrap.dedent(code), mod.__file__, "exec"), mod.__dict__, scope)
+    return scope[qualname.split(".")[-1]]
+
+
+def _patch_nemotron_h(module: torch.nn.Module, name: str) -> None:
+    """Nemotron-H in float64: transformers computes its norms, the gated norm, the
+    Mamba-2 decay (``A_log.float()``), its scans, the expert routing and the logits
+    (``.float()``) in float32; the mixer's and the model's forwards and the module's scan functions are
+    recompiled from transformers' own source with those casts float64 ones."""
+    mod = sys.modules[type(module).__module__]
+    if not getattr(mod, "_float64", False):
+        for fn in ("mamba2_scan_forward", "mamba2_chunk_scan", "mamba2_selective_state_update"):
+            setattr(mod, fn, _as_float64(mod, fn))
+        mod._float64 = True
+    if name in ("NemotronHRMSNorm", "NemotronHRMSNormGated", "NemotronHMamba2Mixer",
+                "NemotronHTopkRouter", "NemotronHForCausalLM"):  # fmt: skip
+        forward = _as_float64(mod, f"{name}.forward")
+        module.forward = types.MethodType(forward, module)
 
 
 def _gated_rmsnorm64(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

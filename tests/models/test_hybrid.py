@@ -18,6 +18,7 @@ import torch
 
 from radixserve import Engine, SamplingParams
 from radixserve.models import gated_delta
+from radixserve.models.causal_conv import causal_conv, conv_step
 from radixserve.models.config import ModelConfig
 from radixserve.worker.config import WorkerConfig
 from radixserve.worker.model_runner import ModelRunner
@@ -87,14 +88,14 @@ def test_conv_carries_its_state():
     rng = torch.Generator().manual_seed(1)
     x = torch.randn(30, 6, generator=rng, dtype=torch.float64)
     w = torch.randn(6, 4, generator=rng, dtype=torch.float64)
-    whole, _ = gated_delta.causal_conv(x, torch.zeros(6, 3, dtype=torch.float64), w)
+    whole, _ = causal_conv(x, torch.zeros(6, 3, dtype=torch.float64), w)
     state, parts = torch.zeros(6, 3, dtype=torch.float64), []
     for lo, hi in ((0, 2), (2, 3), (3, 17), (17, 30)):
         if hi - lo == 1:
-            out, st = gated_delta.conv_step(x[lo:hi], state[None], w)
+            out, st = conv_step(x[lo:hi], state[None], w)
             state = st[0]
         else:
-            out, state = gated_delta.causal_conv(x[lo:hi], state, w)
+            out, state = causal_conv(x[lo:hi], state, w)
         parts.append(out)
     torch.testing.assert_close(torch.cat(parts), whole, rtol=0, atol=1e-14)
 
