@@ -109,17 +109,28 @@ RS_ALWAYS_INLINE float bits_to_float(uint32_t u) {
 RS_ALWAYS_INLINE float code_value(Q8<1> c) {
   return static_cast<float>(static_cast<int8_t>(c.bits));
 }
+// The fp8 formats without branches, so that a row's loop vectorizes: a normal code's
+// exponent and mantissa move into a float32's, rebiased; a subnormal one (exponent 0)
+// is 2^(1 - bias) * (1 + m / 2^M) - 2^(1 - bias) = m * 2^(1 - bias - M), exact.
+RS_ALWAYS_INLINE uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+template <int M, int B>
+RS_ALWAYS_INLINE float minifloat_value(uint32_t x) {
+  const uint32_t em = x & 0x7fu, shift = 23 - M;
+  const float normal = bits_to_float((em << shift) + ((127u - B) << 23));
+  const float sub = bits_to_float((em << shift) | ((128u - B) << 23)) -
+                    bits_to_float((128u - B) << 23);
+  const float mag = (em >> M) ? normal : sub;
+  return bits_to_float(float_bits(mag) | ((x & 0x80u) << 24));
+}
 RS_ALWAYS_INLINE float code_value(Q8<2> c) {  // e4m3 (bias 7; NaN is never stored)
-  const uint32_t x = c.bits, e = (x >> 3) & 0xfu, m = x & 7u;
-  const float mag = e ? bits_to_float(((e + 120u) << 23) | (m << 20))
-                      : static_cast<float>(m) * 0x1p-9f;
-  return (x & 0x80u) ? -mag : mag;
+  return minifloat_value<3, 7>(c.bits);
 }
 RS_ALWAYS_INLINE float code_value(Q8<3> c) {  // e5m2 (bias 15; inf/NaN are never stored)
-  const uint32_t x = c.bits, e = (x >> 2) & 0x1fu, m = x & 3u;
-  const float mag = e ? bits_to_float(((e + 112u) << 23) | (m << 21))
-                      : static_cast<float>(m) * 0x1p-16f;
-  return (x & 0x80u) ? -mag : mag;
+  return minifloat_value<2, 15>(c.bits);
 }
 
 // A float16 (a row's scale) as float32, exactly.
