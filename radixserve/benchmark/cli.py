@@ -289,6 +289,7 @@ async def run_variant(
             after = await backend.stats()
             metrics = summarize(result, info.page_size, workload)
             metrics.update(step_summary(before, after, metrics["requests"]))
+            metrics["hybrid"] = bool((after or {}).get("state_snapshots"))
             v = {
                 "label": pass_label,
                 "backend": backend.name,

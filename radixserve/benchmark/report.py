@@ -42,6 +42,8 @@ ROWS = [  # (label, metrics key, format)
     ("optimal (page 1)", "optimal_hit_rate_page1", "{:.2%}"),
     ("optimal (server page)", "optimal_hit_rate", "{:.2%}"),
     ("hit / optimal", "hit_vs_optimal", "{:.3f}"),
+]
+HYBRID_ROWS = [  # hybrid models only: what their state-snapshot rule can reach
     ("snapshot rule (hybrid)", "snapshot_hit_rate", "{:.2%}"),
 ]
 SCORE_ROWS = [  # scoring workloads only (a sanity check: see metrics.py)
@@ -102,6 +104,8 @@ def table(title: str, variants: list[dict[str, Any]]) -> str:
         rows += SCORE_ROWS
     if any("schema_valid_rate" in v["metrics"] for v in variants):
         rows += STRUCTURED_ROWS
+    if any(v["metrics"].get("hybrid") for v in variants):
+        rows += HYBRID_ROWS
     if any(v["metrics"].get("spec_draft_tokens") for v in variants):
         rows += SPEC_ROWS
     if any("ttft_urgent_median_ms" in v["metrics"] for v in variants):

@@ -559,6 +559,7 @@ class Scheduler(Admission):
             "evicted_pages": self.kv.evicted_pages,
             "eviction_policy": self.cache_policy,
             "queue_time": self.queue_times.snapshot(),
+            "state_snapshots": self.config.state_snapshots,  # 0: not a hybrid model
         }
         tiers = self.kv.tiers
         if tiers is not None:
