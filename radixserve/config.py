@@ -128,6 +128,8 @@ MODEL_FIELDS = (
     "kv_identity",
     "loras",
     "state_snapshots",
+    "window_pages",
+    "window_span",
 )
 
 _C = TypeVar("_C")

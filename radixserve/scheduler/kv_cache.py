@@ -44,6 +44,17 @@ hands to the tree with the pages ending there. The rule (docs/models.md):
 - at release (finish, abort, retraction) when the computed length is a page
   boundary: the slot's state, copied before the slot is cleared
   (``take_state_saves``, ``Step.state_saves``).
+
+A model with sliding layers keeps their K/V in window pages (``window_pages.py``,
+``window`` here; ``span`` is W, the largest window), and its tree is a
+``WindowRadixCache`` (``window_cache.py``): a match ends where the window pages of
+[L - W, L) are cached. A request holds one reference on each window page its window
+needs (``req.win``, aligned with its page table): those of its match's last W
+tokens at admission (``acquire_prefix``), then, as each step is planned
+(``plan_window``), the new pages the step writes, while the pages wholly before
+``kv_len - W`` are let go. Window pages are allocated when the step is planned, not
+at admission: a request holds about W + its chunk of them, whatever its length. The
+tree takes its own references at insert; release lets the request's go.
 """
 
 from __future__ import annotations
@@ -55,13 +66,28 @@ from radixserve.scheduler.prefix_cache import MatchResult, PrefixCache
 from radixserve.scheduler.request import ReqStatus, Request
 from radixserve.scheduler.state_cache import StateRadixCache
 from radixserve.scheduler.tiered_cache import TieredCache
+from radixserve.scheduler.window_cache import WindowRadixCache
+from radixserve.scheduler.window_pages import WindowPages
+
+_NO_PAGES = np.zeros(0, dtype=np.int32)
 
 
 class KVCacheManager:
-    def __init__(self, allocator: PageAllocator, cache: PrefixCache) -> None:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        cache: PrefixCache,
+        window: WindowPages | None = None,
+        span: int = 0,
+    ) -> None:
         self.allocator = allocator
         self.cache = cache
         self.page_size = allocator.page_size
+        # Sliding layers' window pages (None: the model has none, or one pool for all).
+        self.window = window
+        self.span = span
+        self.wtree = cache if isinstance(cache, WindowRadixCache) else None
+        self.window_evicted = 0  # window pages freed by eviction to make room
         # A hybrid model's tree, which keeps recurrent-state snapshots (None: not one).
         self.states = cache if isinstance(cache, StateRadixCache) else None
         self._state_saves: list[int] = []  # slot, snapshot pairs for the next step
@@ -122,6 +148,14 @@ class KVCacheManager:
         n = len(m.pages)
         req.table_room(n)[:n] = m.pages
         req.num_pages = n
+        if self.window is not None:
+            win = self._win_room(req, n)
+            win[:n] = -1
+            first = max(m.hit_len - self.span, 0) // self.page_size
+            if self.wtree is not None and n:
+                win[first:n] = self.wtree.window_pages(m.last_node)[first:n]
+            self.window.ref(win[first:n])
+            req.win_low, req.win_len, req.win_sent = first, n, 0
 
     def promote(self, req: Request) -> int:
         """With tiers: extend the request's locked match (``acquire_prefix``, no page
@@ -151,6 +185,7 @@ class KVCacheManager:
         """Undo ``acquire_prefix`` for a request that was not admitted after all."""
         if req.node is not None:
             self.cache.unlock(req.node)
+        self._win_release(req)
         req.node = None
         req.locked_len = req.kv_len = req.num_pages = 0
         req.restore_state, req.diverge_at = -1, 0
@@ -201,6 +236,13 @@ class KVCacheManager:
             return
         self.allocator.free(req.table[keep : req.num_pages].copy())
         req.num_pages = keep
+        if self.window is not None and req.win_len > keep:
+            lo = max(keep, req.win_low)
+            self.window.unref(req.win[lo : req.win_len].copy())
+            req.win[keep : req.win_len] = -1
+            req.win_len = keep
+            req.win_low = min(req.win_low, keep)
+            req.win_sent = min(req.win_sent, keep)
         if req.sent_pages > keep:
             req.sent_pages = keep
             req.table_cut = True
@@ -224,6 +266,10 @@ class KVCacheManager:
             cached_len, node = self.states.insert(
                 req.tokens[:full], req.table[: full // ps], req.salt, state
             )
+        elif self.wtree is not None:
+            n = full // ps
+            win = self._win_room(req, n)[:n]
+            cached_len, node = self.wtree.insert(req.tokens[:full], req.table[:n], req.salt, win)
         else:
             cached_len, node = self.cache.insert(
                 req.tokens[:full], req.table[: full // ps], req.salt
@@ -251,10 +297,79 @@ class KVCacheManager:
         own = req.table[req.locked_len // self.page_size : req.num_pages]
         self.allocator.free(np.concatenate([*req.dups, own]) if req.dups else own)
         self.cache.unlock(req.node)
+        self._win_release(req)
         req.node = None
         req.dups = []
         req.locked_len = req.kv_len = req.num_pages = req.sent_pages = 0
         req.table_cut = False  # the slot is released: the worker clears its table
+
+    # ------------------------------------------------------ window pages
+    @staticmethod
+    def _win_room(req: Request, n: int) -> np.ndarray:
+        """The request's window pages, grown (with -1) to hold ``n`` entries."""
+        if n > len(req.win):
+            grown = np.full(max(n, 2 * len(req.win)), -1, dtype=np.int32)
+            grown[: len(req.win)] = req.win
+            req.win = grown
+        return req.win
+
+    def _win_release(self, req: Request) -> None:
+        """Let go of every window page the request holds."""
+        if self.window is None:
+            return
+        self.window.unref(req.win[req.win_low : req.win_len].copy())
+        req.win[: req.win_len] = -1
+        req.win_low = req.win_len = req.win_sent = 0
+
+    def alloc_window(self, n: int) -> np.ndarray | None:
+        """``n`` fresh window pages, dropping the tree's least recently used ones
+        if needed; None if impossible."""
+        assert self.window is not None
+        ids = self.window.alloc(n)
+        if ids is None and self.wtree is not None:
+            self.window_evicted += self.wtree.evict_window(n - self.window.num_free)
+            ids = self.window.alloc(n)
+        return ids
+
+    def plan_window(self, req: Request, n: int) -> tuple[int, np.ndarray]:
+        """Sliding layers: ``req``'s window for its next step of ``n`` tokens. The
+        pages wholly before ``kv_len - W`` leave its window (their references go),
+        the pages the step writes get window pages; returns the window table
+        entries the worker does not have yet, ``(first entry, page ids)``."""
+        if self.window is None:
+            return 0, _NO_PAGES
+        ps = self.page_size
+        drop = min(max(req.kv_len - self.span, 0) // ps, req.win_len)
+        if drop > req.win_low:
+            self.window.unref(req.win[req.win_low : drop].copy())
+            req.win[req.win_low : drop] = -1
+            req.win_low = drop
+        need = self.pages_for(req.kv_len + n)
+        if need > req.win_len:
+            ids = self.alloc_window(need - req.win_len)
+            if ids is None:
+                raise RuntimeError(
+                    f"the window pool ({self.window.num_pages} pages) cannot hold the "
+                    "windows of the running requests; give it more pages "
+                    "(--sliding-pool-pages)"
+                )
+            self._win_room(req, need)[req.win_len : need] = ids
+            req.win_len = need
+        start = max(req.win_sent, req.win_low) if req.win_sent else 0
+        req.win_sent = req.win_len
+        return start, req.win[start : req.win_len]
+
+    def check_window_idle(self) -> None:
+        """At idle every window page is free or held by the tree alone."""
+        w = self.window
+        if w is None:
+            return
+        w.check()
+        held = int(np.count_nonzero(w.held))
+        assert w.num_free + held == w.num_pages, (
+            f"window page leak: {w.num_pages - w.num_free - held} pages"
+        )
+        assert (w.refs[w.held] == 1).all(), "a request's window reference survived it"
 
     # ------------------------------------------------- recurrent states
     def plan_states(self, req: Request, n: int) -> tuple[int, int, int]:

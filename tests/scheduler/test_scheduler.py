@@ -20,6 +20,7 @@ from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.request import ReqStatus
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.scheduler.sim_worker import SIM_IDENTITY, SimWorker, sim_next_token
+from radixserve.scheduler.window_pages import min_window_pages
 
 VOCAB = 512
 EOS = 2
@@ -43,6 +44,8 @@ def make(num_pages=4096, page_size=1, jump_every=0, compile_steps=1, copy_delay=
         disk_dir=cfg.disk_cache_dir,
         copy_delay=copy_delay,
         seed=num_pages,
+        window_pages=cfg.window_pages,
+        window_span=cfg.window_span,
     )
     return sched, worker
 
@@ -303,6 +306,20 @@ def test_random_workloads_with_cache_tiers_keep_kv_right(w, host_pages, disk, de
         )
     assert sched.hit_tokens == sum(sched.tier_hit_tokens)
     assert sched.stats()["copies_in_flight"] == 0
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.integers(1, 40), st.integers(0, 24))
+def test_random_workloads_with_a_window_pool_keep_kv_right(w, span, extra):
+    """The same workloads for a model with sliding layers: window pages in a pool of
+    their own, barely larger than the running requests' windows (so the tree drops
+    window pages and matches end where a window is missing). The simulated worker
+    checks every step's window reads back its own tokens; no page of either pool
+    leaks."""
+    floor = min_window_pages(span, w["page_size"], w["slots"], w["chunk"])
+    sched = run_workload(w, window_pages=floor + extra, window_span=span)
+    stats = sched.stats()
+    assert stats["window_pages_free"] + stats["window_pages_evictable"] == floor + extra
 
 
 def run_workload(w, copy_delay=0, **tiers):
