@@ -25,7 +25,6 @@ import numpy as np
 
 from radixserve.scheduler.allocator import PageAllocator
 
-
 #: Tokens a decode step may add beyond one (a grammar's forced tokens, drafts) that
 #: the window pool's floor makes room for.
 STEP_EXTRA_TOKENS = 8
