@@ -25,18 +25,6 @@ import numpy as np
 
 from radixserve.scheduler.allocator import PageAllocator
 
-#: Tokens a decode step may add beyond one (a grammar's forced tokens, drafts) that
-#: the window pool's floor makes room for.
-STEP_EXTRA_TOKENS = 8
-
-
-def min_window_pages(span: int, page_size: int, max_running: int, chunk: int) -> int:
-    """The fewest window pages that hold every running request's window and one
-    step's new tokens: per request the pages of W + a step's extra tokens (and two
-    partial pages), plus one prefill chunk's pages."""
-    per_request = -(-(span + STEP_EXTRA_TOKENS) // page_size) + 2
-    return max_running * per_request + -(-chunk // page_size)
-
 
 class WindowPages:
     """Window page ids, each with a reference count (module docstring)."""

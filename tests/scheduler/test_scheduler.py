@@ -20,7 +20,7 @@ from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.request import ReqStatus
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.scheduler.sim_worker import SIM_IDENTITY, SimWorker, sim_next_token
-from radixserve.scheduler.window_pages import min_window_pages
+from radixserve.worker.kv_pool import min_window_pages
 
 VOCAB = 512
 EOS = 2

@@ -1,0 +1,139 @@
+"""Sliding layers in a window pool of their own, end to end against transformers.
+
+Tiny Mistral (a window on every layer), Gemma 2 (sliding and global layers
+alternating) and Gemma 3 (two sliding layers, then a global one), windows shorter
+than the prompts, in float64: greedy tokens through the Engine equal transformers'
+while the window pool is small enough that the tree drops window pages (matches
+then end where a window is missing), the same prompts hit the cache beyond the
+window, and requests are retracted; at idle no page of either pool is held by
+anything but the tree. The KV bytes a cached token holds past the window drop by the
+sliding layers' share.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from radixserve import Engine, SamplingParams
+from radixserve.worker.kv_pool import min_window_pages
+from tests.helpers.tiny_models import hf_cached_greedy, make_tiny_model, patch_hf_float64
+
+GEN = 24
+# family -> (window, extra config, sliding layers, layers)
+FAMILIES = {
+    "mistral": (8, {"sliding_window": 8}, 2, 2),
+    "gemma2": (16, {}, 1, 2),
+    "gemma3": (16, {}, 2, 3),
+}
+
+
+def load_hf(folder):
+    from transformers import AutoModelForCausalLM
+
+    return patch_hf_float64(
+        AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+    )
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    made = {}
+
+    def get(family):
+        if family not in made:
+            _, extra, _, _ = FAMILIES[family]
+            made[family] = make_tiny_model(tmp_path_factory.mktemp(family), family, seed=5, **extra)
+        return made[family]
+
+    return get
+
+
+def prompts_for(seed: int) -> list[list[int]]:
+    """Four prompts of 30-60 tokens, two pairs sharing a 24-token prefix."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(2):
+        shared = rng.integers(4, 512, 24).tolist()
+        out += [shared + rng.integers(4, 512, int(rng.integers(6, 36))).tolist() for _ in range(2)]
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_window_pool_greedy_equals_hf(family_dirs, family, page_size):
+    window, _, sliding, layers = FAMILIES[family]
+    folder = family_dirs(family)
+    hf = load_hf(folder)
+    first, other = prompts_for(1), prompts_for(2)
+    want = {tuple(p): hf_cached_greedy(hf, p, GEN) for p in first + other}
+    slots, chunk = 4, 16
+    floor = min_window_pages(window, page_size, slots, chunk)
+    eng = Engine(
+        str(folder), dtype="float64", page_size=page_size, num_pages=400 // page_size,
+        sliding_pool_pages=floor + 4, max_running_requests=slots, chunked_prefill_size=chunk,
+    )  # fmt: skip
+    runner, sched = eng.runner, eng.scheduler
+    assert runner.window_pool is not None and runner.window_span == window
+    assert sched.kv.window is not None and sched.kv.window.num_pages == floor + 4
+    sp = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
+
+    def check(prompts):
+        got = [r.token_ids for r in eng.generate(prompts, sp)]
+        assert got == [want[tuple(p)] for p in prompts]
+        eng.check_idle()
+
+    check(first)
+    hits = eng.stats()["hit_tokens"]
+    check(first)  # the same prompts again: hits past the window
+    again = eng.stats()["hit_tokens"] - hits
+    assert again > 4 * window, f"hits {again} not beyond the window"
+    check(other)  # other prompts: the window pool is short, the tree drops window pages
+    check(first + other)
+    stats = eng.stats()
+    assert stats["window_evicted_pages"] > 0, "the window pool never ran short"
+    # Bytes a cached token holds past the window: the full layers' only.
+    per_token, one_pool = runner.bytes_per_cached_token, runner.bytes_per_token_one_pool
+    assert per_token * layers == one_pool * (layers - sliding)
+    print(f"{family}: {per_token} B per cached token past the window (one pool: {one_pool} B)")
+    eng.close()
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_window_pool_retraction_and_aborts_leak_nothing(family_dirs, family):
+    """A full pool too small for the running requests: the newest are retracted and
+    resume from the tree; a request aborted by a stop string releases its pages;
+    at idle both pools are whole (``check_idle``)."""
+    window, _, _, _ = FAMILIES[family]
+    folder = family_dirs(family)
+    hf = load_hf(folder)
+    prompts = prompts_for(3)
+    want = [hf_cached_greedy(hf, p, 40) for p in prompts]
+    eng = Engine(
+        str(folder), dtype="float64", page_size=1, num_pages=150, max_running_requests=4,
+        chunked_prefill_size=16, decode_reserve_ratio=0.0,
+    )  # fmt: skip
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    assert [r.token_ids for r in eng.generate(prompts, sp)] == want
+    assert eng.stats()["preemptions"] > 0, "nothing was retracted"
+    eng.check_idle()
+    # Aborts: a stop string ends a request mid-decode.
+    text = eng.generate([prompts[0]], SamplingParams(max_tokens=12, temperature=0.0))[0].text
+    stop = text[len(text) // 2 :][:3]
+    if stop.strip():
+        eng.generate(prompts, SamplingParams(max_tokens=30, temperature=0.0, stop=[stop]))
+    eng.check_idle()
+    sched = eng.scheduler
+    w = sched.kv.window
+    assert w.num_free + int(np.count_nonzero(w.held)) == w.num_pages
+    eng.close()
+
+
+def test_one_pool_when_asked(family_dirs):
+    """``sliding_pool_pages=0``: one pool for every layer, as before."""
+    eng = Engine(str(family_dirs("gemma2")), dtype="float64", num_pages=128,
+                 sliding_pool_pages=0)  # fmt: skip
+    assert eng.runner.window_pool is None and eng.scheduler.kv.window is None
+    assert eng.runner.info().window_pages == 0
+    eng.close()
