@@ -355,9 +355,10 @@ class KVCacheManager:
                 )
             self._win_room(req, need)[req.win_len : need] = ids
             req.win_len = need
-        start = max(req.win_sent, req.win_low) if req.win_sent else 0
+        start = max(req.win_sent, req.win_low)
         req.win_sent = req.win_len
-        return start, req.win[start : req.win_len]
+        # A copy: an abort between planning and the step's run writes -1 into req.win.
+        return start, req.win[start : req.win_len].copy()
 
     def check_window_idle(self) -> None:
         """At idle every window page is free or held by the tree alone."""

@@ -137,3 +137,31 @@ def test_one_pool_when_asked(family_dirs):
     assert eng.runner.window_pool is None and eng.scheduler.kv.window is None
     assert eng.runner.info().window_pages == 0
     eng.close()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"cache": "none"},
+        {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 3},
+        {"page_size": 4, "speculative_algorithm": "radix"},
+    ],
+)
+def test_window_pool_without_cache_and_with_drafts(family_dirs, options):
+    """``cache="none"`` (every window page is the request's, freed at finish) and
+    speculative decoding (rejected drafts give their window pages back): the same
+    tokens as transformers, nothing leaked."""
+    folder = family_dirs("gemma3")
+    hf = load_hf(folder)
+    rng = np.random.default_rng(4)
+    motif = rng.integers(4, 512, 6).tolist()
+    prompts = [motif * 6 + rng.integers(4, 512, 5).tolist(), prompts_for(5)[0]]
+    want = [hf_cached_greedy(hf, p, GEN) for p in prompts]
+    eng = Engine(str(folder), dtype="float64", num_pages=512, max_running_requests=4,
+                 chunked_prefill_size=16, **options)  # fmt: skip
+    assert eng.scheduler.kv.window is not None
+    sp = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
+    for _ in range(2):
+        assert [r.token_ids for r in eng.generate(prompts, sp)] == want
+        eng.check_idle()
+    eng.close()

@@ -308,16 +308,21 @@ def test_random_workloads_with_cache_tiers_keep_kv_right(w, host_pages, disk, de
     assert sched.stats()["copies_in_flight"] == 0
 
 
+SPEC = ("off", "ngram", "radix")
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workloads(), st.integers(1, 40), st.integers(0, 24))
-def test_random_workloads_with_a_window_pool_keep_kv_right(w, span, extra):
+@given(workloads(), st.integers(1, 40), st.integers(0, 24), st.sampled_from(SPEC))
+def test_random_workloads_with_a_window_pool_keep_kv_right(w, span, extra, spec):
     """The same workloads for a model with sliding layers: window pages in a pool of
     their own, barely larger than the running requests' windows (so the tree drops
     window pages and matches end where a window is missing). The simulated worker
     checks every step's window reads back its own tokens; no page of either pool
-    leaks."""
+    leaks. With drafts, rejected ones give their window pages back."""
     floor = min_window_pages(span, w["page_size"], w["slots"], w["chunk"])
-    sched = run_workload(w, window_pages=floor + extra, window_span=span)
+    sched = run_workload(
+        w, window_pages=floor + extra, window_span=span, speculative_algorithm=spec
+    )
     stats = sched.stats()
     assert stats["window_pages_free"] + stats["window_pages_evictable"] == floor + extra
 
