@@ -50,10 +50,11 @@ A model with sliding layers keeps their K/V in window pages (``window_pages.py``
 ``WindowRadixCache`` (``window_cache.py``): a match ends where the window pages of
 [L - W, L) are cached. A request holds one reference on each window page its window
 needs (``req.win``, aligned with its page table): those of its match's last W
-tokens at admission (``acquire_prefix``), then, as each step is planned
-(``plan_window``), the new pages the step writes, while the pages wholly before
-``kv_len - W`` are let go. Window pages are allocated when the step is planned, not
-at admission: a request holds about W + its chunk of them, whatever its length. The
+tokens at admission (``acquire_prefix``), then the new pages each step writes, while the
+pages wholly before ``kv_len - W`` are let go: a decoding request's with its other
+pages (``grow_decodes``: short of window pages, it is retracted like one short of
+pages), a prefill chunk's when the step is planned (``plan_window``). So a request
+holds about W + its chunk of window pages, whatever its length. The
 tree takes its own references at insert; release lets the request's go.
 """
 
@@ -212,7 +213,12 @@ class KVCacheManager:
     def grow_decodes(self, reqs: list[Request]) -> bool:
         """Give every decoding request the pages its tokens still without KV need
         (one token's, or a grammar's forced tokens', and its drafts'), all in one
-        allocation; False, changing nothing, when short."""
+        allocation; False, changing nothing, when short. With a window pool their
+        window pages too (first, so a short window pool also ends in a retraction):
+        the pages out of each window go, and the new pages get window pages.
+        """
+        if self.window is not None and not self._grow_windows(reqs):
+            return False
         needy = [(r, self.pages_for(r.num_tokens + len(r.draft)) - r.num_pages) for r in reqs]
         needy = [(r, n) for r, n in needy if n > 0]
         if not needy:
@@ -331,6 +337,39 @@ class KVCacheManager:
             ids = self.window.alloc(n)
         return ids
 
+    def _slide(self, req: Request) -> None:
+        """Let go of the request's window pages wholly before ``kv_len - W``."""
+        assert self.window is not None
+        drop = min(max(req.kv_len - self.span, 0) // self.page_size, req.win_len)
+        if drop > req.win_low:
+            self.window.unref(req.win[req.win_low : drop].copy())
+            req.win[req.win_low : drop] = -1
+            req.win_low = drop
+
+    def _grow_windows(self, reqs: list[Request]) -> bool:
+        """Window pages for the decoding requests' next step, in one allocation;
+        False when short (what left their windows stays let go: harmless)."""
+        assert self.window is not None
+        needy = []
+        for r in reqs:
+            self._slide(r)
+            n = self.pages_for(r.num_tokens + len(r.draft)) - r.win_len
+            if n > 0:
+                needy.append((r, n))
+        if not needy:
+            return True
+        ids = self.alloc_window(sum(n for _, n in needy))
+        if ids is None:
+            return False
+        # The full pages may still be short: hold these where the request can give
+        # them back (its references, released by retraction like the rest).
+        at = 0
+        for r, n in needy:
+            self._win_room(r, r.win_len + n)[r.win_len : r.win_len + n] = ids[at : at + n]
+            r.win_len += n
+            at += n
+        return True
+
     def plan_window(self, req: Request, n: int) -> tuple[int, np.ndarray]:
         """Sliding layers: ``req``'s window for its next step of ``n`` tokens. The
         pages wholly before ``kv_len - W`` leave its window (their references go),
@@ -338,12 +377,7 @@ class KVCacheManager:
         entries the worker does not have yet, ``(first entry, page ids)``."""
         if self.window is None:
             return 0, _NO_PAGES
-        ps = self.page_size
-        drop = min(max(req.kv_len - self.span, 0) // ps, req.win_len)
-        if drop > req.win_low:
-            self.window.unref(req.win[req.win_low : drop].copy())
-            req.win[req.win_low : drop] = -1
-            req.win_low = drop
+        self._slide(req)
         need = self.pages_for(req.kv_len + n)
         if need > req.win_len:
             ids = self.alloc_window(need - req.win_len)

@@ -109,7 +109,7 @@ def test_random_workloads_with_speculation_and_a_window_pool(w, span, extra):
     """The same with a model's sliding layers in a window pool: rejected drafts give
     their window pages back, and the simulated worker checks every window read."""
     floor = min_window_pages(span, w["page_size"], w["slots"], w["chunk"])
-    run_spec_workload(w, window_pages=floor + 2 * w["k"] + extra, window_span=span)
+    run_spec_workload(w, window_pages=floor + extra, window_span=span)
 
 
 def run_spec_workload(w, **window):
