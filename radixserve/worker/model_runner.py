@@ -160,6 +160,12 @@ class ModelRunner:
                 self.window_span, config.page_size, config.max_running_requests,
                 config.chunked_prefill_size,
             )  # fmt: skip
+            if config.sliding_pool_pages is not None and config.sliding_pool_pages < floor:
+                raise ValueError(
+                    f"sliding_pool_pages {config.sliding_pool_pages} is below the {floor} "
+                    f"window pages {config.max_running_requests} running requests' windows "
+                    f"of {self.window_span} tokens and a prefill chunk need (or 0: one pool)"
+                )
             if config.num_pages is not None:
                 num_pages = config.num_pages
                 self.window_pages = config.sliding_pool_pages or max(

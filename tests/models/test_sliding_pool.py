@@ -165,3 +165,32 @@ def test_window_pool_without_cache_and_with_drafts(family_dirs, options):
         assert [r.token_ids for r in eng.generate(prompts, sp)] == want
         eng.check_idle()
     eng.close()
+
+
+def test_full_layers_read_a_long_shared_prefix_once(family_dirs):
+    """Four requests sharing an 80-token prefix decode together: the full layers'
+    backend reads the prefix once (cascade), the window pool's per request; the tokens
+    are transformers'."""
+    folder = family_dirs("gemma2")
+    hf = load_hf(folder)
+    rng = np.random.default_rng(6)
+    shared = rng.integers(4, 512, 80).tolist()
+    prompts = [shared + rng.integers(4, 512, 5 + i).tolist() for i in range(4)]
+    want = [hf_cached_greedy(hf, p, GEN) for p in prompts]
+    eng = Engine(str(folder), dtype="float64", num_pages=1024, max_running_requests=4)
+    sp = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
+    eng.generate([prompts[0]], SamplingParams(max_tokens=1, temperature=0.0))
+    full = eng.runner.backend.full
+    groups = []
+    plan = full._cascade_groups
+
+    def spy(*args):
+        out = plan(*args)
+        groups.append(len(out[0]))
+        return out
+
+    full._cascade_groups = spy
+    assert [r.token_ids for r in eng.generate(prompts, sp)] == want
+    assert max(groups) > 0, "the full layers never read the shared prefix once"
+    eng.check_idle()
+    eng.close()
