@@ -362,7 +362,10 @@ class Scheduler(Admission):
         self._batch = batch
         self.num_steps += 1
         kv = self.kv
-        reqs = [step_req(r, n, kv.plan_states(r, n), kv.plan_window(r, n)) for r, n in batch]
+        if kv.window is None:
+            reqs = [step_req(r, n, kv.plan_states(r, n)) for r, n in batch]
+        else:  # sliding layers' window pages (docs/models.md)
+            reqs = [step_req(r, n, kv.plan_states(r, n), kv.plan_window(r, n)) for r, n in batch]
         self._sampled = [r.sample for r in reqs]
         return Step(
             reqs,
