@@ -194,3 +194,32 @@ def test_full_layers_read_a_long_shared_prefix_once(family_dirs):
     assert max(groups) > 0, "the full layers never read the shared prefix once"
     eng.check_idle()
     eng.close()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_window_pool_equals_one_pool(family_dirs, kv_cache_dtype):
+    """The same tokens with and without the window pool, quantized KV included (the
+    dummy page's keys get weight zero, so nothing the window pool changes is read)."""
+    folder = family_dirs("gemma3")
+    prompts = prompts_for(7)
+    sp = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
+    outs = []
+    for pool in (0, None):
+        eng = Engine(str(folder), dtype="float32", num_pages=512, page_size=4,
+                     kv_cache_dtype=kv_cache_dtype, sliding_pool_pages=pool,
+                     chunked_prefill_size=16)  # fmt: skip
+        assert (eng.runner.window_pool is None) == (pool == 0)
+        outs.append([r.token_ids for r in eng.generate(prompts + prompts, sp)])
+        eng.check_idle()
+        eng.close()
+    assert outs[0] == outs[1]
+
+
+def test_window_pool_refuses_the_native_tree_and_kv_events(family_dirs):
+    folder = str(family_dirs("gemma2"))
+    with pytest.raises(ValueError, match="native radix tree keeps no window pages"):
+        Engine(folder, dtype="float64", num_pages=128, radix_impl="native")
+    eng = Engine(folder, dtype="float64", num_pages=128)
+    with pytest.raises(ValueError, match="window pages"):
+        eng.scheduler.record_kv_events()
+    eng.close()
