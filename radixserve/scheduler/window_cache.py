@@ -25,7 +25,8 @@ Contract, beyond ``RadixCache``'s:
   had dropped its own (so a path whose window pages were dropped is filled again by
   the next request that computes it). The caller keeps its references.
 * ``evict_window(n)`` frees at least ``n`` window pages if it can, least recently
-  used node first (``last_access``): an unlocked leaf is evicted whole (its full
+  used node first (``last_access``, then the older node; a heap with lazy entries,
+  O(log n) per node): an unlocked leaf is evicted whole (its full
   pages are no use without its window), any other node drops its window pages
   and stays (a tombstone: its full pages still serve longer matches whose window
   lies past it). Locks do not cover window pages: a running request holds its
@@ -38,6 +39,7 @@ Only this Python tree keeps window pages: models with sliding layers select it
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 import numpy as np
@@ -79,6 +81,18 @@ class WindowRadixCache(RadixCache):
         self.span = span  # W: the largest sliding window, in tokens
         self._win: dict[RadixNode, np.ndarray] = {}  # node -> its window pages (-1: dropped)
         self.window_dropped = 0  # window pages whose node stayed (tombstoned pages)
+        # Nodes holding window pages, by (last_access, node_id) as of when pushed: every
+        # such node has an entry whose key is at most its current one, so a popped entry
+        # whose key is still current is the least recently used (stale ones go back in).
+        self._wheap: list[tuple[int, int, RadixNode]] = []
+
+    def _wpush(self, node: RadixNode) -> None:
+        heapq.heappush(self._wheap, (node.last_access, node.node_id, node))
+        if len(self._wheap) > 2 * len(self._win) + 64:
+            self._wheap = [
+                (n.last_access, n.node_id, n) for n, w in self._win.items() if (w >= 0).any()
+            ]
+            heapq.heapify(self._wheap)
 
     @property
     def window_cached_pages(self) -> int:
@@ -164,6 +178,7 @@ class WindowRadixCache(RadixCache):
             if fill.any():
                 self.window.hold(mine[fill])
                 have[fill] = mine[fill]
+                self._wpush(node)
             end -= k
             node = node.parent  # type: ignore[assignment]
         return cached_len, last
@@ -175,6 +190,8 @@ class WindowRadixCache(RadixCache):
             k = at // self.page_size
             self._win[prefix] = win[:k]
             self._win[child] = win[k:]
+            if (win[:k] >= 0).any():
+                self._wpush(prefix)
         return prefix
 
     # --------------------------------------------------------------- eviction
@@ -183,21 +200,20 @@ class WindowRadixCache(RadixCache):
         unlocked leaf whole, any other node's window pages only. Returns how many
         window pages were freed."""
         freed = 0
-        order = sorted(
-            (n for n, w in self._win.items() if (w >= 0).any()),
-            key=lambda n: (n.last_access, n.node_id),
-        )
-        for node in order:
-            if freed >= num_pages:
-                break
-            if not node.attached:
+        heap = self._wheap
+        while freed < num_pages and heap:
+            key, nid, node = heapq.heappop(heap)
+            win = self._win.get(node)
+            if win is None or not (win >= 0).any():
+                continue  # gone, or its window pages dropped already
+            if key != node.last_access:
+                heapq.heappush(heap, (node.last_access, nid, node))  # used since: later
                 continue
             if self._is_candidate(node):
                 before = self.window.num_free
                 self._evict_node(node)
                 freed += self.window.num_free - before
             else:
-                win = self._win[node]
                 self.window_dropped += int(np.count_nonzero(win >= 0))
                 freed += self.window.drop(win)
                 win[:] = -1
@@ -232,6 +248,7 @@ class WindowRadixCache(RadixCache):
         for win in wins:
             self.window.drop(win)
         self._win.clear()
+        self._wheap = []
 
     def check(self) -> None:
         super().check()
