@@ -1,7 +1,8 @@
 """Sliding layers in a window pool of their own, end to end against transformers.
 
 Tiny Mistral (a window on every layer), Gemma 2 (sliding and global layers
-alternating) and Gemma 3 (two sliding layers, then a global one), windows shorter
+alternating), Gemma 3 (two sliding layers, then a global one) and Qwen3 (a global
+layer, then a sliding one: ``max_window_layers``), windows shorter
 than the prompts, in float64: greedy tokens through the Engine equal transformers'
 while the window pool is small enough that the tree drops window pages (matches
 then end where a window is missing), the same prompts hit the cache beyond the
@@ -26,6 +27,8 @@ FAMILIES = {
     "mistral": (8, {"sliding_window": 8}, 2, 2),
     "gemma2": (16, {}, 1, 2),
     "gemma3": (16, {}, 2, 3),
+    # layer_types: a full layer, then a sliding one.
+    "qwen3": (8, {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}, 1, 2),
 }
 
 
