@@ -99,7 +99,19 @@ def test_window_pool_greedy_equals_hf(family_dirs, family, page_size):
     # Bytes a cached token holds past the window: the full layers' only.
     per_token, one_pool = runner.bytes_per_cached_token, runner.bytes_per_token_one_pool
     assert per_token * layers == one_pool * (layers - sliding)
-    print(f"{family}: {per_token} B per cached token past the window (one pool: {one_pool} B)")
+    # Measured: the bytes the tree holds per cached token (full pages, and the window
+    # pages it kept) against one pool's.
+    info, cache = runner.info(), sched.cache
+    held = cache.cached_pages * runner.page_bytes + cache.window_cached_pages * (
+        info.window_page_bytes
+    )
+    measured = held / (cache.cached_pages * page_size)
+    assert measured < one_pool
+    print(
+        f"{family} page {page_size}: {per_token} B per cached token past the window, "
+        f"{measured:.0f} B measured over {cache.cached_pages * page_size} cached tokens "
+        f"(one pool: {one_pool} B)"
+    )
     eng.close()
 
 
