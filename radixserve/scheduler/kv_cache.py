@@ -53,8 +53,10 @@ needs (``req.win``, aligned with its page table): those of its match's last W
 tokens at admission (``acquire_prefix``), then the new pages each step writes, while the
 pages wholly before ``kv_len - W`` are let go: a decoding request's with its other
 pages (``grow_decodes``: short of window pages, it is retracted like one short of
-pages), a prefill chunk's when the step is planned (``plan_window``). So a request
-holds about W + its chunk of window pages, whatever its length. The
+pages), a prefill chunk's when it is scheduled (``grow_window``: short, the request
+is not admitted, or the chunked one waits a step). ``plan_window`` then hands the
+worker the entries it lacks. So a request holds about W + its chunk of window
+pages, whatever its length. The
 tree takes its own references at insert; release lets the request's go.
 """
 
@@ -368,6 +370,23 @@ class KVCacheManager:
             self._win_room(r, r.win_len + n)[r.win_len : r.win_len + n] = ids[at : at + n]
             r.win_len += n
             at += n
+        return True
+
+    def grow_window(self, req: Request, n: int) -> bool:
+        """Window pages for ``req``'s next ``n`` tokens (a prefill chunk, when it is
+        scheduled); False, taking none, when short even after the tree dropped what
+        it could. True without a window pool."""
+        if self.window is None:
+            return True
+        self._slide(req)
+        need = self.pages_for(req.kv_len + n)
+        if need <= req.win_len:
+            return True
+        ids = self.alloc_window(need - req.win_len)
+        if ids is None:
+            return False
+        self._win_room(req, need)[req.win_len : need] = ids
+        req.win_len = need
         return True
 
     def plan_window(self, req: Request, n: int) -> tuple[int, np.ndarray]:

@@ -336,9 +336,11 @@ class Scheduler(Admission):
         if self.chunked is not None:
             req = self.chunked
             chunk = min(req.num_tokens - req.kv_len, budget)
-            budget -= chunk
-            batch.append((req, chunk))
-            in_flight.append(req)
+            # Short of window pages (decodes took them): it waits a step.
+            if self.kv.grow_window(req, chunk):
+                budget -= chunk
+                batch.append((req, chunk))
+                in_flight.append(req)
         budget = self._start_loaded(batch, budget, in_flight)
         if budget > 0:
             self._admit(batch, budget, in_flight)
