@@ -390,10 +390,11 @@ class KVCacheManager:
         return True
 
     def plan_window(self, req: Request, n: int) -> tuple[int, np.ndarray]:
-        """Sliding layers: ``req``'s window for its next step of ``n`` tokens. The
-        pages wholly before ``kv_len - W`` leave its window (their references go),
-        the pages the step writes get window pages; returns the window table
-        entries the worker does not have yet, ``(first entry, page ids)``."""
+        """Sliding layers: ``req``'s window for its next step of ``n`` tokens: the
+        window table entries the worker does not have yet, ``(first entry, page
+        ids)``. The pages the step writes have their window pages already
+        (``grow_decodes``, ``grow_window``); a path that did not take them takes
+        them here, and fails the step when it cannot."""
         if self.window is None:
             return 0, _NO_PAGES
         self._slide(req)
