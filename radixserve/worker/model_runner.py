@@ -45,7 +45,6 @@ pinned buffer (``staging.py``), as do the attention backend's index arrays.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import replace
 from typing import Any
 
@@ -73,20 +72,13 @@ from radixserve.protocol import (
     Verified,
 )
 from radixserve.sampling_params import SamplingParams
-from radixserve.worker import cuda_graph
+from radixserve.worker import cuda_graph, window_pool
 from radixserve.worker.attention import AttentionBatch, create_backend
-from radixserve.worker.attention.split import SplitAttention
 from radixserve.worker.config import WorkerConfig, parse_lora_modules
 from radixserve.worker.dtype import choose_dtype
 from radixserve.worker.grammar import GrammarCache, GrammarSlots
 from radixserve.worker.host_cache import HostCache, kv_identity, weights_fingerprint
-from radixserve.worker.kv_pool import (
-    DEFAULT_KV_MEMORY,
-    SLIDING_POOL_RATIO,
-    KVPool,
-    min_window_pages,
-    split_pages,
-)
+from radixserve.worker.kv_pool import DEFAULT_KV_MEMORY, KVPool
 from radixserve.worker.logits import LogitsProcessor, token_logprobs
 from radixserve.worker.lora import LoraSlots
 from radixserve.worker.malloc import tune_malloc
@@ -142,7 +134,7 @@ class ModelRunner:
         windows = cfg.kv_sliding_windows
         self.window_layers: tuple[int, ...] = ()
         self.window_span = 0
-        self.window_reason = self._window_pool_reason(config, cfg, comm)
+        self.window_reason = window_pool.unsupported_reason(config, cfg, comm)
         if self.window_reason is None:
             self.window_layers = tuple(i for i, w in enumerate(windows) if w > 0)
             self.window_span = max(windows)
@@ -156,26 +148,9 @@ class ModelRunner:
         budget = config.kv_memory if config.kv_memory is not None else DEFAULT_KV_MEMORY
         self.window_pages = 0
         if self.window_layers:
-            floor = min_window_pages(
-                self.window_span, config.page_size, config.max_running_requests,
-                config.chunked_prefill_size,
-            )  # fmt: skip
-            if config.sliding_pool_pages is not None and config.sliding_pool_pages < floor:
-                raise ValueError(
-                    f"sliding_pool_pages {config.sliding_pool_pages} is below the {floor} "
-                    f"window pages {config.max_running_requests} running requests' windows "
-                    f"of {self.window_span} tokens and a prefill chunk need (or 0: one pool)"
-                )
-            if config.num_pages is not None:
-                num_pages = config.num_pages
-                self.window_pages = config.sliding_pool_pages or max(
-                    math.ceil(num_pages * SLIDING_POOL_RATIO), floor
-                )
-            else:
-                num_pages, self.window_pages = split_pages(
-                    budget, KVPool.bytes_per_page(*dims), KVPool.bytes_per_page(*wdims),
-                    floor, config.sliding_pool_pages,
-                )  # fmt: skip
+            num_pages, self.window_pages = window_pool.pool_sizes(
+                config, dims, wdims, self.window_span, budget
+            )
         elif config.num_pages is not None:
             num_pages = config.num_pages
         else:
@@ -303,73 +278,32 @@ class ModelRunner:
         if capturer is not None and self.backend.name == "flashinfer":
             self._capture_graphs(capturer, max_pages_per_slot)
 
-    @staticmethod
-    def _window_pool_reason(config: WorkerConfig, cfg: ModelConfig, comm: Comm) -> str | None:
-        """Why the sliding layers share the one pool (None: they get a window pool)."""
-        windows = cfg.kv_sliding_windows
-        if not any(w > 0 for w in windows):
-            return "no sliding layer"
-        if config.sliding_pool_pages == 0:
-            return "sliding_pool_pages 0"
-        if torch.device(config.device).type != "cpu":
-            return (
-                "the window pool runs on the CPU (torch backend) for now: FlashInfer's plans "
-                "and the decode graphs take one page table"
-            )
-        if config.attention_backend == "flashinfer":
-            return "the flashinfer backend takes one page table"
-        if comm.size > 1:
-            return "not with tensor parallelism yet"
-        if config.host_cache_gb:
-            return "cache tiers copy pages of one pool"
-        if cfg.hybrid:
-            return "hybrid models keep recurrent states, not sliding windows"
-        return None
-
     def _create_backend(self, config: WorkerConfig, cfg: ModelConfig, q_heads: int):
         """The attention backend: over the one pool, or (window pool) one per pool
         behind a ``SplitAttention``."""
-        options = {"prefill_backend": config.flashinfer_prefill_backend}
-        if self.window_pool is None:
-            return create_backend(
-                config.attention_backend, self.pool, cfg.attention_scale,
-                cfg.kv_sliding_windows, q_heads, config.decode_kernel, cfg.attn_softcap,
-                options, config.deterministic,
-            )  # fmt: skip
-        windows = cfg.kv_sliding_windows
-        full = None
-        if self.pool.num_layers:
-            full = create_backend(
-                config.attention_backend, self.pool, cfg.attention_scale,
-                tuple(w for i, w in enumerate(windows) if i not in self.window_layers),
-                q_heads, config.decode_kernel, cfg.attn_softcap, options, config.deterministic,
-            )  # fmt: skip
-        window = create_backend(
-            config.attention_backend, self.window_pool, cfg.attention_scale,
-            tuple(windows[i] for i in self.window_layers), q_heads, config.decode_kernel,
-            cfg.attn_softcap, options, config.deterministic,
+        if self.window_pool is not None:
+            return window_pool.split_backend(
+                config, cfg, q_heads, self.pool, self.window_pool, self.window_layers
+            )
+        return create_backend(
+            config.attention_backend, self.pool, cfg.attention_scale, cfg.kv_sliding_windows,
+            q_heads, config.decode_kernel, cfg.attn_softcap,
+            {"prefill_backend": config.flashinfer_prefill_backend}, config.deterministic,
         )  # fmt: skip
-        return SplitAttention(full, window, self.window_layers, len(windows))
 
     @property
     def bytes_per_cached_token(self) -> int:
         """KV bytes a cached token holds once it is past every window: the full
         layers' (every layer's with one pool)."""
-        return self._pool_page_bytes(self.pool) // self.page_size
+        return window_pool.page_bytes(self.pool) // self.page_size
 
     @property
     def bytes_per_token_one_pool(self) -> int:
         """KV bytes of a token with one pool for every layer (what a cached token
         holds without a window pool)."""
         window = self.window_pool
-        extra = 0 if window is None else self._pool_page_bytes(window) // self.page_size
+        extra = 0 if window is None else window_pool.page_bytes(window) // self.page_size
         return self.bytes_per_cached_token + extra
-
-    def _pool_page_bytes(self, pool: KVPool) -> int:
-        return KVPool.bytes_per_page(
-            pool.num_layers, pool.page_size, pool.num_kv_heads, pool.head_dim, pool.dtype,
-            pool.kv_dtype,
-        )  # fmt: skip
 
     def _capture_graphs(self, capturer: cuda_graph.Capturer, max_pages_per_slot: int) -> None:
         """Capture the decode graphs; on failure (a model op that syncs, say) log why
@@ -451,7 +385,7 @@ class ModelRunner:
             window_span=self.window_span,
             window_page_bytes=0
             if self.window_pool is None
-            else self._pool_page_bytes(self.window_pool),
+            else window_pool.page_bytes(self.window_pool),
         )
 
     @property
@@ -459,8 +393,8 @@ class ModelRunner:
         """Tokens of KV (every layer, this rank's heads) one GiB of the pool holds
         (with a window pool: the full pool's tokens per GiB of both pools)."""
         if self.window_pool is not None:
-            full = self._pool_page_bytes(self.pool) * self._num_pages
-            window = self._pool_page_bytes(self.window_pool) * self.window_pages
+            full = window_pool.page_bytes(self.pool) * self._num_pages
+            window = window_pool.page_bytes(self.window_pool) * self.window_pages
             return (1 << 30) * self._num_pages * self.page_size // (full + window)
         return (1 << 30) * self.pool.page_size // KVPool.bytes_per_page(
             self.pool.num_layers, self.pool.page_size, self.pool.num_kv_heads,
