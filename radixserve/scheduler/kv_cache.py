@@ -45,19 +45,11 @@ hands to the tree with the pages ending there. The rule (docs/models.md):
   boundary: the slot's state, copied before the slot is cleared
   (``take_state_saves``, ``Step.state_saves``).
 
-A model with sliding layers keeps their K/V in window pages (``window_pages.py``,
-``window`` here; ``span`` is W, the largest window), and its tree is a
-``WindowRadixCache`` (``window_cache.py``): a match ends where the window pages of
-[L - W, L) are cached. A request holds one reference on each window page its window
-needs (``req.win``, aligned with its page table): those of its match's last W
-tokens at admission (``acquire_prefix``), then the new pages each step writes, while the
-pages wholly before ``kv_len - W`` are let go: a decoding request's with its other
-pages (``grow_decodes``: short of window pages, it is retracted like one short of
-pages), a prefill chunk's when it is scheduled (``grow_window``: short, the request
-is not admitted, or the chunked one waits a step). ``plan_window`` then hands the
-worker the entries it lacks. So a request holds about W + its chunk of window
-pages, whatever its length. The
-tree takes its own references at insert; release lets the request's go.
+A model with sliding layers keeps their K/V in window pages (``window_pages.py``)
+and its tree is a ``WindowRadixCache`` (``window_cache.py``): a match ends where the
+window pages of [L - W, L) are cached. ``windows`` (``window_kv.py``) keeps each
+request's references on the window pages its window needs; this class calls it where
+pages change hands (match, decode pages, prefill chunks, trim, insert, release).
 """
 
 from __future__ import annotations
@@ -69,7 +61,7 @@ from radixserve.scheduler.prefix_cache import MatchResult, PrefixCache
 from radixserve.scheduler.request import ReqStatus, Request
 from radixserve.scheduler.state_cache import StateRadixCache
 from radixserve.scheduler.tiered_cache import TieredCache
-from radixserve.scheduler.window_cache import WindowRadixCache
+from radixserve.scheduler.window_kv import RequestWindows
 from radixserve.scheduler.window_pages import WindowPages
 
 _NO_PAGES = np.zeros(0, dtype=np.int32)
@@ -87,10 +79,7 @@ class KVCacheManager:
         self.cache = cache
         self.page_size = allocator.page_size
         # Sliding layers' window pages (None: the model has none, or one pool for all).
-        self.window = window
-        self.span = span
-        self.wtree = cache if isinstance(cache, WindowRadixCache) else None
-        self.window_evicted = 0  # window pages freed by eviction to make room
+        self.windows = None if window is None else RequestWindows(window, span, cache)
         # A hybrid model's tree, which keeps recurrent-state snapshots (None: not one).
         self.states = cache if isinstance(cache, StateRadixCache) else None
         self._state_saves: list[int] = []  # slot, snapshot pairs for the next step
@@ -151,14 +140,8 @@ class KVCacheManager:
         n = len(m.pages)
         req.table_room(n)[:n] = m.pages
         req.num_pages = n
-        if self.window is not None:
-            win = self._win_room(req, n)
-            win[:n] = -1
-            first = max(m.hit_len - self.span, 0) // self.page_size
-            if self.wtree is not None and n:
-                win[first:n] = self.wtree.window_pages(m.last_node)[first:n]
-            self.window.ref(win[first:n])
-            req.win_low, req.win_len, req.win_sent = first, n, 0
+        if self.windows is not None:
+            self.windows.hold_match(req, m)
 
     def promote(self, req: Request) -> int:
         """With tiers: extend the request's locked match (``acquire_prefix``, no page
@@ -188,7 +171,8 @@ class KVCacheManager:
         """Undo ``acquire_prefix`` for a request that was not admitted after all."""
         if req.node is not None:
             self.cache.unlock(req.node)
-        self._win_release(req)
+        if self.windows is not None:
+            self.windows.release(req)
         req.node = None
         req.locked_len = req.kv_len = req.num_pages = 0
         req.restore_state, req.diverge_at = -1, 0
@@ -219,7 +203,7 @@ class KVCacheManager:
         window pages too (first, so a short window pool also ends in a retraction):
         the pages out of each window go, and the new pages get window pages.
         """
-        if self.window is not None and not self._grow_windows(reqs):
+        if self.windows is not None and not self.windows.grow_decodes(reqs):
             return False
         needy = [(r, self.pages_for(r.num_tokens + len(r.draft)) - r.num_pages) for r in reqs]
         needy = [(r, n) for r, n in needy if n > 0]
@@ -244,13 +228,8 @@ class KVCacheManager:
             return
         self.allocator.free(req.table[keep : req.num_pages].copy())
         req.num_pages = keep
-        if self.window is not None and req.win_len > keep:
-            lo = max(keep, req.win_low)
-            self.window.unref(req.win[lo : req.win_len].copy())
-            req.win[keep : req.win_len] = -1
-            req.win_len = keep
-            req.win_low = min(req.win_low, keep)
-            req.win_sent = min(req.win_sent, keep)
+        if self.windows is not None:
+            self.windows.trim(req, keep)
         if req.sent_pages > keep:
             req.sent_pages = keep
             req.table_cut = True
@@ -274,10 +253,11 @@ class KVCacheManager:
             cached_len, node = self.states.insert(
                 req.tokens[:full], req.table[: full // ps], req.salt, state
             )
-        elif self.wtree is not None:
+        elif self.windows is not None and self.windows.tree is not None:
             n = full // ps
-            win = self._win_room(req, n)[:n]
-            cached_len, node = self.wtree.insert(req.tokens[:full], req.table[:n], req.salt, win)
+            cached_len, node = self.windows.tree.insert(
+                req.tokens[:full], req.table[:n], req.salt, self.windows.of(req, n)
+            )
         else:
             cached_len, node = self.cache.insert(
                 req.tokens[:full], req.table[: full // ps], req.salt
@@ -305,126 +285,38 @@ class KVCacheManager:
         own = req.table[req.locked_len // self.page_size : req.num_pages]
         self.allocator.free(np.concatenate([*req.dups, own]) if req.dups else own)
         self.cache.unlock(req.node)
-        self._win_release(req)
+        if self.windows is not None:
+            self.windows.release(req)
         req.node = None
         req.dups = []
         req.locked_len = req.kv_len = req.num_pages = req.sent_pages = 0
         req.table_cut = False  # the slot is released: the worker clears its table
 
     # ------------------------------------------------------ window pages
-    @staticmethod
-    def _win_room(req: Request, n: int) -> np.ndarray:
-        """The request's window pages, grown (with -1) to hold ``n`` entries."""
-        if n > len(req.win):
-            grown = np.full(max(n, 2 * len(req.win)), -1, dtype=np.int32)
-            grown[: len(req.win)] = req.win
-            req.win = grown
-        return req.win
+    @property
+    def window(self) -> WindowPages | None:
+        """The window pool's pages (None: no window pool)."""
+        return None if self.windows is None else self.windows.pages
 
-    def _win_release(self, req: Request) -> None:
-        """Let go of every window page the request holds."""
-        if self.window is None:
-            return
-        self.window.unref(req.win[req.win_low : req.win_len].copy())
-        req.win[: req.win_len] = -1
-        req.win_low = req.win_len = req.win_sent = 0
-
-    def alloc_window(self, n: int) -> np.ndarray | None:
-        """``n`` fresh window pages, dropping the tree's least recently used ones
-        if needed; None if impossible."""
-        assert self.window is not None
-        ids = self.window.alloc(n)
-        if ids is None and self.wtree is not None:
-            self.window_evicted += self.wtree.evict_window(n - self.window.num_free)
-            ids = self.window.alloc(n)
-        return ids
-
-    def _slide(self, req: Request) -> None:
-        """Let go of the request's window pages wholly before ``kv_len - W``."""
-        assert self.window is not None
-        drop = min(max(req.kv_len - self.span, 0) // self.page_size, req.win_len)
-        if drop > req.win_low:
-            self.window.unref(req.win[req.win_low : drop].copy())
-            req.win[req.win_low : drop] = -1
-            req.win_low = drop
-
-    def _grow_windows(self, reqs: list[Request]) -> bool:
-        """Window pages for the decoding requests' next step, in one allocation;
-        False when short (what left their windows stays let go: harmless)."""
-        assert self.window is not None
-        needy = []
-        for r in reqs:
-            self._slide(r)
-            n = self.pages_for(r.num_tokens + len(r.draft)) - r.win_len
-            if n > 0:
-                needy.append((r, n))
-        if not needy:
-            return True
-        ids = self.alloc_window(sum(n for _, n in needy))
-        if ids is None:
-            return False
-        # The full pages may still be short: hold these where the request can give
-        # them back (its references, released by retraction like the rest).
-        at = 0
-        for r, n in needy:
-            self._win_room(r, r.win_len + n)[r.win_len : r.win_len + n] = ids[at : at + n]
-            r.win_len += n
-            at += n
-        return True
+    @property
+    def window_evicted(self) -> int:
+        return 0 if self.windows is None else self.windows.evicted
 
     def grow_window(self, req: Request, n: int) -> bool:
         """Window pages for ``req``'s next ``n`` tokens (a prefill chunk, when it is
-        scheduled); False, taking none, when short even after the tree dropped what
-        it could. True without a window pool."""
-        if self.window is None:
-            return True
-        self._slide(req)
-        need = self.pages_for(req.kv_len + n)
-        if need <= req.win_len:
-            return True
-        ids = self.alloc_window(need - req.win_len)
-        if ids is None:
-            return False
-        self._win_room(req, need)[req.win_len : need] = ids
-        req.win_len = need
-        return True
+        scheduled); False, taking none, when short. True without a window pool."""
+        return self.windows is None or self.windows.grow(req, n)
 
     def plan_window(self, req: Request, n: int) -> tuple[int, np.ndarray]:
-        """Sliding layers: ``req``'s window for its next step of ``n`` tokens: the
-        window table entries the worker does not have yet, ``(first entry, page
-        ids)``. The pages the step writes have their window pages already
-        (``grow_decodes``, ``grow_window``); a path that did not take them takes
-        them here, and fails the step when it cannot."""
-        if self.window is None:
+        """The window table entries the worker lacks for ``req``'s next step of ``n``
+        tokens, ``(first entry, page ids)`` (``RequestWindows.plan``)."""
+        if self.windows is None:
             return 0, _NO_PAGES
-        self._slide(req)
-        need = self.pages_for(req.kv_len + n)
-        if need > req.win_len:
-            ids = self.alloc_window(need - req.win_len)
-            if ids is None:
-                raise RuntimeError(
-                    f"the window pool ({self.window.num_pages} pages) cannot hold the "
-                    "windows of the running requests; give it more pages "
-                    "(--sliding-pool-pages)"
-                )
-            self._win_room(req, need)[req.win_len : need] = ids
-            req.win_len = need
-        start = max(req.win_sent, req.win_low)
-        req.win_sent = req.win_len
-        # A copy: an abort between planning and the step's run writes -1 into req.win.
-        return start, req.win[start : req.win_len].copy()
+        return self.windows.plan(req, n)
 
     def check_window_idle(self) -> None:
-        """At idle every window page is free or held by the tree alone."""
-        w = self.window
-        if w is None:
-            return
-        w.check()
-        held = int(np.count_nonzero(w.held))
-        assert w.num_free + held == w.num_pages, (
-            f"window page leak: {w.num_pages - w.num_free - held} pages"
-        )
-        assert (w.refs[w.held] == 1).all(), "a request's window reference survived it"
+        if self.windows is not None:
+            self.windows.check_idle()
 
     # ------------------------------------------------- recurrent states
     def plan_states(self, req: Request, n: int) -> tuple[int, int, int]:
