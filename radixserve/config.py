@@ -68,6 +68,7 @@ class EngineConfig:
     disable_cuda_graph: bool = _W.disable_cuda_graph
     flashinfer_prefill_backend: str = _W.flashinfer_prefill_backend
     state_snapshots: int | None = _W.state_snapshots
+    sliding_pool_pages: int | None = _W.sliding_pool_pages
     host_cache_gb: float = _W.host_cache_gb
     disk_cache_dir: str | None = _W.disk_cache_dir  # the scheduler's too
     deterministic: bool = _W.deterministic
@@ -128,6 +129,8 @@ MODEL_FIELDS = (
     "kv_identity",
     "loras",
     "state_snapshots",
+    "window_pages",
+    "window_span",
 )
 
 _C = TypeVar("_C")

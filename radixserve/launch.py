@@ -133,10 +133,12 @@ class Launcher:
             )
         m, e = self.config.model, self.config.engine
         assert m is not None
+        # Sliding layers in a window pool (docs/models.md): its pages and window.
+        window = f"window_pages={m.window_pages} window={m.window_span} " if m.window_pages else ""
         return (
             f"model={m.model_name} pages={m.num_pages} page_size={m.page_size} "
             f"context={m.max_context_len} backend={m.backend_name} dtype={m.dtype} "
-            f"kv_dtype={m.kv_dtype} tokens_per_gib={m.tokens_per_gib} "
+            f"kv_dtype={m.kv_dtype} tokens_per_gib={m.tokens_per_gib} {window}"
             f"cache={e.cache} {self.memory_summary()} ({m.dtype_reason})"
         )
 

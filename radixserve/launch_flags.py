@@ -334,6 +334,13 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
         "one request's state (default: --max-running-requests)",
     )
     p.add_argument(
+        "--sliding-pool-pages",
+        type=int,
+        default=d.sliding_pool_pages,
+        help="models with sliding-window layers: pages of the window pool holding those "
+        "layers' K/V (default: sized from the KV budget; 0: one pool for every layer)",
+    )
+    p.add_argument(
         "--disable-cuda-graph",
         action="store_true",
         default=d.disable_cuda_graph,

@@ -38,6 +38,11 @@ class ModelInfo:
     state_snapshots: int = 0  # snapshot entries of the state pool (hybrid models)
     kv_dtype: str = ""  # what the KV pool stores (worker/kv_quant.py), e.g. bfloat16, int8
     tokens_per_gib: int = 0  # tokens of KV (all layers) one GiB of pool holds, per rank
+    # Sliding layers in a window pool of their own (docs/models.md; 0: none): its
+    # pages, W (the largest sliding window, tokens) and one window page's bytes.
+    window_pages: int = 0
+    window_span: int = 0
+    window_page_bytes: int = 0
 
     @classmethod
     def from_dict(cls, info: dict[str, Any]) -> ModelInfo:

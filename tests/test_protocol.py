@@ -41,7 +41,11 @@ MESSAGES = [
     P.RequestError(rid="r", message="too long"),
     P.AdminReply(tag=1, data={"freed_pages": 0}),
     P.Step(
-        [P.StepReq(0, I32, 5, I32[:1], False, None), P.StepReq(1, I32, 0, I32, True, SP)],
+        [
+            P.StepReq(0, I32, 5, I32[:1], False, None),
+            P.StepReq(1, I32, 0, I32, True, SP),
+            P.StepReq(2, I32, 9, I32, window_start=2, window_pages=I32),
+        ],
         release=I32,
         step_id=7,
     ),

@@ -181,6 +181,13 @@ class StepReq(Message):
     keep_pages: when >= 0, the slot's page table is first cut to this many pages
     (the scheduler freed the pages past a verification's accepted tokens), then
     ``new_pages`` are appended.
+    window_start, window_pages: models whose sliding layers keep their K/V in the
+    window pool (docs/models.md, "Sliding windows and the cache"): entries
+    ``window_start ..`` of the slot's window page table are set to these window
+    page ids (-1: the dummy page, a page whose tokens no query of the slot can see
+    any more). After them the window table covers the pages of positions
+    ``[max(0, start_pos - W), start_pos + len(input_ids))`` (W: the largest
+    window); pages wholly before ``start_pos - W`` are the dummy page.
     """
 
     slot: int = f(INT)
@@ -200,6 +207,8 @@ class StepReq(Message):
     state_save: int = f(INT, -1)
     num_drafts: int = f(INT, 0)
     keep_pages: int = f(INT, -1)
+    window_start: int = f(INT, 0)
+    window_pages: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
 
 
 @dataclass

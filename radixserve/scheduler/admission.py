@@ -254,8 +254,9 @@ class Admission:
                     self.kv.release_prefix(req)
                     break
                 chunk = budget
-            # The memory budget above counts evictable pages: this cannot fail.
-            if not self.kv.grow(req, req.num_tokens):
+            # The memory budget above counts evictable pages: this cannot fail. The
+            # window pages of its first chunk (a model's sliding layers) can.
+            if not self.kv.grow_window(req, chunk) or not self.kv.grow(req, req.num_tokens):
                 self.kv.release_prefix(req)
                 break
             reserved += reserve

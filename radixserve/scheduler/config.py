@@ -115,8 +115,19 @@ class SchedulerConfig:
     # A hybrid model's recurrent-state snapshots in the worker's state pool
     # (ModelInfo; 0: not a hybrid model): the radix tree keeps them (state_cache.py).
     state_snapshots: int = 0
+    # A model whose sliding layers keep their K/V in the window pool (ModelInfo; 0:
+    # none): its pages, and W, the largest sliding window in tokens (window_cache.py).
+    window_pages: int = 0
+    window_span: int = 0
 
     def __post_init__(self) -> None:
+        if self.window_pages and self.window_span < 1:
+            raise ValueError("a window pool needs window_span >= 1")
+        if self.window_pages and self.host_pages:
+            raise ValueError(
+                "cache tiers (--host-cache-gb) do not hold the sliding layers' window "
+                "pages yet: use --sliding-pool-pages 0 (one pool for every layer)"
+            )
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.cache not in CACHE_MODES:

@@ -44,6 +44,12 @@ hands to the tree with the pages ending there. The rule (docs/models.md):
 - at release (finish, abort, retraction) when the computed length is a page
   boundary: the slot's state, copied before the slot is cleared
   (``take_state_saves``, ``Step.state_saves``).
+
+A model with sliding layers keeps their K/V in window pages (``window_pages.py``)
+and its tree is a ``WindowRadixCache`` (``window_cache.py``): a match ends where the
+window pages of [L - W, L) are cached. ``windows`` (``window_kv.py``) keeps each
+request's references on the window pages its window needs; this class calls it where
+pages change hands (match, decode pages, prefill chunks, trim, insert, release).
 """
 
 from __future__ import annotations
@@ -55,13 +61,25 @@ from radixserve.scheduler.prefix_cache import MatchResult, PrefixCache
 from radixserve.scheduler.request import ReqStatus, Request
 from radixserve.scheduler.state_cache import StateRadixCache
 from radixserve.scheduler.tiered_cache import TieredCache
+from radixserve.scheduler.window_kv import RequestWindows
+from radixserve.scheduler.window_pages import WindowPages
+
+_NO_PAGES = np.zeros(0, dtype=np.int32)
 
 
 class KVCacheManager:
-    def __init__(self, allocator: PageAllocator, cache: PrefixCache) -> None:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        cache: PrefixCache,
+        window: WindowPages | None = None,
+        span: int = 0,
+    ) -> None:
         self.allocator = allocator
         self.cache = cache
         self.page_size = allocator.page_size
+        # Sliding layers' window pages (None: the model has none, or one pool for all).
+        self.windows = None if window is None else RequestWindows(window, span, cache)
         # A hybrid model's tree, which keeps recurrent-state snapshots (None: not one).
         self.states = cache if isinstance(cache, StateRadixCache) else None
         self._state_saves: list[int] = []  # slot, snapshot pairs for the next step
@@ -122,6 +140,8 @@ class KVCacheManager:
         n = len(m.pages)
         req.table_room(n)[:n] = m.pages
         req.num_pages = n
+        if self.windows is not None:
+            self.windows.hold_match(req, m)
 
     def promote(self, req: Request) -> int:
         """With tiers: extend the request's locked match (``acquire_prefix``, no page
@@ -151,6 +171,8 @@ class KVCacheManager:
         """Undo ``acquire_prefix`` for a request that was not admitted after all."""
         if req.node is not None:
             self.cache.unlock(req.node)
+        if self.windows is not None:
+            self.windows.release(req)
         req.node = None
         req.locked_len = req.kv_len = req.num_pages = 0
         req.restore_state, req.diverge_at = -1, 0
@@ -177,7 +199,12 @@ class KVCacheManager:
     def grow_decodes(self, reqs: list[Request]) -> bool:
         """Give every decoding request the pages its tokens still without KV need
         (one token's, or a grammar's forced tokens', and its drafts'), all in one
-        allocation; False, changing nothing, when short."""
+        allocation; False, changing nothing, when short. With a window pool their
+        window pages too (first, so a short window pool also ends in a retraction):
+        the pages out of each window go, and the new pages get window pages.
+        """
+        if self.windows is not None and not self.windows.grow_decodes(reqs):
+            return False
         needy = [(r, self.pages_for(r.num_tokens + len(r.draft)) - r.num_pages) for r in reqs]
         needy = [(r, n) for r, n in needy if n > 0]
         if not needy:
@@ -201,6 +228,8 @@ class KVCacheManager:
             return
         self.allocator.free(req.table[keep : req.num_pages].copy())
         req.num_pages = keep
+        if self.windows is not None:
+            self.windows.trim(req, keep)
         if req.sent_pages > keep:
             req.sent_pages = keep
             req.table_cut = True
@@ -223,6 +252,11 @@ class KVCacheManager:
             assert self.states is not None
             cached_len, node = self.states.insert(
                 req.tokens[:full], req.table[: full // ps], req.salt, state
+            )
+        elif self.windows is not None and self.windows.tree is not None:
+            n = full // ps
+            cached_len, node = self.windows.tree.insert(
+                req.tokens[:full], req.table[:n], req.salt, self.windows.of(req, n)
             )
         else:
             cached_len, node = self.cache.insert(
@@ -251,10 +285,38 @@ class KVCacheManager:
         own = req.table[req.locked_len // self.page_size : req.num_pages]
         self.allocator.free(np.concatenate([*req.dups, own]) if req.dups else own)
         self.cache.unlock(req.node)
+        if self.windows is not None:
+            self.windows.release(req)
         req.node = None
         req.dups = []
         req.locked_len = req.kv_len = req.num_pages = req.sent_pages = 0
         req.table_cut = False  # the slot is released: the worker clears its table
+
+    # ------------------------------------------------------ window pages
+    @property
+    def window(self) -> WindowPages | None:
+        """The window pool's pages (None: no window pool)."""
+        return None if self.windows is None else self.windows.pages
+
+    @property
+    def window_evicted(self) -> int:
+        return 0 if self.windows is None else self.windows.evicted
+
+    def grow_window(self, req: Request, n: int) -> bool:
+        """Window pages for ``req``'s next ``n`` tokens (a prefill chunk, when it is
+        scheduled); False, taking none, when short. True without a window pool."""
+        return self.windows is None or self.windows.grow(req, n)
+
+    def plan_window(self, req: Request, n: int) -> tuple[int, np.ndarray]:
+        """The window table entries the worker lacks for ``req``'s next step of ``n``
+        tokens, ``(first entry, page ids)`` (``RequestWindows.plan``)."""
+        if self.windows is None:
+            return 0, _NO_PAGES
+        return self.windows.plan(req, n)
+
+    def check_window_idle(self) -> None:
+        if self.windows is not None:
+            self.windows.check_idle()
 
     # ------------------------------------------------- recurrent states
     def plan_states(self, req: Request, n: int) -> tuple[int, int, int]:

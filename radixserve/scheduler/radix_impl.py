@@ -19,6 +19,8 @@ from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.prefix_cache import NoCache, PrefixCache
 from radixserve.scheduler.radix_cache import RadixCache
 from radixserve.scheduler.state_cache import StateRadixCache
+from radixserve.scheduler.window_cache import WindowRadixCache
+from radixserve.scheduler.window_pages import WindowPages
 
 try:
     from radixserve.scheduler.radix_native import NativeRadixCache
@@ -83,14 +85,29 @@ def make_prefix_cache(
     policy: str = "lru",
     max_retained_pages: int | None = None,
     num_states: int = 0,
+    window: WindowPages | None = None,
+    span: int = 0,
 ) -> PrefixCache:
     """The prefix cache over ``allocator``: ``cache`` is "radix" or "none".
     ``num_states`` > 0 (a hybrid model's recurrent-state snapshots): the radix tree
-    is the Python ``StateRadixCache``, which keeps them (the native tree does not)."""
+    is the Python ``StateRadixCache``, which keeps them (the native tree does not).
+    ``window`` (a model's sliding layers in a window pool, W = ``span`` tokens): the
+    Python ``WindowRadixCache``, for the same reason."""
     if cache == "none":
         return NoCache(allocator)
     if cache != "radix":
         raise ValueError(f"unknown cache {cache!r}; choose from ('radix', 'none')")
+    if window is not None:
+        # Sliding layers' window pages: only the Python tree keeps them.
+        if impl == "native":
+            raise ValueError(
+                "the native radix tree keeps no window pages, which a model with sliding "
+                "layers in a window pool needs: use --radix-impl python or auto (or "
+                "--sliding-pool-pages 0)"
+            )
+        return WindowRadixCache(
+            allocator, window, span, policy=policy, max_retained_pages=max_retained_pages
+        )
     if num_states:
         if impl == "native":
             raise ValueError(

@@ -112,6 +112,14 @@ class Request:
     # The worker's page table for the slot is longer than ``sent_pages`` (pages past a
     # verification's accepted tokens were freed): the next step tells it to cut.
     table_cut: bool = False
+    # Models with sliding layers (KVCacheManager.plan_window): the window pages of
+    # table entries [0, win_len), aligned with ``table``; the request holds one
+    # reference on each entry >= 0 (entries below ``win_low`` are -1: out of its
+    # window); the first ``win_sent`` entries were sent to the worker.
+    win: np.ndarray = field(default_factory=lambda: _NO_DRAFT)
+    win_low: int = 0
+    win_len: int = 0
+    win_sent: int = 0
 
     @classmethod
     def create(

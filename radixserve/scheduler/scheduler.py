@@ -75,6 +75,7 @@ from radixserve.scheduler.speculative import NO_DRAFT, Drafter
 from radixserve.scheduler.step_io import file_scores, step_req, take_tokens
 from radixserve.scheduler.tiered_cache import build_tiers
 from radixserve.scheduler.waiting import QueueTimes, WaitingQueue
+from radixserve.scheduler.window_pages import WindowPages
 
 
 class Scheduler(Admission):
@@ -82,6 +83,10 @@ class Scheduler(Admission):
         self.config = config
         self.page_size = config.page_size
         self.allocator = PageAllocator(config.num_pages, config.page_size)
+        # Sliding layers' window pages (docs/models.md): a pool of their own.
+        window = None
+        if config.window_pages:
+            window = WindowPages(config.window_pages, config.page_size)
         self.cache = make_prefix_cache(
             self.allocator,
             config.cache,
@@ -89,12 +94,14 @@ class Scheduler(Admission):
             config.radix_eviction_policy,
             int(config.max_retained_share * config.num_pages),
             config.state_snapshots,
+            window,
+            config.window_span,
         )
         # What the metrics label evictions with: "none" when nothing is cached.
         self.cache_policy = config.radix_eviction_policy if config.cache != "none" else "none"
         if config.host_pages:
             self.cache = build_tiers(self.cache, self.allocator, config)
-        self.kv = KVCacheManager(self.allocator, self.cache)
+        self.kv = KVCacheManager(self.allocator, self.cache, window, config.window_span)
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.chunked: Request | None = None  # the request whose prefill continues next step
@@ -329,9 +336,11 @@ class Scheduler(Admission):
         if self.chunked is not None:
             req = self.chunked
             chunk = min(req.num_tokens - req.kv_len, budget)
-            budget -= chunk
-            batch.append((req, chunk))
-            in_flight.append(req)
+            # Short of window pages (decodes took them): it waits a step.
+            if self.kv.grow_window(req, chunk):
+                budget -= chunk
+                batch.append((req, chunk))
+                in_flight.append(req)
         budget = self._start_loaded(batch, budget, in_flight)
         if budget > 0:
             self._admit(batch, budget, in_flight)
@@ -354,7 +363,11 @@ class Scheduler(Admission):
             return None
         self._batch = batch
         self.num_steps += 1
-        reqs = [step_req(req, n, self.kv.plan_states(req, n)) for req, n in batch]
+        kv = self.kv
+        if kv.window is None:
+            reqs = [step_req(r, n, kv.plan_states(r, n)) for r, n in batch]
+        else:  # sliding layers' window pages (docs/models.md)
+            reqs = [step_req(r, n, kv.plan_states(r, n), kv.plan_window(r, n)) for r, n in batch]
         self._sampled = [r.sample for r in reqs]
         return Step(
             reqs,
@@ -515,6 +528,11 @@ class Scheduler(Admission):
                 "KV cache events do not describe recurrent-state snapshots yet: not "
                 "available for hybrid models"
             )
+        if self.kv.window is not None:
+            raise ValueError(
+                "KV cache events do not describe window pages yet: not available for a "
+                "model whose sliding layers have a window pool (--sliding-pool-pages 0)"
+            )
         tiers = self.kv.tiers
         if tiers is not None:
             # Under the tiers: the events describe the pool (L1), whose pages a match
@@ -561,6 +579,12 @@ class Scheduler(Admission):
             "queue_time": self.queue_times.snapshot(),
             "state_snapshots": self.config.state_snapshots,  # 0: not a hybrid model
         }
+        window = self.kv.window
+        if window is not None:
+            out["window_pages"] = window.num_pages
+            out["window_pages_free"] = window.num_free
+            out["window_pages_evictable"] = window.evictable
+            out["window_evicted_pages"] = self.kv.window_evicted
         tiers = self.kv.tiers
         if tiers is not None:
             out.update(tiers.stats())
@@ -582,6 +606,7 @@ class Scheduler(Admission):
         )
         assert len(self._free_slots) == self.config.max_running_requests, "a slot leaked"
         self.kv.check_states_idle()
+        self.kv.check_window_idle()
         assert not self.grammars.in_use, "a grammar outlived its requests"
         assert not any(a.requests for a in self.loras.by_id.values()), (
             "a LoRA adapter's request count outlived its requests"

@@ -23,6 +23,12 @@ step has nothing to compute). A scheduler that computes on a
 page still in flight, or reuses a slot, page or file a ticket still reads or
 writes, changes the outputs or fails a check.
 
+Sliding layers' window pages, simulated (``window_pages`` > 0, W = ``window_span``):
+every position is also written into the slot's window page table
+(``window_start``/``window_pages``, -1 the dummy page), and a sampling step checks
+that the positions ``[max(0, start_pos - W), end)`` read back through it hold their
+own tokens: a window page dropped, shared or reused wrongly fails the check.
+
 Speculative decoding: a request's drafts (``num_drafts``) are written to KV like
 any input and verified greedily against the simulated model, read back through the
 page table (``StepResult.verified``); ``keep_pages`` cuts the slot's table first.
@@ -85,6 +91,8 @@ class SimWorker:
         identity: str = SIM_IDENTITY,
         copy_delay: int = 0,
         seed: int = 0,
+        window_pages: int = 0,
+        window_span: int = 0,
     ):
         self.jump_every = jump_every
         self.jump_len = jump_len
@@ -105,6 +113,12 @@ class SimWorker:
         self._late: list[_Copies] = []
         self.hold_copies = False  # tests: only a step with nothing to compute finishes one
         self._steps = 0
+        # Window pages (the last one is the dummy page) and each slot's window table.
+        self.window_span = window_span
+        self.dummy = window_pages
+        self.win_tokens = np.full((window_pages + 1, page_size), -1, dtype=np.int64)
+        self.win_positions = np.full((window_pages + 1, page_size), -1, dtype=np.int64)
+        self.win_tables = [np.zeros(0, dtype=np.int64) for _ in range(max_slots)]
 
     @staticmethod
     def page_bytes(page_size: int) -> int:
@@ -161,6 +175,41 @@ class SimWorker:
                 self._set_page(page, np.frombuffer(payload, dtype="<i8").reshape(2, self.page_size))
         return [c.ticket for c in due]
 
+    def _window_step(self, r, pos: np.ndarray) -> None:
+        """Apply ``r``'s window table entries, write its positions into their window
+        pages and check that its window reads back right."""
+        ps = self.page_size
+        win = self.win_tables[r.slot]
+        need = -(-int(pos[-1] + 1) // ps)
+        end = max(r.window_start + len(r.window_pages), need)
+        if len(win) < end:
+            win = np.concatenate([win, np.full(end - len(win), self.dummy, dtype=np.int64)])
+        ids = np.asarray(r.window_pages, dtype=np.int64)
+        win[r.window_start : r.window_start + len(ids)] = np.where(ids < 0, self.dummy, ids)
+        self.win_tables[r.slot] = win
+        pages = win[pos // ps]
+        if (pages == self.dummy).any():
+            raise AssertionError(f"slot {r.slot}: a new token's window page is the dummy page")
+        self.win_tokens[pages, pos % ps] = r.input_ids
+        self.win_positions[pages, pos % ps] = pos
+        lo = max(r.start_pos - self.window_span, 0)
+        seen_pos = np.arange(lo, int(pos[-1]) + 1)
+        pages = win[seen_pos // ps]
+        got = self.win_positions[pages, seen_pos % ps]
+        tbl = np.asarray(self.tables[r.slot], dtype=np.int64)
+        want = self.tokens[tbl[seen_pos // ps], seen_pos % ps]
+        if (
+            not np.array_equal(got, seen_pos)
+            or (pages == self.dummy).any()
+            or not np.array_equal(self.win_tokens[pages, seen_pos % ps], want)
+        ):
+            bad = (
+                int(seen_pos[np.flatnonzero((got != seen_pos) | (pages == self.dummy))[0]])
+                if ((got != seen_pos) | (pages == self.dummy)).any()
+                else -1
+            )
+            raise AssertionError(f"slot {r.slot}: window position {bad} does not hold its KV")
+
     def step(self, batch: Step) -> StepResult:
         ps = self.page_size
         self._steps += 1
@@ -175,6 +224,7 @@ class SimWorker:
                 raise AssertionError(f"release of slot {slot}, which is not active")
             self.active[slot] = False
             self.tables[slot] = []
+            self.win_tables[slot] = np.zeros(0, dtype=np.int64)
         out = []
         forced = []
         verified: list[Verified] = []
@@ -199,6 +249,8 @@ class SimWorker:
             pos = np.arange(r.start_pos, end)
             self.tokens[tbl[pos // ps], pos % ps] = r.input_ids
             self.positions[tbl[pos // ps], pos % ps] = pos
+            if self.window_span:
+                self._window_step(r, pos)
             if r.sample:
                 allpos = np.arange(end)
                 seen = self.positions[tbl[allpos // ps], allpos % ps]

@@ -17,13 +17,19 @@ from radixserve.scheduler.request import Request
 _NO_TOKENS = np.zeros(0, dtype=np.int32)
 
 
-def step_req(req: Request, n: int, states: tuple[int, int, int] = (-1, 0, -1)) -> StepReq:
+def step_req(
+    req: Request,
+    n: int,
+    states: tuple[int, int, int] = (-1, 0, -1),
+    window: tuple[int, np.ndarray] = (0, _NO_TOKENS),
+) -> StepReq:
     """What the worker computes for ``req`` this step: ``n`` tokens from ``req.kv_len``
     (its drafts, ``req.draft``, counted in and last), the pages it has not been sent
     (after cutting its table when a verification gave pages back), its sampling the
     first time, the prompt positions to score, and (hybrid models) the state
     snapshots to restore and save, ``(restore, save_at, save)``
-    (``KVCacheManager.plan_states``)."""
+    (``KVCacheManager.plan_states``), and (sliding layers) the window table entries
+    to set, ``(start, pages)`` (``KVCacheManager.plan_window``)."""
     # Views, not copies: these ranges of a request's buffers never change
     # while it runs, and the worker consumes the step before the next one.
     new_pages = req.table[req.sent_pages : req.num_pages]
@@ -68,6 +74,7 @@ def step_req(req: Request, n: int, states: tuple[int, int, int] = (-1, 0, -1)) -
         *states,
         k,
         keep_pages,
+        *window,
     )
 
 

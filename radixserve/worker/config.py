@@ -70,6 +70,11 @@ class WorkerConfig:
     state_snapshots: a hybrid model's recurrent-state snapshots the prefix cache may
     keep (each one request's state, ``ModelInfo.state_bytes``); None:
     ``max_running_requests``. Ignored for other models.
+    sliding_pool_pages: models with sliding-window layers: the pages of the window
+    pool that holds those layers' K/V (docs/models.md, "Sliding windows and the
+    cache"); None: sized from the budget (``kv_pool.SLIDING_POOL_RATIO`` of the full pool's
+    tokens, at least what the running requests' windows need); 0: one pool for
+    every layer (as models without sliding layers). CPU only for now.
     flashinfer_prefill_backend: the flashinfer backend's prefill kernels, ``auto``
     (FlashInfer's choice: fa3 on Hopper), ``fa2`` or ``fa3``. Without prebuilt kernels
     (flashinfer-jit-cache) fa3 takes far longer to JIT-build at start than fa2.
@@ -103,8 +108,11 @@ class WorkerConfig:
     lora_modules: tuple[str, ...] = ()
     max_lora_rank: int = 64
     state_snapshots: int | None = None
+    sliding_pool_pages: int | None = None
 
     def __post_init__(self) -> None:
+        if self.sliding_pool_pages is not None and self.sliding_pool_pages < 0:
+            raise ValueError(f"sliding_pool_pages must be >= 0, got {self.sliding_pool_pages}")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         parse_lora_modules(self.lora_modules)

@@ -10,6 +10,8 @@ slot reads is the page table's (``page_table.py``).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from radixserve.worker.kv_quant import Quant, entry_dim, resolve_kv_dtype
@@ -83,3 +85,55 @@ class KVPool:
         if n < 1:
             raise ValueError(f"KV memory budget {budget_bytes} B is below one page ({per_page} B)")
         return n
+
+
+#: The window pool's size, in tokens, as a share of the full pool's, when the budget
+#: sizes it (models with sliding layers; ``split_pages``).
+SLIDING_POOL_RATIO = 0.25
+#: With no full-attention layer at all (Mistral), full pages cost no bytes: the full
+#: pool (then the tree's token bookkeeping only) is capped at this many times the
+#: pages one pool for every layer would have had.
+NO_FULL_LAYERS_CAP = 16
+
+
+#: Tokens a decode step may add beyond one (a grammar's forced tokens, drafts) that
+#: the window pool's floor makes room for.
+STEP_EXTRA_TOKENS = 8
+
+
+def min_window_pages(span: int, page_size: int, max_running: int, chunk: int) -> int:
+    """The fewest window pages that hold every running request's window and one
+    step's new tokens: per request the pages of W + a step's extra tokens (and two
+    partial pages), plus one prefill chunk's pages."""
+    per_request = -(-(span + STEP_EXTRA_TOKENS) // page_size) + 2
+    return max_running * per_request + -(-chunk // page_size)
+
+
+def split_pages(
+    budget_bytes: int,
+    full_page_bytes: int,
+    window_page_bytes: int,
+    floor: int,
+    window_pages: int | None = None,
+) -> tuple[int, int]:
+    """``(full pages, window pages)`` for a KV budget split between the full layers'
+    pool and the sliding layers' window pool: the window pool holds
+    ``SLIDING_POOL_RATIO`` of the full pool's tokens, and at least
+    ``floor`` (``min_window_pages``; or exactly ``window_pages`` when given); the full pool
+    takes the rest. ValueError when not one full page fits."""
+    if window_pages is None:
+        per_page = full_page_bytes + SLIDING_POOL_RATIO * window_page_bytes
+        full = int(budget_bytes // per_page)
+        window_pages = max(math.ceil(full * SLIDING_POOL_RATIO), floor)
+    left = budget_bytes - window_pages * window_page_bytes
+    one_pool = budget_bytes // (full_page_bytes + window_page_bytes)
+    if full_page_bytes:
+        full = left // full_page_bytes
+    else:
+        full = NO_FULL_LAYERS_CAP * one_pool if left >= 0 else 0
+    if full < 1:
+        raise ValueError(
+            f"KV memory budget {budget_bytes} B holds no full page besides a window pool of "
+            f"{window_pages} pages ({window_page_bytes} B each)"
+        )
+    return int(full), int(window_pages)

@@ -45,6 +45,7 @@ pinned buffer (``staging.py``), as do the attention backend's index arrays.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -71,7 +72,7 @@ from radixserve.protocol import (
     Verified,
 )
 from radixserve.sampling_params import SamplingParams
-from radixserve.worker import cuda_graph
+from radixserve.worker import cuda_graph, window_pool
 from radixserve.worker.attention import AttentionBatch, create_backend
 from radixserve.worker.config import WorkerConfig, parse_lora_modules
 from radixserve.worker.dtype import choose_dtype
@@ -81,7 +82,7 @@ from radixserve.worker.kv_pool import DEFAULT_KV_MEMORY, KVPool
 from radixserve.worker.logits import LogitsProcessor, token_logprobs
 from radixserve.worker.lora import LoraSlots
 from radixserve.worker.malloc import tune_malloc
-from radixserve.worker.page_table import PageTable
+from radixserve.worker.page_table import PageTable, WindowTable
 from radixserve.worker.sampler import Sampler
 from radixserve.worker.speculative import verify
 from radixserve.worker.staging import Staging
@@ -128,15 +129,31 @@ class ModelRunner:
         self.model_config = cfg
         self._model_name = source.name
         heads = head_shard(cfg, Shard(comm.rank, comm.size))  # this rank's share of the heads
+        # Sliding layers with a window pool of their own (docs/models.md): their K/V
+        # lives in window pages, the full layers' in the main pool.
+        windows = cfg.kv_sliding_windows
+        self.window_layers: tuple[int, ...] = ()
+        self.window_span = 0
+        self.window_reason = window_pool.unsupported_reason(config, cfg, comm)
+        if self.window_reason is None:
+            self.window_layers = tuple(i for i, w in enumerate(windows) if w > 0)
+            self.window_span = max(windows)
+        full_layers = len(cfg.kv_layers) - len(self.window_layers)
         # A hybrid model's recurrent layers have no K/V: the pool holds the others only.
         dims = (
-            len(cfg.kv_layers), config.page_size, heads.kv_heads, cfg.head_dim, dtype,
+            full_layers, config.page_size, heads.kv_heads, cfg.head_dim, dtype,
             config.kv_cache_dtype,
         )  # fmt: skip
-        if config.num_pages is not None:
+        wdims = (len(self.window_layers), *dims[1:])
+        budget = config.kv_memory if config.kv_memory is not None else DEFAULT_KV_MEMORY
+        self.window_pages = 0
+        if self.window_layers:
+            num_pages, self.window_pages = window_pool.pool_sizes(
+                config, dims, wdims, self.window_span, budget
+            )
+        elif config.num_pages is not None:
             num_pages = config.num_pages
         else:
-            budget = config.kv_memory if config.kv_memory is not None else DEFAULT_KV_MEMORY
             num_pages = KVPool.pages_for_budget(budget, *dims)
         self._num_pages = num_pages
         # Decode graphs only without tensor parallelism for now: a captured step would hold
@@ -147,13 +164,31 @@ class ModelRunner:
         # With graphs possible, one more page than the scheduler is told of: pad rows of a
         # replayed batch read and write it, and no request is ever given it.
         self.pool = KVPool(
-            len(cfg.kv_layers), num_pages + (capturer is not None), config.page_size,
+            full_layers, num_pages + (capturer is not None), config.page_size,
             heads.kv_heads, cfg.head_dim, dtype, self._device, config.kv_cache_dtype,
         )  # fmt: skip
-        log.info(
-            "KV pool: %d pages of %s, %d tokens per GiB",
-            num_pages, self.pool.kv_dtype_name, self.tokens_per_gib,
-        )  # fmt: skip
+        # The window pool's last page is the dummy page (page_table.WindowTable).
+        self.window_pool: KVPool | None = None
+        if self.window_layers:
+            self.window_pool = KVPool(
+                len(self.window_layers), self.window_pages + 1, config.page_size,
+                heads.kv_heads, cfg.head_dim, dtype, self._device, config.kv_cache_dtype,
+            )  # fmt: skip
+            log.info(
+                "KV pools: %d pages (%d full layers) and a window pool of %d pages (%d "
+                "sliding layers, window %d) of %s; %d tokens per GiB; %d bytes per cached "
+                "token past the window (one pool: %d)",
+                num_pages, full_layers, self.window_pages, len(self.window_layers),
+                self.window_span, self.pool.kv_dtype_name, self.tokens_per_gib,
+                self.bytes_per_cached_token, self.bytes_per_token_one_pool,
+            )  # fmt: skip
+        else:
+            if self.window_reason is not None and any(w > 0 for w in windows):
+                log.info("one KV pool for every layer: %s", self.window_reason)
+            log.info(
+                "KV pool: %d pages of %s, %d tokens per GiB",
+                num_pages, self.pool.kv_dtype_name, self.tokens_per_gib,
+            )  # fmt: skip
         # A hybrid model's recurrent states: one working entry per slot, then the
         # snapshots the scheduler's tree keeps (state_pool.py).
         self.states: StatePool | None = None
@@ -164,11 +199,7 @@ class ModelRunner:
                 cfg, config.max_running_requests, snapshots, dtype, self._device
             )
         self.state_bytes = StatePool.bytes_per_entry(cfg, dtype)
-        self.backend = create_backend(
-            config.attention_backend, self.pool, cfg.attention_scale, cfg.kv_sliding_windows,
-            heads.q_heads, config.decode_kernel, cfg.attn_softcap,
-            {"prefill_backend": config.flashinfer_prefill_backend}, config.deterministic,
-        )  # fmt: skip
+        self.backend = self._create_backend(config, cfg, heads.q_heads)
         log.info("attention backend %s (%s)", self.backend.name, self.backend.choice_reason)
         self._lora_rows = False  # whether the step being planned has adapter rows
         if hasattr(self.backend, "native_layers"):
@@ -208,8 +239,16 @@ class ModelRunner:
             ):
                 self._threads = (n, n - 1)
         self.kv_bytes = sum(t.numel() * t.element_size() for t in self.pool.layers)
+        if self.window_pool is not None:
+            self.kv_bytes += sum(t.numel() * t.element_size() for t in self.window_pool.layers)
         max_pages_per_slot = min(num_pages, -(-cfg.max_context_len // config.page_size))
         self.page_table = PageTable(config.max_running_requests, max_pages_per_slot, num_pages)
+        self.window_table: WindowTable | None = None
+        if self.window_pool is not None:
+            self.window_table = WindowTable(
+                config.max_running_requests, max_pages_per_slot, self.window_pages,
+                self.window_span,
+            )  # fmt: skip
         self.loras = LoraSlots(
             self.model, dtype, self._device, config.max_lora_rank, config.max_running_requests
         )
@@ -238,6 +277,33 @@ class ModelRunner:
             self.warmup(config.chunked_prefill_size, config.max_running_requests)
         if capturer is not None and self.backend.name == "flashinfer":
             self._capture_graphs(capturer, max_pages_per_slot)
+
+    def _create_backend(self, config: WorkerConfig, cfg: ModelConfig, q_heads: int):
+        """The attention backend: over the one pool, or (window pool) one per pool
+        behind a ``SplitAttention``."""
+        if self.window_pool is not None:
+            return window_pool.split_backend(
+                config, cfg, q_heads, self.pool, self.window_pool, self.window_layers
+            )
+        return create_backend(
+            config.attention_backend, self.pool, cfg.attention_scale, cfg.kv_sliding_windows,
+            q_heads, config.decode_kernel, cfg.attn_softcap,
+            {"prefill_backend": config.flashinfer_prefill_backend}, config.deterministic,
+        )  # fmt: skip
+
+    @property
+    def bytes_per_cached_token(self) -> int:
+        """KV bytes a cached token holds once it is past every window: the full
+        layers' (every layer's with one pool)."""
+        return window_pool.page_bytes(self.pool) // self.page_size
+
+    @property
+    def bytes_per_token_one_pool(self) -> int:
+        """KV bytes of a token with one pool for every layer (what a cached token
+        holds without a window pool)."""
+        window = self.window_pool
+        extra = 0 if window is None else window_pool.page_bytes(window) // self.page_size
+        return self.bytes_per_cached_token + extra
 
     def _capture_graphs(self, capturer: cuda_graph.Capturer, max_pages_per_slot: int) -> None:
         """Capture the decode graphs; on failure (a model op that syncs, say) log why
@@ -315,11 +381,21 @@ class ModelRunner:
             state_snapshots=0 if self.states is None else self.states.num_snapshots,
             kv_dtype=self.pool.kv_dtype_name,
             tokens_per_gib=self.tokens_per_gib,
+            window_pages=self.window_pages,
+            window_span=self.window_span,
+            window_page_bytes=0
+            if self.window_pool is None
+            else window_pool.page_bytes(self.window_pool),
         )
 
     @property
     def tokens_per_gib(self) -> int:
-        """Tokens of KV (every layer, this rank's heads) one GiB of the pool holds."""
+        """Tokens of KV (every layer, this rank's heads) one GiB of the pool holds
+        (with a window pool: the full pool's tokens per GiB of both pools)."""
+        if self.window_pool is not None:
+            full = window_pool.page_bytes(self.pool) * self._num_pages
+            window = window_pool.page_bytes(self.window_pool) * self.window_pages
+            return (1 << 30) * self._num_pages * self.page_size // (full + window)
         return (1 << 30) * self.pool.page_size // KVPool.bytes_per_page(
             self.pool.num_layers, self.pool.page_size, self.pool.num_kv_heads,
             self.pool.head_dim, self.pool.dtype, self.pool.kv_dtype,
@@ -357,6 +433,9 @@ class ModelRunner:
         self.step(Step(decode))
         self.step(Step([], release=np.arange(batch, dtype=np.int32)))
         self._warming = False
+        if self.window_pool is not None:  # the warm-up wrote into the dummy page
+            for t in self.window_pool.layers:
+                t[-1].zero_()
 
     @torch.inference_mode()
     def step(self, batch: Step) -> StepResult:
@@ -557,6 +636,8 @@ class ModelRunner:
             self._save_states(batch.state_saves)
         for slot in batch.release:
             self.page_table.clear(slot)
+            if self.window_table is not None:
+                self.window_table.clear(slot)
             self.sampler.remove(slot)
             self.loras.clear(slot)
             if self.leader:
@@ -567,7 +648,7 @@ class ModelRunner:
         ids, positions, logits_rows, score_rows, draft_rows = [], [], [], [], []
         drafts: dict[int, tuple[int, int]] = {}
         plans: list[tuple] = []
-        qo_indptr, kv_lens, page_counts, tables = [0], [], [], []
+        qo_indptr, kv_lens, page_counts, tables, window_tables = [0], [], [], [], []
         segments: list[StateSegment] = []
         seen: set[int] = set()
         s = self.page_size
@@ -621,6 +702,10 @@ class ModelRunner:
             kv_lens.append(kv_len)
             tables.append(self.page_table.pages(r.slot)[:need])
             page_counts.append(need)
+            if self.window_table is not None:
+                window_tables.append(self._window_pages(r, need))
+            elif len(r.window_pages):
+                raise ValueError(f"slot {r.slot}: window pages, but this worker has no window pool")
         attn = AttentionBatch(
             qo_indptr=np.asarray(qo_indptr, dtype=np.int32),
             kv_lens=np.asarray(kv_lens, dtype=np.int32),
@@ -637,7 +722,12 @@ class ModelRunner:
             assert self.graphs is not None
             logits = self.graphs.run(attn, input_ids, flat_positions)
         else:
-            self.backend.begin_batch(attn)
+            if self.window_table is not None:
+                self.backend.begin_split(
+                    attn, replace(attn, page_indices=np.concatenate(window_tables))
+                )
+            else:
+                self.backend.begin_batch(attn)
             rows = np.asarray(logits_rows + draft_rows + score_rows, dtype=np.int64)
             ids_t, pos_t, rows_t = self._inputs.to_device([input_ids, flat_positions, rows])
             states = None if self.states is None else StepStates(self.states, segments)
@@ -650,6 +740,21 @@ class ModelRunner:
         plans = [(slot, pos, lo + before, hi + before, t) for slot, pos, lo, hi, t in plans]
         drafts = {slot: (num_sampled + lo, k) for slot, (lo, k) in drafts.items()}
         return logits, num_sampled, plans, drafts
+
+    def _window_pages(self, r: StepReq, need: int) -> np.ndarray:
+        """Set ``r``'s window table entries; its pages out of every window go to the
+        dummy page; the table's first ``need`` entries (checked: every page a query
+        of the step may see is a real window page)."""
+        wt = self.window_table
+        assert wt is not None
+        wt.set(r.slot, r.window_start, r.window_pages)
+        first = wt.forget_before(r.slot, r.start_pos, self.page_size)
+        pages = wt.pages(r.slot, need)
+        if not self._warming and (pages[first:] == wt.dummy).any():
+            raise ValueError(
+                f"slot {r.slot}: no window page for a position its sliding layers read"
+            )
+        return pages
 
     def _check_drafts(self, r: StepReq) -> None:
         """A request's drafts are verifiable: it samples, at least one real input

@@ -60,3 +60,44 @@ class PageTable:
 
     def pages(self, slot: int) -> np.ndarray:
         return self.table[slot, : self.lengths[slot]]
+
+
+class WindowTable:
+    """Each slot's window page table (sliding layers in a window pool, docs/models.md):
+    a dense [max_slots, max_pages_per_slot] int32 table whose entries default to the
+    pool's dummy page (``dummy``, the pool's last page: never handed out, never read
+    with weight). The scheduler sets entries (``StepReq.window_start`` /
+    ``window_pages``, -1 meaning the dummy page); entries wholly before a step's
+    ``start_pos - span`` go back to the dummy page (``forget_before``)."""
+
+    def __init__(self, max_slots: int, max_pages_per_slot: int, num_pages: int, span: int) -> None:
+        self.dummy = num_pages  # window page ids are 0 .. num_pages - 1
+        self.span = span
+        self.table = np.full((max_slots, max_pages_per_slot), self.dummy, dtype=np.int32)
+
+    def set(self, slot: int, start: int, pages: np.ndarray) -> None:
+        """Entries ``start ..`` of the slot's table := ``pages`` (-1: the dummy page)."""
+        pages = np.asarray(pages, dtype=np.int32).reshape(-1)
+        if not len(pages):
+            return
+        if start < 0 or start + len(pages) > self.table.shape[1]:
+            raise ValueError(
+                f"slot {slot}: window entries {start}..{start + len(pages)} out of range"
+            )
+        if pages.max() >= self.dummy or pages.min() < -1:
+            raise ValueError(f"window page id out of range [0, {self.dummy}) for slot {slot}")
+        self.table[slot, start : start + len(pages)] = np.where(pages < 0, self.dummy, pages)
+
+    def forget_before(self, slot: int, start_pos: int, page_size: int) -> int:
+        """Map the slot's pages wholly before ``start_pos - span`` to the dummy page;
+        returns the first page the step still reads."""
+        first = max(start_pos - self.span, 0) // page_size
+        if first:
+            self.table[slot, :first] = self.dummy
+        return first
+
+    def clear(self, slot: int) -> None:
+        self.table[slot] = self.dummy
+
+    def pages(self, slot: int, n: int) -> np.ndarray:
+        return self.table[slot, :n]

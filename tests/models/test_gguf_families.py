@@ -103,7 +103,10 @@ def write_qwen3moe_gguf(path, folder, hf_config):
 
 def greedy(model: str, prompt: list[int], n: int) -> list[int]:
     """``n`` greedy tokens after ``prompt`` from a ModelRunner on ``model``."""
-    runner = ModelRunner(WorkerConfig(model=model, dtype="float32", num_pages=16, page_size=16))
+    # Steps built by hand carry no window pages: one pool.
+    runner = ModelRunner(
+        WorkerConfig(model=model, dtype="float32", num_pages=16, page_size=16, sliding_pool_pages=0)
+    )
     pages = np.arange(16, dtype=np.int32)
     tok = runner.step(Step([StepReq(0, np.array(prompt, dtype=np.int32), 0, pages, True,
                                     SamplingParams(temperature=0))])).tokens  # fmt: skip

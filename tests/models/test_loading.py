@@ -91,8 +91,10 @@ def test_mistral_sliding_window_matches_hf(tmp_path):
 
     folder = make_tiny_model(tmp_path / "mistral", "mistral", seed=4, sliding_window=8)
     hf = patch_hf_float64(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64))
+    # Steps built by hand carry no window pages: one pool (test_sliding_pool.py has both).
     runner = ModelRunner(WorkerConfig(model=str(folder), dtype="float64", page_size=4,
-                                      num_pages=32, max_running_requests=2))  # fmt: skip
+                                      num_pages=32, max_running_requests=2,
+                                      sliding_pool_pages=0))  # fmt: skip
     assert runner.model_config.sliding_windows == (8, 8)
     ids = np.random.default_rng(5).integers(4, 512, 30).astype(np.int32)
     greedy = SamplingParams(temperature=0)

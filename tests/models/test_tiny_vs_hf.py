@@ -75,7 +75,8 @@ def test_greedy_and_logits_match_hf(tiny, page_size):
     want, want_logits = hf_greedy(hf, prompt, GEN_LEN)
     runner = ModelRunner(
         WorkerConfig(model=str(folder), dtype="float64", page_size=page_size,
-                     num_pages=512 // page_size + 8, max_running_requests=4)
+                     num_pages=512 // page_size + 8, max_running_requests=4,
+                     sliding_pool_pages=0)  # steps built by hand: one pool, no window pages
     )  # fmt: skip
     for chunks in ([PROMPT_LEN], [7, 13, 1, 19], [1] * 5 + [PROMPT_LEN - 5]):
         got, logits = run_greedy(runner, prompt, GEN_LEN, chunks)
@@ -89,7 +90,8 @@ def test_cached_prefix_then_suffix_matches_hf(tiny):
     folder, hf, prompt = tiny
     page_size = 16
     runner = ModelRunner(WorkerConfig(model=str(folder), dtype="float64", page_size=page_size,
-                                      num_pages=64, max_running_requests=4))  # fmt: skip
+                                      num_pages=64, max_running_requests=4,
+                                      sliding_pool_pages=0))  # fmt: skip
     prefix = prompt[:32]
     other = np.random.default_rng(9).integers(4, 512, 20).astype(np.int32)
     pages_a = np.array([5, 2, 40], np.int32)  # first request: prompt tokens 0..39

@@ -20,6 +20,7 @@ from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.request import ReqStatus
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.scheduler.sim_worker import SIM_IDENTITY, SimWorker, sim_next_token
+from radixserve.worker.kv_pool import min_window_pages
 
 VOCAB = 512
 EOS = 2
@@ -43,6 +44,8 @@ def make(num_pages=4096, page_size=1, jump_every=0, compile_steps=1, copy_delay=
         disk_dir=cfg.disk_cache_dir,
         copy_delay=copy_delay,
         seed=num_pages,
+        window_pages=cfg.window_pages,
+        window_span=cfg.window_span,
     )
     return sched, worker
 
@@ -303,6 +306,28 @@ def test_random_workloads_with_cache_tiers_keep_kv_right(w, host_pages, disk, de
         )
     assert sched.hit_tokens == sum(sched.tier_hit_tokens)
     assert sched.stats()["copies_in_flight"] == 0
+
+
+SPEC = ("off", "ngram", "radix")
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.integers(1, 40), st.integers(0, 24), st.sampled_from(SPEC), st.booleans())
+def test_random_workloads_with_a_window_pool_keep_kv_right(w, span, extra, spec, small):
+    """The same workloads for a model with sliding layers: window pages in a pool of
+    their own, barely larger than the running requests' windows (so the tree drops
+    window pages and matches end where a window is missing). The simulated worker
+    checks every step's window reads back its own tokens; no page of either pool
+    leaks. With drafts, rejected ones give their window pages back."""
+    ps = w["page_size"]
+    # One request's window and chunk, or the worker's floor for all of them: below it,
+    # admission waits for window pages and decodes short of them are retracted.
+    lone = -(-(span + w["chunk"] + 8) // ps) + 2
+    floor = min_window_pages(span, ps, w["slots"], w["chunk"])
+    pages = (lone if small else floor) + extra
+    sched = run_workload(w, window_pages=pages, window_span=span, speculative_algorithm=spec)
+    stats = sched.stats()
+    assert stats["window_pages_free"] + stats["window_pages_evictable"] == pages
 
 
 def run_workload(w, copy_delay=0, **tiers):

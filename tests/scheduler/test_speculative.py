@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from radixserve.scheduler.radix_cache import RadixCache
 from radixserve.scheduler.speculative import ngram_draft
+from radixserve.worker.kv_pool import min_window_pages
 from tests.scheduler.test_scheduler import (
     VOCAB,
     _collect,
@@ -99,7 +100,21 @@ def spec_workloads(draw):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.composite(spec_workloads)())
 def test_random_workloads_with_speculation_give_the_models_tokens_and_keep_kv_right(w):
+    run_spec_workload(w)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.composite(spec_workloads)(), st.integers(1, 30), st.integers(0, 16))
+def test_random_workloads_with_speculation_and_a_window_pool(w, span, extra):
+    """The same with a model's sliding layers in a window pool: rejected drafts give
+    their window pages back, and the simulated worker checks every window read."""
+    floor = min_window_pages(span, w["page_size"], w["slots"], w["chunk"])
+    run_spec_workload(w, window_pages=floor + extra, window_span=span)
+
+
+def run_spec_workload(w, **window):
     sched, worker = make(
+        **window,
         num_pages=w["num_pages"],
         page_size=w["page_size"],
         cache=w["cache"],
