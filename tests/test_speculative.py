@@ -93,6 +93,7 @@ def test_greedy_outputs_equal_those_without_speculation(
         chunked_prefill_size=chunk,
         speculative_algorithm=algorithm,
         speculative_min_match=1,
+        speculative_max_batch=16,  # all 8 sequences draft (the default stops above 6)
     ) as eng:
         assert run_twice(eng, prompts, params) == plain[page_size]
         stats = eng.stats()

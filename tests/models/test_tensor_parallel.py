@@ -27,6 +27,7 @@ def _runner(folder, page_size: int, tp: int = 1, comm=None) -> ModelRunner:
     config = WorkerConfig(
         model=str(folder), dtype="float64", page_size=page_size,
         num_pages=256 // page_size + 8, max_running_requests=4, warmup=False, tp=tp,
+        sliding_pool_pages=0,  # steps built by hand: one pool, no window pages
     )  # fmt: skip
     return ModelRunner(config) if comm is None else ModelRunner(config, comm=comm)
 
