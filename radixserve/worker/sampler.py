@@ -106,10 +106,50 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return torch.zeros_like(probs).scatter_(1, order, probs)
 
 
+def _unfiltered(p: SamplingParams, vocab: int) -> bool:
+    """Temperature alone: no top-k, top-p or min-p cuts the distribution."""
+    return (p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0 and p.min_p <= 0.0
+
+
 def sample_filtered(
     logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float]
 ) -> torch.Tensor:
-    """Inverse-CDF sampling after temperature / top-k / top-p / min-p, one row per request."""
+    """Inverse-CDF sampling after temperature / top-k / top-p / min-p, one row per request.
+    Rows that only have a temperature walk the CDF in token order (no sort of the
+    vocabulary: the common case of a client's default parameters); rows with a filter
+    walk it most likely first, as the filters need the order."""
+    vocab = logits.shape[-1]
+    plain = [i for i, p in enumerate(params) if _unfiltered(p, vocab)]
+    if not plain:
+        return _sample_sorted(logits, params, uniforms)
+    if len(plain) == len(params):
+        return _sample_plain(logits, params, uniforms)
+    out = torch.empty(len(params), dtype=torch.int64, device=logits.device)
+    cut = [i for i in range(len(params)) if i not in set(plain)]
+    for rows, fn in ((plain, _sample_plain), (cut, _sample_sorted)):
+        idx = torch.tensor(rows, device=logits.device)
+        out[idx] = fn(logits[idx], [params[i] for i in rows], [uniforms[i] for i in rows])
+    return out
+
+
+def _sample_plain(
+    logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float]
+) -> torch.Tensor:
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    dev, vocab = logits.device, logits.shape[-1]
+    temps = torch.tensor([p.temperature for p in params], dtype=dtype, device=dev)[:, None]
+    cdf = (logits.to(dtype) / temps).softmax(dim=-1).cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.tensor(uniforms, dtype=dtype, device=dev)[:, None] * total
+    choice = torch.searchsorted(cdf, target, right=True)
+    # Never past the last token with mass (possible only through rounding at the top).
+    last = (cdf < total).sum(dim=-1, keepdim=True).clamp_(max=vocab - 1)
+    return torch.minimum(choice, last).squeeze(1)
+
+
+def _sample_sorted(
+    logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float]
+) -> torch.Tensor:
     probs, order, drop = _filtered_sorted(logits, params)
     dtype, dev, vocab = probs.dtype, logits.device, logits.shape[-1]
 

@@ -73,13 +73,16 @@ def test_temperature_sampling_follows_distribution(logits):
     assert np.abs(freq - probs).max() < 0.03
 
 
-def test_seeded_request_is_independent_of_batch_composition(logits):
-    """The same seeded request alone, or among others added in another order, gives the same tokens."""
-    mine = SamplingParams(temperature=1.0, top_p=0.9, seed=1234)
+@pytest.mark.parametrize("top_p,other_top_p", [(0.9, 1.0), (1.0, 0.8)])
+def test_seeded_request_is_independent_of_batch_composition(logits, top_p, other_top_p):
+    """The same seeded request alone, or among others added in another order, gives the
+    same tokens (a filtered row among unfiltered ones, and the other way round: the two
+    kinds are sampled apart)."""
+    mine = SamplingParams(temperature=1.0, top_p=top_p, seed=1234)
     alone = Sampler(seed=0)
     alone.add(5, mine)
     crowd = Sampler(seed=99)
-    crowd.add(0, SamplingParams(temperature=0.7))
+    crowd.add(0, SamplingParams(temperature=0.7, top_p=other_top_p))
     crowd.add(3, SamplingParams(temperature=0))
     crowd.add(5, mine)
     others = torch.randn(2, VOCAB, dtype=torch.float64)
