@@ -24,22 +24,8 @@
 namespace radixserve {
 
 #if RS_X86
-namespace {
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-#define RS_TARGET_AMX_ATTN \
-  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
-
-}  // namespace
-
-RS_TARGET_AMX_ATTN bool amx_attention_begin() {
+RS_TARGET_AMX bool amx_attention_begin() {
   if (!amx_tiles_granted()) return false;
   TileConfig cfg{};
   cfg.palette_id = 1;
@@ -54,11 +40,11 @@ RS_TARGET_AMX_ATTN bool amx_attention_begin() {
   return true;
 }
 
-RS_TARGET_AMX_ATTN void amx_attention_end() { _tile_release(); }
+RS_TARGET_AMX void amx_attention_end() { _tile_release(); }
 
 // tmm0-1: scores of 16 query vectors x keys 0-15 / 16-31; tmm2: 16 query vectors x 16
 // feature pairs; tmm3-4: 16 feature pairs x keys 0-15 / 16-31.
-RS_TARGET_AMX_ATTN void amx_score_tile(const uint32_t* qp, int64_t nq, int64_t D2,
+RS_TARGET_AMX void amx_score_tile(const uint32_t* qp, int64_t nq, int64_t D2,
                                        const uint32_t* kt, float scale, float* sc,
                                        int64_t len, int64_t j0, int64_t nb) {
   alignas(64) float c[2][16][16];
@@ -92,7 +78,7 @@ RS_TARGET_AMX_ATTN void amx_score_tile(const uint32_t* qp, int64_t nq, int64_t D
 
 // tmm0-3: 16 query vectors x features d0 + 16c (c < 4); tmm4: 16 query vectors x 16 key
 // pairs; tmm5: 16 key pairs x 16 features.
-RS_TARGET_AMX_ATTN void amx_value_rows(const uint32_t* pp, int64_t nq, int64_t np2p,
+RS_TARGET_AMX void amx_value_rows(const uint32_t* pp, int64_t nq, int64_t np2p,
                                        const uint32_t* vp, int64_t D, float* out) {
   alignas(64) float c[4][16][16];
   for (int64_t i0 = 0; i0 < nq; i0 += 16) {

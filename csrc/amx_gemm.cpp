@@ -54,18 +54,8 @@ bool amx_tiles_granted() {
 
 namespace {
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // tmm0-3: float32 accumulators (weight rows n..n+15 / n+16..n+31 x x rows 0-15 /
 // 16-31); tmm4-5: W tiles; tmm6-7: x tiles. All 16 rows x 64 bytes.
-#define RS_TARGET_AMX \
-  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 
 // A stored accumulator tile's 16 rows into yT [N, M] at (n, m0): 16 x rows at a
 // time, masked past M, rounded once to bfloat16 (or kept in float32).

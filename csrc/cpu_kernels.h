@@ -24,6 +24,9 @@
 #define RS_TARGET_AVX512BF16                                                             \
   __attribute__((target("avx2,fma,f16c,bmi,bmi2,avx512f,avx512bw,avx512vl,avx512dq," \
                         "avx512bf16,prefer-vector-width=512")))
+// AMX tiles (amx_gemm.cpp, amx_attention.cpp; run only after amx_tiles_granted()).
+#define RS_TARGET_AMX \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 #else
 #define RS_X86 0
 #define RS_TARGET_AVX2
@@ -38,6 +41,17 @@
 #endif
 
 namespace radixserve {
+
+#if RS_X86
+// What ldtilecfg reads (palette 1): each tile's rows and bytes per row.
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+#endif
 
 // Ordered: each level runs everything the ones below it run.
 enum class Isa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
