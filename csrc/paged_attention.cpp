@@ -652,7 +652,8 @@ RS_ALWAYS_INLINE void prefetch_key_rows(const BF16* kv, const int32_t* pages, in
 // partial results as run_item_impl.
 RS_TARGET_AVX512BF16 void run_item_dp(const Problem& P, const Item& it, const BF16* q,
                                       const BF16* kv, float* pm, float* pl, float* pacc,
-                                      std::vector<float>& scores) {
+                                      std::vector<float>& scores,
+                                      const BF16* converted = nullptr) {
   static thread_local std::vector<uint32_t> packed;
   const int64_t D = P.head_dim, D2 = D / 2, G = P.group, H = P.num_heads, KVH = P.num_kv_heads;
   const int64_t ps = P.page_size, row_len = KVH * D, page_stride = 2 * ps * row_len;
@@ -677,7 +678,9 @@ RS_TARGET_AVX512BF16 void run_item_dp(const Problem& P, const Item& it, const BF
     std::fill(pp + per_head * np2p, pp + nq16 * np2p, 0u);
   }
   const int32_t* pages = P.pages + P.page_indptr[it.seg];
+  // converted: the item's K rows then V rows ([2][len][row_len]), from a quantized pool.
   auto key_row = [&](int64_t j, int64_t which, int64_t h) {  // K (0) or V (1) of key k0 + j
+    if (converted) return converted + (which * len + j) * row_len + h * D;
     const int64_t pos = it.k0 + j;
     return kv + pages[pos / ps] * page_stride + which * ps * row_len + (pos % ps) * row_len +
            h * D;
@@ -697,7 +700,7 @@ RS_TARGET_AVX512BF16 void run_item_dp(const Problem& P, const Item& it, const BF
     float* sh = scores.data() + h * per_head * len;
     for (int64_t j0 = 0; j0 < len; j0 += kDpKeys) {
       const int64_t nb = std::min(kDpKeys, len - j0);
-      if (h == 0) {  // K one block ahead; after the last, V's first block
+      if (h == 0 && !converted) {  // K one block ahead; after the last, V's first block
         const bool last = j0 + kDpKeys >= len;
         prefetch_key_rows(kv, pages, ps, page_stride, row_len, it.k0 + (last ? 0 : j0 + kDpKeys),
                           std::min(kDpKeys, last ? len : len - j0 - kDpKeys), last ? 1 : 0);
@@ -729,7 +732,7 @@ RS_TARGET_AVX512BF16 void run_item_dp(const Problem& P, const Item& it, const BF
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   for (int64_t h = 0; h < KVH; ++h) {
     for (int64_t kp = 0; kp < np2; ++kp) {
-      if (h == 0 && kp % 16 == 0)
+      if (h == 0 && kp % 16 == 0 && !converted)
         prefetch_key_rows(kv, pages, ps, page_stride, row_len, it.k0 + 2 * kp + kDpKeys,
                           std::min(kDpKeys, len - 2 * kp - kDpKeys), 1);
       const BF16* a = key_row(2 * kp, 1, h);
@@ -815,12 +818,37 @@ template <typename T, typename KV>
 RS_TARGET_AVX512BF16 void item_avx512bf16(const Problem& P, const Item& it, const T* q,
                                           const KV* kv, Acc<T>* pm, Acc<T>* pl, Acc<T>* pacc,
                                           std::vector<Acc<T>>& scratch) {
-  // (A quantized pool has no bfloat16 rows for the tiles: the avx512 loops read it.)
-  if constexpr (std::is_same<T, BF16>::value && std::is_same<KV, BF16>::value) {
+  if constexpr (std::is_same<T, BF16>::value) {
     const int64_t per_head = (P.row_indptr[it.seg + 1] - P.row_indptr[it.seg]) * P.group;
     if (P.fixed == 0 && P.head_dim % 16 == 0 && per_head >= kDpMinQueries) {
-      run_item_dp(P, it, q, kv, pm, pl, pacc, scratch);
-      return;
+      if constexpr (std::is_same<KV, BF16>::value) {
+        run_item_dp(P, it, q, kv, pm, pl, pacc, scratch);
+        return;
+      } else {
+        // A quantized pool: the item's rows (code * scale) rounded to bfloat16 first,
+        // as a bfloat16 pool would hold them, then the same tiles.
+        static thread_local std::vector<BF16> rows;
+        static thread_local std::vector<float> conv;
+        const int64_t KVH = P.num_kv_heads, D = P.head_dim, row_len = KVH * D;
+        const int64_t len = it.k1 - it.k0;
+        rows.resize(static_cast<size_t>(2 * len * row_len));
+        conv.resize(static_cast<size_t>(kBlock * row_len));
+        const int32_t* pages = P.pages + P.page_indptr[it.seg];
+        const float* block[kBlock];
+        for (int64_t which = 0; which < 2; ++which) {
+          for (int64_t j0 = 0; j0 < len; j0 += kBlock) {
+            const int64_t nb = std::min(kBlock, len - j0);
+            load_block_q(kv, pages, P.page_size, KVH, D, it.k0 + j0, nb, it.k1, which,
+                         conv.data(), block);
+            for (int64_t b = 0; b < nb; ++b) {
+              BF16* dst = rows.data() + (which * len + j0 + b) * row_len;
+              for (int64_t i = 0; i < row_len; ++i) from_acc(block[b][i], dst + i);
+            }
+          }
+        }
+        run_item_dp(P, it, q, nullptr, pm, pl, pacc, scratch, rows.data());
+        return;
+      }
     }
   }
   item_avx512<T, KV>(P, it, q, kv, pm, pl, pacc, scratch);
