@@ -59,6 +59,15 @@ class RMSNorm(nn.Module):
         s = x + a
         return s, self(s)
 
+    def layer_input(
+        self, h: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decoder layer's entry: the residual stream ``residual + h`` (``h`` alone for
+        None, the first layer) and this norm of it, the add fused with the norm."""
+        if residual is None:
+            return h, self(h)
+        return self.add_norm(residual, h)
+
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The torch form (what the native bfloat16 kernel reproduces)."""
         dtype = x.dtype

@@ -74,10 +74,7 @@ class DecoderLayer(nn.Module):
         (``RMSNorm.add_norm``); returns the same kind of pair (the MLP's output, the
         residual stream before it). ``lora``: this step's adapters of this layer
         (a mixture-of-experts MLP has none: ``models/lora.py`` refuses them)."""
-        if residual is None:
-            residual, x = h, self.input_layernorm(h)
-        else:
-            residual, x = self.input_layernorm.add_norm(residual, h)
+        residual, x = self.input_layernorm.layer_input(h, residual)
         a = self.self_attn(x, cos, sin, backend, lora)
         residual, x = self.post_attention_layernorm.add_norm(residual, a)
         return (self.mlp(x, lora) if isinstance(self.mlp, MLP) else self.mlp(x)), residual
@@ -221,10 +218,8 @@ class CausalLM(nn.Module):
                 cos, sin = local if window > 0 else full
                 adapters = None if lora is None else lora.at(i)
                 h, residual = layer.step(h, residual, cos, sin, backend, adapters)
-        if residual is None:
-            x = self.norm(h[logits_index])
-        else:
-            _, x = self.norm.add_norm(residual[logits_index], h[logits_index])
+        rows = None if residual is None else residual[logits_index]
+        _, x = self.norm.layer_input(h[logits_index], rows)
         logits = self.lm_head(x)
         return None if logits is None else softcap(logits, self.cfg.final_softcap)
 

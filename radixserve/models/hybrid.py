@@ -178,10 +178,7 @@ class HybridDecoderLayer(nn.Module):
         states: LayerStates | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``DecoderLayer.step``'s contract; a recurrent layer needs ``states``."""
-        if residual is None:
-            residual, x = h, self.input_layernorm(h)
-        else:
-            residual, x = self.input_layernorm.add_norm(residual, h)
+        residual, x = self.input_layernorm.layer_input(h, residual)
         if self.recurrent:
             if states is None:
                 raise ValueError("a recurrent layer needs the step's states (LayerStates)")

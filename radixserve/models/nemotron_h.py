@@ -189,10 +189,7 @@ class NemotronHLayer(nn.Module):
         states: LayerStates | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``DecoderLayer.step``'s contract; a Mamba-2 layer needs ``states``."""
-        if residual is None:
-            residual, x = h, self.norm(h)
-        else:
-            residual, x = self.norm.add_norm(residual, h)
+        residual, x = self.norm.layer_input(h, residual)
         if self.kind == "mamba":
             if states is None:
                 raise ValueError("a recurrent layer needs the step's states (LayerStates)")

@@ -125,7 +125,7 @@ def sample_filtered(
     if len(plain) == len(params):
         return _sample_plain(logits, params, uniforms)
     out = torch.empty(len(params), dtype=torch.int64, device=logits.device)
-    cut = [i for i in range(len(params)) if i not in set(plain)]
+    cut = [i for i, p in enumerate(params) if not _unfiltered(p, vocab)]
     for rows, fn in ((plain, _sample_plain), (cut, _sample_sorted)):
         idx = torch.tensor(rows, device=logits.device)
         out[idx] = fn(logits[idx], [params[i] for i in rows], [uniforms[i] for i in rows])
