@@ -13,6 +13,11 @@ first level.
 
 ``--shared``: the cascade call instead, all ``--batch`` requests reading one prefix of
 ``--context`` keys (one segment of ``--batch`` rows, as a shared system prompt is read).
+``--kv int8,fp8_e4m3``: quantized pools (``--kv-cache-dtype``) beside the plain one
+(``auto``: the query dtype), each read with every query dtype of ``--dtypes``.
+
+    python bench/decode_kernel.py --shared --batch 32 --context 500 --dtypes bfloat16 \
+        --kv auto,int8,fp8_e4m3,fp8_e5m2 --isa avx512bf16 --threads 1
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import numpy as np
 import torch
 
 from radixserve.layers import cpu_kernels
+from radixserve.worker import kv_quant
 from radixserve.worker.attention import native_decode
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -40,6 +46,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20, help="calls per level per round")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--shared", action="store_true", help="one shared prefix, read by every row")
+    ap.add_argument("--kv", default="auto", help="pool formats: auto (the query dtype), "
+                    "int8, fp8_e4m3, fp8_e5m2")  # fmt: skip
     args = ap.parse_args()
     if not cpu_kernels.AVAILABLE:
         raise SystemExit(f"native kernels not built ({cpu_kernels.UNAVAILABLE_REASON})")
@@ -60,11 +68,14 @@ def main() -> None:
     shape = "one shared prefix" if args.shared else "one context per request"
     print(f"batch {b}, context {ctx} ({shape}), page size {ps}, {args.threads} threads; "
           f"us per call (speedup over {isas[0]})\n")  # fmt: skip
-    print("| dtype | " + " | ".join(isas) + " |")
-    print("|---" * (len(isas) + 1) + "|")
-    for name in (d for d in args.dtypes.split(",") if d):
+    print("| dtype | kv | " + " | ".join(isas) + " |")
+    print("|---" * (len(isas) + 2) + "|")
+    combos = [(d, k) for d in args.dtypes.split(",") if d for k in args.kv.split(",") if k]
+    for name, kv_name in combos:
         dtype = getattr(torch, name)
-        kv = torch.randn(num_pages, 2, ps, KV_HEADS, HEAD_DIM).to(dtype)
+        values = torch.randn(num_pages, 2, ps, KV_HEADS, HEAD_DIM)
+        quant = kv_quant.QUANTS.get(kv_name)
+        kv = kv_quant.quantize(values, quant) if quant else values.to(dtype)
         q = torch.randn(b, HEADS, HEAD_DIM).to(dtype)
         out = torch.empty_like(q)
         times: dict[str, list[float]] = {i: [] for i in isas}
@@ -73,7 +84,8 @@ def main() -> None:
                 best = float("inf")
                 for _ in range(args.calls):
                     t = time.perf_counter()
-                    native_decode.paged_decode(q, kv, out, None, seg, -1, HEAD_DIM**-0.5, isa)
+                    native_decode.paged_decode(q, kv, out, None, seg, -1, HEAD_DIM**-0.5, isa,
+                                               quant=quant)  # fmt: skip
                     best = min(best, time.perf_counter() - t)
                 times[isa].append(best)
         first = times[isas[0]]
@@ -81,7 +93,7 @@ def main() -> None:
             f"{np.median(t) * 1e6:.0f} ({np.median([f / x for f, x in zip(first, t)]):.2f}x)"
             for t in times.values()
         ]
-        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+        print(f"| {name} | {kv_name} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

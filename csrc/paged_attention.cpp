@@ -812,6 +812,62 @@ RS_TARGET_AVX512 void item_avx512(const Problem& P, const Item& it, const T* q, 
 }
 
 #if RS_X86
+// 16 codes' values before their row's scale (code_value, 16 lanes at a time).
+template <int Kind>
+RS_TARGET_AVX512BF16 RS_ALWAYS_INLINE __m512 codes16_value(const uint8_t* codes) {
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  if constexpr (Kind == 1) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
+  } else {
+    constexpr int M = Kind == 2 ? 3 : 2, B = Kind == 2 ? 7 : 15;
+    const __m512i x = _mm512_cvtepu8_epi32(c);
+    const __m512i em = _mm512_and_si512(x, _mm512_set1_epi32(0x7f));
+    const __m512i sh = _mm512_slli_epi32(em, 23 - M);
+    const __m512i low = _mm512_set1_epi32((128 - B) << 23);
+    const __m512 normal =
+        _mm512_castsi512_ps(_mm512_add_epi32(sh, _mm512_set1_epi32((127 - B) << 23)));
+    const __m512 sub = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(sh, low)),
+                                     _mm512_castsi512_ps(low));
+    const __mmask16 is_normal = _mm512_test_epi32_mask(em, _mm512_set1_epi32(0x7f & ~((1 << M) - 1)));
+    const __m512 mag = _mm512_mask_blend_ps(is_normal, sub, normal);
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign));
+  }
+}
+
+// Rows [j0, j0 + len) of a quantized pool's K, then its V, as bfloat16
+// ([2][len][KVH * D]): code * scale in float32, rounded to nearest even, 16 values
+// per conversion (D % 16 == 0). The same values load_block_q then from_acc give.
+template <int Kind>
+RS_TARGET_AVX512BF16 void quant_rows_to_bf16(const Q8<Kind>* kv, const int32_t* pages,
+                                             int64_t ps, int64_t KVH, int64_t D, int64_t j0,
+                                             int64_t len, BF16* out) {
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(kv);
+  const int64_t E = D + 2, row = KVH * E, page_stride = 2 * ps * row;
+  for (int64_t which = 0; which < 2; ++which) {
+    uint16_t* dst = reinterpret_cast<uint16_t*>(out + which * len * KVH * D);
+    for (int64_t j = j0; j < j0 + len;) {
+      const int64_t off = j % ps, n = std::min(ps - off, j0 + len - j);
+      const uint8_t* p = base + pages[j / ps] * page_stride + which * ps * row + off * row;
+      for (int64_t r = 0; r < n; ++r, p += row) {
+        for (int64_t h = 0; h < KVH; ++h, dst += D) {
+          const uint8_t* codes = p + h * E;
+          uint16_t sb;
+          std::memcpy(&sb, codes + D, sizeof sb);
+          const float sc = half_to_float(sb);
+          const __m512 vsc = _mm512_set1_ps(sc);
+          for (int64_t d = 0; d < D; d += 16) {
+            const __m512 v = _mm512_mul_ps(codes16_value<Kind>(codes + d), vsc);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                                (__m256i)_mm512_cvtneps_pbh(v));
+          }
+        }
+      }
+      j += n;
+    }
+  }
+}
+
 // avx512bf16: a bfloat16 item that many query vectors read takes the vdpbf16ps
 // tiles, any other the avx512 loops.
 template <typename T, typename KV>
@@ -828,24 +884,11 @@ RS_TARGET_AVX512BF16 void item_avx512bf16(const Problem& P, const Item& it, cons
         // A quantized pool: the item's rows (code * scale) rounded to bfloat16 first,
         // as a bfloat16 pool would hold them, then the same tiles.
         static thread_local std::vector<BF16> rows;
-        static thread_local std::vector<float> conv;
-        const int64_t KVH = P.num_kv_heads, D = P.head_dim, row_len = KVH * D;
         const int64_t len = it.k1 - it.k0;
-        rows.resize(static_cast<size_t>(2 * len * row_len));
-        conv.resize(static_cast<size_t>(kBlock * row_len));
+        rows.resize(static_cast<size_t>(2 * len * P.num_kv_heads * P.head_dim));
         const int32_t* pages = P.pages + P.page_indptr[it.seg];
-        const float* block[kBlock];
-        for (int64_t which = 0; which < 2; ++which) {
-          for (int64_t j0 = 0; j0 < len; j0 += kBlock) {
-            const int64_t nb = std::min(kBlock, len - j0);
-            load_block_q(kv, pages, P.page_size, KVH, D, it.k0 + j0, nb, it.k1, which,
-                         conv.data(), block);
-            for (int64_t b = 0; b < nb; ++b) {
-              BF16* dst = rows.data() + (which * len + j0 + b) * row_len;
-              for (int64_t i = 0; i < row_len; ++i) from_acc(block[b][i], dst + i);
-            }
-          }
-        }
+        quant_rows_to_bf16(kv, pages, P.page_size, P.num_kv_heads, P.head_dim, it.k0, len,
+                           rows.data());
         run_item_dp(P, it, q, nullptr, pm, pl, pacc, scratch, rows.data());
         return;
       }

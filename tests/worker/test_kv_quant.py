@@ -291,19 +291,21 @@ def test_native_quantizer_writes_the_same_bytes(name):
 
 @pytest.mark.parametrize("isa", cpu_kernels.ISAS)
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "int8"])
-def test_native_kernel_reads_every_code_exactly(isa, name):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kernel_reads_every_code_exactly(isa, name, dtype):
     """Every code a pool can hold (subnormals included; not the NaN/inf codes, which
     are never written) read back by the native kernel: one key per segment, so the
-    output is that key's V row, code * scale, against torch's own conversion."""
+    output is that key's V row, code * scale, against torch's own conversion. bfloat16
+    queries come 9 per kv head, so at avx512bf16 the rows are converted to bfloat16
+    for the vdpbf16ps / AMX tiles: code * scale rounded once, as ``dequantize`` does."""
     require_isa(isa)
     quant = QUANTS[name]
     codes = np.arange(256, dtype=np.uint8)
-    values = torch.from_numpy(codes).view(quant.code_dtype).float()
-    d, rows = 64, 4
+    d, rows, heads = 64, 4, 9 if dtype == torch.bfloat16 else 1
     kv = torch.zeros(rows, 2, 1, 1, d + 2, dtype=torch.uint8)
     kv[:, 1, 0, 0, :d] = torch.from_numpy(codes.reshape(rows, d))
-    kv[:, :, 0, 0, d:] = torch.tensor([0x00, 0x3C], dtype=torch.uint8)  # float16 1.0
-    q = torch.zeros(rows, 1, d)
+    kv[:, :, 0, 0, d:] = torch.tensor([0x66, 0x3C], dtype=torch.uint8)  # float16 1.0996
+    q = torch.zeros(rows, heads, d, dtype=dtype)
     out = torch.full_like(q, float("nan"))
     i32 = np.int32
     native_decode._ext.paged_decode(
@@ -311,9 +313,11 @@ def test_native_kernel_reads_every_code_exactly(isa, name):
         row_indptr=np.arange(rows + 1, dtype=i32), rows=np.arange(rows, dtype=i32),
         page_indptr=np.arange(rows + 1, dtype=i32), pages=np.arange(rows, dtype=i32),
         kv_begin=np.zeros(rows, i32), kv_end=np.ones(rows, i32), scale=1.0, num_threads=1,
-        chunk=64, isa=isa, kv_quant=name,
+        chunk=64, isa=isa, kv_quant=name, amx=cpu_kernels.AMX,
     )  # fmt: skip
-    got, want = out.reshape(-1), values
+    want = dequantize(kv[:, 1, 0, 0], quant, dtype).reshape(-1)
     finite = torch.isfinite(want)
     assert int(finite.sum()) >= 240
-    assert torch.equal(got[finite], want[finite])
+    for h in range(heads):
+        got = out[:, h].reshape(-1)
+        assert torch.equal(got[finite], want[finite])
