@@ -288,14 +288,15 @@ void skinny_gemm(const py::array& w, const py::array& x, py::array& yT, int num_
 // x float32 [n, d] -> uint8 [n, d + 2]: each row quantized as the one-call decode
 // layers write K/V rows into a quantized pool (quantize_kv_row).
 py::array_t<uint8_t> quantize_kv_rows(const py::array_t<float, py::array::c_style>& x,
-                                      const std::string& kv_quant) {
+                                      const std::string& kv_quant, const std::string& isa_name) {
+  const Isa isa = parse_isa(isa_name, "quantize_kv_rows");
   const radixserve::KVQuant quant = parse_quant(kv_quant);
   if (quant == radixserve::KVQuant::kNone || x.ndim() != 2)
     throw std::invalid_argument("quantize_kv_rows: x must be [rows, d] and kv_quant a format");
   const int64_t n = x.shape(0), d = x.shape(1);
   py::array_t<uint8_t> out({n, d + 2});
   for (int64_t i = 0; i < n; ++i)
-    radixserve::quantize_kv_row(x.data() + i * d, d, quant, out.mutable_data() + i * (d + 2));
+    radixserve::quantize_kv_row(x.data() + i * d, d, quant, out.mutable_data() + i * (d + 2), isa);
   return out;
 }
 
@@ -555,6 +556,7 @@ PYBIND11_MODULE(_cpu_kernels, m) {
   m.doc() = "The worker's CPU kernels: paged decode attention, skinny products.";
   m.attr("KV_QUANT") = true;  // paged_decode reads quantized pools (kv_quant)
   m.def("quantize_kv_rows", &quantize_kv_rows, py::arg("x"), py::arg("kv_quant"),
+        py::arg("isa") = "auto",
         "float32 [rows, d] -> uint8 [rows, d + 2]: codes and float16 scale per row, as the "
         "one-call decode layers write a quantized pool (radixserve/worker/kv_quant.py).");
   m.def("paged_decode", &paged_decode, py::arg("q"), py::arg("kv"), py::arg("out"), py::arg("lse"),

@@ -341,7 +341,7 @@ void decode_layers(const DecodeLayers& p, Isa isa, int num_threads);
 
 // One (token, kv head) row of d values quantized as kv_quant.quantize does: d codes,
 // then the float16 scale (max|x| / qmax rounded up), into dst (d + 2 bytes).
-void quantize_kv_row(const float* x, int64_t d, KVQuant quant, uint8_t* dst);
+void quantize_kv_row(const float* x, int64_t d, KVQuant quant, uint8_t* dst, Isa isa);
 
 // out[r] = the first v with the largest x[v, r] (a NaN counting as largest) for
 // x [vocab, rows] C-contiguous, float32 or bfloat16 bits (argmax.cpp).

@@ -26,6 +26,10 @@
 
 #include "cpu_kernels.h"
 
+#if RS_X86
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using radixserve::DecodeLayers;
@@ -180,7 +184,7 @@ void run(const DecodeLayers& p, Isa isa, int num_threads) {
           uint8_t* dst = reinterpret_cast<uint8_t*>(kv) + (row + which * p.page_size) * qrow;
           for (int64_t hh = 0; hh < p.kv_heads; ++hh) {
             for (int64_t d = 0; d < dh; ++d) x[static_cast<size_t>(d)] = IO::load(src[hh * dh + d]);
-            radixserve::quantize_kv_row(x.data(), dh, p.quant, dst + hh * entry);
+            radixserve::quantize_kv_row(x.data(), dh, p.quant, dst + hh * entry, isa);
           }
         }
       }
@@ -241,14 +245,25 @@ float half_bits_to_float(uint32_t h) {
 
 namespace radixserve {
 
-void quantize_kv_row(const float* x, int64_t d, KVQuant quant, uint8_t* dst) {
-  const float qmax = quant == KVQuant::kInt8 ? 127.0f : quant == KVQuant::kFp8E4M3 ? 448.0f
-                                                                                   : 57344.0f;
-  float amax = 0;
-  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+namespace {
+
+// The row's float16 scale, rounded up from amax / qmax (no code outside the format).
+uint32_t row_scale_bits(float amax, float qmax) {
   const float exact = std::min(std::max(amax / qmax, 0x1p-24f), 65504.0f);
   uint32_t h = round_to_minifloat<10, 15>(exact);
-  if (half_bits_to_float(h) < exact) ++h;  // rounded up: no code outside the format
+  if (half_bits_to_float(h) < exact) ++h;
+  return h;
+}
+
+float quant_max(KVQuant quant) {
+  return quant == KVQuant::kInt8 ? 127.0f : quant == KVQuant::kFp8E4M3 ? 448.0f : 57344.0f;
+}
+
+void quantize_row_scalar(const float* x, int64_t d, KVQuant quant, uint8_t* dst) {
+  const float qmax = quant_max(quant);
+  float amax = 0;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const uint32_t h = row_scale_bits(amax, qmax);
   const float scale = half_bits_to_float(h);
   for (int64_t i = 0; i < d; ++i) {
     const float y = x[i] / scale;
@@ -266,6 +281,76 @@ void quantize_kv_row(const float* x, int64_t d, KVQuant quant, uint8_t* dst) {
   }
   const uint16_t hb = static_cast<uint16_t>(h);
   std::memcpy(dst + d, &hb, sizeof hb);
+}
+
+#if RS_X86
+// 16 magnitudes |y| <= qmax rounded to nearest even in the fp8 format (M mantissa
+// bits, bias B), as int32 codes without sign: round_to_minifloat, 16 lanes at a time.
+template <int M, int B>
+RS_TARGET_AVX512 RS_ALWAYS_INLINE __m512i minifloat16(__m512 a) {
+  const __m512i sub = _mm512_cvtps_epi32(_mm512_roundscale_ps(
+      _mm512_mul_ps(a, _mm512_set1_ps(std::ldexp(1.0f, B - 1 + M))),
+      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  constexpr int shift = 23 - M;
+  const __m512i u = _mm512_castps_si512(a);
+  __m512i r = _mm512_srli_epi32(u, shift);
+  const __m512i rem = _mm512_and_si512(u, _mm512_set1_epi32((1 << shift) - 1));
+  const __m512i half = _mm512_set1_epi32(1 << (shift - 1));
+  const __mmask16 up = _mm512_cmpgt_epi32_mask(rem, half) |
+                       (_mm512_cmpeq_epi32_mask(rem, half) &
+                        _mm512_test_epi32_mask(r, _mm512_set1_epi32(1)));
+  r = _mm512_mask_add_epi32(r, up, r, _mm512_set1_epi32(1));
+  r = _mm512_sub_epi32(r, _mm512_set1_epi32((127 - B) << M));
+  const __mmask16 tiny = _mm512_cmp_ps_mask(a, _mm512_set1_ps(std::ldexp(1.0f, 1 - B)), _CMP_LT_OQ);
+  return _mm512_mask_blend_epi32(tiny, r, sub);
+}
+
+// quantize_row_scalar's bytes, 16 values at a time (the division stays a division,
+// as torch's x / scale is).
+RS_TARGET_AVX512 void quantize_row_avx512(const float* x, int64_t d, KVQuant quant,
+                                          uint8_t* dst) {
+  const float qmax = quant_max(quant);
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  __m512 vmax = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 16) {
+    const __mmask16 m = d - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (d - i)) - 1);
+    vmax = _mm512_max_ps(vmax, _mm512_and_ps(_mm512_maskz_loadu_ps(m, x + i), abs_mask));
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, vmax);
+  float amax = 0;
+  for (float v : lanes) amax = std::max(amax, v);
+  const uint32_t h = row_scale_bits(amax, qmax);
+  const __m512 scale = _mm512_set1_ps(half_bits_to_float(h)), vq = _mm512_set1_ps(qmax);
+  for (int64_t i = 0; i < d; i += 16) {
+    const __mmask16 m = d - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (d - i)) - 1);
+    const __m512 y = _mm512_div_ps(_mm512_maskz_loadu_ps(m, x + i), scale);
+    __m512i c;
+    if (quant == KVQuant::kInt8) {
+      const __m512 r = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      c = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-127.0f)), vq));
+    } else {
+      const __m512 a = _mm512_min_ps(_mm512_and_ps(y, abs_mask), vq);
+      c = quant == KVQuant::kFp8E4M3 ? minifloat16<3, 7>(a) : minifloat16<2, 15>(a);
+      const __m512i sign = _mm512_srli_epi32(
+          _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(INT32_MIN)), 24);
+      c = _mm512_or_si512(c, sign);
+    }
+    _mm512_mask_cvtepi32_storeu_epi8(dst + i, m, c);
+  }
+  const uint16_t hb = static_cast<uint16_t>(h);
+  std::memcpy(dst + d, &hb, sizeof hb);
+}
+#endif
+
+}  // namespace
+
+void quantize_kv_row(const float* x, int64_t d, KVQuant quant, uint8_t* dst, Isa isa) {
+#if RS_X86
+  if (isa >= Isa::kAvx512) return quantize_row_avx512(x, d, quant, dst);
+#endif
+  (void)isa;
+  quantize_row_scalar(x, d, quant, dst);
 }
 
 void decode_layers(const DecodeLayers& p, Isa isa, int num_threads) {

@@ -274,19 +274,27 @@ def test_a_cast_pool_stores_another_float_dtype():
                         abs_tol=1e-5)  # fmt: skip
 
 
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
 @pytest.mark.parametrize("name", QUANT_NAMES)
-def test_native_quantizer_writes_the_same_bytes(name):
+def test_native_quantizer_writes_the_same_bytes(name, isa):
     """``csrc``'s quantize_kv_row (the one-call decode layers' K/V writes) against
-    ``kv_quant.quantize``, bit for bit: rows of every range, ties, zeros, subnormals."""
-    require_isa(cpu_kernels.ISA)
+    ``kv_quant.quantize``, bit for bit at every level (avx512 and up: 16 lanes at a
+    time): rows of every range, ties, zeros, subnormals, a width that is no multiple
+    of 16."""
+    isa = require_isa(isa)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(4096, 64, generator=gen)
     x *= torch.logspace(-9, 6, 4096)[:, None]
     x[0] = 0
     x[1, :8] = torch.tensor([127.0, 63.5, -0.5, 1.5, 2.5, -2.5, 448.0, 3.0])  # ties in units
     x[2] = torch.arange(64) * 2.0**-20
-    got = torch.from_numpy(cpu_kernels.ext.quantize_kv_rows(x.numpy(), name))
+    # e4m3 ties at scale 1.0: between normal codes, and between subnormal ones (steps 2^-9).
+    x[3, :5] = torch.tensor([448.0, 1.0625, 1.1875, -1.5 * 2.0**-9, 2.5 * 2.0**-9])
+    got = torch.from_numpy(cpu_kernels.ext.quantize_kv_rows(x.numpy(), name, isa))
     assert torch.equal(got, quantize(x, QUANTS[name]))
+    odd = x[:, :37].contiguous()
+    got = torch.from_numpy(cpu_kernels.ext.quantize_kv_rows(odd.numpy(), name, isa))
+    assert torch.equal(got, quantize(odd, QUANTS[name]))
 
 
 @pytest.mark.parametrize("isa", cpu_kernels.ISAS)
