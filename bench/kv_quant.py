@@ -17,9 +17,11 @@ one S-token system prompt, Q-token questions, O output tokens, greedy): a first 
 fills each engine's cache, then every round runs the prompts again on each engine in
 turn (everything but the questions cached: one short prefill, then O - 1 decode steps
 at batch P). The table gives per KV dtype the median decode step and its ratio to
-the first dtype's within each round (median over rounds).
+the first dtype's within each round (median over rounds). ``--groups G`` spreads the
+prompts over G system prompts (``--groups 32``: every request reads its own context).
 
     python bench/kv_quant.py --mode decode --prompts 32 --system-len 1000 --rounds 5
+    python bench/kv_quant.py --mode decode --prompts 32 --groups 32 --system-len 1000
 """
 
 from __future__ import annotations
@@ -126,9 +128,10 @@ def decode(args) -> None:
 
     tok = load_tokenizer(args.model)
     src = TokenSource.random(len(tok), args.seed, exclude=tok.all_special_ids)
-    work = shared_prefix(src, 1, args.prompts, args.system_len, args.question_len,
+    per_group = -(-args.prompts // args.groups)
+    work = shared_prefix(src, args.groups, per_group, args.system_len, args.question_len,
                          args.output_len)  # fmt: skip
-    prompts = [node.tokens for node in work.roots]
+    prompts = [node.tokens for node in work.roots][: args.prompts]
     sp = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     names = args.kv_dtypes.split(",")
     engines, steps = {}, {}
@@ -154,7 +157,8 @@ def decode(args) -> None:
             engines[name].generate(prompts, sp)
             rounds[name].append(statistics.median(steps[name]))
     info = {name: engines[name].runner.info() for name in names}
-    print(f"{args.prompts} prompts x {args.system_len}-token shared prefix + "
+    shared = "shared prefix" if args.groups == 1 else f"prefix in {args.groups} groups"
+    print(f"{args.prompts} prompts x {args.system_len}-token {shared} + "
           f"{args.question_len}, {args.output_len} tokens, SmolLM2 bfloat16 weights, "
           f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}")  # fmt: skip
     print("| kv dtype | tokens per GiB | decode step ms | step time vs first |")
@@ -179,6 +183,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=36, help="agreement: chat prompts")
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=32, help="decode: batch")
+    ap.add_argument("--groups", type=int, default=1,
+                    help="decode: system prompts the batch is spread over (batch: none shared)")  # fmt: skip
     ap.add_argument("--system-len", type=int, default=1000)
     ap.add_argument("--question-len", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=5)

@@ -92,6 +92,7 @@ using Acc = typename std::conditional<std::is_same<T, double>::value, double, fl
 // One-byte codes of a quantized pool; Kind 1: int8, 2: fp8 e4m3, 3: fp8 e5m2.
 template <int Kind>
 struct Q8 {
+  static constexpr int kKind = Kind;
   uint8_t bits;
 };
 template <typename KV>
@@ -258,9 +259,49 @@ RS_ALWAYS_INLINE void load_block(const T* kv, const int32_t* pages, int64_t ps, 
   }
 }
 
+#if RS_X86
+// 16 codes' values before their row's scale, divided by codes16_unit (code_value
+// = codes16_value * codes16_unit, exactly: the unit is a power of two, so callers
+// fold it into the scale). An fp8 code is a float16's high bits: e5m2 is exactly
+// the top byte of the float16 of the same value; e4m3's exponent and mantissa,
+// shifted to the float16's places (the sign-extended byte shifted by 7, bit 14
+// cleared), give its value / 2^8, normals and subnormals alike (float16's bias is
+// 8 more). vcvtph2ps then widens exactly.
+template <int Kind>
+constexpr float codes16_unit() {
+  return Kind == 2 ? 256.0f : 1.0f;
+}
+template <int Kind>
+RS_TARGET_AVX512 RS_ALWAYS_INLINE __m512 codes16_value(const uint8_t* codes) {
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  if constexpr (Kind == 1) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
+  } else if constexpr (Kind == 3) {
+    return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(c), 8));
+  } else {
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(c), 7),
+                                       _mm256_set1_epi16(static_cast<short>(0xbfff)));
+    return _mm512_cvtph_ps(h);
+  }
+}
+#endif
+
+#if RS_X86
+// D codes (D % 16 == 0) times their row's scale, as float32 (a call from the
+// untargeted loaders of the avx512 items).
+template <int Kind>
+RS_TARGET_AVX512 void codes_to_float_avx512(const uint8_t* codes, float sc, int64_t D,
+                                            float* dst) {
+  const __m512 vsc = _mm512_set1_ps(sc * codes16_unit<Kind>());
+  for (int64_t d = 0; d < D; d += 16)
+    _mm512_storeu_ps(dst + d, _mm512_mul_ps(codes16_value<Kind>(codes + d), vsc));
+}
+#endif
+
 // load_block for a quantized pool: rows of KVH x (D codes, a float16 scale) bytes,
-// each turned into KVH x D values of the compute type in conv (code * scale).
-template <int Kind, typename A>
+// each turned into KVH x D values of the compute type in conv (code * scale); with
+// 16-float vectors (avx512 and up, D % 16 == 0) by codes16_value.
+template <int Kind, typename V = v8, typename A>
 RS_ALWAYS_INLINE void load_block_q(const Q8<Kind>* kv, const int32_t* pages, int64_t ps,
                                    int64_t KVH, int64_t D, int64_t j0, int64_t nb, int64_t k1,
                                    int64_t which, A* conv, const A** out) {
@@ -277,6 +318,12 @@ RS_ALWAYS_INLINE void load_block_q(const Q8<Kind>* kv, const int32_t* pages, int
       std::memcpy(&sb, codes + D, sizeof sb);
       const A sc = static_cast<A>(half_to_float(sb));
       A* dst = c + h * D;
+#if RS_X86
+      if constexpr (std::is_same<V, v16>::value && std::is_same<A, float>::value) {
+        codes_to_float_avx512<Kind>(codes, sc, D, dst);
+        continue;
+      }
+#endif
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d)
         dst[d] = static_cast<A>(code_value(Q8<Kind>{codes[d]})) * sc;
@@ -296,12 +343,12 @@ RS_ALWAYS_INLINE void load_block_q(const Q8<Kind>* kv, const int32_t* pages, int
 }
 
 // Rows [j0, j0 + nb) of K or V in the compute type, whatever the pool stores.
-template <typename KV, typename A>
+template <typename V, typename KV, typename A>
 RS_ALWAYS_INLINE void load_rows(const KV* kv, const int32_t* pages, int64_t ps, int64_t KVH,
                                 int64_t D, int64_t j0, int64_t nb, int64_t k1, int64_t which,
                                 A* conv, const A** out) {
   if constexpr (IsQuant<KV>::value) {
-    load_block_q(kv, pages, ps, KVH, D, j0, nb, k1, which, conv, out);
+    load_block_q<KV::kKind, V>(kv, pages, ps, KVH, D, j0, nb, k1, which, conv, out);
   } else {
     load_block(kv, pages, ps, KVH * D, j0, nb, k1, which, conv, out);
   }
@@ -423,7 +470,7 @@ RS_ALWAYS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q
   for (int64_t jb = 0; jb < len; jb += kBlock) {
     const int64_t nb = std::min(kBlock, len - jb);
     const int64_t nb_real = std::max<int64_t>(0, std::min(nb, real - jb));
-    if (nb_real > 0) load_rows(kv, pages, ps, KVH, D, it.k0 + jb, nb_real, it.k1, 0, conv, rows);
+    if (nb_real > 0) load_rows<V>(kv, pages, ps, KVH, D, it.k0 + jb, nb_real, it.k1, 0, conv, rows);
     for (int64_t b = nb_real; b < nb; ++b) rows[b] = zero;
     for (int64_t h = 0; h < KVH; ++h) {
       const A* qh = qs + h * per_head * D;
@@ -482,7 +529,7 @@ RS_ALWAYS_INLINE void run_item_impl(const Problem& P, const Item& it, const T* q
   for (int64_t jb = 0; jb < len; jb += kBlock) {
     const int64_t nb = std::min(kBlock, len - jb);
     const int64_t nb_real = std::max<int64_t>(0, std::min(nb, real - jb));
-    if (nb_real > 0) load_rows(kv, pages, ps, KVH, D, it.k0 + jb, nb_real, it.k1, 1, conv, rows);
+    if (nb_real > 0) load_rows<V>(kv, pages, ps, KVH, D, it.k0 + jb, nb_real, it.k1, 1, conv, rows);
     for (int64_t b = nb_real; b < nb; ++b) rows[b] = zero;
     for (int64_t h = 0; h < KVH; ++h) {
       const A* ph = sc + h * per_head * len + jb;
@@ -812,29 +859,6 @@ RS_TARGET_AVX512 void item_avx512(const Problem& P, const Item& it, const T* q, 
 }
 
 #if RS_X86
-// 16 codes' values before their row's scale (code_value, 16 lanes at a time).
-template <int Kind>
-RS_TARGET_AVX512BF16 RS_ALWAYS_INLINE __m512 codes16_value(const uint8_t* codes) {
-  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-  if constexpr (Kind == 1) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
-  } else {
-    constexpr int M = Kind == 2 ? 3 : 2, B = Kind == 2 ? 7 : 15;
-    const __m512i x = _mm512_cvtepu8_epi32(c);
-    const __m512i em = _mm512_and_si512(x, _mm512_set1_epi32(0x7f));
-    const __m512i sh = _mm512_slli_epi32(em, 23 - M);
-    const __m512i low = _mm512_set1_epi32((128 - B) << 23);
-    const __m512 normal =
-        _mm512_castsi512_ps(_mm512_add_epi32(sh, _mm512_set1_epi32((127 - B) << 23)));
-    const __m512 sub = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(sh, low)),
-                                     _mm512_castsi512_ps(low));
-    const __mmask16 is_normal = _mm512_test_epi32_mask(em, _mm512_set1_epi32(0x7f & ~((1 << M) - 1)));
-    const __m512 mag = _mm512_mask_blend_ps(is_normal, sub, normal);
-    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign));
-  }
-}
-
 // Rows [j0, j0 + len) of a quantized pool's K, then its V, as bfloat16
 // ([2][len][KVH * D]): code * scale in float32, rounded to nearest even, 16 values
 // per conversion (D % 16 == 0). The same values load_block_q then from_acc give.
@@ -855,7 +879,7 @@ RS_TARGET_AVX512BF16 void quant_rows_to_bf16(const Q8<Kind>* kv, const int32_t* 
           uint16_t sb;
           std::memcpy(&sb, codes + D, sizeof sb);
           const float sc = half_to_float(sb);
-          const __m512 vsc = _mm512_set1_ps(sc);
+          const __m512 vsc = _mm512_set1_ps(sc * codes16_unit<Kind>());
           for (int64_t d = 0; d < D; d += 16) {
             const __m512 v = _mm512_mul_ps(codes16_value<Kind>(codes + d), vsc);
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
