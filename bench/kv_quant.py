@@ -3,12 +3,25 @@
 Two measurements, each one in-process Engine per KV dtype:
 
 ``--mode agreement`` (default): a few dozen chat prompts, greedy, the first
-``--output-len`` tokens with logprobs. Per KV dtype: the share of prompts whose tokens
-equal the bfloat16 pool's, the mean position of the first difference where they
-differ, and the largest difference of a chosen token's logprob over the positions
-where the two agree so far. The variant ``fp8_e4m3@1`` stores fp8 e4m3 with every
-scale fixed at 1.0 (vLLM's default scale) instead of the row's max / 448: the
-measurement behind the choice of per-row scales.
+``--output-len`` tokens with logprobs, all prompts in one batch. Per KV dtype, against
+the first (the bfloat16 pool):
+
+- free-running: the share of prompts whose tokens equal the reference's, and the
+  mean position of the first difference where they differ;
+- teacher-forced: every engine scores the reference's own tokens (prompt + the
+  reference's completion as one prompt, ``prompt_logprobs``, the cache flushed
+  first), so a difference at one position does not change the next. The share of
+  positions whose most likely token is the reference's, the share of prompts where
+  all are, the share of positions whose most likely token is the one the reference
+  pool's own scoring picks (the KV format alone), and the largest difference of the
+  reference token's logprob against the reference pool's own teacher-forced logprob.
+
+Rows beside the formats give the floor any change of rounding sets:
+``bfloat16@rev`` is the bfloat16 pool with the batch in reverse order, ``float32``
+a pool more precise than the reference. The variant ``fp8_e4m3@1`` stores fp8 e4m3
+with every scale fixed at 1.0 (vLLM's default scale) instead of the row's max / 448.
+``near ties`` counts the reference's prompts whose greedy path passes a position
+where its two most likely tokens are closer than ``--tie`` nats.
 
     python bench/kv_quant.py --mode agreement
 
@@ -70,54 +83,84 @@ def engine_for(name: str, args, **kw):
 
     kv = name.split("@")[0]
     return Engine(model=args.model, dtype="bfloat16", kv_cache_dtype=kv,
-                  kv_memory=args.kv_memory, **kw)  # fmt: skip
+                  kv_memory=args.kv_memory, deterministic=args.deterministic, **kw)  # fmt: skip
 
 
 def agreement(args) -> None:
     from radixserve import SamplingParams
 
-    prompts = chat_prompts(args.num_prompts)
-    sp = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True, logprobs=1)
+    chats = chat_prompts(args.num_prompts)
     names = args.kv_dtypes.split(",")
-    runs = {}
+    free_sp = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True,
+                             logprobs=2)  # fmt: skip
+    ref: list | None = None
+    rows = {}
     for name in names:
         original = kv_quant.quantize
+        from radixserve.worker.attention import torch_backend
+
         if name.endswith("@1"):
             # The torch backend looks the function up on its own module.
-            from radixserve.worker.attention import torch_backend
-
             torch_backend.quantize = fixed_scale_quantize
         try:
             eng = engine_for(name, args)
+            ids = [eng._to_ids(c, None) for c in chats]
+            order = list(range(len(ids)))[:: -1 if name.endswith("@rev") else 1]
             t = time.perf_counter()
-            results = eng.generate(prompts, sp)
-            runs[name] = (results, time.perf_counter() - t)
+            got = eng.generate([ids[i] for i in order], free_sp)
+            free = [None] * len(ids)
+            for i, r in zip(order, got):
+                free[i] = r
+            if ref is None:
+                ref = free
+            eng.flush_cache()
+            forced = eng.generate(
+                [ids[i] + ref[i].token_ids for i in order],
+                [SamplingParams(max_tokens=0, prompt_logprobs=1, logprob_start_len=len(ids[i]))
+                 for i in order],
+            )  # fmt: skip
+            scored = [None] * len(ids)
+            for i, r in zip(order, forced):
+                scored[i] = r.prompt_logprobs[len(ids[i]) :]
+            rows[name] = (free, scored, time.perf_counter() - t)
             eng.close()
-            print(f"{name}: {runs[name][1]:.1f} s", file=sys.stderr, flush=True)
+            print(f"{name}: {rows[name][2]:.1f} s", file=sys.stderr, flush=True)
         finally:
-            from radixserve.worker.attention import torch_backend
-
             torch_backend.quantize = original
-    base = runs[names[0]][0]
-    print(f"{len(prompts)} chat prompts, first {args.output_len} greedy tokens, SmolLM2 "
-          f"bfloat16 weights, {torch.get_num_threads()} threads; against {names[0]}")  # fmt: skip
-    print("| kv dtype | prompts equal | mean first difference | max logprob diff | seconds |")
-    print("|---|---|---|---|---|")
+    assert ref is not None
+    base_scored = rows[names[0]][1]
+    n = len(ref)
+    ties = sum(
+        any(lp.top[0].logprob - lp.top[1].logprob < args.tie for lp in r.logprobs) for r in ref
+    )
+    print(f"{n} chat prompts, first {args.output_len} greedy tokens, SmolLM2 bfloat16 "
+          f"weights, {torch.get_num_threads()} threads; against {names[0]}; near ties "
+          f"(top-2 gap < {args.tie} nats): {ties}/{n} prompts")  # fmt: skip
+    print("| kv dtype | free-running: prompts equal | first difference (mean) | "
+          "teacher-forced: positions equal | prompts equal | argmax as the reference's | "
+          "max logprob diff | seconds |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for name in names:
-        results, secs = runs[name]
-        equal, firsts, worst = 0, [], 0.0
-        for a, b in zip(base, results):
+        free, scored, secs = rows[name]
+        equal, firsts = 0, []
+        for a, b in zip(ref, free):
             if a.token_ids == b.token_ids:
                 equal += 1
             else:
                 firsts.append(next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids))
                                    if x != y))  # fmt: skip
-            for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
-                if x != y:
-                    break
-                worst = max(worst, abs(a.logprobs[i].logprob - b.logprobs[i].logprob))
+        pos_equal = prompts_equal = same_argmax = 0
+        worst = 0.0
+        for a, got, base in zip(ref, scored, base_scored):
+            hits = [lp.top[0].token_id == t for lp, t in zip(got, a.token_ids)]
+            pos_equal += sum(hits)
+            prompts_equal += all(hits)
+            same_argmax += sum(x.top[0].token_id == y.top[0].token_id for x, y in zip(got, base))
+            worst = max(worst, *(abs(x.logprob - y.logprob) for x, y in zip(got, base)))
         first = f"{statistics.mean(firsts):.1f}" if firsts else "-"
-        print(f"| {name} | {equal}/{len(base)} ({equal / len(base):.0%}) | {first} | "
+        total = sum(len(a.token_ids) for a in ref)
+        print(f"| {name} | {equal}/{n} ({equal / n:.0%}) | {first} | "
+              f"{pos_equal / total:.2%} | {prompts_equal}/{n} | {same_argmax / total:.2%} | "
               f"{worst:.4f} | {secs:.1f} |")  # fmt: skip
 
 
@@ -181,6 +224,8 @@ def main() -> None:
     ap.add_argument("--kv-memory", type=int, default=256 << 20)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--num-prompts", type=int, default=36, help="agreement: chat prompts")
+    ap.add_argument("--tie", type=float, default=0.1, help="agreement: a near tie, in nats")
+    ap.add_argument("--deterministic", action="store_true", help="engines in --deterministic mode")
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=32, help="decode: batch")
     ap.add_argument("--groups", type=int, default=1,
@@ -195,7 +240,7 @@ def main() -> None:
     if args.kv_dtypes is None:
         args.kv_dtypes = "bfloat16,int8,fp8_e4m3,fp8_e5m2"
         if args.mode == "agreement":
-            args.kv_dtypes += ",fp8_e4m3@1"
+            args.kv_dtypes = "bfloat16,bfloat16@rev,float32,int8,fp8_e4m3,fp8_e5m2,fp8_e4m3@1"
     (agreement if args.mode == "agreement" else decode)(args)
 
 
