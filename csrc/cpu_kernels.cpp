@@ -237,7 +237,7 @@ bool is_bf16(const py::array& a) {
 }
 
 void skinny_gemm(const py::array& w, const py::array& x, py::array& yT, int num_threads,
-                 const std::string& isa_name, bool amx) {
+                 const std::string& isa_name, bool amx, bool invariant) {
   auto fail = [](const std::string& what) { throw std::invalid_argument("skinny_gemm: " + what); };
   const Isa isa = parse_isa(isa_name, "skinny_gemm");
   const auto c = py::array::c_style;
@@ -270,6 +270,7 @@ void skinny_gemm(const py::array& w, const py::array& x, py::array& yT, int num_
   g.yT = yT.mutable_data();
   g.sm = x.strides(0) / item;
   g.sk = x.strides(1) / item;
+  g.invariant = invariant;
   if (amx) {
     // The shape, the CPU and the OS are checked before any tile instruction.
     if (!radixserve::amx_gemm_takes(g)) fail("amx takes bfloat16 w, 1-32 rows, K % 32 == 0, N % 16 == 0");
@@ -283,6 +284,27 @@ void skinny_gemm(const py::array& w, const py::array& x, py::array& yT, int num_
   }
   py::gil_scoped_release nogil;
   radixserve::skinny_gemm(g, isa, num_threads);
+}
+
+// gate_up [2 * I, rows] -> out [I, rows]: silu(gate) * up as the one-call decode
+// layers compute it (the gate's rows, then the up rows, of a feature-major product).
+void silu_mul_py(const py::array& gate_up, py::array& out, int num_threads,
+                 const std::string& isa_name) {
+  const Isa isa = parse_isa(isa_name, "silu_mul");
+  const auto c = py::array::c_style;
+  const bool bf16 = is_bf16(gate_up);
+  if (!bf16 && !gate_up.dtype().is(py::dtype::of<float>()))
+    throw std::invalid_argument("silu_mul: float32 or bfloat16 (as int16) arrays");
+  if (gate_up.ndim() != 2 || out.ndim() != 2 || !(gate_up.flags() & c) || !(out.flags() & c) ||
+      !out.writeable() || is_bf16(out) != bf16 || out.dtype().itemsize() != gate_up.dtype().itemsize() ||
+      gate_up.shape(0) != 2 * out.shape(0) || gate_up.shape(1) != out.shape(1))
+    throw std::invalid_argument("silu_mul: gate_up [2 * I, rows] and a writeable out [I, rows], "
+                                "C-contiguous, one dtype");
+  const int64_t n = out.shape(0) * out.shape(1);
+  const char* g = static_cast<const char*>(gate_up.data());
+  py::gil_scoped_release nogil;
+  radixserve::silu_mul(g, g + n * gate_up.dtype().itemsize(), out.mutable_data(), n, bf16, isa,
+                       num_threads);
 }
 
 // x float32 [n, d] -> uint8 [n, d + 2]: each row quantized as the one-call decode
@@ -379,7 +401,8 @@ class DecodeLayersPy {
            const I32Array& row_indptr, const I32Array& rows, const I32Array& page_indptr,
            const I32Array& pages, const I32Array& kv_begin, const I32Array& kv_end, double scale,
            int64_t chunk, py::array& h_out, py::array& residual_out, int num_threads,
-           const std::string& isa_name, bool amx, const py::object& causal) {
+           const std::string& isa_name, bool amx, const py::object& causal, int64_t fixed,
+           bool invariant) {
     const Isa isa = parse_isa(isa_name, "DecodeLayers");
     radixserve::DecodeLayers p = p_;
     const int64_t t = x.ndim() == 2 ? x.shape(0) : 0, hd = p.hidden;
@@ -421,6 +444,9 @@ class DecodeLayersPy {
     p.attn.group = p.heads / p.kv_heads;
     p.attn.scale = scale;
     p.attn.amx = amx && p.bf16;
+    check(fixed >= 0, "fixed must be >= 0");
+    p.attn.fixed = fixed;
+    p.invariant = invariant;
     check_segments(p.attn, t, num_pages_, row_indptr, rows, page_indptr, pages, kv_begin,
                    kv_end);
     // A causal segment: a chunk's rows (a request's drafts) see the keys up to their own.
@@ -555,6 +581,10 @@ void apply_token_bitmask(py::array& logits, const py::array& bitmask, const py::
 PYBIND11_MODULE(_cpu_kernels, m) {
   m.doc() = "The worker's CPU kernels: paged decode attention, skinny products.";
   m.attr("KV_QUANT") = true;  // paged_decode reads quantized pools (kv_quant)
+  m.def("silu_mul", &silu_mul_py, py::arg("gate_up"), py::arg("out"), py::arg("num_threads"),
+        py::arg("isa") = "auto",
+        "out [I, rows] = silu(gate) * up for gate_up [2 * I, rows] (float32, or bfloat16 as "
+        "int16), as the one-call decode layers compute it.");
   m.def("quantize_kv_rows", &quantize_kv_rows, py::arg("x"), py::arg("kv_quant"),
         py::arg("isa") = "auto",
         "float32 [rows, d] -> uint8 [rows, d + 2]: codes and float16 scale per row, as the "
@@ -576,8 +606,10 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         "has them.");
   m.def("skinny_gemm", &skinny_gemm, py::arg("w"), py::arg("x"), py::arg("yT"),
         py::arg("num_threads"), py::arg("isa") = "auto", py::arg("amx") = false,
+        py::arg("invariant") = false,
         "yT [N, M] = w [N, K] . x^T for x [M, K] (any strides), w and yT C-contiguous; "
-        "float32, or bfloat16 weights (as int16) with float32 or bfloat16 x and yT.");
+        "float32, or bfloat16 weights (as int16) with float32 or bfloat16 x and yT. "
+        "invariant: a row's result does not depend on M (batch-invariant mode).");
   m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("w"), py::arg("y"), py::arg("eps"),
         py::arg("unit_offset"), py::arg("num_threads"), py::arg("isa") = "auto",
         "y = RMSNorm(x) * w (or * (1 + w) with unit_offset) for bfloat16 rows [rows, n] "
@@ -604,7 +636,7 @@ PYBIND11_MODULE(_cpu_kernels, m) {
            py::arg("page_indptr"), py::arg("pages"), py::arg("kv_begin"), py::arg("kv_end"),
            py::arg("scale"), py::arg("chunk"), py::arg("h_out"), py::arg("residual_out"),
            py::arg("num_threads"), py::arg("isa") = "auto", py::arg("amx") = false,
-           py::arg("causal") = py::none());
+           py::arg("causal") = py::none(), py::arg("fixed") = 0, py::arg("invariant") = false);
   radixserve::bind_step_kernels(m);
   m.def("best_isa", [] { return std::string(radixserve::isa_name(radixserve::best_isa())); },
         "The best instruction-set level this CPU runs (baseline, avx2, avx512, avx512bf16).");

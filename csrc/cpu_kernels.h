@@ -207,6 +207,9 @@ struct SkinnyGemm {
   void* yT;
   DType w_type, x_type, y_type;
   int64_t N, K, M, sm, sk;
+  // A row's result independent of M (batch-invariant mode): at avx512bf16 the dot
+  // form for few rows is not taken (every other form already is independent of M).
+  bool invariant = false;
 };
 
 // `isa` as for paged_decode. With bfloat16 weights, avx512bf16 multiplies bfloat16
@@ -321,6 +324,11 @@ struct DecodeLayerWeights {
 struct DecodeLayers {
   bool bf16, unit_offset;
   bool amx;  // bfloat16 products of 2+ rows on AMX tiles (skinny_gemm_amx) where it takes them
+  // Batch-invariant mode: a row's bits independent of the step's other rows, as the
+  // layer-by-layer path computes them there (products with SkinnyGemm::invariant and,
+  // with amx, on AMX tiles for one row too; the norms feature-major for one row too;
+  // attention over fixed items, attn.fixed).
+  bool invariant;
   int64_t layers, tokens, hidden, heads, kv_heads, head_dim, rot_dim, intermediate, page_size;
   float eps;
   const DecodeLayerWeights* weights;
@@ -338,6 +346,11 @@ struct DecodeLayers {
   KVQuant quant;
 };
 void decode_layers(const DecodeLayers& p, Isa isa, int num_threads);
+
+// out[i] = round(round(silu(g[i])) * u[i]) for n values (float32, or bfloat16 bits),
+// the one-call decode layers' SwiGLU activation (its exp is expv's).
+void silu_mul(const void* g, const void* u, void* out, int64_t n, bool bf16, Isa isa,
+              int num_threads);
 
 // One (token, kv head) row of d values quantized as kv_quant.quantize does: d codes,
 // then the float16 scale (max|x| / qmax rounded up), into dst (d + 2 bytes).

@@ -123,15 +123,15 @@ void run(const DecodeLayers& p, Isa isa, int num_threads) {
 
   auto gemm = [&](const void* w, int64_t n, int64_t kk, const T* x, int64_t sm, int64_t sk,
                   T* out) {
-    radixserve::SkinnyGemm g{w, x, out, dt, dt, dt, n, kk, t, sm, sk};
-    if (p.amx && t > 1 && radixserve::skinny_gemm_amx(g, num_threads)) return;
+    radixserve::SkinnyGemm g{w, x, out, dt, dt, dt, n, kk, t, sm, sk, p.invariant};
+    if (p.amx && (t > 1 || p.invariant) && radixserve::skinny_gemm_amx(g, num_threads)) return;
     radixserve::skinny_gemm(g, isa, num_threads);
   };
   auto add_norm = [&](const T* x, int64_t x_row, int64_t x_col, const T* a, const void* w,
                       T* s, T* out) {
     // a, s and out feature-major ([hidden][tokens]); x as given. One row is written
     // row-major, as the torch path's call does (the same memory, and its own loop).
-    radixserve::AddRmsNorm n{p.bf16, p.unit_offset, t > 1, x, a, w, s, out, t, hd,
+    radixserve::AddRmsNorm n{p.bf16, p.unit_offset, t > 1 || p.invariant, x, a, w, s, out, t, hd,
                              x_row, x_col, 1, t, p.eps};
     radixserve::add_rms_norm(n, isa, num_threads);
   };
@@ -344,6 +344,17 @@ RS_TARGET_AVX512 void quantize_row_avx512(const float* x, int64_t d, KVQuant qua
 #endif
 
 }  // namespace
+
+void silu_mul(const void* g, const void* u, void* out, int64_t n, bool bf16, Isa isa,
+              int num_threads) {
+  if (bf16) {
+    ::silu_mul<BF16>(static_cast<const uint16_t*>(g), static_cast<const uint16_t*>(u),
+                     static_cast<uint16_t*>(out), n, isa, num_threads);
+  } else {
+    ::silu_mul<F32>(static_cast<const float*>(g), static_cast<const float*>(u),
+                    static_cast<float*>(out), n, isa, num_threads);
+  }
+}
 
 void quantize_kv_row(const float* x, int64_t d, KVQuant quant, uint8_t* dst, Isa isa) {
 #if RS_X86

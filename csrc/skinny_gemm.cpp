@@ -392,7 +392,7 @@ constexpr int64_t kDotRows = 8;
 template <typename YT>
 void run_dp(const SkinnyGemm& g, int num_threads) {
   const int64_t K = g.K, M = g.M;
-  if (M <= kDotRows) {
+  if (M <= kDotRows && !g.invariant) {
     std::vector<uint16_t> xr(static_cast<size_t>(M * K));
     for (int64_t m = 0; m < M; ++m)
       for (int64_t k = 0; k < K; ++k) {

@@ -13,6 +13,7 @@ import torch
 
 from radixserve import Engine, SamplingParams
 from radixserve.layers import cpu_kernels
+from radixserve.models import decode_step
 from tests.helpers.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.AVAILABLE, reason="native kernels not built")
@@ -95,6 +96,39 @@ def test_cold_and_cached_are_the_same(tiny_dir, page_size, chunk):
     [again] = eng.generate([target], GREEDY)  # the whole prompt and its answer cached
     assert again.usage.cached_tokens >= 199 // page_size * page_size
     assert sig(again) == cold
+    eng.check_idle()
+
+
+def test_an_answer_written_by_decode_steps_equals_its_prefill(tiny_dir, monkeypatch):
+    """Multi-turn: the second turn's cached prefix holds the first answer's K/V, written
+    by decode steps (through the one-call decode layers where this CPU takes them,
+    bfloat16 products at avx512bf16); cold, the same tokens are one prefill. The
+    answers are the same bits, so a decode row and a prefill row of the same token
+    computed the same K/V."""
+    calls = []
+    run = decode_step.run
+
+    def counted(*args, **kw):
+        out = run(*args, **kw)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(decode_step, "run", counted)
+    rng = np.random.default_rng(11)
+    first = prompt(rng, 70)
+    eng = engine(tiny_dir, chunked_prefill_size=64)
+    long = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    [answer] = eng.generate([first], long)
+    second = first + answer.token_ids + prompt(rng, 9)
+    [warm] = eng.generate([second], GREEDY)
+    assert warm.usage.cached_tokens >= 64
+    eng.flush_cache()
+    [cold] = eng.generate([second], GREEDY)
+    assert sig(warm) == sig(cold)
+    neighbours = eng.generate([prompt(rng, 30) for _ in range(5)] + [second], GREEDY)
+    assert sig(neighbours[-1]) == sig(cold)
+    if decode_step.products_ok(1, torch.bfloat16) and decode_step.ENABLED:
+        assert any(calls), "the one-call decode layers never ran"
     eng.check_idle()
 
 

@@ -29,6 +29,8 @@ import os
 
 import torch  # first: the kernels' OpenMP regions run in torch's OpenMP runtime
 
+from radixserve.layers import invariant
+
 try:
     from radixserve.layers import _cpu_kernels as ext
 
@@ -237,7 +239,9 @@ def add_rms_norm(
     output layout), so are both results (the next product reads them without a copy);
     else both are row-major."""
     rows, n = x.shape
-    feature_major = rows > 1 and a.stride(0) == 1
+    # One row counts as feature-major in batch-invariant mode, so that its sum of squares
+    # is taken in the order it has among others (the one-call decode layers do the same).
+    feature_major = (rows > 1 or invariant.enabled()) and a.stride(0) == 1
     shape = (n, rows) if feature_major else (rows, n)
     s = torch.empty(shape, dtype=x.dtype)
     y = torch.empty(shape, dtype=x.dtype)
@@ -246,6 +250,28 @@ def add_rms_norm(
         unit_offset, feature_major, torch.get_num_threads(), isa or ISA,
     )  # fmt: skip
     return (s.t(), y.t()) if feature_major else (s, y)
+
+
+def silu_mul_ok(gate_up: torch.Tensor) -> bool:
+    """Whether ``silu_mul`` takes this product: the transposed view of a contiguous
+    float32 or bfloat16 ``[2 * I, rows]`` tensor on the CPU (``Linear``'s layout)."""
+    return (
+        hasattr(ext, "silu_mul")
+        and gate_up.device.type == "cpu"
+        and gate_up.dtype in (torch.float32, torch.bfloat16)
+        and gate_up.dim() == 2
+        and gate_up.shape[1] % 2 == 0
+        and gate_up.t().is_contiguous()
+    )
+
+
+def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up`` = [gate | up] (``silu_mul_ok``), as the
+    one-call decode layers compute it (their exp), in the same transposed layout."""
+    base = gate_up.t()
+    out = torch.empty(base.shape[0] // 2, base.shape[1], dtype=gate_up.dtype)
+    ext.silu_mul(_array(base), _array(out), torch.get_num_threads(), isa or ISA)  # type: ignore[union-attr]
+    return out.t()
 
 
 def rotary_qkv(

@@ -42,11 +42,58 @@ class Linear(nn.Linear):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T (+ b)`` by the fastest of ``Linear``'s three forms (same layout contract),
     for weights that are not a ``Linear`` (one expert's slice of a stacked tensor).
-    In batch-invariant mode (``invariant.py``): the same forms on fixed blocks of
-    rows, and a contiguous result."""
+    In batch-invariant mode (``invariant.py``): the native kernels' invariant form
+    where they take the product (``invariant_native``), else the same forms on fixed
+    blocks of rows and a contiguous result."""
     if invariant.enabled() and x.shape[0] > 0:
+        if invariant_native(x, weight):
+            return invariant_linear(x, weight, bias)
         return invariant.blocked(x, weight, bias, _linear)
     return _linear(x, weight, bias)
+
+
+def invariant_native(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a batch-invariant product runs in the native kernels: float32, and
+    bfloat16 at ``avx512bf16`` (the products the one-call decode layers compute,
+    ``decode_step.products_ok``, so that a decode row there and the same row through
+    the layers one by one get the same bits)."""
+    return (
+        cpu_kernels.AVAILABLE
+        and x.dim() == 2
+        and x.device.type == "cpu"
+        and x.dtype == weight.dtype
+        and weight.is_contiguous()
+        and (
+            x.dtype == torch.float32
+            or (x.dtype == torch.bfloat16 and cpu_kernels.ISA == "avx512bf16")
+        )
+    )
+
+
+def invariant_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x W^T (+ b)`` with every row's bits independent of the other rows: blocks of
+    ``invariant.ROWS`` rows through ``skinny_gemm``'s invariant form (bfloat16 on AMX
+    tiles where the CPU has them and the shape fits, as the one-call layers take
+    them), as the transposed view of a ``[out, rows]`` product (``Linear``'s layout)."""
+    rows, (n, k) = x.shape[0], weight.shape
+    amx = cpu_kernels.AMX and weight.dtype == torch.bfloat16 and k % 32 == 0 and n % 16 == 0
+    yt = torch.empty(n, rows, dtype=x.dtype)
+    w = cpu_kernels._array(weight)
+    threads = torch.get_num_threads()
+    for i in range(0, rows, invariant.ROWS):
+        block = x[i : i + invariant.ROWS]
+        out = yt if rows <= invariant.ROWS else torch.empty(n, block.shape[0], dtype=x.dtype)
+        cpu_kernels.ext.skinny_gemm(  # type: ignore[union-attr]
+            w, cpu_kernels._array(block), cpu_kernels._array(out), threads, cpu_kernels.ISA,
+            amx=amx, invariant=True,
+        )  # fmt: skip
+        if out is not yt:
+            yt[:, i : i + block.shape[0]] = out
+    if bias is not None:
+        yt += bias[:, None]
+    return yt.t()
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

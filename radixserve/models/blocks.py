@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from radixserve.layers import cpu_kernels
+from radixserve.layers import cpu_kernels, invariant
 from radixserve.layers.attention import LayerAttention
 from radixserve.layers.linear import Linear
 from radixserve.layers.lora import LoraLayer
@@ -169,6 +169,14 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoraLayer | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if lora is None:
+            if (
+                invariant.enabled()
+                and self.act is F.silu
+                and cpu_kernels.silu_mul_ok(gate_up)
+            ):
+                # Batch-invariant mode: the one-call decode layers' SiLU (their exp), so
+                # that a row gets the same bits whichever path computes it.
+                return self.down_proj(cpu_kernels.silu_mul(gate_up))
             gate, up = gate_up.split(self.intermediate, dim=-1)
             return self.down_proj(self.act(gate) * up)
         gate, up = lora.add(gate_up, x, "gate_up").split(self.intermediate, dim=-1)

@@ -103,7 +103,6 @@ def takes(model, rows: int) -> bool:
     if (
         not ENABLED
         or not hasattr(cpu_kernels.ext, "DecodeLayers")
-        or invariant.enabled()  # batch-invariant steps take the layer-by-layer path
         or model.cfg.hybrid
     ):
         return False
@@ -148,6 +147,7 @@ def run(
         view(sin.reshape(t, -1).contiguous()), write_rows, seg.row_indptr, seg.rows,
         seg.page_indptr, seg.pages, seg.kv_begin[backend.sliding_windows[0]], seg.kv_end,
         backend.scale, seg.chunk, view(h_out), view(residual), torch.get_num_threads(),
-        cpu_kernels.ISA, amx=cpu_kernels.AMX, causal=seg.causal,
+        cpu_kernels.ISA, amx=cpu_kernels.AMX, causal=seg.causal, fixed=seg.fixed,
+        invariant=invariant.enabled(),
     )  # fmt: skip
     return h_out.t(), residual.t()

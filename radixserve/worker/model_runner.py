@@ -615,7 +615,8 @@ class ModelRunner:
     def forward_logits(self, batch: Step) -> torch.Tensor:
         """Steps 1-3 of ``step``: logits [num sampling requests, vocab] (no sampling;
         on a follower rank, an empty tensor)."""
-        logits, num_sampled, _, _ = self._forward(batch, [])
+        with invariant.batch_invariant(self.config.deterministic):
+            logits, num_sampled, _, _ = self._forward(batch, [])
         return logits[:num_sampled] if self.leader else torch.zeros(0, self.vocab_size)
 
     def _forward(

@@ -41,6 +41,17 @@ def runners(tiny_llama_dir):
     return {torch.float32: make("float32"), torch.bfloat16: make("bfloat16")}
 
 
+@pytest.fixture(scope="module")
+def invariant_runners(tiny_llama_dir):
+    """Runners in batch-invariant mode (``deterministic=True``)."""
+    require_built(cpu_kernels.AVAILABLE, cpu_kernels.UNAVAILABLE_REASON, "native CPU kernels")
+    make = lambda dtype: ModelRunner(  # noqa: E731
+        WorkerConfig(model=str(tiny_llama_dir), dtype=dtype, page_size=PAGE, num_pages=512,
+                     max_running_requests=8, warmup=False, deterministic=True)
+    )  # fmt: skip
+    return {torch.float32: make("float32"), torch.bfloat16: make("bfloat16")}
+
+
 @pytest.fixture
 def native_calls(monkeypatch):
     """How many steps took the native call (each test checks that its steps did)."""
@@ -191,6 +202,43 @@ def test_bfloat16_cascade_on_amx_reads_the_prefix_in_the_native_kernel(
     assert widest[-5:] == [4] * 5, "the shared prefix is one segment of all four rows"
     for a, b in zip(ref, got, strict=True):
         assert (b - a).abs().max() <= 2e-2 * a.abs().max()
+
+
+def _invariant_levels():
+    """(dtype, level, amx) for every form the one call takes in batch-invariant mode."""
+    out = [(torch.float32, level, False) for level in cpu_kernels.ISAS]
+    out += [(torch.bfloat16, "avx512bf16", False), (torch.bfloat16, "avx512bf16", True)]
+    return out
+
+
+@pytest.mark.parametrize(("dtype", "level", "amx"), _invariant_levels())
+@pytest.mark.parametrize(("batch", "fork"), [(1, 0), (5, 0), (4, 64)])
+def test_batch_invariant_steps_are_the_layer_by_layer_bits(
+    invariant_runners, native_calls, monkeypatch, dtype, level, amx, batch, fork
+):
+    """In batch-invariant mode the one call computes exactly the bits of the layers one
+    by one (products in the invariant form, on AMX tiles for any row count where
+    ``amx``; norms feature-major for one row too; SiLU by the same kernel; attention
+    over fixed items, no cascade), teacher-forced, so that decode steps and prefill
+    chunks write the same K/V for the same tokens."""
+    monkeypatch.setattr(cpu_kernels, "ISA", require_isa(level))
+    if amx and not cpu_kernels.amx_supported():
+        pytest.skip("this CPU (or OS) gives no AMX tiles")
+    monkeypatch.setattr(cpu_kernels, "AMX", amx)
+    runner = invariant_runners[dtype]
+    if fork:
+        base = prompts(1, length=70, seed=27)[0]
+        rng = np.random.default_rng(28)
+        ps = [base] + [np.concatenate([base[:fork], rng.integers(4, 512, 6).astype(np.int32)])
+                       for _ in range(batch - 1)]  # fmt: skip
+    else:
+        ps = prompts(batch, length=20, seed=20 + batch)
+    ref, ref_fed = decode(runner, ps, 8, native=False, fork=fork)
+    assert not any(native_calls)
+    got, _ = decode(runner, ps, 8, native=True, forced=ref_fed, fork=fork)
+    assert native_calls[-8:] == [True] * 8
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
 
 
 def verify(runner, prompts, drafts, native, fork=0):

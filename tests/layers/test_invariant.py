@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from radixserve.layers import cpu_kernels, invariant
-from radixserve.layers.linear import linear
+from radixserve.layers.linear import invariant_linear, invariant_native, linear
 from radixserve.worker.attention import native_decode
 from tests.helpers.native import require_isa
 from tests.worker.test_native_decode import TOLERANCE, reference
@@ -175,8 +175,70 @@ def test_linear_switches_with_the_context():
     with invariant.batch_invariant():
         assert invariant.enabled()
         y = linear(x, w)
-        assert y.is_contiguous()
         with invariant.batch_invariant(False):
             assert not invariant.enabled()
     assert not invariant.enabled()
-    assert torch.equal(y, invariant.blocked(x, w, None, linear))
+    if invariant_native(x, w):
+        assert torch.equal(y, invariant_linear(x, w, None))
+    else:
+        assert y.is_contiguous()
+        assert torch.equal(y, invariant.blocked(x, w, None, linear))
+
+
+def _native_forms():
+    """(dtype, level, amx): the forms ``invariant_linear`` takes on some CPU."""
+    out = [(torch.float32, level, False) for level in cpu_kernels.ISAS]
+    return out + [(torch.bfloat16, "avx512bf16", False), (torch.bfloat16, "avx512bf16", True)]
+
+
+@pytest.mark.parametrize(("dtype", "level", "amx"), _native_forms())
+@pytest.mark.parametrize("shape", [(320, 192), (300, 200)])  # AMX takes only the first
+def test_native_invariant_products_are_the_same_alone_and_in_any_batch(
+    monkeypatch, dtype, level, amx, shape
+):
+    """The native invariant form (``skinny_gemm(invariant=True)``, on AMX tiles for any
+    row count where it takes the shape): a row's bits alone equal its bits at every
+    place of batches of 2..70 rows (blocks of 32 and a partial one), on 1 and 2
+    threads, and its values match float64."""
+    monkeypatch.setattr(cpu_kernels, "ISA", require_isa(level))
+    if amx and not cpu_kernels.amx_supported():
+        pytest.skip("this CPU (or OS) gives no AMX tiles")
+    monkeypatch.setattr(cpu_kernels, "AMX", amx)
+    torch.manual_seed(0)
+    n, k = shape
+    w = torch.randn(n, k).to(dtype)
+    x = torch.randn(71, k).to(dtype)
+    b = torch.randn(n).to(dtype)
+    assert invariant_native(x, w)
+    alone = invariant_linear(x[:1], w, b)[0]
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(alone.double(), (x[:1].double() @ w.double().t() + b.double())[0],
+                               atol=tol * 10, rtol=tol)  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        for m in (2, 9, 31, 32, 33, 70):
+            torch.set_num_threads(1 + m % 2)
+            for j in (0, m // 2, m - 1):
+                batch = torch.cat([x[1 : 1 + j], x[:1], x[1 + j : m]])
+                assert torch.equal(invariant_linear(batch, w, b)[j], alone), (m, j)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_is_the_swiglu_activation(dtype):
+    """``cpu_kernels.silu_mul`` (the one-call layers' activation, which batch-invariant
+    mode uses everywhere) against torch's ``silu(gate) * up`` on the product layout."""
+    require_isa(cpu_kernels.ISA)
+    torch.manual_seed(2)
+    base = (torch.randn(2 * 48, 7) * 4).to(dtype)  # [gate | up] features x rows
+    gate_up = base.t()
+    assert cpu_kernels.silu_mul_ok(gate_up)
+    got = cpu_kernels.silu_mul(gate_up)
+    gate, up = gate_up.split(48, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert not cpu_kernels.silu_mul_ok(base[:, :6])  # row-major: not the product layout
+    with pytest.raises(ValueError, match="silu_mul"):
+        cpu_kernels.ext.silu_mul(cpu_kernels._array(base), cpu_kernels._array(base.clone()), 1)

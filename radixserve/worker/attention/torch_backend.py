@@ -258,7 +258,6 @@ class TorchAttention(AttentionBackend):
         cast = self.pool.quant is None and not self.plain  # another float dtype
         if (
             seg is None
-            or self.deterministic
             or cast
             or self._shared is not None
             or self._decodes
