@@ -323,11 +323,10 @@ struct DecodeLayerWeights {
 };
 struct DecodeLayers {
   bool bf16, unit_offset;
-  bool amx;  // bfloat16 products of 2+ rows on AMX tiles (skinny_gemm_amx) where it takes them
+  bool amx;  // bfloat16 products on AMX tiles (skinny_gemm_amx) where it takes them
   // Batch-invariant mode: a row's bits independent of the step's other rows, as the
-  // layer-by-layer path computes them there (products with SkinnyGemm::invariant and,
-  // with amx, on AMX tiles for one row too; the norms feature-major for one row too;
-  // attention over fixed items, attn.fixed).
+  // layer-by-layer path computes them there (products with SkinnyGemm::invariant; the
+  // norms feature-major for one row too; attention over fixed items, attn.fixed).
   bool invariant;
   int64_t layers, tokens, hidden, heads, kv_heads, head_dim, rot_dim, intermediate, page_size;
   float eps;

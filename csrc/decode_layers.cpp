@@ -124,7 +124,7 @@ void run(const DecodeLayers& p, Isa isa, int num_threads) {
   auto gemm = [&](const void* w, int64_t n, int64_t kk, const T* x, int64_t sm, int64_t sk,
                   T* out) {
     radixserve::SkinnyGemm g{w, x, out, dt, dt, dt, n, kk, t, sm, sk, p.invariant};
-    if (p.amx && (t > 1 || p.invariant) && radixserve::skinny_gemm_amx(g, num_threads)) return;
+    if (p.amx && radixserve::skinny_gemm_amx(g, num_threads)) return;
     radixserve::skinny_gemm(g, isa, num_threads);
   };
   auto add_norm = [&](const T* x, int64_t x_row, int64_t x_col, const T* a, const void* w,

@@ -103,8 +103,9 @@ def resolve_amx(name: str) -> bool:
 #: ``skinny_gemm``: the CPU's AMX unless ``RADIXSERVE_CPU_AMX=0``.
 AMX = resolve_amx(os.environ.get(AMX_ENV, "auto"))
 
-#: Where oneDNN has AMX, the skinny kernel still wins at this many rows (one
-#: decode request; docs/worker.md, "CPU kernels", has the numbers).
+#: Where oneDNN has AMX, ``skinny_gemm`` still wins at this many rows (one decode
+#: request), in its own AMX form where it takes the shape (``amx_takes``), else its
+#: vector form (docs/worker.md, "CPU kernels", has the numbers).
 AMX_KERNEL_ROWS = 1
 
 #: Row counts up to which ``skinny_gemm`` beats BLAS when the weights stream from
@@ -136,6 +137,20 @@ def skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+def amx_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``skinny_gemm``'s AMX form (``csrc/amx_gemm.cpp``) computes ``x W^T`` here:
+    this process has AMX tiles (``AMX``), bfloat16 weights, 1 to 32 rows, K a multiple
+    of 32 and N of 16."""
+    n, k = weight.shape
+    return (
+        AMX
+        and weight.dtype == torch.bfloat16
+        and 1 <= x.shape[0] <= 32
+        and k % 32 == 0
+        and n % 16 == 0
+    )
+
+
 def _array(t: torch.Tensor):
     """A NumPy view of a CPU tensor (bfloat16 as int16: NumPy has no bfloat16)."""
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
@@ -147,16 +162,17 @@ def skinny_linear(
     bias: torch.Tensor | None,
     isa: str | None = None,
     out_dtype: torch.dtype | None = None,
+    amx: bool = False,
 ) -> torch.Tensor:
     """``x W^T (+ b)`` as the transposed view of a ``[out, rows]`` product.
 
     ``weight`` float32 (then ``x`` float32) or bfloat16 (``x`` float32 or bfloat16);
     the result is ``out_dtype`` (default: ``x``'s dtype), at level ``isa``
-    (default: ``ISA``).
+    (default: ``ISA``); with ``amx`` on AMX tiles (``amx_takes`` must hold).
     """
     yt = torch.empty(weight.shape[0], x.shape[0], dtype=out_dtype or x.dtype)
     ext.skinny_gemm(  # type: ignore[union-attr]
-        _array(weight), _array(x), _array(yt), torch.get_num_threads(), isa or ISA
+        _array(weight), _array(x), _array(yt), torch.get_num_threads(), isa or ISA, amx=amx
     )
     if bias is not None:
         yt += bias[:, None]

@@ -77,8 +77,8 @@ def invariant_linear(
     ``invariant.ROWS`` rows through ``skinny_gemm``'s invariant form (bfloat16 on AMX
     tiles where the CPU has them and the shape fits, as the one-call layers take
     them), as the transposed view of a ``[out, rows]`` product (``Linear``'s layout)."""
-    rows, (n, k) = x.shape[0], weight.shape
-    amx = cpu_kernels.AMX and weight.dtype == torch.bfloat16 and k % 32 == 0 and n % 16 == 0
+    rows, n = x.shape[0], weight.shape[0]
+    amx = cpu_kernels.amx_takes(x[: invariant.ROWS], weight)
     yt = torch.empty(n, rows, dtype=x.dtype)
     w = cpu_kernels._array(weight)
     threads = torch.get_num_threads()
@@ -98,7 +98,9 @@ def invariant_linear(
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if cpu_kernels.skinny_ok(x, weight):
-        return cpu_kernels.skinny_linear(x, weight, bias)
+        # One bfloat16 row where the CPU has AMX: our AMX tiles where they take the shape.
+        amx = x.dtype == torch.bfloat16 and cpu_kernels.amx_takes(x, weight)
+        return cpu_kernels.skinny_linear(x, weight, bias, amx=amx)
     if (
         x.dim() == 2
         and x.shape[0] <= SKINNY_ROWS

@@ -11,8 +11,8 @@ uses one by one, when the step allows it:
   one rank, no sliding windows (``supported``);
 - every product in the call's kernels (``products_ok``): float32 up to 32 rows
   (the skinny kernel); bfloat16 up to 32 rows where the CPU has AVX512_BF16 (the
-  skinny kernel, and from 2 rows the AMX product, ``csrc/amx_gemm.cpp``, where
-  the CPU has AMX tiles: ``cpu_kernels.AMX``);
+  skinny kernel, or the AMX product, ``csrc/amx_gemm.cpp``, where the CPU has AMX
+  tiles, ``cpu_kernels.AMX``, and it takes the shape);
 - attention in one native plan for every row (``TorchAttention.native_step_plan``:
   decodes, and short chunks as causal segments, e.g. drafts being verified),
   over a pool of the model's dtype or a quantized one (``worker/kv_quant.py``: the

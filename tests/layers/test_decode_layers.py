@@ -152,7 +152,7 @@ def test_float32_cascade_group_over_a_shared_prefix(runners, isa, native_calls, 
 @pytest.mark.parametrize("batch", [1, 4, 8])
 def test_bfloat16_teacher_forced_within_rounding(runners, native_calls, monkeypatch, batch, amx):
     """bfloat16 runs the call at avx512bf16: the skinny kernel, and with ``amx`` (CPUs
-    with AMX tiles) the AMX product from 2 rows, against oneDNN's products in the
+    with AMX tiles) the AMX product, against oneDNN's products in the
     torch path."""
     monkeypatch.setattr(cpu_kernels, "ISA", require_isa("avx512bf16"))
     if amx and not cpu_kernels.amx_supported():
