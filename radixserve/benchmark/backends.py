@@ -20,7 +20,7 @@ logprobs from that position on; they come back in one event's
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -131,6 +131,9 @@ class OpenAIBackend:
     ``"return_token_ids": true``, which vLLM and radixserve honour), else the
     runner re-tokenizes the text.
 
+    ``prompt_text``: for servers that take no token ids (llama-cpp-python's), each
+    prompt is sent as this function's text of its ids (the server tokenizes it again).
+
     A scored request is sent whole (not streamed) with ``echo``, ``logprobs: 0``
     and radixserve's ``logprob_start_len``: the prompt's ``token_logprobs`` come
     back first. A server without that extra scores the whole prompt (and, as
@@ -148,6 +151,7 @@ class OpenAIBackend:
         extra_body: dict[str, Any] | None = None,
         timeout: float = 600.0,
         api_key: str | None = None,
+        prompt_text: Callable[[Sequence[int]], str] | None = None,
     ) -> None:
         import httpx
 
@@ -159,6 +163,9 @@ class OpenAIBackend:
         # it, a later turn's prompt holds exactly the tokens the server generated.
         self.extra_body = {"ignore_eos": True, "return_token_ids": True, **(extra_body or {})}
         self.http = httpx.AsyncClient(timeout=timeout, headers=headers)
+        self.prompt_text = prompt_text
+        #: Such servers (llama-cpp-python's) stream no usage: the runner counts the tokens.
+        self.usage_optional = prompt_text is not None
 
     async def info(self) -> ServerInfo:
         if self.model is None:
@@ -181,7 +188,7 @@ class OpenAIBackend:
             return
         body = {
             "model": self.model,
-            "prompt": list(input_ids),
+            "prompt": self.prompt_text(input_ids) if self.prompt_text else list(input_ids),
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "stream": True,

@@ -186,6 +186,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="openai: the server's cache block size, for the optimal hit rate",
     )
     t.add_argument(
+        "--text-prompts",
+        action="store_true",
+        help="openai: send prompts as text (decoded with --tokenizer) to servers that take "
+        "no token ids, e.g. llama-cpp-python's; the end-of-text token gets a -100 logit bias",
+    )
+    t.add_argument(
         "--extra-body",
         default=None,
         help="openai: JSON merged into each request, e.g. '{\"return_token_ids\": true}'",

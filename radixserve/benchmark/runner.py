@@ -100,6 +100,7 @@ async def run(
         raise ValueError(f"score_from must be choice or whole, got {score_from!r}")
 
     start = time.perf_counter()
+    usage_optional = bool(getattr(backend, "usage_optional", False))
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     counter = itertools.count()
     records: list[RequestRecord] = []
@@ -145,7 +146,7 @@ async def run(
                     rec.usage, rec.cached_known = ev.usage, ev.cached_known
                 if ev.prompt_logprobs is not None and rec.score_start is not None:
                     rec.choice_logprob = choice_sum(ev.prompt_logprobs, rec.score_start)
-            if rec.usage is None:
+            if rec.usage is None and not (usage_optional and rec.finish_reason is not None):
                 rec.error = "the stream ended without usage"
         except Exception as e:  # a failed request is reported, not fatal to the run
             rec.error = f"{type(e).__name__}: {e}"
@@ -153,6 +154,9 @@ async def run(
         if ids is None:
             ids = encode(rec.output_text) if encode else []
         rec.output_ids = ids
+        if rec.usage is None and rec.error is None:
+            # A server that streams no usage: the counts the client knows, no cache figure.
+            rec.usage, rec.cached_known = Usage(len(prompt), len(ids)), False
         return rec
 
     async def send(node: Node, prompt: list[int]) -> None:

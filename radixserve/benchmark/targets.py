@@ -82,9 +82,18 @@ def make_backend(args: argparse.Namespace, endpoint: str | None) -> Backend:
         if not args.base_url:
             raise SystemExit("radixserve bench: --backend openai needs --base-url")
         extra = json.loads(args.extra_body) if args.extra_body else None
+        prompt_text = None
+        if args.text_prompts:
+            from radixserve.models.tokenizer import load_tokenizer
+
+            tok = load_tokenizer(args.tokenizer or args.model)
+            prompt_text = lambda ids: tok.decode(list(ids))  # noqa: E731
+            # No ignore_eos there: the end-of-text token is kept from being sampled.
+            extra = {"logit_bias": {str(tok.eos_token_id): -100.0}, **(extra or {})}
         return OpenAIBackend(
-            args.base_url, args.served_model, args.server_page_size, extra, timeout=args.timeout
-        )
+            args.base_url, args.served_model, args.server_page_size, extra,
+            timeout=args.timeout, prompt_text=prompt_text,
+        )  # fmt: skip
     return RadixserveBackend(endpoint or args.endpoint, timeout=args.timeout)
 
 

@@ -29,6 +29,7 @@ class Peer(BaseHTTPRequestHandler):
     bodies: list[dict] = []
     with_ids = True  # send choices[0].token_ids (vLLM's return_token_ids)
     cached: int | None = 3  # None: no prompt_tokens_details
+    usage = True  # False: no usage chunk (llama-cpp-python's server)
 
     def log_message(self, *args) -> None:  # keep pytest output clean
         pass
@@ -52,6 +53,11 @@ class Peer(BaseHTTPRequestHandler):
                 choice["token_ids"] = [t]
             self.wfile.write(sse({"object": "text_completion", "choices": [choice]}))
             self.wfile.flush()
+        if not Peer.usage:
+            last = {"index": 0, "text": "", "finish_reason": "length"}
+            self.wfile.write(sse({"object": "text_completion", "choices": [last]}))
+            self.wfile.write(b"data: [DONE]\n\n")
+            return
         usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(out)}
         if Peer.cached is not None:
             usage["prompt_tokens_details"] = {"cached_tokens": Peer.cached}
@@ -79,7 +85,7 @@ def base_url():
 
 @pytest.fixture(autouse=True)
 def reset_peer():
-    Peer.bodies, Peer.with_ids, Peer.cached = [], True, 3
+    Peer.bodies, Peer.with_ids, Peer.cached, Peer.usage = [], True, 3, True
 
 
 async def collect(backend, prompt, max_tokens):
@@ -171,3 +177,33 @@ def test_structured_request_sends_a_response_format(base_url):
     }
     assert second["response_format"] == {"type": "json_object"}
     assert first["ignore_eos"] is False and first["return_token_ids"] is True
+
+
+def test_text_prompts_to_a_server_without_usage(base_url):
+    """``prompt_text`` (llama-cpp-python's server takes no token ids): the prompt goes as
+    text, and a stream without usage is counted by the client (the prompt's ids, the
+    re-tokenized answer), with no cache figure; without ``prompt_text`` a missing
+    usage stays an error."""
+    Peer.with_ids, Peer.usage = False, False
+    w = Workload("shared-prefix", {}, [Node("a", [1, 2, 3], 2), Node("b", [1, 2, 4], 2)])
+
+    def encode(text: str) -> list[int]:
+        return [int(x) for x in text.strip("<>").split("><")]
+
+    async def go(prompt_text):
+        b = OpenAIBackend(base_url, model="m", prompt_text=prompt_text)
+        try:
+            return await run(w, b, encode=encode, progress=False, max_concurrency=1)
+        finally:
+            await b.close()
+
+    result = asyncio.run(go(lambda ids: " ".join(f"t{i}" for i in ids)))
+    assert [b["prompt"] for b in Peer.bodies] == ["t1 t2 t3", "t1 t2 t4"]
+    assert all(r.error is None for r in result.records)
+    assert [(r.usage.prompt_tokens, r.usage.completion_tokens) for r in result.records] == [
+        (3, 2), (3, 2),
+    ]  # fmt: skip
+    m = summarize(result, page_size=1)
+    assert m["failed"] == 0 and m["hit_rate"] is None
+    failed = asyncio.run(go(None))
+    assert all(r.error == "the stream ended without usage" for r in failed.records)

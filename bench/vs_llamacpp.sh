@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# radixserve against llama.cpp's server (llama-cpp-python), the CPU user's usual pick,
+# on the same SmolLM2 weights: the embedded GGUF rewritten with bfloat16 tensors
+# (bench/gguf_bf16.py; radixserve computes that model in bfloat16 too), llama.cpp's
+# prompt cache on (--cache true, in RAM) and requests never interrupting each other.
+# Two shapes through the same OpenAI /v1/completions client, prompts sent as text
+# (llama-cpp-python takes no token ids; both servers tokenize them the same way):
+#   single   shared-prefix one request at a time (single-stream latency)
+#   shared   shared-prefix with every request sent at once
+# One server at a time; a table per shape and the ratios at the end. llama.cpp's
+# server streams no usage, so its hit rate is not known (shown as -).
+#
+# llama-cpp-python lives in its own venv, out of the package and out of CI:
+#   python -m venv .venv-llamacpp
+#   CMAKE_ARGS="-DGGML_NATIVE=ON" .venv-llamacpp/bin/pip install "llama-cpp-python[server]"
+#
+#   bench/vs_llamacpp.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+LPY=${LPY:-.venv-llamacpp/bin/python}
+PORT=${PORT:-8393}
+THREADS=${THREADS:-$(nproc)}
+GGUF=${GGUF:-bench/results/smollm2-bf16.gguf}
+OUT=${OUT:-bench/results/vs-llamacpp-$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$(dirname "$OUT")"
+[[ -x "$LPY" ]] || { echo "no llama-cpp-python venv at .venv-llamacpp (see the top of this file)" >&2; exit 2; }
+[[ -f "$GGUF" ]] || "$PY" bench/gguf_bf16.py "$GGUF"
+echo "uptime before: $(uptime)"
+grep -m1 'model name' /proc/cpuinfo || true
+grep -o -m1 -w 'amx_bf16\|avx512_bf16' /proc/cpuinfo | head -1 || echo "no bf16 instructions"
+WORK="--groups 4 --prompts 8 --system-len 1000 --question-len 30 --output-len 32 --seed 5"
+
+wait_up() {  # $1: pid, $2: log
+  for _ in $(seq 300); do
+    curl -sf "http://127.0.0.1:$PORT/v1/models" > /dev/null && return 0
+    kill -0 "$1" 2>/dev/null || { tail -20 "$2"; exit 1; }
+    sleep 1
+  done
+  echo "server did not come up" >&2; exit 1
+}
+
+run_side() {  # $1: name
+  for shape in single shared; do
+    conc=""; [[ $shape == single ]] && conc="--max-concurrency 1"
+    # shellcheck disable=SC2086
+    "$PY" -m radixserve.cli bench shared-prefix $WORK $conc --no-plot --no-progress \
+      --backend openai --served-model smollm2 --base-url "http://127.0.0.1:$PORT/v1" \
+      --text-prompts --output "$OUT-$shape-$1" > /dev/null
+  done
+}
+
+"$LPY" -m llama_cpp.server --model "$GGUF" --model_alias smollm2 --n_ctx 8192 \
+  --n_threads "$THREADS" --n_threads_batch "$THREADS" --cache true --cache_size 4294967296 \
+  --interrupt_requests false --host 127.0.0.1 --port "$PORT" > "$OUT-llamacpp-server.log" 2>&1 &
+PID=$!
+trap 'kill $PID 2>/dev/null || true' EXIT
+wait_up $PID "$OUT-llamacpp-server.log"
+run_side llamacpp
+kill $PID; wait $PID 2>/dev/null || true
+
+"$PY" -m radixserve.cli launch --model smollm2 --port 0 --http-port "$PORT" \
+  > "$OUT-radixserve-server.log" 2>&1 &
+PID=$!
+wait_up $PID "$OUT-radixserve-server.log"
+run_side radixserve
+kill $PID; wait $PID 2>/dev/null || true
+
+"$PY" - "$OUT" <<'PYEOF'
+import json, sys
+from radixserve.benchmark import report
+out = sys.argv[1]
+rows = []
+for shape, title in (("single", "one request at a time"), ("shared", "all at once")):
+    docs = [json.load(open(f"{out}-{shape}-{side}.json")) for side in ("llamacpp", "radixserve")]
+    variants = [{**d["variants"][0], "label": label}
+                for d, label in zip(docs, ("llama.cpp server", "radixserve launch"))]
+    print(report.table(f"shared-prefix, {title}", variants))
+    l, r = (x["metrics"] for x in variants)
+    rows.append((title, r["output_tok_s"] / l["output_tok_s"], r["ttft_mean_ms"] / l["ttft_mean_ms"],
+                 r["itl_mean_ms"] / l["itl_mean_ms"], r["e2e_mean_ms"] / l["e2e_mean_ms"]))
+print("\n| shared-prefix | throughput vs llama.cpp | TTFT mean | ITL mean | e2e mean |")
+print("|---|---|---|---|---|")
+for title, tp, ttft, itl, e2e in rows:
+    print(f"| {title} | {tp:.2f}x | {ttft:.2f}x | {itl:.2f}x | {e2e:.2f}x |")
+PYEOF
+echo "uptime after: $(uptime)"
