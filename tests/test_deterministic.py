@@ -71,6 +71,25 @@ def test_alone_and_in_batches_of_any_size(tiny_dir):
     eng.check_idle()
 
 
+def test_alone_and_among_requests_sharing_its_prefix(tiny_dir):
+    """Neighbours sharing the first 300 tokens: their decode steps read the shared
+    prefix once (a cascade group over its first 256 keys, a whole fixed item), and the
+    target's bits stay those it gets alone."""
+    rng = np.random.default_rng(4)
+    shared = prompt(rng, 300)
+    target = shared + prompt(rng, 20)
+    eng = engine(tiny_dir)
+    eng.flush_cache()
+    alone = sig(eng.generate([target], GREEDY)[0])
+    for size in (3, 12):
+        others = [shared + prompt(rng, int(rng.integers(5, 40))) for _ in range(size - 1)]
+        eng.flush_cache()
+        eng.generate([shared], SamplingParams(max_tokens=1))  # the prefix cached first
+        results = eng.generate(others[:1] + [target] + others[1:], GREEDY)
+        assert sig(results[1]) == alone
+    eng.check_idle()
+
+
 def test_the_default_mode_differs_in_batches(tiny_dir):
     """The same check on the default mode: some batch changes the logprobs (so the
     test above can fail)."""

@@ -212,22 +212,24 @@ def _invariant_levels():
 
 
 @pytest.mark.parametrize(("dtype", "level", "amx"), _invariant_levels())
-@pytest.mark.parametrize(("batch", "fork"), [(1, 0), (5, 0), (4, 64)])
+@pytest.mark.parametrize(("batch", "fork"), [(1, 0), (5, 0), (4, 64), (4, 256)])
 def test_batch_invariant_steps_are_the_layer_by_layer_bits(
     invariant_runners, native_calls, monkeypatch, dtype, level, amx, batch, fork
 ):
     """In batch-invariant mode the one call computes exactly the bits of the layers one
     by one (products in the invariant form, on AMX tiles for any row count where
     ``amx``; norms feature-major for one row too; SiLU by the same kernel; attention
-    over fixed items, no cascade), teacher-forced, so that decode steps and prefill
-    chunks write the same K/V for the same tokens."""
+    over fixed items), teacher-forced, so that decode steps and prefill chunks write
+    the same K/V for the same tokens. A shared prefix is read once only in whole fixed
+    items (256 keys: the fork of 256 is a cascade group, the fork of 64 is not), and
+    then gives the bits each member computes alone."""
     monkeypatch.setattr(cpu_kernels, "ISA", require_isa(level))
     if amx and not cpu_kernels.amx_supported():
         pytest.skip("this CPU (or OS) gives no AMX tiles")
     monkeypatch.setattr(cpu_kernels, "AMX", amx)
     runner = invariant_runners[dtype]
     if fork:
-        base = prompts(1, length=70, seed=27)[0]
+        base = prompts(1, length=fork + 6, seed=27)[0]
         rng = np.random.default_rng(28)
         ps = [base] + [np.concatenate([base[:fork], rng.integers(4, 512, 6).astype(np.int32)])
                        for _ in range(batch - 1)]  # fmt: skip
@@ -235,10 +237,25 @@ def test_batch_invariant_steps_are_the_layer_by_layer_bits(
         ps = prompts(batch, length=20, seed=20 + batch)
     ref, ref_fed = decode(runner, ps, 8, native=False, fork=fork)
     assert not any(native_calls)
+    plan, widest = runner.backend.native_step_plan, []
+
+    def recorded():
+        out = plan()
+        if out is not None:
+            widest.append(int(np.diff(out[1].row_indptr).max()))
+        return out
+
+    monkeypatch.setattr(runner.backend, "native_step_plan", recorded)
     got, _ = decode(runner, ps, 8, native=True, forced=ref_fed, fork=fork)
     assert native_calls[-8:] == [True] * 8
+    assert widest[-8:] == [batch if fork == 256 else 1] * 8
     for a, b in zip(ref, got, strict=True):
         assert torch.equal(a, b)
+    alone = [decode(runner, [p], 8, native=True, forced=[f[i : i + 1] for f in ref_fed])[0]
+             for i, p in enumerate(ps)] if fork == 256 else []  # fmt: skip
+    for i, steps in enumerate(alone):  # each member alone: the same bits as in the group
+        for a, b in zip(ref, steps, strict=True):
+            assert torch.equal(a[i], b[0])
 
 
 def verify(runner, prompts, drafts, native, fork=0):

@@ -206,10 +206,9 @@ class TorchAttention(AttentionBackend):
             # Short prefill chunks over a cached prefix they share with others (the
             # questions after one system prompt) read it once, as decodes do.
             members |= qo_lens <= CASCADE_PREFILL_MAX_TOKENS
-        if self.deterministic:  # no cascade: a shared prefix is a split point
-            groups, plain = [], np.flatnonzero(members)
-        else:
-            groups, plain = self._cascade_groups(batch, np.flatnonzero(members), windows)
+        groups, plain = self._cascade_groups(batch, np.flatnonzero(members), windows)
+        if self.deterministic:
+            groups, plain = self._fixed_groups(groups, plain)
         grouped = {int(i) for ids, _ in groups for i in ids if qo_lens[i] > 1}
         plain = plain[qo_lens[plain] == 1]  # the chunks left alone are planned below
         native_prefills = []
@@ -267,6 +266,24 @@ class TorchAttention(AttentionBackend):
         ):
             return None
         return self._write_rows, seg
+
+    def _fixed_groups(
+        self, groups: list[tuple[np.ndarray, int]], plain: np.ndarray
+    ) -> tuple[list[tuple[np.ndarray, int]], np.ndarray]:
+        """Batch-invariant mode: a group's shared prefix cut back to a multiple of
+        ``FIXED_CHUNK`` keys (its members alone when nothing is left, or when pages do
+        not tile that chunk). Its items are then exactly the fixed items each member
+        would compute alone, and the kernel merges a row's items in key order (the
+        shared segment comes first in the plan): the same bits with or without it."""
+        fixed, s = native_decode.FIXED_CHUNK, self.pool.page_size
+        kept, alone = [], [plain]
+        for ids, common in groups:
+            cut = (common * s) // fixed * fixed // s if fixed % s == 0 else 0
+            if cut > 0:
+                kept.append((ids, cut))
+            else:
+                alone.append(ids)
+        return kept, np.sort(np.concatenate(alone)).astype(plain.dtype, copy=False)
 
     def _cascade_groups(
         self, batch: AttentionBatch, ids: np.ndarray, windows: list[int]
@@ -354,17 +371,10 @@ class TorchAttention(AttentionBackend):
                 return qrow[ids]
             return np.concatenate([np.arange(qrow[i], qrow[i + 1], dtype=np.int32) for i in ids])
 
-        rows = [qrow[i : i + 1] for i in plain]
-        tables = [table(i) for i in plain]
-        kv = [int(batch.kv_lens[i]) for i in plain]
-        causal = [False] * len(rows)
-        for ids, common in groups:
-            # Each member's own keys after the shared ones: causal for a chunk's rows.
-            rows += [np.arange(qrow[i], qrow[i + 1], dtype=np.int32) for i in ids]
-            tables += [table(i)[common:] for i in ids]
-            kv += [int(batch.kv_lens[i]) - common * s for i in ids]
-            causal += [bool(batch.qo_lens[i] > 1) for i in ids]
+        rows, tables, kv, causal = [], [], [], []
         flash = []
+        # The shared segments first: the kernel merges a row's parts in plan order, so a
+        # member's parts come in key order (shared prefix, then its own keys).
         for ids, common in groups:
             if self._flash:
                 flash.append((q_rows(ids), table(int(ids[0]))[:common]))
@@ -373,6 +383,16 @@ class TorchAttention(AttentionBackend):
             tables.append(table(int(ids[0]))[:common])
             kv.append(common * s)
             causal.append(False)
+        rows += [qrow[i : i + 1] for i in plain]
+        tables += [table(i) for i in plain]
+        kv += [int(batch.kv_lens[i]) for i in plain]
+        causal += [False] * len(plain)
+        for ids, common in groups:
+            # Each member's own keys after the shared ones: causal for a chunk's rows.
+            rows += [np.arange(qrow[i], qrow[i + 1], dtype=np.int32) for i in ids]
+            tables += [table(i)[common:] for i in ids]
+            kv += [int(batch.kv_lens[i]) - common * s for i in ids]
+            causal += [bool(batch.qo_lens[i] > 1) for i in ids]
         if flash:
             self._shared = SharedPrefixes.build(flash, s, self.num_qo_heads, h, self._buffers)
             ct = torch.promote_types(self.pool.dtype, torch.float32)
