@@ -38,12 +38,18 @@ def write_qwen35_gguf(path, folder, hf_config, interval=4):
     """As llama.cpp's ``Qwen3_5TextModel``: the delta-net shape as ``ssm.*`` keys, the
     layer pattern as ``full_attention_interval``, a quarter-head rotary with mrope
     sections; value heads reordered grouped -> tiled, A_log as -exp(A_log), conv1d
-    squeezed, every norm but the delta-net's as 1 + w."""
+    squeezed, every norm but the delta-net's as 1 + w. Released Qwen3.5 checkpoints carry
+    one multi-token-prediction block, which the converter appends after the decoder's
+    (``nextn_predict_layers``): a stand-in for it is written here too."""
     import gguf
 
     c = hf_config
     writer = gguf.GGUFWriter(str(path), "qwen35")
-    _common(writer, c, c.num_hidden_layers)
+    _common(writer, c, c.num_hidden_layers + 1)
+    writer.add_nextn_predict_layers(1)
+    mtp = f"blk.{c.num_hidden_layers}."
+    writer.add_tensor(mtp + "nextn.eh_proj.weight", np.ones((64, 128), dtype=np.float32))
+    writer.add_tensor(mtp + "attn_norm.weight", np.ones(64, dtype=np.float32))
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count_kv(c.num_key_value_heads)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
@@ -56,7 +62,7 @@ def write_qwen35_gguf(path, folder, hf_config, interval=4):
     writer.add_full_attention_interval(interval)
     writer.add_rope_dimension_count(int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))
     writer.add_rope_dimension_sections([11, 11, 10, 0])
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, c.num_hidden_layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, c.num_hidden_layers + 1)
     k, per_k = c.linear_num_key_heads, c.linear_num_value_heads // c.linear_num_key_heads
     qk, v_dim = 2 * k * c.linear_key_head_dim, c.linear_value_head_dim
     for name, t in read_safetensors_folder(folder).items():
