@@ -161,6 +161,21 @@ def _per_layer(value: Any, n: int) -> list[int]:
     return values[:n]
 
 
+def _heads(meta: Metadata) -> int:
+    """``attention.head_count``: one number, or per layer (0 on recurrent layers), the
+    same on every attention layer."""
+    import gguf
+
+    value = meta.need(gguf.Keys.Attention.HEAD_COUNT)
+    counts = {int(v) for v in value} - {0} if isinstance(value, (list, tuple)) else {int(value)}
+    if len(counts) != 1:
+        raise ValueError(
+            f"GGUF {meta.path}: {meta.arch}.attention.head_count {value} is not one "
+            "count for every attention layer"
+        )
+    return counts.pop()
+
+
 def _common(meta: Metadata) -> dict[str, Any]:
     import gguf
 
@@ -177,7 +192,7 @@ def _common(meta: Metadata) -> dict[str, Any]:
         vocab_size=int(embd[0]),
         hidden_size=int(meta.need(K.LLM.EMBEDDING_LENGTH)),
         num_hidden_layers=decoder_layers(meta),
-        num_attention_heads=int(meta.need(K.Attention.HEAD_COUNT)),
+        num_attention_heads=_heads(meta),
         max_position_embeddings=int(meta.need(K.LLM.CONTEXT_LENGTH)),
         tie_word_embeddings=meta.tensor_shape("output.weight") is None,
     )

@@ -235,11 +235,17 @@ class GGUFWeights:
 
 def own_config(path: str | Path) -> Any:
     """The transformers config of a GGUF file whose architecture transformers cannot read
-    (the hybrids, ``gguf_hybrid.hf_config``), else None."""
+    (the hybrids, ``gguf_hybrid.hf_config``), else None. An architecture whose tensors
+    we cannot map is refused here, before transformers reads its config."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     arch = str(reader.fields["general.architecture"].contents())
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r} in {path}; "
+            f"supported: {sorted(GGUF_ARCHITECTURES)}"
+        )
     if arch not in gguf_hybrid.HYBRID_GGUF_ARCHITECTURES:
         return None
     return gguf_hybrid.hf_config(reader, path)

@@ -264,3 +264,17 @@ def test_hybrid_gguf_tokenizer(tmp_path):
     ids = tok(" hi")["input_ids"]
     assert ids == [tokens.index("Ġh"), tokens.index("i")] and tok.decode(ids) == " hi"
     assert tok.eos_token == "<|endoftext|>"
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next"])
+def test_unserved_hybrid_gguf_is_refused(tmp_path, arch):
+    """Qwen3.5-MoE and Qwen3-Next files: refused by architecture before any config read."""
+    import gguf
+
+    path = tmp_path / f"{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    _common(writer, tiny_config("qwen3_5"), 4)
+    writer.add_tensor("token_embd.weight", np.zeros((512, 64), dtype=np.float32))
+    _finish(writer, path)
+    with pytest.raises(ValueError, match=f"unsupported GGUF architecture '{arch}'"):
+        load_model(resolve_model(str(path)), torch.float32)
