@@ -196,8 +196,9 @@ def _common(meta: Metadata) -> dict[str, Any]:
         max_position_embeddings=int(meta.need(K.LLM.CONTEXT_LENGTH)),
         tie_word_embeddings=meta.tensor_shape("output.weight") is None,
     )
-    if head_dim is not None:
-        out["head_dim"] = int(head_dim)
+    # Without key_length llama.cpp takes embedding_length / head_count (transformers'
+    # config defaults would be 256 or 128).
+    out["head_dim"] = int(head_dim or out["hidden_size"] // out["num_attention_heads"])
     for key, attr in (("tokenizer.ggml.bos_token_id", "bos_token_id"),
                       ("tokenizer.ggml.eos_token_id", "eos_token_id"),
                       ("tokenizer.ggml.padding_token_id", "pad_token_id")):  # fmt: skip
@@ -227,7 +228,7 @@ def _qwen35(meta: Metadata, common: dict[str, Any]) -> Any:
             f"GGUF {meta.path}: qwen35.ssm.inner_size {inner} is not a multiple of "
             f"ssm.time_step_rank {v_heads}"
         )
-    head_dim = common.get("head_dim") or common["hidden_size"] // common["num_attention_heads"]
+    head_dim = common["head_dim"]
     rope_dims = int(meta.get(K.Rope.DIMENSION_COUNT, head_dim))
     kv = _per_layer(meta.need(K.Attention.HEAD_COUNT_KV), n)
     config = transformers.Qwen3_5TextConfig(
