@@ -26,17 +26,17 @@ import torch
 class StateSegment:
     """One request's rows ``[lo, hi)`` of the flat batch and its state entry.
 
-    ``save_at`` (0: none) is the number of this segment's rows after which the
-    layer copies the entry's state into ``save_entry`` (``1 <= save_at <= hi - lo``):
-    the state then covers the tokens up to that row, so a snapshot may fall in the
-    middle of a chunk, and the layer computes the rows in two pieces around it.
+    ``saves`` are ``(rows, save_entry)`` pairs, at most two, ``rows`` ascending in
+    ``[1, hi - lo]``: after that many of this segment's rows the layer copies the
+    entry's state into ``save_entry``. The state then covers the tokens up to that
+    row, so a snapshot may fall in the middle of a chunk, and the layer computes the
+    rows in pieces around the saves.
     """
 
     lo: int
     hi: int
     entry: int
-    save_at: int = 0
-    save_entry: int = -1
+    saves: tuple[tuple[int, int], ...] = ()
 
 
 class LayerStates(Protocol):
@@ -66,23 +66,24 @@ def run_segments(
     A decode step (one row per request, row i being ``segments[i]``'s) is one call
     ``decode(entries)`` for all of them (the entries as a tensor, in row order).
     Otherwise each request's rows ``[lo, hi)`` are one ``prefill(lo, hi, entry)``,
-    or two around its ``save_at`` row. Either way, where a segment asks for a
+    or one per piece between its saves. Either way, where a segment asks for a
     snapshot, every tensor of ``states`` (the layer's ``[entries, ...]`` state
     tensors) has its ``save_entry`` row set to the ``entry`` row once the state
-    covers the rows up to ``save_at``. Both callbacks update the entries' states
+    covers the rows up to that save's. Both callbacks update the entries' states
     in place."""
     if all(s.hi - s.lo == 1 for s in segments):
         decode(torch.tensor([s.entry for s in segments], device=states[0].device))
         for s in segments:
-            if s.save_at:
+            for _, save_entry in s.saves:
                 for t in states:
-                    t[s.save_entry] = t[s.entry]
+                    t[save_entry] = t[s.entry]
         return
     for s in segments:
-        cut = s.lo + s.save_at if s.save_at else s.hi
-        prefill(s.lo, cut, s.entry)
-        if s.save_at:
+        pos = s.lo
+        for rows, save_entry in s.saves:
+            prefill(pos, s.lo + rows, s.entry)
+            pos = s.lo + rows
             for t in states:
-                t[s.save_entry] = t[s.entry]
-        if cut < s.hi:
-            prefill(cut, s.hi, s.entry)
+                t[save_entry] = t[s.entry]
+        if pos < s.hi:
+            prefill(pos, s.hi, s.entry)

@@ -21,6 +21,10 @@ Qwen3-MoE (``qwen3moe``): the router is ``ffn_gate_inp``; each layer's experts a
 stacked tensor per projection (``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``,
 [experts, out, in]), split here into transformers' per-expert names.
 ``complete_config`` adds the experts' width (``expert_feed_forward_length``).
+
+Hybrids (``qwen35``, ``nemotron_h``, ``nemotron_h_moe``): transformers reads no config of
+these, so ``gguf_hybrid.hf_config`` builds it from the metadata, and ``gguf_hybrid``
+undoes the converter's tensor transforms (its docstring lists them).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixserve.models import gguf_hybrid
 from radixserve.models.sharding import Piece
 
 #: GGUF architectures we can map, and whether their q/k are stored permuted.
@@ -44,6 +49,9 @@ GGUF_ARCHITECTURES = {
     "gemma3": False,
     "phi3": False,
     "qwen3moe": False,
+    "qwen35": False,
+    "nemotron_h": True,  # no rotary, yet the converter permutes q/k as for llama
+    "nemotron_h_moe": True,
 }
 #: Architectures whose GGUF norm weights are stored as 1 + w.
 _UNIT_OFFSET_NORMS = ("gemma2", "gemma3")
@@ -94,7 +102,15 @@ _ROPE_FACTORS = {
     "rope_factors_long.weight": "long_factor",
     "rope_factors_short.weight": "short_factor",
 }
-_BLOCK_NAMES_BY_ARCH = {"phi3": _PHI3_BLOCK_NAMES, "qwen3moe": _MOE_BLOCK_NAMES}
+_BLOCK_NAMES_BY_ARCH = {
+    "phi3": _PHI3_BLOCK_NAMES,
+    "qwen3moe": _MOE_BLOCK_NAMES,
+    "qwen35": gguf_hybrid.QWEN35_BLOCK_NAMES,
+    "nemotron_h": gguf_hybrid.NEMOTRON_H_BLOCK_NAMES,
+    "nemotron_h_moe": gguf_hybrid.NEMOTRON_H_BLOCK_NAMES,
+}
+#: Architectures whose layers live under ``backbone.`` (Nemotron-H's checkpoint layout).
+_BACKBONE = ("nemotron_h", "nemotron_h_moe")
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -147,22 +163,37 @@ class GGUFWeights:
             )
         self.permuted = GGUF_ARCHITECTURES[arch]
         self.unit_offset = arch in _UNIT_OFFSET_NORMS
-        self.heads = {"self_attn.q_proj.weight": num_heads, "self_attn.k_proj.weight": num_kv_heads}
+        self.heads = {"q_proj.weight": num_heads, "k_proj.weight": num_kv_heads}
+        self.hybrid = (
+            gguf_hybrid.HybridTensors(reader, path)
+            if arch in gguf_hybrid.HYBRID_GGUF_ARCHITECTURES
+            else None
+        )
         block_names = (
             _GEMMA_BLOCK_NAMES if self.unit_offset else _BLOCK_NAMES_BY_ARCH.get(arch, _BLOCK_NAMES)
         )
+        backbone = arch in _BACKBONE
+        global_names = gguf_hybrid.NEMOTRON_H_GLOBAL_NAMES if backbone else _GLOBAL_NAMES
+        stacked, experts = (
+            (gguf_hybrid.NEMOTRON_H_STACKED_EXPERTS, "backbone.layers.{}.mixer.experts.")
+            if backbone
+            else (_STACKED_EXPERTS, "model.layers.{}.mlp.experts.")
+        )
+        layers = self.hybrid and gguf_hybrid.decoder_layers(gguf_hybrid.Metadata(reader, path))
         # transformers' name -> (GGUF tensor, expert index within a stacked tensor or None)
         self._index: dict[str, tuple[Any, int | None]] = {}
         for t in reader.tensors:
             if t.name in _ROPE_FACTORS:
                 continue
             m = _BLOCK.match(t.name)
-            if m and m.group(2) in _STACKED_EXPERTS:
-                prefix = f"model.layers.{m.group(1)}.mlp.experts."
+            if m and layers and int(m.group(1)) >= layers:
+                continue  # multi-token-prediction blocks: not served
+            if m and m.group(2) in stacked:
+                prefix = experts.format(m.group(1))
                 for e in range(int(t.shape[-1])):  # ggml order: experts last
-                    self._index[f"{prefix}{e}.{_STACKED_EXPERTS[m.group(2)]}.weight"] = (t, e)
+                    self._index[f"{prefix}{e}.{stacked[m.group(2)]}.weight"] = (t, e)
                 continue
-            self._index[_hf_name(t.name, block_names)] = (t, None)
+            self._index[_hf_name(t.name, block_names, global_names, backbone)] = (t, None)
         self._cache: dict[str, np.ndarray] = {}
 
     def names(self) -> Iterable[str]:
@@ -189,6 +220,10 @@ class GGUFWeights:
         data = np.asarray(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
         if self.unit_offset and t.name.endswith("norm.weight"):
             data = data - 1.0
+        if self.hybrid is not None:
+            if self.hybrid.unit_offset(t.name):
+                data = data - 1.0
+            data = self.hybrid.to_hf(t.name, data)
         for suffix, n_heads in self.heads.items():
             if self.permuted and name.endswith(suffix):
                 data = unpermute_rotary(data, n_heads)
@@ -196,6 +231,24 @@ class GGUFWeights:
             del self._cache[next(iter(self._cache))]
         self._cache[t.name] = data
         return data
+
+
+def own_config(path: str | Path) -> Any:
+    """The transformers config of a GGUF file whose architecture transformers cannot read
+    (the hybrids, ``gguf_hybrid.hf_config``), else None. An architecture whose tensors
+    we cannot map is refused here, before transformers reads its config."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = str(reader.fields["general.architecture"].contents())
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r} in {path}; "
+            f"supported: {sorted(GGUF_ARCHITECTURES)}"
+        )
+    if arch not in gguf_hybrid.HYBRID_GGUF_ARCHITECTURES:
+        return None
+    return gguf_hybrid.hf_config(reader, path)
 
 
 def complete_config(hf_config: Any, path: str | Path) -> Any:
@@ -271,10 +324,16 @@ def _complete_phi3(hf_config: Any, reader: Any, value: Any) -> None:
     hf_config.rope_parameters = params
 
 
-def _hf_name(name: str, block_names: dict[str, str]) -> str:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
+def _hf_name(
+    name: str,
+    block_names: dict[str, str],
+    global_names: dict[str, str] = _GLOBAL_NAMES,
+    backbone: bool = False,
+) -> str:
+    if name in global_names:
+        return global_names[name]
     m = _BLOCK.match(name)
     if m and m.group(2) in block_names:
-        return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}"
+        prefix = "backbone" if backbone else "model"
+        return f"{prefix}.layers.{m.group(1)}.{block_names[m.group(2)]}"
     raise ValueError(f"GGUF tensor {name!r} has no known transformers name")

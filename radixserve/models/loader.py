@@ -1,7 +1,8 @@
 """Build our model from a model's files (``source.resolve_model`` finds them).
 
 Weights come from safetensors (one file or sharded with an index) or from a
-GGUF file (``gguf_loader.py``); the config always comes from transformers.
+GGUF file (``gguf_loader.py``); the config comes from transformers (for a GGUF
+architecture transformers cannot read, built from the file's metadata: ``gguf_hybrid.py``).
 A tensor-parallel rank (``comm``) builds its shard and reads only its slices of
 the safetensors (``weights.py``) and its slices of a GGUF file's tensors, each
 dequantized when read (``gguf_loader.GGUFWeights``).
@@ -45,10 +46,14 @@ def load_hf_config(source: ModelSource) -> Any:
     from transformers import AutoConfig
 
     if source.gguf_file:
-        from radixserve.models.gguf_loader import complete_config
+        from radixserve.models.gguf_loader import complete_config, own_config
 
+        path = source.folder / source.gguf_file
+        own = own_config(path)  # architectures transformers' GGUF reader does not know
+        if own is not None:
+            return own
         hf = AutoConfig.from_pretrained(str(source.folder), gguf_file=source.gguf_file)
-        return complete_config(hf, source.folder / source.gguf_file)
+        return complete_config(hf, path)
     return AutoConfig.from_pretrained(str(source.folder))
 
 

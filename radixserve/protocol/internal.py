@@ -169,7 +169,10 @@ class StepReq(Message):
     into the slot's state first (the state after ``start_pos`` tokens, which a
     slot's first step after a cache hit needs); ``state_save`` (-1: none) is a
     snapshot the state is copied into after the first ``state_save_at`` of this
-    step's tokens (1 <= state_save_at <= len(input_ids)).
+    step's tokens (1 <= state_save_at <= len(input_ids)); ``state_save2`` (-1: none)
+    a second one, after the first ``state_save2_at`` (state_save_at < state_save2_at
+    <= len(input_ids)): a prefill chunk may hold both where waiting requests part from
+    the prompt and the prompt's own last page boundary.
     num_drafts: speculative decoding (docs/speculative.md): the last ``num_drafts``
     of ``input_ids`` are draft tokens to verify (``sample`` must be True, at least
     one input token is not a draft, and the slot has no grammar). The worker
@@ -209,6 +212,8 @@ class StepReq(Message):
     keep_pages: int = f(INT, -1)
     window_start: int = f(INT, 0)
     window_pages: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    state_save2_at: int = f(INT, 0)
+    state_save2: int = f(INT, -1)
 
 
 @dataclass

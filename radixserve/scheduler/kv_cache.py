@@ -31,16 +31,18 @@ matched pages are still on their way (``loading``) must not compute yet.
 A hybrid model's cache is a ``StateRadixCache`` (``state_cache.py``): a match
 ends where the tree holds a recurrent-state snapshot, which the request's first
 step restores, and ``plan_states`` picks where each step saves the request's
-state into a snapshot of its own (``own_state``), which ``cache_computed``
-hands to the tree with the pages ending there. The rule (docs/models.md):
+state into snapshots of its own (``own_states``, at most two a step), which
+``cache_computed`` hands to the tree with the pages ending there. The rule
+(docs/models.md):
 
 - where the request's match stopped short of the cached KV (it diverges there
   from a cached sequence), or where a request held back for sharing this one's
   prefix diverges from it (``mark_divergence``): the next request there hits;
-- otherwise at the last page boundary a step reaches: a prefill chunk's end (the
-  prompt's last chunk: the last boundary before its last token, where the same
-  prompt hits again), or during decode every page (page size 1: none, the state
-  is saved at release);
+- and at the last page boundary a step reaches, when it is another point: a
+  prefill chunk's end (the prompt's last chunk: the last boundary before its last
+  token, where the same prompt hits again), or during decode every page (page
+  size 1: none, the state is saved at release); when only one snapshot can be
+  had, the divergence point;
 - at release (finish, abort, retraction) when the computed length is a page
   boundary: the slot's state, copied before the slot is cleared
   (``take_state_saves``, ``Step.state_saves``).
@@ -240,9 +242,15 @@ class KVCacheManager:
         where it was saved (first, when that is short of the computed pages)."""
         ps = self.page_size
         full = req.kv_len - req.kv_len % ps
-        if req.own_state >= 0 and req.locked_len < req.own_state_at <= full:
-            state, req.own_state = req.own_state, -1
-            self._insert(req, req.own_state_at, state)
+        if req.own_states:
+            held: list[tuple[int, int]] = []
+            for at, state in sorted(zip(req.own_states_at, req.own_states, strict=True)):
+                if req.locked_len < at <= full:  # ascending: each insert moves the lock on
+                    self._insert(req, at, state)
+                else:
+                    held.append((at, state))
+            req.own_states_at = [at for at, _ in held]
+            req.own_states = [state for _, state in held]
         if full > req.locked_len:
             self._insert(req, full, -1)
 
@@ -278,10 +286,11 @@ class KVCacheManager:
         if self.states is not None:
             self._save_at_release(req)
         self.cache_computed(req)
-        if req.own_state >= 0:
+        for state in req.own_states:
             assert self.states is not None
-            self.states.free_state(req.own_state)
-        req.own_state, req.own_state_at, req.restore_state, req.diverge_at = -1, 0, -1, 0
+            self.states.free_state(state)
+        req.own_states, req.own_states_at = [], []
+        req.restore_state, req.diverge_at = -1, 0
         own = req.table[req.locked_len // self.page_size : req.num_pages]
         self.allocator.free(np.concatenate([*req.dups, own]) if req.dups else own)
         self.cache.unlock(req.node)
@@ -319,33 +328,44 @@ class KVCacheManager:
             self.windows.check_idle()
 
     # ------------------------------------------------- recurrent states
-    def plan_states(self, req: Request, n: int) -> tuple[int, int, int]:
+    def plan_states(self, req: Request, n: int) -> tuple[int, int, int, int, int]:
         """A hybrid model's state work for ``req``'s next step of ``n`` tokens:
-        ``(snapshot to restore or -1, tokens before the save or 0, snapshot to save
-        into or -1)`` (the rule is in the module docstring)."""
+        ``(snapshot to restore or -1, tokens before the first save or 0, snapshot to
+        save into or -1, tokens before the second save or 0, its snapshot or -1)``
+        (the rule is in the module docstring)."""
         st = self.states
         if st is None:
-            return -1, 0, -1
+            return -1, 0, -1, 0, -1
         restore, req.restore_state = req.restore_state, -1
         start, end, ps = req.kv_len, req.kv_len + n, self.page_size
-        at = 0
+        points: list[int] = []  # by priority: the divergence point first
         if start < req.diverge_at <= end:
-            at = req.diverge_at
-        elif not (ps == 1 and req.status is ReqStatus.DECODE):
+            points.append(req.diverge_at)
+        if not (ps == 1 and req.status is ReqStatus.DECODE):
             # A prompt's last chunk: where the same prompt sent again can hit (a
             # match leaves the last token to compute).
             last = end - 1 if req.status is ReqStatus.PREFILL and end == req.num_tokens else end
-            if last - last % ps > start:
-                at = last - last % ps
-        if not at:
-            return restore, 0, -1
-        if req.own_state < 0:
-            state = st.alloc_state()
-            if state is None:  # every snapshot is on a running request's path
-                return restore, 0, -1
-            req.own_state = state
-        req.own_state_at = at
-        return restore, at - start, req.own_state
+            if last - last % ps > start and last - last % ps not in points:
+                points.append(last - last % ps)
+        if not points:
+            return restore, 0, -1, 0, -1
+        # Snapshots the request holds (the tree has taken those it saved into) are
+        # reused; what is short is allocated, and a point is skipped when every
+        # snapshot is on a running request's path.
+        held, states = list(req.own_states), []
+        for _ in points:
+            state = held.pop() if held else st.alloc_state()
+            if state is None:
+                break
+            states.append(state)
+        for state in held:
+            st.free_state(state)
+        saves = sorted(zip(points, states))
+        req.own_states_at = [at for at, _ in saves]
+        req.own_states = [state for _, state in saves]
+        flat = [x for at, state in saves for x in (at - start, state)]
+        flat += [0, -1] * (2 - len(saves))
+        return restore, flat[0], flat[1], flat[2], flat[3]
 
     def mark_divergence(self, req: Request, others: list[Request], shared: int) -> None:
         """``req`` waits for ``others`` (being prefilled) to cache the ``shared``
@@ -369,15 +389,20 @@ class KVCacheManager:
         at = req.kv_len
         if req.slot is None or at % self.page_size or at <= req.locked_len:
             return
-        if req.own_state >= 0 and req.own_state_at == at:
+        if at in req.own_states_at:
             return  # saved there already
-        if req.own_state < 0:
+        # A held snapshot the tree did not take (its point is cached already) is reused.
+        stale = [i for i, a in enumerate(req.own_states_at) if a <= req.locked_len]
+        if stale:
+            state = req.own_states[stale[0]]
+            req.own_states_at[stale[0]] = at
+        else:
             state = self.states.alloc_state()
             if state is None:
                 return
-            req.own_state = state
-        req.own_state_at = at
-        self._state_saves += [req.slot, req.own_state]
+            req.own_states.append(state)
+            req.own_states_at.append(at)
+        self._state_saves += [req.slot, state]
 
     def take_state_saves(self) -> np.ndarray:
         """The ``slot, snapshot`` pairs the next step copies first (``Step.state_saves``)."""

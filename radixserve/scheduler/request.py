@@ -94,12 +94,13 @@ class Request:
     prompt_scores: list | None = None
     lora: int = 0  # its LoRA adapter's id (0: the base model; scheduler/lora.py)
     # Hybrid models (KVCacheManager.plan_states): the tree's snapshot to restore at
-    # the next step (-1: none), the snapshot this request holds outside the tree
-    # (-1: none) and the position its state was saved at, and where its match
-    # stopped short of the cached KV (a divergence point to snapshot; 0: none).
+    # the next step (-1: none), the snapshots this request holds outside the tree (at
+    # most two) and the positions its state was saved at in them (ascending), and
+    # where its match stopped short of the cached KV (a divergence point to snapshot;
+    # 0: none).
     restore_state: int = -1
-    own_state: int = -1
-    own_state_at: int = 0
+    own_states: list[int] = field(default_factory=list)
+    own_states_at: list[int] = field(default_factory=list)
     diverge_at: int = 0
     # Speculative decoding (``speculative.py``): the drafts of the step in flight (the
     # tokens after ``tokens[:num_tokens]`` it verifies; they never enter ``tokens``

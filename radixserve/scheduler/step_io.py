@@ -20,14 +20,14 @@ _NO_TOKENS = np.zeros(0, dtype=np.int32)
 def step_req(
     req: Request,
     n: int,
-    states: tuple[int, int, int] = (-1, 0, -1),
+    states: tuple[int, int, int, int, int] = (-1, 0, -1, 0, -1),
     window: tuple[int, np.ndarray] = (0, _NO_TOKENS),
 ) -> StepReq:
     """What the worker computes for ``req`` this step: ``n`` tokens from ``req.kv_len``
     (its drafts, ``req.draft``, counted in and last), the pages it has not been sent
     (after cutting its table when a verification gave pages back), its sampling the
     first time, the prompt positions to score, and (hybrid models) the state
-    snapshots to restore and save, ``(restore, save_at, save)``
+    snapshots to restore and save, ``(restore, save_at, save, save2_at, save2)``
     (``KVCacheManager.plan_states``), and (sliding layers) the window table entries
     to set, ``(start, pages)`` (``KVCacheManager.plan_window``)."""
     # Views, not copies: these ranges of a request's buffers never change
@@ -71,10 +71,12 @@ def step_req(
         score_pos,
         score_ids,
         req.lora if sampling is not None else 0,
-        *states,
+        *states[:3],
         k,
         keep_pages,
         *window,
+        state_save2_at=states[3],
+        state_save2=states[4],
     )
 
 

@@ -795,11 +795,20 @@ class ModelRunner:
                 "(a hybrid model's recurrent layers need the state after its cached prefix)"
             )
         if r.state_save < 0:
+            if r.state_save2 >= 0:
+                raise ValueError(f"slot {r.slot}: state_save2 without state_save")
             return StateSegment(lo, lo + n, r.slot)
         if not 1 <= r.state_save_at <= n:
             raise ValueError(f"slot {r.slot}: state_save_at {r.state_save_at} not in [1, {n}]")
-        entry = self.states.snapshot_entry(r.state_save)
-        return StateSegment(lo, lo + n, r.slot, r.state_save_at, entry)
+        saves = [(r.state_save_at, self.states.snapshot_entry(r.state_save))]
+        if r.state_save2 >= 0:
+            if not r.state_save_at < r.state_save2_at <= n:
+                raise ValueError(
+                    f"slot {r.slot}: state_save2_at {r.state_save2_at} not in "
+                    f"({r.state_save_at}, {n}]"
+                )
+            saves.append((r.state_save2_at, self.states.snapshot_entry(r.state_save2)))
+        return StateSegment(lo, lo + n, r.slot, tuple(saves))
 
     def _graph_step(self, batch: Step, attn: AttentionBatch) -> bool:
         """Whether this step replays a decode graph: every request one new token, all

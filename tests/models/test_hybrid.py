@@ -206,6 +206,22 @@ def test_requests_left_waiting_mark_where_they_diverge(qwen3_5_dir):
     eng.check_idle()
 
 
+def test_last_chunk_saves_the_divergence_and_the_prompt_end(qwen3_5_dir):
+    """The first prompt's last chunk, [32, 49), holds both where the others part from it
+    (40) and its own last boundary before its last token (48): it saves both, so the
+    others hit 40 and the same prompt sent again hits 48 (one save a step: only 40)."""
+    rng = np.random.default_rng(8)
+    shared = rng.integers(4, 512, 40).tolist()
+    prompts = [shared + rng.integers(4, 512, n).tolist() for n in (9, 4, 13)]
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    eng = Engine(str(qwen3_5_dir), dtype="float64", num_pages=512, chunked_prefill_size=16)
+    first = eng.generate(prompts, sp)
+    assert [r.usage.cached_tokens for r in first] == [0, 40, 40]
+    again = eng.generate([prompts[0]], sp)[0]
+    assert again.usage.cached_tokens == 48 and again.token_ids == first[0].token_ids
+    eng.check_idle()
+
+
 def test_multi_turn_resumes_from_the_last_turn(qwen3_5_dir):
     """Each turn sends the whole conversation so far: it hits everything the last
     turn computed, in whole pages (its snapshot saved at release), and its tokens
@@ -245,6 +261,10 @@ def test_worker_refuses_a_mid_sequence_start_without_a_snapshot(qwen3_5_dir):
     with pytest.raises(ValueError, match="state_save_at 9"):
         runner.step(Step([StepReq(2, ids, 0, np.arange(8, dtype=np.int32), True, greedy,
                                   state_save_at=9, state_save=1)]))  # fmt: skip
+    with pytest.raises(ValueError, match=r"state_save2_at 4 not in \(4, 8\]"):
+        runner.step(Step([StepReq(3, ids, 0, np.arange(8, dtype=np.int32), True, greedy,
+                                  state_save_at=4, state_save=0, state_save2_at=4,
+                                  state_save2=1)]))  # fmt: skip
 
 
 def test_bad_checkpoints_are_refused(tmp_path):

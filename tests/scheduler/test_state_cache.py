@@ -111,3 +111,33 @@ def test_hybrid_models_take_the_python_tree():
     assert isinstance(make_prefix_cache(alloc, "radix", "auto", num_states=4), StateRadixCache)
     with pytest.raises(ValueError, match="native radix tree keeps no recurrent-state"):
         make_prefix_cache(alloc, "radix", "native", num_states=4)
+
+
+def test_plan_states_saves_the_divergence_and_the_chunk_end():
+    """A prompt's last chunk holding both where waiting requests part from it and its
+    own last boundary before its last token saves both (the divergence point first
+    when only one snapshot is free); one point when they coincide."""
+    from radixserve.sampling_params import SamplingParams
+    from radixserve.scheduler.kv_cache import KVCacheManager
+    from radixserve.scheduler.request import ReqStatus, Request
+
+    def prompt_at(kv_len: int, diverge_at: int) -> Request:
+        # 45 tokens, page size 4: the last chunk [32, 45) ends its pages at 44.
+        req = Request.create("r", 0, np.arange(4, 49, dtype=np.int32), SamplingParams(),
+                             None, 0, 64, 16)  # fmt: skip
+        req.status, req.kv_len, req.diverge_at = ReqStatus.PREFILL, kv_len, diverge_at
+        return req
+
+    alloc = PageAllocator(64, 4)
+    kv = KVCacheManager(alloc, StateRadixCache(alloc, num_states=3))
+    req = prompt_at(32, 40)
+    restore, at1, s1, at2, s2 = kv.plan_states(req, 13)
+    assert (restore, at1, at2) == (-1, 8, 12) and s1 >= 0 and s2 >= 0 and s1 != s2
+    assert req.own_states_at == [40, 44] and req.own_states == [s1, s2]
+    other = prompt_at(32, 44)
+    assert kv.plan_states(other, 13)[1:] == (12, other.own_states[0], 0, -1)
+    # One snapshot left free (the other two are held): the divergence point has it.
+    kv.states.free_state(s1)
+    third = prompt_at(32, 40)
+    assert kv.plan_states(third, 13)[1:] == (8, third.own_states[0], 0, -1)
+    assert third.own_states_at == [40]
