@@ -262,5 +262,8 @@ class CausalLM(nn.Module):
                         f"shape mismatch for {groups[0]}: {tuple(src.shape)} vs {tuple(param.shape)}"
                     )
                 param.copy_(src.to(param.dtype))
+            for module in self.modules():  # layouts fixed up once loaded (Qwen3-Next)
+                if hasattr(module, "checkpoint_loaded"):
+                    module.checkpoint_loaded()
             if tied:
                 self.lm_head.weight = self.embed_tokens.weight  # shared, not copied
