@@ -20,6 +20,8 @@ and for stacked experts one group per expert. What differs per family:
   ``in_proj_ba`` (interleaved per key head, one ``in_proj`` reordered once loaded), and
   sparse layers as Qwen3-MoE's plus ``mlp.shared_expert.gate_proj/up_proj/down_proj``
   and ``mlp.shared_expert_gate``.
+- Qwen3.5-MoE (hybrid): Qwen3.5's names with Qwen3-Next's sparse MLP on every layer
+  (``save_pretrained`` writes the experts per expert, as Qwen3-MoE's).
 - Nemotron-H (hybrid), under ``backbone.`` (what the Hub checkpoints and
   ``save_pretrained`` write; a ``model.`` layout is renamed): ``embeddings``,
   ``norm_f``; per layer ``norm`` and
@@ -48,6 +50,7 @@ _EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
     "qwen3_moe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
     "qwen3_next": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3_5_moe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
 }
 
 
@@ -177,7 +180,7 @@ def _experts(cfg: ModelConfig, ours: str, hf_layer: str) -> Sources:
         ours + "experts.gate_up": [(e + gate + ".weight", e + up + ".weight") for e in experts],
         ours + "experts.down": [(e + down + ".weight",) for e in experts],
     }
-    if cfg.moe.shared_gate:  # Qwen3-Next
+    if cfg.moe.shared_gate:  # Qwen3-Next, Qwen3.5-MoE
         shared = f"{hf}shared_expert."
         out[ours + "shared.gate_up_proj"] = [(shared + "gate_proj.weight", shared + "up_proj.weight")]
         out[ours + "shared.down_proj"] = [(shared + "down_proj.weight",)]

@@ -31,6 +31,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     # Qwen3.5's layers with a sparse MoE MLP (and a sigmoid-gated shared expert);
     # Qwen3-Next's delta-net projections interleave q/k/v/z and b/a per key head.
     "Qwen3NextForCausalLM": "qwen3_next",
+    # Qwen3.5's layers with Qwen3-Next's MoE MLP on every layer (text model only).
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     # Hybrid: Mamba-2 layers beside attention and MLP layers, one mixer per layer.
     "NemotronHForCausalLM": "nemotron_h",
 }
@@ -41,12 +43,15 @@ _BY_MODEL_TYPE = {
     **{family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()},
     "gemma3_text": "Gemma3ForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 #: Hybrid families: some layers are recurrent (``layer_types``), the rest attention (and,
 #: for Nemotron-H, MLP-only layers).
-HYBRID_FAMILIES = ("qwen3_5", "qwen3_next", "nemotron_h")
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe", "nemotron_h")
 #: Families built from Qwen3.5's layers (``hybrid.py``).
-GATED_DELTA_FAMILIES = ("qwen3_5", "qwen3_next")
+GATED_DELTA_FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
+#: Families whose MoE blocks add a sigmoid-gated SwiGLU shared expert.
+GATED_SHARED_EXPERT_FAMILIES = ("qwen3_next", "qwen3_5_moe")
 #: ``layer_types`` entries whose layers carry a recurrent state instead of K/V.
 RECURRENT_LAYER_TYPES = ("linear_attention", "mamba")
 #: Families whose layers are Gemma's: (1 + w) RMSNorms around both sublayers, GeGLU,
@@ -537,20 +542,26 @@ def _moe(hf: Any, family: str) -> MoEConfig | None:
         num = int(hf.num_local_experts)
         return MoEConfig(num, int(hf.num_experts_per_tok), int(hf.intermediate_size), True,
                          (True,) * n)  # fmt: skip
-    if family not in ("qwen3_moe", "qwen3_next"):
+    if family not in ("qwen3_moe", *GATED_SHARED_EXPERT_FAMILIES):
         return None
     num, step = int(hf.num_experts), int(getattr(hf, "decoder_sparse_step", 1) or 1)
     dense = set(getattr(hf, "mlp_only_layers", None) or ())
     sparse = tuple(i not in dense and num > 0 and (i + 1) % step == 0 for i in range(n))
-    # Qwen3-Next: a SwiGLU shared expert beside the routed ones, scaled per token by
-    # sigmoid(shared_expert_gate(x)).
+    if family == "qwen3_moe":
+        return MoEConfig(num, int(hf.num_experts_per_tok), int(hf.moe_intermediate_size),
+                         bool(getattr(hf, "norm_topk_prob", False)), sparse)  # fmt: skip
+    # Qwen3-Next, Qwen3.5-MoE: a SwiGLU shared expert beside the routed ones, scaled per
+    # token by sigmoid(shared_expert_gate(x)). Qwen3.5-MoE's router always renormalises
+    # (its config has no norm_topk_prob) and every layer is sparse.
     shared = int(getattr(hf, "shared_expert_intermediate_size", 0) or 0)
-    if family == "qwen3_next" and shared <= 0:
+    if shared <= 0:
         raise ValueError(f"shared_expert_intermediate_size must be > 0, got {shared}")
+    if num <= 0:
+        raise ValueError(f"num_experts must be > 0, got {num}")
+    renormalize = family == "qwen3_5_moe" or bool(getattr(hf, "norm_topk_prob", False))
     return MoEConfig(num, int(hf.num_experts_per_tok), int(hf.moe_intermediate_size),
-                     bool(getattr(hf, "norm_topk_prob", False)), sparse,
-                     shared_intermediate_size=shared if family == "qwen3_next" else 0,
-                     shared_gate=family == "qwen3_next")  # fmt: skip
+                     renormalize, sparse, shared_intermediate_size=shared,
+                     shared_gate=True)  # fmt: skip
 
 
 def _windows(hf: Any, family: str) -> tuple[int, ...]:

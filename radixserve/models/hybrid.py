@@ -1,5 +1,5 @@
 """The layers of hybrid models: gated delta-net linear attention beside gated full
-attention (Qwen3.5; Qwen3-Next, the same layers with a sparse MoE MLP).
+attention (Qwen3.5; Qwen3-Next and Qwen3.5-MoE, the same layers with a sparse MoE MLP).
 
 A hybrid model's layer is ``DecoderLayer``'s pre-norm pair with one of two token
 mixers, by ``ModelConfig.layer_types``:
@@ -188,7 +188,7 @@ class GatedDeltaNet(nn.Module):
 class HybridDecoderLayer(nn.Module):
     """``DecoderLayer``'s pre-norm residual pair with a gated attention or a gated
     delta-net token mixer (``ModelConfig.layer_types``) and a dense gated MLP or, where
-    ``ModelConfig.moe`` makes the layer sparse (Qwen3-Next), the MoE block."""
+    ``ModelConfig.moe`` makes the layer sparse (Qwen3-Next, Qwen3.5-MoE), the MoE block."""
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()

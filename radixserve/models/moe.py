@@ -131,7 +131,7 @@ class Experts(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    """Qwen3-Next's shared expert: a SwiGLU MLP every token goes through, its output
+    """Qwen3-Next's and Qwen3.5-MoE's shared expert: a SwiGLU MLP every token goes through, its output
     scaled by ``sigmoid(gate(x))`` (``gate`` [1, hidden]); one rank only."""
 
     def __init__(self, moe: MoEConfig, hidden_size: int) -> None:

@@ -1,4 +1,5 @@
-"""Hybrid models (Qwen3.5: gated delta-net layers beside gated attention) end to end.
+"""Hybrid models (Qwen3.5: gated delta-net layers beside gated attention; Qwen3-Next and
+Qwen3.5-MoE: the same with MoE MLPs) end to end.
 
 The oracle is transformers' own ``generate`` in float64 (``patch_hf_float64``: its
 norms, rotary, decay and delta rule in float64, the rule by its token-by-token
@@ -38,7 +39,12 @@ def qwen3_next_dir(tmp_path_factory):
 
 
 #: The families built from hybrid.py's layers; tests taking ``family_dir`` run for each.
-FAMILIES = ("qwen3_5", "qwen3_next")
+FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_moe_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen3_5_moe"), "qwen3_5_moe", seed=5)
 
 
 @pytest.fixture(params=FAMILIES)
@@ -296,7 +302,7 @@ def test_bad_checkpoints_are_refused(tmp_path):
             ModelConfig.from_hf(AutoConfig.from_pretrained(str(bad)))
 
 
-def test_qwen3_next_config_and_layout():
+def test_qwen3_next_and_qwen3_5_moe_config_and_layout():
     """Qwen3-Next: Qwen3.5's layers, MoE on every layer but ``mlp_only_layers`` with a
     gated shared expert; the delta-net projection rows interleaved per key head are
     put into Qwen3.5's order (q, k, v, z, b, a)."""
@@ -309,6 +315,10 @@ def test_qwen3_next_config_and_layout():
     assert cfg.moe is not None and cfg.moe.sparse_layers == (True, True, False, True)
     assert cfg.moe.shared_gate and cfg.moe.shared_intermediate_size == 48
     assert cfg.moe.renormalize and (cfg.moe.num_experts, cfg.moe.top_k) == (8, 2)
+    # Qwen3.5-MoE: the same MoE on every layer, always renormalised, Qwen3.5's projections.
+    moe = ModelConfig.from_hf(tiny_config("qwen3_5_moe")).moe
+    assert moe is not None and moe.sparse_layers == (True,) * 4 and moe.renormalize
+    assert moe.shared_gate and moe.shared_intermediate_size == 48
     # 2 key heads of 3, 4 value heads of 2 (2 per key head): label each checkpoint row.
     rows = []
     for h in range(2):
