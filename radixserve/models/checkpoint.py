@@ -16,6 +16,12 @@ and for stacked experts one group per expert. What differs per family:
   and its output gate); linear-attention layers under ``linear_attn.``:
   ``in_proj_qkv``/``in_proj_z``/``in_proj_b``/``in_proj_a`` (one ``in_proj``),
   ``conv1d.weight``, ``A_log``, ``dt_bias``, ``norm.weight``, ``out_proj``.
+- Qwen3-Next (hybrid): Qwen3.5's names, except the delta-net's ``in_proj_qkvz`` and
+  ``in_proj_ba`` (interleaved per key head, one ``in_proj`` reordered once loaded), and
+  sparse layers as Qwen3-MoE's plus ``mlp.shared_expert.gate_proj/up_proj/down_proj``
+  and ``mlp.shared_expert_gate``.
+- Qwen3.5-MoE (hybrid): Qwen3.5's names with Qwen3-Next's sparse MLP on every layer
+  (``save_pretrained`` writes the experts per expert, as Qwen3-MoE's).
 - Nemotron-H (hybrid), under ``backbone.`` (what the Hub checkpoints and
   ``save_pretrained`` write; a ``model.`` layout is renamed): ``embeddings``,
   ``norm_f``; per layer ``norm`` and
@@ -43,6 +49,8 @@ Sources = dict[str, list[tuple[str, ...]]]
 _EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
     "qwen3_moe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3_next": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3_5_moe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
 }
 
 
@@ -64,7 +72,7 @@ def checkpoint_sources(cfg: ModelConfig) -> Sources:
         for norm in norms:
             out[ours + norm + ".weight"] = [(hf + norm + ".weight",)]
         if cfg.layer_types and cfg.layer_types[i] == "linear_attention":
-            out.update(_linear_attention(ours + "linear_attn.", hf + "linear_attn."))
+            out.update(_linear_attention(cfg, ours + "linear_attn.", hf + "linear_attn."))
         else:
             out.update(_attention(cfg, ours + "self_attn.", hf + "self_attn.", fused))
         if cfg.moe is not None and cfg.moe.sparse_layers[i]:
@@ -90,8 +98,11 @@ def _attention(cfg: ModelConfig, ours: str, hf: str, fused: bool) -> Sources:
     return out
 
 
-def _linear_attention(ours: str, hf: str) -> Sources:
-    projections = tuple(f"{hf}in_proj_{x}.weight" for x in ("qkv", "z", "b", "a"))
+def _linear_attention(cfg: ModelConfig, ours: str, hf: str) -> Sources:
+    # Qwen3-Next: two projections interleaved per key head, reordered once loaded
+    # (``GatedDeltaNet.checkpoint_loaded``).
+    parts = ("qkvz", "ba") if cfg.family == "qwen3_next" else ("qkv", "z", "b", "a")
+    projections = tuple(f"{hf}in_proj_{x}.weight" for x in parts)
     return {
         ours + "in_proj.weight": [projections],
         ours + "conv_weight": [(hf + "conv1d.weight",)],
@@ -164,11 +175,17 @@ def _experts(cfg: ModelConfig, ours: str, hf_layer: str) -> Sources:
     prefix, router, (gate, up, down) = _EXPERT_NAMES[cfg.family]
     hf = f"{hf_layer}{prefix}."
     experts = [f"{hf}experts.{e}." for e in range(cfg.moe.num_experts)]
-    return {
+    out: Sources = {
         ours + "router.weight": [(f"{hf}{router}.weight",)],
         ours + "experts.gate_up": [(e + gate + ".weight", e + up + ".weight") for e in experts],
         ours + "experts.down": [(e + down + ".weight",) for e in experts],
     }
+    if cfg.moe.shared_gate:  # Qwen3-Next, Qwen3.5-MoE
+        shared = f"{hf}shared_expert."
+        out[ours + "shared.gate_up_proj"] = [(shared + "gate_proj.weight", shared + "up_proj.weight")]
+        out[ours + "shared.down_proj"] = [(shared + "down_proj.weight",)]
+        out[ours + "shared.gate"] = [(f"{hf}shared_expert_gate.weight",)]
+    return out
 
 
 #: Where multimodal Gemma 3 checkpoints keep the text model: transformers 5's

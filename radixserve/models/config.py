@@ -28,6 +28,11 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "gemma3",
     # Hybrid: gated delta-net linear attention beside gated full attention.
     "Qwen3_5ForCausalLM": "qwen3_5",
+    # Qwen3.5's layers with a sparse MoE MLP (and a sigmoid-gated shared expert);
+    # Qwen3-Next's delta-net projections interleave q/k/v/z and b/a per key head.
+    "Qwen3NextForCausalLM": "qwen3_next",
+    # Qwen3.5's layers with Qwen3-Next's MoE MLP on every layer (text model only).
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     # Hybrid: Mamba-2 layers beside attention and MLP layers, one mixer per layer.
     "NemotronHForCausalLM": "nemotron_h",
 }
@@ -38,10 +43,15 @@ _BY_MODEL_TYPE = {
     **{family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()},
     "gemma3_text": "Gemma3ForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 #: Hybrid families: some layers are recurrent (``layer_types``), the rest attention (and,
 #: for Nemotron-H, MLP-only layers).
-HYBRID_FAMILIES = ("qwen3_5", "nemotron_h")
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe", "nemotron_h")
+#: Families built from Qwen3.5's layers (``hybrid.py``).
+GATED_DELTA_FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
+#: Families whose MoE blocks add a sigmoid-gated SwiGLU shared expert.
+GATED_SHARED_EXPERT_FAMILIES = ("qwen3_next", "qwen3_5_moe")
 #: ``layer_types`` entries whose layers carry a recurrent state instead of K/V.
 RECURRENT_LAYER_TYPES = ("linear_attention", "mamba")
 #: Families whose layers are Gemma's: (1 + w) RMSNorms around both sublayers, GeGLU,
@@ -69,6 +79,10 @@ class MoEConfig:
     (a group's worth: its two best), weights the chosen scores (renormalised when
     ``renormalize``) times ``scaling``; squared-ReLU experts without a gate, plus a
     shared expert of ``shared_intermediate_size``.
+
+    Qwen3-Next's: Qwen3-MoE's routing plus a SwiGLU shared expert of
+    ``shared_intermediate_size`` whose output is scaled by ``sigmoid(shared_expert_gate(x))``
+    (``shared_gate``).
     """
 
     num_experts: int
@@ -80,6 +94,7 @@ class MoEConfig:
     topk_group: int = 0
     scaling: float = 1.0
     shared_intermediate_size: int = 0
+    shared_gate: bool = False
 
 
 @dataclass(frozen=True)
@@ -325,12 +340,12 @@ class ModelConfig:
             sliding_windows=_windows(hf, family),
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=tuple(int(e) for e in eos_ids),
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "qwen3_5"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", *GATED_DELTA_FAMILIES),
             rotary_dim=rotary_dim,
             **_longrope(rope, rope_type, rotary_dim, max_pos, original_max),
             moe=_moe(hf, family),
             **(_gemma(hf, family, head_dim, local_theta) if gemma else {}),
-            **(_hybrid(hf, family) if family == "qwen3_5" else {}),
+            **(_hybrid(hf, family) if family in GATED_DELTA_FAMILIES else {}),
             **(_nemotron_h(hf) if family == "nemotron_h" else {}),
         )
 
@@ -378,7 +393,7 @@ def _gemma(hf: Any, family: str, head_dim: int, local_theta: float) -> dict[str,
 
 
 def _hybrid(hf: Any, family: str) -> dict[str, Any]:
-    """Qwen3.5's fields: layer types, the gated delta-net shape, (1 + w) norms, the
+    """Qwen3.5's and Qwen3-Next's fields: layer types, the gated delta-net shape, (1 + w) norms, the
     attention output gate."""
     types = tuple(hf.layer_types)
     if len(types) != hf.num_hidden_layers:
@@ -511,7 +526,7 @@ def _biases(hf: Any, family: str) -> tuple[bool, bool, bool]:
         return attention, attention, bool(getattr(hf, "mlp_bias", False))
     if family == "qwen2":
         return True, False, False
-    if family in ("qwen3", "qwen3_moe", "gemma2", "gemma3", "qwen3_5"):
+    if family in ("qwen3", "qwen3_moe", "gemma2", "gemma3", *GATED_DELTA_FAMILIES):
         attention = bool(getattr(hf, "attention_bias", False))
         return attention, attention, False
     if family == "nemotron_h":  # transformers builds its attention without biases
@@ -527,13 +542,26 @@ def _moe(hf: Any, family: str) -> MoEConfig | None:
         num = int(hf.num_local_experts)
         return MoEConfig(num, int(hf.num_experts_per_tok), int(hf.intermediate_size), True,
                          (True,) * n)  # fmt: skip
-    if family != "qwen3_moe":
+    if family not in ("qwen3_moe", *GATED_SHARED_EXPERT_FAMILIES):
         return None
     num, step = int(hf.num_experts), int(getattr(hf, "decoder_sparse_step", 1) or 1)
     dense = set(getattr(hf, "mlp_only_layers", None) or ())
     sparse = tuple(i not in dense and num > 0 and (i + 1) % step == 0 for i in range(n))
+    if family == "qwen3_moe":
+        return MoEConfig(num, int(hf.num_experts_per_tok), int(hf.moe_intermediate_size),
+                         bool(getattr(hf, "norm_topk_prob", False)), sparse)  # fmt: skip
+    # Qwen3-Next, Qwen3.5-MoE: a SwiGLU shared expert beside the routed ones, scaled per
+    # token by sigmoid(shared_expert_gate(x)). Qwen3.5-MoE's router always renormalises
+    # (its config has no norm_topk_prob) and every layer is sparse.
+    shared = int(getattr(hf, "shared_expert_intermediate_size", 0) or 0)
+    if shared <= 0:
+        raise ValueError(f"shared_expert_intermediate_size must be > 0, got {shared}")
+    if num <= 0:
+        raise ValueError(f"num_experts must be > 0, got {num}")
+    renormalize = family == "qwen3_5_moe" or bool(getattr(hf, "norm_topk_prob", False))
     return MoEConfig(num, int(hf.num_experts_per_tok), int(hf.moe_intermediate_size),
-                     bool(getattr(hf, "norm_topk_prob", False)), sparse)  # fmt: skip
+                     renormalize, sparse, shared_intermediate_size=shared,
+                     shared_gate=True)  # fmt: skip
 
 
 def _windows(hf: Any, family: str) -> tuple[int, ...]:

@@ -7,7 +7,7 @@ checkpoint names and splits the weights (``checkpoint.py``); the forward pass is
 this one. Gemma 2/3 layers (``SandwichDecoderLayer``) also normalise each
 sublayer's output, and Gemma 3's sliding-window layers rotate with their own
 rope base (``rope_local_theta``). Hybrid models have layers of their own with
-recurrent state (Qwen3.5: ``hybrid.py``; Nemotron-H: ``nemotron_h.py``).
+recurrent state (Qwen3.5, Qwen3-Next, Qwen3.5-MoE: ``hybrid.py``; Nemotron-H: ``nemotron_h.py``).
 
 The model works on a flat batch: the new tokens of every request in the step,
 concatenated, with their absolute positions (``blocks.py`` says how attention
@@ -262,5 +262,8 @@ class CausalLM(nn.Module):
                         f"shape mismatch for {groups[0]}: {tuple(src.shape)} vs {tuple(param.shape)}"
                     )
                 param.copy_(src.to(param.dtype))
+            for module in self.modules():  # layouts fixed up once loaded (Qwen3-Next)
+                if hasattr(module, "checkpoint_loaded"):
+                    module.checkpoint_loaded()
             if tied:
                 self.lm_head.weight = self.embed_tokens.weight  # shared, not copied

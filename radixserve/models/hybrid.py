@@ -1,5 +1,5 @@
 """The layers of hybrid models: gated delta-net linear attention beside gated full
-attention (Qwen3.5).
+attention (Qwen3.5; Qwen3-Next and Qwen3.5-MoE, the same layers with a sparse MoE MLP).
 
 A hybrid model's layer is ``DecoderLayer``'s pre-norm pair with one of two token
 mixers, by ``ModelConfig.layer_types``:
@@ -33,6 +33,7 @@ from radixserve.models import gated_delta
 from radixserve.models.blocks import MLP, Attention, compute_dtype, rms_norm
 from radixserve.models.causal_conv import causal_conv, conv_step
 from radixserve.models.config import ModelConfig
+from radixserve.models.moe import SparseMoeBlock
 from radixserve.models.rope import apply_rotary
 
 
@@ -84,6 +85,26 @@ class GatedRMSNorm(nn.Module):
         return (h * F.silu(z.to(wide))).to(dtype)
 
 
+def grouped_rows(k_heads: int, v_heads: int, k_dim: int, v_dim: int) -> torch.Tensor:
+    """Row index taking Qwen3-Next's ``[in_proj_qkvz; in_proj_ba]`` (per key head: q, k,
+    then v and z of its ``v_heads // k_heads`` value heads; then per key head its b, a)
+    to ``[q; k; v; z; b; a]``, each over all heads in order."""
+    r = v_heads // k_heads
+    group = 2 * k_dim + 2 * r * v_dim
+    heads = torch.arange(k_heads)[:, None]
+
+    def per_head(base: torch.Tensor, start: int, n: int) -> torch.Tensor:
+        return (base + start + torch.arange(n)).flatten()
+
+    qkvz = heads * group
+    ba = k_heads * group + heads * 2 * r
+    return torch.cat((
+        per_head(qkvz, 0, k_dim), per_head(qkvz, k_dim, k_dim),
+        per_head(qkvz, 2 * k_dim, r * v_dim), per_head(qkvz, 2 * k_dim + r * v_dim, r * v_dim),
+        per_head(ba, 0, r), per_head(ba, r, r),
+    ))  # fmt: skip
+
+
 class GatedDeltaNet(nn.Module):
     """Gated delta-net linear attention (see the module docstring); ``index`` is the
     layer's place among the model's recurrent layers (its state pool slice)."""
@@ -105,6 +126,17 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.v_heads))
         self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps)
         self.out_proj = Linear(value, cfg.hidden_size, bias=False)
+        self.grouped_layout = cfg.family == "qwen3_next"
+
+    def checkpoint_loaded(self) -> None:
+        """Qwen3-Next's checkpoint holds ``in_proj_qkvz`` then ``in_proj_ba``, each
+        interleaved per key head (``[q, k, v, z]`` of the head's value heads, then
+        ``[b, a]``); ``in_proj`` is loaded as that concatenation and its rows put once
+        into Qwen3.5's order (q, k, v of every head, then z, b, a)."""
+        if self.grouped_layout:
+            with torch.no_grad():
+                w = self.in_proj.weight
+                w.copy_(w[grouped_rows(self.k_heads, self.v_heads, self.k_dim, self.v_dim)])
 
     def forward(self, x: torch.Tensor, states: LayerStates) -> torch.Tensor:
         t = x.shape[0]
@@ -155,7 +187,8 @@ class GatedDeltaNet(nn.Module):
 
 class HybridDecoderLayer(nn.Module):
     """``DecoderLayer``'s pre-norm residual pair with a gated attention or a gated
-    delta-net token mixer (``ModelConfig.layer_types``) and a dense gated MLP."""
+    delta-net token mixer (``ModelConfig.layer_types``) and a dense gated MLP or, where
+    ``ModelConfig.moe`` makes the layer sparse (Qwen3-Next, Qwen3.5-MoE), the MoE block."""
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -166,7 +199,8 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(cfg, cfg.kv_layer(layer))
         self.post_attention_layernorm = rms_norm(cfg, cfg.hidden_size)
-        self.mlp = MLP(cfg)
+        sparse = cfg.moe is not None and cfg.moe.sparse_layers[layer]
+        self.mlp: nn.Module = SparseMoeBlock(cfg) if sparse else MLP(cfg)
 
     def step(
         self,

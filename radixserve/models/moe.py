@@ -1,4 +1,4 @@
-"""The sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE, Nemotron-H): a router picks
+"""The sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE, Qwen3-Next, Nemotron-H): a router picks
 ``top_k`` experts per token, each a SwiGLU MLP (Nemotron-H: squared-ReLU, no gate), and
 the token's output is their weighted sum.
 
@@ -18,6 +18,9 @@ Experts are computed grouped by expert: the (token, expert) pairs are sorted by
 expert, and each expert that got tokens runs one gate/up and one down product
 over all of its tokens; the weighted results are added back per token in expert
 order. The group sizes are read on the host (one sync per MoE layer).
+
+Qwen3-Next adds a shared expert (``SharedExpert``): a SwiGLU MLP of every token,
+scaled by ``sigmoid(shared_expert_gate(x))``, added to the routed experts' sum.
 """
 
 from __future__ import annotations
@@ -127,15 +130,35 @@ class Experts(nn.Module):
         return out
 
 
+class SharedExpert(nn.Module):
+    """Qwen3-Next's and Qwen3.5-MoE's shared expert: a SwiGLU MLP every token goes through, its output
+    scaled by ``sigmoid(gate(x))`` (``gate`` [1, hidden]); one rank only."""
+
+    def __init__(self, moe: MoEConfig, hidden_size: int) -> None:
+        super().__init__()
+        self.intermediate = moe.shared_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * self.intermediate, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(hidden_size, self.intermediate))
+        self.gate = nn.Parameter(torch.empty(1, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(x, self.gate_up_proj).split(self.intermediate, dim=-1)
+        y = linear(F.silu(gate) * up, self.down_proj)
+        return torch.sigmoid(F.linear(x, self.gate)) * y
+
+
 class SparseMoeBlock(nn.Module):
-    """Router (replicated) and experts (each split over the ranks: one all-reduce)."""
+    """Router (replicated) and experts (each split over the ranks: one all-reduce),
+    plus the gated shared expert where the family has one (Qwen3-Next)."""
 
     def __init__(self, cfg: ModelConfig, comm: Comm = SINGLE) -> None:
         super().__init__()
         assert cfg.moe is not None
         self.router = Router(cfg.moe, cfg.hidden_size)
         self.experts = Experts(cfg.moe, cfg.hidden_size, comm.size)
+        self.shared = SharedExpert(cfg.moe, cfg.hidden_size) if cfg.moe.shared_gate else None
         self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce(self.experts(x, *self.router(x)))
+        out = self.comm.all_reduce(self.experts(x, *self.router(x)))
+        return out if self.shared is None else out + self.shared(x)

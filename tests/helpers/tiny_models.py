@@ -101,6 +101,22 @@ FAMILY_DIMS: dict[str, dict[str, object]] = {
     "qwen3_5": {"head_dim": 16, "num_hidden_layers": 4, "linear_num_key_heads": 2,
                 "linear_num_value_heads": 4, "linear_key_head_dim": 16,
                 "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4},
+    # Hybrid: Qwen3.5's layers (delta-net projections interleaved per key head) with
+    # MoE MLPs (8 experts, top 2, renormalised, a gated shared expert) except on layer 2,
+    # kept dense by mlp_only_layers.
+    "qwen3_next": {"head_dim": 16, "num_hidden_layers": 4, "linear_num_key_heads": 2,
+                   "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                   "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
+                   "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 48, "norm_topk_prob": True,
+                   "decoder_sparse_step": 1, "mlp_only_layers": [2]},
+    # Hybrid: Qwen3.5's layers with Qwen3-Next's MoE MLP on every layer (8 experts, top 2,
+    # always renormalised, a gated shared expert).
+    "qwen3_5_moe": {"head_dim": 16, "num_hidden_layers": 4, "linear_num_key_heads": 2,
+                    "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                    "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
+                    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                    "shared_expert_intermediate_size": 48},
     # Hybrid: Mamba-2 layers (8 heads of 8 in 2 groups, state 16), a squared-ReLU MLP,
     # one attention layer (no rotary) and one MoE layer (8 experts in 2 groups, top 2 of
     # the best group, shared expert), as Nemotron-H's patterns; transformers' own scan
@@ -117,7 +133,7 @@ FAMILY_DIMS: dict[str, dict[str, object]] = {
 #: The families added after Llama / Qwen2 / Mistral, each with its own oracle tests.
 NEW_FAMILIES = ("qwen3", "mixtral", "qwen3_moe", "phi3", "gemma2", "gemma3")
 #: Hybrid families (recurrent layers beside attention), tested in tests/models/test_hybrid.py.
-HYBRID_FAMILIES = ("qwen3_5", "nemotron_h")
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe", "nemotron_h")
 
 
 def tiny_config(arch: str = "llama", **overrides: object):
@@ -135,6 +151,8 @@ def tiny_config(arch: str = "llama", **overrides: object):
         "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
         "qwen3_5": transformers.Qwen3_5TextConfig,
+        "qwen3_next": transformers.Qwen3NextConfig,
+        "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig,
         "nemotron_h": transformers.NemotronHConfig,
     }[arch]
     return cls(**{**TINY_DIMS, **FAMILY_DIMS[arch], **overrides})
@@ -202,8 +220,11 @@ def patch_hf_float64(model: torch.nn.Module) -> torch.nn.Module:
         model.set_experts_implementation("eager")
     for module in model.modules():
         name = type(module).__name__
-        if name.startswith("Qwen3_5"):
-            _patch_qwen3_5(module, name)
+        if name.startswith(("Qwen3_5", "Qwen3Next")) and not name.endswith(
+            ("TopKRouter", "NextRotaryEmbedding")
+        ):
+            prefix = next(p for p in ("Qwen3_5Moe", "Qwen3_5", "Qwen3Next") if name.startswith(p))
+            _patch_qwen3_5(module, name.removeprefix(prefix))
         elif name.startswith("NemotronH"):
             _patch_nemotron_h(module, name)
         elif name.startswith("Gemma") and name.endswith("RMSNorm"):
@@ -237,7 +258,7 @@ def patch_hf_float64(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _patch_qwen3_5(module: torch.nn.Module, name: str) -> None:
-    """Qwen3.5 in float64: (1 + w) norms, the gated head norm, rotary (text positions),
+    """Qwen3.5 or Qwen3-Next (``name``: the class name after the family prefix) in float64: (1 + w) norms, the gated head norm, rotary (text positions),
     and the gated delta-net, whose decay transformers computes from float32 copies
     (``.float()``) and whose delta rule runs in float32: its forward is recompiled from
     transformers' own source with ``.float()`` as ``.double()``, and the module's two
@@ -245,13 +266,13 @@ def _patch_qwen3_5(module: torch.nn.Module, name: str) -> None:
     import inspect
     import textwrap
 
-    if name == "Qwen3_5RMSNorm":
+    if name == "RMSNorm":
         module.forward = types.MethodType(_gemma_rmsnorm64, module)
-    elif name == "Qwen3_5RMSNormGated":
+    elif name == "RMSNormGated":
         module.forward = types.MethodType(_gated_rmsnorm64, module)
-    elif name == "Qwen3_5TextRotaryEmbedding":
+    elif name == "TextRotaryEmbedding":
         module.forward = types.MethodType(_qwen3_5_rotary64, module)
-    elif name == "Qwen3_5GatedDeltaNet":
+    elif name == "GatedDeltaNet":
         mod = sys.modules[type(module).__module__]
         mod.torch_chunk_gated_delta_rule = _delta_rule64
         mod.torch_recurrent_gated_delta_rule = _delta_rule64

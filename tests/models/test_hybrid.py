@@ -1,4 +1,5 @@
-"""Hybrid models (Qwen3.5: gated delta-net layers beside gated attention) end to end.
+"""Hybrid models (Qwen3.5: gated delta-net layers beside gated attention; Qwen3-Next and
+Qwen3.5-MoE: the same with MoE MLPs) end to end.
 
 The oracle is transformers' own ``generate`` in float64 (``patch_hf_float64``: its
 norms, rotary, decay and delta rule in float64, the rule by its token-by-token
@@ -33,22 +34,52 @@ def qwen3_5_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf_tokens(qwen3_5_dir):
-    """Prompt -> transformers' 48 greedy tokens (``generate``, float64), memoised."""
-    hf = load_hf_float64(qwen3_5_dir)
-    hf.generation_config.eos_token_id = None  # as ignore_eos: EOS neither stops nor is masked
-    memo: dict[tuple[int, ...], list[int]] = {}
+def qwen3_next_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen3_next"), "qwen3_next", seed=5)
 
-    def get(prompt: list[int]) -> list[int]:
-        key = tuple(prompt)
+
+#: The families built from hybrid.py's layers; tests taking ``family_dir`` run for each.
+FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_moe_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen3_5_moe"), "qwen3_5_moe", seed=5)
+
+
+@pytest.fixture(params=FAMILIES)
+def family_dir(request):
+    return request.getfixturevalue(f"{request.param}_dir")
+
+
+@pytest.fixture(scope="module")
+def hf_greedy_tokens():
+    """(model folder, prompt) -> transformers' 48 greedy tokens (``generate``, float64),
+    memoised."""
+    models: dict = {}
+    memo: dict[tuple, list[int]] = {}
+
+    def get(folder, prompt: list[int]) -> list[int]:
+        key = (str(folder), tuple(prompt))
         if key not in memo:
-            ids = torch.tensor([prompt])
+            if str(folder) not in models:
+                hf = load_hf_float64(folder)
+                hf.generation_config.eos_token_id = None  # as ignore_eos: EOS neither stops nor is masked
+                models[str(folder)] = hf
             with torch.no_grad():
-                out = hf.generate(ids, max_new_tokens=GEN, do_sample=False)
+                out = models[str(folder)].generate(
+                    torch.tensor([prompt]), max_new_tokens=GEN, do_sample=False
+                )
             memo[key] = out[0, len(prompt) :].tolist()
         return memo[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(qwen3_5_dir, hf_greedy_tokens):
+    """Prompt -> transformers' 48 greedy tokens for the Qwen3.5 model."""
+    return lambda prompt: hf_greedy_tokens(qwen3_5_dir, prompt)
 
 
 def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -109,7 +140,7 @@ def test_config_fields():
     assert cfg.linear is not None and cfg.linear.conv_dim == 2 * 2 * 16 + 4 * 8
 
 
-def test_logits_match_transformers(qwen3_5_dir):
+def test_logits_match_transformers(family_dir):
     """A prompt in three chunks (the states carried by the worker's state pool), then
     decode steps: logits within 1e-9 of transformers' float64 forward over the whole
     sequence (causal: its row p is the logits after p + 1 tokens)."""
@@ -117,7 +148,7 @@ def test_logits_match_transformers(qwen3_5_dir):
 
     runner = ModelRunner(
         WorkerConfig(
-            model=str(qwen3_5_dir), dtype="float64", page_size=4, num_pages=64, warmup=False
+            model=str(family_dir), dtype="float64", page_size=4, num_pages=64, warmup=False
         )  # fmt: skip
     )
     assert runner.pool.num_layers == 1 and runner.info().state_bytes > 0
@@ -132,7 +163,7 @@ def test_logits_match_transformers(qwen3_5_dir):
         pos += n
         if pos == len(ids):
             ids.append(int(logits.argmax()))
-    hf = load_hf_float64(qwen3_5_dir)
+    hf = load_hf_float64(family_dir)
     with torch.no_grad():
         want = hf(input_ids=torch.tensor([ids[:pos]])).logits[0]
     for row, logits in got.items():
@@ -140,14 +171,15 @@ def test_logits_match_transformers(qwen3_5_dir):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_engine_greedy_equals_transformers(qwen3_5_dir, hf_tokens, page_size):
+def test_engine_greedy_equals_transformers(family_dir, hf_greedy_tokens, page_size):
     """Three prompts together, prefill in 16-token chunks: 48 greedy tokens each equal
     transformers' ``generate``."""
     prompts = _prompts(11, [40, 57, 9])
-    eng = Engine(str(qwen3_5_dir), dtype="float64", page_size=page_size,
+    eng = Engine(str(family_dir), dtype="float64", page_size=page_size,
                  num_pages=2048 // page_size, chunked_prefill_size=16)  # fmt: skip
     sp = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
-    assert [r.token_ids for r in eng.generate(prompts, sp)] == [hf_tokens(p) for p in prompts]
+    want = [hf_greedy_tokens(family_dir, p) for p in prompts]
+    assert [r.token_ids for r in eng.generate(prompts, sp)] == want
     eng.check_idle()
 
 
@@ -168,7 +200,7 @@ def test_retraction_under_kv_pressure(qwen3_5_dir, hf_tokens):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_shared_prefix_hits_its_snapshots(qwen3_5_dir, hf_tokens, page_size):
+def test_shared_prefix_hits_its_snapshots(family_dir, hf_greedy_tokens, page_size):
     """Three prompts sharing a 48-token prefix arrive together: the prefix is computed
     once (the others wait, and the first saves its state where they diverge); a second
     round of new questions on it hits at least 90% of it. Every output equals
@@ -177,14 +209,14 @@ def test_shared_prefix_hits_its_snapshots(qwen3_5_dir, hf_tokens, page_size):
     shared = rng.integers(4, 512, 48).tolist()
     first = [shared + rng.integers(4, 512, n).tolist() for n in (7, 19, 3)]
     second = [shared + rng.integers(4, 512, n).tolist() for n in (11, 2)]
-    eng = Engine(str(qwen3_5_dir), dtype="float64", page_size=page_size,
+    eng = Engine(str(family_dir), dtype="float64", page_size=page_size,
                  num_pages=2048 // page_size, chunked_prefill_size=16)  # fmt: skip
     sp = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
     r1 = eng.generate(first, sp)
-    assert [r.token_ids for r in r1] == [hf_tokens(p) for p in first]
+    assert [r.token_ids for r in r1] == [hf_greedy_tokens(family_dir, p) for p in first]
     assert [r.usage.cached_tokens for r in r1] == [0, 48, 48]
     r2 = eng.generate(second, sp)
-    assert [r.token_ids for r in r2] == [hf_tokens(p) for p in second]
+    assert [r.token_ids for r in r2] == [hf_greedy_tokens(family_dir, p) for p in second]
     assert all(r.usage.cached_tokens >= 0.9 * len(shared) for r in r2)
     eng.check_idle()
 
@@ -286,5 +318,61 @@ def test_bad_checkpoints_are_refused(tmp_path):
         (bad / "config.json").write_text(json.dumps({**config, key: value}))
         from transformers import AutoConfig
 
+        with pytest.raises(ValueError, match=message):
+            ModelConfig.from_hf(AutoConfig.from_pretrained(str(bad)))
+
+
+def test_qwen3_next_and_qwen3_5_moe_config_and_layout():
+    """Qwen3-Next: Qwen3.5's layers, MoE on every layer but ``mlp_only_layers`` with a
+    gated shared expert; the delta-net projection rows interleaved per key head are
+    put into Qwen3.5's order (q, k, v, z, b, a)."""
+    from radixserve.models.hybrid import grouped_rows
+
+    cfg = ModelConfig.from_hf(tiny_config("qwen3_next"))
+    assert cfg.family == "qwen3_next" and cfg.hybrid and cfg.attn_output_gate
+    assert cfg.recurrent_layers == (0, 1, 2) and cfg.kv_layers == (3,)
+    assert cfg.rotary_dim == 4 and cfg.norm_unit_offset and cfg.qk_norm
+    assert cfg.moe is not None and cfg.moe.sparse_layers == (True, True, False, True)
+    assert cfg.moe.shared_gate and cfg.moe.shared_intermediate_size == 48
+    assert cfg.moe.renormalize and (cfg.moe.num_experts, cfg.moe.top_k) == (8, 2)
+    # Qwen3.5-MoE: the same MoE on every layer, always renormalised, Qwen3.5's projections.
+    moe = ModelConfig.from_hf(tiny_config("qwen3_5_moe")).moe
+    assert moe is not None and moe.sparse_layers == (True,) * 4 and moe.renormalize
+    assert moe.shared_gate and moe.shared_intermediate_size == 48
+    # 2 key heads of 3, 4 value heads of 2 (2 per key head): label each checkpoint row.
+    rows = []
+    for h in range(2):
+        rows += [f"q{h}"] * 3 + [f"k{h}"] * 3
+        rows += [f"v{2 * h + j}" for j in range(2) for _ in range(2)]
+        rows += [f"z{2 * h + j}" for j in range(2) for _ in range(2)]
+    for h in range(2):
+        rows += [f"b{2 * h}", f"b{2 * h + 1}", f"a{2 * h}", f"a{2 * h + 1}"]
+    got = [rows[i] for i in grouped_rows(2, 4, 3, 2).tolist()]
+    want = [f"{x}{h}" for x, n, d in (("q", 2, 3), ("k", 2, 3), ("v", 4, 2), ("z", 4, 2),
+                                      ("b", 4, 1), ("a", 4, 1)) for h in range(n) for _ in range(d)]  # fmt: skip
+    assert got == want
+
+
+def test_bad_qwen3_next_checkpoints_are_refused(tmp_path):
+    folder = make_tiny_model(tmp_path / "m", "qwen3_next", tokenizer=False)
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    weights = load_file(str(folder / "model.safetensors"))
+    for name in ("model.layers.1.linear_attn.in_proj_ba.weight",
+                 "model.layers.3.mlp.shared_expert_gate.weight"):  # fmt: skip
+        broken = dict(weights)
+        del broken[name]
+        save_file(broken, str(folder / "model.safetensors"))
+        with pytest.raises(KeyError, match=name.replace(".", r"\.")):
+            ModelRunner(WorkerConfig(model=str(folder), dtype="float64", num_pages=16, warmup=False))
+    config = json.loads((folder / "config.json").read_text())
+    for key, value, message in (
+        ("shared_expert_intermediate_size", 0, "shared_expert_intermediate_size must be > 0"),
+        ("layer_types", ["linear_attention"] * 3 + ["sliding_attention"], "unsupported layer types"),
+    ):  # fmt: skip
+        bad = tmp_path / f"bad-{key}"
+        bad.mkdir()
+        (bad / "config.json").write_text(json.dumps({**config, key: value}))
         with pytest.raises(ValueError, match=message):
             ModelConfig.from_hf(AutoConfig.from_pretrained(str(bad)))
