@@ -14,9 +14,9 @@ Two drafters, chosen by ``speculative_algorithm``:
   a draft never carries another tenant's tokens; when the tree has nothing, ``ngram``.
 
 Drafts are proposed only where verifying them is the plain step's equal: a request
-in DECODE with exactly one token without KV (no grammar-forced tokens pending), no
-structured output (its grammar would have to accept the drafts first: speculation
-is off for such requests), and room for more than one new token; a draft never
+in DECODE with exactly one token without KV (no grammar-forced tokens pending) and
+room for more than one new token (with structured output too: the worker, which holds
+the grammar matchers, cuts the drafts its grammar rejects); a draft never
 reaches past ``max_tokens`` or the context (``room - 1`` tokens at most, since the
 step samples one more after the accepted drafts).
 
@@ -116,12 +116,7 @@ class Drafter:
                 continue
             room = min(req.sampling.max_tokens - req.num_output, req.final_len - req.num_tokens)
             k = min(self.k, room - 1)
-            if (
-                k <= 0
-                or req.status is not ReqStatus.DECODE
-                or req.num_tokens - req.kv_len != 1
-                or req.sampling.structured is not None
-            ):
+            if k <= 0 or req.status is not ReqStatus.DECODE or req.num_tokens - req.kv_len < 1:
                 continue
             req.draft = self.draft(req, k)
             any_draft |= len(req.draft) > 0
