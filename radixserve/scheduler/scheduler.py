@@ -435,7 +435,13 @@ class Scheduler(Admission):
                 outputs.append(req.output([], None, prompt_scores))
                 continue
             if drafts:
-                new, reason = self._take_verified(req, verified.get(req.slot), drafts)
+                new, reason = self._take_verified(
+                    req,
+                    verified.get(req.slot),
+                    drafts,
+                    forced.get(req.slot),
+                    req.slot in terminated,
+                )
             else:
                 new, reason = take_tokens(
                     req, forced.get(req.slot, [token]), eos, req.slot in terminated
@@ -452,19 +458,28 @@ class Scheduler(Admission):
         return outputs
 
     def _take_verified(
-        self, req: Request, tokens: list[int] | None, drafts: int
+        self,
+        req: Request,
+        tokens: list[int] | None,
+        drafts: int,
+        forced: list[int] | None = None,
+        grammar_done: bool = False,
     ) -> tuple[list[int], str | None]:
         """Take a verification's tokens (the accepted drafts, then the token sampled
         after them), cut exactly at a stop token, ``max_tokens`` or the context like
         any sampled tokens. K/V now covers every token but the last (those past a
         cut included, which are no tokens: they are dropped with their pages); the
-        pages past it go back to the allocator."""
+        pages past it go back to the allocator. With a grammar, ``forced`` (jump-forward)
+        replaces the sampled token: those tokens have no K/V yet."""
         if tokens is None or not 1 <= len(tokens) <= drafts + 1:
             raise ValueError(f"the worker verified no drafts for {req.rid!r}")
-        new, reason = take_tokens(req, tokens, self._eos, False)
-        self.drafter.record(req, drafts, len(tokens) - 1)
+        accepted = len(tokens) - 1
+        computed = req.kv_len + accepted  # the real token's K/V and the accepted drafts'
+        run = tokens[:-1] + forced if forced else tokens
+        new, reason = take_tokens(req, run, self._eos, grammar_done)
+        self.drafter.record(req, drafts, accepted)
         req.draft = NO_DRAFT
-        req.kv_len = req.num_tokens - 1
+        req.kv_len = min(computed, req.num_tokens - 1)
         self.kv.trim(req)
         return new, reason
 

@@ -261,6 +261,7 @@ class SimWorker:
                 k = r.num_drafts
                 token = sim_next_token(context[: end - k], self.vocab_size)
                 out.append(token)
+                last, before = token, context[: end - k]
                 if k:
                     # Greedy verification: a draft is taken while it is the next token.
                     ids = [token]
@@ -269,11 +270,13 @@ class SimWorker:
                             break
                         ids.append(sim_next_token(context[: end - k + j + 1], self.vocab_size))
                     verified.append(Verified(r.slot, np.asarray(ids, dtype=np.int32)))
-                if self._constrained[r.slot] and self.jump_every and token % self.jump_every == 0:
-                    ids = [token]
+                    last, before = ids[-1], context[: end - k + len(ids) - 1]
+                # Jump-forward after the last token sampled (a verification's too).
+                if self._constrained[r.slot] and self.jump_every and last % self.jump_every == 0:
+                    ids = [last]
                     for _ in range(self.jump_len):
-                        context = np.append(context, ids[-1])
-                        ids.append(sim_next_token(context, self.vocab_size))
+                        before = np.append(before, ids[-1])
+                        ids.append(sim_next_token(before, self.vocab_size))
                     forced.append(Forced(r.slot, np.asarray(ids, dtype=np.int32)))
         ready = []
         for key in list(self._compiling):

@@ -13,10 +13,10 @@ Two drafters, chosen by ``speculative_algorithm``:
   loop replayed, a retried request), under the request's own ``cache_salt`` only, so
   a draft never carries another tenant's tokens; when the tree has nothing, ``ngram``.
 
-Drafts are proposed only where verifying them is the plain step's equal: a request
-in DECODE with exactly one token without KV (no grammar-forced tokens pending), no
-structured output (its grammar would have to accept the drafts first: speculation
-is off for such requests), and room for more than one new token; a draft never
+Drafts are proposed for a request in DECODE with room for more than one new token:
+after its one token without KV, or after the tokens a grammar forced (they are
+computed in the step either way). Structured output drafts too: the worker, which
+holds the grammar matchers, cuts the drafts its grammar rejects. A draft never
 reaches past ``max_tokens`` or the context (``room - 1`` tokens at most, since the
 step samples one more after the accepted drafts).
 
@@ -116,12 +116,7 @@ class Drafter:
                 continue
             room = min(req.sampling.max_tokens - req.num_output, req.final_len - req.num_tokens)
             k = min(self.k, room - 1)
-            if (
-                k <= 0
-                or req.status is not ReqStatus.DECODE
-                or req.num_tokens - req.kv_len != 1
-                or req.sampling.structured is not None
-            ):
+            if k <= 0 or req.status is not ReqStatus.DECODE or req.num_tokens - req.kv_len < 1:
                 continue
             req.draft = self.draft(req, k)
             any_draft |= len(req.draft) > 0

@@ -259,18 +259,68 @@ class GrammarSlots:
         terminated: list[int] = []
         failed: list[tuple[int, str]] = []
         for slot, token in zip(slots, tokens.tolist()):
-            st = self._slots.get(slot)
-            if st is None:
-                continue
-            m = st.matcher
-            if m.is_terminated() or not m.accept_token(token):
-                failed.append((slot, f"the grammar rejected the sampled token {token}"))
-                del self._slots[slot]
-            elif m.is_terminated():
-                terminated.append(slot)
-            elif st.jump and (ids := self._jump(m, token)) is not None:
-                forced[slot] = ids
+            if slot in self._slots:
+                self._accept_one(slot, token, forced, terminated, failed)
         return forced, terminated, failed
+
+    def _accept_one(
+        self,
+        slot: int,
+        token: int,
+        forced: dict[int, list[int]],
+        terminated: list[int],
+        failed: list[tuple[int, str]],
+    ) -> None:
+        st = self._slots[slot]
+        m = st.matcher
+        if m.is_terminated() or not m.accept_token(token):
+            failed.append((slot, f"the grammar rejected the sampled token {token}"))
+            del self._slots[slot]
+        elif m.is_terminated():
+            terminated.append(slot)
+        elif st.jump and (ids := self._jump(m, token)) is not None:
+            forced[slot] = ids
+
+    # ---------------------------------------------------------- speculation
+    def walk_drafts(self, slot: int, drafts: list[int]) -> tuple[int, torch.Tensor]:
+        """Walk ``slot``'s grammar over ``drafts``: the number ``a`` of leading drafts
+        it accepts (a draft that completes the grammar is not taken: the row before it
+        samples it as a plain step would) and the bitmask [a + 1, words] of the states
+        after the first 0 .. a drafts (row i's mask). The matcher is rolled back."""
+        m = self._slots[slot].matcher
+        words = -(-self.vocab_size // _BITS)
+        bitmask = torch.empty(len(drafts) + 1, words, dtype=torch.int32)
+        m.fill_next_token_bitmask(bitmask, 0)
+        a = 0
+        for d in drafts:
+            if not m.accept_token(int(d)):
+                break
+            if m.is_terminated():
+                m.rollback(1)
+                break
+            a += 1
+            m.fill_next_token_bitmask(bitmask, a)
+        if a:
+            m.rollback(a)
+        return a, bitmask[: a + 1]
+
+    def accept_verified(
+        self,
+        slot: int,
+        ids: list[int],
+        forced: dict[int, list[int]],
+        terminated: list[int],
+        failed: list[tuple[int, str]],
+    ) -> None:
+        """Advance ``slot``'s matcher by a verification's tokens (the accepted drafts,
+        which ``walk_drafts`` checked, then the sampled one, taken as ``accept`` takes a
+        sampled token: termination, jump-forward)."""
+        m = self._slots[slot].matcher
+        if not _accept_all(m, ids[:-1]):  # pragma: no cover - walk_drafts accepted them
+            failed.append((slot, "the grammar rejected an accepted draft"))
+            del self._slots[slot]
+            return
+        self._accept_one(slot, ids[-1], forced, terminated, failed)
 
     def _jump(self, m: Any, token: int) -> list[int] | None:
         """The tokens replacing ``token`` once the forced string is appended; None: no jump."""

@@ -76,7 +76,7 @@ from radixserve.worker import cuda_graph, window_pool
 from radixserve.worker.attention import AttentionBatch, create_backend
 from radixserve.worker.config import WorkerConfig, parse_lora_modules
 from radixserve.worker.dtype import choose_dtype
-from radixserve.worker.grammar import GrammarCache, GrammarSlots
+from radixserve.worker.grammar import GrammarCache, GrammarSlots, apply_bitmask
 from radixserve.worker.host_cache import HostCache, kv_identity, weights_fingerprint
 from radixserve.worker.kv_pool import DEFAULT_KV_MEMORY, KVPool
 from radixserve.worker.logits import LogitsProcessor, token_logprobs
@@ -558,7 +558,9 @@ class ModelRunner:
                 )
         verified: list[Verified] = []
         if drafts:
-            tokens = self._verify(sampling, all_logits, tokens, drafts, verified, scores)
+            tokens = self._verify(
+                sampling, all_logits, tokens, drafts, verified, scores, forced, terminated, failed
+            )
         return StepResult(
             batch.step_id,
             tokens,
@@ -577,11 +579,20 @@ class ModelRunner:
         drafts: dict[int, tuple[int, int]],
         verified: list[Verified],
         scores: list[Scores],
+        forced: dict[int, list[int]],
+        terminated: list[int],
+        failed: list[SlotFailure],
     ) -> np.ndarray:
         """Verify the drafts of the sampling requests that have them (``worker/speculative.py``):
         their rows are the sampling row and the draft rows of ``logits``. Returns one
         token per sampling request (the plain ones' from ``plain_tokens``, in order);
-        fills ``verified`` and the verified tokens' logprobs into ``scores``."""
+        fills ``verified`` and the verified tokens' logprobs into ``scores``.
+
+        With a grammar the drafts it rejects are cut first (``GrammarSlots.walk_drafts``:
+        the longest prefix it accepts), row ``i`` gets the mask of the grammar's state
+        after the first ``i`` drafts, and the matcher then advances by the accepted
+        drafts and the sampled token (jump-forward into ``forced``, a completed grammar
+        into ``terminated``, a rejection into ``failed``)."""
         out = np.zeros(len(sampling), dtype=np.int32)
         at = 0
         for i, r in enumerate(sampling):
@@ -594,14 +605,29 @@ class ModelRunner:
             if rows.dtype in (torch.bfloat16, torch.float16):
                 rows = rows.float()
             first = r.start_pos + len(r.input_ids) - k  # the position row 0 samples
+            candidates = r.input_ids[-k:].tolist()
+            grammar = self.grammars.active([r.slot])
+            checked = rows
+            if grammar:
+                a, bitmask = self.grammars.walk_drafts(r.slot, candidates)
+                candidates = candidates[:a]
+                checked = rows[: a + 1].clone()  # rows keeps the raw logits (logprobs)
+                apply_bitmask(checked, bitmask, list(range(a + 1)), self.grammars.vocab_size)
             ids = verify(
-                rows,
-                r.input_ids[-k:].tolist(),
+                checked,
+                candidates,
                 r.slot,
                 first,
                 self.sampler,
                 self.logits_processor,
+                record_last=not grammar,
             )
+            if grammar:
+                rejected: list[tuple[int, str]] = []
+                self.grammars.accept_verified(r.slot, ids, forced, terminated, rejected)
+                failed += [SlotFailure(slot, message) for slot, message in rejected]
+                last = np.asarray(ids[-1:], dtype=np.int32)
+                self.logits_processor.record([r.slot], last, forced)
             out[i] = ids[0]
             verified.append(Verified(r.slot, np.asarray(ids, dtype=np.int32)))
             top = self.sampler.params(r.slot).logprobs
@@ -759,7 +785,7 @@ class ModelRunner:
 
     def _check_drafts(self, r: StepReq) -> None:
         """A request's drafts are verifiable: it samples, at least one real input
-        token comes first, nothing is scored, and no grammar constrains the slot."""
+        token comes first, and nothing is scored."""
         k, n = r.num_drafts, len(r.input_ids)
         if not r.sample or not 0 < k < n:
             raise ValueError(
@@ -767,8 +793,6 @@ class ModelRunner:
             )
         if len(r.score_ids):
             raise ValueError(f"slot {r.slot}: drafts and prompt tokens to score in one step")
-        if self.leader and self.grammars.active([r.slot]):
-            raise ValueError(f"slot {r.slot}: drafts for a request with a grammar")
 
     def _save_states(self, pairs: np.ndarray) -> None:
         """``Step.state_saves``: each slot's state into a snapshot, before anything else."""

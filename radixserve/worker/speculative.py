@@ -40,10 +40,12 @@ def verify(
     first_pos: int,
     sampler: Sampler,
     processor: LogitsProcessor,
+    record_last: bool = True,
 ) -> list[int]:
     """The new tokens of ``slot`` from ``rows`` [k + 1, vocab] (raw logits, float32 or
-    float64; not changed), ``drafts`` the ``k`` draft tokens, ``first_pos`` the
-    position of the token row 0 gives. Counts the tokens in ``processor``."""
+    float64, or masked by a grammar; not changed), ``drafts`` the ``k`` draft tokens,
+    ``first_pos`` the position of the token row 0 gives. Counts the tokens in
+    ``processor`` (the last one only with ``record_last``: jump-forward may replace it)."""
     k = len(drafts)
     if rows.shape[0] != k + 1:
         raise ValueError(f"slot {slot}: {rows.shape[0]} rows to verify {k} drafts")
@@ -65,9 +67,11 @@ def verify(
             token = int(sampler.sample(row, [slot], [pos])[0])  # the bonus: a plain sample
         else:
             token = _accept_or_resample(row, drafts[j], params, sampler.uniforms(slot, pos, 2))
-        processor.record([slot], np.asarray([token], dtype=np.int32))
         out.append(token)
-        if j == k or token != drafts[j]:
+        last = j == k or token != drafts[j]
+        if record_last or not last:
+            processor.record([slot], np.asarray([token], dtype=np.int32))
+        if last:
             break
     return out
 

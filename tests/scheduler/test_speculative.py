@@ -13,6 +13,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from radixserve.sampling_params import StructuredOutput
 from radixserve.scheduler.radix_cache import RadixCache
 from radixserve.scheduler.speculative import ngram_draft
 from radixserve.worker.kv_pool import min_window_pages
@@ -25,6 +26,10 @@ from tests.scheduler.test_scheduler import (
     make,
     run,
 )
+
+# The simulated worker constrains nothing: a grammar's requests get forced tokens
+# (jump-forward, every ``jump_every``-th token) and drafts like any other.
+GRAMMAR = StructuredOutput.regex("[a-z]+")
 
 
 def brute_ngram(tokens: list[int], k: int, min_match: int, max_match: int) -> list[int]:
@@ -82,6 +87,7 @@ def spec_workloads(draw):
                 "abort": int(rng.integers(1, 60)) if rng.random() < 0.15 else None,
                 "abort_in_step": rng.random() < 0.15,
                 "n": 2 if rng.random() < 0.15 else 1,
+                "structured": rng.random() < 0.3,
             }
         )
     longest = max(-(-(len(r["prompt"]) + r["max_tokens"]) // page_size) for r in reqs)
@@ -94,6 +100,7 @@ def spec_workloads(draw):
         k=draw(st.integers(1, 6)),
         chunk=max(draw(st.sampled_from([16, 48, 256])), page_size),
         cache=draw(st.sampled_from(["radix", "radix", "none"])),
+        jump_every=draw(st.sampled_from([0, 2, 3])),
     )
 
 
@@ -124,6 +131,7 @@ def run_spec_workload(w, **window):
         speculative_algorithm=w["algorithm"],
         speculative_num_draft_tokens=w["k"],
         speculative_min_match=1,
+        jump_every=w["jump_every"],
     )
     prompts = {r["rid"]: r["prompt"] for r in w["reqs"]}
     max_tokens = {r["rid"]: r["max_tokens"] for r in w["reqs"]}
@@ -147,7 +155,10 @@ def run_spec_workload(w, **window):
     while step_no < 40 or sched.has_work():
         for r in w["reqs"]:
             if r["arrive"] == step_no:
-                sched.add_request(r["rid"], r["prompt"], greedy(r["max_tokens"], n=r["n"]))
+                so = GRAMMAR if r["structured"] else None
+                sched.add_request(
+                    r["rid"], r["prompt"], greedy(r["max_tokens"], n=r["n"], structured=so)
+                )
             if r["abort"] == step_no and r["arrive"] < step_no:
                 sched.abort_request(r["rid"])
         for out in sched.step(step):
