@@ -84,9 +84,12 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 
 
 def kv_identity(model_name: str, fingerprint: str, dtype: str, pool: KVPool) -> str:
+    # The per-tensor fp8 layout's pages hold other bytes than the per-row layout's of the
+    # same kv_dtype; the default layout adds nothing, so existing page files still match.
+    layout = "" if pool.kv_layout == "row" else f"kv_layout={pool.kv_layout};"
     return (
         f"model={model_name};weights={fingerprint};dtype={dtype};kv_dtype={pool.kv_dtype_name};"
-        f"layers={pool.num_layers};"
+        f"{layout}layers={pool.num_layers};"
         f"page_size={pool.page_size};kv_heads={pool.num_kv_heads};head_dim={pool.head_dim}"
     )
 

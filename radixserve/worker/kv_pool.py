@@ -2,7 +2,9 @@
 
 Index 0 on the second axis is K, 1 is V. ``entry_dim`` is head_dim for a pool of
 plain values (``dtype``); a quantized pool (``quant``, ``kv_quant.py``) stores uint8
-rows of head_dim codes and a float16 scale, ``head_dim + 2`` bytes. ``dtype`` is
+rows of head_dim codes and a float16 scale, ``head_dim + 2`` bytes; a pool of the
+per-tensor fp8 layout (``kv_layout="tensor"``) stores the fp8 codes alone, dtype
+float8_e4m3fn / float8_e5m2, entry_dim head_dim. ``dtype`` is
 always the dtype attention computes in and returns (the model's). The pool holds no bookkeeping: which
 page belongs to whom is the scheduler's business, and which pages a request
 slot reads is the page table's (``page_table.py``).
@@ -33,6 +35,7 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         kv_dtype: str = "auto",
+        kv_layout: str = "row",
     ) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
@@ -40,7 +43,9 @@ class KVPool:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype = dtype
         self.kv_dtype = kv_dtype
-        storage, quant = resolve_kv_dtype(kv_dtype, dtype)
+        #: ``row`` or ``tensor`` (the per-tensor fp8 layout, ``kv_quant.TENSOR_QUANTS``).
+        self.kv_layout = kv_layout
+        storage, quant = resolve_kv_dtype(kv_dtype, dtype, kv_layout)
         #: The element dtype of ``layers`` (uint8 when quantized) and the quantization.
         self.storage_dtype: torch.dtype = storage
         self.quant: Quant | None = quant
@@ -61,8 +66,9 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         kv_dtype: str = "auto",
+        kv_layout: str = "row",
     ) -> int:
-        storage, quant = resolve_kv_dtype(kv_dtype, dtype)
+        storage, quant = resolve_kv_dtype(kv_dtype, dtype, kv_layout)
         itemsize = torch.empty((), dtype=storage).element_size()
         return num_layers * 2 * page_size * num_kv_heads * entry_dim(head_dim, quant) * itemsize
 
@@ -76,10 +82,11 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         kv_dtype: str = "auto",
+        kv_layout: str = "row",
     ) -> int:
         """How many whole pages fit in ``budget_bytes``; ValueError if not even one."""
         per_page = cls.bytes_per_page(
-            num_layers, page_size, num_kv_heads, head_dim, dtype, kv_dtype
+            num_layers, page_size, num_kv_heads, head_dim, dtype, kv_dtype, kv_layout
         )
         n = int(budget_bytes) // per_page
         if n < 1:

@@ -19,7 +19,9 @@ Why a scale per token and head rather than one per head fixed at 1.0 (vLLM's fp8
 default): a scale fixed before the first write cannot follow the keys' range, which
 differs by layer and head by orders of magnitude; fp8 e4m3 with scale 1.0 saturates at
 448 and loses the small values to subnormals. docs/worker.md ("Quantized KV cache")
-has the measured comparison. Rounding is to nearest (ties to even) in both formats, so
+has the measured comparison. The per-tensor layout (``TENSOR_QUANTS``) exists for
+FlashInfer, whose fp8 kernels read plain fp8 pages with one scale per tensor; the
+CUDA ``flashinfer`` backend is the one that asks for it (``attention.kv_layout_for``). Rounding is to nearest (ties to even) in both formats, so
 ``dequantize(quantize(x))`` is within half a code step of x.
 """
 
@@ -43,6 +45,8 @@ class Quant:
     name: str
     code_dtype: torch.dtype
     qmax: float
+    #: The "one scale per tensor" layout: plain codes, no scale bytes, scale 1.0.
+    per_tensor: bool = False
 
     @property
     def is_fp8(self) -> bool:
@@ -55,15 +59,45 @@ QUANTS = {
     "fp8_e5m2": Quant("fp8_e5m2", torch.float8_e5m2, 57344.0),
 }
 
+#: The fp8 formats in the "one scale per tensor" layout (``KV_LAYOUTS``' ``tensor``):
+#: the pool's dtype is the fp8 dtype itself, a value is stored as
+#: ``x.clamp(-qmax, qmax)`` cast to the format and read back as the code (scale 1.0,
+#: vLLM's default). The clamp keeps every stored code finite: a cast beyond the range
+#: gives NaN in e4m3 (no infinity there) and infinity in e5m2. This is the layout
+#: FlashInfer's fp8 KV cache reads (one k_scale / v_scale per run).
+TENSOR_QUANTS = {
+    name: Quant(name, q.code_dtype, q.qmax, per_tensor=True)
+    for name, q in QUANTS.items()
+    if q.is_fp8
+}
+
+#: The storage layouts of the quantized formats: ``row`` (codes + a float16 scale per
+#: token and head, every format) and ``tensor`` (plain fp8 codes, fp8 formats only).
+KV_LAYOUTS = ("row", "tensor")
+
 # Scales stay inside float16's range: the smallest subnormal and the largest finite.
 _SCALE_MIN, _SCALE_MAX = 2.0**-24, 65504.0
 
 
-def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> tuple[torch.dtype, Quant | None]:
+def resolve_kv_dtype(
+    name: str, model_dtype: torch.dtype, layout: str = "row"
+) -> tuple[torch.dtype, Quant | None]:
     """``(storage dtype, quant)`` for a ``--kv-cache-dtype``: the pool's element dtype and
-    the quantization (None: plain values of that dtype)."""
+    the quantization (None: plain values of that dtype). ``layout`` ``tensor`` asks for
+    the per-tensor fp8 layout (``TENSOR_QUANTS``); it has no meaning for other dtypes
+    (ValueError)."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv cache dtype {name!r}; choose from {list(KV_CACHE_DTYPES)}")
+    if layout not in KV_LAYOUTS:
+        raise ValueError(f"unknown kv layout {layout!r}; choose from {list(KV_LAYOUTS)}")
+    if layout == "tensor":
+        if name not in TENSOR_QUANTS:
+            raise ValueError(
+                f"the per-tensor KV layout is for the fp8 formats "
+                f"({', '.join(TENSOR_QUANTS)}), not {name!r}"
+            )
+        q = TENSOR_QUANTS[name]
+        return q.code_dtype, q
     if name == "auto":
         return model_dtype, None
     if name in QUANTS:
@@ -73,7 +107,7 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> tuple[torch.dtype, 
 
 def entry_dim(head_dim: int, quant: Quant | None) -> int:
     """The last dimension of a pool layer: head_dim values, or codes + scale bytes."""
-    return head_dim + SCALE_BYTES if quant is not None else head_dim
+    return head_dim + SCALE_BYTES if quant is not None and not quant.per_tensor else head_dim
 
 
 def quantize(x: torch.Tensor, quant: Quant) -> torch.Tensor:
@@ -82,6 +116,9 @@ def quantize(x: torch.Tensor, quant: Quant) -> torch.Tensor:
     computed, so a code times the stored scale is what the row means and every code is
     within the format (float16's range bounds the scale: rows below 2^-24 * qmax lose
     precision, rows beyond 65504 * qmax are clipped; K and V are far from both)."""
+    if quant.per_tensor:
+        # [..., head_dim] codes of the fp8 dtype, clamped first: never NaN or inf.
+        return x.float().clamp(-quant.qmax, quant.qmax).to(quant.code_dtype)
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True)
     exact = (amax / quant.qmax).clamp(_SCALE_MIN, _SCALE_MAX)
@@ -100,6 +137,8 @@ def quantize(x: torch.Tensor, quant: Quant) -> torch.Tensor:
 def dequantize(entries: torch.Tensor, quant: Quant, dtype: torch.dtype) -> torch.Tensor:
     """uint8 [..., head_dim + 2] -> ``dtype`` [..., head_dim]: code * scale, computed in
     float32 (float64 when ``dtype`` is), then rounded to ``dtype``."""
+    if quant.per_tensor:  # fp8 codes (or their bytes), scale 1.0
+        return entries.view(quant.code_dtype).to(dtype)
     d = entries.shape[-1] - SCALE_BYTES
     ct = torch.float64 if dtype == torch.float64 else torch.float32
     codes = entries[..., :d].view(quant.code_dtype).to(ct)
@@ -108,8 +147,8 @@ def dequantize(entries: torch.Tensor, quant: Quant, dtype: torch.dtype) -> torch
 
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str,
-                    model_dtype: torch.dtype) -> int:  # fmt: skip
+                    model_dtype: torch.dtype, layout: str = "row") -> int:  # fmt: skip
     """Pool bytes one token's K and V take over all layers."""
-    storage, quant = resolve_kv_dtype(kv_dtype, model_dtype)
+    storage, quant = resolve_kv_dtype(kv_dtype, model_dtype, layout)
     itemsize = torch.empty((), dtype=storage).element_size()
     return num_layers * 2 * num_kv_heads * entry_dim(head_dim, quant) * itemsize

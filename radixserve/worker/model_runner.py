@@ -73,7 +73,7 @@ from radixserve.protocol import (
 )
 from radixserve.sampling_params import SamplingParams
 from radixserve.worker import cuda_graph, window_pool
-from radixserve.worker.attention import AttentionBatch, create_backend
+from radixserve.worker.attention import AttentionBatch, create_backend, kv_layout_for
 from radixserve.worker.config import WorkerConfig, parse_lora_modules
 from radixserve.worker.dtype import choose_dtype
 from radixserve.worker.grammar import GrammarCache, GrammarSlots, apply_bitmask
@@ -140,9 +140,14 @@ class ModelRunner:
             self.window_span = max(windows)
         full_layers = len(cfg.kv_layers) - len(self.window_layers)
         # A hybrid model's recurrent layers have no K/V: the pool holds the others only.
+        # fp8 for FlashInfer: the per-tensor layout (attention/__init__.py kv_layout_for).
+        kv_layout = kv_layout_for(
+            config.attention_backend, config.kv_cache_dtype, self._device, dtype,
+            cfg.head_dim, heads.kv_heads,
+        )  # fmt: skip
         dims = (
             full_layers, config.page_size, heads.kv_heads, cfg.head_dim, dtype,
-            config.kv_cache_dtype,
+            config.kv_cache_dtype, kv_layout,
         )  # fmt: skip
         wdims = (len(self.window_layers), *dims[1:])
         budget = config.kv_memory if config.kv_memory is not None else DEFAULT_KV_MEMORY
@@ -165,7 +170,7 @@ class ModelRunner:
         # replayed batch read and write it, and no request is ever given it.
         self.pool = KVPool(
             full_layers, num_pages + (capturer is not None), config.page_size,
-            heads.kv_heads, cfg.head_dim, dtype, self._device, config.kv_cache_dtype,
+            heads.kv_heads, cfg.head_dim, dtype, self._device, config.kv_cache_dtype, kv_layout,
         )  # fmt: skip
         # The window pool's last page is the dummy page (page_table.WindowTable).
         self.window_pool: KVPool | None = None
@@ -173,6 +178,7 @@ class ModelRunner:
             self.window_pool = KVPool(
                 len(self.window_layers), self.window_pages + 1, config.page_size,
                 heads.kv_heads, cfg.head_dim, dtype, self._device, config.kv_cache_dtype,
+                kv_layout,
             )  # fmt: skip
             log.info(
                 "KV pools: %d pages (%d full layers) and a window pool of %d pages (%d "
@@ -398,7 +404,7 @@ class ModelRunner:
             return (1 << 30) * self._num_pages * self.page_size // (full + window)
         return (1 << 30) * self.pool.page_size // KVPool.bytes_per_page(
             self.pool.num_layers, self.pool.page_size, self.pool.num_kv_heads,
-            self.pool.head_dim, self.pool.dtype, self.pool.kv_dtype,
+            self.pool.head_dim, self.pool.dtype, self.pool.kv_dtype, self.pool.kv_layout,
         )  # fmt: skip
 
     def warmup(self, prefill_tokens: int, decode_batch: int) -> None:

@@ -74,7 +74,7 @@ def page_bytes(pool: KVPool) -> int:
     """One page of ``pool``, every layer of it."""
     return KVPool.bytes_per_page(
         pool.num_layers, pool.page_size, pool.num_kv_heads, pool.head_dim, pool.dtype,
-        pool.kv_dtype,
+        pool.kv_dtype, pool.kv_layout,
     )  # fmt: skip
 
 

@@ -32,7 +32,7 @@ class Twin:
     def __init__(
         self, page_size, kv_heads, group, head_dim, windows=(-1,) * LAYERS, seed=0, device="cpu",
         scale=None, softcap=0.0, dtype=torch.bfloat16, strided_q=False, max_tokens=512,
-        prefill_backend="auto",
+        prefill_backend="auto", kv_dtype="auto",
     ):  # fmt: skip
         self.s, self.kvh, self.heads, self.d = page_size, kv_heads, kv_heads * group, head_dim
         self.device, self.dtype, self.strided_q = device, dtype, strided_q
@@ -41,8 +41,10 @@ class Twin:
         self.rng = np.random.default_rng(seed)
         self.free = list(self.rng.permutation(num_pages))
         dims = (LAYERS, num_pages, page_size, kv_heads, head_dim)
-        self.fi_pool = KVPool(*dims, dtype, device)
-        self.ref_pool = KVPool(*dims, torch.float32, device)
+        # An fp8 kv_dtype: both pools of the per-tensor layout, holding the same codes.
+        layout = "tensor" if kv_dtype.startswith("fp8") else "row"
+        self.fi_pool = KVPool(*dims, dtype, device, kv_dtype, layout)
+        self.ref_pool = KVPool(*dims, torch.float32, device, kv_dtype, layout)
         scale = head_dim**-0.5 if scale is None else scale
         self.fi = create_backend(
             "flashinfer", self.fi_pool, scale, windows, self.heads, softcap=softcap,
@@ -100,11 +102,15 @@ class Twin:
             out = self.fi.forward(layer, q, k, v)
             want = self.ref.forward(layer, q.float(), k.float(), v.float())
             assert out.dtype == self.dtype and out.shape == q.shape
-            torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)
+            # fp8 pages: FlashInfer may also round the probabilities to the format
+            # (flashinfer_probe.probe_tolerance's reasoning, with this step's max|V|).
+            q8 = self.fi_pool.quant
+            atol = 1e-2 + (float(v.abs().max()) * torch.finfo(q8.code_dtype).eps / 2 if q8 else 0)
+            torch.testing.assert_close(out.float(), want, atol=atol, rtol=1e-2)
 
     def check_pools(self) -> None:
         for a, b in zip(self.fi_pool.layers, self.ref_pool.layers):
-            assert torch.equal(a.float(), b)  # appends land exactly where torch writes them
+            assert torch.equal(a.float(), b.float())  # appends land exactly where torch writes them
 
 
 def run_long_script(twin: Twin, context: int, chunk: int = 1024) -> None:

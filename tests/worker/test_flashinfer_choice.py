@@ -308,3 +308,35 @@ def test_check_command(monkeypatch, capsys):
     fake.capability = (7, 5)
     assert check_flashinfer.main(args) == 1
     assert "compute capability 8.0+" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "layout", "reason"),
+    [
+        ("int8", "row", r"FlashInfer has no int8 KV cache"),
+        ("fp8_e4m3", "row", r"scale per token and head; FlashInfer's fp8 KV reads the per-tensor"),
+    ],
+)
+def test_quantized_pools_flashinfer_cannot_read_are_refused(monkeypatch, kv_dtype, layout, reason):
+    fake_flashinfer.install(monkeypatch)
+    p = KVPool(1, 8, 16, 1, 64, torch.bfloat16, kv_dtype=kv_dtype, kv_layout=layout)
+    with pytest.raises(ValueError, match=r"'flashinfer' cannot run: .*" + reason):
+        backend("flashinfer", p)
+    assert backend("auto", p).name == "torch"
+
+
+def test_kv_layout_for_fp8_on_cuda_only(monkeypatch):
+    from radixserve.worker.attention import kv_layout_for
+
+    args = (torch.bfloat16, 64, 2)
+    assert kv_layout_for("flashinfer", "fp8_e4m3", "cuda", *args) == "tensor"
+    assert kv_layout_for("flashinfer", "fp8_e5m2", "cuda", *args) == "tensor"
+    assert kv_layout_for("flashinfer", "int8", "cuda", *args) == "row"
+    assert kv_layout_for("torch", "fp8_e4m3", "cuda", *args) == "row"
+    assert kv_layout_for("auto", "fp8_e4m3", "cpu", *args) == "row"
+    assert kv_layout_for("auto", "bfloat16", "cuda", *args) == "row"
+    monkeypatch.setattr(fs, "device_capability", lambda device: (9, 0))
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # not installed: auto keeps rows
+    assert kv_layout_for("auto", "fp8_e4m3", "cuda", *args) == "row"
+    fake_flashinfer.install(monkeypatch)
+    assert kv_layout_for("auto", "fp8_e4m3", "cuda", *args) == "tensor"

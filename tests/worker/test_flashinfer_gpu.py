@@ -100,6 +100,55 @@ def test_kernels_match_torch_backend(dtype, page_size, head_dim, kv_heads, group
     check(twin, page_size)
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("kv_heads", "group"), [(2, 1), (2, 4)])
+def test_fp8_pool_matches_torch_backend(kv_dtype, page_size, kv_heads, group):
+    """The per-tensor fp8 pool: FlashInfer (plan kv_data_type fp8, append of clamped fp8
+    K/V, run with k_scale / v_scale) against the torch backend on the same layout; the
+    pools' codes equal."""
+    twin = Twin(page_size, kv_heads, group, 128, seed=page_size, device="cuda",
+                windows=(6, -1), prefill_backend="fa2", kv_dtype=kv_dtype)  # fmt: skip
+    check(twin, page_size)
+
+
+def test_fp8_runner_and_cuda_graphs(tmp_path):
+    """A ModelRunner with --kv-cache-dtype fp8_e4m3 on flashinfer: the pool is the
+    per-tensor layout, and graph replays give eager's logits."""
+    from radixserve.worker.config import WorkerConfig
+    from radixserve.worker.model_runner import ModelRunner
+    from tests.helpers.tiny_models import make_tiny_model
+
+    folder = make_tiny_model(tmp_path, "llama", seed=3, hidden_size=512, intermediate_size=512,
+                             num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    runners = {}
+    for off in (False, True):
+        cfg = WorkerConfig(model=str(folder), device="cuda", dtype="bfloat16", page_size=16,
+                           num_pages=256, max_running_requests=8, attention_backend="flashinfer",
+                           disable_cuda_graph=off, flashinfer_prefill_backend="fa2",
+                           kv_cache_dtype="fp8_e4m3", warmup=False)  # fmt: skip
+        runners[off] = ModelRunner(cfg)
+        assert runners[off].pool.kv_layout == "tensor"
+        assert runners[off].pool.layers[0].dtype == torch.float8_e4m3fn
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(4, 500, n).astype(np.int32) for n in (20, 7, 33)]
+    greedy = SamplingParams(temperature=0)
+    first = Step([StepReq(s, p, 0, np.arange(32 * s, 32 * s + 3, dtype=np.int32), True, greedy)
+                  for s, p in enumerate(prompts)])  # fmt: skip
+    logits = {off: r.forward_logits(first) for off, r in runners.items()}
+    tokens = logits[True].argmax(-1).cpu().numpy()
+    pos = [len(p) for p in prompts]
+    for _ in range(3):
+        reqs = [StepReq(s, tokens[s : s + 1].astype(np.int32), pos[s], np.zeros(0, np.int32),
+                        True) for s in range(3)]  # fmt: skip
+        logits = {off: r.forward_logits(Step(reqs)) for off, r in runners.items()}
+        torch.testing.assert_close(logits[False].float(), logits[True].float(),
+                                   atol=2e-2, rtol=2e-2)  # fmt: skip
+        tokens = logits[True].argmax(-1).cpu().numpy()
+        pos = [p + 1 for p in pos]
+    assert runners[False].graphs.replays[4] == 3
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_softcap_scale_and_windows_match_torch_backend(page_size, head_dim):

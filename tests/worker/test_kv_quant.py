@@ -24,6 +24,7 @@ from radixserve.worker.attention import AttentionBatch, KVPool, create_backend, 
 from radixserve.worker.kv_quant import (
     KV_CACHE_DTYPES,
     QUANTS,
+    TENSOR_QUANTS,
     bytes_per_token,
     dequantize,
     quantize,
@@ -123,7 +124,8 @@ def attention_bound(q, keys, vals, dk, dv, kv_len, scale):
     return vmax[None] * shift + dv.amax(0)[None]
 
 
-def run_batch(name, dtype, page_size, kv_heads, group, kernel, isa=None, seed=0):
+def run_batch(name, dtype, page_size, kv_heads, group, kernel, isa=None, seed=0, layout="row",
+              spread=2.0):  # fmt: skip
     """Three steps on a fresh quantized pool: a shared prefix, each request's own cached
     tokens after it (prefill chunks), then the new tokens (decodes and chunks). Returns
     per checked request (output, q, K, V, kv_len) with K/V the unquantized history."""
@@ -132,9 +134,11 @@ def run_batch(name, dtype, page_size, kv_heads, group, kernel, isa=None, seed=0)
     heads = kv_heads * group
     prefix = 64 if page_size == 1 else 80  # long enough to be read by cascade
     num_pages = 2048 // page_size + 64
-    pool = KVPool(2, num_pages, page_size, kv_heads, HEAD_DIM, dtype, kv_dtype=name)
+    pool = KVPool(
+        2, num_pages, page_size, kv_heads, HEAD_DIM, dtype, kv_dtype=name, kv_layout=layout
+    )
     backend = create_backend("torch", pool, HEAD_DIM**-0.5, (-1, -1), heads, decode_kernel=kernel)
-    assert backend.decode_kernel == kernel
+    assert backend.decode_kernel == kernel or layout == "tensor"
     free = list(rng.permutation(num_pages))
     pre_pages = [free.pop() for _ in range(prefix // page_size)]
     kinds = ["decode"] * 3 + ["chunk"] + ["alone"] * 2
@@ -152,7 +156,7 @@ def run_batch(name, dtype, page_size, kv_heads, group, kernel, isa=None, seed=0)
         reqs.append({"start": start, "own": own, "new": new, "pages": np.array(pages, np.int32)})
 
     def randn(n):
-        return torch.randn(n, kv_heads, HEAD_DIM, generator=gen, dtype=torch.float64) * 2
+        return torch.randn(n, kv_heads, HEAD_DIM, generator=gen, dtype=torch.float64) * spread
 
     pre_k, pre_v = randn(prefix), randn(prefix)
     for r in reqs:
@@ -329,3 +333,64 @@ def test_native_kernel_reads_every_code_exactly(isa, name, dtype):
     for h in range(heads):
         got = out[:, h].reshape(-1)
         assert torch.equal(got[finite], want[finite])
+
+
+# ------------------------------------------------------- the per-tensor fp8 layout
+
+
+@pytest.mark.parametrize("name", list(TENSOR_QUANTS))
+def test_per_tensor_layout_clamps_and_sizes(name):
+    quant = TENSOR_QUANTS[name]
+    x = torch.tensor([0.0, 1.5, -3.0, 1e6, -1e6, quant.qmax * 2, float(quant.qmax)])
+    codes = quantize(x, quant)
+    assert codes.dtype == quant.code_dtype and codes.shape == x.shape
+    back = dequantize(codes, quant, torch.float64)
+    assert not back.isnan().any() and back.isfinite().all()
+    assert back[3] == quant.qmax and back[4] == -quant.qmax and back[5] == quant.qmax
+    assert back[:3].tolist() == [0.0, 1.5, -3.0]
+    # One byte per value, no scale bytes: twice bfloat16's tokens per GiB.
+    bf16 = bytes_per_token(30, 3, 64, "auto", torch.bfloat16)
+    assert bytes_per_token(30, 3, 64, name, torch.bfloat16, "tensor") * 2 == bf16
+    pages = KVPool.pages_for_budget(1 << 30, 30, 16, 3, 64, torch.bfloat16, name, "tensor")
+    assert pages == (1 << 30) // (16 * 30 * 2 * 3 * 64)
+    pool = KVPool(2, 3, 16, 3, 64, torch.bfloat16, kv_dtype=name, kv_layout="tensor")
+    assert pool.layers[0].dtype == quant.code_dtype and pool.layers[0].shape[-1] == 64
+    assert pool.kv_dtype_name == name and pool.kv_layout == "tensor"
+    assert native_decode.unsupported_reason(torch.device("cpu"), torch.bfloat16, pool)
+    with pytest.raises(ValueError, match="per-tensor KV layout is for the fp8"):
+        resolve_kv_dtype("int8", torch.bfloat16, "tensor")
+
+
+def test_kv_identity_tells_the_layouts_apart():
+    from radixserve.worker.host_cache import kv_identity
+
+    def ident(kv_dtype, layout):
+        pool = KVPool(2, 3, 16, 2, 64, torch.bfloat16, kv_dtype=kv_dtype, kv_layout=layout)
+        return kv_identity("m", "w", "bfloat16", pool)
+
+    row, tensor = ident("fp8_e4m3", "row"), ident("fp8_e4m3", "tensor")
+    assert row != tensor and "kv_layout=tensor" in tensor
+    assert "kv_layout" not in row and "kv_layout" not in ident("auto", "row")
+    assert tensor != ident("fp8_e5m2", "tensor")
+
+
+@pytest.mark.parametrize("name", list(TENSOR_QUANTS))
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_torch_path_reads_the_per_tensor_layout(name, page_size):
+    """The torch backend (decode, prefill chunks, the cascade over a shared prefix) on a
+    per-tensor pool, against float64 attention over the stored values: K/V clamped and
+    cast to the format (values beyond its range included)."""
+    quant = TENSOR_QUANTS[name]
+    dtype = torch.float64  # scores in the hundreds: only float64 leaves nothing but the codes
+    checked = run_batch(name, dtype, page_size, 3, 3, "auto", seed=page_size, layout="tensor",
+                        spread=quant.qmax / 2)  # fmt: skip
+    for out, q, r, kv_len in checked:
+        if "kq" not in r:
+            r["kq"] = r["k"].to(dtype).clamp(-quant.qmax, quant.qmax).to(quant.code_dtype).double()
+            r["vq"] = r["v"].to(dtype).clamp(-quant.qmax, quant.qmax).to(quant.code_dtype).double()
+        ref = dense(q.to(dtype).double(), r["kq"][:kv_len], r["vq"][:kv_len], kv_len,
+                    HEAD_DIM**-0.5)  # fmt: skip
+        assert not out.isnan().any()
+        err = (out.double() - ref).abs().max().item()
+        assert err <= TOLERANCE[dtype] * max(1.0, ref.abs().max().item()), (name, err)
+    assert any(r["v"].abs().max() > quant.qmax for _, _, r, _ in checked)  # clamped values met

@@ -59,13 +59,48 @@ def flashinfer_reason(pool: KVPool) -> str | None:
     never imports flashinfer (the device is checked first)."""
     from radixserve.worker.attention.flashinfer_support import unsupported_reason
 
-    if pool.quant is not None or pool.storage_dtype != pool.dtype:
+    q = pool.quant
+    if q is not None and not q.is_fp8:
+        return (
+            f"the KV pool stores {pool.kv_dtype_name}; FlashInfer has no int8 KV cache "
+            "(int8 runs on the torch backend)"
+        )
+    if q is not None and not q.per_tensor:
+        return (
+            f"the KV pool stores {pool.kv_dtype_name} rows with a scale per token and head; "
+            "FlashInfer's fp8 KV reads the per-tensor layout (kv_layout 'tensor')"
+        )
+    if q is None and pool.storage_dtype != pool.dtype:
         return (
             f"the KV pool stores {pool.kv_dtype_name} for a {pool.dtype} model; the flashinfer "
-            "backend takes a pool of the model's dtype (quantized rows carry a scale per "
-            "token and head, FlashInfer's fp8 KV one scale per tensor)"
+            "backend takes a pool of the model's dtype or of an fp8 format"
         )
     return unsupported_reason(_device(pool), pool.dtype, pool.head_dim, pool.num_kv_heads)
+
+
+def kv_layout_for(
+    backend: str,
+    kv_dtype: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    head_dim: int,
+    num_kv_heads: int,
+) -> str:
+    """The pool layout for ``--kv-cache-dtype`` under ``--attention-backend``: ``tensor``
+    (plain fp8 codes, one scale per tensor: what FlashInfer reads) for an fp8 format on
+    CUDA when the backend is ``flashinfer``, or ``auto`` and flashinfer can run there;
+    ``row`` (codes + a scale per token and head) otherwise. The CPU never changes."""
+    from radixserve.worker.attention.flashinfer_support import unsupported_reason
+    from radixserve.worker.kv_quant import TENSOR_QUANTS
+
+    device = torch.device(device)
+    if kv_dtype not in TENSOR_QUANTS or device.type != "cuda":
+        return "row"
+    if backend == "flashinfer":
+        return "tensor"
+    if backend == "auto" and unsupported_reason(device, dtype, head_dim, num_kv_heads) is None:
+        return "tensor"
+    return "row"
 
 
 def resolve_backend_name(name: str, pool: KVPool) -> str:

@@ -24,6 +24,12 @@ tensors; per layer (``forward``) the new K/V are appended into the pool with
 - Outputs are written into a buffer the backend keeps (``run(out=...)``), grown when
   a step needs more rows: the tensor ``forward`` returns is valid until the next
   ``forward`` (the model's output projection reads it right away).
+- An fp8 pool (``--kv-cache-dtype fp8_e4m3|fp8_e5m2``) is the per-tensor layout
+  (``kv_quant.TENSOR_QUANTS``: plain fp8 pages, scale 1.0): the plans name the fp8
+  dtype as ``kv_data_type`` (q stays the model's dtype), K/V are clamped and cast to
+  fp8 before ``append_paged_kv_cache`` (which copies rows of the cache's own dtype),
+  and every ``run`` (CUDA-graph wrappers too) gets ``k_scale`` / ``v_scale``. int8
+  and the per-row layout are refused (``attention.flashinfer_reason``).
 - The prefill wrapper's backend is FlashInfer's ``auto``: fa3 on Hopper (sm90) where
   it applies, else fa2. Decode kernels are fa2.
 - CUDA graphs (``setup_graphs``): one decode wrapper per capture size and window in
@@ -54,6 +60,7 @@ import torch
 from radixserve.worker.attention import flashinfer_support as support
 from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
 from radixserve.worker.kv_pool import KVPool
+from radixserve.worker.kv_quant import quantize
 from radixserve.worker.staging import Staging
 
 #: Bytes of the float workspace shared by all wrappers (FlashInfer recommends 128 MB).
@@ -63,6 +70,9 @@ WORKSPACE_BYTES = 128 << 20
 #: query row per request), so only these few small groups use the CUDA-core kernel.
 CUDA_CORE_GROUPS = (1, 2, 3)
 KV_LAYOUT = "NHD"
+#: The per-tensor fp8 pool's scales (kv_quant.TENSOR_QUANTS: codes are the values, 1.0):
+#: run() folds k_scale into sm_scale and multiplies the output by v_scale.
+K_SCALE = V_SCALE = 1.0
 #: FlashInfer's choice for prefill: fa3 on sm90 where it applies, else fa2.
 PREFILL_BACKEND = "auto"
 DECODE_BACKEND = "fa2"
@@ -100,6 +110,20 @@ class FlashInferAttention(AttentionBackend):
                 f"attention backend 'flashinfer' cannot run: {reason}; "
                 "use attention_backend 'torch' (--attention-backend torch)"
             )
+        from radixserve.worker.attention import flashinfer_reason
+
+        reason = flashinfer_reason(pool)  # int8 / per-row fp8 / another float dtype
+        if reason is not None:
+            raise ValueError(
+                f"attention backend 'flashinfer' cannot run: {reason}; "
+                "use attention_backend 'torch' (--attention-backend torch)"
+            )
+        #: The per-tensor fp8 pool: K/V cast (clamped) to fp8 before the append, the
+        #: plans' kv_data_type the fp8 dtype, every run() given the tensor scales.
+        self._fp8 = pool.quant if pool.quant is not None and pool.quant.per_tensor else None
+        self._run_scales: dict[str, float] = (
+            {"k_scale": K_SCALE, "v_scale": V_SCALE} if self._fp8 is not None else {}
+        )
         fi = support.import_flashinfer()
         self._fi = fi
         self._device = device
@@ -164,7 +188,7 @@ class FlashInferAttention(AttentionBackend):
             "logits_soft_cap": self.softcap,
             "window_left": w - 1 if w > 0 else -1,
             "q_data_type": self.pool.dtype,
-            "kv_data_type": self.pool.dtype,
+            "kv_data_type": self.pool.storage_dtype,  # the fp8 dtype for an fp8 pool
         }
 
     def _plan_decode(self, wrapper, w, indptr, indices, last) -> None:
@@ -208,12 +232,15 @@ class FlashInferAttention(AttentionBackend):
             raise RuntimeError("begin_batch must be called before forward")
         cache = self.pool.layers[layer]
         batch_indices, positions, kv_indices, kv_indptr, last = self._append_args
+        if self._fp8 is not None:
+            # append_paged_kv_cache copies rows of the cache's dtype: cast (clamped) first.
+            k, v = quantize(k, self._fp8), quantize(v, self._fp8)
         self._fi.append_paged_kv_cache(
             k, v, batch_indices, positions, cache, kv_indices, kv_indptr, last,
             kv_layout=KV_LAYOUT,
         )  # fmt: skip
         out = self._out_rows[: q.shape[0]]
-        return self._active[self.sliding_windows[layer]].run(q, cache, out=out)
+        return self._active[self.sliding_windows[layer]].run(q, cache, out=out, **self._run_scales)
 
     # ------------------------------------------------------------------ CUDA graphs
 

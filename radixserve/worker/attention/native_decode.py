@@ -57,6 +57,8 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, pool=None) -> s
         return f"dtype {dtype} is not one of float32, float64, bfloat16"
     if pool is not None and pool.quant is None and pool.storage_dtype != dtype:
         return f"the pool stores {pool.storage_dtype}, the model computes in {dtype}"
+    if pool is not None and pool.quant is not None and pool.quant.per_tensor:
+        return "the native kernels read the per-row KV layout, not the per-tensor fp8 one"
     if pool is not None and pool.quant is not None and not QUANT_AVAILABLE:
         return "the native extension predates quantized KV: rebuild it"
     return None

@@ -134,6 +134,8 @@ class TorchAttention(AttentionBackend):
         reason = native_decode.unsupported_reason(device, pool.dtype, pool)
         #: The pool holds values of the model's dtype (not quantized, not another dtype).
         self.plain = pool.quant is None and pool.storage_dtype == pool.dtype
+        #: The per-tensor fp8 layout: pages moved as their bytes (uint8 views).
+        self._fp8_bytes = pool.quant is not None and pool.quant.per_tensor
         #: Batch-invariant mode (``--deterministic``): every row, decode or prefill,
         #: through the native kernel with its keys cut at multiples of
         #: ``native_decode.FIXED_CHUNK`` from the first; no cascade, no flash prefix,
@@ -447,13 +449,16 @@ class TorchAttention(AttentionBackend):
         # layer would be mapped and page-faulted anew every time.
         ref = self.pool.layers[0]  # in the storage dtype: codes and scales when quantized
         shape = (num_pages, ref[0, 0].numel())
-        return (torch.empty(shape, dtype=ref.dtype, device=ref.device),
-                torch.empty(shape, dtype=ref.dtype, device=ref.device))  # fmt: skip
+        dt = torch.uint8 if self._fp8_bytes else ref.dtype
+        return (torch.empty(shape, dtype=dt, device=ref.device),
+                torch.empty(shape, dtype=dt, device=ref.device))  # fmt: skip
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         pool = self.pool.layers[layer]
+        if self._fp8_bytes:  # CPU index_copy_ / index_select take no fp8: move the bytes
+            pool = pool.view(torch.uint8)
         s, h, e = self.pool.page_size, self.pool.num_kv_heads, self.pool.entry_dim
         window = self.sliding_windows[layer]
         tokens = pool.view(-1, h * e)
@@ -495,7 +500,8 @@ class TorchAttention(AttentionBackend):
     def _encode(self, x: torch.Tensor) -> torch.Tensor:
         """New K or V rows [T, kv_heads, head_dim] as the pool stores them."""
         if self.pool.quant is not None:
-            return quantize(x, self.pool.quant)
+            codes = quantize(x, self.pool.quant)
+            return codes.view(torch.uint8) if self._fp8_bytes else codes
         return x.to(self.pool.storage_dtype)
 
     def _decode(self, x: torch.Tensor) -> torch.Tensor:
