@@ -34,7 +34,9 @@ def main() -> None:
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(args.out, arch)
     qtype = gguf.GGMLQuantizationType.BF16 if args.type == "bf16" else gguf.GGMLQuantizationType.F16
-    file_type = gguf.LlamaFileType.MOSTLY_BF16 if args.type == "bf16" else gguf.LlamaFileType.MOSTLY_F16
+    file_type = (
+        gguf.LlamaFileType.MOSTLY_BF16 if args.type == "bf16" else gguf.LlamaFileType.MOSTLY_F16
+    )
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue  # written by the writer itself

@@ -169,11 +169,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoraLayer | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if lora is None:
-            if (
-                invariant.enabled()
-                and self.act is F.silu
-                and cpu_kernels.silu_mul_ok(gate_up)
-            ):
+            if invariant.enabled() and self.act is F.silu and cpu_kernels.silu_mul_ok(gate_up):
                 # Batch-invariant mode: the one-call decode layers' SiLU (their exp), so
                 # that a row gets the same bits whichever path computes it.
                 return self.down_proj(cpu_kernels.silu_mul(gate_up))

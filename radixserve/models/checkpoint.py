@@ -182,7 +182,9 @@ def _experts(cfg: ModelConfig, ours: str, hf_layer: str) -> Sources:
     }
     if cfg.moe.shared_gate:  # Qwen3-Next, Qwen3.5-MoE
         shared = f"{hf}shared_expert."
-        out[ours + "shared.gate_up_proj"] = [(shared + "gate_proj.weight", shared + "up_proj.weight")]
+        out[ours + "shared.gate_up_proj"] = [
+            (shared + "gate_proj.weight", shared + "up_proj.weight")
+        ]
         out[ours + "shared.down_proj"] = [(shared + "down_proj.weight",)]
         out[ours + "shared.gate"] = [(f"{hf}shared_expert_gate.weight",)]
     return out

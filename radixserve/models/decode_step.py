@@ -100,11 +100,7 @@ def takes(model, rows: int) -> bool:
     """Whether a decode step of ``rows`` rows of this model runs in the call (the
     attention backend's plan aside); the runner hands this to the backend, which
     then plans such steps' shared prefixes for the native kernel."""
-    if (
-        not ENABLED
-        or not hasattr(cpu_kernels.ext, "DecodeLayers")
-        or model.cfg.hybrid
-    ):
+    if not ENABLED or not hasattr(cpu_kernels.ext, "DecodeLayers") or model.cfg.hybrid:
         return False
     if not products_ok(rows, model.layers[0].self_attn.qkv_proj.weight.dtype):
         return False

@@ -122,6 +122,20 @@ def gguf_architecture(path: str | Path) -> str:
     return str(reader.fields["general.architecture"].contents())
 
 
+def _open_supported(path: str | Path) -> tuple[Any, str]:
+    """The file's reader and architecture; ValueError for an architecture we do not map."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = str(reader.fields["general.architecture"].contents())
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r} in {path}; "
+            f"supported: {sorted(GGUF_ARCHITECTURES)}"
+        )
+    return reader, arch
+
+
 def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Inverse of llama.cpp's ``permute(weights, n_head)`` for q/k projection rows."""
     rows = w.shape[0]
@@ -152,15 +166,8 @@ class GGUFWeights:
     CACHED = 3  # gate, up and down of a stacked-expert layer
 
     def __init__(self, path: str | Path, num_heads: int, num_kv_heads: int) -> None:
-        import gguf
 
-        reader = gguf.GGUFReader(str(path))
-        arch = str(reader.fields["general.architecture"].contents())
-        if arch not in GGUF_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported GGUF architecture {arch!r} in {path}; "
-                f"supported: {sorted(GGUF_ARCHITECTURES)}"
-            )
+        reader, arch = _open_supported(path)
         self.permuted = GGUF_ARCHITECTURES[arch]
         self.unit_offset = arch in _UNIT_OFFSET_NORMS
         self.heads = {"q_proj.weight": num_heads, "k_proj.weight": num_kv_heads}
@@ -237,15 +244,8 @@ def own_config(path: str | Path) -> Any:
     """The transformers config of a GGUF file whose architecture transformers cannot read
     (the hybrids, ``gguf_hybrid.hf_config``), else None. An architecture whose tensors
     we cannot map is refused here, before transformers reads its config."""
-    import gguf
 
-    reader = gguf.GGUFReader(str(path))
-    arch = str(reader.fields["general.architecture"].contents())
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r} in {path}; "
-            f"supported: {sorted(GGUF_ARCHITECTURES)}"
-        )
+    reader, arch = _open_supported(path)
     if arch not in gguf_hybrid.HYBRID_GGUF_ARCHITECTURES:
         return None
     return gguf_hybrid.hf_config(reader, path)

@@ -67,6 +67,21 @@ def native_calls(monkeypatch):
     return calls
 
 
+def record_widest_segment(runner, monkeypatch) -> list[int]:
+    """Per planned native step, the most rows any segment holds (a cascade group's
+    shared prefix holds all its members' rows; 1 without one)."""
+    plan, widest = runner.backend.native_step_plan, []
+
+    def recorded():
+        out = plan()
+        if out is not None:
+            widest.append(int(np.diff(out[1].row_indptr).max()))
+        return out
+
+    monkeypatch.setattr(runner.backend, "native_step_plan", recorded)
+    return widest
+
+
 def decode(runner, prompts, steps, native, forced=None, fork=0):
     """Prefill all but the last token of ``prompts`` (slot i each), then ``steps``
     decode steps of every slot at once, the first feeding the prompts' last tokens;
@@ -130,15 +145,7 @@ def test_float32_cascade_group_over_a_shared_prefix(runners, isa, native_calls, 
                    for _ in range(3)]  # fmt: skip
     ref, ref_fed = decode(runner, ps, 5, native=False, fork=64)
     native_calls.clear()
-    plan, widest = runner.backend.native_step_plan, []
-
-    def recorded():
-        out = plan()
-        if out is not None:
-            widest.append(int(np.diff(out[1].row_indptr).max()))
-        return out
-
-    monkeypatch.setattr(runner.backend, "native_step_plan", recorded)
+    widest = record_widest_segment(runner, monkeypatch)
     got, got_fed = decode(runner, ps, 5, native=True, fork=64)
     assert widest[-5:] == [4] * 5, "the shared prefix is one segment of all four rows"
     assert native_calls[-5:] == [True] * 5
@@ -187,15 +194,7 @@ def test_bfloat16_cascade_on_amx_reads_the_prefix_in_the_native_kernel(
     ps = [base] + [np.concatenate([base[:64], rng.integers(4, 512, 6).astype(np.int32)])
                    for _ in range(3)]  # fmt: skip
     ref, ref_fed = decode(runner, ps, 5, native=False, fork=64)
-    plan, widest = runner.backend.native_step_plan, []
-
-    def recorded():
-        out = plan()
-        if out is not None:
-            widest.append(int(np.diff(out[1].row_indptr).max()))
-        return out
-
-    monkeypatch.setattr(runner.backend, "native_step_plan", recorded)
+    widest = record_widest_segment(runner, monkeypatch)
     native_calls.clear()
     got, _ = decode(runner, ps, 5, native=True, forced=ref_fed, fork=64)
     assert native_calls[-5:] == [True] * 5
@@ -237,15 +236,7 @@ def test_batch_invariant_steps_are_the_layer_by_layer_bits(
         ps = prompts(batch, length=20, seed=20 + batch)
     ref, ref_fed = decode(runner, ps, 8, native=False, fork=fork)
     assert not any(native_calls)
-    plan, widest = runner.backend.native_step_plan, []
-
-    def recorded():
-        out = plan()
-        if out is not None:
-            widest.append(int(np.diff(out[1].row_indptr).max()))
-        return out
-
-    monkeypatch.setattr(runner.backend, "native_step_plan", recorded)
+    widest = record_widest_segment(runner, monkeypatch)
     got, _ = decode(runner, ps, 8, native=True, forced=ref_fed, fork=fork)
     assert native_calls[-8:] == [True] * 8
     assert widest[-8:] == [batch if fork == 256 else 1] * 8

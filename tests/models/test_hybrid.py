@@ -64,7 +64,9 @@ def hf_greedy_tokens():
         if key not in memo:
             if str(folder) not in models:
                 hf = load_hf_float64(folder)
-                hf.generation_config.eos_token_id = None  # as ignore_eos: EOS neither stops nor is masked
+                hf.generation_config.eos_token_id = (
+                    None  # as ignore_eos: EOS neither stops nor is masked
+                )
                 models[str(folder)] = hf
             with torch.no_grad():
                 out = models[str(folder)].generate(
@@ -365,7 +367,9 @@ def test_bad_qwen3_next_checkpoints_are_refused(tmp_path):
         del broken[name]
         save_file(broken, str(folder / "model.safetensors"))
         with pytest.raises(KeyError, match=name.replace(".", r"\.")):
-            ModelRunner(WorkerConfig(model=str(folder), dtype="float64", num_pages=16, warmup=False))
+            ModelRunner(
+                WorkerConfig(model=str(folder), dtype="float64", num_pages=16, warmup=False)
+            )
     config = json.loads((folder / "config.json").read_text())
     for key, value, message in (
         ("shared_expert_intermediate_size", 0, "shared_expert_intermediate_size must be > 0"),

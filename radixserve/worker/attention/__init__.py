@@ -57,24 +57,11 @@ def _device(pool: KVPool) -> torch.device:
 def flashinfer_reason(pool: KVPool) -> str | None:
     """The static reason flashinfer cannot run on ``pool`` (None: try it). A CPU pool
     never imports flashinfer (the device is checked first)."""
-    from radixserve.worker.attention.flashinfer_support import unsupported_reason
+    from radixserve.worker.attention.flashinfer_support import kv_pool_reason, unsupported_reason
 
-    q = pool.quant
-    if q is not None and not q.is_fp8:
-        return (
-            f"the KV pool stores {pool.kv_dtype_name}; FlashInfer has no int8 KV cache "
-            "(int8 runs on the torch backend)"
-        )
-    if q is not None and not q.per_tensor:
-        return (
-            f"the KV pool stores {pool.kv_dtype_name} rows with a scale per token and head; "
-            "FlashInfer's fp8 KV reads the per-tensor layout (kv_layout 'tensor')"
-        )
-    if q is None and pool.storage_dtype != pool.dtype:
-        return (
-            f"the KV pool stores {pool.kv_dtype_name} for a {pool.dtype} model; the flashinfer "
-            "backend takes a pool of the model's dtype or of an fp8 format"
-        )
+    reason = kv_pool_reason(pool)
+    if reason is not None:
+        return reason
     return unsupported_reason(_device(pool), pool.dtype, pool.head_dim, pool.num_kv_heads)
 
 

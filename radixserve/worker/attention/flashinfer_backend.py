@@ -29,7 +29,7 @@ tensors; per layer (``forward``) the new K/V are appended into the pool with
   dtype as ``kv_data_type`` (q stays the model's dtype), K/V are clamped and cast to
   fp8 before ``append_paged_kv_cache`` (which copies rows of the cache's own dtype),
   and every ``run`` (CUDA-graph wrappers too) gets ``k_scale`` / ``v_scale``. int8
-  and the per-row layout are refused (``attention.flashinfer_reason``).
+  and the per-row layout are refused (``flashinfer_support.kv_pool_reason``).
 - The prefill wrapper's backend is FlashInfer's ``auto``: fa3 on Hopper (sm90) where
   it applies, else fa2. Decode kernels are fa2.
 - CUDA graphs (``setup_graphs``): one decode wrapper per capture size and window in
@@ -110,9 +110,7 @@ class FlashInferAttention(AttentionBackend):
                 f"attention backend 'flashinfer' cannot run: {reason}; "
                 "use attention_backend 'torch' (--attention-backend torch)"
             )
-        from radixserve.worker.attention import flashinfer_reason
-
-        reason = flashinfer_reason(pool)  # int8 / per-row fp8 / another float dtype
+        reason = support.kv_pool_reason(pool)  # int8 / per-row fp8 / another float dtype
         if reason is not None:
             raise ValueError(
                 f"attention backend 'flashinfer' cannot run: {reason}; "

@@ -54,6 +54,29 @@ def device_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def kv_pool_reason(pool) -> str | None:
+    """Why the flashinfer backend cannot read this KV pool's storage (None: it can):
+    int8 (FlashInfer has no int8 KV), fp8 rows with their own scales (it reads the
+    per-tensor layout only), or a pool cast to another float dtype."""
+    q = pool.quant
+    if q is not None and not q.is_fp8:
+        return (
+            f"the KV pool stores {pool.kv_dtype_name}; FlashInfer has no int8 KV cache "
+            "(int8 runs on the torch backend)"
+        )
+    if q is not None and not q.per_tensor:
+        return (
+            f"the KV pool stores {pool.kv_dtype_name} rows with a scale per token and head; "
+            "FlashInfer's fp8 KV reads the per-tensor layout (kv_layout 'tensor')"
+        )
+    if q is None and pool.storage_dtype != pool.dtype:
+        return (
+            f"the KV pool stores {pool.kv_dtype_name} for a {pool.dtype} model; the flashinfer "
+            "backend takes a pool of the model's dtype or of an fp8 format"
+        )
+    return None
+
+
 def static_reason(
     device: torch.device, dtype: torch.dtype, head_dim: int, num_kv_heads: int
 ) -> str | None:
