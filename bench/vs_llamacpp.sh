@@ -7,7 +7,7 @@
 # (llama-cpp-python takes no token ids; both servers tokenize them the same way):
 #   single   shared-prefix one request at a time (single-stream latency)
 #   shared   shared-prefix with every request sent at once
-# One server at a time; a table per shape and the ratios at the end. llama.cpp's
+# One fresh server per shape and side; a table per shape and the ratios at the end. llama.cpp's
 # server streams no usage, so its hit rate is not known (shown as -).
 #
 # llama-cpp-python lives in its own venv, out of the package and out of CI:
@@ -40,31 +40,34 @@ wait_up() {  # $1: pid, $2: log
   echo "server did not come up" >&2; exit 1
 }
 
-run_side() {  # $1: name
-  for shape in single shared; do
-    conc=""; [[ $shape == single ]] && conc="--max-concurrency 1"
-    # shellcheck disable=SC2086
-    "$PY" -m radixserve.cli bench shared-prefix $WORK $conc --no-plot --no-progress \
-      --backend openai --served-model smollm2 --base-url "http://127.0.0.1:$PORT/v1" \
-      --text-prompts --output "$OUT-$shape-$1" > /dev/null
-  done
+run_shape() {  # $1: shape, $2: side name (the server is fresh: its cache holds nothing)
+  conc=""; [[ $1 == single ]] && conc="--max-concurrency 1"
+  # shellcheck disable=SC2086
+  "$PY" -m radixserve.cli bench shared-prefix $WORK $conc --no-plot --no-progress \
+    --backend openai --served-model smollm2 --base-url "http://127.0.0.1:$PORT/v1" \
+    --text-prompts --output "$OUT-$1-$2" > /dev/null
 }
 
-"$LPY" -m llama_cpp.server --model "$GGUF" --model_alias smollm2 --n_ctx 8192 \
-  --n_threads "$THREADS" --n_threads_batch "$THREADS" --cache true --cache_size 4294967296 \
-  --interrupt_requests false --host 127.0.0.1 --port "$PORT" > "$OUT-llamacpp-server.log" 2>&1 &
-PID=$!
-trap 'kill $PID 2>/dev/null || true' EXIT
-wait_up $PID "$OUT-llamacpp-server.log"
-run_side llamacpp
-kill $PID; wait $PID 2>/dev/null || true
+PID=""
+trap '[[ -n $PID ]] && kill $PID 2>/dev/null || true' EXIT
+# One fresh server per shape and side, so that no shape finds another's prefixes cached.
+for shape in single shared; do
+  "$LPY" -m llama_cpp.server --model "$GGUF" --model_alias smollm2 --n_ctx 8192 \
+    --n_threads "$THREADS" --n_threads_batch "$THREADS" --cache true --cache_size 4294967296 \
+    --interrupt_requests false --host 127.0.0.1 --port "$PORT" > "$OUT-llamacpp-server.log" 2>&1 &
+  PID=$!
+  wait_up $PID "$OUT-llamacpp-server.log"
+  run_shape "$shape" llamacpp
+  kill $PID; wait $PID 2>/dev/null || true
 
-"$PY" -m radixserve.cli launch --model smollm2 --port 0 --http-port "$PORT" \
-  > "$OUT-radixserve-server.log" 2>&1 &
-PID=$!
-wait_up $PID "$OUT-radixserve-server.log"
-run_side radixserve
-kill $PID; wait $PID 2>/dev/null || true
+  "$PY" -m radixserve.cli launch --model smollm2 --port 0 --http-port "$PORT" \
+    > "$OUT-radixserve-server.log" 2>&1 &
+  PID=$!
+  wait_up $PID "$OUT-radixserve-server.log"
+  run_shape "$shape" radixserve
+  kill $PID; wait $PID 2>/dev/null || true
+  PID=""
+done
 
 "$PY" - "$OUT" <<'PYEOF'
 import json, sys
