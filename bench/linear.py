@@ -8,6 +8,7 @@ through all of them in one form:
 
 - ``kernel <isa>``: csrc/'s ``skinny_gemm`` (``layers/cpu_kernels.py``) at each
   instruction-set level of ``--isa`` (default: every level this CPU runs);
+- ``kernel amx``: ``skinny_gemm``'s AMX form (bfloat16 on a CPU with AMX tiles);
 - ``weight-major``: ``(W x^T)^T`` through BLAS (oneDNN for bfloat16);
 - ``x W^T``: ``F.linear``, BLAS's usual form.
 
@@ -21,6 +22,11 @@ kernels").
     python bench/linear.py                               # rows 1,16,32,48,64,512
     python bench/linear.py --rows 16 --rounds 3 --threads 1
     python bench/linear.py --dtype bfloat16 --rows 1,8,16,32 --isa avx512,avx512bf16
+    python bench/linear.py --dtype bfloat16 --rows 2,8,32 --feature-major --lm-head
+
+``--feature-major`` hands the products x as the transposed view of a ``[features,
+rows]`` tensor (how the layers pass activations from one product to the next);
+``--lm-head`` adds SmolLM2's tied LM head (49152 x 576) to every step.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from torch.nn import functional as F
 
 from radixserve.layers import cpu_kernels
 
-HIDDEN, INTERMEDIATE, QKV, LAYERS = 576, 1536, 960, 30
+HIDDEN, INTERMEDIATE, QKV, LAYERS, VOCAB = 576, 1536, 960, 30, 49152
 Form = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -45,6 +51,10 @@ def weight_major(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def kernel(isa: str) -> Form:
     return lambda x, w: cpu_kernels.skinny_linear(x, w, None, isa=isa)
+
+
+def amx(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return cpu_kernels.skinny_linear(x, w, None, amx=True)
 
 
 def x_wt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -60,11 +70,21 @@ def make_layers(seed: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]
     ]
 
 
-def step_time(form: Form, layers: list[tuple[torch.Tensor, ...]], rows: int, steps: int) -> float:
-    """Seconds of the fastest of ``steps`` steps: every layer's four products on ``rows`` rows."""
+def step_time(
+    form: Form,
+    layers: list[tuple[torch.Tensor, ...]],
+    rows: int,
+    steps: int,
+    feature_major: bool = False,
+    head: torch.Tensor | None = None,
+) -> float:
+    """Seconds of the fastest of ``steps`` steps: every layer's four products on ``rows``
+    rows (and the LM head once, when given)."""
     dtype = layers[0][0].dtype
     x = torch.randn(rows, HIDDEN).to(dtype)
     mid = torch.randn(rows, INTERMEDIATE).to(dtype)
+    if feature_major:
+        x, mid = x.t().contiguous().t(), mid.t().contiguous().t()
     best = float("inf")
     for _ in range(steps):
         start = time.perf_counter()
@@ -73,6 +93,8 @@ def step_time(form: Form, layers: list[tuple[torch.Tensor, ...]], rows: int, ste
             form(x, o)
             form(x, gate_up)
             form(mid, down)
+        if head is not None:
+            form(x, head)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -86,16 +108,22 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--isa", default="", help="kernel levels to time, e.g. avx2,avx512 "
                     "(default: every level this CPU runs)")  # fmt: skip
+    ap.add_argument("--feature-major", action="store_true",
+                    help="x as the transposed view of [features, rows]")  # fmt: skip
+    ap.add_argument("--lm-head", action="store_true", help="add a 49152 x 576 LM head")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     forms: dict[str, Form] = {"weight-major": weight_major, "x W^T": x_wt}
     if cpu_kernels.AVAILABLE:
         isas = [i for i in args.isa.split(",") if i] or list(cpu_kernels.supported_isas())
         forms = {**{f"kernel {i}": kernel(cpu_kernels.resolve_isa(i)) for i in isas}, **forms}
+        if args.dtype == "bfloat16" and cpu_kernels.amx_supported():
+            forms = {"kernel amx": amx, **forms}
     else:
         print(f"native kernel not built ({cpu_kernels.UNAVAILABLE_REASON}): BLAS forms only")
     dtype = getattr(torch, args.dtype)
     layers = make_layers(0, dtype)
+    head = (torch.randn(VOCAB, HIDDEN) * 0.02).to(dtype) if args.lm_head else None
     print(f"{LAYERS} layers of SmolLM2's shapes, {args.dtype}, {args.threads} threads; "
           "ms per step (median over rounds)")  # fmt: skip
     print("| rows | " + " | ".join(forms) + " |")
@@ -104,11 +132,13 @@ def main() -> None:
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",") if r):
             for form in forms.values():
-                step_time(form, layers, rows, 1)  # warm-up
+                step_time(form, layers, rows, 1, args.feature_major, head)  # warm-up
             times: dict[str, list[float]] = {name: [] for name in forms}
             for _ in range(args.rounds):
                 for name, form in forms.items():
-                    times[name].append(step_time(form, layers, rows, args.steps))
+                    times[name].append(
+                        step_time(form, layers, rows, args.steps, args.feature_major, head)
+                    )
             cells = [f"{statistics.median(t) * 1e3:.1f}" for t in times.values()]
             print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
             base = times["x W^T"]

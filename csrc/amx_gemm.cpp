@@ -87,6 +87,8 @@ RS_TARGET_AMX void amx_range(const uint16_t* W, const uint16_t* xp, YT* yT, int6
   _tile_loadconfig(&cfg);
   const int64_t wstride = K * 2;      // bytes between weight rows
   const int64_t xblock = K / 2 * 32;  // uint16 per x tile column block: [K / 2][16][2]
+  const int64_t lines = 32 * wstride / 64, steps = K / 32;
+  const int64_t lines_per_step = (lines + steps - 1) / steps;
   alignas(64) float c[4][16][16];
   int64_t n = n0;
   for (; n + 32 <= n1; n += 32) {
@@ -96,7 +98,17 @@ RS_TARGET_AMX void amx_range(const uint16_t* W, const uint16_t* xp, YT* yT, int6
     _tile_zero(3);
     const uint16_t* w0 = W + n * K;
     const uint16_t* w1 = w0 + 16 * K;
+    // The next block of 32 rows is one contiguous run of W: its lines are asked into
+    // L2 evenly over this block's K steps, one sequential stream (the tile loads'
+    // 32 strided rows are not a stream the hardware prefetcher follows well).
+    const char* next = reinterpret_cast<const char*>(W + (n + 32) * K);
+    const bool fetch = n + 64 <= n1;
+    int64_t line = 0;
     for (int64_t k = 0; k < K; k += 32) {
+      if (fetch) {
+        for (int64_t end = std::min(lines, line + lines_per_step); line < end; ++line)
+          _mm_prefetch(next + line * 64, _MM_HINT_T2);
+      }
       _tile_loadd(4, w0 + k, wstride);
       _tile_loadd(5, w1 + k, wstride);
       _tile_loadd(6, xp + k * 16, 64);
@@ -142,6 +154,53 @@ RS_TARGET_AMX void amx_range(const uint16_t* W, const uint16_t* xp, YT* yT, int6
   _tile_release();
 }
 
+// Rows m0 .. m0 + 15 of feature k of a feature-major x as bfloat16 (zero past the mask).
+RS_TARGET_AMX RS_ALWAYS_INLINE __m256i row16(const SkinnyGemm& g, bool f32, __mmask16 mask,
+                                             int64_t k, int64_t m0) {
+  if (f32) {
+    const float* x = static_cast<const float*>(g.x) + k * g.sk + m0;
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, x));
+  }
+  const uint16_t* x = static_cast<const uint16_t*>(g.x) + k * g.sk + m0;
+  return _mm256_maskz_loadu_epi16(mask, x);
+}
+
+// x^T in pairs: xp[b][k / 2][j][k % 2] = x[16 b + j][k], zero past M (xp comes zeroed).
+// Feature-major x (sm == 1, what the layers hand over) goes 16 rows and a pair of K
+// at a time: two 16-value loads, one interleave, one 64-byte store; float32 rows are
+// rounded to nearest even as f32_to_bf16 does. Other layouts take the scalar loop.
+RS_TARGET_AMX void pack_x(const SkinnyGemm& g, int64_t mb, uint16_t* xp) {
+  const int64_t K = g.K, M = g.M, block = K / 2 * 32;
+  const bool f32 = g.x_type == DType::kFloat32;
+  if (g.sm != 1) {
+    for (int64_t k = 0; k < K; ++k) {
+      uint16_t* row = xp + (k / 2) * 32 + (k & 1);
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t at = m * g.sm + k * g.sk;
+        row[(m / 16) * block + (m % 16) * 2] =
+            f32 ? f32_to_bf16(static_cast<const float*>(g.x)[at])
+                : static_cast<const uint16_t*>(g.x)[at];
+      }
+    }
+    return;
+  }
+  // Word 2j of the result is a[j], word 2j + 1 is b[j] (b in the upper half).
+  alignas(64) static const uint16_t kPairs[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
+                                                  21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
+                                                  11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i pairs = _mm512_load_si512(kPairs);
+  for (int64_t b = 0; b < mb; ++b) {
+    const int64_t m0 = 16 * b, n = std::min<int64_t>(16, M - m0);
+    const __mmask16 mask = static_cast<__mmask16>(n >= 16 ? 0xffffu : (1u << n) - 1);
+    uint16_t* dst = xp + b * block;
+    for (int64_t k = 0; k < K; k += 2) {
+      const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(row16(g, f32, mask, k, m0)),
+                                            row16(g, f32, mask, k + 1, m0), 1);
+      _mm512_storeu_si512(dst + (k / 2) * 32, _mm512_permutexvar_epi16(pairs, ab));
+    }
+  }
+}
+
 }  // namespace
 
 bool amx_gemm_takes(const SkinnyGemm& g) {
@@ -152,22 +211,11 @@ bool amx_gemm_takes(const SkinnyGemm& g) {
 bool skinny_gemm_amx(const SkinnyGemm& g, int num_threads) {
   if (!amx_gemm_takes(g) || !amx_tiles_granted()) return false;
   const int64_t K = g.K, M = g.M, mb = M > 16 ? 2 : 1;
-  // x^T in pairs: xp[b][k / 2][j][k % 2] = x[16 b + j][k], zero past M. K outside:
-  // the layers' x is feature-major (sm == 1), so the inner loop reads contiguously.
-  std::vector<uint16_t> xp(static_cast<size_t>(mb * K * 16), 0);
-  const int64_t block = K / 2 * 32;
-  auto pack = [&](auto convert, const auto* x) {
-    for (int64_t k = 0; k < K; ++k) {
-      uint16_t* row = xp.data() + (k / 2) * 32 + (k & 1);
-      for (int64_t m = 0; m < M; ++m)
-        row[(m / 16) * block + (m % 16) * 2] = convert(x[m * g.sm + k * g.sk]);
-    }
-  };
-  if (g.x_type == DType::kFloat32) {
-    pack([](float v) { return f32_to_bf16(v); }, static_cast<const float*>(g.x));
-  } else {
-    pack([](uint16_t v) { return v; }, static_cast<const uint16_t*>(g.x));
-  }
+  // The caller's thread's buffer (threads in the region below read it through xs).
+  static thread_local std::vector<uint16_t> xp;
+  xp.assign(static_cast<size_t>(mb * K * 16), 0);
+  const uint16_t* xs = xp.data();
+  pack_x(g, mb, xp.data());
   const uint16_t* W = static_cast<const uint16_t*>(g.W);
   // Blocks of 32 weight rows shared evenly (a thread's range stays contiguous, so
   // each streams its own part of W and sets its tiles up once).
@@ -185,9 +233,9 @@ bool skinny_gemm_amx(const SkinnyGemm& g, int num_threads) {
     const int64_t hi = std::min<int64_t>(g.N, blocks * (tid + 1) / threads * 32);
     if (lo < hi) {
       if (y32) {
-        amx_range(W, xp.data(), static_cast<float*>(g.yT), lo, hi, K, M, mb);
+        amx_range(W, xs, static_cast<float*>(g.yT), lo, hi, K, M, mb);
       } else {
-        amx_range(W, xp.data(), static_cast<uint16_t*>(g.yT), lo, hi, K, M, mb);
+        amx_range(W, xs, static_cast<uint16_t*>(g.yT), lo, hi, K, M, mb);
       }
     }
   }

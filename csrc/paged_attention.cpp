@@ -963,8 +963,21 @@ void run(const Problem& P, const T* q, const KV* kv, T* out, float* lse_f, doubl
     }
   }
   first_item.back() = static_cast<int64_t>(items.size());
-  std::vector<A> pm(static_cast<size_t>(slots)), pl(static_cast<size_t>(slots));
-  std::vector<A> pacc(static_cast<size_t>(slots * D));
+  // Every item writes all of its slots (its softmax statistics and its value sums, or
+  // zeros where a causal row sees none of its keys), so the buffers are reused from
+  // call to call without clearing: a fresh one of this size (hundreds of kB at a
+  // decode batch of 32) would be mapped and page-faulted anew in every layer.
+  // (The calling thread's buffers: the threads below reach them through the pointers.)
+  static thread_local std::vector<A> pm_buf, pl_buf, pacc_buf;
+  if (pm_buf.size() < static_cast<size_t>(slots)) {
+    pm_buf.resize(static_cast<size_t>(slots));
+    pl_buf.resize(static_cast<size_t>(slots));
+  }
+  if (pacc_buf.size() < static_cast<size_t>(slots * D))
+    pacc_buf.resize(static_cast<size_t>(slots * D));
+  A* const pm = pm_buf.data();
+  A* const pl = pl_buf.data();
+  A* const pacc = pacc_buf.data();
   const int64_t n_items = static_cast<int64_t>(items.size());
 
 #pragma omp parallel num_threads(num_threads)
@@ -972,8 +985,7 @@ void run(const Problem& P, const T* q, const KV* kv, T* out, float* lse_f, doubl
     std::vector<A> scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_items; ++i) {
-      run_item(P, items[static_cast<size_t>(i)], q, kv, pm.data(), pl.data(), pacc.data(),
-               scratch);
+      run_item(P, items[static_cast<size_t>(i)], q, kv, pm, pl, pacc, scratch);
     }
   }
 
@@ -1001,11 +1013,13 @@ void run(const Problem& P, const T* q, const KV* kv, T* out, float* lse_f, doubl
   starts.push_back(static_cast<int64_t>(parts.size()));
   const int64_t num_out = static_cast<int64_t>(starts.size()) - 1;
 
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel num_threads(num_threads)
+  {
+  std::vector<A> o(static_cast<size_t>(D));
+#pragma omp for schedule(static)
   for (int64_t o_i = 0; o_i < num_out; ++o_i) {
     const int64_t b = starts[static_cast<size_t>(o_i)], e = starts[static_cast<size_t>(o_i + 1)];
     const int64_t qrow = parts[static_cast<size_t>(b)].row;
-    std::vector<A> o(static_cast<size_t>(D));
     auto slot_of = [&](const Part& pt, int64_t h, int64_t g) {
       const Item& it = items[static_cast<size_t>(pt.item)];
       const int64_t nrows = P.row_indptr[it.seg + 1] - P.row_indptr[it.seg];
@@ -1031,7 +1045,7 @@ void run(const Problem& P, const T* q, const KV* kv, T* out, float* lse_f, doubl
             const int64_t slot = slot_of(pt, h, g);
             const A w = std::exp(pm[static_cast<size_t>(slot)] - m);
             l += w * pl[static_cast<size_t>(slot)];
-            const A* a = pacc.data() + slot * D;
+            const A* a = pacc + slot * D;
             for (int64_t d = 0; d < D; ++d) o[static_cast<size_t>(d)] += w * a[d];
           }
           for (int64_t d = 0; d < D; ++d) from_acc(o[static_cast<size_t>(d)] / l, dst + d);
@@ -1041,6 +1055,7 @@ void run(const Problem& P, const T* q, const KV* kv, T* out, float* lse_f, doubl
         if (lse_d) lse_d[qrow * H + head] = static_cast<double>(m);
       }
     }
+  }
   }
 }
 

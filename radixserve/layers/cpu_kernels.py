@@ -20,7 +20,8 @@ Every hot loop is compiled for several instruction-set levels (``ISAS``) and
 each call names the one it runs; ``ISA`` is the one this process uses
 (docs/worker.md, "CPU kernels"). ``AMX`` says whether oneDNN runs this process's
 bfloat16 products on the CPU's AMX tiles; where it does, those beat the skinny
-kernel from ``AMX_KERNEL_ROWS + 1`` rows on (``skinny_ok``).
+kernel's vector form from ``AMX_KERNEL_ROWS + 1`` rows on, and the kernel's own
+AMX form beats them up to 32 rows where it takes the shape (``skinny_ok``).
 """
 
 from __future__ import annotations
@@ -103,9 +104,10 @@ def resolve_amx(name: str) -> bool:
 #: ``skinny_gemm``: the CPU's AMX unless ``RADIXSERVE_CPU_AMX=0``.
 AMX = resolve_amx(os.environ.get(AMX_ENV, "auto"))
 
-#: Where oneDNN has AMX, ``skinny_gemm`` still wins at this many rows (one decode
-#: request), in its own AMX form where it takes the shape (``amx_takes``), else its
-#: vector form (docs/worker.md, "CPU kernels", has the numbers).
+#: Where oneDNN has AMX, ``skinny_gemm``'s vector form still wins at this many rows
+#: (one decode request) for shapes its AMX form does not take; the AMX form
+#: (``amx_takes``) wins at every row count up to 32 (docs/worker.md, "CPU kernels",
+#: has the numbers).
 AMX_KERNEL_ROWS = 1
 
 #: Row counts up to which ``skinny_gemm`` beats BLAS when the weights stream from
@@ -118,7 +120,9 @@ def skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     bfloat16 where the CPU has AVX512_BF16 (there the kernel beats oneDNN's
     AVX-512 bfloat16 products; its float32-converting fallback does not, so
     bfloat16 stays with oneDNN elsewhere) but, where oneDNN has AMX (``AMX``),
-    only up to ``AMX_KERNEL_ROWS`` rows (docs/worker.md has the numbers)."""
+    only in the kernel's own AMX form (``amx_takes``: up to 32 rows of the shapes
+    its tiles take) or up to ``AMX_KERNEL_ROWS`` rows (docs/worker.md has the
+    numbers)."""
     if not (
         AVAILABLE
         and x.dim() == 2
@@ -133,7 +137,7 @@ def skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         x.dtype == torch.bfloat16
         and ISA == "avx512bf16"
-        and (not AMX or x.shape[0] <= AMX_KERNEL_ROWS)
+        and (not AMX or x.shape[0] <= AMX_KERNEL_ROWS or amx_takes(x, weight))
     )
 
 

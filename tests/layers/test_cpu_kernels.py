@@ -204,6 +204,35 @@ def test_bfloat16_linear(monkeypatch, rows, bias, level, amx):
             torch.testing.assert_close(y.double(), ref, rtol=2**-7, atol=1e-2)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 8, 32, 33])
+def test_bfloat16_linear_takes_the_amx_form_up_to_32_rows(monkeypatch, rows):
+    """Where this process has AMX tiles, a bfloat16 Linear whose shape the AMX form
+    takes runs it for 1 to 32 rows (it beats oneDNN's there), oneDNN from 33 on: one
+    rounding of float32 sums either way."""
+    require_isa("avx512bf16")
+    if not cpu_kernels.amx_supported():
+        pytest.skip("this CPU (or OS) gives no AMX tiles")
+    monkeypatch.setattr(cpu_kernels, "ISA", "avx512bf16")
+    monkeypatch.setattr(cpu_kernels, "AMX", True)
+    g = torch.Generator().manual_seed(rows)
+    layer = Linear(576, 96, bias=False).to(torch.bfloat16).requires_grad_(False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(96, 576, generator=g))
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    assert cpu_kernels.skinny_ok(x, layer.weight) == (rows <= 32)
+    assert cpu_kernels.amx_takes(x, layer.weight) == (rows <= 32)
+    calls = []
+    real = cpu_kernels.skinny_linear
+    monkeypatch.setattr(
+        cpu_kernels, "skinny_linear", lambda *a, **k: calls.append(k.get("amx")) or real(*a, **k)
+    )
+    ref = x.double() @ layer.weight.double().t()
+    with torch.inference_mode():
+        y = layer(x.t().contiguous().t())
+    assert calls == ([True] if rows <= 32 else [])
+    torch.testing.assert_close(y.double(), ref, rtol=2**-7, atol=1e-2)
+
+
 def test_amx_choice(monkeypatch):
     """RADIXSERVE_CPU_AMX: auto follows the CPU, 0 rules AMX out, 1 demands it."""
     assert cpu_kernels.resolve_amx("auto") == cpu_kernels.amx_supported()

@@ -340,21 +340,34 @@ def test_bad_plan_is_refused(runners):
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 32])
 @pytest.mark.parametrize(("n", "k"), [(16, 32), (48, 64), (96, 576)])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_amx_product_matches_float64(rows, n, k, out_dtype):
+@pytest.mark.parametrize(
+    ("x_dtype", "feature_major"),
+    [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, True), (torch.float32, False)],
+)
+def test_amx_product_matches_float64(rows, n, k, out_dtype, x_dtype, feature_major):
     """``skinny_gemm(..., amx=True)``: exact float32 sums of bfloat16 products, one
-    rounding; x given as a transposed view (the layers' feature-major layout)."""
+    rounding; x as a transposed view (the layers' feature-major layout, packed 16 rows
+    at a time) or row-major (packed value by value), in bfloat16 or in float32
+    (rounded to bfloat16 first: both packings give the same products)."""
     require_built(cpu_kernels.AVAILABLE, cpu_kernels.UNAVAILABLE_REASON, "native CPU kernels")
     if not cpu_kernels.amx_supported():
         pytest.skip("this CPU (or OS) gives no AMX tiles")
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-    x = torch.randn(k, rows, generator=g).to(torch.bfloat16).t()  # strides (1, rows)
+    x = torch.randn(k, rows, generator=g).to(x_dtype).t()  # strides (1, rows)
+    if not feature_major:
+        x = x.contiguous()
     y = torch.empty(n, rows, dtype=out_dtype)
     view = cpu_kernels._array
     cpu_kernels.ext.skinny_gemm(view(w), view(x), view(y), 2, amx=True)
-    ref = w.double() @ x.double().t()
+    ref = w.double() @ x.to(torch.bfloat16).double().t()
     tol = 1e-5 if out_dtype == torch.float32 else 2**-8
     assert ((y.double() - ref).abs() <= tol * ref.abs() + 1e-4).all()
+    # The two packings agree bit for bit.
+    other = x.t().contiguous().t() if not feature_major else x.contiguous()
+    y2 = torch.empty_like(y)
+    cpu_kernels.ext.skinny_gemm(view(w), view(other), view(y2), 2, amx=True)
+    assert torch.equal(y, y2)
 
 
 def test_amx_product_refuses_shapes_it_does_not_take():
