@@ -342,7 +342,12 @@ def test_bad_plan_is_refused(runners):
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     ("x_dtype", "feature_major"),
-    [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, True), (torch.float32, False)],
+    [
+        (torch.bfloat16, True),
+        (torch.bfloat16, False),
+        (torch.float32, True),
+        (torch.float32, False),
+    ],
 )
 def test_amx_product_matches_float64(rows, n, k, out_dtype, x_dtype, feature_major):
     """``skinny_gemm(..., amx=True)``: exact float32 sums of bfloat16 products, one
