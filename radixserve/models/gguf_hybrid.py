@@ -1,5 +1,6 @@
-"""GGUF files of the hybrid families: llama.cpp's ``qwen35`` (Qwen3.5) and ``nemotron_h`` /
-``nemotron_h_moe`` (Nemotron-H without / with experts).
+"""GGUF files of the hybrid families: llama.cpp's ``qwen35`` (Qwen3.5), ``qwen35moe``
+(Qwen3.5-MoE), ``qwen3next`` (Qwen3-Next) and ``nemotron_h`` / ``nemotron_h_moe``
+(Nemotron-H without / with experts).
 
 transformers has no GGUF config reader for these architectures, so ``hf_config`` builds
 the transformers config from the file's metadata, and ``to_hf`` undoes what llama.cpp's
@@ -23,6 +24,32 @@ qwen35 (Qwen3.5):
   the V channels of ``ssm_conv1d`` and the columns of ``ssm_out``; we undo it.
 - multi-token-prediction blocks (``nextn_predict_layers``, after the decoder's) are not
   served and skipped.
+
+qwen35moe (Qwen3.5-MoE): Qwen3.5's layers and transforms (value-head reorder included)
+with a sparse MLP on every layer: router ``ffn_gate_inp``, stacked experts
+``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` (or ``ffn_gate_up_exps``, gate
+rows then up rows, from the converter's ``--fuse-gate-up-exps``), shared expert
+``ffn_gate_shexp`` / ``ffn_up_shexp`` / ``ffn_down_shexp`` and its gate
+``ffn_gate_inp_shexp``. ``expert_count``, ``expert_used_count``,
+``expert_feed_forward_length`` and ``expert_shared_feed_forward_length`` give the shape;
+``feed_forward_length`` is written only when the checkpoint's config has an
+``intermediate_size`` (unused: no layer is dense; else the expert width is taken); the
+router always renormalises. A layer without ``ffn_gate_inp`` is refused.
+
+qwen3next (Qwen3-Next): as qwen35moe (same keys, norms as 1 + w, ``ssm_a``, conv and
+``dt`` handling, MoE tensors), except:
+
+- no value-head reorder: the converter writes the value heads in the checkpoint's
+  grouped order.
+- the checkpoint's ``in_proj_qkvz`` (per key head: q, k, then v and z of its value heads)
+  is split into ``attn_qkv`` (q, k, v of every head) and ``attn_gate`` (z); we interleave
+  them back. A file from an older converter stores it unchanged as ``ssm_in``.
+  ``in_proj_ba`` is stored unchanged as ``ssm_ba``.
+- ``expert_weights_norm`` (when written) is the router's renormalisation (else on, as
+  llama.cpp). Every layer is sparse: the format has no dense-MLP tensors for qwen3next
+  (the converter cannot write a checkpoint with ``mlp_only_layers``), so a layer without
+  ``ffn_gate_inp`` is refused, as for qwen35moe. The multi-token-prediction weights are
+  not converted.
 
 nemotron_h / nemotron_h_moe (Nemotron-H):
 
@@ -53,6 +80,8 @@ import numpy as np
 #: llama.cpp architecture -> the transformers architecture we build a config for.
 HYBRID_GGUF_ARCHITECTURES = {
     "qwen35": "Qwen3_5ForCausalLM",
+    "qwen35moe": "Qwen3_5MoeForCausalLM",
+    "qwen3next": "Qwen3NextForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
     "nemotron_h_moe": "NemotronHForCausalLM",
 }
@@ -79,6 +108,28 @@ QWEN35_BLOCK_NAMES = {
     "ssm_norm.weight": "linear_attn.norm.weight",
     "ssm_out.weight": "linear_attn.out_proj.weight",
 }
+#: The sparse MLP of Qwen3-Next and Qwen3.5-MoE: router, shared expert and its gate (the
+#: stacked experts are split per expert by the loader).
+QWEN_SHARED_EXPERT_NAMES = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    **{
+        f"ffn_{g}_shexp.weight": f"mlp.shared_expert.{g}_proj.weight"
+        for g in ("gate", "up", "down")
+    },
+}
+QWEN35MOE_BLOCK_NAMES = {**QWEN35_BLOCK_NAMES, **QWEN_SHARED_EXPERT_NAMES}
+#: Qwen3-Next: ``attn_qkv`` is read together with ``attn_gate`` (``QKVZ_PARTS``) as
+#: ``in_proj_qkvz``; older files hold that tensor as ``ssm_in``; ``in_proj_ba`` is ``ssm_ba``.
+QWEN3NEXT_BLOCK_NAMES = {
+    **{k: v for k, v in QWEN35MOE_BLOCK_NAMES.items()
+       if k not in ("attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight")},
+    "attn_qkv.weight": "linear_attn.in_proj_qkvz.weight",
+    "ssm_in.weight": "linear_attn.in_proj_qkvz.weight",
+    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+}  # fmt: skip
+#: Qwen3-Next: a tensor read together with a second one of the same block.
+QKVZ_PARTS = {"attn_qkv.weight": "attn_gate.weight"}
 NEMOTRON_H_GLOBAL_NAMES = {
     "token_embd.weight": "backbone.embeddings.weight",
     "output_norm.weight": "backbone.norm_f.weight",
@@ -104,7 +155,10 @@ NEMOTRON_H_BLOCK_NAMES = {
        for g in ("up", "down") for b in ("weight", "bias")},
 }  # fmt: skip
 #: Stacked expert tensors of nemotron_h_moe -> the per-expert projection name.
-NEMOTRON_H_STACKED_EXPERTS = {"ffn_up_exps.weight": "up_proj", "ffn_down_exps.weight": "down_proj"}
+NEMOTRON_H_STACKED_EXPERTS = {
+    "ffn_up_exps.weight": ("up_proj",),
+    "ffn_down_exps.weight": ("down_proj",),
+}
 
 
 class Metadata:
@@ -146,12 +200,12 @@ def decoder_layers(meta: Metadata) -> int:
 
 
 def hf_config(reader: Any, path: Any) -> Any:
-    """The transformers config of a qwen35 / nemotron_h / nemotron_h_moe GGUF file.
+    """The transformers config of a hybrid GGUF file (``HYBRID_GGUF_ARCHITECTURES``).
 
     Raises ValueError naming a metadata key that is missing or cannot be mapped."""
     meta = Metadata(reader, path)
     common = _common(meta)
-    if meta.arch == "qwen35":
+    if meta.arch.startswith("qwen"):
         return _qwen35(meta, common)
     return _nemotron_h(meta, common)
 
@@ -213,6 +267,7 @@ def _common(meta: Metadata) -> dict[str, Any]:
 
 
 def _qwen35(meta: Metadata, common: dict[str, Any]) -> Any:
+    """qwen35, qwen35moe and qwen3next: the gated delta-net hybrids."""
     import gguf
     import transformers
 
@@ -220,20 +275,32 @@ def _qwen35(meta: Metadata, common: dict[str, Any]) -> Any:
     n = common["num_hidden_layers"]
     interval = int(meta.need(K.LLM.FULL_ATTENTION_INTERVAL))
     if interval < 1:
-        raise ValueError(f"GGUF {meta.path}: qwen35.full_attention_interval {interval} < 1")
+        raise ValueError(f"GGUF {meta.path}: {meta.arch}.full_attention_interval {interval} < 1")
     v_heads = int(meta.need(K.SSM.TIME_STEP_RANK))
     inner = int(meta.need(K.SSM.INNER_SIZE))
     if inner % v_heads:
         raise ValueError(
-            f"GGUF {meta.path}: qwen35.ssm.inner_size {inner} is not a multiple of "
+            f"GGUF {meta.path}: {meta.arch}.ssm.inner_size {inner} is not a multiple of "
             f"ssm.time_step_rank {v_heads}"
         )
     head_dim = common["head_dim"]
     rope_dims = int(meta.get(K.Rope.DIMENSION_COUNT, head_dim))
     kv = _per_layer(meta.need(K.Attention.HEAD_COUNT_KV), n)
-    config = transformers.Qwen3_5TextConfig(
+    if meta.arch == "qwen35":
+        kind, extra = (
+            transformers.Qwen3_5TextConfig,
+            {"intermediate_size": int(meta.need(K.LLM.FEED_FORWARD_LENGTH))},
+        )
+    else:
+        kind = (
+            transformers.Qwen3NextConfig
+            if meta.arch == "qwen3next"
+            else (transformers.Qwen3_5MoeTextConfig)
+        )
+        extra = _qwen_moe(meta, n)
+    config = kind(
         **common,
-        intermediate_size=int(meta.need(K.LLM.FEED_FORWARD_LENGTH)),
+        **extra,
         num_key_value_heads=max(kv),
         rms_norm_eps=float(meta.need(K.Attention.LAYERNORM_RMS_EPS)),
         rope_parameters={
@@ -250,8 +317,33 @@ def _qwen35(meta: Metadata, common: dict[str, Any]) -> Any:
             "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)
         ],
     )
-    config.architectures = ["Qwen3_5ForCausalLM"]
+    config.architectures = [HYBRID_GGUF_ARCHITECTURES[meta.arch]]
     return config
+
+
+def _qwen_moe(meta: Metadata, n: int) -> dict[str, Any]:
+    """The sparse-MLP settings of a qwen35moe / qwen3next file (the module docstring)."""
+    import gguf
+
+    K = gguf.Keys
+    width = int(meta.need(K.LLM.EXPERT_FEED_FORWARD_LENGTH))
+    out: dict[str, Any] = dict(
+        num_experts=int(meta.need(K.LLM.EXPERT_COUNT)),
+        num_experts_per_tok=int(meta.need(K.LLM.EXPERT_USED_COUNT)),
+        moe_intermediate_size=width,
+        shared_expert_intermediate_size=int(meta.need(K.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)),
+        # written when the checkpoint's config has one; a dense layer's width
+        intermediate_size=int(meta.get(K.LLM.FEED_FORWARD_LENGTH, width)),
+    )
+    dense = [i for i in range(n) if meta.tensor_shape(f"blk.{i}.ffn_gate_inp.weight") is None]
+    if dense:
+        raise ValueError(
+            f"GGUF {meta.path}: {meta.arch} layers {dense} have no router (ffn_gate_inp)"
+        )
+    if meta.arch == "qwen35moe":
+        return out
+    norm = meta.get(K.LLM.EXPERT_WEIGHTS_NORM)
+    return dict(out, norm_topk_prob=True if norm is None else bool(norm), decoder_sparse_step=1)
 
 
 def _nemotron_h(meta: Metadata, common: dict[str, Any]) -> Any:
@@ -352,7 +444,7 @@ class HybridTensors:
     def unit_offset(self, gguf_name: str) -> bool:
         """Whether the converter stored this norm as 1 + w."""
         return (
-            self.arch == "qwen35"
+            self.arch.startswith("qwen")
             and gguf_name.endswith("norm.weight")
             and not gguf_name.endswith("ssm_norm.weight")
         )
@@ -367,9 +459,17 @@ class HybridTensors:
             data = data[:, None, :]  # [channels, 1, kernel]
         if kind == "ssm_norm.weight":
             data = data.reshape(-1)
-        if self.arch == "qwen35" and self.v_heads != self.k_heads:
+        if self.arch in ("qwen35", "qwen35moe") and self.v_heads != self.k_heads:
             data = self._unreorder(kind, data)
         return data
+
+    def qkvz(self, qkv: np.ndarray, z: np.ndarray) -> np.ndarray:
+        """Qwen3-Next's ``in_proj_qkvz`` from ``attn_qkv`` and ``attn_gate``: per key head
+        its q, k, v and z rows."""
+        key = self.k_heads * self.k_dim
+        parts = (qkv[:key], qkv[key : 2 * key], qkv[2 * key :], z)
+        per_head = [p.reshape(self.k_heads, -1, p.shape[-1]) for p in parts]
+        return np.concatenate(per_head, axis=1).reshape(-1, qkv.shape[-1])
 
     def _unreorder(self, kind: str, data: np.ndarray) -> np.ndarray:
         per_k = self.v_heads // self.k_heads

@@ -19,12 +19,14 @@ dimension and the sliding window, none of which transformers' reader takes).
 
 Qwen3-MoE (``qwen3moe``): the router is ``ffn_gate_inp``; each layer's experts are one
 stacked tensor per projection (``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``,
-[experts, out, in]), split here into transformers' per-expert names.
+[experts, out, in]), split here into transformers' per-expert names; a fused
+``ffn_gate_up_exps`` (gate rows, then up rows) is split in two as well.
 ``complete_config`` adds the experts' width (``expert_feed_forward_length``).
 
-Hybrids (``qwen35``, ``nemotron_h``, ``nemotron_h_moe``): transformers reads no config of
-these, so ``gguf_hybrid.hf_config`` builds it from the metadata, and ``gguf_hybrid``
-undoes the converter's tensor transforms (its docstring lists them).
+Hybrids (``qwen35``, ``qwen35moe``, ``qwen3next``, ``nemotron_h``, ``nemotron_h_moe``):
+transformers reads no config of these, so ``gguf_hybrid.hf_config`` builds it from the
+metadata, and ``gguf_hybrid`` undoes the converter's tensor transforms (its docstring
+lists them).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -50,6 +52,8 @@ GGUF_ARCHITECTURES = {
     "phi3": False,
     "qwen3moe": False,
     "qwen35": False,
+    "qwen35moe": False,
+    "qwen3next": False,
     "nemotron_h": True,  # no rotary, yet the converter permutes q/k as for llama
     "nemotron_h_moe": True,
 }
@@ -92,10 +96,12 @@ _PHI3_BLOCK_NAMES = {
 }
 #: Qwen3-MoE: the router, and stacked experts (split per expert in ``read_gguf_weights``).
 _MOE_BLOCK_NAMES = {**_BLOCK_NAMES, "ffn_gate_inp.weight": "mlp.gate.weight"}
+#: Stacked expert tensor -> the per-expert projections it holds, in row order.
 _STACKED_EXPERTS = {
-    "ffn_gate_exps.weight": "gate_proj",
-    "ffn_up_exps.weight": "up_proj",
-    "ffn_down_exps.weight": "down_proj",
+    "ffn_gate_exps.weight": ("gate_proj",),
+    "ffn_up_exps.weight": ("up_proj",),
+    "ffn_down_exps.weight": ("down_proj",),
+    "ffn_gate_up_exps.weight": ("gate_proj", "up_proj"),
 }
 #: Tensors that are config, not weights (read by ``complete_config``).
 _ROPE_FACTORS = {
@@ -106,12 +112,26 @@ _BLOCK_NAMES_BY_ARCH = {
     "phi3": _PHI3_BLOCK_NAMES,
     "qwen3moe": _MOE_BLOCK_NAMES,
     "qwen35": gguf_hybrid.QWEN35_BLOCK_NAMES,
+    "qwen35moe": gguf_hybrid.QWEN35MOE_BLOCK_NAMES,
+    "qwen3next": gguf_hybrid.QWEN3NEXT_BLOCK_NAMES,
     "nemotron_h": gguf_hybrid.NEMOTRON_H_BLOCK_NAMES,
     "nemotron_h_moe": gguf_hybrid.NEMOTRON_H_BLOCK_NAMES,
 }
 #: Architectures whose layers live under ``backbone.`` (Nemotron-H's checkpoint layout).
 _BACKBONE = ("nemotron_h", "nemotron_h_moe")
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+class _Source(NamedTuple):
+    """Where one transformers tensor is in the file: the GGUF tensor (with a second one
+    read together with it, Qwen3-Next's ``attn_gate``), the expert within a stacked
+    tensor, and which of ``parts`` equal row blocks of it (fused gate and up)."""
+
+    tensor: Any
+    expert: int | None = None
+    part: int = 0
+    parts: int = 1
+    partner: Any = None
 
 
 def gguf_architecture(path: str | Path) -> str:
@@ -187,30 +207,48 @@ class GGUFWeights:
             else (_STACKED_EXPERTS, "model.layers.{}.mlp.experts.")
         )
         layers = self.hybrid and gguf_hybrid.decoder_layers(gguf_hybrid.Metadata(reader, path))
-        # transformers' name -> (GGUF tensor, expert index within a stacked tensor or None)
-        self._index: dict[str, tuple[Any, int | None]] = {}
+        partners = gguf_hybrid.QKVZ_PARTS if arch == "qwen3next" else {}
+        by_name = {t.name: t for t in reader.tensors}
+        self._index: dict[str, _Source] = {}
         for t in reader.tensors:
             if t.name in _ROPE_FACTORS:
                 continue
             m = _BLOCK.match(t.name)
             if m and layers and int(m.group(1)) >= layers:
                 continue  # multi-token-prediction blocks: not served
+            if m and m.group(2) in partners.values():
+                continue  # read with its partner
             if m and m.group(2) in stacked:
-                prefix = experts.format(m.group(1))
+                prefix, projections = experts.format(m.group(1)), stacked[m.group(2)]
                 for e in range(int(t.shape[-1])):  # ggml order: experts last
-                    self._index[f"{prefix}{e}.{stacked[m.group(2)]}.weight"] = (t, e)
+                    for i, proj in enumerate(projections):
+                        source = _Source(t, e, i, len(projections))
+                        self._index[f"{prefix}{e}.{proj}.weight"] = source
                 continue
-            self._index[_hf_name(t.name, block_names, global_names, backbone)] = (t, None)
+            partner = None
+            if m and m.group(2) in partners:
+                partner_name = f"blk.{m.group(1)}.{partners[m.group(2)]}"
+                if partner_name not in by_name:
+                    raise ValueError(f"GGUF {path} has {t.name!r} but no {partner_name!r}")
+                partner = by_name[partner_name]
+            name = _hf_name(t.name, block_names, global_names, backbone)
+            self._index[name] = _Source(t, partner=partner)
         self._cache: dict[str, np.ndarray] = {}
 
     def names(self) -> Iterable[str]:
         return self._index.keys()
 
     def read(self, piece: Piece) -> torch.Tensor:
-        t, expert = self._index[piece.name]
-        data = self._dequantized(t, piece.name)
-        if expert is not None:
-            data = data[expert]  # [experts, out, in]
+        source = self._index[piece.name]
+        data = self._dequantized(source.tensor, piece.name)
+        if source.partner is not None:
+            assert self.hybrid is not None
+            data = self.hybrid.qkvz(data, self._dequantized(source.partner, piece.name))
+        if source.expert is not None:
+            data = data[source.expert]  # [experts, out, in]
+        if source.parts > 1:
+            rows = data.shape[0] // source.parts
+            data = data[source.part * rows : (source.part + 1) * rows]
         if piece.dim is not None:
             index = (slice(None),) * piece.dim + (slice(piece.start, piece.stop),)
             data = data[index]
