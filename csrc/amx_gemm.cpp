@@ -98,11 +98,13 @@ RS_TARGET_AMX void amx_range(const uint16_t* W, const uint16_t* xp, YT* yT, int6
     _tile_zero(3);
     const uint16_t* w0 = W + n * K;
     const uint16_t* w1 = w0 + 16 * K;
-    // The next block of 32 rows is one contiguous run of W: its lines are asked into
-    // L2 evenly over this block's K steps, one sequential stream (the tile loads'
-    // 32 strided rows are not a stream the hardware prefetcher follows well).
+    // The next block of 32 rows is one contiguous run of W: with two x tiles (17-32
+    // rows, where each K step's four products leave the loads' latency exposed) its
+    // lines are asked into L2 evenly over this block's K steps, one sequential stream
+    // (the tile loads' 32 strided rows are not a stream the hardware prefetcher
+    // follows well). With one x tile the loads alone keep up, and asking costs more.
     const char* next = reinterpret_cast<const char*>(W + (n + 32) * K);
-    const bool fetch = n + 64 <= n1;
+    const bool fetch = mb > 1 && n + 64 <= n1;
     int64_t line = 0;
     for (int64_t k = 0; k < K; k += 32) {
       if (fetch) {
