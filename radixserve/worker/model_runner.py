@@ -527,10 +527,6 @@ class ModelRunner:
             return StepResult(batch.step_id, np.zeros(0, dtype=np.int32), scores, failed=failed)
         all_logits = logits
         logits = logits[:num_sampled]
-        if logits.dtype in (torch.bfloat16, torch.float16):
-            # Exactly the same values: argmax picks the same (first) maximum, and the
-            # processing, filters and softmax run in float32.
-            logits = logits.float()
         plain = sampling
         if drafts:  # the requests with drafts are verified below, one by one
             keep = [i for i, r in enumerate(sampling) if not r.num_drafts]
@@ -538,12 +534,20 @@ class ModelRunner:
             logits = logits[keep]
         slots = [r.slot for r in plain]
         positions = [r.start_pos + len(r.input_ids) for r in plain]
-        want = [(i, p.logprobs) for i, p in enumerate(map(self.sampler.params, slots))]
-        want = [(i, k) for i, k in want if k is not None]
-        raw = logits[[i for i, _ in want]] if want else None  # a copy: indexing by list
-        if slots and self.logits_processor.active(slots):
-            logits = self.logits_processor.apply(logits, slots, positions)
+        params = [self.sampler.params(slot) for slot in slots]
+        want = [(i, p.logprobs) for i, p in enumerate(params) if p.logprobs is not None]
+        processed = bool(slots) and self.logits_processor.active(slots)
         constrained = self.grammars.active(slots)
+        if logits.dtype in (torch.bfloat16, torch.float16) and (
+            want or processed or constrained or not all(p.greedy for p in params)
+        ):
+            # Exactly the same values: the processing, filters, softmax and logprobs run
+            # in float32. Plain greedy rows take the argmax of the half values as they
+            # are (the same first maximum; the LM head's output is not copied).
+            logits = logits.float()
+        raw = logits[[i for i, _ in want]] if want else None  # a copy: indexing by list
+        if processed:
+            logits = self.logits_processor.apply(logits, slots, positions)
         if constrained:
             logits = self.grammars.apply_masks(logits, slots)
         tokens = self.sampler.sample(logits, slots, positions) if slots else _NO_TOKENS
