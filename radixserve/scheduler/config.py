@@ -9,7 +9,7 @@ SCHEDULE_POLICIES = ("lpm", "fcfs", "priority")
 EVICTION_POLICIES = ("lru", "lfu", "priority")  # radix_cache.py's
 SPECULATIVE_ALGORITHMS = ("off", "ngram", "radix")  # speculative.py's
 #: ``decode_step_tokens``' default (docs/scheduler.md: measured).
-DECODE_STEP_TOKENS = 512
+DECODE_STEP_TOKENS = 1024
 
 
 def check_cache_tiers(cache: str, has_host: bool, disk_cache_dir: str | None) -> None:
