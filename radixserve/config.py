@@ -79,6 +79,7 @@ class EngineConfig:
     cache: str = _S.cache
     radix_impl: str = _S.radix_impl
     chunked_prefill_size: int = _S.chunked_prefill_size
+    decode_step_tokens: int = _S.decode_step_tokens
     schedule_policy: str = _S.schedule_policy
     lpm_max_waiting: int = _S.lpm_max_waiting
     max_wait_steps: int = _S.max_wait_steps

@@ -169,6 +169,15 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
         help="most prompt tokens computed per step",
     )
     p.add_argument(
+        "--decode-step-tokens",
+        type=_non_negative,
+        default=d.decode_step_tokens,
+        help="while requests decode, the most tokens a step carries (their decode rows, "
+        "then prompt tokens: at least one page, at most --chunked-prefill-size), so a "
+        "long prefill does not stall them; 0: off, every step may prefill "
+        "--chunked-prefill-size",
+    )
+    p.add_argument(
         "--schedule-policy",
         choices=["lpm", "fcfs", "priority"],
         default=d.schedule_policy,

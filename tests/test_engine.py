@@ -72,6 +72,16 @@ def test_greedy_equals_hf(tiny_dir, prompts, expected, cache, page_size, chunk):
         assert eng.stats()["hit_tokens"] > 0
 
 
+def test_greedy_equals_hf_with_a_prefill_budget_while_decoding(tiny_dir, prompts, expected):
+    """Prompts prefilled a page a step beside decodes (``decode_step_tokens``) or in
+    whole chunks: the same greedy tokens."""
+    for budget in (8, 0):
+        eng = engine(tiny_dir, page_size=4, chunked_prefill_size=32, decode_step_tokens=budget)
+        results = eng.generate(prompts, GREEDY)
+        assert [r.token_ids for r in results] == expected
+        eng.check_idle()
+
+
 def test_greedy_equals_hf_under_kv_pressure(tiny_dir, prompts, expected):
     """A pool that fits about two requests: eviction and retraction must not change tokens."""
     eng = engine(tiny_dir, page_size=4, num_pages=40, decode_reserve_ratio=0.0)

@@ -8,6 +8,8 @@ CACHE_MODES = ("radix", "none")
 SCHEDULE_POLICIES = ("lpm", "fcfs", "priority")
 EVICTION_POLICIES = ("lru", "lfu", "priority")  # radix_cache.py's
 SPECULATIVE_ALGORITHMS = ("off", "ngram", "radix")  # speculative.py's
+#: ``decode_step_tokens``' default (docs/scheduler.md: measured).
+DECODE_STEP_TOKENS = 1024
 
 
 def check_cache_tiers(cache: str, has_host: bool, disk_cache_dir: str | None) -> None:
@@ -34,6 +36,14 @@ class SchedulerConfig:
     - ``max_running_requests`` 64: requests holding a worker slot at once.
     - ``chunked_prefill_size`` 2048: prompt tokens computed per step at most
       (a longer prompt is prefilled in chunks, one chunked request at a time).
+    - ``decode_step_tokens``: while requests decode, the tokens a step carries
+      at most (decode rows and their drafts, then prefill): the prefill gets what
+      the decodes leave, in whole pages, at least one page, at most
+      ``chunked_prefill_size``; a step with no decode prefills
+      ``chunked_prefill_size``. 0: off (every step may prefill
+      ``chunked_prefill_size`` whatever decodes). It bounds how long a decoding
+      request waits for a step that also prefills (Sarathi-Serve's stall-free
+      batching; docs/scheduler.md).
     - ``schedule_policy`` "lpm": longest cached prefix first, with aging; it
       falls back to FCFS order when more than ``lpm_max_waiting`` requests wait
       (peeking every prompt each step would cost more than it saves).
@@ -81,6 +91,7 @@ class SchedulerConfig:
     radix_impl: str = "auto"
     max_running_requests: int = 64
     chunked_prefill_size: int = 2048
+    decode_step_tokens: int = DECODE_STEP_TOKENS
     schedule_policy: str = "lpm"
     lpm_max_waiting: int = 128
     max_wait_steps: int = 64
@@ -145,6 +156,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunked_prefill_size < self.page_size:
             raise ValueError("chunked_prefill_size must be at least one page")
+        if self.decode_step_tokens < 0:
+            raise ValueError(f"decode_step_tokens must be >= 0, got {self.decode_step_tokens}")
         if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
             raise ValueError(
                 f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, "

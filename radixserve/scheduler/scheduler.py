@@ -33,7 +33,9 @@ A step, in order:
    step for them); under speculative decoding a request may also carry drafts to
    verify (``speculative.py``): its new tokens are the drafts the worker accepted
    and the one it sampled after them, and the pages past them go back at once;
-3. the chunked prefill in progress continues, within the token budget, then the
+3. the chunked prefill in progress continues, within the token budget (the
+   prefill budget: ``chunked_prefill_size``, less while requests decode under
+   ``decode_step_tokens``, ``prefill_budget``), then the
    LOADING requests whose pages have all arrived start their prefill, in
    admission order (one of them may become the chunked prefill);
 4. waiting requests are admitted by policy while the token budget, the memory
@@ -331,7 +333,7 @@ class Scheduler(Admission):
         self._schedule_decodes(batch)
         if batch:
             self.reserve.decay()
-        budget = self.config.chunked_prefill_size
+        budget = self.prefill_budget(sum(n for _, n in batch))
         in_flight: list[Request] = []
         if self.chunked is not None:
             req = self.chunked
@@ -380,6 +382,22 @@ class Scheduler(Admission):
             drop_loras,
             self.kv.take_state_saves(),
         )
+
+    def prefill_budget(self, decode_tokens: int) -> int:
+        """The prompt tokens a step may compute when its decode rows (drafts
+        included) carry ``decode_tokens`` tokens.
+
+        With no decode, or ``decode_step_tokens`` 0, it is ``chunked_prefill_size``.
+        Otherwise the step carries ``decode_step_tokens`` tokens in all: the prefill
+        gets what the decodes leave, in whole pages, at least one page (a prompt
+        always progresses) and at most ``chunked_prefill_size``.
+        """
+        cfg = self.config
+        if decode_tokens == 0 or cfg.decode_step_tokens == 0:
+            return cfg.chunked_prefill_size
+        left = cfg.decode_step_tokens - decode_tokens
+        ps = self.page_size
+        return min(cfg.chunked_prefill_size, max(ps, left - left % ps))
 
     def _process_step_result(
         self, result: StepResult | np.ndarray | Sequence[int]

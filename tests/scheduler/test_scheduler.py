@@ -280,6 +280,8 @@ def workloads(draw):
         slots=draw(st.integers(1, 6)),
         jump_every=draw(st.sampled_from([0, 0, 2, 3])),
         compile_steps=draw(st.sampled_from([1, 4])),
+        # The prefill budget while requests decode: off, or binding (a page at least).
+        step_tokens=draw(st.sampled_from([0, 8, 40])),
     )
 
 
@@ -342,6 +344,7 @@ def run_workload(w, copy_delay=0, **tiers):
         max_running_requests=w["slots"],
         jump_every=w["jump_every"],
         compile_steps=w["compile_steps"],
+        decode_step_tokens=w["step_tokens"],
         **tiers,
     )
     prompts = {r["rid"]: r["prompt"] for r in w["reqs"]}
