@@ -1,5 +1,5 @@
-"""Speculative decoding through the in-process Engine on a tiny float64 model (and the
-embedded SmolLM2 in float32).
+"""Speculative decoding through the in-process Engine on a tiny float64 model, and the
+embedded SmolLM2 in float32 through the Engine and through ``radixserve launch``.
 
 Greedy outputs (tokens, text, finish reasons, logprobs) must be those of the same
 Engine without speculation, whatever the drafter, page size and chunking, for
@@ -21,6 +21,8 @@ import pytest
 import torch
 
 from radixserve import Engine, SamplingParams
+from radixserve.client import Client
+from tests.helpers.server import Server, wait_idle
 from tests.helpers.tiny_models import make_tiny_model, use_char_tokenizer
 
 MAX_NEW = 16
@@ -218,23 +220,95 @@ def test_sampled_outputs_keep_their_distribution(tiny_dir):
         assert df >= 2 and p > 1e-3, (depth, table, p)
 
 
-def test_smollm2_float32_greedy_equal_with_radix_drafts(smollm2_cache_dir):
-    """The embedded model in float32: a verification's rows go through the same
-    kernels as decode rows (on the CPU, the one-call step up to 32 rows), so the
-    greedy tokens with radix drafts are those without, and most of the replays'
-    tokens come from accepted drafts."""
-    texts = [
-        "The quick brown fox jumps over the lazy dog. " * 3 + "Repeat the sentence above.",
-        "List the numbers from one to twenty in words, separated by commas.",
-        "Write the alphabet in capital letters, separated by spaces.",
-    ]
-    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    out = {}
-    for algorithm in ("off", "radix"):
-        with Engine("smollm2", cache_dir=smollm2_cache_dir, dtype="float32", warmup=False,
-                    speculative_algorithm=algorithm) as eng:  # fmt: skip
-            out[algorithm] = [[r.token_ids for r in eng.generate(texts, params)] for _ in range(2)]
-            eng.check_idle()
-            stats = eng.stats()
-    assert out["radix"] == out["off"]
-    assert stats["spec_accepted_tokens"] >= len(texts) * 48 // 2
+# The embedded SmolLM2 in float32: a verification's rows go through the same kernels
+# as decode rows (on the CPU, the one-call step up to 32 rows), so greedy outputs with
+# drafts are those without. One chat whose answer copies the prompt (ngram drafts
+# while the tree has nothing), n = 2 and past its EOS, then its replays, drafted from
+# the tree and cut by max_tokens, by EOS and by a stop string inside the drafted run;
+# 16-token pages, the 50-token prompt prefilled in 32-token chunks, replays hitting
+# the cache. The Engine without speculation, run once, is the oracle of the Engine
+# with radix drafts and of a launched server with them.
+SMOLLM2_CHAT = [
+    {
+        "role": "user",
+        "content": "Repeat this sentence exactly: The quick brown fox jumps over the "
+        "lazy dog near the old river bank.",
+    }
+]
+SMOLLM2_POOL = dict(page_size=16, chunked_prefill_size=32, num_pages=128)
+SMOLLM2_REQUESTS = [
+    dict(max_tokens=20, ignore_eos=True, n=2),  # the answer, its EOS, and past it
+    dict(max_tokens=14, ignore_eos=True),  # max_tokens inside what the tree drafts
+    dict(max_tokens=20),  # EOS inside it
+    dict(max_tokens=20, stop=["lazy"]),  # a stop string inside it
+]
+
+
+def smollm2_engine(cache_dir, algorithm: str) -> Engine:
+    return Engine("smollm2", cache_dir=cache_dir, dtype="float32", warmup=False,
+                  speculative_algorithm=algorithm, **SMOLLM2_POOL)  # fmt: skip
+
+
+def outcomes(results) -> list[tuple]:
+    return [(r.token_ids, r.text, r.finish_reason) for r in results]
+
+
+@pytest.fixture(scope="module")
+def smollm2_plain(smollm2_cache_dir):
+    with smollm2_engine(smollm2_cache_dir, "off") as eng:
+        want = [
+            outcomes(eng.generate(SMOLLM2_CHAT, SamplingParams(temperature=0.0, **kw)))
+            for kw in SMOLLM2_REQUESTS
+        ]
+    assert [[o[2] for o in w] for w in want] == [["length"] * 2, ["length"], ["stop"], ["stop"]]
+    assert [len(w[0][0]) for w in want[1:]] == [14, 11, 8]  # EOS 11th, "lazy" ends the 8th
+    return want
+
+
+def check_drafts_accepted(first: dict, last: dict) -> None:
+    """``first``: the counters after the first request (ngram drafts of the copied
+    sentence), ``last`` after the replays (radix drafts)."""
+    assert first["spec_accepted_tokens"] >= 8
+    assert last["spec_accepted_tokens"] - first["spec_accepted_tokens"] >= 15
+
+
+def test_smollm2_float32_greedy_equal_with_radix_drafts(smollm2_cache_dir, smollm2_plain):
+    got, stats = [], []
+    with smollm2_engine(smollm2_cache_dir, "radix") as eng:
+        for kw in SMOLLM2_REQUESTS:
+            got.append(outcomes(eng.generate(SMOLLM2_CHAT, SamplingParams(temperature=0.0, **kw))))
+            stats.append(eng.stats())
+        eng.check_idle()
+    assert got == smollm2_plain
+    check_drafts_accepted(stats[0], stats[-1])
+
+
+def test_smollm2_float32_launch_with_radix_drafts(smollm2_cache_dir, smollm2_plain):
+    """The same requests to ``radixserve launch --speculative-algorithm radix`` over
+    ZeroMQ (the first replay streamed): the plain Engine's outputs, drafts accepted
+    (the server's counters), the server idle and clean after."""
+    flags = ["--dtype", "float32", "--cache-dir", smollm2_cache_dir, "--no-warmup"]
+    for k, v in SMOLLM2_POOL.items():
+        flags += [f"--{k.replace('_', '-')}", str(v)]
+    srv = Server("smollm2", *flags, "--speculative-algorithm", "radix")
+    got, stats = [], []
+    try:
+        with Client(srv.endpoint, timeout=300) as c:
+            for i, kw in enumerate(SMOLLM2_REQUESTS):
+                if i == 1:
+                    chunks = list(c.generate_stream(messages=SMOLLM2_CHAT, temperature=0.0, **kw))
+                    ids = [t for ch in chunks for t in ch.token_ids]
+                    text = "".join(ch.text for ch in chunks)
+                    got.append([(ids, text, chunks[-1].finish_reason)])
+                    assert any(len(ch.token_ids) > 1 for ch in chunks)  # drafts arrive together
+                else:
+                    res = c.generate(messages=SMOLLM2_CHAT, temperature=0.0, **kw)
+                    got.append(outcomes(res if isinstance(res, list) else [res]))
+                stats.append(wait_idle(c))
+            assert c.check()["ok"]
+    finally:
+        assert srv.stop() == 0
+    assert srv.orphans() == []
+    assert got == smollm2_plain
+    check_drafts_accepted(stats[0], stats[-1])
+    print("drafts", {k: v for k, v in stats[-1].items() if k.startswith("spec_")})
