@@ -576,6 +576,66 @@ void apply_token_bitmask(py::array& logits, const py::array& bitmask, const py::
   }
 }
 
+// The gated delta rule's decode step on the state pool in place (csrc/gated_delta.cpp).
+void gated_delta_step(const py::array& q, const py::array& k, const py::array& v,
+                      const py::array& g, const py::array& beta, py::array& state,
+                      const py::array& entries, py::array& out, int num_threads,
+                      const std::string& isa_name) {
+  auto fail = [](const std::string& what) {
+    throw std::invalid_argument("gated_delta_step: " + what);
+  };
+  const Isa isa = parse_isa(isa_name, "gated_delta_step");
+  const auto c = py::array::c_style;
+  const bool f64 = q.dtype().is(py::dtype::of<double>());
+  if (!f64 && !q.dtype().is(py::dtype::of<float>())) fail("arrays must be float32 or float64");
+  for (const py::array* a :
+       std::initializer_list<const py::array*>{&k, &v, &g, &beta, &state, &out})
+    if (!a->dtype().is(q.dtype())) fail("arrays must have one dtype");
+  if (q.ndim() != 3 || k.ndim() != 3 || v.ndim() != 3 || out.ndim() != 3 || g.ndim() != 2 ||
+      beta.ndim() != 2 || state.ndim() != 4 || entries.ndim() != 1)
+    fail("q, k, v, out must be 3-D, g and beta 2-D, state 4-D, entries 1-D");
+  for (const py::array* a :
+       std::initializer_list<const py::array*>{&q, &k, &v, &g, &beta, &entries, &out})
+    if (!(a->flags() & c)) fail("q, k, v, g, beta, entries and out must be C-contiguous");
+  if (!out.writeable() || !state.writeable()) fail("state and out must be writeable");
+  if (!entries.dtype().is(py::dtype::of<int64_t>())) fail("entries must be int64");
+  const int64_t b = q.shape(0), h = q.shape(1), dk = q.shape(2), dv = v.shape(2);
+  if (k.shape(0) != b || k.shape(1) != h || k.shape(2) != dk || v.shape(0) != b ||
+      v.shape(1) != h || out.shape(0) != b || out.shape(1) != h || out.shape(2) != dv ||
+      g.shape(0) != b || g.shape(1) != h || beta.shape(0) != b || beta.shape(1) != h ||
+      entries.shape(0) != b || state.shape(1) != h || state.shape(2) != dk ||
+      state.shape(3) != dv)
+    fail("shapes disagree");
+  if (dv > 512) fail("value_dim must be at most 512");
+  const int64_t item = q.dtype().itemsize();
+  if (state.strides(3) != item || state.strides(2) != dv * item ||
+      state.strides(1) != dk * dv * item || state.strides(0) % item || state.strides(0) < 0)
+    fail("each entry of state must be C-contiguous");
+  const int64_t n = state.shape(0);
+  const auto* e = static_cast<const int64_t*>(entries.data());
+  std::vector<char> seen(static_cast<size_t>(n), 0);
+  for (int64_t i = 0; i < b; ++i) {
+    if (e[i] < 0 || e[i] >= n) fail("an entry is out of range");
+    if (seen[e[i]]++) fail("entries must be distinct");
+  }
+  radixserve::GatedDeltaStep p{};
+  p.q = q.data();
+  p.k = k.data();
+  p.v = v.data();
+  p.g = g.data();
+  p.beta = beta.data();
+  p.state = state.mutable_data();
+  p.out = out.mutable_data();
+  p.entries = e;
+  p.batch = b;
+  p.heads = h;
+  p.key_dim = dk;
+  p.value_dim = dv;
+  p.entry_stride = state.strides(0) / item;
+  py::gil_scoped_release nogil;
+  radixserve::gated_delta_step(p, f64, isa, num_threads);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu_kernels, m) {
@@ -614,6 +674,12 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::arg("unit_offset"), py::arg("num_threads"), py::arg("isa") = "auto",
         "y = RMSNorm(x) * w (or * (1 + w) with unit_offset) for bfloat16 rows [rows, n] "
         "(as int16), with the torch form's roundings (csrc/rms_norm.cpp).");
+  m.def("gated_delta_step", &gated_delta_step, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("g"), py::arg("beta"), py::arg("state"), py::arg("entries"), py::arg("out"),
+        py::arg("num_threads"), py::arg("isa") = "auto",
+        "The gated delta rule's decode step (csrc/gated_delta.cpp): for each request b and "
+        "head h, S = state[entries[b], h] <- exp(g) S + k (beta (v - k^T exp(g) S))^T in "
+        "place and out[b, h] = q^T S; float32 or float64.");
   m.def("argmax_columns", &argmax_columns, py::arg("x"), py::arg("out"), py::arg("isa") = "auto",
         "out [rows] (int64) = the first index of each column's maximum of x [vocab, rows] "
         "(float32, or bfloat16 as int16; C-contiguous), NaN counting as largest (torch.argmax).");

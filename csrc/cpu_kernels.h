@@ -360,4 +360,24 @@ void quantize_kv_row(const float* x, int64_t d, KVQuant quant, uint8_t* dst, Isa
 void argmax_columns(const void* x, bool bf16, int64_t vocab, int64_t rows, int64_t* out,
                     Isa isa);
 
+// The gated delta rule's decode step in place on the state pool (gated_delta.cpp):
+// for each request b and head h, with S = state[entries[b]][h] ([key_dim][value_dim]
+// at state + entries[b] * entry_stride + h * key_dim * value_dim), e = exp(g[b][h]):
+//   S <- e S + k (beta (v - k^T (e S)))^T,  out[b][h] = q^T S
+// q, k [batch, heads, key_dim], v, out [batch, heads, value_dim], g, beta [batch,
+// heads], all C-contiguous, all float32 or all float64; entries distinct and in range,
+// value_dim <= 512 (the bindings check).
+struct GatedDeltaStep {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* g;
+  const void* beta;
+  void* state;
+  void* out;
+  const int64_t* entries;
+  int64_t batch, heads, key_dim, value_dim, entry_stride;
+};
+void gated_delta_step(const GatedDeltaStep& p, bool f64, Isa isa, int num_threads);
+
 }  // namespace radixserve

@@ -11,7 +11,8 @@ Per head the state ``S`` is a ``[key_dim, value_dim]`` matrix; each token
     o  = q^T S
 
 ``recurrent_step`` does exactly that for one token of every request of a decode
-step. ``chunked`` computes a prefill chunk by chunk with the same result: within
+step (in the layer, the native kernel ``csrc/gated_delta.cpp`` does it instead where
+it takes the states, in place in the state pool: ``NATIVE``). ``chunked`` computes a prefill chunk by chunk with the same result: within
 a chunk of L tokens with cumulative log-decays ``G`` (``G_i = g_1 + ... + g_i``)
 and the state ``S0`` at its start, the corrections ``u_j = beta_j (v_j - k_j^T
 exp(g_j) S_{j-1})`` satisfy the unit lower-triangular system
@@ -28,7 +29,14 @@ Every exponent is <= 0 (the masked ones are never taken), so nothing overflows.
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+#: Whether a decode step's delta rule runs in the native kernel where it takes the
+#: states (``layers.cpu_kernels.gated_delta_step``: in place in the state pool, the
+#: same operations as ``recurrent_step``); False keeps the torch form.
+NATIVE = os.environ.get("RADIXSERVE_NATIVE_DELTA", "1") != "0"
 
 #: Tokens per chunk of the chunked form (the triangular solve is L x L per head).
 CHUNK = 64

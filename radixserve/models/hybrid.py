@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from radixserve.layers import cpu_kernels
 from radixserve.layers.attention import LayerAttention
 from radixserve.layers.linear import Linear
 from radixserve.layers.recurrent import LayerStates, run_segments
@@ -177,10 +178,15 @@ class GatedDeltaNet(nn.Module):
         out[:], rec[entry] = gated_delta.chunked(q, k, v, g, beta, rec[entry])
 
     def _decode(self, qkv, g, beta, entries: torch.Tensor, conv, rec, out) -> None:
-        """One row per request: the states gathered, stepped together, put back."""
+        """One row per request: the states stepped in place in the pool by the native
+        kernel (``cpu_kernels.gated_delta_step``) where it takes them, else gathered,
+        stepped together in torch, put back."""
         mixed, conv_new = conv_step(qkv, conv[entries], self.conv_weight[:, 0])
         conv.index_copy_(0, entries, conv_new.to(conv.dtype))
         q, k, v = self._qkv(mixed, out.dtype)
+        if gated_delta.NATIVE and cpu_kernels.gated_delta_ok(q, rec):
+            out[:] = cpu_kernels.gated_delta_step(q, k, v, g, beta, rec, entries)
+            return
         out[:], rec_new = gated_delta.recurrent_step(q, k, v, g, beta, rec[entries])
         rec.index_copy_(0, entries, rec_new)
 

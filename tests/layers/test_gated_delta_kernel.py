@@ -1,0 +1,156 @@
+"""The gated delta rule's native decode step (csrc/gated_delta.cpp) against the torch
+form (``models.gated_delta.recurrent_step``): float32 and float64, every instruction-set
+level this CPU runs, the states stepped in place in a pool whose other entries stay
+as they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve.layers import cpu_kernels
+from radixserve.models import gated_delta
+from tests.helpers.native import require_built, require_isa
+
+
+@pytest.fixture
+def ext():
+    require_built(cpu_kernels.AVAILABLE, cpu_kernels.UNAVAILABLE_REASON, "native CPU kernels")
+    if not hasattr(cpu_kernels.ext, "gated_delta_step"):
+        pytest.fail("the built CPU kernels lack gated_delta_step: rebuild them")
+    return cpu_kernels.ext
+
+
+@pytest.fixture(params=cpu_kernels.ISAS)
+def isa(request):
+    return require_isa(request.param)
+
+
+def inputs(batch: int, heads: int, dk: int, dv: int, entries: int, dtype, seed: int = 0):
+    """Normalised, scaled q and k, v, decays g <= 0, beta in (0, 1), a pool of random
+    states and ``batch`` distinct entries of it in a shuffled order."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    q = gated_delta.l2_normalize(randn(batch, heads, dk)) * dk**-0.5
+    k = gated_delta.l2_normalize(randn(batch, heads, dk))
+    v = randn(batch, heads, dv)
+    g = -torch.rand(batch, heads, generator=gen, dtype=dtype) * 2
+    beta = torch.rand(batch, heads, generator=gen, dtype=dtype)
+    pool = randn(entries, heads, dk, dv) * 0.3
+    picked = torch.randperm(entries, generator=gen)[:batch]
+    return q, k, v, g, beta, pool, picked
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    ("batch", "heads", "dk", "dv"),
+    [(1, 1, 1, 1), (3, 2, 16, 8), (5, 4, 7, 33), (8, 16, 128, 128), (2, 3, 64, 512)],
+)
+def test_step_equals_the_torch_form(ext, isa, dtype, batch, heads, dk, dv):
+    q, k, v, g, beta, pool, picked = inputs(batch, heads, dk, dv, batch + 3, dtype)
+    want_out, want_state = gated_delta.recurrent_step(q, k, v, g, beta, pool[picked])
+    got_pool = pool.clone()
+    got = cpu_kernels.gated_delta_step(q, k, v, g, beta, got_pool, picked, isa)
+    # Float32: the same operations, a multiply-add sometimes fused; float64 likewise.
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    assert got.dtype == dtype and got.shape == (batch, heads, dv)
+    torch.testing.assert_close(got, want_out, **tol)
+    torch.testing.assert_close(got_pool[picked], want_state, **tol)
+    others = torch.ones(pool.shape[0], dtype=torch.bool)
+    others[picked] = False
+    assert torch.equal(got_pool[others], pool[others])
+
+
+def test_many_steps_stay_with_the_torch_form(ext):
+    """32 steps of one batch, each feeding the next: float32 drifts by rounding only."""
+    q, k, v, g, beta, pool, picked = inputs(4, 2, 32, 16, 6, torch.float32, seed=3)
+    ref = pool[picked].double()
+    got_pool = pool.clone()
+    for step in range(32):
+        q, k, v, g, beta, _, _ = inputs(4, 2, 32, 16, 1, torch.float32, seed=10 + step)
+        want, ref = gated_delta.recurrent_step(
+            q.double(), k.double(), v.double(), g.double(), beta.double(), ref
+        )
+        got = cpu_kernels.gated_delta_step(q, k, v, g, beta, got_pool, picked)
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_pool[picked].double(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_strided_pool_and_threads(ext):
+    """A pool that is one layer's slice of a bigger tensor (entries not adjacent), and
+    the work split over threads, give the single-thread result bit for bit."""
+    q, k, v, g, beta, pool, picked = inputs(6, 4, 16, 16, 8, torch.float32, seed=7)
+    big = torch.zeros(8, 3, 4, 16, 16)
+    big[:, 1] = pool
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = pool.clone()
+        want = cpu_kernels.gated_delta_step(q, k, v, g, beta, one, picked)
+        torch.set_num_threads(3)
+        got = cpu_kernels.gated_delta_step(q, k, v, g, beta, big[:, 1], picked)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, want) and torch.equal(big[:, 1], one)
+    assert not big[:, 0].any() and not big[:, 2].any()
+
+
+def test_rejects_bad_arrays(ext):
+    q, k, v, g, beta, pool, _ = inputs(2, 2, 4, 4, 3, torch.float32)
+    args = [t.numpy() for t in (q, k, v, g, beta, pool)]
+    out = torch.empty_like(v).numpy()
+
+    def call(entries, *, state=args[5], q=args[0]):
+        ext.gated_delta_step(q, *args[1:5], state, torch.tensor(entries).numpy(), out, 1)
+
+    with pytest.raises(ValueError, match="gated_delta_step: an entry is out of range"):
+        call([0, 3])
+    with pytest.raises(ValueError, match="gated_delta_step: entries must be distinct"):
+        call([1, 1])
+    with pytest.raises(ValueError, match="gated_delta_step: arrays must have one dtype"):
+        call([0, 1], q=args[0].astype("float64"))
+    with pytest.raises(ValueError, match="gated_delta_step: each entry of state"):
+        call([0, 1], state=pool.transpose(2, 3).numpy())
+    with pytest.raises(ValueError, match="gated_delta_step: shapes disagree"):
+        call([0, 1], state=pool[:, :1].numpy())
+
+
+def test_model_decode_takes_the_kernel_with_the_torch_result(ext, tmp_path, monkeypatch):
+    """A float64 Qwen3.5 decode step through the ModelRunner: the layers step their
+    states with the kernel, and the logits equal those of the torch form to 1e-12."""
+    import numpy as np
+
+    from radixserve import SamplingParams
+    from radixserve.protocol import Step, StepReq
+    from radixserve.worker.config import WorkerConfig
+    from radixserve.worker.model_runner import ModelRunner
+    from tests.helpers.tiny_models import make_tiny_model
+
+    folder = make_tiny_model(tmp_path, "qwen3_5", seed=2, tokenizer=False)
+    calls = []
+    step = cpu_kernels.gated_delta_step
+    monkeypatch.setattr(cpu_kernels, "gated_delta_step", lambda *a: calls.append(1) or step(*a))
+    greedy = SamplingParams(temperature=0.0)
+    logits = {}
+    for native in (False, True):
+        monkeypatch.setattr(gated_delta, "NATIVE", native)
+        runner = ModelRunner(
+            WorkerConfig(
+                model=str(folder), dtype="float64", page_size=4, num_pages=32, warmup=False
+            )  # fmt: skip
+        )
+        prompts = [np.arange(5, 5 + n, dtype=np.int32) for n in (9, 14)]
+        pages = [np.arange(0, 6, dtype=np.int32), np.arange(6, 12, dtype=np.int32)]
+        runner.forward_logits(Step([StepReq(i, p, 0, pages[i], True, greedy)
+                                    for i, p in enumerate(prompts)]))  # fmt: skip
+        got = []
+        for t in range(3):
+            reqs = [StepReq(i, np.array([7 + t], np.int32), len(p) + t, np.zeros(0, np.int32),
+                            True) for i, p in enumerate(prompts)]  # fmt: skip
+            got.append(runner.forward_logits(Step(reqs)))
+        logits[native] = torch.stack(got)
+    assert len(calls) == 3 * 3  # three decode steps of the three delta-net layers
+    torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=1e-12)
