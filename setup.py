@@ -29,6 +29,7 @@ KERNELS_SOURCES = [
     "csrc/amx_gemm.cpp",
     "csrc/amx_attention.cpp",
     "csrc/gated_delta.cpp",
+    "csrc/mamba2_step.cpp",
     "csrc/cpu_kernels.cpp",
 ]
 

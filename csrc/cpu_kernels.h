@@ -380,4 +380,25 @@ struct GatedDeltaStep {
 };
 void gated_delta_step(const GatedDeltaStep& p, bool f64, Isa isa, int num_threads);
 
+// Mamba-2's decode step in place on the state pool (mamba2_step.cpp): for each request
+// r and head h (of group h / (heads / groups)), with S = state[entries[r]][h]
+// ([head_dim][state_size], at state + entries[r] * entry_stride + h * head_dim *
+// state_size), e = exp(dt[r][h] A[h]):
+//   S <- e S + (dt x) B^T,  out[r][h] = S C
+// x, out [batch, heads, head_dim], dt [batch, heads], A [heads], B, C [batch, groups,
+// state_size], all C-contiguous, all float32 or all float64; entries distinct and in
+// range (the bindings check).
+struct Mamba2Step {
+  const void* x;
+  const void* dt;
+  const void* A;
+  const void* B;
+  const void* C;
+  void* state;
+  void* out;
+  const int64_t* entries;
+  int64_t batch, heads, groups, head_dim, state_size, entry_stride;
+};
+void mamba2_step(const Mamba2Step& p, bool f64, Isa isa, int num_threads);
+
 }  // namespace radixserve

@@ -184,7 +184,7 @@ class GatedDeltaNet(nn.Module):
         mixed, conv_new = conv_step(qkv, conv[entries], self.conv_weight[:, 0])
         conv.index_copy_(0, entries, conv_new.to(conv.dtype))
         q, k, v = self._qkv(mixed, out.dtype)
-        if gated_delta.NATIVE and cpu_kernels.gated_delta_ok(q, rec):
+        if gated_delta.NATIVE and cpu_kernels.recurrent_ok(q, rec):
             out[:] = cpu_kernels.gated_delta_step(q, k, v, g, beta, rec, entries)
             return
         out[:], rec_new = gated_delta.recurrent_step(q, k, v, g, beta, rec[entries])

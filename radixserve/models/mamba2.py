@@ -8,9 +8,11 @@ Per head the state ``S`` is a ``[head_dim, state_size]`` matrix; each token (inp
     y  = S C                      (the layer adds its ``D x`` skip itself)
 
 ``recurrent_step`` does exactly that for one token of every request of a decode
-step. ``chunked`` computes a prefill chunk by chunk with the same result: within
-a chunk of L tokens with cumulative log-decays ``G`` (``G_i = a_1 + ... + a_i``,
-``a_i = dt_i A``) and the state ``S0`` at its start,
+step (in the layer, the native kernel ``csrc/mamba2_step.cpp`` does it instead where
+it takes the states, in place in the state pool: ``NATIVE``). ``chunked`` computes a
+prefill chunk by chunk with the same result: within a chunk of L tokens with cumulative
+log-decays ``G`` (``G_i = a_1 + ... + a_i``, ``a_i = dt_i A``) and the state ``S0`` at its
+start,
 
     y_i = exp(G_i) S0 C_i + sum_{j<=i} exp(G_i - G_j) (C_i . B_j) dt_j x_j
     S_L = exp(G_L) S0 + sum_j exp(G_L - G_j) dt_j x_j B_j^T
@@ -21,7 +23,14 @@ state passed between chunks). Every exponent taken is <= 0, so nothing overflows
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+#: Whether a decode step's scan runs in the native kernel where it takes the states
+#: (``layers.cpu_kernels.mamba2_step``: in place in the state pool, the same operations
+#: as ``recurrent_step``); False keeps the torch form.
+NATIVE = os.environ.get("RADIXSERVE_NATIVE_SCAN", "1") != "0"
 
 #: Tokens per chunk of the chunked form (the within-chunk scores are L x L per head).
 CHUNK = 64

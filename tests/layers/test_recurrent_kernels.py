@@ -1,23 +1,28 @@
-"""The gated delta rule's native decode step (csrc/gated_delta.cpp) against the torch
-form (``models.gated_delta.recurrent_step``): float32 and float64, every instruction-set
-level this CPU runs, the states stepped in place in a pool whose other entries stay
-as they were."""
+"""The recurrent layers' native decode steps against their torch forms: the gated delta
+rule (csrc/gated_delta.cpp vs ``models.gated_delta.recurrent_step``) and Mamba-2's scan
+(csrc/mamba2_step.cpp vs ``models.mamba2.recurrent_step``); float32 and float64, every
+instruction-set level this CPU runs, the states stepped in place in a pool whose other
+entries stay as they were."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from radixserve.layers import cpu_kernels
-from radixserve.models import gated_delta
+from radixserve.models import gated_delta, mamba2
 from tests.helpers.native import require_built, require_isa
+from tests.helpers.tiny_models import make_tiny_model
 
 
 @pytest.fixture
 def ext():
     require_built(cpu_kernels.AVAILABLE, cpu_kernels.UNAVAILABLE_REASON, "native CPU kernels")
-    if not hasattr(cpu_kernels.ext, "gated_delta_step"):
-        pytest.fail("the built CPU kernels lack gated_delta_step: rebuild them")
+    if not hasattr(cpu_kernels.ext, "gated_delta_step") or not hasattr(
+        cpu_kernels.ext, "mamba2_step"
+    ):
+        pytest.fail("the built CPU kernels lack the recurrent steps: rebuild them")
     return cpu_kernels.ext
 
 
@@ -118,39 +123,99 @@ def test_rejects_bad_arrays(ext):
         call([0, 1], state=pool[:, :1].numpy())
 
 
-def test_model_decode_takes_the_kernel_with_the_torch_result(ext, tmp_path, monkeypatch):
-    """A float64 Qwen3.5 decode step through the ModelRunner: the layers step their
-    states with the kernel, and the logits equal those of the torch form to 1e-12."""
-    import numpy as np
-
+def decode_logits(folder, monkeypatch, module, native: bool) -> torch.Tensor:
+    """Logits of three decode steps of two requests (prompts of 9 and 14 tokens) through a
+    float64 ModelRunner, with ``module.NATIVE`` set to ``native``."""
     from radixserve import SamplingParams
     from radixserve.protocol import Step, StepReq
     from radixserve.worker.config import WorkerConfig
     from radixserve.worker.model_runner import ModelRunner
-    from tests.helpers.tiny_models import make_tiny_model
 
-    folder = make_tiny_model(tmp_path, "qwen3_5", seed=2, tokenizer=False)
-    calls = []
-    step = cpu_kernels.gated_delta_step
-    monkeypatch.setattr(cpu_kernels, "gated_delta_step", lambda *a: calls.append(1) or step(*a))
+    monkeypatch.setattr(module, "NATIVE", native)
+    runner = ModelRunner(
+        WorkerConfig(model=str(folder), dtype="float64", page_size=4, num_pages=32, warmup=False)
+    )
     greedy = SamplingParams(temperature=0.0)
-    logits = {}
-    for native in (False, True):
-        monkeypatch.setattr(gated_delta, "NATIVE", native)
-        runner = ModelRunner(
-            WorkerConfig(
-                model=str(folder), dtype="float64", page_size=4, num_pages=32, warmup=False
-            )  # fmt: skip
-        )
-        prompts = [np.arange(5, 5 + n, dtype=np.int32) for n in (9, 14)]
-        pages = [np.arange(0, 6, dtype=np.int32), np.arange(6, 12, dtype=np.int32)]
-        runner.forward_logits(Step([StepReq(i, p, 0, pages[i], True, greedy)
-                                    for i, p in enumerate(prompts)]))  # fmt: skip
-        got = []
-        for t in range(3):
-            reqs = [StepReq(i, np.array([7 + t], np.int32), len(p) + t, np.zeros(0, np.int32),
-                            True) for i, p in enumerate(prompts)]  # fmt: skip
-            got.append(runner.forward_logits(Step(reqs)))
-        logits[native] = torch.stack(got)
+    prompts = [np.arange(5, 5 + n, dtype=np.int32) for n in (9, 14)]
+    pages = [np.arange(0, 6, dtype=np.int32), np.arange(6, 12, dtype=np.int32)]
+    runner.forward_logits(Step([StepReq(i, p, 0, pages[i], True, greedy)
+                                for i, p in enumerate(prompts)]))  # fmt: skip
+    got = []
+    for t in range(3):
+        reqs = [StepReq(i, np.array([7 + t], np.int32), len(p) + t, np.zeros(0, np.int32), True)
+                for i, p in enumerate(prompts)]  # fmt: skip
+        got.append(runner.forward_logits(Step(reqs)))
+    return torch.stack(got)
+
+
+def test_qwen3_5_decode_takes_the_kernel_with_the_torch_result(ext, tmp_path, monkeypatch):
+    """A float64 Qwen3.5 decode step through the ModelRunner: the delta-net layers step
+    their states with the kernel, and the logits equal those of the torch form to 1e-12."""
+    folder = make_tiny_model(tmp_path, "qwen3_5", seed=2, tokenizer=False)
+    step = cpu_kernels.gated_delta_step
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "gated_delta_step", lambda *a: calls.append(1) or step(*a))
+    logits = {n: decode_logits(folder, monkeypatch, gated_delta, n) for n in (False, True)}
     assert len(calls) == 3 * 3  # three decode steps of the three delta-net layers
+    torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    ("batch", "heads", "groups", "p", "n"),
+    [(1, 1, 1, 1, 1), (3, 4, 2, 8, 16), (5, 6, 3, 7, 33), (8, 32, 8, 64, 128)],
+)
+def test_mamba2_step_equals_the_torch_form(ext, isa, dtype, batch, heads, groups, p, n):
+    gen = torch.Generator().manual_seed(batch * heads + n)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    x = randn(batch, heads, p)
+    dt = torch.rand(batch, heads, generator=gen, dtype=dtype) * 0.5
+    A = -torch.rand(heads, generator=gen, dtype=dtype) * 4
+    B, C = randn(batch, groups, n), randn(batch, groups, n)
+    pool = randn(batch + 2, heads, p, n)
+    picked = torch.randperm(batch + 2, generator=gen)[:batch]
+    want_y, want_state = mamba2.recurrent_step(x, dt, A, B, C, pool[picked])
+    got_pool = pool.clone()
+    got = cpu_kernels.mamba2_step(x, dt, A, B, C, got_pool, picked, isa)
+    # The sum over the state is taken in another order than torch's product.
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    assert got.dtype == dtype and got.shape == (batch, heads, p)
+    torch.testing.assert_close(got, want_y, **tol)
+    torch.testing.assert_close(got_pool[picked], want_state, **tol)
+    others = torch.ones(pool.shape[0], dtype=torch.bool)
+    others[picked] = False
+    assert torch.equal(got_pool[others], pool[others])
+
+
+def test_mamba2_step_rejects_bad_arrays(ext):
+    x, dt, A = torch.zeros(2, 4, 3), torch.zeros(2, 4), torch.zeros(4)
+    B = C = torch.zeros(2, 2, 5)
+    pool, out = torch.zeros(3, 4, 3, 5), torch.zeros(2, 4, 3)
+
+    def call(entries, *, b=B, state=pool):
+        arrays = [t.numpy() for t in (x, dt, A, b, C, state)]
+        ext.mamba2_step(*arrays, torch.tensor(entries).numpy(), out.numpy(), 1)
+
+    with pytest.raises(ValueError, match="mamba2_step: entries must be distinct"):
+        call([2, 2])
+    with pytest.raises(ValueError, match="mamba2_step: an entry is out of range"):
+        call([-1, 0])
+    with pytest.raises(ValueError, match="mamba2_step: shapes disagree"):
+        call([0, 1], b=torch.zeros(2, 2, 4))
+    with pytest.raises(ValueError, match="mamba2_step: each entry of state"):
+        call([0, 1], state=torch.zeros(3, 4, 5, 3).transpose(2, 3))
+
+
+def test_nemotron_h_decode_takes_the_kernel_with_the_torch_result(ext, tmp_path, monkeypatch):
+    """As for Qwen3.5: a float64 Nemotron-H decode step's Mamba-2 layers step their states
+    with the kernel, and the logits equal those of the torch form to 1e-12."""
+    folder = make_tiny_model(tmp_path, "nemotron_h", seed=2, tokenizer=False)
+    step = cpu_kernels.mamba2_step
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "mamba2_step", lambda *a: calls.append(1) or step(*a))
+    logits = {n: decode_logits(folder, monkeypatch, mamba2, n) for n in (False, True)}
+    assert len(calls) == 3 * 3  # three decode steps of the three Mamba-2 layers
     torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=1e-12)
