@@ -4,8 +4,10 @@
 // cpu_kernels.cpp.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 // Instruction sets. Each hot loop is compiled once per level (per-function target
 // attributes, so the file itself needs no -m flag and the build runs on any
@@ -359,6 +361,15 @@ void quantize_kv_row(const float* x, int64_t d, KVQuant quant, uint8_t* dst, Isa
 // x [vocab, rows] C-contiguous, float32 or bfloat16 bits (argmax.cpp).
 void argmax_columns(const void* x, bool bf16, int64_t vocab, int64_t rows, int64_t* out,
                     Isa isa);
+
+// exp(x), 0 below the square root of T's smallest normal number (x < log(min) / 2), as
+// radixserve/models/gated_delta.py's flush_exp: a product of two such factors is never
+// subnormal (subnormal arithmetic is many times slower on x86).
+template <typename T>
+inline T flush_exp(T x) {
+  const T floor = static_cast<T>(0.5) * std::log(std::numeric_limits<T>::min());
+  return x < floor ? static_cast<T>(0) : std::exp(x);
+}
 
 // The gated delta rule's decode step in place on the state pool (gated_delta.cpp):
 // for each request b and head h, with S = state[entries[b]][h] ([key_dim][value_dim]

@@ -7,7 +7,7 @@
 // back: for 16 heads of 128 x 128 that is a megabyte per request and layer moved
 // about ten times. Here each head's state is read and written in place, in two
 // passes while it sits in L2:
-//   read_j = sum_i k_i (e S_ij)                   e = exp(g)
+//   read_j = sum_i k_i (e S_ij)                   e = exp(g) (0 below 1e-19: flush_exp)
 //   u_j    = beta (v_j - read_j)
 //   S_ij  <- e S_ij + k_i u_j,   o_j = sum_i q_i S_ij
 // the same operations in the same order as the torch form, so float32 and
@@ -21,6 +21,7 @@
 namespace {
 
 using radixserve::GatedDeltaStep;
+using radixserve::flush_exp;
 
 // Items [i0, i1) of the (request, head) pairs. Always inlined into one function per
 // level (an OpenMP region's outlined body drops its function's target attribute).
@@ -42,7 +43,7 @@ RS_ALWAYS_INLINE void step_items(const GatedDeltaStep& p, int64_t i0, int64_t i1
     const T* kr = k + item * dk;
     const T* vr = v + item * dv;
     T* o = out + item * dv;
-    const T e = std::exp(g[item]);
+    const T e = flush_exp(g[item]);
     const T bt = beta[item];
 #pragma omp simd
     for (int64_t j = 0; j < dv; ++j) u[j] = 0;

@@ -5,7 +5,7 @@
 // request's [heads, head_dim, state_size] state out of the pool, decays it, adds the
 // input's outer product and multiplies by C, each a pass and a new tensor, and copies
 // the result back. Here each head's state is read and written once, in place:
-//   S_pn <- e S_pn + (dt x_p) B_n,   y_p = sum_n S_pn C_n        e = exp(dt A)
+//   S_pn <- e S_pn + (dt x_p) B_n,   y_p = sum_n S_pn C_n   e = exp(dt A) (flush_exp)
 // with B and C those of the head's group; float32 and float64 results agree with the
 // torch form to rounding (the sum over n is taken in another order).
 #include <algorithm>
@@ -17,6 +17,7 @@
 namespace {
 
 using radixserve::Mamba2Step;
+using radixserve::flush_exp;
 
 // Items [i0, i1) of the (request, head) pairs; inlined into one function per level.
 template <typename T>
@@ -37,7 +38,7 @@ RS_ALWAYS_INLINE void step_items(const Mamba2Step& p, int64_t i0, int64_t i1) {
     const T* br = B + grp * n;
     const T* cr = C + grp * n;
     const T d = dt[item];
-    const T e = std::exp(d * A[h]);
+    const T e = flush_exp(d * A[h]);
     T* y = out + item * hd;
     for (int64_t i = 0; i < hd; ++i) {
       const T dx = d * xr[i];

@@ -219,3 +219,25 @@ def test_nemotron_h_decode_takes_the_kernel_with_the_torch_result(ext, tmp_path,
     logits = {n: decode_logits(folder, monkeypatch, mamba2, n) for n in (False, True)}
     assert len(calls) == 3 * 3  # three decode steps of the three Mamba-2 layers
     torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=1e-12)
+
+
+def test_strong_decays_flush_to_zero_in_both_forms(ext):
+    """Decays whose factor would be below 1e-19 (float32) are taken as 0 by the torch
+    forms (``flush_exp``) and the kernels alike; factors above it are exp's own."""
+    x = torch.tensor([0.0, -1.0, -43.0, -44.0, -100.0, float("-inf")])
+    want = torch.tensor([1.0, float(torch.tensor(-1.0).exp()), float(torch.tensor(-43.0).exp())])
+    got = gated_delta.flush_exp(x)
+    assert torch.equal(got[:3], want) and not got[3:].any()
+    q, k, v, g, beta, pool, picked = inputs(4, 3, 16, 8, 5, torch.float32, seed=11)
+    g = g * 60  # down to -120: many factors flushed
+    want_out, want_state = gated_delta.recurrent_step(q, k, v, g, beta, pool[picked])
+    got_pool = pool.clone()
+    got_out = cpu_kernels.gated_delta_step(q, k, v, g, beta, got_pool, picked)
+    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_pool[picked], want_state, rtol=1e-5, atol=1e-5)
+    x, dt, A = torch.randn(2, 4, 8), torch.rand(2, 4) * 10, -torch.rand(4) * 16
+    B, C, states = torch.randn(2, 2, 16), torch.randn(2, 2, 16), torch.randn(3, 4, 8, 16)
+    want_y, want_s = mamba2.recurrent_step(x, dt, A, B, C, states[:2])
+    got_y = cpu_kernels.mamba2_step(x, dt, A, B, C, states, torch.arange(2))
+    torch.testing.assert_close(got_y, want_y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(states[:2], want_s, rtol=1e-5, atol=1e-5)
