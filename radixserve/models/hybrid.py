@@ -164,7 +164,9 @@ class GatedDeltaNet(nn.Module):
         per value head ([n, v_heads, dim], in ``wide``)."""
         n = mixed.shape[0]
         key = self.k_heads * self.k_dim
-        q, k, v = mixed.to(wide).split((key, key, self.v_heads * self.v_dim), dim=-1)
+        # A prefill's convolved rows are the transposed view of [conv_dim, n]: made rows
+        # once here (in the narrower dtype), not by each strided reshape below.
+        q, k, v = mixed.contiguous().to(wide).split((key, key, self.v_heads * self.v_dim), dim=-1)
         q = gated_delta.l2_normalize(q.reshape(n, self.k_heads, self.k_dim)) * self.k_dim**-0.5
         k = gated_delta.l2_normalize(k.reshape(n, self.k_heads, self.k_dim))
         if self.v_heads != self.k_heads:  # each key head serves consecutive value heads
