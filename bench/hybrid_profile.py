@@ -17,7 +17,9 @@ the rest.
 
 ``--ab R`` then times each batch's decode steps R more times with the delta rule's
 native decode kernel off and on in turn (``gated_delta.NATIVE``, ``mamba2.NATIVE``) and
-prints the median step time of each and their ratio (median of the rounds' ratios).
+prints the median step time of each and their ratio (median of the rounds' ratios);
+before that it times the prefill R times with the chunked forms' ``flush_exp`` replaced
+by a plain ``exp`` and as they are, in turn (subnormal factors: docs/models.md).
 
 ``--cprofile N`` prints cProfile's N functions with most own time for a B=8 decode.
 """
@@ -47,6 +49,12 @@ from radixserve.worker.config import WorkerConfig
 from radixserve.worker.model_runner import ModelRunner
 
 PAGE = 16
+FLUSH_EXP = gated_delta.flush_exp
+
+
+def plain_exp(x: torch.Tensor) -> torch.Tensor:
+    return x.exp()
+
 
 #: Dims of the models built: Qwen3.5's small models' widths (hidden 1024, 16 key and
 #: 16 value heads of 128 in the delta-net layers, 8 query / 2 KV heads of 256 in the
@@ -187,7 +195,16 @@ def main() -> None:
     req = StepReq(0, prompt, 0, np.arange(prompt_pages, dtype=np.int32), True, greedy,
                   prompt_len=args.prefill, state_save_at=args.prefill, state_save=0)  # fmt: skip
     runner.step(Step([req]))  # warm-up (the same slot recomputed from the start below)
-    timed_steps(f"prefill {args.prefill}", [Step([req], release=np.array([0], np.int32))])
+    redo = Step([req], release=np.array([0], np.int32))
+    timed_steps(f"prefill {args.prefill}", [redo])
+    prefill_ab: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(args.ab):  # the chunked forms with exp in place of flush_exp, and as are
+        for flush in (False, True):
+            gated_delta.flush_exp = mamba2.flush_exp = FLUSH_EXP if flush else plain_exp
+            t0 = time.perf_counter()
+            runner.step(redo)
+            prefill_ab[flush].append(time.perf_counter() - t0)
+    gated_delta.flush_exp = mamba2.flush_exp = FLUSH_EXP
 
     step_id = 1
     for b in batches:
@@ -249,6 +266,13 @@ def main() -> None:
         print(f"| {k} | " + " | ".join(cells) + " |")
     rest = [f"{100 * (1 - sum(p.values()) / t):.1f}%" for _, t, p in table]
     print("| rest (embedding, sampling, Python) | " + " | ".join(rest) + " |")
+    if args.ab:
+        t, f = prefill_ab[False], prefill_ab[True]
+        ratio = statistics.median(a / b for a, b in zip(t, f, strict=True))
+        print(
+            f"\nprefill {args.prefill}: exp {statistics.median(t) * 1e3:.1f} ms, "
+            f"flush_exp {statistics.median(f) * 1e3:.1f} ms, exp / flush_exp {ratio:.2f}"
+        )
     if ab:
         print("\n| decode | torch (ms) | native (ms) | torch / native |")
         print("|---|---|---|---|")
