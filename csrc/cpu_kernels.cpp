@@ -576,6 +576,124 @@ void apply_token_bitmask(py::array& logits, const py::array& bitmask, const py::
   }
 }
 
+// The gated delta rule's decode step on the state pool in place (csrc/gated_delta.cpp).
+void gated_delta_step(const py::array& q, const py::array& k, const py::array& v,
+                      const py::array& g, const py::array& beta, py::array& state,
+                      const py::array& entries, py::array& out, int num_threads,
+                      const std::string& isa_name) {
+  auto fail = [](const std::string& what) {
+    throw std::invalid_argument("gated_delta_step: " + what);
+  };
+  const Isa isa = parse_isa(isa_name, "gated_delta_step");
+  const auto c = py::array::c_style;
+  const bool f64 = q.dtype().is(py::dtype::of<double>());
+  if (!f64 && !q.dtype().is(py::dtype::of<float>())) fail("arrays must be float32 or float64");
+  for (const py::array* a :
+       std::initializer_list<const py::array*>{&k, &v, &g, &beta, &state, &out})
+    if (!a->dtype().is(q.dtype())) fail("arrays must have one dtype");
+  if (q.ndim() != 3 || k.ndim() != 3 || v.ndim() != 3 || out.ndim() != 3 || g.ndim() != 2 ||
+      beta.ndim() != 2 || state.ndim() != 4 || entries.ndim() != 1)
+    fail("q, k, v, out must be 3-D, g and beta 2-D, state 4-D, entries 1-D");
+  for (const py::array* a :
+       std::initializer_list<const py::array*>{&q, &k, &v, &g, &beta, &entries, &out})
+    if (!(a->flags() & c)) fail("q, k, v, g, beta, entries and out must be C-contiguous");
+  if (!out.writeable() || !state.writeable()) fail("state and out must be writeable");
+  if (!entries.dtype().is(py::dtype::of<int64_t>())) fail("entries must be int64");
+  const int64_t b = q.shape(0), h = q.shape(1), dk = q.shape(2), dv = v.shape(2);
+  if (k.shape(0) != b || k.shape(1) != h || k.shape(2) != dk || v.shape(0) != b ||
+      v.shape(1) != h || out.shape(0) != b || out.shape(1) != h || out.shape(2) != dv ||
+      g.shape(0) != b || g.shape(1) != h || beta.shape(0) != b || beta.shape(1) != h ||
+      entries.shape(0) != b || state.shape(1) != h || state.shape(2) != dk ||
+      state.shape(3) != dv)
+    fail("shapes disagree");
+  if (dv > 512) fail("value_dim must be at most 512");
+  const int64_t item = q.dtype().itemsize();
+  if (state.strides(3) != item || state.strides(2) != dv * item ||
+      state.strides(1) != dk * dv * item || state.strides(0) % item || state.strides(0) < 0)
+    fail("each entry of state must be C-contiguous");
+  const int64_t n = state.shape(0);
+  const auto* e = static_cast<const int64_t*>(entries.data());
+  std::vector<char> seen(static_cast<size_t>(n), 0);
+  for (int64_t i = 0; i < b; ++i) {
+    if (e[i] < 0 || e[i] >= n) fail("an entry is out of range");
+    if (seen[e[i]]++) fail("entries must be distinct");
+  }
+  radixserve::GatedDeltaStep p{};
+  p.q = q.data();
+  p.k = k.data();
+  p.v = v.data();
+  p.g = g.data();
+  p.beta = beta.data();
+  p.state = state.mutable_data();
+  p.out = out.mutable_data();
+  p.entries = e;
+  p.batch = b;
+  p.heads = h;
+  p.key_dim = dk;
+  p.value_dim = dv;
+  p.entry_stride = state.strides(0) / item;
+  py::gil_scoped_release nogil;
+  radixserve::gated_delta_step(p, f64, isa, num_threads);
+}
+
+// Mamba-2's decode step on the state pool in place (csrc/mamba2_step.cpp).
+void mamba2_step(const py::array& x, const py::array& dt, const py::array& A,
+                 const py::array& B, const py::array& C, py::array& state,
+                 const py::array& entries, py::array& out, int num_threads,
+                 const std::string& isa_name) {
+  auto fail = [](const std::string& what) { throw std::invalid_argument("mamba2_step: " + what); };
+  const Isa isa = parse_isa(isa_name, "mamba2_step");
+  const auto c = py::array::c_style;
+  const bool f64 = x.dtype().is(py::dtype::of<double>());
+  if (!f64 && !x.dtype().is(py::dtype::of<float>())) fail("arrays must be float32 or float64");
+  for (const py::array* a : std::initializer_list<const py::array*>{&dt, &A, &B, &C, &state, &out})
+    if (!a->dtype().is(x.dtype())) fail("arrays must have one dtype");
+  if (x.ndim() != 3 || out.ndim() != 3 || dt.ndim() != 2 || A.ndim() != 1 || B.ndim() != 3 ||
+      C.ndim() != 3 || state.ndim() != 4 || entries.ndim() != 1)
+    fail("x, out, B, C must be 3-D, dt 2-D, A and entries 1-D, state 4-D");
+  for (const py::array* a :
+       std::initializer_list<const py::array*>{&x, &dt, &A, &B, &C, &entries, &out})
+    if (!(a->flags() & c)) fail("x, dt, A, B, C, entries and out must be C-contiguous");
+  if (!out.writeable() || !state.writeable()) fail("state and out must be writeable");
+  if (!entries.dtype().is(py::dtype::of<int64_t>())) fail("entries must be int64");
+  const int64_t r = x.shape(0), h = x.shape(1), p = x.shape(2);
+  const int64_t g = B.shape(1), n = B.shape(2);
+  if (out.shape(0) != r || out.shape(1) != h || out.shape(2) != p || dt.shape(0) != r ||
+      dt.shape(1) != h || A.shape(0) != h || B.shape(0) != r || C.shape(0) != r ||
+      C.shape(1) != g || C.shape(2) != n || entries.shape(0) != r || state.shape(1) != h ||
+      state.shape(2) != p || state.shape(3) != n)
+    fail("shapes disagree");
+  if (g < 1 || h % g) fail("heads must be a multiple of groups");
+  const int64_t item = x.dtype().itemsize();
+  if (state.strides(3) != item || state.strides(2) != n * item ||
+      state.strides(1) != p * n * item || state.strides(0) % item || state.strides(0) < 0)
+    fail("each entry of state must be C-contiguous");
+  const int64_t num = state.shape(0);
+  const auto* e = static_cast<const int64_t*>(entries.data());
+  std::vector<char> seen(static_cast<size_t>(num), 0);
+  for (int64_t i = 0; i < r; ++i) {
+    if (e[i] < 0 || e[i] >= num) fail("an entry is out of range");
+    if (seen[e[i]]++) fail("entries must be distinct");
+  }
+  radixserve::Mamba2Step s{};
+  s.x = x.data();
+  s.dt = dt.data();
+  s.A = A.data();
+  s.B = B.data();
+  s.C = C.data();
+  s.state = state.mutable_data();
+  s.out = out.mutable_data();
+  s.entries = e;
+  s.batch = r;
+  s.heads = h;
+  s.groups = g;
+  s.head_dim = p;
+  s.state_size = n;
+  s.entry_stride = state.strides(0) / item;
+  py::gil_scoped_release nogil;
+  radixserve::mamba2_step(s, f64, isa, num_threads);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu_kernels, m) {
@@ -614,6 +732,18 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::arg("unit_offset"), py::arg("num_threads"), py::arg("isa") = "auto",
         "y = RMSNorm(x) * w (or * (1 + w) with unit_offset) for bfloat16 rows [rows, n] "
         "(as int16), with the torch form's roundings (csrc/rms_norm.cpp).");
+  m.def("gated_delta_step", &gated_delta_step, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("g"), py::arg("beta"), py::arg("state"), py::arg("entries"), py::arg("out"),
+        py::arg("num_threads"), py::arg("isa") = "auto",
+        "The gated delta rule's decode step (csrc/gated_delta.cpp): for each request b and "
+        "head h, S = state[entries[b], h] <- exp(g) S + k (beta (v - k^T exp(g) S))^T in "
+        "place and out[b, h] = q^T S; float32 or float64.");
+  m.def("mamba2_step", &mamba2_step, py::arg("x"), py::arg("dt"), py::arg("A"), py::arg("B"),
+        py::arg("C"), py::arg("state"), py::arg("entries"), py::arg("out"),
+        py::arg("num_threads"), py::arg("isa") = "auto",
+        "Mamba-2's decode step (csrc/mamba2_step.cpp): for each request r and head h, S = "
+        "state[entries[r], h] <- exp(dt A) S + (dt x) B^T in place and out[r, h] = S C "
+        "(B, C of the head's group); float32 or float64.");
   m.def("argmax_columns", &argmax_columns, py::arg("x"), py::arg("out"), py::arg("isa") = "auto",
         "out [rows] (int64) = the first index of each column's maximum of x [vocab, rows] "
         "(float32, or bfloat16 as int16; C-contiguous), NaN counting as largest (torch.argmax).");

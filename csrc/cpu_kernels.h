@@ -4,8 +4,10 @@
 // cpu_kernels.cpp.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 // Instruction sets. Each hot loop is compiled once per level (per-function target
 // attributes, so the file itself needs no -m flag and the build runs on any
@@ -359,5 +361,55 @@ void quantize_kv_row(const float* x, int64_t d, KVQuant quant, uint8_t* dst, Isa
 // x [vocab, rows] C-contiguous, float32 or bfloat16 bits (argmax.cpp).
 void argmax_columns(const void* x, bool bf16, int64_t vocab, int64_t rows, int64_t* out,
                     Isa isa);
+
+// exp(x), 0 below the square root of T's smallest normal number (x < log(min) / 2), as
+// radixserve/models/gated_delta.py's flush_exp: a product of two such factors is never
+// subnormal (subnormal arithmetic is many times slower on x86).
+template <typename T>
+inline T flush_exp(T x) {
+  const T floor = static_cast<T>(0.5) * std::log(std::numeric_limits<T>::min());
+  return x < floor ? static_cast<T>(0) : std::exp(x);
+}
+
+// The gated delta rule's decode step in place on the state pool (gated_delta.cpp):
+// for each request b and head h, with S = state[entries[b]][h] ([key_dim][value_dim]
+// at state + entries[b] * entry_stride + h * key_dim * value_dim), e = exp(g[b][h]):
+//   S <- e S + k (beta (v - k^T (e S)))^T,  out[b][h] = q^T S
+// q, k [batch, heads, key_dim], v, out [batch, heads, value_dim], g, beta [batch,
+// heads], all C-contiguous, all float32 or all float64; entries distinct and in range,
+// value_dim <= 512 (the bindings check).
+struct GatedDeltaStep {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* g;
+  const void* beta;
+  void* state;
+  void* out;
+  const int64_t* entries;
+  int64_t batch, heads, key_dim, value_dim, entry_stride;
+};
+void gated_delta_step(const GatedDeltaStep& p, bool f64, Isa isa, int num_threads);
+
+// Mamba-2's decode step in place on the state pool (mamba2_step.cpp): for each request
+// r and head h (of group h / (heads / groups)), with S = state[entries[r]][h]
+// ([head_dim][state_size], at state + entries[r] * entry_stride + h * head_dim *
+// state_size), e = exp(dt[r][h] A[h]):
+//   S <- e S + (dt x) B^T,  out[r][h] = S C
+// x, out [batch, heads, head_dim], dt [batch, heads], A [heads], B, C [batch, groups,
+// state_size], all C-contiguous, all float32 or all float64; entries distinct and in
+// range (the bindings check).
+struct Mamba2Step {
+  const void* x;
+  const void* dt;
+  const void* A;
+  const void* B;
+  const void* C;
+  void* state;
+  void* out;
+  const int64_t* entries;
+  int64_t batch, heads, groups, head_dim, state_size, entry_stride;
+};
+void mamba2_step(const Mamba2Step& p, bool f64, Isa isa, int num_threads);
 
 }  // namespace radixserve

@@ -12,6 +12,9 @@ torch backend decodes through gather + SDPA and linear layers use BLAS only.
 - ``add_rms_norm``: the residual add fused with the next RMSNorm; ``rotary_qkv``:
   rotary embedding of q and k read straight from the q/k/v product (float32 and
   bfloat16: each replaces several small torch ops of a decode step's layer).
+- ``gated_delta_step``: the gated delta rule's decode step on the recurrent states in
+  place in the state pool (float32 and float64; the torch form gathers, steps in four
+  passes and scatters them back); ``mamba2_step``: Mamba-2's decode step the same way.
 - ``skinny_gemm``: ``W x^T`` for batches of at most ``SKINNY_KERNEL_ROWS`` rows,
   each weight element read once and used for every row from registers; float32,
   or bfloat16 weights with float32 or bfloat16 activations.
@@ -208,6 +211,68 @@ def rms_norm(
         torch.get_num_threads(), isa or ISA,
     )  # fmt: skip
     return out.view(x.shape)
+
+
+def recurrent_ok(q: torch.Tensor, state: torch.Tensor) -> bool:
+    """Whether ``gated_delta_step`` (or ``mamba2_step``, ``q`` being its ``x``) takes
+    these: float32 or float64 on the CPU, each entry of the ``[entries, heads, ...]``
+    pool ``state`` contiguous, its last dim at most 512, a built extension that has
+    both kernels."""
+    return (
+        hasattr(ext, "gated_delta_step")
+        and hasattr(ext, "mamba2_step")
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float64)
+        and state.dtype == q.dtype
+        and state.dim() == 4
+        and state.shape[-1] <= 512
+        and state[0].is_contiguous()
+    )
+
+
+def gated_delta_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    entries: torch.Tensor,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """``models.gated_delta.recurrent_step`` for one token of each request, on the states
+    ``state[entries]`` in place (``entries`` distinct): ``q``/``k`` [B, H, Dk], ``v`` [B, H,
+    Dv], ``g``/``beta`` [B, H] -> output [B, H, Dv] (``csrc/gated_delta.cpp``)."""
+    out = torch.empty_like(v, memory_format=torch.contiguous_format)
+    ext.gated_delta_step(  # type: ignore[union-attr]
+        *(_array(t.contiguous()) for t in (q, k, v, g, beta)), state.detach().numpy(),
+        entries.to(torch.int64).contiguous().numpy(), out.numpy(), torch.get_num_threads(),
+        isa or ISA,
+    )  # fmt: skip
+    return out
+
+
+def mamba2_step(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    state: torch.Tensor,
+    entries: torch.Tensor,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """``models.mamba2.recurrent_step`` for one token of each request, on the states
+    ``state[entries]`` in place (``entries`` distinct; ``recurrent_ok(x, state)`` says
+    whether it takes them): ``x`` [R, H, P], ``dt`` [R, H], ``A`` [H], ``B``/``C`` [R, G, N]
+    -> output [R, H, P] (``csrc/mamba2_step.cpp``)."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    ext.mamba2_step(  # type: ignore[union-attr]
+        *(_array(t.contiguous()) for t in (x, dt, A, B, C)), state.detach().numpy(),
+        entries.to(torch.int64).contiguous().numpy(), out.numpy(), torch.get_num_threads(),
+        isa or ISA,
+    )  # fmt: skip
+    return out
 
 
 def argmax_ok(logits: torch.Tensor) -> bool:

@@ -11,7 +11,8 @@ Per head the state ``S`` is a ``[key_dim, value_dim]`` matrix; each token
     o  = q^T S
 
 ``recurrent_step`` does exactly that for one token of every request of a decode
-step. ``chunked`` computes a prefill chunk by chunk with the same result: within
+step (in the layer, the native kernel ``csrc/gated_delta.cpp`` does it instead where
+it takes the states, in place in the state pool: ``NATIVE``). ``chunked`` computes a prefill chunk by chunk with the same result: within
 a chunk of L tokens with cumulative log-decays ``G`` (``G_i = g_1 + ... + g_i``)
 and the state ``S0`` at its start, the corrections ``u_j = beta_j (v_j - k_j^T
 exp(g_j) S_{j-1})`` satisfy the unit lower-triangular system
@@ -24,14 +25,36 @@ which one triangular solve answers for the whole chunk; then
     S_L = exp(G_L) S0 + sum_j exp(G_L - G_j) k_j u_j^T.
 
 Every exponent is <= 0 (the masked ones are never taken), so nothing overflows.
+Factors below 1e-19 (float32; 1e-154 in float64) are taken as 0 (``flush_exp``): with
+strong decays a chunk's ``exp(G_i - G_j)`` is full of factors that underflow, to
+subnormal numbers or, multiplied once more, into them, and every product touching a
+subnormal runs several times slower on x86 CPUs, for terms far below the rounding of
+the rest.
 """
 
 from __future__ import annotations
 
+import math
+import os
+
 import torch
+
+#: Whether a decode step's delta rule runs in the native kernel where it takes the
+#: states (``layers.cpu_kernels.gated_delta_step``: in place in the state pool, the
+#: same operations as ``recurrent_step``); False keeps the torch form.
+NATIVE = os.environ.get("RADIXSERVE_NATIVE_DELTA", "1") != "0"
 
 #: Tokens per chunk of the chunked form (the triangular solve is L x L per head).
 CHUNK = 64
+
+
+def flush_exp(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)``, 0 where it is below the square root of the dtype's smallest normal
+    number (1e-19 in float32, 1e-154 in float64), so that a product of two such factors
+    is never subnormal: the same to within that, without the slow subnormal arithmetic
+    in the products that use it."""
+    floor = 0.5 * math.log(torch.finfo(x.dtype).tiny)
+    return x.masked_fill(x < floor, float("-inf")).exp()
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -51,7 +74,7 @@ def recurrent_step(
     """One token of each of B requests: ``q``/``k`` [B, H, Dk] (normalised, ``q``
     scaled), ``v`` [B, H, Dv], ``g``/``beta`` [B, H], ``state`` [B, H, Dk, Dv]
     -> output [B, H, Dv], new state."""
-    s = state * g.exp()[..., None, None]
+    s = state * flush_exp(g)[..., None, None]
     read = torch.einsum("bhk,bhkv->bhv", k, s)
     s = s + k[..., :, None] * (beta[..., None] * (v - read))[..., None, :]
     return torch.einsum("bhk,bhkv->bhv", q, s), s
@@ -81,13 +104,13 @@ def chunked(
         size = hi - lo
         lower = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
         diff = (cum[:, :, None] - cum[:, None, :]).masked_fill(~lower, float("-inf"))
-        decay = diff.exp()  # exp(G_i - G_j) for j <= i, else 0
-        head = cum.exp()[..., None]  # exp(G_i)
+        decay = flush_exp(diff)  # exp(G_i - G_j) for j <= i, else 0
+        head = flush_exp(cum)[..., None]  # exp(G_i)
         rhs = bc[..., None] * (vc - head * (kc @ s))
         # Strictly lower part only: solve_triangular takes the unit diagonal as given.
         system = (bc[..., None] * (kc @ kc.transpose(-1, -2)) * decay).tril(-1)
         u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
         out[:, lo:hi] = head * (qc @ s) + ((qc @ kc.transpose(-1, -2)) * decay) @ u
-        tail = (cum[:, -1:] - cum).exp()[..., None]  # exp(G_L - G_j)
-        s = cum[:, -1].exp()[:, None, None] * s + (kc * tail).transpose(-1, -2) @ u
+        tail = flush_exp(cum[:, -1:] - cum)[..., None]  # exp(G_L - G_j)
+        s = flush_exp(cum[:, -1])[:, None, None] * s + (kc * tail).transpose(-1, -2) @ u
     return out.transpose(0, 1), s

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from radixserve.layers import cpu_kernels
 from radixserve.layers.attention import LayerAttention
 from radixserve.layers.linear import Linear
 from radixserve.layers.recurrent import LayerStates, run_segments
@@ -163,7 +164,9 @@ class GatedDeltaNet(nn.Module):
         per value head ([n, v_heads, dim], in ``wide``)."""
         n = mixed.shape[0]
         key = self.k_heads * self.k_dim
-        q, k, v = mixed.to(wide).split((key, key, self.v_heads * self.v_dim), dim=-1)
+        # A prefill's convolved rows are the transposed view of [conv_dim, n]: made rows
+        # once here (in the narrower dtype), not by each strided reshape below.
+        q, k, v = mixed.contiguous().to(wide).split((key, key, self.v_heads * self.v_dim), dim=-1)
         q = gated_delta.l2_normalize(q.reshape(n, self.k_heads, self.k_dim)) * self.k_dim**-0.5
         k = gated_delta.l2_normalize(k.reshape(n, self.k_heads, self.k_dim))
         if self.v_heads != self.k_heads:  # each key head serves consecutive value heads
@@ -177,10 +180,15 @@ class GatedDeltaNet(nn.Module):
         out[:], rec[entry] = gated_delta.chunked(q, k, v, g, beta, rec[entry])
 
     def _decode(self, qkv, g, beta, entries: torch.Tensor, conv, rec, out) -> None:
-        """One row per request: the states gathered, stepped together, put back."""
+        """One row per request: the states stepped in place in the pool by the native
+        kernel (``cpu_kernels.gated_delta_step``) where it takes them, else gathered,
+        stepped together in torch, put back."""
         mixed, conv_new = conv_step(qkv, conv[entries], self.conv_weight[:, 0])
         conv.index_copy_(0, entries, conv_new.to(conv.dtype))
         q, k, v = self._qkv(mixed, out.dtype)
+        if gated_delta.NATIVE and cpu_kernels.recurrent_ok(q, rec):
+            out[:] = cpu_kernels.gated_delta_step(q, k, v, g, beta, rec, entries)
+            return
         out[:], rec_new = gated_delta.recurrent_step(q, k, v, g, beta, rec[entries])
         rec.index_copy_(0, entries, rec_new)
 

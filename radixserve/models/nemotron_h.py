@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from radixserve.layers import cpu_kernels
 from radixserve.layers.attention import LayerAttention
 from radixserve.layers.linear import Linear
 from radixserve.layers.recurrent import LayerStates, run_segments
@@ -143,8 +144,11 @@ class Mamba2Mixer(nn.Module):
             mixed, conv_new = conv_step(xbc, conv[entries], weight, bias)
             conv.index_copy_(0, entries, conv_new.to(conv.dtype))
             xs, B, C = self._split(mixed, wide)
-            y, rec_new = mamba2.recurrent_step(xs, dt, A, B, C, rec[entries])
-            rec.index_copy_(0, entries, rec_new)
+            if mamba2.NATIVE and cpu_kernels.recurrent_ok(xs, rec):  # in place in the pool
+                y = cpu_kernels.mamba2_step(xs, dt, A, B, C, rec, entries)
+            else:
+                y, rec_new = mamba2.recurrent_step(xs, dt, A, B, C, rec[entries])
+                rec.index_copy_(0, entries, rec_new)
             out[:] = y + self.D.to(wide)[:, None] * xs
 
         run_segments(states.segments, (conv, rec), prefill, decode)
