@@ -1,5 +1,5 @@
 // The skinny bfloat16 product on AMX tiles (CPUs with amx_bf16, Sapphire Rapids and
-// later), for decode batches of 2 to 32 rows.
+// later), for decode batches of 1 to 32 rows.
 //
 // yT [N, M] = W [N, K] . x^T with W bfloat16 row-major as it lies: a 16 x 32 tile
 // of W (16 weight rows, 32 consecutive K) is read straight from the matrix with
