@@ -28,6 +28,7 @@ KERNELS_SOURCES = [
     "csrc/decode_layers.cpp",
     "csrc/amx_gemm.cpp",
     "csrc/amx_attention.cpp",
+    "csrc/prefix_attention.cpp",
     "csrc/gated_delta.cpp",
     "csrc/mamba2_step.cpp",
     "csrc/cpu_kernels.cpp",

@@ -307,6 +307,44 @@ void silu_mul_py(const py::array& gate_up, py::array& out, int num_threads,
                        num_threads);
 }
 
+// out, lse := attention of q [kv_heads, n, d] over the shared keys of pool rows k_rows
+// (prefix_attention.cpp); bfloat16 as int16 throughout, lse float32. False where the
+// AMX tiles cannot run (nothing to use in out/lse).
+bool prefix_attention_py(const py::array& q, const py::array& pool, const py::array& k_rows,
+                         int64_t kv_len, int64_t page_size, double scale, py::array& out,
+                         py::array& lse, int num_threads) {
+  auto fail = [](const std::string& what) {
+    throw std::invalid_argument("prefix_attention: " + what);
+  };
+  const auto c = py::array::c_style;
+  if (!is_bf16(q) || !is_bf16(pool) || !is_bf16(out) || !lse.dtype().is(py::dtype::of<float>()))
+    fail("q, pool and out must be bfloat16 (as int16), lse float32");
+  if (!k_rows.dtype().is(py::dtype::of<int64_t>())) fail("k_rows must be int64");
+  if (q.ndim() != 3 || out.ndim() != 3 || lse.ndim() != 2 || pool.ndim() != 2 || k_rows.ndim() != 1)
+    fail("q and out must be [kv_heads, n, d], lse [kv_heads, n], pool 2-D, k_rows 1-D");
+  if (!(q.flags() & c) || !(pool.flags() & c) || !(k_rows.flags() & c) || !(out.flags() & c) ||
+      !(lse.flags() & c) || !out.writeable() || !lse.writeable())
+    fail("arrays must be C-contiguous (out and lse writeable)");
+  const int64_t heads = q.shape(0), n = q.shape(1), d = q.shape(2), row_len = pool.shape(1);
+  for (int i = 0; i < 3; ++i)
+    if (out.shape(i) != q.shape(i)) fail("out must have q's shape");
+  if (lse.shape(0) != heads || lse.shape(1) != n) fail("lse must be [kv_heads, n]");
+  if (d % 32 != 0) fail("head_dim must be a multiple of 32");
+  if (page_size <= 0 || row_len != page_size * heads * d) fail("pool rows must hold page_size * kv_heads * d");
+  const int64_t pages = k_rows.shape(0);
+  if (kv_len <= 0 || kv_len > pages * page_size) fail("kv_len must be in (0, pages * page_size]");
+  const int64_t* rows = static_cast<const int64_t*>(k_rows.data());
+  for (int64_t i = 0; i < (kv_len + page_size - 1) / page_size; ++i)
+    if (rows[i] < 0 || rows[i] + 1 >= pool.shape(0)) fail("a K row (or its V row) is out of range");
+  const auto* qp = static_cast<const uint16_t*>(q.data());
+  const auto* pp = static_cast<const uint16_t*>(pool.data());
+  auto* op = static_cast<uint16_t*>(out.mutable_data());
+  auto* lp = static_cast<float*>(lse.mutable_data());
+  py::gil_scoped_release nogil;
+  return radixserve::prefix_attention_amx(qp, pp, rows, n, d, heads, page_size, row_len, kv_len,
+                                          static_cast<float>(scale), op, lp, num_threads);
+}
+
 // x float32 [n, d] -> uint8 [n, d + 2]: each row quantized as the one-call decode
 // layers write K/V rows into a quantized pool (quantize_kv_row).
 py::array_t<uint8_t> quantize_kv_rows(const py::array_t<float, py::array::c_style>& x,
@@ -703,6 +741,12 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::arg("isa") = "auto",
         "out [I, rows] = silu(gate) * up for gate_up [2 * I, rows] (float32, or bfloat16 as "
         "int16), as the one-call decode layers compute it.");
+  m.def("prefix_attention", &prefix_attention_py, py::arg("q"), py::arg("pool"),
+        py::arg("k_rows"), py::arg("kv_len"), py::arg("page_size"), py::arg("scale"),
+        py::arg("out"), py::arg("lse"), py::arg("num_threads"),
+        "out [kv_heads, n, d], lse [kv_heads, n] := attention of q over kv_len shared keys "
+        "(pool rows k_rows, V the row after), no mask, on AMX tiles (bfloat16 as int16, lse "
+        "float32); False where the tiles cannot run.");
   m.def("quantize_kv_rows", &quantize_kv_rows, py::arg("x"), py::arg("kv_quant"),
         py::arg("isa") = "auto",
         "float32 [rows, d] -> uint8 [rows, d + 2]: codes and float16 scale per row, as the "

@@ -405,6 +405,35 @@ def merge_attention(
     )
 
 
+def prefix_attention_ok() -> bool:
+    """Whether ``prefix_attention`` can run: the built extension has it and the CPU has
+    AMX tiles (``AMX``)."""
+    return hasattr(ext, "prefix_attention") and AMX
+
+
+def prefix_attention(
+    q: torch.Tensor,
+    pages: torch.Tensor,
+    k_rows: torch.Tensor,
+    kv_len: int,
+    page_size: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Attention of ``q`` [kv_heads, n, head_dim] (bfloat16, C-contiguous) over
+    ``kv_len`` shared keys, no mask, on AMX tiles (``csrc/prefix_attention.cpp``): the
+    output [kv_heads, n, head_dim] (bfloat16) and each row's log-sum-exp of its scaled
+    scores [kv_heads, n] (float32). Key t is in page ``t // page_size`` of the layer's
+    ``pages`` [rows, page_size * kv_heads * head_dim], whose K row is ``k_rows`` of it
+    (int64; V is the row after). None where the tiles cannot run."""
+    out = torch.empty(q.shape, dtype=q.dtype)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32)
+    ran = ext.prefix_attention(  # type: ignore[union-attr]
+        _array(q), _array(pages), k_rows.numpy(), kv_len, page_size, scale, _array(out),
+        lse.numpy(), torch.get_num_threads(),
+    )  # fmt: skip
+    return (out, lse) if ran else None
+
+
 def bitmask_ok(logits: torch.Tensor) -> bool:
     """Whether ``apply_token_bitmask`` takes these logits (a built extension that has
     it; contiguous float32 or float64 on the CPU)."""

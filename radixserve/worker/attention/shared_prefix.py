@@ -1,11 +1,12 @@
-"""Cascade groups' shared prefixes through oneDNN's attention (for CPUs with AMX tiles).
+"""Cascade groups' shared prefixes on AMX tiles (for CPUs that have them).
 
 When decode requests share a cached prefix, the native kernel reads it once for
 all of them as one segment (``native_decode.py``). That part is a small matrix
-product (every member's query heads against the same keys), and where oneDNN
-runs bfloat16 products on AMX tiles (``cpu_kernels.AMX``) torch's CPU flash
-attention computes it several times faster than the kernel's ``vdpbf16ps``
-tiles (docs/worker.md, "CPU kernels"). Then the native kernel computes only each
+product (every member's query heads against the same keys), and where the CPU
+has AMX tiles (``cpu_kernels.AMX``) our tile kernel (``cpu_kernels.prefix_attention``,
+``csrc/prefix_attention.cpp``; bfloat16, head_dim a multiple of 32) or else torch's
+CPU flash attention computes it several times faster than the kernel's
+``vdpbf16ps`` tiles (docs/worker.md, "CPU kernels"). Then the native kernel computes only each
 member's own suffix, with the log-sum-exp of its scores, and ``attend`` merges
 the two parts per row and head by their log-sum-exps (``cpu_kernels.merge_attention``,
 one native call per group): the same attention over the concatenated keys.
@@ -116,7 +117,20 @@ def attend(
     d = q.shape[2]
     qs = q.view(-1, d).index_select(0, plan.index)
     flat_out, flat_lse = out.view(-1, d), lse.view(-1)
+    native = q.dtype == torch.bfloat16 and pages.dtype == torch.bfloat16 and d % 32 == 0
+    native = native and cpu_kernels.prefix_attention_ok()
+    page_size = pages.shape[1] // (kv_heads * d)
     for grp in plan.groups:
+        n = (grp.end - grp.begin) // kv_heads
+        index = plan.index[grp.begin : grp.end].view(kv_heads, n)
+        if native:  # AMX tiles, reading the pool's pages in place
+            done = cpu_kernels.prefix_attention(
+                qs[grp.begin : grp.end].view(kv_heads, n, d), pages, grp.k_rows, grp.kv_len,
+                page_size, scale,
+            )  # fmt: skip
+            if done is not None:
+                cpu_kernels.merge_attention(flat_out, flat_lse, done[0], done[1], index)
+                continue
         if grp.run_start is not None:  # every second row of the pool, from run_start
             end = grp.run_start + 2 * grp.kv_len
             kb, vb = pages[grp.run_start : end : 2], pages[grp.run_start + 1 : end : 2]
@@ -127,8 +141,6 @@ def attend(
         keys = kb.view(-1, kv_heads, d)[: grp.kv_len].transpose(0, 1).unsqueeze(0)
         vals = vb.view(-1, kv_heads, d)[: grp.kv_len].transpose(0, 1).unsqueeze(0)
         # Every member's query heads of one KV head are queries of one attention call.
-        n = (grp.end - grp.begin) // kv_heads
         part_q = qs[grp.begin : grp.end].view(1, kv_heads, n, d)
         part, part_lse = _FLASH(part_q, keys, vals, scale=scale)  # type: ignore[misc]
-        index = plan.index[grp.begin : grp.end].view(kv_heads, n)
         cpu_kernels.merge_attention(flat_out, flat_lse, part[0], part_lse[0], index)

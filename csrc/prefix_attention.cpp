@@ -1,0 +1,306 @@
+// Attention of many query vectors over one shared run of keys on AMX tiles: a cascade
+// group's shared prefix (radixserve/worker/attention/shared_prefix.py), where every
+// member's query heads of one kv head read the same keys with no mask. It returns each
+// row's output and the log-sum-exp of its scaled scores, for the merge with the
+// members' own suffixes (lse_merge.cpp).
+//
+// Per kv head, K and V are packed once per call into the tiles' operand layouts (K^T
+// in feature pairs, V in key pairs), then the work is split into tasks of 32 query
+// vectors: the scores of a task's 32 rows against every key go to a float32 block that
+// stays in the core's cache, its softmax runs in vector code, and its probabilities,
+// rounded to bfloat16, multiply V on the tiles. Products of bfloat16 pairs are summed
+// in float32 (as torch's CPU flash attention does); the scale is applied to the summed
+// score. bfloat16 values and head_dim a multiple of 32 only; tile instructions run only
+// after amx_tiles_granted() (amx_gemm.cpp).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_kernels.h"
+
+#if RS_X86
+#include <immintrin.h>
+#endif
+
+namespace radixserve {
+
+#if RS_X86
+
+namespace {
+
+constexpr int64_t kTaskRows = 32;  // query vectors per task: two tile rows
+constexpr int64_t kKeyBlock = 32;  // keys per score step: two tile columns
+
+// exp(x) for x <= 0 as 2^t, t = x log2(e): 2^(t - round(t)) by a degree-5 polynomial
+// (relative error below 2e-7 on [-1/2, 1/2]) scaled by 2^round(t) with vscalefps, which
+// gives 0 for t below the float range. The probabilities are rounded to bfloat16 after,
+// and the row sums are float32 sums: this is as exact as they need.
+RS_TARGET_AMX RS_ALWAYS_INLINE __m512 exp_le0(__m512 x) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.3333558146e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Row-wise softmax of the scaled scores s [32][lp] over keys [0, len): probabilities
+// in bfloat16 into pb [32][lp] (zero past len), each row's sum into l and its max
+// into m (scaled). Rows past `rows` are zero.
+RS_TARGET_AMX void softmax_block(const float* s, int64_t ls, int64_t lp, int64_t len,
+                                 int64_t rows, float scale, uint16_t* pb, float* m, float* l) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < kTaskRows; ++r) {
+    uint16_t* dst = pb + r * ls;
+    if (r >= rows) {
+      std::memset(dst, 0, static_cast<size_t>(lp) * sizeof(uint16_t));
+      continue;
+    }
+    const float* src = s + r * ls;
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 16 <= len; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(src + j));
+    if (j < len) {
+      const __mmask16 k = static_cast<__mmask16>((1u << (len - j)) - 1);
+      vmax = _mm512_mask_max_ps(vmax, k, vmax, _mm512_maskz_loadu_ps(k, src + j));
+    }
+    const float mx = _mm512_reduce_max_ps(vmax) * scale;
+    const __m512 vm = _mm512_set1_ps(mx);
+    __m512 vsum = _mm512_setzero_ps();
+    for (j = 0; j < lp; j += 16) {
+      const int64_t n = std::min<int64_t>(16, len - j);
+      const __mmask16 k = static_cast<__mmask16>(n >= 16 ? 0xffffu : n > 0 ? (1u << n) - 1 : 0u);
+      const __m512 e = _mm512_maskz_mov_ps(k, exp_le0(_mm512_fmsub_ps(_mm512_loadu_ps(src + j), sc, vm)));
+      vsum = _mm512_add_ps(vsum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    m[r] = mx;
+    l[r] = _mm512_reduce_add_ps(vsum);
+  }
+}
+
+template <typename T>
+void grow(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+}
+
+struct Args {
+  const uint16_t* q;       // [kv_heads][n][d]
+  const uint16_t* pool;    // the layer's pages viewed as [rows][row_len]
+  const int64_t* k_rows;   // [pages] the K row of each shared page (V: + 1)
+  int64_t n, d, kv_heads, page_size, row_len, len;
+  float scale;
+  uint16_t* out;           // [kv_heads][n][d]
+  float* lse;              // [kv_heads][n]
+};
+
+// The K (which = 0) or V (1) row of key t, kv head h.
+RS_ALWAYS_INLINE const uint16_t* key_row(const Args& a, int64_t t, int64_t which, int64_t h) {
+  const int64_t page = t / a.page_size, slot = t % a.page_size;
+  return a.pool + (a.k_rows[page] + which) * a.row_len + slot * a.kv_heads * a.d + h * a.d;
+}
+
+// tmm0-3: scores (rows 0-15 | 16-31) x (keys 0-15 | 16-31) of one key block; tmm4-5:
+// the rows' feature pairs; tmm6-7: the keys' feature pairs.
+RS_TARGET_AMX void score_tiles(const uint32_t* qp, int64_t d2, const uint32_t* kt, int64_t lp,
+                               int64_t ls, float* s) {
+  for (int64_t j0 = 0; j0 < lp; j0 += kKeyBlock) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t p = 0; p < d2; p += 16) {
+      _tile_loadd(4, qp + p, d2 * 4);
+      _tile_loadd(5, qp + 16 * d2 + p, d2 * 4);
+      _tile_loadd(6, kt + p * ls + j0, ls * 4);
+      _tile_loadd(7, kt + p * ls + j0 + 16, ls * 4);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, s + j0, ls * 4);
+    _tile_stored(1, s + j0 + 16, ls * 4);
+    _tile_stored(2, s + 16 * ls + j0, ls * 4);
+    _tile_stored(3, s + 16 * ls + j0 + 16, ls * 4);
+  }
+}
+
+// o [32][d] (float32) = P [32][lp] . V, with P in bfloat16 rows (pairs of keys) and V in
+// key pairs (vp [lp / 2][d] words). tmm0-3: 16 rows x features f0 + 16c; tmm4: 16 rows x
+// 16 key pairs; tmm5-6: 16 key pairs x 16 features.
+RS_TARGET_AMX void value_tiles(const uint16_t* pb, int64_t lp, int64_t ls, const uint32_t* vp,
+                               int64_t d, float* o) {
+  for (int64_t r0 = 0; r0 < kTaskRows; r0 += 16) {
+    for (int64_t f0 = 0; f0 < d; f0 += 64) {
+      const int cols = static_cast<int>(std::min<int64_t>(4, (d - f0) / 16));
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t k0 = 0; k0 < lp; k0 += 32) {
+        _tile_loadd(4, pb + r0 * ls + k0, ls * 2);
+        const uint32_t* v = vp + (k0 / 2) * d + f0;
+        _tile_loadd(5, v, d * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        if (cols > 1) {
+          _tile_loadd(6, v + 16, d * 4);
+          _tile_dpbf16ps(1, 4, 6);
+        }
+        if (cols > 2) {
+          _tile_loadd(5, v + 32, d * 4);
+          _tile_dpbf16ps(2, 4, 5);
+        }
+        if (cols > 3) {
+          _tile_loadd(6, v + 48, d * 4);
+          _tile_dpbf16ps(3, 4, 6);
+        }
+      }
+      float* dst = o + r0 * d + f0;
+      _tile_stored(0, dst, d * 4);
+      if (cols > 1) _tile_stored(1, dst + 16, d * 4);
+      if (cols > 2) _tile_stored(2, dst + 32, d * 4);
+      if (cols > 3) _tile_stored(3, dst + 48, d * 4);
+    }
+  }
+}
+
+// Packs kv head h: kt [d / 2][lp] (word p of key j's K row), vp [lp / 2][d] (V of keys
+// 2kp and 2kp + 1 interleaved per feature), zero past len.
+RS_TARGET_AMX void pack_head(const Args& a, int64_t h, int64_t lp, int64_t ls, uint32_t* kt,
+                             uint32_t* vp) {
+  const int64_t d2 = a.d / 2;
+  // K^T by blocks of 16 keys: their rows are copied out, then each feature pair's 16
+  // words are written as one cache line (a word at a time down kt's columns would hit
+  // one cache set over and over when lp * 4 is a multiple of 4 KiB).
+  uint32_t rows[16][64];  // d2 <= 64 words per key (head_dim <= 128) per pass
+  for (int64_t j0 = 0; j0 < lp; j0 += 16) {
+    for (int64_t p0 = 0; p0 < d2; p0 += 64) {
+      const int64_t np = std::min<int64_t>(64, d2 - p0);
+      for (int64_t j = 0; j < 16; ++j) {
+        if (j0 + j < a.len)
+          std::memcpy(rows[j], key_row(a, j0 + j, 0, h) + 2 * p0, static_cast<size_t>(np) * 4);
+        else
+          std::memset(rows[j], 0, static_cast<size_t>(np) * 4);
+      }
+      for (int64_t p = 0; p < np; ++p) {
+        uint32_t* dst = kt + (p0 + p) * ls + j0;
+        for (int64_t j = 0; j < 16; ++j) dst[j] = rows[j][p];
+      }
+    }
+  }
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t kp = 0; kp < lp / 2; ++kp) {
+    uint32_t* dst = vp + kp * a.d;
+    const int64_t j = 2 * kp;
+    if (j >= a.len) {
+      std::memset(dst, 0, static_cast<size_t>(a.d) * sizeof(uint32_t));
+      continue;
+    }
+    const uint16_t* va = key_row(a, j, 1, h);
+    const uint16_t* vb = j + 1 < a.len ? key_row(a, j + 1, 1, h) : nullptr;
+    for (int64_t f = 0; f < a.d; f += 32) {
+      const __m512i x = _mm512_loadu_si512(va + f);
+      const __m512i y = vb ? _mm512_loadu_si512(vb + f) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + f, _mm512_permutex2var_epi16(x, lo, y));
+      _mm512_storeu_si512(dst + f + 16, _mm512_permutex2var_epi16(x, hi, y));
+    }
+  }
+}
+
+RS_TARGET_AMX void run_task(const Args& a, int64_t h, int64_t i0, int64_t lp, int64_t ls,
+                            const uint32_t* kt,
+                            const uint32_t* vp, std::vector<uint32_t>& qpad,
+                            std::vector<float>& s, std::vector<uint16_t>& pb,
+                            std::vector<float>& o) {
+  const int64_t d = a.d, d2 = d / 2, rows = std::min(kTaskRows, a.n - i0);
+  const uint16_t* q = a.q + (h * a.n + i0) * d;
+  const uint32_t* qp = reinterpret_cast<const uint32_t*>(q);
+  if (rows < kTaskRows) {  // the last rows of a head: zero-padded to a whole task
+    std::memset(qpad.data(), 0, static_cast<size_t>(kTaskRows * d2) * sizeof(uint32_t));
+    std::memcpy(qpad.data(), q, static_cast<size_t>(rows * d) * sizeof(uint16_t));
+    qp = qpad.data();
+  }
+  score_tiles(qp, d2, kt, lp, ls, s.data());
+  float m[kTaskRows], l[kTaskRows];
+  softmax_block(s.data(), ls, lp, a.len, rows, a.scale, pb.data(), m, l);
+  value_tiles(pb.data(), lp, ls, vp, d, o.data());
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+    uint16_t* dst = a.out + (h * a.n + i0 + r) * d;
+    for (int64_t f = 0; f < d; f += 16) {
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(o.data() + r * d + f), inv);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + f), (__m256i)_mm512_cvtneps_pbh(x));
+    }
+    a.lse[h * a.n + i0 + r] = m[r] + std::log(l[r]);
+  }
+}
+
+}  // namespace
+
+bool prefix_attention_amx(const uint16_t* q, const uint16_t* pool, const int64_t* k_rows,
+                          int64_t n, int64_t d, int64_t kv_heads, int64_t page_size,
+                          int64_t row_len, int64_t len, float scale, uint16_t* out, float* lse,
+                          int num_threads) {
+  if (d % 32 != 0 || len <= 0 || n <= 0 || !amx_tiles_granted()) return false;
+  const Args a{q, pool, k_rows, n, d, kv_heads, page_size, row_len, len, scale, out, lse};
+  const int64_t lp = (len + kKeyBlock - 1) / kKeyBlock * kKeyBlock, d2 = d / 2;
+  // Row stride of K^T, the scores and the probabilities: past lp by one cache line, so
+  // that 16 rows of a tile never share a cache set (lp * 4 may be a multiple of 4 KiB).
+  const int64_t ls = lp + 16;
+  // Reused between calls (no zero fill; every word read is written first). Pointers are
+  // taken here: inside the parallel region a thread_local would be each thread's own.
+  static thread_local std::vector<uint32_t> kt_buf, vp_buf;
+  grow(kt_buf, kv_heads * d2 * ls);
+  grow(vp_buf, kv_heads * (lp / 2) * d);
+  uint32_t* kt = kt_buf.data();
+  uint32_t* vp = vp_buf.data();
+  const int64_t per_head = (n + kTaskRows - 1) / kTaskRows, tasks = kv_heads * per_head;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, tasks)));
+  bool ok = true;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < kv_heads; ++h)
+      pack_head(a, h, lp, ls, kt + h * d2 * ls, vp + h * (lp / 2) * d);
+    static thread_local std::vector<uint32_t> qpad;
+    static thread_local std::vector<float> s, o;
+    static thread_local std::vector<uint16_t> pb;
+    grow(qpad, kTaskRows * d2);
+    grow(s, kTaskRows * ls);
+    grow(o, kTaskRows * d);
+    grow(pb, kTaskRows * ls);
+    const bool tiles = amx_attention_begin();
+    if (!tiles) {
+#pragma omp atomic write
+      ok = false;
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tasks; ++t) {
+      if (!tiles) continue;
+      const int64_t h = t / per_head, i0 = (t % per_head) * kTaskRows;
+      run_task(a, h, i0, lp, ls, kt + h * d2 * ls, vp + h * (lp / 2) * d, qpad, s, pb, o);
+    }
+    if (tiles) amx_attention_end();
+  }
+  return ok;
+}
+
+#else
+
+bool prefix_attention_amx(const uint16_t*, const uint16_t*, const int64_t*, int64_t, int64_t,
+                          int64_t, int64_t, int64_t, int64_t, float, uint16_t*, float*, int) {
+  return false;
+}
+
+#endif
+
+}  // namespace radixserve
