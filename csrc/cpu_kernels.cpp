@@ -312,7 +312,7 @@ void silu_mul_py(const py::array& gate_up, py::array& out, int num_threads,
 // AMX tiles cannot run (nothing to use in out/lse).
 bool prefix_attention_py(const py::array& q, const py::array& pool, const py::array& k_rows,
                          int64_t kv_len, int64_t page_size, double scale, py::array& out,
-                         py::array& lse, int num_threads) {
+                         py::array& lse, int num_threads, const py::object& limits) {
   auto fail = [](const std::string& what) {
     throw std::invalid_argument("prefix_attention: " + what);
   };
@@ -336,13 +336,22 @@ bool prefix_attention_py(const py::array& q, const py::array& pool, const py::ar
   const int64_t* rows = static_cast<const int64_t*>(k_rows.data());
   for (int64_t i = 0; i < (kv_len + page_size - 1) / page_size; ++i)
     if (rows[i] < 0 || rows[i] + 1 >= pool.shape(0)) fail("a K row (or its V row) is out of range");
+  const int32_t* lim = nullptr;
+  py::array_t<int32_t, py::array::c_style> limits_arr;
+  if (!limits.is_none()) {
+    limits_arr = limits.cast<py::array_t<int32_t, py::array::c_style>>();
+    if (limits_arr.ndim() != 1 || limits_arr.shape(0) != n) fail("limits must be int32 [n]");
+    lim = limits_arr.data();
+    for (int64_t i = 0; i < n; ++i)
+      if (lim[i] < 1 || lim[i] > kv_len) fail("every limit must be in [1, kv_len]");
+  }
   const auto* qp = static_cast<const uint16_t*>(q.data());
   const auto* pp = static_cast<const uint16_t*>(pool.data());
   auto* op = static_cast<uint16_t*>(out.mutable_data());
   auto* lp = static_cast<float*>(lse.mutable_data());
   py::gil_scoped_release nogil;
-  return radixserve::prefix_attention_amx(qp, pp, rows, n, d, heads, page_size, row_len, kv_len,
-                                          static_cast<float>(scale), op, lp, num_threads);
+  return radixserve::prefix_attention_amx(qp, pp, rows, lim, n, d, heads, page_size, row_len,
+                                          kv_len, static_cast<float>(scale), op, lp, num_threads);
 }
 
 // x float32 [n, d] -> uint8 [n, d + 2]: each row quantized as the one-call decode
@@ -743,10 +752,11 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         "int16), as the one-call decode layers compute it.");
   m.def("prefix_attention", &prefix_attention_py, py::arg("q"), py::arg("pool"),
         py::arg("k_rows"), py::arg("kv_len"), py::arg("page_size"), py::arg("scale"),
-        py::arg("out"), py::arg("lse"), py::arg("num_threads"),
-        "out [kv_heads, n, d], lse [kv_heads, n] := attention of q over kv_len shared keys "
-        "(pool rows k_rows, V the row after), no mask, on AMX tiles (bfloat16 as int16, lse "
-        "float32); False where the tiles cannot run.");
+        py::arg("out"), py::arg("lse"), py::arg("num_threads"), py::arg("limits") = py::none(),
+        "out [kv_heads, n, d], lse [kv_heads, n] := attention of q over kv_len keys (pool "
+        "rows k_rows, V the row after) on AMX tiles (bfloat16 as int16, lse float32); query "
+        "vector i sees keys [0, limits[i]) (int32 [n]; None: all); False where the tiles "
+        "cannot run.");
   m.def("quantize_kv_rows", &quantize_kv_rows, py::arg("x"), py::arg("kv_quant"),
         py::arg("isa") = "auto",
         "float32 [rows, d] -> uint8 [rows, d + 2]: codes and float16 scale per row, as the "

@@ -50,10 +50,10 @@ RS_TARGET_AMX RS_ALWAYS_INLINE __m512 exp_le0(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Row-wise softmax of the scaled scores s [32][lp] over keys [0, len): probabilities
-// in bfloat16 into pb [32][lp] (zero past len), each row's sum into l and its max
-// into m (scaled). Rows past `rows` are zero.
-RS_TARGET_AMX void softmax_block(const float* s, int64_t ls, int64_t lp, int64_t len,
+// Row-wise softmax of the scaled scores s [32][lp] (rows ls apart), row r over keys
+// [0, lens[r]): probabilities in bfloat16 into pb [32][lp] (zero past lens[r]), each
+// row's sum into l and its max into m (scaled). Rows past `rows` are zero.
+RS_TARGET_AMX void softmax_block(const float* s, int64_t ls, int64_t lp, const int64_t* lens,
                                  int64_t rows, float scale, uint16_t* pb, float* m, float* l) {
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t r = 0; r < kTaskRows; ++r) {
@@ -63,6 +63,7 @@ RS_TARGET_AMX void softmax_block(const float* s, int64_t ls, int64_t lp, int64_t
       continue;
     }
     const float* src = s + r * ls;
+    const int64_t len = lens[r];
     __m512 vmax = _mm512_set1_ps(-INFINITY);
     int64_t j = 0;
     for (; j + 16 <= len; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(src + j));
@@ -94,6 +95,7 @@ struct Args {
   const uint16_t* q;       // [kv_heads][n][d]
   const uint16_t* pool;    // the layer's pages viewed as [rows][row_len]
   const int64_t* k_rows;   // [pages] the K row of each shared page (V: + 1)
+  const int32_t* limits;   // [n] keys each query vector sees (a prefix of them); null: len
   int64_t n, d, kv_heads, page_size, row_len, len;
   float scale;
   uint16_t* out;           // [kv_heads][n][d]
@@ -229,10 +231,17 @@ RS_TARGET_AMX void run_task(const Args& a, int64_t h, int64_t i0, int64_t lp, in
     std::memcpy(qpad.data(), q, static_cast<size_t>(rows * d) * sizeof(uint16_t));
     qp = qpad.data();
   }
-  score_tiles(qp, d2, kt, lp, ls, s.data());
+  // Keys each row sees; the task reads keys up to the longest, in whole blocks.
+  int64_t lens[kTaskRows], longest = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    lens[r] = a.limits ? std::min<int64_t>(a.limits[i0 + r], a.len) : a.len;
+    longest = std::max(longest, lens[r]);
+  }
+  const int64_t lt = (longest + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+  score_tiles(qp, d2, kt, lt, ls, s.data());
   float m[kTaskRows], l[kTaskRows];
-  softmax_block(s.data(), ls, lp, a.len, rows, a.scale, pb.data(), m, l);
-  value_tiles(pb.data(), lp, ls, vp, d, o.data());
+  softmax_block(s.data(), ls, lt, lens, rows, a.scale, pb.data(), m, l);
+  value_tiles(pb.data(), lt, ls, vp, d, o.data());
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
     uint16_t* dst = a.out + (h * a.n + i0 + r) * d;
@@ -247,11 +256,11 @@ RS_TARGET_AMX void run_task(const Args& a, int64_t h, int64_t i0, int64_t lp, in
 }  // namespace
 
 bool prefix_attention_amx(const uint16_t* q, const uint16_t* pool, const int64_t* k_rows,
-                          int64_t n, int64_t d, int64_t kv_heads, int64_t page_size,
-                          int64_t row_len, int64_t len, float scale, uint16_t* out, float* lse,
-                          int num_threads) {
+                          const int32_t* limits, int64_t n, int64_t d, int64_t kv_heads,
+                          int64_t page_size, int64_t row_len, int64_t len, float scale,
+                          uint16_t* out, float* lse, int num_threads) {
   if (d % 32 != 0 || len <= 0 || n <= 0 || !amx_tiles_granted()) return false;
-  const Args a{q, pool, k_rows, n, d, kv_heads, page_size, row_len, len, scale, out, lse};
+  const Args a{q, pool, k_rows, limits, n, d, kv_heads, page_size, row_len, len, scale, out, lse};
   const int64_t lp = (len + kKeyBlock - 1) / kKeyBlock * kKeyBlock, d2 = d / 2;
   // Row stride of K^T, the scores and the probabilities: past lp by one cache line, so
   // that 16 rows of a tile never share a cache set (lp * 4 may be a multiple of 4 KiB).
@@ -296,8 +305,9 @@ bool prefix_attention_amx(const uint16_t* q, const uint16_t* pool, const int64_t
 
 #else
 
-bool prefix_attention_amx(const uint16_t*, const uint16_t*, const int64_t*, int64_t, int64_t,
-                          int64_t, int64_t, int64_t, int64_t, float, uint16_t*, float*, int) {
+bool prefix_attention_amx(const uint16_t*, const uint16_t*, const int64_t*, const int32_t*,
+                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, uint16_t*,
+                          float*, int) {
   return false;
 }
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch  # first: the kernels' OpenMP regions run in torch's OpenMP runtime
 
 from radixserve.layers import invariant
@@ -418,18 +419,21 @@ def prefix_attention(
     kv_len: int,
     page_size: int,
     scale: float,
+    limits: np.ndarray | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Attention of ``q`` [kv_heads, n, head_dim] (bfloat16, C-contiguous) over
-    ``kv_len`` shared keys, no mask, on AMX tiles (``csrc/prefix_attention.cpp``): the
-    output [kv_heads, n, head_dim] (bfloat16) and each row's log-sum-exp of its scaled
-    scores [kv_heads, n] (float32). Key t is in page ``t // page_size`` of the layer's
+    ``kv_len`` keys on AMX tiles (``csrc/prefix_attention.cpp``): the output
+    [kv_heads, n, head_dim] (bfloat16) and each row's log-sum-exp of its scaled scores
+    [kv_heads, n] (float32). Key t is in page ``t // page_size`` of the layer's
     ``pages`` [rows, page_size * kv_heads * head_dim], whose K row is ``k_rows`` of it
-    (int64; V is the row after). None where the tiles cannot run."""
+    (int64; V is the row after). ``limits`` (int32 [n]): query vector i sees keys
+    ``[0, limits[i])`` (a causal chunk); None: every key (a shared prefix). None where
+    the tiles cannot run."""
     out = torch.empty(q.shape, dtype=q.dtype)
     lse = torch.empty(q.shape[:2], dtype=torch.float32)
     ran = ext.prefix_attention(  # type: ignore[union-attr]
         _array(q), _array(pages), k_rows.numpy(), kv_len, page_size, scale, _array(out),
-        lse.numpy(), torch.get_num_threads(),
+        lse.numpy(), torch.get_num_threads(), limits,
     )  # fmt: skip
     return (out, lse) if ran else None
 

@@ -51,11 +51,13 @@ def run_case(
     decode_kernel="torch",
     dtype=torch.float64,
     max_cached=40,
-    scale=HEAD_DIM**-0.5,
+    scale=None,
     softcap=0.0,
     native_prefill=None,
     shared_flash=None,
     consecutive_prefix=False,
+    head_dim=HEAD_DIM,
+    prefill_amx=None,
 ):
     """Build a batch of the given request kinds, run backend vs reference twice (two steps).
 
@@ -71,11 +73,12 @@ def run_case(
     (and, when on, checks that some group took it); ``consecutive_prefix`` stores each
     shared prefix in consecutive pages (as the allocator usually does)."""
     heads = kv_heads * group
+    scale = head_dim**-0.5 if scale is None else scale
     num_pages = 4096 // page_size + 64
     num_pages += max_cached * 9 // page_size
     reserve = 2 * shared // page_size if consecutive_prefix else 0
     num_pages += reserve
-    pool = KVPool(2, num_pages, page_size, kv_heads, HEAD_DIM, dtype)
+    pool = KVPool(2, num_pages, page_size, kv_heads, head_dim, dtype)
     backend = create_backend(
         "torch", pool, scale=scale, sliding_windows=(window, -1), num_qo_heads=heads,
         decode_kernel=decode_kernel, softcap=softcap,
@@ -85,6 +88,8 @@ def run_case(
         backend.native_prefill_max_tokens = native_prefill
     if shared_flash is not None:
         backend.shared_prefix_flash = shared_flash
+    if prefill_amx is not None:
+        backend.prefill_amx = prefill_amx
     free = list(rng.permutation(num_pages - reserve))
     block = num_pages - reserve  # consecutive prefixes are taken from here
     assert shared % page_size == 0
@@ -101,16 +106,16 @@ def run_case(
                 pre_pages = [free.pop() for _ in range(n)]
             prefixes[gid] = (
                 pre_pages,
-                torch.randn(shared, kv_heads, HEAD_DIM, dtype=torch.float64),
-                torch.randn(shared, kv_heads, HEAD_DIM, dtype=torch.float64),
+                torch.randn(shared, kv_heads, head_dim, dtype=torch.float64),
+                torch.randn(shared, kv_heads, head_dim, dtype=torch.float64),
             )
     reqs = []  # per request: (cached_len, new_len, pages, full K/V history)
     for kind, spec in zip(kinds, prefix_of):
         if spec is None or not shared:
             pre_pages, pre_k, pre_v = (
                 [],
-                torch.zeros(0, kv_heads, HEAD_DIM),
-                torch.zeros(0, kv_heads, HEAD_DIM),
+                torch.zeros(0, kv_heads, head_dim),
+                torch.zeros(0, kv_heads, head_dim),
             )
         else:
             gid, n = spec if isinstance(spec, tuple) else (spec, shared // page_size)
@@ -127,10 +132,10 @@ def run_case(
         total = int(cached + new)
         pages = pre_pages + [free.pop() for _ in range(-(-total // page_size) - len(pre_pages))]
         k_hist = torch.cat(
-            [pre_k.double(), torch.randn(total - pre, kv_heads, HEAD_DIM, dtype=torch.float64)]
+            [pre_k.double(), torch.randn(total - pre, kv_heads, head_dim, dtype=torch.float64)]
         ).to(dtype)
         v_hist = torch.cat(
-            [pre_v.double(), torch.randn(total - pre, kv_heads, HEAD_DIM, dtype=torch.float64)]
+            [pre_v.double(), torch.randn(total - pre, kv_heads, head_dim, dtype=torch.float64)]
         ).to(dtype)
         reqs.append((int(cached), new, np.array(pages, np.int32), k_hist, v_hist))
     # Pre-fill the cached prefixes directly into the pool (as an earlier step would have).
@@ -152,7 +157,7 @@ def run_case(
         in_place = [p.run_start is not None for p in backend._shared.groups]
         assert all(in_place) if consecutive_prefix and page_size == 1 else not any(in_place)
     for layer in range(2):
-        q = torch.randn(int(qo.sum()), heads, HEAD_DIM, dtype=torch.float64).to(dtype)
+        q = torch.randn(int(qo.sum()), heads, head_dim, dtype=torch.float64).to(dtype)
         k = torch.cat([r[3][r[0] :] for r in reqs])
         v = torch.cat([r[4][r[0] :] for r in reqs])
         out = backend.forward(layer, q, k, v)
@@ -277,6 +282,31 @@ def test_prefill_chunks_join_cascade_groups(dtype, page_size):
     prefix_of = [0, 0, 0, 1, 1, None, (0, 2), 1]
     run_case(rng, page_size, 2, 3, kinds, shared=96, prefix_of=prefix_of, **kw)
     run_case(rng, page_size, 1, 4, ["prefix"] * 5, shared=128, **kw)
+
+
+@pytest.mark.skipif(not cpu_kernels.prefix_attention_ok(), reason="needs AMX tiles")
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefill_chunks_through_the_amx_kernel(monkeypatch, page_size):
+    """bfloat16, head_dim 64, where the AMX tiles run: prefill chunks (fresh, over a cached
+    prefix, over a shared one) go through ``cpu_kernels.prefix_attention`` with a causal
+    limit per query vector, reading the pool in place, beside decodes in cascade groups;
+    a sliding-window layer keeps SDPA. Against the dense reference."""
+    require_built(native_decode.AVAILABLE, native_decode.UNAVAILABLE_REASON, "native decode")
+    real, causal = cpu_kernels.prefix_attention, []
+    monkeypatch.setattr(
+        cpu_kernels,
+        "prefix_attention",
+        lambda *a, **k: causal.append(len(a) > 6 and a[6] is not None) or real(*a, **k),
+    )
+    rng = np.random.default_rng(11 + page_size)
+    kinds = ["fresh", "prefix", "decode", "prefix", "decode", "fresh", "prefix", "decode"]
+    prefix_of = [None, 0, 0, 0, 0, None, None, 1]
+    kw = {"decode_kernel": "native", "dtype": torch.bfloat16, "head_dim": 64}
+    run_case(rng, page_size, 2, 3, kinds, shared=32, prefix_of=prefix_of, window=24, **kw)
+    assert sum(causal) >= 5  # layer 1's chunks (layer 0 has a window)
+    causal.clear()
+    run_case(rng, page_size, 1, 4, ["prefix"] * 4, shared=48, prefill_amx=False, **kw)
+    assert not any(causal)
 
 
 def test_which_prefill_chunks_join_cascade_groups():

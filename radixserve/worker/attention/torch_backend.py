@@ -57,6 +57,10 @@ class _Prefill:
     kv_len: int
     buffers: tuple[torch.Tensor, torch.Tensor]  # K, V gather destinations, reused per layer
     masks: dict[int, torch.Tensor | None]  # window -> bool [qo_len, kv_len]; None = plain causal
+    # Layers without a window: the keys each query vector sees, the chunk's rows folded
+    # [token][query head of a kv head] (int32 [qo_len * group]), for the AMX kernel;
+    # None where it does not run (``TorchAttention.prefill_amx``).
+    limits: np.ndarray | None = None
 
 
 @dataclass
@@ -185,6 +189,18 @@ class TorchAttention(AttentionBackend):
         #: one attention plan for all rows (``native_step_plan``).
         self.native_layers: Callable[[int], bool] | None = None
         self._flash = self.shared_prefix_flash
+        #: Whether prefill chunks that go to SDPA take our AMX kernel instead
+        #: (``cpu_kernels.prefix_attention``, with a causal limit per query vector; the
+        #: pool's pages read in place): bfloat16 pools of head_dim a multiple of 32 where
+        #: the tiles run, no soft-cap; layers with a sliding window keep SDPA.
+        self.prefill_amx = (
+            not deterministic
+            and pool.dtype == torch.bfloat16
+            and self.plain
+            and pool.head_dim % 32 == 0
+            and softcap == 0
+            and cpu_kernels.prefix_attention_ok()
+        )
 
     def begin_batch(self, batch: AttentionBatch) -> None:
         pool = self.pool
@@ -204,9 +220,12 @@ class TorchAttention(AttentionBackend):
             and self.native_layers(int(qo_lens.sum()))
         )
         self._flash = self.shared_prefix_flash and not one_call
-        if (self._flash or one_call) and all(w <= 0 for w in windows):
+        if (self._flash and not self.prefill_amx or one_call) and all(w <= 0 for w in windows):
             # Short prefill chunks over a cached prefix they share with others (the
-            # questions after one system prompt) read it once, as decodes do.
+            # questions after one system prompt) read it once, as decodes do. Where the
+            # AMX kernel takes prefill chunks, each reads its whole context there, in one
+            # call, instead: measured faster than the prefix once plus the suffixes in
+            # the native kernel plus the merge (docs/worker.md).
             members |= qo_lens <= CASCADE_PREFILL_MAX_TOKENS
         groups, plain = self._cascade_groups(batch, np.flatnonzero(members), windows)
         if self.deterministic:
@@ -230,9 +249,13 @@ class TorchAttention(AttentionBackend):
             q0 = int(batch.qo_indptr[i])
             gather = pages[: -(-kv // s)].astype(np.int64) * 2
             masks = {w: _prefill_mask(qo, kv, w, device) for w in windows}
+            limits = None
+            if self.prefill_amx:  # token t of the chunk sees keys [0, kv - qo + t + 1)
+                group = self.num_qo_heads // pool.num_kv_heads
+                limits = np.repeat(np.arange(kv - qo + 1, kv + 1, dtype=np.int32), group)
             self._prefills.append(
                 _Prefill(slice(q0, q0 + qo), torch.from_numpy(gather).to(device), kv,
-                         self._buffers(len(gather)), masks)
+                         self._buffers(len(gather)), masks, limits)
             )  # fmt: skip
         rows = np.concatenate(write_rows) if write_rows else np.zeros(0, np.int64)
         self._write = torch.from_numpy(rows).to(device)
@@ -486,6 +509,8 @@ class TorchAttention(AttentionBackend):
             o = self._attention(qd, keys, vals, dec.bias[window])
             out.index_copy_(0, dec.rows, o.squeeze(2))
         for p in self._prefills:
+            if p.limits is not None and window <= 0 and self._prefill_tiles(pages, q, out, p):
+                continue
             qp = q[p.rows].transpose(0, 1).unsqueeze(0)  # [1, heads, qo, d]
             kb, vb = p.buffers
             torch.index_select(pages, 0, p.gather, out=kb)
@@ -496,6 +521,26 @@ class TorchAttention(AttentionBackend):
             o = self._attention(qp, keys, vals, p.masks[window])
             out[p.rows] = o[0].transpose(0, 1)
         return out
+
+    def _prefill_tiles(
+        self, pages: torch.Tensor, q: torch.Tensor, out: torch.Tensor, p: _Prefill
+    ) -> bool:
+        """One prefill chunk's attention by the AMX kernel, reading its keys from the
+        layer's ``pages`` (this step's rows already written); False where the tiles
+        cannot run."""
+        kvh = self.pool.num_kv_heads
+        qo, heads, d = q[p.rows].shape
+        group = heads // kvh
+        # [qo, heads, d] -> [kv head][token][query head of the kv head][d]
+        qf = q[p.rows].view(qo, kvh, group, d).permute(1, 0, 2, 3).contiguous()
+        res = cpu_kernels.prefix_attention(
+            qf.view(kvh, qo * group, d), pages, p.gather, p.kv_len, self.pool.page_size,
+            self.scale, p.limits,
+        )  # fmt: skip
+        if res is None:
+            return False
+        out[p.rows] = res[0].view(kvh, qo, group, d).permute(1, 0, 2, 3).reshape(qo, heads, d)
+        return True
 
     def _encode(self, x: torch.Tensor) -> torch.Tensor:
         """New K or V rows [T, kv_heads, head_dim] as the pool stores them."""
