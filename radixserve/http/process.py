@@ -38,7 +38,7 @@ from radixserve.http.large_bodies import map_large_blocks
 from radixserve.http.metrics import Metrics
 from radixserve.http.state import FrontState, body_limit
 from radixserve.server_config import CONTROL, HTTP_IN, PUBLIC_IPC, ServerConfig
-from radixserve.utils.proc import Lifeline, child_main, socket
+from radixserve.utils.proc import Lifeline, child_main, freeze_heap, socket
 from radixserve.version import __version__
 
 log = logging.getLogger("radixserve.http")
@@ -116,6 +116,7 @@ async def serve(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
             return
         host, port = sock.getsockname()[:2]
         url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        freeze_heap()
         control.send(P.Ready("http", {"url": url}).encode())
         log.info("ready: serving on %s", url)
         helpers = [

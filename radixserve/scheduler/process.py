@@ -49,7 +49,7 @@ from radixserve.server_config import (
     WORKER_IN,
     ServerConfig,
 )
-from radixserve.utils.proc import POLL_MS, Lifeline, child_main, socket
+from radixserve.utils.proc import POLL_MS, Lifeline, child_main, freeze_heap, socket
 from radixserve.zap import ZapHandler
 
 log = logging.getLogger("radixserve.scheduler")
@@ -222,6 +222,7 @@ def run(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
     loop = SchedulerLoop(scheduler, ctx, config, life, events)
     control = socket(ctx, zmq.PUSH, config.endpoint(CONTROL), bind=False)
     info = {} if events is None else events.describe()
+    freeze_heap()
     control.send(P.Ready("scheduler", info).encode())
     log.info("ready: %d pages of %d tokens", config.model.num_pages, config.model.page_size)
     loop.run()

@@ -73,7 +73,14 @@ from radixserve.server_config import (
 from radixserve.tokenizer.connections import Connections
 from radixserve.tokenizer.inputs import InputProcessor
 from radixserve.tokenizer.output import OutputStream, TokenTexts
-from radixserve.utils.proc import POLL_MS, Lifeline, after_sockets_close, child_main, socket
+from radixserve.utils.proc import (
+    POLL_MS,
+    Lifeline,
+    after_sockets_close,
+    child_main,
+    freeze_heap,
+    socket,
+)
 from radixserve.utils.sockets import recv, recv_frames, recv_multipart
 from radixserve.utils.zmtp_gate import RoutingIdGate
 from radixserve.zap import enable_curve
@@ -490,6 +497,7 @@ def run(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
     admin_key = os.environ.get(ADMIN_KEY_ENV) or None
     server = TokenizerServer(config, ctx, tokenizer, life, admin_key)
     control = socket(ctx, zmq.PUSH, config.endpoint(CONTROL), bind=False)
+    freeze_heap()
     control.send(P.Ready("tokenizer", {"endpoint": server.endpoint}).encode())
     log.info("ready: serving on %s", server.endpoint)
     server.run()

@@ -39,7 +39,7 @@ from radixserve.server_config import (
     WORKER_IN,
     ServerConfig,
 )
-from radixserve.utils.proc import POLL_MS, Lifeline, child_main, socket
+from radixserve.utils.proc import POLL_MS, Lifeline, child_main, freeze_heap, socket
 from radixserve.worker.relay import StepFeed, StepRelay
 from radixserve.worker.rendezvous import Rendezvous
 
@@ -97,6 +97,7 @@ def _serve(
     results = socket(ctx, zmq.PUSH, config.endpoint(SCHEDULER_FROM_WORKER), bind=False)
     control = control or socket(ctx, zmq.PUSH, config.endpoint(CONTROL), bind=False)
     info = asdict(runner.info())
+    freeze_heap()  # after the warm-up
     control.send(P.Ready("worker", info).encode())
     log.info("ready: %s", info)
     try:
@@ -129,6 +130,7 @@ def _follow(config: ServerConfig, ctx: zmq.Context, life: Lifeline, rank: int, c
     feed.wait_connected(config.engine.dist_timeout, check)  # a refused key fails here
     runner = build_worker(config.engine, comm=comm)
     ready = P.Ready(f"worker{rank}", TP.rank_info(runner, rank))
+    freeze_heap()
     feed.hello(ready)
     if config.node_rank > 0:  # the head's launcher hears of it through rank 0
         socket(ctx, zmq.PUSH, config.endpoint(CONTROL), bind=False).send(ready.encode())
