@@ -354,6 +354,25 @@ bool prefix_attention_py(const py::array& q, const py::array& pool, const py::ar
                                           kv_len, static_cast<float>(scale), op, lp, num_threads);
 }
 
+void silu_mul_rows_py(const py::array& gate_up, py::array& out, int num_threads,
+                      const std::string& isa_name) {
+  const Isa isa = parse_isa(isa_name, "silu_mul_rows");
+  const auto c = py::array::c_style;
+  const bool bf16 = is_bf16(gate_up);
+  if (!bf16 && !gate_up.dtype().is(py::dtype::of<float>()))
+    throw std::invalid_argument("silu_mul_rows: float32 or bfloat16 (as int16) arrays");
+  if (gate_up.ndim() != 2 || out.ndim() != 2 || !(gate_up.flags() & c) || !(out.flags() & c) ||
+      !out.writeable() || is_bf16(out) != bf16 ||
+      out.dtype().itemsize() != gate_up.dtype().itemsize() ||
+      gate_up.shape(1) != 2 * out.shape(1) || gate_up.shape(0) != out.shape(0))
+    throw std::invalid_argument("silu_mul_rows: gate_up [rows, 2 * I] and a writeable out "
+                                "[rows, I], C-contiguous, one dtype");
+  const void* g = gate_up.data();
+  py::gil_scoped_release nogil;
+  radixserve::silu_mul_rows(g, out.mutable_data(), out.shape(0), out.shape(1), bf16, isa,
+                            num_threads);
+}
+
 // x float32 [n, d] -> uint8 [n, d + 2]: each row quantized as the one-call decode
 // layers write K/V rows into a quantized pool (quantize_kv_row).
 py::array_t<uint8_t> quantize_kv_rows(const py::array_t<float, py::array::c_style>& x,
@@ -757,6 +776,10 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         "rows k_rows, V the row after) on AMX tiles (bfloat16 as int16, lse float32); query "
         "vector i sees keys [0, limits[i]) (int32 [n]; None: all); False where the tiles "
         "cannot run.");
+  m.def("silu_mul_rows", &silu_mul_rows_py, py::arg("gate_up"), py::arg("out"),
+        py::arg("num_threads"), py::arg("isa") = "auto",
+        "out [rows, I] = silu(gate) * up for row-major gate_up [rows, 2 * I] (gate, then up, "
+        "in each row; float32, or bfloat16 as int16), silu_mul's values.");
   m.def("quantize_kv_rows", &quantize_kv_rows, py::arg("x"), py::arg("kv_quant"),
         py::arg("isa") = "auto",
         "float32 [rows, d] -> uint8 [rows, d + 2]: codes and float16 scale per row, as the "

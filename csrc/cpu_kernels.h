@@ -365,6 +365,10 @@ void decode_layers(const DecodeLayers& p, Isa isa, int num_threads);
 // the one-call decode layers' SwiGLU activation (its exp is expv's).
 void silu_mul(const void* g, const void* u, void* out, int64_t n, bool bf16, Isa isa,
               int num_threads);
+// The same for row-major gate_up [rows][2 * inter] (gate, then up, in each row) into out
+// [rows][inter] (decode_layers.cpp), rows split between the threads.
+void silu_mul_rows(const void* gu, void* out, int64_t rows, int64_t inter, bool bf16, Isa isa,
+                   int num_threads);
 
 // One (token, kv head) row of d values quantized as kv_quant.quantize does: d codes,
 // then the float16 scale (max|x| / qmax rounded up), into dst (d + 2 bytes).

@@ -50,6 +50,34 @@ struct BF16 {
 // out[i] = round(round(silu(g[i])) * u[i]), silu(x) = x / (1 + exp(-x)) written with
 // e = exp(-|x|) <= 1 (expv takes arguments <= 0): x / (1 + e) for x >= 0, and
 // x * e / (1 + e) = x / (1 + 1 / e) for x < 0.
+#if RS_X86
+// 16 bfloat16 values widened to float32 (exact), and back with round-to-nearest-even
+// (NaN to 0x7fc0): radixserve::bf16_to_f32 / f32_to_bf16 on 16 lanes.
+RS_TARGET_AVX512 RS_ALWAYS_INLINE __m512 bf16x16_load(const uint16_t* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+// The bfloat16 bits of 16 float32 values, one per 32-bit lane (low half).
+RS_TARGET_AVX512 RS_ALWAYS_INLINE __m512i bf16x16_round(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+}
+
+// x rounded to bfloat16 and widened back (exact).
+RS_TARGET_AVX512 RS_ALWAYS_INLINE __m512 bf16x16_rounded(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16x16_round(x), 16));
+}
+
+RS_TARGET_AVX512 RS_ALWAYS_INLINE void bf16x16_store(uint16_t* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16x16_round(x)));
+}
+#endif
+
 template <typename V, typename IO>
 RS_ALWAYS_INLINE void silu_mul_range(const typename IO::T* g, const typename IO::T* u,
                                      typename IO::T* out, int64_t n) {
@@ -66,10 +94,16 @@ RS_ALWAYS_INLINE void silu_mul_range(const typename IO::T* g, const typename IO:
     for (int j = 0; j < L; ++j)
       out[i + j] = IO::store(IO::load(IO::store(buf[j])) * IO::load(u[i + j]));
   }
-  for (; i < n; ++i) {
-    const float x = IO::load(g[i]);
-    const float s = x / (1.0f + std::exp(-x));
-    out[i] = IO::store(IO::load(IO::store(s)) * IO::load(u[i]));
+  if (i < n) {  // the tail as one zero-padded vector: every element gets expv's value
+    const int64_t rest = n - i;
+    for (int j = 0; j < L; ++j) buf[j] = j < rest ? IO::load(g[i + j]) : 0.0f;
+    const V x = radixserve::loadv<V>(buf);
+    const V ax = x < 0 ? -x : x;
+    const V e = radixserve::expv<V>(-ax);
+    const V s = x < 0 ? x * e / (e + 1.0f) : x / (e + 1.0f);
+    radixserve::storev(buf, s);
+    for (int64_t j = 0; j < rest; ++j)
+      out[i + j] = IO::store(IO::load(IO::store(buf[j])) * IO::load(u[i + j]));
   }
 }
 
@@ -87,10 +121,37 @@ RS_TARGET_AVX2 void silu_mul_avx2(const typename IO::T* g, const typename IO::T*
   silu_mul_range<radixserve::v8, IO>(g, u, out, n);
 }
 
+#if RS_X86
+// silu_mul_range's values for bfloat16 at AVX-512, the conversions in vectors too; the
+// first n - n % 16 elements (the caller does the rest).
+RS_TARGET_AVX512 int64_t silu_mul_bf16_avx512(const uint16_t* g, const uint16_t* u,
+                                              uint16_t* out, int64_t n) {
+  typedef radixserve::v16 V;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 xv = bf16x16_load(g + i);
+    V x;
+    std::memcpy(&x, &xv, sizeof x);
+    const V ax = x < 0 ? -x : x;
+    const V e = radixserve::expv<V>(-ax);
+    const V sv = x < 0 ? x * e / (e + 1.0f) : x / (e + 1.0f);
+    __m512 si;
+    std::memcpy(&si, &sv, sizeof si);
+    // round(round(silu(g)) * u): the silu rounded first, as torch does
+    bf16x16_store(out + i, _mm512_mul_ps(bf16x16_rounded(si), bf16x16_load(u + i)));
+  }
+  return i;
+}
+#endif
+
 template <typename IO>
 RS_TARGET_AVX512 void silu_mul_avx512(const typename IO::T* g, const typename IO::T* u,
                                       typename IO::T* out, int64_t n) {
-  silu_mul_range<radixserve::v16, IO>(g, u, out, n);
+  int64_t done = 0;
+#if RS_X86
+  if constexpr (sizeof(typename IO::T) == 2) done = silu_mul_bf16_avx512(g, u, out, n);
+#endif
+  silu_mul_range<radixserve::v16, IO>(g + done, u + done, out + done, n - done);
 }
 
 template <typename IO>
@@ -108,6 +169,20 @@ void silu_mul(const typename IO::T* g, const typename IO::T* u, typename IO::T* 
     const int64_t lo = p * per, hi = std::min(n, lo + per);
     if (lo < hi) fn(g + lo, u + lo, out + lo, hi - lo);
   }
+}
+
+// Row-major [rows][2 * inter] -> [rows][inter]: each row's gate half times its up half,
+// rows split between the threads.
+template <typename IO>
+void silu_mul_rows(const typename IO::T* gu, typename IO::T* out, int64_t rows, int64_t inter,
+                   Isa isa, int num_threads) {
+  typedef typename IO::T T;
+  void (*fn)(const T*, const T*, T*, int64_t) = silu_mul_baseline<IO>;
+  if (isa == Isa::kAvx2) fn = silu_mul_avx2<IO>;
+  if (isa >= Isa::kAvx512) fn = silu_mul_avx512<IO>;
+  const int parts = rows * inter >= (1 << 14) ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(parts) if (parts > 1)
+  for (int64_t r = 0; r < rows; ++r) fn(gu + r * 2 * inter, gu + r * 2 * inter + inter, out + r * inter, inter);
 }
 
 template <typename IO>
@@ -353,6 +428,17 @@ void silu_mul(const void* g, const void* u, void* out, int64_t n, bool bf16, Isa
   } else {
     ::silu_mul<F32>(static_cast<const float*>(g), static_cast<const float*>(u),
                     static_cast<float*>(out), n, isa, num_threads);
+  }
+}
+
+void silu_mul_rows(const void* gu, void* out, int64_t rows, int64_t inter, bool bf16, Isa isa,
+                   int num_threads) {
+  if (bf16) {
+    ::silu_mul_rows<BF16>(static_cast<const uint16_t*>(gu), static_cast<uint16_t*>(out), rows,
+                          inter, isa, num_threads);
+  } else {
+    ::silu_mul_rows<F32>(static_cast<const float*>(gu), static_cast<float*>(out), rows, inter,
+                         isa, num_threads);
   }
 }
 

@@ -339,25 +339,33 @@ def add_rms_norm(
 
 
 def silu_mul_ok(gate_up: torch.Tensor) -> bool:
-    """Whether ``silu_mul`` takes this product: the transposed view of a contiguous
-    float32 or bfloat16 ``[2 * I, rows]`` tensor on the CPU (``Linear``'s layout)."""
+    """Whether ``silu_mul`` takes this product: a float32 or bfloat16 ``[rows, 2 * I]``
+    tensor on the CPU that is the transposed view of a contiguous ``[2 * I, rows]`` one
+    (``Linear``'s layout for skinny batches) or itself contiguous (row-major)."""
     return (
         hasattr(ext, "silu_mul")
+        and hasattr(ext, "silu_mul_rows")
         and gate_up.device.type == "cpu"
         and gate_up.dtype in (torch.float32, torch.bfloat16)
         and gate_up.dim() == 2
         and gate_up.shape[1] % 2 == 0
-        and gate_up.t().is_contiguous()
+        and (gate_up.t().is_contiguous() or gate_up.is_contiguous())
     )
 
 
 def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up`` = [gate | up] (``silu_mul_ok``), as the
-    one-call decode layers compute it (their exp), in the same transposed layout."""
-    base = gate_up.t()
-    out = torch.empty(base.shape[0] // 2, base.shape[1], dtype=gate_up.dtype)
-    ext.silu_mul(_array(base), _array(out), torch.get_num_threads(), isa or ISA)  # type: ignore[union-attr]
-    return out.t()
+    one-call decode layers compute it (their exp; each result rounded as torch rounds
+    it), in the layout it came in."""
+    threads, isa = torch.get_num_threads(), isa or ISA
+    if gate_up.t().is_contiguous():
+        base = gate_up.t()
+        out = torch.empty(base.shape[0] // 2, base.shape[1], dtype=gate_up.dtype)
+        ext.silu_mul(_array(base), _array(out), threads, isa)  # type: ignore[union-attr]
+        return out.t()
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
+    ext.silu_mul_rows(_array(gate_up), _array(out), threads, isa)  # type: ignore[union-attr]
+    return out
 
 
 def rotary_qkv(

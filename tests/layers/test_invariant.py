@@ -239,6 +239,31 @@ def test_silu_mul_is_the_swiglu_activation(dtype):
     want = torch.nn.functional.silu(gate) * up
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
-    assert not cpu_kernels.silu_mul_ok(base[:, :6])  # row-major: not the product layout
+    assert not cpu_kernels.silu_mul_ok(base[:, :6])  # a strided slice: neither layout
     with pytest.raises(ValueError, match="silu_mul"):
         cpu_kernels.ext.silu_mul(cpu_kernels._array(base), cpu_kernels._array(base.clone()), 1)
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_on_row_major_products(isa, dtype):
+    """Row-major ``[rows, 2 * I]`` (a prefill's product): every row as the flat kernel
+    computes it, at every level (odd sizes: the vector loops' tails); in bfloat16 the
+    bits of torch's ``silu(gate) * up`` but for rare 1-ulp exp differences."""
+    require_isa(isa)
+    torch.manual_seed(3)
+    gate_up = (torch.randn(37, 2 * 83) * 4).to(dtype)
+    assert gate_up.is_contiguous() and cpu_kernels.silu_mul_ok(gate_up)
+    got = cpu_kernels.silu_mul(gate_up, isa=isa)
+    assert got.shape == (37, 83) and got.is_contiguous()
+    flat = cpu_kernels.silu_mul(gate_up.t().contiguous().t(), isa=isa)
+    assert torch.equal(got, flat)
+    gate, up = gate_up.split(83, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    if dtype == torch.bfloat16:
+        assert (got != want).float().mean().item() < 1e-2
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="silu_mul_rows"):
+        out = torch.empty(37, 82, dtype=dtype)
+        cpu_kernels.ext.silu_mul_rows(cpu_kernels._array(gate_up), cpu_kernels._array(out), 1)
