@@ -79,7 +79,8 @@ RS_TARGET_AMX void amx_score_tile(const uint32_t* qp, int64_t nq, int64_t D2,
 // tmm0-3: 16 query vectors x features d0 + 16c (c < 4); tmm4: 16 query vectors x 16 key
 // pairs; tmm5: 16 key pairs x 16 features.
 RS_TARGET_AMX void amx_value_rows(const uint32_t* pp, int64_t nq, int64_t np2p,
-                                       const uint32_t* vp, int64_t D, float* out) {
+                                       int64_t pp_stride, const uint32_t* vp, int64_t D,
+                                       float* out) {
   alignas(64) float c[4][16][16];
   for (int64_t i0 = 0; i0 < nq; i0 += 16) {
     const int64_t rows = std::min<int64_t>(16, nq - i0);
@@ -90,7 +91,7 @@ RS_TARGET_AMX void amx_value_rows(const uint32_t* pp, int64_t nq, int64_t np2p,
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t kp = 0; kp < np2p; kp += 16) {
-        _tile_loadd(4, pp + i0 * np2p + kp, np2p * 4);
+        _tile_loadd(4, pp + i0 * pp_stride + kp, pp_stride * 4);
         const uint32_t* v = vp + kp * D + d0;
         // Tile numbers are immediates: one branch per accumulator.
         _tile_loadd(5, v, D * 4);
@@ -125,7 +126,8 @@ bool amx_attention_begin() { return false; }
 void amx_attention_end() {}
 void amx_score_tile(const uint32_t*, int64_t, int64_t, const uint32_t*, float, float*, int64_t,
                     int64_t, int64_t) {}
-void amx_value_rows(const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t, float*) {}
+void amx_value_rows(const uint32_t*, int64_t, int64_t, int64_t, const uint32_t*, int64_t,
+                    float*) {}
 
 #endif
 

@@ -238,14 +238,14 @@ bool amx_tiles_granted();
 //     j < nb <= 32; qp [round_up(nq, 16)][D2] (rows past nq zero), kt [D2][32],
 //     D2 % 16 == 0; sc rows of len floats.
 //   amx_value_rows: out[i][d] = sum_kp pp[i][kp] . vp[kp][d] for i < nq and d < D;
-//     pp [round_up(nq, 16)][np2p], vp [np2p][D] (np2p % 16 == 0, padding zero), D % 16
-//     == 0; out rows of D floats.
+//     pp [round_up(nq, 16)] rows of np2p words, pp_stride (>= np2p) words apart, vp
+//     [np2p][D] (np2p % 16 == 0, padding zero), D % 16 == 0; out rows of D floats.
 bool amx_attention_begin();
 void amx_attention_end();
 void amx_score_tile(const uint32_t* qp, int64_t nq, int64_t D2, const uint32_t* kt, float scale,
                     float* sc, int64_t len, int64_t j0, int64_t nb);
-void amx_value_rows(const uint32_t* pp, int64_t nq, int64_t np2p, const uint32_t* vp, int64_t D,
-                    float* out);
+void amx_value_rows(const uint32_t* pp, int64_t nq, int64_t np2p, int64_t pp_stride,
+                    const uint32_t* vp, int64_t D, float* out);
 
 // Attention of n query vectors per kv head over one run of len keys on AMX tiles
 // (prefix_attention.cpp): out [kv_heads][n][d] (bfloat16) and lse [kv_heads][n]

@@ -78,31 +78,26 @@ RS_TARGET_AVX512 RS_ALWAYS_INLINE void bf16x16_store(uint16_t* p, __m512 x) {
 }
 #endif
 
+// silu(x) = x / (1 + exp(-x)) written with e = exp(-|x|) <= 1 (expv takes arguments <= 0).
+template <typename V>
+RS_ALWAYS_INLINE V silu_v(V x) {
+  const V ax = x < 0 ? -x : x;
+  const V e = radixserve::expv<V>(-ax);
+  return x < 0 ? x * e / (e + 1.0f) : x / (e + 1.0f);
+}
+
 template <typename V, typename IO>
 RS_ALWAYS_INLINE void silu_mul_range(const typename IO::T* g, const typename IO::T* u,
                                      typename IO::T* out, int64_t n) {
   constexpr int L = radixserve::lanes<V>();
   int64_t i = 0;
   float buf[L];
-  for (; i + L <= n; i += L) {
-    for (int j = 0; j < L; ++j) buf[j] = IO::load(g[i + j]);
-    const V x = radixserve::loadv<V>(buf);
-    const V ax = x < 0 ? -x : x;
-    const V e = radixserve::expv<V>(-ax);
-    const V s = x < 0 ? x * e / (e + 1.0f) : x / (e + 1.0f);
-    radixserve::storev(buf, s);
-    for (int j = 0; j < L; ++j)
-      out[i + j] = IO::store(IO::load(IO::store(buf[j])) * IO::load(u[i + j]));
-  }
-  if (i < n) {  // the tail as one zero-padded vector: every element gets expv's value
-    const int64_t rest = n - i;
-    for (int j = 0; j < L; ++j) buf[j] = j < rest ? IO::load(g[i + j]) : 0.0f;
-    const V x = radixserve::loadv<V>(buf);
-    const V ax = x < 0 ? -x : x;
-    const V e = radixserve::expv<V>(-ax);
-    const V s = x < 0 ? x * e / (e + 1.0f) : x / (e + 1.0f);
-    radixserve::storev(buf, s);
-    for (int64_t j = 0; j < rest; ++j)
+  // The last vector zero-padded: every element gets expv's value, whatever its place.
+  for (; i < n; i += L) {
+    const int64_t m = std::min<int64_t>(L, n - i);
+    for (int j = 0; j < L; ++j) buf[j] = j < m ? IO::load(g[i + j]) : 0.0f;
+    radixserve::storev(buf, silu_v(radixserve::loadv<V>(buf)));
+    for (int64_t j = 0; j < m; ++j)
       out[i + j] = IO::store(IO::load(IO::store(buf[j])) * IO::load(u[i + j]));
   }
 }
@@ -132,9 +127,7 @@ RS_TARGET_AVX512 int64_t silu_mul_bf16_avx512(const uint16_t* g, const uint16_t*
     const __m512 xv = bf16x16_load(g + i);
     V x;
     std::memcpy(&x, &xv, sizeof x);
-    const V ax = x < 0 ? -x : x;
-    const V e = radixserve::expv<V>(-ax);
-    const V sv = x < 0 ? x * e / (e + 1.0f) : x / (e + 1.0f);
+    const V sv = silu_v(x);
     __m512 si;
     std::memcpy(&si, &sv, sizeof si);
     // round(round(silu(g)) * u): the silu rounded first, as torch does
@@ -154,13 +147,20 @@ RS_TARGET_AVX512 void silu_mul_avx512(const typename IO::T* g, const typename IO
   silu_mul_range<radixserve::v16, IO>(g + done, u + done, out + done, n - done);
 }
 
+// The silu_mul body for an instruction-set level.
 template <typename IO>
-void silu_mul(const typename IO::T* g, const typename IO::T* u, typename IO::T* out, int64_t n,
-              Isa isa, int num_threads) {
+auto silu_mul_fn(Isa isa) {
   typedef typename IO::T T;
   void (*fn)(const T*, const T*, T*, int64_t) = silu_mul_baseline<IO>;
   if (isa == Isa::kAvx2) fn = silu_mul_avx2<IO>;
   if (isa >= Isa::kAvx512) fn = silu_mul_avx512<IO>;
+  return fn;
+}
+
+template <typename IO>
+void silu_mul(const typename IO::T* g, const typename IO::T* u, typename IO::T* out, int64_t n,
+              Isa isa, int num_threads) {
+  const auto fn = silu_mul_fn<IO>(isa);
   // Small steps stay on one thread: a parallel region costs more than 16k elements.
   const int64_t parts = n >= (1 << 14) ? num_threads : 1;
   const int64_t per = (n + parts - 1) / parts;
@@ -176,10 +176,7 @@ void silu_mul(const typename IO::T* g, const typename IO::T* u, typename IO::T* 
 template <typename IO>
 void silu_mul_rows(const typename IO::T* gu, typename IO::T* out, int64_t rows, int64_t inter,
                    Isa isa, int num_threads) {
-  typedef typename IO::T T;
-  void (*fn)(const T*, const T*, T*, int64_t) = silu_mul_baseline<IO>;
-  if (isa == Isa::kAvx2) fn = silu_mul_avx2<IO>;
-  if (isa >= Isa::kAvx512) fn = silu_mul_avx512<IO>;
+  const auto fn = silu_mul_fn<IO>(isa);
   const int parts = rows * inter >= (1 << 14) ? num_threads : 1;
 #pragma omp parallel for schedule(static) num_threads(parts) if (parts > 1)
   for (int64_t r = 0; r < rows; ++r) fn(gu + r * 2 * inter, gu + r * 2 * inter + inter, out + r * inter, inter);

@@ -812,7 +812,7 @@ RS_TARGET_AVX512BF16 void run_item_dp(const Problem& P, const Item& it, const BF
     }
     float* acc = pacc + (it.partial + h * per_head) * D;
     if (amx) {
-      radixserve::amx_value_rows(pp, per_head, np2p, vp, D, acc);
+      radixserve::amx_value_rows(pp, per_head, np2p, np2p, vp, D, acc);
       continue;
     }
     for (int64_t i = 0; i < per_head; i += kDpValueRows) {

@@ -134,45 +134,6 @@ RS_TARGET_AMX void score_tiles(const uint32_t* qp, int64_t d2, const uint32_t* k
   }
 }
 
-// o [32][d] (float32) = P [32][lp] . V, with P in bfloat16 rows (pairs of keys) and V in
-// key pairs (vp [lp / 2][d] words). tmm0-3: 16 rows x features f0 + 16c; tmm4: 16 rows x
-// 16 key pairs; tmm5-6: 16 key pairs x 16 features.
-RS_TARGET_AMX void value_tiles(const uint16_t* pb, int64_t lp, int64_t ls, const uint32_t* vp,
-                               int64_t d, float* o) {
-  for (int64_t r0 = 0; r0 < kTaskRows; r0 += 16) {
-    for (int64_t f0 = 0; f0 < d; f0 += 64) {
-      const int cols = static_cast<int>(std::min<int64_t>(4, (d - f0) / 16));
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t k0 = 0; k0 < lp; k0 += 32) {
-        _tile_loadd(4, pb + r0 * ls + k0, ls * 2);
-        const uint32_t* v = vp + (k0 / 2) * d + f0;
-        _tile_loadd(5, v, d * 4);
-        _tile_dpbf16ps(0, 4, 5);
-        if (cols > 1) {
-          _tile_loadd(6, v + 16, d * 4);
-          _tile_dpbf16ps(1, 4, 6);
-        }
-        if (cols > 2) {
-          _tile_loadd(5, v + 32, d * 4);
-          _tile_dpbf16ps(2, 4, 5);
-        }
-        if (cols > 3) {
-          _tile_loadd(6, v + 48, d * 4);
-          _tile_dpbf16ps(3, 4, 6);
-        }
-      }
-      float* dst = o + r0 * d + f0;
-      _tile_stored(0, dst, d * 4);
-      if (cols > 1) _tile_stored(1, dst + 16, d * 4);
-      if (cols > 2) _tile_stored(2, dst + 32, d * 4);
-      if (cols > 3) _tile_stored(3, dst + 48, d * 4);
-    }
-  }
-}
-
 // Packs kv head h: kt [d / 2][lp] (word p of key j's K row), vp [lp / 2][d] (V of keys
 // 2kp and 2kp + 1 interleaved per feature), zero past len.
 RS_TARGET_AMX void pack_head(const Args& a, int64_t h, int64_t lp, int64_t ls, uint32_t* kt,
@@ -241,7 +202,9 @@ RS_TARGET_AMX void run_task(const Args& a, int64_t h, int64_t i0, int64_t lp, in
   score_tiles(qp, d2, kt, lt, ls, s.data());
   float m[kTaskRows], l[kTaskRows];
   softmax_block(s.data(), ls, lt, lens, rows, a.scale, pb.data(), m, l);
-  value_tiles(pb.data(), lt, ls, vp, d, o.data());
+  // o [32][d] (float32) = P . V, P's rows ls bfloat16 (ls / 2 words) apart
+  amx_value_rows(reinterpret_cast<const uint32_t*>(pb.data()), kTaskRows, lt / 2, ls / 2, vp, d,
+                 o.data());
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
     uint16_t* dst = a.out + (h * a.n + i0 + r) * d;
