@@ -1,12 +1,14 @@
-// Attention of many query vectors over one shared run of keys on AMX tiles: a cascade
-// group's shared prefix (radixserve/worker/attention/shared_prefix.py), where every
-// member's query heads of one kv head read the same keys with no mask. It returns each
-// row's output and the log-sum-exp of its scaled scores, for the merge with the
-// members' own suffixes (lse_merge.cpp).
+// Attention of many query vectors over one run of keys on AMX tiles: a cascade group's
+// shared prefix (radixserve/worker/attention/shared_prefix.py), where every member's
+// query heads of one kv head read the same keys with no mask, and a prefill chunk
+// (torch_backend.py), where each query vector sees a prefix of the keys (its causal
+// limit). It returns each row's output and the log-sum-exp of its scaled scores, for
+// the merge with the members' own suffixes (lse_merge.cpp).
 //
 // Per kv head, K and V are packed once per call into the tiles' operand layouts (K^T
 // in feature pairs, V in key pairs), then the work is split into tasks of 32 query
-// vectors: the scores of a task's 32 rows against every key go to a float32 block that
+// vectors: the scores of a task's 32 rows against the keys its rows see (up to the
+// longest limit, in blocks of 32; blocks past it are skipped) go to a float32 block that
 // stays in the core's cache, its softmax runs in vector code, and its probabilities,
 // rounded to bfloat16, multiply V on the tiles. Products of bfloat16 pairs are summed
 // in float32 (as torch's CPU flash attention does); the scale is applied to the summed
@@ -33,8 +35,9 @@ namespace {
 constexpr int64_t kTaskRows = 32;  // query vectors per task: two tile rows
 constexpr int64_t kKeyBlock = 32;  // keys per score step: two tile columns
 
-// exp(x) for x <= 0 as 2^t, t = x log2(e): 2^(t - round(t)) by a degree-5 polynomial
-// (relative error below 2e-7 on [-1/2, 1/2]) scaled by 2^round(t) with vscalefps, which
+// exp(x) for finite x <= 0 as 2^t, t = x log2(e): 2^(t - round(t)) by its degree-5
+// Taylor polynomial (relative error below 3e-6 on [-1/2, 1/2]) scaled by 2^round(t) with
+// vscalefps, which
 // gives 0 for t below the float range. The probabilities are rounded to bfloat16 after,
 // and the row sums are float32 sums: this is as exact as they need.
 RS_TARGET_AMX RS_ALWAYS_INLINE __m512 exp_le0(__m512 x) {
