@@ -4,6 +4,7 @@
 // cpu_kernels.cpp.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -61,6 +62,26 @@ enum class Isa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 // The best level this CPU (and OS: the CPU check includes the saved register
 // state) runs.
 Isa best_isa();
+
+// The body compiled for the highest level at or below `isa` of the three a kernel has.
+template <typename F>
+F by_isa(Isa isa, F baseline, F avx2, F avx512) {
+  return isa >= Isa::kAvx512 ? avx512 : isa == Isa::kAvx2 ? avx2 : baseline;
+}
+
+// fn(begin, end) over [0, items) in contiguous ranges, one per thread (at most
+// num_threads, at most items; one range runs on the caller's thread). fn is a plain
+// call into a function with its own target attributes (a lambda does not inherit them).
+template <typename Fn>
+void split_items(int64_t items, int num_threads, Fn&& fn) {
+  const int64_t parts = std::min<int64_t>(std::max(num_threads, 1), items);
+  if (parts <= 1) {
+    if (items > 0) fn(int64_t{0}, items);
+    return;
+  }
+#pragma omp parallel for schedule(static) num_threads(static_cast<int>(parts))
+  for (int64_t i = 0; i < parts; ++i) fn(items * i / parts, items * (i + 1) / parts);
+}
 const char* isa_name(Isa isa);
 
 // Eight floats as a GCC/clang vector: one AVX register in an AVX2 function, two SSE

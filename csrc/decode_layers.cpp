@@ -150,25 +150,17 @@ RS_TARGET_AVX512 void silu_mul_avx512(const typename IO::T* g, const typename IO
 // The silu_mul body for an instruction-set level.
 template <typename IO>
 auto silu_mul_fn(Isa isa) {
-  typedef typename IO::T T;
-  void (*fn)(const T*, const T*, T*, int64_t) = silu_mul_baseline<IO>;
-  if (isa == Isa::kAvx2) fn = silu_mul_avx2<IO>;
-  if (isa >= Isa::kAvx512) fn = silu_mul_avx512<IO>;
-  return fn;
+  return radixserve::by_isa(isa, &silu_mul_baseline<IO>, &silu_mul_avx2<IO>, &silu_mul_avx512<IO>);
 }
 
 template <typename IO>
 void silu_mul(const typename IO::T* g, const typename IO::T* u, typename IO::T* out, int64_t n,
               Isa isa, int num_threads) {
   const auto fn = silu_mul_fn<IO>(isa);
-  // Small steps stay on one thread: a parallel region costs more than 16k elements.
-  const int64_t parts = n >= (1 << 14) ? num_threads : 1;
-  const int64_t per = (n + parts - 1) / parts;
-#pragma omp parallel for schedule(static) num_threads(parts) if (parts > 1)
-  for (int64_t p = 0; p < parts; ++p) {
-    const int64_t lo = p * per, hi = std::min(n, lo + per);
-    if (lo < hi) fn(g + lo, u + lo, out + lo, hi - lo);
-  }
+  // Small steps stay on one thread: a parallel region costs more than 16k elements. (A
+  // value does not depend on the split: a vector's tail gets the same formula.)
+  radixserve::split_items(n, n >= (1 << 14) ? num_threads : 1,
+                          [&](int64_t lo, int64_t hi) { fn(g + lo, u + lo, out + lo, hi - lo); });
 }
 
 // Row-major [rows][2 * inter] -> [rows][inter]: each row's gate half times its up half,
@@ -177,9 +169,11 @@ template <typename IO>
 void silu_mul_rows(const typename IO::T* gu, typename IO::T* out, int64_t rows, int64_t inter,
                    Isa isa, int num_threads) {
   const auto fn = silu_mul_fn<IO>(isa);
-  const int parts = rows * inter >= (1 << 14) ? num_threads : 1;
-#pragma omp parallel for schedule(static) num_threads(parts) if (parts > 1)
-  for (int64_t r = 0; r < rows; ++r) fn(gu + r * 2 * inter, gu + r * 2 * inter + inter, out + r * inter, inter);
+  radixserve::split_items(rows, rows * inter >= (1 << 14) ? num_threads : 1,
+                          [&](int64_t r0, int64_t r1) {
+                            for (int64_t r = r0; r < r1; ++r)
+                              fn(gu + r * 2 * inter, gu + (r * 2 + 1) * inter, out + r * inter, inter);
+                          });
 }
 
 template <typename IO>

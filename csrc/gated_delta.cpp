@@ -88,15 +88,9 @@ RS_TARGET_AVX512 void step_avx512(const GatedDeltaStep& p, int64_t i0, int64_t i
 
 template <typename T>
 void run(const GatedDeltaStep& p, radixserve::Isa isa, int num_threads) {
-  using radixserve::Isa;
-  void (*fn)(const GatedDeltaStep&, int64_t, int64_t) = step_baseline<T>;
-  if (isa == Isa::kAvx2) fn = step_avx2<T>;
-  if (isa >= Isa::kAvx512) fn = step_avx512<T>;
-  const int64_t items = p.batch * p.heads;
-  const int64_t parts = std::min<int64_t>(std::max(num_threads, 1), items);
-  if (parts <= 1) return fn(p, 0, items);
-#pragma omp parallel for schedule(static) num_threads(static_cast<int>(parts))
-  for (int64_t i = 0; i < parts; ++i) fn(p, items * i / parts, items * (i + 1) / parts);
+  const auto fn = radixserve::by_isa(isa, &step_baseline<T>, &step_avx2<T>, &step_avx512<T>);
+  radixserve::split_items(p.batch * p.heads, num_threads,
+                          [&](int64_t i0, int64_t i1) { fn(p, i0, i1); });
 }
 
 }  // namespace

@@ -244,13 +244,7 @@ def gated_delta_step(
     """``models.gated_delta.recurrent_step`` for one token of each request, on the states
     ``state[entries]`` in place (``entries`` distinct): ``q``/``k`` [B, H, Dk], ``v`` [B, H,
     Dv], ``g``/``beta`` [B, H] -> output [B, H, Dv] (``csrc/gated_delta.cpp``)."""
-    out = torch.empty_like(v, memory_format=torch.contiguous_format)
-    ext.gated_delta_step(  # type: ignore[union-attr]
-        *(_array(t.contiguous()) for t in (q, k, v, g, beta)), state.detach().numpy(),
-        entries.to(torch.int64).contiguous().numpy(), out.numpy(), torch.get_num_threads(),
-        isa or ISA,
-    )  # fmt: skip
-    return out
+    return _state_step(ext.gated_delta_step, (q, k, v, g, beta), v, state, entries, isa)  # type: ignore[union-attr]
 
 
 def mamba2_step(
@@ -267,9 +261,18 @@ def mamba2_step(
     ``state[entries]`` in place (``entries`` distinct; ``recurrent_ok(x, state)`` says
     whether it takes them): ``x`` [R, H, P], ``dt`` [R, H], ``A`` [H], ``B``/``C`` [R, G, N]
     -> output [R, H, P] (``csrc/mamba2_step.cpp``)."""
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    ext.mamba2_step(  # type: ignore[union-attr]
-        *(_array(t.contiguous()) for t in (x, dt, A, B, C)), state.detach().numpy(),
+    return _state_step(ext.mamba2_step, (x, dt, A, B, C), x, state, entries, isa)  # type: ignore[union-attr]
+
+
+def _state_step(
+    kernel, inputs: tuple[torch.Tensor, ...], like: torch.Tensor, state: torch.Tensor,
+    entries: torch.Tensor, isa: str | None,
+) -> torch.Tensor:  # fmt: skip
+    """One recurrent kernel's call: its inputs made contiguous, the state pool updated in
+    place at ``entries``, the output shaped as ``like``."""
+    out = torch.empty_like(like, memory_format=torch.contiguous_format)
+    kernel(
+        *(_array(t.contiguous()) for t in inputs), state.detach().numpy(),
         entries.to(torch.int64).contiguous().numpy(), out.numpy(), torch.get_num_threads(),
         isa or ISA,
     )  # fmt: skip

@@ -94,6 +94,12 @@ def test_bad_inputs_are_refused():
         call(q[..., :48].contiguous(), pages[:, :96].contiguous(), k_rows, 40, 1, 0.1)
     with pytest.raises(ValueError, match="page_size"):
         call(q, pages, k_rows, 40, 2, 0.1)
+    with pytest.raises(ValueError, match="every limit"):
+        call(q, pages, k_rows, 40, 1, 0.1, np.zeros(8, np.int32))
+    with pytest.raises(ValueError, match="every limit"):
+        call(q, pages, k_rows, 40, 1, 0.1, np.full(8, 41, np.int32))
+    with pytest.raises(ValueError, match="limits must be"):
+        call(q, pages, k_rows, 40, 1, 0.1, np.ones(7, np.int32))
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -540,10 +540,11 @@ class TorchAttention(AttentionBackend):
         layer's ``pages`` (this step's rows already written); False where the tiles
         cannot run."""
         kvh = self.pool.num_kv_heads
-        qo, heads, d = q[p.rows].shape
+        qc = q[p.rows]
+        qo, heads, d = qc.shape
         group = heads // kvh
         # [qo, heads, d] -> [kv head][token][query head of the kv head][d]
-        qf = q[p.rows].view(qo, kvh, group, d).permute(1, 0, 2, 3).contiguous()
+        qf = qc.view(qo, kvh, group, d).permute(1, 0, 2, 3).contiguous()
         res = cpu_kernels.prefix_attention(
             qf.view(kvh, qo * group, d), pages, p.gather, p.kv_len, self.pool.page_size,
             self.scale, p.limits,
