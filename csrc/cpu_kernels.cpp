@@ -642,6 +642,27 @@ void apply_token_bitmask(py::array& logits, const py::array& bitmask, const py::
   }
 }
 
+// The state pool's entries a recurrent step updates in place: each [entries, heads, d1,
+// d2] entry C-contiguous (entries any whole number of elements apart), count distinct
+// int64 entries in range. Returns them.
+template <typename Fail>
+const int64_t* pool_entries(const py::array& state, const py::array& entries, int64_t count,
+                            Fail fail) {
+  const int64_t item = state.dtype().itemsize();
+  if (state.strides(3) != item || state.strides(2) != state.shape(3) * item ||
+      state.strides(1) != state.shape(2) * state.shape(3) * item || state.strides(0) % item ||
+      state.strides(0) < 0)
+    fail("each entry of state must be C-contiguous");
+  const int64_t n = state.shape(0);
+  const auto* e = static_cast<const int64_t*>(entries.data());
+  std::vector<char> seen(static_cast<size_t>(n), 0);
+  for (int64_t i = 0; i < count; ++i) {
+    if (e[i] < 0 || e[i] >= n) fail("an entry is out of range");
+    if (seen[e[i]]++) fail("entries must be distinct");
+  }
+  return e;
+}
+
 // The gated delta rule's decode step on the state pool in place (csrc/gated_delta.cpp).
 void gated_delta_step(const py::array& q, const py::array& k, const py::array& v,
                       const py::array& g, const py::array& beta, py::array& state,
@@ -674,16 +695,7 @@ void gated_delta_step(const py::array& q, const py::array& k, const py::array& v
     fail("shapes disagree");
   if (dv > 512) fail("value_dim must be at most 512");
   const int64_t item = q.dtype().itemsize();
-  if (state.strides(3) != item || state.strides(2) != dv * item ||
-      state.strides(1) != dk * dv * item || state.strides(0) % item || state.strides(0) < 0)
-    fail("each entry of state must be C-contiguous");
-  const int64_t n = state.shape(0);
-  const auto* e = static_cast<const int64_t*>(entries.data());
-  std::vector<char> seen(static_cast<size_t>(n), 0);
-  for (int64_t i = 0; i < b; ++i) {
-    if (e[i] < 0 || e[i] >= n) fail("an entry is out of range");
-    if (seen[e[i]]++) fail("entries must be distinct");
-  }
+  const int64_t* e = pool_entries(state, entries, b, fail);
   radixserve::GatedDeltaStep p{};
   p.q = q.data();
   p.k = k.data();
@@ -731,16 +743,7 @@ void mamba2_step(const py::array& x, const py::array& dt, const py::array& A,
     fail("shapes disagree");
   if (g < 1 || h % g) fail("heads must be a multiple of groups");
   const int64_t item = x.dtype().itemsize();
-  if (state.strides(3) != item || state.strides(2) != n * item ||
-      state.strides(1) != p * n * item || state.strides(0) % item || state.strides(0) < 0)
-    fail("each entry of state must be C-contiguous");
-  const int64_t num = state.shape(0);
-  const auto* e = static_cast<const int64_t*>(entries.data());
-  std::vector<char> seen(static_cast<size_t>(num), 0);
-  for (int64_t i = 0; i < r; ++i) {
-    if (e[i] < 0 || e[i] >= num) fail("an entry is out of range");
-    if (seen[e[i]]++) fail("entries must be distinct");
-  }
+  const int64_t* e = pool_entries(state, entries, r, fail);
   radixserve::Mamba2Step s{};
   s.x = x.data();
   s.dt = dt.data();

@@ -182,8 +182,7 @@ RS_TARGET_AMX void pack_head(const Args& a, int64_t h, int64_t lp, int64_t ls, u
   }
 }
 
-RS_TARGET_AMX void run_task(const Args& a, int64_t h, int64_t i0, int64_t lp, int64_t ls,
-                            const uint32_t* kt,
+RS_TARGET_AMX void run_task(const Args& a, int64_t h, int64_t i0, int64_t ls, const uint32_t* kt,
                             const uint32_t* vp, std::vector<uint32_t>& qpad,
                             std::vector<float>& s, std::vector<uint16_t>& pb,
                             std::vector<float>& o) {
@@ -262,7 +261,7 @@ bool prefix_attention_amx(const uint16_t* q, const uint16_t* pool, const int64_t
     for (int64_t t = 0; t < tasks; ++t) {
       if (!tiles) continue;
       const int64_t h = t / per_head, i0 = (t % per_head) * kTaskRows;
-      run_task(a, h, i0, lp, ls, kt + h * d2 * ls, vp + h * (lp / 2) * d, qpad, s, pb, o);
+      run_task(a, h, i0, ls, kt + h * d2 * ls, vp + h * (lp / 2) * d, qpad, s, pb, o);
     }
     if (tiles) amx_attention_end();
   }
