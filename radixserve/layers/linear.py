@@ -43,30 +43,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``x W^T (+ b)`` by the fastest of ``Linear``'s three forms (same layout contract),
     for weights that are not a ``Linear`` (one expert's slice of a stacked tensor).
     In batch-invariant mode (``invariant.py``): the native kernels' invariant form
-    where they take the product (``invariant_native``), else the same forms on fixed
-    blocks of rows and a contiguous result."""
+    where they take the product (``invariant_native``), else on the CPU one call per
+    row (``invariant.rowwise``: float64), elsewhere the same forms on fixed blocks of
+    rows; a contiguous result."""
     if invariant.enabled() and x.shape[0] > 0:
         if invariant_native(x, weight):
             return invariant_linear(x, weight, bias)
+        if x.device.type == "cpu":
+            return invariant.rowwise(x, weight, bias)
         return invariant.blocked(x, weight, bias, _linear)
     return _linear(x, weight, bias)
 
 
 def invariant_native(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a batch-invariant product runs in the native kernels: float32, and
-    bfloat16 at ``avx512bf16`` (the products the one-call decode layers compute,
-    ``decode_step.products_ok``, so that a decode row there and the same row through
-    the layers one by one get the same bits)."""
+    """Whether a batch-invariant product runs in the native kernels: float32 and
+    bfloat16 at every instruction-set level (bfloat16 on ``vdpbf16ps`` at
+    ``avx512bf16``, widened to float32 as it is read below it; the products the
+    one-call decode layers compute, ``decode_step.products_ok``, are among these,
+    so that a decode row there and the same row through the layers one by one get
+    the same bits)."""
     return (
         cpu_kernels.AVAILABLE
         and x.dim() == 2
         and x.device.type == "cpu"
         and x.dtype == weight.dtype
         and weight.is_contiguous()
-        and (
-            x.dtype == torch.float32
-            or (x.dtype == torch.bfloat16 and cpu_kernels.ISA == "avx512bf16")
-        )
+        and x.dtype in (torch.float32, torch.bfloat16)
     )
 
 

@@ -117,12 +117,15 @@ def test_softcap_rows_are_the_same_in_every_call(isa):
 
 
 def test_the_default_mode_is_not_batch_invariant():
-    """What the mode fixes: without it a chunk's rows and a decode row disagree."""
+    """What the mode fixes: without it a chunk's bfloat16 rows (``vdpbf16ps`` tiles)
+    and a decode row disagree at ``avx512bf16``. (At the lower levels this case
+    happens to agree; only the mode promises it.)"""
+    isa = require_isa("avx512bf16")
     rng = np.random.default_rng(0)
     case = Case(rng, torch.bfloat16, 16, 64)
     p = 200
-    alone, _ = case.run([(p, 1, p + 1, False)], cpu_kernels.ISA, fixed=0, chunk=256)
-    chunk, _ = case.run([(p - 39, 40, p + 1, True)], cpu_kernels.ISA, fixed=0, chunk=256)
+    alone, _ = case.run([(p, 1, p + 1, False)], isa, fixed=0, chunk=256)
+    chunk, _ = case.run([(p - 39, 40, p + 1, True)], isa, fixed=0, chunk=256)
     assert not torch.equal(chunk[p], alone[p])
 
 
@@ -151,19 +154,23 @@ def test_products_are_the_same_alone_and_in_any_batch(kind, dtype, level):
     b = torch.randn(300).to(dtype)
 
     def product(rows, weight, bias):
-        if kind == "skinny":
-            return cpu_kernels.skinny_linear(rows, weight, bias, isa=level)
-        return linear(rows, weight, bias)
+        return cpu_kernels.skinny_linear(rows, weight, bias, isa=level)
 
-    alone = invariant.blocked(x[:1], w, b, product)[0]
+    def invariant_product(rows):
+        if kind == "skinny":
+            return invariant.blocked(rows, w, b, product)
+        with invariant.batch_invariant():
+            return linear(rows, w, b)
+
+    alone = invariant_product(x[:1])[0]
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(alone.double(), (x[:1].double() @ w.double().t() + b.double())[0],
                                atol=tol * 10, rtol=tol)  # fmt: skip
     for m in (2, 9, 16, 17, 40):
         for j in range(0, m, 4):
             batch = torch.cat([x[1 : 1 + j], x[:1], x[1 + j : m]])
-            got = invariant.blocked(batch, w, b, product)
-            assert got.is_contiguous()
+            got = invariant_product(batch)
+            assert got.is_contiguous() or kind == "dispatch"
             assert torch.equal(got[j], alone), (m, j)
 
 
@@ -187,8 +194,9 @@ def test_linear_switches_with_the_context():
 
 def _native_forms():
     """(dtype, level, amx): the forms ``invariant_linear`` takes on some CPU."""
-    out = [(torch.float32, level, False) for level in cpu_kernels.ISAS]
-    return out + [(torch.bfloat16, "avx512bf16", False), (torch.bfloat16, "avx512bf16", True)]
+    out = [(dtype, level, False) for level in cpu_kernels.ISAS
+           for dtype in (torch.float32, torch.bfloat16)]  # fmt: skip
+    return out + [(torch.bfloat16, "avx512bf16", True)]
 
 
 @pytest.mark.parametrize(("dtype", "level", "amx"), _native_forms())
