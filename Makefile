@@ -23,7 +23,7 @@ STAMP := $(VENV)/.radixserve-installed
 RUN_FLAGS ?=
 SERVE ?=
 
-.PHONY: install install-run run test lint format bench bench-prefix clean
+.PHONY: install install-run run test test-masked lint format bench bench-prefix clean
 
 install: $(STAMP)
 
@@ -54,8 +54,14 @@ $(STAMP): $(RUN_STAMP) pyproject.toml
 run: install-run
 	$(PY) -m radixserve.demo $(if $(SERVE),--serve) $(RUN_FLAGS)
 
+# The suite, then its CPU-dependent tests once more as a CPU without AMX and
+# AVX512_BF16 (tests/masked_isa.py: our kernels, oneDNN and MKL capped).
 test: install
 	$(PY) -m pytest -q
+	$(PY) -m tests.masked_isa
+
+test-masked: install
+	$(PY) -m tests.masked_isa
 
 lint: install
 	$(PY) -m ruff check radixserve tests bench

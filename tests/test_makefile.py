@@ -46,3 +46,21 @@ def test_make_test_adds_the_dev_extra_and_builds_the_package_once(tmp_path):
     pip = installs(planned("test", tmp_path))
     assert any("dev-requirements.txt" in c for c in pip)
     assert sum("install -e" in c for c in pip) == 1, pip
+
+
+def test_make_test_runs_the_masked_isa_pass(tmp_path):
+    commands = planned("test", tmp_path)
+    suite = next(i for i, c in enumerate(commands) if "-m pytest" in c)
+    masked = next(i for i, c in enumerate(commands) if "-m tests.masked_isa" in c)
+    assert suite < masked
+
+
+def test_the_masked_pass_takes_the_best_level_below_avx512bf16():
+    from tests.masked_isa import masked_env
+
+    every = ("baseline", "avx2", "avx512", "avx512bf16")
+    env = masked_env(every, {"PATH": "/bin"})
+    assert env["RADIXSERVE_CPU_ISA"] == "avx512" and env["RADIXSERVE_CPU_AMX"] == "0"
+    assert env["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE" and env["PATH"] == "/bin"
+    assert masked_env(every[:2], {})["RADIXSERVE_CPU_ISA"] == "avx2"
+    assert masked_env((), {})["MKL_ENABLE_INSTRUCTIONS"] == "SSE4_2"
