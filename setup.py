@@ -85,7 +85,7 @@ def _parallel_compile() -> None:
     """Compile each extension's sources side by side (pybind11's ``ParallelCompile``):
     the longest file (``csrc/paged_attention.cpp``, every ISA level's instantiations)
     starts first and the rest fill the other cores, about half the serial time on 2
-    cores (docs/native.md, "Build")."""
+    cores (docs/native.md, "How it is built")."""
     try:
         from pybind11.setup_helpers import ParallelCompile
     except ImportError:
