@@ -28,6 +28,7 @@ from typing import TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import ClientDisconnect
 
 from radixserve.client import RequestTimeout, ServerError
 from radixserve.http import completions as C
@@ -53,6 +54,13 @@ def create_app(state: FrontState, keys: Keys = NO_KEYS) -> FastAPI:
     @app.exception_handler(C.ClientGone)
     async def _gone(_request: Request, _e: C.ClientGone) -> Response:
         return Response(status_code=499)  # nobody reads it: the client left
+
+    @app.exception_handler(ClientDisconnect)
+    async def _left_mid_body(request: Request, _e: ClientDisconnect) -> Response:
+        # The client's doing, not a failure of this server: one line, no traceback.
+        peer = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        log.info("%s left while sending the body of %s %s", peer, request.method, request.url.path)
+        return Response(status_code=499)  # nobody reads it
 
     @app.exception_handler(404)
     async def _not_found(request: Request, _e: Exception) -> Response:
