@@ -35,6 +35,7 @@ from radixserve.http import completions as C
 from radixserve.http import sglang_api as S
 from radixserve.http.auth import NO_KEYS, Keys
 from radixserve.http.errors import HTTPError
+from radixserve.http.h11_protocol import HeadLimit
 from radixserve.http.state import FrontState
 
 log = logging.getLogger("radixserve.http")
@@ -45,6 +46,7 @@ LORA_TIMEOUT_S = 120.0  # a LoRA load: read and checked by the worker in a step
 
 def create_app(state: FrontState, keys: Keys = NO_KEYS) -> FastAPI:
     app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(HeadLimit)  # 431 for a head over MAX_HEAD_BYTES (h11_protocol.py)
     app.state.front = state
 
     @app.exception_handler(HTTPError)

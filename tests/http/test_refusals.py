@@ -14,6 +14,7 @@ import pytest
 
 from radixserve import protocol as P
 from radixserve.http.app import create_app
+from radixserve.http.h11_protocol import MAX_HEAD_BYTES
 from radixserve.http.metrics import Metrics
 from radixserve.http.state import FrontState
 from tests.helpers.server import wait_idle
@@ -173,22 +174,37 @@ def test_a_client_leaving_mid_body_is_one_info_line(caplog):
     assert "127.0.0.1:5555" in line.getMessage() and "/v1/completions" in line.getMessage()
 
 
-def test_an_oversized_request_head_is_a_431(http_server, http):
-    """A 1 MiB Authorization header: a 431 in OpenAI's shape, read by the client whole
-    (the front reads the rest of the head before it closes, so the close is no reset)."""
-    url = httpx.URL(http_server.http_url)
+def _exchange(http_url: str, pad: int) -> tuple[bytes, bytes, int]:
+    """POST GOOD with a header padded so the head has ``pad`` more bytes than without
+    it, over a raw socket; (status line, body, the head's size in bytes)."""
+    url = httpx.URL(http_url)
+    payload = json.dumps(GOOD).encode()
     head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {url.host}\r\n"
-        f"Authorization: Bearer {'k' * (1 << 20)}\r\nContent-Length: 2\r\n\r\n{{}}"
+        f"POST /v1/completions HTTP/1.1\r\nHost: {url.host}\r\nConnection: close\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+        f"X-Pad: {'p' * pad}\r\n\r\n"
     ).encode()
     with socket.create_connection((url.host, url.port), timeout=30) as sock:
-        sock.sendall(head)
+        sock.sendall(head + payload)
         answer = b""
         while chunk := sock.recv(1 << 16):
             answer += chunk
     status, _, body = answer.partition(b"\r\n\r\n")
-    assert status.startswith(b"HTTP/1.1 431 "), answer[:200]
-    err = json.loads(body)["error"]
-    assert err["code"] == "header_too_large" and "16384 bytes" in err["message"]
+    return status.split(b"\r\n")[0], body, len(head)
+
+
+def test_an_oversized_request_head_is_a_431(http_server, http):
+    """A head of MAX_HEAD_BYTES is served; one byte more, or a 1 MiB header, is a 431 in
+    OpenAI's shape, read whole by the client (the front reads the rest of a large head
+    before it closes, so the close is no reset); the server goes on."""
+    base = _exchange(http_server.http_url, 0)[2]
+    status, body, size = _exchange(http_server.http_url, MAX_HEAD_BYTES - base)
+    assert size == MAX_HEAD_BYTES and status == b"HTTP/1.1 200 OK", body
+    assert json.loads(body)["usage"]["completion_tokens"] == 3
+    for pad in (MAX_HEAD_BYTES - base + 1, 1 << 20):
+        status, body, size = _exchange(http_server.http_url, pad)
+        assert status == b"HTTP/1.1 431 Request Header Fields Too Large", (size, body[:200])
+        err = json.loads(body)["error"]
+        assert err["code"] == "header_too_large" and f"{MAX_HEAD_BYTES} bytes" in err["message"]
     ok = http.post("/v1/completions", json=GOOD)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
