@@ -93,6 +93,7 @@ async def generate(state: FrontState, request: Request) -> Response:
     ]
     if len({g.rid for g in gens}) < len(gens):
         raise HTTPError(400, "each prompt of a batch needs its own rid", "rid")
+    fmt = _Format(state, body, plans, gens)
     # A rid names one request in flight: a second one is refused, the first goes on.
     # (Checked and taken with no await between, so two requests cannot both take it.)
     for g in gens:
@@ -106,7 +107,6 @@ async def generate(state: FrontState, request: Request) -> Response:
             if state.sglang_requests.get(g.rid) is g:
                 del state.sglang_requests[g.rid]
 
-    fmt = _Format(state, body, plans, gens)
     return await answer(state, request, gens, fmt, body.stream, on_end=release)
 
 
