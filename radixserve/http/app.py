@@ -28,12 +28,14 @@ from typing import TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import ClientDisconnect
 
 from radixserve.client import RequestTimeout, ServerError
 from radixserve.http import completions as C
 from radixserve.http import sglang_api as S
 from radixserve.http.auth import NO_KEYS, Keys
 from radixserve.http.errors import HTTPError
+from radixserve.http.h11_protocol import HeadLimit
 from radixserve.http.state import FrontState
 
 log = logging.getLogger("radixserve.http")
@@ -44,6 +46,7 @@ LORA_TIMEOUT_S = 120.0  # a LoRA load: read and checked by the worker in a step
 
 def create_app(state: FrontState, keys: Keys = NO_KEYS) -> FastAPI:
     app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(HeadLimit)  # 431 for a head over MAX_HEAD_BYTES (h11_protocol.py)
     app.state.front = state
 
     @app.exception_handler(HTTPError)
@@ -53,6 +56,13 @@ def create_app(state: FrontState, keys: Keys = NO_KEYS) -> FastAPI:
     @app.exception_handler(C.ClientGone)
     async def _gone(_request: Request, _e: C.ClientGone) -> Response:
         return Response(status_code=499)  # nobody reads it: the client left
+
+    @app.exception_handler(ClientDisconnect)
+    async def _left_mid_body(request: Request, _e: ClientDisconnect) -> Response:
+        # The client's doing, not a failure of this server: one line, no traceback.
+        peer = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        log.info("%s left while sending the body of %s %s", peer, request.method, request.url.path)
+        return Response(status_code=499)  # nobody reads it
 
     @app.exception_handler(404)
     async def _not_found(request: Request, _e: Exception) -> Response:

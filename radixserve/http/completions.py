@@ -24,7 +24,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -34,7 +34,7 @@ from pydantic import BaseModel, ValidationError
 from radixserve import protocol as P
 from radixserve.client import RequestTimeout, ServerError
 from radixserve.http.errors import HTTPError, from_validation
-from radixserve.http.generation import Choice, Generation
+from radixserve.http.generation import Choice, Generation, Outcome
 from radixserve.http.logprobs import chat_logprobs, completion_logprobs
 from radixserve.http.openai_schema import ChatCompletionRequest, CompletionRequest
 from radixserve.http.state import FrontState
@@ -113,6 +113,7 @@ async def completions(state: FrontState, request: Request) -> Response:
     body = await parse(state, request, CompletionRequest)
     lora = await check(state, body)
     sp = _sampling(body, body.max_tokens, state)
+    outcome = Outcome(state.metrics)  # shared: a refused batch counts one error
     gens = []
     for p in body.prompts():
         kind = "prompt" if isinstance(p, str) else "input_ids"
@@ -124,6 +125,7 @@ async def completions(state: FrontState, request: Request) -> Response:
                 cache_salt=body.cache_salt,
                 echo=body.echo,
                 lora=lora,
+                outcome=outcome,
                 **{kind: p},
             )  # fmt: skip
         )
@@ -160,37 +162,55 @@ async def _respond(
 
 
 async def answer(
-    state: FrontState, request: Request, gens: list[Generation], fmt: Any, stream: bool
+    state: FrontState,
+    request: Request,
+    gens: list[Generation],
+    fmt: Any,
+    stream: bool,
+    on_end: Callable[[], None] | None = None,
 ) -> Response:
     """Run ``gens`` and answer in ``fmt``'s dialect (``whole()`` for one JSON answer;
-    ``sse(first, events)`` for a stream): the OpenAI routes' and SGLang's alike."""
-    if not stream:
-        try:
-            await _unless_disconnected(request, _all(_drain(g) for g in gens))
-        except ServerError as e:
-            raise _refused(state, e) from None
-        return JSONResponse(fmt.whole())
-    events = _merge(gens)
+    ``sse(first, events)`` for a stream): the OpenAI routes' and SGLang's alike.
+    ``on_end`` is called once the request has ended, however it ended (for a stream:
+    once the stream is over)."""
+    streaming = False
     try:
-        first = await _unless_disconnected(request, anext(events))
-    except ServerError as e:
-        await events.aclose()
-        raise _refused(state, e) from None
-    except BaseException:
-        await events.aclose()
-        raise
-    return _EventStream(fmt.sse(first, events), media_type="text/event-stream")
+        if not stream:
+            try:
+                await _unless_disconnected(request, _all(_drain(g) for g in gens))
+            except ServerError as e:
+                raise _refused(state, e) from None
+            return JSONResponse(fmt.whole())
+        events = _merge(gens)
+        try:
+            first = await _unless_disconnected(request, anext(events))
+        except ServerError as e:
+            await events.aclose()
+            raise _refused(state, e) from None
+        except BaseException:
+            await events.aclose()
+            raise
+        response = _EventStream(fmt.sse(first, events), on_end, media_type="text/event-stream")
+        streaming = True
+        return response
+    finally:
+        if on_end is not None and not streaming:
+            on_end()
 
 
 def _refused(state: FrontState, e: ServerError) -> HTTPError:
     # While stopping, the tokenizer fails every request in flight: that is a 503, not the
-    # client's fault; over the front's requests in flight is a 429; otherwise the server
-    # refused the request's content, unless it says the fault was its own (500).
+    # client's fault; over the front's requests in flight is a 429; past the request's own
+    # request_timeout a 408 (the client's deadline); otherwise the server refused the
+    # request's content, unless it says the fault was its own (500).
+    message = str(e)
     if state.draining:
-        return HTTPError(503, str(e))
-    if str(e).startswith(P.TOO_MANY_IN_FLIGHT):
-        return HTTPError(429, str(e))
-    return HTTPError(500 if str(e).startswith(P.SERVER_FAILED) else 400, str(e))
+        return HTTPError(503, message)
+    if message.startswith(P.TOO_MANY_IN_FLIGHT):
+        return HTTPError(429, message)
+    if message.startswith(P.REQUEST_TIMED_OUT):
+        return HTTPError(408, message, "request_timeout", "request_timeout")
+    return HTTPError(500 if message.startswith(P.SERVER_FAILED) else 400, message)
 
 
 class _Format:
@@ -333,13 +353,24 @@ def _call_finish(reader: ToolCallReader | AutoToolReader, reason: str | None) ->
 
 class _EventStream(StreamingResponse):
     """Closes its body however the response ends, so a request whose client left is
-    aborted now (the body's ``finally`` closes the generation streams)."""
+    aborted now (the body's ``finally`` closes the generation streams); then calls
+    ``on_end``."""
+
+    def __init__(
+        self, content: AsyncIterator[str], on_end: Callable[[], None] | None, **kw: Any
+    ) -> None:
+        super().__init__(content, **kw)
+        self.on_end = on_end
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()  # type: ignore[union-attr]
+            try:
+                await self.body_iterator.aclose()  # type: ignore[union-attr]
+            finally:
+                if self.on_end is not None:
+                    self.on_end()
 
 
 # ------------------------------------------------------------- async plumbing

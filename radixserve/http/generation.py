@@ -7,6 +7,14 @@ measure, and joining the text deltas gives exactly the tokenizer's final text.
 Contract: whoever iterates ``Generation.chunks()`` either drains it or closes it
 (``aclose``, or by cancellation); closing it early aborts the request in the scheduler,
 so the KV of a client that went away is released at once.
+
+Every generation goes to the tokenizer under an id of the front's own, never one an HTTP
+client chose: all HTTP clients share the front's one tokenizer client, whose ids must be
+unique, so a client's ``rid`` (SGLang's) is only the name the front knows it by.
+
+The generations of one HTTP request share an ``Outcome``: a request the server refuses
+or fails is counted once as ``error`` in ``requests_total``, whatever its number of
+prompts and choices, and the choices its failure cut short are not counted again.
 """
 
 from __future__ import annotations
@@ -38,6 +46,20 @@ class Choice:
     prompt_text: str | None = None  # with echo
 
 
+class Outcome:
+    """How one HTTP request's generations ended, as the metrics count it (see above)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.failed = False
+
+    def fail(self) -> None:
+        """The server refused or failed one of the request's generations."""
+        if not self.failed:
+            self.failed = True
+            self.metrics.finished("error", 0)
+
+
 class Generation:
     """One prompt (text, token ids, or chat messages and the tools their template is
     given) with ``sampling.n`` choices."""
@@ -54,10 +76,12 @@ class Generation:
         tools: list[dict[str, Any]] | None = None,
         cache_salt: str | None = None,
         echo: bool = False,
-        request_id: str | None = None,
+        rid: str | None = None,
         lora: str | None = None,
+        outcome: Outcome | None = None,
     ) -> None:
         self.client, self.metrics, self.sampling = client, metrics, sampling
+        self.outcome = outcome if outcome is not None else Outcome(metrics)
         self.inputs: dict[str, Any] = {
             "prompt": prompt,
             "input_ids": input_ids,
@@ -69,8 +93,10 @@ class Generation:
         }
         # Scored once per prompt (they come with choice 0's first chunk), shared by all n.
         self.prompt_logprobs: list | None = None
-        # The client's own id (SGLang's rid, to abort it by) or a fresh one.
-        self.request_id = request_id or f"http-{uuid.uuid4().hex}"
+        # The id in the tokenizer client: the front's own, whatever the HTTP client asked.
+        self.request_id = f"http-{uuid.uuid4().hex}"
+        # The id the HTTP client knows it by: its own rid (SGLang's), else the same.
+        self.rid = rid or self.request_id
         self.choices = [Choice(i) for i in range(sampling.n)]
         self.arrival = time.monotonic()
 
@@ -139,15 +165,21 @@ class Generation:
             raise
         finally:
             await stream.aclose()  # aborts the request unless it finished
+            if outcome == "error":
+                self.outcome.fail()
             if outcome != "done":
+                # The request's one error is counted; the choices it cut short are not.
+                counted = not self.outcome.failed
                 for choice in self.choices:
                     if choice.finish_reason is None:
-                        self._finish(choice, outcome, None)
+                        self._finish(choice, outcome, None, counted)
 
-    def _finish(self, choice: Choice, reason: str, usage: dict[str, int] | None) -> None:
+    def _finish(
+        self, choice: Choice, reason: str, usage: dict[str, int] | None, counted: bool = True
+    ) -> None:
         choice.finish_reason = reason
         choice.usage = usage
         completion = usage["completion_tokens"] if usage else choice.num_tokens
-        self.metrics.finished(reason, completion)
+        self.metrics.finished(reason if counted else None, completion)
         if usage is not None and choice.index == 0:
             self.metrics.prompt(usage["prompt_tokens"])

@@ -16,8 +16,10 @@ Where each metric is measured, and why:
 - In this front, for its own requests only, because that is where a request's client
   sees it: ``prompt_tokens_total`` and ``generation_tokens_total`` (the sums of the
   ``usage`` it returned, plus the tokens of requests cut short), ``requests_total`` by
-  finish reason (one per choice; ``abort`` when the HTTP client went away, ``error``
-  when the server refused or failed it), and the latency histograms: time to first
+  finish reason (one per choice; ``abort`` when the HTTP client went away; ``error``
+  once per request the server refused or failed, however many prompts and choices it
+  had, its other unfinished choices not counted: ``generation.Outcome``), and the
+  latency histograms: time to first
   token, inter-token latency (per choice, between two chunks that carry tokens) and
   end-to-end latency, all from the moment the request reached this front.
 """
@@ -168,9 +170,12 @@ class Metrics:
             self.requests.labels(model_name, reason)
 
     # ------------------------------------------------------- this front's requests
-    def finished(self, finish_reason: str, completion_tokens: int) -> None:
-        self.requests.labels(self.model_name, finish_reason).inc()
-        self.generation_tokens.labels(self.model_name).inc(completion_tokens)
+    def finished(self, finish_reason: str | None, completion_tokens: int) -> None:
+        """A choice ended (None: one not counted in ``requests_total``) with its tokens."""
+        if finish_reason is not None:
+            self.requests.labels(self.model_name, finish_reason).inc()
+        if completion_tokens:
+            self.generation_tokens.labels(self.model_name).inc(completion_tokens)
 
     def prompt(self, prompt_tokens: int) -> None:
         self.prompt_tokens.labels(self.model_name).inc(prompt_tokens)

@@ -34,6 +34,7 @@ from radixserve import protocol as P
 from radixserve.client import AsyncClient
 from radixserve.http.app import create_app
 from radixserve.http.auth import Keys
+from radixserve.http.h11_protocol import MAX_HEAD_BYTES, HeadLimitedH11Protocol
 from radixserve.http.large_bodies import map_large_blocks
 from radixserve.http.metrics import Metrics
 from radixserve.http.state import FrontState, body_limit
@@ -104,6 +105,9 @@ async def serve(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=GRACEFUL_S,
+            # An oversized request head is a 431, answered before the close (h11_protocol.py).
+            http=HeadLimitedH11Protocol,
+            h11_max_incomplete_event_size=MAX_HEAD_BYTES,
         )
         server = _Server(uv)
         loop = asyncio.get_running_loop()

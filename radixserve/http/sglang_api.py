@@ -18,6 +18,10 @@ constraint), ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``,
 ``e2e_latency`` and, with ``return_logprob``, the logprob lists: each entry
 ``[logprob, token id, text or null]`` (text with ``return_text_in_logprobs``).
 
+A ``rid`` is the name the HTTP client gives its request, not the id the front sends it
+under (every HTTP client shares the front's one tokenizer client): a ``/generate`` whose
+rid is already in flight is a 409, and the request in flight goes on.
+
 Streaming is SGLang's default: every event carries the sample's whole text, ids and
 logprobs so far (a client prints ``text[len(previous):]``), batches and ``n > 1`` add
 ``index``, and the stream ends with ``data: [DONE]``. ``prompt_tokens`` and
@@ -48,8 +52,8 @@ from radixserve.http.completions import (
     answer,
     parse,
 )
-from radixserve.http.errors import HTTPError
-from radixserve.http.generation import Choice, Generation
+from radixserve.http.errors import HTTPError, short_text
+from radixserve.http.generation import Choice, Generation, Outcome
 from radixserve.http.logprobs import FLOOR
 from radixserve.http.sglang_schema import (
     AbortRequest,
@@ -73,6 +77,7 @@ async def generate(state: FrontState, request: Request) -> Response:
         plans = body.plans(state.max_context_len)
     except ValueError as e:
         raise HTTPError(400, str(e)) from None
+    outcome = Outcome(state.metrics)  # shared: a refused batch counts one error
     gens = [
         Generation(
             state.client,
@@ -81,14 +86,28 @@ async def generate(state: FrontState, request: Request) -> Response:
             prompt=plan.prompt,
             input_ids=plan.input_ids,
             cache_salt=plan.cache_salt,
-            request_id=plan.rid,
+            rid=plan.rid,
+            outcome=outcome,
         )
         for plan in plans
     ]
-    if len({g.request_id for g in gens}) < len(gens):
+    if len({g.rid for g in gens}) < len(gens):
         raise HTTPError(400, "each prompt of a batch needs its own rid", "rid")
-    state.sglang_requests.update(gens)
-    return await answer(state, request, gens, _Format(state, body, plans, gens), body.stream)
+    fmt = _Format(state, body, plans, gens)
+    # A rid names one request in flight: a second one is refused, the first goes on.
+    # (Checked and taken with no await between, so two requests cannot both take it.)
+    for g in gens:
+        if g.rid in state.sglang_requests:
+            raise HTTPError(409, f"rid {short_text(g.rid)!r} is already in flight", "rid",
+                            "rid_in_use")  # fmt: skip
+    state.sglang_requests.update((g.rid, g) for g in gens)
+
+    def release() -> None:
+        for g in gens:
+            if state.sglang_requests.get(g.rid) is g:
+                del state.sglang_requests[g.rid]
+
+    return await answer(state, request, gens, fmt, body.stream, on_end=release)
 
 
 class _Format:
@@ -111,7 +130,7 @@ class _Format:
     def item(self, plan: Plan, gen: Generation, c: Choice) -> dict[str, Any]:
         usage = c.usage or {}
         meta: dict[str, Any] = {
-            "id": gen.request_id,
+            "id": gen.rid,
             "finish_reason": self._finish(plan, c),
             "prompt_tokens": usage.get("prompt_tokens"),
             "completion_tokens": c.num_tokens,
@@ -184,13 +203,14 @@ def _top(entry: list, with_text: bool) -> list | None:
 async def abort_request(state: FrontState, request: Request) -> Response:
     body = await parse(state, request, AbortRequest)
     if body.abort_all:
-        rids = [g.request_id for g in list(state.sglang_requests) if not g.finished]
-    elif body.rid:
-        rids = [body.rid]
+        gens = list(state.sglang_requests.values())
+    elif body.rid:  # a rid not in flight is ignored, as SGLang does
+        gens = [state.sglang_requests[body.rid]] if body.rid in state.sglang_requests else []
     else:
         raise HTTPError(400, "give rid or abort_all=true", "rid")
-    for rid in rids:  # an id no longer in flight is ignored, as SGLang does
-        await state.client.abort(rid)
+    for g in gens:
+        if not g.finished:
+            await state.client.abort(g.request_id)  # the front's own id for it
     return Response(status_code=200)
 
 

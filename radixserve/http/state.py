@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,9 +39,9 @@ class FrontState:
     eos_token_ids: tuple[int, ...] = ()
     model_aliases: tuple[str, ...] = ()  # accepted as ``model`` too; answers carry the name
     tool_call_parser: str | None = None  # --tool-call-parser: tool_choice "auto" (tool_parsers.py)
-    # The /generate requests (Generations) not yet collected, for SGLang's abort_all: a
-    # weak set, so a request whose response ended, however it ended, leaves it.
-    sglang_requests: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    # The /generate requests (Generations) in flight by their rid, for /abort_request:
+    # a request leaves once its response ended, however it ended (sglang_api.generate).
+    sglang_requests: dict[str, Any] = field(default_factory=dict)
     # LoRA adapters' names as last listed by the server (``completions.adapter_of``).
     lora_names: set[str] = field(default_factory=set)
 

@@ -30,6 +30,9 @@ TOO_MANY_IN_FLIGHT = "too many requests in flight"
 # How an error begins when the server, not the request, is at fault (a hung worker,
 # a grammar that rejected its own sampled token): the HTTP front answers it with 500.
 SERVER_FAILED = "the server failed"
+# How an error begins when a request ran past its own ``request_timeout``: the
+# client's deadline, not a server failure (the HTTP front answers it with 408).
+REQUEST_TIMED_OUT = "the request timed out"
 # Liveness of the public channel: ZeroMQ heartbeats (ZMTP PING/PONG, answered by
 # libzmq's I/O threads, so a busy process still answers; a stopped or hung one
 # does not). Both sides ping every HEARTBEAT_IVL_MS and drop a connection whose

@@ -61,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from radixserve.protocol import OutputItem, Step, StepResult
+from radixserve.protocol import REQUEST_TIMED_OUT, OutputItem, Step, StepResult
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.admission import Admission
 from radixserve.scheduler.allocator import PageAllocator
@@ -322,7 +322,7 @@ class Scheduler(Admission):
                 continue  # finished in time
             timeout = samples[0].sampling.request_timeout
             self.num_timeouts += 1
-            self._outputs += self._fail(rid, f"the request timed out after {timeout:g} s")
+            self._outputs += self._fail(rid, f"{REQUEST_TIMED_OUT} after {timeout:g} s")
 
     def _schedule(self) -> Step | None:
         """Plan the next step; None when there is nothing to compute."""

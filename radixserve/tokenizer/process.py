@@ -350,8 +350,12 @@ class TokenizerServer:
             return  # a finished sample's late step, or a request whose client left
         if item.finish_reason == "error":
             # The whole request fails (every sample gets such an item; the first ends it).
+            # Past its own request_timeout it is the client's deadline, not the server's fault.
+            error = item.error or ""
+            if not error.startswith(P.REQUEST_TIMED_OUT):
+                error = f"{P.SERVER_FAILED}: {error}"
             self.forget(req)
-            self.send_error(req.identity, req.id, f"{P.SERVER_FAILED}: {item.error}")
+            self.send_error(req.identity, req.id, error)
             return
         out = req.outputs[item.index]
         finish = item.finish_reason

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from radixserve import SamplingParams, StructuredOutput
+from radixserve import protocol as P
 from radixserve.client import AsyncClient, Client, ServerError
 from tests.helpers.server import Server, wait_idle
 from tests.serving.conftest import SERVER_ARGS
@@ -243,9 +244,10 @@ def test_structured_output_equals_engine_streamed_and_not(client, engine):
 def test_a_request_past_its_timeout_fails_with_a_clear_error(client):
     """The scheduler enforces ``timeout``: the request ends with an error naming it, its
     KV is released (the fixture checks the idle invariant), and the client goes on."""
-    with pytest.raises(ServerError, match="timed out after 0.001 s"):
+    with pytest.raises(ServerError, match="timed out after 0.001 s") as e:
         client.generate(input_ids=[5, 6, 7], max_tokens=400, ignore_eos=True,
                         temperature=0.0, request_timeout=0.001)  # fmt: skip
+    assert str(e.value).startswith(P.REQUEST_TIMED_OUT)  # the client's deadline, no failure
     assert client.stats()["timeouts"] >= 1
     r = client.generate(input_ids=[5, 6, 7], max_tokens=2, temperature=0.0, priority=3)
     assert r.usage.completion_tokens == 2
