@@ -1,53 +1,72 @@
 """What the routing-id gate (radixserve/utils/zmtp_gate.py) costs a ZeroMQ client.
 
-An echo ROUTER in a thread, reached directly on TCP and through the gate, side by
-side in one run: round trips of small messages (a request's or a chunk's size) and
-of 1 MiB ones (a long prompt), and one-way streams of small messages (a stream's
-chunks). Prints per-operation times and gate/direct ratios.
+An echo ROUTER and the gate in front of it run in a process of their own (as the
+tokenizer's ROUTER and gate do: the gate's thread shares that process with the
+ROUTER's loop); the clients run here. The ROUTER is reached directly on its ipc
+endpoint (as the HTTP front reaches the tokenizer), directly on TCP, and on TCP
+through the gate, side by side in one run, interleaved trial by trial: round trips
+of small messages (a request's or a chunk's size), of 1 MiB and 6 MiB ones (long
+prompts), and one-way streams of small messages (a stream's chunks). Prints
+per-operation times (the best of ``--trials``) and the gate's ratios to ipc and to
+direct TCP.
 
-    python bench/gate_overhead.py [--trials 3]
+    python bench/gate_overhead.py [--trials 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import tempfile
-import threading
 import time
 
 import zmq
 
-from radixserve.utils.zmtp_gate import RoutingIdGate
 
+def serve(path: str, ready, stop) -> None:
+    """The echo ROUTER on ``ipc://path`` and on a TCP port, and the gate; sends their
+    endpoints through ``ready``, echoes until ``stop`` is set."""
+    from radixserve.utils.zmtp_gate import RoutingIdGate
 
-def echo(router: zmq.Socket, stop: threading.Event) -> None:
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.SNDHWM, 0)
+    router.setsockopt(zmq.RCVHWM, 0)
+    router.bind("ipc://" + path)
+    tcp = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    gate = RoutingIdGate("127.0.0.1", 0, path).start()
+    ready.send(("ipc://" + path, tcp, gate.endpoint))
     while not stop.is_set():
         if router.poll(100):
             router.send_multipart(router.recv_multipart())
+    gate.close()
+    ctx.destroy(linger=0)
 
 
-def round_trips(endpoint: str, payload: bytes, n: int) -> float:
-    ctx = zmq.Context.instance()
+def client(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.SNDHWM, 0)
+    d.setsockopt(zmq.RCVHWM, 0)
     d.connect(endpoint)
-    d.send(payload)
+    d.send(b"hello")
     d.recv()  # connected
+    return d
+
+
+def round_trips(ctx: zmq.Context, endpoint: str, payload: bytes, n: int) -> float:
+    d = client(ctx, endpoint)
     start = time.perf_counter()
     for _ in range(n):
-        d.send(payload)
-        d.recv()
+        d.send(payload, copy=False)
+        d.recv(copy=False)
     spent = time.perf_counter() - start
     d.close(0)
     return spent / n
 
 
-def stream(endpoint: str, payload: bytes, n: int) -> float:
-    ctx = zmq.Context.instance()
-    d = ctx.socket(zmq.DEALER)
-    d.connect(endpoint)
-    d.send(payload)
-    d.recv()
+def stream(ctx: zmq.Context, endpoint: str, payload: bytes, n: int) -> float:
+    d = client(ctx, endpoint)
     start = time.perf_counter()
     for _ in range(n):
         d.send(payload)
@@ -60,28 +79,39 @@ def stream(endpoint: str, payload: bytes, n: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--trials", type=int, default=5)
     args = ap.parse_args()
-    ctx = zmq.Context.instance()
-    router = ctx.socket(zmq.ROUTER)
     path = os.path.join(tempfile.mkdtemp(prefix="rs-"), "pub")
-    router.bind("ipc://" + path)
-    direct = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
-    gate = RoutingIdGate("127.0.0.1", 0, path).start()
-    stop = threading.Event()
-    threading.Thread(target=echo, args=(router, stop), daemon=True).start()
+    mpc = mp.get_context("spawn")
+    ready_r, ready_w = mpc.Pipe(duplex=False)
+    stop = mpc.Event()
+    server = mpc.Process(target=serve, args=(path, ready_w, stop), daemon=True)
+    server.start()
+    ipc, tcp, gate = ready_r.recv()
+    ctx = zmq.Context()
     cases = [
         ("round trip, 200 B", round_trips, bytes(200), 2000),
         ("round trip, 1 MiB", round_trips, bytes(1 << 20), 100),
+        ("round trip, 6 MiB", round_trips, bytes(6 << 20), 30),
         ("stream, 200 B each", stream, bytes(200), 5000),
     ]
-    print(f"{'case':<22}{'direct us':>12}{'gate us':>12}{'gate/direct':>13}")
+    print(
+        f"{'case':<22}{'ipc us':>10}{'tcp us':>10}{'gate us':>10}{'gate/ipc':>10}{'gate/tcp':>10}"
+    )
     for name, fn, payload, n in cases:
-        d = min(fn(direct, payload, n) for _ in range(args.trials))
-        g = min(fn(gate.endpoint, payload, n) for _ in range(args.trials))
-        print(f"{name:<22}{d * 1e6:>12.1f}{g * 1e6:>12.1f}{g / d:>13.2f}")
+        best = {"ipc": 1e9, "tcp": 1e9, "gate": 1e9}
+        for _ in range(args.trials):  # interleaved, so a noisy moment hits each alike
+            for key, ep in (("ipc", ipc), ("tcp", tcp), ("gate", gate)):
+                best[key] = min(best[key], fn(ctx, ep, payload, n))
+        i, t, g = best["ipc"], best["tcp"], best["gate"]
+        print(
+            f"{name:<22}{i * 1e6:>10.1f}{t * 1e6:>10.1f}{g * 1e6:>10.1f}{g / i:>10.2f}"
+            f"{g / t:>10.2f}",
+            flush=True,
+        )
     stop.set()
-    gate.close()
+    server.join(10)
+    ctx.destroy(linger=0)
 
 
 if __name__ == "__main__":

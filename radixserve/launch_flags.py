@@ -75,6 +75,13 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def _gib(text: str) -> float:
     value = float(text)
     if not value >= 0.0:
@@ -87,6 +94,33 @@ def _positive_gib(text: str) -> float:
     if value == 0.0:
         raise argparse.ArgumentTypeError("must be > 0 GiB")
     return value
+
+
+def add_connection_arguments(p) -> None:
+    """The public port's connection limits (docs/serving.md, "Connection limits"); the
+    same flags for ``launch`` and ``router``."""
+    p.add_argument(
+        "--max-connections",
+        type=_non_negative,
+        default=ServerConfig.max_connections,
+        help="connections the public TCP port (and, apart, the HTTP front) holds at once; "
+        "more are closed at accept. 0 (default): what the process's descriptor limit "
+        "allows, which it raises to the hard limit at start",
+    )
+    p.add_argument(
+        "--max-connections-per-address",
+        type=_non_negative,
+        default=ServerConfig.max_connections_per_address,
+        help="of those, connections from one peer address (0, default: a quarter of "
+        "--max-connections)",
+    )
+    p.add_argument(
+        "--handshake-timeout",
+        type=_positive_seconds,
+        default=ServerConfig.handshake_timeout,
+        help="seconds a new connection to the public TCP port may take over its ZeroMQ "
+        "handshake before it is closed",
+    )
 
 
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:
@@ -397,6 +431,7 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
         default=d.max_requests_per_client,
         help="requests in flight per client connection (the HTTP front is one client)",
     )
+    add_connection_arguments(lim)
     lim.add_argument(
         "--max-prompt-chars",
         type=_positive,
@@ -716,6 +751,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         curve_secret_key=args.curve_secret_key,
         curve_allowed_clients=args.curve_allowed_clients,
         curve_allow_any_client=args.curve_allow_any_client,
+        max_connections=args.max_connections,
+        max_connections_per_address=args.max_connections_per_address,
+        handshake_timeout=args.handshake_timeout,
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         dist_init_addr=args.dist_init_addr,

@@ -19,8 +19,10 @@ import sys
 import zmq
 
 from radixserve.config import EngineConfig
+from radixserve.launch_flags import add_connection_arguments
 from radixserve.router.policy import POLICIES, PolicyConfig
 from radixserve.router.server import Router, RouterConfig
+from radixserve.utils.descriptors import ConnectionLimits, raise_descriptor_limit
 
 STARTUP_TIMEOUT_S = 60.0
 
@@ -98,6 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="the router's secret certificate towards the replicas",
     )
+    add_connection_arguments(p)
     p.add_argument("--ipc-endpoint", default=None, help=argparse.SUPPRESS)  # launch --dp
     p.add_argument(
         "--exit-with-parent",
@@ -135,6 +138,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         curve_server_key=args.replica_curve_server_key,
         curve_client_key=args.replica_curve_client_key,
         ipc_endpoint=args.ipc_endpoint,
+        connection_limits=ConnectionLimits(
+            args.max_connections, args.max_connections_per_address, args.handshake_timeout
+        ),
     )
 
 
@@ -147,6 +153,7 @@ def main(args: argparse.Namespace) -> int:
         stream=sys.stderr,
         format="%(asctime)s router %(levelname)s %(message)s",
     )
+    raise_descriptor_limit()  # before the connection limits are derived from it
     config = config_from_args(args)
     if config.curve_secret_key is None and not is_loopback(config.host):
         print(

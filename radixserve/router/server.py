@@ -48,6 +48,7 @@ from radixserve.tokenizer.config import TokenizerConfig
 from radixserve.tokenizer.connections import Connections
 from radixserve.tokenizer.inputs import InputProcessor
 from radixserve.tokenizer.process import seed_routing_ids
+from radixserve.utils.descriptors import ConnectionLimits
 from radixserve.utils.sockets import recv, recv_frames, recv_multipart
 from radixserve.utils.zmtp_gate import RoutingIdGate
 from radixserve.zap import enable_curve
@@ -82,6 +83,8 @@ class RouterConfig:
     curve_server_key: str | None = None  # the replicas' public key, when they use CURVE
     curve_client_key: str | None = None  # this router's key pair towards the replicas
     ipc_endpoint: str | None = None  # a second public endpoint (the HTTP front's)
+    # The public TCP port's connection limits (0: derived from the descriptor budget).
+    connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     decisions: int = 0  # how many routing decisions to keep for inspection (tests)
 
 
@@ -128,7 +131,9 @@ class Router:
             self._gate_dir = tempfile.mkdtemp(prefix="rs-")
             upstream = os.path.join(self._gate_dir, "public-tcp")
             self.public.bind(f"ipc://{upstream}")
-            self.gate = RoutingIdGate(config.host, config.port, upstream).start()
+            self.gate = RoutingIdGate(
+                config.host, config.port, upstream, config.connection_limits
+            ).start()
             self.endpoint = self.gate.endpoint
         else:
             host = f"[{config.host}]" if ":" in config.host else config.host

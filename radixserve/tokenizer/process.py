@@ -155,7 +155,9 @@ class TokenizerServer:
         if self.zap is None:  # the public TCP port is the gate's (module docstring)
             self.router.bind(config.endpoint(PUBLIC_TCP))
             upstream = config.endpoint(PUBLIC_TCP).removeprefix("ipc://")
-            self.gate = RoutingIdGate(config.host, config.port, upstream).start()
+            self.gate = RoutingIdGate(
+                config.host, config.port, upstream, config.connection_limits
+            ).start()
             after_sockets_close(self.gate.drain)  # the last replies reach the clients
             self.endpoint = self.gate.endpoint
         else:
