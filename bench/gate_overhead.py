@@ -4,11 +4,12 @@ An echo ROUTER and the gate in front of it run in a process of their own (as the
 tokenizer's ROUTER and gate do: the gate's thread shares that process with the
 ROUTER's loop); the clients run here. The ROUTER is reached directly on its ipc
 endpoint (as the HTTP front reaches the tokenizer), directly on TCP, and on TCP
-through the gate, side by side in one run, interleaved trial by trial: round trips
+through the gate (its Python relay, and its native one where built), side by side
+in one run, interleaved trial by trial: round trips
 of small messages (a request's or a chunk's size), of 1 MiB and 6 MiB ones (long
 prompts), and one-way streams of small messages (a stream's chunks). Prints
-per-operation times (the best of ``--trials``) and the gate's ratios to ipc and to
-direct TCP.
+per-operation times (the best of ``--trials``), the gate's ratios to ipc, and the
+native gate's to direct TCP.
 
     python bench/gate_overhead.py [--trials 5]
 """
@@ -27,7 +28,7 @@ import zmq
 def serve(path: str, ready, stop) -> None:
     """The echo ROUTER on ``ipc://path`` and on a TCP port, and the gate; sends their
     endpoints through ``ready``, echoes until ``stop`` is set."""
-    from radixserve.utils.zmtp_gate import RoutingIdGate
+    from radixserve.utils.zmtp_gate import RoutingIdGate, native_relay
 
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
@@ -35,12 +36,15 @@ def serve(path: str, ready, stop) -> None:
     router.setsockopt(zmq.RCVHWM, 0)
     router.bind("ipc://" + path)
     tcp = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
-    gate = RoutingIdGate("127.0.0.1", 0, path).start()
-    ready.send(("ipc://" + path, tcp, gate.endpoint))
+    gates = {"py": RoutingIdGate("127.0.0.1", 0, path, native=False).start()}
+    if native_relay is not None:
+        gates["C"] = RoutingIdGate("127.0.0.1", 0, path, native=True).start()
+    ready.send({"ipc": "ipc://" + path, "tcp": tcp} | {k: g.endpoint for k, g in gates.items()})
     while not stop.is_set():
         if router.poll(100):
             router.send_multipart(router.recv_multipart())
-    gate.close()
+    for gate in gates.values():
+        gate.close()
     ctx.destroy(linger=0)
 
 
@@ -87,7 +91,7 @@ def main() -> None:
     stop = mpc.Event()
     server = mpc.Process(target=serve, args=(path, ready_w, stop), daemon=True)
     server.start()
-    ipc, tcp, gate = ready_r.recv()
+    endpoints = ready_r.recv()
     ctx = zmq.Context()
     cases = [
         ("round trip, 200 B", round_trips, bytes(200), 2000),
@@ -95,20 +99,20 @@ def main() -> None:
         ("round trip, 6 MiB", round_trips, bytes(6 << 20), 30),
         ("stream, 200 B each", stream, bytes(200), 5000),
     ]
-    print(
-        f"{'case':<22}{'ipc us':>10}{'tcp us':>10}{'gate us':>10}{'gate/ipc':>10}{'gate/tcp':>10}"
-    )
+    kinds = list(endpoints)  # ipc, tcp, py (the Python relay), C (the native one)
+    head = f"{'case':<22}" + "".join(f"{k + ' us':>10}" for k in kinds)
+    head += "".join(f"{k + '/ipc':>10}" for k in kinds[2:])
+    print(head + f"{'C/tcp':>10}" * ("C" in kinds))
     for name, fn, payload, n in cases:
-        best = {"ipc": 1e9, "tcp": 1e9, "gate": 1e9}
+        best = dict.fromkeys(kinds, 1e9)
         for _ in range(args.trials):  # interleaved, so a noisy moment hits each alike
-            for key, ep in (("ipc", ipc), ("tcp", tcp), ("gate", gate)):
-                best[key] = min(best[key], fn(ctx, ep, payload, n))
-        i, t, g = best["ipc"], best["tcp"], best["gate"]
-        print(
-            f"{name:<22}{i * 1e6:>10.1f}{t * 1e6:>10.1f}{g * 1e6:>10.1f}{g / i:>10.2f}"
-            f"{g / t:>10.2f}",
-            flush=True,
-        )
+            for key in kinds:
+                best[key] = min(best[key], fn(ctx, endpoints[key], payload, n))
+        row = f"{name:<22}" + "".join(f"{best[k] * 1e6:>10.1f}" for k in kinds)
+        row += "".join(f"{best[k] / best['ipc']:>10.2f}" for k in kinds[2:])
+        if "C" in kinds:
+            row += f"{best['C'] / best['tcp']:>10.2f}"
+        print(row, flush=True)
     stop.set()
     server.join(10)
     ctx.destroy(linger=0)

@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import logging
 import os
 import select
@@ -68,6 +69,11 @@ from radixserve.utils.descriptors import (
     descriptor_limit,
     open_descriptors,
 )
+
+try:  # the relay after the handshake, in C (csrc/zmtp_relay.c); optional
+    from radixserve.utils import _zmtp_relay as native_relay
+except ImportError:
+    native_relay = None
 
 log = logging.getLogger("radixserve.gate")
 
@@ -202,7 +208,7 @@ class _Conn:
     what each direction holds that the other end has not taken yet."""
 
     __slots__ = ("client", "upstream", "cfd", "ufd", "address", "to_upstream", "to_client",
-                 "filter", "ended", "closed", "deadline", "events")  # fmt: skip
+                 "filter", "ended", "closed", "deadline", "events", "id")  # fmt: skip
 
     def __init__(
         self, client: socket.socket, upstream: socket.socket, address: str, deadline: float
@@ -219,6 +225,7 @@ class _Conn:
         self.closed = False
         self.deadline = deadline  # when an unfinished handshake is dropped
         self.events = {self.cfd: EPOLLIN, self.ufd: EPOLLIN}  # registered (0: not)
+        self.id = 0  # the native relay's name for it, once handed over
 
     def peer_of(self, fd: int) -> int:
         return self.ufd if fd == self.cfd else self.cfd
@@ -238,7 +245,12 @@ class RoutingIdGate:
     ``FDS_PER_CONNECTION`` each)."""
 
     def __init__(
-        self, host: str, port: int, upstream_path: str, limits: ConnectionLimits | None = None
+        self,
+        host: str,
+        port: int,
+        upstream_path: str,
+        limits: ConnectionLimits | None = None,
+        native: bool | None = None,
     ) -> None:
         self.upstream_path = upstream_path
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -256,7 +268,18 @@ class RoutingIdGate:
         self.epoll.register(self._wake_r.fileno(), EPOLLIN)
         # One pipe for every connection's spliced bytes: each splice in is spliced out
         # (or read into the outbox) before the next, so it is empty between events.
-        self._pipe_r, self._pipe_w = _splice_pipe()
+        self._pipe_r, self._pipe_w = _splice_pipe() if not os.environ.get("NOSPLICE") else (-1, -1)
+        # After its handshake a connection goes to the native relay where there is one
+        # (``native``: None, where built; True: required; False: never).
+        if native and native_relay is None:
+            raise RuntimeError("the native relay (radixserve.utils._zmtp_relay) is not built")
+        self._relay = native_relay.start() if native_relay and native is not False else None
+        self._notify = -1
+        if self._relay is not None:
+            self._notify = native_relay.notify_fd(self._relay)
+            self.epoll.register(self._notify, EPOLLIN)
+        self.handed: dict[int, _Conn] = {}  # connections the native relay runs, by id
+        self._ids = itertools.count(1)
         self.conns: dict[int, _Conn] = {}  # by either descriptor
         self.count = 0
         self.per_address: Counter[str] = Counter()
@@ -292,6 +315,10 @@ class RoutingIdGate:
             self._wake_w.send(b"x")
         if self._thread is not None:
             self._thread.join(5)
+        if self._relay is not None:
+            native_relay.stop(self._relay)  # closes every connection it runs
+            self._take_closed()
+            self._relay = None
         for conn in list(self.conns.values()):
             self._close(conn)
         self.epoll.close()
@@ -325,6 +352,9 @@ class RoutingIdGate:
                     continue
                 if fd == wake:
                     return
+                if fd == self._notify:
+                    self._take_closed()
+                    continue
                 conn = self.conns.get(fd)
                 if conn is None or conn.closed:
                     continue
@@ -494,6 +524,8 @@ class RoutingIdGate:
                     left -= len(chunk)
         if conn.outbox(dest):
             self._update(conn)
+        elif self._relay is not None:
+            self._hand_over(conn)
 
     def _flush(self, conn: _Conn, dest: int) -> None:
         box = conn.outbox(dest)
@@ -508,6 +540,32 @@ class RoutingIdGate:
             self._close(conn)  # the other end's last bytes are through
         elif not conn.closed:
             self._update(conn)
+            if self._relay is not None:
+                self._hand_over(conn)
+
+    def _hand_over(self, conn: _Conn) -> None:
+        """Give a connection whose handshake is through, with nothing buffered, to the
+        native relay (which owns its sockets from then on)."""
+        if conn.filter is not None or conn.ended is not None or conn.closed:
+            return
+        if conn.to_client or conn.to_upstream:
+            return
+        for fd in (conn.cfd, conn.ufd):
+            self.conns.pop(fd, None)
+            if conn.events[fd]:
+                self.epoll.unregister(fd)
+                conn.events[fd] = 0
+        conn.id = next(self._ids)
+        self.handed[conn.id] = conn
+        native_relay.add(self._relay, conn.id, conn.client.detach(), conn.upstream.detach())
+
+    def _take_closed(self) -> None:
+        """Count the connections the native relay closed."""
+        for cid in native_relay.closed(self._relay):
+            conn = self.handed.pop(cid, None)
+            if conn is not None:
+                conn.closed = True
+                self._forget(conn)
 
     def _update(self, conn: _Conn) -> None:
         """Read a side only while the other side's outbox has room; watch for
@@ -539,6 +597,9 @@ class RoutingIdGate:
                 with contextlib.suppress(OSError):
                     self.epoll.unregister(fd)
             sock.close()
+        self._forget(conn)
+
+    def _forget(self, conn: _Conn) -> None:
         self.count -= 1
         left = self.per_address[conn.address] - 1
         if left:

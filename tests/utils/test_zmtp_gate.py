@@ -26,6 +26,7 @@ from radixserve.utils.zmtp_gate import (
     RoutingIdGate,
     command_frame,
     draw_routing_id,
+    native_relay,
     rewrite_ready,
 )
 
@@ -174,14 +175,25 @@ def test_without_the_gate_the_same_claims_abort_libzmq():
     assert "Assertion failed" in result.stderr
 
 
-@pytest.fixture
-def gated_router():
+RELAYS = [
+    pytest.param(False, id="python-relay"),
+    pytest.param(
+        True,
+        id="native-relay",
+        marks=pytest.mark.skipif(native_relay is None, reason="csrc/zmtp_relay.c not built"),
+    ),
+]
+
+
+@pytest.fixture(params=RELAYS)
+def gated_router(request):
+    """A ROUTER behind a gate, whose relay after the handshake is Python's or C's."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
     path = os.path.join(tempfile.mkdtemp(prefix="rs-"), "pub")
     router.bind("ipc://" + path)
-    gate = RoutingIdGate("127.0.0.1", 0, path).start()
+    gate = RoutingIdGate("127.0.0.1", 0, path, native=request.param).start()
     yield ctx, router, gate
     gate.close()
     ctx.destroy(linger=0)
@@ -249,14 +261,15 @@ def test_raw_garbage_is_closed_and_the_gate_keeps_serving(gated_router):
     d.close(0)
 
 
-def test_the_last_replies_of_a_closing_router_reach_the_client():
+@pytest.mark.parametrize("native", RELAYS)
+def test_the_last_replies_of_a_closing_router_reach_the_client(native):
     """A stopping server answers every request in flight, then its sockets close:
     those answers still pass the gate before it closes (``drain``)."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     path = os.path.join(tempfile.mkdtemp(prefix="rs-"), "pub")
     router.bind("ipc://" + path)
-    gate = RoutingIdGate("127.0.0.1", 0, path).start()
+    gate = RoutingIdGate("127.0.0.1", 0, path, native=native).start()
     d = ctx.socket(zmq.DEALER)
     d.setsockopt(zmq.LINGER, 0)
     d.connect(gate.endpoint)
