@@ -19,8 +19,9 @@ What the gate reads of the stream (ZMTP 3.x, RFC 23/37), client to ROUTER:
 - the 64-byte greeting, checked as it arrives: the signature (``0xFF``, 8 bytes,
   a byte with bit 0 set), major version >= 3 (checked before it is passed on:
   ZMTP 1.0 and 2.0 carry the routing id as an ordinary message the gate could
-  not rewrite), mechanism ``NULL`` (a CURVE endpoint encrypts ``READY``; it is
-  not put behind the gate, see docs/serving.md, "Routing ids");
+  not rewrite), mechanism ``NULL`` (a gate made with ``mechanism="CURVE"`` wants
+  ``CURVE`` instead and passes everything after the greeting as it is: CURVE
+  encrypts ``READY``, see docs/serving.md, "Routing ids");
 - the first command, which must be ``READY`` (at most ``MAX_READY_BYTES``).
 
 Anything else closes the connection; after ``READY`` bytes pass as they are, in
@@ -145,10 +146,14 @@ def command_frame(body: bytes) -> bytes:
 class HandshakeFilter:
     """The client-to-ROUTER direction of one connection until its READY has passed:
     ``feed`` takes the bytes read and returns what may go on (``None`` once the
-    handshake is through: from then on everything passes)."""
+    handshake is through: from then on everything passes).
 
-    def __init__(self, routing_id: bytes) -> None:
+    With ``mechanism`` ``CURVE`` the peer's handshake is encrypted: only the greeting
+    is checked (ZMTP 3, mechanism CURVE), and everything after it passes as it is."""
+
+    def __init__(self, routing_id: bytes, mechanism: bytes = b"NULL") -> None:
         self.routing_id = routing_id
+        self.mechanism = mechanism
         self.greeting = bytearray()
         self.pending = bytearray()  # the READY command, until it is complete
 
@@ -160,6 +165,9 @@ class HandshakeFilter:
             self.greeting += take
             self._check_greeting()
             out += take
+        if len(self.greeting) == GREETING and self.mechanism != b"NULL":
+            self.pending = None  # type: ignore[assignment]
+            return bytes(out) + data
         if len(self.greeting) == GREETING:
             self.pending += data
             ready = self._take_ready()
@@ -179,8 +187,8 @@ class HandshakeFilter:
             raise GateError("not a ZMTP 3 peer (unversioned greeting)")
         if len(g) > MAJOR_POS and g[MAJOR_POS] < 3:
             raise GateError(f"ZMTP major version {g[MAJOR_POS]} (3 or later needed)")
-        if len(g) >= MECHANISM.stop and bytes(g[MECHANISM]).rstrip(b"\0") != b"NULL":
-            raise GateError("a security mechanism other than NULL")
+        if len(g) >= MECHANISM.stop and bytes(g[MECHANISM]).rstrip(b"\0") != self.mechanism:
+            raise GateError(f"a security mechanism other than {self.mechanism.decode()}")
 
     def _take_ready(self) -> bytes | None:
         buf = self.pending
@@ -211,7 +219,12 @@ class _Conn:
                  "filter", "ended", "closed", "deadline", "events", "id")  # fmt: skip
 
     def __init__(
-        self, client: socket.socket, upstream: socket.socket, address: str, deadline: float
+        self,
+        client: socket.socket,
+        upstream: socket.socket,
+        address: str,
+        deadline: float,
+        mechanism: bytes,
     ) -> None:
         self.client = client
         self.upstream = upstream
@@ -220,7 +233,7 @@ class _Conn:
         self.address = address
         self.to_upstream = bytearray()
         self.to_client = bytearray()
-        self.filter: HandshakeFilter | None = HandshakeFilter(draw_routing_id())
+        self.filter: HandshakeFilter | None = HandshakeFilter(draw_routing_id(), mechanism)
         self.ended: int | None = None  # the descriptor of the side that closed first
         self.closed = False
         self.deadline = deadline  # when an unfinished handshake is dropped
@@ -251,7 +264,11 @@ class RoutingIdGate:
         upstream_path: str,
         limits: ConnectionLimits | None = None,
         native: bool | None = None,
+        mechanism: str = "NULL",
     ) -> None:
+        if mechanism not in ("NULL", "CURVE"):
+            raise ValueError(f"the gate passes NULL or CURVE handshakes, not {mechanism}")
+        self.mechanism = mechanism.encode()
         self.upstream_path = upstream_path
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.limits = (limits or ConnectionLimits()).derive(FDS_PER_CONNECTION, reserved=4)
@@ -268,7 +285,7 @@ class RoutingIdGate:
         self.epoll.register(self._wake_r.fileno(), EPOLLIN)
         # One pipe for every connection's spliced bytes: each splice in is spliced out
         # (or read into the outbox) before the next, so it is empty between events.
-        self._pipe_r, self._pipe_w = _splice_pipe() if not os.environ.get("NOSPLICE") else (-1, -1)
+        self._pipe_r, self._pipe_w = _splice_pipe()
         # After its handshake a connection goes to the native relay where there is one
         # (``native``: None, where built; True: required; False: never).
         if native and native_relay is None:
@@ -430,9 +447,8 @@ class RoutingIdGate:
                 continue
             client.setblocking(False)
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(
-                client, upstream, address, time.monotonic() + self.limits.handshake_timeout
-            )
+            deadline = time.monotonic() + self.limits.handshake_timeout
+            conn = _Conn(client, upstream, address, deadline, self.mechanism)
             self.conns[conn.cfd] = conn
             self.conns[conn.ufd] = conn
             self.count += 1
