@@ -34,7 +34,7 @@ from radixserve import protocol as P
 from radixserve.client import AsyncClient
 from radixserve.http.app import create_app
 from radixserve.http.auth import Keys
-from radixserve.http.connection_limit import limited_protocol
+from radixserve.http.connection_limit import ConnectionCap
 from radixserve.http.large_bodies import map_large_blocks
 from radixserve.http.metrics import Metrics
 from radixserve.http.state import FrontState, body_limit
@@ -99,17 +99,18 @@ async def serve(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
             tool_call_parser=config.tool_call_parser,
             model_aliases=tuple(config.served_model_aliases),
         )
-        sock = bind(config.http_host or config.host, config.http_port)
         # Connections: at most what the descriptor budget allows (connection_limit.py).
         limits = config.connection_limits.derive(per_connection=1)
-        log.info("at most %d HTTP connections", limits.total)
+        cap = ConnectionCap(limits.total, limits.per_address)
+        log.info("at most %d HTTP connections, %d per address", cap.limit, cap.per_address)
+        sock = cap.listener(bind(config.http_host or config.host, config.http_port))
         uv = uvicorn.Config(
             create_app(state, keys),
             log_level=config.log_level,
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=GRACEFUL_S,
-            http=limited_protocol(limits),
+            http=cap.protocol(),
             backlog=LISTEN_BACKLOG,
         )
         server = _Server(uv)

@@ -13,10 +13,10 @@ import time
 import pytest
 import uvicorn
 
-from radixserve.http.connection_limit import limited_protocol
-from radixserve.utils.descriptors import ConnectionLimits
+from radixserve.http.connection_limit import ConnectionCap
 
 LIMIT = 5
+PER_ADDRESS = 3
 
 
 async def app(scope, receive, send):
@@ -27,10 +27,11 @@ async def app(scope, receive, send):
 
 @pytest.fixture
 def port():
-    sock = socket.create_server(("127.0.0.1", 0))
+    cap = ConnectionCap(LIMIT, PER_ADDRESS)
+    sock = cap.listener(socket.create_server(("127.0.0.1", 0)))
     config = uvicorn.Config(
         app,
-        http=limited_protocol(ConnectionLimits(LIMIT)),
+        http=cap.protocol(),
         lifespan="off",
         log_level="warning",
         timeout_keep_alive=1,
@@ -65,20 +66,31 @@ def answer(s: socket.socket) -> bytes | None:
         return None
 
 
-def test_connections_past_the_limit_are_reset_and_those_open_are_served(port):
-    kept = [socket.create_connection(("127.0.0.1", port)) for _ in range(LIMIT)]
-    assert get(kept[0]).startswith(b"HTTP/1.1 200")  # all LIMIT are accepted by now
-    extra = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
-    for s in extra:
+def connect(port: int, source: str) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), source_address=(source, 0))
+
+
+def refused(socks: list[socket.socket]) -> bool:
+    """Whether every one of ``socks`` was reset or closed without an answer."""
+    for s in socks:
         with contextlib.suppress(OSError):
             s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert all(answer(s) in (None, b"") for s in extra)
+    return all(answer(s) in (None, b"") for s in socks)
+
+
+def test_connections_past_the_limits_are_reset_and_those_open_are_served(port):
+    kept = [connect(port, "127.0.0.1") for _ in range(PER_ADDRESS)]
+    assert get(kept[0]).startswith(b"HTTP/1.1 200")  # all accepted by now
+    assert refused([connect(port, "127.0.0.1") for _ in range(10)])  # per address
+    kept += [connect(port, "127.0.0.2") for _ in range(LIMIT - PER_ADDRESS)]
+    assert get(kept[-1]).startswith(b"HTTP/1.1 200")
+    assert refused([connect(port, "127.0.0.3") for _ in range(10)])  # in all
     assert [get(s)[:15] for s in kept] == [b"HTTP/1.1 200 OK"] * LIMIT
-    for s in kept + extra:
+    for s in kept:
         s.close()
     deadline = time.monotonic() + 20  # liveness: the server notices the closes
     while time.monotonic() < deadline:
-        with socket.create_connection(("127.0.0.1", port)) as s:
+        with connect(port, "127.0.0.3") as s:
             try:
                 if get(s).startswith(b"HTTP/1.1 200"):
                     break
