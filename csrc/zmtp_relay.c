@@ -36,6 +36,7 @@
 #define PIPE_BYTES (1 << 20)
 #define SPLICE_FLAGS (SPLICE_F_MOVE | SPLICE_F_NONBLOCK)
 #define MAX_EVENTS 256
+#define SMALL_BYTES 16384
 
 typedef struct conn conn_t;
 
@@ -167,9 +168,40 @@ static int flush(conn_t *c, int d) {
     return 0;
 }
 
-/* Move what side s holds to the other side. 1: s ended, 0: go on, -1: an error. */
+/* Send `n` bytes at `data` to side d; what it cannot take now goes to its buffer.
+   0, or -1 on an error. */
+static int forward(conn_t *c, int d, const char *data, size_t n) {
+    size_t sent = 0;
+    while (sent < n) {
+        ssize_t out = send(c->fd[d], data + sent, n - sent, MSG_NOSIGNAL);
+        if (out > 0) {
+            sent += (size_t)out;
+            continue;
+        }
+        if (out < 0 && errno == EINTR) continue;
+        if (out < 0 && errno != EAGAIN && errno != EWOULDBLOCK) return -1;
+        break;
+    }
+    if (sent < n) {
+        if (buffer(c, d, n - sent) != 0) return -1;
+        memcpy(c->buf[d] + c->len[d], data + sent, n - sent);
+        c->len[d] += n - sent;
+    }
+    return 0;
+}
+
+/* Move what side s holds to the other side. 1: s ended, 0: go on, -1: an error.
+   A read of up to SMALL_BYTES first (a request, a chunk: two plain syscalls); only
+   when that fills, the rest goes by splice, which moves large frames without
+   copying them through this process but costs more per call. */
 static int pump(relay_t *r, conn_t *c, int s) {
     int d = 1 - s;
+    char small[SMALL_BYTES];
+    ssize_t got = recv(c->fd[s], small, sizeof small, 0);
+    if (got == 0) return 1;
+    if (got < 0) return (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) ? 0 : -1;
+    if (forward(c, d, small, (size_t)got) != 0) return -1;
+    if ((size_t)got < sizeof small || c->len[d] > c->off[d]) return 0;
     ssize_t n = splice(c->fd[s], NULL, r->pipe_w, NULL, PIPE_BYTES, SPLICE_FLAGS);
     if (n == 0) return 1;
     if (n < 0) return (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) ? 0 : -1;
