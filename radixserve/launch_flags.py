@@ -23,6 +23,7 @@ from dataclasses import fields
 from radixserve.config import EngineConfig
 from radixserve.sampling_params import MAX_N
 from radixserve.server_config import ServerConfig
+from radixserve.utils.descriptors import add_connection_arguments
 from radixserve.worker.config import DTYPE_CHOICES, KV_CACHE_DTYPES, PREFILL_BACKENDS
 
 #: The largest host tier ``--disk-cache-dir`` gets by itself, in GiB.
@@ -75,13 +76,6 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _positive_seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
-
-
 def _gib(text: str) -> float:
     value = float(text)
     if not value >= 0.0:
@@ -94,33 +88,6 @@ def _positive_gib(text: str) -> float:
     if value == 0.0:
         raise argparse.ArgumentTypeError("must be > 0 GiB")
     return value
-
-
-def add_connection_arguments(p) -> None:
-    """The public port's connection limits (docs/serving.md, "Connection limits"); the
-    same flags for ``launch`` and ``router``."""
-    p.add_argument(
-        "--max-connections",
-        type=_non_negative,
-        default=ServerConfig.max_connections,
-        help="connections the public TCP port (and, apart, the HTTP front) holds at once; "
-        "more are closed at accept. 0 (default): what the process's descriptor limit "
-        "allows, which it raises to the hard limit at start",
-    )
-    p.add_argument(
-        "--max-connections-per-address",
-        type=_non_negative,
-        default=ServerConfig.max_connections_per_address,
-        help="of those, connections from one peer address (0, default: a quarter of "
-        "--max-connections)",
-    )
-    p.add_argument(
-        "--handshake-timeout",
-        type=_positive_seconds,
-        default=ServerConfig.handshake_timeout,
-        help="seconds a new connection to the public TCP port may take over its ZeroMQ "
-        "handshake before it is closed",
-    )
 
 
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:

@@ -19,10 +19,13 @@ import sys
 import zmq
 
 from radixserve.config import EngineConfig
-from radixserve.launch_flags import add_connection_arguments
 from radixserve.router.policy import POLICIES, PolicyConfig
 from radixserve.router.server import Router, RouterConfig
-from radixserve.utils.descriptors import ConnectionLimits, raise_descriptor_limit
+from radixserve.utils.descriptors import (
+    ConnectionLimits,
+    add_connection_arguments,
+    raise_descriptor_limit,
+)
 
 STARTUP_TIMEOUT_S = 60.0
 

@@ -13,6 +13,8 @@ and those already established keep being served.
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
 from dataclasses import dataclass
 
@@ -102,3 +104,50 @@ class ConnectionLimits:
         total = min(self.total, budget) if self.total else budget
         per_address = self.per_address or max(1, total // PER_ADDRESS_SHARE)
         return ConnectionLimits(total, min(per_address, total), self.handshake_timeout)
+
+
+def add_connection_arguments(p) -> None:
+    """The public port's connection limits as flags (docs/serving.md, "Connection
+    limits"): the same for ``radixserve launch`` and ``radixserve router``."""
+    p.add_argument(
+        "--max-connections",
+        type=_non_negative_int,
+        default=0,
+        help="connections the public TCP port (and, apart, the HTTP front) holds at once; "
+        "more are closed at accept. 0 (default): what the process's descriptor limit "
+        "allows, which it raises to the hard limit at start",
+    )
+    p.add_argument(
+        "--max-connections-per-address",
+        type=_non_negative_int,
+        default=0,
+        help="of those, connections from one peer address (0, default: a quarter of "
+        "--max-connections)",
+    )
+    p.add_argument(
+        "--handshake-timeout",
+        type=_positive_seconds,
+        default=HANDSHAKE_TIMEOUT_S,
+        help="seconds a new connection to the public TCP port may take over its ZeroMQ "
+        "handshake before it is closed",
+    )
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
