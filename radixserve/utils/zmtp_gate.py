@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import itertools
 import logging
 import os
@@ -277,7 +276,7 @@ class RoutingIdGate:
         self.listener.setblocking(False)
         self.host = host
         self.port = self.listener.getsockname()[1]
-        self.epoll = select.epoll()
+        self.epoll = _poller()
         self.lfd = self.listener.fileno()
         self.epoll.register(self.lfd, EPOLLIN)
         self._wake_r, self._wake_w = socket.socketpair()
@@ -629,7 +628,36 @@ def _splice_pipe() -> tuple[int, int]:
     there is no splice (not Linux): bytes then pass through ``recv`` and ``send``."""
     if not hasattr(os, "splice"):
         return -1, -1
+    import fcntl
+
     r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     with contextlib.suppress(OSError, AttributeError):
         fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, SPLICE_BYTES)
     return r, w
+
+
+class _Poll:
+    """``select.poll`` with ``select.epoll``'s interface (where there is no epoll:
+    macOS, the BSDs). POLLIN and POLLOUT have EPOLLIN's and EPOLLOUT's values."""
+
+    def __init__(self) -> None:
+        self._poll = select.poll()
+
+    def register(self, fd: int, events: int) -> None:
+        self._poll.register(fd, events)
+
+    def modify(self, fd: int, events: int) -> None:
+        self._poll.modify(fd, events)
+
+    def unregister(self, fd: int) -> None:
+        self._poll.unregister(fd)
+
+    def poll(self, timeout: float = -1) -> list[tuple[int, int]]:
+        return self._poll.poll(None if timeout < 0 else timeout * 1000)
+
+    def close(self) -> None:
+        pass
+
+
+def _poller():
+    return select.epoll() if hasattr(select, "epoll") else _Poll()
