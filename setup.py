@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import sys
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 EXT_NAME = "radixserve.scheduler._radix_native"
 SOURCES = ["csrc/radix_tree.cpp", "csrc/page_free.cpp", "csrc/bindings.cpp"]
 KERNELS_EXT_NAME = "radixserve.layers._cpu_kernels"
+RELAY_EXT_NAME = "radixserve.utils._zmtp_relay"
 KERNELS_SOURCES = [
     "csrc/paged_attention.cpp",
     "csrc/skinny_gemm.cpp",
@@ -43,7 +44,10 @@ def _warn(reason: str, name: str = EXT_NAME) -> None:
         return
     _warned.add(name)
     bar = "=" * 78
-    fallback = "Python radix tree" if name == EXT_NAME else "torch decode path and BLAS"
+    fallback = {
+        EXT_NAME: "Python radix tree",
+        RELAY_EXT_NAME: "routing-id gate's Python relay",
+    }.get(name, "torch decode path and BLAS")
     print(
         f"\n{bar}\nWARNING: the native extension {name} was not built:\n  {reason}\n"
         f"radixserve installs anyway and uses the {fallback}.\n"
@@ -61,8 +65,8 @@ class OptionalBuildExt(build_ext):
 
     def finalize_options(self) -> None:
         super().finalize_options()
-        if self.parallel is None:  # the two extensions at once, one thread each
-            self.parallel = 2
+        if self.parallel is None:  # every extension at once, one thread each
+            self.parallel = 3
 
     def run(self) -> None:
         try:
@@ -93,12 +97,27 @@ def _parallel_compile() -> None:
     ParallelCompile(JOBS_ENV, default=0).install()
 
 
+def _relay_extension() -> list:
+    """The routing-id gate's relay (plain C, Linux: epoll and splice); without it the
+    gate relays in Python."""
+    if not sys.platform.startswith("linux"):
+        return []
+    return [
+        Extension(
+            RELAY_EXT_NAME,
+            ["csrc/zmtp_relay.c"],
+            extra_compile_args=["-O2", "-Wall", "-Wextra"],
+            extra_link_args=["-pthread"],
+        )
+    ]
+
+
 def _extensions() -> list:
     try:
         from pybind11.setup_helpers import Pybind11Extension
     except ImportError:
         _warn("pybind11 is not importable (with --no-build-isolation, `pip install pybind11`)")
-        return []
+        return _relay_extension()
     exts = [
         Pybind11Extension(
             EXT_NAME,
@@ -121,7 +140,7 @@ def _extensions() -> list:
                 extra_link_args=["-fopenmp"],
             )
         )
-    return exts
+    return exts + _relay_extension()
 
 
 _parallel_compile()

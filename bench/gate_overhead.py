@@ -1,16 +1,30 @@
 """What the routing-id gate (radixserve/utils/zmtp_gate.py) costs a ZeroMQ client.
 
-An echo ROUTER in a thread, reached directly on TCP and through the gate, side by
-side in one run: round trips of small messages (a request's or a chunk's size) and
-of 1 MiB ones (a long prompt), and one-way streams of small messages (a stream's
-chunks). Prints per-operation times and gate/direct ratios.
+An echo ROUTER and the gate in front of it run in a process of their own (as the
+tokenizer's ROUTER and gate do: the gate's thread shares that process with the
+ROUTER's loop); the clients run here. The ROUTER is reached directly on its ipc
+endpoint (as the HTTP front reaches the tokenizer), directly on TCP, and on TCP
+through the gate (its Python relay, and its native one where built), side by side
+in one run, interleaved trial by trial: round trips
+of small messages (a request's or a chunk's size), of 1 MiB and 6 MiB ones (long
+prompts), and one-way streams of small messages (a stream's chunks). Prints
+per-operation times (the best of ``--trials``), the gate's ratios to ipc, and the
+native gate's to direct TCP. A second table gives the server process's CPU time per operation
+(all its threads, ``/proc/PID/task/*/schedstat``), which a loaded machine disturbs
+far less than wall time: the gate's own cost is the difference to ipc.
 
-    python bench/gate_overhead.py [--trials 3]
+    python bench/gate_overhead.py [--trials 5] [--busy]
+
+``--busy`` adds a thread to the server process that runs Python without pause, as
+the tokenizer's loop does under load: the Python relay then waits for the GIL at
+every hop, the native one never takes it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import multiprocessing as mp
 import os
 import tempfile
 import threading
@@ -18,36 +32,77 @@ import time
 
 import zmq
 
-from radixserve.utils.zmtp_gate import RoutingIdGate
+
+def spin(stop) -> None:
+    """Pure Python work without pause, holding the GIL as a busy tokenizer's loop does
+    (tokenizing, detokenizing, msgpack)."""
+    x = 0
+    while not stop.is_set():
+        for i in range(10_000):
+            x = (x + i * i) % 1_000_003
 
 
-def echo(router: zmq.Socket, stop: threading.Event) -> None:
+def serve(path: str, ready, stop, busy: bool) -> None:
+    """The echo ROUTER on ``ipc://path`` and on a TCP port, and the gate; sends their
+    endpoints through ``ready``, echoes until ``stop`` is set."""
+    from radixserve.utils import zmtp_gate
+    from radixserve.utils.zmtp_gate import RoutingIdGate
+
+    native_relay = getattr(zmtp_gate, "native_relay", None)  # None: a gate without one
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.SNDHWM, 0)
+    router.setsockopt(zmq.RCVHWM, 0)
+    router.bind("ipc://" + path)
+    tcp = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    python_only = {"native": False} if native_relay is not None else {}
+    gates = {"py": RoutingIdGate("127.0.0.1", 0, path, **python_only).start()}
+    if native_relay is not None:
+        gates["C"] = RoutingIdGate("127.0.0.1", 0, path, native=True).start()
+    if busy:
+        threading.Thread(target=spin, args=(stop,), daemon=True).start()
+    ready.send({"ipc": "ipc://" + path, "tcp": tcp} | {k: g.endpoint for k, g in gates.items()})
     while not stop.is_set():
         if router.poll(100):
             router.send_multipart(router.recv_multipart())
+    for gate in gates.values():
+        gate.close()
+    ctx.destroy(linger=0)
 
 
-def round_trips(endpoint: str, payload: bytes, n: int) -> float:
-    ctx = zmq.Context.instance()
+def cpu_ns(pid: int) -> int:
+    """CPU time (ns) the threads of process ``pid`` have had (Linux schedstat)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/schedstat") as f:
+            total += int(f.read().split()[0])
+    return total
+
+
+def client(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.SNDHWM, 0)
+    d.setsockopt(zmq.RCVHWM, 0)
     d.connect(endpoint)
-    d.send(payload)
+    d.send(b"hello")
     d.recv()  # connected
+    return d
+
+
+def round_trips(ctx: zmq.Context, endpoint: str, payload: bytes, n: int) -> float:
+    d = client(ctx, endpoint)
     start = time.perf_counter()
     for _ in range(n):
-        d.send(payload)
-        d.recv()
+        d.send(payload, copy=False)
+        d.recv(copy=False)
     spent = time.perf_counter() - start
     d.close(0)
     return spent / n
 
 
-def stream(endpoint: str, payload: bytes, n: int) -> float:
-    ctx = zmq.Context.instance()
-    d = ctx.socket(zmq.DEALER)
-    d.connect(endpoint)
-    d.send(payload)
-    d.recv()
+def stream(ctx: zmq.Context, endpoint: str, payload: bytes, n: int) -> float:
+    d = client(ctx, endpoint)
     start = time.perf_counter()
     for _ in range(n):
         d.send(payload)
@@ -60,28 +115,57 @@ def stream(endpoint: str, payload: bytes, n: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--small", type=int, default=2000, help="small round trips per trial")
+    ap.add_argument(
+        "--busy",
+        action="store_true",
+        help="a thread of the server process runs Python without pause (a busy tokenizer)",
+    )
     args = ap.parse_args()
-    ctx = zmq.Context.instance()
-    router = ctx.socket(zmq.ROUTER)
     path = os.path.join(tempfile.mkdtemp(prefix="rs-"), "pub")
-    router.bind("ipc://" + path)
-    direct = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
-    gate = RoutingIdGate("127.0.0.1", 0, path).start()
-    stop = threading.Event()
-    threading.Thread(target=echo, args=(router, stop), daemon=True).start()
+    mpc = mp.get_context("spawn")
+    ready_r, ready_w = mpc.Pipe(duplex=False)
+    stop = mpc.Event()
+    server = mpc.Process(target=serve, args=(path, ready_w, stop, args.busy), daemon=True)
+    server.start()
+    endpoints = ready_r.recv()
+    ctx = zmq.Context()
     cases = [
-        ("round trip, 200 B", round_trips, bytes(200), 2000),
+        ("round trip, 200 B", round_trips, bytes(200), args.small),
         ("round trip, 1 MiB", round_trips, bytes(1 << 20), 100),
+        ("round trip, 6 MiB", round_trips, bytes(6 << 20), 30),
         ("stream, 200 B each", stream, bytes(200), 5000),
     ]
-    print(f"{'case':<22}{'direct us':>12}{'gate us':>12}{'gate/direct':>13}")
+    kinds = list(endpoints)  # ipc, tcp, py (the Python relay), C (the native one)
+    cpu = {}  # (case, kind) -> the server process's CPU time per operation, best trial
+    head = f"{'case':<22}" + "".join(f"{k + ' us':>10}" for k in kinds)
+    head += "".join(f"{k + '/ipc':>10}" for k in kinds[2:])
+    print("wall time per operation (best of the trials)")
+    print(head + f"{'C/tcp':>10}" * ("C" in kinds))
     for name, fn, payload, n in cases:
-        d = min(fn(direct, payload, n) for _ in range(args.trials))
-        g = min(fn(gate.endpoint, payload, n) for _ in range(args.trials))
-        print(f"{name:<22}{d * 1e6:>12.1f}{g * 1e6:>12.1f}{g / d:>13.2f}")
+        best = dict.fromkeys(kinds, 1e9)
+        for _ in range(args.trials):  # interleaved, so a noisy moment hits each alike
+            for key in kinds:
+                before = cpu_ns(server.pid)
+                best[key] = min(best[key], fn(ctx, endpoints[key], payload, n))
+                spent = (cpu_ns(server.pid) - before) / n / 1e3
+                cpu[name, key] = min(cpu.get((name, key), 1e9), spent)
+        row = f"{name:<22}" + "".join(f"{best[k] * 1e6:>10.1f}" for k in kinds)
+        row += "".join(f"{best[k] / best['ipc']:>10.2f}" for k in kinds[2:])
+        if "C" in kinds:
+            row += f"{best['C'] / best['tcp']:>10.2f}"
+        print(row, flush=True)
+    print("\nCPU time of the server process (echo ROUTER + gates) per operation, us")
+    print(f"{'case':<22}" + "".join(f"{k:>10}" for k in kinds)
+          + "".join(f"{k + '-ipc':>10}" for k in kinds[2:]))  # fmt: skip
+    for name, *_ in cases:
+        row = f"{name:<22}" + "".join(f"{cpu[name, k]:>10.1f}" for k in kinds)
+        row += "".join(f"{cpu[name, k] - cpu[name, 'ipc']:>10.1f}" for k in kinds[2:])
+        print(row)
     stop.set()
-    gate.close()
+    server.join(10)
+    ctx.destroy(linger=0)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Soak: hostile and ordinary clients against one launched server under KV pressure.
 
-    .venv/bin/python bench/soak.py --minutes 3
+    .venv/bin/python bench/soak.py --minutes 3   (or --duration SECONDS)
 
 For ``--minutes`` it runs, all at once:
 - ``--clients`` threads of ordinary clients (radixserve.client) sending random
@@ -8,6 +8,10 @@ For ``--minutes`` it runs, all at once:
   streaming or not), aborting some, and abandoning some connections mid-request;
 - one fuzzing peer sending hostile frames (random bytes, truncated and
   bit-flipped messages, wrong types, huge integers) on a raw DEALER socket;
+- a connection flood every ``--flood-every`` seconds: ``--flood-connections`` idle
+  TCP connections opened at once to the public port (and to the HTTP front's, with
+  ``--server-args "--http-port 0"``), held ``--flood-hold`` seconds, then closed;
+  the connection limits refuse what does not fit while the clients go on;
 - a monitor sampling each server process's RSS (``/proc/PID/status``).
 
 The KV pool is small (``--num-pages``), so eviction and retraction run all the
@@ -37,10 +41,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -77,11 +83,13 @@ class Launched:
                str(args.num_pages), "--max-running-requests", "16", "--log-level", "error",
                "--exit-with-parent", *args.server_args.split(), *extra]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
-        self.endpoint, self.run_dir, self.pids = "", "", {}
+        self.endpoint, self.run_dir, self.pids, self.http_url = "", "", {}, ""
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if m := re.search(r"serving on (\S+)", line):
                 self.endpoint = m.group(1)
+            if m := re.search(r"(http://\S+)", line):
+                self.http_url = m.group(1)
             if "processes" in line:
                 self.run_dir = line.split("run_dir=")[1].split()[0]
                 self.pids = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line)}
@@ -123,8 +131,8 @@ def running(pid: int) -> bool:
 
 
 class Soak:
-    def __init__(self, args: argparse.Namespace, endpoint: str) -> None:
-        self.args, self.endpoint = args, endpoint
+    def __init__(self, args: argparse.Namespace, endpoint: str, http_url: str = "") -> None:
+        self.args, self.endpoint, self.http_url = args, endpoint, http_url
         self.stop = threading.Event()
         self.counts: Counter[str] = Counter()
         self.lock = threading.Lock()
@@ -132,6 +140,31 @@ class Soak:
     def count(self, key: str, n: int = 1) -> None:
         with self.lock:
             self.counts[key] += n
+
+    def flood(self) -> None:
+        """Every ``--flood-every`` s, ``--flood-connections`` idle connections to each
+        public port at once (never greeting, never sending a request), held
+        ``--flood-hold`` s, then closed."""
+        targets = [self.endpoint.removeprefix("tcp://")]
+        if self.http_url:
+            targets.append(self.http_url.removeprefix("http://").split("/")[0])
+        addrs = [(host.strip("[]"), int(port)) for host, port in
+                 (t.rsplit(":", 1) for t in targets)]  # fmt: skip
+        while not self.stop.wait(self.args.flood_every):
+            socks = []
+            for addr in addrs:
+                for _ in range(self.args.flood_connections):
+                    s = socket.socket(socket.AF_INET6 if ":" in addr[0] else socket.AF_INET)
+                    s.setblocking(False)
+                    if s.connect_ex(addr) in (0, errno.EINPROGRESS):
+                        socks.append(s)
+                    else:
+                        s.close()
+            self.count("floods")
+            self.count("flood_connections", len(socks))
+            self.stop.wait(self.args.flood_hold)
+            for s in socks:
+                s.close()
 
     def ordinary(self, seed: int) -> None:
         rng = random.Random(seed)
@@ -347,6 +380,10 @@ def slope_per_min(ts: list[float], xs: list[float]) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--minutes", type=float, default=3.0)
+    p.add_argument("--duration", type=float, default=None, help="seconds (instead of --minutes)")
+    p.add_argument("--flood-every", type=float, default=180.0, help="seconds between floods")
+    p.add_argument("--flood-connections", type=int, default=3000, help="per port, per flood")
+    p.add_argument("--flood-hold", type=float, default=10.0, help="seconds a flood is held")
     p.add_argument("--clients", type=int, default=6)
     p.add_argument("--num-pages", type=int, default=1500, help="KV pool (page size 1): small")
     p.add_argument("--max-prompt", type=int, default=600)
@@ -378,6 +415,8 @@ def main() -> int:
     )
     p.add_argument("--rss-every", type=float, default=5.0, help="seconds between RSS samples")
     args = p.parse_args()
+    if args.duration is not None:
+        args.minutes = args.duration / 60
     ok = True
     if args.minutes > 0:
         ok = soak_phase(args)
@@ -409,9 +448,11 @@ def soak_phase(args: argparse.Namespace) -> bool:
     t_start = time.monotonic()
     rss = {name: [rss_mib(pid)] for name, pid in pids.items()}
     times, sent = [0.0], [0]
-    soak = Soak(args, endpoint)
+    soak = Soak(args, endpoint, srv.http_url)
     threads = [threading.Thread(target=soak.ordinary, args=(i,)) for i in range(args.clients)]
     threads.append(threading.Thread(target=soak.fuzz, args=(99,)))
+    if args.flood_connections > 0:
+        threads.append(threading.Thread(target=soak.flood))
     for t in threads:
         t.start()
     end = time.monotonic() + args.minutes * 60
@@ -449,6 +490,7 @@ def soak_phase(args: argparse.Namespace) -> bool:
           f"abandoned {c['abandoned']}, errors {c['errors']} "
           f"(unexpected {c['unexpected_errors']})")  # fmt: skip
     print(f"fuzz frames {c['fuzz_frames']}, replies {c['fuzz_replies']}")
+    print(f"connection floods {c['floods']} ({c['flood_connections']} connections opened)")
     print(f"crashes {int(crashed)}, hangs {c['hangs'] + hung_threads}, leak check: {leak_msg}")
     if not crashed:
         print(f"preemptions (retractions) {final['preemptions']}, steps {final['steps']}")

@@ -23,6 +23,7 @@ from dataclasses import fields
 from radixserve.config import EngineConfig
 from radixserve.sampling_params import MAX_N
 from radixserve.server_config import ServerConfig
+from radixserve.utils.descriptors import add_connection_arguments
 from radixserve.worker.config import DTYPE_CHOICES, KV_CACHE_DTYPES, PREFILL_BACKENDS
 
 #: The largest host tier ``--disk-cache-dir`` gets by itself, in GiB.
@@ -397,6 +398,7 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
         default=d.max_requests_per_client,
         help="requests in flight per client connection (the HTTP front is one client)",
     )
+    add_connection_arguments(lim)
     lim.add_argument(
         "--max-prompt-chars",
         type=_positive,
@@ -716,6 +718,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         curve_secret_key=args.curve_secret_key,
         curve_allowed_clients=args.curve_allowed_clients,
         curve_allow_any_client=args.curve_allow_any_client,
+        max_connections=args.max_connections,
+        max_connections_per_address=args.max_connections_per_address,
+        handshake_timeout=args.handshake_timeout,
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         dist_init_addr=args.dist_init_addr,

@@ -16,6 +16,7 @@ from typing import Any
 
 from radixserve.config import EngineConfig
 from radixserve.model_info import ModelInfo
+from radixserve.utils.descriptors import HANDSHAKE_TIMEOUT_S, ConnectionLimits
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,12 @@ class ServerConfig:
     curve_secret_key: str | None = None  # the server's secret certificate (.key_secret)
     curve_allowed_clients: str | None = None  # a directory of client public certificates
     curve_allow_any_client: bool = False  # any client holding the server's public key
+    # Connections the public TCP port holds at once, in total and per peer address (0:
+    # derived from the descriptor limit), and the seconds a handshake may take
+    # (utils/descriptors.py; docs/serving.md, "Connection limits").
+    max_connections: int = 0
+    max_connections_per_address: int = 0
+    handshake_timeout: float = HANDSHAKE_TIMEOUT_S
     log_level: str = "info"
     http_port: int | None = None  # the OpenAI-compatible HTTP front's port (0: any free one)
     http_host: str | None = None  # the address the HTTP front binds (None: ``host``)
@@ -73,6 +80,12 @@ class ServerConfig:
     def public_endpoint(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"tcp://{host}:{self.port if self.port else '*'}"
+
+    @property
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(
+            self.max_connections, self.max_connections_per_address, self.handshake_timeout
+        )
 
     @property
     def ranks_per_node(self) -> int:

@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "radixserve.utils",
             "radixserve.utils.kv_file",
             "radixserve.utils.sockets",
+            "radixserve.utils.descriptors",
             "radixserve.utils.zmtp_gate",
             "radixserve.utils.paths",
         ),

@@ -34,6 +34,7 @@ from radixserve import protocol as P
 from radixserve.client import AsyncClient
 from radixserve.http.app import create_app
 from radixserve.http.auth import Keys
+from radixserve.http.connection_limit import ConnectionCap
 from radixserve.http.h11_protocol import MAX_HEAD_BYTES, HeadLimitedH11Protocol
 from radixserve.http.large_bodies import map_large_blocks
 from radixserve.http.metrics import Metrics
@@ -45,6 +46,7 @@ from radixserve.version import __version__
 log = logging.getLogger("radixserve.http")
 GRACEFUL_S = 3.0  # how long open responses may take to end after SIGTERM
 STARTUP_TIMEOUT_S = 60.0
+LISTEN_BACKLOG = 2048  # connections the kernel queues before uvicorn takes them
 
 
 class _Server(uvicorn.Server):
@@ -61,7 +63,7 @@ def bind(host: str, port: int) -> pysocket.socket:
     sock = pysocket.socket(family, pysocket.SOCK_STREAM)
     sock.setsockopt(pysocket.SOL_SOCKET, pysocket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    sock.listen(2048)
+    sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
     return sock
 
@@ -98,16 +100,22 @@ async def serve(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
             tool_call_parser=config.tool_call_parser,
             model_aliases=tuple(config.served_model_aliases),
         )
-        sock = bind(config.http_host or config.host, config.http_port)
+        # Connections: at most what the descriptor budget allows (connection_limit.py).
+        limits = config.connection_limits.derive(per_connection=1)
+        cap = ConnectionCap(limits.total, limits.per_address)
+        log.info("at most %d HTTP connections, %d per address", cap.limit, cap.per_address)
+        sock = cap.listener(bind(config.http_host or config.host, config.http_port))
         uv = uvicorn.Config(
             create_app(state, keys),
             log_level=config.log_level,
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=GRACEFUL_S,
-            # An oversized request head is a 431, answered before the close (h11_protocol.py).
-            http=HeadLimitedH11Protocol,
+            # Connections counted out of the cap (connection_limit.py); an oversized
+            # request head is a 431, answered before the close (h11_protocol.py).
+            http=cap.protocol(HeadLimitedH11Protocol),
             h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+            backlog=LISTEN_BACKLOG,
         )
         server = _Server(uv)
         loop = asyncio.get_running_loop()

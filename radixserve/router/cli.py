@@ -21,6 +21,11 @@ import zmq
 from radixserve.config import EngineConfig
 from radixserve.router.policy import POLICIES, PolicyConfig
 from radixserve.router.server import Router, RouterConfig
+from radixserve.utils.descriptors import (
+    ConnectionLimits,
+    add_connection_arguments,
+    raise_descriptor_limit,
+)
 
 STARTUP_TIMEOUT_S = 60.0
 
@@ -98,6 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="the router's secret certificate towards the replicas",
     )
+    add_connection_arguments(p)
     p.add_argument("--ipc-endpoint", default=None, help=argparse.SUPPRESS)  # launch --dp
     p.add_argument(
         "--exit-with-parent",
@@ -135,6 +141,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         curve_server_key=args.replica_curve_server_key,
         curve_client_key=args.replica_curve_client_key,
         ipc_endpoint=args.ipc_endpoint,
+        connection_limits=ConnectionLimits(
+            args.max_connections, args.max_connections_per_address, args.handshake_timeout
+        ),
     )
 
 
@@ -147,6 +156,7 @@ def main(args: argparse.Namespace) -> int:
         stream=sys.stderr,
         format="%(asctime)s router %(levelname)s %(message)s",
     )
+    raise_descriptor_limit()  # before the connection limits are derived from it
     config = config_from_args(args)
     if config.curve_secret_key is None and not is_loopback(config.host):
         print(

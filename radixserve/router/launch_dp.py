@@ -102,6 +102,9 @@ class DataParallelLauncher:
                "--balance-rel-threshold", str(p.balance_rel_threshold),
                "--cache-threshold", str(p.cache_threshold),
                "--max-requests-per-client", str(c.engine.max_requests_per_client),
+               "--max-connections", str(c.max_connections),
+               "--max-connections-per-address", str(c.max_connections_per_address),
+               "--handshake-timeout", str(c.handshake_timeout),
                "--ipc-endpoint", self.front.config.endpoint(PUBLIC_IPC),
                "--exit-with-parent", "--log-level", c.log_level]  # fmt: skip
         if c.engine.model:

@@ -48,6 +48,7 @@ from radixserve.tokenizer.config import TokenizerConfig
 from radixserve.tokenizer.connections import Connections
 from radixserve.tokenizer.inputs import InputProcessor
 from radixserve.tokenizer.process import seed_routing_ids
+from radixserve.utils.descriptors import ConnectionLimits
 from radixserve.utils.sockets import recv, recv_frames, recv_multipart
 from radixserve.utils.zmtp_gate import RoutingIdGate
 from radixserve.zap import enable_curve
@@ -82,6 +83,8 @@ class RouterConfig:
     curve_server_key: str | None = None  # the replicas' public key, when they use CURVE
     curve_client_key: str | None = None  # this router's key pair towards the replicas
     ipc_endpoint: str | None = None  # a second public endpoint (the HTTP front's)
+    # The public TCP port's connection limits (0: derived from the descriptor budget).
+    connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     decisions: int = 0  # how many routing decisions to keep for inspection (tests)
 
 
@@ -120,20 +123,22 @@ class Router:
         if config.ipc_endpoint:
             self.public.bind(config.ipc_endpoint)
         self.zap = enable_curve(ctx, self.public, config)  # type: ignore[arg-type]
-        # Without CURVE the TCP port is a routing-id gate in front of a private ipc
-        # endpoint, as the tokenizer's (utils/zmtp_gate.py: no peer chooses its id).
-        self.gate: RoutingIdGate | None = None
-        self._gate_dir: str | None = None
-        if self.zap is None:
-            self._gate_dir = tempfile.mkdtemp(prefix="rs-")
-            upstream = os.path.join(self._gate_dir, "public-tcp")
-            self.public.bind(f"ipc://{upstream}")
-            self.gate = RoutingIdGate(config.host, config.port, upstream).start()
-            self.endpoint = self.gate.endpoint
-        else:
-            host = f"[{config.host}]" if ":" in config.host else config.host
-            self.public.bind(f"tcp://{host}:{config.port if config.port else '*'}")
-            self.endpoint = self.public.getsockopt(zmq.LAST_ENDPOINT).decode()
+        # The TCP port is a routing-id gate in front of a private ipc endpoint, as the
+        # tokenizer's (utils/zmtp_gate.py: no peer chooses its id; with CURVE it passes
+        # the encrypted handshake as it is, and keeps the connection limits).
+        self._gate_dir = tempfile.mkdtemp(prefix="rs-")
+        upstream = os.path.join(self._gate_dir, "public-tcp")
+        limits = config.connection_limits
+        self.public.setsockopt(zmq.HANDSHAKE_IVL, int(limits.handshake_timeout * 1000))
+        self.public.bind(f"ipc://{upstream}")
+        self.gate = RoutingIdGate(
+            config.host,
+            config.port,
+            upstream,
+            limits,
+            mechanism="NULL" if self.zap is None else "CURVE",
+        ).start()
+        self.endpoint = self.gate.endpoint
         self.rr = RoundRobin()
         self.requests: dict[str, Forwarded] = {}  # by router id
         self.by_client: dict[tuple[bytes, str], str] = {}

@@ -37,8 +37,9 @@ peer that chose none was claimed by another already. So without CURVE the public
 TCP port is a ``RoutingIdGate`` (``utils/zmtp_gate.py``): it relays each
 connection to the ROUTER's ipc endpoint inside the run dir and replaces the
 peer's announced id with 16 random bytes, so the ROUTER never sees a
-peer-chosen or an automatic id. With CURVE the handshake is encrypted and the
-ROUTER binds the TCP port itself; there the remaining guard is that the
+peer-chosen or an automatic id. With CURVE the handshake is encrypted: the gate
+still holds the port (and its connection limits) but passes the handshake as it
+is, to a CURVE ROUTER endpoint on ipc; there the remaining guard is that the
 automatic ids start from a random counter (``seed_routing_ids``) that no reply
 and no log line shows. Logs name a client by a keyed hash of its id
 (``client_tag``), never by the id, and never by its address.
@@ -151,16 +152,20 @@ class TokenizerServer:
         # configured, applies to the binds after it (the TCP endpoint) only.
         self.router.bind(config.endpoint(PUBLIC_IPC))
         self.zap = enable_curve(ctx, self.router, config)
-        self.gate: RoutingIdGate | None = None
-        if self.zap is None:  # the public TCP port is the gate's (module docstring)
-            self.router.bind(config.endpoint(PUBLIC_TCP))
-            upstream = config.endpoint(PUBLIC_TCP).removeprefix("ipc://")
-            self.gate = RoutingIdGate(config.host, config.port, upstream).start()
-            after_sockets_close(self.gate.drain)  # the last replies reach the clients
-            self.endpoint = self.gate.endpoint
-        else:
-            self.router.bind(config.public_endpoint)
-            self.endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        # The public TCP port is the gate's (module docstring), with CURVE too (then it
+        # passes the encrypted handshake as it is, and keeps the connection limits).
+        self.router.setsockopt(zmq.HANDSHAKE_IVL, int(config.handshake_timeout * 1000))
+        self.router.bind(config.endpoint(PUBLIC_TCP))
+        upstream = config.endpoint(PUBLIC_TCP).removeprefix("ipc://")
+        self.gate = RoutingIdGate(
+            config.host,
+            config.port,
+            upstream,
+            config.connection_limits,
+            mechanism="NULL" if self.zap is None else "CURVE",
+        ).start()
+        after_sockets_close(self.gate.drain)  # the last replies reach the clients
+        self.endpoint = self.gate.endpoint
         self.admin_key = admin_key
         self.inbox = socket(ctx, zmq.PULL, config.endpoint(TOKENIZER_IN), bind=True)
         self.to_scheduler = socket(ctx, zmq.PUSH, config.endpoint(SCHEDULER_IN), bind=False)

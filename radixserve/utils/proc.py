@@ -42,6 +42,7 @@ from collections.abc import Callable
 import zmq
 
 from radixserve.server_config import ServerConfig
+from radixserve.utils.descriptors import raise_descriptor_limit
 
 POLL_MS = 500  # how often an idle loop wakes up to check its lifeline
 LINGER_MS = 200  # how long closing sockets may take to send what is queued
@@ -93,6 +94,7 @@ def child_main(name: str, run: Callable[[ServerConfig, zmq.Context, Lifeline], N
     signal.signal(signal.SIGTERM, life.on_signal)
     signal.signal(PARENT_DEATH_SIGNAL, life.on_signal)
     set_parent_death_signal(PARENT_DEATH_SIGNAL)
+    raise_descriptor_limit()  # before a connection limit is derived from it (descriptors.py)
     ctx = zmq.Context()
     code = 0
     try:

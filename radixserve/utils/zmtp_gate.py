@@ -19,8 +19,9 @@ What the gate reads of the stream (ZMTP 3.x, RFC 23/37), client to ROUTER:
 - the 64-byte greeting, checked as it arrives: the signature (``0xFF``, 8 bytes,
   a byte with bit 0 set), major version >= 3 (checked before it is passed on:
   ZMTP 1.0 and 2.0 carry the routing id as an ordinary message the gate could
-  not rewrite), mechanism ``NULL`` (a CURVE endpoint encrypts ``READY``; it is
-  not put behind the gate, see docs/serving.md, "Routing ids");
+  not rewrite), mechanism ``NULL`` (a gate made with ``mechanism="CURVE"`` wants
+  ``CURVE`` instead and passes everything after the greeting as it is: CURVE
+  encrypts ``READY``, see docs/serving.md, "Routing ids");
 - the first command, which must be ``READY`` (at most ``MAX_READY_BYTES``).
 
 Anything else closes the connection; after ``READY`` bytes pass as they are, in
@@ -32,19 +33,47 @@ the ROUTER's view of a connection (its socket monitor, heartbeat timeouts,
 ``MAX_BUFFERED`` bytes before the gate stops reading its source, so a slow
 reader backs up to its sender as it would on a direct connection.
 
-One daemon thread runs every connection with ``selectors``; ``close`` stops it.
+Limits (docs/serving.md, "Connection limits"): at most ``limits.total`` connections
+at once and ``limits.per_address`` from one peer address (by default derived from
+the process's descriptor budget: each connection costs ``FDS_PER_CONNECTION``
+descriptors here, counting the ROUTER's side of the ipc connection, which libzmq
+accepts in this process and aborts on when it meets ``EMFILE``). A connection over
+a limit is reset at accept; those already relayed are untouched. A connection
+whose greeting and ``READY`` are not through within ``limits.handshake_timeout``
+is closed. ``EMFILE`` at accept pauses accepting for ``ACCEPT_PAUSE_S``.
+
+Once ``READY`` has passed, bytes move with ``os.splice`` through one pipe (the
+kernel copies them once, not into this process and out again); what a
+destination cannot take at once waits in its outbox.
+
+One daemon thread runs every connection with ``epoll``; ``close`` stops it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import os
-import selectors
+import select
 import socket
+import struct
 import threading
 import time
+from collections import Counter, deque
+
+from radixserve.utils.descriptors import (
+    HEADROOM,
+    ConnectionLimits,
+    descriptor_limit,
+    open_descriptors,
+)
+
+try:  # the relay after the handshake, in C (csrc/zmtp_relay.c); optional
+    from radixserve.utils import _zmtp_relay as native_relay
+except ImportError:
+    native_relay = None
 
 log = logging.getLogger("radixserve.gate")
 
@@ -56,6 +85,17 @@ MAX_READY_BYTES = 65536  # a READY's metadata: socket type, routing id, a few pr
 MAX_BUFFERED = 4 << 20
 RECV_BYTES = 256 << 10
 ROUTING_ID_BYTES = 16
+#: Descriptors one relayed connection costs this process: the client's TCP socket, the
+#: gate's ipc socket, and the ROUTER's side of that ipc connection.
+FDS_PER_CONNECTION = 3
+LISTEN_BACKLOG = 1024
+SPLICE_BYTES = 1 << 20  # the pipe's size, and the most one splice moves
+SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 0) | getattr(os, "SPLICE_F_NONBLOCK", 0)
+ACCEPT_PAUSE_S = 0.1
+FD_RECHECK_S = 0.5
+WARN_EVERY_S = 10.0
+EPOLLIN = getattr(select, "EPOLLIN", 1)
+EPOLLOUT = getattr(select, "EPOLLOUT", 4)
 
 COMMAND, LONG = 0x04, 0x02
 
@@ -105,10 +145,14 @@ def command_frame(body: bytes) -> bytes:
 class HandshakeFilter:
     """The client-to-ROUTER direction of one connection until its READY has passed:
     ``feed`` takes the bytes read and returns what may go on (``None`` once the
-    handshake is through: from then on everything passes)."""
+    handshake is through: from then on everything passes).
 
-    def __init__(self, routing_id: bytes) -> None:
+    With ``mechanism`` ``CURVE`` the peer's handshake is encrypted: only the greeting
+    is checked (ZMTP 3, mechanism CURVE), and everything after it passes as it is."""
+
+    def __init__(self, routing_id: bytes, mechanism: bytes = b"NULL") -> None:
         self.routing_id = routing_id
+        self.mechanism = mechanism
         self.greeting = bytearray()
         self.pending = bytearray()  # the READY command, until it is complete
 
@@ -120,6 +164,9 @@ class HandshakeFilter:
             self.greeting += take
             self._check_greeting()
             out += take
+        if len(self.greeting) == GREETING and self.mechanism != b"NULL":
+            self.pending = None  # type: ignore[assignment]
+            return bytes(out) + data
         if len(self.greeting) == GREETING:
             self.pending += data
             ready = self._take_ready()
@@ -139,8 +186,8 @@ class HandshakeFilter:
             raise GateError("not a ZMTP 3 peer (unversioned greeting)")
         if len(g) > MAJOR_POS and g[MAJOR_POS] < 3:
             raise GateError(f"ZMTP major version {g[MAJOR_POS]} (3 or later needed)")
-        if len(g) >= MECHANISM.stop and bytes(g[MECHANISM]).rstrip(b"\0") != b"NULL":
-            raise GateError("a security mechanism other than NULL")
+        if len(g) >= MECHANISM.stop and bytes(g[MECHANISM]).rstrip(b"\0") != self.mechanism:
+            raise GateError(f"a security mechanism other than {self.mechanism.decode()}")
 
     def _take_ready(self) -> bytes | None:
         buf = self.pending
@@ -167,43 +214,106 @@ class _Conn:
     """One relayed connection: the client's socket, the gate's own to the ROUTER, and
     what each direction holds that the other end has not taken yet."""
 
-    def __init__(self, client: socket.socket, upstream: socket.socket) -> None:
+    __slots__ = ("client", "upstream", "cfd", "ufd", "address", "to_upstream", "to_client",
+                 "filter", "ended", "closed", "deadline", "events", "id")  # fmt: skip
+
+    def __init__(
+        self,
+        client: socket.socket,
+        upstream: socket.socket,
+        address: str,
+        deadline: float,
+        mechanism: bytes,
+    ) -> None:
         self.client = client
         self.upstream = upstream
+        self.cfd = client.fileno()
+        self.ufd = upstream.fileno()
+        self.address = address
         self.to_upstream = bytearray()
         self.to_client = bytearray()
-        self.filter: HandshakeFilter | None = HandshakeFilter(draw_routing_id())
-        self.watched = {client, upstream}  # registered with the selector
-        self.ended: socket.socket | None = None  # the side that closed first
+        self.filter: HandshakeFilter | None = HandshakeFilter(draw_routing_id(), mechanism)
+        self.ended: int | None = None  # the descriptor of the side that closed first
         self.closed = False
+        self.deadline = deadline  # when an unfinished handshake is dropped
+        self.events = {self.cfd: EPOLLIN, self.ufd: EPOLLIN}  # registered (0: not)
+        self.id = 0  # the native relay's name for it, once handed over
 
-    def peer_of(self, sock: socket.socket) -> socket.socket:
-        return self.upstream if sock is self.client else self.client
+    def peer_of(self, fd: int) -> int:
+        return self.ufd if fd == self.cfd else self.cfd
 
-    def outbox(self, sock: socket.socket) -> bytearray:
-        """What is waiting to be written to ``sock``."""
-        return self.to_client if sock is self.client else self.to_upstream
+    def sock(self, fd: int) -> socket.socket:
+        return self.client if fd == self.cfd else self.upstream
+
+    def outbox(self, fd: int) -> bytearray:
+        """What is waiting to be written to ``fd``."""
+        return self.to_client if fd == self.cfd else self.to_upstream
 
 
 class RoutingIdGate:
     """Listens on ``host:port`` (0: a free port, see ``port``) and relays each
-    connection to the ipc socket at ``upstream_path``."""
+    connection to the ipc socket at ``upstream_path``, holding at most ``limits``
+    connections (``ConnectionLimits``; its zeros derived from the descriptor budget,
+    ``FDS_PER_CONNECTION`` each)."""
 
-    def __init__(self, host: str, port: int, upstream_path: str) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        upstream_path: str,
+        limits: ConnectionLimits | None = None,
+        native: bool | None = None,
+        mechanism: str = "NULL",
+    ) -> None:
+        if mechanism not in ("NULL", "CURVE"):
+            raise ValueError(f"the gate passes NULL or CURVE handshakes, not {mechanism}")
+        self.mechanism = mechanism.encode()
         self.upstream_path = upstream_path
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.listener = socket.create_server((host, port), family=family, backlog=512)
+        self.limits = (limits or ConnectionLimits()).derive(FDS_PER_CONNECTION, reserved=4)
+        # Connections waiting in the kernel's queue cost this process no descriptor.
+        self.listener = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
         self.listener.setblocking(False)
         self.host = host
         self.port = self.listener.getsockname()[1]
-        self.selector = selectors.DefaultSelector()
-        self.selector.register(self.listener, selectors.EVENT_READ)
+        self.epoll = _poller()
+        self.lfd = self.listener.fileno()
+        self.epoll.register(self.lfd, EPOLLIN)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
-        self.selector.register(self._wake_r, selectors.EVENT_READ)
-        self.conns: dict[socket.socket, _Conn] = {}
+        self.epoll.register(self._wake_r.fileno(), EPOLLIN)
+        # One pipe for every connection's spliced bytes: each splice in is spliced out
+        # (or read into the outbox) before the next, so it is empty between events.
+        self._pipe_r, self._pipe_w = _splice_pipe()
+        # After its handshake a connection goes to the native relay where there is one
+        # (``native``: None, where built; True: required; False: never).
+        if native and native_relay is None:
+            raise RuntimeError("the native relay (radixserve.utils._zmtp_relay) is not built")
+        self._relay = native_relay.start() if native_relay and native is not False else None
+        self._notify = -1
+        if self._relay is not None:
+            self._notify = native_relay.notify_fd(self._relay)
+            self.epoll.register(self._notify, EPOLLIN)
+        self.handed: dict[int, _Conn] = {}  # connections the native relay runs, by id
+        self._ids = itertools.count(1)
+        self.conns: dict[int, _Conn] = {}  # by either descriptor
+        self.count = 0
+        self.per_address: Counter[str] = Counter()
+        self.pending: deque[_Conn] = deque()  # handshakes in progress, oldest first
+        self.refused = 0  # connections closed at accept, over a limit
+        self.expired = 0  # connections dropped for an unfinished handshake
+        self._fd_limit = descriptor_limit()
+        self._fd_checked = 0.0
+        self._fd_short = False
+        self._accept_resume = 0.0  # > 0: accepting paused until then (EMFILE)
+        self._warned = 0.0
         self._stop = False
         self._thread: threading.Thread | None = None
+        log.info(
+            "public port %s: at most %d connections, %d per address; handshakes %gs",
+            self.endpoint, self.limits.total, self.limits.per_address,
+            self.limits.handshake_timeout,
+        )  # fmt: skip
 
     @property
     def endpoint(self) -> str:
@@ -221,94 +331,223 @@ class RoutingIdGate:
             self._wake_w.send(b"x")
         if self._thread is not None:
             self._thread.join(5)
+        if self._relay is not None:
+            native_relay.stop(self._relay)  # closes every connection it runs
+            self._take_closed()
+            self._relay = None
         for conn in list(self.conns.values()):
             self._close(conn)
-        self.selector.close()
+        self.epoll.close()
         self.listener.close()
         self._wake_r.close()
         self._wake_w.close()
+        for fd in (self._pipe_r, self._pipe_w):
+            if fd >= 0:
+                os.close(fd)
+        self._pipe_r = self._pipe_w = -1
 
     def drain(self, timeout: float = 1.0) -> None:
         """Let the connections whose ROUTER side closed pass their last bytes on (the
         errors a stopping server sends), for at most ``timeout`` seconds; then close."""
         deadline = time.monotonic() + timeout
-        while self.conns and time.monotonic() < deadline:
+        while self.count and time.monotonic() < deadline:
             time.sleep(0.01)
         self.close()
 
     def __len__(self) -> int:
         """Connections relayed now."""
-        return len(self.conns) // 2
+        return self.count
 
     # ------------------------------------------------------------------ loop
     def _run(self) -> None:
+        wake = self._wake_r.fileno()
         while not self._stop:
-            for key, events in self.selector.select():
-                sock = key.fileobj
-                if sock is self.listener:
+            for fd, events in self.epoll.poll(self._timeout()):
+                if fd == self.lfd:
                     self._accept()
-                elif sock is self._wake_r:
+                    continue
+                if fd == wake:
                     return
-                else:
-                    conn = self.conns.get(sock)  # type: ignore[arg-type]
-                    if conn is None or conn.closed:
-                        continue
-                    try:
-                        if events & selectors.EVENT_WRITE:
-                            self._flush(conn, sock)  # type: ignore[arg-type]
-                        if events & selectors.EVENT_READ and not conn.closed:
-                            self._read(conn, sock)  # type: ignore[arg-type]
-                    except (OSError, GateError) as e:
-                        if isinstance(e, GateError):
-                            log.debug("closed a connection: %s", e)
-                        self._close(conn)
+                if fd == self._notify:
+                    self._take_closed()
+                    continue
+                conn = self.conns.get(fd)
+                if conn is None or conn.closed:
+                    continue
+                try:
+                    if events & EPOLLOUT:
+                        self._flush(conn, fd)
+                    if events & ~EPOLLOUT and not conn.closed:
+                        self._read(conn, fd)
+                except GateError as e:
+                    log.debug("closed a connection: %s", e)
+                    self._close(conn)
+                except OSError:
+                    self._close(conn)
+            self._expire()
 
+    def _timeout(self) -> float:
+        """Seconds until the next handshake deadline or the end of an accept pause."""
+        due = self.pending[0].deadline if self.pending else None
+        if self._accept_resume and (due is None or self._accept_resume < due):
+            due = self._accept_resume
+        if due is None:
+            return -1
+        return max(0.0, due - time.monotonic())
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self.pending and (self.pending[0].deadline <= now or self.pending[0].closed):
+            conn = self.pending.popleft()
+            if not conn.closed and conn.filter is not None:
+                self.expired += 1
+                log.debug("closed a connection: no handshake within %gs",
+                          self.limits.handshake_timeout)  # fmt: skip
+                self._close(conn)
+        if self._accept_resume and now >= self._accept_resume:
+            self._accept_resume = 0.0
+            self.epoll.modify(self.lfd, EPOLLIN)
+
+    # ---------------------------------------------------------------- accept
     def _accept(self) -> None:
         for _ in range(64):
             try:
-                client, _addr = self.listener.accept()
+                client, addr = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as e:  # EMFILE and the like: the next accept may work
+            except ConnectionAbortedError:
+                continue
+            except OSError as e:  # EMFILE and the like: pause, the next accept may work
                 if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    log.warning("could not accept a connection: %s", e)
+                    self._pause_accept(e)
                 return
-            upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            address = addr[0]
+            why = self._refusal(address)
+            if why is not None:
+                self._refuse(client, why)
+                continue
+            try:
+                upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            except OSError as e:
+                self._refuse(client, f"no descriptor for the ROUTER side ({e})")
+                self._pause_accept(e)
+                return
+            upstream.setblocking(False)
             try:
                 upstream.connect(self.upstream_path)
+            except BlockingIOError:  # the ROUTER's accept queue is full: try later
+                upstream.close()
+                self._refuse(client, "the ROUTER's accept queue is full")
+                continue
             except OSError as e:
                 log.warning("could not reach the ROUTER behind the gate: %s", e)
-                client.close()
                 upstream.close()
+                client.close()
                 continue
-            for s in (client, upstream):
-                s.setblocking(False)
+            client.setblocking(False)
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(client, upstream)
-            self.conns[client] = conn
-            self.conns[upstream] = conn
-            self.selector.register(client, selectors.EVENT_READ)
-            self.selector.register(upstream, selectors.EVENT_READ)
+            deadline = time.monotonic() + self.limits.handshake_timeout
+            conn = _Conn(client, upstream, address, deadline, self.mechanism)
+            self.conns[conn.cfd] = conn
+            self.conns[conn.ufd] = conn
+            self.count += 1
+            self.per_address[address] += 1
+            self.pending.append(conn)
+            self.epoll.register(conn.cfd, EPOLLIN)
+            self.epoll.register(conn.ufd, EPOLLIN)
 
-    def _read(self, conn: _Conn, sock: socket.socket) -> None:
-        data = sock.recv(RECV_BYTES)
-        if not data:  # this end closed: pass on what it sent, then close both
-            conn.ended = sock
-            self._flush(conn, conn.peer_of(sock))
+    def _refusal(self, address: str) -> str | None:
+        """Why a new connection from ``address`` is not taken (None: it is)."""
+        if self.count >= self.limits.total:
+            return f"{self.limits.total} connections open (the limit)"
+        if self.per_address[address] >= self.limits.per_address:
+            return f"{self.limits.per_address} connections open from one address (the limit)"
+        now = time.monotonic()
+        if self.count * 2 >= self.limits.total and now - self._fd_checked >= FD_RECHECK_S:
+            # Descriptors the budget did not foresee (files, libzmq's own): count them.
+            self._fd_checked = now
+            self._fd_short = open_descriptors() + HEADROOM // 2 >= self._fd_limit
+        if self._fd_short:
+            return "descriptors are short"
+        return None
+
+    def _refuse(self, client: socket.socket, why: str) -> None:
+        """Close a connection just accepted at once (a reset: no state is kept)."""
+        with contextlib.suppress(OSError):
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.close()
+        self.refused += 1
+        self._warn("refusing connections: %s (%d refused so far)", why, self.refused)
+
+    def _pause_accept(self, error: OSError) -> None:
+        self._accept_resume = time.monotonic() + ACCEPT_PAUSE_S
+        self.epoll.modify(self.lfd, 0)
+        self._warn("could not accept a connection: %s; pausing accepts", error)
+
+    def _warn(self, fmt: str, *args) -> None:
+        """A warning, at most one per ``WARN_EVERY_S`` (a flood must not flood the log)."""
+        now = time.monotonic()
+        if now - self._warned >= WARN_EVERY_S:
+            self._warned = now
+            log.warning(fmt, *args)
+
+    # ------------------------------------------------------------------ relay
+    def _read(self, conn: _Conn, fd: int) -> None:
+        dest = conn.peer_of(fd)
+        box = conn.outbox(dest)
+        if conn.filter is None and not box and self._pipe_w >= 0:
+            self._splice(conn, fd, dest)
             return
-        if sock is conn.client and conn.filter is not None:
+        try:
+            data = conn.sock(fd).recv(RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        if not data:  # this end closed: pass on what it sent, then close both
+            conn.ended = fd
+            self._flush(conn, dest)
+            return
+        if conn.filter is not None and fd == conn.cfd:
             data = conn.filter.feed(data)
             if conn.filter.done:
                 conn.filter = None
-        dest = conn.peer_of(sock)
-        conn.outbox(dest).extend(data)
+        box += data
         self._flush(conn, dest)
 
-    def _flush(self, conn: _Conn, dest: socket.socket) -> None:
+    def _splice(self, conn: _Conn, src: int, dest: int) -> None:
+        """Move what ``src`` holds to ``dest`` through the kernel (no copy through this
+        process); what ``dest`` cannot take now goes to its outbox."""
+        try:
+            n = os.splice(src, self._pipe_w, SPLICE_BYTES, flags=SPLICE_FLAGS)
+        except (BlockingIOError, InterruptedError):
+            return
+        if n == 0:
+            conn.ended = src
+            self._flush(conn, dest)
+            return
+        left = n
+        try:
+            while left:
+                left -= os.splice(self._pipe_r, dest, left, flags=SPLICE_FLAGS)
+        except (BlockingIOError, InterruptedError):
+            pass
+        finally:
+            if left:  # dest is full (or failed): the rest waits in its outbox
+                box = conn.outbox(dest)
+                while left:
+                    chunk = os.read(self._pipe_r, left)
+                    box += chunk
+                    left -= len(chunk)
+        if conn.outbox(dest):
+            self._update(conn)
+        elif self._relay is not None:
+            self._hand_over(conn)
+
+    def _flush(self, conn: _Conn, dest: int) -> None:
         box = conn.outbox(dest)
+        sock = conn.sock(dest)
         while box:
             try:
-                sent = dest.send(box)
+                sent = sock.send(box)
             except (BlockingIOError, InterruptedError):
                 break
             del box[:sent]
@@ -316,33 +555,109 @@ class RoutingIdGate:
             self._close(conn)  # the other end's last bytes are through
         elif not conn.closed:
             self._update(conn)
+            if self._relay is not None:
+                self._hand_over(conn)
+
+    def _hand_over(self, conn: _Conn) -> None:
+        """Give a connection whose handshake is through, with nothing buffered, to the
+        native relay (which owns its sockets from then on)."""
+        if conn.filter is not None or conn.ended is not None or conn.closed:
+            return
+        if conn.to_client or conn.to_upstream:
+            return
+        for fd in (conn.cfd, conn.ufd):
+            self.conns.pop(fd, None)
+            if conn.events[fd]:
+                self.epoll.unregister(fd)
+                conn.events[fd] = 0
+        conn.id = next(self._ids)
+        self.handed[conn.id] = conn
+        native_relay.add(self._relay, conn.id, conn.client.detach(), conn.upstream.detach())
+
+    def _take_closed(self) -> None:
+        """Count the connections the native relay closed."""
+        for cid in native_relay.closed(self._relay):
+            conn = self.handed.pop(cid, None)
+            if conn is not None:
+                conn.closed = True
+                self._forget(conn)
 
     def _update(self, conn: _Conn) -> None:
         """Read a side only while the other side's outbox has room; watch for
         writability only while its own outbox holds something."""
-        for sock in (conn.client, conn.upstream):
-            events = 0
-            if sock is not conn.ended and len(conn.outbox(conn.peer_of(sock))) < MAX_BUFFERED:
-                events |= selectors.EVENT_READ
-            if conn.outbox(sock):
-                events |= selectors.EVENT_WRITE
-            registered = sock in conn.watched
-            if events and registered:
-                self.selector.modify(sock, events)
-            elif events:
-                self.selector.register(sock, events)
-                conn.watched.add(sock)
-            elif registered:  # paused until the other side drains
-                self.selector.unregister(sock)
-                conn.watched.discard(sock)
+        for fd in (conn.cfd, conn.ufd):
+            want = 0
+            if fd != conn.ended and len(conn.outbox(conn.peer_of(fd))) < MAX_BUFFERED:
+                want = EPOLLIN
+            if conn.outbox(fd):
+                want |= EPOLLOUT
+            have = conn.events[fd]
+            if want == have:
+                continue
+            if not want:  # paused until the other side drains (unregistered: no HUP)
+                self.epoll.unregister(fd)
+            elif have:
+                self.epoll.modify(fd, want)
+            else:
+                self.epoll.register(fd, want)
+            conn.events[fd] = want
 
     def _close(self, conn: _Conn) -> None:
         if conn.closed:
             return
         conn.closed = True
-        for sock in (conn.client, conn.upstream):
-            self.conns.pop(sock, None)
-            if sock in conn.watched:
-                self.selector.unregister(sock)
+        for fd, sock in ((conn.cfd, conn.client), (conn.ufd, conn.upstream)):
+            self.conns.pop(fd, None)
+            if conn.events[fd]:
+                with contextlib.suppress(OSError):
+                    self.epoll.unregister(fd)
             sock.close()
-        conn.watched.clear()
+        self._forget(conn)
+
+    def _forget(self, conn: _Conn) -> None:
+        self.count -= 1
+        left = self.per_address[conn.address] - 1
+        if left:
+            self.per_address[conn.address] = left
+        else:
+            del self.per_address[conn.address]
+
+
+def _splice_pipe() -> tuple[int, int]:
+    """A pipe for ``os.splice`` (as large as the system lets one be); (-1, -1) where
+    there is no splice (not Linux): bytes then pass through ``recv`` and ``send``."""
+    if not hasattr(os, "splice"):
+        return -1, -1
+    import fcntl
+
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    with contextlib.suppress(OSError, AttributeError):
+        fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, SPLICE_BYTES)
+    return r, w
+
+
+class _Poll:
+    """``select.poll`` with ``select.epoll``'s interface (where there is no epoll:
+    macOS, the BSDs). POLLIN and POLLOUT have EPOLLIN's and EPOLLOUT's values."""
+
+    def __init__(self) -> None:
+        self._poll = select.poll()
+
+    def register(self, fd: int, events: int) -> None:
+        self._poll.register(fd, events)
+
+    def modify(self, fd: int, events: int) -> None:
+        self._poll.modify(fd, events)
+
+    def unregister(self, fd: int) -> None:
+        self._poll.unregister(fd)
+
+    def poll(self, timeout: float = -1) -> list[tuple[int, int]]:
+        return self._poll.poll(None if timeout < 0 else timeout * 1000)
+
+    def close(self) -> None:
+        pass
+
+
+def _poller():
+    return select.epoll() if hasattr(select, "epoll") else _Poll()

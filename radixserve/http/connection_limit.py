@@ -1,0 +1,122 @@
+"""The HTTP front's cap on connections, applied at accept.
+
+uvicorn takes every connection the kernel hands it: asyncio accepts up to the
+listen backlog's worth per wake-up, each a descriptor, before any protocol code
+runs (``limit_concurrency`` answers 503 to requests past it, but keeps their
+connections), and a connection that never sends a request is kept forever. A
+flood therefore ran the front out of descriptors, and libzmq, meeting ``EMFILE``
+in its ipc listener, aborted the process. So the front listens on a
+``CappedListener``: its ``accept`` (which asyncio calls) resets at once every
+connection arriving while ``limit`` are open, before it costs more than a moment's
+descriptor; those open keep being served. Its protocol class (``protocol``) counts
+connections out, and closes one that sends nothing for uvicorn's keep-alive timeout
+from its start, as uvicorn closes an idle kept-alive one. The limit comes from the
+front's descriptor budget (one descriptor per connection: ``ConnectionLimits.derive``)
+unless ``--max-connections`` sets it; one peer address may hold a quarter of it
+(``--max-connections-per-address``), so a flood from one address leaves room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import struct
+import time
+from collections import Counter
+
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+log = logging.getLogger("radixserve.http")
+
+WARN_EVERY_S = 10.0
+RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset
+
+
+class ConnectionCap:
+    """At most ``limit`` connections open at once on the listeners it makes, and at
+    most ``per_address`` from one peer address."""
+
+    def __init__(self, limit: int, per_address: int | None = None) -> None:
+        if limit < 1 or (per_address is not None and per_address < 1):
+            raise ValueError("connection limits must be at least 1")
+        self.limit = limit
+        self.per_address = min(per_address or limit, limit)
+        self.open = 0
+        self.by_address: Counter[str] = Counter()
+        self.refused = 0
+        self._warned = 0.0
+
+    def admit(self, address: str) -> bool:
+        if self.open >= self.limit or self.by_address[address] >= self.per_address:
+            return False
+        self.open += 1
+        self.by_address[address] += 1
+        return True
+
+    def release(self, address: str) -> None:
+        self.open -= 1
+        left = self.by_address[address] - 1
+        if left > 0:
+            self.by_address[address] = left
+        else:
+            del self.by_address[address]
+
+    def listener(self, sock: socket.socket) -> socket.socket:
+        """``sock`` (a listening socket, which this takes over) as a ``CappedListener``."""
+        capped = CappedListener(sock.family, sock.type, sock.proto, fileno=sock.detach())
+        capped.cap = self
+        return capped
+
+    def refuse(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RESET)
+        conn.close()
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._warned >= WARN_EVERY_S:
+            self._warned = now
+            log.warning(
+                "refusing HTTP connections: at the limit (%d in all, %d per address); "
+                "%d refused so far",
+                self.limit, self.per_address, self.refused,
+            )  # fmt: skip
+
+    def protocol(self, base: type[asyncio.Protocol] = AutoHTTPProtocol) -> type[asyncio.Protocol]:
+        """uvicorn's HTTP protocol class ``base``, counting its connections out of this cap."""
+        cap = self
+
+        class CappedHTTPProtocol(base):  # type: ignore[misc, valid-type]
+            def connection_made(self, transport) -> None:  # type: ignore[override]
+                self.peer_address = _address(transport.get_extra_info("peername"))
+                super().connection_made(transport)
+                if self.timeout_keep_alive_task is None:  # idle until its first request
+                    self.timeout_keep_alive_task = self.loop.call_later(
+                        self.timeout_keep_alive, self.timeout_keep_alive_handler
+                    )
+
+            def connection_lost(self, exc) -> None:
+                cap.release(self.peer_address)
+                super().connection_lost(exc)
+
+        return CappedHTTPProtocol
+
+
+class CappedListener(socket.socket):
+    """A listening socket whose ``accept`` returns only connections within its cap's
+    limit; the others it resets as it takes them."""
+
+    cap: ConnectionCap
+
+    def accept(self):  # type: ignore[override]
+        while True:
+            conn, addr = super().accept()  # BlockingIOError when none is waiting
+            if self.cap.admit(_address(addr)):
+                return conn, addr
+            self.cap.refuse(conn)
+
+
+def _address(peer) -> str:
+    """The host part of a peer address (a unix socket's: "")."""
+    return str(peer[0]) if isinstance(peer, tuple) and peer else ""
