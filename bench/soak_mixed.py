@@ -94,7 +94,7 @@ WORDS = (
     "cache page tree node prefix token request batch step worker scheduler tier host disk "
     "river stone light garden window market paper letter engine signal harbor winter field "
     "number table answer simple quiet bright early often always never under between"
-).split()
+)
 
 
 def write_adapter(out: str) -> None:
@@ -204,8 +204,8 @@ class Soak:
         self.status: Counter[int] = Counter()
         self.problems: list[str] = []  # samples of unexpected answers
         self.floods: list[dict] = []
-        rng = random.Random(1234)
-        self.docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(150, 320)))
+        rng, words = random.Random(1234), WORDS.split()
+        self.docs = [" ".join(rng.choice(words) for _ in range(rng.randint(150, 320)))
                      for _ in range(args.docs)]  # fmt: skip
 
     # -- bookkeeping
@@ -708,7 +708,7 @@ def run(args: argparse.Namespace, tmp: str) -> int:
     deadline = time.monotonic() + 15
     while (left := srv.survivors()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    for k, pid in srv.pids.items():  # whatever is left goes now
+    for pid in srv.pids.values():  # whatever is left goes now
         if running(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
