@@ -185,12 +185,22 @@ class Server:
         return left + (["run_dir"] if os.path.exists(self.run_dir) else [])
 
 
-def tail(path: str, n: int = 25) -> str:
+def tail(path: str, n: int = 20) -> str:
+    """The last ``n`` lines of a log, runs of lines equal but for their time stamp as one
+    line with a count."""
     try:
         with open(path, errors="replace") as f:
-            return "".join(deque(f, n))
+            lines = list(deque(f, 20000))
     except OSError:
         return ""
+    runs: list[list] = []
+    for line in lines:
+        key = re.sub(r"^\S+ \S+ ", "", line.rstrip("\n"))
+        if runs and runs[-1][0] == key:
+            runs[-1][1] += 1
+        else:
+            runs.append([key, 1, line.rstrip("\n")])
+    return "\n".join(f"  {r[2]}" + (f"  [x{r[1]}]" if r[1] > 1 else "") for r in runs[-n:])
 
 
 class Soak:
@@ -202,6 +212,7 @@ class Soak:
         self.lock = threading.Lock()
         self.outcomes: Counter[tuple[str, str]] = Counter()
         self.status: Counter[int] = Counter()
+        self.status_down: Counter[int] = Counter()  # answered while a process was down
         self.problems: list[str] = []  # samples of unexpected answers
         self.floods: list[dict] = []
         rng, words = random.Random(1234), WORDS.split()
@@ -218,12 +229,18 @@ class Soak:
     def gone_or(self, kind: str, outcome: str, problem: str) -> None:
         """A connection failure: after a crash it is the crash's, during a flood it may
         be a refused connection (counted apart), otherwise a failure."""
-        if self.crashed.is_set() or not running(self.srv.proc.pid):
+        if self.down():
             self.count(kind, "server_gone")
         elif self.flooding.is_set():
             self.count(kind, "refused_in_flood")
         else:
             self.count(kind, outcome, problem)
+
+    def down(self) -> bool:
+        """The server crashed, or is going down: the launcher or a child has exited."""
+        if self.crashed.is_set():
+            return True
+        return not all(running(pid) for pid in [self.srv.proc.pid, *self.srv.pids.values()])
 
     def prompt(self, rng: random.Random) -> str:
         doc = rng.choice(self.docs)
@@ -252,6 +269,10 @@ class Soak:
                     self.count("http", "hang", f"past {self.args.timeout} s: {e!r}")
             except (httpx.TransportError, OSError) as e:
                 self.gone_or("http", "conn_error", repr(e))
+                self.stop.wait(0.5)  # no spinning against a refusing port
+            except Exception as e:  # noqa: BLE001 (counted: a failure of the soak)
+                self.count("http", "exception", repr(e)[:200])
+                self.stop.wait(0.5)
         h.close()
 
     def _common(self, rng: random.Random) -> dict:
@@ -274,6 +295,11 @@ class Soak:
             return True
         with contextlib.suppress(httpx.HTTPError):
             r.read()
+        if self.down():  # the answer of a front whose backend died: the crash's
+            with self.lock:
+                self.status_down[r.status_code] += 1
+            self.count(kind, "server_gone", f"{r.status_code} while down: {r.text[:200]}")
+            return False
         outcome = "5xx" if r.status_code >= 500 else f"{r.status_code // 100}xx"
         self.count(kind, outcome, f"{r.status_code} {r.text[:200]}")
         return False
@@ -443,11 +469,17 @@ class Soak:
             except ConnectionLost as e:
                 self.gone_or(kind, "conn_error", str(e)[:200])
                 c.close()
-                if self.stop.is_set() or self.crashed.is_set():
-                    break
+                if self.stop.wait(0.5) or self.down():
+                    return
                 c = Client(self.srv.endpoint, timeout=self.args.timeout)
             except ServerError as e:
-                self.count(kind, "error", str(e)[:200])
+                if self.down():
+                    self.count(kind, "server_gone")
+                else:
+                    self.count(kind, "error", str(e)[:200])
+            except Exception as e:  # noqa: BLE001 (counted: a failure of the soak)
+                self.count(kind, "exception", repr(e)[:200])
+                self.stop.wait(0.5)
         c.close()
 
     # -- floods
@@ -461,6 +493,7 @@ class Soak:
 
     def flood(self) -> None:
         a = self.args
+        size = a.flood_sizes[len(self.floods) % len(a.flood_sizes)]
         row: dict = {"t": time.monotonic(), "opened": Counter(), "failed": Counter()}
         zc = Client(self.srv.endpoint, timeout=a.probe_timeout)
         hc = httpx.Client(base_url=self.srv.http_url, timeout=a.probe_timeout)
@@ -472,7 +505,7 @@ class Soak:
         socks: dict[str, list[socket.socket]] = {"zmq": [], "http": []}
 
         def open_many(name: str, port: int) -> None:
-            for _ in range(a.flood_conns):
+            for _ in range(size):
                 try:
                     socks[name].append(socket.create_connection(("127.0.0.1", port), timeout=3))
                 except OSError as e:
@@ -582,7 +615,8 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=300.0, help="a request past it is a hang")
     p.add_argument("--flood-every", type=float, default=180.0)
     p.add_argument("--flood-first", type=float, default=30.0)
-    p.add_argument("--flood-conns", type=int, default=2000, help="per port")
+    p.add_argument("--flood-conns", default="2000,7000",
+                   help="connections per port, floods taking these sizes in turn")  # fmt: skip
     p.add_argument("--flood-hold", type=float, default=5.0)
     p.add_argument("--probe-timeout", type=float, default=120.0)
     p.add_argument("--rss-every", type=float, default=10.0)
@@ -596,12 +630,18 @@ def main() -> int:
     if args.write_adapter:
         write_adapter(args.write_adapter)
         return 0
+    try:
+        args.flood_sizes = [int(x) for x in args.flood_conns.split(",")]
+    except ValueError:
+        p.error(f"--flood-conns: a comma-separated list of integers, not {args.flood_conns!r}")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = 2 * args.flood_conns + 512
+    need = 2 * max(args.flood_sizes) + 512
     if soft < need:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(need, soft)), hard))
-    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < need:
-        raise SystemExit(f"the descriptor limit ({hard}) is below the {need} a flood needs")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, need), hard))
+    if (have := resource.getrlimit(resource.RLIMIT_NOFILE)[0]) < need:
+        cap = (have - 512) // 2
+        print(f"note: the descriptor limit ({have}) caps floods at {cap} connections per port")
+        args.flood_sizes = [min(cap, x) for x in args.flood_sizes]
     tmp = tempfile.mkdtemp(prefix="soak-mixed-")
     try:
         return run(args, tmp)
@@ -728,11 +768,13 @@ def run(args: argparse.Namespace, tmp: str) -> int:
     rows.append(["all", *(sum(soak.outcomes[k, o] for k in kinds) for o in outs),
                  sum(soak.outcomes.values())])  # fmt: skip
     print("\nrequests by kind and outcome\n" + fmt_table(["kind", *outs, "total"], rows))
-    print("\nHTTP status: " + ", ".join(f"{s}: {n}" for s, n in sorted(soak.status.items())))
+    print("\nHTTP status: " + ", ".join(f"{s}: {n}" for s, n in sorted(soak.status.items()))
+          + (f" (answered while a process was down: {dict(soak.status_down)})"
+             if soak.status_down else ""))  # fmt: skip
     if soak.problems:
         print("unexpected answers (first ones):\n  " + "\n  ".join(soak.problems[:15]))
     fail_outcomes = {"5xx", "4xx", "3xx", "1xx", "stream_error", "bad_json", "bad_answer",
-                     "error", "conn_error", "hang"}  # fmt: skip
+                     "error", "conn_error", "hang", "exception"}  # fmt: skip
     bad = {o: sum(soak.outcomes[k, o] for k in kinds) for o in outs if o in fail_outcomes}
     n5xx = sum(n for s, n in soak.status.items() if s >= 500)
     hangs = bad.pop("hang", 0) + hung_threads
@@ -791,7 +833,12 @@ def run(args: argparse.Namespace, tmp: str) -> int:
 
     checks = [
         ("no crash", not crashed, f"exit code {crash_rc}" if crashed else ""),
-        ("no 5xx", n5xx == 0, str(n5xx)),
+        (
+            "no 5xx",
+            n5xx == 0,
+            f"{n5xx}, {sum(v for k, v in soak.status_down.items() if k >= 500)}"
+            " of them while a process was down",
+        ),
         ("no unexpected answer", not any(bad.values()), str({k: v for k, v in bad.items() if v})),
         ("no hang", hangs == 0, str(hangs)),
         (
