@@ -21,9 +21,11 @@ For ``--minutes`` it runs, all at once:
   ``lora=``/``priority``/``structured``, streams aborted part way (``client.abort``),
   streams closed early, and clients closed mid-request;
 - a flood every ``--flood-every`` seconds (the first ``--flood-first`` seconds in):
-  ``--flood-conns`` idle TCP connections to the public ZeroMQ port and as many to the
-  HTTP port, held ``--flood-hold`` seconds (longer if the probes take longer), then
-  closed. While they are held, one ordinary request goes through a ZeroMQ client and
+  idle TCP connections to the public ZeroMQ port and as many to the HTTP port, held
+  ``--flood-hold`` seconds (longer if the probes take longer), then closed. Floods take
+  the sizes of ``--flood-conns`` (2000,7000 per port) in turn: 7000 idle connections
+  cost the tokenizer's routing-id gate 21,000 descriptors, past a 20,000 `ulimit -n` (the
+  bench raises its own limit to the hard one, and caps the floods if that is short). While they are held, one ordinary request goes through a ZeroMQ client and
   one through an HTTP client, both connected before the flood (the probe: it must be
   answered within ``--probe-timeout``), and one each through new connections (reported
   only: a server that limits connections per peer may rightly refuse these, as it may
@@ -537,6 +539,8 @@ class Soak:
             r = client.post("/v1/completions", json=body)
             with self.lock:
                 self.status[r.status_code] += 1
+                if r.status_code != 200 and self.down():
+                    self.status_down[r.status_code] += 1
             r.raise_for_status()
 
         def new_http() -> None:
