@@ -452,6 +452,8 @@ class Soak:
                     it = c.generate_stream(prompt, lora=lora, **sampling)
                     next(it, None)
                     c.close()  # the client goes away mid-request
+                    with contextlib.suppress(Exception):  # its abort has no socket left
+                        it.close()
                     c = Client(self.srv.endpoint, timeout=self.args.timeout)
                     self.count(kind, "disconnected")
                 elif roll < 0.70:
@@ -507,11 +509,19 @@ class Soak:
         socks: dict[str, list[socket.socket]] = {"zmq": [], "http": []}
 
         def open_many(name: str, port: int) -> None:
+            """Up to ``size`` connections; a server that refuses or stops accepting ends
+            it sooner (20 failures in a row, or 30 s)."""
+            in_a_row, until = 0, time.monotonic() + 30
             for _ in range(size):
+                if in_a_row >= 20 or time.monotonic() > until:
+                    row["failed"][f"{name} gave up"] += 1
+                    return
                 try:
                     socks[name].append(socket.create_connection(("127.0.0.1", port), timeout=3))
+                    in_a_row = 0
                 except OSError as e:
                     row["failed"][f"{name} {type(e).__name__}"] += 1
+                    in_a_row += 1
 
         self.flooding.set()
         t0 = time.monotonic()
@@ -552,7 +562,7 @@ class Soak:
                 c.generate("Hello", max_tokens=2)
 
         threads = [
-            threading.Thread(target=probe, args=(n, f))
+            threading.Thread(target=probe, args=(n, f), daemon=True)
             for n, f in [
                 ("zmq", lambda: zc.generate("Hello", max_tokens=2)),
                 ("http", lambda: http_post(hc)),
@@ -692,8 +702,10 @@ def run(args: argparse.Namespace, tmp: str) -> int:
                 rss[k].append(rss_mib(pid))
             next_sample += args.rss_every
         if now >= next_report:
-            done = sum(n for (_, o), n in soak.outcomes.items() if o == "ok")
-            print(f"  {(now - t0) / 60:.0f} min: {sum(soak.outcomes.values())} requests "
+            with soak.lock:
+                outcomes = Counter(soak.outcomes)
+            done = sum(n for (_, o), n in outcomes.items() if o == "ok")
+            print(f"  {(now - t0) / 60:.0f} min: {sum(outcomes.values())} requests "
                   f"({done} ok), RSS worker {rss['worker'][-1] or 0:.0f} MiB", flush=True)  # fmt: skip
             next_report += 60
         if (crash_rc := srv.proc.poll()) is not None:
