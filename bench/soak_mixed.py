@@ -4,9 +4,10 @@
 
 One server (the embedded SmolLM2) is launched with everything on that combines:
 ``--http-port 0``, cache tiers (``--host-cache-gb`` and ``--disk-cache-dir`` in a
-temporary dir), a small KV pool (``--num-pages``, so prefixes are evicted to the host
-tier and promoted back all the time), ``--schedule-policy priority``, ngram speculative
-decoding, and a LoRA adapter (``--lora-modules soak-lora=...``: a rank-8 PEFT adapter
+temporary dir), a small KV pool (``--num-pages``) and host tier (0.05 GB, about 2,200
+pages) under a working set of ``--docs`` documents of about 7,000 tokens, so prefixes
+move between the pool, the host tier and the disk tier all the time,
+``--schedule-policy priority``, ngram speculative decoding, and a LoRA adapter (``--lora-modules soak-lora=...``: a rank-8 PEFT adapter
 of SmolLM2 written at start by ``peft`` with random weights). The server accepts all of
 these together, so nothing is split across servers; per request, the adapter, the
 priority, structured output, ``n`` and streaming are chosen at random.
@@ -623,9 +624,10 @@ def main() -> int:
     p.add_argument("--http-clients", type=int, default=3)
     p.add_argument("--zmq-clients", type=int, default=2)
     p.add_argument("--num-pages", type=int, default=1200, help="KV pool (page size 1): small")
-    p.add_argument("--host-cache-gb", type=float, default=0.25)
+    p.add_argument("--host-cache-gb", type=float, default=0.05, help="~2,200 pages of SmolLM2")
     p.add_argument("--disk-cache-gb", type=float, default=0.5)
-    p.add_argument("--docs", type=int, default=12, help="distinct documents prompts start with")
+    p.add_argument("--docs", type=int, default=24,
+                   help="distinct documents prompts start with (~7,000 tokens in all)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=300.0, help="a request past it is a hang")
     p.add_argument("--flood-every", type=float, default=180.0)
     p.add_argument("--flood-first", type=float, default=30.0)
