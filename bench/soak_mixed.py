@@ -2,6 +2,9 @@
 
     PYTHONPATH=. .venv/bin/python bench/soak_mixed.py --minutes 60
 
+(httpx and peft: the ``dev`` extra; ``--minutes 2 --flood-first 20 --flood-every 50``
+runs both flood sizes in two minutes.)
+
 One server (the embedded SmolLM2) is launched with everything on that combines:
 ``--http-port 0``, cache tiers (``--host-cache-gb`` and ``--disk-cache-dir`` in a
 temporary dir), a small KV pool (``--num-pages``) and host tier (0.05 GB, about 2,200
