@@ -821,7 +821,8 @@ def run(args: argparse.Namespace, tmp: str) -> int:
     if stats:
         keys = ["steps", "preemptions", "priority_preemptions", "evicted_pages", "pages_demoted",
                 "pages_promoted", "pages_loaded", "pages_written", "hit_tokens_l2",
-                "hit_tokens_l3", "spec_draft_tokens", "spec_accepted_tokens"]  # fmt: skip
+                "hit_tokens_l3", "host_pages", "host_pages_cached", "disk_pages_cached",
+                "disk_pages_max", "spec_draft_tokens", "spec_accepted_tokens"]  # fmt: skip
         print("scheduler: " + ", ".join(f"{k} {stats[k]}" for k in keys if k in stats))
     print(f"idle check: {idle_msg}")
     print(f"pages at the end: {pages_msg}")
