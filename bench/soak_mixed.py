@@ -7,7 +7,7 @@ runs both flood sizes in two minutes.)
 
 One server (the embedded SmolLM2) is launched with everything on that combines:
 ``--http-port 0``, cache tiers (``--host-cache-gb`` and ``--disk-cache-dir`` in a
-temporary dir), a small KV pool (``--num-pages``) and host tier (0.05 GB, about 2,200
+temporary dir), a small KV pool (``--num-pages``) and host tier (0.05 GB, about 2,300
 pages) under a working set of ``--docs`` documents of about 7,000 tokens, so prefixes
 move between the pool, the host tier and the disk tier all the time,
 ``--schedule-policy priority``, ngram speculative decoding, and a LoRA adapter (``--lora-modules soak-lora=...``: a rank-8 PEFT adapter
@@ -627,7 +627,7 @@ def main() -> int:
     p.add_argument("--http-clients", type=int, default=3)
     p.add_argument("--zmq-clients", type=int, default=2)
     p.add_argument("--num-pages", type=int, default=1200, help="KV pool (page size 1): small")
-    p.add_argument("--host-cache-gb", type=float, default=0.05, help="~2,200 pages of SmolLM2")
+    p.add_argument("--host-cache-gb", type=float, default=0.05, help="~2,300 pages of SmolLM2")
     p.add_argument("--disk-cache-gb", type=float, default=0.5)
     p.add_argument("--docs", type=int, default=24,
                    help="distinct documents prompts start with (~7,000 tokens in all)")  # fmt: skip
