@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from radixserve import protocol as P
-from radixserve.client import RequestTimeout, ServerError
+from radixserve.client import ConnectionLost, RequestTimeout, ServerError
 from radixserve.http.errors import HTTPError, from_validation
 from radixserve.http.generation import Choice, Generation, Outcome
 from radixserve.http.logprobs import chat_logprobs, completion_logprobs
@@ -201,10 +201,11 @@ async def answer(
 def _refused(state: FrontState, e: ServerError) -> HTTPError:
     # While stopping, the tokenizer fails every request in flight: that is a 503, not the
     # client's fault; over the front's requests in flight is a 429; past the request's own
-    # request_timeout a 408 (the client's deadline); otherwise the server refused the
-    # request's content, unless it says the fault was its own (500).
+    # request_timeout a 408 (the client's deadline); the front's link to the server lost
+    # (the tokenizer died or stopped answering heartbeats) a 503; otherwise the server
+    # refused the request's content, unless it says the fault was its own (500).
     message = str(e)
-    if state.draining:
+    if state.draining or isinstance(e, ConnectionLost):
         return HTTPError(503, message)
     if message.startswith(P.TOO_MANY_IN_FLIGHT):
         return HTTPError(429, message)

@@ -208,3 +208,16 @@ def test_an_oversized_request_head_is_a_431(http_server, http):
         assert err["code"] == "header_too_large" and f"{MAX_HEAD_BYTES} bytes" in err["message"]
     ok = http.post("/v1/completions", json=GOOD)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_lost_link_to_the_server_is_a_503_not_the_clients_fault():
+    """The front's client lost the tokenizer (it died, or stopped answering heartbeats):
+    every request in flight is answered 503, as while the server stops."""
+    from radixserve.client import ConnectionLost, ServerError
+    from radixserve.http.completions import _refused
+
+    state = FrontState(client=None, metrics=None, served_model_name=MODEL, max_context_len=64)  # type: ignore[arg-type]
+    lost = _refused(state, ConnectionLost("lost the server at ipc://x: the connection dropped"))
+    assert lost.status == 503 and lost.message.startswith("lost the server")
+    assert _refused(state, ServerError("prompt too long")).status == 400
+    assert _refused(state, ServerError(P.SERVER_FAILED + ": a bug")).status == 500
