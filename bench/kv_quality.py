@@ -13,6 +13,10 @@ are computed in bfloat16 and a float32 pool stores them exactly (the bfloat16 ro
 then the attention kernels' own difference, the floor any format adds to), or
 ``float32``, where the bfloat16 pool rounds K/V too (KV rounding alone).
 
+A name ``fp8_e4m3@tensor`` or ``fp8_e4m3@token_head`` stores that format in another
+pool layout than the CPU's own (``kv_quant.KV_LAYOUTS``: the ones CUDA's flashinfer
+backend reads), here through the torch backend: what the stored values cost on a GPU.
+
     python bench/kv_quality.py
     python bench/kv_quality.py --dtype float32
 """
@@ -69,10 +73,19 @@ def main() -> None:
     names = ["float32"] + [n for n in args.kv_dtypes.split(",") if n != "float32"]
     ref = None
     rows = []
+    from radixserve.worker import model_runner
+
+    layout_for = model_runner.kv_layout_for
     for name in names:
         t = time.perf_counter()
-        eng = Engine(model=args.model, dtype=args.dtype, kv_cache_dtype=name,
-                     chunked_prefill_size=args.chunk, kv_memory=args.kv_memory)  # fmt: skip
+        kv, _, layout = name.partition("@")
+        if layout:  # the layout CUDA would pick, forced here (the CPU keeps ``row``)
+            model_runner.kv_layout_for = lambda *a, layout=layout: layout
+        try:
+            eng = Engine(model=args.model, dtype=args.dtype, kv_cache_dtype=kv,
+                         chunked_prefill_size=args.chunk, kv_memory=args.kv_memory)  # fmt: skip
+        finally:
+            model_runner.kv_layout_for = layout_for
         logits = teacher_forced_logits(eng, ids)
         per_gib = eng.runner.info().tokens_per_gib
         eng.close()
