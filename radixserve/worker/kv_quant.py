@@ -19,9 +19,12 @@ Why a scale per token and head rather than one per head fixed at 1.0 (vLLM's fp8
 default): a scale fixed before the first write cannot follow the keys' range, which
 differs by layer and head by orders of magnitude; fp8 e4m3 with scale 1.0 saturates at
 448 and loses the small values to subnormals. docs/worker.md ("Quantized KV cache")
-has the measured comparison. The per-tensor layout (``TENSOR_QUANTS``) exists for
-FlashInfer, whose fp8 kernels read plain fp8 pages with one scale per tensor; the
-CUDA ``flashinfer`` backend is the one that asks for it (``attention.kv_layout_for``). Rounding is to nearest (ties to even) in both formats, so
+has the measured comparison. The ``token_head`` layout (``TOKEN_HEAD_QUANTS``) is the
+same per-(token, head) quantization in rows FlashInfer reads (a float32 scale, 16-byte
+rows: head_dim + 16 bytes); the CUDA ``flashinfer`` backend asks for it
+(``attention.kv_layout_for``). The per-tensor layout (``TENSOR_QUANTS``: plain fp8
+codes, scale 1.0) is what FlashInfer's fp8 kernels read without scale factors; no
+default picks it. Rounding is to nearest (ties to even) in every format, so
 ``dequantize(quantize(x))`` is within half a code step of x.
 """
 

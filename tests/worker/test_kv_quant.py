@@ -374,6 +374,8 @@ def test_kv_identity_tells_the_layouts_apart():
     assert row != tensor and "kv_layout=tensor" in tensor
     assert "kv_layout" not in row and "kv_layout" not in ident("auto", "row")
     assert tensor != ident("fp8_e5m2", "tensor")
+    token_head = ident("fp8_e4m3", "token_head")
+    assert "kv_layout=token_head" in token_head and token_head not in (row, tensor)
 
 
 @pytest.mark.parametrize("name", list(TENSOR_QUANTS))
