@@ -103,7 +103,7 @@ def main() -> None:
     print("| kv dtype | KL mean | KL / bfloat16's | KL max | top-1 agreement | tokens per GiB |")
     print("|---|---|---|---|---|---|")
     for name, kl, top1, worst, per_gib in rows:
-        ratio = f"{kl / base:.2f}x" if base else "-"
+        ratio = f"{kl / base:.2f}x" if base and name != "float32" else "-"
         label = f"{name} (reference)" if name == "float32" else name
         print(f"| {label} | {kl:.6f} | {ratio} | {worst:.4f} | {top1:.2%} | {per_gib} |")
 
