@@ -4,7 +4,9 @@ Index 0 on the second axis is K, 1 is V. ``entry_dim`` is head_dim for a pool of
 plain values (``dtype``); a quantized pool (``quant``, ``kv_quant.py``) stores uint8
 rows of head_dim codes and a float16 scale, ``head_dim + 2`` bytes; a pool of the
 per-tensor fp8 layout (``kv_layout="tensor"``) stores the fp8 codes alone, dtype
-float8_e4m3fn / float8_e5m2, entry_dim head_dim. ``dtype`` is
+float8_e4m3fn / float8_e5m2, entry_dim head_dim; one of the ``token_head`` layout
+(FlashInfer's per-(token, head) scales) stores uint8 rows of head_dim fp8 codes, a
+float32 scale and zeros, ``head_dim + 16`` bytes. ``dtype`` is
 always the dtype attention computes in and returns (the model's). The pool holds no bookkeeping: which
 page belongs to whom is the scheduler's business, and which pages a request
 slot reads is the page table's (``page_table.py``).

@@ -19,9 +19,12 @@ Why a scale per token and head rather than one per head fixed at 1.0 (vLLM's fp8
 default): a scale fixed before the first write cannot follow the keys' range, which
 differs by layer and head by orders of magnitude; fp8 e4m3 with scale 1.0 saturates at
 448 and loses the small values to subnormals. docs/worker.md ("Quantized KV cache")
-has the measured comparison. The per-tensor layout (``TENSOR_QUANTS``) exists for
-FlashInfer, whose fp8 kernels read plain fp8 pages with one scale per tensor; the
-CUDA ``flashinfer`` backend is the one that asks for it (``attention.kv_layout_for``). Rounding is to nearest (ties to even) in both formats, so
+has the measured comparison. The ``token_head`` layout (``TOKEN_HEAD_QUANTS``) is the
+same per-(token, head) quantization in rows FlashInfer reads (a float32 scale, 16-byte
+rows: head_dim + 16 bytes); the CUDA ``flashinfer`` backend asks for it
+(``attention.kv_layout_for``). The per-tensor layout (``TENSOR_QUANTS``: plain fp8
+codes, scale 1.0) is what FlashInfer's fp8 kernels read without scale factors; no
+default picks it. Rounding is to nearest (ties to even) in every format, so
 ``dequantize(quantize(x))`` is within half a code step of x.
 """
 
@@ -47,6 +50,9 @@ class Quant:
     qmax: float
     #: The "one scale per tensor" layout: plain codes, no scale bytes, scale 1.0.
     per_tensor: bool = False
+    #: The scale after each row's codes: float16 (the ``row`` layout) or float32 (the
+    #: ``token_head`` layout, FlashInfer's per-(token, head) scale factors).
+    scale_dtype: torch.dtype = torch.float16
 
     @property
     def is_fp8(self) -> bool:
@@ -71,9 +77,27 @@ TENSOR_QUANTS = {
     if q.is_fp8
 }
 
+#: The fp8 formats in the ``token_head`` layout: each (token, kv head) row is its
+#: head_dim fp8 codes, the row's scale as a float32, then zeros up to a multiple of 16
+#: bytes, in a uint8 pool like the ``row`` layout's. This is what
+#: FlashInfer 0.7.4 reads with ``use_token_head_sf`` (plans) and ``kv_cache_sf`` (runs):
+#: an fp8 cache of last dim head_dim and a float32 scale per (token, head), here both
+#: strided views of the one pool tensor (``token_head_views``), every row 16-byte
+#: aligned as its vector loads need. Codes are computed as in the ``row`` layout from a
+#: scale kept in float32 (``max|x| / qmax``, not rounded to float16). head_dim must be a
+#: multiple of 16 (FlashInfer's requirement too): a row is head_dim + 16 bytes.
+TOKEN_HEAD_QUANTS = {
+    name: Quant(name, q.code_dtype, q.qmax, scale_dtype=torch.float32)
+    for name, q in QUANTS.items()
+    if q.is_fp8
+}
+#: Rows of the ``token_head`` layout are a whole number of these (bytes).
+TOKEN_HEAD_ALIGN = 16
+
 #: The storage layouts of the quantized formats: ``row`` (codes + a float16 scale per
-#: token and head, every format) and ``tensor`` (plain fp8 codes, fp8 formats only).
-KV_LAYOUTS = ("row", "tensor")
+#: token and head, every format), ``tensor`` (plain fp8 codes, fp8 formats only) and
+#: ``token_head`` (fp8 codes + a float32 scale per token and head, 16-byte rows).
+KV_LAYOUTS = ("row", "tensor", "token_head")
 
 # Scales stay inside float16's range: the smallest subnormal and the largest finite.
 _SCALE_MIN, _SCALE_MAX = 2.0**-24, 65504.0
@@ -98,6 +122,13 @@ def resolve_kv_dtype(
             )
         q = TENSOR_QUANTS[name]
         return q.code_dtype, q
+    if layout == "token_head":
+        if name not in TOKEN_HEAD_QUANTS:
+            raise ValueError(
+                f"the token_head KV layout is for the fp8 formats "
+                f"({', '.join(TOKEN_HEAD_QUANTS)}), not {name!r}"
+            )
+        return torch.uint8, TOKEN_HEAD_QUANTS[name]
     if name == "auto":
         return model_dtype, None
     if name in QUANTS:
@@ -106,8 +137,27 @@ def resolve_kv_dtype(
 
 
 def entry_dim(head_dim: int, quant: Quant | None) -> int:
-    """The last dimension of a pool layer: head_dim values, or codes + scale bytes."""
-    return head_dim + SCALE_BYTES if quant is not None and not quant.per_tensor else head_dim
+    """The last dimension of a pool layer: head_dim values, or codes + scale bytes
+    (``token_head``: codes, a float32 scale, zeros up to a multiple of 16 bytes)."""
+    if quant is None or quant.per_tensor:
+        return head_dim
+    if quant.scale_dtype == torch.float32:
+        if head_dim % TOKEN_HEAD_ALIGN:
+            raise ValueError(
+                f"the token_head KV layout needs head_dim a multiple of {TOKEN_HEAD_ALIGN} "
+                f"(FlashInfer's use_token_head_sf does), got {head_dim}"
+            )
+        return head_dim + TOKEN_HEAD_ALIGN
+    return head_dim + SCALE_BYTES
+
+
+def token_head_views(layer: torch.Tensor, quant: Quant, head_dim: int):
+    """A ``token_head`` pool layer [pages, 2, page_size, kv_heads, entry_dim] (uint8) as
+    FlashInfer reads it: the fp8 codes [pages, 2, page_size, kv_heads, head_dim] and the
+    K and V scales, float32 [pages, page_size, kv_heads] each; views, no copies."""
+    codes = layer.view(quant.code_dtype)[..., :head_dim]
+    scales = layer[..., head_dim : head_dim + 4].view(torch.float32).squeeze(-1)
+    return codes, (scales[:, 0], scales[:, 1])
 
 
 def quantize(x: torch.Tensor, quant: Quant) -> torch.Tensor:
@@ -121,6 +171,15 @@ def quantize(x: torch.Tensor, quant: Quant) -> torch.Tensor:
         return x.float().clamp(-quant.qmax, quant.qmax).to(quant.code_dtype)
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True)
+    if quant.scale_dtype == torch.float32:
+        # token_head: the float32 scale as it is (a zero row gets the smallest normal,
+        # so that no code is 0/0), then zeros up to the row's 16-byte end.
+        scale = (amax / quant.qmax).clamp_min(torch.finfo(torch.float32).tiny)
+        codes = (xf / scale).clamp(-quant.qmax, quant.qmax).to(quant.code_dtype)
+        d = x.shape[-1]
+        pad = entry_dim(d, quant) - d - 4  # ValueError unless head_dim % 16 == 0
+        zeros = torch.zeros(*x.shape[:-1], pad, dtype=torch.uint8, device=x.device)
+        return torch.cat([codes.view(torch.uint8), scale.view(torch.uint8), zeros], dim=-1)
     exact = (amax / quant.qmax).clamp(_SCALE_MIN, _SCALE_MAX)
     scale = exact.to(torch.float16)
     # Rounded up, never down, so that no code of the row falls outside the format.
@@ -139,10 +198,14 @@ def dequantize(entries: torch.Tensor, quant: Quant, dtype: torch.dtype) -> torch
     float32 (float64 when ``dtype`` is), then rounded to ``dtype``."""
     if quant.per_tensor:  # fp8 codes (or their bytes), scale 1.0
         return entries.view(quant.code_dtype).to(dtype)
-    d = entries.shape[-1] - SCALE_BYTES
     ct = torch.float64 if dtype == torch.float64 else torch.float32
+    if quant.scale_dtype == torch.float32:  # token_head: the scale's offset is head_dim
+        d = entries.shape[-1] - TOKEN_HEAD_ALIGN
+        scale = entries[..., d : d + 4].contiguous().view(torch.float32).to(ct)
+    else:
+        d = entries.shape[-1] - SCALE_BYTES
+        scale = entries[..., d:].contiguous().view(torch.float16).to(ct)
     codes = entries[..., :d].view(quant.code_dtype).to(ct)
-    scale = entries[..., d:].contiguous().view(torch.float16).to(ct)
     return (codes * scale).to(dtype)
 
 

@@ -140,7 +140,7 @@ class ModelRunner:
             self.window_span = max(windows)
         full_layers = len(cfg.kv_layers) - len(self.window_layers)
         # A hybrid model's recurrent layers have no K/V: the pool holds the others only.
-        # fp8 for FlashInfer: the per-tensor layout (attention/__init__.py kv_layout_for).
+        # fp8 for FlashInfer: the token_head layout (attention/__init__.py kv_layout_for).
         kv_layout = kv_layout_for(
             config.attention_backend, config.kv_cache_dtype, self._device, dtype,
             cfg.head_dim, heads.kv_heads,

@@ -26,6 +26,14 @@ Stricter than the real API on purpose: arguments after ``page_size`` in
 ``plan`` are keyword-only (positions have shifted between releases, e.g.
 ``head_dim_vo`` was inserted).
 
+FP8 with per-(token, head) scales (``use_token_head_sf=True`` at plan time, 0.7.4):
+the plan needs an fp8 ``kv_data_type``, a half ``q_data_type``, head_dim a multiple of
+16 and the fa2 kernels (prefill backend ``auto`` or ``fa2``; decode goes to the
+tensor-core path); ``run`` needs ``kv_cache_sf`` = ``(k_sf, v_sf)``, float32
+``[num_pages, page_size, kv_heads]`` each (strided views allowed), and an fp8 cache of
+last dim head_dim, and attends over code * scale. Other fp8 plans are refused (the
+double models no per-tensor fp8).
+
 This proves the backend's wiring (what it plans, appends and runs, with which
 indices, dtypes and layouts), not FlashInfer's kernels: those are checked by
 ``test_flashinfer_gpu.py`` on a CUDA machine.
@@ -43,6 +51,7 @@ import types
 import torch
 
 HALF = (torch.float16, torch.bfloat16)
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _UNSET = object()
 #: head_dims each kernel family is dispatched for (DISPATCH_HEAD_DIM; the AOT fa2/fa3 set).
 APPEND_HEAD_DIMS = (64, 128, 256, 512)
@@ -151,6 +160,7 @@ class _Wrapper:
         _check(kv_layout == "NHD", f"kv_layout {kv_layout!r}: the double knows NHD only")
         _check(backend in ("auto", "fa2", "fa3"), f"backend={backend!r}: auto, fa2 or fa3")
         major = self.module.capability[0]
+        self.requested_backend = backend
         if backend == "auto":  # determine_attention_backend: fa3 on sm90 for plain f16 attention
             backend = "fa3" if self.kind == "prefill" and major == 9 else "fa2"
         _check(backend != "fa3" or major == 9, "fa3 needs sm90 (Hopper)")
@@ -188,6 +198,7 @@ class _Wrapper:
         logits_soft_cap: float | None,
         q_data_type: object,
         kv_data_type: object,
+        use_token_head_sf: bool = False,
     ) -> None:
         named = [("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)]
         if qo_indptr is not None:
@@ -199,7 +210,17 @@ class _Wrapper:
             _check(t.dim() == 1, f"{name} must be 1-D")
         _check(q_data_type is not _UNSET, "pass q_data_type: it defaults to float16")
         _check(q_data_type in HALF, f"q_data_type {q_data_type}: half precision only")
-        _check(kv_data_type == q_data_type, "kv_data_type must be given and equal q_data_type")
+        if use_token_head_sf:
+            _check(
+                kv_data_type in FP8, f"use_token_head_sf requires fp8 KV dtype, got {kv_data_type}"
+            )
+            _check(head_dim % 16 == 0, "use_token_head_sf requires head_dim a multiple of 16")
+            # As FlashInfer: "auto" becomes fa2 for this plan; another choice is refused.
+            _check(self.requested_backend in ("auto", "fa2"),
+                   "use_token_head_sf requires backend='fa2'")  # fmt: skip
+            self.backend = "fa2"
+        else:
+            _check(kv_data_type == q_data_type, "kv_data_type must be given and equal q_data_type")
         _check(num_qo_heads % num_kv_heads == 0, "num_qo_heads must be a multiple of num_kv_heads")
         _check(head_dim in ATTENTION_HEAD_DIMS, f"Unsupported head_dim: {head_dim}")
         _check(window_left >= -1, "window_left must be >= -1")
@@ -243,7 +264,7 @@ class _Wrapper:
             kv_lens=kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, page_size=page_size, causal=causal, window_left=window_left,
             sm_scale=head_dim**-0.5 if sm_scale is None else sm_scale, dtype=q_data_type,
-            logits_soft_cap=cap,
+            logits_soft_cap=cap, kv_dtype=kv_data_type, token_head=use_token_head_sf,
         )  # fmt: skip
 
     def run(
@@ -253,11 +274,24 @@ class _Wrapper:
         *,
         out: torch.Tensor | None = None,
         return_lse: bool = False,
+        kv_cache_sf: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         p = self.plan_args
         _check(p is not None, "run() before plan()")
         _check(not return_lse, "the double does not return the lse")
-        k_cache, v_cache = _unpack(paged_kv_cache)
+        k_cache, v_cache = _unpack(paged_kv_cache, fp8=p["token_head"])
+        if p["token_head"]:
+            _check(isinstance(kv_cache_sf, (tuple, list)) and len(kv_cache_sf) == 2,
+                   "use_token_head_sf requires kv_cache_sf = (k_sf, v_sf)")  # fmt: skip
+            want = (k_cache.shape[0], p["page_size"], p["num_kv_heads"])
+            for name, sf in zip(("k_sf", "v_sf"), kv_cache_sf):
+                _check(sf.dtype == torch.float32, f"{name} must be float32, got {sf.dtype}")
+                _check(tuple(sf.shape) == want, f"{name} must have shape {want}")
+            # What the kernel reads: code * the row's scale.
+            k_cache = k_cache.float() * kv_cache_sf[0].unsqueeze(-1)
+            v_cache = v_cache.float() * kv_cache_sf[1].unsqueeze(-1)
+        else:
+            _check(kv_cache_sf is None, "kv_cache_sf without use_token_head_sf (NVFP4 only)")
         if self.graph is not None:  # what a captured kernel sees: the buffers' contents now
             g = self.graph
             p = {**p, "indptr": g["indptr"].clone(), "indices": g["indices"].clone(),
@@ -267,7 +301,8 @@ class _Wrapper:
                f"q shape {tuple(q.shape)} != planned {(nnz, p['num_qo_heads'], p['head_dim'])}")  # fmt: skip
         _check(q.stride(-1) == 1, "q needs a contiguous last dim")
         _check(q.dtype == p["dtype"], f"q dtype {q.dtype} != planned q_data_type {p['dtype']}")
-        _check(k_cache.dtype == p["dtype"], "cache dtype != planned kv_data_type")
+        _check(p["token_head"] or k_cache.dtype == p["dtype"],
+               "cache dtype != planned kv_data_type")  # fmt: skip
         _check(k_cache.shape[1:] == (p["page_size"], p["num_kv_heads"], p["head_dim"]),
                "cache shape does not match the planned page_size/num_kv_heads/head_dim")  # fmt: skip
         _check(q.device == k_cache.device == self.workspace.device,
@@ -307,11 +342,13 @@ class _PrefillWrapper(_Wrapper):
         q_data_type: object = _UNSET,
         kv_data_type: object = None,
         non_blocking: bool = True,
+        use_token_head_sf: bool = False,
     ) -> None:
         _check(pos_encoding_mode == "NONE", "rotary is applied outside attention")
         self._plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                    num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal, sm_scale,
-                   window_left, logits_soft_cap, q_data_type, kv_data_type)  # fmt: skip
+                   window_left, logits_soft_cap, q_data_type, kv_data_type,
+                   use_token_head_sf)  # fmt: skip
 
 
 class _DecodeWrapper(_Wrapper):
@@ -360,14 +397,17 @@ class _DecodeWrapper(_Wrapper):
         q_data_type: object = _UNSET,
         kv_data_type: object = None,
         non_blocking: bool = True,
+        use_token_head_sf: bool = False,
     ) -> None:
         _check(pos_encoding_mode == "NONE", "rotary is applied outside attention")
         group = num_qo_heads // max(num_kv_heads, 1)
+        if use_token_head_sf:  # as FlashInfer: the tensor-core (fa2 prefill) path
+            self.use_tensor_cores = True
         _check(self.use_tensor_cores or group in self.CUDA_CORE_GROUPS,
                f"Unsupported group_size: {group} (CUDA-core decode; use tensor cores)")  # fmt: skip
         self._plan(None, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
                    page_size, False, sm_scale, window_left, logits_soft_cap, q_data_type,
-                   kv_data_type)  # fmt: skip
+                   kv_data_type, use_token_head_sf)  # fmt: skip
 
 
 def _reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: dict):
@@ -393,7 +433,7 @@ def _reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p:
     return out
 
 
-def _unpack(cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor]):
+def _unpack(cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], fp8: bool = False):
     if isinstance(cache, tuple):
         k, v = cache
     else:
@@ -403,7 +443,10 @@ def _unpack(cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor]):
     _check(k.dim() == 4 and k.shape == v.shape, "K and V caches: equal 4-D shapes")
     _check(k.stride() == v.stride(), "K and V caches must have equal strides (fa2)")
     _check(k.stride(-1) == 1, "cache needs a contiguous last dim")
-    _check(k.dtype in HALF, f"cache dtype {k.dtype}: half precision only")
+    if fp8:
+        _check(k.dtype in FP8, f"cache dtype {k.dtype}: fp8 with use_token_head_sf")
+    else:
+        _check(k.dtype in HALF, f"cache dtype {k.dtype}: half precision only")
     return k, v
 
 

@@ -89,6 +89,23 @@ def test_graph_steps_equal_eager_steps_and_touch_only_the_pad_page(graph_backend
     the torch backend gives, and the pad rows write nowhere but the pad page."""
     _, backend = graph_backend
     ref = create_backend("torch", KVPool(2, 33, 4, 2, 64, torch.float32), 0.125, (6, -1), 4)
+    _graph_steps_against(backend, ref, atol=1e-2)
+
+
+def test_token_head_fp8_graph_steps_write_codes_and_scales(monkeypatch):
+    """The token_head fp8 pool through the graph wrappers: the slots of the new rows are
+    computed from the static buffers, codes and scales land where the torch backend
+    writes them, and attention reads them with use_token_head_sf."""
+    fake_flashinfer.install(monkeypatch)
+    kv = ("cpu", "fp8_e4m3", "token_head")
+    backend = create_backend("flashinfer", KVPool(2, 33, 4, 2, 64, torch.bfloat16, *kv), 0.125,
+                             (6, -1), 4)  # fmt: skip
+    backend.setup_graphs((1, 2, 4), max_pages_per_slot=8, pad_page=32)
+    ref = create_backend("torch", KVPool(2, 33, 4, 2, 64, torch.float32, *kv), 0.125, (6, -1), 4)
+    _graph_steps_against(backend, ref, atol=1e-2)  # the double attends exactly
+
+
+def _graph_steps_against(backend, ref, atol):
     torch.manual_seed(0)
     tables = [[0, 1, 2], [4], [8, 9]]
     steps = [(decode_batch([9, 3, 7], tables), 4), (decode_batch([10], [tables[0]]), 1)]
@@ -112,9 +129,9 @@ def test_graph_steps_equal_eager_steps_and_touch_only_the_pad_page(graph_backend
             else:
                 out = backend.forward(layer, q, k, v)
             want = ref.forward(layer, q.float(), k.float(), v.float())
-            torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)
+            torch.testing.assert_close(out.float(), want, atol=atol, rtol=1e-2)
     for a, r in zip(backend.pool.layers, ref.pool.layers):
-        assert torch.equal(a[:32].float(), r[:32])  # every page but the pad page agrees
+        assert torch.equal(a[:32].float(), r[:32].float())  # every page but the pad page
 
 
 GREEDY = SamplingParams(temperature=0)

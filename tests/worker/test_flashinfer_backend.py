@@ -32,7 +32,7 @@ class Twin:
     def __init__(
         self, page_size, kv_heads, group, head_dim, windows=(-1,) * LAYERS, seed=0, device="cpu",
         scale=None, softcap=0.0, dtype=torch.bfloat16, strided_q=False, max_tokens=512,
-        prefill_backend="auto", kv_dtype="auto",
+        prefill_backend="auto", kv_dtype="auto", layout=None,
     ):  # fmt: skip
         self.s, self.kvh, self.heads, self.d = page_size, kv_heads, kv_heads * group, head_dim
         self.device, self.dtype, self.strided_q = device, dtype, strided_q
@@ -41,8 +41,10 @@ class Twin:
         self.rng = np.random.default_rng(seed)
         self.free = list(self.rng.permutation(num_pages))
         dims = (LAYERS, num_pages, page_size, kv_heads, head_dim)
-        # An fp8 kv_dtype: both pools of the per-tensor layout, holding the same codes.
-        layout = "tensor" if kv_dtype.startswith("fp8") else "row"
+        # An fp8 kv_dtype: both pools of the per-tensor layout (or ``layout``), holding
+        # the same codes.
+        if layout is None:
+            layout = "tensor" if kv_dtype.startswith("fp8") else "row"
         self.fi_pool = KVPool(*dims, dtype, device, kv_dtype, layout)
         self.ref_pool = KVPool(*dims, torch.float32, device, kv_dtype, layout)
         scale = head_dim**-0.5 if scale is None else scale
@@ -160,6 +162,26 @@ def test_matches_torch_backend(fake, page_size, head_dim, kv_heads, group):
     )
     runs = [name for name, _ in fake.calls if name.startswith("run")]
     assert len(runs) == LAYERS * len(kinds)
+
+
+@pytest.mark.parametrize(("page_size", "name"), [(16, "fp8_e4m3"), (1, "fp8_e5m2")])
+def test_token_head_fp8_pool_matches_torch_backend(fake, page_size, name):
+    """The token_head layout: rows quantized and written where the torch backend writes
+    them (codes, float32 scale and padding byte for byte), and FlashInfer planned with
+    use_token_head_sf and run over the codes and scale views of the pool."""
+    twin = Twin(page_size, 2, 3, 64, seed=page_size, kv_dtype=name, layout="token_head")
+    assert twin.fi_pool.entry_dim == 80 and twin.fi_pool.storage_dtype == torch.uint8
+    run_script(twin, p=2 * page_size if page_size > 1 else 13)
+    # Decode steps too run on the tensor-core path (FlashInfer's CUDA-core decode kernel
+    # reads no token-head scales).
+    assert all(w.use_tensor_cores for w in twin.fi._decode.values())
+
+
+def test_token_head_fp8_refuses_fa3_prefill(fake):
+    pool = KVPool(LAYERS, 8, 16, 2, 64, torch.bfloat16, "cpu", "fp8_e4m3", "token_head")
+    with pytest.raises(ValueError, match="fa2 kernels only"):
+        create_backend("flashinfer", pool, 0.125, (-1,) * LAYERS, 4,
+                       flashinfer_options={"prefill_backend": "fa3"})  # fmt: skip
 
 
 def test_gqa_group_without_a_cuda_core_decode_kernel(fake):

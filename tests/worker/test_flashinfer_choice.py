@@ -314,7 +314,7 @@ def test_check_command(monkeypatch, capsys):
     ("kv_dtype", "layout", "reason"),
     [
         ("int8", "row", r"FlashInfer has no int8 KV cache"),
-        ("fp8_e4m3", "row", r"scale per token and head; FlashInfer's fp8 KV reads the per-tensor"),
+        ("fp8_e4m3", "row", r"float16 scale per token and head; FlashInfer's fp8 KV reads the"),
     ],
 )
 def test_quantized_pools_flashinfer_cannot_read_are_refused(monkeypatch, kv_dtype, layout, reason):
@@ -329,8 +329,8 @@ def test_kv_layout_for_fp8_on_cuda_only(monkeypatch):
     from radixserve.worker.attention import kv_layout_for
 
     args = (torch.bfloat16, 64, 2)
-    assert kv_layout_for("flashinfer", "fp8_e4m3", "cuda", *args) == "tensor"
-    assert kv_layout_for("flashinfer", "fp8_e5m2", "cuda", *args) == "tensor"
+    assert kv_layout_for("flashinfer", "fp8_e4m3", "cuda", *args) == "token_head"
+    assert kv_layout_for("flashinfer", "fp8_e5m2", "cuda", *args) == "token_head"
     assert kv_layout_for("flashinfer", "int8", "cuda", *args) == "row"
     assert kv_layout_for("torch", "fp8_e4m3", "cuda", *args) == "row"
     assert kv_layout_for("auto", "fp8_e4m3", "cpu", *args) == "row"
@@ -339,4 +339,4 @@ def test_kv_layout_for_fp8_on_cuda_only(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # not installed: auto keeps rows
     assert kv_layout_for("auto", "fp8_e4m3", "cuda", *args) == "row"
     fake_flashinfer.install(monkeypatch)
-    assert kv_layout_for("auto", "fp8_e4m3", "cuda", *args) == "tensor"
+    assert kv_layout_for("auto", "fp8_e4m3", "cuda", *args) == "token_head"

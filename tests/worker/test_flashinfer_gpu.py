@@ -112,9 +112,23 @@ def test_fp8_pool_matches_torch_backend(kv_dtype, page_size, kv_heads, group):
     check(twin, page_size)
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("kv_heads", "group"), [(2, 1), (2, 4)])
+def test_token_head_fp8_pool_matches_torch_backend(kv_dtype, page_size, kv_heads, group):
+    """The token_head fp8 pool: FlashInfer (plans with use_token_head_sf, rows written
+    with index_copy_, runs over the codes and float32 scale views) against the torch
+    backend on the same layout; the pools' bytes equal."""
+    twin = Twin(page_size, kv_heads, group, 128, seed=page_size, device="cuda",
+                windows=(6, -1), prefill_backend="fa2", kv_dtype=kv_dtype,
+                layout="token_head")  # fmt: skip
+    check(twin, page_size)
+
+
 def test_fp8_runner_and_cuda_graphs(tmp_path):
     """A ModelRunner with --kv-cache-dtype fp8_e4m3 on flashinfer: the pool is the
-    per-tensor layout, and graph replays give eager's logits."""
+    token_head layout (FlashInfer's per-(token, head) scales), and graph replays give
+    eager's logits."""
     from radixserve.worker.config import WorkerConfig
     from radixserve.worker.model_runner import ModelRunner
     from tests.helpers.tiny_models import make_tiny_model
@@ -128,8 +142,8 @@ def test_fp8_runner_and_cuda_graphs(tmp_path):
                            disable_cuda_graph=off, flashinfer_prefill_backend="fa2",
                            kv_cache_dtype="fp8_e4m3", warmup=False)  # fmt: skip
         runners[off] = ModelRunner(cfg)
-        assert runners[off].pool.kv_layout == "tensor"
-        assert runners[off].pool.layers[0].dtype == torch.float8_e4m3fn
+        assert runners[off].pool.kv_layout == "token_head"
+        assert runners[off].pool.layers[0].dtype == torch.uint8
     rng = np.random.default_rng(0)
     prompts = [rng.integers(4, 500, n).astype(np.int32) for n in (20, 7, 33)]
     greedy = SamplingParams(temperature=0)

@@ -25,10 +25,12 @@ from radixserve.worker.kv_quant import (
     KV_CACHE_DTYPES,
     QUANTS,
     TENSOR_QUANTS,
+    TOKEN_HEAD_QUANTS,
     bytes_per_token,
     dequantize,
     quantize,
     resolve_kv_dtype,
+    token_head_views,
 )
 from tests.helpers.native import require_isa
 
@@ -138,7 +140,7 @@ def run_batch(name, dtype, page_size, kv_heads, group, kernel, isa=None, seed=0,
         2, num_pages, page_size, kv_heads, HEAD_DIM, dtype, kv_dtype=name, kv_layout=layout
     )
     backend = create_backend("torch", pool, HEAD_DIM**-0.5, (-1, -1), heads, decode_kernel=kernel)
-    assert backend.decode_kernel == kernel or layout == "tensor"
+    assert backend.decode_kernel == kernel or layout != "row"
     free = list(rng.permutation(num_pages))
     pre_pages = [free.pop() for _ in range(prefix // page_size)]
     kinds = ["decode"] * 3 + ["chunk"] + ["alone"] * 2
@@ -372,6 +374,8 @@ def test_kv_identity_tells_the_layouts_apart():
     assert row != tensor and "kv_layout=tensor" in tensor
     assert "kv_layout" not in row and "kv_layout" not in ident("auto", "row")
     assert tensor != ident("fp8_e5m2", "tensor")
+    token_head = ident("fp8_e4m3", "token_head")
+    assert "kv_layout=token_head" in token_head and token_head not in (row, tensor)
 
 
 @pytest.mark.parametrize("name", list(TENSOR_QUANTS))
@@ -394,3 +398,56 @@ def test_torch_path_reads_the_per_tensor_layout(name, page_size):
         err = (out.double() - ref).abs().max().item()
         assert err <= TOLERANCE[dtype] * max(1.0, ref.abs().max().item()), (name, err)
     assert any(r["v"].abs().max() > quant.qmax for _, _, r, _ in checked)  # clamped values met
+
+
+@pytest.mark.parametrize("name", list(TOKEN_HEAD_QUANTS))
+def test_token_head_layout_round_trip_views_and_sizes(name):
+    """FlashInfer's per-(token, head) layout: 16-byte rows of fp8 codes, a float32 scale
+    and zeros; code * scale is x to half an fp8 step; the views FlashInfer reads are the
+    same bytes; 80 bytes per token-head at head_dim 64 (1.6x bfloat16's tokens per GiB)."""
+    quant = TOKEN_HEAD_QUANTS[name]
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 3, 64, generator=gen, dtype=torch.float64)
+    x = x * torch.logspace(-6, 6, 7, dtype=torch.float64)[:, None, None]  # rows of any range
+    x[0, 0] = 0.0  # a zero row: codes 0, no NaN
+    rows = quantize(x, quant)
+    assert rows.dtype == torch.uint8 and rows.shape == (7, 3, 80)
+    assert rows[..., 68:].eq(0).all()
+    scale = rows[..., 64:68].contiguous().view(torch.float32).double()
+    amax = x.float().abs().amax(-1, keepdim=True)  # the scale is computed in float32
+    assert torch.equal(scale[1:], (amax / quant.qmax).double()[1:])
+    back = dequantize(rows, quant, torch.float64)
+    assert not back.isnan().any() and back[0, 0].eq(0).all()
+    eps = torch.finfo(quant.code_dtype).eps
+    assert ((back - x).abs() <= x.abs() * eps / 2 + scale * 2.0**-9).all()
+    pool = KVPool(2, 4, 16, 3, 64, torch.bfloat16, kv_dtype=name, kv_layout="token_head")
+    pool.layers[0].view(-1, 80)[:21] = rows.view(-1, 80)
+    codes, (k_sf, v_sf) = token_head_views(pool.layers[0], quant, 64)
+    assert codes.dtype == quant.code_dtype and codes.shape == (4, 2, 16, 3, 64)
+    assert k_sf.dtype == torch.float32 and k_sf.shape == v_sf.shape == (4, 16, 3)
+    flat = (codes.double() * torch.stack([k_sf, v_sf], 1).double()[..., None]).reshape(-1, 3, 64)
+    assert torch.equal(flat[:7], back)  # page 0's K rows, as stored
+    bf16 = bytes_per_token(30, 3, 64, "auto", torch.bfloat16)
+    assert bytes_per_token(30, 3, 64, name, torch.bfloat16, "token_head") * 8 == bf16 * 5
+    assert "token_head" in native_decode.unsupported_reason(torch.device("cpu"),
+                                                           torch.bfloat16, pool)  # fmt: skip
+    with pytest.raises(ValueError, match="token_head KV layout is for the fp8"):
+        resolve_kv_dtype("int8", torch.bfloat16, "token_head")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        KVPool(2, 4, 16, 3, 72, torch.bfloat16, kv_dtype=name, kv_layout="token_head")
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_torch_path_reads_the_token_head_layout(page_size):
+    """The torch backend over a token_head pool (HEAD_DIM 16: one 32-byte row), against
+    float64 attention over code * scale."""
+    quant = TOKEN_HEAD_QUANTS["fp8_e4m3"]
+    dtype = torch.float64
+    checked = run_batch("fp8_e4m3", dtype, page_size, 3, 3, "auto", seed=page_size,
+                        layout="token_head")  # fmt: skip
+    for out, q, r, kv_len in checked:
+        kq = dequantize(quantize(r["k"][:kv_len].to(dtype), quant), quant, dtype)
+        vq = dequantize(quantize(r["v"][:kv_len].to(dtype), quant), quant, dtype)
+        ref = dense(q.double(), kq, vq, kv_len, HEAD_DIM**-0.5)
+        err = (out.double() - ref).abs().max().item()
+        assert err <= TOLERANCE[dtype] * max(1.0, ref.abs().max().item()), err

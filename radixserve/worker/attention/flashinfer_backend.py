@@ -28,8 +28,19 @@ tensors; per layer (``forward``) the new K/V are appended into the pool with
   (``kv_quant.TENSOR_QUANTS``: plain fp8 pages, scale 1.0): the plans name the fp8
   dtype as ``kv_data_type`` (q stays the model's dtype), K/V are clamped and cast to
   fp8 before ``append_paged_kv_cache`` (which copies rows of the cache's own dtype),
-  and every ``run`` (CUDA-graph wrappers too) gets ``k_scale`` / ``v_scale``. int8
-  and the per-row layout are refused (``flashinfer_support.kv_pool_reason``).
+  and every ``run`` (CUDA-graph wrappers too) gets ``k_scale`` / ``v_scale``.
+- An fp8 pool of the ``token_head`` layout (``kv_quant.TOKEN_HEAD_QUANTS``: 16-byte
+  rows of fp8 codes and a float32 scale per token and kv head) is read with
+  FlashInfer's per-(token, head) scale factors: the plans pass
+  ``use_token_head_sf=True`` (FlashInfer then runs its fa2 kernels, decode on the
+  tensor-core path), every ``run`` gets the codes and the K / V scales as strided
+  views of the pool layer (``kv_quant.token_head_views``: ``paged_kv_cache`` fp8
+  ``[pages, 2, page_size, kv_heads, head_dim]``, ``kv_cache_sf`` float32
+  ``[pages, page_size, kv_heads]`` each). New rows are quantized here
+  (``kv_quant.quantize``: codes, scale and padding) and written into their slots with
+  ``index_copy_``, not ``append_paged_kv_cache`` (which copies no scales); the slots
+  are computed on the device from the append inputs, so a CUDA graph recomputes them.
+- int8 and the per-row layout are refused (``flashinfer_support.kv_pool_reason``).
 - The prefill wrapper's backend is FlashInfer's ``auto``: fa3 on Hopper (sm90) where
   it applies, else fa2. Decode kernels are fa2.
 - CUDA graphs (``setup_graphs``): one decode wrapper per capture size and window in
@@ -60,7 +71,7 @@ import torch
 from radixserve.worker.attention import flashinfer_support as support
 from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
 from radixserve.worker.kv_pool import KVPool
-from radixserve.worker.kv_quant import quantize
+from radixserve.worker.kv_quant import quantize, token_head_views
 from radixserve.worker.staging import Staging
 
 #: Bytes of the float workspace shared by all wrappers (FlashInfer recommends 128 MB).
@@ -122,6 +133,21 @@ class FlashInferAttention(AttentionBackend):
         self._run_scales: dict[str, float] = (
             {"k_scale": K_SCALE, "v_scale": V_SCALE} if self._fp8 is not None else {}
         )
+        #: The token_head fp8 pool: per layer the codes and the (K, V) scale views
+        #: FlashInfer reads, and this step's slot rows (computed once per step).
+        self._th = pool.quant if pool.kv_layout == "token_head" else None
+        self._th_views = (
+            [token_head_views(layer, self._th, pool.head_dim) for layer in pool.layers]
+            if self._th is not None
+            else []
+        )
+        self._th_rows: torch.Tensor | None = None
+        if self._th is not None and prefill_backend not in ("auto", "fa2"):
+            raise ValueError(
+                f"attention backend 'flashinfer' cannot run: its per-(token, head) fp8 "
+                f"scales are read by the fa2 kernels only, not prefill backend "
+                f"{prefill_backend!r}; use --flashinfer-prefill-backend fa2 (or auto)"
+            )
         fi = support.import_flashinfer()
         self._fi = fi
         self._device = device
@@ -178,16 +204,21 @@ class FlashInferAttention(AttentionBackend):
             host.staging.record()  # plan() has queued its copies from these buffers
         self._active = dict(self._decode if decode else self._prefill)
         self._append_args = self._plan_append(batch, qo_lens, kv_lens, last)
+        self._th_rows = None
         self._out_rows = self._output(batch.num_tokens)
 
     def _common(self, w: int) -> dict[str, Any]:
-        return {
+        common = {
             "sm_scale": self.scale,
             "logits_soft_cap": self.softcap,
             "window_left": w - 1 if w > 0 else -1,
             "q_data_type": self.pool.dtype,
             "kv_data_type": self.pool.storage_dtype,  # the fp8 dtype for an fp8 pool
         }
+        if self._th is not None:  # uint8 rows: the codes are the fp8 dtype
+            common["kv_data_type"] = self._th.code_dtype
+            common["use_token_head_sf"] = True
+        return common
 
     def _plan_decode(self, wrapper, w, indptr, indices, last) -> None:
         heads = (self.num_qo_heads, self.pool.num_kv_heads)
@@ -230,6 +261,8 @@ class FlashInferAttention(AttentionBackend):
             raise RuntimeError("begin_batch must be called before forward")
         cache = self.pool.layers[layer]
         batch_indices, positions, kv_indices, kv_indptr, last = self._append_args
+        if self._th is not None:
+            return self._forward_token_head(layer, q, k, v)
         if self._fp8 is not None:
             # append_paged_kv_cache copies rows of the cache's dtype: cast (clamped) first.
             k, v = quantize(k, self._fp8), quantize(v, self._fp8)
@@ -239,6 +272,34 @@ class FlashInferAttention(AttentionBackend):
         )  # fmt: skip
         out = self._out_rows[: q.shape[0]]
         return self._active[self.sliding_windows[layer]].run(q, cache, out=out, **self._run_scales)
+
+    def _slot_rows(self) -> torch.Tensor:
+        """This step's new tokens' K rows in a pool layer viewed as ``[pages * 2 *
+        page_size, kv_heads * entry_dim]`` (V rows are page_size further), from the
+        append inputs on the device: page ``kv_indices[kv_indptr[b] + pos // page_size]``,
+        slot ``pos % page_size``. Device ops only, so a captured graph recomputes them."""
+        if self._th_rows is None:
+            batch_indices, positions, kv_indices, kv_indptr, _ = self._append_args
+            s = self.pool.page_size
+            pos = positions.long()
+            pages = kv_indices.long()[kv_indptr.long()[batch_indices.long()] + pos // s]
+            self._th_rows = pages * (2 * s) + pos % s
+        return self._th_rows
+
+    def _forward_token_head(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        assert self._th is not None
+        s, h, e = self.pool.page_size, self.pool.num_kv_heads, self.pool.entry_dim
+        tokens = self.pool.layers[layer].view(-1, h * e)
+        rows = self._slot_rows()
+        tokens.index_copy_(0, rows, quantize(k, self._th).reshape(-1, h * e))
+        tokens.index_copy_(0, rows + s, quantize(v, self._th).reshape(-1, h * e))
+        codes, scales = self._th_views[layer]
+        out = self._out_rows[: q.shape[0]]  # type: ignore[index]
+        return self._active[self.sliding_windows[layer]].run(  # type: ignore[index]
+            q, codes, out=out, kv_cache_sf=scales
+        )
 
     # ------------------------------------------------------------------ CUDA graphs
 
@@ -318,6 +379,7 @@ class FlashInferAttention(AttentionBackend):
         self._g_positions[:size].copy_(host_pos, non_blocking=True)
         self._g_pos_staging.record()
         self._active = self._g_wrappers[size]
+        self._th_rows = None  # recomputed from the static buffers in the captured forward
         self._append_args = (
             self._g_batch[:size], self._g_positions[:size], self._g_indices,
             self._g_indptr[: size + 1], self._g_last[:size],

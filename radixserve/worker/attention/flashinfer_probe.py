@@ -97,12 +97,14 @@ PROBE_VMAX = 6.5
 
 
 def probe_tolerance(pool: KVPool) -> float:
-    """``TOLERANCE``, plus for a per-tensor fp8 pool what FlashInfer's fp8 kernels may
-    round on top of the stored codes, which the reference shares: the probabilities
-    multiplied into V in the cache's format (relative half step 2^-(mantissa bits + 1):
-    2^-4 e4m3, 2^-3 e5m2), an error of at most that times max|V| = ``PROBE_VMAX``."""
+    """``TOLERANCE``, plus for an fp8 pool (per-tensor or token_head layout) what
+    FlashInfer's fp8 kernels may round on top of the stored codes, which the reference
+    shares: the probabilities multiplied into V in the cache's format (relative half
+    step 2^-(mantissa bits + 1): 2^-4 e4m3, 2^-3 e5m2), an error of at most that times
+    max|V| = ``PROBE_VMAX`` (a token_head row's codes times its scale are within
+    max|V| too)."""
     q = pool.quant
-    if q is None or not q.per_tensor:
+    if q is None or not q.is_fp8:
         return TOLERANCE
     return TOLERANCE + PROBE_VMAX * torch.finfo(q.code_dtype).eps / 2
 

@@ -56,18 +56,21 @@ def device_capability(device: torch.device) -> tuple[int, int]:
 
 def kv_pool_reason(pool) -> str | None:
     """Why the flashinfer backend cannot read this KV pool's storage (None: it can):
-    int8 (FlashInfer has no int8 KV), fp8 rows with their own scales (it reads the
-    per-tensor layout only), or a pool cast to another float dtype."""
+    int8 (FlashInfer has no int8 KV), fp8 rows in the ``row`` layout (float16 scales
+    inside 66-byte rows: it reads the ``token_head`` layout's float32 scales and
+    16-byte aligned rows, or the per-tensor layout), or a pool cast to another float
+    dtype."""
     q = pool.quant
     if q is not None and not q.is_fp8:
         return (
             f"the KV pool stores {pool.kv_dtype_name}; FlashInfer has no int8 KV cache "
             "(int8 runs on the torch backend)"
         )
-    if q is not None and not q.per_tensor:
+    if q is not None and pool.kv_layout == "row":
         return (
-            f"the KV pool stores {pool.kv_dtype_name} rows with a scale per token and head; "
-            "FlashInfer's fp8 KV reads the per-tensor layout (kv_layout 'tensor')"
+            f"the KV pool stores {pool.kv_dtype_name} rows with a float16 scale per token "
+            "and head; FlashInfer's fp8 KV reads the token_head layout (float32 scales) "
+            "or the per-tensor one (kv_layout 'token_head' / 'tensor')"
         )
     if q is None and pool.storage_dtype != pool.dtype:
         return (

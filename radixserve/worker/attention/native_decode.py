@@ -59,6 +59,11 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, pool=None) -> s
         return f"the pool stores {pool.storage_dtype}, the model computes in {dtype}"
     if pool is not None and pool.quant is not None and pool.quant.per_tensor:
         return "the native kernels read the per-row KV layout, not the per-tensor fp8 one"
+    if pool is not None and pool.quant is not None and pool.kv_layout == "token_head":
+        return (
+            "the native kernels read the per-row KV layout (float16 scales), not the "
+            "token_head one (FlashInfer's float32 scales)"
+        )
     if pool is not None and pool.quant is not None and not QUANT_AVAILABLE:
         return "the native extension predates quantized KV: rebuild it"
     return None

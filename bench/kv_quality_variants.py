@@ -1,0 +1,121 @@
+"""Where fp8 KV error comes from: quantizer variants on SmolLM2, outside the runtime.
+
+The embedded SmolLM2 in transformers (float32), the same fixed text as
+``bench/kv_quality.py``, one teacher-forced pass; its attention function rounds K and V
+through a variant before attending (as a pool that stored them would), and each
+position's full next-token distribution is compared with the unrounded model's (mean
+KL, top-1 agreement). Variants: bfloat16; the pool's formats (``kv_quant.quantize``,
+a scale per token and head); e4m3 on K only or V only; scales per 16-element block
+instead of per row; and e4m3 with each row's scale searched (``--search``: the scales
+that put one of the row's ``--top`` largest magnitudes on one of e4m3's top codes,
+keeping the one of least squared error). Nothing here is a pool format: it measures
+what a format change would buy before one is built.
+
+    python bench/kv_quality_variants.py --tokens 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from radixserve.worker.kv_quant import QUANTS, dequantize, quantize  # noqa: E402
+
+E4M3_TOP_CODES = (448.0, 416.0, 384.0, 352.0, 320.0, 288.0, 256.0, 240.0, 224.0)
+
+
+def round_trip(x: torch.Tensor, name: str, block: int = 0) -> torch.Tensor:
+    """x as a pool of ``name`` holds it; ``block`` > 0: a scale per that many values."""
+    q = QUANTS[name]
+    if block:
+        y = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+        return dequantize(quantize(y, q), q, x.dtype).reshape(x.shape)
+    return dequantize(quantize(x, q), q, x.dtype)
+
+
+def searched_e4m3(x: torch.Tensor, top: int) -> torch.Tensor:
+    """e4m3 codes of each row under the candidate scale of least squared error."""
+    xf = x.float()
+    mags = xf.abs().topk(top, dim=-1).values
+    cands = (mags[..., :, None] / torch.tensor(E4M3_TOP_CODES)).flatten(-2).clamp_min(1e-30)
+    y = (xf[..., None, :] / cands[..., :, None]).clamp(-448, 448)
+    y = y.to(torch.float8_e4m3fn).float() * cands[..., :, None]
+    best = (y - xf[..., None, :]).pow(2).sum(-1).argmin(-1)
+    idx = best[..., None, None].expand(*best.shape, 1, xf.shape[-1])
+    return torch.gather(y, -2, idx).squeeze(-2).to(x.dtype)
+
+
+def variants(top: int) -> dict:
+    return {
+        "bfloat16": lambda k, v: (k.bfloat16().to(k.dtype), v.bfloat16().to(v.dtype)),
+        "int8": lambda k, v: (round_trip(k, "int8"), round_trip(v, "int8")),
+        "int8, 16-value blocks": lambda k, v: (
+            round_trip(k, "int8", 16),
+            round_trip(v, "int8", 16),
+        ),  # fmt: skip
+        "fp8_e4m3": lambda k, v: (round_trip(k, "fp8_e4m3"), round_trip(v, "fp8_e4m3")),
+        "fp8_e4m3, K only": lambda k, v: (round_trip(k, "fp8_e4m3"), v),
+        "fp8_e4m3, V only": lambda k, v: (k, round_trip(v, "fp8_e4m3")),
+        "fp8_e4m3, 16-value blocks": lambda k, v: (
+            round_trip(k, "fp8_e4m3", 16),
+            round_trip(v, "fp8_e4m3", 16),
+        ),  # fmt: skip
+        "fp8_e4m3, searched scale": lambda k, v: (searched_e4m3(k, top), searched_e4m3(v, top)),
+        "fp8_e5m2": lambda k, v: (round_trip(k, "fp8_e5m2"), round_trip(v, "fp8_e5m2")),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--top", type=int, default=4, help="magnitudes the scale search tries")
+    args = ap.parse_args()
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from bench.kv_quality import fixed_text
+    from radixserve.models.embedded import ensure_smollm2
+    from radixserve.models.tokenizer import load_tokenizer
+
+    folder = ensure_smollm2()  # the embedded model as a transformers folder
+    ids = load_tokenizer("smollm2").encode(fixed_text())[: args.tokens]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    table = variants(args.top)
+    current = {"name": None}
+
+    def attention(module, query, key, value, attention_mask, **kw):
+        if current["name"] is not None:
+            key, value = table[current["name"]](key, value)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+
+    AttentionInterface.register("kv_variant", attention)
+    model.set_attn_implementation("kv_variant")
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        ref = torch.log_softmax(model(x).logits[0, :-1].double(), -1)
+        rows = []
+        for name in table:
+            t = time.perf_counter()
+            current["name"] = name
+            lp = torch.log_softmax(model(x).logits[0, :-1].double(), -1)
+            kl = (ref.exp() * (ref - lp)).sum(-1).mean().item()
+            top1 = (ref.argmax(-1) == lp.argmax(-1)).double().mean().item()
+            rows.append((name, kl, top1))
+            print(f"{name}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+    base = rows[0][1]
+    print(f"SmolLM2 in transformers, float32, {len(ids)} tokens, one pass; KL against "
+          f"unrounded K/V; {torch.get_num_threads()} threads")  # fmt: skip
+    print("| K/V rounded as | KL mean | KL / bfloat16's | top-1 agreement |")
+    print("|---|---|---|---|")
+    for name, kl, top1 in rows:
+        print(f"| {name} | {kl:.6f} | {kl / base:.1f}x | {top1:.2%} |")
+
+
+if __name__ == "__main__":
+    main()
