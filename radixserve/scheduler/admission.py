@@ -214,12 +214,19 @@ class Admission:
 
     def _admit(
         self, batch: list[tuple[Request, int]], budget: int, in_flight: list[Request]
-    ) -> None:
+    ) -> int:
+        """Admit waiting requests by policy within ``budget`` prompt tokens (and the
+        pages and slots); the budget left. Under the priority policy a step prefills
+        one level only, the best of those with prompt tokens to compute (the
+        candidates come best first): a worse request's prompt would make the better
+        one's first token wait for it."""
         cfg = self.config
         ps = self.page_size
         if not self.waiting:
-            return
+            return budget
         candidates = order_waiting(self.waiting, self.kv, cfg)
+        by_level = cfg.schedule_policy == "priority"
+        top = min((r.sampling.priority for r in in_flight), default=None)
         reserved = self.reserve.held(self.running, self.kv)
         admitted: list[Request] = []
         skipped = 0
@@ -228,6 +235,8 @@ class Admission:
             if budget <= 0 or not self._free_slots:
                 self._mark_divergences(candidates[i : i + cfg.max_admit_skips], in_flight)
                 break
+            if by_level and top is not None and req.sampling.priority > top:
+                break  # the rest are of this level or worse: they prefill in a later step
             if not self.loras.fits(req.lora, adapters):
                 continue  # --max-loras adapters run already: it waits for one to finish
             so = req.sampling.structured
@@ -298,10 +307,13 @@ class Admission:
                 self.chunked = req
             in_flight.append(req)
             batch.append((req, chunk))
+            if top is None or req.sampling.priority < top:
+                top = req.sampling.priority
         for req in admitted:
             self.waiting.remove(req)
         for req in self.waiting:
             req.waited_steps += 1
+        return budget
 
     def _free_slot(self, req: Request) -> None:
         if req.announced:  # a LOADING request's slot never reached the worker

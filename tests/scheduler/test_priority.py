@@ -234,13 +234,20 @@ def test_evicted_pages_count_pressure_evictions_only():
     sched.check_idle()
 
 
-def _first_token_steps(sched, worker, results: dict, rid: str) -> int:
-    """Step until ``rid`` has its first token; the steps it took."""
+def _first_token_steps(sched, worker, results: dict, rid: str) -> tuple[int, list]:
+    """Step until ``rid`` has its first token: the steps it took, and what the last
+    one computed ((request id, tokens) each)."""
+    computed: list = []
+
+    def run(step):
+        computed[:] = [(r.rid, n) for r, n in sched._batch]
+        return worker.step(step)
+
     for n in range(1, 1000):
-        for out in sched.step(worker.step):
+        for out in sched.step(run):
             _collect(results, out)
         if results.get((rid, 0), {}).get("tokens"):
-            return n
+            return n, computed
     raise AssertionError(f"{rid} never got a token")
 
 
@@ -255,8 +262,9 @@ def _first_token_steps(sched, worker, results: dict, rid: str) -> int:
 def test_an_urgent_request_gets_its_first_token_after_its_own_prefill(server):
     """Behind a full server, an urgent request's prefill is the next step's (its
     prompt fits one step's budget): it has its first token after one step, whatever
-    the worse requests were doing; each step it waited (here none) would be a step
-    of theirs. The preempted requests end with the tokens of an uninterrupted run."""
+    the worse requests were doing, and that step computes no worse prompt (a chunk
+    of one would delay its first token). The preempted requests end with the tokens
+    of an uninterrupted run."""
     slots = 8 if "slots free" in server else 4
     sched, worker = make(num_pages=4096, page_size=4, schedule_policy="priority",
                          max_running_requests=slots, chunked_prefill_size=32)  # fmt: skip
@@ -283,7 +291,10 @@ def test_an_urgent_request_gets_its_first_token_after_its_own_prefill(server):
     prompts["urgent"] = rng.integers(3, 64, 24).tolist()
     sched.add_request("urgent", prompts["urgent"], params(8, priority=-1))
     lengths["urgent"] = 8
-    assert _first_token_steps(sched, worker, results, "urgent") == 1
+    steps, computed = _first_token_steps(sched, worker, results, "urgent")
+    assert steps == 1
+    # Its step prefilled no worse prompt: the others only decoded in it.
+    assert [n for rid, n in computed if rid != "urgent"] == [1] * (len(computed) - 1)
     finish(sched, worker, results)
     for rid, p in prompts.items():
         assert results[(rid, 0)]["tokens"] == expected(p, lengths[rid]), rid
