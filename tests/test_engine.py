@@ -230,3 +230,45 @@ def test_seeded_output_survives_retraction(tiny_dir, prompts):
     assert tight.stats()["preemptions"] > 0
     assert [r.token_ids for r in squeezed] == [r.token_ids for r in calm] * 2
     tight.check_idle()
+
+
+def test_an_urgent_request_preempts_at_once_and_every_output_equals_hf(tiny_dir, hf, prompts):
+    """Priority policy, every slot taken (two decodes, a long prompt mid-way through
+    its chunks): an urgent request has its first token after one step, its own
+    prefill's; the preempted prompt resumes from its cached chunks; every request's
+    greedy tokens are HF's."""
+    e = engine(tiny_dir, schedule_policy="priority", max_running_requests=3, page_size=4,
+               chunked_prefill_size=16)  # fmt: skip
+    s = e.scheduler
+    urgent = np.random.default_rng(1).integers(4, 512, 12).tolist()
+    reqs = {"low2": (prompts[2], 5), "low3": (prompts[3], 5)}
+    tokens: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for out in s.step(e.runner.step):
+            tokens.setdefault(out.rid, []).extend(out.token_ids)
+
+    for rid, (p, level) in reqs.items():
+        s.add_request(rid, p, SamplingParams(max_tokens=MAX_NEW, temperature=0.0,
+                                             ignore_eos=True, priority=level))  # fmt: skip
+    while not all(rid in tokens for rid in reqs):
+        step()
+    reqs["long"] = (prompts[1], 3)  # 123 tokens: 8 chunks
+    reqs["urgent"] = (urgent, -1)
+    for rid in ("long", "urgent"):
+        p, level = reqs[rid]
+        s.add_request(rid, p, SamplingParams(max_tokens=MAX_NEW, temperature=0.0,
+                                             ignore_eos=True, priority=level))  # fmt: skip
+        if rid == "long":
+            step(), step()
+            assert s.chunked is not None and s.chunked.rid == "long"
+    step()
+    assert tokens.get("urgent"), "the urgent request waited"
+    assert s.num_priority_preemptions == 1
+    # The preempted prompt's chunks wait in the tree for it.
+    assert s.cache.peek_prefix(np.asarray(prompts[1], dtype=np.int32)) >= 2 * 16
+    while s.has_work():
+        step()
+    for rid, (p, _) in reqs.items():
+        assert tokens[rid] == hf_greedy(hf, p, MAX_NEW)[0], rid
+    e.check_idle()

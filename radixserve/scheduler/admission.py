@@ -79,14 +79,21 @@ class Admission:
         return need + reserve <= kv.available_pages - self.reserve.held(self.running, kv)
 
     def _preempt(self) -> None:
-        """Under the priority policy: while the best waiting request (lowest
-        ``priority``, then oldest) cannot be admitted (no free slot, or too few
-        pages), retract running requests of a worse priority, worst and newest
-        first. Their computed KV goes into the tree, so they resume from the cache;
-        one preempted ``max_preemptions`` times is not preempted again."""
+        """Under the priority policy: make room at once for the best waiting request
+        (lowest ``priority``, then oldest). A worse request mid-way through a chunked
+        prefill is retracted first (its chunk would take the step's token budget before
+        any admission; it is admitted again after the better one, in the same step when
+        budget is left, and resumes from its cached chunks); then, while the best one
+        cannot be admitted (no free slot, or too few pages), running requests of a
+        worse priority, worst and newest first. Their computed KV goes into the tree,
+        so they resume from the cache; one preempted ``max_preemptions`` times is not
+        preempted again."""
         if not self.waiting or not self.running:
             return
         best = min(self.waiting, key=lambda r: (r.sampling.priority, r.arrival))
+        so = best.sampling.structured
+        if so is not None and not self.grammars.ready(so.key):
+            return  # its grammar is still compiling: room made now would go unused
         level = best.sampling.priority
         victims = [
             r
@@ -95,13 +102,21 @@ class Admission:
             and r.preemptions < self.config.max_preemptions
             and r.status in (ReqStatus.PREFILL, ReqStatus.DECODE)
         ]
+        chunked = self.chunked
+        if chunked in victims and self.kv.enabled:
+            # Without a cache its chunks would be computed again: it keeps its budget.
+            victims.remove(chunked)
+            self._preempt_one(chunked)
         victims.sort(key=lambda r: (r.sampling.priority, r.admitted), reverse=True)
         for victim in victims:
             if self._fits(best):
                 return
-            victim.preemptions += 1
-            self._retract(victim)
-            self.num_priority_preemptions += 1
+            self._preempt_one(victim)
+
+    def _preempt_one(self, victim: Request) -> None:
+        victim.preemptions += 1
+        self._retract(victim)
+        self.num_priority_preemptions += 1
 
     def _schedule_decodes(self, batch: list[tuple[Request, int]]) -> None:
         decoding = [
@@ -199,12 +214,19 @@ class Admission:
 
     def _admit(
         self, batch: list[tuple[Request, int]], budget: int, in_flight: list[Request]
-    ) -> None:
+    ) -> int:
+        """Admit waiting requests by policy within ``budget`` prompt tokens (and the
+        pages and slots); the budget left. Under the priority policy a step prefills
+        one level only, the best of those with prompt tokens to compute (the
+        candidates come best first): a worse request's prompt would make the better
+        one's first token wait for it."""
         cfg = self.config
         ps = self.page_size
         if not self.waiting:
-            return
+            return budget
         candidates = order_waiting(self.waiting, self.kv, cfg)
+        by_level = cfg.schedule_policy == "priority"
+        top = min((r.sampling.priority for r in in_flight), default=None)
         reserved = self.reserve.held(self.running, self.kv)
         admitted: list[Request] = []
         skipped = 0
@@ -213,6 +235,8 @@ class Admission:
             if budget <= 0 or not self._free_slots:
                 self._mark_divergences(candidates[i : i + cfg.max_admit_skips], in_flight)
                 break
+            if by_level and top is not None and req.sampling.priority > top:
+                break  # the rest are of this level or worse: they prefill in a later step
             if not self.loras.fits(req.lora, adapters):
                 continue  # --max-loras adapters run already: it waits for one to finish
             so = req.sampling.structured
@@ -283,10 +307,13 @@ class Admission:
                 self.chunked = req
             in_flight.append(req)
             batch.append((req, chunk))
+            if top is None or req.sampling.priority < top:
+                top = req.sampling.priority
         for req in admitted:
             self.waiting.remove(req)
         for req in self.waiting:
             req.waited_steps += 1
+        return budget
 
     def _free_slot(self, req: Request) -> None:
         if req.announced:  # a LOADING request's slot never reached the worker

@@ -35,8 +35,9 @@ A step, in order:
    and the one it sampled after them, and the pages past them go back at once;
 3. the chunked prefill in progress continues, within the token budget (the
    prefill budget: ``chunked_prefill_size``, less while requests decode under
-   ``decode_step_tokens``, ``prefill_budget``), then the
-   LOADING requests whose pages have all arrived start their prefill, in
+   ``decode_step_tokens``, ``prefill_budget``; under the priority policy, when
+   a better request waits, after step 4 and only if no better one prefills),
+   then the LOADING requests whose pages have all arrived start their prefill, in
    admission order (one of them may become the chunked prefill);
 4. waiting requests are admitted by policy while the token budget, the memory
    budget (free + evictable pages minus what running requests still reserve)
@@ -335,17 +336,24 @@ class Scheduler(Admission):
             self.reserve.decay()
         budget = self.prefill_budget(sum(n for _, n in batch))
         in_flight: list[Request] = []
-        if self.chunked is not None:
-            req = self.chunked
-            chunk = min(req.num_tokens - req.kv_len, budget)
-            # Short of window pages (decodes took them): it waits a step.
-            if self.kv.grow_window(req, chunk):
-                budget -= chunk
-                batch.append((req, chunk))
-                in_flight.append(req)
+        chunked = self.chunked
+        # Under the priority policy a better waiting request is admitted before a worse
+        # chunk goes on (it goes on only if no better one prefills in this step).
+        defer = (
+            chunked is not None
+            and self.config.schedule_policy == "priority"
+            and bool(self.waiting)
+            and min(r.sampling.priority for r in self.waiting) < chunked.sampling.priority
+        )
+        if chunked is not None and not defer:
+            budget = self._continue_chunk(chunked, batch, budget, in_flight)
         budget = self._start_loaded(batch, budget, in_flight)
         if budget > 0:
-            self._admit(batch, budget, in_flight)
+            budget = self._admit(batch, budget, in_flight)
+        if defer and self.chunked is chunked and budget > 0:
+            level = chunked.sampling.priority
+            if not any(r.sampling.priority < level for r in in_flight):
+                self._continue_chunk(chunked, batch, budget, in_flight)
         release, self._release = self._release, []
         submit, drop = self.grammars.take_news()
         load_loras, drop_loras = self.loras.take_step()
@@ -382,6 +390,18 @@ class Scheduler(Admission):
             drop_loras,
             self.kv.take_state_saves(),
         )
+
+    def _continue_chunk(
+        self, req: Request, batch: list[tuple[Request, int]], budget: int, in_flight: list[Request]
+    ) -> int:
+        """The chunked prefill's next chunk, within ``budget``; the budget left."""
+        chunk = min(req.num_tokens - req.kv_len, budget)
+        # Short of window pages (decodes took them): it waits a step.
+        if self.kv.grow_window(req, chunk):
+            budget -= chunk
+            batch.append((req, chunk))
+            in_flight.append(req)
+        return budget
 
     def prefill_budget(self, decode_tokens: int) -> int:
         """The prompt tokens a step may compute when its decode rows (drafts

@@ -232,3 +232,70 @@ def test_evicted_pages_count_pressure_evictions_only():
     sched.flush_cache()
     assert sched.stats()["evicted_pages"] == evicted  # a flush is not counted
     sched.check_idle()
+
+
+def _first_token_steps(sched, worker, results: dict, rid: str) -> tuple[int, list]:
+    """Step until ``rid`` has its first token: the steps it took, and what the last
+    one computed ((request id, tokens) each)."""
+    computed: list = []
+
+    def run(step):
+        computed[:] = [(r.rid, n) for r, n in sched._batch]
+        return worker.step(step)
+
+    for n in range(1, 1000):
+        for out in sched.step(run):
+            _collect(results, out)
+        if results.get((rid, 0), {}).get("tokens"):
+            return n, computed
+    raise AssertionError(f"{rid} never got a token")
+
+
+@pytest.mark.parametrize(
+    "server",
+    [
+        "slots full of decodes",  # the worst and newest decode makes room
+        "a long prompt mid-prefill, slots free",  # no slot is short: only the budget is
+        "a long prompt mid-prefill, slots full",  # the chunk is of a better level than the decodes
+    ],
+)
+def test_an_urgent_request_gets_its_first_token_after_its_own_prefill(server):
+    """Behind a full server, an urgent request's prefill is the next step's (its
+    prompt fits one step's budget): it has its first token after one step, whatever
+    the worse requests were doing, and that step computes no worse prompt (a chunk
+    of one would delay its first token). The preempted requests end with the tokens
+    of an uninterrupted run."""
+    slots = 8 if "slots free" in server else 4
+    sched, worker = make(num_pages=4096, page_size=4, schedule_policy="priority",
+                         max_running_requests=slots, chunked_prefill_size=32)  # fmt: skip
+    rng = np.random.default_rng(11)
+    prompts, lengths = {}, {}
+    levels = {"decodes": 5, "chunk": 3 if "slots full" in server else 5}
+    for i in range(3 if "mid-prefill" in server else 6):
+        prompts[f"low{i}"] = rng.integers(3, 64, 20).tolist()
+        sched.add_request(f"low{i}", prompts[f"low{i}"], params(40, priority=levels["decodes"]))
+        lengths[f"low{i}"] = 40
+    results: dict = {}
+    for _ in range(3):
+        for out in sched.step(worker.step):
+            _collect(results, out)
+    if "mid-prefill" in server:
+        prompts["long"] = rng.integers(3, 64, 400).tolist()  # 13 chunks of 32 tokens or less
+        sched.add_request("long", prompts["long"], params(6, priority=levels["chunk"]))
+        lengths["long"] = 6
+        for _ in range(2):
+            for out in sched.step(worker.step):
+                _collect(results, out)
+        assert sched.chunked is not None and sched.chunked.rid == "long"
+    assert len(sched.running) == 4
+    prompts["urgent"] = rng.integers(3, 64, 24).tolist()
+    sched.add_request("urgent", prompts["urgent"], params(8, priority=-1))
+    lengths["urgent"] = 8
+    steps, computed = _first_token_steps(sched, worker, results, "urgent")
+    assert steps == 1
+    # Its step prefilled no worse prompt: the others only decoded in it.
+    assert [n for rid, n in computed if rid != "urgent"] == [1] * (len(computed) - 1)
+    finish(sched, worker, results)
+    for rid, p in prompts.items():
+        assert results[(rid, 0)]["tokens"] == expected(p, lengths[rid]), rid
+    sched.check_idle()
