@@ -6,10 +6,15 @@ through a variant before attending (as a pool that stored them would), and each
 position's full next-token distribution is compared with the unrounded model's (mean
 KL, top-1 agreement). Variants: bfloat16; the pool's formats (``kv_quant.quantize``,
 a scale per token and head); e4m3 on K only or V only; scales per 16-element block
-instead of per row; and e4m3 with each row's scale searched (``--search``: the scales
-that put one of the row's ``--top`` largest magnitudes on one of e4m3's top codes,
-keeping the one of least squared error). Nothing here is a pool format: it measures
-what a format change would buy before one is built.
+instead of per row; e4m3 with each row's scale searched (the scales that put one of
+the row's ``--top`` largest magnitudes on one of e4m3's top codes, keeping the one of
+least squared error); keys "smoothed": less the mean post-RoPE key per (layer, kv
+head, channel) of the ``--calibrate`` tokens that follow the measured ones (softmax
+cannot see a vector subtracted from every key: q.(k - m) = q.k - q.m, a constant per
+query row), or less the measured keys' own mean (the best a fixed vector does); keys
+in int8 with values in e4m3. Nothing here is a pool format: it measures what a format
+change would buy before one is built. ``--only "a;b"`` runs those variants (and
+bfloat16) alone.
 
     python bench/kv_quality_variants.py --tokens 2048
 """
@@ -51,8 +56,26 @@ def searched_e4m3(x: torch.Tensor, top: int) -> torch.Tensor:
     return torch.gather(y, -2, idx).squeeze(-2).to(x.dtype)
 
 
-def variants(top: int) -> dict:
-    return {
+def smoothed(k: torch.Tensor, means: torch.Tensor | None, name: str) -> torch.Tensor:
+    """k rounded as ``name`` after subtracting the calibrated per-(head, channel) mean.
+
+    The mean is not added back: q.(k - m) differs from q.k by one constant per query
+    row, which softmax ignores, so attention reads exactly what a pool of k - m gives.
+    """
+    if means is None:
+        raise RuntimeError("smoothed variants need the calibration pass first")
+    return round_trip(k - means.to(k.dtype)[None, :, None, :], name)
+
+
+def variants(top: int, means: dict) -> dict:
+    def smooth(name: str, values: str | None):
+        def f(k, v, layer):
+            vv = v if values is None else round_trip(v, values)
+            return smoothed(k, means.get(layer), name), vv
+
+        return f
+
+    plain = {
         "bfloat16": lambda k, v: (k.bfloat16().to(k.dtype), v.bfloat16().to(v.dtype)),
         "int8": lambda k, v: (round_trip(k, "int8"), round_trip(v, "int8")),
         "int8, 16-value blocks": lambda k, v: (
@@ -70,11 +93,38 @@ def variants(top: int) -> dict:
         "fp8_e5m2": lambda k, v: (round_trip(k, "fp8_e5m2"), round_trip(v, "fp8_e5m2")),
     }
 
+    def ignore_layer(f):
+        return lambda k, v, layer: f(k, v)
+
+    table = {n: ignore_layer(f) for n, f in plain.items()}
+    table["int8, K smoothed"] = smooth("int8", "int8")
+    table["fp8_e4m3, K smoothed"] = smooth("fp8_e4m3", "fp8_e4m3")
+    table["fp8_e4m3, K smoothed, K only"] = smooth("fp8_e4m3", None)
+    table["fp8_e5m2, K smoothed"] = smooth("fp8_e5m2", "fp8_e5m2")
+    table["fp8_e4m3, K smoothed, 16-value blocks"] = lambda k, v, layer: (
+        round_trip(k - means[layer].to(k.dtype)[None, :, None, :], "fp8_e4m3", 16),
+        round_trip(v, "fp8_e4m3", 16),
+    )  # fmt: skip
+    table["K int8, V fp8_e4m3"] = lambda k, v, layer: (
+        round_trip(k, "int8"),
+        round_trip(v, "fp8_e4m3"),
+    )  # fmt: skip
+    table["fp8_e4m3, K less its own mean"] = lambda k, v, layer: (
+        round_trip(k - k.mean(2, keepdim=True), "fp8_e4m3"),
+        round_trip(v, "fp8_e4m3"),
+    )  # fmt: skip
+    return table
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--top", type=int, default=4, help="magnitudes the scale search tries")
+    ap.add_argument(
+        "--calibrate", type=int, default=256,
+        help="tokens after the measured ones whose mean key smooths the K variants",
+    )  # fmt: skip
+    ap.add_argument("--only", default="", help="variants separated by ; (bfloat16 always)")
     args = ap.parse_args()
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -84,20 +134,31 @@ def main() -> None:
     from radixserve.models.tokenizer import load_tokenizer
 
     folder = ensure_smollm2()  # the embedded model as a transformers folder
-    ids = load_tokenizer("smollm2").encode(fixed_text())[: args.tokens]
+    all_ids = load_tokenizer("smollm2").encode(fixed_text())
+    ids = all_ids[: args.tokens]
+    calib = all_ids[args.tokens : args.tokens + args.calibrate]
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    table = variants(args.top)
+    means: dict = {}
+    table = variants(args.top, means)
+    if args.only:
+        keep = {"bfloat16", *args.only.split(";")}
+        table = {n: f for n, f in table.items() if n in keep}
     current = {"name": None}
 
     def attention(module, query, key, value, attention_mask, **kw):
-        if current["name"] is not None:
-            key, value = table[current["name"]](key, value)
+        if current["name"] == "calibrate":
+            means[module.layer_idx] = key[0].mean(1)  # (kv heads, head_dim), post-RoPE
+        elif current["name"] is not None:
+            key, value = table[current["name"]](key, value, module.layer_idx)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
 
     AttentionInterface.register("kv_variant", attention)
     model.set_attn_implementation("kv_variant")
     x = torch.tensor([ids])
     with torch.no_grad():
+        current["name"] = "calibrate"
+        model(torch.tensor([calib]))
+        current["name"] = None
         ref = torch.log_softmax(model(x).logits[0, :-1].double(), -1)
         rows = []
         for name in table:
@@ -110,7 +171,8 @@ def main() -> None:
             print(f"{name}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
     base = rows[0][1]
     print(f"SmolLM2 in transformers, float32, {len(ids)} tokens, one pass; KL against "
-          f"unrounded K/V; {torch.get_num_threads()} threads")  # fmt: skip
+          f"unrounded K/V; {torch.get_num_threads()} threads; keys smoothed by the mean "
+          f"of {len(calib)} other tokens")  # fmt: skip
     print("| K/V rounded as | KL mean | KL / bfloat16's | top-1 agreement |")
     print("|---|---|---|---|")
     for name, kl, top1 in rows:
