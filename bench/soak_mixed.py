@@ -82,6 +82,7 @@ import time
 from collections import Counter, deque
 
 import httpx
+from soak import rss_mib, slope_per_min  # bench/soak.py, beside this file
 
 from radixserve.client import Client, ConnectionLost, RequestTimeout, ServerError
 from radixserve.sampling_params import StructuredOutput
@@ -123,15 +124,6 @@ def write_adapter(out: str) -> None:
     pm.save_pretrained(out)
 
 
-def rss_mib(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            m = re.search(r"VmRSS:\s+(\d+) kB", f.read())
-    except OSError:
-        return None
-    return int(m.group(1)) / 1024 if m else None
-
-
 def running(pid: int) -> bool:
     """Alive and not a zombie."""
     try:
@@ -139,16 +131,6 @@ def running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def slope_per_hour(ts: list[float], xs: list[float]) -> float:
-    """Least-squares slope of ``xs`` over ``ts`` (seconds), per hour."""
-    n = len(ts)
-    if n < 2:
-        return 0.0
-    mt, mx = sum(ts) / n, sum(xs) / n
-    var = sum((t - mt) ** 2 for t in ts)
-    return 3600 * sum((t - mt) * (x - mx) for t, x in zip(ts, xs)) / var if var else 0.0
 
 
 class Server:
@@ -843,7 +825,7 @@ def run(args: argparse.Namespace, tmp: str) -> int:
         if len(pts) < 2:
             continue
         ts, xs = zip(*pts)
-        sl, rng_ = slope_per_hour(list(ts), list(xs)), max(xs) - min(xs)
+        sl, rng_ = 60 * slope_per_min(list(ts), list(xs)), max(xs) - min(xs)
         flat = abs(sl) <= a.rss_slope_max and rng_ <= a.rss_range_max
         rss_ok &= flat or not judged
         vrows.append([k, f"{sl:+.1f}", f"{rng_:.0f}",

@@ -332,19 +332,22 @@ static void *run(void *arg) {
     return NULL;
 }
 
+/* Tell the relay thread to stop, wake it, and wait for it (without the GIL). */
+static void join_thread(relay_t *r) {
+    pthread_mutex_lock(&r->lock);
+    r->stopping = 1;
+    pthread_mutex_unlock(&r->lock);
+    uint64_t one = 1;
+    ssize_t w = write(r->wake_fd, &one, sizeof one);
+    (void)w;
+    Py_BEGIN_ALLOW_THREADS pthread_join(r->thread, NULL);
+    Py_END_ALLOW_THREADS
+}
+
 static void destroy(PyObject *capsule) {
     relay_t *r = PyCapsule_GetPointer(capsule, "zmtp_relay");
     if (!r) return;
-    if (!r->stopping) { /* never stopped: stop now (the thread must not outlive r) */
-        pthread_mutex_lock(&r->lock);
-        r->stopping = 1;
-        pthread_mutex_unlock(&r->lock);
-        uint64_t one = 1;
-        ssize_t w = write(r->wake_fd, &one, sizeof one);
-        (void)w;
-        Py_BEGIN_ALLOW_THREADS pthread_join(r->thread, NULL);
-        Py_END_ALLOW_THREADS
-    }
+    if (!r->stopping) join_thread(r); /* never stopped: the thread must not outlive r */
     close(r->epfd);
     close(r->wake_fd);
     close(r->notify_fd);
@@ -462,14 +465,7 @@ static PyObject *py_stop(PyObject *self, PyObject *h) {
     relay_t *r = PyCapsule_GetPointer(h, "zmtp_relay");
     if (!r) return NULL;
     if (r->stopping) Py_RETURN_NONE;
-    pthread_mutex_lock(&r->lock);
-    r->stopping = 1;
-    pthread_mutex_unlock(&r->lock);
-    uint64_t one = 1;
-    ssize_t w = write(r->wake_fd, &one, sizeof one);
-    (void)w;
-    Py_BEGIN_ALLOW_THREADS pthread_join(r->thread, NULL);
-    Py_END_ALLOW_THREADS
+    join_thread(r);
     r->stopping = 2;
     Py_RETURN_NONE;
 }
