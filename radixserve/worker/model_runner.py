@@ -29,7 +29,8 @@ ids, and every rank runs every step (``worker/tp.py`` hands them the same
 steps 1-3 only and keep no sampling, penalty or grammar state beyond what the
 step's checks read, and return an empty ``StepResult``.
 
-At start it fixes the allocator policy (``malloc.py``), resolves ``dtype="auto"``
+At start it fixes the allocator policy (``malloc.py``), bounds oneDNN's caches of
+compiled products (``primitive_cache.py``), resolves ``dtype="auto"``
 (``dtype.py``), chooses the attention backend (``attention/__init__.py``: under
 ``auto`` flashinfer only after its probe ran every mode the model needs), unless
 ``config.warmup`` is off runs a warm-up (one prefill of that many tokens, then a
@@ -83,6 +84,7 @@ from radixserve.worker.logits import LogitsProcessor, token_logprobs
 from radixserve.worker.lora import LoraSlots
 from radixserve.worker.malloc import tune_malloc
 from radixserve.worker.page_table import PageTable, WindowTable
+from radixserve.worker.primitive_cache import bound_primitive_caches
 from radixserve.worker.sampler import Sampler
 from radixserve.worker.speculative import verify
 from radixserve.worker.staging import Staging
@@ -113,6 +115,7 @@ class ModelRunner:
         self.leader = comm.rank == 0
         if config.malloc_tuning:
             tune_malloc()
+        bound_primitive_caches()  # before this process compiles its first oneDNN product
         if config.threads and comm.size == 1:  # a rank of a group got its threads on joining
             torch.set_num_threads(config.threads)
         self._device = torch.device(config.device)

@@ -1,7 +1,11 @@
-"""Start-up choices of the worker: ``--dtype auto``, the malloc policy, the warm-up."""
+"""Start-up choices of the worker: ``--dtype auto``, the malloc policy, oneDNN's cache
+bound, the warm-up."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,6 +19,7 @@ from radixserve.worker import dtype as dtype_mod
 from radixserve.worker.config import WorkerConfig
 from radixserve.worker.malloc import tune_malloc
 from radixserve.worker.model_runner import ModelRunner
+from radixserve.worker.primitive_cache import ENV_VARS, bound_primitive_caches
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -70,6 +75,76 @@ def test_glibc_accepts_the_malloc_policy():
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("not glibc")
     assert applied == {"mmap_threshold": True, "trim_threshold": True, "top_pad": True}
+
+
+def test_primitive_cache_bound_keeps_a_set_value(monkeypatch):
+    monkeypatch.setenv(ENV_VARS[0], "7")
+    monkeypatch.delenv(ENV_VARS[1], raising=False)
+    assert bound_primitive_caches(64) == {ENV_VARS[0]: "7", ENV_VARS[1]: "64"}
+    with pytest.raises(ValueError, match="at least 0"):
+        bound_primitive_caches(-1)
+
+
+# In a fresh process (oneDNN reads its cache capacities once, at its first product): a
+# bfloat16 runner prefills prompts of many lengths, each a product shape of its own; the
+# heap in use must stop growing once the bounded caches are full.
+_PREFILLS = """
+import ctypes, sys
+import numpy as np
+from radixserve.protocol import Step, StepReq
+from radixserve.sampling_params import SamplingParams
+from radixserve.worker.config import WorkerConfig
+from radixserve.worker.model_runner import ModelRunner
+
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+def in_use():
+    m = libc.mallinfo2()
+    return m.uordblks + m.hblkhd
+
+runner = ModelRunner(WorkerConfig(model=sys.argv[1], dtype="bfloat16", page_size=4,
+                                  num_pages=200, max_running_requests=2, warmup=False))
+greedy = SamplingParams(temperature=0, max_tokens=1)
+pages = np.arange(200, dtype=np.int32)
+def prefill(n):
+    ids = np.arange(4, 4 + n, dtype=np.int32) % 500
+    runner.step(Step([StepReq(0, ids, 0, pages[: -(-n // 4)], True, greedy)]))
+    runner.step(Step([], release=np.asarray([0], dtype=np.int32)))
+for n in range(40, 110):
+    prefill(n)
+full = in_use()
+for n in range(110, 190, 2):
+    prefill(n)
+print((in_use() - full) >> 20)
+"""
+
+
+def test_varied_prefills_stop_growing_the_heap(tiny_llama_dir):
+    if not (torch.backends.mkldnn.is_available() and hasattr(_libc(), "mallinfo2")):
+        pytest.skip("needs oneDNN and glibc's mallinfo2")
+    env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-c", _PREFILLS, str(tiny_llama_dir)],
+        env=env, cwd=root, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    # Unbounded (1024 entries each) the 40 new lengths' products cost ~270 KiB per shape
+    # in each cache: ~85 MiB (the tiny model has four weight shapes); bounded, none.
+    assert int(out.stdout.split()[-1]) < 16
+
+
+def _libc():
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
 
 
 def _generate(runner, prompt, n):
