@@ -50,7 +50,7 @@ def teacher_forced_logits(engine: Any, token_ids: Sequence[int]) -> torch.Tensor
     is prefilled as the Engine's scheduler chunks it (``chunked_prefill_size``), with
     an empty cache, so every position past the first chunk reads pool pages.
     ValueError when the rows the worker scored are not exactly those of the text."""
-    from radixserve import SamplingParams
+    from radixserve.sampling_params import SamplingParams
 
     if len(token_ids) < 2:
         raise ValueError(f"need at least 2 tokens to score, got {len(token_ids)}")
