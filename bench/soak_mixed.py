@@ -82,7 +82,7 @@ import time
 from collections import Counter, deque
 
 import httpx
-from soak import rss_mib, slope_per_min  # bench/soak.py, beside this file
+from soak import rss_mib, running, slope_per_min  # bench/soak.py, beside this file
 
 from radixserve.client import Client, ConnectionLost, RequestTimeout, ServerError
 from radixserve.sampling_params import StructuredOutput
@@ -122,15 +122,6 @@ def write_adapter(out: str) -> None:
             if "lora_" in name:
                 p.normal_(0.0, 0.02)
     pm.save_pretrained(out)
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 class Server:
