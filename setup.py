@@ -65,8 +65,8 @@ class OptionalBuildExt(build_ext):
 
     def finalize_options(self) -> None:
         super().finalize_options()
-        if self.parallel is None:  # every extension at once, one thread each
-            self.parallel = 3
+        if self.parallel is None and self.extensions:  # every extension at once
+            self.parallel = len(self.extensions)
 
     def run(self) -> None:
         try:
