@@ -16,8 +16,7 @@ The forms take turns inside each round, so a drift in the machine's speed hits
 all of them. Each round keeps each form's fastest of ``--steps`` steps; the
 tables show the median over ``--rounds`` rounds of that time, and of the ratio
 ``x W^T`` time / form time within a round (above 1: faster than ``F.linear``).
-``layers/linear.py``'s row limits come from such runs (docs/worker.md, "CPU
-kernels").
+``layers/linear.py``'s row limits come from such runs (bench/results/linear.md).
 
     python bench/linear.py                               # rows 1,16,32,48,64,512
     python bench/linear.py --rows 16 --rounds 3 --threads 1

@@ -110,12 +110,12 @@ AMX = resolve_amx(os.environ.get(AMX_ENV, "auto"))
 
 #: Where oneDNN has AMX, ``skinny_gemm``'s vector form still wins at this many rows
 #: (one decode request) for shapes its AMX form does not take; the AMX form
-#: (``amx_takes``) wins at every row count up to 32 (docs/worker.md, "CPU kernels",
-#: has the numbers).
+#: (``amx_takes``) wins at every row count up to 32 (bench/results/linear.md has the
+#: numbers).
 AMX_KERNEL_ROWS = 1
 
 #: Row counts up to which ``skinny_gemm`` beats BLAS when the weights stream from
-#: memory (docs/worker.md, "CPU kernels", has the numbers and how to measure them).
+#: memory (bench/results/linear.md has the numbers and how to measure them).
 SKINNY_KERNEL_ROWS = 32
 
 
@@ -125,8 +125,8 @@ def skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     AVX-512 bfloat16 products; its float32-converting fallback does not, so
     bfloat16 stays with oneDNN elsewhere) but, where oneDNN has AMX (``AMX``),
     only in the kernel's own AMX form (``amx_takes``: up to 32 rows of the shapes
-    its tiles take) or up to ``AMX_KERNEL_ROWS`` rows (docs/worker.md has the
-    numbers)."""
+    its tiles take) or up to ``AMX_KERNEL_ROWS`` rows (bench/results/linear.md has
+    the numbers)."""
     if not (
         AVAILABLE
         and x.dim() == 2

@@ -2,7 +2,8 @@
 
 Decode steps multiply each weight matrix by a few activation rows, where BLAS's
 ``x W^T`` leaves much of the CPU idle while the weights stream from memory.
-docs/worker.md ("CPU kernels") has the measurements behind the row limits.
+docs/worker.md ("Skinny products") describes the forms; bench/results/linear.md has
+the measurements behind the row limits.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from radixserve.layers import cpu_kernels, invariant
 #: Up to this many rows (decode batches, small chunks) a CPU linear layer computes
 #: y = (W x^T)^T rather than x W^T: the same values, and BLAS runs the weight-major
 #: form faster for skinny activations while the weights stream from memory (for
-#: large batches the two are even; docs/worker.md, "CPU kernels", has the numbers).
+#: large batches the two are even; bench/results/linear.md has the numbers).
 SKINNY_ROWS = 512
 
 

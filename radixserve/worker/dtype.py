@@ -2,8 +2,8 @@
 
 On a CPU, bfloat16 matmuls are fast only where the CPU has bf16 dot-product
 instructions (AVX512_BF16, or AMX tiles): oneDNN then runs them ~1.5x faster
-than float32, while on AVX2-only CPUs float32 is the faster dtype (docs/worker.md
-has both measurements). On CUDA, the dtype the checkpoint was trained in
+than float32, while on AVX2-only CPUs float32 is the faster dtype (docs/worker.md,
+"dtype"). On CUDA, the dtype the checkpoint was trained in
 (``torch_dtype`` in its config) when it is a half type, else bfloat16 where the
 device supports it and float16 where it does not.
 

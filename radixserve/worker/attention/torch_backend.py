@@ -90,15 +90,15 @@ CASCADE_PREFILL_MAX_TOKENS = 256
 #: Where the AMX kernel takes prefill chunks (``TorchAttention.prefill_amx``), a short
 #: chunk joins a cascade group only when its cached context is at least this many times
 #: its length: 30-token questions over a 1000-token prompt ran 20% faster in the group,
-#: 64-token questions over 640 tokens 4-10% faster alone (docs/worker.md).
+#: 64-token questions over 640 tokens 4-10% faster alone (bench/results/unscripted.md).
 CASCADE_PREFILL_CONTEXT_RATIO = 16
 
 
 #: The longest prefill chunk the native kernel takes where it runs bfloat16 products
 #: (AVX512_BF16 without AMX): there its vdpbf16ps tiles beat SDPA up to about this
-#: length, a cached prefix or not (docs/worker.md); longer chunks, and other dtypes, go
-#: to SDPA. Where oneDNN has AMX tiles, SDPA's products run on them and every prefill
-#: chunk is faster there (docs/worker.md, "Decode steps on an Intel Xeon with AMX").
+#: length, a cached prefix or not (bench/results/unscripted.md); longer chunks, and
+#: other dtypes, go to SDPA. Where oneDNN has AMX tiles, SDPA's products run on them and
+#: every prefill chunk is faster there (the same record).
 NATIVE_PREFILL_MAX_TOKENS = 1024
 
 
