@@ -11,7 +11,7 @@ positions, and prints per batch size the median step times, their ratio, and the
 break-even: the accepted drafts per verification a drafted step needs to produce
 tokens as fast as the plain one (``ratio - 1``). Drafting pays at a batch size when
 the workload's tokens per verification exceed ``ratio``; ``--speculative-max-batch``
-is set from where that stops holding (docs/speculative.md has the measurement).
+is set from where that stops holding (bench/results/speculative_step.md has the measurement).
 
     python bench/speculative_step.py --batches 1,2,4,8,16 --drafts 4 --threads 2
 """
