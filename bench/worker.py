@@ -314,7 +314,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--decode-kernel", default="auto", choices=["auto", "native", "torch"],
-        help="radixserve's decode attention (see docs/worker.md)",
+        help="radixserve's decode attention (see docs/cpu-kernels.md)",
     )  # fmt: skip
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--isa", default="auto", help="CPU kernel levels, e.g. avx2,avx512 "

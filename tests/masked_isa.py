@@ -14,7 +14,7 @@ process it starts:
 
 Tests that take an explicit ``isa=`` still run every level the CPU has; what this
 adds is every process-wide choice made at the lower level (``make test`` runs it
-after the suite; docs/worker.md, "Which paths a CPU takes").
+after the suite; docs/cpu-kernels.md, "Which paths a CPU takes").
 """
 
 from __future__ import annotations

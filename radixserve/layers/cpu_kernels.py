@@ -21,7 +21,7 @@ torch backend decodes through gather + SDPA and linear layers use BLAS only.
 
 Every hot loop is compiled for several instruction-set levels (``ISAS``) and
 each call names the one it runs; ``ISA`` is the one this process uses
-(docs/worker.md, "CPU kernels"). ``AMX`` says whether oneDNN runs this process's
+(docs/cpu-kernels.md, "CPU kernels"). ``AMX`` says whether oneDNN runs this process's
 bfloat16 products on the CPU's AMX tiles; where it does, those beat the skinny
 kernel's vector form from ``AMX_KERNEL_ROWS + 1`` rows on, and the kernel's own
 AMX form beats them up to 32 rows where it takes the shape (``skinny_ok``).

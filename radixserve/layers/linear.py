@@ -2,7 +2,7 @@
 
 Decode steps multiply each weight matrix by a few activation rows, where BLAS's
 ``x W^T`` leaves much of the CPU idle while the weights stream from memory.
-docs/worker.md ("Skinny products") describes the forms; bench/results/linear.md has
+docs/cpu-kernels.md ("Skinny products") describes the forms; bench/results/linear.md has
 the measurements behind the row limits.
 """
 

@@ -3,7 +3,7 @@
 At decode batch sizes the torch path's layer is a few skinny products plus a
 dozen small steps around them (norms, rotary, K/V writes, attention, the
 activation, module calls, a NumPy view per native call), and those cost about as
-much as the products at batch 1 (bench/results/roofline.md; docs/worker.md, "The
+much as the products at batch 1 (bench/results/roofline.md; docs/cpu-kernels.md, "The
 decode step in one native call"). ``run`` hands all layers to one call of the kernels the torch path
 uses one by one, when the step allows it:
 

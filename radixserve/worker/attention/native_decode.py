@@ -3,7 +3,7 @@
 The torch backend's decode path gathers every page a request reads into a
 contiguous buffer, then runs ``scaled_dot_product_attention`` over it. The
 native kernel reads K and V rows where they lie in the pool, once for all the
-query heads of a GQA group, with a two-pass softmax per chunk of keys and OpenMP threads from torch's own runtime. docs/worker.md ("Paged
+query heads of a GQA group, with a two-pass softmax per chunk of keys and OpenMP threads from torch's own runtime. docs/cpu-kernels.md ("Paged
 decode attention") describes it; bench/results/decode_kernel.md has the numbers.
 
 Work is given as *segments*: a KV sequence (a page list and a key range in it)

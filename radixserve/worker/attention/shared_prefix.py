@@ -6,7 +6,7 @@ product (every member's query heads against the same keys), and where the CPU
 has AMX tiles (``cpu_kernels.AMX``) our tile kernel (``cpu_kernels.prefix_attention``,
 ``csrc/prefix_attention.cpp``; bfloat16, head_dim a multiple of 32) or else torch's
 CPU flash attention computes it several times faster than the kernel's
-``vdpbf16ps`` tiles (docs/worker.md, "CPU kernels"). Then the native kernel computes only each
+``vdpbf16ps`` tiles (docs/cpu-kernels.md, "CPU kernels"). Then the native kernel computes only each
 member's own suffix, with the log-sum-exp of its scores, and ``attend`` merges
 the two parts per row and head by their log-sum-exps (``cpu_kernels.merge_attention``,
 one native call per group): the same attention over the concatenated keys.

@@ -232,7 +232,7 @@ class TorchAttention(AttentionBackend):
             # questions after one system prompt) read it once, as decodes do. Where the
             # AMX kernel takes prefill chunks, only a chunk whose context is long against
             # it joins: the group packs the prefix once, a chunk alone packs it again
-            # but needs no suffix pass and merge (docs/worker.md, "Prefill chunks on
+            # but needs no suffix pass and merge (docs/cpu-kernels.md, "Prefill chunks on
             # the same kernel").
             short = qo_lens <= CASCADE_PREFILL_MAX_TOKENS
             if self.prefill_amx and not one_call:
