@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prepare, on a CPU machine with network access to the package index, what
-# bench/gpu_check.sh needs on a GPU machine that has none (see docs/worker.md):
+# bench/gpu_check.sh needs on a GPU machine that has none (see docs/gpu.md, "Checking a GPU install"):
 #   .whl/                 wheels installed there with --no-deps (apache-tvm-ffi, gguf)
 #   .fi/flashinfer.tar.xz flashinfer-python, trimmed to what import + JIT need
 # Both folders must be git-ignored (this script adds them to .git/info/exclude)
