@@ -18,7 +18,7 @@ products' choices inside this process (``layers/cpu_kernels.py``):
 - ``layers=0|1``: ``models.decode_step.ENABLED`` (every layer of a decode step in
   one native call where it can, or the layers one by one in Python);
 - ``det=0|1``: deterministic mode (``--deterministic``: batch-invariant products and
-  attention, docs/worker.md), switched in the running worker.
+  attention, docs/deterministic.md), switched in the running worker.
 
 Each variant is a comma-separated list of those, ``;`` between variants ("" is the
 process's own choice). The table gives per variant the median over rounds of the

@@ -449,7 +449,7 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.deterministic,
         help="batch-invariant steps: the same tokens and logprobs for a request whatever "
-        "its batch, chunking or cache hits (CPU; costs step time: docs/worker.md)",
+        "its batch, chunking or cache hits (CPU; costs step time: docs/deterministic.md)",
     )
     p.add_argument(
         "--warmup",

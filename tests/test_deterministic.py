@@ -4,7 +4,7 @@ request's tokens and logprobs are bit for bit the same alone, among 1..31 random
 neighbours, cold or from a cached prefix (pages of 1 and 16, chunks of 16 / 64 / 512
 tokens, a cached prefix that ends mid-page), restored from the disk tier, and with
 temperature > 0 and a seed. The default mode fails the batch check on the same model
-(the bug the mode fixes). docs/worker.md, "Deterministic mode"."""
+(the bug the mode fixes). docs/deterministic.md."""
 
 from __future__ import annotations
 

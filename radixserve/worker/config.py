@@ -61,7 +61,7 @@ class WorkerConfig:
     pool; 0: no tiers.
     disk_cache_dir: the disk tier's directory (page files that survive restarts);
     needs a host tier; not with ``tp`` > 1 yet.
-    deterministic: batch-invariant steps (``layers/invariant.py``, docs/worker.md,
+    deterministic: batch-invariant steps (``layers/invariant.py``, docs/deterministic.md,
     "Deterministic mode"): a row's logits depend only on its own tokens, not on its
     batch, its chunking or the cache; CPU only, the native kernels required.
     lora_modules: LoRA adapters (PEFT folders) loaded at start, ``name=path`` each, as

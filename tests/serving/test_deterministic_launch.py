@@ -1,6 +1,6 @@
 """``radixserve launch --deterministic`` for real: a request's tokens and logprobs are the
 same bits alone, among concurrent neighbours, and from the cache, over the wire
-(docs/worker.md, "Deterministic mode")."""
+(docs/deterministic.md)."""
 
 from __future__ import annotations
 
