@@ -18,7 +18,7 @@ a token-head takes 66 bytes against bfloat16's 128 (1.94x the tokens per GiB).
 Why a scale per token and head rather than one per head fixed at 1.0 (vLLM's fp8
 default): a scale fixed before the first write cannot follow the keys' range, which
 differs by layer and head by orders of magnitude; fp8 e4m3 with scale 1.0 saturates at
-448 and loses the small values to subnormals. docs/worker.md ("Quantized KV cache")
+448 and loses the small values to subnormals. docs/kv-cache.md ("Quantized KV cache")
 has the measured comparison. The ``token_head`` layout (``TOKEN_HEAD_QUANTS``) is the
 same per-(token, head) quantization in rows FlashInfer reads (a float32 scale, 16-byte
 rows: head_dim + 16 bytes); the CUDA ``flashinfer`` backend asks for it

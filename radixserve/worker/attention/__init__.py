@@ -80,7 +80,7 @@ def kv_layout_for(
     (codes + a float16 scale per token and head) otherwise. The CPU never changes. The
     per-tensor layout (``tensor``: plain fp8 codes, scale 1.0) is no one's default: on
     SmolLM2 its e4m3 KL is 1.36x that of per-(token, head) scales, for 1.25x the tokens
-    per GiB (docs/worker.md, "Quantized KV cache")."""
+    per GiB (docs/kv-cache.md, "Quantized KV cache")."""
     from radixserve.worker.attention.flashinfer_support import unsupported_reason
     from radixserve.worker.kv_quant import TOKEN_HEAD_QUANTS
 
