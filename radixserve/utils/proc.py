@@ -117,7 +117,7 @@ def freeze_heap() -> None:
     (``gc.freeze``), after a collection: for a server process once it has started (the
     model, the tokenizer, the imported modules). A full collection would otherwise walk
     them all: ~300k objects in the worker, 100-115 ms on this CPU, a stall in whichever
-    step it fell (docs/worker.md, "The garbage collector"). Objects made later are
+    step it fell (docs/warmup.md, "The garbage collector"). Objects made later are
     collected as before."""
     gc.collect()
     gc.freeze()

@@ -5,7 +5,7 @@ glibc serves blocks above its mmap threshold with a fresh ``mmap`` (and
 ``munmap`` on free), and returns the heap's free top to the kernel once it
 exceeds the trim threshold; both make every step page-fault its buffers in
 again. Its dynamic threshold adapts only after the first large frees, so the
-first requests after start ran 2.5-4x slower in float32 (docs/worker.md, "Warm-up
+first requests after start ran 2.5-4x slower in float32 (docs/warmup.md, "Warm-up
 and the memory allocator"). ``tune_malloc`` fixes the policy once, at worker start:
 
 - ``M_MMAP_THRESHOLD`` at glibc's largest accepted value (32 MiB on 64-bit;

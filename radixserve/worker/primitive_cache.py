@@ -8,7 +8,7 @@ primitive compiled for it, kept in two least-recently-used caches: oneDNN's own
 of heap whatever the shape (measured on torch 2.13's oneDNN: 64x64 and 1536x576
 weights alike). A prefill's row count is its chunk's length, which almost never
 repeats, so under varied prompts both caches fill with products that are never run
-again: the worker's heap grew ~550 MiB before they were full (docs/worker.md,
+again: the worker's heap grew ~550 MiB before they were full (docs/warmup.md,
 "Warm-up and the memory allocator").
 
 ``bound_primitive_caches`` sets both capacities to ``CAPACITY`` unless the
