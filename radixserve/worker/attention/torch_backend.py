@@ -2,7 +2,7 @@
 
 Decode requests (and, with ``shared_prefix_flash``, short prefill chunks) that
 share a cached prefix (the same first pages) read it once:
-see ``_cascade_groups`` and ``_cascade_decode`` (docs/worker.md, "Cascade decode").
+see ``_cascade_groups`` and ``_cascade_decode`` (docs/attention.md, "Cascade decode").
 
 ``begin_batch`` turns the page tables into row indices once per step:
 - write rows: where each new token's K (and V, ``page_size`` rows further) goes
