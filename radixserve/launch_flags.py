@@ -1,7 +1,10 @@
 """``radixserve launch``'s flags, and the one place its command line becomes a
-``ServerConfig``: one flag per ``EngineConfig`` field, whose dest is the field's
-name (``config_from_args``), plus the server's own (sockets, events, CURVE keys,
-nodes). The API keys never enter the config (``http_keys``).
+``ServerConfig``. The flags of the engine are derived, one per ``EngineConfig``
+field (``add_engine_arguments``): ``--name-with-dashes``, whose dest is the field's
+name, whose default is the field's, and whose help, choices, range and parsing are
+the field's ``Option`` (``options.py``), so a flag is never written by hand. The
+server's own flags (sockets, events, CURVE keys, nodes, the router of ``--dp``) are
+listed in ``SERVER_FLAGS``. The API keys never enter the config (``http_keys``).
 
 ``--disk-cache-dir`` alone gets a host tier sized from the memory free at launch
 (``default_host_cache_gb``, printed), since pages reach the disk through host
@@ -16,29 +19,141 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
-from dataclasses import fields
+from collections.abc import Callable
+from dataclasses import Field, fields
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from radixserve.config import EngineConfig
-from radixserve.sampling_params import MAX_N
+from radixserve.options import LIMITS, PARALLEL, STRUCTURED, Option, option_of, parse_size
 from radixserve.server_config import ServerConfig
 from radixserve.utils.descriptors import add_connection_arguments
-from radixserve.worker.config import DTYPE_CHOICES, KV_CACHE_DTYPES, PREFILL_BACKENDS
+
+__all__ = [
+    "EXCLUSIVE_OPTIONS",
+    "HOST_TIER_CAP_GB",
+    "SERVER_FLAGS",
+    "add_engine_arguments",
+    "add_launch_arguments",
+    "available_memory",
+    "config_from_args",
+    "default_host_cache_gb",
+    "flag_of",
+    "http_keys",
+    "launch_parser",
+    "parse_size",
+]
 
 #: The largest host tier ``--disk-cache-dir`` gets by itself, in GiB.
 HOST_TIER_CAP_GB = 16.0
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+#: Flags of ``radixserve launch`` that are no ``EngineConfig`` option: the server's
+#: own (its ``ServerConfig`` fields, the API keys, the router of ``--dp``), by dest.
+#: Every other flag is derived from exactly one ``EngineConfig`` field.
+SERVER_FLAGS = (
+    "host",
+    "port",
+    "http_port",
+    "http_host",
+    "served_model_name",
+    "tool_call_parser",
+    "max_connections",
+    "max_connections_per_address",
+    "handshake_timeout",
+    "nnodes",
+    "node_rank",
+    "dist_init_addr",
+    "watchdog_timeout",
+    "api_key",
+    "admin_api_key",
+    "curve_secret_key",
+    "curve_allowed_clients",
+    "curve_allow_any_client",
+    "curve_node_key",
+    "curve_allowed_nodes",
+    "curve_head_key",
+    "kv_events",
+    "kv_events_replay",
+    "kv_events_format",
+    "kv_events_topic",
+    "replica_id",
+    "dp",
+    "policy",
+    "balance_abs_threshold",
+    "balance_rel_threshold",
+    "cache_threshold",
+    "exit_with_parent",
+    "log_level",
+)
+
+#: Options whose flags exclude each other: the KV pool's size, in pages or in bytes.
+EXCLUSIVE_OPTIONS = (("num_pages", "kv_memory"),)
+
+#: ``--host-cache-gb`` not given is None, not the field's 0.0: ``config_from_args``
+#: then sizes a host tier when ``--disk-cache-dir`` needs one.
+_UNSET_HOST_TIER = (
+    "; not given: off, or with --disk-cache-dir a quarter of the free host memory (at "
+    f"most {HOST_TIER_CAP_GB:g} GiB, printed) (docs/cache-tiers.md)"
+)
 
 
-def parse_size(text: str) -> int:
-    """Bytes from "4GiB", "512M" or a plain integer (K/M/G/T are powers of 1024)."""
-    m = _SIZE.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MiB, 1000000)")
-    scale = 1024 ** " kmgt".index(m.group(2).lower() or " ")
-    return int(float(m.group(1)) * scale)
+def flag_of(name: str) -> str:
+    """The flag of the option ``name``: ``--name-with-dashes``."""
+    return "--" + name.replace("_", "-")
+
+
+def _checked(parse: Callable[[str], Any], spec: Option) -> Callable[[str], Any]:
+    """``parse``, then ``spec``'s range: a value out of it is a usage error."""
+
+    def convert(text: str) -> Any:
+        value = parse(text)
+        problem = spec.problem(value)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    convert.__name__ = parse.__name__  # argparse names it in "invalid int value"
+    return convert
+
+
+def _flag_arguments(f: Field, kind: Any, spec: Option) -> dict[str, Any]:
+    """``add_argument``'s keyword arguments for the option field ``f`` of type ``kind``."""
+    args: dict[str, Any] = {"dest": f.name, "default": f.default, "help": spec.help}
+    if get_origin(kind) in (Union, UnionType):  # ``T | None``: None means derived
+        (kind,) = (k for k in get_args(kind) if k is not type(None))
+    if kind is bool:
+        action = argparse.BooleanOptionalAction if spec.negatable else "store_true"
+        return {**args, "action": action}
+    if get_origin(kind) is tuple:  # ``tuple[T, ...]``: one value or more
+        kind = get_args(kind)[0]
+        args["nargs"] = "+"
+    if spec.choices:
+        args["choices"] = spec.choices
+    parse = spec.parse or kind
+    args["type"] = parse if parse is str else _checked(parse, spec)
+    if spec.metavar:
+        args["metavar"] = spec.metavar
+    return args
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, groups: dict[str, Any]) -> None:
+    """One flag per ``EngineConfig`` field on ``p``, or in the group of ``groups`` (by
+    title) that its option names."""
+    kinds = get_type_hints(EngineConfig)
+    exclusive = {}
+    for names in EXCLUSIVE_OPTIONS:
+        group = p.add_mutually_exclusive_group()
+        exclusive.update(dict.fromkeys(names, group))
+    for f in fields(EngineConfig):
+        spec = option_of(f)
+        if spec is None:
+            raise TypeError(f"EngineConfig.{f.name} is not declared with options.option")
+        args = _flag_arguments(f, kinds[f.name], spec)
+        if f.name == "host_cache_gb":
+            args.update(default=None, help=spec.help + _UNSET_HOST_TIER)
+        target = exclusive.get(f.name) or groups.get(spec.group) or p
+        target.add_argument(flag_of(f.name), **args)
 
 
 def _positive(text: str) -> int:
@@ -52,13 +167,6 @@ def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _max_n(text: str) -> int:
-    value = _positive(text)
-    if value > MAX_N:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_N}, got {value}")
     return value
 
 
@@ -76,28 +184,9 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _gib(text: str) -> float:
-    value = float(text)
-    if not value >= 0.0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 GiB, got {text}")
-    return value
-
-
-def _positive_gib(text: str) -> float:
-    value = _gib(text)
-    if value == 0.0:
-        raise argparse.ArgumentTypeError("must be > 0 GiB")
-    return value
-
-
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:
-    """Every flag of ``radixserve launch`` on ``p``."""
-    d = EngineConfig()
-    p.add_argument(
-        "--model",
-        default=d.model,
-        help="'smollm2' (the embedded SmolLM2-135M-Instruct), an HF folder, or a .gguf file",
-    )
+    """Every flag of ``radixserve launch`` on ``p``: one per ``EngineConfig`` field, and
+    the server's own (``SERVER_FLAGS``)."""
     p.add_argument("--host", default="127.0.0.1", help="address the public socket binds")
     p.add_argument("--port", type=int, default=30000, help="public TCP port; 0 picks a free one")
     p.add_argument(
@@ -127,365 +216,10 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
         help="the model's tool-call format (vLLM's names): the HTTP API's tool_choice "
         '"auto" reads calls out of free output with it (without it: a 400)',
     )
-    p.add_argument("--page-size", type=_positive, default=d.page_size, help="tokens per KV page")
-    pool = p.add_mutually_exclusive_group()
-    pool.add_argument("--num-pages", type=_positive, default=None, help="KV pool size in pages")
-    pool.add_argument(
-        "--kv-memory",
-        type=parse_size,
-        default=None,
-        help="KV pool size in bytes (e.g. 2GiB); without this or --num-pages: 1 GiB",
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        default=d.kv_cache_dtype,
-        help="what the KV pool stores: auto (the model's dtype), bfloat16, float32, or "
-        "int8/fp8_e4m3/fp8_e5m2 codes with a scale per token and kv head (about twice the "
-        "tokens per GiB; the banner prints tokens_per_gib)",
-    )
-    p.add_argument(
-        "--cache",
-        choices=["radix", "none"],
-        default=d.cache,
-        help="radix: keep KV in the prefix tree; none: free it when a request ends",
-    )
-    p.add_argument(
-        "--dtype",
-        choices=DTYPE_CHOICES,
-        default=d.dtype,
-        help="auto: bfloat16 on CPUs with AVX512_BF16/AMX, else float32; on CUDA the model's",
-    )
-    p.add_argument("--device", default=d.device, help="torch device of the worker")
-    p.add_argument(
-        "--max-running-requests",
-        type=_positive,
-        default=d.max_running_requests,
-        help="requests decoding at once (worker slots)",
-    )
-    p.add_argument(
-        "--chunked-prefill-size",
-        type=_positive,
-        default=d.chunked_prefill_size,
-        help="most prompt tokens computed per step",
-    )
-    p.add_argument(
-        "--decode-step-tokens",
-        type=_non_negative,
-        default=d.decode_step_tokens,
-        help="while requests decode, the most tokens a step carries (their decode rows, "
-        "then prompt tokens: at least one page, at most --chunked-prefill-size), so a "
-        "long prefill does not stall them; 0: off, every step may prefill "
-        "--chunked-prefill-size",
-    )
-    p.add_argument(
-        "--schedule-policy",
-        choices=["lpm", "fcfs", "priority"],
-        default=d.schedule_policy,
-        help="lpm: longest cached prefix first (with aging); fcfs: arrival order; priority: "
-        "a request's priority first (lower first, as vLLM's), lpm within a level, and a "
-        "request that cannot be admitted preempts running ones of a worse priority",
-    )
-    p.add_argument(
-        "--radix-eviction-policy",
-        choices=["lru", "lfu", "priority"],
-        default=d.radix_eviction_policy,
-        help="which cached prefixes go first under memory pressure: lru, lfu (fewest hits), "
-        "or priority (requests' cache_retention hints, then lru); lfu and priority run the "
-        "Python radix tree",
-    )
-    p.add_argument(
-        "--max-retained-share",
-        type=float,
-        default=d.max_retained_share,
-        help="with --radix-eviction-policy priority: the most of the KV pool one tenant "
-        "(cache_salt) may hold under cache_retention hints (a hint past it is not applied)",
-    )
-    p.add_argument(
-        "--max-preemptions",
-        type=_non_negative,
-        default=d.max_preemptions,
-        help="with --schedule-policy priority: a request preempted this many times is not "
-        "preempted again",
-    )
-    p.add_argument(
-        "--lpm-max-waiting",
-        type=_non_negative,
-        default=d.lpm_max_waiting,
-        help="with more requests waiting than this, lpm admits in arrival order",
-    )
-    p.add_argument(
-        "--max-wait-steps",
-        type=_non_negative,
-        default=d.max_wait_steps,
-        help="aging: a request passed over for this many steps is admitted first",
-    )
-    p.add_argument(
-        "--decode-reserve-ratio",
-        type=_ratio,
-        default=d.decode_reserve_ratio,
-        help="share of running requests' remaining decode pages kept free at admission; "
-        "lower admits more and relies on eviction and retraction",
-    )
-    p.add_argument(
-        "--decode-reserve-min-ratio",
-        type=_ratio,
-        default=d.decode_reserve_min_ratio,
-        help="the reserve ratio falls to this (at most --decode-reserve-ratio) while "
-        "nothing is retracted; a retraction puts it back to --decode-reserve-ratio",
-    )
-    p.add_argument(
-        "--decode-reserve-decay-steps",
-        type=_non_negative,
-        default=d.decode_reserve_decay_steps,
-        help="steps over which the reserve ratio falls to its min (0: it never falls)",
-    )
-    p.add_argument(
-        "--max-admit-skips",
-        type=_non_negative,
-        default=d.max_admit_skips,
-        help="waiting requests that do not fit passed over per step before admission "
-        "stops (the requests behind them are still admitted)",
-    )
-    p.add_argument(
-        "--shared-prefix-min-tokens",
-        type=_non_negative,
-        default=d.shared_prefix_min_tokens,
-        help="hold a waiting request back while it shares at least this many uncached "
-        "prefix tokens with a prompt being prefilled (it then hits them in the tree)",
-    )
-    p.add_argument(
-        "--speculative-algorithm",
-        choices=["off", "ngram", "radix"],
-        default=d.speculative_algorithm,
-        help="speculative decoding's drafts: ngram (prompt lookup over the request's own "
-        "tokens) or radix (what followed the same tokens in the radix tree, same cache "
-        "salt only, then ngram); verified losslessly (docs/speculative.md)",
-    )
-    p.add_argument(
-        "--speculative-num-draft-tokens",
-        type=_non_negative,
-        default=d.speculative_num_draft_tokens,
-        help="draft tokens per request and step at most",
-    )
-    p.add_argument(
-        "--speculative-min-match",
-        type=_positive,
-        default=d.speculative_min_match,
-        help="ngram drafts: the shortest suffix of a request's tokens that must have "
-        "occurred before in them",
-    )
-    p.add_argument(
-        "--speculative-max-batch",
-        type=_non_negative,
-        default=d.speculative_max_batch,
-        help="no drafts in a step where more requests than this decode",
-    )
-    p.add_argument(
-        "--host-cache-gb",
-        type=_gib,
-        default=None,
-        help="the KV cache's host tier: GiB of host memory (pinned on CUDA) that keeps "
-        "pages evicted from the pool and gives them back on a hit; 0: off; not given: "
-        "off, or with --disk-cache-dir a quarter of the free host memory (at most "
-        f"{HOST_TIER_CAP_GB:g} GiB, printed) (docs/cache-tiers.md)",
-    )
-    p.add_argument(
-        "--disk-cache-dir",
-        default=d.disk_cache_dir,
-        help="the KV cache's disk tier: a directory of page files, written through as "
-        "pages are computed, that survives restarts (through a host tier: "
-        "--host-cache-gb, or one sized from free memory)",
-    )
-    p.add_argument(
-        "--disk-cache-gb",
-        type=_positive_gib,
-        default=d.disk_cache_gb,
-        help="the disk tier's size bound in GiB (least recently used files go first)",
-    )
-    p.add_argument(
-        "--lora-modules",
-        nargs="+",
-        default=d.lora_modules,
-        metavar="NAME=PATH",
-        help="LoRA adapters (PEFT folders: adapter_config.json + adapter_model.safetensors) "
-        "served beside the base model; a request picks one by name (HTTP: the model "
-        "field) (docs/lora.md)",
-    )
-    p.add_argument(
-        "--max-loras",
-        type=_positive,
-        default=d.max_loras,
-        help="LoRA adapters whose requests may run in one batch (the base model not counted)",
-    )
-    p.add_argument(
-        "--max-lora-rank",
-        type=_positive,
-        default=d.max_lora_rank,
-        help="the highest LoRA rank accepted; an adapter above it is refused",
-    )
-    p.add_argument(
-        "--radix-impl",
-        choices=["auto", "python", "native"],
-        default=d.radix_impl,
-        help="radix tree implementation; auto: native when built",
-    )
-    p.add_argument(
-        "--attention-backend",
-        default=d.attention_backend,
-        help="auto (flashinfer on CUDA when its start-up probe passes, else torch) | torch "
-        "| flashinfer (fails at start, with the reason, when it cannot run)",
-    )
-    p.add_argument(
-        "--state-snapshots",
-        type=_positive,
-        default=d.state_snapshots,
-        help="hybrid models: recurrent-state snapshots the prefix cache may keep, each "
-        "one request's state (default: --max-running-requests)",
-    )
-    p.add_argument(
-        "--sliding-pool-pages",
-        type=int,
-        default=d.sliding_pool_pages,
-        help="models with sliding-window layers: pages of the window pool holding those "
-        "layers' K/V (default: sized from the KV budget; 0: one pool for every layer)",
-    )
-    p.add_argument(
-        "--disable-cuda-graph",
-        action="store_true",
-        default=d.disable_cuda_graph,
-        help="run decode steps eagerly instead of replaying CUDA graphs (graphs: CUDA "
-        "with the flashinfer backend only)",
-    )
-    p.add_argument(
-        "--flashinfer-prefill-backend",
-        choices=PREFILL_BACKENDS,
-        default=d.flashinfer_prefill_backend,
-        help="flashinfer's prefill kernels: auto (fa3 on Hopper, else fa2), fa2 or fa3; "
-        "fa2 JIT-builds much faster where no prebuilt kernels are installed",
-    )
-    p.add_argument(
-        "--decode-kernel",
-        choices=["auto", "native", "torch"],
-        default=d.decode_kernel,
-        help="torch backend's decode attention: native (reads KV pages in place; CPU, "
-        "float32/float64/bfloat16) or torch (gather + SDPA); auto: native where it runs",
-    )
-    p.add_argument(
-        "--cache-dir",
-        default=d.cache_dir,
-        help="converted-model cache dir (default: $RADIXSERVE_CACHE_DIR or ~/.cache/radixserve)",
-    )
-    p.add_argument("--seed", type=int, default=d.seed, help="seeds requests that bring no seed")
-    lim = p.add_argument_group("limits on client input (docs/security.md)")
-    lim.add_argument(
-        "--max-message-bytes",
-        type=parse_size,
-        default=d.max_message_bytes,
-        help="largest message the public socket accepts (ZMQ_MAXMSGSIZE); a client "
-        "sending a larger one is disconnected",
-    )
-    lim.add_argument(
-        "--max-queued-replies",
-        type=_positive,
-        default=d.max_queued_replies,
-        help="replies queued for one client that does not read them (send high-water "
-        "mark) before it is treated as gone and its requests aborted",
-    )
-    lim.add_argument(
-        "--max-requests-per-client",
-        type=_positive,
-        default=d.max_requests_per_client,
-        help="requests in flight per client connection (the HTTP front is one client)",
-    )
-    add_connection_arguments(lim)
-    lim.add_argument(
-        "--max-prompt-chars",
-        type=_positive,
-        default=d.max_prompt_chars,
-        help="characters of a prompt (or of a chat's content, tool calls and tools), checked "
-        "before tokenizing",
-    )
-    lim.add_argument(
-        "--max-prompt-tokens",
-        type=_positive,
-        default=d.max_prompt_tokens,
-        help="prompt tokens; default: the model's context less one",
-    )
-    lim.add_argument(
-        "--max-stop",
-        type=_non_negative,
-        default=d.max_stop,
-        help="stop strings per request, and stop token ids per request",
-    )
-    lim.add_argument(
-        "--max-stop-len", type=_positive, default=d.max_stop_len, help="characters per stop string"
-    )
-    lim.add_argument(
-        "--max-n", type=_max_n, default=d.max_n, help=f"samples per request (at most {MAX_N})"
-    )
-    lim.add_argument(
-        "--chat-special-tokens",
-        action="store_true",
-        default=d.chat_special_tokens,
-        help="let special tokens typed inside chat message content act as control "
-        "tokens (by default they are plain text)",
-    )
-    so = p.add_argument_group("structured output (docs/structured.md)")
-    so.add_argument(
-        "--grammar-cache-size",
-        type=_non_negative,
-        default=d.grammar_cache_size,
-        help="compiled grammars kept for reuse once no request uses them",
-    )
-    so.add_argument(
-        "--jump-forward",
-        action=argparse.BooleanOptionalAction,
-        default=d.jump_forward,
-        help="append the tokens a grammar forces without sampling them one by one",
-    )
-    p.add_argument(
-        "--deterministic",
-        action=argparse.BooleanOptionalAction,
-        default=d.deterministic,
-        help="batch-invariant steps: the same tokens and logprobs for a request whatever "
-        "its batch, chunking or cache hits (CPU; costs step time: docs/deterministic.md)",
-    )
-    p.add_argument(
-        "--warmup",
-        action=argparse.BooleanOptionalAction,
-        default=d.warmup,
-        help="run a largest-chunk prefill and a full decode step before serving",
-    )
-    p.add_argument(
-        "--malloc-tuning",
-        action=argparse.BooleanOptionalAction,
-        default=d.malloc_tuning,
-        help="fix glibc's malloc policy in the worker so step buffers stay mapped",
-    )
-    tp = p.add_argument_group("tensor parallelism (docs/parallel.md)")
-    tp.add_argument(
-        "--tp",
-        type=_positive,
-        default=d.tp,
-        help="tensor-parallel ranks: the model split over N worker processes (gloo on the "
-        "CPU, NCCL on CUDA, one device each); --kv-memory is then per rank",
-    )
-    tp.add_argument(
-        "--threads",
-        type=_non_negative,
-        default=d.threads,
-        help="torch CPU threads per worker rank; 0: torch's default with one rank (one "
-        "fewer on the CPU during steps while the cache tiers' copy thread has work), "
-        "cores // --tp with several",
-    )
-    tp.add_argument(
-        "--dist-timeout",
-        type=_seconds,
-        default=d.dist_timeout,
-        help="seconds a tensor-parallel collective may take before its rank fails (and "
-        "the server with it); also how long the ranks wait for each other at start",
-    )
+    groups = {title: p.add_argument_group(title) for title in (LIMITS, STRUCTURED, PARALLEL)}
+    add_engine_arguments(p, groups)
+    add_connection_arguments(groups[LIMITS])
+    tp = groups[PARALLEL]
     tp.add_argument(
         "--nnodes",
         type=_positive,
@@ -696,7 +430,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                 file=sys.stderr,
                 flush=True,
             )
-    options["lora_modules"] = tuple(options["lora_modules"])
+    # nargs="+" gives lists; the config's many-valued options are tuples.
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
     engine = EngineConfig(**options)
     return ServerConfig(
         engine=engine,

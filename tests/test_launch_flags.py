@@ -1,23 +1,93 @@
-"""``radixserve launch``'s command line into a ``ServerConfig``: the host tier
-``--disk-cache-dir`` gets by itself, and the refusal that names what to pass."""
+"""``radixserve launch``'s command line into a ``ServerConfig``: one flag derived from
+each ``EngineConfig`` option, the server's own listed apart, the options' checks at
+parse time and in the configs, the host tier ``--disk-cache-dir`` gets by itself, and
+the refusal that names what to pass."""
 
 from __future__ import annotations
+
+from collections import Counter
+from dataclasses import fields
 
 import pytest
 
 from radixserve.cli import build_parser, main
+from radixserve.config import MODEL_FIELDS, EngineConfig, ModelInfo, scheduler_config
 from radixserve.launch_flags import (
     HOST_TIER_CAP_GB,
+    SERVER_FLAGS,
     available_memory,
     config_from_args,
     default_host_cache_gb,
+    flag_of,
+    launch_parser,
 )
+from radixserve.options import option_of
+from radixserve.sampling_params import MAX_N
+from radixserve.scheduler.config import SchedulerConfig
+from radixserve.tokenizer.config import TokenizerConfig
+from radixserve.worker.config import WorkerConfig
 
 GIB = 1024**3
+INFO = ModelInfo(
+    num_pages=64,
+    page_size=1,
+    max_context_len=256,
+    vocab_size=512,
+    eos_token_ids=(2,),
+    model_name="tiny",
+    backend_name="torch",
+    dtype="float32",
+    dtype_reason="as asked",
+)
 
 
 def launch(*flags: str):
     return config_from_args(build_parser().parse_args(["launch", *flags])).engine
+
+
+def test_every_engine_option_has_exactly_one_flag_and_every_flag_one_option():
+    flags: dict[str, list[str]] = {}
+    for action in launch_parser()._actions:
+        if action.dest != "help":
+            flags.setdefault(action.dest, []).extend(action.option_strings)
+    engine = [f.name for f in fields(EngineConfig)]
+    assert not set(engine) & set(SERVER_FLAGS), "an option listed as the server's"
+    assert Counter(SERVER_FLAGS).most_common(1)[0][1] == 1, "a server flag listed twice"
+    assert set(flags) == set(engine) | set(SERVER_FLAGS)
+    for name in engine:
+        flag = flag_of(name)
+        assert flags[name] in ([flag], [flag, "--no-" + flag[2:]]), name
+        assert option_of(next(f for f in fields(EngineConfig) if f.name == name)), name
+
+
+def test_library_fields_are_options_but_the_model_facts():
+    for cls in (WorkerConfig, TokenizerConfig):
+        assert all(option_of(f) for f in fields(cls)), cls
+    settable = {f.name for f in fields(SchedulerConfig) if option_of(f)}
+    assert settable == {f.name for f in fields(SchedulerConfig)} - set(MODEL_FIELDS)
+
+
+def test_an_option_out_of_its_range_or_choices_is_refused_by_flag_and_by_config(capsys):
+    for flag, value in (
+        ("--max-retained-share", "1.5"),
+        ("--dist-timeout", "0"),
+        ("--max-n", str(MAX_N + 1)),
+        ("--sliding-pool-pages", "-1"),
+        ("--decode-kernel", "cuda"),
+        ("--page-size", "x"),
+    ):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["launch", flag, value])
+        assert flag in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"max_retained_share must be in \[0, 1\], got 1.5"):
+        scheduler_config(EngineConfig(max_retained_share=1.5), INFO)
+    with pytest.raises(ValueError, match="unsupported decode_kernel 'cuda'"):
+        WorkerConfig(decode_kernel="cuda")
+    with pytest.raises(ValueError, match=rf"max_n must be in \[1, {MAX_N}\], got 0"):
+        TokenizerConfig(max_n=0)
+    with pytest.raises(ValueError, match="max_stop must be given"):
+        TokenizerConfig(max_stop=None)
+    assert WorkerConfig(state_snapshots=None).state_snapshots is None  # None: derived
 
 
 def test_the_default_host_tier_is_a_quarter_of_free_memory_in_half_gib():

@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "radixserve.results",
             "radixserve.structured",
             "radixserve.model_info",
+            "radixserve.options",
             "radixserve.curve",
             "radixserve.auth_env",
             "radixserve.version",

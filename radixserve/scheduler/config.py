@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixserve.options import SharedOptions, check_options, option
+
 CACHE_MODES = ("radix", "none")
+#: ``radix_impl.py``'s choice of tree: ``auto`` is native when the extension is built.
+RADIX_IMPLS = ("auto", "python", "native")
 SCHEDULE_POLICIES = ("lpm", "fcfs", "priority")
-EVICTION_POLICIES = ("lru", "lfu", "priority")  # radix_cache.py's
+#: Which unlocked leaves ``radix_cache.py`` evicts first: ``lfu`` fewest hits,
+#: ``priority`` requests' ``cache_retention`` hints, then LRU.
+EVICTION_POLICIES = ("lru", "lfu", "priority")
 SPECULATIVE_ALGORITHMS = ("off", "ngram", "radix")  # speculative.py's
 #: ``decode_step_tokens``' default (docs/scheduler.md: measured).
 DECODE_STEP_TOKENS = 1024
@@ -28,106 +34,161 @@ def check_cache_tiers(cache: str, has_host: bool, disk_cache_dir: str | None) ->
         )
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """How the scheduler batches requests over a pool of ``num_pages`` KV pages.
+@dataclass(frozen=True, kw_only=True)
+class SchedulerOptions(SharedOptions):
+    """The scheduler's options (each one's help says what it does; docs/scheduler.md
+    has their defaults, measured, and how they interact).
 
-    Defaults (documented in docs/scheduler.md):
-    - ``max_running_requests`` 64: requests holding a worker slot at once.
-    - ``chunked_prefill_size`` 2048: prompt tokens computed per step at most
-      (a longer prompt is prefilled in chunks, one chunked request at a time).
-    - ``decode_step_tokens``: while requests decode, the tokens a step carries
-      at most (decode rows and their drafts, then prefill): the prefill gets what
-      the decodes leave, in whole pages, at least one page, at most
-      ``chunked_prefill_size``; a step with no decode prefills
-      ``chunked_prefill_size``. 0: off (every step may prefill
-      ``chunked_prefill_size`` whatever decodes). It bounds how long a decoding
-      request waits for a step that also prefills (Sarathi-Serve's stall-free
-      batching; docs/scheduler.md).
-    - ``schedule_policy`` "lpm": longest cached prefix first, with aging; it
-      falls back to FCFS order when more than ``lpm_max_waiting`` requests wait
-      (peeking every prompt each step would cost more than it saves).
-    - ``max_wait_steps`` 64: a waiting request that was passed over this many
-      steps is admitted before any newer one (no starvation under lpm).
-    - ``decode_reserve_ratio`` 1.0: the fraction of each running request's
-      remaining ``max_tokens`` kept free for its decode when admitting more;
-      lower admits more and relies on eviction and retraction. It is where the
-      reserve ratio starts, and where it goes back to after a retraction.
-    - ``decode_reserve_min_ratio`` 0.1 and ``decode_reserve_decay_steps`` 500:
-      while nothing is retracted the reserve ratio falls linearly to the min
-      (never above ``decode_reserve_ratio``) over that many steps, so requests
-      that ask for far more output than they produce (``max_tokens`` up to the
-      context) do not hold the pool against everyone else; retraction is the
-      safety net when they do produce it.
-    - ``schedule_policy`` "priority": by ``SamplingParams.priority`` (lower
-      first), lpm with aging within a level; a waiting request that cannot be
-      admitted preempts running requests of a worse priority (docs/scheduler.md).
-    - ``radix_eviction_policy`` "lru": which unlocked leaves go first under memory
-      pressure: ``lru``, ``lfu`` (fewest hits first), or ``priority`` (requests'
-      ``cache_retention`` hints first, then LRU); the last two run the Python tree.
-    - ``max_retained_share`` 0.5: under the priority eviction policy, the most of
-      the pool one tenant (salt) may hold under running retention hints.
-    - ``max_preemptions`` 4: a request preempted this many times is not
-      preempted again (nothing is preempted forever).
-    - ``max_loras`` 4: LoRA adapters whose requests may run in one batch (the base
-      model not counted); a request under another adapter waits (docs/lora.md).
-      ``loras``: the adapters the worker loaded at start (ModelInfo).
-    - ``max_admit_skips`` 32: a waiting request whose pages do not fit is
-      passed over and admission goes on with the requests behind it, up to
-      this many such requests per step (then admission stops for the step).
-    - ``speculative_algorithm`` "off": speculative decoding's drafts, ``ngram``
-      (prompt lookup) or ``radix`` (the radix tree's continuation, then ngram);
-      ``speculative_num_draft_tokens`` 4 drafts per request and step at most;
-      ``speculative_min_match`` 2: the shortest suffix ngram matches;
-      ``speculative_max_batch`` 6: no drafts in a step where more requests decode
-      (docs/speculative.md, ``speculative.py``).
+    Beyond the flags' help, for the library: ``decode_step_tokens`` gives the prefill
+    what the decodes leave, in whole pages, at least one page, at most
+    ``chunked_prefill_size``; a step with no decode prefills ``chunked_prefill_size``
+    (Sarathi-Serve's stall-free batching). ``lpm`` falls back to FCFS order past
+    ``lpm_max_waiting`` waiting requests because peeking every prompt each step
+    would cost more than it saves. The reserve ratio falls linearly from
+    ``decode_reserve_ratio`` to ``decode_reserve_min_ratio`` over
+    ``decode_reserve_decay_steps`` while nothing is retracted, so requests that ask
+    for far more output than they produce do not hold the pool against everyone
+    else; retraction is the safety net when they do produce it. A request under a
+    LoRA adapter past ``max_loras`` waits (docs/lora.md). ``shared_prefix_min_tokens``:
+    DESIGN's shared prefixes inside one batch. Speculative decoding:
+    docs/speculative.md, ``speculative.py``.
     """
+
+    cache: str = option(
+        "radix",
+        "radix: keep KV in the prefix tree; none: free it when a request ends",
+        choices=CACHE_MODES,
+    )
+    radix_impl: str = option(
+        "auto", "radix tree implementation; auto: native when built", choices=RADIX_IMPLS
+    )
+    decode_step_tokens: int = option(
+        DECODE_STEP_TOKENS,
+        "while requests decode, the most tokens a step carries (their decode rows, "
+        "then prompt tokens: at least one page, at most --chunked-prefill-size), so a "
+        "long prefill does not stall them; 0: off, every step may prefill "
+        "--chunked-prefill-size",
+        at_least=0,
+    )
+    schedule_policy: str = option(
+        "lpm",
+        "lpm: longest cached prefix first (with aging); fcfs: arrival order; priority: "
+        "a request's priority first (lower first, as vLLM's), lpm within a level, and a "
+        "request that cannot be admitted preempts running ones of a worse priority",
+        choices=SCHEDULE_POLICIES,
+    )
+    lpm_max_waiting: int = option(
+        128, "with more requests waiting than this, lpm admits in arrival order", at_least=0
+    )
+    max_wait_steps: int = option(
+        64, "aging: a request passed over for this many steps is admitted first", at_least=0
+    )
+    decode_reserve_ratio: float = option(
+        1.0,
+        "share of running requests' remaining decode pages kept free at admission; "
+        "lower admits more and relies on eviction and retraction",
+        at_least=0.0,
+        at_most=1.0,
+    )
+    decode_reserve_min_ratio: float = option(
+        0.1,
+        "the reserve ratio falls to this (at most --decode-reserve-ratio) while "
+        "nothing is retracted; a retraction puts it back to --decode-reserve-ratio",
+        at_least=0.0,
+        at_most=1.0,
+    )
+    decode_reserve_decay_steps: int = option(
+        500,
+        "steps over which the reserve ratio falls to its min (0: it never falls)",
+        at_least=0,
+    )
+    max_admit_skips: int = option(
+        32,
+        "waiting requests that do not fit passed over per step before admission "
+        "stops (the requests behind them are still admitted)",
+        at_least=0,
+    )
+    max_preemptions: int = option(
+        4,
+        "with --schedule-policy priority: a request preempted this many times is not "
+        "preempted again",
+        at_least=0,
+    )
+    radix_eviction_policy: str = option(
+        "lru",
+        "which cached prefixes go first under memory pressure: lru, lfu (fewest hits), "
+        "or priority (requests' cache_retention hints, then lru); lfu and priority run the "
+        "Python radix tree",
+        choices=EVICTION_POLICIES,
+    )
+    max_retained_share: float = option(
+        0.5,
+        "with --radix-eviction-policy priority: the most of the KV pool one tenant "
+        "(cache_salt) may hold under cache_retention hints (a hint past it is not applied)",
+        at_least=0.0,
+        at_most=1.0,
+    )
+    shared_prefix_min_tokens: int = option(
+        32,
+        "hold a waiting request back while it shares at least this many uncached "
+        "prefix tokens with a prompt being prefilled (it then hits them in the tree)",
+        at_least=0,
+    )
+    speculative_algorithm: str = option(
+        "off",
+        "speculative decoding's drafts: ngram (prompt lookup over the request's own "
+        "tokens) or radix (what followed the same tokens in the radix tree, same cache "
+        "salt only, then ngram); verified losslessly (docs/speculative.md)",
+        choices=SPECULATIVE_ALGORITHMS,
+    )
+    speculative_num_draft_tokens: int = option(
+        4, "draft tokens per request and step at most", at_least=0
+    )
+    speculative_min_match: int = option(
+        2,
+        "ngram drafts: the shortest suffix of a request's tokens that must have "
+        "occurred before in them",
+        at_least=1,
+    )
+    speculative_max_batch: int = option(
+        6, "no drafts in a step where more requests than this decode", at_least=0
+    )
+    disk_cache_gb: float = option(
+        16.0,
+        "the disk tier's size bound in GiB (least recently used files go first)",
+        above=0.0,
+    )
+    max_loras: int = option(
+        4,
+        "LoRA adapters whose requests may run in one batch (the base model not counted)",
+        at_least=1,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig(SchedulerOptions):
+    """How the scheduler batches requests over a pool of ``num_pages`` KV pages: its
+    options, and what the loaded model fixes (``config.MODEL_FIELDS``, from
+    ``ModelInfo``)."""
 
     num_pages: int
     page_size: int = 1
     max_context_len: int = 2048
     eos_token_ids: tuple[int, ...] = ()
-    cache: str = "radix"
-    radix_impl: str = "auto"
-    max_running_requests: int = 64
-    chunked_prefill_size: int = 2048
-    decode_step_tokens: int = DECODE_STEP_TOKENS
-    schedule_policy: str = "lpm"
-    lpm_max_waiting: int = 128
-    max_wait_steps: int = 64
-    decode_reserve_ratio: float = 1.0
-    decode_reserve_min_ratio: float = 0.1
-    decode_reserve_decay_steps: int = 500
-    max_admit_skips: int = 32
-    max_preemptions: int = 4
-    radix_eviction_policy: str = "lru"
-    max_retained_share: float = 0.5
-    # A waiting request is held back while it shares a prefix of at least this
-    # many tokens with a prompt being prefilled now and part of that prefix (in
-    # whole pages) is not cached yet (DESIGN: shared prefixes inside one batch);
-    # once that prefill is done it hits the whole prefix in the tree.
-    shared_prefix_min_tokens: int = 32
     # Cache tiers below the pool (docs/cache-tiers.md). ``host_pages``: the worker's
-    # host buffer in pages (ModelInfo, from --host-cache-gb; 0: no tiers).
-    # ``disk_cache_dir``: the disk tier's directory (None: none), bounded to
-    # ``disk_cache_gb`` GiB of page files. ``page_bytes`` and ``kv_identity``
-    # (ModelInfo) size and name the disk tier's files.
-    speculative_algorithm: str = "off"
-    speculative_num_draft_tokens: int = 4
-    speculative_min_match: int = 2
-    speculative_max_batch: int = 6
+    # host buffer in pages (from --host-cache-gb; 0: no tiers). The disk tier
+    # (``disk_cache_dir``, bounded to ``disk_cache_gb`` GiB of page files) names and
+    # sizes its files with ``page_bytes`` and ``kv_identity``.
     host_pages: int = 0
-    disk_cache_dir: str | None = None
-    disk_cache_gb: float = 16.0
     page_bytes: int = 0
     kv_identity: str = ""
-    max_loras: int = 4
+    # The adapters the worker loaded at start.
     loras: tuple = ()
     # A hybrid model's recurrent-state snapshots in the worker's state pool
-    # (ModelInfo; 0: not a hybrid model): the radix tree keeps them (state_cache.py).
+    # (0: not a hybrid model): the radix tree keeps them (state_cache.py).
     state_snapshots: int = 0
-    # A model whose sliding layers keep their K/V in the window pool (ModelInfo; 0:
-    # none): its pages, and W, the largest sliding window in tokens (window_cache.py).
+    # A model whose sliding layers keep their K/V in the window pool (0: none): its
+    # pages, and W, the largest sliding window in tokens (window_cache.py).
     window_pages: int = 0
     window_span: int = 0
 
@@ -139,52 +200,12 @@ class SchedulerConfig:
                 "cache tiers (--host-cache-gb) do not hold the sliding layers' window "
                 "pages yet: use --sliding-pool-pages 0 (one pool for every layer)"
             )
-        if self.max_loras < 1:
-            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
-        if self.cache not in CACHE_MODES:
-            raise ValueError(f"cache must be one of {CACHE_MODES}, got {self.cache!r}")
-        if self.radix_eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(
-                f"radix_eviction_policy must be one of {EVICTION_POLICIES}, got {self.radix_eviction_policy!r}"
-            )
-        if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(
-                f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
-            )
-        for name in ("num_pages", "page_size", "max_running_requests", "chunked_prefill_size"):
+        check_options(self)
+        for name in ("num_pages", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunked_prefill_size < self.page_size:
             raise ValueError("chunked_prefill_size must be at least one page")
-        if self.decode_step_tokens < 0:
-            raise ValueError(f"decode_step_tokens must be >= 0, got {self.decode_step_tokens}")
-        if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
-            raise ValueError(
-                f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, "
-                f"got {self.speculative_algorithm!r}"
-            )
-        for name in ("speculative_num_draft_tokens", "speculative_max_batch"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.speculative_min_match < 1:
-            raise ValueError(
-                f"speculative_min_match must be >= 1, got {self.speculative_min_match}"
-            )
         if self.host_pages < 0:
             raise ValueError(f"host_pages must be >= 0, got {self.host_pages}")
         check_cache_tiers(self.cache, self.host_pages > 0, self.disk_cache_dir)
-        if self.disk_cache_gb <= 0:
-            raise ValueError(f"disk_cache_gb must be > 0, got {self.disk_cache_gb}")
-        for name in ("decode_reserve_ratio", "decode_reserve_min_ratio", "max_retained_share"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1]")
-        for name in (
-            "lpm_max_waiting",
-            "max_wait_steps",
-            "shared_prefix_min_tokens",
-            "decode_reserve_decay_steps",
-            "max_admit_skips",
-            "max_preemptions",
-        ):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -63,6 +63,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from radixserve.scheduler.allocator import PageAllocator
+from radixserve.scheduler.config import EVICTION_POLICIES
 from radixserve.scheduler.prefix_cache import MatchResult
 from radixserve.scheduler.radix_check import check_tree
 
@@ -163,7 +164,6 @@ def _common_len(key: np.ndarray, tokens: np.ndarray, pos: int, end: int) -> int:
     return i if neq[i] else n
 
 
-EVICTION_POLICIES = ("lru", "lfu", "priority")
 MAX_RETENTION = 100
 
 

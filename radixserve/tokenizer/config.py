@@ -12,57 +12,75 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixserve.options import LIMITS, check_options, option, parse_size
 from radixserve.sampling_params import MAX_N
 
 
-@dataclass(frozen=True)
-class TokenizerConfig:
-    """Defaults (documented in docs/security.md):
+@dataclass(frozen=True, kw_only=True)
+class TokenizerOptions:
+    """The tokenizer's options (docs/security.md has their defaults and why).
 
-    - ``max_message_bytes`` 8 MiB: the public socket's ``ZMQ_MAXMSGSIZE``; a
-      client that sends a larger message is disconnected by ZeroMQ before it is
-      read.
-    - ``max_queued_replies`` 100000: the public socket's send high-water mark per
-      client; a client that lets this many replies pile up unread is treated as
-      gone (its requests are aborted).
-    - ``max_requests_per_client`` 1024: requests in flight per client identity
-      (the HTTP front is one client: this also bounds its requests in flight).
-    - ``max_prompt_chars`` 1 Mi: characters of a prompt, or of a chat's content,
-      tool calls and tool definitions (their JSON text) together, checked before
-      tokenizing.
-    - ``max_prompt_tokens`` None: prompt tokens (``input_ids`` are checked before
-      anything else is); None: the model's context less one token.
-    - ``max_stop`` 16 and ``max_stop_len`` 256: stop strings per request (and stop
-      token ids), and characters per stop string.
-    - ``max_n`` 16: samples per request.
-    - ``chat_special_tokens`` False: special tokens typed inside chat message
-      content stay text; True lets them act as control tokens (``<|im_end|>`` in a
-      user message then ends the message).
+    Beyond the flags' help, for the library: a client that lets
+    ``max_queued_replies`` replies pile up unread is treated as gone (its requests
+    are aborted); the HTTP front is one client, so ``max_requests_per_client`` also
+    bounds its requests in flight; ``input_ids`` are checked against
+    ``max_prompt_tokens`` before anything else; with ``chat_special_tokens`` a
+    ``<|im_end|>`` typed in a user message ends the message.
     """
 
-    max_message_bytes: int = 8 << 20
-    max_queued_replies: int = 100_000
-    max_requests_per_client: int = 1024
-    max_prompt_chars: int = 1 << 20
-    max_prompt_tokens: int | None = None
-    max_stop: int = 16
-    max_stop_len: int = 256
-    max_n: int = 16
-    chat_special_tokens: bool = False
+    max_message_bytes: int = option(
+        8 << 20,
+        "largest message the public socket accepts (ZMQ_MAXMSGSIZE); a client "
+        "sending a larger one is disconnected",
+        at_least=1,
+        parse=parse_size,
+        group=LIMITS,
+    )
+    max_queued_replies: int = option(
+        100_000,
+        "replies queued for one client that does not read them (send high-water "
+        "mark) before it is treated as gone and its requests aborted",
+        at_least=1,
+        group=LIMITS,
+    )
+    max_requests_per_client: int = option(
+        1024,
+        "requests in flight per client connection (the HTTP front is one client)",
+        at_least=1,
+        group=LIMITS,
+    )
+    max_prompt_chars: int = option(
+        1 << 20,
+        "characters of a prompt (or of a chat's content, tool calls and tools), checked "
+        "before tokenizing",
+        at_least=1,
+        group=LIMITS,
+    )
+    max_prompt_tokens: int | None = option(
+        None, "prompt tokens; default: the model's context less one", at_least=1, group=LIMITS
+    )
+    max_stop: int = option(
+        16,
+        "stop strings per request, and stop token ids per request",
+        at_least=0,
+        group=LIMITS,
+    )
+    max_stop_len: int = option(256, "characters per stop string", at_least=1, group=LIMITS)
+    max_n: int = option(
+        16, f"samples per request (at most {MAX_N})", at_least=1, at_most=MAX_N, group=LIMITS
+    )
+    chat_special_tokens: bool = option(
+        False,
+        "let special tokens typed inside chat message content act as control "
+        "tokens (by default they are plain text)",
+        negatable=False,
+        group=LIMITS,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerConfig(TokenizerOptions):
+    """The tokenizer's options, checked."""
 
     def __post_init__(self) -> None:
-        for name in (
-            "max_message_bytes",
-            "max_queued_replies",
-            "max_requests_per_client",
-            "max_prompt_chars",
-            "max_stop_len",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
-        if self.max_stop < 0:
-            raise ValueError(f"max_stop must be >= 0, got {self.max_stop}")
-        if not 1 <= self.max_n <= MAX_N:
-            raise ValueError(f"max_n must be in [1, {MAX_N}], got {self.max_n}")
+        check_options(self)

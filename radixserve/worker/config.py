@@ -4,6 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixserve.options import (
+    PARALLEL,
+    STRUCTURED,
+    SharedOptions,
+    check_options,
+    option,
+    parse_size,
+)
+
 #: ``auto`` resolves when the model loads (``worker/dtype.py``).
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "float64")
 #: FlashInfer's prefill implementations: ``auto`` is fa3 on Hopper where it applies, else fa2.
@@ -12,135 +21,163 @@ PREFILL_BACKENDS = ("auto", "fa2", "fa3")
 
 #: What ``--kv-cache-dtype`` takes (``kv_quant.py``); here, where no torch is imported.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "int8")
+#: How the torch backend computes decode attention (``attention/torch_backend.py``):
+#: ``native`` reads pages in place (csrc/, float32/float64/bfloat16 on the CPU),
+#: ``torch`` gathers them and runs SDPA; ``auto`` is native where it can run.
+DECODE_KERNELS = ("auto", "native", "torch")
 
 
-@dataclass(frozen=True)
-class WorkerConfig:
-    """How to build a ``ModelRunner``.
+@dataclass(frozen=True, kw_only=True)
+class WorkerOptions(SharedOptions):
+    """The worker's options (each one's help says what it does; docs/worker.md).
 
-    model: ``"smollm2"`` / None (the embedded model), an HF folder, or a .gguf file.
-    dtype: ``auto`` (bfloat16 on CPUs with AVX512_BF16 or AMX, else float32; on CUDA the
-    checkpoint's half dtype: ``dtype.py``), ``float32``, ``bfloat16``, ``float16`` or
-    ``float64`` (float64: torch backend only, for tests).
-    attention_backend: ``auto`` (flashinfer where it can run the model, else torch),
-    ``torch`` or ``flashinfer`` (ValueError saying why when it cannot run).
-    decode_kernel: the torch backend's decode attention: ``native`` (csrc/, reads
-    pages in place; CPU, float32/float64/bfloat16), ``torch`` (gather + SDPA), or
-    ``auto`` (native where it runs).
-    num_pages / kv_memory: the KV pool size as a page count, else as a byte budget,
-    else ``kv_pool.DEFAULT_KV_MEMORY`` bytes.
-    kv_cache_dtype: what the KV pool stores (``kv_quant.py``): ``auto`` (the model's
-    dtype), ``bfloat16``, ``float32``, or ``int8`` / ``fp8_e4m3`` / ``fp8_e5m2`` codes
-    with a float16 scale per token and kv head (about half of bfloat16's bytes: a byte
-    budget then holds about twice the pages).
-    max_running_requests: number of request slots (0 .. max_running_requests - 1).
-    cache_dir: where converted models are cached (default: $RADIXSERVE_CACHE_DIR,
-    else ~/.cache/radixserve).
-    seed: seeds requests that bring no seed of their own.
-    malloc_tuning: fix glibc's malloc policy at start so step buffers stay mapped
-    (``malloc.py``).
-    warmup: before serving, run a prefill of ``chunked_prefill_size`` tokens (the
-    largest the scheduler sends) and a decode step of every slot
-    (``ModelRunner.warmup``).
-    grammar_cache_size: compiled grammars kept for reuse once no request uses
-    them (an LRU; docs/structured.md).
-    jump_forward: append the tokens a grammar forces without sampling them one
-    by one (docs/structured.md).
-    tp: tensor-parallel ranks, one process each (docs/parallel.md); the KV budget
-    (``kv_memory``) is then per rank.
-    dist_timeout: seconds a tensor-parallel collective (or the group's start) may
-    take before the rank fails.
-    threads: torch CPU threads of each worker rank (the native kernels' OpenMP
-    regions use as many); 0: torch's default with one rank (one fewer on the CPU
-    during steps while the cache tiers' copy thread has work), ``cores // tp`` with
-    several.
-    disable_cuda_graph: run decode steps eagerly instead of replaying CUDA graphs
-    (graphs are used on CUDA with the flashinfer backend only; ``cuda_graph.py``).
-    host_cache_gb: the host tier of the KV cache (docs/cache-tiers.md), GiB of host
-    memory (pinned on CUDA; per rank with ``tp`` > 1) holding pages evicted from the
-    pool; 0: no tiers.
-    disk_cache_dir: the disk tier's directory (page files that survive restarts);
-    needs a host tier; not with ``tp`` > 1 yet.
-    deterministic: batch-invariant steps (``layers/invariant.py``, docs/deterministic.md,
-    "Deterministic mode"): a row's logits depend only on its own tokens, not on its
-    batch, its chunking or the cache; CPU only, the native kernels required.
-    lora_modules: LoRA adapters (PEFT folders) loaded at start, ``name=path`` each, as
-    adapter ids 1, 2, ... in that order (docs/lora.md).
-    max_lora_rank: the highest adapter rank accepted (a higher one is refused).
-    state_snapshots: a hybrid model's recurrent-state snapshots the prefix cache may
-    keep (each one request's state, ``ModelInfo.state_bytes``); None:
-    ``max_running_requests``. Ignored for other models.
-    sliding_pool_pages: models with sliding-window layers: the pages of the window
-    pool that holds those layers' K/V (docs/models.md, "Sliding windows and the
-    cache"); None: sized from the budget (``kv_pool.SLIDING_POOL_RATIO`` of the full pool's
-    tokens, at least what the running requests' windows need); 0: one pool for
-    every layer (as models without sliding layers). CPU only for now.
-    flashinfer_prefill_backend: the flashinfer backend's prefill kernels, ``auto``
-    (FlashInfer's choice: fa3 on Hopper), ``fa2`` or ``fa3``. Without prebuilt kernels
-    (flashinfer-jit-cache) fa3 takes far longer to JIT-build at start than fa2.
+    Beyond the flags' help, for the library: ``model`` None is the embedded model too.
+    ``num_pages`` / ``kv_memory``: the KV pool as a page count, else as a byte budget,
+    else ``kv_pool.DEFAULT_KV_MEMORY`` bytes. ``dtype`` float64 runs on the torch
+    backend only (tests). ``max_running_requests`` is the slots 0 .. N - 1.
+    ``warmup`` runs a prefill of ``chunked_prefill_size`` tokens (the largest the
+    scheduler sends) and a decode step of every slot (``ModelRunner.warmup``).
+    ``host_cache_gb`` is per rank with ``tp`` > 1. ``deterministic``: a row's logits
+    depend only on its own tokens (``layers/invariant.py``), the native kernels
+    required. ``lora_modules`` become adapter ids 1, 2, ... in their order.
+    ``state_snapshots``: each one request's state (``ModelInfo.state_bytes``); ignored
+    for models that are not hybrid. ``sliding_pool_pages`` None: sized from the budget
+    (``kv_pool.SLIDING_POOL_RATIO`` of the full pool's tokens, at least what the
+    running requests' windows need); CPU only for now.
     """
 
-    model: str | None = "smollm2"
-    dtype: str = "auto"
-    device: str = "cpu"
-    page_size: int = 1
-    num_pages: int | None = None
-    kv_memory: int | None = None
-    kv_cache_dtype: str = "auto"
-    max_running_requests: int = 64
-    attention_backend: str = "auto"
-    decode_kernel: str = "auto"
-    cache_dir: str | None = None
-    seed: int = 0
-    malloc_tuning: bool = True
-    warmup: bool = True
-    chunked_prefill_size: int = 2048  # the scheduler's (SchedulerConfig), read for the warm-up
-    grammar_cache_size: int = 64
-    jump_forward: bool = True
-    tp: int = 1
-    dist_timeout: float = 120.0
-    threads: int = 0
-    disable_cuda_graph: bool = False
-    flashinfer_prefill_backend: str = "auto"
-    host_cache_gb: float = 0.0
-    disk_cache_dir: str | None = None
-    deterministic: bool = False
-    lora_modules: tuple[str, ...] = ()
-    max_lora_rank: int = 64
-    state_snapshots: int | None = None
-    sliding_pool_pages: int | None = None
+    model: str | None = option(
+        "smollm2",
+        "'smollm2' (the embedded SmolLM2-135M-Instruct), an HF folder, or a .gguf file",
+    )
+    dtype: str = option(
+        "auto",
+        "auto: bfloat16 on CPUs with AVX512_BF16/AMX, else float32; on CUDA the model's",
+        choices=DTYPE_CHOICES,
+    )
+    device: str = option("cpu", "torch device of the worker")
+    page_size: int = option(1, "tokens per KV page", at_least=1)
+    num_pages: int | None = option(None, "KV pool size in pages", at_least=1)
+    kv_memory: int | None = option(
+        None,
+        "KV pool size in bytes (e.g. 2GiB); without this or --num-pages: 1 GiB",
+        at_least=1,
+        parse=parse_size,
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "what the KV pool stores: auto (the model's dtype), bfloat16, float32, or "
+        "int8/fp8_e4m3/fp8_e5m2 codes with a scale per token and kv head (about twice the "
+        "tokens per GiB; the banner prints tokens_per_gib)",
+        choices=KV_CACHE_DTYPES,
+    )
+    attention_backend: str = option(
+        "auto",
+        "auto (flashinfer on CUDA when its start-up probe passes, else torch) | torch "
+        "| flashinfer (fails at start, with the reason, when it cannot run)",
+    )
+    decode_kernel: str = option(
+        "auto",
+        "torch backend's decode attention: native (reads KV pages in place; CPU, "
+        "float32/float64/bfloat16) or torch (gather + SDPA); auto: native where it runs",
+        choices=DECODE_KERNELS,
+    )
+    cache_dir: str | None = option(
+        None,
+        "converted-model cache dir (default: $RADIXSERVE_CACHE_DIR or ~/.cache/radixserve)",
+    )
+    seed: int = option(0, "seeds requests that bring no seed")
+    malloc_tuning: bool = option(
+        True, "fix glibc's malloc policy in the worker so step buffers stay mapped"
+    )
+    warmup: bool = option(True, "run a largest-chunk prefill and a full decode step before serving")
+    grammar_cache_size: int = option(
+        64,
+        "compiled grammars kept for reuse once no request uses them",
+        at_least=0,
+        group=STRUCTURED,
+    )
+    jump_forward: bool = option(
+        True,
+        "append the tokens a grammar forces without sampling them one by one",
+        group=STRUCTURED,
+    )
+    tp: int = option(
+        1,
+        "tensor-parallel ranks: the model split over N worker processes (gloo on the "
+        "CPU, NCCL on CUDA, one device each); --kv-memory is then per rank",
+        at_least=1,
+        group=PARALLEL,
+    )
+    dist_timeout: float = option(
+        120.0,
+        "seconds a tensor-parallel collective may take before its rank fails (and "
+        "the server with it); also how long the ranks wait for each other at start",
+        above=0.0,
+        group=PARALLEL,
+    )
+    threads: int = option(
+        0,
+        "torch CPU threads per worker rank; 0: torch's default with one rank (one "
+        "fewer on the CPU during steps while the cache tiers' copy thread has work), "
+        "cores // --tp with several",
+        at_least=0,
+        group=PARALLEL,
+    )
+    disable_cuda_graph: bool = option(
+        False,
+        "run decode steps eagerly instead of replaying CUDA graphs (graphs: CUDA "
+        "with the flashinfer backend only)",
+        negatable=False,
+    )
+    flashinfer_prefill_backend: str = option(
+        "auto",
+        "flashinfer's prefill kernels: auto (fa3 on Hopper, else fa2), fa2 or fa3; "
+        "fa2 JIT-builds much faster where no prebuilt kernels are installed",
+        choices=PREFILL_BACKENDS,
+    )
+    state_snapshots: int | None = option(
+        None,
+        "hybrid models: recurrent-state snapshots the prefix cache may keep, each "
+        "one request's state (default: --max-running-requests)",
+        at_least=1,
+    )
+    sliding_pool_pages: int | None = option(
+        None,
+        "models with sliding-window layers: pages of the window pool holding those "
+        "layers' K/V (default: sized from the KV budget; 0: one pool for every layer)",
+        at_least=0,
+    )
+    host_cache_gb: float = option(
+        0.0,
+        "the KV cache's host tier: GiB of host memory (pinned on CUDA) that keeps "
+        "pages evicted from the pool and gives them back on a hit; 0: off",
+        at_least=0.0,
+    )
+    deterministic: bool = option(
+        False,
+        "batch-invariant steps: the same tokens and logprobs for a request whatever "
+        "its batch, chunking or cache hits (CPU; costs step time: docs/deterministic.md)",
+    )
+    lora_modules: tuple[str, ...] = option(
+        (),
+        "LoRA adapters (PEFT folders: adapter_config.json + adapter_model.safetensors) "
+        "served beside the base model; a request picks one by name (HTTP: the model "
+        "field) (docs/lora.md)",
+        metavar="NAME=PATH",
+    )
+    max_lora_rank: int = option(
+        64, "the highest LoRA rank accepted; an adapter above it is refused", at_least=1
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig(WorkerOptions):
+    """How to build a ``ModelRunner``: the worker's options, checked."""
 
     def __post_init__(self) -> None:
-        if self.sliding_pool_pages is not None and self.sliding_pool_pages < 0:
-            raise ValueError(f"sliding_pool_pages must be >= 0, got {self.sliding_pool_pages}")
-        if self.max_lora_rank < 1:
-            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        check_options(self)
         parse_lora_modules(self.lora_modules)
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.num_pages is not None and self.num_pages < 1:
-            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
-        if self.kv_memory is not None and self.kv_memory < 1:
-            raise ValueError(f"kv_memory must be a positive byte count, got {self.kv_memory}")
-        if self.flashinfer_prefill_backend not in PREFILL_BACKENDS:
-            raise ValueError(
-                f"unknown flashinfer prefill backend {self.flashinfer_prefill_backend!r}; "
-                f"choose from {PREFILL_BACKENDS}"
-            )
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; choose from {KV_CACHE_DTYPES}"
-            )
-        if self.dtype not in DTYPE_CHOICES:
-            raise ValueError(f"unsupported dtype {self.dtype!r}; choose from {DTYPE_CHOICES}")
-        if self.chunked_prefill_size < 1:
-            raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
-        if self.grammar_cache_size < 0:
-            raise ValueError(f"grammar_cache_size must be >= 0, got {self.grammar_cache_size}")
-        if self.tp < 1:
-            raise ValueError(f"tp must be >= 1, got {self.tp}")
-        if self.host_cache_gb < 0:
-            raise ValueError(f"host_cache_gb must be >= 0, got {self.host_cache_gb}")
         if self.disk_cache_dir is not None and not self.host_cache_gb:
             raise ValueError(
                 "--disk-cache-dir needs a host tier (--host-cache-gb > 0): pages reach "
@@ -151,14 +188,6 @@ class WorkerConfig:
                 "the disk tier (--disk-cache-dir) does not support tensor parallelism yet "
                 "(--tp > 1); the host tier does"
             )
-        if self.threads < 0:
-            raise ValueError(f"threads must be >= 0, got {self.threads}")
-        if self.dist_timeout <= 0:
-            raise ValueError(f"dist_timeout must be > 0 seconds, got {self.dist_timeout}")
-        if self.state_snapshots is not None and self.state_snapshots < 1:
-            raise ValueError(f"state_snapshots must be >= 1, got {self.state_snapshots}")
-        if self.max_running_requests < 1:
-            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
 
 
 def parse_lora_modules(specs: tuple[str, ...] | list[str]) -> list[tuple[str, str]]:

@@ -46,6 +46,7 @@ from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
 from radixserve.worker.attention.capped import cap_, capped_attention
 from radixserve.worker.attention.native_decode import Segments
 from radixserve.worker.attention.shared_prefix import SharedPrefixes
+from radixserve.worker.config import DECODE_KERNELS  # what decode_kernel takes
 from radixserve.worker.kv_pool import KVPool
 from radixserve.worker.kv_quant import dequantize, quantize
 
@@ -115,12 +116,6 @@ def native_prefill_tokens(dtype: torch.dtype, head_dim: int, plain: bool = True)
     ):
         return NATIVE_PREFILL_MAX_TOKENS
     return 0
-
-
-#: How decode attention is computed: ``native`` reads pages in place (csrc/,
-#: float32/float64/bfloat16 on the CPU), ``torch`` gathers them and runs SDPA;
-#: ``auto`` is native where it can run.
-DECODE_KERNELS = ("auto", "native", "torch")
 
 
 class TorchAttention(AttentionBackend):
