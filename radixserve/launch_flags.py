@@ -1,10 +1,10 @@
 """``radixserve launch``'s flags, and the one place its command line becomes a
-``ServerConfig``. The flags of the engine are derived, one per ``EngineConfig``
-field (``add_engine_arguments``): ``--name-with-dashes``, whose dest is the field's
-name, whose default is the field's, and whose help, choices, range and parsing are
-the field's ``Option`` (``options.py``), so a flag is never written by hand. The
-server's own flags (sockets, events, CURVE keys, nodes, the router of ``--dp``) are
-listed in ``SERVER_FLAGS``. The API keys never enter the config (``http_keys``).
+``ServerConfig``. Its flags are derived, one per option field of ``EngineConfig``
+and of ``ServerConfig`` (``options.add_option_flags``): ``--name-with-dashes``, whose
+dest is the field's name, whose default is the field's, and whose help, choices,
+range and parsing are the field's ``Option`` (``options.py``); ``_launch_changes``
+says where launch reads one its own way. The few flags no option declares are
+listed in ``NON_OPTION_FLAGS``. The API keys never enter the config (``http_keys``).
 
 ``--disk-cache-dir`` alone gets a host tier sized from the memory free at launch
 (``default_host_cache_gb``, printed), since pages reach the disk through host
@@ -20,26 +20,30 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
-from dataclasses import Field, fields
-from types import UnionType
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from dataclasses import fields
+from typing import Any
 
 from radixserve.config import EngineConfig
-from radixserve.options import LIMITS, PARALLEL, STRUCTURED, Option, option_of, parse_size
+from radixserve.options import (
+    AUTHENTICATION,
+    EVENTS,
+    GROUPS,
+    LIMITS,
+    add_option_flags,
+    option_of,
+    parse_size,
+)
 from radixserve.server_config import ServerConfig
 from radixserve.utils.descriptors import add_connection_arguments
 
 __all__ = [
     "EXCLUSIVE_OPTIONS",
     "HOST_TIER_CAP_GB",
-    "SERVER_FLAGS",
-    "add_engine_arguments",
+    "NON_OPTION_FLAGS",
     "add_launch_arguments",
     "available_memory",
     "config_from_args",
     "default_host_cache_gb",
-    "flag_of",
     "http_keys",
     "launch_parser",
     "parse_size",
@@ -48,112 +52,45 @@ __all__ = [
 #: The largest host tier ``--disk-cache-dir`` gets by itself, in GiB.
 HOST_TIER_CAP_GB = 16.0
 
-#: Flags of ``radixserve launch`` that are no ``EngineConfig`` option: the server's
-#: own (its ``ServerConfig`` fields, the API keys, the router of ``--dp``), by dest.
-#: Every other flag is derived from exactly one ``EngineConfig`` field.
-SERVER_FLAGS = (
-    "host",
-    "port",
-    "http_port",
-    "http_host",
-    "served_model_name",
-    "tool_call_parser",
+#: The flags of ``radixserve launch`` that no option field declares, by dest: the
+#: connection limits (``utils/descriptors.py``, shared with ``radixserve router``),
+#: the served names (one flag, two ``ServerConfig`` fields), the API keys (never in a
+#: config: ``http_keys``) and the router of ``--dp`` (``router/policy.py``). Every other
+#: flag is derived from exactly one option of ``EngineConfig`` or ``ServerConfig``.
+NON_OPTION_FLAGS = (
     "max_connections",
     "max_connections_per_address",
     "handshake_timeout",
-    "nnodes",
-    "node_rank",
-    "dist_init_addr",
-    "watchdog_timeout",
+    "served_model_name",
     "api_key",
     "admin_api_key",
-    "curve_secret_key",
-    "curve_allowed_clients",
-    "curve_allow_any_client",
-    "curve_node_key",
-    "curve_allowed_nodes",
-    "curve_head_key",
-    "kv_events",
-    "kv_events_replay",
-    "kv_events_format",
-    "kv_events_topic",
-    "replica_id",
     "dp",
     "policy",
     "balance_abs_threshold",
     "balance_rel_threshold",
     "cache_threshold",
-    "exit_with_parent",
-    "log_level",
 )
 
 #: Options whose flags exclude each other: the KV pool's size, in pages or in bytes.
 EXCLUSIVE_OPTIONS = (("num_pages", "kv_memory"),)
 
-#: ``--host-cache-gb`` not given is None, not the field's 0.0: ``config_from_args``
-#: then sizes a host tier when ``--disk-cache-dir`` needs one.
-_UNSET_HOST_TIER = (
-    "; not given: off, or with --disk-cache-dir a quarter of the free host memory (at "
-    f"most {HOST_TIER_CAP_GB:g} GiB, printed) (docs/cache-tiers.md)"
-)
 
-
-def flag_of(name: str) -> str:
-    """The flag of the option ``name``: ``--name-with-dashes``."""
-    return "--" + name.replace("_", "-")
-
-
-def _checked(parse: Callable[[str], Any], spec: Option) -> Callable[[str], Any]:
-    """``parse``, then ``spec``'s range: a value out of it is a usage error."""
-
-    def convert(text: str) -> Any:
-        value = parse(text)
-        problem = spec.problem(value)
-        if problem is not None:
-            raise argparse.ArgumentTypeError(problem)
-        return value
-
-    convert.__name__ = parse.__name__  # argparse names it in "invalid int value"
-    return convert
-
-
-def _flag_arguments(f: Field, kind: Any, spec: Option) -> dict[str, Any]:
-    """``add_argument``'s keyword arguments for the option field ``f`` of type ``kind``."""
-    args: dict[str, Any] = {"dest": f.name, "default": f.default, "help": spec.help}
-    if get_origin(kind) in (Union, UnionType):  # ``T | None``: None means derived
-        (kind,) = (k for k in get_args(kind) if k is not type(None))
-    if kind is bool:
-        action = argparse.BooleanOptionalAction if spec.negatable else "store_true"
-        return {**args, "action": action}
-    if get_origin(kind) is tuple:  # ``tuple[T, ...]``: one value or more
-        kind = get_args(kind)[0]
-        args["nargs"] = "+"
-    if spec.choices:
-        args["choices"] = spec.choices
-    parse = spec.parse or kind
-    args["type"] = parse if parse is str else _checked(parse, spec)
-    if spec.metavar:
-        args["metavar"] = spec.metavar
-    return args
-
-
-def add_engine_arguments(p: argparse.ArgumentParser, groups: dict[str, Any]) -> None:
-    """One flag per ``EngineConfig`` field on ``p``, or in the group of ``groups`` (by
-    title) that its option names."""
-    kinds = get_type_hints(EngineConfig)
-    exclusive = {}
-    for names in EXCLUSIVE_OPTIONS:
-        group = p.add_mutually_exclusive_group()
-        exclusive.update(dict.fromkeys(names, group))
-    for f in fields(EngineConfig):
-        spec = option_of(f)
-        if spec is None:
-            raise TypeError(f"EngineConfig.{f.name} is not declared with options.option")
-        args = _flag_arguments(f, kinds[f.name], spec)
-        if f.name == "host_cache_gb":
-            args.update(default=None, help=spec.help + _UNSET_HOST_TIER)
-        target = exclusive.get(f.name) or groups.get(spec.group) or p
-        target.add_argument(flag_of(f.name), **args)
+def _launch_changes() -> dict[str, dict[str, Any]]:
+    """Where ``radixserve launch`` reads an option its own way. ``--host-cache-gb`` not
+    given is None, not the field's 0.0: ``config_from_args`` then sizes a host tier when
+    ``--disk-cache-dir`` needs one. The launched processes log warnings and errors only
+    by default (a ``ServerConfig`` built in code, e.g. for an Engine's ranks, logs info)."""
+    host_tier = option_of(EngineConfig.__dataclass_fields__["host_cache_gb"])
+    assert host_tier is not None
+    return {
+        "host_cache_gb": {
+            "default": None,
+            "help": host_tier.help + "; not given: off, or with --disk-cache-dir a quarter "
+            f"of the free host memory (at most {HOST_TIER_CAP_GB:g} GiB, printed) "
+            "(docs/cache-tiers.md)",
+        },
+        "log_level": {"default": "warning"},
+    }
 
 
 def _positive(text: str) -> int:
@@ -177,31 +114,13 @@ def _ratio(text: str) -> float:
     return value
 
 
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not value >= 0.0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
-    return value
-
-
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:
-    """Every flag of ``radixserve launch`` on ``p``: one per ``EngineConfig`` field, and
-    the server's own (``SERVER_FLAGS``)."""
-    p.add_argument("--host", default="127.0.0.1", help="address the public socket binds")
-    p.add_argument("--port", type=int, default=30000, help="public TCP port; 0 picks a free one")
-    p.add_argument(
-        "--http-port",
-        type=int,
-        default=None,
-        help="also serve the OpenAI-compatible HTTP API (and /metrics) on this port of "
-        "--http-host; 0 picks a free one (printed); without it: no HTTP front",
-    )
-    p.add_argument(
-        "--http-host",
-        default=None,
-        help="address the HTTP front binds (default: --host); e.g. 0.0.0.0 serves HTTP "
-        "beyond loopback while the ZeroMQ socket stays on 127.0.0.1",
-    )
+    """Every flag of ``radixserve launch`` on ``p``: one per option of ``ServerConfig``
+    and of ``EngineConfig``, and those of ``NON_OPTION_FLAGS``."""
+    groups = {title: p.add_argument_group(title) for title in GROUPS}
+    changes = _launch_changes()
+    add_option_flags(p, ServerConfig, groups, changes=changes)
+    add_option_flags(p, EngineConfig, groups, EXCLUSIVE_OPTIONS, changes)
     p.add_argument(
         "--served-model-name",
         nargs="+",
@@ -209,46 +128,8 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
         help="the model id the HTTP API answers to (default: the model's name); as vLLM's, "
         "several names are all accepted and the first is the one answers carry",
     )
-    p.add_argument(
-        "--tool-call-parser",
-        choices=("hermes", "llama3_json", "mistral", "qwen3_xml"),
-        default=None,
-        help="the model's tool-call format (vLLM's names): the HTTP API's tool_choice "
-        '"auto" reads calls out of free output with it (without it: a 400)',
-    )
-    groups = {title: p.add_argument_group(title) for title in (LIMITS, STRUCTURED, PARALLEL)}
-    add_engine_arguments(p, groups)
     add_connection_arguments(groups[LIMITS])
-    tp = groups[PARALLEL]
-    tp.add_argument(
-        "--nnodes",
-        type=_positive,
-        default=ServerConfig.nnodes,
-        help="machines the --tp ranks are spread over, --tp / --nnodes each; run one "
-        'launch per node (docs/parallel.md, "Several nodes")',
-    )
-    tp.add_argument(
-        "--node-rank",
-        type=_non_negative,
-        default=ServerConfig.node_rank,
-        help="this node's index: 0 is the head (tokenizer, scheduler, rank 0), a node > 0 "
-        "runs only its worker ranks",
-    )
-    tp.add_argument(
-        "--dist-init-addr",
-        metavar="HOST:PORT",
-        default=None,
-        help="an address of the head that every node reaches: its rendezvous store binds "
-        "HOST:PORT, its step relay HOST:PORT+1 (needed with --nnodes > 1)",
-    )
-    p.add_argument(
-        "--watchdog-timeout",
-        type=_seconds,
-        default=ServerConfig.watchdog_timeout,
-        help="seconds the worker may take over one step; past it the requests in flight "
-        "fail and the server exits 1 (a hung or stopped worker); 0: no watchdog",
-    )
-    auth = p.add_argument_group("authentication (docs/security.md)")
+    auth = groups[AUTHENTICATION]
     auth.add_argument(
         "--api-key",
         default=None,
@@ -261,78 +142,7 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
         help="the key flush_cache and check require, over HTTP (/flush_cache) and ZeroMQ "
         "(default: $RADIXSERVE_ADMIN_API_KEY)",
     )
-    auth.add_argument(
-        "--curve-secret-key",
-        metavar="FILE",
-        default=None,
-        help="the server's secret CURVE certificate (`radixserve keys` writes "
-        "DIR/server.key_secret): the public TCP socket then encrypts and authenticates "
-        "every connection; required when --host is not a loopback address",
-    )
-    auth.add_argument(
-        "--curve-allowed-clients",
-        metavar="DIR",
-        default=None,
-        help="with --curve-secret-key: only clients whose public certificates (*.key) are "
-        "in DIR may connect (read at start)",
-    )
-    auth.add_argument(
-        "--curve-allow-any-client",
-        action="store_true",
-        help="with --curve-secret-key: any client that has the server's public key may "
-        "connect (encrypted, but clients are not authenticated)",
-    )
-    auth.add_argument(
-        "--curve-node-key",
-        metavar="FILE",
-        default=None,
-        help="with --nnodes > 1: this node's secret CURVE certificate, for the step relay "
-        "between nodes; required unless --dist-init-addr is a loopback address",
-    )
-    auth.add_argument(
-        "--curve-allowed-nodes",
-        metavar="DIR",
-        default=None,
-        help="the head, with --curve-node-key: only nodes whose public certificates "
-        "(*.key) are in DIR may join",
-    )
-    auth.add_argument(
-        "--curve-head-key",
-        metavar="FILE",
-        default=None,
-        help="a node > 0, with --curve-node-key: the head's public certificate (its "
-        "--curve-node-key's .key file)",
-    )
-    ev = p.add_argument_group("KV cache events and replicas (docs/scale-out.md)")
-    ev.add_argument(
-        "--kv-events",
-        metavar="tcp://HOST:PORT",
-        default=None,
-        help="publish the radix tree's changes (ZeroMQ PUB, msgpack) after every step; "
-        "loopback only unless --curve-secret-key; port 0 picks a free one (printed)",
-    )
-    ev.add_argument(
-        "--kv-events-replay",
-        metavar="tcp://HOST:PORT",
-        default=None,
-        help="the replay socket (missed batches, or a snapshot); default: --kv-events' port + 1",
-    )
-    ev.add_argument(
-        "--kv-events-format",
-        choices=("radixserve", "vllm"),
-        default="radixserve",
-        help="radixserve's own events (epochs, heartbeats, snapshots), or vLLM's KVEventBatch "
-        "wire format (BlockStored/BlockRemoved/AllBlocksCleared, vLLM's sha256 block hashes, "
-        "its replay protocol) for consumers written for vLLM",
-    )
-    ev.add_argument(
-        "--kv-events-topic",
-        default="",
-        help="with --kv-events-format vllm: the topic frame of every batch (vLLM's default: empty)",
-    )
-    ev.add_argument(
-        "--replica-id", default=None, help="this server's name in its events (default host:pid)"
-    )
+    ev = groups[EVENTS]
     ev.add_argument(
         "--dp",
         type=_positive,
@@ -369,18 +179,6 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
         help="with --dp and cache_aware: route by the cache only when the longest match "
         "covers more than this share of the prompt; else to the least loaded replica",
     )
-    p.add_argument(
-        "--exit-with-parent",
-        action="store_true",
-        help="stop the server when the process that started `radixserve launch` exits "
-        "(for supervisors and tests; the default keeps serving, as under nohup)",
-    )
-    p.add_argument(
-        "--log-level",
-        choices=["debug", "info", "warning", "error"],
-        default="warning",
-        help="log level of every process (logs go to stderr)",
-    )
 
 
 def launch_parser() -> argparse.ArgumentParser:
@@ -415,8 +213,15 @@ def default_host_cache_gb(available: int) -> float:
     return min(HOST_TIER_CAP_GB, max(0.5, int(quarter * 2) / 2))
 
 
+def _options(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    """The values of ``cls``'s option fields on the command line (its flags' dests are
+    the fields' names; ``nargs="+"`` gives lists, the configs hold tuples)."""
+    values = {f.name: getattr(args, f.name) for f in fields(cls) if option_of(f)}
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    options = {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
+    options = _options(EngineConfig, args)
     if options["host_cache_gb"] is None:
         options["host_cache_gb"] = 0.0
         if options["disk_cache_dir"] is not None:
@@ -430,38 +235,15 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                 file=sys.stderr,
                 flush=True,
             )
-    # nargs="+" gives lists; the config's many-valued options are tuples.
-    options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
-    engine = EngineConfig(**options)
+    names = args.served_model_name or ()
     return ServerConfig(
-        engine=engine,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        http_port=args.http_port,
-        http_host=args.http_host,
-        served_model_name=args.served_model_name[0] if args.served_model_name else None,
-        served_model_aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
-        tool_call_parser=args.tool_call_parser,
-        watchdog_timeout=args.watchdog_timeout,
-        kv_events=args.kv_events,
-        kv_events_replay=args.kv_events_replay,
-        kv_events_format=args.kv_events_format,
-        kv_events_topic=args.kv_events_topic,
-        replica_id=args.replica_id,
-        exit_with_parent=args.exit_with_parent,
-        curve_secret_key=args.curve_secret_key,
-        curve_allowed_clients=args.curve_allowed_clients,
-        curve_allow_any_client=args.curve_allow_any_client,
+        engine=EngineConfig(**options),
+        **_options(ServerConfig, args),
+        served_model_name=names[0] if names else None,
+        served_model_aliases=tuple(names[1:]),
         max_connections=args.max_connections,
         max_connections_per_address=args.max_connections_per_address,
         handshake_timeout=args.handshake_timeout,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        dist_init_addr=args.dist_init_addr,
-        curve_node_key=args.curve_node_key,
-        curve_head_key=args.curve_head_key,
-        curve_allowed_nodes=args.curve_allowed_nodes,
     )
 
 

@@ -5,8 +5,9 @@ A library's config declares each of its options as a dataclass field made by
 and the field's metadata holds the rest (``Option``). Everything else is derived:
 
 - ``EngineConfig`` (``radixserve/config.py``) inherits every library's options;
-- ``radixserve launch`` gets one flag per ``EngineConfig`` field, ``--name-with-dashes``,
-  whose parsing, choices, range and help are the option's (``launch_flags.py``);
+- ``radixserve launch`` gets one flag per ``EngineConfig`` field (and per option of
+  its ``ServerConfig``), ``--name-with-dashes``, whose parsing, choices, range and help
+  are the option's (``add_option_flags``, called by ``launch_flags.py``);
 - each config checks its options' values in one place (``check_options``): a choice
   outside ``choices`` or a number outside its range is a ValueError naming the option,
   and the same check rejects a flag's value at parse time.
@@ -22,15 +23,22 @@ import argparse
 import re
 from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields
-from typing import Any
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 __all__ = [
+    "AUTHENTICATION",
+    "EVENTS",
+    "GROUPS",
     "LIMITS",
     "PARALLEL",
     "STRUCTURED",
     "Option",
     "SharedOptions",
+    "add_option_flags",
     "check_options",
+    "flag_arguments",
+    "flag_of",
     "option",
     "option_of",
     "parse_size",
@@ -40,6 +48,10 @@ __all__ = [
 LIMITS = "limits on client input (docs/security.md)"
 STRUCTURED = "structured output (docs/structured.md)"
 PARALLEL = "tensor parallelism (docs/parallel.md)"
+AUTHENTICATION = "authentication (docs/security.md)"
+EVENTS = "KV cache events and replicas (docs/scale-out.md)"
+#: The sections in the order ``--help`` shows them.
+GROUPS = (LIMITS, STRUCTURED, PARALLEL, AUTHENTICATION, EVENTS)
 
 _METADATA_KEY = "radixserve.option"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
@@ -135,6 +147,73 @@ def check_options(config: Any) -> None:
         problem = spec.problem(value)
         if problem is not None:
             raise ValueError(f"{f.name} {problem}")
+
+
+def flag_of(name: str) -> str:
+    """The flag of the option ``name``: ``--name-with-dashes``."""
+    return "--" + name.replace("_", "-")
+
+
+def _checked(parse: Callable[[str], Any], spec: Option) -> Callable[[str], Any]:
+    """``parse``, then ``spec``'s range: a value out of it is a usage error."""
+
+    def convert(text: str) -> Any:
+        value = parse(text)
+        problem = spec.problem(value)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    convert.__name__ = parse.__name__  # argparse names it in "invalid int value"
+    return convert
+
+
+def flag_arguments(f: Field, kind: Any) -> dict[str, Any]:
+    """``add_argument``'s keyword arguments for the option field ``f`` of type ``kind``
+    (its annotation, resolved): dest, default, help, and how its text is read."""
+    spec = option_of(f)
+    if spec is None:
+        raise TypeError(f"{f.name} is not declared with options.option")
+    args: dict[str, Any] = {"dest": f.name, "default": f.default, "help": spec.help}
+    if get_origin(kind) in (Union, UnionType):  # ``T | None``: None means derived
+        (kind,) = (k for k in get_args(kind) if k is not type(None))
+    if kind is bool:
+        action = argparse.BooleanOptionalAction if spec.negatable else "store_true"
+        return {**args, "action": action}
+    if get_origin(kind) is tuple:  # ``tuple[T, ...]``: one value or more
+        kind = get_args(kind)[0]
+        args["nargs"] = "+"
+    if spec.choices:
+        args["choices"] = spec.choices
+    parse = spec.parse or kind
+    args["type"] = parse if parse is str else _checked(parse, spec)
+    if spec.metavar:
+        args["metavar"] = spec.metavar
+    return args
+
+
+def add_option_flags(
+    p: Any,
+    cls: type,
+    groups: dict[str, Any],
+    exclusive: tuple[tuple[str, ...], ...] = (),
+    changes: dict[str, dict[str, Any]] | None = None,
+) -> None:
+    """One flag per option field of the dataclass ``cls`` on the parser ``p``, or in the
+    argument group of ``groups`` (by title) its option names. The flags of each name
+    set in ``exclusive`` exclude each other; ``changes`` overrides ``add_argument``'s
+    arguments of a field by name (where a command line reads an option its own way)."""
+    kinds = get_type_hints(cls)
+    placed: dict[str, Any] = {}
+    for names in exclusive:
+        placed.update(dict.fromkeys(names, p.add_mutually_exclusive_group()))
+    for f in fields(cls):
+        spec = option_of(f)
+        if spec is None:
+            continue
+        args = {**flag_arguments(f, kinds[f.name]), **(changes or {}).get(f.name, {})}
+        target = placed.get(f.name) or groups.get(spec.group) or p
+        target.add_argument(flag_of(f.name), **args)
 
 
 @dataclass(frozen=True, kw_only=True)

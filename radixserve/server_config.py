@@ -16,58 +16,174 @@ from typing import Any
 
 from radixserve.config import EngineConfig
 from radixserve.model_info import ModelInfo
+from radixserve.options import AUTHENTICATION, EVENTS, PARALLEL, check_options, option
 from radixserve.utils.descriptors import HANDSHAKE_TIMEOUT_S, ConnectionLimits
+
+#: What ``--tool-call-parser`` takes: the formats of ``http/tool_parsers.py``'s ``PARSERS``.
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_xml")
+#: The KV cache events' wire formats: radixserve's own (docs/scale-out.md), or vLLM's
+#: KVEventBatch (``scheduler/kv_events_vllm.py``).
+KV_EVENTS_FORMATS = ("radixserve", "vllm")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
+    """The server around an ``EngineConfig``. Its options are declared as the engine's
+    (``options.py``): ``radixserve launch`` derives a flag from each."""
+
     engine: EngineConfig = field(default_factory=EngineConfig)
-    host: str = "127.0.0.1"
-    port: int = 30000  # 0: any free port (the launcher prints the one bound)
+    host: str = option("127.0.0.1", "address the public socket binds")
+    # 0: any free port (the launcher prints the one bound)
+    port: int = option(30000, "public TCP port; 0 picks a free one")
     # CURVE on the public TCP socket (radixserve/curve.py); required when ``host`` is not
     # a loopback address. Paths only: the secret key itself never enters this config.
-    curve_secret_key: str | None = None  # the server's secret certificate (.key_secret)
-    curve_allowed_clients: str | None = None  # a directory of client public certificates
-    curve_allow_any_client: bool = False  # any client holding the server's public key
+    curve_secret_key: str | None = option(
+        None,
+        "the server's secret CURVE certificate (`radixserve keys` writes "
+        "DIR/server.key_secret): the public TCP socket then encrypts and authenticates "
+        "every connection; required when --host is not a loopback address",
+        metavar="FILE",
+        group=AUTHENTICATION,
+    )
+    curve_allowed_clients: str | None = option(
+        None,
+        "with --curve-secret-key: only clients whose public certificates (*.key) are "
+        "in DIR may connect (read at start)",
+        metavar="DIR",
+        group=AUTHENTICATION,
+    )
+    curve_allow_any_client: bool = option(
+        False,
+        "with --curve-secret-key: any client that has the server's public key may "
+        "connect (encrypted, but clients are not authenticated)",
+        negatable=False,
+        group=AUTHENTICATION,
+    )
     # Connections the public TCP port holds at once, in total and per peer address (0:
     # derived from the descriptor limit), and the seconds a handshake may take
-    # (utils/descriptors.py; docs/serving.md, "Connection limits").
+    # (utils/descriptors.py, whose flags ``radixserve router`` shares; docs/serving.md,
+    # "Connection limits").
     max_connections: int = 0
     max_connections_per_address: int = 0
     handshake_timeout: float = HANDSHAKE_TIMEOUT_S
-    log_level: str = "info"
-    http_port: int | None = None  # the OpenAI-compatible HTTP front's port (0: any free one)
-    http_host: str | None = None  # the address the HTTP front binds (None: ``host``)
+    log_level: str = option(
+        "info", "log level of every process (logs go to stderr)", choices=LOG_LEVELS
+    )
+    http_port: int | None = option(
+        None,
+        "also serve the OpenAI-compatible HTTP API (and /metrics) on this port of "
+        "--http-host; 0 picks a free one (printed); without it: no HTTP front",
+    )
+    http_host: str | None = option(
+        None,
+        "address the HTTP front binds (default: --host); e.g. 0.0.0.0 serves HTTP "
+        "beyond loopback while the ZeroMQ socket stays on 127.0.0.1",
+    )
     served_model_name: str | None = None  # the model id the HTTP front answers to
     served_model_aliases: tuple[str, ...] = ()  # more ids it accepts (vLLM's several names)
-    tool_call_parser: str | None = None  # the HTTP front's reader of tool_choice "auto"
-    # Fail the requests in flight and stop the server when the worker takes longer than
-    # this many seconds over one step (a hung or stopped worker); 0: never.
-    watchdog_timeout: float = 300.0
-    # KV cache events (docs/scale-out.md): the scheduler's PUB endpoint, tcp://HOST:PORT
-    # (None: off), its replay socket (None: PORT + 1), and the replica's name in them.
-    kv_events: str | None = None
-    kv_events_replay: str | None = None
-    # The events' wire format: radixserve's own (docs/scale-out.md), or "vllm" (vLLM's
-    # KVEventBatch; scheduler/kv_events_vllm.py), published under ``kv_events_topic``.
-    kv_events_format: str = "radixserve"
-    kv_events_topic: str = ""
-    replica_id: str | None = None
+    tool_call_parser: str | None = option(
+        None,
+        "the model's tool-call format (vLLM's names): the HTTP API's tool_choice "
+        '"auto" reads calls out of free output with it (without it: a 400)',
+        choices=TOOL_CALL_PARSERS,
+    )
+    watchdog_timeout: float = option(
+        300.0,
+        "seconds the worker may take over one step; past it the requests in flight "
+        "fail and the server exits 1 (a hung or stopped worker); 0: no watchdog",
+        at_least=0.0,
+    )
+    # KV cache events (docs/scale-out.md): the scheduler's PUB endpoint, its replay
+    # socket, their wire format, and the replica's name in them.
+    kv_events: str | None = option(
+        None,
+        "publish the radix tree's changes (ZeroMQ PUB, msgpack) after every step; "
+        "loopback only unless --curve-secret-key; port 0 picks a free one (printed)",
+        metavar="tcp://HOST:PORT",
+        group=EVENTS,
+    )
+    kv_events_replay: str | None = option(
+        None,
+        "the replay socket (missed batches, or a snapshot); default: --kv-events' port + 1",
+        metavar="tcp://HOST:PORT",
+        group=EVENTS,
+    )
+    kv_events_format: str = option(
+        "radixserve",
+        "radixserve's own events (epochs, heartbeats, snapshots), or vLLM's KVEventBatch "
+        "wire format (BlockStored/BlockRemoved/AllBlocksCleared, vLLM's sha256 block hashes, "
+        "its replay protocol) for consumers written for vLLM",
+        choices=KV_EVENTS_FORMATS,
+        group=EVENTS,
+    )
+    kv_events_topic: str = option(
+        "",
+        "with --kv-events-format vllm: the topic frame of every batch (vLLM's default: empty)",
+        group=EVENTS,
+    )
+    replica_id: str | None = option(
+        None, "this server's name in its events (default host:pid)", group=EVENTS
+    )
     # Several nodes (docs/parallel.md, "Several nodes"): this launch is node ``node_rank``
     # of ``nnodes``, each running ``engine.tp // nnodes`` worker ranks; they meet at
     # ``dist_init_addr`` (HOST:PORT on the head: its rendezvous store; PORT + 1: its
     # step relay). CURVE on the relay: this node's key pair, the head's public key
     # (nodes > 0), the nodes allowed to join (the head). Paths only, as above.
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str | None = None
-    curve_node_key: str | None = None
-    curve_head_key: str | None = None
-    curve_allowed_nodes: str | None = None
-    exit_with_parent: bool = False  # the launcher stops when the process that started it dies
+    nnodes: int = option(
+        1,
+        "machines the --tp ranks are spread over, --tp / --nnodes each; run one "
+        'launch per node (docs/parallel.md, "Several nodes")',
+        at_least=1,
+        group=PARALLEL,
+    )
+    node_rank: int = option(
+        0,
+        "this node's index: 0 is the head (tokenizer, scheduler, rank 0), a node > 0 "
+        "runs only its worker ranks",
+        at_least=0,
+        group=PARALLEL,
+    )
+    dist_init_addr: str | None = option(
+        None,
+        "an address of the head that every node reaches: its rendezvous store binds "
+        "HOST:PORT, its step relay HOST:PORT+1 (needed with --nnodes > 1)",
+        metavar="HOST:PORT",
+        group=PARALLEL,
+    )
+    curve_node_key: str | None = option(
+        None,
+        "with --nnodes > 1: this node's secret CURVE certificate, for the step relay "
+        "between nodes; required unless --dist-init-addr is a loopback address",
+        metavar="FILE",
+        group=AUTHENTICATION,
+    )
+    curve_head_key: str | None = option(
+        None,
+        "a node > 0, with --curve-node-key: the head's public certificate (its "
+        "--curve-node-key's .key file)",
+        metavar="FILE",
+        group=AUTHENTICATION,
+    )
+    curve_allowed_nodes: str | None = option(
+        None,
+        "the head, with --curve-node-key: only nodes whose public certificates "
+        "(*.key) are in DIR may join",
+        metavar="DIR",
+        group=AUTHENTICATION,
+    )
+    exit_with_parent: bool = option(
+        False,
+        "stop the server when the process that started `radixserve launch` exits "
+        "(for supervisors and tests; the default keeps serving, as under nohup)",
+        negatable=False,
+    )
     launcher_pid: int = 0  # set by the launcher: each child stops when this pid is gone
     run_dir: str = ""  # the private runtime dir holding the ipc sockets
     model: ModelInfo | None = None  # filled in once the worker is ready
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
     def endpoint(self, name: str) -> str:
         """An internal ipc endpoint inside the runtime dir (paths stay < 107 bytes)."""

@@ -5,7 +5,6 @@ the refusal that names what to pass."""
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import fields
 
 import pytest
@@ -14,16 +13,16 @@ from radixserve.cli import build_parser, main
 from radixserve.config import MODEL_FIELDS, EngineConfig, ModelInfo, scheduler_config
 from radixserve.launch_flags import (
     HOST_TIER_CAP_GB,
-    SERVER_FLAGS,
+    NON_OPTION_FLAGS,
     available_memory,
     config_from_args,
     default_host_cache_gb,
-    flag_of,
     launch_parser,
 )
-from radixserve.options import option_of
+from radixserve.options import flag_of, option_of
 from radixserve.sampling_params import MAX_N
 from radixserve.scheduler.config import SchedulerConfig
+from radixserve.server_config import TOOL_CALL_PARSERS, ServerConfig
 from radixserve.tokenizer.config import TokenizerConfig
 from radixserve.worker.config import WorkerConfig
 
@@ -45,19 +44,31 @@ def launch(*flags: str):
     return config_from_args(build_parser().parse_args(["launch", *flags])).engine
 
 
-def test_every_engine_option_has_exactly_one_flag_and_every_flag_one_option():
+def option_names(cls: type) -> list[str]:
+    return [f.name for f in fields(cls) if option_of(f)]
+
+
+def test_every_option_has_exactly_one_flag_and_every_flag_one_option():
     flags: dict[str, list[str]] = {}
     for action in launch_parser()._actions:
         if action.dest != "help":
             flags.setdefault(action.dest, []).extend(action.option_strings)
-    engine = [f.name for f in fields(EngineConfig)]
-    assert not set(engine) & set(SERVER_FLAGS), "an option listed as the server's"
-    assert Counter(SERVER_FLAGS).most_common(1)[0][1] == 1, "a server flag listed twice"
-    assert set(flags) == set(engine) | set(SERVER_FLAGS)
-    for name in engine:
+    engine, server = option_names(EngineConfig), option_names(ServerConfig)
+    assert engine == [f.name for f in fields(EngineConfig)]  # every engine field
+    declared = engine + server + list(NON_OPTION_FLAGS)
+    assert len(declared) == len(set(declared)), "an option declared twice"
+    assert set(flags) == set(declared)
+    for name in engine + server:
         flag = flag_of(name)
         assert flags[name] in ([flag], [flag, "--no-" + flag[2:]]), name
-        assert option_of(next(f for f in fields(EngineConfig) if f.name == name)), name
+    for name in NON_OPTION_FLAGS:
+        assert len(flags[name]) == 1, name
+
+
+def test_the_tool_call_parsers_accepted_are_the_ones_there_are():
+    from radixserve.http.tool_parsers import PARSERS
+
+    assert set(TOOL_CALL_PARSERS) == set(PARSERS)
 
 
 def test_library_fields_are_options_but_the_model_facts():
@@ -88,6 +99,10 @@ def test_an_option_out_of_its_range_or_choices_is_refused_by_flag_and_by_config(
     with pytest.raises(ValueError, match="max_stop must be given"):
         TokenizerConfig(max_stop=None)
     assert WorkerConfig(state_snapshots=None).state_snapshots is None  # None: derived
+    with pytest.raises(ValueError, match="unsupported kv_events_format 'json'"):
+        ServerConfig(kv_events_format="json")
+    with pytest.raises(ValueError, match="nnodes must be >= 1, got 0"):
+        ServerConfig(nnodes=0)
 
 
 def test_the_default_host_tier_is_a_quarter_of_free_memory_in_half_gib():
