@@ -32,7 +32,7 @@ Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 class Engine:
     def __init__(
         self,
-        model: str | None = "smollm2",
+        model: str | None = EngineConfig.model,
         *,
         lora: Mapping[str, str] | None = None,
         **kwargs: Any,
