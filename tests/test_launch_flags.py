@@ -1,7 +1,7 @@
 """``radixserve launch``'s command line into a ``ServerConfig``: one flag derived from
-each ``EngineConfig`` option, the server's own listed apart, the options' checks at
-parse time and in the configs, the host tier ``--disk-cache-dir`` gets by itself, and
-the refusal that names what to pass."""
+each option of ``EngineConfig`` and ``ServerConfig``, the few others listed apart, the
+options' checks at parse time and in the configs, the host tier ``--disk-cache-dir``
+gets by itself, and the refusal that names what to pass."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from radixserve.launch_flags import (
 )
 from radixserve.options import flag_of, option_of
 from radixserve.sampling_params import MAX_N
-from radixserve.scheduler.config import SchedulerConfig
+from radixserve.scheduler.config import RADIX_IMPLS, SchedulerConfig
 from radixserve.server_config import TOOL_CALL_PARSERS, ServerConfig
 from radixserve.tokenizer.config import TokenizerConfig
 from radixserve.worker.config import WorkerConfig
@@ -65,10 +65,13 @@ def test_every_option_has_exactly_one_flag_and_every_flag_one_option():
         assert len(flags[name]) == 1, name
 
 
-def test_the_tool_call_parsers_accepted_are_the_ones_there_are():
+def test_choices_listed_apart_from_their_code_are_the_ones_it_has():
+    # The configs import no torch and no layer above them: these lists are their own.
     from radixserve.http.tool_parsers import PARSERS
+    from radixserve.scheduler.radix_impl import IMPLS
 
     assert set(TOOL_CALL_PARSERS) == set(PARSERS)
+    assert set(RADIX_IMPLS) == set(IMPLS)
 
 
 def test_library_fields_are_options_but_the_model_facts():
