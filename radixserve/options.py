@@ -1,8 +1,10 @@
 """Options declared once: a config field that carries its help, its choices and its range.
 
-A library's config declares each of its options as a dataclass field made by
-``option``: its name and type are the field's, its default the field's default,
-and the field's metadata holds the rest (``Option``). Everything else is derived:
+A config declares each of its options as a dataclass field made by ``option``: its
+name and type are the field's, its default the field's default, and the field's
+metadata holds the rest (``Option``). The libraries' configs declare theirs
+(``WorkerOptions``, ``SchedulerOptions``, ``TokenizerOptions``), the server's
+``ServerConfig`` its own. Everything else is derived:
 
 - ``EngineConfig`` (``radixserve/config.py``) inherits every library's options;
 - ``radixserve launch`` gets one flag per ``EngineConfig`` field (and per option of
