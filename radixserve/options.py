@@ -76,7 +76,8 @@ class Option:
     (strings). ``at_least`` / ``above`` / ``at_most``: the range of a number (None
     is accepted only where the default is None: it then means "derived").
     ``parse``: the flag's text to a value, where the field's type is not enough
-    (``parse_size``). ``negatable``: a boolean option's flag also has its ``--no-``
+    (``parse_size``). ``check``: a test of the value beyond choices and range, which
+    raises ValueError saying what is wrong. ``negatable``: a boolean option's flag also has its ``--no-``
     form (else it is a switch that only turns the option on). ``metavar``, ``group``:
     how ``--help`` shows the flag (``group``: one of the section titles above).
     """
@@ -87,6 +88,7 @@ class Option:
     above: float | None = None
     at_most: float | None = None
     parse: Callable[[str], Any] | None = None
+    check: Callable[[Any], object] | None = None
     negatable: bool = True
     metavar: str | None = None
     group: str | None = None
@@ -114,12 +116,13 @@ def option(
     above: float | None = None,
     at_most: float | None = None,
     parse: Callable[[str], Any] | None = None,
+    check: Callable[[Any], object] | None = None,
     negatable: bool = True,
     metavar: str | None = None,
     group: str | None = None,
 ) -> Any:
     """A config field holding an option (see ``Option`` for the arguments)."""
-    spec = Option(help, choices, at_least, above, at_most, parse, negatable, metavar, group)
+    spec = Option(help, choices, at_least, above, at_most, parse, check, negatable, metavar, group)
     if default is not None and spec.problem(default) is not None:
         raise ValueError(f"an option's default {default!r} {spec.problem(default)}")
     if default is not None and choices and default not in choices:
@@ -149,6 +152,8 @@ def check_options(config: Any) -> None:
         problem = spec.problem(value)
         if problem is not None:
             raise ValueError(f"{f.name} {problem}")
+        if spec.check is not None:
+            spec.check(value)
 
 
 def flag_of(name: str) -> str:

@@ -102,6 +102,8 @@ def test_an_option_out_of_its_range_or_choices_is_refused_by_flag_and_by_config(
     with pytest.raises(ValueError, match="max_stop must be given"):
         TokenizerConfig(max_stop=None)
     assert WorkerConfig(state_snapshots=None).state_snapshots is None  # None: derived
+    with pytest.raises(ValueError, match="name=path, got 'adapter'"):
+        WorkerConfig(lora_modules=("adapter",))
     with pytest.raises(ValueError, match="unsupported kv_events_format 'json'"):
         ServerConfig(kv_events_format="json")
     with pytest.raises(ValueError, match="nnodes must be >= 1, got 0"):

@@ -27,6 +27,20 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "int8"
 DECODE_KERNELS = ("auto", "native", "torch")
 
 
+def parse_lora_modules(specs: tuple[str, ...] | list[str]) -> list[tuple[str, str]]:
+    """``name=path`` entries as (name, path) pairs; ValueError on a malformed entry or a
+    name given twice."""
+    out: list[tuple[str, str]] = []
+    for spec in specs:
+        name, sep, path = str(spec).partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"a LoRA module is given as name=path, got {spec!r}")
+        if name in (n for n, _ in out):
+            raise ValueError(f"LoRA module name {name!r} is given twice")
+        out.append((name.strip(), path.strip()))
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class WorkerOptions(SharedOptions):
     """The worker's options (each one's help says what it does; docs/worker.md).
@@ -164,6 +178,7 @@ class WorkerOptions(SharedOptions):
         "LoRA adapters (PEFT folders: adapter_config.json + adapter_model.safetensors) "
         "served beside the base model; a request picks one by name (HTTP: the model "
         "field) (docs/lora.md)",
+        check=parse_lora_modules,
         metavar="NAME=PATH",
     )
     max_lora_rank: int = option(
@@ -177,7 +192,6 @@ class WorkerConfig(WorkerOptions):
 
     def __post_init__(self) -> None:
         check_options(self)
-        parse_lora_modules(self.lora_modules)
         if self.disk_cache_dir is not None and not self.host_cache_gb:
             raise ValueError(
                 "--disk-cache-dir needs a host tier (--host-cache-gb > 0): pages reach "
@@ -188,17 +202,3 @@ class WorkerConfig(WorkerOptions):
                 "the disk tier (--disk-cache-dir) does not support tensor parallelism yet "
                 "(--tp > 1); the host tier does"
             )
-
-
-def parse_lora_modules(specs: tuple[str, ...] | list[str]) -> list[tuple[str, str]]:
-    """``name=path`` entries as (name, path) pairs; ValueError on a malformed entry or a
-    name given twice."""
-    out: list[tuple[str, str]] = []
-    for spec in specs:
-        name, sep, path = str(spec).partition("=")
-        if not sep or not name.strip() or not path.strip():
-            raise ValueError(f"a LoRA module is given as name=path, got {spec!r}")
-        if name in (n for n, _ in out):
-            raise ValueError(f"LoRA module name {name!r} is given twice")
-        out.append((name.strip(), path.strip()))
-    return out
