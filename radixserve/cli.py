@@ -105,16 +105,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"radixserve: {e}", file=sys.stderr, flush=True)
             return 1
     if args.command == "launch" and args.dp > 1:
+        from radixserve.options import option_values
         from radixserve.router.launch_dp import launch_dp
         from radixserve.router.policy import PolicyConfig
 
-        abs_threshold = args.balance_abs_threshold
-        if abs_threshold is None:  # a whole batch of one replica (docs/scale-out.md)
-            abs_threshold = config.engine.max_running_requests
-        policy = PolicyConfig(
-            args.policy, abs_threshold, args.balance_rel_threshold, args.cache_threshold
-        )
-        return launch_dp(config, args.dp, policy, http_keys(args))
+        policy = option_values(PolicyConfig, args)
+        if policy["balance_abs_threshold"] is None:  # a whole batch of one replica
+            policy["balance_abs_threshold"] = config.engine.max_running_requests
+        return launch_dp(config, args.dp, PolicyConfig(**policy), http_keys(args))
     if args.command == "launch":
         from radixserve.launch import launch
 

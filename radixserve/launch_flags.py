@@ -1,10 +1,12 @@
 """``radixserve launch``'s flags, and the one place its command line becomes a
 ``ServerConfig``. Its flags are derived, one per option field of ``EngineConfig``
-and of ``ServerConfig`` (``options.add_option_flags``): ``--name-with-dashes``, whose
-dest is the field's name, whose default is the field's, and whose help, choices,
-range and parsing are the field's ``Option`` (``options.py``); ``_launch_changes``
-says where launch reads one its own way. The few flags no option declares are
-listed in ``NON_OPTION_FLAGS``. The API keys never enter the config (``http_keys``).
+and of ``ServerConfig``, of the public port's ``ConnectionOptions`` and of the
+``PolicyConfig`` of ``--dp``'s router (``options.add_option_flags``):
+``--name-with-dashes``, whose dest is the field's name, whose default is the field's,
+and whose help, choices, range and parsing are the field's ``Option``
+(``options.py``); ``_launch_changes`` and ``_dp_changes`` say where launch reads one
+its own way. The few flags no option declares are listed in ``NON_OPTION_FLAGS``.
+The API keys never enter the config (``http_keys``).
 
 ``--disk-cache-dir`` alone gets a host tier sized from the memory free at launch
 (``default_host_cache_gb``, printed), since pages reach the disk through host
@@ -31,10 +33,12 @@ from radixserve.options import (
     LIMITS,
     add_option_flags,
     option_of,
+    option_values,
     parse_size,
 )
+from radixserve.router.policy import PolicyConfig
 from radixserve.server_config import ServerConfig
-from radixserve.utils.descriptors import add_connection_arguments
+from radixserve.utils.descriptors import ConnectionOptions
 
 __all__ = [
     "EXCLUSIVE_OPTIONS",
@@ -53,23 +57,11 @@ __all__ = [
 HOST_TIER_CAP_GB = 16.0
 
 #: The flags of ``radixserve launch`` that no option field declares, by dest: the
-#: connection limits (``utils/descriptors.py``, shared with ``radixserve router``),
-#: the served names (one flag, two ``ServerConfig`` fields), the API keys (never in a
-#: config: ``http_keys``) and the router of ``--dp`` (``router/policy.py``). Every other
-#: flag is derived from exactly one option of ``EngineConfig`` or ``ServerConfig``.
-NON_OPTION_FLAGS = (
-    "max_connections",
-    "max_connections_per_address",
-    "handshake_timeout",
-    "served_model_name",
-    "api_key",
-    "admin_api_key",
-    "dp",
-    "policy",
-    "balance_abs_threshold",
-    "balance_rel_threshold",
-    "cache_threshold",
-)
+#: served names (one flag, two ``ServerConfig`` fields), the API keys (never in a
+#: config: ``http_keys``) and the number of replicas. Every other flag is derived from
+#: exactly one option of ``EngineConfig``, ``ServerConfig``, ``ConnectionOptions``
+#: (shared with ``radixserve router``) or ``PolicyConfig`` (``--dp``'s router's).
+NON_OPTION_FLAGS = ("served_model_name", "api_key", "admin_api_key", "dp")
 
 #: Options whose flags exclude each other: the KV pool's size, in pages or in bytes.
 EXCLUSIVE_OPTIONS = (("num_pages", "kv_memory"),)
@@ -93,6 +85,27 @@ def _launch_changes() -> dict[str, dict[str, Any]]:
     }
 
 
+def _dp_changes() -> dict[str, dict[str, Any]]:
+    """The router's policy as ``--dp`` reads it: its help says it is ``--dp``'s, and its
+    absolute balance threshold not given is None: ``--max-running-requests``, a whole
+    batch of one replica (docs/scale-out.md)."""
+
+    def with_dp(text: str) -> str:
+        if text.startswith("..."):  # the flag before's help goes on
+            return text
+        if text.startswith("cache_aware: "):
+            return "with --dp and " + text
+        return "with --dp: " + text
+
+    changes = {
+        f.name: {"help": with_dp(spec.help)}
+        for f in fields(PolicyConfig)
+        if (spec := option_of(f)) is not None
+    }
+    changes["balance_abs_threshold"]["default"] = None
+    return changes
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -100,23 +113,10 @@ def _positive(text: str) -> int:
     return value
 
 
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _ratio(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
-    return value
-
-
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:
-    """Every flag of ``radixserve launch`` on ``p``: one per option of ``ServerConfig``
-    and of ``EngineConfig``, and those of ``NON_OPTION_FLAGS``."""
+    """Every flag of ``radixserve launch`` on ``p``: one per option of ``ServerConfig``,
+    ``EngineConfig``, ``ConnectionOptions`` and ``PolicyConfig``, and those of
+    ``NON_OPTION_FLAGS``."""
     groups = {title: p.add_argument_group(title) for title in GROUPS}
     changes = _launch_changes()
     add_option_flags(p, ServerConfig, groups, changes=changes)
@@ -128,7 +128,7 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
         help="the model id the HTTP API answers to (default: the model's name); as vLLM's, "
         "several names are all accepted and the first is the one answers carry",
     )
-    add_connection_arguments(groups[LIMITS])
+    add_option_flags(groups[LIMITS], ConnectionOptions, {})
     auth = groups[AUTHENTICATION]
     auth.add_argument(
         "--api-key",
@@ -150,35 +150,7 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
         help="data parallelism: start this many replicas (each with its own worker, "
         "scheduler and tokenizer) behind a cache-aware router on --host/--port",
     )
-    from radixserve.router.policy import POLICIES, PolicyConfig
-
-    ev.add_argument(
-        "--policy",
-        choices=POLICIES,
-        default=PolicyConfig.policy,
-        help="with --dp: how the router picks a replica (docs/scale-out.md)",
-    )
-    ev.add_argument(
-        "--balance-abs-threshold",
-        type=_non_negative,
-        default=None,
-        help="with --dp and cache_aware: the load is imbalanced when the busiest replica "
-        "has more than this many requests over the least busy one (default: "
-        "--max-running-requests, a whole batch) ...",
-    )
-    ev.add_argument(
-        "--balance-rel-threshold",
-        type=float,
-        default=PolicyConfig.balance_rel_threshold,
-        help="... and more than this times its load; then the least loaded replica wins",
-    )
-    ev.add_argument(
-        "--cache-threshold",
-        type=_ratio,
-        default=PolicyConfig.cache_threshold,
-        help="with --dp and cache_aware: route by the cache only when the longest match "
-        "covers more than this share of the prompt; else to the least loaded replica",
-    )
+    add_option_flags(ev, PolicyConfig, {}, changes=_dp_changes())
 
 
 def launch_parser() -> argparse.ArgumentParser:
@@ -213,15 +185,8 @@ def default_host_cache_gb(available: int) -> float:
     return min(HOST_TIER_CAP_GB, max(0.5, int(quarter * 2) / 2))
 
 
-def _options(cls: type, args: argparse.Namespace) -> dict[str, Any]:
-    """The values of ``cls``'s option fields on the command line (its flags' dests are
-    the fields' names; ``nargs="+"`` gives lists, the configs hold tuples)."""
-    values = {f.name: getattr(args, f.name) for f in fields(cls) if option_of(f)}
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
-
-
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    options = _options(EngineConfig, args)
+    options = option_values(EngineConfig, args)
     if options["host_cache_gb"] is None:
         options["host_cache_gb"] = 0.0
         if options["disk_cache_dir"] is not None:
@@ -238,12 +203,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     names = args.served_model_name or ()
     return ServerConfig(
         engine=EngineConfig(**options),
-        **_options(ServerConfig, args),
+        **option_values(ServerConfig, args),
+        **option_values(ConnectionOptions, args),
         served_model_name=names[0] if names else None,
         served_model_aliases=tuple(names[1:]),
-        max_connections=args.max_connections,
-        max_connections_per_address=args.max_connections_per_address,
-        handshake_timeout=args.handshake_timeout,
     )
 
 

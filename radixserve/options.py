@@ -14,6 +14,14 @@ metadata holds the rest (``Option``). The libraries' configs declare theirs
   outside ``choices`` or a number outside its range is a ValueError naming the option,
   and the same check rejects a flag's value at parse time.
 
+An option two configs read is declared by one and taken by the other with
+``option_from`` (``radixserve router``'s ``--host``, ``--model``, ... are the server's
+and the engine's); a config whose options another holds as a whole is a ``nested``
+field of it, whose flags are added in its place (the router's ``PolicyConfig``, which
+``radixserve launch --dp`` also reads, and ``utils/descriptors.py``'s
+``ConnectionOptions``). ``option_values`` reads a parsed command line back into
+option values, ``option_flags`` writes a config's values out as flags.
+
 Options read by both the worker and the scheduler are declared here, in
 ``SharedOptions``, which both libraries' options inherit. This module imports nothing
 of radixserve: every library may import it.
@@ -24,7 +32,7 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Callable
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from types import UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
@@ -41,8 +49,12 @@ __all__ = [
     "check_options",
     "flag_arguments",
     "flag_of",
+    "nested",
     "option",
+    "option_flags",
+    "option_from",
     "option_of",
+    "option_values",
     "parse_size",
 ]
 
@@ -56,6 +68,7 @@ EVENTS = "KV cache events and replicas (docs/scale-out.md)"
 GROUPS = (LIMITS, STRUCTURED, PARALLEL, AUTHENTICATION, EVENTS)
 
 _METADATA_KEY = "radixserve.option"
+_NESTED_KEY = "radixserve.nested"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
 
@@ -72,7 +85,8 @@ def parse_size(text: str) -> int:
 class Option:
     """What an option's field carries besides its name, type and default.
 
-    ``help``: one line or a few, the flag's help. ``choices``: the values accepted
+    ``help``: one line or a few, the flag's help (``argparse.SUPPRESS``: a flag
+    ``--help`` does not show). ``choices``: the values accepted
     (strings). ``at_least`` / ``above`` / ``at_most``: the range of a number (None
     is accepted only where the default is None: it then means "derived").
     ``parse``: the flag's text to a value, where the field's type is not enough
@@ -123,16 +137,43 @@ def option(
 ) -> Any:
     """A config field holding an option (see ``Option`` for the arguments)."""
     spec = Option(help, choices, at_least, above, at_most, parse, check, negatable, metavar, group)
+    return _option_field(default, spec)
+
+
+def _option_field(default: Any, spec: Option) -> Any:
     if default is not None and spec.problem(default) is not None:
         raise ValueError(f"an option's default {default!r} {spec.problem(default)}")
-    if default is not None and choices and default not in choices:
-        raise ValueError(f"an option's default {default!r} is not one of {choices}")
+    if default is not None and spec.choices and default not in spec.choices:
+        raise ValueError(f"an option's default {default!r} is not one of {spec.choices}")
     return field(default=default, metadata={_METADATA_KEY: spec})
+
+
+def option_from(cls: type, name: str, *, default: Any = MISSING, **changes: Any) -> Any:
+    """A config field holding the option ``name`` of the config ``cls``: its default and
+    ``Option``, but for what ``default`` and ``changes`` (``Option``'s fields by name)
+    say. One option that two configs read is so declared once."""
+    f = cls.__dataclass_fields__[name]
+    spec = option_of(f)
+    if spec is None:
+        raise TypeError(f"{cls.__name__}.{name} is not declared with options.option")
+    return _option_field(f.default if default is MISSING else default, replace(spec, **changes))
+
+
+def nested(cls: type) -> Any:
+    """A config field holding a whole config ``cls`` (default: its defaults) whose options
+    are the holder's too: ``add_option_flags`` adds their flags in its place and
+    ``option_values`` builds it from them."""
+    return field(default_factory=cls, metadata={_NESTED_KEY: cls})
 
 
 def option_of(f: Field) -> Option | None:
     """The ``Option`` a dataclass field carries, None for a field that is no option."""
     return f.metadata.get(_METADATA_KEY)
+
+
+def nested_of(f: Field) -> type | None:
+    """The config a ``nested`` field holds, None for any other field."""
+    return f.metadata.get(_NESTED_KEY)
 
 
 def check_options(config: Any) -> None:
@@ -207,20 +248,59 @@ def add_option_flags(
     changes: dict[str, dict[str, Any]] | None = None,
 ) -> None:
     """One flag per option field of the dataclass ``cls`` on the parser ``p``, or in the
-    argument group of ``groups`` (by title) its option names. The flags of each name
-    set in ``exclusive`` exclude each other; ``changes`` overrides ``add_argument``'s
-    arguments of a field by name (where a command line reads an option its own way)."""
+    argument group of ``groups`` (by title) its option names; a ``nested`` config's flags
+    in its place. The flags of each name set in ``exclusive`` exclude each other;
+    ``changes`` overrides ``add_argument``'s arguments of a field by name (where a
+    command line reads an option its own way)."""
     kinds = get_type_hints(cls)
     placed: dict[str, Any] = {}
     for names in exclusive:
         placed.update(dict.fromkeys(names, p.add_mutually_exclusive_group()))
     for f in fields(cls):
         spec = option_of(f)
+        if nested_of(f) is not None:
+            add_option_flags(p, nested_of(f), groups, changes=changes)
         if spec is None:
             continue
         args = {**flag_arguments(f, kinds[f.name]), **(changes or {}).get(f.name, {})}
         target = placed.get(f.name) or groups.get(spec.group) or p
         target.add_argument(flag_of(f.name), **args)
+
+
+def option_values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    """The values of the option fields of the dataclass ``cls`` on a command line parsed
+    by its flags (whose dests are the fields' names; ``nargs="+"`` gives lists, configs
+    hold tuples), and its ``nested`` configs built from theirs."""
+    values: dict[str, Any] = {}
+    for f in fields(cls):
+        if nested_of(f) is not None:
+            values[f.name] = nested_of(f)(**option_values(nested_of(f), args))
+        elif option_of(f) is not None:
+            value = getattr(args, f.name)
+            values[f.name] = tuple(value) if isinstance(value, list) else value
+    return values
+
+
+def option_flags(config: Any) -> list[str]:
+    """The flags that give each option of the dataclass instance ``config`` (its
+    ``nested`` configs' too) its value: none for a value that is the default, nor for a
+    None that is not (no flag says None)."""
+    args: list[str] = []
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if nested_of(f) is not None:
+            args += option_flags(value)
+        spec = option_of(f)
+        if spec is None or value == f.default or value is None:
+            continue
+        flag = flag_of(f.name)
+        if isinstance(value, bool):
+            args.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, tuple):
+            args += [flag, *map(str, value)]
+        else:
+            args += [flag, str(value)]
+    return args
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,7 +17,7 @@ from typing import Any
 from radixserve.config import EngineConfig
 from radixserve.model_info import ModelInfo
 from radixserve.options import AUTHENTICATION, EVENTS, PARALLEL, check_options, option
-from radixserve.utils.descriptors import HANDSHAKE_TIMEOUT_S, ConnectionLimits
+from radixserve.utils.descriptors import ConnectionLimits, ConnectionOptions
 
 #: What ``--tool-call-parser`` takes: the formats of ``http/tool_parsers.py``'s ``PARSERS``.
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_xml")
@@ -61,12 +61,12 @@ class ServerConfig:
         group=AUTHENTICATION,
     )
     # Connections the public TCP port holds at once, in total and per peer address (0:
-    # derived from the descriptor limit), and the seconds a handshake may take
-    # (utils/descriptors.py, whose flags ``radixserve router`` shares; docs/serving.md,
-    # "Connection limits").
-    max_connections: int = 0
-    max_connections_per_address: int = 0
-    handshake_timeout: float = HANDSHAKE_TIMEOUT_S
+    # derived from the descriptor limit), and the seconds a handshake may take: the
+    # options of ``ConnectionOptions`` (utils/descriptors.py), whose flags ``radixserve
+    # launch`` and ``radixserve router`` both derive (docs/serving.md, "Connection limits").
+    max_connections: int = ConnectionOptions.max_connections
+    max_connections_per_address: int = ConnectionOptions.max_connections_per_address
+    handshake_timeout: float = ConnectionOptions.handshake_timeout
     log_level: str = option(
         "info", "log level of every process (logs go to stderr)", choices=LOG_LEVELS
     )

@@ -1,7 +1,7 @@
-"""``radixserve launch``'s command line into a ``ServerConfig``: one flag derived from
-each option of ``EngineConfig`` and ``ServerConfig``, the few others listed apart, the
-options' checks at parse time and in the configs, the host tier ``--disk-cache-dir``
-gets by itself, and the refusal that names what to pass."""
+"""``radixserve launch``'s command line into a ``ServerConfig`` and ``radixserve
+router``'s into a ``RouterConfig``: one flag derived from each option of their configs,
+the few others listed apart, the options' checks at parse time and in the configs, the
+host tier ``--disk-cache-dir`` gets by itself, and the refusal that names what to pass."""
 
 from __future__ import annotations
 
@@ -19,11 +19,15 @@ from radixserve.launch_flags import (
     default_host_cache_gb,
     launch_parser,
 )
-from radixserve.options import flag_of, option_of
+from radixserve.options import flag_of, nested_of, option_of
+from radixserve.router import cli as router_cli
+from radixserve.router.config import RouterConfig
+from radixserve.router.policy import PolicyConfig
 from radixserve.sampling_params import MAX_N
 from radixserve.scheduler.config import RADIX_IMPLS, SchedulerConfig
 from radixserve.server_config import TOOL_CALL_PARSERS, ServerConfig
 from radixserve.tokenizer.config import TokenizerConfig
+from radixserve.utils.descriptors import ConnectionOptions
 from radixserve.worker.config import WorkerConfig
 
 GIB = 1024**3
@@ -45,24 +49,86 @@ def launch(*flags: str):
 
 
 def option_names(cls: type) -> list[str]:
-    return [f.name for f in fields(cls) if option_of(f)]
+    """The options of ``cls``, its ``nested`` configs' included."""
+    names: list[str] = []
+    for f in fields(cls):
+        names += option_names(nested_of(f)) if nested_of(f) else [f.name] * bool(option_of(f))
+    return names
+
+
+def flags_by_dest(parser) -> dict[str, list[str]]:
+    flags: dict[str, list[str]] = {}
+    for action in parser._actions:
+        if action.dest not in ("help", "command"):
+            flags.setdefault(action.dest, []).extend(action.option_strings)
+    return flags
+
+
+def assert_one_flag_each(flags: dict[str, list[str]], options: list[str], others) -> None:
+    declared = options + list(others)
+    assert len(declared) == len(set(declared)), "an option declared twice"
+    assert set(flags) == set(declared)
+    for name in options:
+        flag = flag_of(name)
+        assert flags[name] in ([flag], [flag, "--no-" + flag[2:]]), name
+    for name in others:
+        assert len(flags[name]) == 1, name
 
 
 def test_every_option_has_exactly_one_flag_and_every_flag_one_option():
-    flags: dict[str, list[str]] = {}
-    for action in launch_parser()._actions:
-        if action.dest != "help":
-            flags.setdefault(action.dest, []).extend(action.option_strings)
-    engine, server = option_names(EngineConfig), option_names(ServerConfig)
+    engine = option_names(EngineConfig)
     assert engine == [f.name for f in fields(EngineConfig)]  # every engine field
-    declared = engine + server + list(NON_OPTION_FLAGS)
-    assert len(declared) == len(set(declared)), "an option declared twice"
-    assert set(flags) == set(declared)
-    for name in engine + server:
-        flag = flag_of(name)
-        assert flags[name] in ([flag], [flag, "--no-" + flag[2:]]), name
-    for name in NON_OPTION_FLAGS:
-        assert len(flags[name]) == 1, name
+    options = engine + option_names(ServerConfig)
+    options += option_names(ConnectionOptions) + option_names(PolicyConfig)
+    assert_one_flag_each(flags_by_dest(launch_parser()), options, NON_OPTION_FLAGS)
+
+
+def test_every_router_option_has_exactly_one_flag_and_every_flag_one_option():
+    router = build_parser()._subparsers._group_actions[0].choices["router"]
+    options = option_names(RouterConfig)
+    assert set(option_names(PolicyConfig)) | set(option_names(ConnectionOptions)) < set(options)
+    assert_one_flag_each(flags_by_dest(router), options, router_cli.NON_OPTION_FLAGS)
+
+
+def test_a_router_config_runs_a_router_of_that_config():
+    # What ``radixserve launch --dp`` does: its router's config out as flags, read back.
+    config = RouterConfig(
+        ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"),
+        port=0,
+        model="/models/tiny",
+        policy=PolicyConfig("least_load", balance_abs_threshold=8, cache_threshold=0.5),
+        curve_allow_any_client=True,
+        connections=ConnectionOptions(max_connections=10, handshake_timeout=2.5),
+        ipc_endpoint="ipc:///tmp/front",
+        exit_with_parent=True,
+        log_level="info",
+    )
+    line = router_cli.command_line(config)
+    args = build_parser().parse_args(["router", *line])
+    assert router_cli.config_from_args(args) == config
+    assert "--max-message-bytes" not in line  # not an option: no flag
+    assert router_cli.config_from_args(
+        build_parser().parse_args(["router", "--replica", "tcp://127.0.0.1:1"])
+    ) == RouterConfig(("tcp://127.0.0.1:1",))
+
+
+def test_the_routers_options_are_checked_by_flag_and_by_config(capsys):
+    for flag, value in (
+        ("--cache-threshold", "1.5"),
+        ("--balance-rel-threshold", "0.5"),
+        ("--policy", "random"),
+        ("--max-connections", "-1"),
+        ("--handshake-timeout", "inf"),
+    ):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["router", "--replica", "tcp://h:1", flag, value])
+        assert flag in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"cache_threshold must be in \[0, 1\], got 1.5"):
+        PolicyConfig(cache_threshold=1.5)
+    with pytest.raises(ValueError, match="max_connections must be >= 0, got -1"):
+        RouterConfig(("tcp://h:1",), connections=ConnectionOptions(max_connections=-1))
+    with pytest.raises(ValueError, match="unsupported log_level 'loud'"):
+        RouterConfig(("tcp://h:1",), log_level="loud")
 
 
 def test_choices_listed_apart_from_their_code_are_the_ones_it_has():

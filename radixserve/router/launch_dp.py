@@ -27,8 +27,11 @@ from dataclasses import replace
 
 from radixserve.http.auth import NO_KEYS, Keys
 from radixserve.launch import Launcher, LaunchError, _wait_or_kill, check_public_socket
+from radixserve.router.cli import command_line
+from radixserve.router.config import RouterConfig
 from radixserve.router.policy import PolicyConfig
 from radixserve.server_config import PUBLIC_IPC, ServerConfig
+from radixserve.utils.descriptors import ConnectionOptions
 from radixserve.utils.paths import SOURCE_ROOT
 from radixserve.utils.proc import say
 
@@ -95,33 +98,31 @@ class DataParallelLauncher:
         self.ports[i] = int(launcher.endpoint.rsplit(":", 1)[1])
 
     def _start_router(self) -> None:
-        c, p = self.config, self.policy
-        cmd = [sys.executable, "-m", "radixserve.cli", "router", "--host", c.host,
-               "--port", str(c.port), "--policy", p.policy,
-               "--balance-abs-threshold", str(p.balance_abs_threshold),
-               "--balance-rel-threshold", str(p.balance_rel_threshold),
-               "--cache-threshold", str(p.cache_threshold),
-               "--max-requests-per-client", str(c.engine.max_requests_per_client),
-               "--max-connections", str(c.max_connections),
-               "--max-connections-per-address", str(c.max_connections_per_address),
-               "--handshake-timeout", str(c.handshake_timeout),
-               "--ipc-endpoint", self.front.config.endpoint(PUBLIC_IPC),
-               "--exit-with-parent", "--log-level", c.log_level]  # fmt: skip
-        if c.engine.model:
-            cmd += ["--model", c.engine.model]
-        if c.engine.cache_dir:
-            cmd += ["--cache-dir", c.engine.cache_dir]
-        if c.engine.chat_special_tokens:
-            cmd.append("--chat-special-tokens")
-        if c.curve_secret_key:
-            cmd += ["--curve-secret-key", c.curve_secret_key]
-        if c.curve_allowed_clients:
-            cmd += ["--curve-allowed-clients", c.curve_allowed_clients]
-        if c.curve_allow_any_client:
-            cmd.append("--curve-allow-any-client")
-        for r in self.replicas:
-            assert r is not None
-            cmd += ["--replica", r.endpoint]
+        c = self.config
+        replicas = tuple(r.endpoint for r in self.replicas if r is not None)
+        assert len(replicas) == self.dp
+        router = RouterConfig(
+            replicas=replicas,
+            host=c.host,
+            port=c.port,
+            model=c.engine.model,
+            cache_dir=c.engine.cache_dir,
+            chat_special_tokens=c.engine.chat_special_tokens,
+            policy=self.policy,
+            max_requests_per_client=c.engine.max_requests_per_client,
+            curve_secret_key=c.curve_secret_key,
+            curve_allowed_clients=c.curve_allowed_clients,
+            curve_allow_any_client=c.curve_allow_any_client,
+            connections=ConnectionOptions(
+                max_connections=c.max_connections,
+                max_connections_per_address=c.max_connections_per_address,
+                handshake_timeout=c.handshake_timeout,
+            ),
+            ipc_endpoint=self.front.config.endpoint(PUBLIC_IPC),
+            exit_with_parent=True,
+            log_level=c.log_level,
+        )
+        cmd = [sys.executable, "-m", "radixserve.cli", "router", *command_line(router)]
         root = SOURCE_ROOT
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)

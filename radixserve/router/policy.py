@@ -37,23 +37,44 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from radixserve.options import check_options, option
+
 POLICIES = ("cache_aware", "round_robin", "least_load")
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    policy: str = "cache_aware"
-    balance_abs_threshold: int = 64  # requests
-    balance_rel_threshold: float = 1.5
-    cache_threshold: float = 0.3  # the share of a prompt a match must exceed
+    """The routing policy's options: ``radixserve router``'s flags, and those of
+    ``radixserve launch --dp``'s router (``launch_flags.py``)."""
+
+    policy: str = option(
+        "cache_aware",
+        "how the router picks a replica: cache_aware, the longest cached prefix unless "
+        "the load is imbalanced; round_robin; least_load (docs/scale-out.md)",
+        choices=POLICIES,
+    )
+    balance_abs_threshold: int = option(
+        64,
+        "cache_aware: the load is imbalanced when the busiest replica has more than this "
+        "many requests over the least busy one (size it to what a replica runs at once, "
+        "its --max-running-requests, as launch --dp does by default) ...",
+        at_least=0,
+    )
+    balance_rel_threshold: float = option(
+        1.5,
+        "... and more than this times its load; then the least loaded replica wins",
+        at_least=1.0,
+    )
+    cache_threshold: float = option(  # 1: never by the cache
+        0.3,
+        "cache_aware: route by the cache only when the longest match covers more than "
+        "this share of the prompt; else to the least loaded replica",
+        at_least=0.0,
+        at_most=1.0,
+    )
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
-            raise ValueError("balance thresholds: absolute >= 0, relative >= 1")
-        if not 0.0 <= self.cache_threshold <= 1.0:  # 1: never by the cache
-            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
+        check_options(self)
 
 
 @dataclass(frozen=True)

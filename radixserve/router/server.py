@@ -40,7 +40,8 @@ from typing import Any
 import zmq
 
 from radixserve import protocol as P
-from radixserve.router.policy import Decision, PolicyConfig, RoundRobin, choose
+from radixserve.router.config import RouterConfig
+from radixserve.router.policy import Decision, RoundRobin, choose
 from radixserve.router.replica import Forwarded, Replica
 from radixserve.router.totals import CounterTotals
 from radixserve.scheduler.kv_events import page_keys
@@ -48,7 +49,6 @@ from radixserve.tokenizer.config import TokenizerConfig
 from radixserve.tokenizer.connections import Connections
 from radixserve.tokenizer.inputs import InputProcessor
 from radixserve.tokenizer.process import seed_routing_ids
-from radixserve.utils.descriptors import ConnectionLimits
 from radixserve.utils.sockets import recv, recv_frames, recv_multipart
 from radixserve.utils.zmtp_gate import RoutingIdGate
 from radixserve.zap import enable_curve
@@ -64,28 +64,6 @@ SUMMED = (
     "num_pages", "pages_free", "pages_cached", "pages_used", "pages_evictable", "running",
     "waiting", "releasing", "in_flight",
 )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    replicas: tuple[str, ...]
-    host: str = "127.0.0.1"
-    port: int = 30000
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
-    model: str | None = None  # whose tokenizer routes prompts (the replicas' model)
-    cache_dir: str | None = None
-    chat_special_tokens: bool = False
-    max_message_bytes: int = 8 << 20
-    max_requests_per_client: int = 1024
-    curve_secret_key: str | None = None
-    curve_allowed_clients: str | None = None
-    curve_allow_any_client: bool = False
-    curve_server_key: str | None = None  # the replicas' public key, when they use CURVE
-    curve_client_key: str | None = None  # this router's key pair towards the replicas
-    ipc_endpoint: str | None = None  # a second public endpoint (the HTTP front's)
-    # The public TCP port's connection limits (0: derived from the descriptor budget).
-    connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
-    decisions: int = 0  # how many routing decisions to keep for inspection (tests)
 
 
 @dataclass
@@ -106,10 +84,10 @@ class Router:
         limits = TokenizerConfig(chat_special_tokens=config.chat_special_tokens)
         self.inputs = None if tokenizer is None else InputProcessor(tokenizer, None, limits)
         curve = None
-        if config.curve_server_key is not None:
+        if config.replica_curve_server_key is not None:
             from radixserve.client.common import curve_keys
 
-            curve = curve_keys(config.curve_server_key, config.curve_client_key)
+            curve = curve_keys(config.replica_curve_server_key, config.replica_curve_client_key)
         self.replicas = [Replica(i, ep, ctx, curve) for i, ep in enumerate(config.replicas)]
         seed_routing_ids()
         self.public = ctx.socket(zmq.ROUTER)

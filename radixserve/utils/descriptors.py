@@ -9,6 +9,10 @@ hard limit at start (``raise_descriptor_limit``) and takes connections only whil
 they fit a budget that leaves headroom for everything else it opens
 (``ConnectionLimits.derive``): a connection past the budget is closed at accept,
 and those already established keep being served.
+
+The limits of a public port are options (``ConnectionOptions``): ``radixserve launch``
+and ``radixserve router`` derive the same three flags from them (docs/serving.md,
+"Connection limits").
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import argparse
 import math
 import os
 from dataclasses import dataclass
+
+from radixserve.options import check_options, option
 
 try:
     import resource
@@ -106,43 +112,6 @@ class ConnectionLimits:
         return ConnectionLimits(total, min(per_address, total), self.handshake_timeout)
 
 
-def add_connection_arguments(p) -> None:
-    """The public port's connection limits as flags (docs/serving.md, "Connection
-    limits"): the same for ``radixserve launch`` and ``radixserve router``."""
-    p.add_argument(
-        "--max-connections",
-        type=_non_negative_int,
-        default=0,
-        help="connections the public TCP port (and, apart, the HTTP front) holds at once; "
-        "more are closed at accept. 0 (default): what the process's descriptor limit "
-        "allows, which it raises to the hard limit at start",
-    )
-    p.add_argument(
-        "--max-connections-per-address",
-        type=_non_negative_int,
-        default=0,
-        help="of those, connections from one peer address (0, default: a quarter of "
-        "--max-connections)",
-    )
-    p.add_argument(
-        "--handshake-timeout",
-        type=_positive_seconds,
-        default=HANDSHAKE_TIMEOUT_S,
-        help="seconds a new connection to the public TCP port may take over its ZeroMQ "
-        "handshake before it is closed",
-    )
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -151,3 +120,38 @@ def _positive_seconds(text: str) -> float:
     if not value > 0 or not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConnectionOptions:
+    """A public port's connection limits as options (``ConnectionLimits``' fields, named
+    as their flags)."""
+
+    max_connections: int = option(
+        0,
+        "connections the public TCP port (and, apart, the HTTP front) holds at once; "
+        "more are closed at accept. 0 (default): what the process's descriptor limit "
+        "allows, which it raises to the hard limit at start",
+        at_least=0,
+    )
+    max_connections_per_address: int = option(
+        0,
+        "of those, connections from one peer address (0, default: a quarter of --max-connections)",
+        at_least=0,
+    )
+    handshake_timeout: float = option(
+        HANDSHAKE_TIMEOUT_S,
+        "seconds a new connection to the public TCP port may take over its ZeroMQ "
+        "handshake before it is closed",
+        above=0.0,
+        parse=_positive_seconds,
+    )
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+    @property
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(
+            self.max_connections, self.max_connections_per_address, self.handshake_timeout
+        )
