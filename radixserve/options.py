@@ -50,6 +50,7 @@ __all__ = [
     "flag_arguments",
     "flag_of",
     "nested",
+    "nested_of",
     "option",
     "option_flags",
     "option_from",
@@ -257,9 +258,9 @@ def add_option_flags(
     for names in exclusive:
         placed.update(dict.fromkeys(names, p.add_mutually_exclusive_group()))
     for f in fields(cls):
+        if (inner := nested_of(f)) is not None:
+            add_option_flags(p, inner, groups, changes=changes)
         spec = option_of(f)
-        if nested_of(f) is not None:
-            add_option_flags(p, nested_of(f), groups, changes=changes)
         if spec is None:
             continue
         args = {**flag_arguments(f, kinds[f.name]), **(changes or {}).get(f.name, {})}
@@ -273,8 +274,8 @@ def option_values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
     hold tuples), and its ``nested`` configs built from theirs."""
     values: dict[str, Any] = {}
     for f in fields(cls):
-        if nested_of(f) is not None:
-            values[f.name] = nested_of(f)(**option_values(nested_of(f), args))
+        if (inner := nested_of(f)) is not None:
+            values[f.name] = inner(**option_values(inner, args))
         elif option_of(f) is not None:
             value = getattr(args, f.name)
             values[f.name] = tuple(value) if isinstance(value, list) else value
