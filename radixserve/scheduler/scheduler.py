@@ -300,14 +300,14 @@ class Scheduler:
         with nothing to compute or release, ``run`` is not called.
         """
         now = self.clock()
-        self._expire(now)
-        outputs, self._outputs = self._outputs, []
-        step = self._build_step(self._plan(now))
+        self._expire(now)  # requests past their timeout fail
+        outputs, self._outputs = self._outputs, []  # aborts and failures since the last step
+        step = self._build_step(self._plan(now))  # decode rows, then prompt chunks; the Step
         if step is None:
             return outputs
-        result = run(step)
-        self._copies_reported(step, result)
-        return outputs + self._take_result(result)
+        result = run(step)  # the worker
+        self._copies_reported(step, result)  # cache tiers: copies done
+        return outputs + self._take_result(result)  # tokens taken back; who finished
 
     def _expire(self, now: float) -> None:
         """End the requests whose ``request_timeout`` has passed (an error; KV released)."""
