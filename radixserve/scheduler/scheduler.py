@@ -85,6 +85,8 @@ RunStep = Callable[[Step], WorkerResult]
 
 
 class Scheduler:
+    """Requests in, steps planned and run, outputs out (module docstring)."""
+
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.page_size = config.page_size
@@ -130,8 +132,8 @@ class Scheduler:
         self._requests: dict[str, list[Request]] = {}
         self._arrivals = 0
         self._eos = frozenset(config.eos_token_ids)
-        # Per-request timeouts (``request_timeout``): (deadline, arrival, rid), earliest first; ``clock`` is
-        # replaceable (tests).
+        # Per-request timeouts (``request_timeout``): (deadline, arrival, rid), earliest
+        # first; ``clock`` is replaceable (tests).
         self.clock: Callable[[], float] = time.monotonic
         self._deadlines: list[tuple[float, int, str]] = []
         self._outputs: list[OutputItem] = []  # produced outside a step (aborts)
