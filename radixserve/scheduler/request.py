@@ -34,6 +34,28 @@ class ReqStatus(enum.Enum):
 
 
 @dataclass(eq=False, slots=True)
+class SpecState:
+    """A request's speculative decoding (``speculative.py``): the drafts of the step in
+    flight (the tokens after ``tokens[:num_tokens]`` it verifies; they never enter
+    ``tokens`` unverified), and the adaptive drafting's state."""
+
+    draft: np.ndarray = field(default_factory=lambda: _NO_DRAFT)
+    window_drafted: int = 0  # draft tokens verified since the window began
+    window_accepted: int = 0  # and accepted of them
+    pause: int = 0  # steps left without drafts
+    backoff: int = 0  # the last pause's length
+
+
+@dataclass(eq=False, slots=True)
+class RequestStats:
+    """What a request reports of its service, fixed at its first admission."""
+
+    queued_at: float = 0.0  # the scheduler's clock at arrival (queue time)
+    cached_tokens: int = -1  # hit length at first admission (-1: not admitted yet)
+    tier_hits: tuple[int, int, int] = (0, 0, 0)  # of those, by tier (pool, host, disk)
+
+
+@dataclass(eq=False, slots=True)
 class Request:
     """One sample of a client request (``n > 1`` makes n of these).
 
@@ -78,15 +100,12 @@ class Request:
     node: CacheNode | None = None
     locked_len: int = 0
     dups: list[np.ndarray] = field(default_factory=list)
-    cached_tokens: int = -1  # hit length at first admission (-1: not admitted yet)
     # The hit of its admission's match in each cache tier (L1 pool, L2 host, L3 disk;
     # pages promoted for it count in their tier even though it computes steps
-    # later), in tokens; taken into ``tier_hits`` at first admission.
+    # later), in tokens; taken into ``stats.tier_hits`` at first admission.
     cached_by_tier: tuple[int, int, int] = (0, 0, 0)
-    tier_hits: tuple[int, int, int] = (0, 0, 0)
     admitted: int = -1  # admission counter (retraction picks the newest)
     waited_steps: int = 0
-    queued_at: float = 0.0  # the scheduler's clock at arrival (queue time)
     preemptions: int = 0  # times retracted for a request of a better priority
     announced: bool = False  # the worker has its sampling params
     final_len: int = 0  # the most tokens it can ever hold (prompt + max_tokens, capped)
@@ -102,14 +121,8 @@ class Request:
     own_states: list[int] = field(default_factory=list)
     own_states_at: list[int] = field(default_factory=list)
     diverge_at: int = 0
-    # Speculative decoding (``speculative.py``): the drafts of the step in flight (the
-    # tokens after ``tokens[:num_tokens]`` it verifies; they never enter ``tokens``
-    # unverified), and the adaptive drafting's state.
-    draft: np.ndarray = field(default_factory=lambda: _NO_DRAFT)
-    spec_window_drafted: int = 0
-    spec_window_accepted: int = 0
-    spec_pause: int = 0  # steps left without drafts
-    spec_backoff: int = 0  # the last pause's length
+    spec: SpecState = field(default_factory=SpecState)  # speculative decoding
+    stats: RequestStats = field(default_factory=RequestStats)  # what it reports
     # The worker's page table for the slot is longer than ``sent_pages`` (pages past a
     # verification's accepted tokens were freed): the next step tells it to cut.
     table_cut: bool = False
@@ -172,6 +185,12 @@ class Request:
         return self.table
 
     @property
+    def draft(self) -> np.ndarray:
+        """The drafts the step in flight verifies (``spec.draft``): the cache
+        manager grows the request's pages over them too."""
+        return self.spec.draft
+
+    @property
     def key(self) -> tuple[str, int]:
         return (self.rid, self.index)
 
@@ -193,8 +212,8 @@ class Request:
             self.finish_reason,
             self.prompt_len,
             self.num_output,
-            max(self.cached_tokens, 0),
+            max(self.stats.cached_tokens, 0),
             logprobs,
             prompt_logprobs,
-            cached_tokens_by_tier=list(self.tier_hits),
+            cached_tokens_by_tier=list(self.stats.tier_hits),
         )

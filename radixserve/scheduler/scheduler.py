@@ -1,6 +1,6 @@
 """The scheduler: continuous batching over the radix cache, one step at a time.
 
-The lifecycle of a request, in the order ``_schedule()`` handles it:
+The lifecycle of a request:
 
     WAITING --admit--> PREFILL (chunks) --last chunk sampled--> DECODE --> FINISHED
      ^  |                   ^   |                                   |
@@ -8,48 +8,44 @@ The lifecycle of a request, in the order ``_schedule()`` handles it:
      |              |           |   tiers have not all arrived; then PREFILL)
      +-- retract ---+-----------+-----------------------------------+
 
-Each step is lockstep with the worker: ``step(run)`` plans what the worker
-must compute (``_schedule()``, a ``protocol.Step``), has ``run`` compute it and
-return the sampled tokens, decides who finished (``_process_step_result``), and
-returns the outputs, those of aborts since the last step included. Between
-steps the caller may add and abort requests; it steps while ``has_work()``.
+``Scheduler`` is composed of parts that own their state; it keeps the requests by
+id, their deadlines and the outputs between steps, and runs the step:
+
+- ``RunningSet`` (running.py): the running requests, their slots, the chunked prefill;
+- ``DecodeManager`` (decode.py): the decode rows, which running requests grow a page
+  and which are retracted (pages short) or preempted (priority);
+- ``Admission`` (admission.py): the waiting queue and the prefill rows, which waiting
+  requests enter the step and the chunks of every prompt;
+- ``KVCacheManager`` (kv_cache.py): who owns which page; ``DecodeReserve``
+  (reserve.py): the pages admission keeps for running requests' decodes;
+- ``Drafter`` (speculative.py), ``Grammars`` (grammars.py), ``LoraRegistry``
+  (lora.py): speculative decoding, structured output's grammars, LoRA adapters.
+
+Each step is lockstep with the worker: ``step(run)`` plans what the worker must
+compute (a ``protocol.Step``), has ``run`` compute it and return the sampled
+tokens, decides who finished, and returns the outputs, those of aborts and
+timeouts since the last step included. Between steps the caller may add and abort
+requests; it steps while ``has_work()``. A step, in order:
+
+1. requests past their ``request_timeout`` fail;
+2. under the priority policy, worse running requests make room for the best
+   waiting one (``DecodeManager.preempt``);
+3. every running request that is not mid-prefill decodes (``DecodeManager.plan``);
+4. the prefill budget left (``prefill_budget``) goes to the chunked prefill, the
+   LOADING requests whose pages arrived and the waiting requests admitted by
+   policy (``Admission.plan``);
+5. the step is built: each row's ``StepReq``, the slots released since the last
+   step, grammars and LoRA adapters to load or drop, copies between cache tiers;
+6. the worker runs it; its tokens are taken back, and requests finish.
 
 Cache tiers (``tiered_cache.py``, docs/cache-tiers.md): a step also carries the
 copies between tiers that planning caused, under a ticket; the worker reports
-each ticket when its copies are done, possibly steps later (the copy thread or
-stream runs while steps go on). A request admitted with pages promoted from the
-host or disk tier, or whose match reaches pages another request's promotion is
-still filling, is LOADING: it holds its slot and pages but computes nothing
-until every page of its match has arrived; the others are scheduled as usual.
-While tickets are in flight the scheduler keeps stepping (``has_work``), and a
-step with nothing else to do lets the worker wait for the next ticket.
-
-A step, in order:
-1. slots released since the last step go in ``release``;
-2. every running request that is not mid-prefill decodes one token; pages for
-   those that cross a page boundary are allocated first (evicting LRU leaves,
-   then retracting the newest requests when even that is not enough; when
-   retracting cannot help but copies in flight lock pages, the decodes wait a
-   step for them); under speculative decoding a request may also carry drafts to
-   verify (``speculative.py``): its new tokens are the drafts the worker accepted
-   and the one it sampled after them, and the pages past them go back at once;
-3. the chunked prefill in progress continues, within the token budget (the
-   prefill budget: ``chunked_prefill_size``, less while requests decode under
-   ``decode_step_tokens``, ``prefill_budget``; under the priority policy, when
-   a better request waits, after step 4 and only if no better one prefills),
-   then the LOADING requests whose pages have all arrived start their prefill, in
-   admission order (one of them may become the chunked prefill);
-4. waiting requests are admitted by policy while the token budget, the memory
-   budget (free + evictable pages minus what running requests still reserve)
-   and the slots allow. A request sharing an uncached prefix with a prompt
-   being prefilled in this step waits one step and then hits it in the tree.
-   A request whose pages do not fit is passed over (up to ``max_admit_skips``
-   per step), so it cannot hold back the requests behind it. The fit is judged
-   on its pool (L1) match; only an admitted request promotes pages from the
-   lower tiers (then it is LOADING), so one passed over copies nothing.
-
-Reservations (``reserve.py``): each running request reserves a share of the pages
-it may still need; the share falls each step and goes back up after a retraction.
+each ticket when its copies are done, possibly steps later. A request admitted
+with pages promoted from the host or disk tier, or whose match reaches pages
+another request's promotion is still filling, is LOADING: it holds its slot and
+pages but computes nothing until every page of its match has arrived. While
+tickets are in flight the scheduler keeps stepping (``has_work``), and a step with
+nothing else to do lets the worker wait for the next ticket.
 """
 
 from __future__ import annotations
@@ -67,6 +63,7 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.admission import Admission
 from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.config import SchedulerConfig
+from radixserve.scheduler.decode import DecodeManager
 from radixserve.scheduler.grammars import Grammars
 from radixserve.scheduler.kv_cache import KVCacheManager
 from radixserve.scheduler.kv_events import KVEventRecorder
@@ -74,14 +71,22 @@ from radixserve.scheduler.lora import LoraRegistry, check_salt, namespace
 from radixserve.scheduler.radix_impl import make_prefix_cache
 from radixserve.scheduler.request import ReqStatus, Request
 from radixserve.scheduler.reserve import DecodeReserve
-from radixserve.scheduler.speculative import NO_DRAFT, Drafter
-from radixserve.scheduler.step_io import file_scores, step_req, take_tokens
+from radixserve.scheduler.running import RunningSet
+from radixserve.scheduler.speculative import Drafter
+from radixserve.scheduler.step_io import Returned, file_scores, step_req, take_tokens
 from radixserve.scheduler.tiered_cache import build_tiers
 from radixserve.scheduler.waiting import QueueTimes, WaitingQueue
 from radixserve.scheduler.window_pages import WindowPages
 
+# What the worker returns for a step (a bare token sequence: test doubles), and the
+# worker as ``step`` takes it.
+WorkerResult = StepResult | np.ndarray | Sequence[int]
+RunStep = Callable[[Step], WorkerResult]
 
-class Scheduler(Admission):
+
+class Scheduler:
+    """Requests in, steps planned and run, outputs out (module docstring)."""
+
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.page_size = config.page_size
@@ -105,22 +110,8 @@ class Scheduler(Admission):
         if config.host_pages:
             self.cache = build_tiers(self.cache, self.allocator, config)
         self.kv = KVCacheManager(self.allocator, self.cache, window, config.window_span)
-        self.waiting = WaitingQueue()
-        self.running: list[Request] = []
-        self.chunked: Request | None = None  # the request whose prefill continues next step
-        self._requests: dict[str, list[Request]] = {}
-        self._free_slots = list(range(config.max_running_requests - 1, -1, -1))
-        self._release: list[int] = []
-        self._batch: list[tuple[Request, int]] = []  # (request, tokens computed) of the step
-        self._outputs: list[OutputItem] = []  # produced outside a step (aborts)
-        self._eos = frozenset(config.eos_token_ids)
-        self._arrivals = 0
-        self._admissions = 0
+        # The parts (module docstring).
         self.reserve = DecodeReserve(config)
-        # Per-request timeouts (``request_timeout``): (deadline, arrival, rid), earliest first; ``clock`` is
-        # replaceable (tests).
-        self.clock: Callable[[], float] = time.monotonic
-        self._deadlines: list[tuple[float, int, str]] = []
         self.grammars = Grammars()  # structured output's, compiled by the worker
         self.loras = LoraRegistry(config.max_loras, config.loras)  # docs/lora.md
         self.drafter = Drafter(
@@ -130,18 +121,28 @@ class Scheduler(Admission):
             config.speculative_max_batch,
             self.kv,
         )
+        self.running = RunningSet(config.max_running_requests)
+        self.admission = Admission(
+            config, self.kv, self.running, self.reserve, self.grammars, self.loras
+        )
+        self.decodes = DecodeManager(
+            config, self.kv, self.running, self.admission, self.reserve, self.drafter
+        )
+        # The requests by id (every sample), until all their samples finished.
+        self._requests: dict[str, list[Request]] = {}
+        self._arrivals = 0
+        self._eos = frozenset(config.eos_token_ids)
+        # Per-request timeouts (``request_timeout``): (deadline, arrival, rid), earliest
+        # first; ``clock`` is replaceable (tests).
+        self.clock: Callable[[], float] = time.monotonic
+        self._deadlines: list[tuple[float, int, str]] = []
+        self._outputs: list[OutputItem] = []  # produced outside a step (aborts)
+        self._batch: list[tuple[Request, int]] = []  # (request, tokens computed) of the step
         self._sampled: list[bool] = []  # which requests of the step in flight sample
         # Answers to LoRA loads: (the caller's tag, reply), for the caller to take.
         self.lora_replies: list[tuple] = []
-        # Counters for stats().
         self.num_steps = 0
-        self.num_retractions = 0
-        self.num_priority_preemptions = 0
         self.num_timeouts = 0
-        self.hit_tokens = 0
-        self.query_tokens = 0
-        self.tier_hit_tokens = [0, 0, 0]  # hit_tokens by tier: pool, host, disk
-        self.queue_times = QueueTimes()  # arrival to first admission, by priority
 
     # ------------------------------------------------------------- requests
     def add_request(
@@ -182,7 +183,7 @@ class Scheduler(Admission):
                 self.kv.pages_for(final_len),
             )
             self._arrivals += 1
-            req.queued_at = now
+            req.stats.queued_at = now
             if adapter is not None:
                 req.lora = adapter.id
             samples.append(req)
@@ -239,13 +240,7 @@ class Scheduler(Admission):
         for req in samples:
             if req.status == ReqStatus.FINISHED or (index is not None and req.index != index):
                 continue
-            if req.status == ReqStatus.WAITING:
-                self.waiting.remove(req)
-                req.status = ReqStatus.FINISHED
-                req.finish_reason = reason
-                self._forget(req)
-            else:
-                self._finish(req, reason)
+            self._finish(req, reason)
             self._outputs.append(req.output([]))
         return True
 
@@ -257,7 +252,7 @@ class Scheduler(Admission):
             self.waiting
             or self.running
             or self._outputs
-            or self._release
+            or self.running.num_releasing
             or self.grammars.news_pending
             or self.copies_pending
             or self.loras.busy
@@ -281,6 +276,15 @@ class Scheduler(Admission):
         return list(self._requests)
 
     @property
+    def waiting(self) -> WaitingQueue:
+        return self.admission.waiting
+
+    @property
+    def chunked(self) -> Request | None:
+        """The request whose prefill continues next step."""
+        return self.running.chunked
+
+    @property
     def num_waiting(self) -> int:
         return len(self.waiting)
 
@@ -289,33 +293,26 @@ class Scheduler(Admission):
         return len(self.running)
 
     # ----------------------------------------------------------------- step
-    def step(
-        self, run: Callable[[Step], StepResult | np.ndarray | Sequence[int]]
-    ) -> list[OutputItem]:
+    def step(self, run: RunStep) -> list[OutputItem]:
         """One step: plan it, ``run`` it (the worker: a Step in, a StepResult or
         just its sampled tokens out), and return every output since the last
-        step (aborts first).
+        step (aborts and timeouts first).
 
         A step that only releases slots is run too, so the worker clears them;
         with nothing to compute or release, ``run`` is not called.
         """
-        self._expire()
-        outputs, self._outputs = self._outputs, []
-        batch = self._schedule()
-        if batch is not None:
-            result = run(batch)
-            tiers = self.kv.tiers
-            if tiers is not None:
-                if batch.copies:
-                    tiers.step_done()
-                if isinstance(result, StepResult):
-                    tiers.copies_done(result.copies_done)
-            outputs += self._process_step_result(result)
-        return outputs
-
-    def _expire(self) -> None:
-        """End the requests whose ``request_timeout`` has passed (an error; KV released)."""
         now = self.clock()
+        self._expire(now)  # requests past their timeout fail
+        outputs, self._outputs = self._outputs, []  # aborts and failures since the last step
+        step = self._build_step(self._plan(now))  # decode rows, then prompt chunks; the Step
+        if step is None:
+            return outputs
+        result = run(step)  # the worker
+        self._copies_reported(step, result)  # cache tiers: copies done
+        return outputs + self._take_result(result)  # tokens taken back; who finished
+
+    def _expire(self, now: float) -> None:
+        """End the requests whose ``request_timeout`` has passed (an error; KV released)."""
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, rid = heapq.heappop(self._deadlines)
             samples = self._requests.get(rid)
@@ -325,36 +322,35 @@ class Scheduler(Admission):
             self.num_timeouts += 1
             self._outputs += self._fail(rid, f"{REQUEST_TIMED_OUT} after {timeout:g} s")
 
-    def _schedule(self) -> Step | None:
-        """Plan the next step; None when there is nothing to compute."""
+    def _plan(self, now: float) -> list[tuple[Request, int]]:
+        """Who computes what this step: the decode rows, then the prompt chunks
+        within the prefill budget they leave."""
         assert not self._batch, "the last step's tokens were not taken back"
         if self.config.schedule_policy == "priority":
-            self._preempt()
-        batch: list[tuple[Request, int]] = []
-        self._schedule_decodes(batch)
-        if batch:
-            self.reserve.decay()
+            self.decodes.preempt()
+        batch = self.decodes.plan()
         budget = self.prefill_budget(sum(n for _, n in batch))
-        in_flight: list[Request] = []
-        chunked = self.chunked
-        # Under the priority policy a better waiting request is admitted before a worse
-        # chunk goes on (it goes on only if no better one prefills in this step).
-        defer = (
-            chunked is not None
-            and self.config.schedule_policy == "priority"
-            and bool(self.waiting)
-            and min(r.sampling.priority for r in self.waiting) < chunked.sampling.priority
-        )
-        if chunked is not None and not defer:
-            budget = self._continue_chunk(chunked, batch, budget, in_flight)
-        budget = self._start_loaded(batch, budget, in_flight)
-        if budget > 0:
-            budget = self._admit(batch, budget, in_flight)
-        if defer and self.chunked is chunked and budget > 0:
-            level = chunked.sampling.priority
-            if not any(r.sampling.priority < level for r in in_flight):
-                self._continue_chunk(chunked, batch, budget, in_flight)
-        release, self._release = self._release, []
+        return batch + self.admission.plan(budget, now)
+
+    def prefill_budget(self, decode_tokens: int) -> int:
+        """The prompt tokens a step may compute when its decode rows (drafts
+        included) carry ``decode_tokens`` tokens.
+
+        With no decode, or ``decode_step_tokens`` 0, it is ``chunked_prefill_size``.
+        Otherwise the step carries ``decode_step_tokens`` tokens in all: the prefill
+        gets what the decodes leave, in whole pages, at least one page (a prompt
+        always progresses) and at most ``chunked_prefill_size``.
+        """
+        cfg = self.config
+        if decode_tokens == 0 or cfg.decode_step_tokens == 0:
+            return cfg.chunked_prefill_size
+        left = cfg.decode_step_tokens - decode_tokens
+        ps = self.page_size
+        return min(cfg.chunked_prefill_size, max(ps, left - left % ps))
+
+    def _build_step(self, batch: list[tuple[Request, int]]) -> Step | None:
+        """The step the worker runs for ``batch``; None when it has nothing to do."""
+        release = self.running.take_released()
         submit, drop = self.grammars.take_news()
         load_loras, drop_loras = self.loras.take_step()
         # With nothing else to do, a step still goes out while a waiting request's
@@ -391,139 +387,41 @@ class Scheduler(Admission):
             self.kv.take_state_saves(),
         )
 
-    def _continue_chunk(
-        self, req: Request, batch: list[tuple[Request, int]], budget: int, in_flight: list[Request]
-    ) -> int:
-        """The chunked prefill's next chunk, within ``budget``; the budget left."""
-        chunk = min(req.num_tokens - req.kv_len, budget)
-        # Short of window pages (decodes took them): it waits a step.
-        if self.kv.grow_window(req, chunk):
-            budget -= chunk
-            batch.append((req, chunk))
-            in_flight.append(req)
-        return budget
+    def _copies_reported(self, step: Step, result: WorkerResult) -> None:
+        """The cache tiers learn that the step ran and which copies are done."""
+        tiers = self.kv.tiers
+        if tiers is None:
+            return
+        if step.copies:
+            tiers.step_done()
+        if isinstance(result, StepResult):
+            tiers.copies_done(result.copies_done)
 
-    def prefill_budget(self, decode_tokens: int) -> int:
-        """The prompt tokens a step may compute when its decode rows (drafts
-        included) carry ``decode_tokens`` tokens.
-
-        With no decode, or ``decode_step_tokens`` 0, it is ``chunked_prefill_size``.
-        Otherwise the step carries ``decode_step_tokens`` tokens in all: the prefill
-        gets what the decodes leave, in whole pages, at least one page (a prompt
-        always progresses) and at most ``chunked_prefill_size``.
-        """
-        cfg = self.config
-        if decode_tokens == 0 or cfg.decode_step_tokens == 0:
-            return cfg.chunked_prefill_size
-        left = cfg.decode_step_tokens - decode_tokens
-        ps = self.page_size
-        return min(cfg.chunked_prefill_size, max(ps, left - left % ps))
-
-    def _process_step_result(
-        self, result: StepResult | np.ndarray | Sequence[int]
-    ) -> list[OutputItem]:
+    def _take_result(self, result: WorkerResult) -> list[OutputItem]:
         """Take the sampled tokens (and logprobs, and what the grammars made of
         them) of the last step; return what it produced."""
-        outputs: list[OutputItem] = []
         batch, self._batch = self._batch, []
         sampled, self._sampled = self._sampled, []
-        forced: dict[int, list[int]] = {}
-        verified: dict[int, list[int]] = {}
-        terminated: set[int] = set()
-        if isinstance(result, StepResult):
-            tokens, scores = result.tokens.tolist(), result.scores
-            self.lora_replies += self.loras.take_reports(result.loras)
-            self._take_grammar_news(result, outputs)
-            forced = {f.slot: f.token_ids.tolist() for f in result.forced}
-            verified = {v.slot: v.token_ids.tolist() for v in result.verified}
-            terminated = set(result.terminated.tolist())
-            by_slot = {req.slot: req for req, _ in batch if req.slot is not None}
-            for failure in result.failed:
-                req = by_slot.get(failure.slot)
-                if req is not None and req.status is not ReqStatus.FINISHED:
-                    outputs += self._fail(req.rid, failure.message)
-        else:
-            tokens = result.tolist() if isinstance(result, np.ndarray) else list(result)
-            scores = []
-        if len(tokens) != sum(sampled):
-            raise ValueError(f"the worker returned {len(tokens)} tokens, expected {sum(sampled)}")
-        token_scores = file_scores(batch, scores)
-        eos = self._eos
-        samples = iter(tokens)
-        for (req, n), samples_now in zip(batch, sampled):
-            token = next(samples) if samples_now else None
-            if req.status is ReqStatus.FINISHED:
-                req.draft = NO_DRAFT
-                continue  # failed (or aborted) after the step was planned
-            drafts = len(req.draft)
-            req.kv_len += n - drafts  # the drafts' K/V counts once verified (below)
-            if req.kv_len < req.num_tokens:  # a non-final prefill chunk
-                self.kv.cache_computed(req)
-                continue
-            prompt_scores = None
-            if req.status is ReqStatus.PREFILL:
-                if req is self.chunked:
-                    self.chunked = None
-                self.kv.cache_computed(req)
-                req.status = ReqStatus.DECODE
-                prompt_scores, req.prompt_scores = req.prompt_scores, None
-            sp = req.sampling
-            if sp.max_tokens == 0:  # prefill only: computed, cached, scored; done
-                self._finish(req, "length")
-                outputs.append(req.output([], None, prompt_scores))
-                continue
-            if drafts:
-                new, reason = self._take_verified(
-                    req,
-                    verified.get(req.slot),
-                    drafts,
-                    forced.get(req.slot),
-                    req.slot in terminated,
-                )
-            else:
-                new, reason = take_tokens(
-                    req, forced.get(req.slot, [token]), eos, req.slot in terminated
-                )
-            if reason is not None:
-                self._finish(req, reason)
-            entries = token_scores.get(id(req))
-            if sp.logprobs is not None and entries is None:
-                raise ValueError(f"the worker returned no logprobs for {req.rid!r}")
-            # One entry per token sampled (a verification's every token; with
-            # jump-forward the sampled one only).
-            logprobs = None if entries is None else entries[: len(new)]
-            outputs.append(req.output(new, logprobs, prompt_scores))
+        outputs = self._take_news(result, batch) if isinstance(result, StepResult) else []
+        back = Returned.of(result)
+        if len(back.tokens) != sum(sampled):
+            raise ValueError(
+                f"the worker returned {len(back.tokens)} tokens, expected {sum(sampled)}"
+            )
+        logprobs = file_scores(batch, back.scores)
+        tokens = iter(back.tokens)
+        for (req, n), samples in zip(batch, sampled):
+            token = next(tokens) if samples else None
+            out = self._advance(req, n, token, back, logprobs.get(id(req)))
+            if out is not None:
+                outputs.append(out)
         return outputs
 
-    def _take_verified(
-        self,
-        req: Request,
-        tokens: list[int] | None,
-        drafts: int,
-        forced: list[int] | None = None,
-        grammar_done: bool = False,
-    ) -> tuple[list[int], str | None]:
-        """Take a verification's tokens (the accepted drafts, then the token sampled
-        after them), cut exactly at a stop token, ``max_tokens`` or the context like
-        any sampled tokens. K/V now covers every token but the last (those past a
-        cut included, which are no tokens: they are dropped with their pages); the
-        pages past it go back to the allocator. With a grammar, ``forced`` (jump-forward)
-        replaces the sampled token: those tokens have no K/V yet."""
-        if tokens is None or not 1 <= len(tokens) <= drafts + 1:
-            raise ValueError(f"the worker verified no drafts for {req.rid!r}")
-        accepted = len(tokens) - 1
-        computed = req.kv_len + accepted  # the real token's K/V and the accepted drafts'
-        run = tokens[:-1] + forced if forced else tokens
-        new, reason = take_tokens(req, run, self._eos, grammar_done)
-        self.drafter.record(req, drafts, accepted)
-        req.draft = NO_DRAFT
-        req.kv_len = min(computed, req.num_tokens - 1)
-        self.kv.trim(req)
-        return new, reason
-
-    def _take_grammar_news(self, result: StepResult, outputs: list[OutputItem]) -> None:
-        """Mark the grammars compiled since the last step ready; fail the requests
-        of those that could not be compiled."""
+    def _take_news(self, result: StepResult, batch: list[tuple[Request, int]]) -> list[OutputItem]:
+        """The worker's news besides tokens: answers to LoRA loads, grammars compiled
+        or failed (their waiting requests fail), and requests it failed."""
+        outputs: list[OutputItem] = []
+        self.lora_replies += self.loras.take_reports(result.loras)
         for key, message in self.grammars.take_result(result):
             rids = {
                 r.rid
@@ -532,6 +430,55 @@ class Scheduler(Admission):
             }
             for rid in sorted(rids):
                 outputs += self._fail(rid, message)
+        by_slot = {req.slot: req for req, _ in batch if req.slot is not None}
+        for failure in result.failed:
+            req = by_slot.get(failure.slot)
+            if req is not None and req.status is not ReqStatus.FINISHED:
+                outputs += self._fail(req.rid, failure.message)
+        return outputs
+
+    def _advance(
+        self, req: Request, n: int, token: int | None, back: Returned, entries: list | None
+    ) -> OutputItem | None:
+        """``req`` computed ``n`` tokens in the step and sampled ``token`` (None: a
+        non-final prefill chunk); ``entries``: the logprobs of what it sampled. Its
+        output, or None when it has none (mid-prefill, or finished meanwhile)."""
+        if req.status is ReqStatus.FINISHED:
+            self.drafter.drop([req])
+            return None  # failed (or aborted) after the step was planned
+        drafts = len(req.spec.draft)
+        req.kv_len += n - drafts  # the drafts' K/V counts once verified (below)
+        if req.kv_len < req.num_tokens:  # a non-final prefill chunk
+            self.kv.cache_computed(req)
+            return None
+        prompt_scores = None
+        if req.status is ReqStatus.PREFILL:
+            if req is self.running.chunked:
+                self.running.chunked = None
+            self.kv.cache_computed(req)
+            req.status = ReqStatus.DECODE
+            prompt_scores, req.prompt_scores = req.prompt_scores, None
+        sp = req.sampling
+        if sp.max_tokens == 0:  # prefill only: computed, cached, scored; done
+            self._finish(req, "length")
+            return req.output([], None, prompt_scores)
+        slot = req.slot
+        done = slot in back.terminated  # its grammar is complete
+        if drafts:
+            verified = back.verified.get(slot)
+            new, reason = self.drafter.take_verified(
+                req, verified, self._eos, back.forced.get(slot), done
+            )
+        else:
+            new, reason = take_tokens(req, back.forced.get(slot, [token]), self._eos, done)
+        if reason is not None:
+            self._finish(req, reason)
+        if sp.logprobs is not None and entries is None:
+            raise ValueError(f"the worker returned no logprobs for {req.rid!r}")
+        # One entry per token sampled (a verification's every token; with
+        # jump-forward the sampled one only).
+        logprobs = None if entries is None else entries[: len(new)]
+        return req.output(new, logprobs, prompt_scores)
 
     def _fail(self, rid: str, message: str) -> list[OutputItem]:
         """End every sample of ``rid`` still unfinished with finish_reason "error"."""
@@ -539,13 +486,7 @@ class Scheduler(Admission):
         for req in self._requests.get(rid, []):
             if req.status is ReqStatus.FINISHED:
                 continue
-            if req.status is ReqStatus.WAITING:
-                self.waiting.remove(req)
-                req.status = ReqStatus.FINISHED
-                req.finish_reason = "error"
-                self._forget(req)
-            else:
-                self._finish(req, "error")
+            self._finish(req, "error")
             item = req.output([])
             item.error = message
             outputs.append(item)
@@ -553,16 +494,16 @@ class Scheduler(Admission):
 
     # -------------------------------------------------------------- helpers
     def _finish(self, req: Request, reason: str) -> None:
+        """End ``req``, waiting or running: its KV is released (computed pages stay
+        cached), its slot, grammar and adapter let go."""
+        waiting = req.status is ReqStatus.WAITING
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
-        self.running.remove(req)
-        if req is self.chunked:
-            self.chunked = None
-        self.kv.release(req)
-        self._free_slot(req)
-        self._forget(req)
-
-    def _forget(self, req: Request) -> None:
+        if waiting:
+            self.waiting.remove(req)
+        else:
+            self.kv.release(req)  # while it holds its slot (running.py)
+            self.running.remove(req)
         if req.sampling.structured is not None:
             self.grammars.release(req.sampling.structured)
         if req.lora:
@@ -621,7 +562,7 @@ class Scheduler(Admission):
             "query_tokens": self.query_tokens,
             "running": len(self.running),
             "waiting": len(self.waiting),
-            "releasing": len(self._release),  # finished slots the worker is not told of yet
+            "releasing": self.running.num_releasing,  # finished slots the worker is not told of yet
             "steps": self.num_steps,
             "preemptions": self.num_retractions,  # every retraction, priority's included
             "priority_preemptions": self.num_priority_preemptions,
@@ -657,10 +598,36 @@ class Scheduler(Admission):
         assert self.allocator.num_free + cached == self.config.num_pages, (
             f"page leak: {self.config.num_pages - self.allocator.num_free - cached} pages"
         )
-        assert len(self._free_slots) == self.config.max_running_requests, "a slot leaked"
+        self.running.check_idle()
         self.kv.check_states_idle()
         self.kv.check_window_idle()
         assert not self.grammars.in_use, "a grammar outlived its requests"
         assert not any(a.requests for a in self.loras.by_id.values()), (
             "a LoRA adapter's request count outlived its requests"
         )
+
+    # ------------------------------------------------------------- counters
+    # Kept by the parts that count them (stats() reports them).
+    @property
+    def hit_tokens(self) -> int:
+        return self.admission.hit_tokens
+
+    @property
+    def query_tokens(self) -> int:
+        return self.admission.query_tokens
+
+    @property
+    def tier_hit_tokens(self) -> list[int]:
+        return self.admission.tier_hit_tokens
+
+    @property
+    def queue_times(self) -> QueueTimes:
+        return self.admission.queue_times
+
+    @property
+    def num_retractions(self) -> int:
+        return self.decodes.num_retractions
+
+    @property
+    def num_priority_preemptions(self) -> int:
+        return self.decodes.num_priority_preemptions

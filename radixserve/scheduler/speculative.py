@@ -37,6 +37,7 @@ import numpy as np
 from radixserve.scheduler.config import SPECULATIVE_ALGORITHMS as ALGORITHMS
 from radixserve.scheduler.kv_cache import KVCacheManager
 from radixserve.scheduler.request import ReqStatus, Request
+from radixserve.scheduler.step_io import take_tokens
 
 NGRAM_MAX_MATCH = 8
 ADAPT_WINDOW = 16
@@ -103,29 +104,29 @@ class Drafter:
         return self.algorithm != "off" and self.k > 0
 
     def propose(self, decoding: Sequence[Request]) -> bool:
-        """Set ``req.draft`` of every request in ``decoding`` (empty for most);
+        """Set the drafts (``req.spec.draft``) of every request in ``decoding`` (empty for most);
         whether any got one."""
         for req in decoding:
-            req.draft = NO_DRAFT
+            req.spec.draft = NO_DRAFT
         if not self.enabled or len(decoding) > self.max_batch:
             return False
         any_draft = False
         for req in decoding:
-            if req.spec_pause > 0:
-                req.spec_pause -= 1
+            if req.spec.pause > 0:
+                req.spec.pause -= 1
                 continue
             room = min(req.sampling.max_tokens - req.num_output, req.final_len - req.num_tokens)
             k = min(self.k, room - 1)
             if k <= 0 or req.status is not ReqStatus.DECODE or req.num_tokens - req.kv_len < 1:
                 continue
-            req.draft = self.draft(req, k)
-            any_draft |= len(req.draft) > 0
+            req.spec.draft = self.draft(req, k)
+            any_draft |= len(req.spec.draft) > 0
         return any_draft
 
     def drop(self, reqs: Sequence[Request]) -> None:
         """No drafts for ``reqs`` this step after all (pages are short)."""
         for req in reqs:
-            req.draft = NO_DRAFT
+            req.spec.draft = NO_DRAFT
 
     def draft(self, req: Request, k: int) -> np.ndarray:
         """Up to ``k`` draft tokens for ``req`` by the configured algorithm."""
@@ -136,22 +137,51 @@ class Drafter:
                 return cont
         return ngram_draft(tokens, k, self.min_match)
 
+    def take_verified(
+        self,
+        req: Request,
+        tokens: list[int] | None,
+        eos: frozenset[int],
+        forced: list[int] | None = None,
+        grammar_done: bool = False,
+    ) -> tuple[list[int], str | None]:
+        """Take a verification of ``req``'s drafts: ``tokens`` are the accepted drafts,
+        then the token sampled after them, cut exactly at a stop token, ``max_tokens``
+        or the context like any sampled tokens (``take_tokens``); return those taken
+        and the finish reason. K/V now covers every token but the last (those past a
+        cut included, which are no tokens: they are dropped with their pages); the
+        pages past it go back to the allocator. With a grammar, ``forced``
+        (jump-forward) replaces the sampled token: those tokens have no K/V yet."""
+        drafts = len(req.spec.draft)
+        if tokens is None or not 1 <= len(tokens) <= drafts + 1:
+            raise ValueError(f"the worker verified no drafts for {req.rid!r}")
+        accepted = len(tokens) - 1
+        computed = req.kv_len + accepted  # the real token's K/V and the accepted drafts'
+        run = tokens[:-1] + forced if forced else tokens
+        new, reason = take_tokens(req, run, eos, grammar_done)
+        self.record(req, drafts, accepted)
+        req.spec.draft = NO_DRAFT
+        req.kv_len = min(computed, req.num_tokens - 1)
+        self.kv.trim(req)
+        return new, reason
+
     def record(self, req: Request, drafted: int, accepted: int) -> None:
         """Count one verification of ``drafted`` tokens, ``accepted`` of them taken,
         and pause the request's drafting when its acceptance stays low."""
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
         self.verifications += 1
-        req.spec_window_drafted += drafted
-        req.spec_window_accepted += accepted
-        if req.spec_window_drafted < ADAPT_WINDOW:
+        spec = req.spec
+        spec.window_drafted += drafted
+        spec.window_accepted += accepted
+        if spec.window_drafted < ADAPT_WINDOW:
             return
-        if req.spec_window_accepted < ADAPT_MIN_RATE * req.spec_window_drafted:
-            req.spec_backoff = min(max(2 * req.spec_backoff, ADAPT_PAUSE), ADAPT_MAX_PAUSE)
-            req.spec_pause = req.spec_backoff
+        if spec.window_accepted < ADAPT_MIN_RATE * spec.window_drafted:
+            spec.backoff = min(max(2 * spec.backoff, ADAPT_PAUSE), ADAPT_MAX_PAUSE)
+            spec.pause = spec.backoff
         else:
-            req.spec_backoff = 0
-        req.spec_window_drafted = req.spec_window_accepted = 0
+            spec.backoff = 0
+        spec.window_drafted = spec.window_accepted = 0
 
     def stats(self) -> dict[str, int]:
         return {

@@ -1,6 +1,7 @@
 """Between a request and the step: what the worker is sent for it (``step_req``),
-where the scores it sends back go (``file_scores``), and what the tokens it sampled
-mean for the request (``take_tokens``: appended, and whether it finished).
+what it sent back, by slot (``Returned``), where the scores go (``file_scores``), and
+what the tokens it sampled mean for the request (``take_tokens``: appended, and
+whether it finished).
 
 Both read and update one request's own fields only (what it has been sent, which
 prompt positions are scored), so the scheduler's step (``scheduler.py``) plans and
@@ -9,9 +10,12 @@ takes results without the per-request wire detail.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
 import numpy as np
 
-from radixserve.protocol import StepReq
+from radixserve.protocol import StepReq, StepResult
 from radixserve.scheduler.request import Request
 
 _NO_TOKENS = np.zeros(0, dtype=np.int32)
@@ -24,7 +28,7 @@ def step_req(
     window: tuple[int, np.ndarray] = (0, _NO_TOKENS),
 ) -> StepReq:
     """What the worker computes for ``req`` this step: ``n`` tokens from ``req.kv_len``
-    (its drafts, ``req.draft``, counted in and last), the pages it has not been sent
+    (its drafts, ``req.spec.draft``, counted in and last), the pages it has not been sent
     (after cutting its table when a verification gave pages back), its sampling the
     first time, the prompt positions to score, and (hybrid models) the state
     snapshots to restore and save, ``(restore, save_at, save, save2_at, save2)``
@@ -47,7 +51,7 @@ def step_req(
     if req.table_cut:  # a verification's rejected drafts gave pages back
         keep_pages = req.sent_pages - len(new_pages)
         req.table_cut = False
-    k = len(req.draft)
+    k = len(req.spec.draft)
     n -= k  # the request's own tokens; its drafts follow them
     score_pos, score_ids = 0, _NO_TOKENS
     if req.score_next >= 0:
@@ -58,7 +62,7 @@ def step_req(
             req.score_next = end if end < req.prompt_len else -1
     ids = req.tokens[start : start + n]
     if k:
-        ids = np.concatenate([ids, req.draft])
+        ids = np.concatenate([ids, req.spec.draft])
     return StepReq(
         req.slot,
         ids,
@@ -78,6 +82,33 @@ def step_req(
         state_save2_at=states[3],
         state_save2=states[4],
     )
+
+
+@dataclass(eq=False)
+class Returned:
+    """What the worker returned for a step: the sampled tokens (one per sampling
+    row, in row order) and the logprobs' entries, and by slot the tokens a grammar
+    forced (jump-forward), the verified tokens of a request's drafts, and whether
+    its grammar is complete (``terminated``). A bare token sequence (test doubles)
+    carries the tokens only."""
+
+    tokens: list[int]
+    scores: list = field(default_factory=list)
+    forced: dict[int, list[int]] = field(default_factory=dict)
+    verified: dict[int, list[int]] = field(default_factory=dict)
+    terminated: set[int] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, result: StepResult | np.ndarray | Sequence[int]) -> Returned:
+        if not isinstance(result, StepResult):
+            return cls(result.tolist() if isinstance(result, np.ndarray) else list(result))
+        return cls(
+            result.tokens.tolist(),
+            result.scores,
+            {f.slot: f.token_ids.tolist() for f in result.forced},
+            {v.slot: v.token_ids.tolist() for v in result.verified},
+            set(result.terminated.tolist()),
+        )
 
 
 def file_scores(batch: list[tuple[Request, int]], scores: list) -> dict[int, list]:
