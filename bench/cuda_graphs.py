@@ -18,8 +18,8 @@ import tempfile
 
 from worker import BENCH_CONFIGS, MAX_STEPS, interleaved, ints, ours_decode, random_model
 
+from radixserve.worker.build import build_runner
 from radixserve.worker.config import WorkerConfig
-from radixserve.worker.model_runner import ModelRunner
 
 
 def main() -> None:
@@ -42,7 +42,7 @@ def main() -> None:
     max_b = max(args.batches)
     pages = max_b * -(-(args.context + MAX_STEPS + 1) // args.page_size)
     runners = {
-        off: ModelRunner(WorkerConfig(model=args.model, device=args.device, dtype=args.dtype,
+        off: build_runner(WorkerConfig(model=args.model, device=args.device, dtype=args.dtype,
                                       page_size=args.page_size, num_pages=pages,
                                       max_running_requests=max_b, disable_cuda_graph=off))
         for off in (False, True)

@@ -40,6 +40,7 @@ from radixserve.benchmark.workloads import RECORDS
 from radixserve.models.tokenizer import load_tokenizer
 from radixserve.protocol import GrammarSpec, Step, StepReq
 from radixserve.sampling_params import SamplingParams, StructuredOutput
+from radixserve.worker.build import build_runner
 from radixserve.worker.config import WorkerConfig
 from radixserve.worker.model_runner import ModelRunner
 
@@ -217,7 +218,7 @@ def main() -> None:
     config = WorkerConfig(model=args.model, dtype=args.dtype, cache_dir=args.cache_dir,
                           page_size=args.page_size, num_pages=max_b * per_req,
                           max_running_requests=max_b, jump_forward=False)  # fmt: skip
-    runner = ModelRunner(config, load_tokenizer(args.model, args.cache_dir))
+    runner = build_runner(config, load_tokenizer(args.model, args.cache_dir))
     for layer in runner.pool.layers:
         layer.normal_()
     compile_grammars(runner, constraints())

@@ -45,8 +45,8 @@ from radixserve.layers.linear import Linear
 from radixserve.layers.parallel import ParallelLMHead, RowParallelLinear
 from radixserve.models import blocks, gated_delta, hybrid, mamba2, nemotron_h
 from radixserve.protocol import Step, StepReq
+from radixserve.worker.build import build_runner
 from radixserve.worker.config import WorkerConfig
-from radixserve.worker.model_runner import ModelRunner
 
 PAGE = 16
 FLUSH_EXP = gated_delta.flush_exp
@@ -170,7 +170,7 @@ def main() -> None:
     prompt_pages = -(-args.prefill // PAGE)
     decode_pages = -(-(args.steps * (2 * args.ab + 2) + 4) // PAGE)
     num_pages = prompt_pages + max(batches) * decode_pages + 1
-    runner = ModelRunner(
+    runner = build_runner(
         WorkerConfig(model=str(folder), dtype=args.dtype, page_size=PAGE, num_pages=num_pages,
                      max_running_requests=max(batches) + 1, state_snapshots=1, warmup=False)
     )  # fmt: skip

@@ -40,8 +40,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from radixserve.protocol import Step, StepReq
     from radixserve.sampling_params import SamplingParams
+    from radixserve.worker.build import build_runner
     from radixserve.worker.config import WorkerConfig
-    from radixserve.worker.model_runner import ModelRunner
 
     batches = [int(b) for b in args.batches.split(",")]
     k, p, ps = args.drafts, args.prompt_len, 16
@@ -50,7 +50,7 @@ def main() -> None:
         model=args.model, dtype=args.dtype, page_size=ps, num_pages=per * max(batches) + 1,
         max_running_requests=max(batches), chunked_prefill_size=p,
     )  # fmt: skip
-    runner = ModelRunner(cfg)
+    runner = build_runner(cfg)
     rng = np.random.default_rng(0)
     greedy = SamplingParams(temperature=0.0)
     print(f"model {args.model} ({runner.dtype_name}), prompt {p}, {k} drafts, threads "

@@ -48,6 +48,7 @@ from radixserve.models.loader import load_hf_config, parse_dtype
 from radixserve.models.source import resolve_model
 from radixserve.protocol import Step, StepReq
 from radixserve.sampling_params import SamplingParams
+from radixserve.worker.build import build_runner
 from radixserve.worker.config import WorkerConfig
 from radixserve.worker.model_runner import ModelRunner
 
@@ -245,7 +246,7 @@ def tp_main(args, tps: list[int]) -> None:
         if tp == 1:
             from radixserve.config import worker_config
 
-            runners.append(ModelRunner(worker_config(config)))
+            runners.append(build_runner(worker_config(config)))
             comms.append(None)
         else:
             group = WorkerGroup(replace(config, tp=tp), timed=True)
@@ -342,7 +343,7 @@ def main() -> None:
     max_b = max(args.batches, default=1)
     tokens = max(max(args.prefill, default=1), max_b * (args.context + MAX_STEPS + 2))
     pages = -(-tokens // args.page_size) + max_b
-    runner = ModelRunner(WorkerConfig(model=args.model, dtype=args.dtype, cache_dir=args.cache_dir,
+    runner = build_runner(WorkerConfig(model=args.model, dtype=args.dtype, cache_dir=args.cache_dir,
                                       page_size=args.page_size, num_pages=pages,
                                       max_running_requests=max(max_b, 1),
                                       decode_kernel=args.decode_kernel))  # fmt: skip

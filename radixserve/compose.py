@@ -20,20 +20,21 @@ if TYPE_CHECKING:
 
 
 def build_worker(config: EngineConfig, tokenizer: Any = None, comm: Any = None) -> ModelRunner:
-    """The worker's ``ModelRunner`` (loads the model; imports torch). ``tokenizer``:
-    the model's, if loaded already (structured output needs it). ``comm``: this
-    rank's tensor-parallel group (``worker/tp.py``), for a rank of a server. Without
-    it and with ``tp > 1`` (the in-process Engine): a ``WorkerGroup``, rank 0 here
-    and the other ranks as child processes, behind the same interface."""
-    from radixserve.worker.model_runner import ModelRunner
+    """The worker's ``ModelRunner`` (loads the model; imports torch), its parts
+    built by ``worker/build.py``. ``tokenizer``: the model's, if loaded already
+    (structured output needs it). ``comm``: this rank's tensor-parallel group
+    (``worker/tp.py``), for a rank of a server. Without it and with ``tp > 1`` (the
+    in-process Engine): a ``WorkerGroup``, rank 0 here and the other ranks as child
+    processes, behind the same interface."""
+    from radixserve.worker.build import build_runner
 
     if comm is not None:
-        return ModelRunner(worker_config(config), tokenizer, comm)
+        return build_runner(worker_config(config), tokenizer, comm)
     if config.tp > 1:
         from radixserve.worker.tp import WorkerGroup
 
         return WorkerGroup(config, tokenizer)  # type: ignore[return-value]
-    return ModelRunner(worker_config(config), tokenizer)
+    return build_runner(worker_config(config), tokenizer)
 
 
 def build_scheduler(config: EngineConfig, info: ModelInfo) -> Scheduler:

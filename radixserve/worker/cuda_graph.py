@@ -1,11 +1,11 @@
 """CUDA graphs for decode steps: one captured model forward per batch size.
 
 A decode step launches a few hundred small kernels; at small batch sizes the
-launches, not the math, set the step time. With graphs on (CUDA, the flashinfer
-backend, ``WorkerConfig.disable_cuda_graph`` off) the worker captures, at start,
-one graph of the whole model forward per capture size (``capture_sizes``: 1, 2, 4,
-8, then every 8 up to 256, capped at ``max_running_requests``, which is always one
-of them), largest first so the smaller ones reuse its memory pool. A decode step
+launches, not the math, set the step time. With graphs on the worker captures, at
+start (after the warm-up), one graph of the whole model forward per capture size
+(``capture_sizes``: 1, 2, 4, 8, then every 8 up to 256, capped at
+``max_running_requests``, which is always one of them), largest first so the
+smaller ones reuse its memory pool. A decode step
 (every request one new token, every request sampling, nothing to score) pads its
 batch to the smallest capture size that holds it and replays that graph; any other
 step runs eagerly.
@@ -22,17 +22,30 @@ forward at ``max_position``), so no replay can need a table the graph does not s
 ``capturer_for(device)`` gives the capture function: ``torch.cuda.graph`` on CUDA,
 None elsewhere (no graphs). Tests put an eager stand-in there (it returns the
 function itself), which runs the same bookkeeping on CPU.
+
+Whether graphs are on is decided in one place, ``GraphPlan``: on by default
+(``WorkerConfig.disable_cuda_graph`` off), off with tensor parallelism (a captured
+step would hold the ranks' collectives, and followers return no logits), for hybrid
+models (their recurrent states are not among the captured inputs), on a device
+without graphs, and with an attention backend that does not declare the
+``captures_graphs`` capability (only flashinfer does); a device that has graphs but
+gets none logs why at info. A backend asked for graphs it cannot capture refuses
+with a ValueError (``AttentionBackend.setup_graphs``). A capture that fails (a model
+op that syncs, say) logs a warning and leaves every step eager.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from radixserve.worker.attention.base import AttentionBatch
+from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
 from radixserve.worker.staging import Staging
+
+log = logging.getLogger("radixserve.worker")
 
 #: Largest batch size captured (beyond it decode runs eagerly; launches matter less there).
 MAX_CAPTURE_SIZE = 256
@@ -78,13 +91,85 @@ def capturer_for(device: torch.device) -> Capturer | None:
     return cuda_capturer(device) if device.type == "cuda" else None
 
 
+class GraphPlan:
+    """Whether this worker captures decode graphs, and why not (module docstring).
+
+    Settled in two steps as the worker's parts are built: ``GraphPlan(...)`` before
+    the attention backend exists (when graphs may be captured, the pool keeps
+    ``pad_pages`` page back for the rows that pad a batch), ``settle(backend)`` once
+    it does.
+    """
+
+    def __init__(self, device: torch.device, disabled: bool, tp: int, hybrid: bool) -> None:
+        self.reason: str | None = None
+        if disabled:
+            self.reason = "disable_cuda_graph"
+        elif tp > 1:
+            self.reason = "not with tensor parallelism yet (a captured step would hold the "
+            self.reason += "ranks' collectives, and followers return no logits)"
+        elif hybrid:
+            self.reason = "a hybrid model's recurrent states are not among the captured inputs"
+        device_capturer = capturer_for(device)
+        if device_capturer is None:
+            self.reason = f"no CUDA graphs on {device.type}"
+        #: How to capture (None: graphs off).
+        self.capturer = device_capturer if self.reason is None else None
+        self._has_graphs = device_capturer is not None
+        self._asked_off = disabled
+
+    @property
+    def pad_pages(self) -> int:
+        """Pages the pool holds beyond those the scheduler hands out (the pad page)."""
+        return int(self.capturer is not None)
+
+    def settle(self, backend: AttentionBackend) -> Capturer | None:
+        """The capturer (graphs on) or None, now that ``backend`` is known; graphs off
+        on a device that has them, other than by ``disable_cuda_graph``, are logged at
+        info with the reason."""
+        if self.capturer is not None and not backend.captures_graphs:
+            self.capturer = None
+            self.reason = f"the {backend.name} attention backend cannot capture them"
+        if self.capturer is None and self._has_graphs and not self._asked_off:
+            log.info("CUDA graphs off: %s", self.reason)
+        return self.capturer
+
+
+def capture(
+    model: Callable[..., torch.Tensor],
+    backend: AttentionBackend,
+    capturer: Capturer,
+    max_running: int,
+    max_pages_per_slot: int,
+    max_position: int,
+    pad_page: int,
+    device: torch.device,
+) -> DecodeGraphs | None:
+    """The decode graphs of ``model`` over ``backend``, one per capture size of
+    ``max_running`` requests; None, with a warning saying why, when capture fails
+    (every step then runs eagerly). ValueError from a backend that cannot capture."""
+    if not backend.captures_graphs:
+        raise ValueError(f"the {backend.name} attention backend cannot capture CUDA graphs")
+    sizes = capture_sizes(max_running)
+    try:
+        backend.setup_graphs(sizes, max_pages_per_slot, pad_page=pad_page)
+        graphs = DecodeGraphs(model, backend, sizes, max_position, device, capturer)
+        with torch.inference_mode():
+            graphs.capture()
+    except Exception as e:
+        log.warning("CUDA graphs off: capture failed (%s: %s)", type(e).__name__, e)
+        return None
+    log.info("CUDA graphs captured for decode batch sizes %s", list(sizes))
+    return graphs
+
+
 class DecodeGraphs:
-    """The captured decode forwards of one model and one flashinfer backend."""
+    """The captured decode forwards of one model and one backend that declares
+    ``captures_graphs``."""
 
     def __init__(
         self,
         model: Callable[..., torch.Tensor],
-        backend,
+        backend: AttentionBackend,
         sizes: tuple[int, ...],
         max_position: int,
         device: torch.device,

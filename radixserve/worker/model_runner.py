@@ -1,6 +1,7 @@
 """The worker's engine room: runs one scheduler step on the model and samples.
 
-``ModelRunner(config).step(batch)``, ``batch`` a ``protocol.Step``:
+``ModelRunner.step(batch)``, ``batch`` a ``protocol.Step`` (the runner from
+``build.build_runner(config)``):
 0. performs the copies between cache tiers (``batch.copies``, ``host_cache.py``):
    the part the step needs now (demotions), the rest handed to the copy thread;
 1. clears the slots in ``batch.release`` (page table, sampling state);
@@ -29,14 +30,14 @@ ids, and every rank runs every step (``worker/tp.py`` hands them the same
 steps 1-3 only and keep no sampling, penalty or grammar state beyond what the
 step's checks read, and return an empty ``StepResult``.
 
-At start it fixes the allocator policy (``malloc.py``), bounds oneDNN's caches of
-compiled products (``primitive_cache.py``), resolves ``dtype="auto"``
-(``dtype.py``), chooses the attention backend (``attention/__init__.py``: under
-``auto`` flashinfer only after its probe ran every mode the model needs), unless
-``config.warmup`` is off runs a warm-up (one prefill of that many tokens, then a
-decode step of every slot at once) so the first real request finds its buffers
-mapped and its kernels initialised, and on CUDA with flashinfer captures the
-decode CUDA graphs (``cuda_graph.py``; ``config.disable_cuda_graph`` turns them off).
+The runner builds nothing but its step machinery: it receives its parts (model,
+KV pools and page tables, attention backend, state pool, cache tiers, LoRA slots,
+grammars: ``parts.py``), which ``build.build_runner`` builds from a
+``WorkerConfig``; the builder then runs the warm-up (``warmup``: one prefill, then
+a decode step of every slot at once, so the first real request finds its buffers
+mapped and its kernels initialised) and hands over the decode CUDA graphs it
+captured, if any (``use_graphs``, ``cuda_graph.py``). What the backend can do is
+declared by it (``AttentionBackend.plans_native_steps``, ``captures_graphs``).
 
 No host sync per step but reading the sampled tokens: the step's token ids,
 positions and logits rows go to the device in one non-blocking copy from a
@@ -46,21 +47,14 @@ pinned buffer (``staging.py``), as do the attention backend's index arrays.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
-from typing import Any
 
 import numpy as np
 import torch
 
 from radixserve.layers import invariant
-from radixserve.layers.parallel import SINGLE, Comm
 from radixserve.layers.recurrent import StateSegment
 from radixserve.model_info import ModelInfo
 from radixserve.models import decode_step
-from radixserve.models.config import ModelConfig
-from radixserve.models.loader import load_hf_config, load_model, parse_dtype
-from radixserve.models.sharding import Shard, head_shard
-from radixserve.models.source import resolve_model
 from radixserve.protocol import (
     Forced,
     GrammarFailure,
@@ -73,18 +67,11 @@ from radixserve.protocol import (
     Verified,
 )
 from radixserve.sampling_params import SamplingParams
-from radixserve.worker import cuda_graph, window_pool
-from radixserve.worker.attention import AttentionBatch, create_backend, kv_layout_for
-from radixserve.worker.config import WorkerConfig, parse_lora_modules
-from radixserve.worker.dtype import choose_dtype
-from radixserve.worker.grammar import GrammarCache, GrammarSlots, apply_bitmask
-from radixserve.worker.host_cache import HostCache, kv_identity, weights_fingerprint
-from radixserve.worker.kv_pool import DEFAULT_KV_MEMORY, KVPool
+from radixserve.worker import cuda_graph
+from radixserve.worker.attention import AttentionBatch
+from radixserve.worker.grammar import apply_bitmask
 from radixserve.worker.logits import LogitsProcessor, token_logprobs
-from radixserve.worker.lora import LoraSlots
-from radixserve.worker.malloc import tune_malloc
-from radixserve.worker.page_table import PageTable, WindowTable
-from radixserve.worker.primitive_cache import bound_primitive_caches
+from radixserve.worker.parts import RunnerParts
 from radixserve.worker.sampler import Sampler
 from radixserve.worker.speculative import verify
 from radixserve.worker.staging import Staging
@@ -101,247 +88,59 @@ log = logging.getLogger("radixserve.worker")
 class ModelRunner:
     """Model weights + KV pool + page tables + attention backend + sampler."""
 
-    def __init__(self, config: WorkerConfig, tokenizer: Any = None, comm: Comm = SINGLE) -> None:
-        """``tokenizer``: the model's, when the caller has loaded it already (else it
-        is loaded on the first structured-output request). ``comm``: this rank's
-        tensor-parallel group (``worker/tp.py``), with ``config.tp`` ranks."""
-        if comm.size != config.tp:
-            raise ValueError(
-                f"tp={config.tp} needs a group of {config.tp} ranks, got {comm.size} (build the "
-                "worker with compose.build_worker, which starts the ranks: docs/parallel.md)"
-            )
-        self.config = config
-        self.comm = comm
-        self.leader = comm.rank == 0
-        if config.malloc_tuning:
-            tune_malloc()
-        bound_primitive_caches()  # before this process compiles its first oneDNN product
-        if config.threads and comm.size == 1:  # a rank of a group got its threads on joining
-            torch.set_num_threads(config.threads)
-        self._device = torch.device(config.device)
-        if comm.size > 1 and self._device.type == "cuda":
-            self._device = torch.device("cuda", comm.local_rank)  # one device per rank
-        source = resolve_model(config.model, config.cache_dir)
-        hf_config = None
-        if config.dtype == "auto" and self._device.type == "cuda":
-            hf_config = load_hf_config(source)  # auto follows the checkpoint's dtype there
-        self.dtype_name, self.dtype_reason = choose_dtype(config.dtype, self._device, hf_config)
-        dtype = parse_dtype(self.dtype_name)
-        self.model, self.hf_config = load_model(source, dtype, self._device, hf_config, comm)
-        cfg: ModelConfig = self.model.cfg
-        self.model_config = cfg
-        self._model_name = source.name
-        heads = head_shard(cfg, Shard(comm.rank, comm.size))  # this rank's share of the heads
-        # Sliding layers with a window pool of their own (docs/models.md): their K/V
-        # lives in window pages, the full layers' in the main pool.
-        windows = cfg.kv_sliding_windows
-        self.window_layers: tuple[int, ...] = ()
-        self.window_span = 0
-        self.window_reason = window_pool.unsupported_reason(config, cfg, comm)
-        if self.window_reason is None:
-            self.window_layers = tuple(i for i, w in enumerate(windows) if w > 0)
-            self.window_span = max(windows)
-        full_layers = len(cfg.kv_layers) - len(self.window_layers)
-        # A hybrid model's recurrent layers have no K/V: the pool holds the others only.
-        # fp8 for FlashInfer: the token_head layout (attention/__init__.py kv_layout_for).
-        kv_layout = kv_layout_for(
-            config.attention_backend, config.kv_cache_dtype, self._device, dtype,
-            cfg.head_dim, heads.kv_heads,
-        )  # fmt: skip
-        dims = (
-            full_layers, config.page_size, heads.kv_heads, cfg.head_dim, dtype,
-            config.kv_cache_dtype, kv_layout,
-        )  # fmt: skip
-        wdims = (len(self.window_layers), *dims[1:])
-        budget = config.kv_memory if config.kv_memory is not None else DEFAULT_KV_MEMORY
-        self.window_pages = 0
-        if self.window_layers:
-            num_pages, self.window_pages = window_pool.pool_sizes(
-                config, dims, wdims, self.window_span, budget
-            )
-        elif config.num_pages is not None:
-            num_pages = config.num_pages
-        else:
-            num_pages = KVPool.pages_for_budget(budget, *dims)
-        self._num_pages = num_pages
-        # Decode graphs only without tensor parallelism for now: a captured step would hold
-        # the ranks' collectives, and followers return no logits.
-        # Nor for hybrid models: their recurrent layers' states are not in the captured inputs.
-        graphs_off = config.disable_cuda_graph or comm.size > 1 or cfg.hybrid
-        capturer = None if graphs_off else cuda_graph.capturer_for(self._device)
-        # With graphs possible, one more page than the scheduler is told of: pad rows of a
-        # replayed batch read and write it, and no request is ever given it.
-        self.pool = KVPool(
-            full_layers, num_pages + (capturer is not None), config.page_size,
-            heads.kv_heads, cfg.head_dim, dtype, self._device, config.kv_cache_dtype, kv_layout,
-        )  # fmt: skip
-        # The window pool's last page is the dummy page (page_table.WindowTable).
-        self.window_pool: KVPool | None = None
-        if self.window_layers:
-            self.window_pool = KVPool(
-                len(self.window_layers), self.window_pages + 1, config.page_size,
-                heads.kv_heads, cfg.head_dim, dtype, self._device, config.kv_cache_dtype,
-                kv_layout,
-            )  # fmt: skip
-            log.info(
-                "KV pools: %d pages (%d full layers) and a window pool of %d pages (%d "
-                "sliding layers, window %d) of %s; %d tokens per GiB; %d bytes per cached "
-                "token past the window (one pool: %d)",
-                num_pages, full_layers, self.window_pages, len(self.window_layers),
-                self.window_span, self.pool.kv_dtype_name, self.tokens_per_gib,
-                self.bytes_per_cached_token, self.bytes_per_token_one_pool,
-            )  # fmt: skip
-        else:
-            if self.window_reason is not None and any(w > 0 for w in windows):
-                log.info("one KV pool for every layer: %s", self.window_reason)
-            log.info(
-                "KV pool: %d pages of %s, %d tokens per GiB",
-                num_pages, self.pool.kv_dtype_name, self.tokens_per_gib,
-            )  # fmt: skip
-        # A hybrid model's recurrent states: one working entry per slot, then the
-        # snapshots the scheduler's tree keeps (state_pool.py).
-        self.states: StatePool | None = None
-        self._warming = False
-        if cfg.hybrid:
-            snapshots = config.state_snapshots or config.max_running_requests
-            self.states = StatePool(
-                cfg, config.max_running_requests, snapshots, dtype, self._device
-            )
-        self.state_bytes = StatePool.bytes_per_entry(cfg, dtype)
-        self.backend = self._create_backend(config, cfg, heads.q_heads)
-        log.info("attention backend %s (%s)", self.backend.name, self.backend.choice_reason)
-        self._lora_rows = False  # whether the step being planned has adapter rows
-        if hasattr(self.backend, "native_layers"):
-            # Decode steps the one-call layers take get one native attention plan
-            # (steps with adapter rows run the layers one by one).
-            model = self.model
-            self.backend.native_layers = lambda rows: (
-                not self._lora_rows and decode_step.takes(model, rows)
-            )
+    def __init__(self, parts: RunnerParts) -> None:
+        """The runner over ``parts``, which ``build.build_runner`` builds from a
+        ``WorkerConfig`` (``parts.py`` lists them)."""
+        config, loaded, kv = parts.config, parts.model, parts.kv
+        cfg = loaded.config
+        self.config, self.comm = config, parts.comm
+        self.leader = parts.comm.rank == 0
+        self.model, self.model_config, self._model_name = loaded.model, cfg, loaded.name
+        self.dtype_name, self.dtype_reason = loaded.dtype_name, loaded.dtype_reason
+        self._device = loaded.device
         self.weight_bytes = self.model.weight_bytes()
-        self.page_bytes = KVPool.bytes_per_page(*dims)
-        self.kv_identity = ""
-        self.host_cache: HostCache | None = None
-        self._threads: tuple[int, int] | None = None  # (idle, while copying)
-        if config.host_cache_gb:
-            fingerprint = weights_fingerprint(self.model)
-            self.kv_identity = kv_identity(source.name, fingerprint, self.dtype_name, self.pool)
-            slots = HostCache.slots_for(config.host_cache_gb, self.page_bytes)
-            # With several ranks each does its copies in step (HostCache's docstring).
-            self.host_cache = HostCache(
-                self.pool, slots, config.disk_cache_dir, self.kv_identity, comm.size == 1
-            )
-            # On the CPU the copy thread takes a core from the step while it has work:
-            # an OpenMP team that loses a core to it waits at every barrier
-            # (docs/cache-tiers.md). Steps run on one thread fewer while the thread
-            # has work, on all of them otherwise (unless --threads says); a small
-            # ticket is done in the step (HostCache.inline_pages).
-            n = torch.get_num_threads()
-            cpu = self._device.type == "cpu"
-            # Deterministic mode keeps one thread count: products' blocking may follow it.
-            if (
-                self.host_cache.asynchronous
-                and cpu
-                and not config.threads
-                and n > 1
-                and not config.deterministic
-            ):
-                self._threads = (n, n - 1)
-        self.kv_bytes = sum(t.numel() * t.element_size() for t in self.pool.layers)
-        if self.window_pool is not None:
-            self.kv_bytes += sum(t.numel() * t.element_size() for t in self.window_pool.layers)
-        max_pages_per_slot = min(num_pages, -(-cfg.max_context_len // config.page_size))
-        self.page_table = PageTable(config.max_running_requests, max_pages_per_slot, num_pages)
-        self.window_table: WindowTable | None = None
-        if self.window_pool is not None:
-            self.window_table = WindowTable(
-                config.max_running_requests, max_pages_per_slot, self.window_pages,
-                self.window_span,
-            )  # fmt: skip
-        self.loras = LoraSlots(
-            self.model, dtype, self._device, config.max_lora_rank, config.max_running_requests
-        )
-        self._start_loras: list[dict] = []
-        for i, (name, path) in enumerate(parse_lora_modules(config.lora_modules), start=1):
-            adapter = self.loras.load(i, name, path)  # LoraError at start: the server fails
-            self._start_loras.append(
-                {
-                    "id": i,
-                    "name": name,
-                    "path": path,
-                    "digest": adapter.digest,
-                    "rank": adapter.rank,
-                }
-            )
+        self.kv = kv
+        self.pool, self.page_table = kv.pool, kv.page_table
+        self.window_pool, self.window_table = kv.window_pool, kv.window_table
+        self.window_pages, self.window_span = kv.window_pages, kv.window_span
+        self.page_bytes, self.kv_bytes = kv.page_bytes, kv.kv_bytes
+        self.tokens_per_gib = kv.tokens_per_gib
+        self.bytes_per_cached_token = kv.bytes_per_cached_token
+        self.bytes_per_token_one_pool = kv.bytes_per_token_one_pool
+        self.backend = parts.backend
+        self.states = parts.states
+        self.state_bytes = StatePool.bytes_per_entry(cfg, loaded.dtype)
+        tiers = parts.tiers
+        self.host_cache = None if tiers is None else tiers.host_cache
+        self.kv_identity = "" if tiers is None else tiers.kv_identity
+        self._threads = None if tiers is None else tiers.copy_threads  # (idle, while copying)
+        self.loras, self._start_loras = parts.loras, parts.start_loras
+        self.grammar_cache, self.grammars = parts.grammar_cache, parts.grammars
         self._inputs = Staging(self._device, torch.int64)
         self.sampler = Sampler(config.seed)
         self.logits_processor = LogitsProcessor(cfg.vocab_size, cfg.eos_token_ids, self._device)
-        self._tokenizer = tokenizer
-        self.grammar_cache = GrammarCache(
-            self._get_tokenizer, cfg.vocab_size, cfg.eos_token_ids, config.grammar_cache_size
-        )
-        self.grammars = GrammarSlots(self.grammar_cache, self._get_tokenizer, config.jump_forward)
+        #: The decode graphs replayed (``use_graphs``; None: every step runs eagerly).
         self.graphs: cuda_graph.DecodeGraphs | None = None
-        if config.warmup:
-            self.warmup(config.chunked_prefill_size, config.max_running_requests)
-        if capturer is not None and self.backend.name == "flashinfer":
-            self._capture_graphs(capturer, max_pages_per_slot)
+        self._warming = False  # a warm-up step (its decodes have no state snapshot)
+        self._lora_rows = False  # whether the step being planned has adapter rows
+        if self.backend.plans_native_steps:
+            self.backend.native_layers = self._native_layers
 
-    def _create_backend(self, config: WorkerConfig, cfg: ModelConfig, q_heads: int):
-        """The attention backend: over the one pool, or (window pool) one per pool
-        behind a ``SplitAttention``."""
-        if self.window_pool is not None:
-            return window_pool.split_backend(
-                config, cfg, q_heads, self.pool, self.window_pool, self.window_layers
-            )
-        return create_backend(
-            config.attention_backend, self.pool, cfg.attention_scale, cfg.kv_sliding_windows,
-            q_heads, config.decode_kernel, cfg.attn_softcap,
-            {"prefill_backend": config.flashinfer_prefill_backend}, config.deterministic,
-        )  # fmt: skip
+    def _native_layers(self, rows: int) -> bool:
+        """Whether a decode step of ``rows`` rows runs every layer in one native call
+        (``models/decode_step.py``): the backend then gives it one native attention
+        plan. Steps with adapter rows run the layers one by one."""
+        return not self._lora_rows and decode_step.takes(self.model, rows)
 
-    @property
-    def bytes_per_cached_token(self) -> int:
-        """KV bytes a cached token holds once it is past every window: the full
-        layers' (every layer's with one pool)."""
-        return window_pool.page_bytes(self.pool) // self.page_size
-
-    @property
-    def bytes_per_token_one_pool(self) -> int:
-        """KV bytes of a token with one pool for every layer (what a cached token
-        holds without a window pool)."""
-        window = self.window_pool
-        extra = 0 if window is None else window_pool.page_bytes(window) // self.page_size
-        return self.bytes_per_cached_token + extra
-
-    def _capture_graphs(self, capturer: cuda_graph.Capturer, max_pages_per_slot: int) -> None:
-        """Capture the decode graphs; on failure (a model op that syncs, say) log why
-        and run every step eagerly."""
-        sizes = cuda_graph.capture_sizes(self.config.max_running_requests)
-        try:
-            self.backend.setup_graphs(sizes, max_pages_per_slot, pad_page=self._num_pages)
-            graphs = cuda_graph.DecodeGraphs(
-                self.model, self.backend, sizes, self.max_context_len - 1, self._device, capturer
-            )
-            with torch.inference_mode():
-                graphs.capture()
-        except Exception as e:
-            log.warning("CUDA graphs off: capture failed (%s: %s)", type(e).__name__, e)
-            return
+    def use_graphs(self, graphs: cuda_graph.DecodeGraphs | None) -> None:
+        """Replay ``graphs`` for the decode steps they hold from now on (captured after
+        the warm-up: ``build.build_runner``); None: every step runs eagerly."""
         self.graphs = graphs
-        log.info("CUDA graphs captured for decode batch sizes %s", list(sizes))
-
-    def _get_tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            from radixserve.models.tokenizer import load_tokenizer
-
-            self._tokenizer = load_tokenizer(self.config.model, self.config.cache_dir)
-        return self._tokenizer
 
     @property
     def num_pages(self) -> int:
         """Pages the scheduler hands out (the pool may hold one more: the graphs' pad page)."""
-        return self._num_pages
+        return self.kv.num_pages
 
     @property
     def page_size(self) -> int:
@@ -385,30 +184,15 @@ class ModelRunner:
             host_pages=0 if self.host_cache is None else self.host_cache.num_slots,
             page_bytes=self.page_bytes,
             kv_identity=self.kv_identity,
-            loras=tuple(self._start_loras),
+            loras=self._start_loras,
             state_bytes=self.state_bytes,
             state_snapshots=0 if self.states is None else self.states.num_snapshots,
             kv_dtype=self.pool.kv_dtype_name,
             tokens_per_gib=self.tokens_per_gib,
             window_pages=self.window_pages,
             window_span=self.window_span,
-            window_page_bytes=0
-            if self.window_pool is None
-            else window_pool.page_bytes(self.window_pool),
+            window_page_bytes=self.kv.window_page_bytes,
         )
-
-    @property
-    def tokens_per_gib(self) -> int:
-        """Tokens of KV (every layer, this rank's heads) one GiB of the pool holds
-        (with a window pool: the full pool's tokens per GiB of both pools)."""
-        if self.window_pool is not None:
-            full = window_pool.page_bytes(self.pool) * self._num_pages
-            window = window_pool.page_bytes(self.window_pool) * self.window_pages
-            return (1 << 30) * self._num_pages * self.page_size // (full + window)
-        return (1 << 30) * self.pool.page_size // KVPool.bytes_per_page(
-            self.pool.num_layers, self.pool.page_size, self.pool.num_kv_heads,
-            self.pool.head_dim, self.pool.dtype, self.pool.kv_dtype, self.pool.kv_layout,
-        )  # fmt: skip
 
     def warmup(self, prefill_tokens: int, decode_batch: int) -> None:
         """Run the largest steps the scheduler will send before any request does.
@@ -751,6 +535,7 @@ class ModelRunner:
             kv_lens=np.asarray(kv_lens, dtype=np.int32),
             page_indptr=np.concatenate([[0], np.cumsum(page_counts)]).astype(np.int32),
             page_indices=np.concatenate(tables).astype(np.int32),
+            window_page_indices=np.concatenate(window_tables) if window_tables else None,
         )
         input_ids = np.concatenate(ids)
         if input_ids.min() < 0 or input_ids.max() >= self.vocab_size:
@@ -762,12 +547,7 @@ class ModelRunner:
             assert self.graphs is not None
             logits = self.graphs.run(attn, input_ids, flat_positions)
         else:
-            if self.window_table is not None:
-                self.backend.begin_split(
-                    attn, replace(attn, page_indices=np.concatenate(window_tables))
-                )
-            else:
-                self.backend.begin_batch(attn)
+            self.backend.begin_batch(attn)
             rows = np.asarray(logits_rows + draft_rows + score_rows, dtype=np.int64)
             ids_t, pos_t, rows_t = self._inputs.to_device([input_ids, flat_positions, rows])
             states = None if self.states is None else StepStates(self.states, segments)

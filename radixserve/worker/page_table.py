@@ -23,6 +23,10 @@ class PageTable:
     def max_slots(self) -> int:
         return self.table.shape[0]
 
+    @property
+    def max_pages_per_slot(self) -> int:
+        return self.table.shape[1]
+
     def check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_slots:
             raise ValueError(f"slot {slot} out of range [0, {self.max_slots})")

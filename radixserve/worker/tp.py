@@ -174,6 +174,7 @@ class WorkerGroup:
     def __init__(self, config: EngineConfig, tokenizer: Any = None, timed: bool = False) -> None:
         """``timed``: rank 0 times its collectives (``comm.stats``; benchmarks)."""
         from radixserve.server_config import RELAY, ServerConfig
+        from radixserve.worker.build import build_runner
         from radixserve.worker.model_runner import ModelRunner
 
         self.run_dir = tempfile.mkdtemp(prefix="rs-")
@@ -191,7 +192,7 @@ class WorkerGroup:
             rv = Rendezvous(config.tp, self.run_dir, timeout=config.dist_timeout)
             comm = init_group(wc, 0, rv, self.check_followers, timed=timed)
             self._joined = True
-            self.runner = ModelRunner(wc, tokenizer, comm)
+            self.runner = build_runner(wc, tokenizer, comm)
             ranks = range(1, config.tp)
             hellos = self.relay.wait_joined(ranks, config.dist_timeout, self.check_followers)
             self.follower_info = [P.decode(h, {P.Ready.TYPE: P.Ready}).info for h in hellos]

@@ -4,9 +4,9 @@ A model whose layers mix full and sliding attention keeps the sliding layers' K/
 in a pool of window pages of its own (docs/models.md, "Sliding windows and the
 cache"): the main pool (``ModelRunner.pool``) holds the full layers', the window
 pool (``ModelRunner.window_pool``, one more page: the dummy page) the sliding ones',
-and each slot has a window page table (``page_table.WindowTable``). This module is
-the runner's part that decides and sizes it; ``attention/split.py`` runs attention
-over both pools.
+and each slot has a window page table (``page_table.WindowTable``). This module
+decides and sizes it for the worker's builder (``build.build_kv_space``);
+``attention/split.py`` runs attention over both pools.
 """
 
 from __future__ import annotations

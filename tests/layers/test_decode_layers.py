@@ -16,8 +16,8 @@ from radixserve.layers import cpu_kernels
 from radixserve.models import decode_step
 from radixserve.protocol import Step, StepReq
 from radixserve.sampling_params import SamplingParams
+from radixserve.worker.build import build_runner
 from radixserve.worker.config import WorkerConfig
-from radixserve.worker.model_runner import ModelRunner
 from tests.helpers.native import require_built, require_isa
 
 GREEDY = SamplingParams(temperature=0)
@@ -34,7 +34,7 @@ def isa(request, monkeypatch):
 @pytest.fixture(scope="module")
 def runners(tiny_llama_dir):
     require_built(cpu_kernels.AVAILABLE, cpu_kernels.UNAVAILABLE_REASON, "native CPU kernels")
-    make = lambda dtype: ModelRunner(  # noqa: E731
+    make = lambda dtype: build_runner(  # noqa: E731
         WorkerConfig(model=str(tiny_llama_dir), dtype=dtype, page_size=PAGE, num_pages=512,
                      max_running_requests=8, warmup=False)
     )  # fmt: skip
@@ -45,7 +45,7 @@ def runners(tiny_llama_dir):
 def invariant_runners(tiny_llama_dir):
     """Runners in batch-invariant mode (``deterministic=True``)."""
     require_built(cpu_kernels.AVAILABLE, cpu_kernels.UNAVAILABLE_REASON, "native CPU kernels")
-    make = lambda dtype: ModelRunner(  # noqa: E731
+    make = lambda dtype: build_runner(  # noqa: E731
         WorkerConfig(model=str(tiny_llama_dir), dtype=dtype, page_size=PAGE, num_pages=512,
                      max_running_requests=8, warmup=False, deterministic=True)
     )  # fmt: skip
@@ -388,7 +388,7 @@ def test_amx_product_refuses_shapes_it_does_not_take():
 def quantized_runners(tiny_llama_dir):
     require_built(cpu_kernels.AVAILABLE, cpu_kernels.UNAVAILABLE_REASON, "native CPU kernels")
     return {
-        name: ModelRunner(
+        name: build_runner(
             WorkerConfig(
                 model=str(tiny_llama_dir),
                 dtype="float32",

@@ -128,11 +128,11 @@ def decode_logits(folder, monkeypatch, module, native: bool) -> torch.Tensor:
     float64 ModelRunner, with ``module.NATIVE`` set to ``native``."""
     from radixserve import SamplingParams
     from radixserve.protocol import Step, StepReq
+    from radixserve.worker.build import build_runner
     from radixserve.worker.config import WorkerConfig
-    from radixserve.worker.model_runner import ModelRunner
 
     monkeypatch.setattr(module, "NATIVE", native)
-    runner = ModelRunner(
+    runner = build_runner(
         WorkerConfig(model=str(folder), dtype="float64", page_size=4, num_pages=32, warmup=False)
     )
     greedy = SamplingParams(temperature=0.0)

@@ -17,8 +17,8 @@ from radixserve.models.config import ModelConfig
 from radixserve.models.loader import load_model, read_safetensors_folder
 from radixserve.models.rope import RotaryEmbedding, inv_frequencies
 from radixserve.models.source import resolve_model
+from radixserve.worker.build import build_runner
 from radixserve.worker.config import WorkerConfig
-from radixserve.worker.model_runner import ModelRunner
 from tests.helpers.tiny_models import (
     NEW_FAMILIES,
     hf_cached_greedy,
@@ -155,7 +155,7 @@ def test_loads_from_sharded_hf_folder(tmp_path, tiny_family_dir, family):
     (broken / "config.json").write_bytes((folder / "config.json").read_bytes())
     save_file(weights, str(broken / "model.safetensors"))
     with pytest.raises(KeyError, match=FAMILY_TENSOR[family].replace(".", r"\.")):
-        ModelRunner(WorkerConfig(model=str(broken), dtype="float64", num_pages=8))
+        build_runner(WorkerConfig(model=str(broken), dtype="float64", num_pages=8))
 
 
 #: Our names -> GGUF names (llama.cpp's converter for qwen3, which stores q/k unpermuted).

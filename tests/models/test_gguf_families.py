@@ -14,8 +14,8 @@ from radixserve.models.loader import load_model, read_safetensors_folder
 from radixserve.models.source import resolve_model
 from radixserve.protocol import Step, StepReq
 from radixserve.sampling_params import SamplingParams
+from radixserve.worker.build import build_runner
 from radixserve.worker.config import WorkerConfig
-from radixserve.worker.model_runner import ModelRunner
 from tests.helpers.tiny_models import make_tiny_model, tiny_config
 
 #: ModelConfig fields a GGUF cannot carry the same way (the file holds no architectures
@@ -104,7 +104,7 @@ def write_qwen3moe_gguf(path, folder, hf_config):
 def greedy(model: str, prompt: list[int], n: int) -> list[int]:
     """``n`` greedy tokens after ``prompt`` from a ModelRunner on ``model``."""
     # Steps built by hand carry no window pages: one pool.
-    runner = ModelRunner(
+    runner = build_runner(
         WorkerConfig(model=model, dtype="float32", num_pages=16, page_size=16, sliding_pool_pages=0)
     )
     pages = np.arange(16, dtype=np.int32)

@@ -21,8 +21,8 @@ from radixserve import Engine, SamplingParams
 from radixserve.models import gated_delta
 from radixserve.models.causal_conv import causal_conv, conv_step
 from radixserve.models.config import ModelConfig
+from radixserve.worker.build import build_runner
 from radixserve.worker.config import WorkerConfig
-from radixserve.worker.model_runner import ModelRunner
 from tests.helpers.tiny_models import load_hf_float64, make_tiny_model, tiny_config
 
 GEN = 48
@@ -148,7 +148,7 @@ def test_logits_match_transformers(family_dir):
     sequence (causal: its row p is the logits after p + 1 tokens)."""
     from radixserve.protocol import Step, StepReq
 
-    runner = ModelRunner(
+    runner = build_runner(
         WorkerConfig(
             model=str(family_dir), dtype="float64", page_size=4, num_pages=64, warmup=False
         )  # fmt: skip
@@ -280,7 +280,7 @@ def test_multi_turn_resumes_from_the_last_turn(qwen3_5_dir):
 def test_worker_refuses_a_mid_sequence_start_without_a_snapshot(qwen3_5_dir):
     from radixserve.protocol import Step, StepReq
 
-    runner = ModelRunner(
+    runner = build_runner(
         WorkerConfig(
             model=str(qwen3_5_dir), dtype="float64", num_pages=64, warmup=False, state_snapshots=2
         )  # fmt: skip
@@ -309,7 +309,7 @@ def test_bad_checkpoints_are_refused(tmp_path):
     del weights["model.layers.1.linear_attn.A_log"]
     save_file(weights, str(folder / "model.safetensors"))
     with pytest.raises(KeyError, match=r"model\.layers\.1\.linear_attn\.A_log"):
-        ModelRunner(WorkerConfig(model=str(folder), dtype="float64", num_pages=16, warmup=False))
+        build_runner(WorkerConfig(model=str(folder), dtype="float64", num_pages=16, warmup=False))
     config = json.loads((folder / "config.json").read_text())
     for key, value, message in (
         ("linear_num_value_heads", 3, "not a multiple of linear_num_key_heads"),
@@ -367,7 +367,7 @@ def test_bad_qwen3_next_checkpoints_are_refused(tmp_path):
         del broken[name]
         save_file(broken, str(folder / "model.safetensors"))
         with pytest.raises(KeyError, match=name.replace(".", r"\.")):
-            ModelRunner(
+            build_runner(
                 WorkerConfig(model=str(folder), dtype="float64", num_pages=16, warmup=False)
             )
     config = json.loads((folder / "config.json").read_text())

@@ -14,8 +14,8 @@ from radixserve.models.rope import inv_frequencies
 from radixserve.models.source import resolve_model
 from radixserve.protocol import Step, StepReq
 from radixserve.sampling_params import SamplingParams
+from radixserve.worker.build import build_runner
 from radixserve.worker.config import WorkerConfig
-from radixserve.worker.model_runner import ModelRunner
 from tests.helpers.tiny_models import make_tiny_model, patch_hf_float64, tiny_config
 
 
@@ -64,7 +64,7 @@ def test_missing_tensor_is_named(tmp_path, tiny_llama_dir):
         (tmp_path / name).write_bytes((tiny_llama_dir / name).read_bytes())
     save_file(weights, str(tmp_path / "model.safetensors"))
     with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight"):
-        ModelRunner(WorkerConfig(model=str(tmp_path), dtype="float64", num_pages=8))
+        build_runner(WorkerConfig(model=str(tmp_path), dtype="float64", num_pages=8))
 
 
 def test_sharded_checkpoint_loads_identically(tmp_path, tiny_llama_dir):
@@ -92,7 +92,7 @@ def test_mistral_sliding_window_matches_hf(tmp_path):
     folder = make_tiny_model(tmp_path / "mistral", "mistral", seed=4, sliding_window=8)
     hf = patch_hf_float64(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64))
     # Steps built by hand carry no window pages: one pool (test_sliding_pool.py has both).
-    runner = ModelRunner(WorkerConfig(model=str(folder), dtype="float64", page_size=4,
+    runner = build_runner(WorkerConfig(model=str(folder), dtype="float64", page_size=4,
                                       num_pages=32, max_running_requests=2,
                                       sliding_pool_pages=0))  # fmt: skip
     assert runner.model_config.sliding_windows == (8, 8)

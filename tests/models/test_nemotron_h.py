@@ -22,8 +22,8 @@ from radixserve.models import mamba2
 from radixserve.models.causal_conv import causal_conv, conv_step
 from radixserve.models.checkpoint import checkpoint_sources
 from radixserve.models.config import ModelConfig
+from radixserve.worker.build import build_runner
 from radixserve.worker.config import WorkerConfig
-from radixserve.worker.model_runner import ModelRunner
 from tests.helpers.tiny_models import load_hf_float64, make_tiny_model, tiny_config
 
 GEN = 48
@@ -157,7 +157,7 @@ def test_logits_match_transformers(nemotron_dir):
     sequence; every parameter comes from the checkpoint."""
     from radixserve.protocol import Step, StepReq
 
-    runner = ModelRunner(
+    runner = build_runner(
         WorkerConfig(
             model=str(nemotron_dir), dtype="float64", page_size=4, num_pages=64, warmup=False
         )  # fmt: skip
@@ -269,7 +269,7 @@ def test_model_layout_is_read_as_backbone(tmp_path, nemotron_dir):
     weights = load_file(str(nemotron_dir / "model.safetensors"))
     save_file({k.replace("backbone.", "model.", 1): v for k, v in weights.items()},
               str(folder / "model.safetensors"))  # fmt: skip
-    runners = [ModelRunner(WorkerConfig(model=str(f), dtype="float64", num_pages=16,
+    runners = [build_runner(WorkerConfig(model=str(f), dtype="float64", num_pages=16,
                                         warmup=False)) for f in (nemotron_dir, folder)]  # fmt: skip
     a, b = (dict(r.model.named_parameters()) for r in runners)
     assert all(torch.equal(a[n], b[n]) for n in a)
@@ -285,11 +285,11 @@ def test_bad_checkpoints_are_refused(tmp_path):
     del weights["backbone.layers.2.mixer.dt_bias"]
     save_file(weights, str(folder / "model.safetensors"))
     with pytest.raises(KeyError, match=r"backbone\.layers\.2\.mixer\.dt_bias"):
-        ModelRunner(WorkerConfig(model=str(folder), dtype="float64", num_pages=16, warmup=False))
+        build_runner(WorkerConfig(model=str(folder), dtype="float64", num_pages=16, warmup=False))
     good["backbone.layers.0.mixer.D"] = torch.zeros(7, dtype=torch.float64)
     save_file(good, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match=r"shape mismatch for .*layers\.0\.mixer\.D"):
-        ModelRunner(WorkerConfig(model=str(folder), dtype="float64", num_pages=16, warmup=False))
+        build_runner(WorkerConfig(model=str(folder), dtype="float64", num_pages=16, warmup=False))
     config = json.loads((folder / "config.json").read_text())
     for key, value, message in (
         ("moe_latent_size", 16, "moe_latent_size"),

@@ -13,8 +13,8 @@ from radixserve.models.loader import read_safetensors_folder
 from radixserve.models.tokenizer import load_tokenizer
 from radixserve.protocol import Step, StepReq
 from radixserve.sampling_params import SamplingParams
+from radixserve.worker.build import build_runner
 from radixserve.worker.config import WorkerConfig
-from radixserve.worker.model_runner import ModelRunner
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -34,7 +34,7 @@ def tok(smollm2_cache_dir):
 
 @pytest.fixture(scope="module")
 def runner(smollm2_cache_dir):
-    return ModelRunner(WorkerConfig(model="smollm2", cache_dir=smollm2_cache_dir, page_size=16,
+    return build_runner(WorkerConfig(model="smollm2", cache_dir=smollm2_cache_dir, page_size=16,
                                     num_pages=256, max_running_requests=8,
                                     dtype="float32"))  # fmt: skip
 
@@ -102,7 +102,7 @@ def test_bfloat16_first_step_is_close_to_float32(runner, tok, smollm2_cache_dir)
     first-step logits within bf16's rounding, and the same greedy first token but where
     float32's top two are nearer than bf16's rounding (such a tie may go either way,
     and which way depends on the CPU's bf16 products and attention path)."""
-    bf16 = ModelRunner(WorkerConfig(model="smollm2", cache_dir=smollm2_cache_dir, page_size=16,
+    bf16 = build_runner(WorkerConfig(model="smollm2", cache_dir=smollm2_cache_dir, page_size=16,
                                     num_pages=256, max_running_requests=8, dtype="bfloat16",
                                     warmup=False))  # fmt: skip
     greedy = SamplingParams(temperature=0)

@@ -14,6 +14,7 @@ from radixserve.models.config import ModelConfig
 from radixserve.models.sharding import Shard, check_tp, head_shard
 from radixserve.protocol import Step, StepReq
 from radixserve.sampling_params import SamplingParams
+from radixserve.worker.build import build_runner
 from radixserve.worker.config import WorkerConfig
 from radixserve.worker.model_runner import ModelRunner
 from tests.helpers.tiny_models import hf_greedy, make_tiny_model, patch_hf_float64, tiny_config
@@ -29,7 +30,7 @@ def _runner(folder, page_size: int, tp: int = 1, comm=None) -> ModelRunner:
         num_pages=256 // page_size + 8, max_running_requests=4, warmup=False, tp=tp,
         sliding_pool_pages=0,  # steps built by hand: one pool, no window pages
     )  # fmt: skip
-    return ModelRunner(config) if comm is None else ModelRunner(config, comm=comm)
+    return build_runner(config) if comm is None else build_runner(config, comm=comm)
 
 
 def _greedy(runner: ModelRunner, prompt: np.ndarray, chunks: list[int], comm=None):
@@ -200,7 +201,7 @@ def test_tp_host_tier_copies_each_ranks_heads(llama_8_4):
             model=str(llama_8_4), dtype="float64", page_size=4, num_pages=24,
             max_running_requests=4, warmup=False, tp=2, host_cache_gb=2**-15,
         )  # fmt: skip
-        runner = ModelRunner(config, comm=comm)
+        runner = build_runner(config, comm=comm)
         first, second = i32([3, 7, 1, 9]), i32([12, 20, 15, 4])
         # 16 tokens in whole pages, then the last one read through two page tables.
         runner.step(Step([StepReq(0, prompt[:16], 0, first, False, GREEDY)]))

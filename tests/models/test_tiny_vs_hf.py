@@ -9,8 +9,8 @@ import torch
 
 from radixserve.protocol import Step, StepReq
 from radixserve.sampling_params import SamplingParams
+from radixserve.worker.build import build_runner
 from radixserve.worker.config import WorkerConfig
-from radixserve.worker.model_runner import ModelRunner
 from tests.helpers.tiny_models import NEW_FAMILIES, hf_greedy, patch_hf_float64
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -73,7 +73,7 @@ def run_greedy(runner, prompt, n, chunks, slot=0):
 def test_greedy_and_logits_match_hf(tiny, page_size):
     folder, hf, prompt = tiny
     want, want_logits = hf_greedy(hf, prompt, GEN_LEN)
-    runner = ModelRunner(
+    runner = build_runner(
         WorkerConfig(model=str(folder), dtype="float64", page_size=page_size,
                      num_pages=512 // page_size + 8, max_running_requests=4,
                      sliding_pool_pages=0)  # steps built by hand: one pool, no window pages
@@ -89,7 +89,7 @@ def test_cached_prefix_then_suffix_matches_hf(tiny):
     only its suffix; it must match HF computing the whole prompt, in one batch with a decode."""
     folder, hf, prompt = tiny
     page_size = 16
-    runner = ModelRunner(WorkerConfig(model=str(folder), dtype="float64", page_size=page_size,
+    runner = build_runner(WorkerConfig(model=str(folder), dtype="float64", page_size=page_size,
                                       num_pages=64, max_running_requests=4,
                                       sliding_pool_pages=0))  # fmt: skip
     prefix = prompt[:32]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +16,8 @@ from radixserve.worker.attention import (
     native_decode,
     torch_backend,
 )
+from radixserve.worker.attention.base import AttentionBackend
+from radixserve.worker.attention.split import SplitAttention
 from tests.helpers.native import require_built, require_isa
 
 HEAD_DIM = 8
@@ -431,3 +435,36 @@ def test_unknown_backend_is_refused():
     pool = KVPool(1, 4, 1, 1, HEAD_DIM, torch.float32)
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
         create_backend("nope", pool, 1.0, (-1,), 1)
+
+
+def test_split_attention_is_a_backend_over_two_pools():
+    """``SplitAttention`` plans both pools through the one ``begin_batch`` (the window
+    pool with ``window_page_indices``) and computes what one backend over one pool of
+    every layer does; it declares no capability (one page table is what they take)."""
+    torch.manual_seed(0)
+    f64, windows = torch.float64, (-1, 4)
+
+    def backend(layers: int, ws: tuple[int, ...]):
+        return create_backend("torch", KVPool(layers, 16, 2, 2, HEAD_DIM, f64), 0.5, ws, 4, "torch")
+
+    one, full, window = backend(2, windows), backend(1, (-1,)), backend(1, (4,))
+    split = SplitAttention(full, window, (1,), 2)
+    assert isinstance(split, AttentionBackend) and split.name == "torch"
+    assert not split.captures_graphs and not split.plans_native_steps
+    i32 = lambda *x: np.array(x, dtype=np.int32)  # noqa: E731
+    prefill = AttentionBatch(i32(0, 5, 8), i32(5, 3), i32(0, 3, 5), i32(0, 1, 2, 3, 4),
+                             window_page_indices=i32(7, 8, 9, 10, 11))  # fmt: skip
+    decode = AttentionBatch(i32(0, 1, 2), i32(6, 4), i32(0, 3, 5), i32(0, 1, 2, 3, 4),
+                            window_page_indices=i32(7, 8, 9, 10, 11))  # fmt: skip
+    with pytest.raises(ValueError, match="window page tables"):
+        split.begin_batch(replace(prefill, window_page_indices=None))
+    for batch in (prefill, decode):
+        split.begin_batch(batch)
+        one.begin_batch(replace(batch, window_page_indices=None))
+        for layer in range(2):
+            q = torch.randn(batch.num_tokens, 4, HEAD_DIM, dtype=f64)
+            k, v = torch.randn(2, batch.num_tokens, 2, HEAD_DIM, dtype=f64)
+            want = one.forward(layer, q, k, v).clone()
+            torch.testing.assert_close(split.forward(layer, q, k, v), want, rtol=0, atol=1e-12)
+    assert torch.equal(full.pool.layers[0][:5], one.pool.layers[0][:5])
+    assert torch.equal(window.pool.layers[0][7:12], one.pool.layers[1][:5])

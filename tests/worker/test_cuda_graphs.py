@@ -18,8 +18,8 @@ from radixserve.protocol import Step, StepReq
 from radixserve.sampling_params import SamplingParams
 from radixserve.worker import cuda_graph
 from radixserve.worker.attention import AttentionBatch, KVPool, create_backend
+from radixserve.worker.build import build_runner
 from radixserve.worker.config import WorkerConfig
-from radixserve.worker.model_runner import ModelRunner
 from tests.helpers.tiny_models import make_tiny_model
 from tests.worker import fake_flashinfer
 
@@ -185,7 +185,7 @@ def test_runner_graph_tokens_equal_eager(monkeypatch, model_dir, page_size):
         cfg = WorkerConfig(model=str(model_dir), dtype="bfloat16", page_size=page_size,
                            num_pages=160, max_running_requests=4, attention_backend=backend,
                            disable_cuda_graph=off, warmup=False)  # fmt: skip
-        runners[name] = ModelRunner(cfg)
+        runners[name] = build_runner(cfg)
         results[name] = generate(runners[name], page_size)
     assert results["graph"] == results["eager"]
     assert [len(t) for t in results["graph"].values()] == [8, 5, 8]
@@ -208,7 +208,55 @@ def test_capture_failure_falls_back_to_eager(monkeypatch, model_dir, caplog):
     cfg = WorkerConfig(model=str(model_dir), dtype="bfloat16", page_size=16, num_pages=160,
                        max_running_requests=4, attention_backend="flashinfer", warmup=False)  # fmt: skip
     with caplog.at_level("WARNING", logger="radixserve.worker"):
-        runner = ModelRunner(cfg)
+        runner = build_runner(cfg)
     assert runner.graphs is None
     assert any("CUDA graphs off: capture failed" in r.getMessage() for r in caplog.records)
     assert len(generate(runner, 16)[0]) == 8
+
+
+def test_a_backend_without_the_capability_gets_no_graphs_and_says_so(
+    monkeypatch, model_dir, caplog
+):
+    """Graphs on by default and a backend that cannot capture them: off, logged at info
+    once the backend is known; asked for explicitly, it refuses with a ValueError."""
+    monkeypatch.setattr(cuda_graph, "capturer_for", lambda device: eager_capturer)
+    cfg = WorkerConfig(model=str(model_dir), dtype="bfloat16", page_size=16, num_pages=160,
+                       max_running_requests=4, attention_backend="torch", warmup=False)  # fmt: skip
+    with caplog.at_level("INFO", logger="radixserve.worker"):
+        runner = build_runner(cfg)
+    assert runner.graphs is None and not runner.backend.captures_graphs
+    messages = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert "CUDA graphs off: the torch attention backend cannot capture them" in messages
+    assert runner.pool.num_pages == 161  # kept before the backend was chosen
+    with pytest.raises(ValueError, match="torch attention backend cannot capture CUDA graphs"):
+        cuda_graph.capture(runner.model, runner.backend, eager_capturer, 4, 8, 100, 160,
+                           torch.device("cpu"))  # fmt: skip
+    with pytest.raises(ValueError, match="torch attention backend cannot capture CUDA graphs"):
+        runner.backend.setup_graphs((1, 2), 8, pad_page=160)
+
+
+def test_graph_plan_decides_once_and_logs_where_the_device_has_graphs(monkeypatch, caplog):
+    cpu = torch.device("cpu")
+    torch_backend = create_backend("torch", KVPool(1, 4, 4, 2, 64, torch.float32), 0.125, (-1,), 4)
+    with caplog.at_level("INFO", logger="radixserve.worker"):
+        plan = cuda_graph.GraphPlan(cpu, disabled=False, tp=1, hybrid=False)
+        assert plan.pad_pages == 0 and plan.settle(torch_backend) is None
+    assert not caplog.records  # no graphs on the CPU: nothing to say (the default there)
+    fake_flashinfer.install(monkeypatch)
+    monkeypatch.setattr(cuda_graph, "capturer_for", lambda device: eager_capturer)
+    graph_backend = create_backend("flashinfer", KVPool(1, 5, 4, 2, 64, torch.bfloat16), 0.125,
+                                   (-1,), 4)  # fmt: skip
+    plan = cuda_graph.GraphPlan(cpu, disabled=False, tp=1, hybrid=False)
+    assert plan.pad_pages == 1 and plan.settle(graph_backend) is eager_capturer
+    cases = [
+        (dict(disabled=True, tp=1, hybrid=False), None),
+        (dict(disabled=False, tp=2, hybrid=False), "CUDA graphs off: not with tensor parallelism"),
+        (dict(disabled=False, tp=1, hybrid=True), "CUDA graphs off: a hybrid model's"),
+    ]
+    for kw, logged in cases:
+        caplog.clear()
+        with caplog.at_level("INFO", logger="radixserve.worker"):
+            plan = cuda_graph.GraphPlan(cpu, **kw)
+            assert plan.pad_pages == 0 and plan.settle(graph_backend) is None
+        messages = [r.getMessage() for r in caplog.records]
+        assert messages == [] if logged is None else messages[0].startswith(logged), messages

@@ -16,6 +16,7 @@ import torch
 from radixserve.protocol import Step, StepReq
 from radixserve.sampling_params import SamplingParams
 from radixserve.worker import dtype as dtype_mod
+from radixserve.worker.build import build_runner
 from radixserve.worker.config import WorkerConfig
 from radixserve.worker.malloc import tune_malloc
 from radixserve.worker.model_runner import ModelRunner
@@ -93,8 +94,8 @@ import ctypes, sys
 import numpy as np
 from radixserve.protocol import Step, StepReq
 from radixserve.sampling_params import SamplingParams
+from radixserve.worker.build import build_runner
 from radixserve.worker.config import WorkerConfig
-from radixserve.worker.model_runner import ModelRunner
 
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
@@ -105,7 +106,7 @@ def in_use():
     m = libc.mallinfo2()
     return m.uordblks + m.hblkhd
 
-runner = ModelRunner(WorkerConfig(model=sys.argv[1], dtype="bfloat16", page_size=4,
+runner = build_runner(WorkerConfig(model=sys.argv[1], dtype="bfloat16", page_size=4,
                                   num_pages=200, max_running_requests=2, warmup=False))
 greedy = SamplingParams(temperature=0, max_tokens=1)
 pages = np.arange(200, dtype=np.int32)
@@ -160,15 +161,15 @@ def _generate(runner, prompt, n):
     return out
 
 
-def test_warmup_leaves_no_state_and_changes_no_token(tiny_llama_dir):
+def test_warmup_leaves_no_state_and_changes_no_token(tiny_llama_dir, monkeypatch):
     kw = dict(model=str(tiny_llama_dir), dtype="float64", page_size=4, num_pages=96,
               max_running_requests=6, chunked_prefill_size=300)  # fmt: skip
-    cold = ModelRunner(WorkerConfig(**kw, warmup=False))
+    cold = build_runner(WorkerConfig(**kw, warmup=False))
     calls = []
-    warm = ModelRunner.__new__(ModelRunner)
     real_step = ModelRunner.step
-    warm.step = lambda b: calls.append(b) or real_step(warm, b)  # type: ignore[method-assign]
-    ModelRunner.__init__(warm, WorkerConfig(**kw, warmup=True))
+    monkeypatch.setattr(ModelRunner, "step", lambda r, b: calls.append(b) or real_step(r, b))
+    warm = build_runner(WorkerConfig(**kw, warmup=True))
+    monkeypatch.undo()
     # The largest prefill (capped by the pool: 95 pages of 4 tokens) and a full decode batch ran.
     assert [len(r.input_ids) for r in calls[0].reqs] == [300]
     assert sorted(r.slot for r in calls[1].reqs) == list(range(6))
@@ -178,6 +179,6 @@ def test_warmup_leaves_no_state_and_changes_no_token(tiny_llama_dir):
 
 
 def test_warmup_fits_a_small_pool(tiny_llama_dir):
-    r = ModelRunner(WorkerConfig(model=str(tiny_llama_dir), dtype="float64", page_size=4,
+    r = build_runner(WorkerConfig(model=str(tiny_llama_dir), dtype="float64", page_size=4,
                                  num_pages=3, max_running_requests=4))  # fmt: skip
     assert r.page_table.lengths.sum() == 0

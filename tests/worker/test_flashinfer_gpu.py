@@ -53,8 +53,8 @@ def test_quick_kernels_match_torch_backend(kv_heads, group):
 def test_quick_cuda_graphs_on_and_off_give_the_same_logits(tmp_path):
     """The same decode steps (teacher-forced: the same tokens in) through a runner that
     replays CUDA graphs (batches of 5 and 3, padded to 8 and 4) and one that runs eagerly."""
+    from radixserve.worker.build import build_runner
     from radixserve.worker.config import WorkerConfig
-    from radixserve.worker.model_runner import ModelRunner
     from tests.helpers.tiny_models import make_tiny_model
 
     folder = make_tiny_model(tmp_path, "llama", seed=3, hidden_size=512, intermediate_size=512,
@@ -65,7 +65,7 @@ def test_quick_cuda_graphs_on_and_off_give_the_same_logits(tmp_path):
                            num_pages=256, max_running_requests=8, attention_backend="flashinfer",
                            disable_cuda_graph=off, flashinfer_prefill_backend="fa2",
                            warmup=False)  # fmt: skip
-        runners[off] = ModelRunner(cfg)
+        runners[off] = build_runner(cfg)
     assert runners[False].graphs is not None and runners[True].graphs is None
     rng = np.random.default_rng(0)
     prompts = [rng.integers(4, 500, n).astype(np.int32) for n in (20, 7, 33, 16, 9)]
@@ -129,8 +129,8 @@ def test_fp8_runner_and_cuda_graphs(tmp_path):
     """A ModelRunner with --kv-cache-dtype fp8_e4m3 on flashinfer: the pool is the
     token_head layout (FlashInfer's per-(token, head) scales), and graph replays give
     eager's logits."""
+    from radixserve.worker.build import build_runner
     from radixserve.worker.config import WorkerConfig
-    from radixserve.worker.model_runner import ModelRunner
     from tests.helpers.tiny_models import make_tiny_model
 
     folder = make_tiny_model(tmp_path, "llama", seed=3, hidden_size=512, intermediate_size=512,
@@ -141,7 +141,7 @@ def test_fp8_runner_and_cuda_graphs(tmp_path):
                            num_pages=256, max_running_requests=8, attention_backend="flashinfer",
                            disable_cuda_graph=off, flashinfer_prefill_backend="fa2",
                            kv_cache_dtype="fp8_e4m3", warmup=False)  # fmt: skip
-        runners[off] = ModelRunner(cfg)
+        runners[off] = build_runner(cfg)
         assert runners[off].pool.kv_layout == "token_head"
         assert runners[off].pool.layers[0].dtype == torch.uint8
     rng = np.random.default_rng(0)

@@ -20,6 +20,7 @@ import torch
 
 from radixserve.protocol import Step, StepReq
 from radixserve.sampling_params import SamplingParams
+from radixserve.worker.build import build_runner
 from radixserve.worker.config import WorkerConfig
 from radixserve.worker.model_runner import ModelRunner
 from tests.helpers.tiny_models import make_tiny_model
@@ -94,7 +95,7 @@ def test_greedy_tokens_equal_torch_backend(monkeypatch, head64_dir, page_size):
         cfg = WorkerConfig(model=str(head64_dir), dtype="bfloat16", page_size=page_size,
                            num_pages=512, max_running_requests=4, attention_backend=name,
                            warmup=False)  # fmt: skip
-        runner = ModelRunner(cfg)
+        runner = build_runner(cfg)
         assert runner.backend_name == name
         fake.calls.clear()  # count the script's calls, not the start-up probe's
         results[name], logits[name] = script(runner, page_size, results.get("torch"))
@@ -122,7 +123,7 @@ def test_a_verification_step_equals_torch_backend(monkeypatch, head64_dir, page_
         cfg = WorkerConfig(model=str(head64_dir), dtype="bfloat16", page_size=page_size,
                            num_pages=64, max_running_requests=2, attention_backend=name,
                            warmup=False)  # fmt: skip
-        runner = ModelRunner(cfg)
+        runner = build_runner(cfg)
         first = Step([StepReq(s, prompts[s], 0, pages[s][:per], True, GREEDY) for s in (0, 1)])
         out = [runner.forward_logits(first).float()]
         last = out[0].argmax(dim=-1).to(torch.int32).numpy()

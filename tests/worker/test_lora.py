@@ -18,8 +18,8 @@ import torch
 from radixserve import Engine, SamplingParams
 from radixserve.models.lora import LoraError
 from radixserve.protocol import Step, StepReq
+from radixserve.worker.build import build_runner
 from radixserve.worker.config import WorkerConfig
-from radixserve.worker.model_runner import ModelRunner
 from tests.helpers.tiny_models import hf_cached_greedy, make_tiny_model, patch_hf_float64
 from tests.helpers.tp import run_ranks
 
@@ -225,7 +225,7 @@ def _lora_greedy(folder, adapter, prompt, tp=1, comm=None):
     config = WorkerConfig(model=str(folder), dtype="float64", page_size=4, num_pages=64,
                           max_running_requests=2, warmup=False, tp=tp,
                           lora_modules=(f"x={adapter}",))  # fmt: skip
-    runner = ModelRunner(config) if comm is None else ModelRunner(config, comm=comm)
+    runner = build_runner(config) if comm is None else build_runner(config, comm=comm)
     pages = np.arange(-(-(len(prompt) + 1) // 4), dtype=np.int32)
     req = StepReq(0, np.asarray(prompt, np.int32), 0, pages, True,
                   SamplingParams(temperature=0.0), lora=1)  # fmt: skip
@@ -245,7 +245,7 @@ def test_tensor_parallel_shards_equal_one_rank(tmp_path):
     two = run_ranks(2, lambda comm: _lora_greedy(base, adapter, prompt, 2, comm))
     assert two[1] is None
     assert torch.allclose(two[0], one, rtol=0, atol=1e-12)
-    plain = ModelRunner(WorkerConfig(model=str(base), dtype="float64", page_size=4, num_pages=64,
+    plain = build_runner(WorkerConfig(model=str(base), dtype="float64", page_size=4, num_pages=64,
                                      max_running_requests=2, warmup=False))  # fmt: skip
     pages = np.arange(-(-(len(prompt) + 1) // 4), dtype=np.int32)
     req = StepReq(0, np.asarray(prompt, np.int32), 0, pages, True, SamplingParams(temperature=0.0))
@@ -326,7 +326,7 @@ def test_float32_kernels_with_adapter_rows_match_float64(lora_setup):
         config = WorkerConfig(model=str(base), dtype=dtype, page_size=16, num_pages=64,
                               max_running_requests=4, warmup=False,
                               lora_modules=(f"a={paths['attn']}", f"b={paths['mlp']}"))  # fmt: skip
-        runner = ModelRunner(config)
+        runner = build_runner(config)
         pages = [np.arange(4 * i, 4 * i + 4, dtype=np.int32) for i in range(3)]
         sp = SamplingParams(temperature=0.0)
         pre = runner.forward_logits(

@@ -7,16 +7,16 @@ import pytest
 
 from radixserve.protocol import Step, StepReq
 from radixserve.sampling_params import SamplingParams
+from radixserve.worker.build import build_runner
 from radixserve.worker.config import WorkerConfig
 from radixserve.worker.kv_pool import KVPool
-from radixserve.worker.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0)
 
 
 @pytest.fixture(scope="module")
 def runner(tiny_llama_dir):
-    return ModelRunner(WorkerConfig(model=str(tiny_llama_dir), dtype="float64", page_size=4,
+    return build_runner(WorkerConfig(model=str(tiny_llama_dir), dtype="float64", page_size=4,
                                     num_pages=256, max_running_requests=8))  # fmt: skip
 
 
@@ -119,7 +119,7 @@ def test_sampling_params_are_required_when_sampling(runner):
 
 def test_pool_sized_from_memory_budget(tiny_llama_dir):
     per_page = KVPool.bytes_per_page(2, 16, 2, 16, __import__("torch").float32)
-    r = ModelRunner(
+    r = build_runner(
         WorkerConfig(
             model=str(tiny_llama_dir), dtype="float32", page_size=16, kv_memory=10 * per_page + 5
         )

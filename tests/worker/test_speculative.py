@@ -19,9 +19,9 @@ import torch
 
 from radixserve.protocol import Step, StepReq
 from radixserve.sampling_params import SamplingParams
+from radixserve.worker.build import build_runner
 from radixserve.worker.config import WorkerConfig
 from radixserve.worker.logits import LogitsProcessor
-from radixserve.worker.model_runner import ModelRunner
 from radixserve.worker.sampler import Sampler, filtered_probs
 from radixserve.worker.speculative import verify
 from tests.helpers.tiny_models import make_tiny_model
@@ -132,7 +132,7 @@ def test_rejection_sampling_keeps_the_models_distribution(params, draft0):
 def runner(tmp_path_factory):
     folder = make_tiny_model(tmp_path_factory.mktemp("tiny-verify"), "llama", seed=7)
     cfg = WorkerConfig(model=str(folder), dtype="float64", page_size=4, num_pages=64, warmup=False)
-    return ModelRunner(cfg)
+    return build_runner(cfg)
 
 
 def test_a_step_with_drafts_gives_the_tokens_of_one_token_steps(runner):

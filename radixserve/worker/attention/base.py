@@ -7,6 +7,14 @@ table, all host-side int32 arrays) and is then called once per layer
 layer is the shape FlashInfer's wrappers want (``plan`` / ``run``); the torch
 backend uses ``begin_batch`` to build its gather indices and masks.
 
+``AttentionBackend`` is the interface the runner and the model see; ``PoolBackend``
+is a backend over one ``KVPool`` (torch, flashinfer), ``split.SplitAttention`` one
+over two (the full layers' pool and the window pool). What a backend can do beyond
+the contract is declared, never probed for: ``plans_native_steps`` (it plans a
+step whose layers all run in one native call when ``native_layers`` says so) and
+``captures_graphs`` (``setup_graphs`` / ``begin_graph_batch``: decode batches on
+static buffers, for CUDA graphs; a backend without it refuses them).
+
 Contract of ``forward(layer, q, k, v)``:
 - q is [T, num_heads, head_dim], k and v are [T, num_kv_heads, head_dim], rows
   in batch order (request 0's new tokens, then request 1's, ...), rotary
@@ -28,6 +36,7 @@ Contract of ``forward(layer, q, k, v)``:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,12 +53,15 @@ class AttentionBatch:
     ``kv_lens`` [B]: keys request i attends to after this step's writes (start_pos + qo_len).
     ``page_indptr`` [B+1] / ``page_indices``: request i's page table is
     page_indices[page_indptr[i]:page_indptr[i+1]], exactly ceil(kv_len / page_size) pages.
+    ``window_page_indices``: with a window pool (``split.py``), request i's window page
+    table, at the same offsets (None without one).
     """
 
     qo_indptr: np.ndarray
     kv_lens: np.ndarray
     page_indptr: np.ndarray
     page_indices: np.ndarray
+    window_page_indices: np.ndarray | None = None
 
     @property
     def batch_size(self) -> int:
@@ -65,11 +77,53 @@ class AttentionBatch:
 
 
 class AttentionBackend(ABC):
-    """Paged attention over a ``KVPool``; see the module docstring for the contract."""
+    """Paged attention for every layer of the model; see the module docstring for the
+    contract."""
 
     name: str = ""
     #: Why ``create_backend`` chose this backend (logged at start).
     choice_reason: str = ""
+    #: Capability: it plans a decode step whose layers all run in one native call
+    #: (``models/decode_step.py``) when ``native_layers`` (set by the runner) says the
+    #: step's rows go there.
+    plans_native_steps: bool = False
+    #: Capability: it plans decode batches padded to a capture size on static buffers
+    #: (``setup_graphs``, ``begin_graph_batch``), so CUDA graphs can replay its steps.
+    captures_graphs: bool = False
+    #: Where ``plans_native_steps``: whether a step of this many rows runs every layer
+    #: in one native call (None: never).
+    native_layers: Callable[[int], bool] | None = None
+
+    @abstractmethod
+    def begin_batch(self, batch: AttentionBatch) -> None:
+        """Plan the step: called once before the layers run."""
+
+    @abstractmethod
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Write k/v of this step into the pool and return attention output like q."""
+
+    def setup_graphs(self, sizes: tuple[int, ...], max_pages_per_slot: int, pad_page: int) -> None:
+        """Where ``captures_graphs``: build what decode batches of ``sizes`` rows are
+        planned on; a request reads at most ``max_pages_per_slot`` pages, pad rows read
+        and write ``pad_page``. ValueError for a backend that cannot."""
+        raise ValueError(self._no_graphs())
+
+    def begin_graph_batch(self, batch: AttentionBatch, size: int) -> None:
+        """Where ``captures_graphs``: plan a decode-only ``batch`` padded to ``size``
+        rows on the static buffers. ValueError for a backend that cannot."""
+        raise ValueError(self._no_graphs())
+
+    def _no_graphs(self) -> str:
+        return (
+            f"the {self.name} attention backend cannot capture CUDA graphs "
+            "(the flashinfer backend can; or disable_cuda_graph)"
+        )
+
+
+class PoolBackend(AttentionBackend):
+    """A backend over one ``KVPool``: its layers are the pool's."""
 
     def __init__(
         self,
@@ -94,13 +148,3 @@ class AttentionBackend(ABC):
         self.scale = scale
         self.softcap = softcap
         self.sliding_windows = sliding_windows
-
-    @abstractmethod
-    def begin_batch(self, batch: AttentionBatch) -> None:
-        """Plan the step: called once before the layers run."""
-
-    @abstractmethod
-    def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        """Write k/v of this step into the pool and return attention output like q."""

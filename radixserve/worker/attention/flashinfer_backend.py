@@ -69,7 +69,7 @@ import numpy as np
 import torch
 
 from radixserve.worker.attention import flashinfer_support as support
-from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
+from radixserve.worker.attention.base import AttentionBatch, PoolBackend
 from radixserve.worker.kv_pool import KVPool
 from radixserve.worker.kv_quant import quantize, token_head_views
 from radixserve.worker.staging import Staging
@@ -99,8 +99,9 @@ class _HostPlan:
         return self.staging.host(parts)
 
 
-class FlashInferAttention(AttentionBackend):
+class FlashInferAttention(PoolBackend):
     name = "flashinfer"
+    captures_graphs = True
 
     def __init__(
         self,

@@ -4,9 +4,11 @@ A model whose layers mix full and sliding attention may keep the sliding layers'
 K/V in a pool of window pages (docs/models.md, "Sliding windows and the cache"):
 each request then has two page tables, one per pool, and the window table maps the
 pages no query of the request can see any more to a dummy page. ``SplitAttention``
-is one backend per pool behind the one-call-per-layer interface: ``begin_split``
-plans each with its own page table, ``forward(layer, ...)`` hands the layer to the
-backend of its pool under its index there.
+is an ``AttentionBackend`` made of one backend per pool: ``begin_batch`` plans each
+with its own page tables (``AttentionBatch.page_indices`` for the full pool,
+``window_page_indices`` for the window pool), ``forward(layer, ...)`` hands the layer
+to the backend of its pool under its index there. It declares no capability: the
+one-call decode step and CUDA graphs take one page table.
 
 Every path of the wrapped torch backends is sound with the dummy page: a sliding
 layer's mask hides every key before ``kv_len - qo_len - window + 1`` (decode bias,
@@ -19,12 +21,14 @@ refuses sliding layers), deterministic mode (refuses sliding windows).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
 
 
-class SplitAttention:
+class SplitAttention(AttentionBackend):
     """Routes each layer to the backend of its pool (module docstring)."""
 
     def __init__(
@@ -50,12 +54,16 @@ class SplitAttention:
                 nf += 1
         self._route = route
 
-    def begin_split(self, full: AttentionBatch, window: AttentionBatch) -> None:
-        """Plan the step: ``full`` with the full pool's page tables, ``window`` with
-        the window tables (the same rows and lengths)."""
+    def begin_batch(self, batch: AttentionBatch) -> None:
+        """Plan the step on both pools: the full pool's with ``batch.page_indices``, the
+        window pool's with ``batch.window_page_indices`` (the same rows and lengths)."""
+        if batch.window_page_indices is None:
+            raise ValueError("a step over a window pool needs the window page tables")
         if self.full is not None:
-            self.full.begin_batch(full)
-        self.window.begin_batch(window)
+            self.full.begin_batch(replace(batch, window_page_indices=None))
+        self.window.begin_batch(
+            replace(batch, page_indices=batch.window_page_indices, window_page_indices=None)
+        )
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

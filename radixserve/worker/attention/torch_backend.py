@@ -42,7 +42,7 @@ from torch.nn import functional as F
 
 from radixserve.layers import cpu_kernels
 from radixserve.worker.attention import native_decode, shared_prefix
-from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
+from radixserve.worker.attention.base import AttentionBatch, PoolBackend
 from radixserve.worker.attention.capped import cap_, capped_attention
 from radixserve.worker.attention.native_decode import Segments
 from radixserve.worker.attention.shared_prefix import SharedPrefixes
@@ -118,8 +118,9 @@ def native_prefill_tokens(dtype: torch.dtype, head_dim: int, plain: bool = True)
     return 0
 
 
-class TorchAttention(AttentionBackend):
+class TorchAttention(PoolBackend):
     name = "torch"
+    plans_native_steps = True
 
     def __init__(
         self,
