@@ -4,28 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixserve.scheduler.combinations import check_features, features_on
+
 CACHE_MODES = ("radix", "none")
 SCHEDULE_POLICIES = ("lpm", "fcfs", "priority")
 EVICTION_POLICIES = ("lru", "lfu", "priority")  # radix_cache.py's
 SPECULATIVE_ALGORITHMS = ("off", "ngram", "radix")  # speculative.py's
 #: ``decode_step_tokens``' default (docs/scheduler.md: measured).
 DECODE_STEP_TOKENS = 1024
-
-
-def check_cache_tiers(cache: str, has_host: bool, disk_cache_dir: str | None) -> None:
-    """The cache tiers' combinations that cannot work (ValueError saying why)."""
-    if has_host and cache != "radix":
-        raise ValueError(
-            "cache tiers (--host-cache-gb, --disk-cache-dir) need --cache radix: "
-            "--cache none keeps nothing to demote"
-        )
-    if disk_cache_dir is not None and not has_host:
-        raise ValueError(
-            "--disk-cache-dir needs a host tier: pages reach the disk through host "
-            "memory; pass --host-cache-gb N (an Engine: host_cache_gb=N), N GiB of host "
-            "memory, e.g. 4 (radixserve launch picks one from free memory when the flag "
-            "is not given)"
-        )
 
 
 @dataclass(frozen=True)
@@ -134,11 +120,6 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.window_pages and self.window_span < 1:
             raise ValueError("a window pool needs window_span >= 1")
-        if self.window_pages and self.host_pages:
-            raise ValueError(
-                "cache tiers (--host-cache-gb) do not hold the sliding layers' window "
-                "pages yet: use --sliding-pool-pages 0 (one pool for every layer)"
-            )
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.cache not in CACHE_MODES:
@@ -172,7 +153,15 @@ class SchedulerConfig:
             )
         if self.host_pages < 0:
             raise ValueError(f"host_pages must be >= 0, got {self.host_pages}")
-        check_cache_tiers(self.cache, self.host_pages > 0, self.disk_cache_dir)
+        # What combines with what: combinations.py's table.
+        check_features(
+            features_on(
+                no_cache=self.cache == "none",
+                host_tier=self.host_pages > 0,
+                disk_tier=self.disk_cache_dir is not None,
+                window_pool=self.window_pages > 0,
+            )
+        )
         if self.disk_cache_gb <= 0:
             raise ValueError(f"disk_cache_gb must be > 0, got {self.disk_cache_gb}")
         for name in ("decode_reserve_ratio", "decode_reserve_min_ratio", "max_retained_share"):

@@ -16,6 +16,7 @@ so the choice changes speed, never behaviour.
 from __future__ import annotations
 
 from radixserve.scheduler.allocator import PageAllocator
+from radixserve.scheduler.combinations import check_features, features_on
 from radixserve.scheduler.prefix_cache import NoCache, PrefixCache
 from radixserve.scheduler.radix_cache import RadixCache
 from radixserve.scheduler.state_cache import StateRadixCache
@@ -67,11 +68,9 @@ def make_radix_cache(
     ``policy`` the eviction order. The native tree is LRU only: another policy takes
     the Python tree under "auto", and is an error with "native"."""
     if policy != "lru":
-        if impl == "native":
-            raise ValueError(
-                f"the native radix tree evicts LRU only; --radix-eviction-policy {policy} "
-                "needs --radix-impl python or auto"
-            )
+        check_features(
+            features_on(native_tree=impl == "native", eviction_policy=True), policy=policy
+        )
         return RadixCache(allocator, page_size, policy, max_retained_pages=max_retained_pages)
     if resolve_impl(impl) == "native":
         return NativeRadixCache(allocator, page_size)  # type: ignore[misc]
@@ -97,23 +96,19 @@ def make_prefix_cache(
         return NoCache(allocator)
     if cache != "radix":
         raise ValueError(f"unknown cache {cache!r}; choose from ('radix', 'none')")
+    check_features(
+        features_on(
+            native_tree=impl == "native",
+            window_pool=window is not None,
+            recurrent_states=num_states > 0,
+        )
+    )
     if window is not None:
         # Sliding layers' window pages: only the Python tree keeps them.
-        if impl == "native":
-            raise ValueError(
-                "the native radix tree keeps no window pages, which a model with sliding "
-                "layers in a window pool needs: use --radix-impl python or auto (or "
-                "--sliding-pool-pages 0)"
-            )
         return WindowRadixCache(
             allocator, window, span, policy=policy, max_retained_pages=max_retained_pages
         )
     if num_states:
-        if impl == "native":
-            raise ValueError(
-                "the native radix tree keeps no recurrent-state snapshots, which a hybrid "
-                "model's cache needs: use --radix-impl python or auto"
-            )
         return StateRadixCache(
             allocator, num_states, policy=policy, max_retained_pages=max_retained_pages
         )

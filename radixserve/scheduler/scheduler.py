@@ -66,6 +66,7 @@ from radixserve.protocol import REQUEST_TIMED_OUT, OutputItem, Step, StepResult
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.admission import Admission
 from radixserve.scheduler.allocator import PageAllocator
+from radixserve.scheduler.combinations import check_features, features_on
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.grammars import Grammars
 from radixserve.scheduler.kv_cache import KVCacheManager
@@ -576,16 +577,13 @@ class Scheduler(Admission):
         """From now on, record every change of the tree (``--kv-events``,
         docs/scale-out.md); the recorder wraps the cache (with tiers: the tree below
         them), so call before any request."""
-        if self.kv.states is not None:
-            raise ValueError(
-                "KV cache events do not describe recurrent-state snapshots yet: not "
-                "available for hybrid models"
+        check_features(
+            features_on(
+                kv_events=True,
+                recurrent_states=self.kv.states is not None,
+                window_pool=self.kv.window is not None,
             )
-        if self.kv.window is not None:
-            raise ValueError(
-                "KV cache events do not describe window pages yet: not available for a "
-                "model whose sliding layers have a window pool (--sliding-pool-pages 0)"
-            )
+        )
         tiers = self.kv.tiers
         if tiers is not None:
             # Under the tiers: the events describe the pool (L1), whose pages a match
