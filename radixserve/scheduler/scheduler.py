@@ -66,20 +66,16 @@ from radixserve.protocol import REQUEST_TIMED_OUT, OutputItem, Step, StepResult
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.admission import Admission
 from radixserve.scheduler.allocator import PageAllocator
-from radixserve.scheduler.combinations import check_features, features_on
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.grammars import Grammars
-from radixserve.scheduler.kv_cache import KVCacheManager
 from radixserve.scheduler.kv_events import KVEventRecorder
 from radixserve.scheduler.lora import LoraRegistry, check_salt, namespace
-from radixserve.scheduler.radix_impl import make_prefix_cache
+from radixserve.scheduler.radix_impl import build_kv_cache
 from radixserve.scheduler.request import ReqStatus, Request
 from radixserve.scheduler.reserve import DecodeReserve
 from radixserve.scheduler.speculative import NO_DRAFT, Drafter
 from radixserve.scheduler.step_io import file_scores, step_req, take_tokens
-from radixserve.scheduler.tiered_cache import build_tiers
 from radixserve.scheduler.waiting import QueueTimes, WaitingQueue
-from radixserve.scheduler.window_pages import WindowPages
 
 
 class Scheduler(Admission):
@@ -87,25 +83,11 @@ class Scheduler(Admission):
         self.config = config
         self.page_size = config.page_size
         self.allocator = PageAllocator(config.num_pages, config.page_size)
-        # Sliding layers' window pages (docs/models.md): a pool of their own.
-        window = None
-        if config.window_pages:
-            window = WindowPages(config.window_pages, config.page_size)
-        self.cache = make_prefix_cache(
-            self.allocator,
-            config.cache,
-            config.radix_impl,
-            config.radix_eviction_policy,
-            int(config.max_retained_share * config.num_pages),
-            config.state_snapshots,
-            window,
-            config.window_span,
-        )
+        # The KV cache: the radix core with its components, the tiers around it.
+        self.kv = build_kv_cache(self.allocator, config)
+        self.cache = self.kv.cache
         # What the metrics label evictions with: "none" when nothing is cached.
         self.cache_policy = config.radix_eviction_policy if config.cache != "none" else "none"
-        if config.host_pages:
-            self.cache = build_tiers(self.cache, self.allocator, config)
-        self.kv = KVCacheManager(self.allocator, self.cache, window, config.window_span)
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.chunked: Request | None = None  # the request whose prefill continues next step
@@ -577,25 +559,9 @@ class Scheduler(Admission):
         """From now on, record every change of the tree (``--kv-events``,
         docs/scale-out.md); the recorder wraps the cache (with tiers: the tree below
         them), so call before any request."""
-        check_features(
-            features_on(
-                kv_events=True,
-                recurrent_states=self.kv.states is not None,
-                window_pool=self.kv.window is not None,
-            )
-        )
-        tiers = self.kv.tiers
-        if tiers is not None:
-            # Under the tiers: the events describe the pool (L1), whose pages a match
-            # promotes (stored) and an eviction demotes (removed) through the tree's
-            # own insert and evict, which the recorder sees.
-            recorder = KVEventRecorder(tiers.inner, self.allocator)
-            recorder.lora_info = self.loras.info
-            tiers.inner = recorder
-            return recorder
-        recorder = KVEventRecorder(self.cache, self.allocator)
+        recorder = self.kv.record_events()
         recorder.lora_info = self.loras.info
-        self.cache = self.kv.cache = recorder
+        self.cache = self.kv.cache
         return recorder
 
     def flush_cache(self, keep_disk: bool = False) -> int:
