@@ -31,30 +31,17 @@ that takes are handed to the next step (``take_copies``, ``step_done``,
 (``loading``) must not compute yet. Every insert goes through one call, with each
 component's part of it (``_insert``).
 
-A hybrid model's tree carries ``StateSnapshots`` (``states``, ``state_cache.py``):
-a match ends where the tree holds a recurrent-state snapshot, which the request's
-first step restores, and ``plan_states`` picks where each step saves the request's
-state into snapshots of its own (``own_states`` of ``req.cache_state``, at most two
-a step), which ``cache_computed`` hands to the tree with the pages ending there.
-The rule (docs/models.md):
-
-- where the request's match stopped short of the cached KV (it diverges there
-  from a cached sequence), or where a request held back for sharing this one's
-  prefix diverges from it (``mark_divergence``): the next request there hits;
-- and at the last page boundary a step reaches, when it is another point: a
-  prefill chunk's end (the prompt's last chunk: the last boundary before its last
-  token, where the same prompt hits again), or during decode every page (page
-  size 1: none, the state is saved at release); when only one snapshot can be
-  had, the divergence point;
-- at release (finish, abort, retraction) when the computed length is a page
-  boundary: the slot's state, copied before the slot is cleared
-  (``take_state_saves``, ``Step.state_saves``).
-
-A model with sliding layers keeps their K/V in window pages (``window_pages.py``)
-and its tree carries ``SlidingWindows`` (``window_cache.py``): a match ends where the
-window pages of [L - W, L) are cached. ``windows`` (``window_kv.py``) keeps each
-request's references on the window pages its window needs; this class calls it where
-pages change hands (match, decode pages, prefill chunks, trim, insert, release).
+The model's components have a part here each, over the requests. A hybrid
+model's tree carries ``StateSnapshots`` (``state_cache.py``): a match ends where
+the tree holds a recurrent-state snapshot, and ``states_kv`` (``RequestStates``,
+``state_kv.py``) plans where each step restores and saves the request's state
+(``plan_states``; the rule is in its module). A model with sliding layers keeps
+their K/V in window pages (``window_pages.py``) and its tree carries
+``SlidingWindows`` (``window_cache.py``): a match ends where the window pages of
+[L - W, L) are cached; ``windows`` (``RequestWindows``, ``window_kv.py``) keeps each
+request's references on the window pages its window needs. This class calls its
+parts where pages change hands (match, decode pages, prefill chunks, trim, insert,
+release).
 """
 
 from __future__ import annotations
@@ -68,8 +55,9 @@ from radixserve.scheduler.cache_component import CacheComponent
 from radixserve.scheduler.combinations import check_features, features_on
 from radixserve.scheduler.kv_events import KVEventRecorder
 from radixserve.scheduler.prefix_cache import MatchResult, PrefixCache
-from radixserve.scheduler.request import ReqStatus, Request
+from radixserve.scheduler.request import Request
 from radixserve.scheduler.state_cache import StateSnapshots
+from radixserve.scheduler.state_kv import NO_STATE_WORK, RequestStates
 from radixserve.scheduler.tiered_cache import TieredCache
 from radixserve.scheduler.window_cache import SlidingWindows
 from radixserve.scheduler.window_kv import RequestWindows
@@ -103,7 +91,7 @@ class KVCacheManager:
         self.windows = None if window is None else RequestWindows(window, span, tree_windows)
         # The tree's recurrent-state snapshots (None: not a hybrid model's tree).
         self.states: StateSnapshots | None = components.get("state")  # type: ignore[assignment]
-        self._state_saves: list[int] = []  # slot, snapshot pairs for the next step
+        self.states_kv = None if self.states is None else RequestStates(self.states, self.page_size)
         self._evicted = 0  # pages evicted to make room (not flushes)
 
     @property
@@ -141,11 +129,8 @@ class KVCacheManager:
         m = self.cache.match_prefix(req.tokens[: req.match_len], req.salt)
         self.cache.lock(m.last_node)
         self._hold(req, m, (m.hit_len, 0, 0))
-        if self.states is not None:
-            cs = req.cache_state
-            cs.restore_state = self.states.state_of(m.last_node) if m.hit_len else -1
-            kv = self.states.tree.kv_prefix(req.tokens[: req.match_len], req.salt)
-            cs.diverge_at = kv if kv > m.hit_len else 0
+        if self.states_kv is not None:
+            self.states_kv.hold_match(req, m)
         return m.hit_len
 
     def _hold(self, req: Request, m: MatchResult, by_tier: tuple[int, int, int]) -> None:
@@ -255,18 +240,10 @@ class KVCacheManager:
         """Insert the request's computed whole pages into the cache; move its lock.
         A hybrid model's request hands its snapshot over with the pages ending
         where it was saved (first, when that is short of the computed pages)."""
-        ps = self.page_size
-        full = req.kv_len - req.kv_len % ps
-        cs = req.cache_state
-        if cs.own_states:
-            held: list[tuple[int, int]] = []
-            for at, state in sorted(zip(cs.own_states_at, cs.own_states, strict=True)):
-                if req.locked_len < at <= full:  # ascending: each insert moves the lock on
-                    self._insert(req, at, state)
-                else:
-                    held.append((at, state))
-            cs.own_states_at = [at for at, _ in held]
-            cs.own_states = [state for _, state in held]
+        full = req.kv_len - req.kv_len % self.page_size
+        if self.states_kv is not None:
+            for at, state in self.states_kv.saved_points(req, full):
+                self._insert(req, at, state)  # ascending: each insert moves the lock on
         if full > req.locked_len:
             self._insert(req, full, -1)
 
@@ -295,15 +272,12 @@ class KVCacheManager:
 
     def release(self, req: Request) -> None:
         """Give up the request's KV: cache what was computed, free the rest."""
-        if self.states is not None:
-            self._save_at_release(req)
+        if self.states_kv is not None:
+            self.states_kv.save_at_release(req)
         self.cache_computed(req)
-        cs = req.cache_state
-        for state in cs.own_states:
-            assert self.states is not None
-            self.states.free_state(state)
-        cs.own_states, cs.own_states_at = [], []
-        cs.restore_state, cs.diverge_at = -1, 0
+        if self.states_kv is not None:
+            self.states_kv.release(req)
+        req.cache_state.restore_state, req.cache_state.diverge_at = -1, 0
         own = req.table[req.locked_len // self.page_size : req.num_pages]
         self.allocator.free(np.concatenate([*req.dups, own]) if req.dups else own)
         self.cache.unlock(req.node)
@@ -342,93 +316,27 @@ class KVCacheManager:
 
     # ------------------------------------------------- recurrent states
     def plan_states(self, req: Request, n: int) -> tuple[int, int, int, int, int]:
-        """A hybrid model's state work for ``req``'s next step of ``n`` tokens:
-        ``(snapshot to restore or -1, tokens before the first save or 0, snapshot to
-        save into or -1, tokens before the second save or 0, its snapshot or -1)``
-        (the rule is in the module docstring)."""
-        st = self.states
-        if st is None:
-            return -1, 0, -1, 0, -1
-        cs = req.cache_state
-        restore, cs.restore_state = cs.restore_state, -1
-        start, end, ps = req.kv_len, req.kv_len + n, self.page_size
-        points: list[int] = []  # by priority: the divergence point first
-        if start < cs.diverge_at <= end:
-            points.append(cs.diverge_at)
-        if not (ps == 1 and req.status is ReqStatus.DECODE):
-            # A prompt's last chunk: where the same prompt sent again can hit (a
-            # match leaves the last token to compute).
-            last = end - 1 if req.status is ReqStatus.PREFILL and end == req.num_tokens else end
-            if last - last % ps > start and last - last % ps not in points:
-                points.append(last - last % ps)
-        if not points:
-            return restore, 0, -1, 0, -1
-        # Snapshots the request holds (the tree has taken those it saved into) are
-        # reused; what is short is allocated, and a point is skipped when every
-        # snapshot is on a running request's path.
-        held, states = list(cs.own_states), []
-        for _ in points:
-            state = held.pop() if held else st.alloc_state()
-            if state is None:
-                break
-            states.append(state)
-        for state in held:
-            st.free_state(state)
-        saves = sorted(zip(points, states))
-        cs.own_states_at = [at for at, _ in saves]
-        cs.own_states = [state for _, state in saves]
-        flat = [x for at, state in saves for x in (at - start, state)]
-        flat += [0, -1] * (2 - len(saves))
-        return restore, flat[0], flat[1], flat[2], flat[3]
+        """A hybrid model's state work for ``req``'s next step of ``n`` tokens
+        (``RequestStates.plan``); none for another model."""
+        if self.states_kv is None:
+            return NO_STATE_WORK
+        return self.states_kv.plan(req, n)
 
     def mark_divergence(self, req: Request, others: list[Request], shared: int) -> None:
-        """``req`` waits for ``others`` (being prefilled) to cache the ``shared``
-        tokens (whole pages) they have in common: the first of them that computes
-        that point saves its state there, so ``req`` will hit it."""
-        if self.states is None or shared <= 0:
-            return
-        for other in others:
-            if (
-                other.kv_len < shared <= other.num_tokens
-                and not other.cache_state.diverge_at
-                and np.array_equal(other.tokens[:shared], req.tokens[:shared])
-            ):
-                other.cache_state.diverge_at = shared
-                return
-
-    def _save_at_release(self, req: Request) -> None:
-        """At a page boundary, the slot's state (all computed tokens) becomes the
-        request's snapshot there: the worker copies it before clearing the slot."""
-        assert self.states is not None
-        at, cs = req.kv_len, req.cache_state
-        if req.slot is None or at % self.page_size or at <= req.locked_len:
-            return
-        if at in cs.own_states_at:
-            return  # saved there already
-        # A held snapshot the tree did not take (its point is cached already) is reused.
-        stale = [i for i, a in enumerate(cs.own_states_at) if a <= req.locked_len]
-        if stale:
-            state = cs.own_states[stale[0]]
-            cs.own_states_at[stale[0]] = at
-        else:
-            state = self.states.alloc_state()
-            if state is None:
-                return
-            cs.own_states.append(state)
-            cs.own_states_at.append(at)
-        self._state_saves += [req.slot, state]
+        """``req`` waits for ``others`` to cache the ``shared`` tokens they have in
+        common: the first of them that computes that point saves its state there."""
+        if self.states_kv is not None:
+            self.states_kv.mark_divergence(req, others, shared)
 
     def take_state_saves(self) -> np.ndarray:
         """The ``slot, snapshot`` pairs the next step copies first (``Step.state_saves``)."""
-        saves, self._state_saves = self._state_saves, []
+        saves = self.states_kv.take_saves() if self.states_kv is not None else []
         return np.asarray(saves, dtype=np.int32)
 
     def check_states_idle(self) -> None:
         """At idle every snapshot is free or held by the tree."""
-        st = self.states
-        if st is not None:
-            assert st.free_states + st.cached_states == st.num_states, "a snapshot leaked"
-            assert not self._state_saves, "state saves never sent"
+        if self.states_kv is not None:
+            self.states_kv.check_idle()
 
     def held_pages(self, req: Request) -> int:
         """Pages the request holds outside the cache (own pages and duplicates)."""

@@ -484,11 +484,11 @@ class RadixCache:
         ``node`` is the deepest node covering the inserted tokens. ``entries``:
         each component's part of the insert, by its name (``cache_component.py``).
         """
+        if entries and entries.keys() - self.components.keys():
+            unknown = sorted(entries.keys() - self.components.keys())
+            raise ValueError(f"insert of {unknown} entries, which this tree keeps not")
         result = self._insert_pages(tokens, pages, salt)
-        if self._parts or entries:
-            unknown = entries.keys() - self.components.keys()
-            if unknown:
-                raise ValueError(f"insert of {sorted(unknown)} entries, which this tree keeps not")
+        if self._parts:
             num_pages = len(tokens) // self.page_size
             for part in self._parts:
                 part.inserted(result[1], num_pages, entries.get(part.name))
