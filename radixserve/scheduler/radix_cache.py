@@ -486,7 +486,7 @@ class RadixCache:
         """
         if entries and entries.keys() - self.components.keys():
             unknown = sorted(entries.keys() - self.components.keys())
-            raise ValueError(f"insert of {unknown} entries, which this tree keeps not")
+            raise ValueError(f"insert of {unknown} entries, which no component of this tree keeps")
         result = self._insert_pages(tokens, pages, salt)
         if self._parts:
             num_pages = len(tokens) // self.page_size
@@ -660,16 +660,7 @@ class RadixCache:
             key, _, node = heapq.heappop(heap)
             if not self._is_candidate(node) or key_of(node) != key:
                 continue  # stale entry
-            parent = node.parent
-            assert parent is not None
-            if node.counted:
-                self._uncount(node, self._salt_of(node))
-            del parent.children[node.first_key]
-            node.parent = None
-            for part in self._parts:
-                part.removed(node)
-            self._num_nodes -= 1
-            self._evictable -= len(node.pages)
+            parent = self._detach(node)
             victims.append(node.pages)
             freed += len(node.pages)
             if parent.children:
@@ -683,11 +674,11 @@ class RadixCache:
             self.allocator.free(np.concatenate(victims))
         return freed
 
-    def evict_node(self, node: RadixNode) -> None:
-        """Remove one unlocked leaf now, freeing its pages (a component making room
-        in a pool of its own takes a node whole this way)."""
+    def _detach(self, node: RadixNode) -> RadixNode:
+        """Take the unlocked leaf ``node`` out of the tree (its pages are the caller's
+        to free); return its parent."""
         parent = node.parent
-        assert parent is not None and self._is_candidate(node)
+        assert parent is not None
         if node.counted:
             self._uncount(node, self._salt_of(node))
         del parent.children[node.first_key]
@@ -696,6 +687,13 @@ class RadixCache:
             part.removed(node)
         self._num_nodes -= 1
         self._evictable -= len(node.pages)
+        return parent
+
+    def evict_node(self, node: RadixNode) -> None:
+        """Remove one unlocked leaf now, freeing its pages (a component making room
+        in a pool of its own takes a node whole this way)."""
+        assert self._is_candidate(node)
+        parent = self._detach(node)
         self.allocator.free(node.pages)
         if not parent.children and not parent.is_root and parent.lock_ref == 0:
             self._push_candidate(parent)

@@ -70,6 +70,6 @@ def test_entries_go_by_name_and_no_two_components_share_one():
     with pytest.raises(ValueError, match="two 'tag' components"):
         RadixCache(alloc, 1, components=[Tags(1), Tags(2)])
     plain = RadixCache(alloc, 1)
-    with pytest.raises(ValueError, match="which this tree keeps not"):
+    with pytest.raises(ValueError, match="which no component of this tree keeps"):
         plain.insert([1, 2], [0, 1], tag="x")
     assert plain.cached_pages == 0  # refused before anything changed
