@@ -26,7 +26,8 @@ from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
 from radixserve.model_info import ModelInfo
-from radixserve.scheduler.config import SchedulerConfig, SchedulerOptions, check_cache_tiers
+from radixserve.scheduler.combinations import check_features, features_on
+from radixserve.scheduler.config import SchedulerConfig, SchedulerOptions
 from radixserve.tokenizer.config import TokenizerConfig, TokenizerOptions
 from radixserve.worker.config import WorkerConfig, WorkerOptions
 
@@ -49,14 +50,17 @@ class EngineConfig(TokenizerOptions, SchedulerOptions, WorkerOptions):
     worker's, the scheduler's, the tokenizer's."""
 
     def __post_init__(self) -> None:
-        # Cache tiers' combinations, refused before any process or model starts (the
-        # libraries' configs check them again when built alone).
-        check_cache_tiers(self.cache, self.host_cache_gb > 0, self.disk_cache_dir)
-        if self.disk_cache_dir is not None and self.tp > 1:
-            raise ValueError(
-                "the disk tier (--disk-cache-dir) does not support tensor parallelism yet "
-                "(--tp > 1); the host tier does"
+        # The cache features' combinations (combinations.py), refused before any
+        # process or model starts (the libraries' configs check them again when built
+        # alone).
+        check_features(
+            features_on(
+                no_cache=self.cache == "none",
+                host_tier=self.host_cache_gb > 0,
+                disk_tier=self.disk_cache_dir is not None,
+                tensor_parallel=self.tp > 1,
             )
+        )
 
 
 #: SchedulerConfig fields that come from the loaded model, not from the user.
@@ -95,17 +99,13 @@ def tokenizer_config(config: EngineConfig) -> TokenizerConfig:
 def scheduler_config(config: EngineConfig, info: ModelInfo) -> SchedulerConfig:
     if info.page_size != config.page_size:
         raise ValueError(f"the worker's page size {info.page_size} != {config.page_size}")
-    if info.state_snapshots and config.host_cache_gb:
-        raise ValueError(
-            "cache tiers (--host-cache-gb) do not hold recurrent states: "
-            f"{info.model_name} is a hybrid model"
-        )
-    if info.state_snapshots and config.speculative_algorithm != "off":
-        # A recurrent state cannot be rolled back past rejected drafts.
-        raise ValueError(
-            "speculative decoding (--speculative-algorithm) does not run hybrid models: "
-            f"{info.model_name}'s recurrent state cannot be rolled back past rejected drafts"
-        )
-    if info.state_snapshots and info.loras:
-        raise ValueError(f"LoRA adapters do not apply to hybrid models ({info.model_name})")
+    check_features(
+        features_on(
+            recurrent_states=info.state_snapshots > 0,
+            host_tier=config.host_cache_gb > 0,
+            speculation=config.speculative_algorithm != "off",
+            lora=bool(info.loras),
+        ),
+        model=info.model_name,
+    )
     return _derive(SchedulerConfig, config, **{n: getattr(info, n) for n in MODEL_FIELDS})

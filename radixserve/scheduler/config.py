@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from radixserve.options import SharedOptions, check_options, option
+from radixserve.scheduler.combinations import check_features, features_on
 
 CACHE_MODES = ("radix", "none")
 #: ``radix_impl.py``'s choice of tree: ``auto`` is native when the extension is built.
@@ -16,22 +17,6 @@ EVICTION_POLICIES = ("lru", "lfu", "priority")
 SPECULATIVE_ALGORITHMS = ("off", "ngram", "radix")  # speculative.py's
 #: ``decode_step_tokens``' default (docs/scheduler.md: measured).
 DECODE_STEP_TOKENS = 1024
-
-
-def check_cache_tiers(cache: str, has_host: bool, disk_cache_dir: str | None) -> None:
-    """The cache tiers' combinations that cannot work (ValueError saying why)."""
-    if has_host and cache != "radix":
-        raise ValueError(
-            "cache tiers (--host-cache-gb, --disk-cache-dir) need --cache radix: "
-            "--cache none keeps nothing to demote"
-        )
-    if disk_cache_dir is not None and not has_host:
-        raise ValueError(
-            "--disk-cache-dir needs a host tier: pages reach the disk through host "
-            "memory; pass --host-cache-gb N (an Engine: host_cache_gb=N), N GiB of host "
-            "memory, e.g. 4 (radixserve launch picks one from free memory when the flag "
-            "is not given)"
-        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,11 +180,6 @@ class SchedulerConfig(SchedulerOptions):
     def __post_init__(self) -> None:
         if self.window_pages and self.window_span < 1:
             raise ValueError("a window pool needs window_span >= 1")
-        if self.window_pages and self.host_pages:
-            raise ValueError(
-                "cache tiers (--host-cache-gb) do not hold the sliding layers' window "
-                "pages yet: use --sliding-pool-pages 0 (one pool for every layer)"
-            )
         check_options(self)
         for name in ("num_pages", "page_size"):
             if getattr(self, name) < 1:
@@ -208,4 +188,12 @@ class SchedulerConfig(SchedulerOptions):
             raise ValueError("chunked_prefill_size must be at least one page")
         if self.host_pages < 0:
             raise ValueError(f"host_pages must be >= 0, got {self.host_pages}")
-        check_cache_tiers(self.cache, self.host_pages > 0, self.disk_cache_dir)
+        # What combines with what: combinations.py's table.
+        check_features(
+            features_on(
+                no_cache=self.cache == "none",
+                host_tier=self.host_pages > 0,
+                disk_tier=self.disk_cache_dir is not None,
+                window_pool=self.window_pages > 0,
+            )
+        )

@@ -19,50 +19,47 @@ counts pages (``pages_for``, ``pages_missing``):
   and pages allocated for tokens never computed), and unlocks. The computed KV
   stays in the cache, unlocked, so a retry hits it.
 
-The cache is a ``PrefixCache``: a radix tree, or with ``cache="none"`` the
-``NoCache``, whose inserts leave every page with the request (as duplicates),
-so release frees the whole page table (plain PagedAttention), or a
-``TieredCache`` (a tree with host and disk tiers below it, docs/cache-tiers.md):
-``promote`` extends an admitted request's match with pages copied up from the
-lower tiers, its evictions demote pages, and the copies that takes are handed to
-the next step (``take_copies``, ``step_done``, ``copies_done``). A request whose
-matched pages are still on their way (``loading``) must not compute yet.
+The cache is a ``PrefixCache`` put together by ``radix_impl.build_kv_cache``: a
+radix tree (the core, with the components the model needs), or with
+``cache="none"`` the ``NoCache``, whose inserts leave every page with the request
+(as duplicates), so release frees the whole page table (plain PagedAttention);
+``tiers`` (a ``TieredCache`` wrapping the tree, docs/cache-tiers.md) when there are
+host and disk tiers below it: ``promote`` extends an admitted request's match with
+pages copied up from the lower tiers, its evictions demote pages, and the copies
+that takes are handed to the next step (``take_copies``, ``step_done``,
+``copies_done``). A request whose matched pages are still on their way
+(``loading``) must not compute yet. Every insert goes through one call, with each
+component's part of it (``_insert``).
 
-A hybrid model's cache is a ``StateRadixCache`` (``state_cache.py``): a match
-ends where the tree holds a recurrent-state snapshot, which the request's first
-step restores, and ``plan_states`` picks where each step saves the request's
-state into snapshots of its own (``own_states``, at most two a step), which
-``cache_computed`` hands to the tree with the pages ending there. The rule
-(docs/models.md):
-
-- where the request's match stopped short of the cached KV (it diverges there
-  from a cached sequence), or where a request held back for sharing this one's
-  prefix diverges from it (``mark_divergence``): the next request there hits;
-- and at the last page boundary a step reaches, when it is another point: a
-  prefill chunk's end (the prompt's last chunk: the last boundary before its last
-  token, where the same prompt hits again), or during decode every page (page
-  size 1: none, the state is saved at release); when only one snapshot can be
-  had, the divergence point;
-- at release (finish, abort, retraction) when the computed length is a page
-  boundary: the slot's state, copied before the slot is cleared
-  (``take_state_saves``, ``Step.state_saves``).
-
-A model with sliding layers keeps their K/V in window pages (``window_pages.py``)
-and its tree is a ``WindowRadixCache`` (``window_cache.py``): a match ends where the
-window pages of [L - W, L) are cached. ``windows`` (``window_kv.py``) keeps each
-request's references on the window pages its window needs; this class calls it where
-pages change hands (match, decode pages, prefill chunks, trim, insert, release).
+The model's components have a part here each, over the requests. A hybrid
+model's tree carries ``StateSnapshots`` (``state_cache.py``): a match ends where
+the tree holds a recurrent-state snapshot, and ``states_kv`` (``RequestStates``,
+``state_kv.py``) plans where each step restores and saves the request's state
+(``plan_states``; the rule is in its module). A model with sliding layers keeps
+their K/V in window pages (``window_pages.py``) and its tree carries
+``SlidingWindows`` (``window_cache.py``): a match ends where the window pages of
+[L - W, L) are cached; ``windows`` (``RequestWindows``, ``window_kv.py``) keeps each
+request's references on the window pages its window needs. This class calls its
+parts where pages change hands (match, decode pages, prefill chunks, trim, insert,
+release).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from radixserve.scheduler.allocator import PageAllocator
+from radixserve.scheduler.cache_component import CacheComponent
+from radixserve.scheduler.combinations import check_features, features_on
+from radixserve.scheduler.kv_events import KVEventRecorder
 from radixserve.scheduler.prefix_cache import MatchResult, PrefixCache
-from radixserve.scheduler.request import ReqStatus, Request
-from radixserve.scheduler.state_cache import StateRadixCache
+from radixserve.scheduler.request import Request
+from radixserve.scheduler.state_cache import StateSnapshots
+from radixserve.scheduler.state_kv import NO_STATE_WORK, RequestStates
 from radixserve.scheduler.tiered_cache import TieredCache
+from radixserve.scheduler.window_cache import SlidingWindows
 from radixserve.scheduler.window_kv import RequestWindows
 from radixserve.scheduler.window_pages import WindowPages
 
@@ -76,21 +73,26 @@ class KVCacheManager:
         cache: PrefixCache,
         window: WindowPages | None = None,
         span: int = 0,
+        *,
+        components: Mapping[str, CacheComponent] | None = None,
+        tiers: TieredCache | None = None,
     ) -> None:
+        """``cache`` (what every call goes to: the tree, or ``tiers`` wrapping it);
+        ``window`` (the sliding layers' window pool, W = ``span``); ``components``
+        (the tree's, by name: ``RadixCache.components``); ``tiers`` (the host and
+        disk tiers, when ``cache`` is them)."""
+        components = components or {}
         self.allocator = allocator
         self.cache = cache
         self.page_size = allocator.page_size
+        self.tiers = tiers
         # Sliding layers' window pages (None: the model has none, or one pool for all).
-        self.windows = None if window is None else RequestWindows(window, span, cache)
-        # A hybrid model's tree, which keeps recurrent-state snapshots (None: not one).
-        self.states = cache if isinstance(cache, StateRadixCache) else None
-        self._state_saves: list[int] = []  # slot, snapshot pairs for the next step
+        tree_windows: SlidingWindows | None = components.get("window")  # type: ignore[assignment]
+        self.windows = None if window is None else RequestWindows(window, span, tree_windows)
+        # The tree's recurrent-state snapshots (None: not a hybrid model's tree).
+        self.states: StateSnapshots | None = components.get("state")  # type: ignore[assignment]
+        self.states_kv = None if self.states is None else RequestStates(self.states, self.page_size)
         self._evicted = 0  # pages evicted to make room (not flushes)
-
-    @property
-    def tiers(self) -> TieredCache | None:
-        """The tiered cache, when the tree has tiers below it."""
-        return self.cache if isinstance(self.cache, TieredCache) else None
 
     @property
     def evicted_pages(self) -> int:
@@ -127,10 +129,8 @@ class KVCacheManager:
         m = self.cache.match_prefix(req.tokens[: req.match_len], req.salt)
         self.cache.lock(m.last_node)
         self._hold(req, m, (m.hit_len, 0, 0))
-        if self.states is not None:
-            req.restore_state = self.states.state_of(m.last_node) if m.hit_len else -1
-            kv = self.states.kv_prefix(req.tokens[: req.match_len], req.salt)
-            req.diverge_at = kv if kv > m.hit_len else 0
+        if self.states_kv is not None:
+            self.states_kv.hold_match(req, m)
         return m.hit_len
 
     def _hold(self, req: Request, m: MatchResult, by_tier: tuple[int, int, int]) -> None:
@@ -177,7 +177,7 @@ class KVCacheManager:
             self.windows.release(req)
         req.node = None
         req.locked_len = req.kv_len = req.num_pages = 0
-        req.restore_state, req.diverge_at = -1, 0
+        req.cache_state.restore_state, req.cache_state.diverge_at = -1, 0
 
     def alloc(self, n: int) -> np.ndarray | None:
         """``n`` fresh pages, evicting LRU cache leaves if needed; None if impossible."""
@@ -240,40 +240,29 @@ class KVCacheManager:
         """Insert the request's computed whole pages into the cache; move its lock.
         A hybrid model's request hands its snapshot over with the pages ending
         where it was saved (first, when that is short of the computed pages)."""
-        ps = self.page_size
-        full = req.kv_len - req.kv_len % ps
-        if req.own_states:
-            held: list[tuple[int, int]] = []
-            for at, state in sorted(zip(req.own_states_at, req.own_states, strict=True)):
-                if req.locked_len < at <= full:  # ascending: each insert moves the lock on
-                    self._insert(req, at, state)
-                else:
-                    held.append((at, state))
-            req.own_states_at = [at for at, _ in held]
-            req.own_states = [state for _, state in held]
+        full = req.kv_len - req.kv_len % self.page_size
+        if self.states_kv is not None:
+            for at, state in self.states_kv.saved_points(req, full):
+                self._insert(req, at, state)  # ascending: each insert moves the lock on
         if full > req.locked_len:
             self._insert(req, full, -1)
 
     def _insert(self, req: Request, full: int, state: int) -> None:
+        """The one insert: the request's first ``full`` tokens' pages, with what the
+        tree's components keep of them (the snapshot ``state`` saved at ``full``, or
+        -1; the request's window pages)."""
         ps = self.page_size
+        n = full // ps
+        entries: dict[str, object] = {}
         if state >= 0:
-            assert self.states is not None
-            cached_len, node = self.states.insert(
-                req.tokens[:full], req.table[: full // ps], req.salt, state
-            )
-        elif self.windows is not None and self.windows.tree is not None:
-            n = full // ps
-            cached_len, node = self.windows.tree.insert(
-                req.tokens[:full], req.table[:n], req.salt, self.windows.of(req, n)
-            )
-        else:
-            cached_len, node = self.cache.insert(
-                req.tokens[:full], req.table[: full // ps], req.salt
-            )
+            entries["state"] = state
+        if self.windows is not None and self.windows.tree is not None:
+            entries["window"] = self.windows.of(req, n)
+        cached_len, node = self.cache.insert(req.tokens[:full], req.table[:n], req.salt, **entries)
         assert cached_len >= req.locked_len, "the locked prefix vanished from the cache"
         hint = req.sampling.cache_retention
-        if hint is not None and (retain := getattr(self.cache, "retain", None)) is not None:
-            retain(node, hint[0], hint[1])
+        if hint is not None:
+            self.cache.retain(node, hint[0], hint[1])
         if cached_len > req.locked_len:
             req.dups.append(req.table[req.locked_len // ps : cached_len // ps].copy())
         self.cache.lock(node)
@@ -283,14 +272,12 @@ class KVCacheManager:
 
     def release(self, req: Request) -> None:
         """Give up the request's KV: cache what was computed, free the rest."""
-        if self.states is not None:
-            self._save_at_release(req)
+        if self.states_kv is not None:
+            self.states_kv.save_at_release(req)
         self.cache_computed(req)
-        for state in req.own_states:
-            assert self.states is not None
-            self.states.free_state(state)
-        req.own_states, req.own_states_at = [], []
-        req.restore_state, req.diverge_at = -1, 0
+        if self.states_kv is not None:
+            self.states_kv.release(req)
+        req.cache_state.restore_state, req.cache_state.diverge_at = -1, 0
         own = req.table[req.locked_len // self.page_size : req.num_pages]
         self.allocator.free(np.concatenate([*req.dups, own]) if req.dups else own)
         self.cache.unlock(req.node)
@@ -329,92 +316,27 @@ class KVCacheManager:
 
     # ------------------------------------------------- recurrent states
     def plan_states(self, req: Request, n: int) -> tuple[int, int, int, int, int]:
-        """A hybrid model's state work for ``req``'s next step of ``n`` tokens:
-        ``(snapshot to restore or -1, tokens before the first save or 0, snapshot to
-        save into or -1, tokens before the second save or 0, its snapshot or -1)``
-        (the rule is in the module docstring)."""
-        st = self.states
-        if st is None:
-            return -1, 0, -1, 0, -1
-        restore, req.restore_state = req.restore_state, -1
-        start, end, ps = req.kv_len, req.kv_len + n, self.page_size
-        points: list[int] = []  # by priority: the divergence point first
-        if start < req.diverge_at <= end:
-            points.append(req.diverge_at)
-        if not (ps == 1 and req.status is ReqStatus.DECODE):
-            # A prompt's last chunk: where the same prompt sent again can hit (a
-            # match leaves the last token to compute).
-            last = end - 1 if req.status is ReqStatus.PREFILL and end == req.num_tokens else end
-            if last - last % ps > start and last - last % ps not in points:
-                points.append(last - last % ps)
-        if not points:
-            return restore, 0, -1, 0, -1
-        # Snapshots the request holds (the tree has taken those it saved into) are
-        # reused; what is short is allocated, and a point is skipped when every
-        # snapshot is on a running request's path.
-        held, states = list(req.own_states), []
-        for _ in points:
-            state = held.pop() if held else st.alloc_state()
-            if state is None:
-                break
-            states.append(state)
-        for state in held:
-            st.free_state(state)
-        saves = sorted(zip(points, states))
-        req.own_states_at = [at for at, _ in saves]
-        req.own_states = [state for _, state in saves]
-        flat = [x for at, state in saves for x in (at - start, state)]
-        flat += [0, -1] * (2 - len(saves))
-        return restore, flat[0], flat[1], flat[2], flat[3]
+        """A hybrid model's state work for ``req``'s next step of ``n`` tokens
+        (``RequestStates.plan``); none for another model."""
+        if self.states_kv is None:
+            return NO_STATE_WORK
+        return self.states_kv.plan(req, n)
 
     def mark_divergence(self, req: Request, others: list[Request], shared: int) -> None:
-        """``req`` waits for ``others`` (being prefilled) to cache the ``shared``
-        tokens (whole pages) they have in common: the first of them that computes
-        that point saves its state there, so ``req`` will hit it."""
-        if self.states is None or shared <= 0:
-            return
-        for other in others:
-            if (
-                other.kv_len < shared <= other.num_tokens
-                and not other.diverge_at
-                and np.array_equal(other.tokens[:shared], req.tokens[:shared])
-            ):
-                other.diverge_at = shared
-                return
-
-    def _save_at_release(self, req: Request) -> None:
-        """At a page boundary, the slot's state (all computed tokens) becomes the
-        request's snapshot there: the worker copies it before clearing the slot."""
-        assert self.states is not None
-        at = req.kv_len
-        if req.slot is None or at % self.page_size or at <= req.locked_len:
-            return
-        if at in req.own_states_at:
-            return  # saved there already
-        # A held snapshot the tree did not take (its point is cached already) is reused.
-        stale = [i for i, a in enumerate(req.own_states_at) if a <= req.locked_len]
-        if stale:
-            state = req.own_states[stale[0]]
-            req.own_states_at[stale[0]] = at
-        else:
-            state = self.states.alloc_state()
-            if state is None:
-                return
-            req.own_states.append(state)
-            req.own_states_at.append(at)
-        self._state_saves += [req.slot, state]
+        """``req`` waits for ``others`` to cache the ``shared`` tokens they have in
+        common: the first of them that computes that point saves its state there."""
+        if self.states_kv is not None:
+            self.states_kv.mark_divergence(req, others, shared)
 
     def take_state_saves(self) -> np.ndarray:
         """The ``slot, snapshot`` pairs the next step copies first (``Step.state_saves``)."""
-        saves, self._state_saves = self._state_saves, []
+        saves = self.states_kv.take_saves() if self.states_kv is not None else []
         return np.asarray(saves, dtype=np.int32)
 
     def check_states_idle(self) -> None:
         """At idle every snapshot is free or held by the tree."""
-        st = self.states
-        if st is not None:
-            assert st.free_states + st.cached_states == st.num_states, "a snapshot leaked"
-            assert not self._state_saves, "state saves never sent"
+        if self.states_kv is not None:
+            self.states_kv.check_idle()
 
     def held_pages(self, req: Request) -> int:
         """Pages the request holds outside the cache (own pages and duplicates)."""
@@ -428,3 +350,22 @@ class KVCacheManager:
         if tiers is not None:
             return tiers.flush(keep_disk)
         return self.cache.evict(self.cache.evictable_pages)
+
+    def record_events(self) -> KVEventRecorder:
+        """Wrap the tree in a ``KVEventRecorder`` (with tiers: the tree below them,
+        whose own inserts and evictions are what a match promotes and an eviction
+        demotes); from now on every change is recorded. Before any request."""
+        check_features(
+            features_on(
+                kv_events=True,
+                recurrent_states=self.states is not None,
+                window_pool=self.windows is not None,
+            )
+        )
+        if self.tiers is not None:
+            recorder = KVEventRecorder(self.tiers.inner, self.allocator)
+            self.tiers.inner = recorder
+        else:
+            recorder = KVEventRecorder(self.cache, self.allocator)
+            self.cache = recorder
+        return recorder

@@ -1,8 +1,9 @@
 """The prefix cache contract the scheduler relies on, and the cache that keeps nothing.
 
 ``PrefixCache`` is what ``KVCacheManager`` calls; three caches satisfy it:
-the Python radix tree (``RadixCache``), the native one (``NativeRadixCache``)
-and ``NoCache`` (``--cache none``). The full contract of each call (splits,
+the Python radix tree (``RadixCache``, the core that also carries components:
+window pages, recurrent-state snapshots, ``cache_component.py``), the native one
+(``NativeRadixCache``) and ``NoCache`` (``--cache none``). The full contract of each call (splits,
 ownership after insert, LRU order) is in ``radix_cache.py`` and
 docs/architecture.md; in short:
 
@@ -12,15 +13,16 @@ docs/architecture.md; in short:
 * ``insert`` returns ``(cached_len, node)``: the cache now owns the caller's
   pages past ``cached_len``; the caller's pages before it duplicate the cache's,
   and the caller keeps them while its page table points at them and frees them
-  when it releases its KV.
+  when it releases its KV. Keyword ``entries`` go to the tree's components by name
+  (a cache without components is given none).
 * ``continuation(tokens, max_len, salt)`` reads what follows the whole of
   ``tokens`` on a cached path (speculative decoding's radix drafts); it changes
   nothing.
 * ``evict`` frees unlocked pages (LRU, or the tree's ``policy``); locked ones are
   never freed.
-* ``retain(node, level, seconds)`` (optional: only the Python tree has it, for
-  its ``priority`` eviction policy) keeps the path from ``node`` up at a
-  retention level for a while; callers look it up with ``getattr``.
+* ``retain(node, level, seconds)`` keeps the path from ``node`` up at a retention
+  level for a while under the Python tree's ``priority`` eviction policy; every
+  other cache (and policy) ignores the hint and returns False.
 
 ``PageFollower`` is the base of the caches that wrap another through this
 contract (the KV event recorder, the cache tiers): it hands the read-only calls
@@ -94,6 +96,8 @@ class PrefixCache(Protocol):
 
     def evict(self, num_pages: int) -> int: ...
 
+    def retain(self, node: CacheNode, level: int, seconds: float) -> bool: ...
+
     def reset(self) -> None: ...
 
     def check(self) -> None: ...
@@ -154,6 +158,9 @@ class NoCache:
     def evict(self, num_pages: int) -> int:
         return 0
 
+    def retain(self, node: CacheNode, level: int, seconds: float) -> bool:
+        return False
+
     def reset(self) -> None:
         pass
 
@@ -182,6 +189,7 @@ class PageFollower:
         self.lock = inner.lock
         self.unlock = inner.unlock
         self.continuation = inner.continuation  # read-only: what the wrapped tree holds
+        self.retain = inner.retain
         self._owned = np.zeros(allocator.num_pages, dtype=bool)  # pages the tree holds
 
     @property
@@ -195,11 +203,6 @@ class PageFollower:
     @property
     def cached_pages(self) -> int:
         return self.inner.cached_pages
-
-    def retain(self, node: CacheNode, level: int, seconds: float) -> None:
-        retain = getattr(self.inner, "retain", None)
-        if retain is not None:
-            retain(node, level, seconds)
 
     def _gone(self) -> np.ndarray:
         """The pages the tree held and has freed since the last call (no longer owned)."""

@@ -52,6 +52,13 @@ while its node's key is unchanged.
 
 Salts give tenants separate namespaces: each salt has its own root, so two
 salts never share a node; the LRU clock and the page pool are global.
+
+Components (``cache_component.py``): the full-attention pages are the tree's own
+entries; what else a model needs per cached prefix (window pages, recurrent-state
+snapshots) is a ``CacheComponent`` the tree is built with (``components``). With
+components, a match ends where every one of them can still serve it (the minimum:
+``peek_prefix`` too; ``kv_prefix`` is the plain match), ``insert`` hands each its
+``entries``, and splits, evictions and resets tell each what happened to a node.
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from radixserve.scheduler.allocator import PageAllocator
+from radixserve.scheduler.cache_component import CacheComponent
 from radixserve.scheduler.config import EVICTION_POLICIES
 from radixserve.scheduler.prefix_cache import MatchResult
 from radixserve.scheduler.radix_check import check_tree
@@ -168,7 +176,8 @@ MAX_RETENTION = 100
 
 
 class RadixCache:
-    """The reference prefix cache (``PrefixCache``): a radix tree in Python."""
+    """The reference prefix cache (``PrefixCache``): a radix tree in Python, with the
+    ``components`` a model needs beyond its full-attention pages."""
 
     keeps_prefixes = True
 
@@ -179,6 +188,7 @@ class RadixCache:
         policy: str = "lru",
         clock: Callable[[], float] = time.monotonic,
         max_retained_pages: int | None = None,
+        components: Sequence[CacheComponent] = (),
     ) -> None:
         if policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction policy must be one of {EVICTION_POLICIES}, got {policy!r}")
@@ -204,6 +214,13 @@ class RadixCache:
         self._protected = 0  # pages in locked nodes
         self._heap: list[tuple[tuple, int, RadixNode]] = []
         self._root(None)
+        self.components: dict[str, CacheComponent] = {}
+        for part in components:
+            if part.name in self.components:
+                raise ValueError(f"two {part.name!r} components in one tree")
+            self.components[part.name] = part
+            part.bind(self)
+        self._parts = tuple(self.components.values())
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -257,6 +274,8 @@ class RadixCache:
     def _is_candidate(node: RadixNode) -> bool:
         return node.parent is not None and node.lock_ref == 0 and not node.children
 
+    is_evictable_leaf = _is_candidate  # what ``evict_node`` takes (for components)
+
     def _compact_heap(self) -> None:
         seen: set[int] = set()
         kept = []
@@ -299,14 +318,19 @@ class RadixCache:
         child.parent = prefix
         prefix.children[child.first_key] = child
         parent.children[prefix.first_key] = prefix
+        for part in self._parts:
+            part.split(prefix, child, at // ps)
         return prefix
 
     # ------------------------------------------------------------------ match
     def match_prefix(
         self, tokens: np.ndarray | Sequence[int], salt: str | None = None
     ) -> MatchResult:
-        """Longest cached prefix of ``tokens`` in whole pages; stamps its path."""
+        """Longest cached prefix of ``tokens`` in whole pages (that every component
+        serves); stamps its path."""
         tokens = as_tokens(tokens)
+        if self._parts:
+            tokens = tokens[: self._served(tokens, salt)]
         ps = self.page_size
         end = len(tokens) - len(tokens) % ps
         node = self._root(salt)  # a bad salt raises before the clock ticks
@@ -343,6 +367,38 @@ class RadixCache:
 
     def peek_prefix(self, tokens: np.ndarray | Sequence[int], salt: str | None = None) -> int:
         """``match_prefix(...).hit_len`` without splitting or stamping anything."""
+        if self._parts:
+            return self._served(as_tokens(tokens), salt)
+        return self.kv_prefix(tokens, salt)
+
+    def _served(self, tokens: np.ndarray, salt: str | None) -> int:
+        """How far every component serves the plain match of ``tokens`` (the minimum)."""
+        self._check_salt(salt)
+        ps = self.page_size
+        end = len(tokens) - len(tokens) % ps
+        node = self._roots.get(salt)
+        pos = 0
+        path = []
+        while node is not None and pos < end:
+            child = node.children.get(self._key_at(tokens, pos))
+            if child is None:
+                break
+            c = _common_len(child.key, tokens, pos, end)
+            c -= c % ps
+            if c == 0:
+                break
+            path.append((child, c))
+            pos += c
+            if c < len(child.key):
+                break
+            node = child
+        for part in self._parts:
+            pos = min(pos, part.serve(path, pos))
+        return pos
+
+    def kv_prefix(self, tokens: np.ndarray | Sequence[int], salt: str | None = None) -> int:
+        """The plain longest cached prefix (full pages), whatever the components
+        serve; changes nothing."""
         tokens = as_tokens(tokens)
         ps = self.page_size
         end = len(tokens) - len(tokens) % ps
@@ -417,6 +473,7 @@ class RadixCache:
         tokens: np.ndarray | Sequence[int],
         pages: np.ndarray | Sequence[int],
         salt: str | None = None,
+        **entries: object,
     ) -> tuple[int, RadixNode]:
         """Insert the whole pages of ``tokens``; return ``(cached_len, node)``.
 
@@ -424,8 +481,25 @@ class RadixCache:
         tokens were already in the tree; the tree takes ownership of
         ``pages[cached_len // page_size:]``, and the caller keeps (and must
         eventually free) its pages before that which differ from the tree's.
-        ``node`` is the deepest node covering the inserted tokens.
+        ``node`` is the deepest node covering the inserted tokens. ``entries``:
+        each component's part of the insert, by its name (``cache_component.py``).
         """
+        if entries and entries.keys() - self.components.keys():
+            unknown = sorted(entries.keys() - self.components.keys())
+            raise ValueError(f"insert of {unknown} entries, which no component of this tree keeps")
+        result = self._insert_pages(tokens, pages, salt)
+        if self._parts:
+            num_pages = len(tokens) // self.page_size
+            for part in self._parts:
+                part.inserted(result[1], num_pages, entries.get(part.name))
+        return result
+
+    def _insert_pages(
+        self,
+        tokens: np.ndarray | Sequence[int],
+        pages: np.ndarray | Sequence[int],
+        salt: str | None,
+    ) -> tuple[int, RadixNode]:
         tokens = as_tokens(tokens)
         ps = self.page_size
         num_pages = len(tokens) // ps
@@ -586,15 +660,7 @@ class RadixCache:
             key, _, node = heapq.heappop(heap)
             if not self._is_candidate(node) or key_of(node) != key:
                 continue  # stale entry
-            parent = node.parent
-            assert parent is not None
-            if node.counted:
-                self._uncount(node, self._salt_of(node))
-            del parent.children[node.first_key]
-            node.parent = None
-            self._removed(node)
-            self._num_nodes -= 1
-            self._evictable -= len(node.pages)
+            parent = self._detach(node)
             victims.append(node.pages)
             freed += len(node.pages)
             if parent.children:
@@ -608,8 +674,31 @@ class RadixCache:
             self.allocator.free(np.concatenate(victims))
         return freed
 
-    def _removed(self, node: RadixNode) -> None:
-        """Called for each node ``evict`` removes (a subclass frees what it attached)."""
+    def _detach(self, node: RadixNode) -> RadixNode:
+        """Take the unlocked leaf ``node`` out of the tree (its pages are the caller's
+        to free); return its parent."""
+        parent = node.parent
+        assert parent is not None
+        if node.counted:
+            self._uncount(node, self._salt_of(node))
+        del parent.children[node.first_key]
+        node.parent = None
+        for part in self._parts:
+            part.removed(node)
+        self._num_nodes -= 1
+        self._evictable -= len(node.pages)
+        return parent
+
+    def evict_node(self, node: RadixNode) -> None:
+        """Remove one unlocked leaf now, freeing its pages (a component making room
+        in a pool of its own takes a node whole this way)."""
+        assert self._is_candidate(node)
+        parent = self._detach(node)
+        self.allocator.free(node.pages)
+        if not parent.children and not parent.is_root and parent.lock_ref == 0:
+            self._push_candidate(parent)
+        elif not parent.children and parent.is_root and parent.salt is not None:
+            del self._roots[parent.salt]
 
     def reset(self) -> None:
         """Empty an idle tree, returning every page to the allocator (ascending ids).
@@ -639,6 +728,8 @@ class RadixCache:
         self._num_nodes = 0
         self._evictable = 0
         self._protected = 0
+        for part in self._parts:
+            part.reset()
 
     # ------------------------------------------------------------ inspection
     def _iter_nodes(self):
@@ -658,6 +749,10 @@ class RadixCache:
         """Verify every invariant; raise AssertionError naming the first broken one."""
         self._apply_expiries()  # a hint that ran out since the last eviction changes keys
         check_tree(self)
+        if self._parts:
+            nodes = list(self._iter_nodes())
+            for part in self._parts:
+                part.check(nodes)
 
     def __repr__(self) -> str:
         return (

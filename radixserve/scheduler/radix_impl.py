@@ -1,9 +1,16 @@
-"""Which prefix cache to run: a radix tree (native when built) or none.
+"""The cache's composition: which prefix cache runs, with what around it.
 
-``make_prefix_cache(allocator, cache, impl)`` is the one place the choice is
-made (the scheduler passes its ``--cache`` and ``--radix-impl`` options
-through): ``cache="none"`` is ``NoCache``; ``"radix"`` is the tree that
-``make_radix_cache(allocator, page_size, impl)`` picks:
+``build_kv_cache(allocator, config)`` is the one place the scheduler's KV cache is
+put together from its config: the radix core (``make_prefix_cache``) with the
+components the model needs (``SlidingWindows`` for a window pool, ``StateSnapshots``
+for a hybrid model's recurrent states), the cache tiers wrapped around it
+(``--host-cache-gb``, ``tiered_cache.py``), and the ``KVCacheManager`` over them;
+``combinations.py``'s table says what may be combined. KV events wrap the core
+later, when asked for (``KVCacheManager.record_events``).
+
+``make_prefix_cache(allocator, cache, impl)``: ``cache="none"`` is ``NoCache``;
+``"radix"`` is the tree that ``make_radix_cache(allocator, page_size, impl)`` picks
+(the Python core whenever there are components):
 
 * ``"auto"`` (default): native when the extension was built, else Python.
 * ``"native"``: the C++ tree; a clear error when the extension is missing.
@@ -16,10 +23,15 @@ so the choice changes speed, never behaviour.
 from __future__ import annotations
 
 from radixserve.scheduler.allocator import PageAllocator
+from radixserve.scheduler.cache_component import CacheComponent
+from radixserve.scheduler.combinations import check_features, features_on
+from radixserve.scheduler.config import SchedulerConfig
+from radixserve.scheduler.kv_cache import KVCacheManager
 from radixserve.scheduler.prefix_cache import NoCache, PrefixCache
 from radixserve.scheduler.radix_cache import RadixCache
-from radixserve.scheduler.state_cache import StateRadixCache
-from radixserve.scheduler.window_cache import WindowRadixCache
+from radixserve.scheduler.state_cache import StateSnapshots
+from radixserve.scheduler.tiered_cache import build_tiers
+from radixserve.scheduler.window_cache import SlidingWindows
 from radixserve.scheduler.window_pages import WindowPages
 
 try:
@@ -67,15 +79,27 @@ def make_radix_cache(
     ``policy`` the eviction order. The native tree is LRU only: another policy takes
     the Python tree under "auto", and is an error with "native"."""
     if policy != "lru":
-        if impl == "native":
-            raise ValueError(
-                f"the native radix tree evicts LRU only; --radix-eviction-policy {policy} "
-                "needs --radix-impl python or auto"
-            )
+        check_features(
+            features_on(native_tree=impl == "native", eviction_policy=True), policy=policy
+        )
         return RadixCache(allocator, page_size, policy, max_retained_pages=max_retained_pages)
     if resolve_impl(impl) == "native":
         return NativeRadixCache(allocator, page_size)  # type: ignore[misc]
     return RadixCache(allocator, page_size)
+
+
+def cache_components(
+    num_states: int = 0, window: WindowPages | None = None, span: int = 0
+) -> list[CacheComponent]:
+    """What a model needs on the tree's nodes beyond its full-attention pages:
+    ``window`` (its sliding layers' window pool, W = ``span`` tokens) and
+    ``num_states`` > 0 (a hybrid model's recurrent-state snapshots)."""
+    parts: list[CacheComponent] = []
+    if window is not None:
+        parts.append(SlidingWindows(window, span))
+    if num_states:
+        parts.append(StateSnapshots(num_states))
+    return parts
 
 
 def make_prefix_cache(
@@ -88,33 +112,54 @@ def make_prefix_cache(
     window: WindowPages | None = None,
     span: int = 0,
 ) -> PrefixCache:
-    """The prefix cache over ``allocator``: ``cache`` is "radix" or "none".
-    ``num_states`` > 0 (a hybrid model's recurrent-state snapshots): the radix tree
-    is the Python ``StateRadixCache``, which keeps them (the native tree does not).
-    ``window`` (a model's sliding layers in a window pool, W = ``span`` tokens): the
-    Python ``WindowRadixCache``, for the same reason."""
+    """The prefix cache over ``allocator``: ``cache`` is "radix" or "none". With
+    components (``cache_components(num_states, window, span)``) the radix tree is
+    the Python core carrying them (``tree.components``); the native tree keeps none."""
     if cache == "none":
         return NoCache(allocator)
     if cache != "radix":
         raise ValueError(f"unknown cache {cache!r}; choose from ('radix', 'none')")
-    if window is not None:
-        # Sliding layers' window pages: only the Python tree keeps them.
-        if impl == "native":
-            raise ValueError(
-                "the native radix tree keeps no window pages, which a model with sliding "
-                "layers in a window pool needs: use --radix-impl python or auto (or "
-                "--sliding-pool-pages 0)"
-            )
-        return WindowRadixCache(
-            allocator, window, span, policy=policy, max_retained_pages=max_retained_pages
+    check_features(
+        features_on(
+            native_tree=impl == "native",
+            window_pool=window is not None,
+            recurrent_states=num_states > 0,
         )
-    if num_states:
-        if impl == "native":
-            raise ValueError(
-                "the native radix tree keeps no recurrent-state snapshots, which a hybrid "
-                "model's cache needs: use --radix-impl python or auto"
-            )
-        return StateRadixCache(
-            allocator, num_states, policy=policy, max_retained_pages=max_retained_pages
+    )
+    parts = cache_components(num_states, window, span)
+    if parts:
+        return RadixCache(
+            allocator,
+            allocator.page_size,
+            policy,
+            max_retained_pages=max_retained_pages,
+            components=parts,
         )
     return make_radix_cache(allocator, allocator.page_size, impl, policy, max_retained_pages)
+
+
+def build_kv_cache(allocator: PageAllocator, config: SchedulerConfig) -> KVCacheManager:
+    """The scheduler's KV cache as ``config`` asks for it (module docstring)."""
+    # Sliding layers' window pages (docs/models.md): a pool of their own.
+    window = WindowPages(config.window_pages, config.page_size) if config.window_pages else None
+    core = make_prefix_cache(
+        allocator,
+        config.cache,
+        config.radix_impl,
+        config.radix_eviction_policy,
+        int(config.max_retained_share * config.num_pages),
+        config.state_snapshots,
+        window,
+        config.window_span,
+    )
+    # The core's components: none for --cache none or the native tree.
+    components = core.components if isinstance(core, RadixCache) else {}
+    tiers = build_tiers(core, allocator, config) if config.host_pages else None
+    return KVCacheManager(
+        allocator,
+        core if tiers is None else tiers,
+        window,
+        config.window_span,
+        components=components,
+        tiers=tiers,
+    )

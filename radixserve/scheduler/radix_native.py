@@ -51,6 +51,11 @@ class NativeRadixCache(_radix_native.RadixTree):
         super().__init__(allocator, page_size)
         self.allocator = allocator
 
+    def retain(self, node: NodeHandle, level: int, seconds: float) -> bool:
+        """Retention hints are the Python tree's ``priority`` policy: this one is LRU
+        only, so a hint is not applied."""
+        return False
+
     def check(self) -> None:
         """Verify every invariant; raise AssertionError naming the first broken one."""
         self._check_structure()  # links, sizes, counters, locks, stamps, heap, unique pages

@@ -9,6 +9,7 @@ import numpy as np
 
 from radixserve.protocol import OutputItem
 from radixserve.sampling_params import SamplingParams
+from radixserve.scheduler.cache_state import RequestCacheState
 from radixserve.scheduler.prefix_cache import CacheNode
 
 # Tokens of room a new request's buffers get beyond its prompt; they double from there.
@@ -112,28 +113,14 @@ class Request:
     score_next: int = -1
     prompt_scores: list | None = None
     lora: int = 0  # its LoRA adapter's id (0: the base model; scheduler/lora.py)
-    # Hybrid models (KVCacheManager.plan_states): the tree's snapshot to restore at
-    # the next step (-1: none), the snapshots this request holds outside the tree (at
-    # most two) and the positions its state was saved at in them (ascending), and
-    # where its match stopped short of the cached KV (a divergence point to snapshot;
-    # 0: none).
-    restore_state: int = -1
-    own_states: list[int] = field(default_factory=list)
-    own_states_at: list[int] = field(default_factory=list)
-    diverge_at: int = 0
+    # The KV cache's own per-request record (recurrent-state snapshots, window pages):
+    # only the cache side reads it (``cache_state.py``).
+    cache_state: RequestCacheState = field(default_factory=RequestCacheState)
     spec: SpecState = field(default_factory=SpecState)  # speculative decoding
     stats: RequestStats = field(default_factory=RequestStats)  # what it reports
     # The worker's page table for the slot is longer than ``sent_pages`` (pages past a
     # verification's accepted tokens were freed): the next step tells it to cut.
     table_cut: bool = False
-    # Models with sliding layers (KVCacheManager.plan_window): the window pages of
-    # table entries [0, win_len), aligned with ``table``; the request holds one
-    # reference on each entry >= 0 (entries below ``win_low`` are -1: out of its
-    # window); the first ``win_sent`` entries were sent to the worker.
-    win: np.ndarray = field(default_factory=lambda: _NO_DRAFT)
-    win_low: int = 0
-    win_len: int = 0
-    win_sent: int = 0
 
     @classmethod
     def create(

@@ -65,18 +65,15 @@ from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.decode import DecodeManager
 from radixserve.scheduler.grammars import Grammars
-from radixserve.scheduler.kv_cache import KVCacheManager
 from radixserve.scheduler.kv_events import KVEventRecorder
 from radixserve.scheduler.lora import LoraRegistry, check_salt, namespace
-from radixserve.scheduler.radix_impl import make_prefix_cache
+from radixserve.scheduler.radix_impl import build_kv_cache
 from radixserve.scheduler.request import ReqStatus, Request
 from radixserve.scheduler.reserve import DecodeReserve
 from radixserve.scheduler.running import RunningSet
 from radixserve.scheduler.speculative import Drafter
 from radixserve.scheduler.step_io import Returned, file_scores, step_req, take_tokens
-from radixserve.scheduler.tiered_cache import build_tiers
 from radixserve.scheduler.waiting import QueueTimes, WaitingQueue
-from radixserve.scheduler.window_pages import WindowPages
 
 # What the worker returns for a step (a bare token sequence: test doubles), and the
 # worker as ``step`` takes it.
@@ -91,25 +88,11 @@ class Scheduler:
         self.config = config
         self.page_size = config.page_size
         self.allocator = PageAllocator(config.num_pages, config.page_size)
-        # Sliding layers' window pages (docs/models.md): a pool of their own.
-        window = None
-        if config.window_pages:
-            window = WindowPages(config.window_pages, config.page_size)
-        self.cache = make_prefix_cache(
-            self.allocator,
-            config.cache,
-            config.radix_impl,
-            config.radix_eviction_policy,
-            int(config.max_retained_share * config.num_pages),
-            config.state_snapshots,
-            window,
-            config.window_span,
-        )
+        # The KV cache: the radix core with its components, the tiers around it.
+        self.kv = build_kv_cache(self.allocator, config)
+        self.cache = self.kv.cache
         # What the metrics label evictions with: "none" when nothing is cached.
         self.cache_policy = config.radix_eviction_policy if config.cache != "none" else "none"
-        if config.host_pages:
-            self.cache = build_tiers(self.cache, self.allocator, config)
-        self.kv = KVCacheManager(self.allocator, self.cache, window, config.window_span)
         # The parts (module docstring).
         self.reserve = DecodeReserve(config)
         self.grammars = Grammars()  # structured output's, compiled by the worker
@@ -517,28 +500,9 @@ class Scheduler:
         """From now on, record every change of the tree (``--kv-events``,
         docs/scale-out.md); the recorder wraps the cache (with tiers: the tree below
         them), so call before any request."""
-        if self.kv.states is not None:
-            raise ValueError(
-                "KV cache events do not describe recurrent-state snapshots yet: not "
-                "available for hybrid models"
-            )
-        if self.kv.window is not None:
-            raise ValueError(
-                "KV cache events do not describe window pages yet: not available for a "
-                "model whose sliding layers have a window pool (--sliding-pool-pages 0)"
-            )
-        tiers = self.kv.tiers
-        if tiers is not None:
-            # Under the tiers: the events describe the pool (L1), whose pages a match
-            # promotes (stored) and an eviction demotes (removed) through the tree's
-            # own insert and evict, which the recorder sees.
-            recorder = KVEventRecorder(tiers.inner, self.allocator)
-            recorder.lora_info = self.loras.info
-            tiers.inner = recorder
-            return recorder
-        recorder = KVEventRecorder(self.cache, self.allocator)
+        recorder = self.kv.record_events()
         recorder.lora_info = self.loras.info
-        self.cache = self.kv.cache = recorder
+        self.cache = self.kv.cache
         return recorder
 
     def flush_cache(self, keep_disk: bool = False) -> int:

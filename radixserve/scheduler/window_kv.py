@@ -2,9 +2,10 @@
 
 ``RequestWindows`` is ``KVCacheManager``'s part for window pages (``window_pages.py``;
 docs/models.md, "Sliding windows and the cache"). A request holds one reference on
-each window page its window needs, in ``req.win`` (aligned with its page table, -1
-where it holds none; entries below ``req.win_low`` are -1, entries from
-``req.win_len`` on are not decided yet, the first ``req.win_sent`` went to the worker):
+each window page its window needs, in ``req.cache_state.win`` (``w`` below; aligned
+with its page table, -1 where it holds none; entries below ``w.win_low`` are -1,
+entries from ``w.win_len`` on are not decided yet, the first ``w.win_sent`` went to
+the worker):
 
 * at admission, those of its match's last W tokens (``hold_match``: references on the
   tree's window pages);
@@ -24,38 +25,39 @@ from __future__ import annotations
 
 import numpy as np
 
-from radixserve.scheduler.prefix_cache import MatchResult, PrefixCache
+from radixserve.scheduler.cache_state import RequestCacheState
+from radixserve.scheduler.prefix_cache import MatchResult
 from radixserve.scheduler.request import Request
-from radixserve.scheduler.window_cache import WindowRadixCache
+from radixserve.scheduler.window_cache import SlidingWindows
 from radixserve.scheduler.window_pages import WindowPages
 
 
 class RequestWindows:
     """The running requests' references on window pages (module docstring)."""
 
-    def __init__(self, pages: WindowPages, span: int, cache: PrefixCache) -> None:
+    def __init__(self, pages: WindowPages, span: int, tree: SlidingWindows | None) -> None:
         self.pages = pages
         self.span = span  # W: the largest sliding window, in tokens
         self.page_size = pages.allocator.page_size
-        # The tree, when the cache keeps window pages (None: ``--cache none``).
-        self.tree = cache if isinstance(cache, WindowRadixCache) else None
+        # The tree's window pages (None: ``--cache none`` keeps none).
+        self.tree = tree
         self.evicted = 0  # window pages the tree freed to make room
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
     @staticmethod
-    def _room(req: Request, n: int) -> np.ndarray:
-        """The request's window pages, grown (with -1) to hold ``n`` entries."""
-        if n > len(req.win):
-            grown = np.full(max(n, 2 * len(req.win)), -1, dtype=np.int32)
-            grown[: len(req.win)] = req.win
-            req.win = grown
-        return req.win
+    def _room(w: RequestCacheState, n: int) -> np.ndarray:
+        """A request's window pages, grown (with -1) to hold ``n`` entries."""
+        if n > len(w.win):
+            grown = np.full(max(n, 2 * len(w.win)), -1, dtype=np.int32)
+            grown[: len(w.win)] = w.win
+            w.win = grown
+        return w.win
 
     def of(self, req: Request, n: int) -> np.ndarray:
         """The request's first ``n`` window page entries (what an insert offers)."""
-        return self._room(req, n)[:n]
+        return self._room(req.cache_state, n)[:n]
 
     def alloc(self, n: int) -> np.ndarray | None:
         """``n`` fresh window pages, the tree dropping its least recently used ones
@@ -69,33 +71,37 @@ class RequestWindows:
     def hold_match(self, req: Request, m: MatchResult) -> None:
         """The request's window starts with its match's: references on the tree's
         window pages of [hit - W, hit)."""
+        w = req.cache_state
         n = len(m.pages)
-        win = self._room(req, n)
+        win = self._room(w, n)
         win[:n] = -1
         first = max(m.hit_len - self.span, 0) // self.page_size
         if self.tree is not None and n:
             win[first:n] = self.tree.window_pages(m.last_node)[first:n]  # type: ignore[arg-type]
         self.pages.ref(win[first:n])
-        req.win_low, req.win_len, req.win_sent = first, n, 0
+        w.win_low, w.win_len, w.win_sent = first, n, 0
 
     def release(self, req: Request) -> None:
         """Let go of every window page the request holds."""
-        self.pages.unref(req.win[req.win_low : req.win_len].copy())
-        req.win[: req.win_len] = -1
-        req.win_low = req.win_len = req.win_sent = 0
+        w = req.cache_state
+        self.pages.unref(w.win[w.win_low : w.win_len].copy())
+        w.win[: w.win_len] = -1
+        w.win_low = w.win_len = w.win_sent = 0
 
     def _slide(self, req: Request) -> None:
         """Let go of the request's window pages wholly before ``kv_len - W``."""
-        drop = min(max(req.kv_len - self.span, 0) // self.page_size, req.win_len)
-        if drop > req.win_low:
-            self.pages.unref(req.win[req.win_low : drop].copy())
-            req.win[req.win_low : drop] = -1
-            req.win_low = drop
+        w = req.cache_state
+        drop = min(max(req.kv_len - self.span, 0) // self.page_size, w.win_len)
+        if drop > w.win_low:
+            self.pages.unref(w.win[w.win_low : drop].copy())
+            w.win[w.win_low : drop] = -1
+            w.win_low = drop
 
     def _extend(self, req: Request, ids: np.ndarray) -> None:
-        n = req.win_len + len(ids)
-        self._room(req, n)[req.win_len : n] = ids
-        req.win_len = n
+        w = req.cache_state
+        n = w.win_len + len(ids)
+        self._room(w, n)[w.win_len : n] = ids
+        w.win_len = n
 
     def grow_decodes(self, reqs: list[Request]) -> bool:
         """Window pages for the decoding requests' next step, in one allocation;
@@ -103,7 +109,7 @@ class RequestWindows:
         needy = []
         for r in reqs:
             self._slide(r)
-            n = self._pages_for(r.num_tokens + len(r.draft)) - r.win_len
+            n = self._pages_for(r.num_tokens + len(r.draft)) - r.cache_state.win_len
             if n > 0:
                 needy.append((r, n))
         if not needy:
@@ -122,8 +128,9 @@ class RequestWindows:
     def grow(self, req: Request, n: int) -> bool:
         """Window pages for ``req``'s next ``n`` tokens; False, taking none, when
         short even after the tree dropped what it could."""
+        w = req.cache_state
         self._slide(req)
-        need = self._pages_for(req.kv_len + n) - req.win_len
+        need = self._pages_for(req.kv_len + n) - w.win_len
         if need <= 0:
             return True
         ids = self.alloc(need)
@@ -137,25 +144,27 @@ class RequestWindows:
         tokens, ``(first entry, page ids)``. Its pages have their window pages already
         (``grow_decodes``, ``grow``); a path that did not take them takes them here,
         and fails the step when it cannot."""
+        w = req.cache_state
         if not self.grow(req, n):
             raise RuntimeError(
                 f"the window pool ({self.pages.num_pages} pages) cannot hold the windows "
                 "of the running requests; give it more pages (--sliding-pool-pages)"
             )
-        start = max(req.win_sent, req.win_low)
-        req.win_sent = req.win_len
-        return start, req.win[start : req.win_len].copy()
+        start = max(w.win_sent, w.win_low)
+        w.win_sent = w.win_len
+        return start, w.win[start : w.win_len].copy()
 
     def trim(self, req: Request, keep: int) -> None:
         """After a verification: let go of the window pages past the first ``keep``."""
-        if req.win_len <= keep:
+        w = req.cache_state
+        if w.win_len <= keep:
             return
-        lo = max(keep, req.win_low)
-        self.pages.unref(req.win[lo : req.win_len].copy())
-        req.win[keep : req.win_len] = -1
-        req.win_len = keep
-        req.win_low = min(req.win_low, keep)
-        req.win_sent = min(req.win_sent, keep)
+        lo = max(keep, w.win_low)
+        self.pages.unref(w.win[lo : w.win_len].copy())
+        w.win[keep : w.win_len] = -1
+        w.win_len = keep
+        w.win_low = min(w.win_low, keep)
+        w.win_sent = min(w.win_sent, keep)
 
     def check_idle(self) -> None:
         """At idle every window page is free or held by the tree alone."""

@@ -102,7 +102,7 @@ def test_window_pool_greedy_equals_hf(family_dirs, family, page_size):
     # Measured: the bytes the tree holds per cached token (full pages, and the window
     # pages it kept) against one pool's.
     info, cache = runner.info(), sched.cache
-    held = cache.cached_pages * runner.page_bytes + cache.window_cached_pages * (
+    held = cache.cached_pages * runner.page_bytes + cache.components["window"].cached_pages * (
         info.window_page_bytes
     )
     measured = held / (cache.cached_pages * page_size)

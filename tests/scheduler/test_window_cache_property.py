@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from radixserve.scheduler.allocator import PageAllocator
-from radixserve.scheduler.radix_cache import RadixNode
-from radixserve.scheduler.window_cache import WindowRadixCache, valid_length
+from radixserve.scheduler.radix_cache import RadixCache, RadixNode
+from radixserve.scheduler.window_cache import SlidingWindows, valid_length
 from radixserve.scheduler.window_pages import WindowPages
 
 SALTS = st.sampled_from([None, None, "a"])
@@ -44,14 +44,15 @@ class Req:
         return [*self.dups, self.table[self.locked_len // ps :]]
 
 
-def tree_contents(tree: WindowRadixCache) -> dict:
+def tree_contents(tree: RadixCache) -> dict:
     ps = tree.page_size
+    windows = tree.components["window"]
     out = {}
     for salt, root in tree._roots.items():
         stack = [(c, ()) for c in root.children.values()]
         while stack:
             node, prefix = stack.pop()
-            win = tree._win[node]
+            win = windows.by_node[node]
             for i in range(len(node.pages)):
                 key = (salt, prefix + tuple(node.key[: (i + 1) * ps].tolist()))
                 out[key] = (int(node.pages[i]), int(win[i]))
@@ -72,7 +73,8 @@ class WindowTreeMachine(RuleBasedStateMachine):
         ps = self.page_size
         self.alloc = PageAllocator(self.num_pages, ps)
         self.wp = WindowPages(self.num_window, ps)
-        self.tree = WindowRadixCache(self.alloc, self.wp, self.span)
+        self.windows = SlidingWindows(self.wp, self.span)
+        self.tree = RadixCache(self.alloc, ps, components=[self.windows])
         self.model: dict[tuple, tuple[int, int]] = {}
         self.reqs: list[Req] = []
 
@@ -129,7 +131,7 @@ class WindowTreeMachine(RuleBasedStateMachine):
     def alloc_window(self, n: int):
         ids = self.wp.alloc(n)
         if ids is None:
-            self.tree.evict_window(n - self.wp.num_free)
+            self.windows.evict_window(n - self.wp.num_free)
             self.adopt()
             ids = self.wp.alloc(n)
         return ids
@@ -148,7 +150,7 @@ class WindowTreeMachine(RuleBasedStateMachine):
         tokens = req.tokens[:full]
         path = self.model_path(tokens, req.salt)
         cached_len, node = self.tree.insert(
-            tokens, req.table[: full // ps], req.salt, req.win[: full // ps]
+            tokens, req.table[: full // ps], req.salt, window=req.win[: full // ps]
         )
         assert cached_len == len(path) * ps
         assert cached_len >= req.locked_len
@@ -192,7 +194,7 @@ class WindowTreeMachine(RuleBasedStateMachine):
         assert m.hit_len == expect
         path = self.model_path(tokens[:-1], salt)[: expect // ps]
         assert m.pages.tolist() == [p for p, _ in path]
-        win = self.tree.window_pages(m.last_node)
+        win = self.windows.window_pages(m.last_node)
         assert win.tolist() == [w for _, w in path]
         self.tree.lock(m.last_node)
         first = max(m.hit_len - self.span, 0) // ps
@@ -257,18 +259,18 @@ class WindowTreeMachine(RuleBasedStateMachine):
     @rule(n=st.integers(0, 12))
     def evict_window(self, n):
         evictable = self.wp.evictable
-        tree = self.tree
+        windows = self.windows
         order = sorted(
-            (nd for nd, w in tree._win.items() if (w >= 0).any()),
+            (nd for nd, w in windows.by_node.items() if (w >= 0).any()),
             key=lambda nd: (nd.last_access, nd.node_id),
         )
-        before = {nd: tree._win[nd].copy() for nd in order}
+        before = {nd: windows.by_node[nd].copy() for nd in order}
         requests = np.concatenate([r.win for r in self.reqs]) if self.reqs else np.zeros(0, int)
         requests = requests[requests >= 0]
-        freed = tree.evict_window(n)
+        freed = windows.evict_window(n)
         assert freed >= min(n, evictable)
         touched = [
-            not nd.attached or not np.array_equal(tree._win.get(nd, before[nd]), before[nd])
+            not nd.attached or not np.array_equal(windows.by_node.get(nd, before[nd]), before[nd])
             for nd in order
         ]
         k = sum(touched)
