@@ -121,8 +121,7 @@ def run(
         return None
     if h.dtype != model.layers[0].self_attn.qkv_proj.weight.dtype:
         return None
-    plan = getattr(backend, "native_step_plan", None)
-    plan = plan() if plan is not None else None
+    plan = backend.native_step_plan() if backend.plans_native_steps else None
     if plan is None:
         return None
     write_rows, seg = plan

@@ -104,6 +104,13 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Write k/v of this step into the pool and return attention output like q."""
 
+    def native_step_plan(self) -> tuple[np.ndarray, object] | None:
+        """Where ``plans_native_steps``: this step's K/V write rows and its native
+        attention plan when one native call computes every layer of it
+        (``models/decode_step.py``); None otherwise, and always for a backend without
+        the capability."""
+        return None
+
     def setup_graphs(self, sizes: tuple[int, ...], max_pages_per_slot: int, pad_page: int) -> None:
         """Where ``captures_graphs``: build what decode batches of ``sizes`` rows are
         planned on; a request reads at most ``max_pages_per_slot`` pages, pad rows read
