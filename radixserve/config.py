@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
+from radixserve.combinations import check_features, features_on
 from radixserve.model_info import ModelInfo
-from radixserve.scheduler.combinations import check_features, features_on
 from radixserve.scheduler.config import SchedulerConfig, SchedulerOptions
 from radixserve.tokenizer.config import TokenizerConfig, TokenizerOptions
 from radixserve.worker.config import WorkerConfig, WorkerOptions

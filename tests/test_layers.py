@@ -23,6 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent / "radixserve"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("declarations", ("radixserve.options", "radixserve.combinations")),
     (
         "base",
         (
@@ -30,7 +31,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "radixserve.results",
             "radixserve.structured",
             "radixserve.model_info",
-            "radixserve.options",
             "radixserve.curve",
             "radixserve.auth_env",
             "radixserve.version",

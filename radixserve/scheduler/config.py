@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixserve.combinations import check_features, features_on
 from radixserve.options import SharedOptions, check_options, option
-from radixserve.scheduler.combinations import check_features, features_on
 
 CACHE_MODES = ("radix", "none")
 #: ``radix_impl.py``'s choice of tree: ``auto`` is native when the extension is built.

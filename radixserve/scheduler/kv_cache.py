@@ -50,11 +50,11 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from radixserve.combinations import check_features, features_on
 from radixserve.scheduler.allocator import PageAllocator
-from radixserve.scheduler.cache_component import CacheComponent
-from radixserve.scheduler.combinations import check_features, features_on
 from radixserve.scheduler.kv_events import KVEventRecorder
 from radixserve.scheduler.prefix_cache import MatchResult, PrefixCache
+from radixserve.scheduler.radix_cache import CacheComponent
 from radixserve.scheduler.request import Request
 from radixserve.scheduler.state_cache import StateSnapshots
 from radixserve.scheduler.state_kv import NO_STATE_WORK, RequestStates

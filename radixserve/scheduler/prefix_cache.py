@@ -2,7 +2,7 @@
 
 ``PrefixCache`` is what ``KVCacheManager`` calls; three caches satisfy it:
 the Python radix tree (``RadixCache``, the core that also carries components:
-window pages, recurrent-state snapshots, ``cache_component.py``), the native one
+window pages, recurrent-state snapshots, ``radix_cache.py``'s ``CacheComponent``), the native one
 (``NativeRadixCache``) and ``NoCache`` (``--cache none``). The full contract of each call (splits,
 ownership after insert, LRU order) is in ``radix_cache.py`` and
 docs/architecture.md; in short:

@@ -22,13 +22,12 @@ so the choice changes speed, never behaviour.
 
 from __future__ import annotations
 
+from radixserve.combinations import check_features, features_on
 from radixserve.scheduler.allocator import PageAllocator
-from radixserve.scheduler.cache_component import CacheComponent
-from radixserve.scheduler.combinations import check_features, features_on
-from radixserve.scheduler.config import SchedulerConfig
+from radixserve.scheduler.config import RADIX_IMPLS, SchedulerConfig
 from radixserve.scheduler.kv_cache import KVCacheManager
 from radixserve.scheduler.prefix_cache import NoCache, PrefixCache
-from radixserve.scheduler.radix_cache import RadixCache
+from radixserve.scheduler.radix_cache import CacheComponent, RadixCache
 from radixserve.scheduler.state_cache import StateSnapshots
 from radixserve.scheduler.tiered_cache import build_tiers
 from radixserve.scheduler.window_cache import SlidingWindows
@@ -43,7 +42,7 @@ else:
     NATIVE_UNAVAILABLE_REASON = None
 
 NATIVE_AVAILABLE = NativeRadixCache is not None
-IMPLS = ("auto", "native", "python")
+IMPLS = RADIX_IMPLS  # declared with the option (scheduler/config.py)
 
 
 def available_impls() -> list[str]:

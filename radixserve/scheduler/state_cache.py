@@ -2,7 +2,7 @@
 
 A hybrid model's recurrent layers carry a state instead of per-token K/V, so a
 cached prefix can be reused only where the tree also holds the state after it.
-``StateSnapshots`` is the component (``cache_component.py``) that lets a node of the
+``StateSnapshots`` is the component (``radix_cache.py``'s ``CacheComponent``) that lets a node of the
 core carry a *snapshot*: the id of a state-pool entry (``worker/state_pool.py``)
 holding the recurrent state after the node's last token. Snapshot ids come from a
 fixed pool of ``num_states`` (``--state-snapshots``) that it allocates and frees.
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from radixserve.scheduler.cache_component import CacheComponent
+from radixserve.scheduler.radix_cache import CacheComponent
 
 if TYPE_CHECKING:
     from radixserve.scheduler.radix_cache import RadixNode

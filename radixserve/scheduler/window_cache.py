@@ -5,7 +5,7 @@ layers' (a page of the main pool, as every model) and the sliding layers' (a *wi
 page*, ``window_pages.py``). A sliding layer's query at position p reads keys in
 (p - w, p] only, so the window pages of old tokens are of no use to the request that
 wrote them, and of use to a later request only at a point where it diverges from
-this sequence. ``SlidingWindows`` is the component (``cache_component.py``) that
+this sequence. ``SlidingWindows`` is the component (``radix_cache.py``'s ``CacheComponent``) that
 gives the core's nodes, page by page, the window page of those tokens, or -1 where
 the tree dropped it.
 
@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from radixserve.scheduler.cache_component import CacheComponent
+from radixserve.scheduler.radix_cache import CacheComponent
 from radixserve.scheduler.window_pages import WindowPages
 
 if TYPE_CHECKING:

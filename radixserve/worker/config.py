@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixserve.combinations import check_features, features_on
 from radixserve.options import (
     PARALLEL,
     STRUCTURED,
@@ -192,13 +193,11 @@ class WorkerConfig(WorkerOptions):
 
     def __post_init__(self) -> None:
         check_options(self)
-        if self.disk_cache_dir is not None and not self.host_cache_gb:
-            raise ValueError(
-                "--disk-cache-dir needs a host tier (--host-cache-gb > 0): pages reach "
-                "the disk through host memory"
+        # What combines with what: combinations.py's table.
+        check_features(
+            features_on(
+                host_tier=bool(self.host_cache_gb),
+                disk_tier=self.disk_cache_dir is not None,
+                tensor_parallel=self.tp > 1,
             )
-        if self.tp > 1 and self.disk_cache_dir is not None:
-            raise ValueError(
-                "the disk tier (--disk-cache-dir) does not support tensor parallelism yet "
-                "(--tp > 1); the host tier does"
-            )
+        )

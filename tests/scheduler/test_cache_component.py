@@ -1,4 +1,4 @@
-"""The radix core's component hooks (``cache_component.py``), with a component of
+"""The radix core's component hooks (``radix_cache.py``'s ``CacheComponent``), with a component of
 the test's own: entries keyed by node, as a next kind of cached entry would be."""
 
 from __future__ import annotations
@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from radixserve.scheduler.allocator import PageAllocator
-from radixserve.scheduler.cache_component import CacheComponent
-from radixserve.scheduler.radix_cache import RadixCache
+from radixserve.scheduler.radix_cache import CacheComponent, RadixCache
 
 
 class Tags(CacheComponent):

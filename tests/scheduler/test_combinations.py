@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from radixserve.scheduler.combinations import (
+from radixserve.combinations import (
     COMBINATIONS,
     FEATURES,
     check_features,
