@@ -130,6 +130,15 @@ def run_long_script(twin: Twin, context: int, chunk: int = 1024) -> None:
     twin.check_pools()
 
 
+def run_long_prompt(twin: Twin) -> None:
+    """A prompt over 64 tokens (where FlashInfer's prefill ``auto`` leaves fa2 on Hopper),
+    mixed with a decode row, then decode steps; after ``run_script``."""
+    twin.new("long")
+    twin.step({"long": 100, "a": 1})
+    twin.step({"long": 1, "a": 1})
+    twin.check_pools()
+
+
 def run_script(twin: Twin, p: int) -> None:
     """Fresh prefills, a prefill after a cached prefix mixed with decodes, a chunked
     prefill across steps, and decode-only steps. ``p`` is the cached prefix length."""
@@ -222,6 +231,21 @@ def test_append_refuses_kv_of_another_dtype_than_the_cache(fake):
     with pytest.raises(fake_flashinfer.FakeFlashInferError, match="must equal the cache dtype"):
         fake.append_paged_kv_cache(*(q[:, :1].half(),) * 2, *backend._append_args[:2],
                                    pool.layers[0], *backend._append_args[2:])  # fmt: skip
+
+
+@pytest.mark.parametrize(("capability", "resolved"), [((9, 0), "fa2, fa3"), ((8, 0), "fa2")])
+def test_flashinfer_own_prefill_choice_on_the_double(fake, capability, resolved):
+    """``auto`` as the double decides it per plan (fa3 on sm90 for a query over 64
+    tokens): short and long prompts both match torch, and each prefill wrapper reports
+    what its plans ran on."""
+    fake.capability = capability
+    twin = Twin(16, 2, 2, 64, seed=12, windows=(6, -1))
+    run_script(twin, p=16)
+    run_long_prompt(twin)
+    assert twin.fi.wrapper_backends() == (
+        f"decode (window -1): fa2; decode (window 6): fa2; "
+        f"prefill (window -1): auto -> {resolved}; prefill (window 6): auto -> {resolved}"
+    )
 
 
 def test_gqa_group_without_a_cuda_core_decode_kernel(fake):

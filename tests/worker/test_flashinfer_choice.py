@@ -348,7 +348,9 @@ def test_check_command(monkeypatch, capsys):
     args = ["--device", "cpu", "--head-dim", "64", "--heads", "4", "--kv-heads", "2",
             "--windows=-1,4"]  # fmt: skip
     assert check_flashinfer.main(args) == 0
-    assert "attention backend: flashinfer (auto: probe passed)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "attention backend: flashinfer (auto: probe passed)" in out
+    assert "prefill backend: auto (as configured)" in out
     fake.capability = (7, 5)
     assert check_flashinfer.main(args) == 1
     assert "compute capability 8.0+" in capsys.readouterr().out
