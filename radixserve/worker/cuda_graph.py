@@ -28,10 +28,14 @@ Whether graphs are on is decided in one place, ``GraphPlan``: on by default
 step would hold the ranks' collectives, and followers return no logits), for hybrid
 models (their recurrent states are not among the captured inputs), on a device
 without graphs, and with an attention backend that does not declare the
-``captures_graphs`` capability (only flashinfer does); a device that has graphs but
-gets none logs why at info. A backend asked for graphs it cannot capture refuses
-with a ValueError (``AttentionBackend.setup_graphs``). A capture that fails (a model
-op that syncs, say) logs a warning and leaves every step eager.
+``captures_graphs`` capability (only flashinfer does; attention over a window pool,
+``SplitAttention``, does not: its two page tables per request are not among the
+captured inputs, and it says so); a device that has graphs but gets none logs why at
+info. A backend asked for graphs it cannot capture refuses with a ValueError
+(``AttentionBackend.setup_graphs``). A capture that fails (a model op that syncs the
+host, say) is an error at start (``GraphCaptureError``): graphs were on, so serving
+without them would be a silent change of the step times; ``disable_cuda_graph``
+(``--disable-cuda-graph``) is the way to serve eagerly.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import numpy as np
 import torch
 
 from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
+from radixserve.worker.attention.split import SplitAttention
 from radixserve.worker.staging import Staging
 
 log = logging.getLogger("radixserve.worker")
@@ -52,6 +57,17 @@ MAX_CAPTURE_SIZE = 256
 
 Forward = Callable[[], torch.Tensor]
 Capturer = Callable[[Forward], Forward]
+
+
+class GraphCaptureError(RuntimeError):
+    """Capturing the decode graphs failed while graphs were on."""
+
+
+def no_graphs_reason(backend: AttentionBackend) -> str:
+    """Why ``backend`` (which does not declare ``captures_graphs``) gets no graphs."""
+    if isinstance(backend, SplitAttention):
+        return SplitAttention.NO_GRAPHS
+    return f"the {backend.name} attention backend cannot capture them"
 
 
 def capture_sizes(max_running: int, limit: int = MAX_CAPTURE_SIZE) -> tuple[int, ...]:
@@ -128,7 +144,7 @@ class GraphPlan:
         info with the reason."""
         if self.capturer is not None and not backend.captures_graphs:
             self.capturer = None
-            self.reason = f"the {backend.name} attention backend cannot capture them"
+            self.reason = no_graphs_reason(backend)
         if self.capturer is None and self._has_graphs and not self._asked_off:
             log.info("CUDA graphs off: %s", self.reason)
         return self.capturer
@@ -143,11 +159,14 @@ def capture(
     max_position: int,
     pad_page: int,
     device: torch.device,
-) -> DecodeGraphs | None:
+) -> DecodeGraphs:
     """The decode graphs of ``model`` over ``backend``, one per capture size of
-    ``max_running`` requests; None, with a warning saying why, when capture fails
-    (every step then runs eagerly). ValueError from a backend that cannot capture."""
+    ``max_running`` requests. ``GraphCaptureError`` when capture fails (graphs are on
+    unless disabled, so the worker does not start without them); ValueError from a
+    backend that cannot capture."""
     if not backend.captures_graphs:
+        if isinstance(backend, SplitAttention):
+            raise ValueError(f"no CUDA graphs: {SplitAttention.NO_GRAPHS}")
         raise ValueError(f"the {backend.name} attention backend cannot capture CUDA graphs")
     sizes = capture_sizes(max_running)
     try:
@@ -156,8 +175,10 @@ def capture(
         with torch.inference_mode():
             graphs.capture()
     except Exception as e:
-        log.warning("CUDA graphs off: capture failed (%s: %s)", type(e).__name__, e)
-        return None
+        raise GraphCaptureError(
+            f"CUDA graph capture failed ({type(e).__name__}: {e}); run with "
+            "--disable-cuda-graph (disable_cuda_graph) to serve every step eagerly"
+        ) from e
     log.info("CUDA graphs captured for decode batch sizes %s", list(sizes))
     return graphs
 

@@ -31,8 +31,19 @@ the plan needs an fp8 ``kv_data_type``, a half ``q_data_type``, head_dim a multi
 16 and the fa2 kernels (prefill backend ``auto`` or ``fa2``; decode goes to the
 tensor-core path); ``run`` needs ``kv_cache_sf`` = ``(k_sf, v_sf)``, float32
 ``[num_pages, page_size, kv_heads]`` each (strided views allowed), and an fp8 cache of
-last dim head_dim, and attends over code * scale. Other fp8 plans are refused (the
-double models no per-tensor fp8).
+last dim head_dim, and attends over code * scale.
+
+FP8 with per-tensor scales (0.7.4): ``kv_data_type`` an fp8 dtype with a half
+``q_data_type`` on the fa2 kernels (fa3 reads fp8 KV only with fp8 q: refused), the
+cache of that fp8 dtype, and ``run(..., k_scale=, v_scale=)`` (floats; None is 1.0):
+``sm_scale * k_scale`` on the scores and the output times ``v_scale``, as FlashInfer
+folds them. ``append_paged_kv_cache`` refuses K/V whose dtype is not the cache's (the
+real kernel reinterprets their bytes silently).
+
+The prefill backend ``auto`` is decided at every ``plan`` as 0.7.4 does: fa3 on sm90
+when the longest query row is over ``FA3_MIN_QO_LEN`` (64) tokens and the KV is not
+fp8, else fa2; ``_backend`` holds the last plan's choice (what ran), and each choice is
+a kernel variant of its own (built at first use).
 
 This proves the backend's wiring (what it plans, appends and runs, with which
 indices, dtypes and layouts), not FlashInfer's kernels: those are checked by
@@ -57,6 +68,8 @@ _UNSET = object()
 APPEND_HEAD_DIMS = (64, 128, 256, 512)
 ATTENTION_HEAD_DIMS = (64, 128, 256)
 MAX_THREADS = 1024
+#: The prefill backend ``auto`` keeps fa2 while the longest query row is at most this.
+FA3_MIN_QO_LEN = 64
 
 
 class FakeFlashInfer(types.ModuleType):
@@ -95,7 +108,7 @@ class FakeFlashInfer(types.ModuleType):
     ) -> None:
         self.calls.append(("append", positions.numel()))
         _check(kv_layout == "NHD", f"kv_layout {kv_layout!r}: the double knows NHD only")
-        k_cache, v_cache = _unpack(paged_kv_cache)
+        k_cache, v_cache = _unpack(paged_kv_cache, fp8=paged_kv_cache_dtype(paged_kv_cache) in FP8)
         dev = append_key.device
         for name, t in [("batch_indices", batch_indices), ("positions", positions),
                         ("kv_indices", kv_indices), ("kv_indptr", kv_indptr),
@@ -116,8 +129,11 @@ class FakeFlashInfer(types.ModuleType):
             _check(t.device == dev, f"all tensors must be on {dev}")
         _check(append_key.stride(-1) == 1 and append_value.stride(-1) == 1,
                "append_key/append_value need a contiguous last dim")  # fmt: skip
+        # The real kernel copies the rows' bytes as the cache's dtype: another dtype is
+        # reinterpreted silently (bf16 K into an fp8 cache writes garbage), so refuse it.
         _check(append_key.dtype == append_value.dtype == k_cache.dtype,
-               "append_key/append_value dtype must equal the cache dtype")  # fmt: skip
+               f"append_key/append_value dtype {append_key.dtype} must equal the cache "
+               f"dtype {k_cache.dtype}")  # fmt: skip
         _check(k_cache.shape[2:] == (kv_heads, head_dim), "cache heads/head_dim != append_key's")
         _check(batch_indices.numel() == nnz and positions.numel() == nnz,
                "batch_indices/positions need one entry per appended token")  # fmt: skip
@@ -161,10 +177,11 @@ class _Wrapper:
         _check(backend in ("auto", "fa2", "fa3"), f"backend={backend!r}: auto, fa2 or fa3")
         major = self.module.capability[0]
         self.requested_backend = backend
-        if backend == "auto":  # determine_attention_backend: fa3 on sm90 for plain f16 attention
-            backend = "fa3" if self.kind == "prefill" and major == 9 else "fa2"
+        if backend == "auto" and self.kind == "decode":
+            backend = "fa2"
         _check(backend != "fa3" or major == 9, "fa3 needs sm90 (Hopper)")
-        self.backend = backend
+        #: The backend of the last plan ("auto" before a prefill wrapper's first plan).
+        self._backend = backend
         self.graph: dict[str, torch.Tensor] | None = None
         if use_cuda_graph:
             _check(buffers is not None, "the double has a CUDA-graph mode for decode only")
@@ -210,17 +227,17 @@ class _Wrapper:
             _check(t.dim() == 1, f"{name} must be 1-D")
         _check(q_data_type is not _UNSET, "pass q_data_type: it defaults to float16")
         _check(q_data_type in HALF, f"q_data_type {q_data_type}: half precision only")
+        fp8 = kv_data_type in FP8
         if use_token_head_sf:
-            _check(
-                kv_data_type in FP8, f"use_token_head_sf requires fp8 KV dtype, got {kv_data_type}"
-            )
+            _check(fp8, f"use_token_head_sf requires fp8 KV dtype, got {kv_data_type}")
             _check(head_dim % 16 == 0, "use_token_head_sf requires head_dim a multiple of 16")
             # As FlashInfer: "auto" becomes fa2 for this plan; another choice is refused.
             _check(self.requested_backend in ("auto", "fa2"),
                    "use_token_head_sf requires backend='fa2'")  # fmt: skip
-            self.backend = "fa2"
-        else:
+        elif not fp8:
             _check(kv_data_type == q_data_type, "kv_data_type must be given and equal q_data_type")
+        _check(not fp8 or self.requested_backend != "fa3",
+               "fa3 reads fp8 KV only with fp8 q (q_data_type is half here)")  # fmt: skip
         _check(num_qo_heads % num_kv_heads == 0, "num_qo_heads must be a multiple of num_kv_heads")
         _check(head_dim in ATTENTION_HEAD_DIMS, f"Unsupported head_dim: {head_dim}")
         _check(window_left >= -1, "window_left must be >= -1")
@@ -239,9 +256,14 @@ class _Wrapper:
         qo_lens = qo_indptr.diff().long()
         _check(bool((qo_lens >= 1).all() and (qo_lens <= kv_lens).all()),
                "each request needs 1 <= qo_len <= kv_len")  # fmt: skip
+        if self.requested_backend == "auto" and self.kind == "prefill":
+            # 0.7.4's choice, made per plan: fa3 on sm90 for long queries over half KV.
+            long = int(qo_lens.max()) > FA3_MIN_QO_LEN
+            hopper = self.module.capability[0] == 9
+            self._backend = "fa3" if hopper and long and not fp8 else "fa2"
         tc = getattr(self, "use_tensor_cores", True)
-        self.module.build((self.kind, self.backend, q_data_type, head_dim, window_left >= 0,
-                           cap > 0, tc))  # fmt: skip
+        self.module.build((self.kind, self._backend, q_data_type, head_dim, window_left >= 0,
+                           cap > 0, tc, kv_data_type))  # fmt: skip
         self.module.calls.append((f"plan_{self.kind}", batch))
         if self.graph is not None:
             if batch != self.fixed_batch_size:
@@ -272,6 +294,8 @@ class _Wrapper:
         q: torch.Tensor,
         paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         *,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
         out: torch.Tensor | None = None,
         return_lse: bool = False,
         kv_cache_sf: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -279,7 +303,17 @@ class _Wrapper:
         p = self.plan_args
         _check(p is not None, "run() before plan()")
         _check(not return_lse, "the double does not return the lse")
-        k_cache, v_cache = _unpack(paged_kv_cache, fp8=p["token_head"])
+        fp8 = p["kv_dtype"] in FP8
+        k_cache, v_cache = _unpack(paged_kv_cache, fp8=fp8)
+        _check(k_cache.dtype == p["kv_dtype"],
+               f"cache dtype {k_cache.dtype} != planned kv_data_type {p['kv_dtype']}")  # fmt: skip
+        for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+            _check(
+                x is None or isinstance(x, float),
+                f"{name}: a float (the double's tensor scales: none)",
+            )
+        _check(not (p["token_head"] and (k_scale or v_scale)),
+               "the double does not combine k_scale/v_scale with token-head scale factors")  # fmt: skip
         if p["token_head"]:
             _check(isinstance(kv_cache_sf, (tuple, list)) and len(kv_cache_sf) == 2,
                    "use_token_head_sf requires kv_cache_sf = (k_sf, v_sf)")  # fmt: skip
@@ -301,8 +335,6 @@ class _Wrapper:
                f"q shape {tuple(q.shape)} != planned {(nnz, p['num_qo_heads'], p['head_dim'])}")  # fmt: skip
         _check(q.stride(-1) == 1, "q needs a contiguous last dim")
         _check(q.dtype == p["dtype"], f"q dtype {q.dtype} != planned q_data_type {p['dtype']}")
-        _check(p["token_head"] or k_cache.dtype == p["dtype"],
-               "cache dtype != planned kv_data_type")  # fmt: skip
         _check(k_cache.shape[1:] == (p["page_size"], p["num_kv_heads"], p["head_dim"]),
                "cache shape does not match the planned page_size/num_kv_heads/head_dim")  # fmt: skip
         _check(q.device == k_cache.device == self.workspace.device,
@@ -313,7 +345,11 @@ class _Wrapper:
                    "out must match q's shape, dtype and device")  # fmt: skip
             _check(out.is_contiguous(), "out must be contiguous")
         self.module.calls.append((f"run_{self.kind}", nnz))
+        if k_scale is not None:  # as FlashInfer: folded into sm_scale
+            p = {**p, "sm_scale": p["sm_scale"] * k_scale}
         result = _reference(q, k_cache, v_cache, p)
+        if v_scale is not None and v_scale != 1.0:  # as FlashInfer: the output times v_scale
+            result = (result.float() * v_scale).to(q.dtype)
         if out is None:
             return result
         out.copy_(result)
@@ -448,6 +484,10 @@ def _unpack(cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], fp8: bool =
     else:
         _check(k.dtype in HALF, f"cache dtype {k.dtype}: half precision only")
     return k, v
+
+
+def paged_kv_cache_dtype(cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.dtype:
+    return (cache[0] if isinstance(cache, tuple) else cache).dtype
 
 
 def _seq_lens(indptr, indices, last, page_size, num_pages) -> torch.Tensor:

@@ -198,20 +198,72 @@ def test_runner_graph_tokens_equal_eager(monkeypatch, model_dir, page_size):
     assert graph.info().num_pages == 160
 
 
-def test_capture_failure_falls_back_to_eager(monkeypatch, model_dir, caplog):
+def test_capture_failure_is_an_error_unless_graphs_are_disabled(monkeypatch, model_dir):
+    """Graphs on and a capture that fails: the worker does not start (no silent eager
+    fallback), and the error names the switch; with disable_cuda_graph nothing is
+    captured and the worker serves eagerly."""
     fake_flashinfer.install(monkeypatch)
+    tried = []
 
     def broken(fn):
+        tried.append(fn)
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(cuda_graph, "capturer_for", lambda device: broken)
-    cfg = WorkerConfig(model=str(model_dir), dtype="bfloat16", page_size=16, num_pages=160,
-                       max_running_requests=4, attention_backend="flashinfer", warmup=False)  # fmt: skip
-    with caplog.at_level("WARNING", logger="radixserve.worker"):
-        runner = build_runner(cfg)
-    assert runner.graphs is None
-    assert any("CUDA graphs off: capture failed" in r.getMessage() for r in caplog.records)
+    kw = dict(model=str(model_dir), dtype="bfloat16", page_size=16, num_pages=160,
+              max_running_requests=4, attention_backend="flashinfer", warmup=False)  # fmt: skip
+    with pytest.raises(cuda_graph.GraphCaptureError,
+                       match=r"capture failed \(RuntimeError: operation not permitted.*--disable-cuda-graph"):  # fmt: skip
+        build_runner(WorkerConfig(**kw))
+    assert len(tried) == 1
+    runner = build_runner(WorkerConfig(**kw, disable_cuda_graph=True))
+    assert runner.graphs is None and len(tried) == 1
     assert len(generate(runner, 16)[0]) == 8
+
+
+def test_split_attention_refuses_graphs_with_its_reason(monkeypatch, caplog):
+    """Attention over a window pool (two page tables per request) captures no graphs:
+    the plan says why at info, and asking it to capture is a ValueError saying the same."""
+    from radixserve.worker.attention.split import SplitAttention
+
+    fake_flashinfer.install(monkeypatch)
+    monkeypatch.setattr(cuda_graph, "capturer_for", lambda device: eager_capturer)
+
+    def fi(windows):
+        pool = KVPool(len(windows), 9, 4, 2, 64, torch.bfloat16)
+        return create_backend("flashinfer", pool, 0.125, windows, 4)
+
+    split = SplitAttention(fi((-1,)), fi((8,)), (1,), 2)
+    assert split.name == "flashinfer" and not split.captures_graphs
+    plan = cuda_graph.GraphPlan(torch.device("cpu"), disabled=False, tp=1, hybrid=False)
+    with caplog.at_level("INFO", logger="radixserve.worker"):
+        assert plan.settle(split) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"CUDA graphs off: {SplitAttention.NO_GRAPHS}"
+    ]
+    with pytest.raises(ValueError, match="two page tables per request"):
+        cuda_graph.capture(lambda *a: None, split, eager_capturer, 4, 8, 100, 8,
+                           torch.device("cpu"))  # fmt: skip
+
+
+def test_graph_wrappers_wait_on_their_plan_event(monkeypatch):
+    """Each graph-size wrapper has its plan's event: recorded once the replay that ran
+    its plan is queued (the next graph or eager step begins), waited on before it is
+    planned again; other sizes' wrappers do not wait on it."""
+    from tests.worker.test_staging import Events
+
+    fake_flashinfer.install(monkeypatch)
+    from radixserve.worker.attention.flashinfer_backend import FlashInferAttention
+
+    pool = KVPool(1, 9, 4, 2, 64, torch.bfloat16)
+    backend = FlashInferAttention(pool, 0.125, (-1,), 4, event_factory=Events())
+    backend.setup_graphs((1, 2), max_pages_per_slot=4, pad_page=8)
+    waits = []
+    for kv_lens, size in (([3], 1), ([3, 5], 2), ([4], 1), ([5], 1)):
+        backend.begin_graph_batch(decode_batch(kv_lens, [[i] if n <= 4 else [i, i + 4]
+                                                         for i, n in enumerate(kv_lens)]), size)  # fmt: skip
+        waits.append(backend.plan_waits())
+    assert waits == [0, 0, 1, 2]
 
 
 def test_a_backend_without_the_capability_gets_no_graphs_and_says_so(

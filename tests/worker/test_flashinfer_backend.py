@@ -130,6 +130,15 @@ def run_long_script(twin: Twin, context: int, chunk: int = 1024) -> None:
     twin.check_pools()
 
 
+def run_long_prompt(twin: Twin) -> None:
+    """A prompt over 64 tokens (where FlashInfer's prefill ``auto`` leaves fa2 on Hopper),
+    mixed with a decode row, then decode steps; after ``run_script``."""
+    twin.new("long")
+    twin.step({"long": 100, "a": 1})
+    twin.step({"long": 1, "a": 1})
+    twin.check_pools()
+
+
 def run_script(twin: Twin, p: int) -> None:
     """Fresh prefills, a prefill after a cached prefix mixed with decodes, a chunked
     prefill across steps, and decode-only steps. ``p`` is the cached prefix length."""
@@ -182,6 +191,61 @@ def test_token_head_fp8_refuses_fa3_prefill(fake):
     with pytest.raises(ValueError, match="fa2 kernels only"):
         create_backend("flashinfer", pool, 0.125, (-1,) * LAYERS, 4,
                        flashinfer_options={"prefill_backend": "fa3"})  # fmt: skip
+
+
+@pytest.mark.parametrize(("page_size", "name"), [(16, "fp8_e4m3"), (1, "fp8_e5m2")])
+def test_per_tensor_fp8_pool_matches_torch_backend(fake, page_size, name):
+    """The per-tensor fp8 layout: K/V cast to the cache's fp8 dtype before the append (the
+    double refuses another dtype, as the real kernel would reinterpret it), plans with
+    the fp8 ``kv_data_type`` and a half ``q_data_type``, runs given k_scale / v_scale,
+    and the prefill backend ``auto`` pinned to fa2 (fa3 reads fp8 KV only with fp8 q)."""
+    twin = Twin(page_size, 2, 2, 64, seed=page_size + 1, kv_dtype=name)
+    assert twin.fi.prefill_backend == "fa2" and "fp8" in twin.fi.prefill_backend_reason
+    twin.new("long")
+    twin.step({"long": 70})  # a query over 64 tokens: still fa2
+    run_script(twin, p=16)
+    code = twin.fi_pool.quant.code_dtype
+    wrappers = [*twin.fi._prefill.values(), *twin.fi._decode.values()]
+    assert all(w.plan_args["kv_dtype"] == code for w in wrappers)
+    assert all(w.plan_args["dtype"] == torch.bfloat16 for w in wrappers)
+    assert {w._backend for w in twin.fi._prefill.values()} == {"fa2"}
+
+
+def test_fp8_pool_refuses_fa3_prefill(fake):
+    pool = KVPool(LAYERS, 8, 16, 2, 64, torch.bfloat16, "cpu", "fp8_e4m3", "tensor")
+    with pytest.raises(ValueError, match="fa2 kernels only"):
+        create_backend("flashinfer", pool, 0.125, (-1,) * LAYERS, 4,
+                       flashinfer_options={"prefill_backend": "fa3"})  # fmt: skip
+
+
+def test_append_refuses_kv_of_another_dtype_than_the_cache(fake):
+    """The backend checks K/V against the cache dtype before the append, whose kernel
+    would reinterpret them silently (the double refuses them too)."""
+    pool = KVPool(1, 8, 16, 1, 64, torch.bfloat16)
+    backend = create_backend("flashinfer", pool, 0.125, (-1,), 1)
+    backend.begin_batch(AttentionBatch(np.array([0, 2], np.int32), np.array([2], np.int32),
+                                       np.array([0, 1], np.int32), np.array([0], np.int32)))  # fmt: skip
+    q = torch.zeros(2, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(AssertionError):
+        backend.forward(0, q, q.half(), q.half())
+    with pytest.raises(fake_flashinfer.FakeFlashInferError, match="must equal the cache dtype"):
+        fake.append_paged_kv_cache(*(q[:, :1].half(),) * 2, *backend._append_args[:2],
+                                   pool.layers[0], *backend._append_args[2:])  # fmt: skip
+
+
+@pytest.mark.parametrize(("capability", "resolved"), [((9, 0), "fa2, fa3"), ((8, 0), "fa2")])
+def test_flashinfer_own_prefill_choice_on_the_double(fake, capability, resolved):
+    """``auto`` as the double decides it per plan (fa3 on sm90 for a query over 64
+    tokens): short and long prompts both match torch, and each prefill wrapper reports
+    what its plans ran on."""
+    fake.capability = capability
+    twin = Twin(16, 2, 2, 64, seed=12, windows=(6, -1))
+    run_script(twin, p=16)
+    run_long_prompt(twin)
+    assert twin.fi.wrapper_backends() == (
+        f"decode (window -1): fa2; decode (window 6): fa2; "
+        f"prefill (window -1): auto -> {resolved}; prefill (window 6): auto -> {resolved}"
+    )
 
 
 def test_gqa_group_without_a_cuda_core_decode_kernel(fake):

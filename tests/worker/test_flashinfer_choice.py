@@ -125,6 +125,25 @@ def test_double_refuses_unstated_q_dtype_positional_options_and_early_run(decode
         decode_wrapper.run(torch.zeros(1, 2, 64, dtype=torch.bfloat16), split)
 
 
+def test_double_per_tensor_fp8_scales(decode_wrapper):
+    """An fp8 cache read with k_scale / v_scale as FlashInfer folds them: the scores'
+    scale times k_scale, the output times v_scale; the cache must be the planned dtype."""
+    torch.manual_seed(0)
+    fp8 = torch.float8_e4m3fn
+    cache = torch.randn(2, 2, 16, 1, 64).to(fp8)
+    q = torch.randn(1, 2, 64).bfloat16()
+    plan(decode_wrapper, kv_data_type=fp8, sm_scale=0.125)
+    scaled = decode_wrapper.run(q, cache, k_scale=2.0, v_scale=0.5).float()
+    plan(decode_wrapper, kv_data_type=fp8, sm_scale=0.25)
+    want = decode_wrapper.run(q, cache).float() * 0.5
+    torch.testing.assert_close(scaled, want, atol=1e-2, rtol=1e-2)
+    with pytest.raises(FakeFlashInferError, match="planned kv_data_type"):
+        decode_wrapper.run(q, cache.to(torch.float8_e5m2))
+    plan(decode_wrapper)  # bf16 KV planned: an fp8 cache is refused
+    with pytest.raises(FakeFlashInferError, match="half precision only"):
+        decode_wrapper.run(q, cache)
+
+
 def test_double_append_refuses_int64_and_out_of_range(monkeypatch):
     fake = fake_flashinfer.install(monkeypatch)
     cache = torch.zeros(2, 2, 4, 1, 64, dtype=torch.bfloat16)
@@ -234,23 +253,34 @@ def test_probe_warms_every_mode_and_window_with_progress(monkeypatch, caplog):
     assert chosen.name == "flashinfer" and chosen.choice_reason == "auto: probe passed"
     lines = [r.getMessage() for r in caplog.records if "flashinfer warm-up" in r.getMessage()]
     assert [line.split(":")[0] for line in lines] == [
-        f"flashinfer warm-up {i}/3" for i in (1, 2, 3)
+        f"flashinfer warm-up {i}/4" for i in (1, 2, 3, 4)
     ]
-    built = {(v[0], v[4]) for v in fake.built if v[0] in ("prefill", "decode")}
-    assert built == {("prefill", True), ("prefill", False), ("decode", True), ("decode", False)}
+    # sm90: FlashInfer's auto ran fa2 for the short prefills and fa3 for the long one.
+    built = {(v[0], v[1], v[4]) for v in fake.built if v[0] in ("prefill", "decode")}
+    assert built == {(kind, backend, window) for window in (True, False)
+                     for kind, backend in [("prefill", "fa2"), ("prefill", "fa3"), ("decode", "fa2")]}  # fmt: skip
     assert ("page", torch.bfloat16, 128) in fake.built
+    wrappers = [r.getMessage() for r in caplog.records if "flashinfer wrappers" in r.getMessage()]
+    assert wrappers == [
+        "flashinfer wrappers: decode (window -1): fa2; decode (window 8): fa2; "
+        "prefill (window -1): auto -> fa2, fa3; prefill (window 8): auto -> fa2, fa3"
+    ]
     # The served steps need nothing the warm-up did not build: with building now
-    # impossible, a prefill and a decode step on every layer still run.
+    # impossible, a prompt of 5 tokens, one of 100 (fa3 on sm90) and a decode step on
+    # every layer still run.
     fake.jit_available = False
     n = len(fake.built)
-    for qo, kv in (([0, 5], [5]), ([0, 1], [6])):
+    for qo, kv in (([0, 5], [5]), ([0, 100], [100]), ([0, 1], [101])):
+        pages = -(-kv[0] // 16)
         chosen.begin_batch(AttentionBatch(np.array(qo, np.int32), np.array(kv, np.int32),
-                                          np.array([0, 1], np.int32), np.array([3], np.int32)))  # fmt: skip
+                                          np.array([0, pages], np.int32),
+                                          np.arange(pages, dtype=np.int32)))  # fmt: skip
         for layer in range(3):
             x = torch.zeros(qo[1], 4, 128, dtype=torch.bfloat16)
             kv_x = torch.zeros(qo[1], 2, 128, dtype=torch.bfloat16)
             chosen.forward(layer, x, kv_x, kv_x)
     assert len(fake.built) == n
+    assert {w._backend for w in chosen._prefill.values()} == {"fa3"}  # the 100-token prompt
 
 
 # The double's own limits (the tests above rely on them).
@@ -288,11 +318,25 @@ def test_double_attention_head_dim_capability_and_jit(decode_wrapper):
 
 
 def test_double_backend_choice(monkeypatch):
+    """``auto`` as 0.7.4 decides it at every plan: fa3 on sm90 for a query row over 64
+    tokens of half KV, else fa2."""
     fake = fake_flashinfer.install(monkeypatch)
     ws = torch.empty(128 << 20, dtype=torch.uint8)
-    assert fake.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="auto").backend == "fa3"
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+
+    def plan(wrapper, qo_len, kv_dtype=torch.bfloat16):
+        wrapper.plan(i32(0, qo_len), i32(0, 1), i32(0), i32(qo_len), 2, 2, 64, 128,
+                     causal=True, q_data_type=torch.bfloat16, kv_data_type=kv_dtype)  # fmt: skip
+        return wrapper._backend
+
+    auto = fake.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="auto")
+    assert [plan(auto, n) for n in (64, 65, 3)] == ["fa2", "fa3", "fa2"]
+    assert plan(auto, 100, torch.float8_e4m3fn) == "fa2"  # fp8 KV: fa2
+    with pytest.raises(FakeFlashInferError, match="fa3 reads fp8 KV only with fp8 q"):
+        plan(fake.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa3"), 3,
+             torch.float8_e4m3fn)  # fmt: skip
     fake.capability = (8, 0)
-    assert fake.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="auto").backend == "fa2"
+    assert plan(fake.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="auto"), 100) == "fa2"
     with pytest.raises(FakeFlashInferError, match="fa3 needs sm90"):
         fake.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa3")
 
@@ -304,7 +348,9 @@ def test_check_command(monkeypatch, capsys):
     args = ["--device", "cpu", "--head-dim", "64", "--heads", "4", "--kv-heads", "2",
             "--windows=-1,4"]  # fmt: skip
     assert check_flashinfer.main(args) == 0
-    assert "attention backend: flashinfer (auto: probe passed)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "attention backend: flashinfer (auto: probe passed)" in out
+    assert "prefill backend: auto (as configured)" in out
     fake.capability = (7, 5)
     assert check_flashinfer.main(args) == 1
     assert "compute capability 8.0+" in capsys.readouterr().out
@@ -314,7 +360,12 @@ def test_check_command(monkeypatch, capsys):
     ("kv_dtype", "layout", "reason"),
     [
         ("int8", "row", r"FlashInfer has no int8 KV cache"),
-        ("fp8_e4m3", "row", r"float16 scale per token and head; FlashInfer's fp8 KV reads the"),
+        (
+            "fp8_e4m3",
+            "row",
+            r"float16 scale per token and head inside each row; FlashInfer's fp8 KV reads "
+            r"per-tensor scales .* float32 per-\(token, head\) scale factors",
+        ),
     ],
 )
 def test_quantized_pools_flashinfer_cannot_read_are_refused(monkeypatch, kv_dtype, layout, reason):

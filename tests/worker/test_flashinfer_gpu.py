@@ -27,7 +27,7 @@ import torch
 
 from radixserve.protocol import Step, StepReq
 from radixserve.sampling_params import SamplingParams
-from tests.worker.test_flashinfer_backend import Twin, run_long_script, run_script
+from tests.worker.test_flashinfer_backend import Twin, run_long_prompt, run_long_script, run_script
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -182,9 +182,14 @@ def test_long_contexts_split_kv(kv_heads, group):
 
 
 def test_flashinfer_own_prefill_choice():
-    """``auto``: FlashInfer's choice (fa3 on Hopper) gives the same results."""
+    """``auto``: FlashInfer's choice, made at every plan (fa2 for queries of at most 64
+    tokens, fa3 on Hopper above), gives the same results, a prompt over 64 tokens mixed
+    with a decode row included (its backend was built by the start-up probe)."""
     twin = Twin(16, 2, 4, 128, seed=2, device="cuda", windows=(6, -1), prefill_backend="auto")
     check(twin, 16)
+    run_long_prompt(twin)
+    torch.cuda.synchronize()
+    print(twin.fi.wrapper_backends())
 
 
 QUESTIONS = [

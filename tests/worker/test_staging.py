@@ -91,10 +91,51 @@ def test_backend_plans_from_reused_guarded_buffers(monkeypatch):
             backend.forward(layer, x, kv, kv)
     assert seen[0][0] == seen[1][0]  # the same pinned buffer, step after step
     assert seen[1][1] == [0, 1, 3]  # ... holding this step's page table
-    # Per step: each of 2 wrappers records after its plan; the append buffer records after
-    # its copy; from the second step on each waits on its own event before rewriting.
-    assert events.log.count("record") == 6 and events.log.count("wait") == 3
+    # Per step: each of 2 wrappers' host buffers records after its plan; the append buffer
+    # records after its copy; from the second step on each waits on its own event before
+    # rewriting. And per wrapper its plan's event: recorded once the step that ran it is
+    # queued (at the next begin_batch), waited on before its next plan (2 wrappers).
+    assert events.log.count("record") == 6 + 2 and events.log.count("wait") == 3 + 2
+    assert backend.plan_waits() == 2
     assert fake.calls.count(("append", 2)) == 4
+
+
+def test_a_wrapper_is_replanned_only_after_the_step_that_ran_its_plan(monkeypatch):
+    """The per-wrapper plan event: recorded after the step's last run, waited on right
+    before that wrapper's next plan(), and only that wrapper's (a prefill step between
+    two decode steps does not wait on the decode wrapper)."""
+    fake = fake_flashinfer.install(monkeypatch)
+    events = Events()
+    pool = KVPool(1, 16, 4, 1, 64, torch.bfloat16)
+    backend = FlashInferAttention(pool, 0.125, (-1,), 2, event_factory=events)
+    for kind, wrapper in (("decode", backend._decode[-1]), ("prefill", backend._prefill[-1])):
+        plan = wrapper.plan
+
+        def spy(*args, _plan=plan, _kind=kind, **kwargs):
+            events.log.append(f"plan {_kind}")
+            return _plan(*args, **kwargs)
+
+        monkeypatch.setattr(wrapper, "plan", spy)
+    run = fake.append_paged_kv_cache
+
+    def append(*args, **kwargs):
+        events.log.append("append")
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(fake, "append_paged_kv_cache", append)
+    marks, waits = [], []
+    for new, kv_len in ((1, 5), (2, 7), (1, 8), (1, 9)):  # decode, prefill, decode, decode
+        marks.append(len(events.log))
+        backend.begin_batch(batch([new], [kv_len], [list(range(-(-kv_len // 4)))]))
+        kv = torch.zeros(new, 1, 64, dtype=torch.bfloat16)
+        backend.forward(0, torch.zeros(new, 2, 64, dtype=torch.bfloat16), kv, kv)
+        waits.append(backend.plan_waits())
+    # Step 2 (prefill) had no event to wait on; step 3 waited on step 1's decode event
+    # (recorded when step 2 began), step 4 on step 3's.
+    assert waits == [0, 0, 1, 2]
+    step4 = events.log[marks[3] :]
+    # Step 3's wrapper records (its run is queued), then waits right before its plan.
+    assert step4[0] == "record" and step4[step4.index("plan decode") - 1] == "wait"
 
 
 def test_outputs_go_to_one_reused_buffer(monkeypatch):

@@ -2,7 +2,8 @@
 
 The command line of the FlashInfer selection: it builds a backend the way a worker
 does (``create_backend("auto", ...)``: the static rules, then the probe of
-``flashinfer_probe.py``) for one attention shape, and prints the verdict. It sits
+``flashinfer_probe.py``) for one attention shape, and prints the verdict and the
+prefill backend; the probe logs what each wrapper's plans ran on (fa2 / fa3). It sits
 above the attention package (nothing imports it), so the probe module below
 needs no import of the package that imports it.
 """
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     print(f"attention backend: {backend.name} ({backend.choice_reason}) "
           f"in {time.perf_counter() - start:.1f} s")  # fmt: skip
+    if backend.name == "flashinfer":  # what the probe's wrappers ran on is logged above
+        print(f"prefill backend: {backend.prefill_backend_reason}")
     return 0 if backend.name == "flashinfer" else 1
 
 

@@ -41,8 +41,17 @@ tensors; per layer (``forward``) the new K/V are appended into the pool with
   ``index_copy_``, not ``append_paged_kv_cache`` (which copies no scales); the slots
   are computed on the device from the append inputs, so a CUDA graph recomputes them.
 - int8 and the per-row layout are refused (``flashinfer_support.kv_pool_reason``).
-- The prefill wrapper's backend is FlashInfer's ``auto``: fa3 on Hopper (sm90) where
-  it applies, else fa2. Decode kernels are fa2.
+- The prefill wrapper's backend is FlashInfer's ``auto`` by default, which 0.7.4
+  decides at every ``plan``: fa2 while the longest query row is at most 64 tokens, fa3
+  on Hopper (sm90) above that. The start-up probe runs a prefill longer than that, so
+  both are built and checked before serving, never JIT-built inside a step. An fp8 pool
+  is read by the fa2 kernels only (fa3 reads fp8 KV only with fp8 queries): ``auto`` is
+  pinned to fa2 for it and ``fa3`` refused. ``wrapper_backends()`` says what each
+  wrapper's plans resolved to. Decode kernels are fa2.
+- One event per wrapper: FlashInfer keeps a wrapper's plan in buffers its next
+  ``plan()`` rewrites (a pinned host copy sent to its int workspace without blocking),
+  so each wrapper records an event once the step that ran its plan is queued and the
+  next ``plan()`` of that wrapper waits on it (in steady state it has long fired).
 - CUDA graphs (``setup_graphs``): one decode wrapper per capture size and window in
   FlashInfer's CUDA-graph mode, over static device buffers (page table, last page
   lengths, positions, output) sliced from shared ones. ``begin_graph_batch`` plans
@@ -72,7 +81,7 @@ from radixserve.worker.attention import flashinfer_support as support
 from radixserve.worker.attention.base import AttentionBatch, PoolBackend
 from radixserve.worker.kv_pool import KVPool
 from radixserve.worker.kv_quant import quantize, token_head_views
-from radixserve.worker.staging import Staging
+from radixserve.worker.staging import Staging, default_event_factory
 
 #: Bytes of the float workspace shared by all wrappers (FlashInfer recommends 128 MB).
 WORKSPACE_BYTES = 128 << 20
@@ -84,9 +93,47 @@ KV_LAYOUT = "NHD"
 #: The per-tensor fp8 pool's scales (kv_quant.TENSOR_QUANTS: codes are the values, 1.0):
 #: run() folds k_scale into sm_scale and multiplies the output by v_scale.
 K_SCALE = V_SCALE = 1.0
-#: FlashInfer's choice for prefill: fa3 on sm90 where it applies, else fa2.
+#: FlashInfer's choice for prefill, per plan: fa3 on sm90 for queries over 64 tokens, else fa2.
 PREFILL_BACKEND = "auto"
 DECODE_BACKEND = "fa2"
+#: The prefill backends FlashInfer's fp8 KV reads with half queries (fa3 wants fp8 q).
+FP8_PREFILL_BACKENDS = ("auto", "fa2")
+
+
+def prefill_backend_for(requested: str, fp8_pool: bool) -> tuple[str, str]:
+    """The prefill backend to give FlashInfer and why: ``requested``, except that an fp8
+    pool pins ``auto`` to fa2 and refuses fa3 (ValueError)."""
+    if not fp8_pool:
+        return requested, f"{requested} (as configured)"
+    if requested not in FP8_PREFILL_BACKENDS:
+        raise ValueError(
+            f"attention backend 'flashinfer' cannot run: its fp8 KV cache is read by the fa2 "
+            f"kernels only (fa3 reads fp8 KV only with fp8 queries), not prefill backend "
+            f"{requested!r}; use --flashinfer-prefill-backend fa2 (or auto)"
+        )
+    return "fa2", f"fa2 ({requested}: an fp8 KV cache is read by the fa2 kernels only)"
+
+
+class _PlanEvent:
+    """When a wrapper's plan may be overwritten: an event recorded once the step that ran
+    it is queued (``used``), waited on before the wrapper's next ``plan()`` (``wait``).
+    A no-op without events (CPU); ``waits`` counts the waits, for tests."""
+
+    def __init__(self, make_event: Any) -> None:
+        self._make_event = make_event
+        self._event: Any = None
+        self.waits = 0
+
+    def used(self) -> None:
+        if self._make_event is not None:
+            self._event = self._make_event()
+            self._event.record()
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+            self.waits += 1
+            self._event = None
 
 
 class _HostPlan:
@@ -143,16 +190,18 @@ class FlashInferAttention(PoolBackend):
             else []
         )
         self._th_rows: torch.Tensor | None = None
-        if self._th is not None and prefill_backend not in ("auto", "fa2"):
-            raise ValueError(
-                f"attention backend 'flashinfer' cannot run: its per-(token, head) fp8 "
-                f"scales are read by the fa2 kernels only, not prefill backend "
-                f"{prefill_backend!r}; use --flashinfer-prefill-backend fa2 (or auto)"
-            )
+        prefill_backend, self.prefill_backend_reason = prefill_backend_for(
+            prefill_backend, pool.quant is not None
+        )
         fi = support.import_flashinfer()
         self._fi = fi
         self._device = device
         self._events = event_factory
+        self._make_event = event_factory or default_event_factory(device)
+        #: Per wrapper (by key): its plan's event, and the backends its plans resolved to.
+        self._plan_events: dict[tuple, _PlanEvent] = {}
+        self._resolved: dict[tuple, set[str]] = {}
+        self._used: list[tuple] = []  # the keys of the wrappers the current step runs
         # FlashInfer asks for a zeroed workspace on first use (its split-KV merge state).
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._windows = sorted(set(sliding_windows))
@@ -193,20 +242,58 @@ class FlashInferAttention(PoolBackend):
         qo_lens, kv_lens, last = _check_batch(batch, self.pool.page_size)
         decode = bool(np.all(qo_lens == 1))
         kind = "decode" if decode else "prefill"
+        self._step_queued()
         for w in self._windows:
             host = self._host_plans[(kind, w)]
             qo, indptr, indices, lastt = host.tensors(
                 batch.qo_indptr, batch.page_indptr, batch.page_indices, last
             )
+            wrapper = (self._decode if decode else self._prefill)[w]
+            self._before_plan((kind, w))
             if decode:
-                self._plan_decode(self._decode[w], w, indptr, indices, lastt)
+                self._plan_decode(wrapper, w, indptr, indices, lastt)
             else:
-                self._plan_prefill(self._prefill[w], w, qo, indptr, indices, lastt)
+                self._plan_prefill(wrapper, w, qo, indptr, indices, lastt)
+            self._after_plan((kind, w), wrapper)
             host.staging.record()  # plan() has queued its copies from these buffers
         self._active = dict(self._decode if decode else self._prefill)
         self._append_args = self._plan_append(batch, qo_lens, kv_lens, last)
         self._th_rows = None
         self._out_rows = self._output(batch.num_tokens)
+
+    def _step_queued(self) -> None:
+        """The last step's kernels are queued: each wrapper it ran records its event."""
+        for key in self._used:
+            self._plan_events[key].used()
+        self._used = []
+
+    def _before_plan(self, key: tuple) -> None:
+        """Wait until the last step that ran this wrapper's plan is done with it."""
+        self._plan_events.setdefault(key, _PlanEvent(self._make_event)).wait()
+
+    def _after_plan(self, key: tuple, wrapper: Any) -> None:
+        self._used.append(key)
+        # FlashInfer keeps the backend it resolved ("auto": per plan) in ``_backend``.
+        resolved = getattr(wrapper, "_backend", None) or "?"
+        self._resolved.setdefault(key, set()).add(resolved)
+
+    def plan_waits(self) -> int:
+        """Waits on wrappers' plan events so far (0 on CPU without an event factory)."""
+        return sum(e.waits for e in self._plan_events.values())
+
+    def wrapper_backends(self) -> str:
+        """What each wrapper's plans ran on so far, for the start-up log, e.g.
+        ``prefill (window -1): auto -> fa2, fa3; decode (window -1): fa2``."""
+        parts = []
+        for key, backends in sorted(self._resolved.items(), key=str):
+            kind, w = key[0], key[-1]
+            size = f", graph batch {key[1]}" if kind == "graph" else ""
+            asked = self.prefill_backend if kind == "prefill" else DECODE_BACKEND
+            got = ", ".join(sorted(backends))
+            parts.append(
+                f"{kind} (window {w}{size}): " + (f"{asked} -> {got}" if asked != got else got)
+            )
+        return "; ".join(parts)
 
     def _common(self, w: int) -> dict[str, Any]:
         common = {
@@ -267,6 +354,8 @@ class FlashInferAttention(PoolBackend):
         if self._fp8 is not None:
             # append_paged_kv_cache copies rows of the cache's dtype: cast (clamped) first.
             k, v = quantize(k, self._fp8), quantize(v, self._fp8)
+        # The kernel reinterprets K/V of another dtype as the cache's, silently.
+        assert k.dtype == v.dtype == cache.dtype, (k.dtype, v.dtype, cache.dtype)
         self._fi.append_paged_kv_cache(
             k, v, batch_indices, positions, cache, kv_indices, kv_indptr, last,
             kv_layout=KV_LAYOUT,
@@ -369,10 +458,13 @@ class FlashInferAttention(PoolBackend):
         # Graph-mode plan() copies a host page table into its static buffer with a blocking
         # copy (it copies without blocking only from the device): send it there first.
         (indices_dev,) = self._g_indices_staging.to_device([indices])
+        self._step_queued()
         for w in self._windows:
             host = self._g_host[(size, w)]
             indptr_t, last_t = host.tensors(indptr, last)
+            self._before_plan(("graph", size, w))
             self._plan_decode(self._g_wrappers[size][w], w, indptr_t, indices_dev, last_t)
+            self._after_plan(("graph", size, w), self._g_wrappers[size][w])
             host.staging.record()
         # The append kernel reads positions from a static buffer: kv_len - 1 per row, pad rows 0.
         positions = np.concatenate([kv_lens - 1, np.zeros(pad, dtype=kv_lens.dtype)])

@@ -9,12 +9,18 @@ model's scale and soft-cap, the steps the server runs:
 1. a fresh prefill of two requests (the prefill wrappers, every window),
 2. a decode step (the decode wrappers, every window),
 3. a prefill chunk after cached tokens mixed with a decode row,
+4. a long prefill chunk (``LONG_PREFILL`` tokens) mixed with a decode row: FlashInfer's
+   prefill backend ``auto`` keeps fa2 for queries of at most 64 tokens and picks fa3 on
+   Hopper above that, so without this step the first long prompt would JIT-build (minutes)
+   and run an unchecked kernel inside a served step,
 
 each with ``append_paged_kv_cache``, checked against the torch backend in float32
 on the same inputs. Running them loads (or JIT-compiles: minutes each without
 ``flashinfer-jit-cache``) every kernel variant the server uses (the CUDA-graph
 decode wrappers share the decode kernels), so this doubles as the warm-up; each
-step's time is logged as progress. Any failure raises ``ProbeError`` with the
+step's time is logged as progress, and at the end the backend each wrapper's plans
+resolved to (``flashinfer wrappers: prefill (window -1): auto -> fa2, fa3; ...``). Any
+failure raises ``ProbeError`` with the
 reason: ``create_backend`` then falls back to torch under ``auto`` and refuses
 under ``flashinfer``.
 """
@@ -38,8 +44,16 @@ log = logging.getLogger("radixserve.worker")
 #: Largest |flashinfer - float32 torch| accepted (half-precision inputs, outputs ~1).
 TOLERANCE = 3e-2
 #: (mode, new tokens of request 0, of request 1): every mode the server plans.
-STEPS = (("prefill", 5, 3), ("decode", 1, 1), ("chunked prefill + decode", 4, 1))
-PROBE_PAGES = 32  # 16 per request: 10 tokens at page size 1 fit
+#: A query longer than the 64 tokens up to which FlashInfer's ``auto`` keeps fa2.
+LONG_PREFILL = 80
+STEPS = (
+    ("prefill", 5, 3),
+    ("decode", 1, 1),
+    ("chunked prefill + decode", 4, 1),
+    ("long prefill + decode", LONG_PREFILL, 1),
+)
+#: Tokens request 0 holds after every step (the larger of the two).
+PROBE_TOKENS = sum(step[1] for step in STEPS)
 
 
 class ProbeError(RuntimeError):
@@ -59,7 +73,8 @@ def probe(
     fails or disagrees with the torch backend."""
     windows = tuple(sorted(set(sliding_windows)))
     device = pool.layers[0].device if pool.layers else torch.device("cpu")
-    shape = (len(windows), PROBE_PAGES, pool.page_size, pool.num_kv_heads, pool.head_dim)
+    shape = (len(windows), 2 * _pages_per_request(pool.page_size), pool.page_size,
+             pool.num_kv_heads, pool.head_dim)  # fmt: skip
     mode = "setup"
     try:
         kv = (pool.kv_dtype, pool.kv_layout)
@@ -82,6 +97,9 @@ def probe(
                 f"head_dim {pool.head_dim}, {str(pool.dtype).removeprefix('torch.')}) "
                 f"ok in {time.perf_counter() - start:.1f} s"
             )
+        resolved = getattr(backend, "wrapper_backends", None)
+        if resolved is not None:
+            progress(f"flashinfer wrappers: {resolved()}")
     except ProbeError:
         raise
     except Exception as e:
@@ -109,6 +127,10 @@ def probe_tolerance(pool: KVPool) -> float:
     return TOLERANCE + PROBE_VMAX * torch.finfo(q.code_dtype).eps / 2
 
 
+def _pages_per_request(page_size: int) -> int:
+    return -(-PROBE_TOKENS // page_size)
+
+
 def _batch(lens: list[int], new: list[int], page_size: int) -> AttentionBatch:
     """Request i gets ``new[i]`` tokens after its ``lens[i]``; pages laid out in order."""
     qo, kv, counts = [0], [], []
@@ -118,7 +140,7 @@ def _batch(lens: list[int], new: list[int], page_size: int) -> AttentionBatch:
         kv.append(lens[i])
         counts.append(-(-lens[i] // page_size))
     # Request 0 owns pages 0.., request 1 the pages from the middle of the pool on.
-    tables = [np.arange(c) + i * (PROBE_PAGES // 2) for i, c in enumerate(counts)]
+    tables = [np.arange(c) + i * _pages_per_request(page_size) for i, c in enumerate(counts)]
     return AttentionBatch(
         qo_indptr=np.asarray(qo, np.int32),
         kv_lens=np.asarray(kv, np.int32),

@@ -56,10 +56,11 @@ def device_capability(device: torch.device) -> tuple[int, int]:
 
 def kv_pool_reason(pool) -> str | None:
     """Why the flashinfer backend cannot read this KV pool's storage (None: it can):
-    int8 (FlashInfer has no int8 KV), fp8 rows in the ``row`` layout (float16 scales
-    inside 66-byte rows: it reads the ``token_head`` layout's float32 scales and
-    16-byte aligned rows, or the per-tensor layout), or a pool cast to another float
-    dtype."""
+    int8 (FlashInfer has no int8 KV), fp8 rows in the ``row`` layout (a float16 scale
+    inside each 66-byte row), or a pool cast to another float dtype. FlashInfer 0.7.4
+    reads fp8 KV with per-tensor scales (``run(k_scale=, v_scale=)``: the ``tensor``
+    layout) or with per-(token, head) float32 scale factors in tensors of their own
+    (``plan(use_token_head_sf=True)``, fa2 kernels only: the ``token_head`` layout)."""
     q = pool.quant
     if q is not None and not q.is_fp8:
         return (
@@ -69,8 +70,9 @@ def kv_pool_reason(pool) -> str | None:
     if q is not None and pool.kv_layout == "row":
         return (
             f"the KV pool stores {pool.kv_dtype_name} rows with a float16 scale per token "
-            "and head; FlashInfer's fp8 KV reads the token_head layout (float32 scales) "
-            "or the per-tensor one (kv_layout 'token_head' / 'tensor')"
+            "and head inside each row; FlashInfer's fp8 KV reads per-tensor scales (kv_layout "
+            "'tensor') or float32 per-(token, head) scale factors in tensors of their own "
+            "(kv_layout 'token_head', its fa2 kernels)"
         )
     if q is None and pool.storage_dtype != pool.dtype:
         return (

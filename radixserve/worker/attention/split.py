@@ -8,7 +8,8 @@ is an ``AttentionBackend`` made of one backend per pool: ``begin_batch`` plans e
 with its own page tables (``AttentionBatch.page_indices`` for the full pool,
 ``window_page_indices`` for the window pool), ``forward(layer, ...)`` hands the layer
 to the backend of its pool under its index there. It declares no capability: the
-one-call decode step and CUDA graphs take one page table.
+one-call decode step and CUDA graphs take one page table (``NO_GRAPHS`` is the reason
+the worker logs when graphs are off for it; decode steps then run eagerly).
 
 Every path of the wrapped torch backends is sound with the dummy page: a sliding
 layer's mask hides every key before ``kv_len - qo_len - window + 1`` (decode bias,
@@ -30,6 +31,12 @@ from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
 
 class SplitAttention(AttentionBackend):
     """Routes each layer to the backend of its pool (module docstring)."""
+
+    #: Why a worker over a window pool captures no CUDA graphs.
+    NO_GRAPHS = (
+        "attention over a window pool has two page tables per request and the decode "
+        "graphs capture one; decode steps run eagerly"
+    )
 
     def __init__(
         self,
