@@ -3,7 +3,7 @@
     python bench/gpu_parity.py [--page-sizes 1,16 --new-tokens 64]
     python bench/gpu_parity.py --device cpu --candidate torch --new-tokens 4   # plumbing only
 
-Four chat prompts (a shared ~90-token system message and a question each: every prompt
+Four chat prompts (a shared ~80-token system message and a question each: every prompt
 is over 64 tokens) run through ModelRunners as the server runs them: the first prompt
 alone, then the other three with the first one's whole prefix pages as their cached
 prefix (they compute only from there), then decode steps of all four together.

@@ -128,3 +128,75 @@ def test_decode_bw_runs_on_cpu_tiny(capsys):
     assert float(weights_mb) == pytest.approx(weights / 1e6, abs=1e-3)
     assert float(kv_mb) == pytest.approx(kv / 1e6, abs=1e-3)
     assert float(ms) > 0 and share.endswith("%")
+
+
+def check_sh(*args: str, out: Path) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "PYTHON": sys.executable}
+    return subprocess.run(["bash", str(BENCH / "gpu_check.sh"), *args], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=60)  # fmt: skip
+
+
+def tier_budgets(usage: str) -> dict[str, str]:
+    """The usage table: tier -> budget cell."""
+    return dict(re.findall(r"^([a-z0-9-]+)\s+(<?\d+ min|>\d+ h)\s", usage, re.M))
+
+
+def test_every_tier_states_a_budget_within_one_command(tmp_path):
+    got = check_sh("--help", out=tmp_path)
+    assert got.returncode == 0
+    budgets = tier_budgets(got.stdout)
+    assert set(budgets) >= {"stage", "quick", "serve", "parity", "all"}
+    for tier, budget in budgets.items():
+        if tier != "all":
+            assert re.fullmatch(r"<?\d+ min", budget) and int(budget.strip("<").split()[0]) <= 9
+    docs = (REPO / "docs" / "gpu.md").read_text()
+    for tier in budgets:
+        assert f"bash bench/gpu_check.sh {tier}" in docs, tier
+    bad = check_sh("nonsense", out=tmp_path)
+    assert bad.returncode == 2 and "unknown tier" in bad.stderr
+
+
+def test_dry_run_prints_the_tier_and_runs_nothing(tmp_path):
+    got = check_sh("--dry-run", "quick", out=tmp_path)
+    assert got.returncode == 0, got.stdout + got.stderr
+    commands = [line for line in got.stdout.splitlines() if line.startswith("+ ")]
+    for page in (1, 16):
+        assert any("check_flashinfer" in c and f"--page-size {page} " in c for c in commands)
+        decode = [c for c in commands if "gpu_decode_bw.py" in c and f"--page-size {page} " in c]
+        assert len(decode) == 2 and all("--sync-debug" in c for c in decode)
+        assert sum("--disable-cuda-graph" in c for c in decode) == 1
+    assert "MAX_JOBS=16" in got.stdout and "FLASHINFER_CUDA_ARCH_LIST=" in got.stdout
+    assert "dry run, nothing ran" in got.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check_quick.log"]
+
+
+COLLECT = """
+import sys, pytest
+from _pytest.mark import KeywordMatcher
+from _pytest.mark.expression import Expression
+
+class Items:
+    def pytest_collection_modifyitems(self, items):
+        self.items = list(items)
+
+c = Items()
+pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", sys.argv[1]], plugins=[c])
+for expr in sys.argv[2:]:
+    e = Expression.compile(expr)
+    print("TIER", expr, "|".join(i.nodeid for i in c.items if e.evaluate(KeywordMatcher.from_item(i))))
+print("ALL", "|".join(i.nodeid for i in c.items))
+"""
+
+
+def test_each_gpu_test_is_in_exactly_one_tier(tmp_path):
+    got = check_sh("--dry-run", "all", out=tmp_path)
+    exprs = re.findall(r"test_flashinfer_gpu\.py .* -k (.*)$", got.stdout, re.M)
+    assert len(exprs) >= 7
+    run = subprocess.run([sys.executable, "-c", COLLECT, "tests/worker/test_flashinfer_gpu.py",
+                          *exprs], capture_output=True, text=True, cwd=REPO, timeout=120)  # fmt: skip
+    lines = run.stdout.splitlines()
+    every = next(line for line in lines if line.startswith("ALL ")).split(" ", 1)[1].split("|")
+    chosen = [line.rsplit(" ", 1)[1].split("|") for line in lines if line.startswith("TIER ")]
+    assert len(chosen) == len(exprs) and all(c != [""] for c in chosen)
+    flat = [node for c in chosen for node in c]
+    assert sorted(flat) == sorted(every) and len(every) > 50
