@@ -9,7 +9,11 @@ check builds kernels for) with a tokenizer is made on the spot. For each page si
 ``radixserve launch`` starts on a free port; the script then checks:
 1. health: ``ok``, with the page size asked for (and on CUDA the backend it chose);
 2. eight greedy completions sent at once (48-200 token prompts, 16 new tokens, EOS
-   ignored) each give 16 tokens, equal to the same prompts sent one at a time;
+   ignored) each give 16 tokens, equal to the same prompts sent one at a time, or
+   parting from them only at a near tie: where the lone run's two best tokens are the
+   two chosen and their log-probabilities are within 0.125 (bf16, fp16; 1e-3 in
+   float32): a batch changes how the kernels split the work, so logits differ by
+   rounding, about 2^-8 of their size in bf16;
 3. a prompt sharing a 96-token prefix with an earlier one reports cached tokens > 0
    (a whole number of pages, at most the prefix);
 4. SIGTERM to the launcher's PID: it exits 0 and its children (scheduler, tokenizer,
@@ -39,7 +43,23 @@ from radixserve import SamplingParams  # noqa: E402
 from radixserve.client import AsyncClient, Client  # noqa: E402
 
 NEW_TOKENS = 16
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+# Greedy runs of one prompt, alone and in a batch, may part only where the top two
+# tokens are this close (log-probabilities): a batch changes the kernels' split of
+# the work, so the logits differ by rounding, about 2^-8 of their size in bf16.
+NEAR_TIE = {"float32": 1e-3, "float64": 1e-9}
+
+
+def parts_at_near_tie(batched, alone, tie: float) -> bool:
+    """Whether ``batched``'s tokens equal ``alone``'s up to a position where ``alone``'s
+    two best tokens, the two that were chosen, are within ``tie``."""
+    differ = [k for k, (a, b) in enumerate(zip(batched.token_ids, alone.token_ids)) if a != b]
+    if not differ:
+        return True
+    k = differ[0]
+    top = alone.logprobs[k].top
+    chosen = {batched.token_ids[k], alone.token_ids[k]}
+    return {t.token_id for t in top[:2]} == chosen and top[0].logprob - top[1].logprob < tie
 
 
 def make_model(folder: Path) -> Path:
@@ -139,7 +159,11 @@ def check_server(model: Path, args: argparse.Namespace, page_size: int, log: Pat
             client.flush_cache()
             alone = [client.generate(input_ids=p, sampling_params=GREEDY) for p in prompts]
             same = sum(a.token_ids == b.token_ids for a, b in zip(together, alone))
-            expect(same == len(prompts), f"{same}/{len(prompts)} equal to one at a time")
+            tie = NEAR_TIE.get(args.dtype, 0.125)
+            ties = sum(parts_at_near_tie(a, b, tie) for a, b in zip(together, alone)) - same
+            expect(same + ties == len(prompts),
+                   f"{same}/{len(prompts)} equal to one at a time, {ties} parting at a near tie"
+                   f" (top-2 log-probabilities within {tie})")  # fmt: skip
             prefix = rng.integers(4, 500, 96).tolist()
             first = client.generate(input_ids=prefix + [7, 8, 9], sampling_params=GREEDY)
             second = client.generate(input_ids=prefix + [10, 11], sampling_params=GREEDY)
