@@ -122,16 +122,20 @@ tier_quick() {
   for p in 1 16; do
     for graphs in "" --disable-cuda-graph; do
       run "$PY" bench/gpu_decode_bw.py --layers 2 --batches 1,8 --contexts 512 --steps 3 \
-        --page-size $p --attention-backend flashinfer --sync-debug $graphs
+        --page-size $p --attention-backend flashinfer --sync-debug $graphs \
+        --model-dir /tmp/rs-decode-bw-2layers
     done
   done
 }
 
 tier_serve() {
   run "$PY" bench/gpu_server_e2e.py --page-sizes 1,16 --log-dir "$out"
-  run "$PY" bench/gpu_decode_bw.py --attention-backend flashinfer --page-size 16 --check
+  # One random 1.1B model (saved once, about 2.3 GB), then the table at page size 16
+  # (the bandwidth goal) and its largest cells at page size 1.
+  run "$PY" bench/gpu_decode_bw.py --attention-backend flashinfer --page-size 16 --check \
+    --model-dir /tmp/rs-decode-bw-1b
   run "$PY" bench/gpu_decode_bw.py --attention-backend flashinfer --page-size 1 \
-    --batches 1,128 --contexts 4096
+    --batches 1,128 --contexts 4096 --model-dir /tmp/rs-decode-bw-1b
 }
 
 tier_parity() {

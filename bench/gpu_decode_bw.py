@@ -24,6 +24,7 @@ batch 128 x context 4096 (``--check`` makes that the exit status).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -171,6 +172,28 @@ class Decoder:
         self.runner.step(Step([], release=list(range(self.batch))))
 
 
+def make_model(shape: LlamaShape, dtype: torch.dtype, folder: str | None) -> str:
+    """Save a random model of ``shape`` into ``folder`` (a new temporary one if None); a
+    folder that holds one of this shape already is reused (a 1.1B model takes a while)."""
+    import json
+
+    import transformers
+
+    config = shape.config()
+    if folder and os.path.exists(os.path.join(folder, "config.json")):
+        with open(os.path.join(folder, "config.json")) as f:
+            saved = json.load(f)
+        keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")  # fmt: skip
+        if all(saved.get(k) == getattr(config, k) for k in keys):
+            return folder
+    folder = folder or tempfile.mkdtemp(prefix="rs-decode-bw-")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(folder)
+    return folder
+
+
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -187,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the shape's")
     ap.add_argument("--steps", type=int, default=10, help="timed decode steps per cell")
     ap.add_argument("--copy-mib", type=int, default=None, help="copy size (GPU 1024, CPU 64)")
+    ap.add_argument("--model-dir", default=None,
+                    help="save the random model here, or reuse the one of this shape there")  # fmt: skip
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--sync-debug", action="store_true",
@@ -203,14 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.sync_debug and device.type != "cuda":
         print("--sync-debug: no CUDA device, the forwards run without the sync check")
 
-    folder = tempfile.mkdtemp(prefix="rs-decode-bw-")
-    import transformers
-
-    torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
-    model = transformers.AutoModelForCausalLM.from_config(shape.config(), dtype=dtype)
-    model.save_pretrained(folder)
-    del model
+    folder = make_model(shape, dtype, args.model_dir)
     room = args.steps + 8
     max_b = max(batches)
     pages = max_b * -(-(max(contexts) + room + 1) // args.page_size)
