@@ -21,10 +21,13 @@ result by about the same amount. ``e16 = max |t16 - t32|`` measures that for thi
 and these prompts. The candidate passes when
 - ``max |cand - t32| <= 2 * e16`` (no worse than twice the torch backend's own bf16 error);
   then ``max |cand - t16| <= 3 * e16`` follows, and is printed;
-- every top-1 disagreement with ``t16`` (teacher-forced) is at a near tie: where ``t32``'s
-  logits of the two tokens differ by less than ``2 * (|cand - t32| + e16)`` at that row;
-- its free-running greedy text equals ``t16``'s up to the first such near tie (where
-  they may part: from there they continue from different contexts).
+- its free-running greedy text equals ``t16``'s up to a token where the teacher-forced
+  candidate also picks another token than ``t16`` (the contexts are the same until
+  then, so the free run must reproduce the forced one; from there they part);
+- with CUDA graphs asked for, graphs were captured.
+Within the bound every top-1 disagreement is a near tie (``t32``'s logits of the two
+tokens within ``2 * max(|cand - t32|, e16)``); each is printed with that gap, and the
+top-1 agreement rate is reported.
 Exit status 0 when every candidate passes.
 """
 
@@ -140,28 +143,29 @@ def build(args, page_size: int, backend: str, dtype: str, graphs: bool):
 
 def compare(name: str, cand: Run, forced: Run, t16: Run, t32: Run, e16: float) -> bool:
     """The candidate's checks (see the module's docstring): ``cand`` its free-running
-    run, ``forced`` its run fed ``t16``'s tokens. Prints a line, and one per near tie."""
+    run, ``forced`` its run fed ``t16``'s tokens. Prints a line, and one per top-1
+    disagreement."""
     d16 = (forced.logits - t16.logits).abs()  # teacher-forced candidate vs t16
     err32 = float((forced.logits - t32.logits).abs().max())
     top_c, top_t = forced.logits.argmax(-1), t16.logits.argmax(-1)
     agree = float((top_c == top_t).float().mean())
-    # At a disagreement, t32's gap between the two tokens must be within the bf16 noise.
-    bound = 2 * (err32 + e16)
-    ties_ok = True
+    # Within the bounds, a disagreement can only be a near tie: t32's two logits within
+    # 2 * max(err32, e16). Printed, so that a failing bound shows where it bit.
     for p, k in (top_c != top_t).nonzero().tolist():
         a, b = int(top_c[p, k]), int(top_t[p, k])
         gap = float((t32.logits[p, k, a] - t32.logits[p, k, b]).abs())
-        ties_ok &= gap < bound
-        print(f"   top-1 differs: prompt {p} token {k}: t32 gap {gap:.4f} (bound {bound:.4f})")
+        print(f"   top-1 differs: prompt {p} token {k}: t32 gap {gap:.4f}")
     # Free-running greedy text: equal to t16's up to a token where the teacher-forced
-    # candidate disagrees too (a near tie, checked above); the contexts part there.
+    # candidate disagrees too (the same contexts so far, so the same logits); the
+    # contexts part there.
     text_ok = True
     for p in range(len(t16.tokens)):
         differ = [k for k, (c, t) in enumerate(zip(cand.tokens[p], t16.tokens[p])) if c != t]
         if differ and top_c[p, differ[0]] == top_t[p, differ[0]]:
             text_ok = False
-            print(f"   greedy text of prompt {p} parts at token {differ[0]}, not at a near tie")
-    ok = err32 <= 2 * e16 and ties_ok and text_ok
+            print(f"   greedy text of prompt {p} parts at token {differ[0]}, where the "
+                  "teacher-forced run agrees")  # fmt: skip
+    ok = err32 <= 2 * e16 and text_ok
     print(f"{'ok  ' if ok else 'FAIL'} {name}: max|cand-t32| {err32:.4f} (<= 2*e16 {2 * e16:.4f}), "
           f"max|cand-t16| {float(d16.max()):.4f}, top-1 agreement {agree:.2%}, greedy text "
           f"{'equal' if all(c == t for c, t in zip(cand.tokens, t16.tokens)) else 'parts at a near tie' if text_ok else 'differs'}")  # fmt: skip
