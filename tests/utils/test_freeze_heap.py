@@ -14,8 +14,11 @@ def test_freeze_heap_moves_the_live_objects_out_of_the_collectors_reach():
         freeze_heap()
         frozen = gc.get_freeze_count()
         assert frozen >= before + len(held)
-        # A full collection now walks only what was made after the freeze.
+        # A full collection now walks only what was made after the freeze: it thaws
+        # nothing (frozen objects may still be freed by their reference counts, e.g. by
+        # another test's thread ending, so the count may only go down, never below
+        # what this test holds).
         gc.collect()
-        assert gc.get_freeze_count() == frozen
+        assert len(held) <= gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()  # the rest of the test run collects as before
