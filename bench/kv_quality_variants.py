@@ -12,9 +12,13 @@ least squared error); keys "smoothed": less the mean post-RoPE key per (layer, k
 head, channel) of the ``--calibrate`` tokens that follow the measured ones (softmax
 cannot see a vector subtracted from every key: q.(k - m) = q.k - q.m, a constant per
 query row), or less the measured keys' own mean (the best a fixed vector does); keys
-in int8 with values in e4m3. Nothing here is a pool format: it measures what a format
-change would buy before one is built. ``--only "a;b"`` runs those variants (and
-bfloat16) alone.
+in int8 with values in e4m3; keys (and values) "rotated": rounded as ``x R`` for an
+orthogonal R of order head_dim (the normalized Walsh-Hadamard matrix, or a fixed random
+orthogonal one) and rotated back, which is what attention computes when the pool stores
+``k R`` and queries are rotated too (``(q R).(k R) = q.k``; for values the output is
+rotated back), alone or with 16-value blocks, smoothing or a searched scale. Nothing
+here is a pool format: it measures what a format change would buy before one is built.
+``--only "a;b"`` runs those variants (and bfloat16) alone.
 
     python bench/kv_quality_variants.py --tokens 2048
 """
@@ -22,6 +26,7 @@ bfloat16) alone.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -54,6 +59,38 @@ def searched_e4m3(x: torch.Tensor, top: int) -> torch.Tensor:
     best = (y - xf[..., None, :]).pow(2).sum(-1).argmin(-1)
     idx = best[..., None, None].expand(*best.shape, 1, xf.shape[-1])
     return torch.gather(y, -2, idx).squeeze(-2).to(x.dtype)
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """The normalized Walsh-Hadamard matrix of order n (a power of 2), float64: orthogonal,
+    every entry +-1/sqrt(n)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Walsh-Hadamard matrix needs a power of 2, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / n**0.5
+
+
+def random_orthogonal(n: int, seed: int = 0) -> torch.Tensor:
+    """A fixed random orthogonal matrix of order n (Q of a Gaussian matrix's QR), float64."""
+    g = torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r))
+
+
+@functools.cache
+def rotation(kind: str, head_dim: int) -> torch.Tensor:
+    """``hadamard`` or ``random`` (orthogonal), of order head_dim."""
+    return hadamard(head_dim) if kind == "hadamard" else random_orthogonal(head_dim)
+
+
+def rotated(x: torch.Tensor, rot: torch.Tensor, f) -> torch.Tensor:
+    """x rotated by ``rot``, rounded by ``f`` and rotated back: what attention computes
+    when the pool stores x R and the query is rotated too, (q R).f(x R) = q.(f(x R) R^T),
+    or, for values, when the output is rotated back."""
+    r = rot.to(x.dtype)
+    return f(x @ r) @ r.T
 
 
 def smoothed(k: torch.Tensor, means: torch.Tensor | None, name: str) -> torch.Tensor:
@@ -109,6 +146,35 @@ def variants(top: int, means: dict) -> dict:
         round_trip(k, "int8"),
         round_trip(v, "fp8_e4m3"),
     )  # fmt: skip
+
+    def rotate(name: str, values: bool, kind: str = "hadamard", block: int = 0,
+               smooth_k: bool = False, search: bool = False):  # fmt: skip
+        def f(k, v, layer):
+            r = rotation(kind, k.shape[-1])
+            if smooth_k:
+                k = k - means[layer].to(k.dtype)[None, :, None, :]
+
+            def fk(x):
+                return searched_e4m3(x, top) if search else round_trip(x, name, block)
+
+            def fv(x):
+                return round_trip(x, name, block)
+
+            return rotated(k, r, fk), rotated(v, r, fv) if values else fv(v)
+
+        return f
+
+    table["fp8_e4m3, K rotated"] = rotate("fp8_e4m3", False)
+    table["fp8_e4m3, K and V rotated"] = rotate("fp8_e4m3", True)
+    table["fp8_e4m3, K rotated (random orthogonal)"] = rotate("fp8_e4m3", False, "random")
+    table["fp8_e4m3, K and V rotated (random orthogonal)"] = rotate("fp8_e4m3", True, "random")
+    table["fp8_e4m3, K rotated, 16-value blocks"] = rotate("fp8_e4m3", False, block=16)
+    table["fp8_e4m3, K and V rotated, 16-value blocks"] = rotate("fp8_e4m3", True, block=16)
+    table["fp8_e4m3, K smoothed and rotated"] = rotate("fp8_e4m3", False, smooth_k=True)
+    table["fp8_e4m3, K rotated, searched scale"] = rotate("fp8_e4m3", False, search=True)
+    table["int8, K rotated"] = rotate("int8", False)
+    table["int8, K and V rotated"] = rotate("int8", True)
+    table["fp8_e5m2, K and V rotated"] = rotate("fp8_e5m2", True)
     table["fp8_e4m3, K less its own mean"] = lambda k, v, layer: (
         round_trip(k - k.mean(2, keepdim=True), "fp8_e4m3"),
         round_trip(v, "fp8_e4m3"),
