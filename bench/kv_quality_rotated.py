@@ -57,6 +57,11 @@ VARIANTS = {
         plain("fp8_e4m3"),
         False,
     ),  # fmt: skip
+    "fp8_e4m3, K and V rotated, K searched scale": (
+        lambda x: searched_e4m3(x, 4),
+        plain("fp8_e4m3"),
+        True,
+    ),  # fmt: skip
     "fp8_e5m2, K and V rotated": (plain("fp8_e5m2"), plain("fp8_e5m2"), True),
 }
 
