@@ -1,5 +1,6 @@
-"""Rotated quantized KV on the runtime, simulated: ``bench/kv_quality.py``'s measure
-for pool formats not built yet.
+"""Rotated quantized KV pools, simulated on the runtime with bench/kv_quality.py's measure.
+
+Pool formats not built yet, measured as ``bench/kv_quality.py`` measures the built ones.
 
 The runtime's teacher-forced measure (``radixserve.benchmark.kv_quality``: the first
 ``--tokens`` tokens of ``pydoc_data.topics`` prefilled on the embedded SmolLM2 in
