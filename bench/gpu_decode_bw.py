@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sync-debug", action="store_true",
                     help="3 steady-state forwards per cell under sync-debug 'error'")  # fmt: skip
     ap.add_argument("--check", action="store_true",
-                    help=f"exit 1 below {GOAL:.0%} of the copy at the largest cell")  # fmt: skip
+                    help=f"exit 1 below {GOAL * 100:.0f}%% of the copy at the largest cell")  # fmt: skip
     args = ap.parse_args(argv)
     shape = TINY if args.tiny else GPU_1B
     if args.layers:

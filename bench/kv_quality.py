@@ -73,19 +73,19 @@ def main() -> None:
     names = ["float32"] + [n for n in args.kv_dtypes.split(",") if n != "float32"]
     ref = None
     rows = []
-    from radixserve.worker import model_runner
+    from radixserve.worker import build
 
-    layout_for = model_runner.kv_layout_for
+    layout_for = build.kv_layout_for
     for name in names:
         t = time.perf_counter()
         kv, _, layout = name.partition("@")
         if layout:  # the layout CUDA would pick, forced here (the CPU keeps ``row``)
-            model_runner.kv_layout_for = lambda *a, layout=layout: layout
+            build.kv_layout_for = lambda *a, layout=layout: layout
         try:
             eng = Engine(model=args.model, dtype=args.dtype, kv_cache_dtype=kv,
                          chunked_prefill_size=args.chunk, kv_memory=args.kv_memory)  # fmt: skip
         finally:
-            model_runner.kv_layout_for = layout_for
+            build.kv_layout_for = layout_for
         logits = teacher_forced_logits(eng, ids)
         per_gib = eng.runner.info().tokens_per_gib
         eng.close()
