@@ -153,7 +153,7 @@ def test_abort_while_a_grammar_request_is_verified_leaves_nothing_behind(tiny_di
             # Abort r1 once its drafts are in a step, after the step was planned.
             if not aborted and any(r.num_drafts for r in batch.reqs):
                 for q in sched.running:
-                    if q.rid == "r1" and len(q.draft):
+                    if q.rid == "r1" and len(q.spec.draft):
                         aborted.append(sched.abort_request("r1"))
             return eng.runner.step(batch)
 

@@ -207,7 +207,7 @@ class KVCacheManager:
         """
         if self.windows is not None and not self.windows.grow_decodes(reqs):
             return False
-        needy = [(r, self.pages_for(r.num_tokens + len(r.draft)) - r.num_pages) for r in reqs]
+        needy = [(r, self.pages_for(r.num_tokens + len(r.spec.draft)) - r.num_pages) for r in reqs]
         needy = [(r, n) for r, n in needy if n > 0]
         if not needy:
             return True

@@ -42,7 +42,6 @@ else:
     NATIVE_UNAVAILABLE_REASON = None
 
 NATIVE_AVAILABLE = NativeRadixCache is not None
-IMPLS = RADIX_IMPLS  # declared with the option (scheduler/config.py)
 
 
 def available_impls() -> list[str]:
@@ -52,8 +51,8 @@ def available_impls() -> list[str]:
 
 def resolve_impl(impl: str = "auto") -> str:
     """``impl`` as the concrete implementation that ``make_radix_cache`` would use."""
-    if impl not in IMPLS:
-        raise ValueError(f"unknown radix tree implementation {impl!r}; choose from {IMPLS}")
+    if impl not in RADIX_IMPLS:
+        raise ValueError(f"unknown radix tree implementation {impl!r}; choose from {RADIX_IMPLS}")
     if impl == "auto":
         return available_impls()[0]
     if impl == "native" and not NATIVE_AVAILABLE:

@@ -14,7 +14,7 @@ from radixserve.scheduler.prefix_cache import CacheNode
 
 # Tokens of room a new request's buffers get beyond its prompt; they double from there.
 INITIAL_ROOM = 64
-_NO_DRAFT = np.zeros(0, dtype=np.int32)
+NO_DRAFT = np.zeros(0, dtype=np.int32)  # no drafts (shared, never written)
 
 
 def _grown(buf: np.ndarray, need: int, cap: int) -> np.ndarray:
@@ -40,7 +40,7 @@ class SpecState:
     flight (the tokens after ``tokens[:num_tokens]`` it verifies; they never enter
     ``tokens`` unverified), and the adaptive drafting's state."""
 
-    draft: np.ndarray = field(default_factory=lambda: _NO_DRAFT)
+    draft: np.ndarray = field(default_factory=lambda: NO_DRAFT)
     window_drafted: int = 0  # draft tokens verified since the window began
     window_accepted: int = 0  # and accepted of them
     pause: int = 0  # steps left without drafts
@@ -170,12 +170,6 @@ class Request:
         if num_pages > len(self.table):
             self.table = _grown(self.table, num_pages, max(num_pages, 2 * len(self.table)))
         return self.table
-
-    @property
-    def draft(self) -> np.ndarray:
-        """The drafts the step in flight verifies (``spec.draft``): the cache
-        manager grows the request's pages over them too."""
-        return self.spec.draft
 
     @property
     def key(self) -> tuple[str, int]:

@@ -36,7 +36,7 @@ import numpy as np
 
 from radixserve.scheduler.config import SPECULATIVE_ALGORITHMS as ALGORITHMS
 from radixserve.scheduler.kv_cache import KVCacheManager
-from radixserve.scheduler.request import ReqStatus, Request
+from radixserve.scheduler.request import NO_DRAFT, ReqStatus, Request
 from radixserve.scheduler.step_io import take_tokens
 
 NGRAM_MAX_MATCH = 8
@@ -44,8 +44,6 @@ ADAPT_WINDOW = 16
 ADAPT_MIN_RATE = 0.25
 ADAPT_PAUSE = 8
 ADAPT_MAX_PAUSE = 256
-
-NO_DRAFT = np.zeros(0, dtype=np.int32)
 
 
 def ngram_draft(

@@ -109,7 +109,7 @@ class RequestWindows:
         needy = []
         for r in reqs:
             self._slide(r)
-            n = self._pages_for(r.num_tokens + len(r.draft)) - r.cache_state.win_len
+            n = self._pages_for(r.num_tokens + len(r.spec.draft)) - r.cache_state.win_len
             if n > 0:
                 needy.append((r, n))
         if not needy:
