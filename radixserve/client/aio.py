@@ -133,9 +133,10 @@ class AsyncClient:
         add_special_tokens: bool = True,
         add_generation_prompt: bool = True,
         timeout: float | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """``Client.tokenize``."""
-        msg = build_tokenize(prompt, messages, add_special_tokens, add_generation_prompt)
+        msg = build_tokenize(prompt, messages, add_special_tokens, add_generation_prompt, tools)
         async with self._request(msg) as queue:
             reply = await self._next(queue, msg.id, self._deadline(timeout))
         _raise_on_error(reply)

@@ -369,6 +369,7 @@ def build_tokenize(
     messages: Sequence[Mapping[str, Any]] | None,
     add_special_tokens: bool,
     add_generation_prompt: bool,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> P.Tokenize:
     """The ``tokenize`` message for these arguments."""
     if (prompt is None) == (messages is None):
@@ -379,6 +380,7 @@ def build_tokenize(
         messages=None if messages is None else [dict(m) for m in messages],
         add_special_tokens=bool(add_special_tokens),
         add_generation_prompt=bool(add_generation_prompt),
+        tools=None if tools is None else [dict(t) for t in tools],
     )
 
 

@@ -96,7 +96,7 @@ class Tokenize(Message):
     ``generate`` with it would compute them, answered with ``Reply(id, {"input_ids"})``
     by the tokenizer process alone. ``add_special_tokens``: the tokenizer's own (BOS)
     around a text; ``add_generation_prompt``: the template's assistant opening after
-    the messages."""
+    the messages; ``tools``: the tool definitions the chat template is given."""
 
     TYPE: ClassVar[str] = "tokenize"
     id: str = f(ID)
@@ -104,6 +104,7 @@ class Tokenize(Message):
     messages: list[dict] | None = f(_optional(MAP_LIST), None)
     add_special_tokens: bool = f(BOOL, True)
     add_generation_prompt: bool = f(BOOL, True)
+    tools: list[dict] | None = f(_optional(MAP_LIST), None)
 
 
 @dataclass

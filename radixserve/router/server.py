@@ -348,8 +348,9 @@ class Router:
             return
         try:
             ids = self.inputs.tokenize(
-                msg.prompt, msg.messages, msg.add_special_tokens, msg.add_generation_prompt
-            )
+                msg.prompt, msg.messages, msg.add_special_tokens, msg.add_generation_prompt,
+                msg.tools,
+            )  # fmt: skip
         except Exception as e:
             self._send_error(identity, msg.id, str(e) if isinstance(e, ValueError)
                              else f"could not tokenize: {e!r}"[:200])  # fmt: skip

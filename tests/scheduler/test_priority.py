@@ -192,6 +192,29 @@ def test_a_retention_hint_keeps_its_prompt_cached_under_memory_pressure():
     sched.check_idle()
 
 
+def test_retention_is_reported_and_clipped_at_the_tenants_cap():
+    """Each request's output says how many prompt tokens its hint holds; a tenant
+    past --max-retained-share gets 0 (its hint is not applied), and another tenant's
+    hints, and the pressure of plain requests, still work."""
+    sched, worker = make(
+        num_pages=64, page_size=4, radix_eviction_policy="priority", max_retained_share=0.25
+    )  # 16 pages a tenant
+    hint = [50, 60.0]
+    prompts = {f"a{i}": [10 + i] * 40 for i in range(3)}  # 10 pages each
+    prompts["b0"] = [30] * 40
+    got = {}
+    for rid, prompt in prompts.items():
+        salt = rid[0]
+        sched.add_request(rid, prompt, params(1, cache_retention=hint), salt=salt)
+        got.update(run(sched, worker))
+    held = {rid: got[(rid, 0)]["out"].retained_tokens for rid in prompts}
+    assert held == {"a0": 40, "a1": 0, "a2": 0, "b0": 40}  # a1 would take "a" past 16
+    sched.add_request("plain", [3] * 40, params(1))
+    assert run(sched, worker)[("plain", 0)]["finish"] == "length"
+    assert sched.cache.peek_prefix(np.asarray(prompts["a0"], np.int32), "a") == 40
+    sched.check_idle()
+
+
 def test_queue_time_is_kept_per_priority_level_and_bounded_in_levels():
     """Arrival to first admission, by the scheduler's clock: the second request waits
     for the only slot; past MAX_QUEUE_LEVELS levels, the rest share "other"."""
