@@ -215,6 +215,38 @@ def test_retention_is_reported_and_clipped_at_the_tenants_cap():
     sched.check_idle()
 
 
+@pytest.mark.parametrize("hinted", [True, False])
+def test_a_retained_session_demoted_to_the_host_tier_outlives_unretained_pages(hinted):
+    """Two sessions retain more than the pool can keep beside the traffic that follows,
+    so one is demoted; in the host tier it outlives the pages of that traffic (which
+    alone would fill it twice over), and returns from there. Without hints the host
+    tier is plain LRU and the session is gone."""
+    sched, worker = make(
+        num_pages=32, page_size=4, radix_eviction_policy="priority", max_retained_share=1.0,
+        host_pages=16,
+    )  # fmt: skip
+    hint = {"cache_retention": [50, 60.0]} if hinted else {}
+    sessions = {f"s{i}": [7 + i] * 48 for i in range(2)}  # 12 pages each
+    for rid, prompt in sessions.items():
+        sched.add_request(rid, prompt, params(1, **hint))
+        run(sched, worker)
+    for i in range(4):  # 4 x 10 unretained pages through what is left
+        sched.add_request(f"o{i}", [40 + i] * 40, params(1))
+        run(sched, worker)
+    assert sched.stats()["pages_demoted"] > 0
+    back = {}
+    for rid, prompt in sessions.items():  # each session's next turn
+        sched.add_request(rid + "+", prompt + [3, 4, 5, 6], params(1, **hint))
+        back[rid] = run(sched, worker)[(rid + "+", 0)]["out"]
+    cached = sum(out.cached_tokens for out in back.values())
+    if hinted:
+        assert cached == 2 * 48
+        assert sum(out.cached_tokens_by_tier[1] for out in back.values()) > 0  # from host
+    else:
+        assert cached < 48
+    sched.check_idle()
+
+
 def test_queue_time_is_kept_per_priority_level_and_bounded_in_levels():
     """Arrival to first admission, by the scheduler's clock: the second request waits
     for the only slot; past MAX_QUEUE_LEVELS levels, the rest share "other"."""
