@@ -113,6 +113,14 @@ class SchedulerOptions(SharedOptions):
         at_least=0.0,
         at_most=1.0,
     )
+    max_retained_total_share: float = option(
+        0.8,
+        "with --radix-eviction-policy priority: the most of the KV pool all tenants "
+        "together may hold under cache_retention hints (a hint past it is not applied), "
+        "so retained prefixes never leave other requests short of pages",
+        at_least=0.0,
+        at_most=1.0,
+    )
     shared_prefix_min_tokens: int = option(
         32,
         "hold a waiting request back while it shares at least this many uncached "

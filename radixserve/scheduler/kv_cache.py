@@ -101,6 +101,12 @@ class KVCacheManager:
         tiers = self.tiers
         return self._evicted + (tiers.promotion_evictions if tiers is not None else 0)
 
+    def retention_stats(self) -> dict[str, int]:
+        """The tree's retention figures (``RadixCache.retention_stats``; the
+        ``priority`` eviction policy runs the Python tree)."""
+        core = self.tiers.inner if self.tiers is not None else self.cache
+        return core.retention_stats()  # type: ignore[attr-defined]
+
     @property
     def enabled(self) -> bool:
         """Whether cached prefixes can be hit (False with ``cache="none"``)."""

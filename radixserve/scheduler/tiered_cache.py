@@ -15,9 +15,9 @@ page neither holds.
   to a host slot (``HostTier``) when a slot is free, else the host tier's LRU
   entry makes room: it is written to disk when a disk tier is configured
   (``DiskTier``), else dropped. A page whose key L2 already holds is not copied.
-  A page of a retained prefix (``retain``: the tree applied a ``cache_retention``
-  hint to its path) carries its deadline down, and the host tier makes room with
-  unretained entries first.
+  A page of a retained prefix (``retain``: a ``cache_retention`` hint on its path,
+  under the tree's ``priority`` policy) carries its deadline down, and the host tier
+  makes room with unretained entries first.
 * **Promote.** ``match_prefix`` is the tree's (L1) match; ``peek_prefix`` also
   counts the L2 and L3 pages after it (an estimate, for scheduling). Once the
   scheduler has admitted a request, ``promote`` extends its locked L1 match: fresh
@@ -144,15 +144,19 @@ class TieredCache(PageFollower):
         self.retain = self._retain  # PageFollower bound the inner tree's
 
     def _retain(self, node: CacheNode, level: int, seconds: float) -> bool:
-        """The tree's ``retain``; when applied, the path's pages keep the deadline."""
-        if not self.inner.retain(node, level, seconds):
+        """The tree's ``retain``. Under the tree's ``priority`` policy the path's pages
+        keep the deadline for the host tier even when the pool's cap refused the hint
+        (returning False): the cap bounds what retention pins in the pool; below it, a
+        retained page only displaces another retained one."""
+        applied = self.inner.retain(node, level, seconds)
+        if not applied and getattr(self.inner, "policy", None) != "priority":
             return False
         until = time.monotonic() + seconds
         while node.parent is not None:  # up to the root (only the Python tree retains)
             pages = node.pages
             self._retained_until[pages] = np.maximum(self._retained_until[pages], until)
             node = node.parent
-        return True
+        return applied
 
     # ------------------------------------------------------------- contract
     def match_prefix(

@@ -192,23 +192,30 @@ def test_a_retention_hint_keeps_its_prompt_cached_under_memory_pressure():
     sched.check_idle()
 
 
-def test_retention_is_reported_and_clipped_at_the_tenants_cap():
+def test_retention_is_reported_and_clipped_at_the_caps():
     """Each request's output says how many prompt tokens its hint holds; a tenant
-    past --max-retained-share gets 0 (its hint is not applied), and another tenant's
-    hints, and the pressure of plain requests, still work."""
+    past --max-retained-share gets 0 (its hint is not applied), as does any past
+    --max-retained-total-share; the stats show both, and plain requests still run."""
     sched, worker = make(
-        num_pages=64, page_size=4, radix_eviction_policy="priority", max_retained_share=0.25
-    )  # 16 pages a tenant
-    hint = [50, 60.0]
+        num_pages=64, page_size=4, radix_eviction_policy="priority", max_retained_share=0.25,
+        max_retained_total_share=0.4,
+    )  # fmt: skip
+    hint = [50, 60.0]  # 16 pages a tenant, 25 in all
     prompts = {f"a{i}": [10 + i] * 40 for i in range(3)}  # 10 pages each
     prompts["b0"] = [30] * 40
+    prompts["c0"] = [31] * 40
     got = {}
     for rid, prompt in prompts.items():
         salt = rid[0]
         sched.add_request(rid, prompt, params(1, cache_retention=hint), salt=salt)
         got.update(run(sched, worker))
     held = {rid: got[(rid, 0)]["out"].retained_tokens for rid in prompts}
-    assert held == {"a0": 40, "a1": 0, "a2": 0, "b0": 40}  # a1 would take "a" past 16
+    # a1 would take "a" past 16 pages; c0 would take all past 25
+    assert held == {"a0": 40, "a1": 0, "a2": 0, "b0": 40, "c0": 0}
+    stats = sched.stats()
+    assert stats["retained_pages"] == 20 and stats["retained_pages_max_tenant"] == 10
+    assert stats["max_retained_pages_tenant"] == 16 and stats["max_retained_pages_total"] == 25
+    assert stats["retention_refused"] == 3
     sched.add_request("plain", [3] * 40, params(1))
     assert run(sched, worker)[("plain", 0)]["finish"] == "length"
     assert sched.cache.peek_prefix(np.asarray(prompts["a0"], np.int32), "a") == 40
