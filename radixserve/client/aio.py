@@ -110,11 +110,12 @@ class AsyncClient:
         timeout: float | None = None,
         echo: bool = False,
         lora: str | None = None,
+        cache_key: str | None = None,
         **sampling: Any,
     ) -> AsyncIterator[P.Chunk]:
         msg = build_generate(
             prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, True,
-            echo, tools, lora,
+            echo, tools, lora, cache_key,
         )  # fmt: skip
         left = msg.sampling.n
         async with self._request(msg) as queue:

@@ -328,6 +328,7 @@ def build_generate(
     echo: bool = False,
     tools: Sequence[Mapping[str, Any]] | None = None,
     lora: str | None = None,
+    cache_key: str | None = None,
 ) -> P.Generate:
     """The ``generate`` message for these arguments (SamplingParams validated here;
     ``tools`` must come with ``messages`` and be a list of maps, the server checks the
@@ -361,6 +362,7 @@ def build_generate(
         cache_salt=cache_salt,
         echo=echo,
         lora=lora,
+        cache_key=cache_key,
     )
 
 

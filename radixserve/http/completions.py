@@ -146,6 +146,7 @@ async def chat_completions(state: FrontState, request: Request) -> Response:
         tools=body.tools_as_dicts(),
         cache_salt=body.cache_salt,
         lora=lora,
+        cache_key=body.prompt_cache_key,
     )
     return await _respond(state, request, body, [gen], chat=True)
 

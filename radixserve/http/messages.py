@@ -93,6 +93,7 @@ async def messages(state: FrontState, request: Request) -> Response:
         tools=chat.tools_as_dicts(),
         cache_salt=chat.cache_salt,
         lora=lora,
+        cache_key=chat.prompt_cache_key,
     )
     return await answer(state, request, [gen], _MessageFormat(state, body, chat, gen), body.stream)
 

@@ -85,6 +85,7 @@ async def responses(state: FrontState, request: Request) -> Response:
         tools=chat.tools_as_dicts(),
         cache_salt=chat.cache_salt,
         lora=lora,
+        cache_key=chat.prompt_cache_key,
     )
     fmt = _ResponseFormat(state, body, chat, gen, messages)
     return await answer(state, request, [gen], fmt, body.stream)

@@ -46,6 +46,9 @@ class Generate(Message):
     echo: bool = f(BOOL, False)
     # The LoRA adapter to generate with, by name (None: the base model; docs/lora.md).
     lora: str | None = f(_optional(STR), None)
+    # A routing key (OpenAI's prompt_cache_key): a router sends a key's requests to
+    # one replica. Never a cache namespace (that is cache_salt).
+    cache_key: str | None = f(_optional(STR), None)
 
 
 @dataclass
