@@ -10,6 +10,7 @@ same greedy request, so they stop at the same one.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import anthropic
 import httpx
@@ -355,3 +356,70 @@ def test_hostile_responses_are_400(http, body, words):
     r = http.post("/v1/responses", json=body)
     assert r.status_code == 400, r.text
     assert words in r.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------ without a server
+def test_anthropic_usage_splits_the_prompt_by_what_retention_wrote():
+    """cache_read: served from the cache; cache_creation: what a request with
+    breakpoints computed and had retained (retained_tokens less what it read)."""
+    from radixserve.http.anthropic_schema import MessagesRequest
+    from radixserve.http.generation import Generation
+    from radixserve.http.messages import _MessageFormat, chat_request
+    from radixserve.sampling_params import SamplingParams
+
+    def usage(system, served):
+        body = MessagesRequest.model_validate(
+            {
+                "model": MODEL,
+                "max_tokens": 4,
+                "system": system,
+                "messages": [{"role": "user", "content": "hi"}],
+            }  # fmt: skip
+        )
+        gen = Generation(None, None, SamplingParams(max_tokens=4))  # type: ignore[arg-type]
+        gen.choices[0].usage = served
+        state = SimpleNamespace(tool_call_parser=None)
+        return _MessageFormat(state, body, chat_request(body), gen).usage()  # type: ignore[arg-type]
+
+    served = {"prompt_tokens": 100, "completion_tokens": 4, "cached_tokens": 40,
+              "retained_tokens": 96}  # fmt: skip
+    marked = [{"type": "text", "text": "s", "cache_control": {"type": "ephemeral"}}]
+    assert usage(marked, served) == {"input_tokens": 4, "cache_creation_input_tokens": 56,
+                                     "cache_read_input_tokens": 40, "output_tokens": 4}  # fmt: skip
+    # The hint was not applied (a cap, or an eviction policy without retention).
+    assert usage(marked, {**served, "retained_tokens": 0})["cache_creation_input_tokens"] == 0
+    # No breakpoint: nothing is written under retention, whatever is cached.
+    plain = usage("s", {**served, "retained_tokens": 0})
+    assert plain["input_tokens"] == 60 and plain["cache_creation_input_tokens"] == 0
+    # The longest TTL among the breakpoints becomes the retention hint.
+    body = MessagesRequest.model_validate(
+        {
+            "model": MODEL,
+            "max_tokens": 4,
+            "system": marked,
+            "tools": [
+                {
+                    "name": "f",
+                    "input_schema": {"type": "object"},
+                    "cache_control": {"type": "ephemeral", "ttl": "1h"},
+                }
+            ],
+            "messages": [{"role": "user", "content": "hi"}],
+        }  # fmt: skip
+    )
+    assert chat_request(body).sampling(4).cache_retention == (50, 3600.0)
+
+
+def test_the_response_store_is_bounded_by_count_and_age(monkeypatch):
+    from radixserve.http import response_store
+    from radixserve.http.response_store import ResponseStore
+
+    now = [1000.0]
+    monkeypatch.setattr(response_store.time, "monotonic", lambda: now[0])
+    store = ResponseStore(max_responses=2, max_age_s=60.0)
+    for i in range(3):
+        store.put(f"r{i}", [{"role": "user", "content": str(i)}], None)
+    assert len(store) == 2 and store.get("r0", None) is None  # the oldest went first
+    assert store.get("r1", None) is not None and store.get("r1", "tenant") is None
+    now[0] += 61.0
+    assert store.get("r2", None) is None and len(store) == 0  # past its age
