@@ -126,6 +126,7 @@ async def completions(state: FrontState, request: Request) -> Response:
                 echo=body.echo,
                 lora=lora,
                 outcome=outcome,
+                cache_key=body.prompt_cache_key,
                 **{kind: p},
             )  # fmt: skip
         )

@@ -423,3 +423,68 @@ def test_the_response_store_is_bounded_by_count_and_age(monkeypatch):
     assert store.get("r1", None) is not None and store.get("r1", "tenant") is None
     now[0] += 61.0
     assert store.get("r2", None) is None and len(store) == 0  # past its age
+
+
+@pytest.mark.timeout(300)
+def test_fuzzed_bodies_on_both_routes_are_4xx_never_5xx(http):
+    """Valid Messages and Responses bodies with one to three fields replaced by
+    hostile values (``test_fuzz.WILD``), truncated, or not JSON objects: a success or
+    a 4xx in the route's own error shape; the server serves afterwards."""
+    import random
+
+    from tests.http.test_fuzz import WILD
+
+    rng = random.Random(2027)
+    messages = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    responses = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
+    fields = {
+        # max_tokens stays small (a huge one is valid and slow): its bounds are tested above
+        "/v1/messages": ["model", "messages", "system", "tools", "tool_choice", "stop_sequences",
+                         "top_k", "stream", "metadata", "thinking", "cache_salt"],
+        "/v1/responses": ["model", "input", "instructions", "tools", "tool_choice", "store",
+                          "previous_response_id", "prompt_cache_key",
+                          "prompt_cache_retention", "stream", "text", "include"],
+    }  # fmt: skip
+    refused = 0
+    for _ in range(80):
+        path = rng.choice(sorted(fields))
+        body = dict(messages if path == "/v1/messages" else responses)
+        for _ in range(rng.randint(1, 3)):
+            body[rng.choice(fields[path])] = rng.choice(WILD)
+        text = json.dumps(body)
+        if rng.random() < 0.15:
+            text = text[: rng.randint(0, len(text))]
+        r = http.post(path, content=text, headers={"content-type": "application/json"})
+        assert r.status_code < 500, (path, text[:200], r.text[:300])
+        if r.status_code >= 400:
+            refused += 1
+            err = r.json()
+            message = err["error"]["message"]
+            assert (err.get("type") == "error") == (path == "/v1/messages") and message
+    assert refused > 25
+    ok = http.post("/v1/messages", json=messages)
+    assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] <= 2
+
+
+def test_metrics_show_what_retention_holds_and_refuses():
+    """The scheduler's retention stats (a pool under the priority policy, one hint
+    applied, one past the tenant's cap) reach /metrics."""
+    from prometheus_client import generate_latest
+
+    from radixserve.http.metrics import Metrics
+    from radixserve.sampling_params import SamplingParams
+    from tests.scheduler.test_scheduler import make, run
+
+    sched, worker = make(num_pages=64, page_size=4, radix_eviction_policy="priority",
+                         max_retained_share=0.25)  # fmt: skip
+    for i in range(2):  # 10 pages each: the second would take the tenant past 16
+        hint = SamplingParams(max_tokens=1, temperature=0.0, cache_retention=[50, 60.0])
+        sched.add_request(f"r{i}", [10 + i] * 40, hint)
+        run(sched, worker)
+    metrics = Metrics("m")
+    metrics._apply(sched.stats())
+    text = generate_latest(metrics.registry).decode()
+    for scope, value in (("total", 10), ("max_tenant", 10), ("cap_tenant", 16),
+                         ("cap_total", 51)):  # fmt: skip
+        assert f'radixserve:retained_pages{{model_name="m",scope="{scope}"}} {value}.0' in text
+    assert 'radixserve:retention_refused_total{model_name="m"} 1.0' in text
