@@ -12,8 +12,8 @@ Continuations: a response made with ``store`` (the default) is kept in the front
 ``ResponseStore`` (``response_store.py``): its conversation as chat messages, the
 output included, so that a later request naming it as ``previous_response_id`` continues it. The continued prompt
 begins with the earlier one's tokens, so it is served from the prefix cache. The store
-is bounded by count and age (the oldest goes first); a response past either, one made
-with ``store: false``, or one made under another ``cache_salt`` is a 400 not found.
+is bounded by count, size and age (the oldest goes first); a response past a bound, one
+made with ``store: false``, or one made under another ``cache_salt`` is a 400 not found.
 
 A stream is OpenAI's event sequence, each event with its ``sequence_number``:
 ``response.created``, ``response.in_progress``, per output item

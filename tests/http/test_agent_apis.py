@@ -422,7 +422,15 @@ def test_the_response_store_is_bounded_by_count_and_age(monkeypatch):
     assert len(store) == 2 and store.get("r0", None) is None  # the oldest went first
     assert store.get("r1", None) is not None and store.get("r1", "tenant") is None
     now[0] += 61.0
-    assert store.get("r2", None) is None and len(store) == 0  # past its age
+    assert store.get("r2", None) is None and len(store) == 0 and store.chars == 0  # too old
+    # The size bound: conversations' JSON text in all.
+    small = ResponseStore(max_chars=100)
+    one = [{"role": "user", "content": "x" * 40}]  # 73 characters of JSON
+    small.put("a", one, None)
+    small.put("b", one, None)
+    assert small.get("a", None) is None and small.get("b", None) is not None
+    small.put("huge", [{"role": "user", "content": "x" * 200}], None)  # never kept
+    assert small.get("huge", None) is None and small.get("b", None) is not None
 
 
 @pytest.mark.timeout(300)
