@@ -15,9 +15,9 @@
 | SGLang's ``/generate``, ``/get_model_info``, ``/get_server_info`` (``/server_info``), ``/health_generate``, ``/abort_request``; ``/tokenize``, ``/detokenize`` (SGLang's and vLLM's) | see ``sglang_api.py`` |
 
 With ``--api-key`` / ``--admin-api-key``, routes need a Bearer key (``auth.py``).
-Every error is OpenAI's ``{"error": {...}}`` (Anthropic's shape under ``/v1/messages``) with its status: 400 for a bad body or a
-request the server refuses, 401 without the right key, 404 for an unknown model, 503
-while the server stops.
+Every error is OpenAI's ``{"error": {...}}`` (Anthropic's shape under ``/v1/messages``)
+with its status: 400 for a bad body or a request the server refuses, 401 without the
+right key, 404 for an unknown model, 503 while the server stops.
 """
 
 from __future__ import annotations
