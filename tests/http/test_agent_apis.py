@@ -19,7 +19,7 @@ import pytest
 
 from tests.http.conftest import MODEL
 
-MAX = 12
+MAX = 8
 # This version of the anthropic package passes sampling parameters as body fields only.
 GREEDY = {"temperature": 0}
 SYSTEM = "You answer briefly, about data structures and caches."
