@@ -14,8 +14,8 @@ class Usage:
     # cached_tokens by where they were found: [pool (L1), host (L2), disk (L3)]
     # (docs/cache-tiers.md); without tiers all of them are in the pool.
     cached_tokens_by_tier: list[int] = field(default_factory=lambda: [0, 0, 0])
-    # Prompt tokens held by the request's cache_retention hint (0: none, or not
-    # applied: past the tenant's cap, or an eviction policy without retention).
+    # Prompt tokens held by the request's cache_retention hint (fewer when clipped at
+    # a retention cap; 0: no hint, nothing fit, or an eviction policy without retention).
     retained_tokens: int = 0
 
 

@@ -3,8 +3,9 @@
 A retention request becomes the scheduler's ``cache_retention`` hint
 (``[level, seconds]``, docs/scheduler.md): under ``--radix-eviction-policy priority``
 the request's cached prompt outlives unretained prefixes for that long, within the
-per-tenant cap ``--max-retained-share`` (a hint past it is not applied, and the
-usage the request gets back says so: ``retained_tokens`` is 0).
+per-tenant cap ``--max-retained-share`` and the global ``--max-retained-total-share``
+(a hint past either is clipped to the prefix that fits, and the usage the request
+gets back says so: ``retained_tokens`` is less than the prompt, 0 when nothing fit).
 
 * OpenAI's ``prompt_cache_retention``: ``in_memory`` keeps the prompt for
   ``IN_MEMORY_SECONDS``, ``24h`` for a day (then, once evicted from the pool, in the

@@ -9,9 +9,9 @@ and Anthropic's usage and event stream.
 
 Usage: ``cache_read_input_tokens`` are the prompt tokens served from the prefix cache
 (every request may hit it, as on the other routes); ``cache_creation_input_tokens``
-those a request with ``cache_control`` breakpoints computed and had retained (0 when
-the retention hint was not applied: past the tenant's cap, or a server without the
-``priority`` eviction policy); ``input_tokens`` the rest of the prompt. The three add
+those a request with ``cache_control`` breakpoints computed and had retained (fewer
+when the retention caps clipped its hint, 0 on a server without the ``priority``
+eviction policy); ``input_tokens`` the rest of the prompt. The three add
 up to the prompt.
 
 A stream is Anthropic's event sequence: ``message_start``, ``ping``, then per content

@@ -12,7 +12,7 @@ Where each metric is measured, and why:
   the scheduler keeps its buckets), and the gauges for running / waiting requests and
   KV pages (free, used by requests, cached in the tree); under the ``priority``
   eviction policy, ``retained_pages`` (what retention hints hold, and the caps) and
-  ``retention_refused_total`` (hints past a cap). The scheduler's counters are
+  ``retention_clipped_total`` (hints clipped at a cap). The scheduler's counters are
   turned into Prometheus counters by adding the increase since the last scrape, so they
   never go down.
 - In this front, for its own requests only, because that is where a request's client
@@ -169,8 +169,8 @@ class Metrics:
             "(max_tenant), and the caps (cap_tenant, cap_total).",
             ("scope",),
         )
-        self.retention_refused = counter(
-            "retention_refused", "Retention hints not applied: past a cap."
+        self.retention_clipped = counter(
+            "retention_clipped", "Retention hints clipped at a cap (or not applied at all)."
         )
         self.queue_time = QueueTimeCollector(model_name)
         r.register(self.queue_time)
@@ -222,8 +222,8 @@ class Metrics:
                                ("cap_tenant", "max_retained_pages_tenant"),
                                ("cap_total", "max_retained_pages_total")):  # fmt: skip
                 self.retained_pages.labels(m, scope).set(stats[key])
-            refused = int(stats["retention_refused"])
-            self._grow(self.retention_refused.labels(m), ("retention_refused", ""), refused)
+            clipped = int(stats["retention_clipped"])
+            self._grow(self.retention_clipped.labels(m), ("retention_clipped", ""), clipped)
         self.running.labels(m).set(stats["running"])
         self.waiting.labels(m).set(stats["waiting"])
         self.kv_pages.labels(m, "free").set(stats["pages_free"])

@@ -267,8 +267,8 @@ class KVCacheManager:
         cached_len, node = self.cache.insert(req.tokens[:full], req.table[:n], req.salt, **entries)
         assert cached_len >= req.locked_len, "the locked prefix vanished from the cache"
         hint = req.sampling.cache_retention
-        if hint is not None and self.cache.retain(node, hint[0], hint[1]):
-            held = min(full, req.prompt_len)
+        if hint is not None:
+            held = min(self.cache.retain(node, hint[0], hint[1]), req.prompt_len)
             req.stats.retained_tokens = max(req.stats.retained_tokens, held)
         if cached_len > req.locked_len:
             req.dups.append(req.table[req.locked_len // ps : cached_len // ps].copy())

@@ -48,9 +48,10 @@ while its node's key is unchanged.
   level. Expiries are kept in a second heap and applied before each eviction, so
   every valid heap entry carries its node's current key. A tenant (salt) holds at
   most ``max_retained_pages`` pages under running hints, and all tenants together
-  ``max_retained_total``: a hint that would take either past its cap is not applied
-  (``retain`` returns False, counted in ``retention_refused``), so no tenant pins
-  the pool and retained prefixes never leave the others short of pages.
+  ``max_retained_total``: a hint that would take either past its cap is clipped to
+  the longest run of the path's nodes from the root that fits (``retain`` returns
+  the tokens it holds, 0 when nothing fits; counted in ``retention_clipped``), so no
+  tenant pins the pool and retained prefixes never leave the others short of pages.
 
 Salts give tenants separate namespaces: each salt has its own root, so two
 salts never share a node; the LRU clock and the page pool are global.
@@ -272,7 +273,7 @@ class RadixCache:
         )
         self.retained: dict[str | None, int] = {}  # pages under running hints, by salt
         self.retained_total = 0  # the sum of ``retained``
-        self.retention_refused = 0  # hints not applied: past a cap
+        self.retention_clipped = 0  # hints clipped at a cap (some not applied at all)
         if page_size != allocator.page_size:
             raise ValueError(
                 f"page_size {page_size} differs from the allocator's {allocator.page_size}"
@@ -619,14 +620,18 @@ class RadixCache:
         return pos, node
 
     # -------------------------------------------------------------- retention
-    def retain(self, node: RadixNode, level: int, seconds: float) -> bool:
+    def retain(self, node: RadixNode, level: int, seconds: float) -> int:
         """Keep the path from ``node`` up at retention ``level`` (1..100) for
         ``seconds`` (the ``priority`` policy; the others ignore it). A node keeps the
         stronger of its hints: the higher level, or the same level for longer.
-        Returns False when the hint was not applied: another policy, or it would take
-        the salt past ``max_retained_pages``."""
+
+        Returns the tokens of the path the hint holds, from the root: all of them, or,
+        when the whole path would take the salt past ``max_retained_pages`` or all
+        salts past ``max_retained_total``, the longest run of its nodes from the root
+        that fits (the hint is clipped, and counted in ``retention_clipped``); 0 under
+        another policy."""
         if self.policy != "priority" or not node.attached or node.is_root:
-            return False
+            return 0
         if not 1 <= level <= MAX_RETENTION or not seconds > 0:
             raise ValueError(
                 f"a retention hint needs a level in [1, {MAX_RETENTION}] and seconds > 0"
@@ -639,13 +644,16 @@ class RadixCache:
             path.append(node)
             node = node.parent  # type: ignore[assignment]
         salt = node.salt
-        extra = sum(len(n.pages) for n in path if not n.counted)
-        if (
-            self.retained.get(salt, 0) + extra > self.max_retained_pages
-            or self.retained_total + extra > self.max_retained_total
-        ):
-            self.retention_refused += 1
-            return False
+        path.reverse()  # from the root: a clipped hint keeps the prefix's head
+        held, total = self.retained.get(salt, 0), self.retained_total
+        kept = 0
+        for n in path:
+            extra = 0 if n.counted else len(n.pages)
+            if held + extra > self.max_retained_pages or total + extra > self.max_retained_total:
+                self.retention_clipped += 1
+                break
+            held, total, kept = held + extra, total + extra, kept + 1
+        del path[kept:]
         for n in path:
             current = n.retention if n.retain_until > now else 0
             if level > current or (level == current and until > n.retain_until):
@@ -657,7 +665,7 @@ class RadixCache:
                 n.counted = True
                 self.retained[salt] = self.retained.get(salt, 0) + len(n.pages)
                 self.retained_total += len(n.pages)
-        return True
+        return sum(len(n.key) for n in path)
 
     def _uncount(self, node: RadixNode, salt: str | None) -> None:
         node.counted = False
@@ -834,7 +842,7 @@ class RadixCache:
             "retained_tenants": len(self.retained),
             "max_retained_pages_tenant": self.max_retained_pages,
             "max_retained_pages_total": self.max_retained_total,
-            "retention_refused": self.retention_refused,
+            "retention_clipped": self.retention_clipped,
         }
 
     def check(self) -> None:

@@ -143,20 +143,20 @@ class TieredCache(PageFollower):
         self._retained_until = np.zeros(n, dtype=np.float64)
         self.retain = self._retain  # PageFollower bound the inner tree's
 
-    def _retain(self, node: CacheNode, level: int, seconds: float) -> bool:
-        """The tree's ``retain``. Under the tree's ``priority`` policy the path's pages
-        keep the deadline for the host tier even when the pool's cap refused the hint
-        (returning False): the cap bounds what retention pins in the pool; below it, a
-        retained page only displaces another retained one."""
-        applied = self.inner.retain(node, level, seconds)
-        if not applied and getattr(self.inner, "policy", None) != "priority":
-            return False
+    def _retain(self, node: CacheNode, level: int, seconds: float) -> int:
+        """The tree's ``retain``. Under the tree's ``priority`` policy the whole path's
+        pages keep the deadline for the host tier even where the pool's caps clipped
+        the hint: the caps bound what retention pins in the pool; below it, a retained
+        page only displaces another retained one."""
+        held = self.inner.retain(node, level, seconds)
+        if getattr(self.inner, "policy", None) != "priority":
+            return held
         until = time.monotonic() + seconds
         while node.parent is not None:  # up to the root (only the Python tree retains)
             pages = node.pages
             self._retained_until[pages] = np.maximum(self._retained_until[pages], until)
             node = node.parent
-        return applied
+        return held
 
     # ------------------------------------------------------------- contract
     def match_prefix(

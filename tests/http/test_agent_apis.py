@@ -495,4 +495,4 @@ def test_metrics_show_what_retention_holds_and_refuses():
     for scope, value in (("total", 10), ("max_tenant", 10), ("cap_tenant", 16),
                          ("cap_total", 51)):  # fmt: skip
         assert f'radixserve:retained_pages{{model_name="m",scope="{scope}"}} {value}.0' in text
-    assert 'radixserve:retention_refused_total{model_name="m"} 1.0' in text
+    assert 'radixserve:retention_clipped_total{model_name="m"} 1.0' in text

@@ -193,9 +193,11 @@ def test_a_retention_hint_keeps_its_prompt_cached_under_memory_pressure():
 
 
 def test_retention_is_reported_and_clipped_at_the_caps():
-    """Each request's output says how many prompt tokens its hint holds; a tenant
-    past --max-retained-share gets 0 (its hint is not applied), as does any past
-    --max-retained-total-share; the stats show both, and plain requests still run."""
+    """Each request's output says how many prompt tokens its hint holds; a hint that
+    would take its tenant past --max-retained-share, or all past
+    --max-retained-total-share, holds the head of its prompt that fits (here: nothing,
+    or the part an earlier turn retained); the stats show both caps, and plain
+    requests still run."""
     sched, worker = make(
         num_pages=64, page_size=4, radix_eviction_policy="priority", max_retained_share=0.25,
         max_retained_total_share=0.4,
@@ -215,7 +217,11 @@ def test_retention_is_reported_and_clipped_at_the_caps():
     stats = sched.stats()
     assert stats["retained_pages"] == 20 and stats["retained_pages_max_tenant"] == 10
     assert stats["max_retained_pages_tenant"] == 16 and stats["max_retained_pages_total"] == 25
-    assert stats["retention_refused"] == 3
+    assert stats["retention_clipped"] == 3
+    # A later turn of a0's conversation: its own 10 pages do not fit, its head does.
+    sched.add_request("a0+", prompts["a0"] + [12] * 40, params(1, cache_retention=hint), "a")
+    assert run(sched, worker)[("a0+", 0)]["out"].retained_tokens == 40
+    assert sched.stats()["retention_clipped"] == 4
     sched.add_request("plain", [3] * 40, params(1))
     assert run(sched, worker)[("plain", 0)]["finish"] == "length"
     assert sched.cache.peek_prefix(np.asarray(prompts["a0"], np.int32), "a") == 40
