@@ -496,3 +496,18 @@ def test_metrics_show_what_retention_holds_and_refuses():
                          ("cap_total", 51)):  # fmt: skip
         assert f'radixserve:retained_pages{{model_name="m",scope="{scope}"}} {value}.0' in text
     assert 'radixserve:retention_clipped_total{model_name="m"} 1.0' in text
+
+
+def test_anthropics_api_key_header_opens_the_routes():
+    from radixserve.http.auth import Keys
+    from radixserve.http.errors import HTTPError
+
+    keys = Keys(api_key="k1", admin_key="k2")
+    for headers in ({"x-api-key": "k1"}, {"x-api-key": "k2"}, {"authorization": "Bearer k1"}):
+        keys.check(SimpleNamespace(headers=headers))  # type: ignore[arg-type]
+    for headers in ({"x-api-key": "nope"}, {"x-api-key": ""}, {}):
+        with pytest.raises(HTTPError) as e:
+            keys.check(SimpleNamespace(headers=headers))  # type: ignore[arg-type]
+        assert e.value.status == 401
+    with pytest.raises(HTTPError):  # the admin routes need the admin key
+        keys.check(SimpleNamespace(headers={"x-api-key": "k1"}), admin=True)  # type: ignore[arg-type]
