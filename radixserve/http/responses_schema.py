@@ -131,6 +131,8 @@ class ResponsesRequest(_Strict):
     cache_salt: StrictStr | None = None
 
     def unsupported(self) -> str | None:
+        if self.input == [] and self.previous_response_id is None:
+            return "input must not be empty"
         if isinstance(self.input, list):
             for item in self.input:
                 if isinstance(item, MessageItem) and item.has_image():

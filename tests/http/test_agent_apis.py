@@ -342,6 +342,7 @@ def test_a_prefill_only_call_warms_the_prefix(oai, http):
     [
         ({"model": MODEL}, "input"),
         ({"model": MODEL, "input": 5}, "input"),
+        ({"model": MODEL, "input": []}, "input must not be empty"),
         ({"model": MODEL, "input": [{"role": "robot", "content": "x"}]}, "input"),
         ({"model": MODEL, "input": [{"role": "user", "content": [
             {"type": "input_image", "image_url": "http://x"}]}]}, "images"),
