@@ -235,6 +235,7 @@ class Engine:
                 len(stream.token_ids),
                 out.cached_tokens,
                 list(out.cached_tokens_by_tier),
+                out.retained_tokens,
             ),
             logprobs=TokenLogprobs.list_from_wire(stream.logprobs),
             prompt_logprobs=TokenLogprobs.list_from_wire(stream.prompt_logprobs),

@@ -110,11 +110,12 @@ class AsyncClient:
         timeout: float | None = None,
         echo: bool = False,
         lora: str | None = None,
+        cache_key: str | None = None,
         **sampling: Any,
     ) -> AsyncIterator[P.Chunk]:
         msg = build_generate(
             prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, True,
-            echo, tools, lora,
+            echo, tools, lora, cache_key,
         )  # fmt: skip
         left = msg.sampling.n
         async with self._request(msg) as queue:
@@ -133,9 +134,10 @@ class AsyncClient:
         add_special_tokens: bool = True,
         add_generation_prompt: bool = True,
         timeout: float | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """``Client.tokenize``."""
-        msg = build_tokenize(prompt, messages, add_special_tokens, add_generation_prompt)
+        msg = build_tokenize(prompt, messages, add_special_tokens, add_generation_prompt, tools)
         async with self._request(msg) as queue:
             reply = await self._next(queue, msg.id, self._deadline(timeout))
         _raise_on_error(reply)

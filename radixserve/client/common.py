@@ -328,6 +328,7 @@ def build_generate(
     echo: bool = False,
     tools: Sequence[Mapping[str, Any]] | None = None,
     lora: str | None = None,
+    cache_key: str | None = None,
 ) -> P.Generate:
     """The ``generate`` message for these arguments (SamplingParams validated here;
     ``tools`` must come with ``messages`` and be a list of maps, the server checks the
@@ -361,6 +362,7 @@ def build_generate(
         cache_salt=cache_salt,
         echo=echo,
         lora=lora,
+        cache_key=cache_key,
     )
 
 
@@ -369,6 +371,7 @@ def build_tokenize(
     messages: Sequence[Mapping[str, Any]] | None,
     add_special_tokens: bool,
     add_generation_prompt: bool,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> P.Tokenize:
     """The ``tokenize`` message for these arguments."""
     if (prompt is None) == (messages is None):
@@ -379,6 +382,7 @@ def build_tokenize(
         messages=None if messages is None else [dict(m) for m in messages],
         add_special_tokens=bool(add_special_tokens),
         add_generation_prompt=bool(add_generation_prompt),
+        tools=None if tools is None else [dict(t) for t in tools],
     )
 
 

@@ -164,12 +164,14 @@ class Client:
         add_special_tokens: bool = True,
         add_generation_prompt: bool = True,
         timeout: float | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """The token ids the server computes for a text (its special tokens, such as
         BOS, unless ``add_special_tokens`` is False) or for chat messages (the
-        template's generation prompt unless ``add_generation_prompt`` is False): hold
-        a context as these ids and send it as ``input_ids`` to avoid re-tokenizing."""
-        msg = build_tokenize(prompt, messages, add_special_tokens, add_generation_prompt)
+        template's generation prompt unless ``add_generation_prompt`` is False; with
+        the tool definitions ``tools`` its template is given): hold a context as these
+        ids and send it as ``input_ids`` to avoid re-tokenizing."""
+        msg = build_tokenize(prompt, messages, add_special_tokens, add_generation_prompt, tools)
         with self._request(msg):
             reply = self._next(msg.id, self._deadline(timeout))
         _raise_on_error(reply)

@@ -1,7 +1,8 @@
 """API keys of the HTTP front (``--api-key``, ``--admin-api-key``), as vLLM's ``--api-key``.
 
 With an API key set, ``/v1/*``, ``/stats``, ``/tokenize``, ``/detokenize`` and SGLang's
-``/generate`` and info routes need ``Authorization: Bearer <key>``; ``/flush_cache``,
+``/generate`` and info routes need ``Authorization: Bearer <key>`` (or Anthropic's
+``x-api-key: <key>`` header, which its clients send); ``/flush_cache``,
 ``/reset_prefix_cache`` and ``/abort_request`` need the admin key when one is set (else
 the API key). The admin key is accepted wherever the API key is. ``/health``,
 ``/health_generate`` and ``/metrics`` stay open (load balancers and Prometheus probe them). A missing or wrong key is a 401 in
@@ -50,6 +51,9 @@ class Keys:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() == "bearer" and any(_same(given.strip(), k) for k in wanted):
+            return
+        anthropic = request.headers.get("x-api-key")
+        if anthropic is not None and any(_same(anthropic.strip(), k) for k in wanted):
             return
         from radixserve.http.errors import HTTPError
 

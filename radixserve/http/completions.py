@@ -126,6 +126,7 @@ async def completions(state: FrontState, request: Request) -> Response:
                 echo=body.echo,
                 lora=lora,
                 outcome=outcome,
+                cache_key=body.prompt_cache_key,
                 **{kind: p},
             )  # fmt: skip
         )
@@ -146,6 +147,7 @@ async def chat_completions(state: FrontState, request: Request) -> Response:
         tools=body.tools_as_dicts(),
         cache_salt=body.cache_salt,
         lora=lora,
+        cache_key=body.prompt_cache_key,
     )
     return await _respond(state, request, body, [gen], chat=True)
 

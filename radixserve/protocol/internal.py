@@ -116,6 +116,9 @@ class OutputItem(Message):
     error: str | None = f(_optional(STR), None)
     # cached_tokens split by where they were found: [pool (L1), host (L2), disk (L3)].
     cached_tokens_by_tier: list[int] = f(INT_LIST, [0, 0, 0])
+    # Prompt tokens the request's cache_retention hint holds (fewer when clipped at a
+    # retention cap; 0: no hint, or none held).
+    retained_tokens: int = f(INT, 0)
 
 
 @dataclass

@@ -46,6 +46,9 @@ class Generate(Message):
     echo: bool = f(BOOL, False)
     # The LoRA adapter to generate with, by name (None: the base model; docs/lora.md).
     lora: str | None = f(_optional(STR), None)
+    # A routing key (OpenAI's prompt_cache_key): a router sends a key's requests to
+    # one replica. Never a cache namespace (that is cache_salt).
+    cache_key: str | None = f(_optional(STR), None)
 
 
 @dataclass
@@ -96,7 +99,7 @@ class Tokenize(Message):
     ``generate`` with it would compute them, answered with ``Reply(id, {"input_ids"})``
     by the tokenizer process alone. ``add_special_tokens``: the tokenizer's own (BOS)
     around a text; ``add_generation_prompt``: the template's assistant opening after
-    the messages."""
+    the messages; ``tools``: the tool definitions the chat template is given."""
 
     TYPE: ClassVar[str] = "tokenize"
     id: str = f(ID)
@@ -104,6 +107,7 @@ class Tokenize(Message):
     messages: list[dict] | None = f(_optional(MAP_LIST), None)
     add_special_tokens: bool = f(BOOL, True)
     add_generation_prompt: bool = f(BOOL, True)
+    tools: list[dict] | None = f(_optional(MAP_LIST), None)
 
 
 @dataclass

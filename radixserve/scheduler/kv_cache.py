@@ -101,6 +101,12 @@ class KVCacheManager:
         tiers = self.tiers
         return self._evicted + (tiers.promotion_evictions if tiers is not None else 0)
 
+    def retention_stats(self) -> dict[str, int]:
+        """The tree's retention figures (``RadixCache.retention_stats``; the
+        ``priority`` eviction policy runs the Python tree)."""
+        core = self.tiers.inner if self.tiers is not None else self.cache
+        return core.retention_stats()  # type: ignore[attr-defined]
+
     @property
     def enabled(self) -> bool:
         """Whether cached prefixes can be hit (False with ``cache="none"``)."""
@@ -262,7 +268,8 @@ class KVCacheManager:
         assert cached_len >= req.locked_len, "the locked prefix vanished from the cache"
         hint = req.sampling.cache_retention
         if hint is not None:
-            self.cache.retain(node, hint[0], hint[1])
+            held = min(self.cache.retain(node, hint[0], hint[1]), req.prompt_len)
+            req.stats.retained_tokens = max(req.stats.retained_tokens, held)
         if cached_len > req.locked_len:
             req.dups.append(req.table[req.locked_len // ps : cached_len // ps].copy())
         self.cache.lock(node)

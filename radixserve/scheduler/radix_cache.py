@@ -47,8 +47,11 @@ while its node's key is unchanged.
   the level is 0 again); the lowest effective level goes first, LRU within a
   level. Expiries are kept in a second heap and applied before each eviction, so
   every valid heap entry carries its node's current key. A tenant (salt) holds at
-  most ``max_retained_pages`` pages under running hints: a hint that would take it
-  past that is not applied (``retain`` returns False), so no tenant pins the pool.
+  most ``max_retained_pages`` pages under running hints, and all tenants together
+  ``max_retained_total``: a hint that would take either past its cap is clipped to
+  the longest run of the path's nodes from the root that fits (``retain`` returns
+  the tokens it holds, 0 when nothing fits; counted in ``retention_clipped``), so no
+  tenant pins the pool and retained prefixes never leave the others short of pages.
 
 Salts give tenants separate namespaces: each salt has its own root, so two
 salts never share a node; the LRU clock and the page pool are global.
@@ -254,6 +257,7 @@ class RadixCache:
         clock: Callable[[], float] = time.monotonic,
         max_retained_pages: int | None = None,
         components: Sequence[CacheComponent] = (),
+        max_retained_total: int | None = None,
     ) -> None:
         if policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction policy must be one of {EVICTION_POLICIES}, got {policy!r}")
@@ -264,7 +268,12 @@ class RadixCache:
         self.max_retained_pages = (
             allocator.num_pages if max_retained_pages is None else max_retained_pages
         )
+        self.max_retained_total = (
+            allocator.num_pages if max_retained_total is None else max_retained_total
+        )
         self.retained: dict[str | None, int] = {}  # pages under running hints, by salt
+        self.retained_total = 0  # the sum of ``retained``
+        self.retention_clipped = 0  # hints clipped at a cap (some not applied at all)
         if page_size != allocator.page_size:
             raise ValueError(
                 f"page_size {page_size} differs from the allocator's {allocator.page_size}"
@@ -611,14 +620,18 @@ class RadixCache:
         return pos, node
 
     # -------------------------------------------------------------- retention
-    def retain(self, node: RadixNode, level: int, seconds: float) -> bool:
+    def retain(self, node: RadixNode, level: int, seconds: float) -> int:
         """Keep the path from ``node`` up at retention ``level`` (1..100) for
         ``seconds`` (the ``priority`` policy; the others ignore it). A node keeps the
         stronger of its hints: the higher level, or the same level for longer.
-        Returns False when the hint was not applied: another policy, or it would take
-        the salt past ``max_retained_pages``."""
+
+        Returns the tokens of the path the hint holds, from the root: all of them, or,
+        when the whole path would take the salt past ``max_retained_pages`` or all
+        salts past ``max_retained_total``, the longest run of its nodes from the root
+        that fits (the hint is clipped, and counted in ``retention_clipped``); 0 under
+        another policy."""
         if self.policy != "priority" or not node.attached or node.is_root:
-            return False
+            return 0
         if not 1 <= level <= MAX_RETENTION or not seconds > 0:
             raise ValueError(
                 f"a retention hint needs a level in [1, {MAX_RETENTION}] and seconds > 0"
@@ -631,9 +644,16 @@ class RadixCache:
             path.append(node)
             node = node.parent  # type: ignore[assignment]
         salt = node.salt
-        extra = sum(len(n.pages) for n in path if not n.counted)
-        if self.retained.get(salt, 0) + extra > self.max_retained_pages:
-            return False
+        path.reverse()  # from the root: a clipped hint keeps the prefix's head
+        held, total = self.retained.get(salt, 0), self.retained_total
+        kept = 0
+        for n in path:
+            extra = 0 if n.counted else len(n.pages)
+            if held + extra > self.max_retained_pages or total + extra > self.max_retained_total:
+                self.retention_clipped += 1
+                break
+            held, total, kept = held + extra, total + extra, kept + 1
+        del path[kept:]
         for n in path:
             current = n.retention if n.retain_until > now else 0
             if level > current or (level == current and until > n.retain_until):
@@ -644,10 +664,12 @@ class RadixCache:
             if not n.counted:
                 n.counted = True
                 self.retained[salt] = self.retained.get(salt, 0) + len(n.pages)
-        return True
+                self.retained_total += len(n.pages)
+        return sum(len(n.key) for n in path)
 
     def _uncount(self, node: RadixNode, salt: str | None) -> None:
         node.counted = False
+        self.retained_total -= len(node.pages)
         left = self.retained[salt] - len(node.pages)
         if left:
             self.retained[salt] = left
@@ -790,6 +812,7 @@ class RadixCache:
         self._heap = []
         self._expiries = []
         self.retained = {}
+        self.retained_total = 0
         self._num_nodes = 0
         self._evictable = 0
         self._protected = 0
@@ -810,10 +833,23 @@ class RadixCache:
         chunks = [n.pages for n in self._iter_nodes()]
         return np.concatenate(chunks) if chunks else _EMPTY
 
+    def retention_stats(self) -> dict[str, int]:
+        """What retention hints hold now, and their caps (the ``priority`` policy)."""
+        self._apply_expiries()
+        return {
+            "retained_pages": self.retained_total,
+            "retained_pages_max_tenant": max(self.retained.values(), default=0),
+            "retained_tenants": len(self.retained),
+            "max_retained_pages_tenant": self.max_retained_pages,
+            "max_retained_pages_total": self.max_retained_total,
+            "retention_clipped": self.retention_clipped,
+        }
+
     def check(self) -> None:
         """Verify every invariant; raise AssertionError naming the first broken one."""
         self._apply_expiries()  # a hint that ran out since the last eviction changes keys
         check_tree(self)
+        assert self.retained_total == sum(self.retained.values()), "retained pages miscounted"
         if self._parts:
             nodes = list(self._iter_nodes())
             for part in self._parts:

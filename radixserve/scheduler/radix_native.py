@@ -51,10 +51,10 @@ class NativeRadixCache(_radix_native.RadixTree):
         super().__init__(allocator, page_size)
         self.allocator = allocator
 
-    def retain(self, node: NodeHandle, level: int, seconds: float) -> bool:
+    def retain(self, node: NodeHandle, level: int, seconds: float) -> int:
         """Retention hints are the Python tree's ``priority`` policy: this one is LRU
-        only, so a hint is not applied."""
-        return False
+        only, so a hint is not applied (0 tokens held)."""
+        return 0
 
     def check(self) -> None:
         """Verify every invariant; raise AssertionError naming the first broken one."""

@@ -54,6 +54,9 @@ class RequestStats:
     queued_at: float = 0.0  # the scheduler's clock at arrival (queue time)
     cached_tokens: int = -1  # hit length at first admission (-1: not admitted yet)
     tier_hits: tuple[int, int, int] = (0, 0, 0)  # of those, by tier (pool, host, disk)
+    # Prompt tokens its cache_retention hint holds (fewer when clipped at a retention
+    # cap; 0: no hint, nothing fit, or an eviction policy without retention).
+    retained_tokens: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -197,4 +200,5 @@ class Request:
             logprobs,
             prompt_logprobs,
             cached_tokens_by_tier=list(self.stats.tier_hits),
+            retained_tokens=self.stats.retained_tokens,
         )

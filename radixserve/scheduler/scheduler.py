@@ -537,6 +537,8 @@ class Scheduler:
             "queue_time": self.queue_times.snapshot(),
             "state_snapshots": self.config.state_snapshots,  # 0: not a hybrid model
         }
+        if self.cache_policy == "priority":  # what cache_retention hints hold
+            out.update(self.kv.retention_stats())
         window = self.kv.window
         if window is not None:
             out["window_pages"] = window.num_pages

@@ -15,6 +15,9 @@ page neither holds.
   to a host slot (``HostTier``) when a slot is free, else the host tier's LRU
   entry makes room: it is written to disk when a disk tier is configured
   (``DiskTier``), else dropped. A page whose key L2 already holds is not copied.
+  A page of a retained prefix (``retain``: a ``cache_retention`` hint on its path,
+  under the tree's ``priority`` policy) carries its deadline down, and the host tier
+  makes room with unretained entries first.
 * **Promote.** ``match_prefix`` is the tree's (L1) match; ``peek_prefix`` also
   counts the L2 and L3 pages after it (an estimate, for scheduling). Once the
   scheduler has admitted a request, ``promote`` extends its locked L1 match: fresh
@@ -43,6 +46,7 @@ page neither holds.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -135,6 +139,24 @@ class TieredCache(PageFollower):
         self.demoted = self.promoted = self.loaded = self.to_disk = 0
         self.dropped = self.saved = 0
         self.promotion_evictions = 0  # pool pages evicted to make room for promoted ones
+        # The retention deadline of each pool page's prefix (0: none), for demotion.
+        self._retained_until = np.zeros(n, dtype=np.float64)
+        self.retain = self._retain  # PageFollower bound the inner tree's
+
+    def _retain(self, node: CacheNode, level: int, seconds: float) -> int:
+        """The tree's ``retain``. Under the tree's ``priority`` policy the whole path's
+        pages keep the deadline for the host tier even where the pool's caps clipped
+        the hint: the caps bound what retention pins in the pool; below it, a retained
+        page only displaces another retained one."""
+        held = self.inner.retain(node, level, seconds)
+        if getattr(self.inner, "policy", None) != "priority":
+            return held
+        until = time.monotonic() + seconds
+        while node.parent is not None:  # up to the root (only the Python tree retains)
+            pages = node.pages
+            self._retained_until[pages] = np.maximum(self._retained_until[pages], until)
+            node = node.parent
+        return held
 
     # ------------------------------------------------------------- contract
     def match_prefix(
@@ -303,6 +325,7 @@ class TieredCache(PageFollower):
 
     def _own(self, pages: np.ndarray, keys: list[bytes]) -> None:
         self._owned[pages] = True
+        self._retained_until[pages] = 0.0  # a page the tree takes anew
         self._key[pages] = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(-1, KEY_BYTES)
 
     # -------------------------------------------------------------- demotion
@@ -315,24 +338,27 @@ class TieredCache(PageFollower):
 
     def _demote(self, page: int, key: bytes) -> None:
         assert not self._loading[page], "a page in flight was evicted"
+        until, self._retained_until[page] = float(self._retained_until[page]), 0.0
         if key in self.host:
-            self.host.touch(key)
+            self.host.touch(key, until)
             return
-        slot = self._host_slot()
+        slot = self._host_slot(until)
         if slot is None:
             self.dropped += 1
             return
-        self.host.add_written(key, slot)
+        self.host.add_written(key, slot, until)
         self._plan.demote.append((page, slot))
         self.demoted += 1
 
-    def _host_slot(self) -> int | None:
-        """A host slot for a demotion: a free one, else the LRU entry's (written to
-        disk first when there is a disk tier and it lacks the page)."""
+    def _host_slot(self, retained_until: float = 0.0) -> int | None:
+        """A host slot for a demotion of a page retained until ``retained_until``: a
+        free one, else the LRU entry's (written to disk first when there is a disk
+        tier and it lacks the page; a retained entry only for a retained page)."""
         slot = self.host.take_slot()
         if slot is not None:
             return slot
-        victim = self.host.pop_lru()
+        now = time.monotonic()
+        victim = self.host.pop_lru(now, retained=retained_until > now)
         if victim is None:
             return None
         key, slot = victim

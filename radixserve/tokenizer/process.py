@@ -269,7 +269,11 @@ class TokenizerServer:
         """Answered here, at once: the scheduler is not involved."""
         try:
             ids = self.inputs.tokenize(
-                msg.prompt, msg.messages, msg.add_special_tokens, msg.add_generation_prompt
+                msg.prompt,
+                msg.messages,
+                msg.add_special_tokens,
+                msg.add_generation_prompt,
+                msg.tools,
             )
         except ValueError as e:
             self.send_error(identity, msg.id, str(e))
@@ -377,6 +381,7 @@ class TokenizerServer:
                 "completion_tokens": len(out.token_ids),
                 "cached_tokens": item.cached_tokens,
                 "cached_tokens_by_tier": list(item.cached_tokens_by_tier),
+                "retained_tokens": item.retained_tokens,
             }
             if all(req.done):
                 self.forget(req)
