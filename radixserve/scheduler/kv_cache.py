@@ -52,6 +52,7 @@ import numpy as np
 
 from radixserve.combinations import check_features, features_on
 from radixserve.scheduler.allocator import PageAllocator
+from radixserve.scheduler.explain import EvictionLog
 from radixserve.scheduler.kv_events import KVEventRecorder
 from radixserve.scheduler.prefix_cache import MatchResult, PrefixCache
 from radixserve.scheduler.radix_cache import CacheComponent
@@ -93,6 +94,8 @@ class KVCacheManager:
         self.states: StateSnapshots | None = components.get("state")  # type: ignore[assignment]
         self.states_kv = None if self.states is None else RequestStates(self.states, self.page_size)
         self._evicted = 0  # pages evicted to make room (not flushes)
+        # What the tree evicted, for the cache's explain (explain.py).
+        self.evictions = EvictionLog(allocator) if cache.keeps_prefixes else None
 
     @property
     def evicted_pages(self) -> int:
@@ -157,6 +160,9 @@ class KVCacheManager:
         m = tiers.promote(req.tokens[: req.match_len], old, req.salt)
         if m.hit_len == req.locked_len:
             return req.kv_len
+        if self.evictions is not None:
+            self.evictions.evicted()  # the promotion may have evicted to make room
+            self.evictions.inserted(req.tokens[: m.hit_len], m.pages, old.hit_len, req.salt)
         self.cache.lock(m.last_node)
         self.cache.unlock(req.node)  # type: ignore[arg-type]
         self._hold(req, m, tiers.last_match_tiers)
@@ -184,6 +190,8 @@ class KVCacheManager:
         ids = self.allocator.alloc(n)
         if ids is None:
             self._evicted += self.cache.evict(n - self.allocator.num_free)
+            if self.evictions is not None:
+                self.evictions.evicted()
             ids = self.allocator.alloc(n)
         return ids
 
@@ -259,6 +267,8 @@ class KVCacheManager:
         if self.windows is not None and self.windows.tree is not None:
             entries["window"] = self.windows.of(req, n)
         cached_len, node = self.cache.insert(req.tokens[:full], req.table[:n], req.salt, **entries)
+        if self.evictions is not None:
+            self.evictions.inserted(req.tokens[:full], req.table[:n], cached_len, req.salt)
         assert cached_len >= req.locked_len, "the locked prefix vanished from the cache"
         hint = req.sampling.cache_retention
         if hint is not None:
@@ -347,9 +357,12 @@ class KVCacheManager:
         """Evict every unlocked page now; running requests keep theirs. With tiers,
         the host tier is emptied too, and the disk tier unless ``keep_disk``."""
         tiers = self.tiers
-        if tiers is not None:
-            return tiers.flush(keep_disk)
-        return self.cache.evict(self.cache.evictable_pages)
+        freed = tiers.flush(keep_disk) if tiers is not None else None
+        if freed is None:
+            freed = self.cache.evict(self.cache.evictable_pages)
+        if self.evictions is not None:
+            self.evictions.evicted()
+        return freed
 
     def record_events(self) -> KVEventRecorder:
         """Wrap the tree in a ``KVEventRecorder`` (with tiers: the tree below them,
