@@ -44,6 +44,7 @@ class FrontState:
     sglang_requests: dict[str, Any] = field(default_factory=dict)
     # LoRA adapters' names as last listed by the server (``completions.adapter_of``).
     lora_names: set[str] = field(default_factory=set)
+    dashboard: bool = False  # --dashboard: /dashboard and /dashboard/data (dashboard.py)
 
     def serves(self, model: str) -> bool:
         """Whether ``model`` names the served model (its name or an alias)."""

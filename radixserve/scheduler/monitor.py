@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 HISTORY = 300  # points kept (5 minutes at one a second)
 WINDOW = 256  # requests the offline optimum looks back on
 MAX_SEQ_TOKENS = 8192  # tokens kept of each windowed sequence
-LABEL_TOKENS = 8
+LABEL_TOKENS = 16
 MAX_NODES = 64
 
 
