@@ -29,10 +29,13 @@ class LaunchedServer:
             cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env
         )
         self.endpoint = ""
+        self.http_url = ""  # with --http-port
         self.summary = ""
         for line in self.proc.stdout:  # type: ignore[union-attr]
             if m := re.search(r"serving on (\S+)", line):
                 self.endpoint = m.group(1)
+            elif m := re.search(r"http on (\S+)", line):
+                self.http_url = m.group(1)
             elif line.startswith("radixserve: processes"):
                 break
             elif line.startswith("radixserve: model="):
