@@ -259,6 +259,7 @@ class Engine:
                 len(stream.token_ids),
                 out.cached_tokens,
                 list(out.cached_tokens_by_tier),
+                None if out.explain is None else render_explain(self._decode_kept, out.explain),
             ),
             logprobs=TokenLogprobs.list_from_wire(stream.logprobs),
             prompt_logprobs=TokenLogprobs.list_from_wire(stream.prompt_logprobs),

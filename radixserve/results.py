@@ -14,6 +14,9 @@ class Usage:
     # cached_tokens by where they were found: [pool (L1), host (L2), disk (L3)]
     # (docs/cache-tiers.md); without tiers all of them are in the pool.
     cached_tokens_by_tier: list[int] = field(default_factory=lambda: [0, 0, 0])
+    # With SamplingParams(explain=True): what the cache served of the prompt when the
+    # request arrived, and why no more (docs/cache-tiers.md, "Explain").
+    explain: dict | None = None
 
 
 @dataclass

@@ -162,6 +162,7 @@ class _Common(_Strict):
     priority: Int | None = None  # vLLM's: lower first (docs/scheduler.md, "Priorities")
     request_timeout: Number | None = None  # seconds the server gives the request
     cache_retention: tuple[Int, Number] | None = None  # [level, seconds]: keep the prompt
+    explain: StrictBool | None = None  # usage.explain: the cache's hit explained
     # vLLM's and SGLang's text options, which SGLang's gateway sends with every request:
     # accepted at the only values radixserve serves (special tokens skipped and joined
     # without spaces, the text ending before a matched stop string, no hidden states).
@@ -202,7 +203,7 @@ class _Common(_Strict):
         for name in (
             "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
             "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids",
-            "logit_bias", "priority", "request_timeout", "cache_retention",
+            "logit_bias", "priority", "request_timeout", "cache_retention", "explain",
         ):  # fmt: skip
             value = getattr(self, name)
             if value is not None:

@@ -135,6 +135,8 @@ class OutputItem(Message):
     error: str | None = f(_optional(STR), None)
     # cached_tokens split by where they were found: [pool (L1), host (L2), disk (L3)].
     cached_tokens_by_tier: list[int] = f(INT_LIST, [0, 0, 0])
+    # With sampling.explain, on the last item: the cache's explain at arrival (token ids).
+    explain: dict | None = f(_optional(MAP), None)
 
 
 @dataclass

@@ -29,7 +29,9 @@ pages copied up from the lower tiers, its evictions demote pages, and the copies
 that takes are handed to the next step (``take_copies``, ``step_done``,
 ``copies_done``). A request whose matched pages are still on their way
 (``loading``) must not compute yet. Every insert goes through one call, with each
-component's part of it (``_insert``).
+component's part of it (``_insert``). ``evictions`` (``explain.py``'s ``EvictionLog``)
+follows the pages the tree takes and logs the prefixes its evictions free, for the
+cache's explain.
 
 The model's components have a part here each, over the requests. A hybrid
 model's tree carries ``StateSnapshots`` (``state_cache.py``): a match ends where

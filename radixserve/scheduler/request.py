@@ -54,6 +54,7 @@ class RequestStats:
     queued_at: float = 0.0  # the scheduler's clock at arrival (queue time)
     cached_tokens: int = -1  # hit length at first admission (-1: not admitted yet)
     tier_hits: tuple[int, int, int] = (0, 0, 0)  # of those, by tier (pool, host, disk)
+    explain: dict | None = None  # the cache's explain at arrival (sampling.explain)
 
 
 @dataclass(eq=False, slots=True)
@@ -197,4 +198,5 @@ class Request:
             logprobs,
             prompt_logprobs,
             cached_tokens_by_tier=list(self.stats.tier_hits),
+            explain=self.stats.explain if self.finish_reason is not None else None,
         )

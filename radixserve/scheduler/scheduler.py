@@ -19,7 +19,9 @@ id, their deadlines and the outputs between steps, and runs the step:
 - ``KVCacheManager`` (kv_cache.py): who owns which page; ``DecodeReserve``
   (reserve.py): the pages admission keeps for running requests' decodes;
 - ``Drafter`` (speculative.py), ``Grammars`` (grammars.py), ``LoraRegistry``
-  (lora.py): speculative decoding, structured output's grammars, LoRA adapters.
+  (lora.py): speculative decoding, structured output's grammars, LoRA adapters;
+- ``CacheMonitor`` (monitor.py): the dashboard's history and figures; ``explain``
+  (explain.py) reads the cache for one prompt, changing nothing.
 
 Each step is lockstep with the worker: ``step(run)`` plans what the worker must
 compute (a ``protocol.Step``), has ``run`` compute it and return the sampled
@@ -145,6 +147,7 @@ class Scheduler:
             raise ValueError(f"request id {rid!r} is already in use")
         prompt = self.check_request(prompt_ids, sampling)
         check_salt(salt)
+        report = self._explain_arrival(prompt, salt, lora) if sampling.explain else None
         adapter = None
         if lora is not None:
             adapter = self.loras.lookup(lora)
@@ -170,6 +173,7 @@ class Scheduler:
             )
             self._arrivals += 1
             req.stats.queued_at = now
+            req.stats.explain = report
             if adapter is not None:
                 req.lora = adapter.id
             samples.append(req)
@@ -543,6 +547,15 @@ class Scheduler:
         )
         out["namespace"] = {"cache_salt": salt, "adapter": lora}
         return out
+
+    def _explain_arrival(self, prompt: np.ndarray, salt: str | None, lora: str | None) -> dict:
+        """``explain`` for a request that asked for it: without the most common
+        continuation, which may be another client's text in the same namespace (the
+        admin's explain call gives it)."""
+        report = self.explain(prompt, salt, lora)
+        if report["miss"] is not None:
+            report["miss"]["most_common"] = None
+        return report
 
     def dashboard(self) -> dict[str, Any]:
         """The dashboard's figures (``monitor.py``), rebuilt at most once a second."""

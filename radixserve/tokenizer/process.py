@@ -404,6 +404,8 @@ class TokenizerServer:
                 "cached_tokens": item.cached_tokens,
                 "cached_tokens_by_tier": list(item.cached_tokens_by_tier),
             }
+            if item.explain is not None:
+                usage["explain"] = render_explain(self._decode_kept, item.explain)
             if all(req.done):
                 self.forget(req)
         try:

@@ -69,6 +69,19 @@ def test_explain_a_completion_and_a_chat(http_server, zmq_client):
     assert r.status_code == 404
 
 
+def test_a_completion_that_asks_explains_its_own_hit(http_server, zmq_client):
+    url = http_server.http_url
+    prompt = "The same long prompt sent twice, so that the second time it hits the cache."
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0, "explain": True}
+    first = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["usage"]
+    again = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["usage"]
+    assert first["explain"]["hit_tokens"] == first["prompt_tokens_details"]["cached_tokens"]
+    assert again["explain"]["hit_tokens"] == again["prompt_tokens_details"]["cached_tokens"] > 0
+    assert again["explain"]["stop"] == "last_token" and again["explain"]["reason"]
+    plain = httpx.post(f"{url}/v1/completions", json={**body, "explain": False}, timeout=120)
+    assert "explain" not in plain.json()["usage"]
+
+
 def test_the_client_explains_too(zmq_client):
     report = zmq_client.explain_cache(input_ids=[5, 6, 7, 8, 9], cache_salt="nobody")
     assert report["stop"] == "empty_namespace" and report["miss"]["text_after"] is not None

@@ -204,3 +204,18 @@ def test_with_cache_tiers_the_hit_is_split_by_tier():
     out = run(sched, worker)[("again", 0)]["out"]
     assert out.cached_tokens == 192
     assert out.cached_tokens_by_tier[:2] == [r["tiers"]["pool"], r["tiers"]["host"]]
+
+
+def test_a_request_that_asks_gets_the_explain_at_arrival_in_its_last_output():
+    base = prompt(0, 80)
+    sched, worker = scheduler("python")
+    serve(sched, worker, {"a": base})
+    sched.add_request("b", base[:40] + prompt(3, 20), greedy(explain=True))
+    sched.add_request("c", base, greedy())
+    res = run(sched, worker)
+    out = res[("b", 0)]["out"]
+    assert out.explain["hit_tokens"] == out.cached_tokens == 32
+    assert out.explain["stop"] == "partial_page" and out.explain["miss"]["position"] == 40
+    # Another client's text in the namespace is not told to a plain request.
+    assert out.explain["miss"]["most_common"] is None
+    assert res[("c", 0)]["out"].explain is None
