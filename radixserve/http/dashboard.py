@@ -14,8 +14,9 @@ authentication (any user name): without it they answer 401 with a
 with the page's polls too. Without ``--dashboard`` they are 404, as unknown routes.
 
 The figures are cached here for ``DATA_TTL_S``: however hard the page (or anything
-else) polls, the scheduler is asked at most once per that time, by one poll while
-the others wait for its answer, and every poll in between gets the same encoded bytes.
+else) polls, the scheduler is asked at most once per that time, and every poll gets
+the last encoded bytes at once, a fetch on its way included (only the first poll
+waits for one).
 """
 
 from __future__ import annotations
@@ -43,23 +44,31 @@ ADMIN_TIMEOUT_S = 30.0
 
 
 class _Figures:
-    """The dashboard's JSON, encoded once per ``ttl`` (module docstring)."""
+    """The dashboard's JSON, encoded once per ``ttl`` (module docstring). While a
+    fetch is on its way (the scheduler answers between two steps), polls get the
+    previous bytes at once; only the very first poll waits for them."""
 
     def __init__(self, ttl: float = DATA_TTL_S) -> None:
         self.ttl = ttl
         self.body = b""
         self.at = float("-inf")
-        self.lock = asyncio.Lock()
+        self.fetching: asyncio.Task | None = None
 
     async def get(self, state: FrontState) -> bytes:
-        if time.monotonic() - self.at < self.ttl:
-            return self.body
-        async with self.lock:
-            if time.monotonic() - self.at >= self.ttl:  # not fetched while this one waited
-                data = await state.client.dashboard(timeout=ADMIN_TIMEOUT_S)
-                self.body = json.dumps(data, separators=(",", ":")).encode()
-                self.at = time.monotonic()
+        stale = not self.body or time.monotonic() - self.at >= self.ttl
+        if self.fetching is None and stale:
+            self.fetching = asyncio.create_task(self._fetch(state))
+        if not self.body:
+            await asyncio.shield(self.fetching)  # type: ignore[arg-type]  # raises its error
         return self.body
+
+    async def _fetch(self, state: FrontState) -> None:
+        try:
+            data = await state.client.dashboard(timeout=ADMIN_TIMEOUT_S)
+            self.body = json.dumps(data, separators=(",", ":")).encode()
+        finally:
+            self.at = time.monotonic()
+            self.fetching = None
 
 
 def _check_page(request: Request, keys: Keys) -> None:
