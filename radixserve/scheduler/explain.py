@@ -38,7 +38,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.prefix_cache import PrefixCache
 from radixserve.scheduler.radix_cache import as_tokens
 from radixserve.scheduler.tree_view import TreeView, core_tree
@@ -55,32 +54,29 @@ _R2 = np.uint64(0xC2B2AE3D27D4EB4F)
 class EvictionLog:
     """A bounded record of the prefixes the tree evicted: fingerprint -> (when, depth).
 
-    Each page the tree owns carries the fingerprint of the token prefix it ends (two
+    Each page the tree holds carries the fingerprint of the token prefix it ends (two
     64-bit polynomial hashes of ``tokens[:depth]``, seeded by the salt), set when the
-    tree takes it (``inserted``, the insert contract: pages past ``cached_len``).
-    After an eviction (``evicted``), the owned pages the allocator no longer counts
-    as allocated are the victims (as ``PageFollower`` finds them, so it works over
-    either tree): each one's prefix is logged. ``longest(tokens, salt, start)`` is
-    then the deepest page boundary past ``start`` whose prefix was evicted. The log
-    keeps the ``capacity`` most recent prefixes. A page taken from the tree without
-    an eviction seen here (a promotion's room) is logged when it is next seen free:
-    its time may be late.
+    tree takes it (``inserted``, the insert contract: pages past ``cached_len``; a
+    promotion's too). After an eviction, ``evicted(pages)`` logs its victims' prefixes
+    (the caller reads them off the allocator: ``PageAllocator.last_freed``, the pages
+    the eviction freed, O(victims) over either tree). ``longest(tokens, salt, start)``
+    is then the deepest page boundary past ``start`` whose prefix was evicted. The log
+    keeps the ``capacity`` most recent prefixes; pages the tree gives up otherwise
+    (room a promotion makes, a component dropping a node) are not logged.
     """
 
     def __init__(
         self,
-        allocator: PageAllocator,
+        num_pages: int,
+        page_size: int,
         capacity: int = 1 << 16,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.allocator = allocator
-        self.page_size = allocator.page_size
+        self.page_size = page_size
         self.capacity = capacity
         self.clock = clock
-        n = allocator.num_pages
-        self._owned = np.zeros(n, dtype=bool)
-        self._print = np.zeros((n, 2), dtype=np.uint64)
-        self._depth = np.zeros(n, dtype=np.int64)
+        self._print = np.zeros((num_pages, 2), dtype=np.uint64)
+        self._depth = np.zeros(num_pages, dtype=np.int64)
         self._log: dict[tuple[int, int], tuple[float, int]] = {}
         self._powers = (np.ones(1, dtype=np.uint64), np.ones(1, dtype=np.uint64))
 
@@ -118,30 +114,21 @@ class EvictionLog:
         if first >= end:
             return
         taken = np.asarray(pages[first:end])
-        self._owned[taken] = True
         self._print[taken] = self.fingerprints(as_tokens(tokens)[: end * ps], salt)[first:end]
         self._depth[taken] = np.arange(first + 1, end + 1, dtype=np.int64) * ps
 
-    def evicted(self) -> int:
-        """Log the prefixes of the owned pages that are free now; how many."""
-        owned = np.flatnonzero(self._owned)
-        gone = owned[~self.allocator.is_allocated(owned)]
-        if not len(gone):
-            return 0
-        self._owned[gone] = False
+    def evicted(self, pages: np.ndarray) -> None:
+        """The tree evicted ``pages``: log the prefixes they ended."""
+        if not len(pages):
+            return
         now = self.clock()
         log = self._log
-        for (a, b), depth in zip(self._print[gone].tolist(), self._depth[gone].tolist()):
+        for (a, b), depth in zip(self._print[pages].tolist(), self._depth[pages].tolist()):
             key = (a, b)
             log.pop(key, None)  # re-inserted at the end: the newest stay
             log[key] = (now, depth)
         while len(log) > self.capacity:
             del log[next(iter(log))]
-        return len(gone)
-
-    def forget_all(self) -> None:
-        """The tree was reset: nothing it held is owned any more (not an eviction)."""
-        self._owned[:] = False
 
     def longest(self, tokens: np.ndarray, salt: str | None, start: int) -> tuple[int, float] | None:
         """``(depth, when)`` of the longest evicted prefix of ``tokens`` longer than

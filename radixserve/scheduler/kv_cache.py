@@ -97,7 +97,9 @@ class KVCacheManager:
         self.states_kv = None if self.states is None else RequestStates(self.states, self.page_size)
         self._evicted = 0  # pages evicted to make room (not flushes)
         # What the tree evicted, for the cache's explain (explain.py).
-        self.evictions = EvictionLog(allocator) if cache.keeps_prefixes else None
+        self.evictions = (
+            EvictionLog(allocator.num_pages, self.page_size) if cache.keeps_prefixes else None
+        )
 
     @property
     def evicted_pages(self) -> int:
@@ -163,7 +165,6 @@ class KVCacheManager:
         if m.hit_len == req.locked_len:
             return req.kv_len
         if self.evictions is not None:
-            self.evictions.evicted()  # the promotion may have evicted to make room
             self.evictions.inserted(req.tokens[: m.hit_len], m.pages, old.hit_len, req.salt)
         self.cache.lock(m.last_node)
         self.cache.unlock(req.node)  # type: ignore[arg-type]
@@ -191,9 +192,9 @@ class KVCacheManager:
         """``n`` fresh pages, evicting LRU cache leaves if needed; None if impossible."""
         ids = self.allocator.alloc(n)
         if ids is None:
-            self._evicted += self.cache.evict(n - self.allocator.num_free)
-            if self.evictions is not None:
-                self.evictions.evicted()
+            free = self.allocator.num_free
+            self._evicted += self.cache.evict(n - free)
+            self._log_evicted(free)
             ids = self.allocator.alloc(n)
         return ids
 
@@ -359,12 +360,20 @@ class KVCacheManager:
         """Evict every unlocked page now; running requests keep theirs. With tiers,
         the host tier is emptied too, and the disk tier unless ``keep_disk``."""
         tiers = self.tiers
-        freed = tiers.flush(keep_disk) if tiers is not None else None
-        if freed is None:
+        free = self.allocator.num_free
+        if tiers is not None:
+            freed = tiers.flush(keep_disk)
+        else:
             freed = self.cache.evict(self.cache.evictable_pages)
-        if self.evictions is not None:
-            self.evictions.evicted()
+        self._log_evicted(free)
         return freed
+
+    def _log_evicted(self, free_before: int) -> None:
+        """After an eviction (``free_before`` pages were free): its victims are the
+        pages freed since, on top of the allocator's free stack."""
+        if self.evictions is not None:
+            freed = self.allocator.num_free - free_before
+            self.evictions.evicted(self.allocator.last_freed(freed))
 
     def record_events(self) -> KVEventRecorder:
         """Wrap the tree in a ``KVEventRecorder`` (with tiers: the tree below them,

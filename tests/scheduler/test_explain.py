@@ -115,6 +115,17 @@ def test_after_an_eviction_the_longer_match_and_when():
     assert ev["seconds_ago"] == 2.5
 
 
+def test_a_flush_is_logged_as_an_eviction():
+    p = prompt(0, 100)
+    sched, worker = scheduler("python")
+    serve(sched, worker, {"a": p})
+    assert sched.explain(p)["stop"] == "last_token"
+    assert sched.flush_cache() > 0
+    r = sched.explain(p)
+    assert r["hit_tokens"] == 0 and r["stop"] == "empty_namespace"
+    assert r["miss"]["evicted"]["tokens"] == 96  # every whole page of the prompt
+
+
 def test_another_salt_misses_and_reveals_nothing_of_the_other_namespace():
     secret = prompt(0, 64)
 
@@ -179,17 +190,14 @@ def test_bad_input_is_refused():
 
 
 def test_eviction_log_is_bounded_and_keeps_the_newest():
-    from radixserve.scheduler.allocator import PageAllocator
-
-    alloc = PageAllocator(8, 1)
-    log = EvictionLog(alloc, capacity=3, clock=lambda: 5.0)
-    pages = alloc.alloc(5)
-    log.inserted(np.arange(5, dtype=np.int32), pages, 0, None)
-    alloc.free(pages)
-    assert log.evicted() == 5 and len(log) == 3
-    assert log.longest(np.arange(5, dtype=np.int32), None, 0) == (5, 5.0)
-    assert log.longest(np.arange(5, dtype=np.int32), "s", 0) is None  # another salt
-    assert log.longest(np.arange(2, dtype=np.int32), None, 0) is None  # dropped: oldest
+    log = EvictionLog(8, 1, capacity=3, clock=lambda: 5.0)
+    tokens = np.arange(5, dtype=np.int32)
+    log.inserted(tokens, np.arange(5, dtype=np.int32), 0, None)
+    log.evicted(np.arange(5, dtype=np.int32))
+    assert len(log) == 3
+    assert log.longest(tokens, None, 0) == (5, 5.0)
+    assert log.longest(tokens, "s", 0) is None  # another salt
+    assert log.longest(tokens[:2], None, 0) is None  # dropped: the oldest
 
 
 def test_with_cache_tiers_the_hit_is_split_by_tier():
