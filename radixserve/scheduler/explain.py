@@ -165,6 +165,7 @@ def explain(
     out: dict = {
         "prompt_tokens": len(tokens),
         "match_limit": match_len,
+        "page_size": cache.page_size,
         "tiers": {"pool": 0},
         "hit_tokens": 0,
         "kv_tokens": 0,
@@ -186,7 +187,7 @@ def explain(
         tiers[name] = tiers.get(name, 0) + ps
     hit = served + ps * len(below)
     view = TreeView(tree.export_nodes(-1, salt, every_namespace=False))
-    agreed, at = _walk(view, tokens)
+    agreed, stops = _walk(view, tokens)
     out.update(tiers=tiers, hit_tokens=hit, kv_tokens=kv, agreed_tokens=agreed)
     components = getattr(tree, "components", {})
     miss = None
@@ -203,10 +204,10 @@ def explain(
     elif agreed > hit:
         stop = "partial_page"
     else:
-        miss = _miss(view, tokens, agreed, at)
+        miss = _miss(view, tokens, agreed, stops)
         stop = "diverged" if miss["continuations"] else "end_of_cache"
     if stop != "last_token" and miss is None:
-        miss = _miss(view, tokens, max(agreed, hit), at if agreed >= hit else None)
+        miss = _miss(view, tokens, max(agreed, hit), stops if agreed >= hit else None)
         if hit > agreed:  # what the tree holds is not where the lower tiers ended
             miss["continuations"], miss["most_common"] = 0, None
     out["stop"], out["miss"] = stop, miss
@@ -218,33 +219,40 @@ def explain(
     return out
 
 
-def _walk(view: TreeView, tokens: np.ndarray) -> tuple[int, tuple[int, int] | None]:
+Stops = list[tuple[int, int]] | None  # where a walk stopped (``_walk``)
+
+
+def _walk(view: TreeView, tokens: np.ndarray) -> tuple[int, Stops]:
     """How many leading tokens of ``tokens`` the tree (one namespace) holds, token by
-    token, and where the walk stopped: ``(node, offset in its edge)`` when inside an
-    edge or at its end, None when at the root."""
-    pos, at = 0, None
+    token, and where the walk stopped: ``(node, offset in its edge)`` for each edge
+    that agrees that far (several when siblings share the tokens after their parent,
+    inside their first page), or None at the root."""
+    pos, stops = 0, None
     candidates = view.top(0) if view.salts else []
     n = len(tokens)
     while pos < n and candidates:
-        best, best_len = -1, 0
+        best: list[int] = []
+        best_len = 0
         for i in candidates:
             edge = view.label(i)
             m = min(len(edge), n - pos)
             neq = np.flatnonzero(edge[:m] != tokens[pos : pos + m])
             common = int(neq[0]) if len(neq) else m
             if common > best_len:
-                best, best_len = i, common
-        if best < 0:
+                best, best_len = [i], common
+            elif common == best_len and common:
+                best.append(i)
+        if not best:
             break
         pos += best_len
-        at = (best, best_len)
-        if best_len < view.num_tokens[best]:
-            break
-        candidates = list(view.children(best))
-    return pos, at
+        stops = [(i, best_len) for i in best]
+        if len(best) > 1 or best_len < view.num_tokens[best[0]]:
+            break  # inside an edge (siblings differ within their first page)
+        candidates = list(view.children(best[0]))
+    return pos, stops
 
 
-def _miss(view: TreeView, tokens: np.ndarray, agreed: int, at: tuple[int, int] | None) -> dict:
+def _miss(view: TreeView, tokens: np.ndarray, agreed: int, stops: Stops) -> dict:
     """The first token that misses and what the tree holds in its place."""
     lo = max(0, agreed - CONTEXT_TOKENS)
     miss: dict = {
@@ -258,15 +266,14 @@ def _miss(view: TreeView, tokens: np.ndarray, agreed: int, at: tuple[int, int] |
     }
     # (label tokens, sequences, tokens, last_access) per continuation.
     options: list[tuple[np.ndarray, int, int, int]] = []
-    if at is None:
-        kids = view.top(0) if view.salts else []
-        options = [_option(view, i, 0) for i in kids]
+    if stops is None:
+        options = [_option(view, i, 0) for i in (view.top(0) if view.salts else [])]
     else:
-        node, off = at
-        if off < view.num_tokens[node]:
-            options = [_option(view, node, off)]
-        else:
-            options = [_option(view, i, 0) for i in view.children(node)]
+        for node, off in stops:
+            if off < view.num_tokens[node]:
+                options.append(_option(view, node, off))
+            else:
+                options += [_option(view, i, 0) for i in view.children(node)]
     miss["continuations"] = len(options)
     if options:
         label, seqs, toks, _ = max(options, key=lambda o: (o[1], o[2], o[3]))

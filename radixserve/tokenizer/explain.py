@@ -20,8 +20,9 @@ _REASONS = {
     "no_cache": "the server runs without a prefix cache (--cache none)",
     "empty_namespace": "nothing is cached in this namespace (cache salt and adapter) yet",
     "last_token": (
-        "everything that can be reused is reused: the last prompt token is always "
-        "computed (its logits give the first output token)"
+        "everything that can be reused is reused: at most {limit} tokens of this prompt "
+        "can come from the cache (whole pages of {page_size} tokens, before the last "
+        "prompt token, whose logits give the first output token)"
     ),
     "snapshot": (
         "the model has recurrent layers: a hit must end where a state snapshot was "
@@ -44,7 +45,10 @@ _REASONS = {
 def reason(report: dict) -> str:
     """One sentence: why the hit stops where it does."""
     miss = report.get("miss") or {}
+    ps = report["page_size"]
     fields = {
+        "limit": report["match_limit"] - report["match_limit"] % ps,
+        "page_size": ps,
         "hit": report["hit_tokens"],
         "kv_tokens": report["kv_tokens"],
         "agreed_tokens": report["agreed_tokens"],

@@ -227,3 +227,17 @@ def test_a_request_that_asks_gets_the_explain_at_arrival_in_its_last_output():
     # Another client's text in the namespace is not told to a plain request.
     assert out.explain["miss"]["most_common"] is None
     assert res[("c", 0)]["out"].explain is None
+
+
+def test_siblings_that_share_the_next_token_are_all_continuations():
+    base = prompt(0, 48)
+
+    def case(impl):
+        sched, worker = scheduler(impl)
+        # Both part from the cache at 48 (a page boundary) and agree on token 48.
+        serve(sched, worker, {"a": base + [7] + prompt(1, 39), "b": base + [7] + prompt(2, 39)})
+        return sched.explain(base + [7] + [9] * 20)
+
+    r = both(case)
+    assert r["hit_tokens"] == 48 and r["agreed_tokens"] == 49 and r["stop"] == "partial_page"
+    assert r["miss"]["position"] == 49 and r["miss"]["continuations"] == 2
