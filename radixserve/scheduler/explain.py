@@ -1,7 +1,7 @@
 """Why a prompt hits the prefix cache as far as it does, and what the tree holds where
 it stops (docs/cache-tiers.md, "Explain").
 
-``explain(kv, tokens, salt, match_len)`` runs no model and changes nothing (no split,
+``explain(cache, tokens, salt, match_len, evictions, lower_tiers)`` runs no model and changes nothing (no split,
 no stamp, no promotion): it reads
 
 * the hit per tier: the pool's (the tree's ``peek_prefix``: what a match would serve,
@@ -18,16 +18,17 @@ The answer is token ids; the tokenizer turns them into text (``tokenizer/explain
 Why the hit stops (``stop``), the first that applies:
 
 * ``no_cache``: ``--cache none``;
-* ``last_token``: the hit reaches ``match_len`` (all but the last prompt token: its
-  logits give the first output), nothing is missing;
 * ``snapshot``: a hybrid model's tree holds the KV further, but a match must end
   where a recurrent-state snapshot was saved (``state_cache.py``);
 * ``window``: a model with sliding layers: their window pages were not all kept;
+* ``last_token``: the hit reaches ``match_len`` in whole pages (all but the last
+  prompt token: its logits give the first output), nothing more could be served;
+* ``empty_namespace``: nothing is cached under the request's salt and adapter;
 * ``partial_page``: the prompt agrees with the tree past the hit, but only whole
   pages are shared;
 * ``diverged``: a prompt token differs from every cached continuation;
-* ``end_of_cache``: the cached path ends: nothing longer was ever cached (or it was
-  evicted: ``evicted``).
+* ``end_of_cache``: the cached path ends (or the lower tiers' run does): nothing
+  longer is cached (a longer match evicted shows in ``evicted``).
 """
 
 from __future__ import annotations
