@@ -5,8 +5,9 @@ and again, interleaved trial by trial: alone, and while a poller process asks fo
 ``/dashboard/data`` at ``--polls-per-s`` (1000 by default; keep-alive connections,
 one thread each) and for ``/dashboard`` once a second, as a page left open by many
 users would. Prints, per mode, the best and the median output throughput over the
-trials and the polls answered per second, and the ratio of the polled runs' median
-to the quiet ones'.
+trials, the polls answered per second, and the CPU seconds each server process took
+per run (``/proc/PID/stat``: what a loaded machine disturbs far less than wall time),
+and the ratios of the polled runs' medians to the quiet ones'.
 
     python bench/dashboard_polling.py [--model smollm2] [--trials 3] [--polls-per-s 1000]
 
@@ -23,6 +24,7 @@ import argparse
 import asyncio
 import http.client
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import threading
@@ -66,6 +68,17 @@ def poll(url: str, per_s: float, threads: int, stop, counts) -> None:
         t.start()
     for t in pool:
         t.join()
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds each process has used so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
 
 
 async def one_run(endpoint: str, workload, page_size: int) -> dict:
@@ -114,29 +127,39 @@ def main() -> None:
                     poller.start()
                     time.sleep(1.0)  # polling at full rate before the run starts
                     base = counts[0]
-                start = time.monotonic()
+                start, cpu0 = time.monotonic(), cpu_seconds(server.pids)
                 m = asyncio.run(one_run(server.endpoint, workload, args.page_size))
                 wall = time.monotonic() - start
+                cpu = {k: v - cpu0[k] for k, v in cpu_seconds(server.pids).items()}
                 polls = (counts[0] - base) / wall if poller is not None else 0.0
                 if poller is not None:
                     stop.set()
                     poller.join()
                 rows[mode].append(
-                    {"tok_s": m["output_tok_s"], "polls_s": polls, "failed": m["failed"]}
+                    {"tok_s": m["output_tok_s"], "polls_s": polls, "failed": m["failed"], **cpu}
                 )
                 print(
                     f"trial {trial} {mode:6s}: {m['output_tok_s']:8.1f} output tok/s, "
-                    f"{polls:7.0f} polls/s, hit rate {m['hit_rate']:.2f}",
+                    f"{polls:7.0f} polls/s, hit rate {m['hit_rate']:.2f}, CPU s "
+                    + " ".join(f"{k}={v:.2f}" for k, v in cpu.items()),
                     file=sys.stderr,
                 )
-    print(f"\n{'mode':8s} {'best tok/s':>11s} {'median tok/s':>13s} {'polls/s':>9s}")
+        names = list(server.pids)
+    keys = ["tok_s", "polls_s", *names]
+    med = {
+        mode: {k: statistics.median(r[k] for r in rs) for k in keys} for mode, rs in rows.items()
+    }
+    head = f"{'mode':8s} {'best tok/s':>11s} {'median tok/s':>13s} {'polls/s':>9s}"
+    print("\n" + head + "".join(f" {k + ' CPU s':>15s}" for k in names))
     for mode, rs in rows.items():
-        tok = [r["tok_s"] for r in rs]
-        polls = statistics.median(r["polls_s"] for r in rs)
-        print(f"{mode:8s} {max(tok):11.1f} {statistics.median(tok):13.1f} {polls:9.0f}")
-    quiet = statistics.median(r["tok_s"] for r in rows["quiet"])
-    polled = statistics.median(r["tok_s"] for r in rows["polled"])
-    print(f"\npolled / quiet (median output tok/s): {polled / quiet:.3f}")
+        best = max(r["tok_s"] for r in rs)
+        m = med[mode]
+        line = f"{mode:8s} {best:11.1f} {m['tok_s']:13.1f} {m['polls_s']:9.0f}"
+        print(line + "".join(f" {m[k]:15.2f}" for k in names))
+    print("\npolled / quiet, medians:")
+    for k in ["tok_s", *names]:
+        what = "output tok/s" if k == "tok_s" else f"{k} CPU s"
+        print(f"  {what:18s} {med['polled'][k] / max(med['quiet'][k], 1e-9):.3f}")
     if any(r["failed"] for rs in rows.values() for r in rs):
         print("some requests failed", file=sys.stderr)
         sys.exit(1)
