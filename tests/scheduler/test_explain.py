@@ -241,3 +241,33 @@ def test_siblings_that_share_the_next_token_are_all_continuations():
     r = both(case)
     assert r["hit_tokens"] == 48 and r["agreed_tokens"] == 49 and r["stop"] == "partial_page"
     assert r["miss"]["position"] == 49 and r["miss"]["continuations"] == 2
+
+
+def test_explain_changes_nothing():
+    base = prompt(0, 90)
+
+    def case(impl):
+        sched, worker = scheduler(impl, num_pages=24)
+        serve(sched, worker, {"a": base, "b": base[:40] + prompt(4, 60)})
+        tree = sched.cache
+        before = tree.export_nodes(-1)
+        stats = (sched.allocator.num_free, tree.evictable_pages, tree.cached_pages)
+        for q in (base, base[:40] + [1] * 30, base[:20], prompt(9, 50)):
+            sched.explain(q)
+            sched.explain(q, "other")
+        after = tree.export_nodes(-1)
+        assert before.keys() == after.keys()
+        for k in before:
+            same = before[k] == after[k] if k == "salts" else np.array_equal(before[k], after[k])
+            assert same, k  # no split, no stamp, no new namespace
+        assert stats == (sched.allocator.num_free, tree.evictable_pages, tree.cached_pages)
+        sched.check_idle()
+        return True
+
+    both(case)
+
+
+def test_an_unknown_adapter_is_refused():
+    sched, _ = scheduler("python")
+    with pytest.raises(ValueError, match="unknown LoRA adapter"):
+        sched.explain([1, 2, 3], lora="nope")
