@@ -391,8 +391,10 @@ void RadixTree::all_pages(std::vector<int32_t>& out) const {
 void RadixTree::export_nodes(int64_t max_label, bool every_namespace,
                              const std::string* only_salt, Export& out) const {
   out = Export{};
+  // ((has a salt, the salt), root slot): the default namespace first, then by salt.
   std::vector<std::pair<std::pair<bool, std::string>, int32_t>> roots;
-  if (every_namespace || only_salt == nullptr) roots.push_back({{false, std::string()}, kDefaultRoot});
+  if (every_namespace || only_salt == nullptr)
+    roots.push_back({{false, std::string()}, kDefaultRoot});
   if (every_namespace) {
     for (const auto& kv : salt_roots_) roots.push_back({{true, kv.first}, kv.second});
     std::sort(roots.begin() + 1, roots.end());
@@ -427,8 +429,8 @@ void RadixTree::export_nodes(int64_t max_label, bool every_namespace,
     out.id.push_back(n.id);
     out.last_access.push_back(n.last_access);
     out.lock_ref.push_back(n.lock_ref);
-    out.num_tokens.push_back(static_cast<int64_t>(n.key.size()));
     const int64_t len = static_cast<int64_t>(n.key.size());
+    out.num_tokens.push_back(len);
     const int64_t take = max_label < 0 ? len : std::min(max_label, len);
     out.labels.insert(out.labels.end(), n.key.begin(), n.key.begin() + take);
     out.label_offsets.push_back(static_cast<int64_t>(out.labels.size()));
