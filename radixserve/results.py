@@ -17,6 +17,9 @@ class Usage:
     # Prompt tokens held by the request's cache_retention hint (fewer when clipped at
     # a retention cap; 0: no hint, nothing fit, or an eviction policy without retention).
     retained_tokens: int = 0
+    # With SamplingParams(explain=True): what the cache served of the prompt when the
+    # request arrived, and why no more (docs/cache-tiers.md, "Explain").
+    explain: dict | None = None
 
 
 @dataclass

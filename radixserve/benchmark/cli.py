@@ -322,6 +322,9 @@ async def run_variant(
             }
             if workload.scored:
                 v["score_from"] = score_from
+            figures = await backend.dashboard()
+            if figures is not None:  # the cache's largest prefixes now (report.write_tree)
+                v["tree"] = figures["tree"]
             out.append(v)
     finally:
         await backend.close()

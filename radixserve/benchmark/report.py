@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from radixserve.benchmark.tree_picture import write_tree
+
 PROGRAM_ROWS = [  # program runs only, first
     ("programs", "programs", "{:.0f}"),
     ("programs failed", "programs_failed", "{:.0f}"),
@@ -204,7 +206,20 @@ def save(args: Any, head: str, variants: list[dict[str, Any]], name: str, **fiel
     if not args.no_plot:
         write_png(png_path, head, variants)
         written.append(str(png_path))
+        # The cache's tree at the end of each run, as the dashboard draws it.
+        for v in variants:
+            if v.get("tree", {}).get("nodes"):
+                one = len(variants) == 1
+                svg = Path(
+                    f"{prefix}-tree.svg" if one else f"{prefix}-tree-{_slug(v['label'])}.svg"
+                )
+                write_tree(svg, v["tree"], f"{head} · {v['label']}: the cache's largest prefixes")
+                written.append(str(svg))
     print("wrote " + ", ".join(written))
+
+
+def _slug(label: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in label)
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:

@@ -149,6 +149,27 @@ def admin_message(cls: type[P.Message], admin_key: str | None, **fields: Any) ->
     return cls(id=uuid.uuid4().hex)  # type: ignore[call-arg]
 
 
+def _explain_fields(
+    prompt: str | None,
+    input_ids: Sequence[int] | None,
+    messages: Sequence[Mapping[str, Any]] | None,
+    tools: Sequence[Mapping[str, Any]] | None,
+    cache_salt: str | None,
+    lora: str | None,
+) -> dict[str, Any]:
+    """An ``explain_cache`` message's fields (exactly one prompt form)."""
+    if sum(x is not None for x in (prompt, input_ids, messages)) != 1:
+        raise ValueError("explain_cache takes exactly one of prompt, input_ids, messages")
+    return {
+        "prompt": prompt,
+        "input_ids": None if input_ids is None else [int(t) for t in input_ids],
+        "messages": None if messages is None else [dict(m) for m in messages],
+        "tools": None if tools is None else [dict(t) for t in tools],
+        "cache_salt": cache_salt,
+        "lora": lora,
+    }
+
+
 def setup_socket(sock: zmq.Socket, curve: CurveKeys | None = None) -> zmq.Socket:
     """Configure a fresh DEALER before ``connect``; returns its monitor socket (events
     read with ``Link.on_event``)."""

@@ -12,6 +12,7 @@
 | ``GET /stats`` | the scheduler's stats (``Client.stats()``) |
 | ``GET /metrics`` | Prometheus text format (``metrics.py``) |
 | ``POST /reset_prefix_cache`` | vLLM's name for ``/flush_cache`` |
+| ``POST /v1/cache/explain``; ``GET /dashboard``, ``GET /dashboard/data`` (``--dashboard``) | see ``dashboard.py`` |
 | SGLang's ``/generate``, ``/get_model_info``, ``/get_server_info`` (``/server_info``), ``/health_generate``, ``/abort_request``; ``/tokenize``, ``/detokenize`` (SGLang's and vLLM's) | see ``sglang_api.py`` |
 
 With ``--api-key`` / ``--admin-api-key``, routes need a Bearer key (``auth.py``).
@@ -36,6 +37,7 @@ from radixserve.client import RequestTimeout, ServerError
 from radixserve.http import completions as C
 from radixserve.http import messages as M
 from radixserve.http import responses as R
+from radixserve.http import dashboard as D
 from radixserve.http import sglang_api as S
 from radixserve.http.auth import NO_KEYS, Keys
 from radixserve.http.errors import HTTPError
@@ -272,4 +274,5 @@ def create_app(state: FrontState, keys: Keys = NO_KEYS) -> FastAPI:
         text = await state.metrics.render(lambda: _admin(state.client.stats))
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
+    D.add_routes(app, state, keys)  # the cache's explain and the dashboard
     return app

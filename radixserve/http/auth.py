@@ -40,17 +40,21 @@ class Keys:
         out = {API_KEY_ENV: self.api_key, ADMIN_KEY_ENV: self.admin_key}
         return {k: v for k, v in out.items() if v}
 
-    def check(self, request: Request, admin: bool = False) -> None:
-        """Raise a 401 unless the request brings a key that opens this route."""
+    def wanted(self, admin: bool = False) -> list[str]:
+        """The keys that open a route (none: it is open)."""
         if admin:
             wanted = [self.admin_key] if self.admin_key else [self.api_key]
         else:  # open without an API key; the admin key opens it too
             wanted = [self.api_key, self.admin_key] if self.api_key else []
-        wanted = [k for k in wanted if k]
+        return [k for k in wanted if k]
+
+    def check(self, request: Request, admin: bool = False) -> None:
+        """Raise a 401 unless the request brings a key that opens this route."""
+        wanted = self.wanted(admin)
         if not wanted:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and any(_same(given.strip(), k) for k in wanted):
+        if scheme.lower() == "bearer" and any(same_key(given.strip(), k) for k in wanted):
             return
         anthropic = request.headers.get("x-api-key")
         if anthropic is not None and any(_same(anthropic.strip(), k) for k in wanted):
@@ -65,5 +69,6 @@ class Keys:
 NO_KEYS = Keys()  # every route open, as without --api-key
 
 
-def _same(given: str, key: str) -> bool:
+def same_key(given: str, key: str) -> bool:
+    """Whether ``given`` is ``key``, compared in constant time."""
     return hmac.compare_digest(given.encode(), key.encode())

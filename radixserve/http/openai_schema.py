@@ -167,6 +167,7 @@ class _Common(_Strict):
     # how long the prompt's cached prefix is kept.
     prompt_cache_key: StrictStr | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    explain: StrictBool | None = None  # usage.explain: the cache's hit explained
     # vLLM's and SGLang's text options, which SGLang's gateway sends with every request:
     # accepted at the only values radixserve serves (special tokens skipped and joined
     # without spaces, the text ending before a matched stop string, no hidden states).
@@ -207,7 +208,7 @@ class _Common(_Strict):
         for name in (
             "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
             "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids",
-            "logit_bias", "priority", "request_timeout", "cache_retention",
+            "logit_bias", "priority", "request_timeout", "cache_retention", "explain",
         ):  # fmt: skip
             value = getattr(self, name)
             if value is not None:

@@ -47,6 +47,7 @@ class FrontState:
     lora_names: set[str] = field(default_factory=set)
     # Earlier responses of /v1/responses, for previous_response_id (responses.py).
     responses: ResponseStore = field(default_factory=ResponseStore)
+    dashboard: bool = False  # --dashboard: /dashboard and /dashboard/data (dashboard.py)
 
     def serves(self, model: str) -> bool:
         """Whether ``model`` names the served model (its name or an alias)."""

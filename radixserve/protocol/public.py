@@ -154,8 +154,45 @@ class ListLoraAdapters(Message):
     id: str = f(ID)
 
 
+@dataclass
+class ExplainCache(Message):
+    """What the prefix cache would serve of a prompt now, and why no more
+    (docs/cache-tiers.md, "Explain"): the prompt as a ``Generate`` gives it (one of
+    prompt, input_ids, messages; tools; cache_salt and lora choose the namespace);
+    answered with ``Reply(id, report)`` without running the model. An admin call
+    (``admin_key`` as for ``FlushCache``): it tells what else is cached."""
+
+    TYPE: ClassVar[str] = "explain_cache"
+    id: str = f(ID)
+    prompt: str | None = f(_optional(STR), None)
+    input_ids: list[int] | None = f(_optional(INT_LIST), None)
+    messages: list[dict] | None = f(_optional(MAP_LIST), None)
+    tools: list[dict] | None = f(_optional(MAP_LIST), None)
+    cache_salt: str | None = f(_optional(STR), None)
+    lora: str | None = f(_optional(STR), None)
+    admin_key: str | None = f(_optional(STR), None)
+
+
+@dataclass
+class Dashboard(Message):
+    """The dashboard's figures (docs/http.md, "Dashboard"): hit rates over time, the
+    pool and tier occupancy, the tree's largest prefixes. ``admin_key`` as for
+    ``FlushCache``."""
+
+    TYPE: ClassVar[str] = "dashboard"
+    id: str = f(ID)
+    admin_key: str | None = f(_optional(STR), None)
+
+
 #: The admin calls that need the admin key when the server has one.
-ADMIN_REQUESTS: tuple[type[Message], ...] = (FlushCache, Check, LoadLoraAdapter, UnloadLoraAdapter)
+ADMIN_REQUESTS: tuple[type[Message], ...] = (
+    FlushCache,
+    Check,
+    LoadLoraAdapter,
+    UnloadLoraAdapter,
+    ExplainCache,
+    Dashboard,
+)
 
 PUBLIC_REQUESTS: dict[str, type[Message]] = {
     c.TYPE: c
@@ -171,6 +208,8 @@ PUBLIC_REQUESTS: dict[str, type[Message]] = {
         LoadLoraAdapter,
         UnloadLoraAdapter,
         ListLoraAdapters,
+        ExplainCache,
+        Dashboard,
     )  # fmt: skip
 }
 
@@ -222,7 +261,8 @@ class Error(Message):
 
 @dataclass
 class Reply(Message):
-    """The answer to flush_cache / stats / health / check / tokenize ``id``."""
+    """The answer to flush_cache / stats / health / check / tokenize / explain_cache /
+    dashboard ``id``."""
 
     TYPE: ClassVar[str] = "reply"
     id: str = f(ID)

@@ -29,7 +29,9 @@ pages copied up from the lower tiers, its evictions demote pages, and the copies
 that takes are handed to the next step (``take_copies``, ``step_done``,
 ``copies_done``). A request whose matched pages are still on their way
 (``loading``) must not compute yet. Every insert goes through one call, with each
-component's part of it (``_insert``).
+component's part of it (``_insert``). ``evictions`` (``explain.py``'s ``EvictionLog``)
+follows the pages the tree takes and logs the prefixes its evictions free, for the
+cache's explain.
 
 The model's components have a part here each, over the requests. A hybrid
 model's tree carries ``StateSnapshots`` (``state_cache.py``): a match ends where
@@ -52,6 +54,7 @@ import numpy as np
 
 from radixserve.combinations import check_features, features_on
 from radixserve.scheduler.allocator import PageAllocator
+from radixserve.scheduler.explain import EvictionLog
 from radixserve.scheduler.kv_events import KVEventRecorder
 from radixserve.scheduler.prefix_cache import MatchResult, PrefixCache
 from radixserve.scheduler.radix_cache import CacheComponent
@@ -93,6 +96,10 @@ class KVCacheManager:
         self.states: StateSnapshots | None = components.get("state")  # type: ignore[assignment]
         self.states_kv = None if self.states is None else RequestStates(self.states, self.page_size)
         self._evicted = 0  # pages evicted to make room (not flushes)
+        # What the tree evicted, for the cache's explain (explain.py).
+        self.evictions = (
+            EvictionLog(allocator.num_pages, self.page_size) if cache.keeps_prefixes else None
+        )
 
     @property
     def evicted_pages(self) -> int:
@@ -163,6 +170,8 @@ class KVCacheManager:
         m = tiers.promote(req.tokens[: req.match_len], old, req.salt)
         if m.hit_len == req.locked_len:
             return req.kv_len
+        if self.evictions is not None:
+            self.evictions.inserted(req.tokens[: m.hit_len], m.pages, old.hit_len, req.salt)
         self.cache.lock(m.last_node)
         self.cache.unlock(req.node)  # type: ignore[arg-type]
         self._hold(req, m, tiers.last_match_tiers)
@@ -189,7 +198,9 @@ class KVCacheManager:
         """``n`` fresh pages, evicting LRU cache leaves if needed; None if impossible."""
         ids = self.allocator.alloc(n)
         if ids is None:
-            self._evicted += self.cache.evict(n - self.allocator.num_free)
+            free = self.allocator.num_free
+            self._evicted += self.cache.evict(n - free)
+            self._log_evicted(free)
             ids = self.allocator.alloc(n)
         return ids
 
@@ -265,6 +276,8 @@ class KVCacheManager:
         if self.windows is not None and self.windows.tree is not None:
             entries["window"] = self.windows.of(req, n)
         cached_len, node = self.cache.insert(req.tokens[:full], req.table[:n], req.salt, **entries)
+        if self.evictions is not None:
+            self.evictions.inserted(req.tokens[:full], req.table[:n], cached_len, req.salt)
         assert cached_len >= req.locked_len, "the locked prefix vanished from the cache"
         hint = req.sampling.cache_retention
         if hint is not None:
@@ -354,9 +367,20 @@ class KVCacheManager:
         """Evict every unlocked page now; running requests keep theirs. With tiers,
         the host tier is emptied too, and the disk tier unless ``keep_disk``."""
         tiers = self.tiers
+        free = self.allocator.num_free
         if tiers is not None:
-            return tiers.flush(keep_disk)
-        return self.cache.evict(self.cache.evictable_pages)
+            freed = tiers.flush(keep_disk)
+        else:
+            freed = self.cache.evict(self.cache.evictable_pages)
+        self._log_evicted(free)
+        return freed
+
+    def _log_evicted(self, free_before: int) -> None:
+        """After an eviction (``free_before`` pages were free): its victims are the
+        pages freed since, on top of the allocator's free stack."""
+        if self.evictions is not None:
+            freed = self.allocator.num_free - free_before
+            self.evictions.evicted(self.allocator.last_freed(freed))
 
     def record_events(self) -> KVEventRecorder:
         """Wrap the tree in a ``KVEventRecorder`` (with tiers: the tree below them,

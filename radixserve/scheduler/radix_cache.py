@@ -217,6 +217,21 @@ def _lfu_key(node: RadixNode) -> tuple:
     return (node.hits, node.last_access)
 
 
+def _by_id(node: RadixNode) -> int:
+    return node.node_id
+
+
+# The per-node arrays of ``export_nodes`` and their dtypes (the native twin's).
+_EXPORT_COLUMNS = {
+    "parent": np.int32,
+    "namespace": np.int32,
+    "node_id": np.int64,
+    "last_access": np.int64,
+    "lock_ref": np.int32,
+    "num_tokens": np.int64,
+}
+
+
 def as_tokens(tokens: np.ndarray | Sequence[int]) -> np.ndarray:
     """A 1-D int32 array view of ``tokens`` (no copy for int32 arrays)."""
     if type(tokens) is np.ndarray and tokens.dtype == np.int32 and tokens.ndim == 1:
@@ -827,6 +842,49 @@ class RadixCache:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+    def export_nodes(
+        self, max_label: int, salt: str | None = None, every_namespace: bool = True
+    ) -> dict:
+        """The tree's shape, read-only, exactly as the native twin gives it (explain
+        and the dashboard read it, ``explain.TreeView``): nodes breadth first from the
+        roots (the default namespace first, then salts in order), children by id.
+        ``salts``: the namespaces that hold nodes; per node (arrays) ``parent`` (its
+        parent's index, -1 under a root), ``namespace`` (index into ``salts``),
+        ``node_id``, ``last_access``, ``lock_ref``, ``num_tokens`` (edge length) and
+        the first ``max_label`` tokens of its edge (all when < 0) concatenated in
+        ``labels``, node i's at ``label_offsets[i]:label_offsets[i + 1]``. Without
+        ``every_namespace``, only ``salt``'s namespace."""
+        if every_namespace:
+            named = sorted((s, r) for s, r in self._roots.items() if s is not None)
+            roots = [(None, self._roots[None]), *named]
+        else:
+            self._check_salt(salt)
+            roots = [(salt, self._roots[salt])] if salt in self._roots else []
+        salts: list[str | None] = []
+        queue: list[tuple[RadixNode, int, int]] = []
+        for name, root in roots:
+            if root.children:
+                ns = len(salts)
+                salts.append(name)
+                queue += [(c, -1, ns) for c in sorted(root.children.values(), key=_by_id)]
+        cols: dict[str, list] = {k: [] for k in _EXPORT_COLUMNS}
+        labels, offsets = [], [0]
+        for i, (node, parent, ns) in enumerate(queue):  # the queue grows as it is read
+            cols["parent"].append(parent)
+            cols["namespace"].append(ns)
+            cols["node_id"].append(node.node_id)
+            cols["last_access"].append(node.last_access)
+            cols["lock_ref"].append(node.lock_ref)
+            cols["num_tokens"].append(len(node.key))
+            labels.append(node.key if max_label < 0 else node.key[:max_label])
+            offsets.append(offsets[-1] + len(labels[-1]))
+            queue += [(c, i, ns) for c in sorted(node.children.values(), key=_by_id)]
+        out: dict = {k: np.asarray(v, dtype=_EXPORT_COLUMNS[k]) for k, v in cols.items()}
+        out["salts"] = salts
+        out["labels"] = np.concatenate(labels) if labels else _EMPTY
+        out["label_offsets"] = np.asarray(offsets, dtype=np.int64)
+        return out
 
     def all_pages(self) -> np.ndarray:
         """Every page id the tree holds (for checks and tests)."""

@@ -57,6 +57,7 @@ class RequestStats:
     # Prompt tokens its cache_retention hint holds (fewer when clipped at a retention
     # cap; 0: no hint, nothing fit, or an eviction policy without retention).
     retained_tokens: int = 0
+    explain: dict | None = None  # the cache's explain at arrival (sampling.explain)
 
 
 @dataclass(eq=False, slots=True)
@@ -201,4 +202,5 @@ class Request:
             prompt_logprobs,
             cached_tokens_by_tier=list(self.stats.tier_hits),
             retained_tokens=self.stats.retained_tokens,
+            explain=self.stats.explain if self.finish_reason is not None else None,
         )

@@ -275,6 +275,20 @@ class TieredCache(PageFollower):
         parent = self._prefix_key(tokens[:hit], salt)
         return hit + ps * len(self._lower_run(tokens, first, end, parent, salt))
 
+    def lower_tiers(
+        self, tokens: np.ndarray | Sequence[int], hit: int, salt: str | None = None
+    ) -> list[int]:
+        """The tier (L2 or L3) of each page after the first ``hit`` tokens (whole
+        pages, an L1 hit) that the lower tiers hold, up to the first page they lack;
+        changes nothing (the cache's explain, ``explain.py``)."""
+        tokens = as_tokens(tokens)
+        ps = self.page_size
+        first, end = hit // ps, len(tokens) // ps
+        if first >= end or not self._has_lower():
+            return []
+        parent = page_keys(tokens[:hit], ps, salt, self.root_key)[-1] if hit else self.root_key
+        return [tier for tier, _ in self._lower_run(tokens, first, end, parent, salt)]
+
     def _prefix_key(self, tokens: np.ndarray, salt: str | None) -> bytes:
         """The key of the last page of ``tokens`` (whole pages), memoised: the
         scheduling policy peeks every waiting prompt every step."""
