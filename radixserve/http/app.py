@@ -35,9 +35,9 @@ from starlette.requests import ClientDisconnect
 
 from radixserve.client import RequestTimeout, ServerError
 from radixserve.http import completions as C
+from radixserve.http import dashboard as D
 from radixserve.http import messages as M
 from radixserve.http import responses as R
-from radixserve.http import dashboard as D
 from radixserve.http import sglang_api as S
 from radixserve.http.auth import NO_KEYS, Keys
 from radixserve.http.errors import HTTPError

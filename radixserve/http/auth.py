@@ -57,7 +57,7 @@ class Keys:
         if scheme.lower() == "bearer" and any(same_key(given.strip(), k) for k in wanted):
             return
         anthropic = request.headers.get("x-api-key")
-        if anthropic is not None and any(_same(anthropic.strip(), k) for k in wanted):
+        if anthropic is not None and any(same_key(anthropic.strip(), k) for k in wanted):
             return
         from radixserve.http.errors import HTTPError
 
