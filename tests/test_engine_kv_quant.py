@@ -3,7 +3,8 @@ the same quantized K/V.
 
 The oracle is HF's float64 model with one change: its attention function rounds every
 key and value row through ``kv_quant.quantize`` / ``dequantize`` before attending
-(``quantized_attention``), as the pool does when it stores them. Greedy tokens must
+(``quantized_hf``), as the pool does when it stores them (keys rotated first and rotated
+back after, ``attention/rotation.py``). Greedy tokens must
 equal that oracle's, with the cache on and off, page sizes 1 and 16, chunked prefill,
 and under KV pressure (eviction, retraction).
 """
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from radixserve import Engine, SamplingParams
+from radixserve.worker.attention.rotation import hadamard
 from radixserve.worker.kv_quant import QUANTS, dequantize, quantize
 from tests.helpers.tiny_models import hf_greedy, load_hf_float64, make_tiny_model
 
@@ -46,8 +48,11 @@ def quantized_hf(folder, name):
     quant = QUANTS[name]
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        # key/value: [batch, kv_heads, tokens, head_dim]; rows are (token, head).
-        key = dequantize(quantize(key, quant), quant, key.dtype)
+        # key/value: [batch, kv_heads, tokens, head_dim]; rows are (token, head). Keys are
+        # stored rotated (k R, fp8 with the searched scale) and read by rotated queries:
+        # q R . f(k R) = q . f(k R) R^T.
+        rot = hadamard(key.shape[-1], key.dtype, key.device)
+        key = dequantize(quantize(key @ rot, quant, search_scale=True), quant, key.dtype) @ rot.T
         value = dequantize(quantize(value, quant), quant, value.dtype)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
