@@ -396,6 +396,13 @@ def test_kv_identity_tells_the_layouts_apart():
     assert tensor != ident("fp8_e5m2", "tensor")
     token_head = ident("fp8_e4m3", "token_head")
     assert "kv_layout=token_head" in token_head and token_head not in (row, tensor)
+    # Quantized pools store rotated keys: other bytes than files written before.
+    assert all("keys=hadamard" in i for i in (row, tensor, token_head, ident("int8", "row")))
+    assert "keys=hadamard" not in ident("auto", "row")
+    pool = KVPool(2, 3, 16, 2, 64, torch.bfloat16, kv_dtype="int8")
+    rotated = kv_identity("m", "w", "bfloat16", pool)
+    pool.rotated = False
+    assert kv_identity("m", "w", "bfloat16", pool) != rotated
 
 
 @pytest.mark.parametrize("name", list(TENSOR_QUANTS))
