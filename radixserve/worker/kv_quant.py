@@ -26,6 +26,11 @@ rows: head_dim + 16 bytes); the CUDA ``flashinfer`` backend asks for it
 codes, scale 1.0) is what FlashInfer's fp8 kernels read without scale factors; no
 default picks it. Rounding is to nearest (ties to even) in every format, so
 ``dequantize(quantize(x))`` is within half a code step of x.
+
+Keys are stored rotated in every quantized pool (``attention/rotation.py``), and the
+keys of the fp8 formats with a scale per row take a searched scale rather than
+``max|x| / qmax`` (``quantize``'s ``search_scale``): the one of least squared error among
+those that put one of the row's 4 largest magnitudes on one of the format's top codes.
 """
 
 from __future__ import annotations

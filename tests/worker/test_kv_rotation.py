@@ -141,7 +141,7 @@ def test_searched_scale_is_the_best_candidate(name, quants):
     assert hit[1:].all()
     for c in range(cands.shape[-1]):  # no other candidate does better
         y = (x / cands[..., c : c + 1].float()).clamp(-quant.qmax, quant.qmax)
-        other = (y.to(quant.code_dtype).double() * cands[..., c : c + 1].double() - x.double())
+        other = y.to(quant.code_dtype).double() * cands[..., c : c + 1].double() - x.double()
         assert torch.all(err[1:] <= other.square().sum(-1)[1:] * (1 + 1e-6))
     plain = (dequantize(quantize(x, quant), quant, torch.float64) - x.double()).square().sum(-1)
     if quant.scale_dtype == torch.float32:

@@ -392,7 +392,7 @@ class FlashInferAttention(PoolBackend):
         s, h, e = self.pool.page_size, self.pool.num_kv_heads, self.pool.entry_dim
         tokens = self.pool.layers[layer].view(-1, h * e)
         rows = self._slot_rows()
-        keys = quantize(k, self._th, search_scale=True)
+        keys = quantize(k, self._th, search_scale=self.rotation is not None)
         tokens.index_copy_(0, rows, keys.reshape(-1, h * e))
         tokens.index_copy_(0, rows + s, quantize(v, self._th).reshape(-1, h * e))
         codes, scales = self._th_views[layer]

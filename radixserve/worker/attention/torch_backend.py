@@ -499,7 +499,8 @@ class TorchAttention(PoolBackend):
         s, h, e = self.pool.page_size, self.pool.num_kv_heads, self.pool.entry_dim
         window = self.sliding_windows[layer]
         tokens = pool.view(-1, h * e)
-        tokens.index_copy_(0, self._write, self._encode(k, keys=True).reshape(-1, h * e))
+        keys = self._encode(k, search_scale=self.rotation is not None)
+        tokens.index_copy_(0, self._write, keys.reshape(-1, h * e))
         tokens.index_copy_(0, self._write + s, self._encode(v).reshape(-1, h * e))
         pages = pool.view(-1, s * h * e)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -557,11 +558,11 @@ class TorchAttention(PoolBackend):
         out[p.rows] = res[0].view(kvh, qo, group, d).permute(1, 0, 2, 3).reshape(qo, heads, d)
         return True
 
-    def _encode(self, x: torch.Tensor, keys: bool = False) -> torch.Tensor:
-        """New K or V rows [T, kv_heads, head_dim] as the pool stores them (``keys``:
-        fp8 key rows take the searched scale, ``kv_quant.quantize``)."""
+    def _encode(self, x: torch.Tensor, search_scale: bool = False) -> torch.Tensor:
+        """New K or V rows [T, kv_heads, head_dim] as the pool stores them
+        (``search_scale``: rotated keys, ``kv_quant.quantize``)."""
         if self.pool.quant is not None:
-            codes = quantize(x, self.pool.quant, search_scale=keys)
+            codes = quantize(x, self.pool.quant, search_scale=search_scale)
             return codes.view(torch.uint8) if self._fp8_bytes else codes
         return x.to(self.pool.storage_dtype)
 
