@@ -196,13 +196,25 @@ def quantize(x: torch.Tensor, quant: Quant, search_scale: bool = False) -> torch
     ``sum((code * scale - x)^2)`` among the candidates that put one of the row's
     ``SEARCH_TOP`` largest magnitudes on one of the format's top codes (``top_codes``),
     each rounded to the layout's scale dtype first; values beyond qmax * scale clamp to
-    qmax. Rounding the largest value to the top code is not the best for the row as a
-    whole: the search trades a clamped outlier against a finer step for the rest. Ties
+    qmax; the squares in float32, summed in float64. Rounding the largest value to the
+    top code is not the best for the row as a whole: the search trades a clamped outlier
+    against a finer step for the rest. On the CPU the row layout's rows are quantized by
+    the native kernel the one-call decode layers use (``quantize_kv_rows``). Ties
     go to the first candidate."""
     if quant.per_tensor:
         # [..., head_dim] codes of the fp8 dtype, clamped first: never NaN or inf.
         return x.float().clamp(-quant.qmax, quant.qmax).to(quant.code_dtype)
     if search_scale and quant.is_fp8:
+        if x.device.type == "cpu" and quant.scale_dtype == torch.float16 and _native_rows():
+            # The kernel the one-call decode layers write with: the same bits by
+            # construction (the search's float64 sums are not in torch's order).
+            from radixserve.layers import cpu_kernels
+
+            rows = cpu_kernels.ext.quantize_kv_rows(
+                x.float().reshape(-1, x.shape[-1]).contiguous().numpy(), quant.name,
+                isa=cpu_kernels.ISA, searched=True, num_threads=torch.get_num_threads(),
+            )  # fmt: skip
+            return torch.from_numpy(rows).view(*x.shape[:-1], -1)
         return _quantize_searched(x, quant)
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True)
@@ -236,6 +248,13 @@ def _rows(codes: torch.Tensor, scale: torch.Tensor, quant: Quant) -> torch.Tenso
     return torch.cat(parts, dim=-1)
 
 
+def _native_rows() -> bool:
+    """Whether the native kernels are built with the searched quantizer."""
+    from radixserve.layers import cpu_kernels
+
+    return cpu_kernels.AVAILABLE and hasattr(cpu_kernels.ext, "hadamard_rows")
+
+
 def _quantize_searched(x: torch.Tensor, quant: Quant) -> torch.Tensor:
     """``quantize`` with ``search_scale`` for an fp8 format of a scale per row."""
     d = x.shape[-1]
@@ -253,7 +272,7 @@ def _quantize_searched(x: torch.Tensor, quant: Quant) -> torch.Tensor:
             cands = cands.clamp(_SCALE_MIN, _SCALE_MAX).to(torch.float16)
         cf = cands.float()[:, :, None]  # [n, c, 1]
         c = (rows[:, None, :] / cf).clamp(-quant.qmax, quant.qmax).to(quant.code_dtype)
-        err = (c.float() * cf - rows[:, None, :]).square_().sum(-1)  # [n, c]
+        err = (c.float() * cf - rows[:, None, :]).square_().double().sum(-1)  # [n, c]
         best = err.argmin(-1, keepdim=True)  # [n, 1]
         picked = c.view(torch.uint8).gather(1, best[:, :, None].expand(-1, 1, d))
         codes[i : i + rows.shape[0]] = picked[:, 0]

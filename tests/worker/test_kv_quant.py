@@ -205,7 +205,7 @@ def run_batch(name, dtype, page_size, kv_heads, group, kernel, isa=None, seed=0,
 def rotated(q, k, dtype):
     """q and k [..., HEAD_DIM] of ``dtype`` rotated as a quantized pool's backend rotates
     them (``rotation.KeyRotation``), as float64: what attention multiplies."""
-    qr, kr = KeyRotation(HEAD_DIM, dtype, torch.device("cpu")).rotate(q.to(dtype), k.to(dtype))
+    qr, kr = KeyRotation(dtype).rotate(q.to(dtype), k.to(dtype))
     return qr.double(), kr.double()
 
 

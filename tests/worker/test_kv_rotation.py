@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from radixserve.worker.attention import AttentionBatch, KVPool, create_backend
-from radixserve.worker.attention.rotation import KeyRotation, hadamard
+from radixserve.worker.attention.rotation import KeyRotation, fwht, hadamard
 from radixserve.worker.kv_quant import QUANTS, TOKEN_HEAD_QUANTS, dequantize, quantize, top_codes
 from tests.worker import fake_flashinfer
 from tests.worker.test_flashinfer_backend import Twin, run_script
@@ -79,7 +79,7 @@ def test_float64_attention_with_rotated_keys_equals_attention_without(decode_ker
         pool = KVPool(1, 16, 16, 2, 64, torch.float64)
         backend = create_backend("torch", pool, 0.125, (-1,), 6, decode_kernel=decode_kernel)
         if rotated:  # what a quantized pool's backend does, on exact values
-            backend.rotation = KeyRotation(64, torch.float64, CPU)
+            backend.rotation = KeyRotation(torch.float64)
         assert backend.decode_kernel == decode_kernel
         outs.append(ragged_steps(backend, pool, torch.Generator().manual_seed(5), 6))
         pools.append(pool)
@@ -97,8 +97,9 @@ def test_flashinfer_backend_with_rotated_keys_matches_torch_without(monkeypatch)
     fake_flashinfer.install(monkeypatch)
     twin = Twin(16, 2, 3, 64, seed=3)
     assert twin.fi.rotation is None and twin.ref.rotation is None
-    rotation = KeyRotation(64, torch.bfloat16, CPU)
-    rotation.keys = hadamard(64, torch.bfloat16, CPU)  # the pool appends rows of its dtype
+    rotation = KeyRotation(torch.bfloat16)
+    # the pool appends rows of its dtype: keys rounded back to bfloat16 too
+    rotation.rotate = lambda q, k: (fwht(q.float()).bfloat16(), fwht(k.float()).bfloat16())
     twin.fi.rotation = rotation
     twin.check_pools = lambda: None  # the pools differ: one holds k R
     run_script(twin, p=32)
@@ -149,3 +150,41 @@ def test_searched_scale_is_the_best_candidate(name, quants):
     ratio = (err[1:] / plain[1:]).mean()
     assert ratio < 0.9, ratio  # the search pays off (rows with an outlier channel)
     assert torch.equal(quantize(x, QUANTS["int8"], search_scale=True), quantize(x, QUANTS["int8"]))
+
+
+def native_kernels():
+    from radixserve.layers import cpu_kernels
+    from tests.helpers.native import require_built
+
+    require_built(cpu_kernels.AVAILABLE, cpu_kernels.UNAVAILABLE_REASON, "native CPU kernels")
+    return cpu_kernels.ext
+
+
+@pytest.mark.parametrize("head_dim", [1, 16, 64, 80, 96, 128])
+def test_the_native_rotation_is_fwht_bit_for_bit(head_dim):
+    """The one-call decode layers rotate with ``hadamard_row``: the same float32 bits as
+    the backends' ``fwht``, which is x R to float32's rounding."""
+    ext = native_kernels()
+    x = torch.randn(257, head_dim, generator=torch.Generator().manual_seed(head_dim)) * 3
+    got = torch.from_numpy(ext.hadamard_rows(x.numpy()))
+    assert torch.equal(got, fwht(x))
+    torch.testing.assert_close(fwht(x.double()), x.double() @ hadamard(head_dim, torch.float64,
+                               CPU), atol=1e-12, rtol=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_the_native_searched_scale_equals_the_torch_one(name):
+    """The row layout's searched quantizer on the CPU is the native kernel's
+    (``quantize_kv_rows``, what the one-call layers write); torch's (other devices,
+    and a CPU without the kernels) picks the same scale and codes."""
+    from radixserve.worker.kv_quant import _quantize_searched
+
+    ext = native_kernels()
+    quant = QUANTS[name]
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(600, 64, generator=gen) * torch.logspace(-2, 2, 600)[:, None]
+    x[:, 9] *= 25  # an outlier channel
+    x[0] = 0
+    native = torch.from_numpy(ext.quantize_kv_rows(x.numpy(), name, searched=True))
+    assert torch.equal(quantize(x, quant, search_scale=True), native)
+    assert torch.equal(_quantize_searched(x, quant), native)

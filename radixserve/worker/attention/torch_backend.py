@@ -220,7 +220,6 @@ class TorchAttention(PoolBackend):
         # native plan for every row: no flash attention, no SDPA.
         one_call = (
             self.decode_kernel == "native"
-            and self.rotation is None  # the one-call layers neither rotate nor search
             and self.native_layers is not None
             and all(w <= 0 for w in windows)
             and self.native_layers(int(qo_lens.sum()))
@@ -285,8 +284,8 @@ class TorchAttention(PoolBackend):
         page_size, kv_heads * head_dim]``) and its native attention plan, when that
         one plan computes every row of the batch with nothing else around it (no
         shared prefix through flash attention, no gather + SDPA, no sliding window or
-        soft-cap, no rotated keys: the native layers write K rows as they are, with the
-        plain scale); else None. Short prefill chunks (drafts being verified) are causal
+        soft-cap; a pool of rotated keys is written and read rotated there too); else
+        None. Short prefill chunks (drafts being verified) are causal
         segments of the plan. A caller that runs every layer in
         native code (``models/decode_step.py``) writes and attends with these."""
         seg = self._native
@@ -294,7 +293,6 @@ class TorchAttention(PoolBackend):
         if (
             seg is None
             or cast
-            or self.rotation is not None
             or self._shared is not None
             or self._decodes
             or self._prefills
