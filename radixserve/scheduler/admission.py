@@ -256,7 +256,9 @@ class Admission:
         prefill, or the window pages are short."""
         kv = self.kv
         hit = kv.promote(req)
-        loading = kv.loading(req)
+        # Its pages beyond the match come from a prefill server (disagg.py).
+        pull = kv.remote is not None and kv.remote.wants(req)
+        loading = pull or kv.loading(req)
         chunk = req.num_tokens - hit
         if chunk > budget and not loading:
             if self.running.chunked is not None:
@@ -268,6 +270,8 @@ class Admission:
         if not kv.grow_window(req, chunk) or not kv.grow(req, req.num_tokens):
             kv.release_prefix(req)
             return None
+        if pull:
+            kv.remote.start(req)  # type: ignore[union-attr]
         return hit, chunk, loading
 
     def _count_first_admission(self, req: Request, hit: int, now: float) -> None:

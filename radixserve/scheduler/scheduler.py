@@ -64,6 +64,7 @@ from radixserve.scheduler.admission import Admission
 from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.decode import DecodeManager
+from radixserve.scheduler.disagg import DecodeSide, PrefillSide
 from radixserve.scheduler.grammars import Grammars
 from radixserve.scheduler.kv_events import KVEventRecorder
 from radixserve.scheduler.lora import LoraRegistry, check_salt, namespace
@@ -126,6 +127,28 @@ class Scheduler:
         self.lora_replies: list[tuple] = []
         self.num_steps = 0
         self.num_timeouts = 0
+        # Prefill/decode disaggregation (disagg.py): this server's side, if any.
+        self.disagg: DecodeSide | PrefillSide | None = None
+
+    def serve_decode(self, descriptor: dict[str, Any], timeout: float, quarantine: float) -> None:
+        """Be a decode server: requests with a ``kv_source`` pull their prompt's pages
+        from that prefill server into this worker's pool (``descriptor``)."""
+        clock = lambda: self.clock()  # noqa: E731 (the clock is replaceable: tests)
+        side = DecodeSide(self.allocator, self.page_size, descriptor, timeout, quarantine, clock)
+        side.regrow = self._pull_given_up
+        side.cache_computed = self.kv.cache_computed
+        self.disagg = self.kv.remote = side
+
+    def serve_prefill(self, identity: str) -> None:
+        """Be a prefill server: ``disagg.pull`` computes and sends a decode side's pages."""
+        self.disagg = PrefillSide(self, identity)
+
+    def _pull_given_up(self, req: Request) -> None:
+        """A running request's pull timed out: it prefills here, on fresh pages, or
+        waits in the queue for them."""
+        req.kv_source = None
+        if not self.kv.grow(req, req.num_tokens):
+            self.decodes.retract(req)
 
     # ------------------------------------------------------------- requests
     def add_request(
@@ -135,11 +158,15 @@ class Scheduler:
         sampling: SamplingParams,
         salt: str | None = None,
         lora: str | None = None,
+        kv_source: str | None = None,
     ) -> None:
         """Queue a request (``sampling.n`` samples), under the LoRA adapter named
-        ``lora`` (None: the base model). Raises ValueError on bad input."""
+        ``lora`` (None: the base model); on a decode server, its prompt's KV pulled
+        from the prefill server ``kv_source``. Raises ValueError on bad input."""
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
+        if kv_source is not None and not isinstance(self.disagg, DecodeSide):
+            raise ValueError("kv_source is for a decode server (--disaggregation decode)")
         prompt = self.check_request(prompt_ids, sampling)
         check_salt(salt)
         adapter = None
@@ -169,6 +196,7 @@ class Scheduler:
             req.stats.queued_at = now
             if adapter is not None:
                 req.lora = adapter.id
+            req.kv_source = kv_source
             samples.append(req)
         if adapter is not None:
             self.loras.acquire(adapter, len(samples))
@@ -239,6 +267,7 @@ class Scheduler:
             or self.grammars.news_pending
             or self.copies_pending
             or self.loras.busy
+            or (self.disagg is not None and self.disagg.busy)
         )
 
     @property
@@ -286,13 +315,19 @@ class Scheduler:
         """
         now = self.clock()
         self._expire(now)  # requests past their timeout fail
+        if isinstance(self.disagg, DecodeSide):
+            self.disagg.expire()  # pulls past their deadline: prefilled here
         outputs, self._outputs = self._outputs, []  # aborts and failures since the last step
         step = self._build_step(self._plan(now))  # decode rows, then prompt chunks; the Step
-        if step is None:
-            return outputs
-        result = run(step)  # the worker
-        self._copies_reported(step, result)  # cache tiers: copies done
-        return outputs + self._take_result(result)  # tokens taken back; who finished
+        if step is not None:
+            result = run(step)  # the worker
+            self._copies_reported(step, result)  # cache tiers: copies done
+            outputs += self._take_result(result)  # tokens taken back; who finished
+        if isinstance(self.disagg, PrefillSide):  # pulls computed or sent: answered
+            if step is not None and isinstance(result, StepResult):
+                self.disagg.sent(result.kv_sent)
+            outputs = self.disagg.take_outputs(outputs)
+        return outputs
 
     def _expire(self, now: float) -> None:
         """End the requests whose ``request_timeout`` has passed (an error; KV released)."""
@@ -344,9 +379,14 @@ class Scheduler:
         # Copies in flight: a step goes out so the worker can report them (it waits
         # for the next one to finish when the step has nothing to compute).
         waiting_copies = tiers is not None and tiers.in_flight > 0
+        # A prefill server's sends: a step carries them, and steps go on until reported.
+        sends = []
+        if isinstance(self.disagg, PrefillSide):
+            waiting_copies = waiting_copies or self.disagg.in_flight
+            sends = self.disagg.take_sends()
         idle = not (
             batch or release or submit or drop or compiling or waiting_copies or load_loras
-            or drop_loras
+            or drop_loras or sends
         )  # fmt: skip
         if idle and copies is None:
             return None
@@ -368,6 +408,7 @@ class Scheduler:
             load_loras,
             drop_loras,
             self.kv.take_state_saves(),
+            sends,
         )
 
     def _copies_reported(self, step: Step, result: WorkerResult) -> None:
@@ -549,6 +590,10 @@ class Scheduler:
             out["loading"] = sum(r.status is ReqStatus.LOADING for r in self.running)
             for name, n in zip(("l1", "l2", "l3"), self.tier_hit_tokens):
                 out[f"hit_tokens_{name}"] = n
+        if self.disagg is not None:
+            out.update(self.disagg.stats.snapshot("kv_transfer_"))
+            if isinstance(self.disagg, DecodeSide):
+                out["kv_transfer_quarantined_pages"] = self.disagg.quarantined_pages()
         return out
 
     def check_idle(self) -> None:
@@ -556,6 +601,8 @@ class Scheduler:
         (with tiers: no copies in flight; step until ``copies_pending`` is False)."""
         assert not self.running and not self.waiting, "the scheduler is not idle"
         assert not self.copies_pending, "copies between cache tiers are in flight"
+        if self.disagg is not None:
+            assert not self.disagg.busy, "KV transfers are outstanding (or quarantined)"
         self.cache.check()
         assert self.cache.protected_pages == 0, "a lock survived its request"
         cached = self.cache.cached_pages
