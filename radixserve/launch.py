@@ -380,7 +380,9 @@ def launch(config: ServerConfig, http_keys: Keys = NO_KEYS) -> int:
         say(f"radixserve: serving on {launcher.endpoint}")
     if launcher.http_url:
         say(f"radixserve: http on {launcher.http_url} (OpenAI API at /v1)")
-    if launcher.kv_events:
+    if "kv_transfer_control" in launcher.kv_events:  # a prefill server (docs/scale-out.md)
+        say(f"radixserve: kv transfer control on {launcher.kv_events['kv_transfer_control']}")
+    if "kv_events" in launcher.kv_events:
         ev = launcher.kv_events
         say(f"radixserve: kv events on {ev['kv_events']} (replay {ev['kv_events_replay']})")
     say(f"radixserve: {launcher.summary()}")

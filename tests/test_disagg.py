@@ -7,6 +7,8 @@ leave no page behind on either side."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -197,62 +199,62 @@ def test_streams_n_and_logprobs_come_from_the_decode_side(pair, reference):
     pair.check_idle()
 
 
-def test_unreachable_peer_falls_back_to_a_local_prefill(tiny_dir, reference):
-    pair = Pair(tiny_dir)
+def test_unreachable_peer_falls_back_to_a_local_prefill(pair, reference):
+    side = pair.d.scheduler.disagg
+    d0, p0 = pair.stats()
+    side.descriptor = {**pair.d.descriptor, "session": "127.0.0.1:1"}  # nobody listens
     try:
-        pair.d.scheduler.disagg.descriptor = {**pair.d.descriptor, "session": "127.0.0.1:1"}
         batch = prompts(8, 2, 21)
         assert pair.run(batch) == reference(batch)
-        d, p = pair.stats()
-        assert d["kv_transfer_fallbacks"] == 2 and d["kv_transfer_pages_sent"] == 0
-        assert p["kv_transfer_failures"] == 2
-        pair.check_idle()
     finally:
-        pair.close()
+        side.descriptor = pair.d.descriptor
+    d, p = pair.stats()
+    assert d["kv_transfer_fallbacks"] - d0["kv_transfer_fallbacks"] == 2
+    assert d["kv_transfer_pages_sent"] == d0["kv_transfer_pages_sent"]
+    assert p["kv_transfer_failures"] - p0["kv_transfer_failures"] == 2
+    pair.check_idle()
 
 
-def test_prefill_server_gone_times_out_then_frees_the_quarantine(tiny_dir, reference):
-    pair = Pair(tiny_dir, timeout=5.0, quarantine=5.0)
+def test_prefill_server_gone_times_out_then_frees_the_quarantine(pair, reference):
+    d = pair.d.scheduler
+    side = d.disagg
     now = [0.0]
-    pair.d.scheduler.clock = lambda: now[0]
+    d.clock, side.timeout, side.quarantine = (lambda: now[0]), 5.0, 5.0
+    pair.prefill_up = False
     try:
-        pair.prefill_up = False
         batch = prompts(9, 2, 25)
         for i, prompt in enumerate(batch):
-            pair.d.scheduler.add_request(f"gone{i}", prompt, GREEDY, kv_source="prefill")
+            d.add_request(f"gone{i}", prompt, GREEDY, kv_source="prefill")
         pair.turn()
-        d = pair.d.scheduler
         assert d.stats()["kv_transfer_quarantined_pages"] == 0
         assert all(r.remote is not None for r in d.running)  # LOADING, pulling
+        before = d.stats()["kv_transfer_timeouts"]
         now[0] = 6.0  # past the deadline: prefilled on the decode side, pages quarantined
-        pair.until(lambda: len(pair.finish) == 2)
+        pair.until(lambda: all((f"gone{i}", 0) in pair.finish for i in range(2)))
         assert [pair.outputs[(f"gone{i}", 0)] for i in range(2)] == reference(batch)
-        assert d.stats()["kv_transfer_timeouts"] == 2
+        assert d.stats()["kv_transfer_timeouts"] - before == 2
         assert d.stats()["kv_transfer_quarantined_pages"] == 2 * 6
         now[0] = 12.0  # the quarantine ends: the pages are free again
         pair.turn()
-        pair.d.scheduler.check_idle()
+        d.check_idle()
     finally:
-        pair.close()
+        pair.prefill_up = True
+        d.clock, side.timeout, side.quarantine = time.monotonic, 30.0, 60.0
 
 
-def test_abort_during_the_transfer_frees_both_sides(tiny_dir):
-    pair = Pair(tiny_dir)
-    try:
-        d, p = pair.d.scheduler, pair.p.scheduler
-        for i, prompt in enumerate(prompts(10, 3, 33)):
-            d.add_request(f"a{i}", prompt, GREEDY, kv_source="prefill")
-        d.step(pair.d.run)  # admitted and pulling
-        for _, msg in d.disagg.take_outbox():
-            p.disagg.pull(b"decode", msg)
-        p.step(pair.p.run)  # a0 and a1 computed on the prefill side, sends queued
-        d.abort_request("a0")  # before anything arrived
-        d.abort_request("a2")
-        pair.turn()
-        assert pair.finish[("a0", 0)] == pair.finish[("a2", 0)] == "abort"
-        pair.until(lambda: ("a1", 0) in pair.finish)
-        assert pair.finish[("a1", 0)] == "length"
-        pair.check_idle()
-        assert d.stats()["kv_transfer_quarantined_pages"] == 0
-    finally:
-        pair.close()
+def test_abort_during_the_transfer_frees_both_sides(pair):
+    d, p = pair.d.scheduler, pair.p.scheduler
+    for i, prompt in enumerate(prompts(10, 3, 33)):
+        d.add_request(f"a{i}", prompt, GREEDY, kv_source="prefill")
+    d.step(pair.d.run)  # admitted and pulling
+    for _, msg in d.disagg.take_outbox():
+        p.disagg.pull(b"decode", msg)
+    p.step(pair.p.run)  # a0 and a1 computed on the prefill side, their sends queued
+    d.abort_request("a0")  # before anything arrived: its late pages go to the quarantine
+    d.abort_request("a2")  # still computing on the prefill side: aborted there too
+    pair.turn()
+    assert pair.finish[("a0", 0)] == pair.finish[("a2", 0)] == "abort"
+    pair.until(lambda: ("a1", 0) in pair.finish)
+    assert pair.finish[("a1", 0)] == "length"
+    pair.check_idle()
+    assert d.stats()["kv_transfer_quarantined_pages"] == 0

@@ -20,12 +20,21 @@ Between a scheduler and its worker, inside ``Step`` and ``StepResult``:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
-from radixserve.protocol.wire import BOOL, I32, INT, INT_LIST, STR, Message, _optional, f
+from radixserve.protocol.wire import BOOL, I32, INT, INT_LIST, STR, Kind, Message, _optional, f
+
+_TCP_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}")
+#: A prefill server's transfer control endpoint, as a request names it: TCP only (never
+#: an ipc path of the decode server's machine).
+KV_SOURCE = Kind(
+    "a tcp://HOST:PORT endpoint",
+    lambda x: isinstance(x, str) and len(x) <= 256 and _TCP_ENDPOINT.fullmatch(x) is not None,
+)
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from radixserve.protocol.disagg import KVSend, KVSent
+from radixserve.protocol.disagg import KV_SOURCE, KVSend, KVSent
 from radixserve.protocol.wire import (
     BOOL,
     F64,
@@ -47,6 +47,7 @@ class AddRequest(Message):
     sampling: SamplingParams = f(SAMPLING)
     salt: str | None = f(_optional(STR), None)
     lora: str | None = f(_optional(STR), None)  # the LoRA adapter's name (None: the base)
+    kv_source: str | None = f(_optional(KV_SOURCE), None)  # Generate's (docs/scale-out.md)
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from radixserve.protocol.disagg import KV_SOURCE
 from radixserve.protocol.wire import (
     BOOL,
     FINISH,
@@ -46,6 +47,10 @@ class Generate(Message):
     echo: bool = f(BOOL, False)
     # The LoRA adapter to generate with, by name (None: the base model; docs/lora.md).
     lora: str | None = f(_optional(STR), None)
+    # A decode server (--disaggregation decode): the transfer control endpoint of the
+    # prefill server to pull the prompt's KV from (the router's PD mode sets it;
+    # docs/scale-out.md).
+    kv_source: str | None = f(_optional(KV_SOURCE), None)
 
 
 @dataclass
