@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("mooncake.engine")
 
 from radixserve import Engine  # noqa: E402
-from radixserve.protocol import KVCancel, KVPull, decode  # noqa: E402
+from radixserve.protocol import KVCancel, KVPull, KVSend, decode  # noqa: E402
 from radixserve.sampling_params import SamplingParams  # noqa: E402
 from radixserve.worker.kv_transfer import KVTransferAgent, transfer_identity  # noqa: E402
 from tests.helpers.tiny_models import make_tiny_model  # noqa: E402
@@ -258,3 +258,33 @@ def test_abort_during_the_transfer_frees_both_sides(pair):
     assert pair.finish[("a1", 0)] == "length"
     pair.check_idle()
     assert d.stats()["kv_transfer_quarantined_pages"] == 0
+
+
+def test_a_pull_computed_past_its_expiry_writes_nothing(pair, reference):
+    d, p = pair.d.scheduler, pair.p.scheduler
+    now = [0.0]
+    p.disagg.clock = lambda: now[0]
+    try:
+        (prompt,) = prompts(11, 1, 29)
+        d.add_request("late", prompt, GREEDY, kv_source="prefill")
+        d.step(pair.d.run)
+        for _, msg in d.disagg.take_outbox():
+            p.disagg.pull(b"decode", msg)  # arrives at 0: no write may start after 30
+        now[0] = 31.0
+        _, before = pair.stats()
+        pair.until(lambda: ("late", 0) in pair.finish)  # prefilled on the decode side
+        assert pair.outputs[("late", 0)] == reference([prompt])[0]
+        _, after = pair.stats()
+        assert after["kv_transfer_pages_sent"] == before["kv_transfer_pages_sent"]
+        assert after["kv_transfer_failures"] - before["kv_transfer_failures"] == 1
+        pair.check_idle()
+    finally:
+        p.disagg.clock = time.monotonic
+
+
+def test_the_worker_starts_no_write_past_its_deadline(pair):
+    pages = np.arange(2, dtype=np.int32)
+    d = pair.d.descriptor
+    send = KVSend(1, d["session"], pages, pages, d["layers"], d["page_bytes"], deadline=0.0)
+    with pytest.raises(RuntimeError, match="expired"):
+        pair.p.agent.write(send)

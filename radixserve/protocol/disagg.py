@@ -26,6 +26,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from radixserve.protocol.events import FLOAT
 from radixserve.protocol.wire import BOOL, I32, INT, INT_LIST, STR, Kind, Message, _optional, f
 
 _TCP_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}")
@@ -42,7 +43,9 @@ class KVPull(Message):
     """Decode -> prefill: the KV of ``input_ids`` (whole pages; cache namespace
     ``salt``), its pages ``skip`` .. end written into ``dst_pages`` of the decode
     worker (``session``, ``dst_layers``, ``page_bytes``; ``kv_identity`` must be the
-    prefill worker's: same model, dtype and pool layout)."""
+    prefill worker's: same model, dtype and pool layout). No write of it may start
+    more than ``expires_in`` seconds after it arrived: the decode side has given up
+    on it by then, and its pages go back to the pool a while later."""
 
     TYPE: ClassVar[str] = "kv_pull"
     rid: str = f(STR)
@@ -55,6 +58,7 @@ class KVPull(Message):
     page_bytes: int = f(INT, 0)
     kv_identity: str = f(STR, "")
     priority: int = f(INT, 0)
+    expires_in: float = f(FLOAT, 30.0)
 
     def __post_init__(self) -> None:
         if self.skip < 0:
@@ -86,7 +90,8 @@ class KVCancel(Message):
 @dataclass
 class KVSend(Message):
     """Scheduler -> worker (``Step.kv_sends``): write pool pages ``src_pages`` into
-    the remote pool's pages ``dst_pages`` (module docstring)."""
+    the remote pool's pages ``dst_pages`` (module docstring); none of it starts after
+    ``deadline`` (``time.monotonic()`` of this machine)."""
 
     ticket: int = f(INT)
     session: str = f(STR)
@@ -94,6 +99,7 @@ class KVSend(Message):
     dst_pages: np.ndarray = f(I32)
     dst_layers: list[int] = f(INT_LIST)
     page_bytes: int = f(INT)
+    deadline: float = f(FLOAT, float("inf"))
 
     def __post_init__(self) -> None:
         if len(self.src_pages) != len(self.dst_pages):

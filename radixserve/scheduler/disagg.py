@@ -31,13 +31,18 @@ Who owns the reserved pages, and when (the decode side):
   have passed (the prefill server is taken for gone); the request, if it still
   runs, gets fresh pages and prefills locally (requeued when the pool has none now).
 
-So a transfer never hangs a request, never leaks a page, and never writes into a page
-another request holds (within the quarantine).
+The prefill side starts no write of a pull later than ``timeout`` seconds after the
+pull reached it (``KVPull.expires_in``; its worker checks ``KVSend.deadline`` just
+before writing), while the decode side holds the pages ``timeout + quarantine``
+seconds at least: a write still in flight when the quarantine ends would have to
+have taken ``quarantine`` seconds. So a transfer never hangs a request, never leaks
+a page, and never writes into a page another request holds.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -174,6 +179,7 @@ class DecodeSide:
                     d["page_bytes"],
                     d.get("identity", ""),
                     req.sampling.priority,
+                    self.timeout,
                 ),
             )
         )
@@ -260,6 +266,7 @@ class Serving:
     sender: bytes
     pull: KVPull
     rid: str
+    deadline: float  # no send starts later (``KVPull.expires_in`` after it arrived)
     node: Any = None
     ticket: int = 0
     hit: int = 0
@@ -273,6 +280,8 @@ class PrefillSide:
     def __init__(self, scheduler: Any, identity: str) -> None:
         self.scheduler = scheduler  # the Scheduler: add, abort, its cache
         self.identity = identity
+        # This machine's monotonic clock: the worker checks sends' deadlines by it.
+        self.clock: Callable[[], float] = time.monotonic
         self.serving: dict[str, Serving] = {}  # by the scheduler's request id
         self._by_pull: dict[tuple[bytes, str], Serving] = {}
         self._by_ticket: dict[int, Serving] = {}
@@ -297,7 +306,7 @@ class PrefillSide:
         except ValueError as e:
             self.outbox.append((sender, KVPushed(msg.rid, False, str(e))))
             return
-        serving = Serving(sender, msg, rid)
+        serving = Serving(sender, msg, rid, self.clock() + msg.expires_in)
         self.serving[rid] = serving
         self._by_pull[key] = serving
         self.stats.pulls += 1
@@ -347,6 +356,9 @@ class PrefillSide:
         if serving.cancelled or out.finish_reason != "length":
             self._answer(serving, False, out.error or f"the prefill ended: {out.finish_reason}")
             return
+        if self.clock() > serving.deadline:
+            self._answer(serving, False, "the pull expired before its pages were computed")
+            return
         cache = self.scheduler.cache
         m = cache.match_prefix(pull.input_ids, pull.salt)
         if m.hit_len < len(pull.input_ids):  # evicted meanwhile cannot happen: same turn
@@ -359,8 +371,14 @@ class PrefillSide:
         src = np.asarray(m.pages[pull.skip :], dtype=np.int32)
         self._sends.append(
             KVSend(
-                serving.ticket, pull.session, src, pull.dst_pages, pull.dst_layers, pull.page_bytes
-            )
+                serving.ticket,
+                pull.session,
+                src,
+                pull.dst_pages,
+                pull.dst_layers,
+                pull.page_bytes,
+                serving.deadline,
+            )  # fmt: skip
         )
 
     def take_sends(self) -> list[KVSend]:

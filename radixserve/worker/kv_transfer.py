@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Any
 
 import torch
@@ -167,6 +168,8 @@ class KVTransferAgent:
                 f"the remote pool's layout differs: {len(send.dst_layers)} layers of "
                 f"{send.page_bytes}-byte pages, here {len(self.layers)} of {self.page_bytes}"
             )
+        if time.monotonic() > send.deadline:  # the decode side gave up on these pages
+            raise RuntimeError("the pull expired before its pages could be sent")
         pb = self.page_bytes
         runs = page_runs(send.src_pages, send.dst_pages)
         src, dst, lengths = [], [], []

@@ -1,5 +1,6 @@
-"""Prefill/decode disaggregation with real servers: one ``--disaggregation prefill``
-and one ``--disaggregation decode`` server, and the router in PD mode in this process.
+"""Prefill/decode disaggregation with real servers, one command:
+``radixserve launch --pd 1,1`` starts a prefill and a decode server and the router in
+its PD mode.
 
 Greedy tokens equal the Engine's; a turn whose history the decode server holds has
 only its new pages sent; a prefill server whose worker hangs (stopped) answers no
@@ -10,7 +11,10 @@ times out, and no page leaks.
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -19,34 +23,45 @@ import pytest
 pytest.importorskip("mooncake.engine")
 
 from radixserve.client import Client  # noqa: E402
-from radixserve.router.policy import PolicyConfig  # noqa: E402
-from radixserve.router.server import RouterConfig  # noqa: E402
 from radixserve.sampling_params import SamplingParams  # noqa: E402
-from tests.helpers.server import Server, wait_idle  # noqa: E402
-from tests.serving.test_router import RouterThread, wait_until  # noqa: E402
+from tests.helpers.server import REPO_ROOT, wait_idle  # noqa: E402
+from tests.serving.test_router import wait_until  # noqa: E402
 
 PAGE = 4
-ARGS = ("--num-pages", "256", "--page-size", str(PAGE), "--chunked-prefill-size", "64",
-        "--kv-events", "tcp://127.0.0.1:0")  # fmt: skip
+
+
+def launch_pd(model_dir) -> tuple[subprocess.Popen, dict]:
+    cmd = [sys.executable, "-m", "radixserve.cli", "launch", "--pd", "1,1", "--model",
+           str(model_dir), "--port", "0", "--num-pages", "256", "--page-size", str(PAGE),
+           "--chunked-prefill-size", "64", "--dtype", "float64", "--kv-transfer-timeout", "1",
+           "--log-level", "warning", "--exit-with-parent"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+    info: dict = {}
+    for line in proc.stdout:  # type: ignore[union-attr]
+        if m := re.search(r"serving on (\S+)", line):
+            info["endpoint"] = m.group(1)
+        elif m := re.search(r"1 prefill and 1 decode servers \(\w+\): (\S+) (\S+)", line):
+            info["prefill"], info["decode"] = m.group(1), m.group(2)
+        elif "processes" in line:
+            info["pids"] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line)}
+            break
+    assert {"endpoint", "prefill", "decode"} <= set(info), f"exit code {proc.poll()}"
+    return proc, info
 
 
 @pytest.fixture(scope="module")
 def pd(model_dir):
-    prefill = Server(model_dir, *ARGS, "--disaggregation", "prefill")
-    decode = Server(model_dir, *ARGS, "--disaggregation", "decode", "--kv-transfer-timeout", "1")
-    config = RouterConfig(
-        replicas=(decode.endpoint,),
-        prefill=(prefill.endpoint,),
-        port=0,
-        policy=PolicyConfig("cache_aware"),
-    )
-    rt = RouterThread(config, model_dir)
-    wait_until(lambda: all(r.up for r in rt.router.replicas), what="servers up")
-    yield rt, prefill, decode
-    rt.close()
-    for s in (prefill, decode):
-        if s.proc.poll() is None:
-            s.stop()
+    proc, info = launch_pd(model_dir)
+    try:
+        yield info
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def greedy(n: int) -> SamplingParams:
@@ -59,13 +74,12 @@ def transfer_stats(endpoint: str) -> dict:
 
 
 def test_outputs_equal_one_server_and_only_missing_pages_travel(pd, engine):
-    rt, prefill, decode = pd
     rng = np.random.default_rng(5)
     history = rng.integers(5, 500, 60).tolist()
-    with Client(rt.router.endpoint, timeout=60) as c:
+    with Client(pd["endpoint"], timeout=60) as c:
         first = c.generate(input_ids=history, max_tokens=8, temperature=0.0, ignore_eos=True)
         assert first.token_ids == engine.generate([history], greedy(8))[0].token_ids
-        before = transfer_stats(decode.endpoint)
+        before = transfer_stats(pd["decode"])
         assert before["kv_transfer_pages_sent"] == 59 // PAGE  # all but the last token
         # The next turn: the decode server holds the history, the rest is pulled.
         turn = history + first.token_ids + rng.integers(5, 500, 20).tolist()
@@ -73,7 +87,7 @@ def test_outputs_equal_one_server_and_only_missing_pages_travel(pd, engine):
                                         ignore_eos=True))  # fmt: skip
         got = [t for ch in chunks for t in ch.token_ids]
         assert got == engine.generate([turn], greedy(8))[0].token_ids
-        after = transfer_stats(decode.endpoint)
+        after = transfer_stats(pd["decode"])
         held = (len(history) + 7) // PAGE  # the history and first answer's KV, whole pages
         assert after["kv_transfer_pages_skipped"] - before["kv_transfer_pages_skipped"] == held
         sent = (len(turn) - 1) // PAGE - held
@@ -83,11 +97,11 @@ def test_outputs_equal_one_server_and_only_missing_pages_travel(pd, engine):
 
 
 def test_a_hung_prefill_server_costs_a_timeout_not_an_answer_nor_a_page(pd, engine):
-    rt, prefill, decode = pd
     rng = np.random.default_rng(6)
     prompts = [rng.integers(5, 500, 90).tolist() for _ in range(2)]
-    with Client(rt.router.endpoint, timeout=60) as c:
-        os.kill(prefill.pids["worker"], signal.SIGSTOP)  # its pages never come
+    worker = pd["pids"]["dp0_worker"]  # the prefill server's
+    with Client(pd["endpoint"], timeout=60) as c:
+        os.kill(worker, signal.SIGSTOP)  # its pages never come
         start = time.monotonic()
         results = [
             c.generate(input_ids=p, max_tokens=4, temperature=0.0, ignore_eos=True) for p in prompts
@@ -95,7 +109,7 @@ def test_a_hung_prefill_server_costs_a_timeout_not_an_answer_nor_a_page(pd, engi
         assert time.monotonic() - start < 60
         for p, r in zip(prompts, results):
             assert r.token_ids == engine.generate([p], greedy(4))[0].token_ids
-    with Client(decode.endpoint, timeout=30) as d:
+    with Client(pd["decode"], timeout=30) as d:
         stats = d.stats()
         assert stats["kv_transfer_fallbacks"] >= 1
         # The reserved pages come back once the quarantine (2 x the timeout) is over.
@@ -103,4 +117,4 @@ def test_a_hung_prefill_server_costs_a_timeout_not_an_answer_nor_a_page(pd, engi
                    what="quarantine over")  # fmt: skip
         wait_idle(d)
         assert d.check() == {"ok": True, "error": None}
-    os.kill(prefill.pids["worker"], signal.SIGKILL)  # the prefill server stops with it
+    os.kill(worker, signal.SIGCONT)
