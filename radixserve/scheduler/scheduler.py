@@ -5,7 +5,8 @@ The lifecycle of a request:
     WAITING --admit--> PREFILL (chunks) --last chunk sampled--> DECODE --> FINISHED
      ^  |                   ^   |                                   |
      |  +-admit-> LOADING --+   |  (LOADING: pages copied up from the cache
-     |              |           |   tiers have not all arrived; then PREFILL)
+     |              |           |   tiers, or pulled from a prefill server
+     |              |           |   (disagg.py), have not all arrived; then PREFILL)
      +-- retract ---+-----------+-----------------------------------+
 
 ``Scheduler`` is composed of parts that own their state; it keeps the requests by
@@ -133,6 +134,7 @@ class Scheduler:
     def serve_decode(self, descriptor: dict[str, Any], timeout: float, quarantine: float) -> None:
         """Be a decode server: requests with a ``kv_source`` pull their prompt's pages
         from that prefill server into this worker's pool (``descriptor``)."""
+        self._check_disaggregation()
         clock = lambda: self.clock()  # noqa: E731 (the clock is replaceable: tests)
         side = DecodeSide(self.allocator, self.page_size, descriptor, timeout, quarantine, clock)
         side.regrow = self._pull_given_up
@@ -141,7 +143,17 @@ class Scheduler:
 
     def serve_prefill(self, identity: str) -> None:
         """Be a prefill server: ``disagg.pull`` computes and sends a decode side's pages."""
+        self._check_disaggregation()
+        if not self.kv.enabled:
+            raise ValueError("a prefill server sends pages out of its tree: --cache radix")
         self.disagg = PrefillSide(self, identity)
+
+    def _check_disaggregation(self) -> None:
+        if self.kv.windows is not None or self.kv.states is not None:
+            raise ValueError(
+                "--disaggregation moves full-attention pages only: not for a model with "
+                "a sliding-window pool or recurrent states"
+            )
 
     def _pull_given_up(self, req: Request) -> None:
         """A running request's pull timed out: it prefills here, on fresh pages, or
