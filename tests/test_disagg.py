@@ -170,6 +170,9 @@ def test_decode_side_prefix_is_not_sent(pair, reference):
     # 52 tokens matchable, 40 held by the decode side: 10 pages skipped, 3 sent.
     assert after["kv_transfer_pages_skipped"] - before["kv_transfer_pages_skipped"] == 10
     assert after["kv_transfer_pages_sent"] - before["kv_transfer_pages_sent"] == 3
+    page = pair.d.agent.page_bytes * len(pair.d.engine.runner.pool.layers)
+    assert after["kv_transfer_bytes_sent"] - before["kv_transfer_bytes_sent"] == 3 * page
+    assert after["kv_transfer_bytes_skipped"] - before["kv_transfer_bytes_skipped"] == 10 * page
     pair.check_idle()
 
 
@@ -288,3 +291,15 @@ def test_the_worker_starts_no_write_past_its_deadline(pair):
     send = KVSend(1, d["session"], pages, pages, d["layers"], d["page_bytes"], deadline=0.0)
     with pytest.raises(RuntimeError, match="expired"):
         pair.p.agent.write(send)
+
+
+def test_a_prompt_sharing_a_pulled_prefix_waits_and_pulls_only_the_rest(pair, reference):
+    (system,) = prompts(12, 1, 40)
+    batch = [system + tail for tail in prompts(13, 2, 9)]
+    before, _ = pair.stats()
+    assert pair.run(batch) == reference(batch)  # arrive together
+    after, _ = pair.stats()
+    # The second waited for the first's 12 pages (48 tokens matchable), then pulled 2.
+    assert after["kv_transfer_pages_sent"] - before["kv_transfer_pages_sent"] == 12 + 2
+    assert after["kv_transfer_pages_skipped"] - before["kv_transfer_pages_skipped"] == 10
+    pair.check_idle()

@@ -85,6 +85,7 @@ class TransferStats:
     timeouts: int = 0
     fallbacks: int = 0  # requests prefilled on the decode side after all
     seconds: list[float] = field(default_factory=list)  # each arrived pull's latency
+    bytes_per_page: int = 0  # one page of every layer
 
     def snapshot(self, prefix: str) -> dict[str, Any]:
         s = sorted(self.seconds)
@@ -93,6 +94,8 @@ class TransferStats:
             f"{prefix}pulls": self.pulls,
             f"{prefix}pages_sent": self.pages_pulled,
             f"{prefix}pages_skipped": self.pages_skipped,
+            f"{prefix}bytes_sent": self.pages_pulled * self.bytes_per_page,
+            f"{prefix}bytes_skipped": self.pages_skipped * self.bytes_per_page,
             f"{prefix}failures": self.failures,
             f"{prefix}timeouts": self.timeouts,
             f"{prefix}fallbacks": self.fallbacks,
@@ -126,6 +129,7 @@ class DecodeSide:
         self.pulls: dict[str, Pull] = {}
         self.outbox: list[tuple[str, KVPull | KVCancel]] = []  # (prefill endpoint, message)
         self.stats = TransferStats()
+        self.stats.bytes_per_page = descriptor["page_bytes"] * len(descriptor["layers"])
         self._ids = itertools.count(1)
         # Set by the scheduler: what to do with a running request whose pull failed
         # and whose pages are quarantined (fresh pages, or back to the queue).
@@ -310,6 +314,7 @@ class PrefillSide:
         self.serving[rid] = serving
         self._by_pull[key] = serving
         self.stats.pulls += 1
+        self.stats.bytes_per_page = msg.page_bytes * len(msg.dst_layers)
 
     def _problem(self, msg: KVPull) -> str | None:
         ps = self.scheduler.page_size
