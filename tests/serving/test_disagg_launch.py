@@ -5,7 +5,8 @@ its PD mode.
 Greedy tokens equal the Engine's; a turn whose history the decode server holds has
 only its new pages sent; a prefill server whose worker hangs (stopped) answers no
 pull: every request is still answered, prefilled by the decode server once its pull
-times out, and no page leaks.
+times out, and no page leaks. The transfer engines' ports listen on loopback only
+(``--kv-transfer-host``'s default).
 """
 
 from __future__ import annotations
@@ -94,6 +95,34 @@ def test_outputs_equal_one_server_and_only_missing_pages_travel(pd, engine):
         assert after["kv_transfer_pages_sent"] - before["kv_transfer_pages_sent"] == sent
         wait_idle(c)
         assert c.check() == {"ok": True, "error": None}
+
+
+def listening_addresses(pid: int) -> list[str]:
+    """The local addresses (hex, as /proc writes them) of ``pid``'s listening TCP sockets."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for row in f.read().splitlines()[1:]:
+                cols = row.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    found.append(cols[1].split(":")[0])
+    return found
+
+
+def test_the_transfer_engines_listen_on_loopback_only(pd):
+    loopback = ("0100007F", "0000000000000000FFFF00000100007F")  # 127.0.0.1, ::ffff:127.0.0.1
+    for name in ("dp0_worker", "dp1_worker"):
+        addresses = listening_addresses(pd["pids"][name])
+        assert len(addresses) >= 2, addresses  # the engine's handshake and data ports
+        assert all(a in loopback for a in addresses), (name, addresses)
 
 
 def test_a_hung_prefill_server_costs_a_timeout_not_an_answer_nor_a_page(pd, engine):
