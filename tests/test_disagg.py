@@ -16,7 +16,7 @@ pytest.importorskip("mooncake.engine")
 
 from radixserve import Engine  # noqa: E402
 from radixserve.protocol import KVCancel, KVPull, KVSend, decode  # noqa: E402
-from radixserve.sampling_params import SamplingParams  # noqa: E402
+from radixserve.sampling_params import SamplingParams, StructuredOutput  # noqa: E402
 from radixserve.worker.kv_transfer import KVTransferAgent, transfer_identity  # noqa: E402
 from tests.helpers.tiny_models import make_tiny_model  # noqa: E402
 
@@ -135,8 +135,8 @@ def reference(tiny_dir):
     """One ordinary server's greedy tokens."""
     engine = Engine(str(tiny_dir), dtype="float64", num_pages=256, page_size=PS)
 
-    def generate(prompts):
-        return [r.token_ids for r in engine.generate(prompts, GREEDY)]
+    def generate(prompts, params=GREEDY):
+        return [r.token_ids for r in engine.generate(prompts, params)]
 
     yield generate
     engine.close()
@@ -302,4 +302,12 @@ def test_a_prompt_sharing_a_pulled_prefix_waits_and_pulls_only_the_rest(pair, re
     # The second waited for the first's 12 pages (48 tokens matchable), then pulled 2.
     assert after["kv_transfer_pages_sent"] - before["kv_transfer_pages_sent"] == 12 + 2
     assert after["kv_transfer_pages_skipped"] - before["kv_transfer_pages_skipped"] == 10
+    pair.check_idle()
+
+
+def test_structured_output_and_priorities_run_on_the_decode_side(pair, reference):
+    regex = StructuredOutput.regex("(ab|cd|e )+")
+    params = SamplingParams(max_tokens=10, temperature=0.0, structured=regex, priority=3)
+    batch = prompts(14, 2, 26)
+    assert pair.run(batch, params=params) == reference(batch, params)
     pair.check_idle()
