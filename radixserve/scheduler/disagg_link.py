@@ -16,7 +16,8 @@ import logging
 import zmq
 
 from radixserve.protocol import PULL_REPLIES, PULL_REQUESTS, KVCancel, KVPull, ProtocolError, decode
-from radixserve.scheduler.disagg import DecodeSide, PrefillSide
+from radixserve.scheduler.disagg import DecodeSide
+from radixserve.scheduler.disagg_prefill import PrefillSide
 
 log = logging.getLogger("radixserve.scheduler")
 

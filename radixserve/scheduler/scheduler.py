@@ -65,7 +65,8 @@ from radixserve.scheduler.admission import Admission
 from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.decode import DecodeManager
-from radixserve.scheduler.disagg import DecodeSide, PrefillSide
+from radixserve.scheduler.disagg import DecodeSide
+from radixserve.scheduler.disagg_prefill import PrefillSide
 from radixserve.scheduler.grammars import Grammars
 from radixserve.scheduler.kv_events import KVEventRecorder
 from radixserve.scheduler.lora import LoraRegistry, check_salt, namespace
