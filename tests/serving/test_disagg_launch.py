@@ -5,7 +5,7 @@ its PD mode.
 Greedy tokens equal the Engine's; a turn whose history the decode server holds has
 only its new pages sent; a prefill server whose worker hangs (stopped) answers no
 pull: every request is still answered, prefilled by the decode server once its pull
-times out, and no page leaks. The transfer engines' ports listen on loopback only
+times out, and no page leaks; once that worker is killed, requests are still answered. The transfer engines' ports listen on loopback only
 (``--kv-transfer-host``'s default).
 """
 
@@ -146,4 +146,9 @@ def test_a_hung_prefill_server_costs_a_timeout_not_an_answer_nor_a_page(pd, engi
                    what="quarantine over")  # fmt: skip
         wait_idle(d)
         assert d.check() == {"ok": True, "error": None}
-    os.kill(worker, signal.SIGCONT)
+    # Killed now: its server stops (the launcher starts it again later); meanwhile
+    # the decode server prefills what it gets itself.
+    os.kill(worker, signal.SIGKILL)
+    with Client(pd["endpoint"], timeout=60) as c:
+        r = c.generate(input_ids=prompts[0], max_tokens=4, temperature=0.0, ignore_eos=True)
+        assert r.token_ids == engine.generate([prompts[0]], greedy(4))[0].token_ids
