@@ -95,9 +95,18 @@ def main() -> None:
     p.add_argument("--max-concurrency", type=int, default=4)
     p.add_argument("--conversations", type=int, default=2, help="multi-turn: conversations")
     p.add_argument("--turns", type=int, default=4, help="multi-turn: turns each")
+    p.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=600.0,
+        help="the pair's --kv-transfer-timeout: long prompts on loaded CPUs take a while, "
+        "and a pull that times out is prefilled by the decode server (counted below)",
+    )
     args = p.parse_args()
     extra = args.server_args.split()
     half = max(1, args.cores // 2)
+    pair = ["--pd", "1,1", "--threads", str(half)]
+    pair += ["--kv-transfer-timeout", str(args.transfer_timeout)]
     mix = ["shared-prefix", "--groups", str(args.groups), "--prompts", str(args.prompts),
            "--system-len", str(args.system_len), "--question-len", str(args.question_len),
            "--output-len", str(args.output_len), "--max-concurrency",
@@ -106,7 +115,7 @@ def main() -> None:
     rows = []
     for label, flags in (
         (f"one server, --threads {args.cores}", ["--threads", str(args.cores)]),
-        (f"--pd 1,1, --threads {half} each", ["--pd", "1,1", "--threads", str(half)]),
+        (f"--pd 1,1, --threads {half} each", pair),
     ):
         proc, endpoint, decode = launch(args.model, [*flags, *extra])
         try:
@@ -139,10 +148,17 @@ def main() -> None:
     print(
         f"| every prompt page (no decode-side match) | {whole} | {(sent + skipped) / 2**20:.2f} |"
     )
+    print(
+        f"\npulls {moved.get('kv_transfer_pulls', 0)}, timed out "
+        f"{moved.get('kv_transfer_timeouts', 0)}, prefilled by the decode server "
+        f"{moved.get('kv_transfer_fallbacks', 0)}; pull latency mean "
+        f"{moved.get('kv_transfer_latency_mean', 0):.2f} s, p99 "
+        f"{moved.get('kv_transfer_latency_p99', 0):.2f} s"
+    )
 
     turns = ["multi-turn", "--conversations", str(args.conversations), "--turns",
              str(args.turns), "--output-len", "16", "--warmup", "0"]  # fmt: skip
-    proc, endpoint, decode = launch(args.model, ["--pd", "1,1", "--threads", str(half), *extra])
+    proc, endpoint, decode = launch(args.model, [*pair, *extra])
     try:
         bench(args.model, endpoint, turns, tmp / "multi_turn")
         moved = transfer_stats(decode)  # type: ignore[arg-type]
@@ -151,7 +167,8 @@ def main() -> None:
     sent, skipped = moved["kv_transfer_pages_sent"], moved["kv_transfer_pages_skipped"]
     share = skipped / (sent + skipped) if sent + skipped else 0.0
     print(f"\n{' '.join(turns)} through --pd 1,1: {sent} prompt pages sent, {skipped} held by "
-          f"the decode server: {share:.1%} not transferred")  # fmt: skip
+          f"the decode server: {share:.1%} not transferred "
+          f"({moved['kv_transfer_fallbacks']} prefilled by the decode server)")  # fmt: skip
 
 
 if __name__ == "__main__":
