@@ -171,7 +171,7 @@ class ServerConfig:
         group=EVENTS,
     )
     kv_transfer_timeout: float = option(
-        30.0,
+        120.0,
         "seconds a decode server waits for a prefill server's pages before it prefills "
         "the request itself; the pages stay reserved twice as long again in case a late "
         "write still comes",

@@ -58,7 +58,7 @@ class KVPull(Message):
     page_bytes: int = f(INT, 0)
     kv_identity: str = f(STR, "")
     priority: int = f(INT, 0)
-    expires_in: float = f(FLOAT, 30.0)
+    expires_in: float = f(FLOAT, 120.0)
 
     def __post_init__(self) -> None:
         if self.skip < 0:
