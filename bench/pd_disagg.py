@@ -9,11 +9,13 @@ Two runs of ``radixserve bench``, each against servers launched here:
    side by side, and the KV bytes the pair moved between its workers, beside what a
    transfer of every prompt page would have moved (the pages the decode server held
    were never sent: sent + skipped);
-2. a multi-turn workload through the pair, whose decode server holds each
-   conversation's history: the share of prompt pages not transferred.
+2. a multi-turn workload through the pair (a chat: a system prompt, short user
+   messages and answers), whose decode server holds each conversation's history:
+   the share of prompt pages not transferred.
 
     python bench/pd_disagg.py --model smollm2 --cores 2 --prompts 4 --system-len 2000 \\
         --output-len 128
+    python bench/pd_disagg.py --only-multi-turn --conversations 2 --turns 6
 
 Durations on a shared machine move between runs: compare the two rows of one run.
 """
@@ -94,7 +96,11 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-concurrency", type=int, default=4)
     p.add_argument("--conversations", type=int, default=2, help="multi-turn: conversations")
-    p.add_argument("--turns", type=int, default=4, help="multi-turn: turns each")
+    p.add_argument("--turns", type=int, default=6, help="multi-turn: turns each")
+    p.add_argument("--mt-system-len", type=int, default=512, help="multi-turn: system prompt")
+    p.add_argument("--mt-user-len", default="32,64", help="multi-turn: user messages' lengths")
+    p.add_argument("--mt-output-len", type=int, default=32, help="multi-turn: answers")
+    p.add_argument("--only-multi-turn", action="store_true", help="skip the long-prompt mix")
     p.add_argument(
         "--transfer-timeout",
         type=float,
@@ -112,11 +118,12 @@ def main() -> None:
            "--output-len", str(args.output_len), "--max-concurrency",
            str(args.max_concurrency), "--warmup", "0"]  # fmt: skip
     tmp = Path(tempfile.mkdtemp(prefix="pd-bench-"))
-    rows = []
-    for label, flags in (
+    variants = [
         (f"one server, --threads {args.cores}", ["--threads", str(args.cores)]),
         (f"--pd 1,1, --threads {half} each", pair),
-    ):
+    ]
+    rows = []
+    for label, flags in [] if args.only_multi_turn else variants:
         proc, endpoint, decode = launch(args.model, [*flags, *extra])
         try:
             metrics = bench(args.model, endpoint, mix, tmp / label.split(",")[0].replace(" ", "_"))
@@ -125,6 +132,28 @@ def main() -> None:
             stop(proc)
         rows.append((label, metrics, moved))
 
+    if rows:
+        report_mix(args, mix, rows)
+    user_min, user_max = args.mt_user_len.split(",")
+    turns = ["multi-turn", "--conversations", str(args.conversations), "--turns",
+             str(args.turns), "--system-len", str(args.mt_system_len), "--user-len-min",
+             user_min, "--user-len-max", user_max, "--output-len", str(args.mt_output_len),
+             "--warmup", "0"]  # fmt: skip
+    proc, endpoint, decode = launch(args.model, [*pair, *extra])
+    try:
+        bench(args.model, endpoint, turns, tmp / "multi_turn")
+        moved = transfer_stats(decode)  # type: ignore[arg-type]
+    finally:
+        stop(proc)
+    sent, skipped = moved["kv_transfer_pages_sent"], moved["kv_transfer_pages_skipped"]
+    share = skipped / (sent + skipped) if sent + skipped else 0.0
+    print(f"\n{' '.join(turns)} through --pd 1,1: {sent} prompt pages sent, {skipped} held by "
+          f"the decode server: {share:.1%} not transferred "
+          f"({moved['kv_transfer_fallbacks']} prefilled by the decode server)")  # fmt: skip
+
+
+def report_mix(args: argparse.Namespace, mix: list[str], rows: list) -> None:
+    """The long-prompt mix's table: latencies side by side, then the KV the pair moved."""
     print(f"\n{' '.join(mix)} (output {args.output_len} tokens), {args.cores} cores in all\n")
     print("| servers | TTFT mean ms | TTFT p99 ms | ITL mean ms | ITL p99 ms | output tok/s |")
     print("|---|---|---|---|---|---|")
@@ -155,20 +184,6 @@ def main() -> None:
         f"{moved.get('kv_transfer_latency_mean', 0):.2f} s, p99 "
         f"{moved.get('kv_transfer_latency_p99', 0):.2f} s"
     )
-
-    turns = ["multi-turn", "--conversations", str(args.conversations), "--turns",
-             str(args.turns), "--output-len", "16", "--warmup", "0"]  # fmt: skip
-    proc, endpoint, decode = launch(args.model, [*pair, *extra])
-    try:
-        bench(args.model, endpoint, turns, tmp / "multi_turn")
-        moved = transfer_stats(decode)  # type: ignore[arg-type]
-    finally:
-        stop(proc)
-    sent, skipped = moved["kv_transfer_pages_sent"], moved["kv_transfer_pages_skipped"]
-    share = skipped / (sent + skipped) if sent + skipped else 0.0
-    print(f"\n{' '.join(turns)} through --pd 1,1: {sent} prompt pages sent, {skipped} held by "
-          f"the decode server: {share:.1%} not transferred "
-          f"({moved['kv_transfer_fallbacks']} prefilled by the decode server)")  # fmt: skip
 
 
 if __name__ == "__main__":
