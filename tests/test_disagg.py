@@ -311,3 +311,9 @@ def test_structured_output_and_priorities_run_on_the_decode_side(pair, reference
     batch = prompts(14, 2, 26)
     assert pair.run(batch, params=params) == reference(batch, params)
     pair.check_idle()
+
+
+def test_only_a_decode_server_takes_a_kv_source(pair):
+    with pytest.raises(ValueError, match="decode server"):
+        pair.p.scheduler.add_request("x", [5, 6, 7], GREEDY, kv_source="tcp://127.0.0.1:1")
+    assert not pair.p.scheduler.has_work()
