@@ -1,5 +1,7 @@
 """Prefill/decode disaggregation in one process: a prefill and a decode server's
-schedulers and workers (tiny float64 model), their pages written by Mooncake's
+schedulers and workers (a tiny model in float32, on short outputs: the pulled pages
+were computed in other batches than one server's, so equality in float32 shows the
+pages are the same KV, not merely close), their pages written by Mooncake's
 transfer engine over TCP on loopback, their control messages handed across by a
 pump that plays the two processes' loops. Greedy tokens equal one ordinary server's;
 only the pages the decode side lacks are sent; failures and aborts end cleanly and
@@ -36,7 +38,7 @@ class Side:
 
     def __init__(self, tiny_dir, num_pages: int = 96) -> None:
         self.engine = Engine(
-            str(tiny_dir), dtype="float64", num_pages=num_pages, page_size=PS,
+            str(tiny_dir), dtype="float32", num_pages=num_pages, page_size=PS,
             chunked_prefill_size=64,
         )  # fmt: skip
         self.scheduler = self.engine.scheduler
@@ -133,7 +135,7 @@ def pair(tiny_dir):
 @pytest.fixture(scope="module")
 def reference(tiny_dir):
     """One ordinary server's greedy tokens."""
-    engine = Engine(str(tiny_dir), dtype="float64", num_pages=256, page_size=PS)
+    engine = Engine(str(tiny_dir), dtype="float32", num_pages=256, page_size=PS)
 
     def generate(prompts, params=GREEDY):
         return [r.token_ids for r in engine.generate(prompts, params)]
