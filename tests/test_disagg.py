@@ -1,7 +1,6 @@
 """Prefill/decode disaggregation in one process: a prefill and a decode server's
 schedulers and workers (a tiny model in float32, on short outputs: the pulled pages
-were computed in other batches than one server's, so equality in float32 shows the
-pages are the same KV, not merely close), their pages written by Mooncake's
+were computed in other batches than one server's, and the greedy tokens still agree), their pages written by Mooncake's
 transfer engine over TCP on loopback, their control messages handed across by a
 pump that plays the two processes' loops. Greedy tokens equal one ordinary server's;
 only the pages the decode side lacks are sent; failures and aborts end cleanly and
