@@ -1,10 +1,10 @@
 """Prefill/decode disaggregation in one process: a prefill and a decode server's
 schedulers and workers (a tiny model in float32, on short outputs: the pulled pages
-were computed in other batches than one server's, and the greedy tokens still agree), their pages written by Mooncake's
-transfer engine over TCP on loopback, their control messages handed across by a
-pump that plays the two processes' loops. Greedy tokens equal one ordinary server's;
-only the pages the decode side lacks are sent; failures and aborts end cleanly and
-leave no page behind on either side."""
+were computed in other batches than one server's, and the greedy tokens still
+agree), their pages written by Mooncake's transfer engine over TCP on loopback, their
+control messages handed across by a pump that plays the two processes' loops. Greedy
+tokens equal one ordinary server's; only the pages the decode side lacks are sent;
+failures and aborts end cleanly and leave no page behind on either side."""
 
 from __future__ import annotations
 
