@@ -157,6 +157,7 @@ def test_fresh_prompts_equal_one_server_and_send_every_page(pair, reference):
     assert after["kv_transfer_pages_sent"] - before["kv_transfer_pages_sent"] == 3 * 9
     assert after["kv_transfer_pages_skipped"] == before["kv_transfer_pages_skipped"]
     assert after["kv_transfer_fallbacks"] == 0
+    assert 0 < after["kv_transfer_latency_p50"] <= after["kv_transfer_latency_p99"]
     assert p["kv_transfer_pages_sent"] >= 27
     pair.check_idle()
 

@@ -42,6 +42,7 @@ a page, and never writes into a page another request holds.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,10 @@ class Pull:
     deadline: float
 
 
+#: The pulls whose latencies the percentiles in ``stats`` are taken over.
+LATENCY_WINDOW = 4096
+
+
 @dataclass
 class TransferStats:
     """What either side counts (``stats()``, the ``kv_transfer_*`` keys)."""
@@ -79,8 +84,16 @@ class TransferStats:
     failures: int = 0  # answered with a failure, or timed out
     timeouts: int = 0
     fallbacks: int = 0  # requests prefilled on the decode side after all
-    seconds: list[float] = field(default_factory=list)  # each arrived pull's latency
+    # The latest arrived pulls' latencies (the percentiles), and all of them (the mean).
+    seconds: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
+    seconds_total: float = 0.0
+    arrived: int = 0
     bytes_per_page: int = 0  # one page of every layer
+
+    def arrival(self, seconds: float) -> None:
+        self.seconds.append(seconds)
+        self.seconds_total += seconds
+        self.arrived += 1
 
     def snapshot(self, prefix: str) -> dict[str, Any]:
         s = sorted(self.seconds)
@@ -94,7 +107,7 @@ class TransferStats:
             f"{prefix}failures": self.failures,
             f"{prefix}timeouts": self.timeouts,
             f"{prefix}fallbacks": self.fallbacks,
-            f"{prefix}latency_mean": sum(s) / len(s) if s else 0.0,
+            f"{prefix}latency_mean": self.seconds_total / self.arrived if self.arrived else 0.0,
             f"{prefix}latency_p50": p(0.5),
             f"{prefix}latency_p99": p(0.99),
         }
@@ -208,7 +221,7 @@ class DecodeSide:
             req.kv_len = pull.tokens
             self.cache_computed(req)
             self.stats.pages_pulled += len(pull.pages)
-            self.stats.seconds.append(self.clock() - pull.started)
+            self.stats.arrival(self.clock() - pull.started)
         else:
             self.stats.failures += 1
             self.stats.fallbacks += 1
