@@ -98,13 +98,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "launch" and args.dp > 1 and args.nnodes > 1:
         print("radixserve: --dp and --nnodes cannot be combined", file=sys.stderr)
         return 2
+    if args.command == "launch" and args.pd is not None and (args.dp > 1 or args.nnodes > 1):
+        print("radixserve: --pd runs its own servers: not with --dp or --nnodes", file=sys.stderr)
+        return 2
     if args.command == "launch":
         try:
             config = config_from_args(args)
         except ValueError as e:  # options that cannot go together
             print(f"radixserve: {e}", file=sys.stderr, flush=True)
             return 1
-    if args.command == "launch" and args.dp > 1:
+    if args.command == "launch" and (args.dp > 1 or args.pd is not None):
         from radixserve.options import option_values
         from radixserve.router.launch_dp import launch_dp
         from radixserve.router.policy import PolicyConfig
@@ -112,7 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         policy = option_values(PolicyConfig, args)
         if policy["balance_abs_threshold"] is None:  # a whole batch of one replica
             policy["balance_abs_threshold"] = config.engine.max_running_requests
-        return launch_dp(config, args.dp, PolicyConfig(**policy), http_keys(args))
+        prefill, decode = args.pd if args.pd is not None else (0, args.dp)
+        return launch_dp(
+            config, prefill + decode, PolicyConfig(**policy), http_keys(args), prefill=prefill
+        )
     if args.command == "launch":
         from radixserve.launch import launch
 

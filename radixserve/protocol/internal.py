@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from radixserve.protocol.disagg import KV_SOURCE, KVSend, KVSent
 from radixserve.protocol.wire import (
     BOOL,
     F64,
@@ -46,6 +47,7 @@ class AddRequest(Message):
     sampling: SamplingParams = f(SAMPLING)
     salt: str | None = f(_optional(STR), None)
     lora: str | None = f(_optional(STR), None)  # the LoRA adapter's name (None: the base)
+    kv_source: str | None = f(_optional(KV_SOURCE), None)  # Generate's (docs/scale-out.md)
 
 
 @dataclass
@@ -360,6 +362,9 @@ class Step(Message):
     load_loras: list[LoraLoad] = f(_nested(LoraLoad), [])
     drop_loras: list[int] = f(INT_LIST, [])
     state_saves: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    # Prefill/decode disaggregation: pages to write into a decode server's pool
+    # (docs/scale-out.md), reported in ``StepResult.kv_sent``.
+    kv_sends: list[KVSend] = f(_nested(KVSend), [])
 
 
 @dataclass
@@ -450,6 +455,7 @@ class StepResult(Message):
     copies_done: list[int] = f(INT_LIST, [])
     loras: list[LoraReport] = f(_nested(LoraReport), [])  # one per Step.load_loras
     verified: list[Verified] = f(_nested(Verified), [])
+    kv_sent: list[KVSent] = f(_nested(KVSent), [])  # sends over since the last step
 
 
 # --------------------------------------------------------------------- control

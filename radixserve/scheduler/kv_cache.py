@@ -55,6 +55,7 @@ import numpy as np
 from radixserve.combinations import check_features, features_on
 from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.explain import EvictionLog
+from radixserve.scheduler.disagg import DecodeSide
 from radixserve.scheduler.kv_events import KVEventRecorder
 from radixserve.scheduler.prefix_cache import MatchResult, PrefixCache
 from radixserve.scheduler.radix_cache import CacheComponent
@@ -100,6 +101,9 @@ class KVCacheManager:
         self.evictions = (
             EvictionLog(allocator.num_pages, self.page_size) if cache.keeps_prefixes else None
         )
+        # A decode server's pulls (``disagg.DecodeSide``; None: no disaggregation):
+        # pages arriving from a prefill server keep their request LOADING.
+        self.remote: DecodeSide | None = None
 
     @property
     def evicted_pages(self) -> int:
@@ -178,7 +182,10 @@ class KVCacheManager:
         return m.hit_len
 
     def loading(self, req: Request) -> bool:
-        """Whether some of the request's cached prefix is still being copied up."""
+        """Whether some of the request's cached prefix is still being copied up, or
+        its pages are still being pulled from a prefill server."""
+        if req.remote is not None:
+            return True
         tiers = self.tiers
         if tiers is None or not tiers.pages_loading:
             return False
@@ -291,7 +298,10 @@ class KVCacheManager:
         req.locked_len = full
 
     def release(self, req: Request) -> None:
-        """Give up the request's KV: cache what was computed, free the rest."""
+        """Give up the request's KV: cache what was computed, free the rest (pages
+        still being pulled go to the pulls' quarantine, ``disagg.py``)."""
+        if req.remote is not None:
+            self.remote.detach(req)  # type: ignore[union-attr]
         if self.states_kv is not None:
             self.states_kv.save_at_release(req)
         self.cache_computed(req)

@@ -125,6 +125,10 @@ class Request:
     # The worker's page table for the slot is longer than ``sent_pages`` (pages past a
     # verification's accepted tokens were freed): the next step tells it to cut.
     table_cut: bool = False
+    # Prefill/decode disaggregation (``disagg.py``): the prefill server to pull this
+    # request's prompt KV from (None: computed here), and its pull while unanswered.
+    kv_source: str | None = None
+    remote: object = None
 
     @classmethod
     def create(

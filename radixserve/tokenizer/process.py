@@ -362,7 +362,8 @@ class TokenizerServer:
         self.per_client[identity] += 1
         # Stop strings are applied here: the scheduler and the worker never see them.
         scheduled = replace(sp, stop=()) if sp.stop else sp
-        self.to_scheduler.send(P.AddRequest(rid, ids, scheduled, msg.cache_salt, msg.lora).encode())
+        add = P.AddRequest(rid, ids, scheduled, msg.cache_salt, msg.lora, msg.kv_source)
+        self.to_scheduler.send(add.encode())
 
     # ---------------------------------------------------- scheduler -> server
     def handle_internal(self, msg: P.Message) -> None:
