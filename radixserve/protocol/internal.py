@@ -8,6 +8,7 @@ Internal token and page id arrays travel as little-endian int32 bytes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -15,12 +16,14 @@ import numpy as np
 
 from radixserve.protocol.wire import (
     BOOL,
+    F32,
     F64,
     FINISH,
     I32,
     I32_LIST,
     INT,
     INT_LIST,
+    KEY,
     KEY_BYTES,
     KEYS,
     MAP,
@@ -39,6 +42,40 @@ from radixserve.sampling_params import SamplingParams
 
 # ------------------------------------------------------- tokenizer <-> scheduler
 @dataclass
+class ImageInput(Message):
+    """One image of a prompt, preprocessed (docs/multimodal.md): its placeholder run is
+    ``tokens`` prompt tokens from ``offset``, each the real placeholder id ``token_id``;
+    ``pixels`` are the image processor's flat patches (float32, ``patch_dim`` per
+    patch) over ``grid`` (time, height, width patches); ``digest`` is the SHA-256 of
+    the decoded pixels and their size, which keys the image in the prefix cache and the
+    worker's encoder cache."""
+
+    digest: bytes = f(KEY)
+    offset: int = f(INT)
+    tokens: int = f(INT)
+    token_id: int = f(INT)
+    grid: list[int] = f(INT_LIST)
+    patch_dim: int = f(INT)
+    pixels: np.ndarray = f(F32)
+
+    def __post_init__(self) -> None:
+        if len(self.grid) != 3 or min(self.grid) < 1:
+            raise ValueError(f"an image grid is 3 positive sizes, got {self.grid}")
+        if self.patch_dim < 1 or len(self.pixels) != self.patch_dim * math.prod(self.grid):
+            raise ValueError("an image's pixels do not match its grid")
+        if self.offset < 0 or self.tokens < 1:
+            raise ValueError("an image's placeholder run is out of range")
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.tokens
+
+    def patches(self) -> np.ndarray:
+        """The flat patches, [patches, patch_dim]."""
+        return self.pixels.reshape(-1, self.patch_dim)
+
+
+@dataclass
 class AddRequest(Message):
     TYPE: ClassVar[str] = "add_request"
     rid: str = f(STR)
@@ -46,6 +83,8 @@ class AddRequest(Message):
     sampling: SamplingParams = f(SAMPLING)
     salt: str | None = f(_optional(STR), None)
     lora: str | None = f(_optional(STR), None)  # the LoRA adapter's name (None: the base)
+    # The prompt's images, in prompt order (their runs in ``input_ids`` hold token_id).
+    images: list[ImageInput] = f(_nested(ImageInput), [])
 
 
 @dataclass
@@ -214,6 +253,10 @@ class StepReq(Message):
     window_pages: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
     state_save2_at: int = f(INT, 0)
     state_save2: int = f(INT, -1)
+    # The prompt's images, given with ``sampling`` (docs/multimodal.md): the worker
+    # puts their features in place of their placeholder tokens and rotates the
+    # prompt by its multimodal positions.
+    images: list[ImageInput] = f(_nested(ImageInput), [])
 
 
 @dataclass
@@ -426,6 +469,10 @@ class StepResult(Message):
     copies_done: list[int] = f(INT_LIST, [])
     loras: list[LoraReport] = f(_nested(LoraReport), [])  # one per Step.load_loras
     verified: list[Verified] = f(_nested(Verified), [])
+    # Images the vision encoder ran on in this step, and those whose features came
+    # from the encoder cache (docs/multimodal.md).
+    encoder_runs: int = f(INT, 0)
+    encoder_hits: int = f(INT, 0)
 
 
 # --------------------------------------------------------------------- control
