@@ -157,7 +157,7 @@ class SchedulerLoop:
         s = self.scheduler
         if isinstance(msg, P.AddRequest):
             try:
-                s.add_request(msg.rid, msg.input_ids, msg.sampling, salt=msg.salt, lora=msg.lora)
+                s.add_request(msg.rid, msg.input_ids, msg.sampling, msg.salt, msg.lora, msg.images)
             except ValueError as e:
                 self.to_tokenizer.send(P.RequestError(msg.rid, str(e)).encode())
         elif isinstance(msg, P.AbortRequest):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from radixserve.protocol import OutputItem
+from radixserve.protocol import ImageInput, OutputItem
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.cache_state import RequestCacheState
 from radixserve.scheduler.prefix_cache import CacheNode
@@ -121,6 +121,8 @@ class Request:
     # The worker's page table for the slot is longer than ``sent_pages`` (pages past a
     # verification's accepted tokens were freed): the next step tells it to cut.
     table_cut: bool = False
+    # The prompt's images: their runs in ``tokens`` hold key ids (``images.py``).
+    images: tuple[ImageInput, ...] = ()
 
     @classmethod
     def create(

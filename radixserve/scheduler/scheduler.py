@@ -58,13 +58,14 @@ from typing import Any
 
 import numpy as np
 
-from radixserve.protocol import REQUEST_TIMED_OUT, OutputItem, Step, StepResult
+from radixserve.protocol import REQUEST_TIMED_OUT, ImageInput, OutputItem, Step, StepResult
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.admission import Admission
 from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.decode import DecodeManager
 from radixserve.scheduler.grammars import Grammars
+from radixserve.scheduler.images import check_images, keyed_prompt
 from radixserve.scheduler.kv_events import KVEventRecorder
 from radixserve.scheduler.lora import LoraRegistry, check_salt, namespace
 from radixserve.scheduler.radix_impl import build_kv_cache
@@ -126,6 +127,9 @@ class Scheduler:
         self.lora_replies: list[tuple] = []
         self.num_steps = 0
         self.num_timeouts = 0
+        # The worker's vision encoder: images encoded, and served from its cache.
+        self.encoder_runs = 0
+        self.encoder_hits = 0
 
     # ------------------------------------------------------------- requests
     def add_request(
@@ -135,13 +139,18 @@ class Scheduler:
         sampling: SamplingParams,
         salt: str | None = None,
         lora: str | None = None,
+        images: Sequence[ImageInput] = (),
     ) -> None:
         """Queue a request (``sampling.n`` samples), under the LoRA adapter named
-        ``lora`` (None: the base model). Raises ValueError on bad input."""
+        ``lora`` (None: the base model), its prompt holding ``images`` (their
+        placeholder runs; keyed by content in the cache: ``images.py``). Raises
+        ValueError on bad input."""
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         prompt = self.check_request(prompt_ids, sampling)
         check_salt(salt)
+        check_images(prompt, images)
+        prompt = keyed_prompt(prompt, images)
         adapter = None
         if lora is not None:
             adapter = self.loras.lookup(lora)
@@ -167,6 +176,7 @@ class Scheduler:
             )
             self._arrivals += 1
             req.stats.queued_at = now
+            req.images = tuple(images)
             if adapter is not None:
                 req.lora = adapter.id
             samples.append(req)
@@ -405,6 +415,8 @@ class Scheduler:
         or failed (their waiting requests fail), and requests it failed."""
         outputs: list[OutputItem] = []
         self.lora_replies += self.loras.take_reports(result.loras)
+        self.encoder_runs += result.encoder_runs
+        self.encoder_hits += result.encoder_hits
         for key, message in self.grammars.take_result(result):
             rids = {
                 r.rid
@@ -536,6 +548,8 @@ class Scheduler:
             "eviction_policy": self.cache_policy,
             "queue_time": self.queue_times.snapshot(),
             "state_snapshots": self.config.state_snapshots,  # 0: not a hybrid model
+            "encoder_runs": self.encoder_runs,
+            "encoder_cache_hits": self.encoder_hits,
         }
         window = self.kv.window
         if window is not None:

@@ -1,0 +1,261 @@
+"""Images in prompts, on the tokenizer's side (docs/multimodal.md): reading an image a
+client sent, within the limits, and turning it into the model's placeholder tokens and
+the pixels its vision encoder takes.
+
+An image arrives as bytes, a ``data:image/...;base64,`` URL, a path (the Engine and the
+client library: a ``str`` or ``Path``; over the wire only as ``file://`` under an allowed
+directory), an ``http(s)://`` URL (fetched only from allowed hosts, ``media.py``) or a
+PIL image (the Engine). Every limit is checked before the costly step it guards: the
+encoded size before decoding, the width and height from the header before the pixels
+are decoded (a decompression bomb is refused unopened), the number of images before any
+is read. A corrupt image is a ValueError naming what is wrong.
+
+``VisionInputs`` is the model's side: its image processor (transformers' slow, PIL and
+numpy, one; the same arrays transformers computes), its placeholder token and how many
+placeholder tokens an image becomes. The digest that keys an image in the prefix cache
+and the encoder cache is the SHA-256 of the decoded RGB pixels and their size, so the
+same picture sent as PNG or as a data URL, or from another path, is the same image.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from radixserve.protocol import ImageInput
+from radixserve.tokenizer.chat import IMAGE_MARK
+
+_DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,", re.ASCII)
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """What one request's images may be (``TokenizerConfig``'s limits)."""
+
+    max_images: int = 16
+    max_pixels: int = 16_777_216
+    max_bytes: int = 8 << 20
+    allowed_dir: str | None = None  # file:// and paths below it (None: no files over the wire)
+
+
+def decode_base64(text: str, limits: ImageLimits) -> bytes:
+    """The bytes of base64 ``text`` (ValueError when it is not base64 or too large)."""
+    if len(text) * 3 // 4 > limits.max_bytes + 3:
+        raise ValueError(f"an image is larger than max_image_bytes ({limits.max_bytes} bytes)")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("an image's base64 data is malformed (truncated or not base64)") from None
+
+
+def open_image(data: bytes, limits: ImageLimits) -> Any:
+    """Decode encoded image ``data`` to an RGB PIL image, refusing by the header's
+    width and height before any pixel is decoded."""
+    from PIL import Image, UnidentifiedImageError
+
+    if len(data) > limits.max_bytes:
+        raise ValueError(f"an image is larger than max_image_bytes ({limits.max_bytes} bytes)")
+    try:
+        img = Image.open(io.BytesIO(data))
+    except (UnidentifiedImageError, OSError, ValueError):
+        raise ValueError("an image could not be read: not an image in a known format") from None
+    except Image.DecompressionBombError:
+        raise ValueError(
+            f"an image has more than max_image_pixels ({limits.max_pixels}) pixels"
+        ) from None
+    check_size(img.size, limits)
+    try:
+        img.load()
+        return img.convert("RGB")
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        raise ValueError("an image is corrupt: its pixels could not be decoded") from None
+
+
+def check_size(size: tuple[int, int], limits: ImageLimits) -> None:
+    w, h = size
+    if w * h > limits.max_pixels:
+        raise ValueError(
+            f"an image of {w}x{h} pixels is over max_image_pixels ({limits.max_pixels})"
+        )
+    if w < 1 or h < 1:
+        raise ValueError(f"an image of {w}x{h} pixels is empty")
+
+
+def read_file(path: str | Path, limits: ImageLimits, trusted: bool) -> bytes:
+    """A local image file's bytes: anywhere when ``trusted`` (the in-process Engine),
+    else only below ``limits.allowed_dir``."""
+    p = Path(path)
+    if not trusted:
+        if limits.allowed_dir is None:
+            raise ValueError("file images are not allowed on this server (--allowed-media-dir)")
+        root = Path(limits.allowed_dir).resolve()
+        p = p.resolve()
+        if not p.is_relative_to(root):
+            raise ValueError("an image file is outside the allowed media directory")
+    try:
+        size = p.stat().st_size
+        if size > limits.max_bytes:
+            raise ValueError(f"an image is larger than max_image_bytes ({limits.max_bytes} bytes)")
+        return p.read_bytes()
+    except OSError:
+        raise ValueError("an image file could not be read") from None
+
+
+def load_image(source: Any, limits: ImageLimits, trusted: bool = False) -> Any:
+    """An RGB PIL image from what a client sent (module docstring). ``trusted``: the
+    caller is this process's own code (the Engine), which may name any path."""
+    from PIL import Image
+
+    if isinstance(source, Image.Image):
+        check_size(source.size, limits)
+        return source.convert("RGB")
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return open_image(bytes(source), limits)
+    if isinstance(source, Path):
+        return open_image(read_file(source, limits, trusted), limits)
+    if not isinstance(source, str):
+        raise ValueError(f"an image must be bytes, a URL or a path, got {type(source).__name__}")
+    match = _DATA_URL.match(source)
+    if match:
+        return open_image(decode_base64(source[match.end() :], limits), limits)
+    if source.startswith("data:"):
+        raise ValueError("an image data URL must be data:image/<type>;base64,<data>")
+    if source.startswith("file://"):
+        return open_image(read_file(source.removeprefix("file://"), limits, False), limits)
+    if source.startswith(("http://", "https://")):
+        raise ValueError("image URLs are not fetched by this server (send a data: URL)")
+    if trusted:
+        return open_image(read_file(source, limits, True), limits)
+    raise ValueError("an image must be a data:image/...;base64 URL or an allowed URL")
+
+
+def image_digest(img: Any) -> bytes:
+    """SHA-256 of the decoded RGB pixels and the size: the image's identity."""
+    h = hashlib.sha256(f"{img.size[0]}x{img.size[1]}:".encode())
+    h.update(img.tobytes())
+    return h.digest()
+
+
+class VisionInputs:
+    """A vision-language model's image processor and placeholder token (Qwen2.5-VL's:
+    one ``<|image_pad|>`` the template writes between ``<|vision_start|>`` and
+    ``<|vision_end|>`` becomes one token per merged patch, as its processor does)."""
+
+    def __init__(self, folder: str | Path, hf_config: Any, tokenizer: Any) -> None:
+        from transformers import AutoImageProcessor
+
+        self.processor = AutoImageProcessor.from_pretrained(str(folder), backend="pil")
+        self.token_id = int(hf_config.image_token_id)
+        self.merge = int(hf_config.vision_config.spatial_merge_size)
+        self.image_text = "<|vision_start|><|image_pad|><|vision_end|>"
+        self.image_ids = list(tokenizer.encode(self.image_text, add_special_tokens=False))
+        if self.image_ids.count(self.token_id) != 1:
+            raise ValueError("the tokenizer does not know Qwen's vision tokens")
+
+    def preprocess(self, img: Any) -> tuple[np.ndarray, list[int]]:
+        """The image's flat patches (float32) and its (t, h, w) patch grid."""
+        out = self.processor(images=[img])
+        pixels = np.asarray(out["pixel_values"], dtype=np.float32)
+        grid = [int(g) for g in np.asarray(out["image_grid_thw"])[0]]
+        return pixels, grid
+
+    def expand(
+        self, ids: Sequence[int], images: Sequence[Any]
+    ) -> tuple[list[int], list[ImageInput]]:
+        """The prompt with each placeholder token (one per image, in order) repeated
+        as many times as its image has tokens, and the images as the scheduler takes
+        them."""
+        sites = [i for i, t in enumerate(ids) if t == self.token_id]
+        if len(sites) != len(images):
+            raise ValueError(
+                f"the prompt has {len(sites)} image placeholder(s) for {len(images)} image(s)"
+            )
+        out: list[int] = []
+        inputs: list[ImageInput] = []
+        at = 0
+        for site, img in zip(sites, images):
+            pixels, grid = self.preprocess(img)
+            tokens = grid[0] * grid[1] * grid[2] // self.merge**2
+            out.extend(ids[at:site])
+            inputs.append(
+                ImageInput(
+                    image_digest(img),
+                    len(out),
+                    tokens,
+                    self.token_id,
+                    grid,
+                    pixels.shape[1],
+                    pixels.ravel(),
+                )  # fmt: skip
+            )
+            out.extend([self.token_id] * tokens)
+            at = site + 1
+        out.extend(ids[at:])
+        return out, inputs
+
+
+def load_vision_inputs(folder: str | Path, tokenizer: Any) -> VisionInputs | None:
+    """The model's ``VisionInputs``, or None for a text model."""
+    from transformers import AutoConfig
+
+    from radixserve.models.config import VISION_ARCHITECTURES
+
+    if not (Path(folder) / "config.json").is_file():
+        return None
+    hf = AutoConfig.from_pretrained(str(folder))
+    if not set(getattr(hf, "architectures", None) or ()) & set(VISION_ARCHITECTURES):
+        return None
+    return VisionInputs(folder, hf, tokenizer)
+
+
+def split_content(content: Any, limits: ImageLimits, trusted: bool) -> tuple[str, list[Any]]:
+    """A chat message's content (a string, or a list of parts: ``{type: text, text}``,
+    ``{type: image_url, image_url: {url, detail}}``, ``{type: image, image}``) as text
+    with ``IMAGE_MARK`` where each image was, and the images, decoded."""
+    if isinstance(content, str):
+        return content.replace(IMAGE_MARK, ""), []
+    if not isinstance(content, Sequence) or isinstance(content, (bytes, bytearray)):
+        raise ValueError("message content must be a string or a list of content parts")
+    text: list[str] = []
+    images: list[Any] = []
+    for part in content:
+        if not isinstance(part, Mapping):
+            raise ValueError("each content part must be an object with a type")
+        kind = part.get("type")
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise ValueError("a text content part needs text (a string)")
+            text.append(part["text"].replace(IMAGE_MARK, ""))  # only images make marks
+        elif kind in ("image_url", "image"):
+            if len(images) >= limits.max_images:
+                raise ValueError(f"more than max_images ({limits.max_images}) images in a request")
+            images.append(load_image(_image_source(part), limits, trusted))
+            text.append(IMAGE_MARK)
+        else:
+            raise ValueError(f"unsupported content part type {str(kind)[:40]!r}")
+    return "".join(text), images
+
+
+def _image_source(part: Mapping[str, Any]) -> Any:
+    if part["type"] == "image":
+        if "image" not in part:
+            raise ValueError("an image content part needs image")
+        return part["image"]
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, Mapping) else spec
+    if not isinstance(url, str):
+        raise ValueError("an image_url content part needs image_url.url (a string)")
+    detail = spec.get("detail", "auto") if isinstance(spec, Mapping) else "auto"
+    # The image processor sizes every image within its pixel bounds: every detail is "auto".
+    if detail not in ("auto", "low", "high"):
+        raise ValueError(f"image_url.detail must be auto, low or high, got {str(detail)[:20]!r}")
+    return url
