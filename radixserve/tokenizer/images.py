@@ -156,14 +156,26 @@ class VisionInputs:
         self.processor = AutoImageProcessor.from_pretrained(str(folder), backend="pil")
         self.token_id = int(hf_config.image_token_id)
         self.merge = int(hf_config.vision_config.spatial_merge_size)
+        self.patch = int(hf_config.vision_config.patch_size)
         self.image_text = "<|vision_start|><|image_pad|><|vision_end|>"
         self.image_ids = list(tokenizer.encode(self.image_text, add_special_tokens=False))
         if self.image_ids.count(self.token_id) != 1:
             raise ValueError("the tokenizer does not know Qwen's vision tokens")
 
     def preprocess(self, img: Any) -> tuple[np.ndarray, list[int]]:
-        """The image's flat patches (float32) and its (t, h, w) patch grid."""
-        out = self.processor(images=[img])
+        """The image's flat patches (float32) and its (t, h, w) patch grid. An image
+        with a side shorter than one patch is refused (the processor would blow it up
+        from less than a patch of content)."""
+        w, h = img.size
+        if min(w, h) < self.patch:
+            raise ValueError(
+                f"an image of {w}x{h} pixels is smaller than the model's "
+                f"{self.patch}-pixel patch"
+            )
+        try:
+            out = self.processor(images=[img])
+        except ValueError as e:  # e.g. an aspect ratio the processor refuses
+            raise ValueError(f"an image could not be processed: {str(e)[:200]}") from None
         pixels = np.asarray(out["pixel_values"], dtype=np.float32)
         grid = [int(g) for g in np.asarray(out["image_grid_thw"])[0]]
         return pixels, grid

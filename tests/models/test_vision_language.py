@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 
 from radixserve import Engine, SamplingParams
-from tests.helpers.tiny_vlm import hf_vlm_greedy, image_bytes, load_hf_vlm, make_tiny_qwen2_5_vl
+from tests.helpers.tiny_vlm import hf_vlm_greedy, image_bytes, load_hf_vlm
 
 GEN = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory):
-    return make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny-qwen2_5_vl"), seed=5)
+def vlm_dir(tiny_vlm_dir):
+    return tiny_vlm_dir
 
 
 @pytest.fixture(scope="module")
