@@ -84,11 +84,12 @@ class AsyncClient:
         timeout: float | None = None,
         echo: bool = False,
         lora: str | None = None,
+        images: Sequence[Any] | None = None,
         **sampling: Any,
     ) -> Result | list[Result]:
         msg = build_generate(
             prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, False,
-            echo, tools, lora,
+            echo, tools, lora, images,
         )  # fmt: skip
         results = _Results(msg.sampling.n)
         deadline = self._deadline(timeout)
@@ -110,11 +111,12 @@ class AsyncClient:
         timeout: float | None = None,
         echo: bool = False,
         lora: str | None = None,
+        images: Sequence[Any] | None = None,
         **sampling: Any,
     ) -> AsyncIterator[P.Chunk]:
         msg = build_generate(
             prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, True,
-            echo, tools, lora,
+            echo, tools, lora, images,
         )  # fmt: skip
         left = msg.sampling.n
         async with self._request(msg) as queue:

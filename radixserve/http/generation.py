@@ -79,6 +79,7 @@ class Generation:
         rid: str | None = None,
         lora: str | None = None,
         outcome: Outcome | None = None,
+        images: list[str] | None = None,
     ) -> None:
         self.client, self.metrics, self.sampling = client, metrics, sampling
         self.outcome = outcome if outcome is not None else Outcome(metrics)
@@ -90,6 +91,7 @@ class Generation:
             "cache_salt": cache_salt,
             "echo": echo,
             "lora": lora,
+            "images": images,
         }
         # Scored once per prompt (they come with choice 0's first chunk), shared by all n.
         self.prompt_logprobs: list | None = None

@@ -19,6 +19,7 @@ from radixserve.protocol.wire import (
     PUBLIC_SCORED,
     SAMPLING,
     STR,
+    STR_LIST,
     Message,
     _optional,
     f,
@@ -46,6 +47,10 @@ class Generate(Message):
     echo: bool = f(BOOL, False)
     # The LoRA adapter to generate with, by name (None: the base model; docs/lora.md).
     lora: str | None = f(_optional(STR), None)
+    # Images of a prompt or input_ids, one per image placeholder token in it, as URLs
+    # (data:image/...;base64, or allowed file:// / http(s)://; docs/multimodal.md).
+    # A chat's images are in its messages' content parts.
+    images: list[str] | None = f(_optional(STR_LIST), None)
 
 
 @dataclass

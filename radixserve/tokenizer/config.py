@@ -91,6 +91,16 @@ class TokenizerOptions:
         "a directory whose image files requests may name (file:// URLs); none by default",
         group=LIMITS,
     )
+    allowed_media_hosts: tuple[str, ...] = option(
+        (),
+        "hosts whose http(s):// image URLs requests may name (exact host names); none by "
+        "default. The fetch is bounded by --max-image-bytes and --media-fetch-timeout and "
+        "follows no redirect",
+        group=LIMITS,
+    )
+    media_fetch_timeout: float = option(
+        5.0, "seconds an image fetch from an allowed host may take in all", above=0.0, group=LIMITS
+    )
     chat_special_tokens: bool = option(
         False,
         "let special tokens typed inside chat message content act as control "

@@ -24,6 +24,10 @@ import binascii
 import hashlib
 import io
 import re
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +49,8 @@ class ImageLimits:
     max_pixels: int = 16_777_216
     max_bytes: int = 8 << 20
     allowed_dir: str | None = None  # file:// and paths below it (None: no files over the wire)
+    allowed_hosts: tuple[str, ...] = ()  # http(s):// from these hosts only
+    fetch_timeout: float = 5.0  # seconds for one fetch, in all
 
 
 def decode_base64(text: str, limits: ImageLimits) -> bytes:
@@ -132,10 +138,43 @@ def load_image(source: Any, limits: ImageLimits, trusted: bool = False) -> Any:
     if source.startswith("file://"):
         return open_image(read_file(source.removeprefix("file://"), limits, False), limits)
     if source.startswith(("http://", "https://")):
-        raise ValueError("image URLs are not fetched by this server (send a data: URL)")
+        return open_image(fetch(source, limits), limits)
     if trusted:
         return open_image(read_file(source, limits, True), limits)
     raise ValueError("an image must be a data:image/...;base64 URL or an allowed URL")
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        raise ValueError("an image URL redirected; redirects are not followed")
+
+
+def fetch(url: str, limits: ImageLimits) -> bytes:
+    """The bytes at an http(s) ``url`` whose host is allowed, at most
+    ``limits.max_bytes`` of them, within ``limits.fetch_timeout`` seconds in all."""
+    host = urllib.parse.urlsplit(url).hostname
+    if host is None or host not in limits.allowed_hosts:
+        raise ValueError("image URLs from this host are not fetched (--allowed-media-hosts)")
+    deadline = time.monotonic() + limits.fetch_timeout
+    opener = urllib.request.build_opener(_NoRedirect)
+    chunks, size = [], 0
+    try:
+        with opener.open(url, timeout=limits.fetch_timeout) as reply:
+            while True:
+                if time.monotonic() > deadline:
+                    raise ValueError(f"an image fetch took over {limits.fetch_timeout} s")
+                chunk = reply.read(64 << 10)
+                if not chunk:
+                    break
+                size += len(chunk)
+                if size > limits.max_bytes:
+                    raise ValueError(
+                        f"an image is larger than max_image_bytes ({limits.max_bytes} bytes)"
+                    )
+                chunks.append(chunk)
+    except (OSError, urllib.error.URLError) as e:
+        raise ValueError(f"an image could not be fetched: {str(e)[:100]}") from None
+    return b"".join(chunks)
 
 
 def image_digest(img: Any) -> bytes:
@@ -169,8 +208,7 @@ class VisionInputs:
         w, h = img.size
         if min(w, h) < self.patch:
             raise ValueError(
-                f"an image of {w}x{h} pixels is smaller than the model's "
-                f"{self.patch}-pixel patch"
+                f"an image of {w}x{h} pixels is smaller than the model's {self.patch}-pixel patch"
             )
         try:
             out = self.processor(images=[img])

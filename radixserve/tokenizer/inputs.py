@@ -47,8 +47,9 @@ class InputProcessor:
         self.vision = vision
         cfg = self.config
         self.image_limits = ImageLimits(
-            cfg.max_images, cfg.max_image_pixels, cfg.max_image_bytes, cfg.allowed_media_dir
-        )
+            cfg.max_images, cfg.max_image_pixels, cfg.max_image_bytes, cfg.allowed_media_dir,
+            tuple(cfg.allowed_media_hosts), cfg.media_fetch_timeout,
+        )  # fmt: skip
 
     def to_request(
         self,

@@ -55,12 +55,14 @@ import os
 import sys
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import zmq
 
 from radixserve import protocol as P
 from radixserve.auth_env import ADMIN_KEY_ENV
 from radixserve.config import tokenizer_config
+from radixserve.models.source import resolve_model
 from radixserve.models.tokenizer import load_tokenizer
 from radixserve.sampling_params import short_repr
 from radixserve.server_config import (
@@ -72,6 +74,7 @@ from radixserve.server_config import (
     ServerConfig,
 )
 from radixserve.tokenizer.connections import Connections
+from radixserve.tokenizer.images import VisionInputs, load_vision_inputs
 from radixserve.tokenizer.inputs import InputProcessor
 from radixserve.tokenizer.output import OutputStream, TokenTexts
 from radixserve.utils.proc import (
@@ -129,8 +132,9 @@ class TokenizerServer:
         self.texts = TokenTexts(tokenizer)
         self.limits = tokenizer_config(config.engine)
         self.inputs = InputProcessor(
-            tokenizer, config.model.vocab_size, self.limits, config.model.max_context_len
-        )
+            tokenizer, config.model.vocab_size, self.limits, config.model.max_context_len,
+            vision_inputs(config, tokenizer),
+        )  # fmt: skip
         seed_routing_ids()
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -312,7 +316,9 @@ class TokenizerServer:
         try:
             # Everything is checked before anything is queued.
             self.inputs.check_sampling(sp)
-            ids = self.inputs.to_ids(msg.prompt, msg.input_ids, msg.messages, msg.tools)
+            ids, images = self.inputs.to_request(
+                msg.prompt, msg.input_ids, msg.messages, msg.tools, msg.images
+            )
             echo = None
             if msg.echo:  # the prompt as given, or the text of its tokens
                 echo = msg.prompt
@@ -332,7 +338,9 @@ class TokenizerServer:
         self.per_client[identity] += 1
         # Stop strings are applied here: the scheduler and the worker never see them.
         scheduled = replace(sp, stop=()) if sp.stop else sp
-        self.to_scheduler.send(P.AddRequest(rid, ids, scheduled, msg.cache_salt, msg.lora).encode())
+        self.to_scheduler.send(
+            P.AddRequest(rid, ids, scheduled, msg.cache_salt, msg.lora, images).encode()
+        )
 
     # ---------------------------------------------------- scheduler -> server
     def handle_internal(self, msg: P.Message) -> None:
@@ -498,6 +506,12 @@ def _model_dict(model) -> dict:
         "max_context_len": model.max_context_len,
         "backend": model.backend_name,
     }
+
+
+def vision_inputs(config: ServerConfig, tokenizer: Any) -> VisionInputs | None:
+    """A vision-language model's image processing (docs/multimodal.md), else None."""
+    source = resolve_model(config.engine.model, config.engine.cache_dir)
+    return None if source.gguf_file else load_vision_inputs(source.folder, tokenizer)
 
 
 def run(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:

@@ -158,3 +158,39 @@ def test_limits_are_checked_on_a_pil_image_too():
     big = Image.fromarray(np.zeros((2000, 2000, 3), dtype=np.uint8))
     with pytest.raises(ValueError, match="max_image_pixels"):
         load_image(big, ImageLimits(max_pixels=1 << 20))
+
+
+def test_http_images_only_from_allowed_hosts_and_bounded():
+    import http.server
+    import threading
+
+    body = image_bytes(7)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/moved":
+                self.send_response(302)
+                self.send_header("Location", "http://example.com/x.png")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        allowed = ImageLimits(allowed_hosts=("127.0.0.1",), fetch_timeout=5.0)
+        assert load_image(url + "/a.png", allowed).size == (90, 120)
+        with pytest.raises(ValueError, match="not fetched"):
+            load_image(url + "/a.png", ImageLimits(allowed_hosts=("localhost",)))
+        with pytest.raises(ValueError, match="max_image_bytes"):
+            load_image(url + "/a.png", ImageLimits(allowed_hosts=("127.0.0.1",), max_bytes=1000))
+        with pytest.raises(ValueError, match="redirect"):
+            load_image(url + "/moved", allowed)
+    finally:
+        srv.shutdown()
