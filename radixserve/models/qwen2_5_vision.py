@@ -151,6 +151,8 @@ class PatchMerger(nn.Module):
 class VisionTower(nn.Module):
     """Qwen2.5-VL's vision transformer and patch merger (module docstring)."""
 
+    mrope = True  # its model rotates by multimodal positions (``mrope_positions``)
+
     def __init__(self, cfg: VisionConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.cfg = cfg
@@ -169,6 +171,14 @@ class VisionTower(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.patch_embed.weight.dtype
+
+    @property
+    def merge(self) -> int:
+        return self.cfg.spatial_merge_size
+
+    def encode(self, pixels: torch.Tensor, grid: Sequence[int]) -> torch.Tensor:
+        """One image's feature rows (the worker's interface to a tower)."""
+        return self(pixels, grid)
 
     @torch.inference_mode()
     def forward(self, pixels: torch.Tensor, grid: Sequence[int]) -> torch.Tensor:

@@ -43,36 +43,43 @@ from radixserve.sampling_params import SamplingParams
 # ------------------------------------------------------- tokenizer <-> scheduler
 @dataclass
 class ImageInput(Message):
-    """One image of a prompt, preprocessed (docs/multimodal.md): its placeholder run is
-    ``tokens`` prompt tokens from ``offset``, each the real placeholder id ``token_id``;
-    ``pixels`` are the image processor's flat patches (float32, ``patch_dim`` per
-    patch) over ``grid`` (time, height, width patches); ``digest`` is the SHA-256 of
-    the decoded pixels and their size, which keys the image in the prefix cache and the
-    worker's encoder cache."""
+    """One image of a prompt, preprocessed (docs/multimodal.md). Its **span** is the
+    prompt tokens ``ids`` from ``offset``: the placeholder tokens (``token_id``), one
+    per feature row of the image in order, and whatever tokens the model's processor
+    puts between them (Idefics3's tile markers; Qwen2.5-VL's span is placeholders
+    only), all fixed by the image. ``pixels`` are the image processor's output
+    (float32) of shape ``pixel_shape``; ``grid`` is model-specific (Qwen2.5-VL's time,
+    height and width patches). ``digest`` is the SHA-256 of the decoded pixels and
+    their size, which keys the image in the prefix cache and the encoder cache."""
 
     digest: bytes = f(KEY)
     offset: int = f(INT)
-    tokens: int = f(INT)
+    ids: np.ndarray = f(I32)
     token_id: int = f(INT)
-    grid: list[int] = f(INT_LIST)
-    patch_dim: int = f(INT)
+    pixel_shape: list[int] = f(INT_LIST)
     pixels: np.ndarray = f(F32)
+    grid: list[int] = f(INT_LIST, [])
 
     def __post_init__(self) -> None:
-        if len(self.grid) != 3 or min(self.grid) < 1:
-            raise ValueError(f"an image grid is 3 positive sizes, got {self.grid}")
-        if self.patch_dim < 1 or len(self.pixels) != self.patch_dim * math.prod(self.grid):
-            raise ValueError("an image's pixels do not match its grid")
-        if self.offset < 0 or self.tokens < 1:
-            raise ValueError("an image's placeholder run is out of range")
+        if not self.pixel_shape or min(self.pixel_shape) < 1:
+            raise ValueError(f"an image's pixel shape must be positive sizes: {self.pixel_shape}")
+        if len(self.pixels) != math.prod(self.pixel_shape):
+            raise ValueError("an image's pixels do not match their shape")
+        if self.offset < 0 or not (np.asarray(self.ids) == self.token_id).any():
+            raise ValueError("an image's span is out of range or holds no placeholder")
+
+    @property
+    def tokens(self) -> int:
+        """The span's length in tokens."""
+        return len(self.ids)
 
     @property
     def end(self) -> int:
-        return self.offset + self.tokens
+        return self.offset + len(self.ids)
 
     def patches(self) -> np.ndarray:
-        """The flat patches, [patches, patch_dim]."""
-        return self.pixels.reshape(-1, self.patch_dim)
+        """The pixels in their shape."""
+        return self.pixels.reshape(self.pixel_shape)
 
 
 @dataclass

@@ -2,10 +2,11 @@
 
 An image's placeholder tokens all carry one real token id (``<|image_pad|>``), so two
 prompts that differ only in their image would share KV. The scheduler keys a request by
-its prompt with each image's placeholder run replaced by ids derived from the image's
+its prompt with each image's span (its placeholders, and the tokens the processor puts
+between them, all fixed by the image) replaced by ids derived from the image's
 digest (a SHA-256 of its decoded pixels and size): ``KEY_IDS`` negative int32 ids, from
-four 31-bit pieces of the digest, repeated along the run. No vocabulary id is negative,
-so a key id never equals a text token; two different images part at their run's first
+four 31-bit pieces of the digest, repeated along the span. No vocabulary id is negative,
+so a key id never equals a text token; two different images part at their span's first
 token (31 bits), and a whole page of 4 or more tokens compares 124 bits. The same image
 in two prompts gives the same ids, so a prompt hits the cache through an image it
 repeats. Salts and LoRA namespaces are a separate part of the key and compose with it.
@@ -33,19 +34,19 @@ def key_ids(digest: bytes) -> np.ndarray:
 
 
 def check_images(prompt: np.ndarray, images: Sequence[ImageInput]) -> None:
-    """ValueError unless each image's run lies in the prompt, after the one before it,
-    and holds its placeholder id only."""
+    """ValueError unless each image's span lies in the prompt, after the one before it,
+    and holds the ids the image says."""
     at = 0
     for im in images:
         if im.offset < at or im.end > len(prompt):
-            raise ValueError("image placeholder runs overlap or leave the prompt")
-        if not (prompt[im.offset : im.end] == im.token_id).all():
-            raise ValueError("an image's placeholder run holds other tokens")
+            raise ValueError("image spans overlap or leave the prompt")
+        if not (prompt[im.offset : im.end] == im.ids).all():
+            raise ValueError("an image's span holds other tokens than its own")
         at = im.end
 
 
 def keyed_prompt(prompt: np.ndarray, images: Sequence[ImageInput]) -> np.ndarray:
-    """The prompt as the cache keys it: each image's run replaced by its key ids."""
+    """The prompt as the cache keys it: each image's span replaced by its key ids."""
     if not images:
         return prompt
     out = prompt.copy()
@@ -55,8 +56,8 @@ def keyed_prompt(prompt: np.ndarray, images: Sequence[ImageInput]) -> np.ndarray
 
 
 def real_ids(ids: np.ndarray, start: int, images: Sequence[ImageInput]) -> np.ndarray:
-    """Keyed tokens ``ids`` (from position ``start``) with image runs given back their
-    real placeholder id (a copy where a run is touched; ``ids`` itself otherwise)."""
+    """Keyed tokens ``ids`` (from position ``start``) with image spans given back their
+    real ids (a copy where a span is touched; ``ids`` itself otherwise)."""
     end = start + len(ids)
     out = ids
     for im in images:
@@ -64,5 +65,5 @@ def real_ids(ids: np.ndarray, start: int, images: Sequence[ImageInput]) -> np.nd
         if lo < hi:
             if out is ids:
                 out = ids.copy()
-            out[lo - start : hi - start] = im.token_id
+            out[lo - start : hi - start] = im.ids[lo - im.offset : hi - im.offset]
     return out

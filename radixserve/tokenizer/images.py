@@ -185,45 +185,47 @@ def image_digest(img: Any) -> bytes:
 
 
 class VisionInputs:
-    """A vision-language model's image processor and placeholder token (Qwen2.5-VL's:
-    one ``<|image_pad|>`` the template writes between ``<|vision_start|>`` and
-    ``<|vision_end|>`` becomes one token per merged patch, as its processor does)."""
+    """A vision-language model's image processing: its image processor, the text its
+    chat template writes for one image (``image_text``, whose one placeholder token
+    ``token_id`` stands for the image in a prompt), and the span an image becomes
+    (``span``). The families differ in ``span``."""
+
+    image_text = ""
 
     def __init__(self, folder: str | Path, hf_config: Any, tokenizer: Any) -> None:
         from transformers import AutoImageProcessor
 
         self.processor = AutoImageProcessor.from_pretrained(str(folder), backend="pil")
+        self.tokenizer = tokenizer
         self.token_id = int(hf_config.image_token_id)
-        self.merge = int(hf_config.vision_config.spatial_merge_size)
         self.patch = int(hf_config.vision_config.patch_size)
-        self.image_text = "<|vision_start|><|image_pad|><|vision_end|>"
         self.image_ids = list(tokenizer.encode(self.image_text, add_special_tokens=False))
         if self.image_ids.count(self.token_id) != 1:
-            raise ValueError("the tokenizer does not know Qwen's vision tokens")
+            raise ValueError(f"the tokenizer does not know the image tokens {self.image_text!r}")
 
-    def preprocess(self, img: Any) -> tuple[np.ndarray, list[int]]:
-        """The image's flat patches (float32) and its (t, h, w) patch grid. An image
-        with a side shorter than one patch is refused (the processor would blow it up
-        from less than a patch of content)."""
+    def span(self, img: Any) -> tuple[list[int], np.ndarray, list[int]]:
+        """The image's span ids, its pixels (float32) and its grid."""
+        raise NotImplementedError
+
+    def _process(self, img: Any, **kwargs: Any) -> Any:
+        """The image processor's output for one image. An image with a side shorter
+        than one patch is refused (the processor would blow it up from less than a
+        patch of content)."""
         w, h = img.size
         if min(w, h) < self.patch:
             raise ValueError(
                 f"an image of {w}x{h} pixels is smaller than the model's {self.patch}-pixel patch"
             )
         try:
-            out = self.processor(images=[img])
+            return self.processor(images=[img], **kwargs)
         except ValueError as e:  # e.g. an aspect ratio the processor refuses
             raise ValueError(f"an image could not be processed: {str(e)[:200]}") from None
-        pixels = np.asarray(out["pixel_values"], dtype=np.float32)
-        grid = [int(g) for g in np.asarray(out["image_grid_thw"])[0]]
-        return pixels, grid
 
     def expand(
         self, ids: Sequence[int], images: Sequence[Any]
     ) -> tuple[list[int], list[ImageInput]]:
-        """The prompt with each placeholder token (one per image, in order) repeated
-        as many times as its image has tokens, and the images as the scheduler takes
-        them."""
+        """The prompt with each placeholder token (one per image, in order) replaced by
+        its image's span, and the images as the scheduler takes them."""
         sites = [i for i, t in enumerate(ids) if t == self.token_id]
         if len(sites) != len(images):
             raise ValueError(
@@ -233,38 +235,58 @@ class VisionInputs:
         inputs: list[ImageInput] = []
         at = 0
         for site, img in zip(sites, images):
-            pixels, grid = self.preprocess(img)
-            tokens = grid[0] * grid[1] * grid[2] // self.merge**2
+            span, pixels, grid = self.span(img)
             out.extend(ids[at:site])
             inputs.append(
                 ImageInput(
                     image_digest(img),
                     len(out),
-                    tokens,
+                    np.asarray(span, dtype=np.int32),
                     self.token_id,
-                    grid,
-                    pixels.shape[1],
+                    list(pixels.shape),
                     pixels.ravel(),
+                    grid,
                 )  # fmt: skip
             )
-            out.extend([self.token_id] * tokens)
+            out.extend(span)
             at = site + 1
         out.extend(ids[at:])
         return out, inputs
+
+
+class Qwen2_5_VLInputs(VisionInputs):
+    """Qwen2.5-VL: the template writes ``<|vision_start|><|image_pad|><|vision_end|>``;
+    the one ``<|image_pad|>`` becomes one per merged patch, as its processor does."""
+
+    image_text = "<|vision_start|><|image_pad|><|vision_end|>"
+
+    def __init__(self, folder: str | Path, hf_config: Any, tokenizer: Any) -> None:
+        super().__init__(folder, hf_config, tokenizer)
+        self.merge = int(hf_config.vision_config.spatial_merge_size)
+
+    def span(self, img: Any) -> tuple[list[int], np.ndarray, list[int]]:
+        out = self._process(img)
+        pixels = np.asarray(out["pixel_values"], dtype=np.float32)
+        grid = [int(g) for g in np.asarray(out["image_grid_thw"])[0]]
+        tokens = grid[0] * grid[1] * grid[2] // self.merge**2
+        return [self.token_id] * tokens, pixels, grid
+
+
+#: Architecture -> its ``VisionInputs``.
+_FAMILIES: dict[str, type[VisionInputs]] = {
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLInputs,
+}
 
 
 def load_vision_inputs(folder: str | Path, tokenizer: Any) -> VisionInputs | None:
     """The model's ``VisionInputs``, or None for a text model."""
     from transformers import AutoConfig
 
-    from radixserve.models.config import VISION_ARCHITECTURES
-
     if not (Path(folder) / "config.json").is_file():
         return None
     hf = AutoConfig.from_pretrained(str(folder))
-    if not set(getattr(hf, "architectures", None) or ()) & set(VISION_ARCHITECTURES):
-        return None
-    return VisionInputs(folder, hf, tokenizer)
+    arch = next((a for a in getattr(hf, "architectures", None) or () if a in _FAMILIES), None)
+    return None if arch is None else _FAMILIES[arch](folder, hf, tokenizer)
 
 
 def split_content(content: Any, limits: ImageLimits, trusted: bool) -> tuple[str, list[Any]]:

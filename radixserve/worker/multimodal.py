@@ -4,10 +4,15 @@ with its cache of features, and the slots' images and multimodal positions.
 A slot's images come with the step that adds it (``StepReq.images``, with its
 sampling). From then on, whatever part of the prompt a step computes (a prefill after
 a cache hit that ends inside an image, a chunk cutting through one), the rows of
-placeholder tokens in it get their image's features (those rows' slice of them), and
-every row its M-RoPE positions, computed once per slot from the whole prompt
-(``qwen2_5_vision.mrope_positions``): a cached prefix's positions are never sent,
-they are recomputed. Rows past the prompt are at ``position + delta``.
+placeholder tokens in it get their image's feature rows (the k-th placeholder of an
+image's span the k-th row). A model with multimodal positions (Qwen2.5-VL's M-RoPE,
+the tower's ``mrope``) gives every row its positions, computed once per slot from the
+whole prompt (``qwen2_5_vision.mrope_positions``): a cached prefix's positions are
+never sent, they are recomputed. Rows past the prompt are at ``position + delta``.
+Other models' positions are the plain ones.
+
+A vision tower (``qwen2_5_vision.VisionTower``, ``idefics3_vision.VisionTower``)
+answers ``encode(pixels, grid)``: the image's feature rows, one per placeholder.
 
 ``EncoderCache`` keeps features by image digest (the scheduler keys the prefix
 cache by the same digest), least recently used first out, within a byte budget;
@@ -21,11 +26,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from radixserve.models.qwen2_5_vision import VisionTower, mrope_positions
+from radixserve.models.qwen2_5_vision import mrope_positions
 from radixserve.models.rope import MROPE_ROWS
 from radixserve.protocol import ImageInput
 
@@ -67,27 +73,23 @@ class EncoderCache:
 class VisionEncoder:
     """The vision tower behind its cache; counts its runs and cache hits."""
 
-    def __init__(self, tower: VisionTower, cache_bytes: int) -> None:
+    def __init__(self, tower: Any, cache_bytes: int) -> None:
         self.tower = tower
         self.cache = EncoderCache(cache_bytes)
         self.runs = 0
         self.hits = 0
 
-    @property
-    def merge(self) -> int:
-        return self.tower.cfg.spatial_merge_size
-
     def features(self, image: ImageInput) -> torch.Tensor:
-        """The image's features [tokens, hidden], from the cache or the tower."""
+        """The image's features [placeholders, hidden], from the cache or the tower."""
         cached = self.cache.get(image.digest)
         if cached is not None:
             self.hits += 1
             return cached
-        patches = torch.from_numpy(image.patches())
-        features = self.tower(patches, image.grid)
-        if features.shape[0] != image.tokens:
+        features = self.tower.encode(torch.from_numpy(image.patches()), image.grid)
+        placeholders = int((image.ids == image.token_id).sum())
+        if features.shape[0] != placeholders:
             raise ValueError(
-                f"an image of {image.tokens} placeholder tokens gave {features.shape[0]} features"
+                f"an image of {placeholders} placeholder tokens gave {features.shape[0]} features"
             )
         self.runs += 1
         self.cache.put(image.digest, features)
@@ -97,7 +99,8 @@ class VisionEncoder:
 @dataclass
 class _SlotImages:
     images: list[ImageInput]
-    positions: np.ndarray  # [3, prompt_len] int64
+    rows: list[np.ndarray]  # per image, per span position: its feature row (-1: none)
+    positions: np.ndarray | None  # M-RoPE: [3, prompt_len] int64
     delta: int
 
 
@@ -106,6 +109,7 @@ class MultimodalSlots:
 
     def __init__(self, encoder: VisionEncoder) -> None:
         self.encoder = encoder
+        self.mrope = bool(getattr(encoder.tower, "mrope", False))
         self._slots: dict[int, _SlotImages] = {}
 
     def add(self, slot: int, images: list[ImageInput], prompt_len: int) -> None:
@@ -119,17 +123,28 @@ class MultimodalSlots:
             if im.offset < at or im.end > prompt_len:
                 raise ValueError(f"slot {slot}: image placeholder runs overlap or leave the prompt")
             at = im.end
-        runs = [(im.offset, im.tokens, im.grid) for im in images]
-        positions, delta = mrope_positions(prompt_len, runs, self.encoder.merge)
-        self._slots[slot] = _SlotImages(list(images), positions, delta)
+        rows = []
+        for im in images:
+            at_placeholder = im.ids == im.token_id
+            row = np.full(im.tokens, -1, dtype=np.int64)
+            row[at_placeholder] = np.arange(int(at_placeholder.sum()))
+            rows.append(row)
+        positions, delta = None, 0
+        if self.mrope:
+            runs = [(im.offset, im.tokens, im.grid) for im in images]
+            positions, delta = mrope_positions(prompt_len, runs, self.encoder.tower.merge)
+        self._slots[slot] = _SlotImages(list(images), rows, positions, delta)
 
     def clear(self, slot: int) -> None:
         self._slots.pop(slot, None)
 
     def positions(self, slot: int, start: int, end: int) -> np.ndarray:
-        """Rows ``start .. end - 1`` of the slot: their M-RoPE positions [3, n]."""
+        """Rows ``start .. end - 1`` of the slot: their M-RoPE positions [3, n] (plain
+        positions [n] for a model without)."""
+        if not self.mrope:
+            return np.arange(start, end, dtype=np.int64)
         state = self._slots.get(slot)
-        if state is None:
+        if state is None or state.positions is None:
             return np.broadcast_to(np.arange(start, end, dtype=np.int64), (MROPE_ROWS, end - start))
         out = np.empty((MROPE_ROWS, end - start), dtype=np.int64)
         prompt_len = state.positions.shape[1]
@@ -147,10 +162,14 @@ class MultimodalSlots:
         if state is None:
             return []
         out = []
-        for im in state.images:
+        for im, rows in zip(state.images, state.rows):
             lo, hi = max(start, im.offset), min(end, im.end)
             if lo >= hi:
                 continue
-            features = self.encoder.features(im)[lo - im.offset : hi - im.offset]
-            out.append((np.arange(lo, hi) - start + row, features))
+            picked = rows[lo - im.offset : hi - im.offset]
+            at = np.flatnonzero(picked >= 0)
+            if not len(at):
+                continue  # only the tokens between tiles: no feature rows
+            features = self.encoder.features(im)[torch.from_numpy(picked[at])]
+            out.append((at + lo - start + row, features))
         return out

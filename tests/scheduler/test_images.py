@@ -19,9 +19,8 @@ PAD = 7
 
 def image(seed: int, offset: int, tokens: int) -> ImageInput:
     digest = hashlib.sha256(str(seed).encode()).digest()
-    return ImageInput(
-        digest, offset, tokens, PAD, [1, 2, 2 * tokens], 4, np.zeros(16 * tokens, np.float32)
-    )
+    ids = np.full(tokens, PAD, np.int32)
+    return ImageInput(digest, offset, ids, PAD, [tokens, 4], np.zeros(4 * tokens, np.float32))
 
 
 def test_key_ids_are_negative_and_differ_by_image():
@@ -50,7 +49,7 @@ def test_keyed_prompt_and_real_ids_round_trip():
     [
         ([image(1, 2, 5), image(2, 4, 4)], "overlap"),
         ([image(1, 10, 5)], "leave the prompt"),
-        ([image(1, 1, 5)], "other tokens"),
+        ([image(1, 1, 5)], "other tokens than its own"),
     ],
 )
 def test_bad_runs_are_refused(images, why):
@@ -87,3 +86,15 @@ def test_the_tree_sees_the_image_and_the_worker_the_real_ids():
     assert hits == {"a": 0, "b": len(text), "c": len(prompt) - 1}
     assert all((ids >= 0).all() for ids in sent)  # never a key id
     sched.check_idle()
+
+
+def test_a_span_with_markers_between_placeholders_round_trips():
+    """Idefics3's spans: tile markers between the placeholder runs are keyed with them
+    and given back to the worker as they were."""
+    span = np.array([60, PAD, PAD, 61, PAD, PAD, 62], np.int32)
+    im = ImageInput(b"\x07" * 32, 1, span, PAD, [2, 4], np.zeros(8, np.float32))
+    prompt = np.concatenate([[1], span, [2]]).astype(np.int32)
+    check_images(prompt, [im])
+    keyed = keyed_prompt(prompt, [im])
+    assert (keyed[1:8] < 0).all() and keyed[0] == 1 and keyed[8] == 2
+    assert (real_ids(keyed[3:6], 3, [im]) == prompt[3:6]).all()
