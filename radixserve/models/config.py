@@ -29,6 +29,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     # Qwen2.5-VL: a Qwen2 text model with multimodal rotary positions, beside the vision
     # tower of ``qwen2_5_vision.py`` (its config's ``text_config`` / ``vision_config``).
     "Qwen2_5_VLForConditionalGeneration": "qwen2",
+    # Idefics3 (SmolVLM): a Llama text model (SmolLM2) beside a SigLIP vision tower
+    # (``idefics3_vision.py``).
+    "Idefics3ForConditionalGeneration": "llama",
     # Hybrid: gated delta-net linear attention beside gated full attention.
     "Qwen3_5ForCausalLM": "qwen3_5",
     # Qwen3.5's layers with a sparse MoE MLP (and a sigmoid-gated shared expert);
@@ -65,7 +68,7 @@ GEMMA_FAMILIES = ("gemma2", "gemma3")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 #: Architectures with a vision tower: their prompts may hold images (docs/multimodal.md).
-VISION_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
+VISION_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "Idefics3ForConditionalGeneration")
 
 #: Rope scaling types our rotary embedding implements (``su`` is LongRoPE's old name).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
@@ -365,7 +368,7 @@ class ModelConfig:
 def _mrope_section(rope: dict[str, Any], arch: str, rotary_dim: int) -> tuple[int, ...]:
     """Qwen2.5-VL's rotary sections (time, height, width), which must cover the rotary
     frequencies; () for a model with one position row."""
-    if arch not in VISION_ARCHITECTURES:
+    if arch != "Qwen2_5_VLForConditionalGeneration":
         return ()
     section = tuple(int(s) for s in rope.get("mrope_section") or ())
     if len(section) != 3 or sum(section) != rotary_dim // 2:

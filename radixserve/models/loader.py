@@ -97,10 +97,16 @@ def load_model(
 def load_vision(
     source: ModelSource, cfg: ModelConfig, hf_config: Any, dtype: torch.dtype, device: torch.device
 ) -> Any:
-    """The vision tower of a vision-language checkpoint (``qwen2_5_vision.py``), or None
-    for a text model (or a GGUF file, which holds the text model only)."""
+    """The vision tower of a vision-language checkpoint (``qwen2_5_vision.py``,
+    ``idefics3_vision.py``), or None for a text model (or a GGUF file, which holds the
+    text model only)."""
     if cfg.architecture not in VISION_ARCHITECTURES or source.gguf_file:
         return None
-    from radixserve.models.qwen2_5_vision import load_vision_tower
+    reader = SafetensorsReader(source.folder)
+    if cfg.architecture == "Idefics3ForConditionalGeneration":
+        from radixserve.models import idefics3_vision
 
-    return load_vision_tower(SafetensorsReader(source.folder), hf_config, dtype, device)
+        return idefics3_vision.load_vision_tower(reader, hf_config, dtype, device)
+    from radixserve.models import qwen2_5_vision
+
+    return qwen2_5_vision.load_vision_tower(reader, hf_config, dtype, device)

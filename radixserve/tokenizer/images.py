@@ -272,9 +272,39 @@ class Qwen2_5_VLInputs(VisionInputs):
         return [self.token_id] * tokens, pixels, grid
 
 
+class Idefics3Inputs(VisionInputs):
+    """Idefics3 (SmolVLM): the template writes ``<image>``; the processor cuts the image
+    into rows x columns of tiles plus the whole image, and the ``<image>`` becomes, per
+    tile, ``<fake_token_around_image><row_r_col_c>`` and the tile's ``<image>`` tokens
+    (a newline after each row), then ``\n<fake_token_around_image><global-img>``, the
+    whole image's ``<image>`` tokens and ``<fake_token_around_image>`` (only that last
+    part for an image small enough to be one tile), as its processor does."""
+
+    image_text = "<image>"
+
+    def __init__(self, folder: str | Path, hf_config: Any, tokenizer: Any) -> None:
+        super().__init__(folder, hf_config, tokenizer)
+        v = hf_config.vision_config
+        self.tile_tokens = (v.image_size // v.patch_size) ** 2 // hf_config.scale_factor**2
+
+    def span(self, img: Any) -> tuple[list[int], np.ndarray, list[int]]:
+        out = self._process(img, return_row_col_info=True)
+        pixels = np.asarray(out["pixel_values"], dtype=np.float32)[0]
+        if not np.asarray(out["pixel_attention_mask"]).all():
+            raise ValueError("an image's tiles came out padded")  # one image: never
+        rows, cols = int(out["rows"][0][0]), int(out["cols"][0][0])
+        fake, image = "<fake_token_around_image>", "<image>" * self.tile_tokens
+        text = ""
+        for r in range(rows):
+            text += "".join(f"{fake}<row_{r + 1}_col_{c + 1}>{image}" for c in range(cols)) + "\n"
+        text += ("\n" if rows else "") + f"{fake}<global-img>{image}{fake}"
+        return list(self.tokenizer.encode(text, add_special_tokens=False)), pixels, []
+
+
 #: Architecture -> its ``VisionInputs``.
 _FAMILIES: dict[str, type[VisionInputs]] = {
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLInputs,
+    "Idefics3ForConditionalGeneration": Idefics3Inputs,
 }
 
 

@@ -103,6 +103,88 @@ def make_tiny_qwen2_5_vl(folder: str | Path, seed: int = 0) -> Path:
     return folder
 
 
+IDEFICS3_TOKENS = [
+    "<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
+    *[f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)],
+]  # fmt: skip
+IDEFICS3_TEMPLATE = (
+    "<|im_start|>{% for m in messages %}{{ m['role'] | capitalize }}:"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}{% if c['type'] in ('image', 'image_url') %}<image>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+def make_tiny_idefics3(folder: str | Path, seed: int = 0) -> Path:
+    """A tiny random Idefics3 (SmolVLM: a 2-layer Llama text model, a 2-layer SigLIP
+    tower on 32-pixel tiles of 8-pixel patches, pixel shuffle 2: 4 tokens a tile) with
+    its tokenizer, image processor (images up to 64 pixels a side: up to 2 x 2 tiles
+    and the whole image) and chat template; returns ``folder``."""
+    import transformers
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok, vocab = _char_tokenizer([*CHAT_TOKENS, *IDEFICS3_TOKENS])
+    text = dict(
+        vocab_size=len(vocab) + 4, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False,
+    )  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=32, patch_size=8)  # fmt: skip
+    config = transformers.Idefics3Config(
+        text_config=text, vision_config=vision, scale_factor=2,
+        image_token_id=vocab["<image>"], tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.Idefics3ForConditionalGeneration(config).to(torch.float64)
+    _widen(model)
+    model.save_pretrained(folder)
+    processor = transformers.Idefics3ImageProcessorPil(
+        size={"longest_edge": 64}, max_image_size={"longest_edge": 32}
+    )
+    processor.save_pretrained(folder)
+    tok.chat_template = IDEFICS3_TEMPLATE
+    tok.save_pretrained(folder)
+    return folder
+
+
+def idefics3_oracle(
+    folder: str | Path, messages: list[dict], n: int
+) -> tuple[list[int], list[int]]:
+    """transformers alone on an Idefics3 chat with ``{type: image, image: bytes}`` parts:
+    its tokenizer's template, its ``Idefics3Processor`` (tiles, prompt expansion), its
+    greedy ``generate`` in float64. Returns (the expanded prompt ids, the tokens)."""
+    import transformers
+    from PIL import Image
+
+    from tests.helpers.tiny_models import patch_hf_float64
+
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    images = [Image.open(io.BytesIO(p["image"])) for m in messages if not isinstance(m["content"], str)
+              for p in m["content"] if p["type"] == "image"]  # fmt: skip
+    proc = transformers.Idefics3Processor(
+        transformers.AutoImageProcessor.from_pretrained(folder, backend="pil"), tok,
+        image_seq_len=4,
+    )  # fmt: skip
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    out = proc(text=[text], images=[images] if images else None, add_special_tokens=False)
+    hf = transformers.Idefics3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float64)
+    patch_hf_float64(hf.eval())
+    ids = torch.as_tensor(np.asarray(out["input_ids"]))
+    kwargs = {}
+    if images:
+        kwargs = dict(
+            pixel_values=torch.as_tensor(np.asarray(out["pixel_values"]), dtype=torch.float64),
+            pixel_attention_mask=torch.as_tensor(np.asarray(out["pixel_attention_mask"])),
+        )
+    with torch.no_grad():
+        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                          min_new_tokens=n, do_sample=False, **kwargs)  # fmt: skip
+    return ids[0].tolist(), gen[0, ids.shape[1] :].tolist()
+
+
 def image_bytes(seed: int, size: tuple[int, int] = (90, 120), fmt: str = "PNG") -> bytes:
     """A random RGB image (width, height) encoded as ``fmt``."""
     from PIL import Image

@@ -1,8 +1,9 @@
-"""A vision-language model (a tiny random Qwen2.5-VL, float64) through the Engine against
-transformers: greedy tokens equal to ``generate`` cold and with the image prompt
-cached, page sizes 1 and 16, chunked prefill cutting through the image; images in the
-prefix cache's key (a different image does not hit past the text before it, the same
-image hits through it); the encoder runs once per image while its features are cached."""
+"""Vision-language models (tiny random Qwen2.5-VL and Idefics3, float64) through the
+Engine against transformers: greedy tokens equal to ``generate`` cold and with the
+image prompt cached, page sizes 1 and 16, chunked prefill cutting through the image;
+images in the prefix cache's key (a different image does not hit past the text before
+it, the same image hits through it); the encoder runs once per image while its
+features are cached."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from radixserve import Engine, SamplingParams
-from tests.helpers.tiny_vlm import hf_vlm_greedy, image_bytes, load_hf_vlm
+from tests.helpers.tiny_vlm import hf_vlm_greedy, idefics3_oracle, image_bytes, load_hf_vlm
 
 GEN = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
@@ -148,3 +149,28 @@ def test_text_only_prompts_keep_plain_positions(vlm_dir, hf_vlm):
         [r] = eng.generate([{"role": "user", "content": "Hello there"}], GREEDY)
         ids = eng.inputs.to_ids(messages=[{"role": "user", "content": "Hello there"}])
     assert r.token_ids == hf_vlm_greedy(hf_vlm, ids, [], [], GEN)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_idefics3_greedy_equals_hf_cold_cached_and_chunked(tiny_idefics3_dir, page_size):
+    """Idefics3's spans hold tile markers between the tiles' placeholder runs; chunks of
+    7 (page 16: 16) tokens cut through tiles."""
+    msgs = [{"role": "user", "content": [
+        {"type": "image", "image": image_bytes(21, (60, 50))}, {"type": "text", "text": "and"},
+        {"type": "image", "image": image_bytes(22, (20, 36))}, {"type": "text", "text": "?"},
+    ]}]  # fmt: skip
+    key = "idefics3" + repr(msgs)
+    if key not in _ORACLE:
+        _ORACLE[key] = idefics3_oracle(tiny_idefics3_dir, msgs, GEN)
+    want_ids, want = _ORACLE[key]
+    with Engine(str(tiny_idefics3_dir), dtype="float64", page_size=page_size,
+                num_pages=1024 // page_size, max_running_requests=2,
+                chunked_prefill_size=max(7, page_size), warmup=False) as eng:  # fmt: skip
+        ids, images = eng.inputs.to_request(messages=msgs)
+        assert ids == want_ids and len(images) == 2
+        [cold] = eng.generate(msgs, GREEDY)
+        [cached] = eng.generate(msgs, GREEDY)
+        assert cold.token_ids == cached.token_ids == want
+        assert cached.usage.cached_tokens >= cached.usage.prompt_tokens - page_size
+        assert eng.stats()["encoder_runs"] == 2
+        eng.check_idle()
