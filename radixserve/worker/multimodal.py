@@ -85,7 +85,8 @@ class VisionEncoder:
         if cached is not None:
             self.hits += 1
             return cached
-        features = self.tower.encode(torch.from_numpy(image.patches()), image.grid)
+        # A copy: the pixels are a read-only view of the message's bytes.
+        features = self.tower.encode(torch.from_numpy(image.patches().copy()), image.grid)
         placeholders = int((image.ids == image.token_id).sum())
         if features.shape[0] != placeholders:
             raise ValueError(

@@ -136,3 +136,26 @@ def test_too_many_images_and_a_text_request_after(http, zmq):
         "model": "vlm", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2})  # fmt: skip
     assert r.status_code == 200
     assert wait_idle(zmq)["pages_used"] == 0
+
+
+def test_bench_multimodal_against_the_server(vlm_server, tiny_vlm_dir, tmp_path, zmq):
+    """``radixserve bench multimodal`` on this server: every request answered, the hit
+    rate at the offline optimum over the keyed prompts, each image encoded once."""
+    import json
+
+    from radixserve.cli import main as radixserve_main
+
+    out = tmp_path / "mm"
+    code = radixserve_main([
+        "bench", "multimodal", "--model", str(tiny_vlm_dir), "--endpoint", vlm_server.endpoint,
+        "--images", "2", "--questions", "2", "--system-len", "12", "--question-len", "3",
+        "--output-len", "2", "--image-size", "112x84", "--no-plot", "--no-progress",
+        "--output", str(out), "--warmup", "0",
+    ])  # fmt: skip
+    assert code == 0
+    m = json.loads((tmp_path / "mm.json").read_text())["variants"][0]["metrics"]
+    assert (m["requests"], m["failed"], m["images"]) == (4, 0, 2)
+    assert m["hit_vs_optimal"] >= 0.95 and m["prompt_count_mismatches"] == 0
+    assert m["encoder_runs"] == 2
+    assert m["ttft_cold_image_ms"] is not None and m["ttft_repeat_image_ms"] is not None
+    wait_idle(zmq)
