@@ -19,6 +19,7 @@ same picture sent as PNG or as a data URL, or from another path, is the same ima
 
 from __future__ import annotations
 
+import abc
 import base64
 import binascii
 import hashlib
@@ -184,7 +185,7 @@ def image_digest(img: Any) -> bytes:
     return h.digest()
 
 
-class VisionInputs:
+class VisionInputs(abc.ABC):
     """A vision-language model's image processing: its image processor, the text its
     chat template writes for one image (``image_text``, whose one placeholder token
     ``token_id`` stands for the image in a prompt), and the span an image becomes
@@ -203,9 +204,9 @@ class VisionInputs:
         if self.image_ids.count(self.token_id) != 1:
             raise ValueError(f"the tokenizer does not know the image tokens {self.image_text!r}")
 
+    @abc.abstractmethod
     def span(self, img: Any) -> tuple[list[int], np.ndarray, list[int]]:
         """The image's span ids, its pixels (float32) and its grid."""
-        raise NotImplementedError
 
     def _process(self, img: Any, **kwargs: Any) -> Any:
         """The image processor's output for one image. An image with a side shorter

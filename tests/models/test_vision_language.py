@@ -111,6 +111,12 @@ def test_greedy_equals_hf_cold_cached_and_chunked(vlm_dir, hf_vlm, engine, page_
         cold = eng.generate([one, two], GREEDY)
         cached = eng.generate([two, one], GREEDY)
         assert [r.token_ids for r in cold] == [want_one, want_two]
+        if page_size == 16:
+            # The second prompt waited for the first's first chunk and hit the cache
+            # up to a page boundary inside image a: its other rows, features and
+            # positions, were computed after the hit.
+            _, (image_a, _) = eng.inputs.to_request(messages=two)
+            assert image_a.offset < cold[1].usage.cached_tokens < image_a.end
         assert [r.token_ids for r in cached] == [want_two, want_one]
         for r in cached:  # the whole prompt but its last page, images included
             assert r.usage.cached_tokens >= r.usage.prompt_tokens - page_size
