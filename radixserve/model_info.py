@@ -43,6 +43,7 @@ class ModelInfo:
     window_pages: int = 0
     window_span: int = 0
     window_page_bytes: int = 0
+    vision: bool = False  # a vision-language model: prompts may hold images
 
     @classmethod
     def from_dict(cls, info: dict[str, Any]) -> ModelInfo:

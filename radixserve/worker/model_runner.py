@@ -194,6 +194,7 @@ class ModelRunner:
             state_bytes=self.state_bytes,
             state_snapshots=0 if self.states is None else self.states.num_snapshots,
             kv_dtype=self.pool.kv_dtype_name,
+            vision=self.multimodal is not None,
             tokens_per_gib=self.tokens_per_gib,
             window_pages=self.window_pages,
             window_span=self.window_span,

@@ -136,6 +136,7 @@ def test_too_many_images_and_a_text_request_after(http, zmq):
         "model": "vlm", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2})  # fmt: skip
     assert r.status_code == 200
     assert wait_idle(zmq)["pages_used"] == 0
+    assert http.get("/get_model_info").json()["has_image_understanding"] is True
 
 
 def test_bench_multimodal_against_the_server(vlm_server, tiny_vlm_dir, tmp_path, zmq):
