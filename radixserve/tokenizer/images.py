@@ -2,17 +2,17 @@
 client sent, within the limits, and turning it into the model's placeholder tokens and
 the pixels its vision encoder takes.
 
-An image arrives as bytes, a ``data:image/...;base64,`` URL, a path (the Engine and the
-client library: a ``str`` or ``Path``; over the wire only as ``file://`` under an allowed
-directory), an ``http(s)://`` URL (fetched only from allowed hosts, ``media.py``) or a
-PIL image (the Engine). Every limit is checked before the costly step it guards: the
+An image arrives as bytes, a ``data:image/...;base64,`` URL, a path (the Engine: a
+``str`` or ``Path``; over the wire only as ``file://`` under an allowed directory), an
+``http(s)://`` URL (fetched only from allowed hosts, ``fetch``) or a PIL image (the
+Engine; the client library sends bytes, paths and PIL images as data URLs). Every limit is checked before the costly step it guards: the
 encoded size before decoding, the width and height from the header before the pixels
 are decoded (a decompression bomb is refused unopened), the number of images before any
 is read. A corrupt image is a ValueError naming what is wrong.
 
 ``VisionInputs`` is the model's side: its image processor (transformers' slow, PIL and
-numpy, one; the same arrays transformers computes), its placeholder token and how many
-placeholder tokens an image becomes. The digest that keys an image in the prefix cache
+numpy, one; the same arrays transformers computes), its placeholder token, and the
+span an image becomes (one per family: ``Qwen2_5_VLInputs``, ``Idefics3Inputs``). The digest that keys an image in the prefix cache
 and the encoder cache is the SHA-256 of the decoded RGB pixels and their size, so the
 same picture sent as PNG or as a data URL, or from another path, is the same image.
 """
