@@ -46,6 +46,7 @@ class ModelInfo:
     # Prefill/decode disaggregation: where peers write into this pool
     # (``worker/kv_transfer.py``: session, layers, page_bytes, identity; empty: off).
     kv_transfer: dict[str, Any] = field(default_factory=dict)
+    vision: bool = False  # a vision-language model: prompts may hold images
 
     @classmethod
     def from_dict(cls, info: dict[str, Any]) -> ModelInfo:

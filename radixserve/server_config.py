@@ -287,7 +287,8 @@ class ServerConfig:
     def from_json(cls, text: str) -> ServerConfig:
         d = json.loads(text)
         engine = d["engine"]
-        engine["lora_modules"] = tuple(engine.get("lora_modules", ()))  # JSON has lists
+        for name in ("lora_modules", "allowed_media_hosts"):
+            engine[name] = tuple(engine.get(name, ()))  # JSON has lists
         d["engine"] = EngineConfig(**engine)
         d["served_model_aliases"] = tuple(d.get("served_model_aliases", ()))  # JSON has lists
         cfg = cls(**{**d, "model": None})

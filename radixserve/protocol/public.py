@@ -20,6 +20,7 @@ from radixserve.protocol.wire import (
     PUBLIC_SCORED,
     SAMPLING,
     STR,
+    STR_LIST,
     Message,
     _optional,
     f,
@@ -54,6 +55,10 @@ class Generate(Message):
     # prefill server to pull the prompt's KV from (the router's PD mode sets it;
     # docs/scale-out.md).
     kv_source: str | None = f(_optional(KV_SOURCE), None)
+    # Images of a prompt or input_ids, one per image placeholder token in it, as URLs
+    # (data:image/...;base64, or allowed file:// / http(s)://; docs/multimodal.md).
+    # A chat's images are in its messages' content parts.
+    images: list[str] | None = f(_optional(STR_LIST), None)
 
 
 @dataclass

@@ -54,8 +54,8 @@ import numpy as np
 
 from radixserve.combinations import check_features, features_on
 from radixserve.scheduler.allocator import PageAllocator
-from radixserve.scheduler.explain import EvictionLog
 from radixserve.scheduler.disagg import DecodeSide
+from radixserve.scheduler.explain import EvictionLog
 from radixserve.scheduler.kv_events import KVEventRecorder
 from radixserve.scheduler.prefix_cache import MatchResult, PrefixCache
 from radixserve.scheduler.radix_cache import CacheComponent

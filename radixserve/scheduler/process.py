@@ -190,8 +190,9 @@ class SchedulerLoop:
         if isinstance(msg, P.AddRequest):
             try:
                 s.add_request(
-                    msg.rid, msg.input_ids, msg.sampling, msg.salt, msg.lora, msg.kv_source
-                )
+                    msg.rid, msg.input_ids, msg.sampling, msg.salt, msg.lora,
+                    kv_source=msg.kv_source, images=msg.images,
+                )  # fmt: skip
             except ValueError as e:
                 self.to_tokenizer.send(P.RequestError(msg.rid, str(e)).encode())
         elif isinstance(msg, P.AbortRequest):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from radixserve.protocol import OutputItem
+from radixserve.protocol import ImageInput, OutputItem
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.cache_state import RequestCacheState
 from radixserve.scheduler.prefix_cache import CacheNode
@@ -129,6 +129,8 @@ class Request:
     # request's prompt KV from (None: computed here), and its pull while unanswered.
     kv_source: str | None = None
     remote: object = None
+    # The prompt's images: their runs in ``tokens`` hold key ids (``images.py``).
+    images: tuple[ImageInput, ...] = ()
 
     @classmethod
     def create(

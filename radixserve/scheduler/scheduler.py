@@ -61,16 +61,17 @@ from typing import Any
 
 import numpy as np
 
-from radixserve.protocol import REQUEST_TIMED_OUT, OutputItem, Step, StepResult
+from radixserve.protocol import REQUEST_TIMED_OUT, ImageInput, OutputItem, Step, StepResult
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.admission import Admission
 from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.decode import DecodeManager
-from radixserve.scheduler.explain import explain
 from radixserve.scheduler.disagg import DecodeSide
 from radixserve.scheduler.disagg_prefill import PrefillSide
+from radixserve.scheduler.explain import explain
 from radixserve.scheduler.grammars import Grammars
+from radixserve.scheduler.images import check_images, keyed_prompt
 from radixserve.scheduler.kv_events import KVEventRecorder
 from radixserve.scheduler.lora import LoraRegistry, check_salt, namespace
 from radixserve.scheduler.monitor import CacheMonitor, dashboard_data
@@ -167,6 +168,9 @@ class Scheduler:
         req.kv_source = None
         if not self.kv.grow(req, req.num_tokens):
             self.decodes.retract(req)
+        # The worker's vision encoder: images encoded, and served from its cache.
+        self.encoder_runs = 0
+        self.encoder_hits = 0
 
     # ------------------------------------------------------------- requests
     def add_request(
@@ -177,16 +181,22 @@ class Scheduler:
         salt: str | None = None,
         lora: str | None = None,
         kv_source: str | None = None,
+        images: Sequence[ImageInput] = (),
     ) -> None:
         """Queue a request (``sampling.n`` samples), under the LoRA adapter named
-        ``lora`` (None: the base model); on a decode server, its prompt's KV pulled
-        from the prefill server ``kv_source``. Raises ValueError on bad input."""
+        ``lora`` (None: the base model), its prompt holding ``images`` (their
+        placeholder runs; keyed by content in the cache: ``images.py``); on a decode
+        server, its prompt's KV pulled from the prefill server ``kv_source`` (a prompt
+        with images is prefilled here: pulls carry token ids only). Raises ValueError on
+        bad input."""
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         if kv_source is not None and not isinstance(self.disagg, DecodeSide):
             raise ValueError("kv_source is for a decode server (--disaggregation decode)")
         prompt = self.check_request(prompt_ids, sampling)
         check_salt(salt)
+        check_images(prompt, images)
+        prompt = keyed_prompt(prompt, images)
         report = self._explain_arrival(prompt, salt, lora) if sampling.explain else None
         adapter = None
         if lora is not None:
@@ -214,9 +224,10 @@ class Scheduler:
             self._arrivals += 1
             req.stats.queued_at = now
             req.stats.explain = report
+            req.images = tuple(images)
             if adapter is not None:
                 req.lora = adapter.id
-            req.kv_source = kv_source
+            req.kv_source = None if images else kv_source
             samples.append(req)
         if adapter is not None:
             self.loras.acquire(adapter, len(samples))
@@ -467,6 +478,8 @@ class Scheduler:
         or failed (their waiting requests fail), and requests it failed."""
         outputs: list[OutputItem] = []
         self.lora_replies += self.loras.take_reports(result.loras)
+        self.encoder_runs += result.encoder_runs
+        self.encoder_hits += result.encoder_hits
         for key, message in self.grammars.take_result(result):
             rids = {
                 r.rid
@@ -638,6 +651,8 @@ class Scheduler:
             "eviction_policy": self.cache_policy,
             "queue_time": self.queue_times.snapshot(),
             "state_snapshots": self.config.state_snapshots,  # 0: not a hybrid model
+            "encoder_runs": self.encoder_runs,
+            "encoder_cache_hits": self.encoder_hits,
         }
         if self.cache_policy == "priority":  # what cache_retention hints hold
             out.update(self.kv.retention_stats())
