@@ -137,6 +137,9 @@ class Scheduler:
         self.monitor = CacheMonitor(config.page_size)  # the dashboard's figures
         # Prefill/decode disaggregation (disagg.py): this server's side, if any.
         self.disagg: DecodeSide | PrefillSide | None = None
+        # The worker's vision encoder: images encoded, and served from its cache.
+        self.encoder_runs = 0
+        self.encoder_hits = 0
 
     def serve_decode(self, descriptor: dict[str, Any], timeout: float, quarantine: float) -> None:
         """Be a decode server: requests with a ``kv_source`` pull their prompt's pages
@@ -168,9 +171,6 @@ class Scheduler:
         req.kv_source = None
         if not self.kv.grow(req, req.num_tokens):
             self.decodes.retract(req)
-        # The worker's vision encoder: images encoded, and served from its cache.
-        self.encoder_runs = 0
-        self.encoder_hits = 0
 
     # ------------------------------------------------------------- requests
     def add_request(

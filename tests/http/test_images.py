@@ -160,3 +160,37 @@ def test_bench_multimodal_against_the_server(vlm_server, tiny_vlm_dir, tmp_path,
     assert m["encoder_runs"] == 2
     assert m["ttft_cold_image_ms"] is not None and m["ttft_repeat_image_ms"] is not None
     wait_idle(zmq)
+
+
+def test_anthropic_and_responses_images_equal_the_chat_route(http, vlm_server):
+    """An image block of Anthropic's Messages API (base64) and an ``input_image`` of
+    OpenAI's Responses API are the chat route's ``image_url`` parts: the same greedy
+    text for the same conversation."""
+    a = image_bytes(21, (120, 90))
+    url = data_url(a)
+    chat = http.post("/v1/chat/completions", json={
+        "model": "vlm", "max_tokens": GEN, "temperature": 0,
+        "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "What is this?"}]}],
+    })  # fmt: skip
+    assert chat.status_code == 200, chat.text
+    want = chat.json()["choices"][0]["message"]["content"]
+    msg = http.post("/v1/messages", json={
+        "model": "vlm", "max_tokens": GEN, "temperature": 0,
+        "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": url.split(",", 1)[1]}},
+            {"type": "text", "text": "What is this?"}]}],
+    })  # fmt: skip
+    assert msg.status_code == 200, msg.text
+    assert "".join(b["text"] for b in msg.json()["content"] if b["type"] == "text") == want
+    resp = http.post("/v1/responses", json={
+        "model": "vlm", "max_output_tokens": GEN, "temperature": 0,
+        "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": url},
+            {"type": "input_text", "text": "What is this?"}]}],
+    })  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    out = resp.json()["output"][0]["content"][0]["text"]
+    assert out == want
