@@ -461,24 +461,37 @@ void quantize_row_searched_scalar(const float* x, int64_t d, KVQuant quant, uint
 }
 
 #if RS_X86
-// 16 magnitudes |y| <= qmax rounded to nearest even in the fp8 format (M mantissa
-// bits, bias B), as int32 codes without sign: round_to_minifloat, 16 lanes at a time.
-template <int M, int B>
-RS_TARGET_AVX512 RS_ALWAYS_INLINE __m512i minifloat16(__m512 a) {
-  const __m512i sub = _mm512_cvtps_epi32(_mm512_roundscale_ps(
-      _mm512_mul_ps(a, _mm512_set1_ps(std::ldexp(1.0f, B - 1 + M))),
-      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+// 16 magnitudes in the fp8 format's normal range rounded to nearest even at M mantissa
+// bits: their float32 bits shifted down by 23 - M, rounded (still float32's exponent).
+template <int M>
+RS_TARGET_AVX512 RS_ALWAYS_INLINE __m512i mantissa_rounded16(__m512 a) {
   constexpr int shift = 23 - M;
   const __m512i u = _mm512_castps_si512(a);
-  __m512i r = _mm512_srli_epi32(u, shift);
+  const __m512i r = _mm512_srli_epi32(u, shift);
   const __m512i rem = _mm512_and_si512(u, _mm512_set1_epi32((1 << shift) - 1));
   const __m512i half = _mm512_set1_epi32(1 << (shift - 1));
   const __mmask16 up = _mm512_cmpgt_epi32_mask(rem, half) |
                        (_mm512_cmpeq_epi32_mask(rem, half) &
                         _mm512_test_epi32_mask(r, _mm512_set1_epi32(1)));
-  r = _mm512_mask_add_epi32(r, up, r, _mm512_set1_epi32(1));
-  r = _mm512_sub_epi32(r, _mm512_set1_epi32((127 - B) << M));
-  const __mmask16 tiny = _mm512_cmp_ps_mask(a, _mm512_set1_ps(std::ldexp(1.0f, 1 - B)), _CMP_LT_OQ);
+  return _mm512_mask_add_epi32(r, up, r, _mm512_set1_epi32(1));
+}
+
+// 16 magnitudes below the format's smallest normal, in units of its smallest step,
+// rounded to nearest even (as floats), and the lanes that are such.
+template <int M, int B>
+RS_TARGET_AVX512 RS_ALWAYS_INLINE __m512 subnormal_steps16(__m512 a, __mmask16* tiny) {
+  *tiny = _mm512_cmp_ps_mask(a, _mm512_set1_ps(std::ldexp(1.0f, 1 - B)), _CMP_LT_OQ);
+  return _mm512_roundscale_ps(_mm512_mul_ps(a, _mm512_set1_ps(std::ldexp(1.0f, B - 1 + M))),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+// 16 magnitudes |y| <= qmax rounded to nearest even in the fp8 format (M mantissa
+// bits, bias B), as int32 codes without sign: round_to_minifloat, 16 lanes at a time.
+template <int M, int B>
+RS_TARGET_AVX512 RS_ALWAYS_INLINE __m512i minifloat16(__m512 a) {
+  __mmask16 tiny;
+  const __m512i sub = _mm512_cvtps_epi32(subnormal_steps16<M, B>(a, &tiny));
+  const __m512i r = _mm512_sub_epi32(mantissa_rounded16<M>(a), _mm512_set1_epi32((127 - B) << M));
   return _mm512_mask_blend_epi32(tiny, r, sub);
 }
 
@@ -522,21 +535,10 @@ RS_TARGET_AVX512 void quantize_row_avx512(const float* x, int64_t d, KVQuant qua
 // |a| <= qmax (16 lanes) rounded to the fp8 grid, as floats: fp8_rounded.
 template <int M, int B>
 RS_TARGET_AVX512 RS_ALWAYS_INLINE __m512 fp8_rounded16(__m512 a) {
-  const __m512 sub = _mm512_mul_ps(
-      _mm512_roundscale_ps(_mm512_mul_ps(a, _mm512_set1_ps(std::ldexp(1.0f, B - 1 + M))),
-                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-      _mm512_set1_ps(std::ldexp(1.0f, 1 - B - M)));
-  constexpr int shift = 23 - M;
-  const __m512i u = _mm512_castps_si512(a);
-  __m512i r = _mm512_srli_epi32(u, shift);
-  const __m512i rem = _mm512_and_si512(u, _mm512_set1_epi32((1 << shift) - 1));
-  const __m512i half = _mm512_set1_epi32(1 << (shift - 1));
-  const __mmask16 up = _mm512_cmpgt_epi32_mask(rem, half) |
-                       (_mm512_cmpeq_epi32_mask(rem, half) &
-                        _mm512_test_epi32_mask(r, _mm512_set1_epi32(1)));
-  r = _mm512_mask_add_epi32(r, up, r, _mm512_set1_epi32(1));
-  const __m512 normal = _mm512_castsi512_ps(_mm512_slli_epi32(r, shift));
-  const __mmask16 tiny = _mm512_cmp_ps_mask(a, _mm512_set1_ps(std::ldexp(1.0f, 1 - B)), _CMP_LT_OQ);
+  __mmask16 tiny;
+  const __m512 sub = _mm512_mul_ps(subnormal_steps16<M, B>(a, &tiny),
+                                   _mm512_set1_ps(std::ldexp(1.0f, 1 - B - M)));
+  const __m512 normal = _mm512_castsi512_ps(_mm512_slli_epi32(mantissa_rounded16<M>(a), 23 - M));
   return _mm512_mask_blend_ps(tiny, normal, sub);
 }
 

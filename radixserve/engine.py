@@ -145,8 +145,8 @@ class Engine:
         messages, as for ``generate``), and why no more, without running the model
         (docs/cache-tiers.md, "Explain"). ``cache_salt`` and ``lora`` pick the
         namespace."""
-        ids = self._to_ids(prompt, tools)
-        report = self.scheduler.explain(ids, cache_salt, lora)
+        ids, images = self._to_request(prompt, tools)
+        report = self.scheduler.explain(ids, cache_salt, lora, images)
         return render_explain(self._decode_kept, report)
 
     def dashboard(self) -> dict[str, Any]:

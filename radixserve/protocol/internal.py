@@ -143,6 +143,7 @@ class Explain(Message):
     input_ids: np.ndarray = f(I32)
     salt: str | None = f(_optional(STR), None)
     lora: str | None = f(_optional(STR), None)
+    images: list[ImageInput] = f(_nested(ImageInput), [])  # as AddRequest's
 
 
 @dataclass

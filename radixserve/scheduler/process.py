@@ -215,7 +215,7 @@ class SchedulerLoop:
             self.reply(msg.tag, self.check_idle())
         elif isinstance(msg, P.Explain):
             try:
-                self.reply(msg.tag, s.explain(msg.input_ids, msg.salt, msg.lora))
+                self.reply(msg.tag, s.explain(msg.input_ids, msg.salt, msg.lora, msg.images))
             except ValueError as e:
                 self.reply(msg.tag, {"error": str(e)})
         elif isinstance(msg, P.GetDashboard):

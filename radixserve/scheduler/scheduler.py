@@ -594,14 +594,19 @@ class Scheduler:
         prompt_ids: np.ndarray | Sequence[int],
         salt: str | None = None,
         lora: str | None = None,
+        images: Sequence[ImageInput] = (),
     ) -> dict[str, Any]:
         """What the cache would serve of this prompt now and why no more (``explain.py``),
-        under the namespace a request with ``salt`` and ``lora`` would use; runs nothing,
-        changes nothing. Raises ValueError on bad input (as ``add_request``)."""
+        under the namespace a request with ``salt`` and ``lora`` would use, its
+        ``images`` keyed as ``add_request`` keys them (token ids in the answer are the
+        keyed ones: an image's are negative); runs nothing, changes nothing. Raises
+        ValueError on bad input (as ``add_request``)."""
         prompt = np.asarray(prompt_ids, dtype=np.int32)
         if prompt.ndim != 1 or len(prompt) == 0:
             raise ValueError("the prompt is empty")
         check_salt(salt)
+        check_images(prompt, images)
+        prompt = keyed_prompt(prompt, images)
         tree_salt = salt if lora is None else namespace(salt, self.loras.lookup(lora).digest)
         tiers = self.kv.tiers
         out = explain(

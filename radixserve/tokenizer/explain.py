@@ -16,6 +16,30 @@ from collections.abc import Callable, Sequence
 
 Decode = Callable[[Sequence[int]], str]
 
+#: How an image's key ids (negative: ``scheduler/images.py``) are written in text.
+IMAGE_TEXT = "<image>"
+
+
+def text_of(decode: Decode, ids: Sequence[int]) -> str:
+    """``decode(ids)``, each run of image key ids (negative) written as one
+    ``IMAGE_TEXT``: the tree keys an image by its content, not by token ids."""
+    out: list[str] = []
+    run: list[int] = []
+    image = False
+    for t in ids:
+        if (t < 0) != image and (run or image):
+            out.append(IMAGE_TEXT if image else decode(run))
+            run = []
+        image = t < 0
+        if not image:
+            run.append(int(t))
+    if image:
+        out.append(IMAGE_TEXT)
+    elif run:
+        out.append(decode(run))
+    return "".join(out)
+
+
 _REASONS = {
     "no_cache": "the server runs without a prefix cache (--cache none)",
     "empty_namespace": "nothing is cached in this namespace (cache salt and adapter) yet",
@@ -70,11 +94,11 @@ def render_explain(decode: Decode, report: dict) -> dict:
     miss = out.get("miss")
     if miss is not None:
         miss = dict(miss)
-        miss["text_before"] = decode(miss["before_ids"])
-        miss["text_after"] = decode(miss["after_ids"])
+        miss["text_before"] = text_of(decode, miss["before_ids"])
+        miss["text_after"] = text_of(decode, miss["after_ids"])
         common = miss.get("most_common")
         if common is not None:
-            miss["most_common"] = {**common, "text": decode(common["token_ids"])}
+            miss["most_common"] = {**common, "text": text_of(decode, common["token_ids"])}
         out["miss"] = miss
     out["reason"] = reason(out)
     return out
@@ -85,5 +109,5 @@ def render_dashboard(decode: Decode, data: dict) -> dict:
     tree = data.get("tree")
     if not tree:
         return data
-    nodes = [{**n, "label": decode(n["label_ids"]).strip()} for n in tree["nodes"]]
+    nodes = [{**n, "label": text_of(decode, n["label_ids"]).strip()} for n in tree["nodes"]]
     return {**data, "tree": {**tree, "nodes": nodes}}

@@ -282,7 +282,7 @@ class TokenizerServer:
             self.send_error(identity, msg.id, refused)
             return
         try:
-            ids = self.inputs.to_ids(msg.prompt, msg.input_ids, msg.messages, msg.tools)
+            ids, images = self.inputs.to_request(msg.prompt, msg.input_ids, msg.messages, msg.tools)
         except ValueError as e:
             self.send_error(identity, msg.id, str(e))
             return
@@ -292,7 +292,7 @@ class TokenizerServer:
         self.next_tag += 1
         self.admin[self.next_tag] = (identity, msg.id, msg.TYPE)
         ids32 = np.asarray(ids, dtype=np.int32)
-        out = P.Explain(self.next_tag, ids32, salt=msg.cache_salt, lora=msg.lora)
+        out = P.Explain(self.next_tag, ids32, salt=msg.cache_salt, lora=msg.lora, images=images)
         self.to_scheduler.send(out.encode())
 
     def tokenize(self, identity: bytes, msg: P.Tokenize) -> None:

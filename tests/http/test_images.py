@@ -26,6 +26,7 @@ def vlm_server(tiny_vlm_dir):
     srv = Server(
         tiny_vlm_dir, "--num-pages", "128", "--page-size", "16", "--chunked-prefill-size", "24",
         "--http-port", "0", "--served-model-name", "vlm", "--max-images", "4", "--no-warmup",
+        "--dashboard",
     )  # fmt: skip
     yield srv
     assert srv.stop() == 0
@@ -194,3 +195,30 @@ def test_anthropic_and_responses_images_equal_the_chat_route(http, vlm_server):
     assert resp.status_code == 200, resp.text
     out = resp.json()["output"][0]["content"][0]["text"]
     assert out == want
+
+
+def test_explain_and_the_dashboard_key_images_by_content(http, vlm_server):
+    """The cache's explain keys a chat's images as requests do: the same image with a
+    new question hits through the image, another image misses where it starts (the
+    text says ``<image>`` there); the dashboard's tree writes images the same way."""
+    a, b = image_bytes(31, (110, 90)), image_bytes(32, (110, 90))
+
+    def chat(image: bytes, question: str) -> dict:
+        return {"model": "vlm", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(image)}},
+            {"type": "text", "text": question}]}]}  # fmt: skip
+
+    r = http.post("/v1/chat/completions", json={**chat(a, "What is it?"), "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    r = http.post("/v1/cache/explain", json=chat(a, "And its colour?"))
+    assert r.status_code == 200, r.text
+    [same] = r.json()["data"]
+    r = http.post("/v1/cache/explain", json=chat(b, "What is it?"))
+    [other] = r.json()["data"]
+    assert other["hit_tokens"] < same["hit_tokens"]
+    assert other["miss"]["text_after"].startswith("<image>")
+    assert "<image>" in same["miss"]["text_before"] or same["miss"]["position"] > 0
+    data = http.get("/dashboard/data")
+    assert data.status_code == 200, data.text
+    labels = [n["label"] for n in data.json()["tree"]["nodes"]]
+    assert any("<image>" in label for label in labels)
