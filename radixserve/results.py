@@ -13,7 +13,7 @@ class Usage:
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     # cached_tokens by where they were found: [pool (L1), host (L2), disk (L3)]
     # (docs/cache-tiers.md); without tiers all of them are in the pool.
-    cached_tokens_by_tier: list[int] = field(default_factory=lambda: [0, 0, 0])
+    cached_tokens_by_tier: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
 
 
 @dataclass

@@ -148,7 +148,8 @@ class Metrics:
         # With cache tiers (docs/cache-tiers.md): hits by tier, pages held below the pool.
         self.tier_hits = counter(
             "prefix_cache_hits_by_tier",
-            "Prompt tokens whose KV came from each cache tier (l1 pool, l2 host, l3 disk).",
+            "Prompt tokens whose KV came from each cache tier (l1 pool, l2 host, l3 disk, "
+            "store: the shared KV store).",
             ("tier",),
         )
         self.tier_pages = gauge(
@@ -210,7 +211,7 @@ class Metrics:
         self.kv_pages.labels(m, "used").set(stats["pages_used"])
         self.kv_pages.labels(m, "cached").set(stats["pages_cached"])
         if "hit_tokens_l1" in stats:
-            for tier in ("l1", "l2", "l3"):
+            for tier in ("l1", "l2", "l3", "store"):
                 key = f"hit_tokens_{tier}"
                 self._grow(self.tier_hits.labels(m, tier), (key, ""), int(stats[key]))
             self.tier_pages.labels(m, "host").set(stats["host_pages_cached"])

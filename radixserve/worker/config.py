@@ -13,6 +13,7 @@ from radixserve.options import (
     option,
     parse_size,
 )
+from radixserve.utils.kv_store import StoreConfig
 
 #: ``auto`` resolves when the model loads (``worker/dtype.py``).
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "float64")
@@ -169,6 +170,15 @@ class WorkerOptions(SharedOptions):
         "pages evicted from the pool and gives them back on a hit; 0: off",
         at_least=0.0,
     )
+    kv_store_config: str | None = option(
+        None,
+        "Mooncake's settings for --kv-store, a JSON object: local_hostname, segment_mb "
+        "(memory lent to the store, default 512), buffer_mb (64), protocol (tcp or "
+        "rdma), device (RDMA NICs), timeout_s (a read slower than this is a miss, 2), "
+        "max_pending_writes (1024)",
+        check=StoreConfig.parse,
+        metavar="JSON",
+    )
     deterministic: bool = option(
         False,
         "batch-invariant steps: the same tokens and logprobs for a request whatever "
@@ -198,6 +208,7 @@ class WorkerConfig(WorkerOptions):
             features_on(
                 host_tier=bool(self.host_cache_gb),
                 disk_tier=self.disk_cache_dir is not None,
+                kv_store=self.kv_store is not None,
                 tensor_parallel=self.tp > 1,
             )
         )

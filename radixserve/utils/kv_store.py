@@ -1,0 +1,401 @@
+"""The shared KV store below the cache tiers: pages that any replica, on any
+machine, wrote and any other with the same model can read (docs/cache-tiers.md,
+"The shared store").
+
+The store is an existing distributed engine, not ours: **Mooncake** (its
+``mooncake_master`` and store client, ``pip install 'radixserve[mooncake]'``). This
+module holds what the rest of the server needs of it, and nothing that imports
+torch or Mooncake at import time:
+
+* ``parse_store_url``: ``mooncake://HOST:PORT`` (the master), checked at start;
+* ``StoreConfig``: Mooncake's other settings (``--kv-store-config``, JSON), with
+  defaults that work on one machine over TCP;
+* ``KVStore``: the small interface the worker uses, ``get`` and ``put`` of whole
+  pages by page key, and two implementations: ``MooncakeStore`` (the adapter) and
+  ``MemoryStore`` (an in-process double with the same behaviour that matters:
+  objects may be evicted at any time, and a get of a missing key is a miss);
+* ``StoreIO``: runs a store's calls in a thread of their own with bounded
+  timeouts, so a store that is down or slow costs the server misses and a
+  warning, never a failed request or a stuck step.
+
+A page is stored as a page file's bytes (``utils/kv_file.py``: header with the model
+identity digest, the page key and a checksum, then the payload), so a reader
+checks that what it got is the page it asked for, of its model, whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import queue
+import random
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, fields
+from typing import Protocol
+from urllib.parse import urlsplit
+
+log = logging.getLogger("radixserve.kv_store")
+
+SCHEMES = ("mooncake",)
+AUTO = "auto"  # mooncake://auto: `radixserve launch` starts a master for its replicas
+INSTALL_HINT = (
+    "the KV store (--kv-store mooncake://...) needs Mooncake: "
+    "pip install 'radixserve[mooncake]' (the package mooncake-transfer-engine-non-cuda), "
+    "and on Debian/Ubuntu apt-get install libibverbs1 (Mooncake's libraries load it "
+    "even without RDMA hardware)"
+)
+KEY_PREFIX = "radixserve/kv/"
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where a store's master listens."""
+
+    scheme: str
+    host: str
+    port: int
+
+    @property
+    def auto(self) -> bool:
+        return self.host == AUTO
+
+    def __str__(self) -> str:
+        if self.auto:
+            return f"{self.scheme}://{AUTO}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}"
+
+
+def parse_store_url(url: str) -> StoreAddress:
+    """``mooncake://HOST:PORT`` (or ``mooncake://auto``); ValueError naming what is
+    wrong otherwise."""
+    parts = urlsplit(url)
+    if parts.scheme not in SCHEMES:
+        raise ValueError(
+            f"--kv-store {url!r}: expected mooncake://HOST:PORT (the mooncake_master's "
+            "address) or mooncake://auto"
+        )
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+        raise ValueError(f"--kv-store {url!r}: expected mooncake://HOST:PORT, nothing after it")
+    if parts.netloc == AUTO:
+        return StoreAddress(parts.scheme, AUTO, 0)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if not parts.hostname or port is None or not 0 < port < 65536:
+        raise ValueError(f"--kv-store {url!r}: expected mooncake://HOST:PORT with a port")
+    return StoreAddress(parts.scheme, parts.hostname, port)
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Mooncake's settings besides the master's address (``--kv-store-config``, a
+    JSON object of these fields; the defaults work on one machine over TCP).
+
+    ``local_hostname``: the address this client announces and that peers read its
+    pages from (default: the master's host when it is a loopback address, else this
+    machine's name). ``segment_mb``: memory this client lends the store (the pages it
+    writes live there, and go when it exits). ``buffer_mb``: its transfer buffer.
+    ``protocol``: ``tcp`` or ``rdma`` (``device``: the RDMA NIC names).
+    ``timeout_s``: how long a read may take before it counts as a miss.
+    ``max_pending_writes``: pages waiting to be written; beyond it writes are dropped.
+    """
+
+    local_hostname: str = ""
+    segment_mb: int = 512
+    buffer_mb: int = 64
+    protocol: str = "tcp"
+    device: str = ""
+    timeout_s: float = 2.0
+    max_pending_writes: int = 1024
+
+    @classmethod
+    def parse(cls, text: str | None) -> StoreConfig:
+        if not text:
+            return cls()
+        try:
+            given = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--kv-store-config is not JSON: {e}") from None
+        if not isinstance(given, dict):
+            raise ValueError("--kv-store-config must be a JSON object")
+        known = {f.name: f.type for f in fields(cls)}
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise ValueError(f"--kv-store-config: unknown fields {unknown}; known: {sorted(known)}")
+        config = cls(**given)
+        if config.protocol not in ("tcp", "rdma"):
+            raise ValueError(
+                f"--kv-store-config: protocol must be tcp or rdma, not {config.protocol!r}"
+            )
+        if config.segment_mb < 1 or config.buffer_mb < 1 or config.timeout_s <= 0:
+            raise ValueError("--kv-store-config: segment_mb, buffer_mb and timeout_s must be > 0")
+        return config
+
+
+def store_key(key: bytes) -> str:
+    """The store's name of a page key (32 bytes)."""
+    return KEY_PREFIX + key.hex()
+
+
+class KVStore(Protocol):
+    """Whole pages by page key. Objects may vanish at any time (the store evicts,
+    its writer exits); a get of a missing key gives None, never an error."""
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]: ...
+
+    def put(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        """Store ``(key, blob)`` pairs; how many were stored (an existing key counts)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class MemoryStore:
+    """An in-process store (tests, the simulated worker): at most ``capacity``
+    objects, evicted least recently written first, or at random with
+    ``evict_rate`` (a fraction of gets that first drop a random object)."""
+
+    def __init__(self, capacity: int = 1 << 20, evict_rate: float = 0.0, seed: int = 0) -> None:
+        self.capacity = capacity
+        self.evict_rate = evict_rate
+        self._rng = random.Random(seed)
+        self._objects: OrderedDict[bytes, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+        self.gets = self.puts = 0
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._objects
+
+    def evict(self, key: bytes) -> None:
+        with self._lock:
+            self._objects.pop(key, None)
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        with self._lock:
+            self.gets += 1
+            if self._objects and self._rng.random() < self.evict_rate:
+                victim = self._rng.choice(list(self._objects))
+                del self._objects[victim]
+            return [self._objects.get(k) for k in keys]
+
+    def put(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        with self._lock:
+            self.puts += 1
+            for key, blob in items:
+                if key not in self._objects:
+                    self._objects[key] = bytes(blob)
+                while len(self._objects) > self.capacity:
+                    self._objects.popitem(last=False)
+        return len(items)
+
+    def close(self) -> None:
+        pass
+
+
+def probe(host: str, port: int, timeout: float = 3.0) -> None:
+    """Raise ConnectionError unless something accepts TCP connections at
+    ``host:port`` within ``timeout`` seconds (Mooncake's own setup retries for
+    about 90 s before it gives up on a missing master)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as e:
+        raise ConnectionError(f"no mooncake_master answers at {host}:{port}: {e}") from None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(
+        info[4][0].startswith("127.") or info[4][0] == "::1" for info in infos
+    )
+
+
+class MooncakeStore:
+    """The Mooncake store client (``MooncakeDistributedStore``) behind ``KVStore``.
+
+    One client per worker process, in P2P handshake mode (no etcd, no HTTP metadata
+    server): the master at ``address`` keeps the metadata, this client lends
+    ``segment_mb`` of its memory to the store, and the pages it writes live there.
+    The master is probed first, so a wrong address fails within seconds."""
+
+    def __init__(self, address: StoreAddress, config: StoreConfig) -> None:
+        if address.auto:
+            raise ValueError("mooncake://auto is resolved by radixserve launch, not here")
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise RuntimeError(f"{INSTALL_HINT} ({e})") from None
+        probe(address.host, address.port)
+        local = config.local_hostname or (
+            address.host if _is_loopback(address.host) else socket.gethostname()
+        )
+        self._client = MooncakeDistributedStore()
+        rc = self._client.setup(
+            local,
+            "P2PHANDSHAKE",
+            config.segment_mb << 20,
+            config.buffer_mb << 20,
+            config.protocol,
+            config.device,
+            f"{address.host}:{address.port}",
+        )
+        if rc != 0:
+            raise ConnectionError(
+                f"the Mooncake store client did not start (code {rc}) at {address}"
+            )
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        got = self._client.get_batch([store_key(k) for k in keys])
+        return [blob if blob else None for blob in got]
+
+    def put(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        keys = [store_key(k) for k, _ in items]
+        # Only the keys not there yet: Mooncake refuses a put over an existing object.
+        present = self._client.batch_is_exist(keys)
+        todo = [(k, blob) for k, (_, blob), p in zip(keys, items, present) if p != 1]
+        if todo:
+            rc = self._client.put_batch([k for k, _ in todo], [blob for _, blob in todo])
+            if rc != 0:
+                raise ConnectionError(f"the Mooncake store refused {len(todo)} pages (code {rc})")
+        return len(items)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def open_store(url: str, config_text: str | None = None) -> KVStore:
+    """The store ``url`` names, connected (a clear error within seconds otherwise)."""
+    address = parse_store_url(url)
+    return MooncakeStore(address, StoreConfig.parse(config_text))
+
+
+class StoreIO:
+    """A store's calls in a thread of their own, with bounded waits.
+
+    ``get`` waits at most ``timeout_s`` for its answer: a store that does not answer
+    in time (or raises) gives misses, and the thread's late answer is dropped (it
+    lands in bytes of its own, never in the pool). ``put_later`` queues a write and
+    returns at once; beyond ``max_pending`` queued pages a write is dropped. After a
+    failure the store is *down*: calls are skipped (misses, dropped writes) for
+    ``retry_s`` seconds, then tried again, so a master that comes back is used again
+    (Mooncake's client reconnects by itself) and one that stays down costs nothing
+    per request. Failures are logged once per outage."""
+
+    def __init__(
+        self,
+        store: KVStore,
+        timeout_s: float = 2.0,
+        max_pending: int = 1024,
+        retry_s: float = 2.0,
+    ) -> None:
+        self.store = store
+        self.timeout_s = timeout_s
+        self.max_pending = max_pending
+        self.retry_s = retry_s
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending_writes = 0
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._warned = False
+        self.failures = self.dropped_writes = self.written = 0
+        self._thread = threading.Thread(target=self._serve, name="kv-store", daemon=True)
+        self._thread.start()
+
+    @property
+    def down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    def _failed(self, what: str, error: BaseException | str) -> None:
+        with self._lock:
+            self.failures += 1
+            self._down_until = time.monotonic() + self.retry_s
+            warn, self._warned = not self._warned, True
+        if warn:
+            log.warning(
+                "KV store: %s failed (%s); serving without it until it answers", what, error
+            )
+
+    def _ok(self) -> None:
+        if self._warned:
+            with self._lock:
+                self._warned = False
+            log.warning("KV store: answering again")
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The blobs of ``keys`` (None: a miss), within ``timeout_s``."""
+        if not keys or self.down:
+            return [None] * len(keys)
+        done: Future = Future()
+        self._calls.put(("get", list(keys), done))
+        try:
+            got = done.result(timeout=self.timeout_s)
+        except TimeoutError:
+            self._failed("a read", f"no answer in {self.timeout_s:g} s")
+            return [None] * len(keys)
+        except Exception as e:  # noqa: BLE001 - any store error is a miss
+            self._failed("a read", e)
+            return [None] * len(keys)
+        self._ok()
+        return got
+
+    def put_later(self, items: list[tuple[bytes, bytes]]) -> None:
+        """Queue ``(key, blob)`` writes; dropped when the queue is full or the store down."""
+        if not items:
+            return
+        with self._lock:
+            if self.down or self._pending_writes + len(items) > self.max_pending:
+                self.dropped_writes += len(items)
+                return
+            self._pending_writes += len(items)
+        self._calls.put(("put", items, None))
+
+    def flush(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds) for the queued writes."""
+        done: Future = Future()
+        self._calls.put(("sync", None, done))
+        with contextlib.suppress(TimeoutError):
+            done.result(timeout=timeout)
+
+    def close(self) -> None:
+        """Stop the thread (queued writes are given a moment) and close the store."""
+        self.flush(self.timeout_s)
+        self._calls.put(None)
+        self._thread.join(self.timeout_s)
+        if not self._thread.is_alive():
+            self.store.close()
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            kind, arg, done = call
+            if kind == "sync":
+                done.set_result(None)
+            elif kind == "get":
+                try:
+                    done.set_result(self.store.get(arg))
+                except BaseException as e:  # noqa: BLE001 - handed to the waiting reader
+                    done.set_exception(e)
+            else:
+                try:
+                    if not self.down:
+                        self.written += self.store.put(arg)
+                    else:
+                        self.dropped_writes += len(arg)
+                except Exception as e:  # noqa: BLE001 - a failed write is a later miss
+                    self.dropped_writes += len(arg)
+                    self._failed("a write", e)
+                with self._lock:
+                    self._pending_writes -= len(arg)
