@@ -28,6 +28,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import shutil
+import subprocess
+import sys
 import queue
 import random
 import socket
@@ -275,6 +279,74 @@ class MooncakeStore:
 
     def close(self) -> None:
         self._client.close()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class MooncakeMaster:
+    """A ``mooncake_master`` this process started (``radixserve launch --kv-store
+    mooncake://auto``, tests): bound to ``host`` (loopback by default) for its RPC
+    and its metrics, without etcd nor HTTP metadata server. ``url`` is what
+    ``--kv-store`` takes; ``stop()`` ends it (its pages' metadata with it)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout: float = 20.0) -> None:
+        binary = shutil.which("mooncake_master") or shutil.which(
+            "mooncake_master", path=os.path.dirname(sys.executable)
+        )
+        if binary is None:
+            raise RuntimeError(f"mooncake_master not found; {INSTALL_HINT}")
+        self.host = host
+        self.port = port or _free_port(host)
+        metrics = _free_port(host)
+        self.process = subprocess.Popen(
+            [
+                binary,
+                f"--rpc_address={host}",
+                f"--rpc_port={self.port}",
+                f"--metrics_host={host}",
+                f"--metrics_port={metrics}",
+                "--enable_http_metadata_server=false",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                probe(host, self.port, timeout=1.0)
+                return
+            except ConnectionError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(
+                        f"mooncake_master did not start on {host}:{self.port}"
+                    ) from None
+                time.sleep(0.05)
+
+    @property
+    def url(self) -> str:
+        return str(StoreAddress("mooncake", self.host, self.port))
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def __enter__(self) -> MooncakeMaster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def open_store(url: str, config_text: str | None = None) -> KVStore:
