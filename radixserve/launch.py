@@ -62,6 +62,7 @@ from radixserve.http.auth import ADMIN_KEY_ENV, API_KEY_ENV, NO_KEYS, Keys
 from radixserve.nodes import check_nodes
 from radixserve.scheduler.kv_publisher import kv_events_host
 from radixserve.server_config import CONTROL, HTTP_IN, TOKENIZER_IN, ServerConfig
+from radixserve.utils.kv_store import MooncakeMaster, parse_store_url, probe, require_mooncake
 from radixserve.utils.paths import SOURCE_ROOT
 from radixserve.utils.proc import say
 
@@ -343,6 +344,26 @@ def check_kv_events(endpoint: str, replay: str | None, curve: bool) -> None:
                 f"--kv-events on {host}, not a loopback address, needs CURVE keys "
                 '(--curve-secret-key; docs/security.md, "Serving beyond loopback")'
             )
+
+
+def prepare_kv_store(config: ServerConfig) -> tuple[MooncakeMaster | None, ServerConfig]:
+    """``--kv-store``, checked before any process starts: Mooncake loads and its
+    master answers, within seconds (``mooncake://auto``: a master started on
+    loopback for this launch, the caller stops it). Returns the master started (or
+    None) and the config naming the master's address."""
+    url = config.engine.kv_store
+    if url is None:
+        return None, config
+    address = parse_store_url(url)
+    require_mooncake()
+    master = None
+    if address.auto:
+        master = MooncakeMaster()
+        url = master.url
+        say(f"radixserve: KV store: mooncake_master started on {master.host}:{master.port}")
+    else:
+        probe(address.host, address.port)
+    return master, replace(config, engine=replace(config.engine, kv_store=url))
 
 
 def launch(config: ServerConfig, http_keys: Keys = NO_KEYS) -> int:

@@ -258,7 +258,7 @@ class PageCopies(Message):
        pool page ``load_pages[i]`` (background);
     5. ``store_save``: pool page ``store_save_pages[i]`` is written to the shared KV
        store under key ``store_save_keys[32 i : 32 i + 32]`` (read in step, written in
-       the background; the ticket does not wait for the write);
+       the background);
     6. ``store_load``: the store's page of key ``store_load_keys[32 i : 32 i + 32]``
        is read into pool page ``store_load_pages[i]`` (background); a page the store
        does not give is reported in ``StepResult.store_missed``.

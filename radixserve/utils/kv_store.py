@@ -25,16 +25,15 @@ checks that what it got is the page it asked for, of its model, whole.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import shutil
-import subprocess
-import sys
 import queue
 import random
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -108,8 +107,8 @@ class StoreConfig:
     machine's name). ``segment_mb``: memory this client lends the store (the pages it
     writes live there, and go when it exits). ``buffer_mb``: its transfer buffer.
     ``protocol``: ``tcp`` or ``rdma`` (``device``: the RDMA NIC names).
-    ``timeout_s``: how long a read may take before it counts as a miss.
-    ``max_pending_writes``: pages waiting to be written; beyond it writes are dropped.
+    ``timeout_s``: how long a read or write may take before it counts as failed (a
+    miss, a page not written).
     """
 
     local_hostname: str = ""
@@ -118,7 +117,6 @@ class StoreConfig:
     protocol: str = "tcp"
     device: str = ""
     timeout_s: float = 2.0
-    max_pending_writes: int = 1024
 
     @classmethod
     def parse(cls, text: str | None) -> StoreConfig:
@@ -207,6 +205,14 @@ class MemoryStore:
         pass
 
 
+def require_mooncake() -> None:
+    """Raise RuntimeError naming what to install unless Mooncake's store client loads."""
+    try:
+        import mooncake.store  # noqa: F401 - loads its libraries (libibverbs)
+    except ImportError as e:
+        raise RuntimeError(f"{INSTALL_HINT} ({e})") from None
+
+
 def probe(host: str, port: int, timeout: float = 3.0) -> None:
     """Raise ConnectionError unless something accepts TCP connections at
     ``host:port`` within ``timeout`` seconds (Mooncake's own setup retries for
@@ -239,10 +245,9 @@ class MooncakeStore:
     def __init__(self, address: StoreAddress, config: StoreConfig) -> None:
         if address.auto:
             raise ValueError("mooncake://auto is resolved by radixserve launch, not here")
-        try:
-            from mooncake.store import MooncakeDistributedStore
-        except ImportError as e:
-            raise RuntimeError(f"{INSTALL_HINT} ({e})") from None
+        require_mooncake()
+        from mooncake.store import MooncakeDistributedStore
+
         probe(address.host, address.port)
         local = config.local_hostname or (
             address.host if _is_loopback(address.host) else socket.gethostname()
@@ -356,40 +361,65 @@ def open_store(url: str, config_text: str | None = None) -> KVStore:
 
 
 class StoreIO:
-    """A store's calls in a thread of their own, with bounded waits.
+    """A store's calls in a thread of their own, each waited for at most
+    ``timeout_s`` seconds.
 
-    ``get`` waits at most ``timeout_s`` for its answer: a store that does not answer
-    in time (or raises) gives misses, and the thread's late answer is dropped (it
-    lands in bytes of its own, never in the pool). ``put_later`` queues a write and
-    returns at once; beyond ``max_pending`` queued pages a write is dropped. After a
-    failure the store is *down*: calls are skipped (misses, dropped writes) for
-    ``retry_s`` seconds, then tried again, so a master that comes back is used again
-    (Mooncake's client reconnects by itself) and one that stays down costs nothing
-    per request. Failures are logged once per outage."""
+    A call that does not answer in time, or raises, is a failure: a ``get`` gives
+    misses (the thread's late answer lands in bytes of its own, never in the pool,
+    and is dropped), a ``put`` writes nothing. After a failure the store is *down*:
+    calls are skipped (misses, no writes) for ``retry_s`` seconds, then tried again,
+    so a master that comes back is used again (Mooncake's client reconnects by
+    itself) and one that stays down costs nothing per request. An outage is logged
+    once, and its end too."""
 
-    def __init__(
-        self,
-        store: KVStore,
-        timeout_s: float = 2.0,
-        max_pending: int = 1024,
-        retry_s: float = 2.0,
-    ) -> None:
+    def __init__(self, store: KVStore, timeout_s: float = 2.0, retry_s: float = 2.0) -> None:
         self.store = store
         self.timeout_s = timeout_s
-        self.max_pending = max_pending
         self.retry_s = retry_s
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending_writes = 0
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._warned = False
-        self.failures = self.dropped_writes = self.written = 0
+        self.failures = self.pages_written = self.pages_not_written = 0
         self._thread = threading.Thread(target=self._serve, name="kv-store", daemon=True)
         self._thread.start()
 
     @property
     def down(self) -> bool:
         return time.monotonic() < self._down_until
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The blobs of ``keys`` (None: a miss)."""
+        got = self._call("a read", self.store.get, list(keys)) if keys else None
+        return [None] * len(keys) if got is None else got
+
+    def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        """Write ``(key, blob)`` pairs (a failure is counted, logged, and ignored)."""
+        if not items:
+            return
+        if self._call("a write", self.store.put, list(items)) is None:
+            self.pages_not_written += len(items)
+        else:
+            self.pages_written += len(items)
+
+    def _call(self, what: str, fn, arg):  # noqa: ANN001, ANN202 - get or put
+        if self.down:
+            return None
+        done: Future = Future()
+        self._calls.put((fn, arg, done))
+        try:
+            result = done.result(timeout=self.timeout_s)
+        except TimeoutError:
+            self._failed(what, f"no answer in {self.timeout_s:g} s")
+            return None
+        except Exception as e:  # noqa: BLE001 - any store error is a miss
+            self._failed(what, e)
+            return None
+        if self._warned:
+            with self._lock:
+                self._warned = False
+            log.warning("KV store: answering again")
+        return result
 
     def _failed(self, what: str, error: BaseException | str) -> None:
         with self._lock:
@@ -398,53 +428,13 @@ class StoreIO:
             warn, self._warned = not self._warned, True
         if warn:
             log.warning(
-                "KV store: %s failed (%s); serving without it until it answers", what, error
+                "KV store: %s failed (%s); serving without the store until it answers",
+                what,
+                error,
             )
 
-    def _ok(self) -> None:
-        if self._warned:
-            with self._lock:
-                self._warned = False
-            log.warning("KV store: answering again")
-
-    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """The blobs of ``keys`` (None: a miss), within ``timeout_s``."""
-        if not keys or self.down:
-            return [None] * len(keys)
-        done: Future = Future()
-        self._calls.put(("get", list(keys), done))
-        try:
-            got = done.result(timeout=self.timeout_s)
-        except TimeoutError:
-            self._failed("a read", f"no answer in {self.timeout_s:g} s")
-            return [None] * len(keys)
-        except Exception as e:  # noqa: BLE001 - any store error is a miss
-            self._failed("a read", e)
-            return [None] * len(keys)
-        self._ok()
-        return got
-
-    def put_later(self, items: list[tuple[bytes, bytes]]) -> None:
-        """Queue ``(key, blob)`` writes; dropped when the queue is full or the store down."""
-        if not items:
-            return
-        with self._lock:
-            if self.down or self._pending_writes + len(items) > self.max_pending:
-                self.dropped_writes += len(items)
-                return
-            self._pending_writes += len(items)
-        self._calls.put(("put", items, None))
-
-    def flush(self, timeout: float) -> None:
-        """Wait (at most ``timeout`` seconds) for the queued writes."""
-        done: Future = Future()
-        self._calls.put(("sync", None, done))
-        with contextlib.suppress(TimeoutError):
-            done.result(timeout=timeout)
-
     def close(self) -> None:
-        """Stop the thread (queued writes are given a moment) and close the store."""
-        self.flush(self.timeout_s)
+        """Stop the thread and close the store (unless a call is stuck in it)."""
         self._calls.put(None)
         self._thread.join(self.timeout_s)
         if not self._thread.is_alive():
@@ -452,22 +442,8 @@ class StoreIO:
 
     def _serve(self) -> None:
         while (call := self._calls.get()) is not None:
-            kind, arg, done = call
-            if kind == "sync":
-                done.set_result(None)
-            elif kind == "get":
-                try:
-                    done.set_result(self.store.get(arg))
-                except BaseException as e:  # noqa: BLE001 - handed to the waiting reader
-                    done.set_exception(e)
-            else:
-                try:
-                    if not self.down:
-                        self.written += self.store.put(arg)
-                    else:
-                        self.dropped_writes += len(arg)
-                except Exception as e:  # noqa: BLE001 - a failed write is a later miss
-                    self.dropped_writes += len(arg)
-                    self._failed("a write", e)
-                with self._lock:
-                    self._pending_writes -= len(arg)
+            fn, arg, done = call
+            try:
+                done.set_result(fn(arg))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+                done.set_exception(e)

@@ -34,12 +34,12 @@ from radixserve.models.config import ModelConfig
 from radixserve.models.loader import load_hf_config, load_model, parse_dtype
 from radixserve.models.sharding import Shard, head_shard
 from radixserve.models.source import resolve_model
+from radixserve.utils.kv_store import StoreConfig, StoreIO, open_store
 from radixserve.worker import cuda_graph, window_pool
 from radixserve.worker.attention import AttentionBackend, create_backend, kv_layout_for
 from radixserve.worker.config import WorkerConfig, parse_lora_modules
 from radixserve.worker.dtype import choose_dtype
 from radixserve.worker.grammar import GrammarCache, GrammarSlots
-from radixserve.utils.kv_store import StoreConfig, StoreIO, open_store
 from radixserve.worker.host_cache import HostCache, kv_identity, weights_fingerprint
 from radixserve.worker.kv_pool import DEFAULT_KV_MEMORY, KVPool
 from radixserve.worker.lora import LoraSlots
@@ -235,7 +235,7 @@ def build_cache_tiers(
     if config.kv_store is not None:
         settings = StoreConfig.parse(config.kv_store_config)
         client = open_store(config.kv_store, config.kv_store_config)
-        store = StoreIO(client, settings.timeout_s, settings.max_pending_writes)
+        store = StoreIO(client, settings.timeout_s)
         log.info("KV store %s connected", config.kv_store)
     # With several ranks each does its copies in step (HostCache's docstring).
     host_cache = HostCache(

@@ -174,8 +174,8 @@ class WorkerOptions(SharedOptions):
         None,
         "Mooncake's settings for --kv-store, a JSON object: local_hostname, segment_mb "
         "(memory lent to the store, default 512), buffer_mb (64), protocol (tcp or "
-        "rdma), device (RDMA NICs), timeout_s (a read slower than this is a miss, 2), "
-        "max_pending_writes (1024)",
+        "rdma), device (RDMA NICs), timeout_s (a read or write slower than this "
+        "fails: a miss, a page not written; 2)",
         check=StoreConfig.parse,
         metavar="JSON",
     )

@@ -241,18 +241,14 @@ class HostCache:
     def goes_to_thread(self, c: PageCopies) -> bool:
         """Whether ``apply(c)`` will leave work to the copy thread: with one, any
         ticket while it is busy (tickets run in order) or that reads the store, else
-        one of at least ``inline_pages`` pages to write, promote or load."""
+        one of at least ``inline_pages`` pages to write, promote or load. A ticket
+        that reads or writes the store never runs in the step: a slow store must
+        delay the requests that wait for it, not the batch."""
         if not self.asynchronous:
             return False
-        if self._queued or len(c.store_load_pages):
+        if self._queued or len(c.store_load_pages) or len(c.store_save_pages):
             return True
-        pages = (
-            len(c.save_pages)
-            + len(c.to_disk_slots)
-            + len(c.promote_pages)
-            + len(c.load_pages)
-            + len(c.store_save_pages)
-        )
+        pages = len(c.save_pages) + len(c.to_disk_slots) + len(c.promote_pages) + len(c.load_pages)
         return pages > 0 and pages >= self.inline_pages
 
     def finished(self) -> list[int]:
@@ -277,8 +273,8 @@ class HostCache:
             self._cond.wait_for(lambda: self._done or not self._queued, timeout)
 
     def close(self) -> None:
-        """Finish every ticket queued and stop the thread (files are all written, the
-        store's writes given a moment)."""
+        """Finish every ticket queued and stop the thread (files and the store's
+        pages are all written)."""
         if self._thread is not None and self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join()
@@ -310,8 +306,11 @@ class HostCache:
             self._write(key, _bytes(kv))
         if job.store_writes:
             assert self.store is not None
-            self.store.put_later(
-                [(k, kv_file.encode_page(self.identity, k, _bytes(kv))) for k, kv in job.store_writes]
+            self.store.put(
+                [
+                    (k, kv_file.encode_page(self.identity, k, _bytes(kv)))
+                    for k, kv in job.store_writes
+                ]
             )
         arrived = self._read_store(job)
         stream = self._stream
@@ -337,7 +336,11 @@ class HostCache:
         blobs = self.store.get(job.store_keys)
         payloads = []
         for key, blob in zip(job.store_keys, blobs):
-            payload = None if blob is None else kv_file.decode_page(blob, key, self.identity, self.page_bytes)
+            payload = (
+                None
+                if blob is None
+                else kv_file.decode_page(blob, key, self.identity, self.page_bytes)
+            )
             if payload is None:
                 break
             payloads.append(payload)
