@@ -296,7 +296,8 @@ class MooncakeMaster:
     """A ``mooncake_master`` this process started (``radixserve launch --kv-store
     mooncake://auto``, tests): bound to ``host`` (loopback by default) for its RPC
     and its metrics, without etcd nor HTTP metadata server. ``url`` is what
-    ``--kv-store`` takes; ``stop()`` ends it (its pages' metadata with it)."""
+    ``--kv-store`` takes; ``stop()`` ends it (its pages' metadata with it) and
+    ``start()`` starts it again on the same address (an empty store)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout: float = 20.0) -> None:
         binary = shutil.which("mooncake_master") or shutil.which(
@@ -304,16 +305,21 @@ class MooncakeMaster:
         )
         if binary is None:
             raise RuntimeError(f"mooncake_master not found; {INSTALL_HINT}")
+        self.binary = binary
         self.host = host
         self.port = port or _free_port(host)
-        metrics = _free_port(host)
+        self.timeout = timeout
+        self.start()
+
+    def start(self) -> None:
+        host = self.host
         self.process = subprocess.Popen(
             [
-                binary,
+                self.binary,
                 f"--rpc_address={host}",
                 f"--rpc_port={self.port}",
                 f"--metrics_host={host}",
-                f"--metrics_port={metrics}",
+                f"--metrics_port={_free_port(host)}",
                 "--enable_http_metadata_server=false",
             ],
             stdin=subprocess.DEVNULL,
@@ -321,7 +327,7 @@ class MooncakeMaster:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + self.timeout
         while True:
             try:
                 probe(host, self.port, timeout=1.0)
