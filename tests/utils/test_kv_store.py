@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 
@@ -20,6 +21,7 @@ from radixserve.utils.kv_store import (
     StoreConfig,
     StoreIO,
     parse_store_url,
+    require_mooncake,
 )
 
 # A small client: the store's memory segment and transfer buffer (MiB).
@@ -178,3 +180,9 @@ def test_the_master_listens_on_loopback_only(master):
     assert (master.host, master.port) in addresses
     # Its RPC and its metrics, nothing else (no HTTP metadata server), all on loopback.
     assert {host for host, _ in addresses} == {"127.0.0.1"}, addresses
+
+
+def test_without_mooncake_the_error_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)  # as if not installed
+    with pytest.raises(RuntimeError, match=r"pip install 'radixserve\[mooncake\]'.*libibverbs1"):
+        require_mooncake()
