@@ -18,7 +18,11 @@ index of it, unlike the host and disk tiers. Instead:
   announced by KV events like computed pages).
 * **Write through on insert.** Every page the tree gains by an insert is written
   to the store (read in step, written in the background), unless the store is
-  known to hold it (written or read by this server lately: ``known``, bounded).
+  known to hold it: ``known`` (bounded) holds the keys a read of this server got
+  from the store, and loses those a later read missed (the store evicted them, or
+  its master restarted empty). A page this server computed is always written: it
+  computed it because the store did not give it (the adapter skips a key the
+  store has by then, written by another server meanwhile).
 * **Pages of an abandoned run.** A request aborted or retracted while its run is
   in flight cannot free the pages being filled: a page freed now could be handed
   to another request while the worker still writes into it. ``abandon`` keeps
@@ -69,12 +73,10 @@ class StoreTier:
 
     # ------------------------------------------------------------- writes
     def should_write(self, key: bytes) -> bool:
-        """Whether a page the tree gained must be written (the store may lack it);
-        it is then known (the write is planned)."""
+        """Whether a page the tree gained must be written (the store may lack it)."""
         if key in self._known:
             self._known.move_to_end(key)
             return False
-        self._remember([key])
         self.pages_written += 1
         return True
 
@@ -128,6 +130,8 @@ class StoreTier:
             self.reads += 1
             self.read_seconds += now - run.planned_at
             self._remember(run.keys[:arrived])
+            for key in run.keys[arrived:]:
+                self._known.pop(key, None)
             if run.abandoned:
                 self.allocator.free(run.pages)
                 del self._runs[run_id]

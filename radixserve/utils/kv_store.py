@@ -154,7 +154,9 @@ class KVStore(Protocol):
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]: ...
 
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> int:
-        """Store ``(key, blob)`` pairs; how many were stored (an existing key counts)."""
+        """Store ``(key, blob)`` pairs; how many are there now (a key there already
+        counts). Refusing some (the store is full) is no error: raise only when the
+        store cannot be reached."""
         ...
 
     def close(self) -> None: ...
@@ -276,11 +278,17 @@ class MooncakeStore:
         # Only the keys not there yet: Mooncake refuses a put over an existing object.
         present = self._client.batch_is_exist(keys)
         todo = [(k, blob) for k, (_, blob), p in zip(keys, items, present) if p != 1]
-        if todo:
-            rc = self._client.put_batch([k for k, _ in todo], [blob for _, blob in todo])
-            if rc != 0:
-                raise ConnectionError(f"the Mooncake store refused {len(todo)} pages (code {rc})")
-        return len(items)
+        if not todo:
+            return len(items)
+        if self._client.put_batch([k for k, _ in todo], [blob for _, blob in todo]) == 0:
+            return len(items)
+        # Refused as a batch (no room, a key written meanwhile): page by page, so a
+        # page refused costs only that page.
+        present = self._client.batch_is_exist([k for k, _ in todo])
+        refused = sum(
+            p != 1 and self._client.put(k, blob) != 0 for (k, blob), p in zip(todo, present)
+        )
+        return len(items) - refused
 
     def close(self) -> None:
         self._client.close()
@@ -400,13 +408,14 @@ class StoreIO:
         return [None] * len(keys) if got is None else got
 
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:
-        """Write ``(key, blob)`` pairs (a failure is counted, logged, and ignored)."""
+        """Write ``(key, blob)`` pairs (pages not written are counted, a failure is
+        logged; neither is an error)."""
         if not items:
             return
-        if self._call("a write", self.store.put, list(items)) is None:
-            self.pages_not_written += len(items)
-        else:
-            self.pages_written += len(items)
+        stored = self._call("a write", self.store.put, list(items))
+        stored = 0 if stored is None else stored
+        self.pages_written += stored
+        self.pages_not_written += len(items) - stored
 
     def _call(self, what: str, fn, arg):  # noqa: ANN001, ANN202 - get or put
         if self.down:
