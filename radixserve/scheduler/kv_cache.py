@@ -27,9 +27,13 @@ radix tree (the core, with the components the model needs), or with
 host and disk tiers below it: ``promote`` extends an admitted request's match with
 pages copied up from the lower tiers, its evictions demote pages, and the copies
 that takes are handed to the next step (``take_copies``, ``step_done``,
-``copies_done``). A request whose matched pages are still on their way
-(``loading``) must not compute yet. Every insert goes through one call, with each
-component's part of it (``_insert``).
+``copies_done``). With a shared KV store, ``fetch_from_store`` asks it for the
+pages after an admitted request's match, read into the request's own pages; what
+arrived counts as computed (``take_store_hit``), and a request let go meanwhile
+leaves the pages being filled to the tiers until they are done (``release``). A
+request whose matched pages are still on their way (``loading``) must not compute
+yet. Every insert goes through one call, with each component's part of it
+(``_insert``).
 
 The model's components have a part here each, over the requests. A hybrid
 model's tree carries ``StateSnapshots`` (``state_cache.py``): a match ends where
