@@ -155,6 +155,19 @@ class Metrics:
         self.tier_pages = gauge(
             "cache_tier_pages", "KV pages held by the host and disk tiers.", ("tier",)
         )
+        # With the shared KV store (--kv-store): pages asked of it, bytes, read latency.
+        self.store_pages = counter(
+            "kv_store_pages",
+            "Pages asked of the shared KV store: hit (read) or miss (not given).",
+            ("result",),
+        )
+        self.store_bytes = counter(
+            "kv_store_bytes", "KV bytes read from / written to the shared KV store.", ("op",)
+        )
+        self.store_reads = counter("kv_store_reads", "Reads of the shared KV store (runs).")
+        self.store_read_seconds = counter(
+            "kv_store_read_seconds", "Time reads of the shared KV store took, planned to done."
+        )
         # Pages evicted from the pool to make room, labelled with the eviction policy.
         self.evicted = counter(
             "prefix_cache_evicted_pages",
@@ -216,6 +229,21 @@ class Metrics:
                 self._grow(self.tier_hits.labels(m, tier), (key, ""), int(stats[key]))
             self.tier_pages.labels(m, "host").set(stats["host_pages_cached"])
             self.tier_pages.labels(m, "disk").set(stats["disk_pages_cached"])
+        if "store_hit_pages" in stats:
+            for child, key in (
+                (self.store_pages.labels(m, "hit"), "store_hit_pages"),
+                (self.store_pages.labels(m, "miss"), "store_miss_pages"),
+                (self.store_bytes.labels(m, "read"), "store_read_bytes"),
+                (self.store_bytes.labels(m, "written"), "store_written_bytes"),
+                (self.store_reads.labels(m), "store_reads"),
+            ):
+                self._grow(child, (key, ""), int(stats[key]))
+            self._grow(
+                self.store_read_seconds.labels(m),
+                ("store_read_ms_total", ""),
+                int(stats["store_read_ms_total"]),
+                scale=1e-3,
+            )
 
     def _apply_replica(self, row: dict) -> None:
         m, name = self.model_name, str(row["endpoint"])
@@ -231,8 +259,9 @@ class Metrics:
         for state in ("free", "used", "cached"):
             self.replica_kv_pages.labels(m, name, state).set(st[f"pages_{state}"])
 
-    def _grow(self, child, key: tuple[str, str], value: int) -> None:
-        """Add a counter's increase since the last scrape (a drop: it restarted)."""
+    def _grow(self, child, key: tuple[str, str], value: int, scale: float = 1.0) -> None:
+        """Add a counter's increase since the last scrape (a drop: it restarted), in
+        units of ``scale`` times the stats' (ms counted, seconds exposed: 1e-3)."""
         last = self._seen_replicas.get(key, 0)
-        child.inc(value - last if value >= last else value)
+        child.inc(scale * (value - last if value >= last else value))
         self._seen_replicas[key] = value

@@ -161,5 +161,6 @@ class StoreTier:
             "store_read_bytes": self.hits * self.page_bytes,
             "store_written_bytes": self.pages_written * self.page_bytes,
             "store_reads": self.reads,
+            "store_read_ms_total": int(1000 * self.read_seconds),
             "store_read_ms_mean": 1000 * self.read_seconds / self.reads if self.reads else 0.0,
         }
