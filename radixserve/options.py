@@ -311,6 +311,13 @@ def _store_url(url: str) -> object:
     return parse_store_url(url)
 
 
+def _store_config(text: str) -> object:
+    """``--kv-store-config``'s check."""
+    from radixserve.utils.kv_store import StoreConfig
+
+    return StoreConfig.parse(text)
+
+
 @dataclass(frozen=True, kw_only=True)
 class SharedOptions:
     """The options both the worker and the scheduler read."""
@@ -334,4 +341,14 @@ class SharedOptions:
         "radixserve[mooncake] (docs/cache-tiers.md)",
         check=_store_url,
         metavar="URL",
+    )
+    kv_store_config: str | None = option(
+        None,
+        "Mooncake's settings for --kv-store, a JSON object: local_hostname, segment_mb "
+        "(memory lent to the store, default 512), buffer_mb (64), protocol (tcp or "
+        "rdma), device (RDMA NICs), timeout_s (a read or write slower than this "
+        "fails: a miss, a page not written; 2), write (insert: every computed page, "
+        "the default; evict: pages leaving the pool)",
+        check=_store_config,
+        metavar="JSON",
     )

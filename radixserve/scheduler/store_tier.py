@@ -16,7 +16,9 @@ index of it, unlike the host and disk tiers. Instead:
   not used, so a hit is always a prefix). The pages read then count as computed:
   the request inserts them into the tree like the pages it computes (so they are
   announced by KV events like computed pages).
-* **Write through on insert.** Every page the tree gains by an insert is written
+* **Write through on insert** (``write="insert"``; ``"evict"`` writes instead the
+  pages evicted from the pool, read in step like a demotion: the alternative the
+  bench measures). Every page the tree gains by an insert is written
   to the store (read in step, written in the background), unless the store is
   known to hold it: ``known`` (bounded) holds the keys a read of this server got
   from the store, and loses those a later read missed (the store evicted them, or
@@ -61,9 +63,10 @@ class StoreRun:
 class StoreTier:
     """Runs in flight, the keys known to be in the store, and the counters."""
 
-    def __init__(self, allocator: PageAllocator, page_bytes: int) -> None:
+    def __init__(self, allocator: PageAllocator, page_bytes: int, write: str = "insert") -> None:
         self.allocator = allocator
         self.page_bytes = page_bytes
+        self.write = write  # which pages are written: "insert" (all computed) or "evict"
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._runs: dict[int, StoreRun] = {}
         self._next_run = 1

@@ -65,6 +65,7 @@ from radixserve.scheduler.prefix_cache import CacheNode, MatchResult, PageFollow
 from radixserve.scheduler.radix_cache import as_tokens
 from radixserve.scheduler.store_tier import StoreTier
 from radixserve.utils import kv_file
+from radixserve.utils.kv_store import StoreConfig
 
 L2, L3 = 2, 3
 
@@ -314,7 +315,7 @@ class TieredCache(PageFollower):
             self._own(pages[first:end], keys)
             if self.disk is not None:
                 self._write_through(pages[first:end].tolist(), keys)
-            if self.store is not None:
+            if self.store is not None and self.store.write == "insert":
                 for page, key in zip(pages[first:end].tolist(), keys):
                     if self.store.should_write(key):
                         self._plan.store_save.append((page, key))
@@ -367,8 +368,12 @@ class TieredCache(PageFollower):
     def evict(self, num_pages: int) -> int:
         freed = self.inner.evict(num_pages)
         if freed:
+            to_store = self.store is not None and self.store.write == "evict"
             for page in self._gone().tolist():
-                self._demote(page, self._key[page].tobytes())
+                key = self._key[page].tobytes()
+                if to_store and self.store.should_write(key):  # type: ignore[union-attr]
+                    self._plan.store_save.append((page, key))  # read in step, as a demotion
+                self._demote(page, key)
         return freed
 
     def _demote(self, page: int, key: bytes) -> None:
@@ -568,5 +573,7 @@ def build_tiers(
     if config.kv_store is not None:
         if config.page_bytes < 1 or not config.kv_identity:
             raise ValueError("the KV store needs the worker's page_bytes and kv_identity")
-        store = StoreTier(allocator, config.page_bytes)
+        store = StoreTier(
+            allocator, config.page_bytes, StoreConfig.parse(config.kv_store_config).write
+        )
     return TieredCache(inner, allocator, HostTier(config.host_pages), disk, identity, store)

@@ -108,7 +108,8 @@ class StoreConfig:
     writes live there, and go when it exits). ``buffer_mb``: its transfer buffer.
     ``protocol``: ``tcp`` or ``rdma`` (``device``: the RDMA NIC names).
     ``timeout_s``: how long a read or write may take before it counts as failed (a
-    miss, a page not written).
+    miss, a page not written). ``write``: which pages are written, ``insert`` (every
+    page the tree gains: write-through) or ``evict`` (pages leaving the pool).
     """
 
     local_hostname: str = ""
@@ -117,6 +118,7 @@ class StoreConfig:
     protocol: str = "tcp"
     device: str = ""
     timeout_s: float = 2.0
+    write: str = "insert"
 
     @classmethod
     def parse(cls, text: str | None) -> StoreConfig:
@@ -133,6 +135,10 @@ class StoreConfig:
         if unknown:
             raise ValueError(f"--kv-store-config: unknown fields {unknown}; known: {sorted(known)}")
         config = cls(**given)
+        if config.write not in ("insert", "evict"):
+            raise ValueError(
+                f"--kv-store-config: write must be insert or evict, not {config.write!r}"
+            )
         if config.protocol not in ("tcp", "rdma"):
             raise ValueError(
                 f"--kv-store-config: protocol must be tcp or rdma, not {config.protocol!r}"

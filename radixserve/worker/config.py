@@ -13,7 +13,6 @@ from radixserve.options import (
     option,
     parse_size,
 )
-from radixserve.utils.kv_store import StoreConfig
 
 #: ``auto`` resolves when the model loads (``worker/dtype.py``).
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "float64")
@@ -169,15 +168,6 @@ class WorkerOptions(SharedOptions):
         "the KV cache's host tier: GiB of host memory (pinned on CUDA) that keeps "
         "pages evicted from the pool and gives them back on a hit; 0: off",
         at_least=0.0,
-    )
-    kv_store_config: str | None = option(
-        None,
-        "Mooncake's settings for --kv-store, a JSON object: local_hostname, segment_mb "
-        "(memory lent to the store, default 512), buffer_mb (64), protocol (tcp or "
-        "rdma), device (RDMA NICs), timeout_s (a read or write slower than this "
-        "fails: a miss, a page not written; 2)",
-        check=StoreConfig.parse,
-        metavar="JSON",
     )
     deterministic: bool = option(
         False,

@@ -38,22 +38,32 @@ STORE = "mooncake://127.0.0.1:50051"
     st.sampled_from([0.0, 0.2, 0.6]),
     st.integers(0, 3),
     st.integers(0, 2**16),
+    st.sampled_from(["insert", "evict"]),
 )
-def test_replicas_sharing_a_store_read_only_their_prefixes_kv(w, host_pages, evict, delay, seed):
+def test_replicas_sharing_a_store_read_only_their_prefixes_kv(
+    w, host_pages, evict, delay, seed, write
+):
     """Two replicas run the same random workloads (tight pools: eviction and
-    retraction) one after the other over one store that evicts at random: every
-    output is right (a page of another prefix would change it), pages held by
-    abandoned reads are conserved, the second replica's hits add up by tier."""
+    retraction) one after the other over one store that evicts at random, pages
+    written as computed or as evicted: every output is right (a page of another
+    prefix would change it), pages held by abandoned reads are conserved, the
+    second replica's hits add up by tier."""
     w = {**w, "cache": "radix"}
     store = MemoryStore(capacity=10**6, evict_rate=evict, seed=seed)
-    kw = dict(kv_store=STORE, store=store, host_pages=host_pages, copy_delay=delay)
+    kw = dict(
+        kv_store=STORE,
+        kv_store_config=f'{{"write": "{write}"}}',
+        store=store,
+        host_pages=host_pages,
+        copy_delay=delay,
+    )
     first = run_workload(w, **kw)
     second = run_workload(w, **kw)
     for sched in (first, second):
         assert sched.hit_tokens == sum(sched.tier_hit_tokens)
         stats = sched.stats()
         assert stats["copies_in_flight"] == 0
-    if evict == 0.0 and host_pages == 0:
+    if evict == 0.0 and host_pages == 0 and write == "insert":
         # Whatever the first replica computed in whole pages, the second can read.
         assert second.tier_hit_tokens[3] >= first.tier_hit_tokens[3]
 
@@ -159,3 +169,27 @@ def test_a_page_after_another_prefix_is_not_read():
     res = run(sched, worker)
     check_outputs(res, {"b": prompt}, {"b": 2})
     assert res[("b", 0)]["out"].cached_tokens_by_tier == [0, 0, 0, 8]
+
+
+def test_written_on_eviction_only_pages_that_left_the_pool_are_shared():
+    """``write: evict``: a replica writes a page when its pool evicts it. The second
+    prompt evicts the first one's pages (a pool of one prompt): another replica then
+    reads the first prompt from the store, not the second (still in the pool)."""
+    store = MemoryStore()
+    first, second = _prompts(2, 41).values()
+    config = '{"write": "evict"}'
+    sched, worker = make(
+        page_size=4, num_pages=14, kv_store=STORE, kv_store_config=config, store=store
+    )
+    for rid, prompt in (("a", first), ("b", second)):
+        sched.add_request(rid, prompt, greedy(2))
+        check_outputs(run(sched, worker), {rid: prompt}, {rid: 2})
+    assert len(store) == 10  # the first prompt's whole pages, evicted for the second
+    other, worker2 = make(page_size=4, kv_store=STORE, kv_store_config=config, store=store)
+    prompts = {"a": first, "b": second}
+    for rid, prompt in prompts.items():
+        other.add_request(rid, prompt, greedy(2))
+    res = run(other, worker2)
+    check_outputs(res, prompts, dict.fromkeys(prompts, 2))
+    assert res[("a", 0)]["out"].cached_tokens_by_tier == [0, 0, 0, 40]
+    assert res[("b", 0)]["out"].cached_tokens == 0
