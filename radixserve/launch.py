@@ -62,7 +62,8 @@ from radixserve.http.auth import ADMIN_KEY_ENV, API_KEY_ENV, NO_KEYS, Keys
 from radixserve.nodes import check_nodes
 from radixserve.scheduler.kv_publisher import kv_events_host
 from radixserve.server_config import CONTROL, HTTP_IN, TOKENIZER_IN, ServerConfig
-from radixserve.utils.kv_store import MooncakeMaster, parse_store_url, probe, require_mooncake
+from radixserve.utils.kv_store import parse_store_url
+from radixserve.utils.mooncake import MooncakeMaster, probe, require_mooncake
 from radixserve.utils.paths import SOURCE_ROOT
 from radixserve.utils.proc import say
 

@@ -34,7 +34,8 @@ from radixserve.models.config import ModelConfig
 from radixserve.models.loader import load_hf_config, load_model, parse_dtype
 from radixserve.models.sharding import Shard, head_shard
 from radixserve.models.source import resolve_model
-from radixserve.utils.kv_store import StoreConfig, StoreIO, open_store
+from radixserve.utils.kv_store import StoreConfig, StoreIO
+from radixserve.utils.mooncake import open_store
 from radixserve.worker import cuda_graph, window_pool
 from radixserve.worker.attention import AttentionBackend, create_backend, kv_layout_for
 from radixserve.worker.config import WorkerConfig, parse_lora_modules

@@ -17,7 +17,7 @@ import pytest
 
 from radixserve import Engine, SamplingParams
 from radixserve.client import Client
-from radixserve.utils.kv_store import MooncakeMaster
+from radixserve.utils.mooncake import MooncakeMaster
 from tests.helpers.server import Server, wait_idle
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -1,6 +1,7 @@
-"""The shared KV store's pieces (``utils/kv_store.py``): the address and settings
-checked at start, ``StoreIO``'s bounded calls over stores that hang, fail and come
-back, and the Mooncake adapter against a real ``mooncake_master`` on loopback."""
+"""The shared KV store's pieces: the address and settings checked at start,
+``StoreIO``'s bounded calls over stores that hang, fail and come back
+(``utils/kv_store.py``), and the Mooncake adapter against a real
+``mooncake_master`` on loopback (``utils/mooncake.py``)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,12 @@ import pytest
 from radixserve.utils import kv_file
 from radixserve.utils.kv_store import (
     MemoryStore,
-    MooncakeMaster,
-    MooncakeStore,
     StoreAddress,
     StoreConfig,
     StoreIO,
     parse_store_url,
-    require_mooncake,
 )
+from radixserve.utils.mooncake import MooncakeMaster, MooncakeStore, require_mooncake
 
 # A small client: the store's memory segment and transfer buffer (MiB).
 SMALL = StoreConfig(segment_mb=16, buffer_mb=8, timeout_s=5.0)
