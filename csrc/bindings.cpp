@@ -117,6 +117,12 @@ py::array_t<int32_t> to_array(const std::vector<int32_t>& v) {
   return out;
 }
 
+py::array_t<int64_t> to_array64(const std::vector<int64_t>& v) {
+  py::array_t<int64_t> out(static_cast<py::ssize_t>(v.size()));
+  if (!v.empty()) std::memcpy(out.mutable_data(), v.data(), sizeof(int64_t) * v.size());
+  return out;
+}
+
 class PyRadixTree {
  public:
   PyRadixTree(py::object allocator, int32_t page_size)
@@ -185,6 +191,38 @@ class PyRadixTree {
     scratch_.clear();
     tree_.all_pages(scratch_);
     return to_array(scratch_);
+  }
+
+  py::dict export_nodes(int64_t max_label, py::handle salt, bool every_namespace) const {
+    RadixTree::Export e;
+    std::string key;
+    const std::string* only = nullptr;
+    if (!every_namespace && !salt.is_none()) {
+      if (!PyUnicode_Check(salt.ptr()))
+        throw py::type_error(std::string("salt must be a string or None, got ") +
+                             Py_TYPE(salt.ptr())->tp_name);
+      key = salt.cast<std::string>();
+      only = &key;
+    }
+    tree_.export_nodes(max_label, every_namespace, only, e);
+    py::list salts;
+    for (const auto& s : e.salts) {
+      if (s.first)
+        salts.append(py::str(s.second));
+      else
+        salts.append(py::none());
+    }
+    py::dict out;
+    out["salts"] = salts;
+    out["parent"] = to_array(e.parent);
+    out["namespace"] = to_array(e.ns);
+    out["lock_ref"] = to_array(e.lock_ref);
+    out["labels"] = to_array(e.labels);
+    out["node_id"] = to_array64(e.id);
+    out["last_access"] = to_array64(e.last_access);
+    out["num_tokens"] = to_array64(e.num_tokens);
+    out["label_offsets"] = to_array64(e.label_offsets);
+    return out;
   }
 
   py::object node_info(const NodeRef& node) const {
@@ -273,6 +311,9 @@ PYBIND11_MODULE(_radix_native, m) {
       .def("evict", &PyRadixTree::evict, py::arg("num_pages"))
       .def("reset", &PyRadixTree::reset)
       .def("all_pages", &PyRadixTree::all_pages)
+      .def("export_nodes", &PyRadixTree::export_nodes, py::arg("max_label"),
+           py::arg("salt") = py::none(), py::arg("every_namespace") = true,
+           "The tree's shape, read-only (radix_cache.RadixCache.export_nodes)")
       .def("node_info", &PyRadixTree::node_info, py::arg("node"),
            "(node_id, lock_ref, last_access, num_tokens), or None once detached")
       .def("_check_structure", [](const PyRadixTree& t) { t.tree().check(); })

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <tuple>
 #include <unordered_set>
 
 namespace radixserve {
@@ -385,6 +386,57 @@ void RadixTree::all_pages(std::vector<int32_t>& out) const {
   for_each_node([&](int32_t s) {
     out.insert(out.end(), nodes_[s].pages.begin(), nodes_[s].pages.end());
   });
+}
+
+void RadixTree::export_nodes(int64_t max_label, bool every_namespace,
+                             const std::string* only_salt, Export& out) const {
+  out = Export{};
+  // ((has a salt, the salt), root slot): the default namespace first, then by salt.
+  std::vector<std::pair<std::pair<bool, std::string>, int32_t>> roots;
+  if (every_namespace || only_salt == nullptr)
+    roots.push_back({{false, std::string()}, kDefaultRoot});
+  if (every_namespace) {
+    for (const auto& kv : salt_roots_) roots.push_back({{true, kv.first}, kv.second});
+    std::sort(roots.begin() + 1, roots.end());
+  } else if (only_salt != nullptr) {
+    auto it = salt_roots_.find(*only_salt);
+    if (it != salt_roots_.end()) roots.push_back({{true, *only_salt}, it->second});
+  }
+  std::vector<int32_t> kids;
+  auto sorted_children = [&](int32_t node) {
+    kids.clear();
+    for_each_child(node, [&](int32_t c) { kids.push_back(c); });
+    std::sort(kids.begin(), kids.end(),
+              [&](int32_t a, int32_t b) { return nodes_[a].id < nodes_[b].id; });
+    return kids;
+  };
+  // (slot, parent index, namespace index), breadth first.
+  std::vector<std::tuple<int32_t, int32_t, int32_t>> queue;
+  for (const auto& r : roots) {
+    bool used = false;
+    for (int32_t c : sorted_children(r.second)) {
+      queue.emplace_back(c, -1, static_cast<int32_t>(out.salts.size()));
+      used = true;
+    }
+    if (used) out.salts.push_back(r.first);
+  }
+  out.label_offsets.push_back(0);
+  for (size_t i = 0; i < queue.size(); ++i) {
+    const auto [slot, parent, ns] = queue[i];
+    const Node& n = nodes_[slot];
+    out.parent.push_back(parent);
+    out.ns.push_back(ns);
+    out.id.push_back(n.id);
+    out.last_access.push_back(n.last_access);
+    out.lock_ref.push_back(n.lock_ref);
+    const int64_t len = static_cast<int64_t>(n.key.size());
+    out.num_tokens.push_back(len);
+    const int64_t take = max_label < 0 ? len : std::min(max_label, len);
+    out.labels.insert(out.labels.end(), n.key.begin(), n.key.begin() + take);
+    out.label_offsets.push_back(static_cast<int64_t>(out.labels.size()));
+    for (int32_t c : sorted_children(slot))
+      queue.emplace_back(c, static_cast<int32_t>(i), ns);
+  }
 }
 
 RadixTree::NodeInfo RadixTree::info(NodeRef ref) const {

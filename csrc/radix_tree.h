@@ -88,6 +88,21 @@ class RadixTree {
 
   void all_pages(std::vector<int32_t>& out) const;
 
+  // A read-only copy of the tree's shape (explain and the dashboard read it;
+  // radix_cache.py's export_nodes is the twin). Nodes breadth first from the
+  // roots (the default namespace first, then salts in byte order), children by
+  // id; per node its parent's index (-1: under a root), namespace index, id,
+  // last_access, lock_ref, edge length, and the first max_label tokens of its
+  // edge (all of them when max_label < 0). only_salt: one namespace (nullptr:
+  // the default) instead of every one.
+  struct Export {
+    std::vector<std::pair<bool, std::string>> salts;  // (has a salt, the salt)
+    std::vector<int32_t> parent, ns, lock_ref, labels;
+    std::vector<int64_t> id, last_access, num_tokens, label_offsets;
+  };
+  void export_nodes(int64_t max_label, bool every_namespace, const std::string* only_salt,
+                    Export& out) const;
+
   struct NodeInfo {
     bool attached;
     int32_t lock_ref;

@@ -23,6 +23,7 @@ from radixserve.program import EngineBackend, ProgramState
 from radixserve.protocol import OutputItem
 from radixserve.results import Result, TokenLogprobs, Usage
 from radixserve.sampling_params import SamplingParams
+from radixserve.tokenizer.explain import render_dashboard, render_explain
 from radixserve.tokenizer.inputs import InputProcessor
 from radixserve.tokenizer.output import OutputStream, TokenTexts
 
@@ -113,6 +114,29 @@ class Engine:
 
     def stats(self) -> dict[str, int]:
         return self.scheduler.stats()
+
+    def explain_cache(
+        self,
+        prompt: Prompt,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        cache_salt: str | None = None,
+        lora: str | None = None,
+    ) -> dict[str, Any]:
+        """What the prefix cache would serve of ``prompt`` now (text, token ids or chat
+        messages, as for ``generate``), and why no more, without running the model
+        (docs/cache-tiers.md, "Explain"). ``cache_salt`` and ``lora`` pick the
+        namespace."""
+        ids = self._to_ids(prompt, tools)
+        report = self.scheduler.explain(ids, cache_salt, lora)
+        return render_explain(self._decode_kept, report)
+
+    def dashboard(self) -> dict[str, Any]:
+        """The dashboard's figures (docs/http.md, "Dashboard")."""
+        return render_dashboard(self._decode_kept, self.scheduler.dashboard())
+
+    def _decode_kept(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def load_lora(self, name: str, path: str) -> dict[str, Any]:
         """Load the PEFT adapter folder ``path`` as ``name`` (ValueError saying why it
@@ -235,6 +259,8 @@ class Engine:
                 len(stream.token_ids),
                 out.cached_tokens,
                 list(out.cached_tokens_by_tier),
+                out.retained_tokens,
+                None if out.explain is None else render_explain(self._decode_kept, out.explain),
             ),
             logprobs=TokenLogprobs.list_from_wire(stream.logprobs),
             prompt_logprobs=TokenLogprobs.list_from_wire(stream.prompt_logprobs),

@@ -155,6 +155,8 @@ class SamplingParams:
     ``cache_retention`` (``[level, seconds]``, level 1..100, higher kept longer)
     asks that the prompt's cached prefix outlive others' for that long under
     ``--radix-eviction-policy priority`` (ignored under the other policies).
+    ``explain``: the result's usage also says what the prefix cache served of the
+    prompt when the request arrived, and why no more (docs/cache-tiers.md, "Explain").
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -180,6 +182,7 @@ class SamplingParams:
     priority: int = 0
     request_timeout: float | None = None
     cache_retention: tuple[int, float] | None = None
+    explain: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists / a single string for convenience, store tuples (hashable, frozen).
@@ -302,6 +305,8 @@ class SamplingParams:
                 "cache_retention must be null or [level, seconds] with level in [1, 100] "
                 f"and seconds > 0, got {short_repr(cr)}"
             )
+        if not isinstance(self.explain, bool):
+            raise bad(f"explain must be true or false, got {short_repr(self.explain)}")
         if self.structured is not None:
             self.structured.validate()
             if self.max_tokens == 0:

@@ -80,6 +80,12 @@ class ServerConfig:
         "address the HTTP front binds (default: --host); e.g. 0.0.0.0 serves HTTP "
         "beyond loopback while the ZeroMQ socket stays on 127.0.0.1",
     )
+    dashboard: bool = option(
+        False,
+        "serve a live page of the prefix cache at /dashboard on the HTTP front, and its "
+        "figures at /dashboard/data (the admin key when one is set)",
+        negatable=False,
+    )
     served_model_name: str | None = None  # the model id the HTTP front answers to
     served_model_aliases: tuple[str, ...] = ()  # more ids it accepts (vLLM's several names)
     tool_call_parser: str | None = option(

@@ -104,6 +104,21 @@ def test_shared_prefix_hits(tiny_dir):
         eng.check_idle()
 
 
+def test_explain_the_cache_and_a_request_that_asks(tiny_dir):
+    eng = engine(tiny_dir, page_size=16)
+    sp = SamplingParams(max_tokens=2, temperature=0.0)
+    text = "The radix tree keeps every prompt it has seen, page by page, for the next one."
+    eng.generate(text, sp)
+    report = eng.explain_cache(text[:30] + " and then something else")
+    assert report["stop"] == "partial_page" or report["stop"] == "diverged"
+    assert report["miss"]["most_common"]["text"] and report["reason"]
+    assert eng.dashboard()["tree"]["nodes"][0]["label"]
+    [r] = eng.generate(text, SamplingParams(max_tokens=2, temperature=0.0, explain=True))
+    assert r.usage.explain["hit_tokens"] == r.usage.cached_tokens > 0
+    assert r.usage.explain["namespace"] == {"cache_salt": None, "adapter": None}
+    eng.check_idle()
+
+
 def test_new_shared_prefix_computed_once(tiny_dir):
     """32 requests sharing one new 1000-token prefix, submitted at once."""
     rng = np.random.default_rng(4)

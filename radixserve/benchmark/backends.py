@@ -67,6 +67,11 @@ class Backend(Protocol):
 
     async def stats(self) -> dict[str, Any] | None: ...
 
+    async def dashboard(self) -> dict[str, Any] | None:
+        """The server's dashboard figures (the cache's tree among them); None when
+        this backend cannot ask for them."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -117,6 +122,9 @@ class RadixserveBackend:
 
     async def stats(self) -> dict[str, Any] | None:
         return dict(await self.client.stats())
+
+    async def dashboard(self) -> dict[str, Any] | None:
+        return await self.client.dashboard()
 
     async def close(self) -> None:
         self.client.close()
@@ -236,6 +244,9 @@ class OpenAIBackend:
         return False  # no standard endpoint: start each run from a fresh server
 
     async def stats(self) -> dict[str, Any] | None:
+        return None
+
+    async def dashboard(self) -> dict[str, Any] | None:
         return None
 
     async def close(self) -> None:
@@ -425,6 +436,9 @@ class EngineBackend:
 
     async def stats(self) -> dict[str, Any] | None:
         return dict(self.engine.stats())
+
+    async def dashboard(self) -> dict[str, Any] | None:
+        return self.engine.dashboard()
 
     async def close(self) -> None:
         pass  # the Engine outlives the backend: its owner closes it

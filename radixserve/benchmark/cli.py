@@ -52,12 +52,14 @@ from radixserve.benchmark.workloads import (
 
 # Scoring workloads run twice per target: (label, the runner's score_from).
 SCORE_PASSES = [("from-choice", "choice"), ("whole-prompt", "whole")]
+# The agent workload runs twice per target: without, then with its retention hints.
+AGENT_PASSES = [("no retention", False), ("retention", True)]
 
 # Workload flags: each builder takes the ones named in its signature.
 WORKLOAD_FLAGS: list[tuple[str, type, str]] = [
     ("groups", int, "shared-prefix: groups (distinct system prompts)"),
     ("prompts", int, "shared-prefix: prompts per group"),
-    ("system-len", int, "shared-prefix, multi-turn: system prompt tokens"),
+    ("system-len", int, "shared-prefix, multi-turn, agent: system prompt tokens"),
     ("question-len", int, "shared-prefix, few-shot, json-extract: question tokens"),
     (
         "output-len",
@@ -66,9 +68,9 @@ WORKLOAD_FLAGS: list[tuple[str, type, str]] = [
     ),
     ("order", str, "shared-prefix: shuffled | ordered arrival"),
     ("conversations", int, "multi-turn: conversations (run concurrently)"),
-    ("turns", int, "multi-turn: turns per conversation (sequential)"),
-    ("user-len-min", int, "multi-turn: shortest user message"),
-    ("user-len-max", int, "multi-turn: longest user message"),
+    ("turns", int, "multi-turn, agent: turns per conversation (sequential)"),
+    ("user-len-min", int, "multi-turn: shortest user message; agent: tool result"),
+    ("user-len-max", int, "multi-turn: longest user message; agent: tool result"),
     ("answer", str, "multi-turn: short (32 tokens) | long (256 tokens)"),
     ("subjects", int, "few-shot: subjects (distinct example sets)"),
     ("questions", int, "few-shot: questions per subject; json-extract: per document"),
@@ -84,6 +86,12 @@ WORKLOAD_FLAGS: list[tuple[str, type, str]] = [
     ("documents", int, "json-extract: documents (each shared by its questions); copy: prompts"),
     ("document-len", int, "json-extract, copy: tokens per document"),
     ("repeats", int, "copy: times each prompt is sent in a row (the same request recurring)"),
+    ("sessions", int, "agent: sessions (run concurrently)"),
+    ("context-len", int, "agent: each session's own task tokens"),
+    ("pause", float, "agent: seconds a tool runs between a session's turns"),
+    ("noise", int, "agent: one-off requests spread over the sessions' span"),
+    ("noise-len", int, "agent: tokens per one-off request"),
+    ("retention-s", float, "agent: seconds each session request asks to be kept"),
 ]
 
 
@@ -259,12 +267,15 @@ async def run_variant(
     tokenizer: Any,
     prefix: str = "",
 ) -> list[dict[str, Any]]:
-    """One target: the workload once, or a scoring workload once per SCORE_PASSES
-    (labelled ``prefix + pass``), each from a flushed cache. Each dict keeps the
-    run's records under ``_records`` (not written to the JSON)."""
-    passes = [(label, "choice")]
+    """One target: the workload once, a scoring workload once per SCORE_PASSES, the
+    agent workload once per AGENT_PASSES (labelled ``prefix + pass``), each from a
+    flushed cache. Each dict keeps the run's records under ``_records`` (not written
+    to the JSON)."""
+    passes = [(label, "choice", True)]
     if workload.scored:
-        passes = [(prefix + name, mode) for name, mode in SCORE_PASSES]
+        passes = [(prefix + name, mode, True) for name, mode in SCORE_PASSES]
+    elif workload.name == "agent":
+        passes = [(prefix + name, "choice", hints) for name, hints in AGENT_PASSES]
     out = []
     try:
         info = await backend.info()
@@ -278,7 +289,7 @@ async def run_variant(
         for _ in range(args.warmup):
             async for _ev in backend.stream(warm.take(16), 4):
                 pass
-        for pass_label, score_from in passes:
+        for pass_label, score_from, hints in passes:
             flushed = await backend.reset_cache()
             before = await backend.stats()
             result = await run(
@@ -291,6 +302,7 @@ async def run_variant(
                 progress=not args.no_progress,
                 label=pass_label,
                 score_from=score_from,
+                retention=hints,
             )
             after = await backend.stats()
             metrics = summarize(result, info.page_size, workload)
@@ -310,6 +322,9 @@ async def run_variant(
             }
             if workload.scored:
                 v["score_from"] = score_from
+            figures = await backend.dashboard()
+            if figures is not None:  # the cache's largest prefixes now (report.write_tree)
+                v["tree"] = figures["tree"]
             out.append(v)
     finally:
         await backend.close()

@@ -101,6 +101,17 @@ def summarize(
             prompt = sum(r.usage.prompt_tokens for r in mine)  # type: ignore[union-attr]
             cached = sum(r.usage.cached_tokens for r in mine)  # type: ignore[union-attr]
             extra[f"hit_rate_{name}"] = cached / prompt if hit_known and prompt else None
+    groups = sorted({r.group for r in recs if r.group})
+    if groups:  # the agent workload: TTFT and hit rate per turn (and the one-offs)
+        extra["groups"] = groups
+        for g in groups:
+            mine = [r for r in ok if r.group == g]
+            extra[f"ttft_mean_ms[{g}]"] = _stats(
+                [r.chunk_times[0] - r.send_time for r in mine if r.chunk_times], "ttft"
+            )["ttft_mean_ms"]
+            prompt = sum(r.usage.prompt_tokens for r in mine)  # type: ignore[union-attr]
+            cached = sum(r.usage.cached_tokens for r in mine)  # type: ignore[union-attr]
+            extra[f"hit_rate[{g}]"] = cached / prompt if hit_known and prompt else None
     if workload is not None and workload.structured:
         extra.update(structured_summary(workload, recs))
     return {
@@ -243,6 +254,9 @@ def step_summary(
         "steps": steps,
         "steps_per_request": steps / requests if requests else None,
     }
+    for key in ("pages_demoted", "pages_promoted", "pages_dropped"):  # cache tiers
+        if key in before and key in after:
+            out[key] = int(after[key]) - int(before[key])
     if "spec_verifications" in before and "spec_verifications" in after:
         # Speculative decoding (docs/speculative.md): drafts verified and accepted.
         drafted, accepted, verifications = (

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from radixserve.benchmark.tree_picture import write_tree
+
 PROGRAM_ROWS = [  # program runs only, first
     ("programs", "programs", "{:.0f}"),
     ("programs failed", "programs_failed", "{:.0f}"),
@@ -87,6 +89,24 @@ PRIORITY_ROWS = [  # --priority-mix only: the two classes' first-token latency
 ]
 
 
+TIER_ROWS = [  # servers with cache tiers (docs/cache-tiers.md)
+    ("pages demoted", "pages_demoted", "{:.0f}"),
+    ("pages promoted", "pages_promoted", "{:.0f}"),
+    ("pages dropped", "pages_dropped", "{:.0f}"),
+]
+
+
+def group_rows(variants: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """The agent workload's rows: TTFT and hit rate per turn (``Node.group``)."""
+    groups: list[str] = []
+    for v in variants:
+        groups += [g for g in v["metrics"].get("groups", ()) if g not in groups]
+    return [row for g in groups for row in (
+        (f"TTFT mean ms, {g}", f"ttft_mean_ms[{g}]", "{:.0f}"),
+        (f"hit rate, {g}", f"hit_rate[{g}]", "{:.2%}"),
+    )]  # fmt: skip
+
+
 def _fmt(value: Any, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
@@ -110,6 +130,9 @@ def table(title: str, variants: list[dict[str, Any]]) -> str:
         rows += SPEC_ROWS
     if any("ttft_urgent_median_ms" in v["metrics"] for v in variants):
         rows += PRIORITY_ROWS
+    rows += group_rows(variants)
+    if any("pages_demoted" in v["metrics"] for v in variants):
+        rows += TIER_ROWS
     for name, key, fmt in rows:
         vals = [v["metrics"].get(key) for v in variants]
         row = [name] + [_fmt(x, fmt) for x in vals]
@@ -183,7 +206,20 @@ def save(args: Any, head: str, variants: list[dict[str, Any]], name: str, **fiel
     if not args.no_plot:
         write_png(png_path, head, variants)
         written.append(str(png_path))
+        # The cache's tree at the end of each run, as the dashboard draws it.
+        for v in variants:
+            if v.get("tree", {}).get("nodes"):
+                one = len(variants) == 1
+                svg = Path(
+                    f"{prefix}-tree.svg" if one else f"{prefix}-tree-{_slug(v['label'])}.svg"
+                )
+                write_tree(svg, v["tree"], f"{head} · {v['label']}: the cache's largest prefixes")
+                written.append(str(svg))
     print("wrote " + ", ".join(written))
+
+
+def _slug(label: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in label)
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:

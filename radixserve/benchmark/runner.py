@@ -3,7 +3,9 @@
 Arrival: every root request at once (throughput), or roots spaced by
 exponential gaps at ``rate`` requests/s (a Poisson process: latency under
 load). A child (a conversation's next turn, a tree's branch) is sent as soon as
-its parent finishes. ``max_concurrency`` bounds the requests in flight.
+its parent finishes, or ``Node.delay`` seconds later (a root: after its arrival).
+``max_concurrency`` bounds the requests in flight. ``retention=False`` leaves the
+nodes' retention hints out (the agent workload's run without them).
 
 Each request records, relative to the run's start: when it was sent, when each
 streamed chunk with output arrived, and when it ended; the token ids sent and
@@ -49,6 +51,7 @@ class RequestRecord:
     usage: Usage | None = None
     cached_known: bool = True
     error: str | None = None
+    group: str = ""  # Node.group
     finish_reason: str | None = None
     # Scored requests: where the choice starts, the logprob_start_len sent, and
     # the sum of the choice tokens' logprobs (None: not all of them came back).
@@ -90,6 +93,7 @@ async def run(
     progress: bool = True,
     label: str = "",
     score_from: str = "choice",
+    retention: bool = True,
 ) -> RunResult:
     """Run the workload once; ``encode`` turns output text into ids when the backend
     returns no ids (children's prompts need them). ``score_from``: "choice" or
@@ -118,7 +122,7 @@ async def run(
 
     async def one(node: Node, prompt: list[int]) -> RequestRecord:
         rec = RequestRecord(node.key, next(counter), prompt, node.max_tokens, now())
-        rec.priority = node.priority
+        rec.priority, rec.group = node.priority, node.group
         if node.score is not None:
             rec.score_start = node.score.start
             rec.logprob_start_len = node.score.start if score_from == "choice" else 0
@@ -130,7 +134,7 @@ async def run(
                 rec.logprob_start_len,
                 structured=node.structured,
                 priority=node.priority,
-                retention=node.retention,
+                retention=node.retention if retention else None,
             )
             async for ev in stream:
                 if ev.text or ev.token_ids:
@@ -161,6 +165,8 @@ async def run(
 
     async def send(node: Node, prompt: list[int]) -> None:
         nonlocal not_sent
+        if node.delay > 0:
+            await asyncio.sleep(node.delay)
         async with sem:
             rec = await one(node, prompt)
         records.append(rec)

@@ -29,11 +29,17 @@ class LaunchedServer:
             cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env
         )
         self.endpoint = ""
+        self.http_url = ""  # with --http-port
         self.summary = ""
+        self.pids: dict[str, int] = {}  # the children by name (scheduler, worker0, ...)
         for line in self.proc.stdout:  # type: ignore[union-attr]
             if m := re.search(r"serving on (\S+)", line):
                 self.endpoint = m.group(1)
+            elif m := re.search(r"http on (\S+)", line):
+                self.http_url = m.group(1)
             elif line.startswith("radixserve: processes"):
+                head = line.split(" run_dir=", 1)[0]
+                self.pids = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", head)}
                 break
             elif line.startswith("radixserve: model="):
                 self.summary = line.split(": ", 1)[1].strip()

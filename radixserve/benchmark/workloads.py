@@ -29,7 +29,7 @@ import numpy as np
 
 from radixserve.sampling_params import StructuredOutput
 
-WORKLOADS = ("shared-prefix", "multi-turn", "few-shot", "tree", "json-extract", "copy")
+WORKLOADS = ("shared-prefix", "multi-turn", "few-shot", "tree", "json-extract", "copy", "agent")
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,10 @@ class Node:
     prompt's tail (prompt logprobs from ``score.start`` on). ``structured``: set
     when its completion must follow a JSON schema (``max_tokens`` is then a bound:
     it stops when the object is complete). ``priority`` and ``retention`` (its
-    ``cache_retention``): what ``mix_priorities`` set, sent as they are."""
+    ``cache_retention``): what ``mix_priorities`` (or the agent workload) set, sent
+    as they are. ``delay``: seconds between its parent's end (a root: its arrival)
+    and its sending, a client's pause (an agent's tool call). ``group``: the table
+    breaks TTFT and hit rate down by it when set (the agent workload's turns)."""
 
     key: str
     tokens: list[int]
@@ -59,6 +62,8 @@ class Node:
     structured: StructuredOutput | None = None
     priority: int = 0
     retention: tuple[int, float] | None = None
+    delay: float = 0.0
+    group: str = ""
 
     def walk(self) -> Iterator[Node]:
         yield self
@@ -499,6 +504,70 @@ def _chat_around(src: TokenSource, instruction: str) -> tuple[list[int], list[in
     return encode(head), encode(tail if src.chat is not None else "\n\nThe text, repeated:\n")
 
 
+#: The agent workload's retention level (what the HTTP front sends: cache_steering.py).
+AGENT_RETENTION_LEVEL = 50
+
+
+def agent(
+    src: TokenSource,
+    sessions: int = 8,
+    turns: int = 4,
+    system_len: int = 256,
+    context_len: int = 512,
+    user_len_min: int = 32,
+    user_len_max: int = 96,
+    output_len: int = 16,
+    pause: float = 1.0,
+    noise: int = 32,
+    noise_len: int = 512,
+    retention_s: float = 600.0,
+) -> Workload:
+    """Agent sessions with tool pauses, under traffic that wants the same pages.
+
+    Each session's first turn is a system prompt every session shares
+    (``system_len``) and its own task (``context_len``); each later turn adds a tool's
+    result (``user_len_min``..``user_len_max`` tokens) after a pause of ``pause``
+    seconds (the tool running), so a session's context grows and is idle between
+    turns. Every session request asks that its prompt be kept ``retention_s``
+    seconds (``cache_retention``; ``radixserve bench agent`` also runs the workload
+    without the hints). Meanwhile ``noise`` one-off requests of ``noise_len`` fresh
+    tokens, spread evenly over the sessions' span, pass through the cache and are
+    never reused. Size the server's pool below what the sessions hold, so sessions
+    leave it during their pauses (docs/benchmark.md#agent)."""
+    system = src.take(system_len)
+    hint = (AGENT_RETENTION_LEVEL, retention_s) if retention_s > 0 else None
+    roots = []
+    for s in range(sessions):
+        head = Node(f"s{s}-t0", system + src.take(context_len), output_len)
+        head.retention, head.group = hint, "turn 1"
+        node = head
+        for t in range(1, turns):
+            child = Node(f"s{s}-t{t}", src.between(user_len_min, user_len_max), output_len)
+            child.retention, child.delay, child.group = hint, pause, f"turn {t + 1}"
+            node.children.append(child)
+            node = child
+        roots.append(head)
+    span = turns * pause
+    for i in range(noise):
+        one = Node(f"n{i}", src.take(noise_len), output_len)
+        one.delay, one.group = span * (i + 0.5) / noise, "one-off"
+        roots.append(one)
+    params = dict(
+        sessions=sessions,
+        turns=turns,
+        system_len=system_len,
+        context_len=context_len,
+        user_len_min=user_len_min,
+        user_len_max=user_len_max,
+        output_len=output_len,
+        pause=pause,
+        noise=noise,
+        noise_len=noise_len,
+        retention_s=retention_s,
+    )
+    return Workload("agent", params, roots)
+
+
 BUILDERS = {
     "shared-prefix": shared_prefix,
     "multi-turn": multi_turn,
@@ -506,6 +575,7 @@ BUILDERS = {
     "tree": tree,
     "json-extract": json_extract,
     "copy": copy,
+    "agent": agent,
 }
 # The scoring mode of a workload (``radixserve bench few-shot --score``).
 SCORE_BUILDERS = {"few-shot": few_shot_score}

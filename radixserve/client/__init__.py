@@ -9,8 +9,12 @@
 
 A server started with CURVE keys (docs/security.md) takes
 ``Client(endpoint, curve_server_key="server.key", curve_client_key="client.key_secret")``;
-``admin_key=`` (default ``$RADIXSERVE_ADMIN_API_KEY``) goes with ``flush_cache`` and
-``check``. See ``Client``'s docstring.
+``admin_key=`` (default ``$RADIXSERVE_ADMIN_API_KEY``) goes with the admin calls
+(``flush_cache``, ``check``, the LoRA loads, ``explain_cache``, ``dashboard``). See
+``Client``'s docstring.
+
+``explain_cache(prompt)`` says what the prefix cache would serve of a prompt now and
+why no more, without running it (docs/cache-tiers.md, "Explain").
 
 ``Client`` is synchronous and thread-safe: one socket, guarded by a lock, and
 replies are sorted into per-request mailboxes, so several threads (or several

@@ -22,6 +22,7 @@ from radixserve.client.common import (
     LinkLost,
     RequestTimeout,
     ServerError,
+    _explain_fields,
     _raise_on_error,
     _Results,
     admin_key_or_env,
@@ -110,11 +111,12 @@ class AsyncClient:
         timeout: float | None = None,
         echo: bool = False,
         lora: str | None = None,
+        cache_key: str | None = None,
         **sampling: Any,
     ) -> AsyncIterator[P.Chunk]:
         msg = build_generate(
             prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, True,
-            echo, tools, lora,
+            echo, tools, lora, cache_key,
         )  # fmt: skip
         left = msg.sampling.n
         async with self._request(msg) as queue:
@@ -133,9 +135,10 @@ class AsyncClient:
         add_special_tokens: bool = True,
         add_generation_prompt: bool = True,
         timeout: float | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """``Client.tokenize``."""
-        msg = build_tokenize(prompt, messages, add_special_tokens, add_generation_prompt)
+        msg = build_tokenize(prompt, messages, add_special_tokens, add_generation_prompt, tools)
         async with self._request(msg) as queue:
             reply = await self._next(queue, msg.id, self._deadline(timeout))
         _raise_on_error(reply)
@@ -193,6 +196,30 @@ class AsyncClient:
         self, timeout: float | None = None, *, admin_key: str | None = None
     ) -> dict[str, Any]:
         return await self._admin(P.Check, timeout, admin_key or self._admin_key)
+
+    async def explain_cache(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        cache_salt: str | None = None,
+        lora: str | None = None,
+        timeout: float | None = None,
+        admin_key: str | None = None,
+    ) -> dict[str, Any]:
+        """``Client.explain_cache``, for asyncio."""
+        key = admin_key or self._admin_key
+        return await self._admin(P.ExplainCache, timeout, key, **_explain_fields(
+            prompt, input_ids, messages, tools, cache_salt, lora
+        ))  # fmt: skip
+
+    async def dashboard(
+        self, timeout: float | None = None, *, admin_key: str | None = None
+    ) -> dict[str, Any]:
+        """``Client.dashboard``, for asyncio."""
+        return await self._admin(P.Dashboard, timeout, admin_key or self._admin_key)
 
     async def load_lora_adapter(
         self, lora_name: str, lora_path: str, timeout: float | None = None, *,

@@ -149,6 +149,27 @@ def admin_message(cls: type[P.Message], admin_key: str | None, **fields: Any) ->
     return cls(id=uuid.uuid4().hex)  # type: ignore[call-arg]
 
 
+def _explain_fields(
+    prompt: str | None,
+    input_ids: Sequence[int] | None,
+    messages: Sequence[Mapping[str, Any]] | None,
+    tools: Sequence[Mapping[str, Any]] | None,
+    cache_salt: str | None,
+    lora: str | None,
+) -> dict[str, Any]:
+    """An ``explain_cache`` message's fields (exactly one prompt form)."""
+    if sum(x is not None for x in (prompt, input_ids, messages)) != 1:
+        raise ValueError("explain_cache takes exactly one of prompt, input_ids, messages")
+    return {
+        "prompt": prompt,
+        "input_ids": None if input_ids is None else [int(t) for t in input_ids],
+        "messages": None if messages is None else [dict(m) for m in messages],
+        "tools": None if tools is None else [dict(t) for t in tools],
+        "cache_salt": cache_salt,
+        "lora": lora,
+    }
+
+
 def setup_socket(sock: zmq.Socket, curve: CurveKeys | None = None) -> zmq.Socket:
     """Configure a fresh DEALER before ``connect``; returns its monitor socket (events
     read with ``Link.on_event``)."""
@@ -328,6 +349,7 @@ def build_generate(
     echo: bool = False,
     tools: Sequence[Mapping[str, Any]] | None = None,
     lora: str | None = None,
+    cache_key: str | None = None,
 ) -> P.Generate:
     """The ``generate`` message for these arguments (SamplingParams validated here;
     ``tools`` must come with ``messages`` and be a list of maps, the server checks the
@@ -361,6 +383,7 @@ def build_generate(
         cache_salt=cache_salt,
         echo=echo,
         lora=lora,
+        cache_key=cache_key,
     )
 
 
@@ -369,6 +392,7 @@ def build_tokenize(
     messages: Sequence[Mapping[str, Any]] | None,
     add_special_tokens: bool,
     add_generation_prompt: bool,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> P.Tokenize:
     """The ``tokenize`` message for these arguments."""
     if (prompt is None) == (messages is None):
@@ -379,6 +403,7 @@ def build_tokenize(
         messages=None if messages is None else [dict(m) for m in messages],
         add_special_tokens=bool(add_special_tokens),
         add_generation_prompt=bool(add_generation_prompt),
+        tools=None if tools is None else [dict(t) for t in tools],
     )
 
 

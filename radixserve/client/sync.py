@@ -21,6 +21,7 @@ from radixserve.client.common import (
     LinkLost,
     RequestTimeout,
     ServerError,
+    _explain_fields,
     _raise_on_error,
     _Results,
     admin_key_or_env,
@@ -164,12 +165,14 @@ class Client:
         add_special_tokens: bool = True,
         add_generation_prompt: bool = True,
         timeout: float | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """The token ids the server computes for a text (its special tokens, such as
         BOS, unless ``add_special_tokens`` is False) or for chat messages (the
-        template's generation prompt unless ``add_generation_prompt`` is False): hold
-        a context as these ids and send it as ``input_ids`` to avoid re-tokenizing."""
-        msg = build_tokenize(prompt, messages, add_special_tokens, add_generation_prompt)
+        template's generation prompt unless ``add_generation_prompt`` is False; with
+        the tool definitions ``tools`` its template is given): hold a context as these
+        ids and send it as ``input_ids`` to avoid re-tokenizing."""
+        msg = build_tokenize(prompt, messages, add_special_tokens, add_generation_prompt, tools)
         with self._request(msg):
             reply = self._next(msg.id, self._deadline(timeout))
         _raise_on_error(reply)
@@ -241,6 +244,35 @@ class Client:
         """Run the scheduler's idle-invariant check: {"ok": bool, "error": str | None}.
         ``admin_key`` as for ``flush_cache``."""
         return self._admin(P.Check, timeout, admin_key or self._admin_key)
+
+    def explain_cache(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        cache_salt: str | None = None,
+        lora: str | None = None,
+        timeout: float | None = None,
+        admin_key: str | None = None,
+    ) -> dict[str, Any]:
+        """What the prefix cache would serve of this prompt now, and why no more,
+        without running the model (docs/cache-tiers.md, "Explain"): the hit per tier,
+        the first token that misses with the prompt text around it, what the tree holds
+        there, and whether a longer match was evicted. The prompt as for ``generate``
+        (one of ``prompt``, ``input_ids``, ``messages``); ``cache_salt`` and ``lora``
+        pick the namespace. An admin call (``admin_key`` as for ``flush_cache``)."""
+        key = admin_key or self._admin_key
+        return self._admin(P.ExplainCache, timeout, key, **_explain_fields(
+            prompt, input_ids, messages, tools, cache_salt, lora
+        ))  # fmt: skip
+
+    def dashboard(
+        self, timeout: float | None = None, *, admin_key: str | None = None
+    ) -> dict[str, Any]:
+        """The dashboard's figures (docs/http.md, "Dashboard"); an admin call."""
+        return self._admin(P.Dashboard, timeout, admin_key or self._admin_key)
 
     def load_lora_adapter(
         self, lora_name: str, lora_path: str, timeout: float | None = None, *,

@@ -3,6 +3,8 @@
 | route | answer |
 |---|---|
 | ``POST /v1/completions``, ``POST /v1/chat/completions`` | see ``completions.py`` |
+| ``POST /v1/messages``, ``POST /v1/messages/count_tokens`` | Anthropic's Messages API: see ``messages.py`` |
+| ``POST /v1/responses`` | OpenAI's Responses API: see ``responses.py`` |
 | ``GET /v1/models`` | the served model, once per served name (``--served-model-name`` may give several), then each LoRA adapter (``parent``: the model) |
 | ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter`` | vLLM's bodies (``lora_name``, ``lora_path``); admin calls (docs/lora.md) |
 | ``GET /health`` | 200 after a round trip through the tokenizer and the scheduler; else 503 |
@@ -10,12 +12,13 @@
 | ``GET /stats`` | the scheduler's stats (``Client.stats()``) |
 | ``GET /metrics`` | Prometheus text format (``metrics.py``) |
 | ``POST /reset_prefix_cache`` | vLLM's name for ``/flush_cache`` |
+| ``POST /v1/cache/explain``; ``GET /dashboard``, ``GET /dashboard/data`` (``--dashboard``) | see ``dashboard.py`` |
 | SGLang's ``/generate``, ``/get_model_info``, ``/get_server_info`` (``/server_info``), ``/health_generate``, ``/abort_request``; ``/tokenize``, ``/detokenize`` (SGLang's and vLLM's) | see ``sglang_api.py`` |
 
 With ``--api-key`` / ``--admin-api-key``, routes need a Bearer key (``auth.py``).
-Every error is OpenAI's ``{"error": {...}}`` with its status: 400 for a bad body or a
-request the server refuses, 401 without the right key, 404 for an unknown model, 503
-while the server stops.
+Every error is OpenAI's ``{"error": {...}}`` (Anthropic's shape under ``/v1/messages``)
+with its status: 400 for a bad body or a request the server refuses, 401 without the
+right key, 404 for an unknown model, 503 while the server stops.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from starlette.requests import ClientDisconnect
 
 from radixserve.client import RequestTimeout, ServerError
 from radixserve.http import completions as C
+from radixserve.http import dashboard as D
+from radixserve.http import messages as M
+from radixserve.http import responses as R
 from radixserve.http import sglang_api as S
 from radixserve.http.auth import NO_KEYS, Keys
 from radixserve.http.errors import HTTPError
@@ -49,9 +55,14 @@ def create_app(state: FrontState, keys: Keys = NO_KEYS) -> FastAPI:
     app.add_middleware(HeadLimit)  # 431 for a head over MAX_HEAD_BYTES (h11_protocol.py)
     app.state.front = state
 
-    @app.exception_handler(HTTPError)
-    async def _http_error(_request: Request, e: HTTPError) -> Response:
+    def _error(request: Request, e: HTTPError) -> Response:
+        if request.url.path.startswith("/v1/messages"):  # Anthropic's clients read theirs
+            return M.anthropic_error(e)
         return e.response()
+
+    @app.exception_handler(HTTPError)
+    async def _http_error(request: Request, e: HTTPError) -> Response:
+        return _error(request, e)
 
     @app.exception_handler(C.ClientGone)
     async def _gone(_request: Request, _e: C.ClientGone) -> Response:
@@ -66,16 +77,18 @@ def create_app(state: FrontState, keys: Keys = NO_KEYS) -> FastAPI:
 
     @app.exception_handler(404)
     async def _not_found(request: Request, _e: Exception) -> Response:
-        return HTTPError(404, f"no route {request.url.path}", code="not_found").response()
+        return _error(request, HTTPError(404, f"no route {request.url.path}", code="not_found"))
 
     @app.exception_handler(405)
     async def _bad_method(request: Request, _e: Exception) -> Response:
-        return HTTPError(405, f"{request.method} is not allowed on {request.url.path}").response()
+        return _error(
+            request, HTTPError(405, f"{request.method} is not allowed on {request.url.path}")
+        )
 
     @app.exception_handler(Exception)
-    async def _bug(_request: Request, e: Exception) -> Response:
+    async def _bug(request: Request, e: Exception) -> Response:
         log.exception("request failed")
-        return HTTPError(500, f"internal error: {type(e).__name__}: {e}").response()
+        return _error(request, HTTPError(500, f"internal error: {type(e).__name__}: {e}"))
 
     def _serving() -> None:
         if state.draining:
@@ -92,6 +105,25 @@ def create_app(state: FrontState, keys: Keys = NO_KEYS) -> FastAPI:
         keys.check(request)
         _serving()
         return await C.chat_completions(state, request)
+
+    # Anthropic's Messages API (messages.py) and OpenAI's Responses API (responses.py).
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        keys.check(request)
+        _serving()
+        return await M.messages(state, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> dict:
+        keys.check(request)
+        _serving()
+        return await M.count_tokens(state, request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        keys.check(request)
+        _serving()
+        return await R.responses(state, request)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
@@ -242,4 +274,5 @@ def create_app(state: FrontState, keys: Keys = NO_KEYS) -> FastAPI:
         text = await state.metrics.render(lambda: _admin(state.client.stats))
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
+    D.add_routes(app, state, keys)  # the cache's explain and the dashboard
     return app

@@ -1,7 +1,8 @@
 """API keys of the HTTP front (``--api-key``, ``--admin-api-key``), as vLLM's ``--api-key``.
 
 With an API key set, ``/v1/*``, ``/stats``, ``/tokenize``, ``/detokenize`` and SGLang's
-``/generate`` and info routes need ``Authorization: Bearer <key>``; ``/flush_cache``,
+``/generate`` and info routes need ``Authorization: Bearer <key>`` (or Anthropic's
+``x-api-key: <key>`` header, which its clients send); ``/flush_cache``,
 ``/reset_prefix_cache`` and ``/abort_request`` need the admin key when one is set (else
 the API key). The admin key is accepted wherever the API key is. ``/health``,
 ``/health_generate`` and ``/metrics`` stay open (load balancers and Prometheus probe them). A missing or wrong key is a 401 in
@@ -39,17 +40,24 @@ class Keys:
         out = {API_KEY_ENV: self.api_key, ADMIN_KEY_ENV: self.admin_key}
         return {k: v for k, v in out.items() if v}
 
-    def check(self, request: Request, admin: bool = False) -> None:
-        """Raise a 401 unless the request brings a key that opens this route."""
+    def wanted(self, admin: bool = False) -> list[str]:
+        """The keys that open a route (none: it is open)."""
         if admin:
             wanted = [self.admin_key] if self.admin_key else [self.api_key]
         else:  # open without an API key; the admin key opens it too
             wanted = [self.api_key, self.admin_key] if self.api_key else []
-        wanted = [k for k in wanted if k]
+        return [k for k in wanted if k]
+
+    def check(self, request: Request, admin: bool = False) -> None:
+        """Raise a 401 unless the request brings a key that opens this route."""
+        wanted = self.wanted(admin)
         if not wanted:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and any(_same(given.strip(), k) for k in wanted):
+        if scheme.lower() == "bearer" and any(same_key(given.strip(), k) for k in wanted):
+            return
+        anthropic = request.headers.get("x-api-key")
+        if anthropic is not None and any(same_key(anthropic.strip(), k) for k in wanted):
             return
         from radixserve.http.errors import HTTPError
 
@@ -61,5 +69,6 @@ class Keys:
 NO_KEYS = Keys()  # every route open, as without --api-key
 
 
-def _same(given: str, key: str) -> bool:
+def same_key(given: str, key: str) -> bool:
+    """Whether ``given`` is ``key``, compared in constant time."""
     return hmac.compare_digest(given.encode(), key.encode())

@@ -126,6 +126,7 @@ async def completions(state: FrontState, request: Request) -> Response:
                 echo=body.echo,
                 lora=lora,
                 outcome=outcome,
+                cache_key=body.prompt_cache_key,
                 **{kind: p},
             )  # fmt: skip
         )
@@ -146,6 +147,7 @@ async def chat_completions(state: FrontState, request: Request) -> Response:
         tools=body.tools_as_dicts(),
         cache_salt=body.cache_salt,
         lora=lora,
+        cache_key=body.prompt_cache_key,
     )
     return await _respond(state, request, body, [gen], chat=True)
 
@@ -242,12 +244,16 @@ class _Format:
         totals = [g.usage for g in self.gens]
         prompt = sum(u["prompt_tokens"] for u in totals)
         completion = sum(u["completion_tokens"] for u in totals)
-        return {
+        out = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(u["cached_tokens"] for u in totals)},
         }
+        explains = [u["explain"] for u in totals if "explain" in u]
+        if explains:  # ``explain``: one per prompt, in order
+            out["explain"] = explains if len(totals) > 1 else explains[0]
+        return out
 
     def whole(self) -> dict[str, Any]:
         choices = []

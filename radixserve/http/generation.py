@@ -79,6 +79,7 @@ class Generation:
         rid: str | None = None,
         lora: str | None = None,
         outcome: Outcome | None = None,
+        cache_key: str | None = None,
     ) -> None:
         self.client, self.metrics, self.sampling = client, metrics, sampling
         self.outcome = outcome if outcome is not None else Outcome(metrics)
@@ -90,6 +91,7 @@ class Generation:
             "cache_salt": cache_salt,
             "echo": echo,
             "lora": lora,
+            "cache_key": cache_key,  # routing only (prompt_cache_key)
         }
         # Scored once per prompt (they come with choice 0's first chunk), shared by all n.
         self.prompt_logprobs: list | None = None
@@ -105,20 +107,23 @@ class Generation:
         return all(c.finish_reason is not None for c in self.choices)
 
     @property
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         """prompt / completion / cached tokens, once every choice finished.
 
         The prompt is computed once for all n choices, so it is counted once (as OpenAI
         does); its cached tokens are those of choice 0, the one that computed the prompt.
         """
         first = self.choices[0].usage or {}
-        return {
+        out = {
             "prompt_tokens": first.get("prompt_tokens", 0),
             "completion_tokens": sum(
                 (c.usage or {}).get("completion_tokens", 0) for c in self.choices
             ),
             "cached_tokens": first.get("cached_tokens", 0),
         }
+        if "explain" in first:  # the request asked (``explain``): the cache's hit explained
+            out["explain"] = first["explain"]
+        return out
 
     async def chunks(self) -> AsyncIterator[P.Chunk]:
         """The tokenizer's chunks for every choice (each choice's last has finish_reason)."""

@@ -10,7 +10,9 @@ Where each metric is measured, and why:
   ``spec_decode_accepted_tokens_total`` and ``spec_decode_verifications_total``, the
   ``request_queue_time_seconds`` histogram (arrival to first admission, by priority:
   the scheduler keeps its buckets), and the gauges for running / waiting requests and
-  KV pages (free, used by requests, cached in the tree). The scheduler's counters are
+  KV pages (free, used by requests, cached in the tree); under the ``priority``
+  eviction policy, ``retained_pages`` (what retention hints hold, and the caps) and
+  ``retention_clipped_total`` (hints clipped at a cap). The scheduler's counters are
   turned into Prometheus counters by adding the increase since the last scrape, so they
   never go down.
 - In this front, for its own requests only, because that is where a request's client
@@ -174,6 +176,16 @@ class Metrics:
             "KV pages evicted from the pool to make room (flushes not counted).",
             ("policy",),
         )
+        # Under --radix-eviction-policy priority: what cache_retention hints hold, and caps.
+        self.retained_pages = gauge(
+            "retained_pages",
+            "KV pages held by retention hints: in all (total), by the largest tenant "
+            "(max_tenant), and the caps (cap_tenant, cap_total).",
+            ("scope",),
+        )
+        self.retention_clipped = counter(
+            "retention_clipped", "Retention hints clipped at a cap (or not applied at all)."
+        )
         self.queue_time = QueueTimeCollector(model_name)
         r.register(self.queue_time)
         self._lock = asyncio.Lock()
@@ -218,6 +230,14 @@ class Metrics:
             self._grow(self.evicted.labels(m, policy), ("evicted", ""), int(stats["evicted_pages"]))
         if "queue_time" in stats:
             self.queue_time.latest = stats["queue_time"]  # type: ignore[assignment]
+        if "retained_pages" in stats:
+            for scope, key in (("total", "retained_pages"),
+                               ("max_tenant", "retained_pages_max_tenant"),
+                               ("cap_tenant", "max_retained_pages_tenant"),
+                               ("cap_total", "max_retained_pages_total")):  # fmt: skip
+                self.retained_pages.labels(m, scope).set(stats[key])
+            clipped = int(stats["retention_clipped"])
+            self._grow(self.retention_clipped.labels(m), ("retention_clipped", ""), clipped)
         self.running.labels(m).set(stats["running"])
         self.waiting.labels(m).set(stats["waiting"])
         self.kv_pages.labels(m, "free").set(stats["pages_free"])

@@ -29,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+from radixserve.http.cache_steering import PROMPT_CACHE_RETENTION, retention_hint
 from radixserve.http.tool_parsers import AutoToolCalling
 from radixserve.http.tools import NO_PARAMETERS, TOOL_NAME_PATTERN, ToolCalling
 from radixserve.sampling_params import (
@@ -162,6 +163,11 @@ class _Common(_Strict):
     priority: Int | None = None  # vLLM's: lower first (docs/scheduler.md, "Priorities")
     request_timeout: Number | None = None  # seconds the server gives the request
     cache_retention: tuple[Int, Number] | None = None  # [level, seconds]: keep the prompt
+    # OpenAI's cache steering (cache_steering.py): a routing key, never a namespace;
+    # how long the prompt's cached prefix is kept.
+    prompt_cache_key: StrictStr | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    explain: StrictBool | None = None  # usage.explain: the cache's hit explained
     # vLLM's and SGLang's text options, which SGLang's gateway sends with every request:
     # accepted at the only values radixserve serves (special tokens skipped and joined
     # without spaces, the text ending before a matched stop string, no hidden states).
@@ -202,11 +208,14 @@ class _Common(_Strict):
         for name in (
             "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
             "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids",
-            "logit_bias", "priority", "request_timeout", "cache_retention",
+            "logit_bias", "priority", "request_timeout", "cache_retention", "explain",
         ):  # fmt: skip
             value = getattr(self, name)
             if value is not None:
                 fields[name] = value
+        if self.prompt_cache_retention is not None and self.cache_retention is None:
+            seconds = PROMPT_CACHE_RETENTION[self.prompt_cache_retention]
+            fields["cache_retention"] = retention_hint(seconds)
         if self.stop is not None:
             fields["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         fields["ignore_eos"] = self.ignore_eos

@@ -99,6 +99,7 @@ async def serve(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
             eos_token_ids=tuple(config.model.eos_token_ids),
             tool_call_parser=config.tool_call_parser,
             model_aliases=tuple(config.served_model_aliases),
+            dashboard=config.dashboard,
         )
         # Connections: at most what the descriptor budget allows (connection_limit.py).
         limits = config.connection_limits.derive(per_connection=1)

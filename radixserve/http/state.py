@@ -9,6 +9,7 @@ from typing import Any
 from radixserve.client import AsyncClient
 from radixserve.http.large_bodies import LargeBodies
 from radixserve.http.metrics import Metrics
+from radixserve.http.response_store import ResponseStore
 from radixserve.tokenizer.config import TokenizerConfig
 
 # Room a body leaves for what the front adds to the message it sends on (id, fields).
@@ -44,6 +45,9 @@ class FrontState:
     sglang_requests: dict[str, Any] = field(default_factory=dict)
     # LoRA adapters' names as last listed by the server (``completions.adapter_of``).
     lora_names: set[str] = field(default_factory=set)
+    # Earlier responses of /v1/responses, for previous_response_id (responses.py).
+    responses: ResponseStore = field(default_factory=ResponseStore)
+    dashboard: bool = False  # --dashboard: /dashboard and /dashboard/data (dashboard.py)
 
     def serves(self, model: str) -> bool:
         """Whether ``model`` names the served model (its name or an alias)."""

@@ -12,7 +12,7 @@ Channels (see docs/protocol.md):
 - public, client DEALER <-> tokenizer ROUTER: ``PUBLIC_REQUESTS`` in,
   ``Chunk`` / ``ResultMsg`` / ``Error`` / ``Reply`` out;
 - tokenizer -> scheduler: ``AddRequest``, ``AbortRequest``, ``Flush``, ``GetStats``,
-  ``CheckIdle``; scheduler -> tokenizer: ``Outputs``, ``RequestError``, ``AdminReply``;
+  ``CheckIdle``, ``Explain``, ``GetDashboard``; scheduler -> tokenizer: ``Outputs``, ``RequestError``, ``AdminReply``;
 - scheduler -> worker: ``Step``; worker -> scheduler: ``StepResult``;
 - children -> launcher: ``Ready``; launcher -> tokenizer and HTTP front: ``Shutdown``;
   HTTP front -> launcher: ``Draining``.
@@ -47,8 +47,10 @@ from radixserve.protocol.internal import (
     AdminReply,
     CheckIdle,
     Draining,
+    Explain,
     Flush,
     Forced,
+    GetDashboard,
     GetStats,
     GrammarFailure,
     GrammarSpec,
@@ -75,8 +77,10 @@ from radixserve.protocol.public import (
     Abort,
     Check,
     Chunk,
+    Dashboard,
     Detokenize,
     Error,
+    ExplainCache,
     FlushCache,
     Generate,
     Health,
@@ -133,9 +137,12 @@ __all__ = [
     "Check",
     "CheckIdle",
     "Chunk",
+    "Dashboard",
     "Detokenize",
     "Draining",
     "Error",
+    "Explain",
+    "ExplainCache",
     "F64",
     "FINISH",
     "FINISH_REASONS",
@@ -144,6 +151,7 @@ __all__ = [
     "FlushCache",
     "Forced",
     "Generate",
+    "GetDashboard",
     "GetStats",
     "GrammarFailure",
     "GrammarSpec",

@@ -85,6 +85,25 @@ class GetStats(Message):
 
 
 @dataclass
+class Explain(Message):
+    """Tokenizer -> scheduler: explain the cache's hit on ``input_ids`` under ``salt``
+    and the adapter ``lora``; answered with an ``AdminReply`` (``{"error"}`` when
+    refused)."""
+
+    TYPE: ClassVar[str] = "explain"
+    tag: int = f(INT)
+    input_ids: np.ndarray = f(I32)
+    salt: str | None = f(_optional(STR), None)
+    lora: str | None = f(_optional(STR), None)
+
+
+@dataclass
+class GetDashboard(Message):
+    TYPE: ClassVar[str] = "get_dashboard"
+    tag: int = f(INT)
+
+
+@dataclass
 class CheckIdle(Message):
     TYPE: ClassVar[str] = "check_idle"
     tag: int = f(INT)
@@ -117,6 +136,11 @@ class OutputItem(Message):
     # cached_tokens split by where they were found: [pool (L1), host (L2), disk (L3),
     # the shared KV store].
     cached_tokens_by_tier: list[int] = f(INT_LIST, [0, 0, 0, 0])
+    # Prompt tokens the request's cache_retention hint holds (fewer when clipped at a
+    # retention cap; 0: no hint, or none held).
+    retained_tokens: int = f(INT, 0)
+    # With sampling.explain, on the last item: the cache's explain at arrival (token ids).
+    explain: dict | None = f(_optional(MAP), None)
 
 
 @dataclass

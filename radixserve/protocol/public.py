@@ -46,6 +46,9 @@ class Generate(Message):
     echo: bool = f(BOOL, False)
     # The LoRA adapter to generate with, by name (None: the base model; docs/lora.md).
     lora: str | None = f(_optional(STR), None)
+    # A routing key (OpenAI's prompt_cache_key): a router sends a key's requests to
+    # one replica. Never a cache namespace (that is cache_salt).
+    cache_key: str | None = f(_optional(STR), None)
 
 
 @dataclass
@@ -96,7 +99,7 @@ class Tokenize(Message):
     ``generate`` with it would compute them, answered with ``Reply(id, {"input_ids"})``
     by the tokenizer process alone. ``add_special_tokens``: the tokenizer's own (BOS)
     around a text; ``add_generation_prompt``: the template's assistant opening after
-    the messages."""
+    the messages; ``tools``: the tool definitions the chat template is given."""
 
     TYPE: ClassVar[str] = "tokenize"
     id: str = f(ID)
@@ -104,6 +107,7 @@ class Tokenize(Message):
     messages: list[dict] | None = f(_optional(MAP_LIST), None)
     add_special_tokens: bool = f(BOOL, True)
     add_generation_prompt: bool = f(BOOL, True)
+    tools: list[dict] | None = f(_optional(MAP_LIST), None)
 
 
 @dataclass
@@ -150,8 +154,45 @@ class ListLoraAdapters(Message):
     id: str = f(ID)
 
 
+@dataclass
+class ExplainCache(Message):
+    """What the prefix cache would serve of a prompt now, and why no more
+    (docs/cache-tiers.md, "Explain"): the prompt as a ``Generate`` gives it (one of
+    prompt, input_ids, messages; tools; cache_salt and lora choose the namespace);
+    answered with ``Reply(id, report)`` without running the model. An admin call
+    (``admin_key`` as for ``FlushCache``): it tells what else is cached."""
+
+    TYPE: ClassVar[str] = "explain_cache"
+    id: str = f(ID)
+    prompt: str | None = f(_optional(STR), None)
+    input_ids: list[int] | None = f(_optional(INT_LIST), None)
+    messages: list[dict] | None = f(_optional(MAP_LIST), None)
+    tools: list[dict] | None = f(_optional(MAP_LIST), None)
+    cache_salt: str | None = f(_optional(STR), None)
+    lora: str | None = f(_optional(STR), None)
+    admin_key: str | None = f(_optional(STR), None)
+
+
+@dataclass
+class Dashboard(Message):
+    """The dashboard's figures (docs/http.md, "Dashboard"): hit rates over time, the
+    pool and tier occupancy, the tree's largest prefixes. ``admin_key`` as for
+    ``FlushCache``."""
+
+    TYPE: ClassVar[str] = "dashboard"
+    id: str = f(ID)
+    admin_key: str | None = f(_optional(STR), None)
+
+
 #: The admin calls that need the admin key when the server has one.
-ADMIN_REQUESTS: tuple[type[Message], ...] = (FlushCache, Check, LoadLoraAdapter, UnloadLoraAdapter)
+ADMIN_REQUESTS: tuple[type[Message], ...] = (
+    FlushCache,
+    Check,
+    LoadLoraAdapter,
+    UnloadLoraAdapter,
+    ExplainCache,
+    Dashboard,
+)
 
 PUBLIC_REQUESTS: dict[str, type[Message]] = {
     c.TYPE: c
@@ -167,6 +208,8 @@ PUBLIC_REQUESTS: dict[str, type[Message]] = {
         LoadLoraAdapter,
         UnloadLoraAdapter,
         ListLoraAdapters,
+        ExplainCache,
+        Dashboard,
     )  # fmt: skip
 }
 
@@ -218,7 +261,8 @@ class Error(Message):
 
 @dataclass
 class Reply(Message):
-    """The answer to flush_cache / stats / health / check / tokenize ``id``."""
+    """The answer to flush_cache / stats / health / check / tokenize / explain_cache /
+    dashboard ``id``."""
 
     TYPE: ClassVar[str] = "reply"
     id: str = f(ID)

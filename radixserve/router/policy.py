@@ -28,12 +28,19 @@ to the replicas' ``--max-running-requests`` unless told otherwise, so a
 replica keeps the prompts it caches until it would queue a whole batch more
 than another (64, SGLang's default, is also the replicas' default batch).
 ``least_load``: always the least loaded (then the most free pages).
+
+A request with a routing key (OpenAI's ``prompt_cache_key``, within its salt) goes
+to the replica that served the key last (``KeyAffinity``) under ``cache_aware``,
+unless the load is imbalanced or another replica caches a longer prefix of it: an
+agent session's next turn then finds its context where it left it even while that
+context sits in the replica's host tier, which the mirror does not show.
 ``round_robin``: in turn. Ties go round robin among the tied replicas, so
 prompts nobody caches spread evenly.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -80,7 +87,41 @@ class PolicyConfig:
 @dataclass(frozen=True)
 class Decision:
     replica: int  # index into the candidates given
-    reason: str  # "cache", "balance", "miss", "least_load", "round_robin"
+    reason: str  # "cache", "balance", "miss", "least_load", "round_robin", "key"
+
+
+class KeyAffinity:
+    """The replica (by its index in the router) each routing key went to last: the
+    ``max_keys`` most recently used keys."""
+
+    def __init__(self, max_keys: int = 65536) -> None:
+        self.max_keys = max_keys
+        self._by_key: OrderedDict[tuple[str | None, str], int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def get(self, key: tuple[str | None, str]) -> int | None:
+        return self._by_key.get(key)
+
+    def put(self, key: tuple[str | None, str], replica: int) -> None:
+        self._by_key[key] = replica
+        self._by_key.move_to_end(key)
+        while len(self._by_key) > self.max_keys:
+            self._by_key.popitem(last=False)
+
+
+def keep_affinity(
+    cfg: PolicyConfig, decision: Decision, preferred: int | None,
+    matches: Sequence[int], loads: Sequence[int],
+) -> Decision:  # fmt: skip
+    """``decision``, or the key's ``preferred`` candidate (an index into the sequences)
+    under ``cache_aware`` when the load is balanced and it caches as much as any."""
+    if preferred is None or cfg.policy != "cache_aware" or preferred == decision.replica:
+        return decision
+    if imbalanced(loads, cfg) or matches[preferred] < max(matches):
+        return decision
+    return Decision(preferred, "key")
 
 
 class RoundRobin:

@@ -41,7 +41,7 @@ import zmq
 
 from radixserve import protocol as P
 from radixserve.router.config import RouterConfig
-from radixserve.router.policy import Decision, RoundRobin, choose
+from radixserve.router.policy import Decision, KeyAffinity, RoundRobin, choose, keep_affinity
 from radixserve.router.replica import Forwarded, Replica
 from radixserve.router.totals import CounterTotals
 from radixserve.scheduler.kv_events import page_keys
@@ -118,6 +118,7 @@ class Router:
         ).start()
         self.endpoint = self.gate.endpoint
         self.rr = RoundRobin()
+        self.affinity = KeyAffinity()  # prompt_cache_key -> the replica it went to last
         self.requests: dict[str, Forwarded] = {}  # by router id
         self.by_client: dict[tuple[bytes, str], str] = {}
         self.per_client: Counter[bytes] = Counter()
@@ -281,7 +282,7 @@ class Router:
             self._send_error(identity, msg.id, f"{P.SERVER_FAILED}: no replica is up")
             return
         ids = self._prompt_ids(msg)
-        r, keys = self._route(live, ids, msg.cache_salt, msg.id, msg.lora)
+        r, keys = self._route(live, ids, msg.cache_salt, msg.id, msg.lora, msg.cache_key)
         self.next_id += 1
         rid = f"g{self.next_id}"
         fwd = Forwarded(identity, msg.id, r.index, msg.sampling.n, msg.stream, keys)
@@ -308,8 +309,10 @@ class Router:
             return None
 
     def _route(self, live: list[Replica], ids: list[int] | None, salt: str | None,
-               client_id: str, lora: str | None = None) -> tuple[Replica, list[bytes]]:  # fmt: skip
+               client_id: str, lora: str | None = None,
+               cache_key: str | None = None) -> tuple[Replica, list[bytes]]:  # fmt: skip
         """The replica for a prompt, and the prompt's keys in its page size.
+        A routing key keeps its replica while the policy allows (``keep_affinity``).
 
         A replica's match is the longer of its mirror's and that of the prompts in
         flight there (``Replica.pending``): a prompt being prefilled will be cached
@@ -337,6 +340,12 @@ class Router:
         prompt_len = len(ids) - 1 if ids else 0
         free = [r.free_pages() for r in live]
         decision = choose(self.config.policy, self.rr, matches, loads, free, prompt_len)
+        if cache_key is not None:
+            last = self.affinity.get((salt, cache_key))
+            where = [r.index for r in live]
+            preferred = where.index(last) if last in where else None
+            decision = keep_affinity(self.config.policy, decision, preferred, matches, loads)
+            self.affinity.put((salt, cache_key), live[decision.replica].index)
         if self.config.decisions:
             self.decisions.append((client_id, live[decision.replica].index, matches, decision))
             del self.decisions[: -self.config.decisions]
@@ -348,8 +357,9 @@ class Router:
             return
         try:
             ids = self.inputs.tokenize(
-                msg.prompt, msg.messages, msg.add_special_tokens, msg.add_generation_prompt
-            )
+                msg.prompt, msg.messages, msg.add_special_tokens, msg.add_generation_prompt,
+                msg.tools,
+            )  # fmt: skip
         except Exception as e:
             self._send_error(identity, msg.id, str(e) if isinstance(e, ValueError)
                              else f"could not tokenize: {e!r}"[:200])  # fmt: skip

@@ -102,6 +102,13 @@ class PageAllocator:
         self._stack[self._top : self._top + ids.size] = ids
         self._top += ids.size
 
+    def last_freed(self, n: int) -> PageIds:
+        """The ids of the last ``n`` pages freed (the top of the free stack), read
+        before any ``alloc``: an eviction's victims, for instance."""
+        if not 0 <= n <= self._top:
+            raise PageAllocatorError(f"{n} pages freed last, but {self._top} are free")
+        return self._stack[self._top - n : self._top].copy()
+
     def is_allocated(self, ids: PageIds | list[int]) -> np.ndarray:
         """Boolean array: which of ``ids`` are currently allocated."""
         return self._allocated[np.asarray(ids, dtype=np.int64)]

@@ -109,7 +109,16 @@ class SchedulerOptions(SharedOptions):
     max_retained_share: float = option(
         0.5,
         "with --radix-eviction-policy priority: the most of the KV pool one tenant "
-        "(cache_salt) may hold under cache_retention hints (a hint past it is not applied)",
+        "(cache_salt) may hold under cache_retention hints (a hint past it is clipped to "
+        "the prefix that fits)",
+        at_least=0.0,
+        at_most=1.0,
+    )
+    max_retained_total_share: float = option(
+        0.8,
+        "with --radix-eviction-policy priority: the most of the KV pool all tenants "
+        "together may hold under cache_retention hints (a hint past it is clipped), "
+        "so retained prefixes never leave other requests short of pages",
         at_least=0.0,
         at_most=1.0,
     )

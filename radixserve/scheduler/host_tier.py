@@ -1,5 +1,11 @@
 """The host tier's index (L2): which page key each host slot holds, LRU first.
 
+An entry demoted from a retained prefix (a ``cache_retention`` hint still running:
+docs/cache-tiers.md, "Retained sessions") keeps its deadline here: ``pop_lru`` takes
+the oldest idle entry that is not retained, and a retained one only to make room
+for another retained page, so a paused session's prefix outlives what nobody asked
+to keep (an unretained page finding only retained entries is dropped instead).
+
 The worker owns the host buffer (``worker/host_cache.py``: ``num_slots`` pages of KV
 in host memory); this index decides what goes where. A slot is in exactly one of
 three places (``check()`` counts them):
@@ -25,6 +31,7 @@ class HostEntry:
     slot: int
     written: bool = False  # a demotion fills the slot in this step
     read: bool = False  # a promotion reads the slot (until its ticket is done)
+    retained_until: float = 0.0  # its prefix's retention deadline (time.monotonic())
 
     @property
     def pinned(self) -> bool:
@@ -58,25 +65,36 @@ class HostTier:
         e = self._entries.get(key)
         return e is not None and not e.read
 
-    def touch(self, key: bytes) -> None:
+    def touch(self, key: bytes, retained_until: float = 0.0) -> None:
         self._entries.move_to_end(key)
+        e = self._entries[key]
+        e.retained_until = max(e.retained_until, retained_until)
 
     def take_slot(self) -> int | None:
         """A free slot for a demotion, or None."""
         return self._free.pop() if self._free else None
 
-    def pop_lru(self) -> tuple[bytes, int] | None:
-        """Remove the least recently used idle entry; its key and slot (now the
-        caller's), or None when every entry is pinned."""
+    def pop_lru(self, now: float = 0.0, retained: bool = True) -> tuple[bytes, int] | None:
+        """Remove the least recently used idle entry not retained at ``now``, else
+        (when ``retained``: the page that needs the slot is retained itself) the
+        least recently used idle one; its key and slot (now the caller's), or None
+        when there is none."""
+        victim = None
         for key, e in self._entries.items():
-            if not e.pinned:
-                del self._entries[key]
-                return key, e.slot
-        return None
+            if e.pinned:
+                continue
+            if e.retained_until <= now:
+                victim = key
+                break
+            if victim is None and retained:
+                victim = key  # the oldest retained one, unless an unretained one comes
+        if victim is None:
+            return None
+        return victim, self._entries.pop(victim).slot
 
-    def add_written(self, key: bytes, slot: int) -> None:
+    def add_written(self, key: bytes, slot: int, retained_until: float = 0.0) -> None:
         assert key not in self._entries
-        self._entries[key] = HostEntry(slot, written=True)
+        self._entries[key] = HostEntry(slot, written=True, retained_until=retained_until)
         self._written_now.append(key)
 
     def pin_read(self, key: bytes) -> int:

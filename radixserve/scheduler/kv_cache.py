@@ -33,7 +33,9 @@ arrived counts as computed (``take_store_hit``), and a request let go meanwhile
 leaves the pages being filled to the tiers until they are done (``release``). A
 request whose matched pages are still on their way (``loading``) must not compute
 yet. Every insert goes through one call, with each component's part of it
-(``_insert``).
+(``_insert``). ``evictions`` (``explain.py``'s ``EvictionLog``)
+follows the pages the tree takes and logs the prefixes its evictions free, for the
+cache's explain.
 
 The model's components have a part here each, over the requests. A hybrid
 model's tree carries ``StateSnapshots`` (``state_cache.py``): a match ends where
@@ -56,6 +58,7 @@ import numpy as np
 
 from radixserve.combinations import check_features, features_on
 from radixserve.scheduler.allocator import PageAllocator
+from radixserve.scheduler.explain import EvictionLog
 from radixserve.scheduler.kv_events import KVEventRecorder
 from radixserve.scheduler.prefix_cache import MatchResult, PrefixCache
 from radixserve.scheduler.radix_cache import CacheComponent
@@ -97,6 +100,10 @@ class KVCacheManager:
         self.states: StateSnapshots | None = components.get("state")  # type: ignore[assignment]
         self.states_kv = None if self.states is None else RequestStates(self.states, self.page_size)
         self._evicted = 0  # pages evicted to make room (not flushes)
+        # What the tree evicted, for the cache's explain (explain.py).
+        self.evictions = (
+            EvictionLog(allocator.num_pages, self.page_size) if cache.keeps_prefixes else None
+        )
 
     @property
     def evicted_pages(self) -> int:
@@ -104,6 +111,12 @@ class KVCacheManager:
         with tiers, for promoted ones); a flush is not counted."""
         tiers = self.tiers
         return self._evicted + (tiers.promotion_evictions if tiers is not None else 0)
+
+    def retention_stats(self) -> dict[str, int]:
+        """The tree's retention figures (``RadixCache.retention_stats``; the
+        ``priority`` eviction policy runs the Python tree)."""
+        core = self.tiers.inner if self.tiers is not None else self.cache
+        return core.retention_stats()  # type: ignore[attr-defined]
 
     @property
     def enabled(self) -> bool:
@@ -161,6 +174,8 @@ class KVCacheManager:
         m = tiers.promote(req.tokens[: req.match_len], old, req.salt)
         if m.hit_len == req.locked_len:
             return req.kv_len
+        if self.evictions is not None:
+            self.evictions.inserted(req.tokens[: m.hit_len], m.pages, old.hit_len, req.salt)
         self.cache.lock(m.last_node)
         self.cache.unlock(req.node)  # type: ignore[arg-type]
         self._hold(req, m, tiers.last_match_tiers)
@@ -231,7 +246,9 @@ class KVCacheManager:
         """``n`` fresh pages, evicting LRU cache leaves if needed; None if impossible."""
         ids = self.allocator.alloc(n)
         if ids is None:
-            self._evicted += self.cache.evict(n - self.allocator.num_free)
+            free = self.allocator.num_free
+            self._evicted += self.cache.evict(n - free)
+            self._log_evicted(free)
             ids = self.allocator.alloc(n)
         return ids
 
@@ -307,10 +324,13 @@ class KVCacheManager:
         if self.windows is not None and self.windows.tree is not None:
             entries["window"] = self.windows.of(req, n)
         cached_len, node = self.cache.insert(req.tokens[:full], req.table[:n], req.salt, **entries)
+        if self.evictions is not None:
+            self.evictions.inserted(req.tokens[:full], req.table[:n], cached_len, req.salt)
         assert cached_len >= req.locked_len, "the locked prefix vanished from the cache"
         hint = req.sampling.cache_retention
         if hint is not None:
-            self.cache.retain(node, hint[0], hint[1])
+            held = min(self.cache.retain(node, hint[0], hint[1]), req.prompt_len)
+            req.stats.retained_tokens = max(req.stats.retained_tokens, held)
         if cached_len > req.locked_len:
             req.dups.append(req.table[req.locked_len // ps : cached_len // ps].copy())
         self.cache.lock(node)
@@ -407,9 +427,20 @@ class KVCacheManager:
         """Evict every unlocked page now; running requests keep theirs. With tiers,
         the host tier is emptied too, and the disk tier unless ``keep_disk``."""
         tiers = self.tiers
+        free = self.allocator.num_free
         if tiers is not None:
-            return tiers.flush(keep_disk)
-        return self.cache.evict(self.cache.evictable_pages)
+            freed = tiers.flush(keep_disk)
+        else:
+            freed = self.cache.evict(self.cache.evictable_pages)
+        self._log_evicted(free)
+        return freed
+
+    def _log_evicted(self, free_before: int) -> None:
+        """After an eviction (``free_before`` pages were free): its victims are the
+        pages freed since, on top of the allocator's free stack."""
+        if self.evictions is not None:
+            freed = self.allocator.num_free - free_before
+            self.evictions.evicted(self.allocator.last_freed(freed))
 
     def record_events(self) -> KVEventRecorder:
         """Wrap the tree in a ``KVEventRecorder`` (with tiers: the tree below them,

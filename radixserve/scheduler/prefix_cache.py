@@ -21,8 +21,9 @@ docs/architecture.md; in short:
 * ``evict`` frees unlocked pages (LRU, or the tree's ``policy``); locked ones are
   never freed.
 * ``retain(node, level, seconds)`` keeps the path from ``node`` up at a retention
-  level for a while under the Python tree's ``priority`` eviction policy; every
-  other cache (and policy) ignores the hint and returns False.
+  level for a while under the Python tree's ``priority`` eviction policy and returns
+  the tokens it holds (clipped at the retention caps); every other cache (and
+  policy) ignores the hint and returns 0.
 
 ``PageFollower`` is the base of the caches that wrap another through this
 contract (the KV event recorder, the cache tiers): it hands the read-only calls
@@ -96,7 +97,7 @@ class PrefixCache(Protocol):
 
     def evict(self, num_pages: int) -> int: ...
 
-    def retain(self, node: CacheNode, level: int, seconds: float) -> bool: ...
+    def retain(self, node: CacheNode, level: int, seconds: float) -> int: ...
 
     def reset(self) -> None: ...
 
@@ -158,8 +159,8 @@ class NoCache:
     def evict(self, num_pages: int) -> int:
         return 0
 
-    def retain(self, node: CacheNode, level: int, seconds: float) -> bool:
-        return False
+    def retain(self, node: CacheNode, level: int, seconds: float) -> int:
+        return 0
 
     def reset(self) -> None:
         pass

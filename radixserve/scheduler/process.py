@@ -55,7 +55,17 @@ from radixserve.zap import ZapHandler
 log = logging.getLogger("radixserve.scheduler")
 
 INBOX = {
-    c.TYPE: c for c in (P.AddRequest, P.AbortRequest, P.Flush, P.GetStats, P.CheckIdle, P.LoraAdmin)
+    c.TYPE: c
+    for c in (
+        P.AddRequest,
+        P.AbortRequest,
+        P.Flush,
+        P.GetStats,
+        P.CheckIdle,
+        P.LoraAdmin,
+        P.Explain,
+        P.GetDashboard,
+    )
 }
 
 
@@ -175,6 +185,13 @@ class SchedulerLoop:
             self.reply(msg.tag, stats)
         elif isinstance(msg, P.CheckIdle):
             self.reply(msg.tag, self.check_idle())
+        elif isinstance(msg, P.Explain):
+            try:
+                self.reply(msg.tag, s.explain(msg.input_ids, msg.salt, msg.lora))
+            except ValueError as e:
+                self.reply(msg.tag, {"error": str(e)})
+        elif isinstance(msg, P.GetDashboard):
+            self.reply(msg.tag, s.dashboard())
         elif isinstance(msg, P.LoraAdmin):
             self.lora_admin(msg)
 

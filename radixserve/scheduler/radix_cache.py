@@ -47,8 +47,11 @@ while its node's key is unchanged.
   the level is 0 again); the lowest effective level goes first, LRU within a
   level. Expiries are kept in a second heap and applied before each eviction, so
   every valid heap entry carries its node's current key. A tenant (salt) holds at
-  most ``max_retained_pages`` pages under running hints: a hint that would take it
-  past that is not applied (``retain`` returns False), so no tenant pins the pool.
+  most ``max_retained_pages`` pages under running hints, and all tenants together
+  ``max_retained_total``: a hint that would take either past its cap is clipped to
+  the longest run of the path's nodes from the root that fits (``retain`` returns
+  the tokens it holds, 0 when nothing fits; counted in ``retention_clipped``), so no
+  tenant pins the pool and retained prefixes never leave the others short of pages.
 
 Salts give tenants separate namespaces: each salt has its own root, so two
 salts never share a node; the LRU clock and the page pool are global.
@@ -214,6 +217,21 @@ def _lfu_key(node: RadixNode) -> tuple:
     return (node.hits, node.last_access)
 
 
+def _by_id(node: RadixNode) -> int:
+    return node.node_id
+
+
+# The per-node arrays of ``export_nodes`` and their dtypes (the native twin's).
+_EXPORT_COLUMNS = {
+    "parent": np.int32,
+    "namespace": np.int32,
+    "node_id": np.int64,
+    "last_access": np.int64,
+    "lock_ref": np.int32,
+    "num_tokens": np.int64,
+}
+
+
 def as_tokens(tokens: np.ndarray | Sequence[int]) -> np.ndarray:
     """A 1-D int32 array view of ``tokens`` (no copy for int32 arrays)."""
     if type(tokens) is np.ndarray and tokens.dtype == np.int32 and tokens.ndim == 1:
@@ -254,6 +272,7 @@ class RadixCache:
         clock: Callable[[], float] = time.monotonic,
         max_retained_pages: int | None = None,
         components: Sequence[CacheComponent] = (),
+        max_retained_total: int | None = None,
     ) -> None:
         if policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction policy must be one of {EVICTION_POLICIES}, got {policy!r}")
@@ -264,7 +283,12 @@ class RadixCache:
         self.max_retained_pages = (
             allocator.num_pages if max_retained_pages is None else max_retained_pages
         )
+        self.max_retained_total = (
+            allocator.num_pages if max_retained_total is None else max_retained_total
+        )
         self.retained: dict[str | None, int] = {}  # pages under running hints, by salt
+        self.retained_total = 0  # the sum of ``retained``
+        self.retention_clipped = 0  # hints clipped at a cap (some not applied at all)
         if page_size != allocator.page_size:
             raise ValueError(
                 f"page_size {page_size} differs from the allocator's {allocator.page_size}"
@@ -611,14 +635,18 @@ class RadixCache:
         return pos, node
 
     # -------------------------------------------------------------- retention
-    def retain(self, node: RadixNode, level: int, seconds: float) -> bool:
+    def retain(self, node: RadixNode, level: int, seconds: float) -> int:
         """Keep the path from ``node`` up at retention ``level`` (1..100) for
         ``seconds`` (the ``priority`` policy; the others ignore it). A node keeps the
         stronger of its hints: the higher level, or the same level for longer.
-        Returns False when the hint was not applied: another policy, or it would take
-        the salt past ``max_retained_pages``."""
+
+        Returns the tokens of the path the hint holds, from the root: all of them, or,
+        when the whole path would take the salt past ``max_retained_pages`` or all
+        salts past ``max_retained_total``, the longest run of its nodes from the root
+        that fits (the hint is clipped, and counted in ``retention_clipped``); 0 under
+        another policy."""
         if self.policy != "priority" or not node.attached or node.is_root:
-            return False
+            return 0
         if not 1 <= level <= MAX_RETENTION or not seconds > 0:
             raise ValueError(
                 f"a retention hint needs a level in [1, {MAX_RETENTION}] and seconds > 0"
@@ -631,9 +659,16 @@ class RadixCache:
             path.append(node)
             node = node.parent  # type: ignore[assignment]
         salt = node.salt
-        extra = sum(len(n.pages) for n in path if not n.counted)
-        if self.retained.get(salt, 0) + extra > self.max_retained_pages:
-            return False
+        path.reverse()  # from the root: a clipped hint keeps the prefix's head
+        held, total = self.retained.get(salt, 0), self.retained_total
+        kept = 0
+        for n in path:
+            extra = 0 if n.counted else len(n.pages)
+            if held + extra > self.max_retained_pages or total + extra > self.max_retained_total:
+                self.retention_clipped += 1
+                break
+            held, total, kept = held + extra, total + extra, kept + 1
+        del path[kept:]
         for n in path:
             current = n.retention if n.retain_until > now else 0
             if level > current or (level == current and until > n.retain_until):
@@ -644,10 +679,12 @@ class RadixCache:
             if not n.counted:
                 n.counted = True
                 self.retained[salt] = self.retained.get(salt, 0) + len(n.pages)
-        return True
+                self.retained_total += len(n.pages)
+        return sum(len(n.key) for n in path)
 
     def _uncount(self, node: RadixNode, salt: str | None) -> None:
         node.counted = False
+        self.retained_total -= len(node.pages)
         left = self.retained[salt] - len(node.pages)
         if left:
             self.retained[salt] = left
@@ -790,6 +827,7 @@ class RadixCache:
         self._heap = []
         self._expiries = []
         self.retained = {}
+        self.retained_total = 0
         self._num_nodes = 0
         self._evictable = 0
         self._protected = 0
@@ -805,15 +843,71 @@ class RadixCache:
             yield node
             stack.extend(node.children.values())
 
+    def export_nodes(
+        self, max_label: int, salt: str | None = None, every_namespace: bool = True
+    ) -> dict:
+        """The tree's shape, read-only, exactly as the native twin gives it (explain
+        and the dashboard read it, ``explain.TreeView``): nodes breadth first from the
+        roots (the default namespace first, then salts in order), children by id.
+        ``salts``: the namespaces that hold nodes; per node (arrays) ``parent`` (its
+        parent's index, -1 under a root), ``namespace`` (index into ``salts``),
+        ``node_id``, ``last_access``, ``lock_ref``, ``num_tokens`` (edge length) and
+        the first ``max_label`` tokens of its edge (all when < 0) concatenated in
+        ``labels``, node i's at ``label_offsets[i]:label_offsets[i + 1]``. Without
+        ``every_namespace``, only ``salt``'s namespace."""
+        if every_namespace:
+            named = sorted((s, r) for s, r in self._roots.items() if s is not None)
+            roots = [(None, self._roots[None]), *named]
+        else:
+            self._check_salt(salt)
+            roots = [(salt, self._roots[salt])] if salt in self._roots else []
+        salts: list[str | None] = []
+        queue: list[tuple[RadixNode, int, int]] = []
+        for name, root in roots:
+            if root.children:
+                ns = len(salts)
+                salts.append(name)
+                queue += [(c, -1, ns) for c in sorted(root.children.values(), key=_by_id)]
+        cols: dict[str, list] = {k: [] for k in _EXPORT_COLUMNS}
+        labels, offsets = [], [0]
+        for i, (node, parent, ns) in enumerate(queue):  # the queue grows as it is read
+            cols["parent"].append(parent)
+            cols["namespace"].append(ns)
+            cols["node_id"].append(node.node_id)
+            cols["last_access"].append(node.last_access)
+            cols["lock_ref"].append(node.lock_ref)
+            cols["num_tokens"].append(len(node.key))
+            labels.append(node.key if max_label < 0 else node.key[:max_label])
+            offsets.append(offsets[-1] + len(labels[-1]))
+            queue += [(c, i, ns) for c in sorted(node.children.values(), key=_by_id)]
+        out: dict = {k: np.asarray(v, dtype=_EXPORT_COLUMNS[k]) for k, v in cols.items()}
+        out["salts"] = salts
+        out["labels"] = np.concatenate(labels) if labels else _EMPTY
+        out["label_offsets"] = np.asarray(offsets, dtype=np.int64)
+        return out
+
     def all_pages(self) -> np.ndarray:
         """Every page id the tree holds (for checks and tests)."""
         chunks = [n.pages for n in self._iter_nodes()]
         return np.concatenate(chunks) if chunks else _EMPTY
 
+    def retention_stats(self) -> dict[str, int]:
+        """What retention hints hold now, and their caps (the ``priority`` policy)."""
+        self._apply_expiries()
+        return {
+            "retained_pages": self.retained_total,
+            "retained_pages_max_tenant": max(self.retained.values(), default=0),
+            "retained_tenants": len(self.retained),
+            "max_retained_pages_tenant": self.max_retained_pages,
+            "max_retained_pages_total": self.max_retained_total,
+            "retention_clipped": self.retention_clipped,
+        }
+
     def check(self) -> None:
         """Verify every invariant; raise AssertionError naming the first broken one."""
         self._apply_expiries()  # a hint that ran out since the last eviction changes keys
         check_tree(self)
+        assert self.retained_total == sum(self.retained.values()), "retained pages miscounted"
         if self._parts:
             nodes = list(self._iter_nodes())
             for part in self._parts:

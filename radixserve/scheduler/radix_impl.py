@@ -72,15 +72,23 @@ def make_radix_cache(
     impl: str = "auto",
     policy: str = "lru",
     max_retained_pages: int | None = None,
+    max_retained_total: int | None = None,
 ) -> PrefixCache:
     """A radix tree over ``allocator``: ``impl`` is "auto", "native" or "python";
-    ``policy`` the eviction order. The native tree is LRU only: another policy takes
-    the Python tree under "auto", and is an error with "native"."""
+    ``policy`` the eviction order (``max_retained_pages`` / ``max_retained_total``:
+    the retention caps per tenant and in all). The native tree is LRU only: another
+    policy takes the Python tree under "auto", and is an error with "native"."""
     if policy != "lru":
         check_features(
             features_on(native_tree=impl == "native", eviction_policy=True), policy=policy
         )
-        return RadixCache(allocator, page_size, policy, max_retained_pages=max_retained_pages)
+        return RadixCache(
+            allocator,
+            page_size,
+            policy,
+            max_retained_pages=max_retained_pages,
+            max_retained_total=max_retained_total,
+        )
     if resolve_impl(impl) == "native":
         return NativeRadixCache(allocator, page_size)  # type: ignore[misc]
     return RadixCache(allocator, page_size)
@@ -109,6 +117,7 @@ def make_prefix_cache(
     num_states: int = 0,
     window: WindowPages | None = None,
     span: int = 0,
+    max_retained_total: int | None = None,
 ) -> PrefixCache:
     """The prefix cache over ``allocator``: ``cache`` is "radix" or "none". With
     components (``cache_components(num_states, window, span)``) the radix tree is
@@ -131,9 +140,12 @@ def make_prefix_cache(
             allocator.page_size,
             policy,
             max_retained_pages=max_retained_pages,
+            max_retained_total=max_retained_total,
             components=parts,
         )
-    return make_radix_cache(allocator, allocator.page_size, impl, policy, max_retained_pages)
+    return make_radix_cache(
+        allocator, allocator.page_size, impl, policy, max_retained_pages, max_retained_total
+    )
 
 
 def build_kv_cache(allocator: PageAllocator, config: SchedulerConfig) -> KVCacheManager:
@@ -149,6 +161,7 @@ def build_kv_cache(allocator: PageAllocator, config: SchedulerConfig) -> KVCache
         config.state_snapshots,
         window,
         config.window_span,
+        int(config.max_retained_total_share * config.num_pages),
     )
     # The core's components: none for --cache none or the native tree.
     components = core.components if isinstance(core, RadixCache) else {}

@@ -5,8 +5,10 @@ extension ``radixserve.scheduler._radix_native``); importing this module raises
 ImportError when it was not built, or was built from older sources than the
 contract (a stale in-place build): the Python tree runs then. Every hot call
 (match_prefix, peek_prefix, insert, lock, unlock, evict, continuation) goes
-straight to C++ with no Python frame in between; this class only adds what needs Python objects: the page_size check
-against the allocator and the allocator side of ``check()``.
+straight to C++ with no Python frame in between; this class only adds what needs
+Python objects: the page_size check against the allocator and the allocator side
+of ``check()``. ``export_nodes`` (the tree's shape, read-only) is the Python
+tree's, array for array.
 
 Differences from the Python tree, all invisible to the scheduler:
 
@@ -26,11 +28,11 @@ from __future__ import annotations
 from radixserve.scheduler import _radix_native
 from radixserve.scheduler.allocator import PageAllocator
 
-if not hasattr(_radix_native.RadixTree, "continuation"):
+if not hasattr(_radix_native.RadixTree, "export_nodes"):
     # An extension built from older sources (an in-place build not redone after a pull):
     # unusable, since the scheduler calls every method of the contract.
     raise ImportError(
-        "the native radix tree was built from older sources (it has no continuation()): "
+        "the native radix tree was built from older sources (it has no export_nodes()): "
         "rebuild it with `python setup.py build_ext --inplace` or `pip install -e .`"
     )
 from radixserve.scheduler.radix_check import require
@@ -51,10 +53,10 @@ class NativeRadixCache(_radix_native.RadixTree):
         super().__init__(allocator, page_size)
         self.allocator = allocator
 
-    def retain(self, node: NodeHandle, level: int, seconds: float) -> bool:
+    def retain(self, node: NodeHandle, level: int, seconds: float) -> int:
         """Retention hints are the Python tree's ``priority`` policy: this one is LRU
-        only, so a hint is not applied."""
-        return False
+        only, so a hint is not applied (0 tokens held)."""
+        return 0
 
     def check(self) -> None:
         """Verify every invariant; raise AssertionError naming the first broken one."""

@@ -54,6 +54,10 @@ class RequestStats:
     queued_at: float = 0.0  # the scheduler's clock at arrival (queue time)
     cached_tokens: int = -1  # hit length at first admission (-1: not admitted yet)
     tier_hits: tuple[int, ...] = (0, 0, 0, 0)  # of those, by tier (pool, host, disk, store)
+    # Prompt tokens its cache_retention hint holds (fewer when clipped at a retention
+    # cap; 0: no hint, nothing fit, or an eviction policy without retention).
+    retained_tokens: int = 0
+    explain: dict | None = None  # the cache's explain at arrival (sampling.explain)
 
 
 @dataclass(eq=False, slots=True)
@@ -197,4 +201,6 @@ class Request:
             logprobs,
             prompt_logprobs,
             cached_tokens_by_tier=list(self.stats.tier_hits),
+            retained_tokens=self.stats.retained_tokens,
+            explain=self.stats.explain if self.finish_reason is not None else None,
         )

@@ -19,7 +19,9 @@ id, their deadlines and the outputs between steps, and runs the step:
 - ``KVCacheManager`` (kv_cache.py): who owns which page; ``DecodeReserve``
   (reserve.py): the pages admission keeps for running requests' decodes;
 - ``Drafter`` (speculative.py), ``Grammars`` (grammars.py), ``LoraRegistry``
-  (lora.py): speculative decoding, structured output's grammars, LoRA adapters.
+  (lora.py): speculative decoding, structured output's grammars, LoRA adapters;
+- ``CacheMonitor`` (monitor.py): the dashboard's history and figures; ``explain``
+  (explain.py) reads the cache for one prompt, changing nothing.
 
 Each step is lockstep with the worker: ``step(run)`` plans what the worker must
 compute (a ``protocol.Step``), has ``run`` compute it and return the sampled
@@ -64,9 +66,11 @@ from radixserve.scheduler.admission import Admission
 from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.decode import DecodeManager
+from radixserve.scheduler.explain import explain
 from radixserve.scheduler.grammars import Grammars
 from radixserve.scheduler.kv_events import KVEventRecorder
 from radixserve.scheduler.lora import LoraRegistry, check_salt, namespace
+from radixserve.scheduler.monitor import CacheMonitor, dashboard_data
 from radixserve.scheduler.radix_impl import build_kv_cache
 from radixserve.scheduler.request import ReqStatus, Request
 from radixserve.scheduler.reserve import DecodeReserve
@@ -126,6 +130,7 @@ class Scheduler:
         self.lora_replies: list[tuple] = []
         self.num_steps = 0
         self.num_timeouts = 0
+        self.monitor = CacheMonitor(config.page_size)  # the dashboard's figures
 
     # ------------------------------------------------------------- requests
     def add_request(
@@ -142,6 +147,7 @@ class Scheduler:
             raise ValueError(f"request id {rid!r} is already in use")
         prompt = self.check_request(prompt_ids, sampling)
         check_salt(salt)
+        report = self._explain_arrival(prompt, salt, lora) if sampling.explain else None
         adapter = None
         if lora is not None:
             adapter = self.loras.lookup(lora)
@@ -167,6 +173,7 @@ class Scheduler:
             )
             self._arrivals += 1
             req.stats.queued_at = now
+            req.stats.explain = report
             if adapter is not None:
                 req.lora = adapter.id
             samples.append(req)
@@ -285,6 +292,7 @@ class Scheduler:
         with nothing to compute or release, ``run`` is not called.
         """
         now = self.clock()
+        self.monitor.tick(self)
         self._expire(now)  # requests past their timeout fail
         outputs, self._outputs = self._outputs, []  # aborts and failures since the last step
         step = self._build_step(self._plan(now))  # decode rows, then prompt chunks; the Step
@@ -487,6 +495,7 @@ class Scheduler:
         else:
             self.kv.release(req)  # while it holds its slot (running.py)
             self.running.remove(req)
+            self.monitor.finished(req)
         if req.sampling.structured is not None:
             self.grammars.release(req.sampling.structured)
         if req.lora:
@@ -513,6 +522,45 @@ class Scheduler:
         ``copies_pending`` is False first (the Engine, the scheduler process)."""
         return self.kv.flush(keep_disk)
 
+    def explain(
+        self,
+        prompt_ids: np.ndarray | Sequence[int],
+        salt: str | None = None,
+        lora: str | None = None,
+    ) -> dict[str, Any]:
+        """What the cache would serve of this prompt now and why no more (``explain.py``),
+        under the namespace a request with ``salt`` and ``lora`` would use; runs nothing,
+        changes nothing. Raises ValueError on bad input (as ``add_request``)."""
+        prompt = np.asarray(prompt_ids, dtype=np.int32)
+        if prompt.ndim != 1 or len(prompt) == 0:
+            raise ValueError("the prompt is empty")
+        check_salt(salt)
+        tree_salt = salt if lora is None else namespace(salt, self.loras.lookup(lora).digest)
+        tiers = self.kv.tiers
+        out = explain(
+            self.kv.cache,
+            prompt,
+            tree_salt,
+            len(prompt) - 1,
+            self.kv.evictions,
+            None if tiers is None else tiers.lower_tiers,
+        )
+        out["namespace"] = {"cache_salt": salt, "adapter": lora}
+        return out
+
+    def _explain_arrival(self, prompt: np.ndarray, salt: str | None, lora: str | None) -> dict:
+        """``explain`` for a request that asked for it: without the most common
+        continuation, which may be another client's text in the same namespace (the
+        admin's explain call gives it)."""
+        report = self.explain(prompt, salt, lora)
+        if report["miss"] is not None:
+            report["miss"]["most_common"] = None
+        return report
+
+    def dashboard(self) -> dict[str, Any]:
+        """The dashboard's figures (``monitor.py``), rebuilt at most once a second."""
+        return self.monitor.snapshot(lambda: dashboard_data(self))
+
     def stats(self) -> dict[str, Any]:
         cached = self.cache.cached_pages
         out = {
@@ -537,6 +585,8 @@ class Scheduler:
             "queue_time": self.queue_times.snapshot(),
             "state_snapshots": self.config.state_snapshots,  # 0: not a hybrid model
         }
+        if self.cache_policy == "priority":  # what cache_retention hints hold
+            out.update(self.kv.retention_stats())
         window = self.kv.window
         if window is not None:
             out["window_pages"] = window.num_pages

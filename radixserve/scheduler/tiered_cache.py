@@ -15,6 +15,9 @@ page neither holds.
   to a host slot (``HostTier``) when a slot is free, else the host tier's LRU
   entry makes room: it is written to disk when a disk tier is configured
   (``DiskTier``), else dropped. A page whose key L2 already holds is not copied.
+  A page of a retained prefix (``retain``: a ``cache_retention`` hint on its path,
+  under the tree's ``priority`` policy) carries its deadline down, and the host tier
+  makes room with unretained entries first.
 * **Promote.** ``match_prefix`` is the tree's (L1) match; ``peek_prefix`` also
   counts the L2 and L3 pages after it (an estimate, for scheduling). Once the
   scheduler has admitted a request, ``promote`` extends its locked L1 match: fresh
@@ -51,6 +54,7 @@ and 0 for the store, whose pages arrive later).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -161,6 +165,24 @@ class TieredCache(PageFollower):
         self.demoted = self.promoted = self.loaded = self.to_disk = 0
         self.dropped = self.saved = 0
         self.promotion_evictions = 0  # pool pages evicted to make room for promoted ones
+        # The retention deadline of each pool page's prefix (0: none), for demotion.
+        self._retained_until = np.zeros(n, dtype=np.float64)
+        self.retain = self._retain  # PageFollower bound the inner tree's
+
+    def _retain(self, node: CacheNode, level: int, seconds: float) -> int:
+        """The tree's ``retain``. Under the tree's ``priority`` policy the whole path's
+        pages keep the deadline for the host tier even where the pool's caps clipped
+        the hint: the caps bound what retention pins in the pool; below it, a retained
+        page only displaces another retained one."""
+        held = self.inner.retain(node, level, seconds)
+        if getattr(self.inner, "policy", None) != "priority":
+            return held
+        until = time.monotonic() + seconds
+        while node.parent is not None:  # up to the root (only the Python tree retains)
+            pages = node.pages
+            self._retained_until[pages] = np.maximum(self._retained_until[pages], until)
+            node = node.parent
+        return held
 
     # ------------------------------------------------------------- contract
     def match_prefix(
@@ -279,6 +301,20 @@ class TieredCache(PageFollower):
         parent = self._prefix_key(tokens[:hit], salt)
         return hit + ps * len(self._lower_run(tokens, first, end, parent, salt))
 
+    def lower_tiers(
+        self, tokens: np.ndarray | Sequence[int], hit: int, salt: str | None = None
+    ) -> list[int]:
+        """The tier (L2 or L3) of each page after the first ``hit`` tokens (whole
+        pages, an L1 hit) that the lower tiers hold, up to the first page they lack;
+        changes nothing (the cache's explain, ``explain.py``)."""
+        tokens = as_tokens(tokens)
+        ps = self.page_size
+        first, end = hit // ps, len(tokens) // ps
+        if first >= end or not self._has_lower():
+            return []
+        parent = page_keys(tokens[:hit], ps, salt, self.root_key)[-1] if hit else self.root_key
+        return [tier for tier, _ in self._lower_run(tokens, first, end, parent, salt)]
+
     def _prefix_key(self, tokens: np.ndarray, salt: str | None) -> bytes:
         """The key of the last page of ``tokens`` (whole pages), memoised: the
         scheduling policy peeks every waiting prompt every step."""
@@ -362,6 +398,7 @@ class TieredCache(PageFollower):
 
     def _own(self, pages: np.ndarray, keys: list[bytes]) -> None:
         self._owned[pages] = True
+        self._retained_until[pages] = 0.0  # a page the tree takes anew
         self._key[pages] = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(-1, KEY_BYTES)
 
     # -------------------------------------------------------------- demotion
@@ -378,24 +415,27 @@ class TieredCache(PageFollower):
 
     def _demote(self, page: int, key: bytes) -> None:
         assert not self._loading[page], "a page in flight was evicted"
+        until, self._retained_until[page] = float(self._retained_until[page]), 0.0
         if key in self.host:
-            self.host.touch(key)
+            self.host.touch(key, until)
             return
-        slot = self._host_slot()
+        slot = self._host_slot(until)
         if slot is None:
             self.dropped += 1
             return
-        self.host.add_written(key, slot)
+        self.host.add_written(key, slot, until)
         self._plan.demote.append((page, slot))
         self.demoted += 1
 
-    def _host_slot(self) -> int | None:
-        """A host slot for a demotion: a free one, else the LRU entry's (written to
-        disk first when there is a disk tier and it lacks the page)."""
+    def _host_slot(self, retained_until: float = 0.0) -> int | None:
+        """A host slot for a demotion of a page retained until ``retained_until``: a
+        free one, else the LRU entry's (written to disk first when there is a disk
+        tier and it lacks the page; a retained entry only for a retained page)."""
         slot = self.host.take_slot()
         if slot is not None:
             return slot
-        victim = self.host.pop_lru()
+        now = time.monotonic()
+        victim = self.host.pop_lru(now, retained=retained_until > now)
         if victim is None:
             return None
         key, slot = victim

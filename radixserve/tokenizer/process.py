@@ -56,6 +56,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import zmq
 
 from radixserve import protocol as P
@@ -72,6 +73,7 @@ from radixserve.server_config import (
     ServerConfig,
 )
 from radixserve.tokenizer.connections import Connections
+from radixserve.tokenizer.explain import render_dashboard, render_explain
 from radixserve.tokenizer.inputs import InputProcessor
 from radixserve.tokenizer.output import OutputStream, TokenTexts
 from radixserve.utils.proc import (
@@ -222,6 +224,8 @@ class TokenizerServer:
             self.tokenize(identity, msg)
         elif isinstance(msg, P.Detokenize):
             self.detokenize(identity, msg)
+        elif isinstance(msg, P.ExplainCache):
+            self.explain(identity, msg)
         elif isinstance(msg, P.Abort):
             rid = self.by_client.get((identity, msg.id))
             if rid is not None:
@@ -246,6 +250,7 @@ class TokenizerServer:
                     P.Stats: P.GetStats,
                     P.Health: P.GetStats,
                     P.Check: P.CheckIdle,
+                    P.Dashboard: P.GetDashboard,
                 }[type(msg)]
                 out = internal(tag)
                 if isinstance(msg, P.FlushCache):
@@ -265,11 +270,36 @@ class TokenizerServer:
             return f"{msg.TYPE}: wrong admin API key"
         return None
 
+    def explain(self, identity: bytes, msg: P.ExplainCache) -> None:
+        """The prompt is tokenized as a ``generate`` would tokenize it; the scheduler
+        explains its hit, and ``on_admin_reply`` writes the text."""
+        refused = self.admin_refusal(msg)
+        if refused is not None:
+            self.send_error(identity, msg.id, refused)
+            return
+        try:
+            ids = self.inputs.to_ids(msg.prompt, msg.input_ids, msg.messages, msg.tools)
+        except ValueError as e:
+            self.send_error(identity, msg.id, str(e))
+            return
+        except Exception as e:  # a tokenizer or chat template failing on odd input
+            self.send_error(identity, msg.id, f"could not tokenize the prompt: {short_repr(e)}")
+            return
+        self.next_tag += 1
+        self.admin[self.next_tag] = (identity, msg.id, msg.TYPE)
+        ids32 = np.asarray(ids, dtype=np.int32)
+        out = P.Explain(self.next_tag, ids32, salt=msg.cache_salt, lora=msg.lora)
+        self.to_scheduler.send(out.encode())
+
     def tokenize(self, identity: bytes, msg: P.Tokenize) -> None:
         """Answered here, at once: the scheduler is not involved."""
         try:
             ids = self.inputs.tokenize(
-                msg.prompt, msg.messages, msg.add_special_tokens, msg.add_generation_prompt
+                msg.prompt,
+                msg.messages,
+                msg.add_special_tokens,
+                msg.add_generation_prompt,
+                msg.tools,
             )
         except ValueError as e:
             self.send_error(identity, msg.id, str(e))
@@ -377,7 +407,10 @@ class TokenizerServer:
                 "completion_tokens": len(out.token_ids),
                 "cached_tokens": item.cached_tokens,
                 "cached_tokens_by_tier": list(item.cached_tokens_by_tier),
+                "retained_tokens": item.retained_tokens,
             }
+            if item.explain is not None:
+                usage["explain"] = render_explain(self._decode_kept, item.explain)
             if all(req.done):
                 self.forget(req)
         try:
@@ -406,10 +439,16 @@ class TokenizerServer:
             return
         identity, rid, kind = pending
         data = dict(msg.data)
-        if "error" in data and kind in (P.LoadLoraAdapter.TYPE, P.UnloadLoraAdapter.TYPE):
+        refusable = (P.LoadLoraAdapter.TYPE, P.UnloadLoraAdapter.TYPE, P.ExplainCache.TYPE)
+        if "error" in data and kind in refusable:
             self.send_error(identity, rid, str(data["error"]))
             return
-        if kind == P.Stats.TYPE:
+        decode = self._decode_kept
+        if kind == P.ExplainCache.TYPE:
+            data = render_explain(decode, data)
+        elif kind == P.Dashboard.TYPE:
+            data = render_dashboard(decode, data)
+        elif kind == P.Stats.TYPE:
             data["in_flight"] = len(self.requests)
         elif kind == P.Health.TYPE:
             data = {"status": "ok", "endpoint": self.endpoint, **_model_dict(self.model)}
@@ -418,6 +457,10 @@ class TokenizerServer:
             self.send(identity, P.Reply(rid, data))
         except ClientGone:
             self.client_gone(identity)
+
+    def _decode_kept(self, ids) -> str:
+        """Text of token ids with special tokens kept (explain, the dashboard)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def take_disconnects(self) -> None:
         while (event := recv_multipart(self.monitor)) is not None:

@@ -160,7 +160,7 @@ def test_scoring_the_whole_prompt_over_zeromq(server):
 
 
 def test_compare_cache_radix_none(model_dir, tmp_path, capsys):
-    """The whole command: two fresh servers, one table, the JSON and the PNG."""
+    """The whole command: two fresh servers, one table, the JSON, the PNG and the tree."""
     out = tmp_path / "sp"
     argv = ["bench", "shared-prefix", "--model", str(model_dir), "--groups", "2", "--prompts", "4"]
     argv += ["--system-len", "50", "--question-len", "6", "--output-len", "4", "--no-progress"]
@@ -174,6 +174,11 @@ def test_compare_cache_radix_none(model_dir, tmp_path, capsys):
     )
     doc = json.loads(out.with_suffix(".json").read_text())
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The cache's tree next to the plot, as the dashboard draws it: the two system
+    # prompts are its largest prefixes; cache=none has no tree to draw.
+    svg = (tmp_path / "sp-tree-cache_radix.svg").read_text()
+    assert svg.startswith("<svg") and svg.count("<rect") >= 3
+    assert not (tmp_path / "sp-tree-cache_none.svg").exists()
     assert doc["workload_params"]["groups"] == 2 and doc["config"]["compare"] == [
         "cache=radix,none"
     ]

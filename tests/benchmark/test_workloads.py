@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import pytest
@@ -219,3 +220,56 @@ def test_copy_prompts_wrap_a_document_and_recur_in_a_row():
     tail = chat.encode("</user><assistant>")
     assert node.tokens[-len(tail) :] == tail
     assert len(node.tokens) - len(tail) - 12 > len(head)  # the document sits between
+
+
+def test_agent_sessions_pause_between_turns_under_one_off_traffic():
+    from radixserve.benchmark.workloads import AGENT_RETENTION_LEVEL, agent
+
+    w = agent(TokenSource.random(500, seed=2), sessions=3, turns=4, system_len=10,
+              context_len=20, user_len_min=5, user_len_max=7, output_len=2, pause=0.5,
+              noise=4, noise_len=30, retention_s=90.0)  # fmt: skip
+    sessions, noise = w.roots[:3], w.roots[3:]
+    assert w.num_requests == 3 * 4 + 4 and len(noise) == 4
+    system = sessions[0].tokens[:10]
+    for s in sessions:
+        turns = list(s.walk())
+        assert [n.group for n in turns] == ["turn 1", "turn 2", "turn 3", "turn 4"]
+        assert s.tokens[:10] == system and len(s.tokens) == 30 and s.delay == 0
+        assert all(n.delay == 0.5 and 5 <= len(n.tokens) <= 7 for n in turns[1:])
+        assert {n.retention for n in turns} == {(AGENT_RETENTION_LEVEL, 90.0)}
+    # The one-offs: fresh tokens, no hint, spread evenly over the sessions' span (2 s).
+    assert [n.delay for n in noise] == [0.25, 0.75, 1.25, 1.75]
+    assert all(n.retention is None and n.group == "one-off" and not n.children for n in noise)
+    assert not agent(TokenSource.random(500), sessions=1, noise=0, retention_s=0).roots[0].retention
+
+
+def test_the_runner_waits_out_pauses_and_can_leave_hints_out():
+    import asyncio
+
+    from radixserve.benchmark.backends import StreamEvent
+    from radixserve.benchmark.runner import run
+    from radixserve.benchmark.workloads import agent
+    from radixserve.results import Usage
+
+    class Recorder:
+        name = "recorder"
+
+        def __init__(self) -> None:
+            self.sent: list[tuple[float, tuple | None]] = []
+
+        async def stream(self, input_ids, max_tokens, logprob_start_len=None,
+                         structured=None, priority=0, retention=None):  # fmt: skip
+            self.sent.append((time.perf_counter(), retention))
+            yield StreamEvent("x", [3] * max_tokens, Usage(len(input_ids), max_tokens, 0),
+                              finish_reason="length")  # fmt: skip
+
+    w = agent(TokenSource.random(500, seed=2), sessions=1, turns=3, system_len=4,
+              context_len=4, user_len_min=2, user_len_max=2, output_len=1, pause=0.2,
+              noise=0)  # fmt: skip
+    for hints in (True, False):
+        backend = Recorder()
+        result = asyncio.run(run(w, backend, progress=False, retention=hints))  # type: ignore[arg-type]
+        assert [r.group for r in result.records] == ["turn 1", "turn 2", "turn 3"]
+        times = [t for t, _ in backend.sent]
+        assert all(b - a >= 0.2 for a, b in zip(times, times[1:]))  # the tool's pause
+        assert {r for _, r in backend.sent} == ({(50, 600.0)} if hints else {None})

@@ -1,7 +1,7 @@
 """One real server with the HTTP front, shared by every test here (launches are costly).
 
 The tiny float64 model of ``tests/serving`` serves as ``tiny``, with the ``hermes``
-tool-call parser. The ZeroMQ ``zmq_client``
+tool-call parser and the dashboard on. The ZeroMQ ``zmq_client``
 is the oracle: the same greedy request through it and through HTTP must agree. After each
 test the server must be idle and pass the scheduler's idle-invariant check. At the end
 the HTTP front is killed: like any child's death, that must stop the whole server with
@@ -27,7 +27,7 @@ TOOL_CALL_PARSER = "hermes"  # tool_choice "auto" reads Hermes-style calls (test
 def http_server(model_dir):  # noqa: F811
     srv = Server(
         model_dir, *SERVER_ARGS, "--http-port", "0", "--served-model-name", MODEL,
-        "--tool-call-parser", TOOL_CALL_PARSER,
+        "--tool-call-parser", TOOL_CALL_PARSER, "--dashboard",
     )  # fmt: skip
     yield srv
     os.kill(srv.pids["http"], signal.SIGKILL)

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.router.policy import PolicyConfig, RoundRobin, choose, imbalanced
+from radixserve.router.policy import (
+    Decision,
+    KeyAffinity,
+    PolicyConfig,
+    RoundRobin,
+    choose,
+    imbalanced,
+    keep_affinity,
+)
 
 
 def pick(policy, matches, loads, free=None, prompt_len=0, **kw):
@@ -67,3 +75,27 @@ def test_a_match_under_the_cache_threshold_is_a_miss():
     # Imbalance beats any match.
     d = pick("cache_aware", [99, 0], [70, 1], prompt_len=100)
     assert (d.replica, d.reason) == (1, "balance")
+
+
+def test_a_routing_key_keeps_its_replica_while_the_policy_allows():
+    cfg = PolicyConfig(balance_abs_threshold=4, balance_rel_threshold=1.5)
+    miss = Decision(0, "miss")
+    # A miss everywhere: the key's replica, not the least loaded one.
+    assert keep_affinity(cfg, miss, 2, [0, 0, 0], [1, 1, 3]) == Decision(2, "key")
+    # Another replica caches more of the prompt, or the load is imbalanced: the policy's.
+    assert keep_affinity(cfg, Decision(1, "cache"), 2, [0, 64, 32], [1, 1, 1]).reason == "cache"
+    assert keep_affinity(cfg, miss, 2, [0, 0, 0], [0, 0, 9]) == miss
+    # No key seen before, or another policy: the decision stands.
+    assert keep_affinity(cfg, miss, None, [0, 0], [0, 0]) == miss
+    rr = PolicyConfig(policy="round_robin")
+    assert keep_affinity(rr, miss, 1, [0, 0], [0, 0]) == miss
+
+
+def test_key_affinity_keeps_the_newest_keys():
+    a = KeyAffinity(max_keys=2)
+    a.put((None, "k1"), 0)
+    a.put(("tenant", "k1"), 1)  # the same key under another salt is another key
+    a.put((None, "k1"), 2)  # used again: the newest
+    a.put((None, "k2"), 0)
+    assert len(a) == 2 and a.get(("tenant", "k1")) is None
+    assert a.get((None, "k1")) == 2 and a.get((None, "k2")) == 0

@@ -192,6 +192,74 @@ def test_a_retention_hint_keeps_its_prompt_cached_under_memory_pressure():
     sched.check_idle()
 
 
+def test_retention_is_reported_and_clipped_at_the_caps():
+    """Each request's output says how many prompt tokens its hint holds; a hint that
+    would take its tenant past --max-retained-share, or all past
+    --max-retained-total-share, holds the head of its prompt that fits (here: nothing,
+    or the part an earlier turn retained); the stats show both caps, and plain
+    requests still run."""
+    sched, worker = make(
+        num_pages=64, page_size=4, radix_eviction_policy="priority", max_retained_share=0.25,
+        max_retained_total_share=0.4,
+    )  # fmt: skip
+    hint = [50, 60.0]  # 16 pages a tenant, 25 in all
+    prompts = {f"a{i}": [10 + i] * 40 for i in range(3)}  # 10 pages each
+    prompts["b0"] = [30] * 40
+    prompts["c0"] = [31] * 40
+    got = {}
+    for rid, prompt in prompts.items():
+        salt = rid[0]
+        sched.add_request(rid, prompt, params(1, cache_retention=hint), salt=salt)
+        got.update(run(sched, worker))
+    held = {rid: got[(rid, 0)]["out"].retained_tokens for rid in prompts}
+    # a1 would take "a" past 16 pages; c0 would take all past 25
+    assert held == {"a0": 40, "a1": 0, "a2": 0, "b0": 40, "c0": 0}
+    stats = sched.stats()
+    assert stats["retained_pages"] == 20 and stats["retained_pages_max_tenant"] == 10
+    assert stats["max_retained_pages_tenant"] == 16 and stats["max_retained_pages_total"] == 25
+    assert stats["retention_clipped"] == 3
+    # A later turn of a0's conversation: its own 10 pages do not fit, its head does.
+    sched.add_request("a0+", prompts["a0"] + [12] * 40, params(1, cache_retention=hint), "a")
+    assert run(sched, worker)[("a0+", 0)]["out"].retained_tokens == 40
+    assert sched.stats()["retention_clipped"] == 4
+    sched.add_request("plain", [3] * 40, params(1))
+    assert run(sched, worker)[("plain", 0)]["finish"] == "length"
+    assert sched.cache.peek_prefix(np.asarray(prompts["a0"], np.int32), "a") == 40
+    sched.check_idle()
+
+
+@pytest.mark.parametrize("hinted", [True, False])
+def test_a_retained_session_demoted_to_the_host_tier_outlives_unretained_pages(hinted):
+    """Two sessions retain more than the pool can keep beside the traffic that follows,
+    so one is demoted; in the host tier it outlives the pages of that traffic (which
+    alone would fill it twice over), and returns from there. Without hints the host
+    tier is plain LRU and the session is gone."""
+    sched, worker = make(
+        num_pages=32, page_size=4, radix_eviction_policy="priority", max_retained_share=1.0,
+        host_pages=16,
+    )  # fmt: skip
+    hint = {"cache_retention": [50, 60.0]} if hinted else {}
+    sessions = {f"s{i}": [7 + i] * 48 for i in range(2)}  # 12 pages each
+    for rid, prompt in sessions.items():
+        sched.add_request(rid, prompt, params(1, **hint))
+        run(sched, worker)
+    for i in range(4):  # 4 x 10 unretained pages through what is left
+        sched.add_request(f"o{i}", [40 + i] * 40, params(1))
+        run(sched, worker)
+    assert sched.stats()["pages_demoted"] > 0
+    back = {}
+    for rid, prompt in sessions.items():  # each session's next turn
+        sched.add_request(rid + "+", prompt + [3, 4, 5, 6], params(1, **hint))
+        back[rid] = run(sched, worker)[(rid + "+", 0)]["out"]
+    cached = sum(out.cached_tokens for out in back.values())
+    if hinted:
+        assert cached == 2 * 48
+        assert sum(out.cached_tokens_by_tier[1] for out in back.values()) > 0  # from host
+    else:
+        assert cached < 48
+    sched.check_idle()
+
+
 def test_queue_time_is_kept_per_priority_level_and_bounded_in_levels():
     """Arrival to first admission, by the scheduler's clock: the second request waits
     for the only slot; past MAX_QUEUE_LEVELS levels, the rest share "other"."""

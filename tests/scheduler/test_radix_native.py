@@ -137,6 +137,27 @@ class DiffMachine(RuleBasedStateMachine):
             if len(got) < max_len:
                 assert not any(len(p) > len(whole) and p[: len(whole)] == whole for p in paths)
 
+    @rule(salt=SALTS, every=st.booleans(), max_label=st.integers(-1, 5))
+    def export_nodes(self, salt, every, max_label):
+        """The tree's shape (explain, the dashboard): equal array for array, and the
+        Python export rebuilds exactly the paths the tree holds."""
+        got = self.py.export_nodes(max_label, salt, every)
+        nat = self.nat.export_nodes(max_label, salt, every)
+        assert got.keys() == nat.keys() and got["salts"] == nat["salts"]
+        for k, v in got.items():
+            if k != "salts":
+                assert nat[k].dtype == v.dtype and nat[k].tolist() == v.tolist(), k
+        if max_label < 0:
+            paths: list[list[int]] = []
+            for i, p in enumerate(got["parent"].tolist()):
+                edge = got["labels"][got["label_offsets"][i] : got["label_offsets"][i + 1]]
+                paths.append(([] if p < 0 else paths[p]) + edge.tolist())
+            for ns, name in enumerate(got["salts"]):
+                mine = [p for p, n in zip(paths, got["namespace"].tolist()) if n == ns]
+                assert sorted(mine) == sorted(cached_paths(self.py, name))
+            if not every:
+                assert got["salts"] in ([], [salt])
+
     @rule(data=st.data(), salt=SALTS, lock=st.booleans())
     def insert(self, data, salt, lock):
         ps = self.page_size

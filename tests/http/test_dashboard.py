@@ -1,0 +1,236 @@
+"""The cache's explain over HTTP and the live dashboard page (``http/dashboard.py``).
+
+The shared server runs with ``--dashboard``. The page is tested in a real browser:
+headless Chromium loads ``/dashboard`` while a shared-system-prompt bench runs
+against the server, and the DOM after its scripts ran must show a non-zero hit rate
+and a tree node labelled with the system prompt's first words; a screenshot is
+taken (docs/images/dashboard.png is one). Chromium is required: CI installs it
+(``.ci/run``), and a machine without it fails here rather than skip the page.
+Access rules (admin key, Basic challenge, off without ``--dashboard``) are checked on
+the app in process, without a server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import html.parser
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from radixserve.benchmark.backends import RadixserveBackend
+from radixserve.benchmark.runner import run
+from radixserve.benchmark.workloads import Node, Workload
+from radixserve.http.app import create_app
+from radixserve.http.auth import Keys
+from radixserve.http.dashboard import _Figures
+from radixserve.http.metrics import Metrics
+from radixserve.http.state import FrontState
+from radixserve.models.tokenizer import load_tokenizer
+
+SYSTEM = "You are a careful assistant. Answer the question below in one short sentence."
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]  # fmt: skip
+
+
+def test_explain_a_completion_and_a_chat(http_server, zmq_client):
+    url = http_server.http_url
+    prompt = "def explain(cache): return the tokens that hit, and why the rest missed"
+    zmq_client.generate(prompt, max_tokens=2, temperature=0.0)
+    body = {"model": "tiny", "prompt": [prompt[:40] + " and something else entirely", prompt]}
+    r = httpx.post(f"{url}/v1/cache/explain", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    first, again = r.json()["data"]
+    assert again["stop"] == "last_token" and again["hit_tokens"] > 0
+    assert first["hit_tokens"] < again["hit_tokens"]
+    miss = first["miss"]
+    assert miss["position"] == first["agreed_tokens"] > 0
+    assert (miss["text_before"] + miss["text_after"]).strip()
+    assert miss["continuations"] == 1 and miss["most_common"]["text"]
+    assert first["reason"].endswith(".") and first["namespace"]["cache_salt"] is None
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "cache_salt": "t"}
+    r = httpx.post(f"{url}/v1/cache/explain", json=chat, timeout=60)
+    [report] = r.json()["data"]
+    assert report["stop"] == "empty_namespace" and report["namespace"]["cache_salt"] == "t"
+    # Bad input is a 400 that says why; nothing reaches the scheduler.
+    r = httpx.post(f"{url}/v1/cache/explain", json={"model": "tiny"}, timeout=60)
+    assert r.status_code == 400
+    r = httpx.post(f"{url}/v1/cache/explain", content=b"{", timeout=60)
+    assert r.status_code == 400
+    r = httpx.post(f"{url}/v1/cache/explain", json={"model": "nope", "prompt": "x"}, timeout=60)
+    assert r.status_code == 404
+
+
+def test_a_completion_that_asks_explains_its_own_hit(http_server, zmq_client):
+    url = http_server.http_url
+    prompt = "The same long prompt sent twice, so that the second time it hits the cache."
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0, "explain": True}
+    first = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["usage"]
+    again = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["usage"]
+    assert first["explain"]["hit_tokens"] == first["prompt_tokens_details"]["cached_tokens"]
+    assert again["explain"]["hit_tokens"] == again["prompt_tokens_details"]["cached_tokens"] > 0
+    assert again["explain"]["stop"] == "last_token" and again["explain"]["reason"]
+    plain = httpx.post(f"{url}/v1/completions", json={**body, "explain": False}, timeout=120)
+    assert "explain" not in plain.json()["usage"]
+
+
+def test_the_client_explains_too(zmq_client):
+    report = zmq_client.explain_cache(input_ids=[5, 6, 7, 8, 9], cache_salt="nobody")
+    assert report["stop"] == "empty_namespace" and report["miss"]["text_after"] is not None
+    with pytest.raises(ValueError):
+        zmq_client.explain_cache()
+
+
+def _system_workload(tokenizer, groups: int = 2, prompts: int = 6) -> Workload:
+    roots = []
+    for g in range(groups):
+        system = tokenizer.encode(f"{SYSTEM} Topic {g}.", add_special_tokens=False)
+        for p in range(prompts):
+            question = tokenizer.encode(f" Question {p} about group {g}?", add_special_tokens=False)
+            roots.append(Node(f"g{g}-p{p}", system + question, 4))
+    return Workload("shared-prefix", {"groups": groups, "prompts": prompts}, roots)
+
+
+class _Nodes(html.parser.HTMLParser):
+    """The tree's nodes (``<g class="node" data-label=...>``) and the cards' values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.labels: list[str] = []
+        self.ids: dict[str, str] = {}
+        self._in: str | None = None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "g" and a.get("class") == "node":
+            self.labels.append(a.get("data-label") or "")
+        self._in = a.get("id")
+
+    def handle_data(self, data):
+        if self._in:
+            self.ids[self._in] = self.ids.get(self._in, "") + data
+
+    def handle_endtag(self, tag):
+        self._in = None
+
+
+def _chromium(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    exe = shutil.which("chromium")
+    assert exe, "Chromium is needed to test the dashboard page (Debian: apt-get install chromium)"
+    with tempfile.TemporaryDirectory(prefix="rs-chromium-") as profile:
+        cmd = [exe, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_page_in_a_browser_during_a_bench(http_server, model_dir, zmq_client, tmp_path):
+    tokenizer = load_tokenizer(str(model_dir))
+    workload = _system_workload(tokenizer)
+
+    async def bench():
+        backend = RadixserveBackend(http_server.endpoint, timeout=120)
+        try:
+            return await run(workload, backend, progress=False)
+        finally:
+            await backend.close()
+
+    asyncio.run(bench())  # the cache holds both system prompts
+    during = threading.Thread(target=lambda: asyncio.run(bench()))
+    during.start()
+    try:
+        page = f"{http_server.http_url}/dashboard"
+        dom = _chromium("--virtual-time-budget=6000", "--dump-dom", page)
+        shot = tmp_path / "dashboard.png"
+        _chromium(
+            "--virtual-time-budget=6000", f"--screenshot={shot}", "--window-size=960,1000", page
+        )
+    finally:
+        during.join()
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    nodes = _Nodes()
+    nodes.feed(dom.stdout)
+    assert "never" not in nodes.ids.get("updated", "never"), nodes.ids
+    for card in ("hit-rate", "hit-rate-total"):
+        value = re.fullmatch(r"([\d.]+)%", nodes.ids.get(card, "").strip())
+        assert value and float(value[1]) > 0, (card, nodes.ids)
+    first_words = " ".join(SYSTEM.split()[:3])  # "You are a"
+    assert any(label.startswith(first_words) for label in nodes.labels), nodes.labels
+    assert shot.stat().st_size > 10_000  # a picture, not an empty page
+
+
+def test_the_figures_are_bounded_and_cached(http_server, zmq_client):
+    url = http_server.http_url
+    a = httpx.get(f"{url}/dashboard/data", timeout=60)
+    assert a.status_code == 200 and a.headers["content-type"] == "application/json"
+    data = a.json()
+    assert len(data["tree"]["nodes"]) <= 64 and len(data["history"]) <= 300
+    assert data["history_fields"][0] == "t" and data["stats"]["num_pages"] == 1024
+    for node in data["tree"]["nodes"]:
+        assert node["parent"] < data["tree"]["nodes"].index(node)
+        assert isinstance(node["label"], str)
+
+
+def test_polls_share_one_fetch_a_second_and_never_wait_for_a_later_one():
+    class Slow:
+        calls = 0
+
+        async def dashboard(self, timeout=None):
+            Slow.calls += 1
+            await asyncio.sleep(0.05)
+            return {"n": Slow.calls}
+
+    figures = _Figures(ttl=1.0)
+    state = FrontState(Slow(), Metrics("m"), "m", 512)  # type: ignore[arg-type]
+
+    async def polls():
+        first = await asyncio.gather(*(figures.get(state) for _ in range(200)))
+        figures.at -= 2.0  # a second later: stale
+        t0 = asyncio.get_running_loop().time()
+        stale = await asyncio.gather(*(figures.get(state) for _ in range(200)))
+        waited = asyncio.get_running_loop().time() - t0
+        await asyncio.sleep(0.1)  # the refresh lands
+        return first, stale, waited, await figures.get(state)
+
+    first, stale, waited, fresh = asyncio.run(polls())
+    assert set(first) == set(stale) == {b'{"n":1}'} and fresh == b'{"n":2}'
+    assert Slow.calls == 2 and waited < 0.05  # the stale polls did not wait for the fetch
+
+
+def _app(keys: Keys, dashboard: bool = True) -> TestClient:
+    state = FrontState(None, Metrics("m"), "m", 512, dashboard=dashboard)  # type: ignore[arg-type]
+    return TestClient(create_app(state, keys))
+
+
+def test_admin_key_and_the_basic_challenge():
+    keys = Keys(api_key="user-key", admin_key="admin-key")
+    with _app(keys) as app:
+        r = app.get("/dashboard")
+        assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Basic")
+
+        def basic(password: str) -> dict[str, str]:
+            token = base64.b64encode(f"x:{password}".encode()).decode()
+            return {"Authorization": f"Basic {token}"}
+
+        assert app.get("/dashboard", headers=basic("user-key")).status_code == 401
+        assert app.get("/dashboard", headers={"Authorization": "Basic %%%"}).status_code == 401
+        ok = app.get("/dashboard", headers=basic("admin-key"))
+        assert ok.status_code == 200 and "<svg" in ok.text
+        assert not re.search(r"(src|href)\s*=|@import|url\(", ok.text)  # nothing from elsewhere
+        page = app.get("/dashboard", headers={"Authorization": "Bearer admin-key"})
+        assert page.status_code == 200
+        for who in ({}, {"Authorization": "Bearer user-key"}):
+            assert app.post("/v1/cache/explain", json={}, headers=who).status_code == 401
+
+
+def test_off_without_the_flag():
+    with _app(Keys(), dashboard=False) as app:
+        assert app.get("/dashboard").status_code == 404
+        assert app.get("/dashboard/data").status_code == 404
