@@ -17,6 +17,9 @@ EXT_NAME = "radixserve.scheduler._radix_native"
 SOURCES = ["csrc/radix_tree.cpp", "csrc/page_free.cpp", "csrc/bindings.cpp"]
 KERNELS_EXT_NAME = "radixserve.layers._cpu_kernels"
 RELAY_EXT_NAME = "radixserve.utils._zmtp_relay"
+# Not a Python module: a library the launcher preloads into a prefill/decode server's
+# worker so the transfer engine's listeners bind --kv-transfer-host (csrc/bind_address.c).
+BIND_EXT_NAME = "radixserve.worker._bind_address"
 KERNELS_SOURCES = [
     "csrc/paged_attention.cpp",
     "csrc/skinny_gemm.cpp",
@@ -47,6 +50,7 @@ def _warn(reason: str, name: str = EXT_NAME) -> None:
     fallback = {
         EXT_NAME: "Python radix tree",
         RELAY_EXT_NAME: "routing-id gate's Python relay",
+        BIND_EXT_NAME: "transfer engine's listeners on every interface (--disaggregation)",
     }.get(name, "torch decode path and BLAS")
     print(
         f"\n{bar}\nWARNING: the native extension {name} was not built:\n  {reason}\n"
@@ -99,7 +103,7 @@ def _parallel_compile() -> None:
 
 def _relay_extension() -> list:
     """The routing-id gate's relay (plain C, Linux: epoll and splice); without it the
-    gate relays in Python."""
+    gate relays in Python. And the bind-address library (plain C, Linux)."""
     if not sys.platform.startswith("linux"):
         return []
     return [
@@ -108,7 +112,13 @@ def _relay_extension() -> list:
             ["csrc/zmtp_relay.c"],
             extra_compile_args=["-O2", "-Wall", "-Wextra"],
             extra_link_args=["-pthread"],
-        )
+        ),
+        Extension(
+            BIND_EXT_NAME,
+            ["csrc/bind_address.c"],
+            extra_compile_args=["-O2", "-Wall", "-Wextra"],
+            libraries=["dl"],
+        ),
     ]
 
 

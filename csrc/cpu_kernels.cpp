@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <limits>
 #include <stdexcept>
@@ -376,15 +377,32 @@ void silu_mul_rows_py(const py::array& gate_up, py::array& out, int num_threads,
 // x float32 [n, d] -> uint8 [n, d + 2]: each row quantized as the one-call decode
 // layers write K/V rows into a quantized pool (quantize_kv_row).
 py::array_t<uint8_t> quantize_kv_rows(const py::array_t<float, py::array::c_style>& x,
-                                      const std::string& kv_quant, const std::string& isa_name) {
+                                      const std::string& kv_quant, const std::string& isa_name,
+                                      bool searched, int num_threads) {
   const Isa isa = parse_isa(isa_name, "quantize_kv_rows");
   const radixserve::KVQuant quant = parse_quant(kv_quant);
   if (quant == radixserve::KVQuant::kNone || x.ndim() != 2)
     throw std::invalid_argument("quantize_kv_rows: x must be [rows, d] and kv_quant a format");
   const int64_t n = x.shape(0), d = x.shape(1);
   py::array_t<uint8_t> out({n, d + 2});
-  for (int64_t i = 0; i < n; ++i)
-    radixserve::quantize_kv_row(x.data() + i * d, d, quant, out.mutable_data() + i * (d + 2), isa);
+  const float* src = x.data();
+  uint8_t* dst = out.mutable_data();
+  py::gil_scoped_release nogil;
+  radixserve::split_items(n, num_threads, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      radixserve::quantize_kv_row(src + i * d, d, quant, dst + i * (d + 2), isa, searched);
+  });
+  return out;
+}
+
+// x float32 [n, d] -> each row rotated (hadamard_row: the rotation of a quantized
+// pool's keys and queries, attention/rotation.py).
+py::array_t<float> hadamard_rows(const py::array_t<float, py::array::c_style>& x) {
+  if (x.ndim() != 2) throw std::invalid_argument("hadamard_rows: x must be [rows, d]");
+  const int64_t n = x.shape(0), d = x.shape(1);
+  py::array_t<float> out({n, d});
+  std::memcpy(out.mutable_data(), x.data(), sizeof(float) * static_cast<size_t>(n * d));
+  for (int64_t i = 0; i < n; ++i) radixserve::hadamard_row(out.mutable_data() + i * d, d);
   return out;
 }
 
@@ -397,9 +415,11 @@ class DecodeLayersPy {
   DecodeLayersPy(const py::list& ln1, const py::list& qkv, const py::list& o, const py::list& ln2,
                  const py::list& gate_up, const py::list& down, const py::list& kv,
                  int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
-                 bool unit_offset, const std::string& kv_quant) {
+                 bool unit_offset, const std::string& kv_quant, bool rotated) {
     p_.quant = parse_quant(kv_quant);
     const bool quantized = p_.quant != radixserve::KVQuant::kNone;
+    check(!rotated || quantized, "rotated keys are a quantized pool's");
+    p_.rotated = rotated;  // KVPool.rotated: keys (and queries) rotated, fp8 keys searched
     const size_t n = py::len(ln1);
     for (const py::list* l : std::initializer_list<const py::list*>{&qkv, &o, &ln2, &gate_up, &down, &kv})
       check(py::len(*l) == n, "one array per layer in every list");
@@ -784,9 +804,13 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         "out [rows, I] = silu(gate) * up for row-major gate_up [rows, 2 * I] (gate, then up, "
         "in each row; float32, or bfloat16 as int16), silu_mul's values.");
   m.def("quantize_kv_rows", &quantize_kv_rows, py::arg("x"), py::arg("kv_quant"),
-        py::arg("isa") = "auto",
+        py::arg("isa") = "auto", py::arg("searched") = false, py::arg("num_threads") = 1,
         "float32 [rows, d] -> uint8 [rows, d + 2]: codes and float16 scale per row, as the "
-        "one-call decode layers write a quantized pool (radixserve/worker/kv_quant.py).");
+        "one-call decode layers write a quantized pool (radixserve/worker/kv_quant.py); "
+        "searched: fp8 rows take the scale of least squared error (a rotated pool's keys).");
+  m.def("hadamard_rows", &hadamard_rows, py::arg("x"),
+        "float32 [rows, d] -> each row times the normalized Hadamard matrix "
+        "(radixserve/worker/attention/rotation.py), in float32.");
   m.def("paged_decode", &paged_decode, py::arg("q"), py::arg("kv"), py::arg("out"), py::arg("lse"),
         py::arg("row_indptr"), py::arg("rows"), py::arg("page_indptr"), py::arg("pages"),
         py::arg("kv_begin"), py::arg("kv_end"), py::arg("scale"), py::arg("num_threads"),
@@ -836,11 +860,11 @@ PYBIND11_MODULE(_cpu_kernels, m) {
                              "(csrc/decode_layers.cpp).")
       .def(py::init<const py::list&, const py::list&, const py::list&, const py::list&,
                     const py::list&, const py::list&, const py::list&, int64_t, int64_t,
-                    int64_t, double, bool, const std::string&>(),
+                    int64_t, double, bool, const std::string&, bool>(),
            py::arg("ln1"), py::arg("qkv"), py::arg("o"), py::arg("ln2"), py::arg("gate_up"),
            py::arg("down"), py::arg("kv"), py::arg("heads"), py::arg("kv_heads"),
            py::arg("head_dim"), py::arg("eps"), py::arg("unit_offset"),
-           py::arg("kv_quant") = "none")
+           py::arg("kv_quant") = "none", py::arg("rotated") = false)
       .def("run", &DecodeLayersPy::run, py::arg("residual"), py::arg("x"), py::arg("cos"),
            py::arg("sin"), py::arg("write_rows"), py::arg("row_indptr"), py::arg("rows"),
            py::arg("page_indptr"), py::arg("pages"), py::arg("kv_begin"), py::arg("kv_end"),

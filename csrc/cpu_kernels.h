@@ -379,6 +379,10 @@ struct DecodeLayers {
   // How the pool stores K/V: the weights' dtype, or quantized rows (KVQuant), which
   // the call writes as radixserve/worker/kv_quant.py's quantize does, bit for bit.
   KVQuant quant;
+  // Keys stored rotated (a quantized pool, KVPool.rotated): key rows rotated
+  // (hadamard_row) and, for fp8, quantized with the searched scale; queries rotated
+  // alike before attention.
+  bool rotated;
 };
 void decode_layers(const DecodeLayers& p, Isa isa, int num_threads);
 
@@ -393,7 +397,14 @@ void silu_mul_rows(const void* gu, void* out, int64_t rows, int64_t inter, bool 
 
 // One (token, kv head) row of d values quantized as kv_quant.quantize does: d codes,
 // then the float16 scale (max|x| / qmax rounded up), into dst (d + 2 bytes).
-void quantize_kv_row(const float* x, int64_t d, KVQuant quant, uint8_t* dst, Isa isa);
+// `searched` (the keys of a rotated pool; fp8 formats only, int8 ignores it): the
+// scale of least squared error instead (kv_quant.quantize's search_scale).
+void quantize_kv_row(const float* x, int64_t d, KVQuant quant, uint8_t* dst, Isa isa,
+                     bool searched = false);
+// x's d values rotated in place: x R for R the normalized Hadamard matrix of
+// attention/rotation.py (Sylvester's, block-diagonal over the largest power of 2
+// dividing d), by butterflies in float32, then the 1 / sqrt(block) factor.
+void hadamard_row(float* x, int64_t d);
 
 // out[r] = the first v with the largest x[v, r] (a NaN counting as largest) for
 // x [vocab, rows] C-contiguous, float32 or bfloat16 bits (argmax.cpp).

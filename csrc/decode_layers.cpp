@@ -240,18 +240,35 @@ void run(const DecodeLayers& p, Isa isa, int num_threads) {
         std::memcpy(kv + (row + p.page_size) * row_bytes, v.data() + i * kvd, row_bytes);
       }
     } else {
-      // Rows of kv_heads x (head_dim codes, a float16 scale).
+      // Rows of kv_heads x (head_dim codes, a float16 scale). Keys are stored rotated
+      // (attention/rotation.py): each key row rotated in float32, and fp8 key rows take
+      // the searched scale; the queries are rotated alike, rounded back to the weights'
+      // dtype, before attention reads the pool.
+      // The (token, K or V, kv head) rows split between the threads (the searched
+      // scale costs 36 trial roundings a key row); each row's bytes are its own.
       const int64_t entry = dh + 2, qrow = p.kv_heads * entry;
-      std::vector<float> x(static_cast<size_t>(dh));
-      for (int64_t i = 0; i < t; ++i) {
-        const int64_t row = p.write_rows[i];
-        for (int which = 0; which < 2; ++which) {
-          const T* src = (which ? v.data() : k.data()) + i * kvd;
-          uint8_t* dst = reinterpret_cast<uint8_t*>(kv) + (row + which * p.page_size) * qrow;
-          for (int64_t hh = 0; hh < p.kv_heads; ++hh) {
-            for (int64_t d = 0; d < dh; ++d) x[static_cast<size_t>(d)] = IO::load(src[hh * dh + d]);
-            radixserve::quantize_kv_row(x.data(), dh, p.quant, dst + hh * entry, isa);
-          }
+      const T* kvs[2] = {k.data(), v.data()};
+      radixserve::split_items(t * 2 * p.kv_heads, num_threads, [&](int64_t begin, int64_t end) {
+        std::vector<float> x(static_cast<size_t>(dh));
+        for (int64_t r = begin; r < end; ++r) {
+          const int64_t i = r / (2 * p.kv_heads), which = r / p.kv_heads % 2, hh = r % p.kv_heads;
+          const T* src = kvs[which] + i * kvd + hh * dh;
+          uint8_t* dst = reinterpret_cast<uint8_t*>(kv) +
+                         (p.write_rows[i] + which * p.page_size) * qrow + hh * entry;
+          const bool key = which == 0 && p.rotated;
+          for (int64_t d = 0; d < dh; ++d) x[static_cast<size_t>(d)] = IO::load(src[d]);
+          if (key) radixserve::hadamard_row(x.data(), dh);
+          radixserve::quantize_kv_row(x.data(), dh, p.quant, dst, isa, key);
+        }
+      });
+      if (p.rotated) {
+        T* qs = q.data();
+        std::vector<float> x(static_cast<size_t>(dh));
+        for (int64_t r = 0; r < t * p.heads; ++r) {
+          T* row = qs + r * dh;
+          for (int64_t d = 0; d < dh; ++d) x[static_cast<size_t>(d)] = IO::load(row[d]);
+          radixserve::hadamard_row(x.data(), dh);
+          for (int64_t d = 0; d < dh; ++d) row[d] = IO::store(x[static_cast<size_t>(d)]);
         }
       }
     }
@@ -349,6 +366,100 @@ void quantize_row_scalar(const float* x, int64_t d, KVQuant quant, uint8_t* dst)
   std::memcpy(dst + d, &hb, sizeof hb);
 }
 
+// |a| <= qmax rounded to the fp8 format's grid (M mantissa bits, bias B), as a float:
+// round_to_minifloat's rounding, its value rather than its bits.
+template <int M, int B>
+float fp8_rounded(float a) {
+  const float min_normal = std::ldexp(1.0f, 1 - B);
+  if (a < min_normal) return std::nearbyint(a * std::ldexp(1.0f, B - 1 + M)) * std::ldexp(1.0f, 1 - B - M);
+  constexpr int shift = 23 - M;
+  const uint32_t u = to_bits(a);
+  uint32_t r = u >> shift;
+  const uint32_t rem = u & ((1u << shift) - 1), half = 1u << (shift - 1);
+  if (rem > half || (rem == half && (r & 1u))) ++r;
+  return from_bits(r << shift);
+}
+
+// kv_quant.quantize with search_scale for an fp8 format of float16 row scales: among
+// the scales that put one of the row's kSearchTop largest magnitudes on one of the
+// format's codes in [qmax / 2, qmax] (each rounded to float16, nearest even, within
+// [2^-24, 65504]), the one of least sum((code * scale - x)^2); the first on a tie, in
+// the order (magnitude descending, code ascending). Values beyond qmax * scale clamp to
+// qmax. Each square is a float32, and the sum is taken in float64 in one fixed order
+// by both versions (scalar and AVX-512): value i into lane i % 16, lanes summed 0..15.
+constexpr int64_t kSearchTop = 4;
+constexpr int kLanes = 16;
+const float kE4M3Top[] = {224, 240, 256, 288, 320, 352, 384, 416, 448};
+const float kE5M2Top[] = {28672, 32768, 40960, 49152, 57344};
+
+// The candidates' float16 scale bits, in the search's order; returns their number.
+int search_candidates(const float* x, int64_t d, KVQuant quant, uint32_t* out) {
+  const bool e4m3 = quant == KVQuant::kFp8E4M3;
+  const float* tops = e4m3 ? kE4M3Top : kE5M2Top;
+  const int n_tops = e4m3 ? 9 : 5;
+  float mags[kSearchTop];
+  const int64_t top = std::min(kSearchTop, d);
+  for (int64_t j = 0; j < top; ++j) mags[j] = -1.0f;
+  for (int64_t i = 0; i < d; ++i) {  // the `top` largest magnitudes, descending
+    float a = std::fabs(x[i]);
+    for (int64_t j = 0; j < top; ++j) {
+      if (a > mags[j]) std::swap(a, mags[j]);
+    }
+  }
+  int n = 0;
+  for (int64_t j = 0; j < top; ++j) {
+    for (int c = 0; c < n_tops; ++c) {
+      const float exact = std::min(std::max(mags[j] / tops[c], 0x1p-24f), 65504.0f);
+      out[n++] = round_to_minifloat<10, 15>(exact);
+    }
+  }
+  return n;
+}
+
+double lane_sum(const double* lanes) {
+  double total = 0;
+  for (int l = 0; l < kLanes; ++l) total += lanes[l];
+  return total;
+}
+
+// The row's codes under float16 scale bits h, and its scale, into dst.
+void write_row(const float* x, int64_t d, KVQuant quant, uint32_t h, uint8_t* dst) {
+  const float qmax = quant_max(quant), scale = half_bits_to_float(h);
+  for (int64_t i = 0; i < d; ++i) {
+    const float y = x[i] / scale;
+    const float a = std::min(std::fabs(y), qmax);
+    const uint32_t mag = quant == KVQuant::kFp8E4M3 ? round_to_minifloat<3, 7>(a)
+                                                    : round_to_minifloat<2, 15>(a);
+    dst[i] = static_cast<uint8_t>(mag | (std::signbit(y) ? 0x80u : 0u));
+  }
+  const uint16_t hb = static_cast<uint16_t>(h);
+  std::memcpy(dst + d, &hb, sizeof hb);
+}
+
+void quantize_row_searched_scalar(const float* x, int64_t d, KVQuant quant, uint8_t* dst) {
+  const float qmax = quant_max(quant);
+  uint32_t cands[kSearchTop * 9];
+  const int n = search_candidates(x, d, quant, cands);
+  double best_err = 0;
+  uint32_t best = cands[0];
+  for (int c = 0; c < n; ++c) {
+    const float scale = half_bits_to_float(cands[c]), inv = 1.0f / scale;
+    double lanes[kLanes] = {};
+    for (int64_t i = 0; i < d; ++i) {
+      const float a = std::min(std::fabs(x[i] * inv), qmax);
+      const float q = quant == KVQuant::kFp8E4M3 ? fp8_rounded<3, 7>(a) : fp8_rounded<2, 15>(a);
+      const float diff = (std::signbit(x[i]) ? -q : q) * scale - x[i];
+      lanes[i % kLanes] += static_cast<double>(diff * diff);
+    }
+    const double err = lane_sum(lanes);
+    if (c == 0 || err < best_err) {
+      best_err = err;
+      best = cands[c];
+    }
+  }
+  write_row(x, d, quant, best, dst);
+}
+
 #if RS_X86
 // 16 magnitudes |y| <= qmax rounded to nearest even in the fp8 format (M mantissa
 // bits, bias B), as int32 codes without sign: round_to_minifloat, 16 lanes at a time.
@@ -407,7 +518,78 @@ RS_TARGET_AVX512 void quantize_row_avx512(const float* x, int64_t d, KVQuant qua
   const uint16_t hb = static_cast<uint16_t>(h);
   std::memcpy(dst + d, &hb, sizeof hb);
 }
+
+// |a| <= qmax (16 lanes) rounded to the fp8 grid, as floats: fp8_rounded.
+template <int M, int B>
+RS_TARGET_AVX512 RS_ALWAYS_INLINE __m512 fp8_rounded16(__m512 a) {
+  const __m512 sub = _mm512_mul_ps(
+      _mm512_roundscale_ps(_mm512_mul_ps(a, _mm512_set1_ps(std::ldexp(1.0f, B - 1 + M))),
+                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+      _mm512_set1_ps(std::ldexp(1.0f, 1 - B - M)));
+  constexpr int shift = 23 - M;
+  const __m512i u = _mm512_castps_si512(a);
+  __m512i r = _mm512_srli_epi32(u, shift);
+  const __m512i rem = _mm512_and_si512(u, _mm512_set1_epi32((1 << shift) - 1));
+  const __m512i half = _mm512_set1_epi32(1 << (shift - 1));
+  const __mmask16 up = _mm512_cmpgt_epi32_mask(rem, half) |
+                       (_mm512_cmpeq_epi32_mask(rem, half) &
+                        _mm512_test_epi32_mask(r, _mm512_set1_epi32(1)));
+  r = _mm512_mask_add_epi32(r, up, r, _mm512_set1_epi32(1));
+  const __m512 normal = _mm512_castsi512_ps(_mm512_slli_epi32(r, shift));
+  const __mmask16 tiny = _mm512_cmp_ps_mask(a, _mm512_set1_ps(std::ldexp(1.0f, 1 - B)), _CMP_LT_OQ);
+  return _mm512_mask_blend_ps(tiny, normal, sub);
+}
+
+// quantize_row_searched_scalar's bytes (the same squares summed in the same order),
+// 16 values at a time.
+template <int M, int B>
+RS_TARGET_AVX512 void quantize_row_searched_avx512(const float* x, int64_t d, KVQuant quant,
+                                                   uint8_t* dst) {
+  const __m512 vq = _mm512_set1_ps(quant_max(quant));
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  const __m512 sign_mask = _mm512_castsi512_ps(_mm512_set1_epi32(INT32_MIN));
+  uint32_t cands[kSearchTop * 9];
+  const int n = search_candidates(x, d, quant, cands);
+  double best_err = 0;
+  uint32_t best = cands[0];
+  for (int c = 0; c < n; ++c) {
+    const float s = half_bits_to_float(cands[c]);
+    const __m512 scale = _mm512_set1_ps(s), inv = _mm512_set1_ps(1.0f / s);
+    __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+    for (int64_t i = 0; i < d; i += 16) {
+      const __mmask16 m = d - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (d - i)) - 1);
+      const __m512 xv = _mm512_maskz_loadu_ps(m, x + i);
+      const __m512 a = _mm512_min_ps(_mm512_and_ps(_mm512_mul_ps(xv, inv), abs_mask), vq);
+      const __m512 q = _mm512_or_ps(fp8_rounded16<M, B>(a), _mm512_and_ps(xv, sign_mask));
+      const __m512 diff = _mm512_sub_ps(_mm512_mul_ps(q, scale), xv);
+      const __m512 sq = _mm512_maskz_mul_ps(m, diff, diff);
+      lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(sq)));
+      hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sq), 1))));
+    }
+    alignas(64) double lanes[kLanes];
+    _mm512_store_pd(lanes, lo);
+    _mm512_store_pd(lanes + 8, hi);
+    const double err = lane_sum(lanes);
+    if (c == 0 || err < best_err) {
+      best_err = err;
+      best = cands[c];
+    }
+  }
+  write_row(x, d, quant, best, dst);
+}
 #endif
+
+// One searched row (quantize_kv_row with searched), at the CPU's level.
+void quantize_row_searched(const float* x, int64_t d, KVQuant quant, uint8_t* dst, Isa isa) {
+#if RS_X86
+  if (isa >= Isa::kAvx512) {
+    if (quant == KVQuant::kFp8E4M3) return quantize_row_searched_avx512<3, 7>(x, d, quant, dst);
+    return quantize_row_searched_avx512<2, 15>(x, d, quant, dst);
+  }
+#endif
+  (void)isa;
+  quantize_row_searched_scalar(x, d, quant, dst);
+}
 
 }  // namespace
 
@@ -433,12 +615,29 @@ void silu_mul_rows(const void* gu, void* out, int64_t rows, int64_t inter, bool 
   }
 }
 
-void quantize_kv_row(const float* x, int64_t d, KVQuant quant, uint8_t* dst, Isa isa) {
+void quantize_kv_row(const float* x, int64_t d, KVQuant quant, uint8_t* dst, Isa isa,
+                     bool searched) {
+  if (searched && quant != KVQuant::kInt8) return quantize_row_searched(x, d, quant, dst, isa);
 #if RS_X86
   if (isa >= Isa::kAvx512) return quantize_row_avx512(x, d, quant, dst);
 #endif
   (void)isa;
   quantize_row_scalar(x, d, quant, dst);
+}
+
+void hadamard_row(float* x, int64_t d) {
+  const int64_t block = d & -d;  // the largest power of 2 dividing d
+  for (int64_t h = 1; h < block; h *= 2) {
+    for (int64_t i = 0; i < d; i += 2 * h) {
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+    }
+  }
+  const float norm = static_cast<float>(1.0 / std::sqrt(static_cast<double>(block)));
+  for (int64_t i = 0; i < d; ++i) x[i] *= norm;
 }
 
 void decode_layers(const DecodeLayers& p, Isa isa, int num_threads) {

@@ -102,6 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "launch" and args.dp > 1 and args.nnodes > 1:
         print("radixserve: --dp and --nnodes cannot be combined", file=sys.stderr)
         return 2
+    if args.command == "launch" and args.pd is not None and (args.dp > 1 or args.nnodes > 1):
+        print("radixserve: --pd runs its own servers: not with --dp or --nnodes", file=sys.stderr)
+        return 2
     if args.command == "launch":
         try:
             config = config_from_args(args)
@@ -125,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _launch(args: argparse.Namespace, config: ServerConfig) -> int:
-    if args.dp > 1:
+    if args.dp > 1 or args.pd is not None:
         from radixserve.options import option_values
         from radixserve.router.launch_dp import launch_dp
         from radixserve.router.policy import PolicyConfig
@@ -133,7 +136,10 @@ def _launch(args: argparse.Namespace, config: ServerConfig) -> int:
         policy = option_values(PolicyConfig, args)
         if policy["balance_abs_threshold"] is None:  # a whole batch of one replica
             policy["balance_abs_threshold"] = config.engine.max_running_requests
-        return launch_dp(config, args.dp, PolicyConfig(**policy), http_keys(args))
+        prefill, decode = args.pd if args.pd is not None else (0, args.dp)
+        return launch_dp(
+            config, prefill + decode, PolicyConfig(**policy), http_keys(args), prefill=prefill
+        )
     from radixserve.launch import launch
 
     return launch(config, http_keys(args))

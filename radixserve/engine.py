@@ -20,7 +20,7 @@ from typing import Any
 from radixserve.compose import build_scheduler, build_worker
 from radixserve.config import EngineConfig, tokenizer_config
 from radixserve.program import EngineBackend, ProgramState
-from radixserve.protocol import OutputItem
+from radixserve.protocol import ImageInput, OutputItem
 from radixserve.results import Result, TokenLogprobs, Usage
 from radixserve.sampling_params import SamplingParams
 from radixserve.tokenizer.explain import render_dashboard, render_explain
@@ -41,7 +41,9 @@ class Engine:
         """``kwargs`` are ``EngineConfig``'s fields (``radixserve.config``). ``lora``:
         LoRA adapters to serve, name -> PEFT folder (``lora_modules`` as a mapping;
         docs/lora.md)."""
+        from radixserve.models.source import resolve_model
         from radixserve.models.tokenizer import load_tokenizer
+        from radixserve.tokenizer.images import load_vision_inputs
 
         if lora:
             modules = tuple(kwargs.pop("lora_modules", ()))
@@ -52,9 +54,12 @@ class Engine:
         self.scheduler = build_scheduler(self.config, self.runner.info())
         self.texts = TokenTexts(self.tokenizer)
         info = self.runner.info()
+        source = resolve_model(model, self.config.cache_dir)
+        vision = None if source.gguf_file else load_vision_inputs(source.folder, self.tokenizer)
         self.inputs = InputProcessor(
-            self.tokenizer, info.vocab_size, tokenizer_config(self.config), info.max_context_len
-        )
+            self.tokenizer, info.vocab_size, tokenizer_config(self.config), info.max_context_len,
+            vision,
+        )  # fmt: skip
         self._ids = itertools.count()
 
     # ---------------------------------------------------------------- public
@@ -66,6 +71,7 @@ class Engine:
         cache_salt: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         lora: str | Sequence[str | None] | None = None,
+        images: Sequence[Any] | None = None,
     ) -> list[Result]:
         """Generate for one prompt or a list of them (text, token ids or chat
         messages). Returns the Results in prompt order (n per prompt when
@@ -73,8 +79,20 @@ class Engine:
         function: {name, description, parameters}}``) the chat template renders into
         each prompt, which must then all be chats. ``lora``: the name of a loaded LoRA
         adapter to generate with (None: the base model), or one per prompt (they run
-        in the same batches). Bad input raises ValueError before anything runs."""
+        in the same batches). ``images`` (vision-language models, docs/multimodal.md):
+        the images of a text or token-id prompt, one per placeholder token in it (bytes,
+        a path, a PIL image, a data URL); with a list of prompts, one such list (or
+        None) per prompt. Chats carry their images in content parts (``{type: image,
+        image}`` or ``{type: image_url, image_url: {url}}``). Bad input raises
+        ValueError before anything runs."""
         prompt_list = _as_prompt_list(prompts)
+        per_prompt: list[Any] = [None] * len(prompt_list)
+        if images is not None:
+            per_prompt = (
+                [images] if len(prompt_list) == 1 and prompt_list[0] is prompts else list(images)
+            )
+            if len(per_prompt) != len(prompt_list):
+                raise ValueError("give the images of one prompt, or one list per prompt")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -83,11 +101,11 @@ class Engine:
             params = list(sampling_params)
             if len(params) != len(prompt_list):
                 raise ValueError("give one SamplingParams, or one per prompt")
-        token_lists = [self._to_ids(p, tools) for p in prompt_list]
+        requests = [self._to_request(p, tools, im) for p, im in zip(prompt_list, per_prompt)]
         loras = [lora] * len(prompt_list) if lora is None or isinstance(lora, str) else list(lora)
         if len(loras) != len(prompt_list):
             raise ValueError("give one LoRA adapter name (or None), or one per prompt")
-        streams = self._add_requests(token_lists, params, cache_salt, loras)
+        streams = self._add_requests(requests, params, cache_salt, loras)
         order = list(streams)
         results: dict[tuple[str, int], Result] = {}
         while self.scheduler.has_work():
@@ -198,32 +216,36 @@ class Engine:
         self.close()
 
     # --------------------------------------------------------------- helpers
-    def _to_ids(self, prompt: Prompt, tools: Sequence[Mapping[str, Any]] | None) -> list[int]:
+    def _to_request(
+        self, prompt: Prompt, tools: Sequence[Mapping[str, Any]] | None, images: Any = None
+    ) -> tuple[list[int], list[ImageInput]]:
+        """The prompt's ids and images (this process's own: local paths are allowed)."""
+        kw: dict[str, Any] = {"tools": tools, "images": images, "trusted": True}
         if isinstance(prompt, str):
-            return self.inputs.to_ids(prompt=prompt, tools=tools)
+            return self.inputs.to_request(prompt=prompt, **kw)
         if prompt and isinstance(prompt[0], Mapping):
-            return self.inputs.to_ids(messages=prompt, tools=tools)  # type: ignore[arg-type]
-        return self.inputs.to_ids(input_ids=prompt, tools=tools)  # type: ignore[arg-type]
+            return self.inputs.to_request(messages=prompt, **kw)  # type: ignore[arg-type]
+        return self.inputs.to_request(input_ids=prompt, **kw)  # type: ignore[arg-type]
 
     def _add_requests(
         self,
-        token_lists: list[list[int]],
+        requests: list[tuple[list[int], list[ImageInput]]],
         params: list[SamplingParams],
         salt: str | None,
         loras: Sequence[str | None] | None = None,
     ) -> dict[tuple[str, int], OutputStream]:
         """Queue every prompt (under its LoRA adapter, if any), checking them all
         first; a stream per sample."""
-        loras = list(loras) if loras is not None else [None] * len(token_lists)
-        for ids, sp, lora in zip(token_lists, params, loras):
+        loras = list(loras) if loras is not None else [None] * len(requests)
+        for (ids, _), sp, lora in zip(requests, params, loras):
             self.inputs.check_sampling(sp)
             self.scheduler.check_request(ids, sp)
             if lora is not None:
                 self.scheduler.loras.lookup(lora)
         streams: dict[tuple[str, int], OutputStream] = {}
-        for ids, sp, lora in zip(token_lists, params, loras):
+        for (ids, images), sp, lora in zip(requests, params, loras):
             rid = f"engine-{next(self._ids)}"
-            self.scheduler.add_request(rid, ids, sp, salt=salt, lora=lora)
+            self.scheduler.add_request(rid, ids, sp, salt=salt, lora=lora, images=images)
             for i in range(sp.n):
                 streams[(rid, i)] = OutputStream(self.tokenizer, ids, sp.stop, self.texts)
         return streams

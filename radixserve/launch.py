@@ -166,6 +166,8 @@ class Launcher:
             env[ADMIN_KEY_ENV] = self.http_keys.admin_key
         root = SOURCE_ROOT
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        if name.startswith("worker") and self.config.disaggregation != "none":
+            env.update(bind_address_env(self.config.kv_transfer_host, env))
         module = MODULES["worker" if name.startswith("worker") else name]
         cmd = [sys.executable, "-m", module, self.config.to_json()]
         if rank:
@@ -273,6 +275,29 @@ class Launcher:
                 proc.wait()
         self.ctx.destroy(linger=0)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def bind_address_env(host: str, env: dict[str, str]) -> dict[str, str]:
+    """What a prefill/decode server's worker needs in its environment so that the
+    transfer engine's listeners, which bind every interface whatever host they are
+    given, bind ``host`` (``--kv-transfer-host``): ``csrc/bind_address.c`` preloaded.
+    Nothing for a wildcard host; without the library built, a warning."""
+    if host in ("0.0.0.0", "::", "*"):
+        return {}
+    from importlib.machinery import EXTENSION_SUFFIXES
+
+    folder = os.path.join(os.path.dirname(__file__), "worker")
+    found = [os.path.join(folder, "_bind_address" + s) for s in EXTENSION_SUFFIXES]
+    lib = next((p for p in found if os.path.exists(p)), None)
+    if lib is None:
+        log.warning(
+            "the bind-address library is not built: the transfer engine's ports listen on "
+            "every interface, not only %s (pip install -e . builds it)",
+            host,
+        )
+        return {}
+    preload = " ".join(p for p in (lib, env.get("LD_PRELOAD")) if p)
+    return {"LD_PRELOAD": preload, "RADIXSERVE_BIND_ADDRESS": host}
 
 
 def rank_name(rank: int) -> str:
@@ -402,7 +427,9 @@ def launch(config: ServerConfig, http_keys: Keys = NO_KEYS) -> int:
         say(f"radixserve: serving on {launcher.endpoint}")
     if launcher.http_url:
         say(f"radixserve: http on {launcher.http_url} (OpenAI API at /v1)")
-    if launcher.kv_events:
+    if "kv_transfer_control" in launcher.kv_events:  # a prefill server (docs/scale-out.md)
+        say(f"radixserve: kv transfer control on {launcher.kv_events['kv_transfer_control']}")
+    if "kv_events" in launcher.kv_events:
         ev = launcher.kv_events
         say(f"radixserve: kv events on {ev['kv_events']} (replay {ev['kv_events_replay']})")
     say(f"radixserve: {launcher.summary()}")

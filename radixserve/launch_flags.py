@@ -61,7 +61,7 @@ HOST_TIER_CAP_GB = 16.0
 #: config: ``http_keys``) and the number of replicas. Every other flag is derived from
 #: exactly one option of ``EngineConfig``, ``ServerConfig``, ``ConnectionOptions``
 #: (shared with ``radixserve router``) or ``PolicyConfig`` (``--dp``'s router's).
-NON_OPTION_FLAGS = ("served_model_name", "api_key", "admin_api_key", "dp")
+NON_OPTION_FLAGS = ("served_model_name", "api_key", "admin_api_key", "dp", "pd")
 
 #: Options whose flags exclude each other: the KV pool's size, in pages or in bytes.
 EXCLUSIVE_OPTIONS = (("num_pages", "kv_memory"),)
@@ -113,6 +113,17 @@ def _positive(text: str) -> int:
     return value
 
 
+def _pd(text: str) -> tuple[int, int]:
+    """``--pd P,D``: how many prefill and decode servers."""
+    try:
+        prefill, decode = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be P,D (e.g. 1,1), got {text!r}") from None
+    if prefill < 1 or decode < 1:
+        raise argparse.ArgumentTypeError(f"needs at least one of each, got {text!r}")
+    return prefill, decode
+
+
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     """Every flag of ``radixserve launch`` on ``p``: one per option of ``ServerConfig``,
     ``EngineConfig``, ``ConnectionOptions`` and ``PolicyConfig``, and those of
@@ -149,6 +160,14 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="data parallelism: start this many replicas (each with its own worker, "
         "scheduler and tokenizer) behind a cache-aware router on --host/--port",
+    )
+    ev.add_argument(
+        "--pd",
+        type=_pd,
+        default=None,
+        metavar="P,D",
+        help="prefill/decode disaggregation on this machine: P prefill and D decode servers "
+        "behind the router in its PD mode on --host/--port (docs/scale-out.md)",
     )
     add_option_flags(ev, PolicyConfig, {}, changes=_dp_changes())
 

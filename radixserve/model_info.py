@@ -9,7 +9,7 @@ re-exports it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -43,6 +43,10 @@ class ModelInfo:
     window_pages: int = 0
     window_span: int = 0
     window_page_bytes: int = 0
+    # Prefill/decode disaggregation: where peers write into this pool
+    # (``worker/kv_transfer.py``: session, layers, page_bytes, identity; empty: off).
+    kv_transfer: dict[str, Any] = field(default_factory=dict)
+    vision: bool = False  # a vision-language model: prompts may hold images
 
     @classmethod
     def from_dict(cls, info: dict[str, Any]) -> ModelInfo:

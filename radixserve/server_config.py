@@ -25,6 +25,11 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_xml")
 #: KVEventBatch (``scheduler/kv_events_vllm.py``).
 KV_EVENTS_FORMATS = ("radixserve", "vllm")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+#: Prefill/decode disaggregation (docs/scale-out.md): this server's side, and how pages
+#: travel between the sides' workers.
+DISAGGREGATION_MODES = ("none", "prefill", "decode")
+KV_TRANSFERS = ("mooncake",)
+KV_TRANSFER_PROTOCOLS = ("tcp", "rdma")
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,54 @@ class ServerConfig:
     replica_id: str | None = option(
         None, "this server's name in its events (default host:pid)", group=EVENTS
     )
+    # Prefill/decode disaggregation (docs/scale-out.md): a prefill server computes
+    # prompts whose pages its worker writes into a decode server's pool; the pages
+    # travel by ``kv_transfer``'s engine, the schedulers talk on the prefill
+    # server's transfer control socket.
+    disaggregation: str = option(
+        "none",
+        "prefill: compute the prompts decode servers pull; decode: pull a request's "
+        "missing prompt pages from the prefill server it names (the router's PD mode)",
+        choices=DISAGGREGATION_MODES,
+        group=EVENTS,
+    )
+    kv_transfer: str = option(
+        "mooncake",
+        "how KV pages travel between a prefill and a decode server's workers "
+        "(Mooncake's transfer engine: the optional extra radixserve[mooncake])",
+        choices=KV_TRANSFERS,
+        group=EVENTS,
+    )
+    kv_transfer_host: str = option(
+        "127.0.0.1",
+        "address the transfer engine and the prefill server's transfer control socket "
+        "bind and advertise",
+        group=EVENTS,
+    )
+    kv_transfer_port: int = option(
+        0,
+        "the prefill server's transfer control port (decode servers connect to it); "
+        "0 picks a free one (printed, and in stats)",
+        at_least=0,
+        at_most=65535,
+        group=EVENTS,
+    )
+    kv_transfer_protocol: str = option(
+        "tcp", "the transfer engine's transport", choices=KV_TRANSFER_PROTOCOLS, group=EVENTS
+    )
+    kv_transfer_device: str = option(
+        "",
+        "with rdma: the devices to use (e.g. mlx5_0); empty: the engine finds them",
+        group=EVENTS,
+    )
+    kv_transfer_timeout: float = option(
+        120.0,
+        "seconds a decode server waits for a prefill server's pages before it prefills "
+        "the request itself; the pages stay reserved twice as long again in case a late "
+        "write still comes",
+        above=0.0,
+        group=EVENTS,
+    )
     # Several nodes (docs/parallel.md, "Several nodes"): this launch is node ``node_rank``
     # of ``nnodes``, each running ``engine.tp // nnodes`` worker ranks; they meet at
     # ``dist_init_addr`` (HOST:PORT on the head: its rendezvous store; PORT + 1: its
@@ -190,6 +243,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         check_options(self)
+        if self.disaggregation != "none" and self.engine.tp > 1:
+            raise ValueError("--disaggregation runs with --tp 1")
 
     def endpoint(self, name: str) -> str:
         """An internal ipc endpoint inside the runtime dir (paths stay < 107 bytes)."""
@@ -232,7 +287,8 @@ class ServerConfig:
     def from_json(cls, text: str) -> ServerConfig:
         d = json.loads(text)
         engine = d["engine"]
-        engine["lora_modules"] = tuple(engine.get("lora_modules", ()))  # JSON has lists
+        for name in ("lora_modules", "allowed_media_hosts"):
+            engine[name] = tuple(engine.get(name, ()))  # JSON has lists
         d["engine"] = EngineConfig(**engine)
         d["served_model_aliases"] = tuple(d.get("served_model_aliases", ()))  # JSON has lists
         cfg = cls(**{**d, "model": None})

@@ -38,6 +38,22 @@ def tiny_family_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory):
+    """A tiny random Qwen2.5-VL (float64) with its image processor and chat template."""
+    from tests.helpers.tiny_vlm import make_tiny_qwen2_5_vl
+
+    return make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny-qwen2_5_vl"), seed=5)
+
+
+@pytest.fixture(scope="session")
+def tiny_idefics3_dir(tmp_path_factory):
+    """A tiny random Idefics3 (SmolVLM, float64) with its image processor and chat template."""
+    from tests.helpers.tiny_vlm import make_tiny_idefics3
+
+    return make_tiny_idefics3(tmp_path_factory.mktemp("tiny-idefics3"), seed=6)
+
+
+@pytest.fixture(scope="session")
 def smollm2_cache_dir(tmp_path_factory):
     """Cache dir holding the converted embedded model: $RADIXSERVE_CACHE_DIR when set (so a
     developer's warm cache is reused), else a fresh directory converted once per session."""

@@ -16,6 +16,10 @@ Every variant gets the same prompts (one workload, one seed).
 ``program`` runs the prompt programs of docs/programs.md instead of a fixed tree of
 prompts (``benchmark/programs.py``): the same targets, the same table.
 
+``multimodal`` asks questions about images behind a shared system prompt
+(``benchmark/multimodal.py``, a vision-language model): the same table, plus the TTFT
+of cold and repeated images and the vision encoder's runs.
+
 ``few-shot --score`` scores multiple-choice questions instead of generating,
 and runs each target twice: prompt logprobs from each choice's start (the cache
 serves the context and question), then from position 0 (the whole prompt
@@ -31,7 +35,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from radixserve.benchmark import programs, report
+from radixserve.benchmark import multimodal, programs, report
 from radixserve.benchmark.backends import (
     Backend,
     EngineBackend,
@@ -59,8 +63,16 @@ AGENT_PASSES = [("no retention", False), ("retention", True)]
 WORKLOAD_FLAGS: list[tuple[str, type, str]] = [
     ("groups", int, "shared-prefix: groups (distinct system prompts)"),
     ("prompts", int, "shared-prefix: prompts per group"),
-    ("system-len", int, "shared-prefix, multi-turn, agent: system prompt tokens"),
-    ("question-len", int, "shared-prefix, few-shot, json-extract: question tokens"),
+    (
+        "system-len",
+        int,
+        "shared-prefix, multi-turn, agent: system prompt tokens; multimodal: words",
+    ),
+    (
+        "question-len",
+        int,
+        "shared-prefix, few-shot, json-extract: question tokens; multimodal: words",
+    ),
     (
         "output-len",
         int,
@@ -73,7 +85,11 @@ WORKLOAD_FLAGS: list[tuple[str, type, str]] = [
     ("user-len-max", int, "multi-turn: longest user message; agent: tool result"),
     ("answer", str, "multi-turn: short (32 tokens) | long (256 tokens)"),
     ("subjects", int, "few-shot: subjects (distinct example sets)"),
-    ("questions", int, "few-shot: questions per subject; json-extract: per document"),
+    (
+        "questions",
+        int,
+        "few-shot: questions per subject; json-extract: per document; multimodal: per image",
+    ),
     ("shots", int, "few-shot: examples per prompt"),
     ("example-len", int, "few-shot: tokens per example"),
     ("trees", int, "tree: independent trees"),
@@ -92,11 +108,13 @@ WORKLOAD_FLAGS: list[tuple[str, type, str]] = [
     ("noise", int, "agent: one-off requests spread over the sessions' span"),
     ("noise-len", int, "agent: tokens per one-off request"),
     ("retention-s", float, "agent: seconds each session request asks to be kept"),
+    ("images", int, "multimodal: images (each asked --questions questions)"),
+    ("image-size", str, "multimodal: WxH pixels of each image"),
 ]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("workload", choices=[*WORKLOADS, "program"])
+    p.add_argument("workload", choices=[*WORKLOADS, "program", "multimodal"])
     w = p.add_argument_group("workload (defaults: docs/benchmark.md)")
     for name, typ, text in WORKLOAD_FLAGS:
         w.add_argument(f"--{name}", type=typ, default=None, help=text)
@@ -356,6 +374,8 @@ def main(args: argparse.Namespace) -> int:
         _require("matplotlib", "the PNG plot (or pass --no-plot)")
     if args.workload == "program":
         return programs.main(args, [name for name, _, _ in WORKLOAD_FLAGS])
+    if args.workload == "multimodal":
+        return multimodal.main(args, [name for name, _, _ in WORKLOAD_FLAGS])
     if args.backend == "openai":
         _require("httpx", "--backend openai")
     if args.workload == "json-extract":

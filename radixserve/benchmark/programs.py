@@ -250,7 +250,7 @@ class EngineClient:
     ) -> Result:
         eng = self.engine
         streams = eng._add_requests(
-            [eng.inputs.to_ids(input_ids=input_ids)], [sampling_params], cache_salt
+            [(eng.inputs.to_ids(input_ids=input_ids), [])], [sampling_params], cache_salt
         )
         (key,) = streams  # n == 1 in programs
         future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -111,8 +112,11 @@ def _fmt(value: Any, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def table(title: str, variants: list[dict[str, Any]]) -> str:
-    """Rows = metrics, columns = variants, then value / first variant's value."""
+def table(
+    title: str, variants: list[dict[str, Any]], extra: Sequence[tuple[str, str, str]] = ()
+) -> str:
+    """Rows = metrics (``extra``: a workload's own, last), columns = variants, then
+    value / first variant's value."""
     labels = [v["label"] for v in variants]
     base = labels[0]
     head = ["metric", *labels] + [f"{lab} / {base}" for lab in labels[1:]]
@@ -133,6 +137,7 @@ def table(title: str, variants: list[dict[str, Any]]) -> str:
     rows += group_rows(variants)
     if any("pages_demoted" in v["metrics"] for v in variants):
         rows += TIER_ROWS
+    rows += list(extra)
     for name, key, fmt in rows:
         vals = [v["metrics"].get(key) for v in variants]
         row = [name] + [_fmt(x, fmt) for x in vals]

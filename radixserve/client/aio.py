@@ -85,11 +85,12 @@ class AsyncClient:
         timeout: float | None = None,
         echo: bool = False,
         lora: str | None = None,
+        images: Sequence[Any] | None = None,
         **sampling: Any,
     ) -> Result | list[Result]:
         msg = build_generate(
             prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, False,
-            echo, tools, lora,
+            echo, tools, lora, images=images,
         )  # fmt: skip
         results = _Results(msg.sampling.n)
         deadline = self._deadline(timeout)
@@ -112,11 +113,12 @@ class AsyncClient:
         echo: bool = False,
         lora: str | None = None,
         cache_key: str | None = None,
+        images: Sequence[Any] | None = None,
         **sampling: Any,
     ) -> AsyncIterator[P.Chunk]:
         msg = build_generate(
             prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, True,
-            echo, tools, lora, cache_key,
+            echo, tools, lora, cache_key, images,
         )  # fmt: skip
         left = msg.sampling.n
         async with self._request(msg) as queue:

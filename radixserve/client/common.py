@@ -3,11 +3,14 @@ state, building a ``generate`` message, collecting results."""
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -350,10 +353,12 @@ def build_generate(
     tools: Sequence[Mapping[str, Any]] | None = None,
     lora: str | None = None,
     cache_key: str | None = None,
+    images: Sequence[Any] | None = None,
 ) -> P.Generate:
     """The ``generate`` message for these arguments (SamplingParams validated here;
     ``tools`` must come with ``messages`` and be a list of maps, the server checks the
-    rest)."""
+    rest). Images (``images`` of a prompt, ``{type: image, image}`` chat parts) travel
+    as data URLs (``image_url``)."""
     if sampling_params is not None and sampling:
         raise ValueError("pass sampling_params or sampling keyword arguments, not both")
     if tools is not None:
@@ -376,7 +381,7 @@ def build_generate(
         id=request_id or uuid.uuid4().hex,
         prompt=prompt,
         input_ids=ids,
-        messages=None if messages is None else [dict(m) for m in messages],
+        messages=None if messages is None else [_wire_message(m) for m in messages],
         tools=None if tools is None else [dict(t) for t in tools],
         sampling=sp,
         stream=stream,
@@ -384,7 +389,48 @@ def build_generate(
         echo=echo,
         lora=lora,
         cache_key=cache_key,
+        images=None if images is None else [image_url(x) for x in images],
     )
+
+
+_MAGIC = ((b"\x89PNG", "png"), (b"\xff\xd8", "jpeg"), (b"GIF8", "gif"), (b"BM", "bmp"))
+
+
+def image_url(image: Any) -> str:
+    """An image as the server takes it: a URL string as it is; bytes, a path
+    (``pathlib.Path``) or a PIL image as a ``data:image/...;base64`` URL (a PIL image
+    encoded as PNG, losslessly)."""
+    if isinstance(image, str):
+        return image
+    if isinstance(image, Path):
+        image = image.read_bytes()
+    elif hasattr(image, "save") and hasattr(image, "size"):  # a PIL image
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        image = buf.getvalue()
+    if not isinstance(image, (bytes, bytearray, memoryview)):
+        raise ValueError(
+            f"an image must be bytes, a Path, a PIL image or a URL, not {type(image).__name__}"
+        )
+    data = bytes(image)
+    kind = next((k for magic, k in _MAGIC if data.startswith(magic)), None)
+    if kind is None:
+        kind = "webp" if data[8:12] == b"WEBP" else "octet-stream"
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
+
+
+def _wire_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A chat message with its ``{type: image, image}`` parts as ``image_url`` parts."""
+    out = dict(message)
+    content = out.get("content")
+    if isinstance(content, list):
+        out["content"] = [
+            {"type": "image_url", "image_url": {"url": image_url(p["image"])}}
+            if isinstance(p, Mapping) and p.get("type") == "image" and "image" in p
+            else p
+            for p in content
+        ]
+    return out
 
 
 def build_tokenize(

@@ -106,6 +106,7 @@ class Client:
         timeout: float | None = None,
         echo: bool = False,
         lora: str | None = None,
+        images: Sequence[Any] | None = None,
         **sampling: Any,
     ) -> Result | list[Result]:
         """Generate; a Result (n == 1) or n Results by index (n > 1).
@@ -115,10 +116,14 @@ class Client:
         ``lora``: a LoRA adapter the server serves, by name (docs/lora.md).
         ``tools`` (with ``messages``): tool definitions, OpenAI's ``{"type":
         "function", "function": {name, description, parameters}}``, which the model's
-        chat template renders into the prompt."""
+        chat template renders into the prompt. Images (vision-language models,
+        docs/multimodal.md): chat content parts ``{"type": "image", "image": X}`` or
+        ``{"type": "image_url", "image_url": {"url": U}}``, or ``images=[X, ...]`` for a
+        prompt with one image placeholder each; X: bytes, a ``Path`` (read here), a PIL
+        image or a URL the server accepts."""
         msg = build_generate(
             prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, False,
-            echo, tools, lora,
+            echo, tools, lora, images=images,
         )  # fmt: skip
         results = _Results(msg.sampling.n)
         deadline = self._deadline(timeout)
@@ -140,13 +145,14 @@ class Client:
         timeout: float | None = None,
         echo: bool = False,
         lora: str | None = None,
+        images: Sequence[Any] | None = None,
         **sampling: Any,
     ) -> Iterator[P.Chunk]:
         """Yield chunks as they come; stops after every sample's last chunk (finish_reason
         set). Closing the iterator early aborts the request."""
         msg = build_generate(
             prompt, input_ids, messages, sampling_params, sampling, cache_salt, request_id, True,
-            echo, tools, lora,
+            echo, tools, lora, images=images,
         )  # fmt: skip
         left = msg.sampling.n
         with self._request(msg):

@@ -33,7 +33,6 @@ from radixserve.http.tools import TOOL_NAME_PATTERN
 
 #: Seconds each ``cache_control`` TTL keeps a prefix.
 TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
-IMAGES_REFUSED = "images are not supported by this model"
 DOCUMENTS_REFUSED = "documents are not supported by this model"
 
 
@@ -53,12 +52,37 @@ class TextBlock(_Strict):
     citations: list[Any] | None = None  # only null / [] (no citation is produced)
 
 
+#: The image types an Anthropic ``base64`` image source may name.
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+
+
 class ImageBlock(_Strict):
-    """Declared so that an image is a clear 400, not a schema error."""
+    """An image of a user turn (vision-language models, docs/multimodal.md): its
+    ``source`` a ``base64`` one (``media_type``, ``data``) or a ``url`` one, served as
+    the chat route's ``image_url`` part (which applies the image limits and the
+    allowed hosts). Refused inside a ``tool_result``."""
 
     type: Literal["image"]
     source: dict[str, Any]
     cache_control: CacheControl | None = None
+
+    def url(self) -> str:
+        """The image as a URL the chat route takes; ValueError for a bad source."""
+        src = self.source
+        kind = src.get("type")
+        if kind == "base64":
+            media, data = src.get("media_type"), src.get("data")
+            if media not in IMAGE_MEDIA_TYPES:
+                raise ValueError(f"an image's media_type must be one of {list(IMAGE_MEDIA_TYPES)}")
+            if not isinstance(data, str) or set(src) - {"type", "media_type", "data"}:
+                raise ValueError("a base64 image source has media_type and data (a string)")
+            return f"data:{media};base64,{data}"
+        if kind == "url":
+            url = src.get("url")
+            if not isinstance(url, str) or set(src) - {"type", "url"}:
+                raise ValueError("a url image source has url (a string)")
+            return url
+        raise ValueError('an image source is {"type": "base64", ...} or {"type": "url", ...}')
 
 
 class DocumentBlock(_Strict):
@@ -161,12 +185,21 @@ class MessagesRequest(_Strict):
             return 'tool_choice needs a name with type "tool", and only then'
         for m in self.messages:
             for b in m.blocks():
-                if isinstance(b, ImageBlock) or (
+                if isinstance(b, ImageBlock):
+                    if m.role == "assistant":
+                        return "image blocks belong to user turns"
+                    try:
+                        b.url()
+                    except ValueError as e:
+                        return str(e)
+                if (
                     isinstance(b, ToolResultBlock)
                     and not isinstance(b.content, str)
                     and any(isinstance(p, ImageBlock) for p in b.content)
                 ):
-                    return IMAGES_REFUSED
+                    return (
+                        "images inside a tool_result are not supported: put them in the user turn"
+                    )
                 if isinstance(b, DocumentBlock):
                     return DOCUMENTS_REFUSED
                 if isinstance(b, TextBlock) and b.citations:
@@ -210,7 +243,16 @@ class MessagesRequest(_Strict):
             for b in blocks:
                 if isinstance(b, ToolResultBlock):
                     out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()})
-            if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
+            if any(isinstance(b, ImageBlock) for b in blocks):  # parts, in block order
+                parts = [
+                    {"type": "image_url", "image_url": {"url": b.url()}}
+                    if isinstance(b, ImageBlock)
+                    else {"type": "text", "text": b.text}
+                    for b in blocks
+                    if isinstance(b, ImageBlock | TextBlock)
+                ]
+                out.append({"role": "user", "content": parts})
+            elif text or not any(isinstance(b, ToolResultBlock) for b in blocks):
                 out.append({"role": "user", "content": text})
         return out
 

@@ -80,6 +80,7 @@ class Generation:
         lora: str | None = None,
         outcome: Outcome | None = None,
         cache_key: str | None = None,
+        images: list[str] | None = None,
     ) -> None:
         self.client, self.metrics, self.sampling = client, metrics, sampling
         self.outcome = outcome if outcome is not None else Outcome(metrics)
@@ -92,6 +93,7 @@ class Generation:
             "echo": echo,
             "lora": lora,
             "cache_key": cache_key,  # routing only (prompt_cache_key)
+            "images": images,
         }
         # Scored once per prompt (they come with choice 0's first chunk), shared by all n.
         self.prompt_logprobs: list | None = None

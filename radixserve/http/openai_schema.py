@@ -303,6 +303,21 @@ class TextPart(_Strict):
     text: StrictStr
 
 
+class ImageUrl(_Strict):
+    url: StrictStr  # data:image/...;base64, or an allowed file:// or http(s):// URL
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Strict):
+    """An image in a chat message (vision-language models, docs/multimodal.md)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class FunctionDef(_Strict):
     name: Annotated[StrictStr, Field(pattern=TOOL_NAME_PATTERN)]
     description: StrictStr | None = None
@@ -337,7 +352,7 @@ class ToolCall(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: StrictStr | None = None  # a tool message answers this call
@@ -357,14 +372,20 @@ class ChatMessage(_Strict):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def _content(self) -> str | list[dict[str, Any]]:
+        """The content as the tokenizer takes it: text, or with images its parts."""
+        if isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content):
+            return [p.model_dump(exclude_none=True) for p in self.content]
+        return self.text()
 
     def as_dict(self) -> dict[str, Any]:
         """The message as the tokenizer takes it (docs/protocol.md)."""
         # "developer" is OpenAI's newer name for the system role; chat templates know "system".
         out: dict[str, Any] = {
             "role": "system" if self.role == "developer" else self.role,
-            "content": self.text(),
+            "content": self._content(),
         }
         if self.tool_calls:
             out["tool_calls"] = [

@@ -155,7 +155,7 @@ def model_info(config: ServerConfig) -> dict[str, Any]:
         "is_generation": True,
         "preferred_sampling_params": None,
         "weight_version": "default",
-        "has_image_understanding": False,
+        "has_image_understanding": bool(config.model and config.model.vision),
         "has_audio_understanding": False,
     }
 

@@ -16,7 +16,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
-from radixserve.http.anthropic_schema import IMAGES_REFUSED
 from radixserve.http.openai_schema import Int, Number, Schema
 from radixserve.http.tools import NO_PARAMETERS, TOOL_NAME_PATTERN
 
@@ -32,13 +31,25 @@ class InputText(_Strict):
 
 
 class InputImage(_Strict):
-    """Declared so that an image is a clear 400, not a schema error."""
+    """An image of a user message (vision-language models, docs/multimodal.md), by
+    ``image_url`` (a data URL, or an allowed file:// or http(s):// one: the chat route's
+    ``image_url`` part, its limits and allowed hosts). Uploaded files (``file_id``) are
+    not served."""
 
-    type: Literal["input_image", "input_file"]
+    type: Literal["input_image"]
+    image_url: StrictStr | None = None
+    file_id: StrictStr | None = None
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class InputFile(_Strict):
+    """Declared so that a file is a clear 400, not a schema error."""
+
+    type: Literal["input_file"]
     model_config = ConfigDict(strict=True, extra="allow")
 
 
-Part = Annotated[InputText | InputImage, Field(discriminator="type")]
+Part = Annotated[InputText | InputImage | InputFile, Field(discriminator="type")]
 
 
 class MessageItem(_Strict):
@@ -53,10 +64,34 @@ class MessageItem(_Strict):
             return self.content
         return "".join(p.text for p in self.content if isinstance(p, InputText))
 
-    def has_image(self) -> bool:
-        return not isinstance(self.content, str) and any(
+    def unsupported(self) -> str | None:
+        """Why this message's parts cannot be served (None: they can)."""
+        if isinstance(self.content, str):
+            return None
+        for p in self.content:
+            if isinstance(p, InputFile):
+                return "input_file parts are not supported"
+            if isinstance(p, InputImage):
+                if self.role != "user":
+                    return "input_image parts belong to user messages"
+                if p.image_url is None or p.file_id is not None:
+                    return "an input_image needs an image_url (file_id is not supported)"
+        return None
+
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """The content as the chat route takes it: the text, or parts in order when the
+        message holds images."""
+        if isinstance(self.content, str) or not any(
             isinstance(p, InputImage) for p in self.content
-        )
+        ):
+            return self.text()
+        return [
+            {"type": "image_url", "image_url": {"url": p.image_url}}
+            if isinstance(p, InputImage)
+            else {"type": "text", "text": p.text}
+            for p in self.content
+            if isinstance(p, InputImage | InputText)
+        ]
 
 
 class FunctionCallItem(_Strict):
@@ -135,8 +170,9 @@ class ResponsesRequest(_Strict):
             return "input must not be empty"
         if isinstance(self.input, list):
             for item in self.input:
-                if isinstance(item, MessageItem) and item.has_image():
-                    return IMAGES_REFUSED.replace("images", "images and files")
+                why = item.unsupported() if isinstance(item, MessageItem) else None
+                if why is not None:
+                    return why
         return None
 
     def input_messages(self) -> list[dict[str, Any]]:
@@ -148,7 +184,7 @@ class ResponsesRequest(_Strict):
         for item in self.input:
             if isinstance(item, MessageItem):
                 role = "system" if item.role == "developer" else item.role
-                out.append({"role": role, "content": item.text()})
+                out.append({"role": role, "content": item.chat_content()})
             elif isinstance(item, FunctionCallItem):
                 call = {
                     "id": item.call_id,

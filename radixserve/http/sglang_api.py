@@ -88,6 +88,7 @@ async def generate(state: FrontState, request: Request) -> Response:
             cache_salt=plan.cache_salt,
             rid=plan.rid,
             outcome=outcome,
+            images=plan.images,
         )
         for plan in plans
     ]

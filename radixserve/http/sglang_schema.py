@@ -135,6 +135,7 @@ class Plan:
     logprob_start_len: int  # -1: no prompt logprobs
     top_logprobs_num: int
     return_logprob: bool
+    images: list[str] | None = None  # image_data: one per image placeholder of the prompt
 
 
 class GenerateRequest(_Strict):
@@ -144,6 +145,9 @@ class GenerateRequest(_Strict):
 
     text: StrictStr | list[StrictStr] | None = None
     input_ids: TokenIds | list[TokenIds] | None = None
+    # Images (vision-language models): URLs (data:image/...;base64, or allowed file:// and
+    # http(s)://), one per image placeholder; a list of them per prompt for a batch.
+    image_data: StrictStr | list[StrictStr] | list[list[StrictStr]] | None = None
     sampling_params: SGLangSampling | list[SGLangSampling] | None = None
     rid: StrictStr | list[StrictStr] | None = None
     return_logprob: StrictBool | list[StrictBool] | None = None
@@ -196,6 +200,7 @@ class GenerateRequest(_Strict):
         tops = _each(self.top_logprobs_num, k, "top_logprobs_num")
         salts = _each(self.cache_salt, k, "cache_salt")
         priorities = _each(self.priority, k, "priority")
+        images = self._images(k)
         plans = []
         for p, prompt in enumerate(prompts):
             sp = sampling[p] or SGLangSampling()
@@ -223,9 +228,22 @@ class GenerateRequest(_Strict):
                     start,
                     top,
                     bool(want[p]),
+                    images[p],
                 )  # fmt: skip
             )
         return plans
+
+    def _images(self, k: int) -> list[list[str] | None]:
+        """``image_data`` per prompt: one URL or a list of them for one prompt; a list of
+        lists (or of URLs, one each) for a batch."""
+        data = self.image_data
+        if data is None:
+            return [None] * k
+        if not self.is_batch:
+            return [[data] if isinstance(data, str) else list(data)]  # type: ignore[list-item]
+        if len(data) != k:
+            raise ValueError(f"image_data has {len(data)} entries for {k} prompts")
+        return [[d] if isinstance(d, str) else list(d) for d in data]
 
     def _rids(self, k: int) -> list[str | None]:
         if isinstance(self.rid, str) and self.is_batch:

@@ -198,22 +198,28 @@ _TEXT_PREFIXES = {
     "language_model.model.": "model.",
     "language_model.lm_head.": "lm_head.",
 }
+#: Multimodal checkpoints whose text model is renamed: architecture -> its prefixes.
+_TEXT_MODEL_PREFIXES = {
+    "Gemma3ForConditionalGeneration": _TEXT_PREFIXES,
+    "Idefics3ForConditionalGeneration": {"model.text_model.": "model."},
+}
 
 
 def text_weights(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
-    """The checkpoint's tensors under text-model names: a multimodal Gemma 3's text
-    model renamed (its vision tower and projector are left out); a Nemotron-H saved
-    under ``model.`` renamed to ``backbone.``; others unchanged."""
+    """The checkpoint's tensors under text-model names: a multimodal Gemma 3's or
+    Idefics3's text model renamed (its vision tower and projector are left out); a
+    Nemotron-H saved under ``model.`` renamed to ``backbone.``; others unchanged."""
     if cfg.family == "nemotron_h":
         return {
             ("backbone." + name.removeprefix("model.") if name.startswith("model.") else name): t
             for name, t in weights.items()
         }
-    if cfg.architecture != "Gemma3ForConditionalGeneration":
+    prefixes = _TEXT_MODEL_PREFIXES.get(cfg.architecture)
+    if prefixes is None:
         return weights
     out = {}
     for name, t in weights.items():
-        for prefix, ours in _TEXT_PREFIXES.items():
+        for prefix, ours in prefixes.items():
             if name.startswith(prefix):
                 out[ours + name.removeprefix(prefix)] = t
         if name == "lm_head.weight":

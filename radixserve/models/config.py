@@ -26,6 +26,12 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3",
     # Gemma 3's multimodal checkpoints: the text model only (its config's ``text_config``).
     "Gemma3ForConditionalGeneration": "gemma3",
+    # Qwen2.5-VL: a Qwen2 text model with multimodal rotary positions, beside the vision
+    # tower of ``qwen2_5_vision.py`` (its config's ``text_config`` / ``vision_config``).
+    "Qwen2_5_VLForConditionalGeneration": "qwen2",
+    # Idefics3 (SmolVLM): a Llama text model (SmolLM2) beside a SigLIP vision tower
+    # (``idefics3_vision.py``).
+    "Idefics3ForConditionalGeneration": "llama",
     # Hybrid: gated delta-net linear attention beside gated full attention.
     "Qwen3_5ForCausalLM": "qwen3_5",
     # Qwen3.5's layers with a sparse MoE MLP (and a sigmoid-gated shared expert);
@@ -60,6 +66,9 @@ GEMMA_FAMILIES = ("gemma2", "gemma3")
 #: The activation of each family's gated MLP (transformers' ``hidden_act`` /
 #: ``hidden_activation`` name -> ours).
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+#: Architectures with a vision tower: their prompts may hold images (docs/multimodal.md).
+VISION_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "Idefics3ForConditionalGeneration")
 
 #: Rope scaling types our rotary embedding implements (``su`` is LongRoPE's old name).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
@@ -210,6 +219,9 @@ class ModelConfig:
     linear: LinearAttentionConfig | None = None
     attn_output_gate: bool = False
     mamba: MambaConfig | None = None
+    # Multimodal rotary (Qwen2.5-VL): the rotary frequencies split in three sections
+    # turned by the time, height and width position rows (empty: one position row).
+    mrope_section: tuple[int, ...] = ()
 
     @property
     def hybrid(self) -> bool:
@@ -281,7 +293,7 @@ class ModelConfig:
                     f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
                 )
         family = SUPPORTED_ARCHITECTURES[arch]
-        if arch == "Gemma3ForConditionalGeneration":
+        if arch in ("Gemma3ForConditionalGeneration", *VISION_ARCHITECTURES):
             hf = hf.text_config
         gemma = family in GEMMA_FAMILIES
         act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
@@ -297,6 +309,8 @@ class ModelConfig:
         rope, local_theta = _rope_parameters(hf, family)
         rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
         rope_type = "longrope" if rope_type == "su" else rope_type
+        # Qwen2.5-VL's older configs name its sectioned default rotary "mrope".
+        rope_type = "default" if rope_type == "mrope" else rope_type
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
@@ -347,7 +361,19 @@ class ModelConfig:
             **(_gemma(hf, family, head_dim, local_theta) if gemma else {}),
             **(_hybrid(hf, family) if family in GATED_DELTA_FAMILIES else {}),
             **(_nemotron_h(hf) if family == "nemotron_h" else {}),
+            mrope_section=_mrope_section(rope, arch, rotary_dim),
         )
+
+
+def _mrope_section(rope: dict[str, Any], arch: str, rotary_dim: int) -> tuple[int, ...]:
+    """Qwen2.5-VL's rotary sections (time, height, width), which must cover the rotary
+    frequencies; () for a model with one position row."""
+    if arch != "Qwen2_5_VLForConditionalGeneration":
+        return ()
+    section = tuple(int(s) for s in rope.get("mrope_section") or ())
+    if len(section) != 3 or sum(section) != rotary_dim // 2:
+        raise ValueError(f"mrope_section {section} does not split {rotary_dim // 2} frequencies")
+    return section
 
 
 def _rope_parameters(hf: Any, family: str) -> tuple[dict[str, Any], float]:

@@ -16,7 +16,9 @@ uses one by one, when the step allows it:
 - attention in one native plan for every row (``TorchAttention.native_step_plan``:
   decodes, and short chunks as causal segments, e.g. drafts being verified),
   over a pool of the model's dtype or a quantized one (``worker/kv_quant.py``: the
-  call writes K/V rows as ``kv_quant.quantize`` does, bit for bit).
+  call writes K/V rows as ``kv_quant.quantize`` does, bit for bit; a pool of rotated
+  keys, ``attention/rotation.py``, has its keys and queries rotated there as the
+  backend's forward rotates them).
 
 Otherwise it returns None and the caller runs the layers in Python. The results
 are the torch path's bits except SiLU's exp (the kernel's own, about 2 ulp,
@@ -67,11 +69,13 @@ class _Native:
     """The extension's ``DecodeLayers`` over one model and one KV pool (it holds
     NumPy views of their tensors: built once, reused every step)."""
 
-    def __init__(self, model, pool_layers: list[torch.Tensor], kv_quant: str = "none") -> None:
+    def __init__(
+        self, model, pool_layers: list[torch.Tensor], kv_quant: str = "none", rotated: bool = False
+    ) -> None:
         view = cpu_kernels._array
         layers = model.layers
         first = layers[0]
-        self.key = tuple(t.data_ptr() for t in pool_layers)
+        self.key = (*(t.data_ptr() for t in pool_layers), rotated)
         self.ext = cpu_kernels.ext.DecodeLayers(  # type: ignore[union-attr]
             [view(layer.input_layernorm.weight) for layer in layers],
             [view(layer.self_attn.qkv_proj.weight) for layer in layers],
@@ -86,6 +90,7 @@ class _Native:
             first.input_layernorm.eps,
             first.input_layernorm.unit_offset,
             kv_quant=kv_quant,
+            rotated=rotated,
         )
 
 
@@ -128,9 +133,11 @@ def run(
     first = model.layers[0]
     native = getattr(model, "_native_decode", None)
     pool = backend.pool.layers
-    if native is None or native.key != tuple(layer.data_ptr() for layer in pool):
+    rotated = backend.rotation is not None
+    if native is None or native.key != (*(layer.data_ptr() for layer in pool), rotated):
         quant = backend.pool.quant
-        native = model._native_decode = _Native(model, pool, quant.name if quant else "none")
+        name = quant.name if quant else "none"
+        native = model._native_decode = _Native(model, pool, name, rotated)
     n = h.shape[1]
     h = h.contiguous()
     x = first.input_layernorm(h).contiguous()  # as DecoderLayer.step does for layer 0

@@ -181,6 +181,7 @@ class CausalLM(nn.Module):
         logits_index: torch.Tensor,
         lora: LoraBatch | None = None,
         states: LayerStates | None = None,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """Logits [len(logits_index), vocab] for the selected rows of the flat batch
         (``None`` on a tensor-parallel rank other than 0).
@@ -192,10 +193,16 @@ class CausalLM(nn.Module):
         (the one-call native decode step computes base rows only). A hybrid model's
         recurrent layers read and update their per-request states through
         ``states`` (``layers/recurrent.py``); they take no LoRA adapter.
+        A multimodal model's ``positions`` may be M-RoPE's rows [3, T] (``rope.py``),
+        and ``embeds = (rows, features)`` replaces those rows' token embeddings by
+        image features (an image's placeholder tokens, docs/multimodal.md).
         """
         h = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        if embeds is not None:
+            rows, features = embeds
+            h[rows] = features.to(h.dtype)
         full = self.rotary.cos_sin(positions, max_position)
         local = full
         if self.local_rotary is not self.rotary:

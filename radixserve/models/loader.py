@@ -17,7 +17,7 @@ import torch
 
 from radixserve.layers.parallel import SINGLE, Comm
 from radixserve.models.checkpoint import text_weights
-from radixserve.models.config import ModelConfig
+from radixserve.models.config import VISION_ARCHITECTURES, ModelConfig
 from radixserve.models.decoder import CausalLM
 from radixserve.models.source import ModelSource
 from radixserve.models.weights import (
@@ -92,3 +92,21 @@ def load_model(
     names = {k.removeprefix("_orig_mod."): k for k in reader.names()}
     model.load_weights(Renamed(reader, text_weights(cfg, names)))  # type: ignore[arg-type]
     return model, hf_config
+
+
+def load_vision(
+    source: ModelSource, cfg: ModelConfig, hf_config: Any, dtype: torch.dtype, device: torch.device
+) -> Any:
+    """The vision tower of a vision-language checkpoint (``qwen2_5_vision.py``,
+    ``idefics3_vision.py``), or None for a text model (or a GGUF file, which holds the
+    text model only)."""
+    if cfg.architecture not in VISION_ARCHITECTURES or source.gguf_file:
+        return None
+    reader = SafetensorsReader(source.folder)
+    if cfg.architecture == "Idefics3ForConditionalGeneration":
+        from radixserve.models import idefics3_vision
+
+        return idefics3_vision.load_vision_tower(reader, hf_config, dtype, device)
+    from radixserve.models import qwen2_5_vision
+
+    return qwen2_5_vision.load_vision_tower(reader, hf_config, dtype, device)

@@ -25,6 +25,9 @@ import torch
 
 from radixserve.models.config import ModelConfig
 
+#: The position rows of multimodal rotary (M-RoPE): time, height, width.
+MROPE_ROWS = 3
+
 
 def rotary_dim(cfg: ModelConfig) -> int:
     return cfg.rotary_dim or cfg.head_dim
@@ -66,6 +69,13 @@ class RotaryEmbedding:
             self._long_inv = inv_frequencies(cfg, long=True)
             self._long_from = cfg.rope_original_max_positions
         self._scale = cfg.rope_attention_factor
+        # M-RoPE: which position row turns each feature of the rotary half (and its twin).
+        self._rows = None
+        if cfg.mrope_section:
+            rows = torch.repeat_interleave(
+                torch.arange(MROPE_ROWS), torch.tensor(cfg.mrope_section)
+            )
+            self._rows = torch.cat((rows, rows)).to(device)
         self._dtype, self._device = dtype, device
         self._cos = self._sin = torch.empty(0, rotary_dim(cfg), dtype=dtype, device=device)
         self._grow(max(1, min(cfg.max_context_len, 4096)))
@@ -80,12 +90,20 @@ class RotaryEmbedding:
         self._sin = (emb.sin() * self._scale).to(self._dtype).to(self._device)
 
     def cos_sin(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, rotary_dim] for the given absolute positions.
+        """cos, sin of shape [T, 1, rotary_dim] for the given absolute positions [T], or
+        (M-RoPE) position rows [3, T]: each feature turns by its section's row.
 
         ``max_pos`` is an upper bound of ``positions`` known on the host (no device sync).
         """
         if max_pos >= self._cos.shape[0]:
             self._grow(max(max_pos + 1, 2 * self._cos.shape[0]))
+        if positions.dim() == 2:  # M-RoPE: [3, T], each feature from its section's row
+            if self._rows is None:
+                raise ValueError("position rows for a model without multimodal rotary")
+            pick = self._rows.view(1, 1, -1).expand(1, positions.shape[1], -1)
+            cos = self._cos[positions].gather(0, pick)[0]
+            sin = self._sin[positions].gather(0, pick)[0]
+            return cos.unsqueeze(1), sin.unsqueeze(1)
         return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
 
 

@@ -21,12 +21,22 @@ Internal token and page id arrays travel as little-endian int32 bytes.
 The package holds two protocols and what they share, one module each: ``wire.py``
 (the codec, field kinds, limits), ``public.py`` (what clients send and receive),
 ``internal.py`` (the processes' own messages: the step, outputs, control) and
-``events.py`` (KV cache events); every name is re-exported here, so
-``radixserve.protocol`` (``P``) is the one import.
+``events.py`` (KV cache events), ``disagg.py`` (prefill/decode disaggregation);
+every name is re-exported here, so ``radixserve.protocol`` (``P``) is the one import.
 """
 
 from __future__ import annotations
 
+from radixserve.protocol.disagg import (
+    KV_SOURCE,
+    PULL_REPLIES,
+    PULL_REQUESTS,
+    KVCancel,
+    KVPull,
+    KVPushed,
+    KVSend,
+    KVSent,
+)
 from radixserve.protocol.events import (
     FLOAT,
     KV_EVENT_KINDS,
@@ -54,6 +64,7 @@ from radixserve.protocol.internal import (
     GetStats,
     GrammarFailure,
     GrammarSpec,
+    ImageInput,
     LoraAdmin,
     LoraLoad,
     LoraReport,
@@ -180,6 +191,14 @@ __all__ = [
     "KVHeartbeat",
     "KVReplay",
     "KVSnapshot",
+    "KVCancel",
+    "KV_SOURCE",
+    "KVPull",
+    "KVPushed",
+    "KVSend",
+    "KVSent",
+    "PULL_REPLIES",
+    "PULL_REQUESTS",
     "KV_EVENTS_SCHEMA",
     "KV_EVENT_KINDS",
     "KV_REPLAY_REPLIES",
@@ -215,6 +234,7 @@ __all__ = [
     "Stats",
     "Step",
     "StepReq",
+    "ImageInput",
     "StepResult",
     "TOO_MANY_IN_FLIGHT",
     "Tokenize",

@@ -8,19 +8,23 @@ Internal token and page id arrays travel as little-endian int32 bytes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
+from radixserve.protocol.disagg import KV_SOURCE, KVSend, KVSent
 from radixserve.protocol.wire import (
     BOOL,
+    F32,
     F64,
     FINISH,
     I32,
     I32_LIST,
     INT,
     INT_LIST,
+    KEY,
     KEY_BYTES,
     KEYS,
     MAP,
@@ -39,6 +43,47 @@ from radixserve.sampling_params import SamplingParams
 
 # ------------------------------------------------------- tokenizer <-> scheduler
 @dataclass
+class ImageInput(Message):
+    """One image of a prompt, preprocessed (docs/multimodal.md). Its **span** is the
+    prompt tokens ``ids`` from ``offset``: the placeholder tokens (``token_id``), one
+    per feature row of the image in order, and whatever tokens the model's processor
+    puts between them (Idefics3's tile markers; Qwen2.5-VL's span is placeholders
+    only), all fixed by the image. ``pixels`` are the image processor's output
+    (float32) of shape ``pixel_shape``; ``grid`` is model-specific (Qwen2.5-VL's time,
+    height and width patches). ``digest`` is the SHA-256 of the decoded pixels and
+    their size, which keys the image in the prefix cache and the encoder cache."""
+
+    digest: bytes = f(KEY)
+    offset: int = f(INT)
+    ids: np.ndarray = f(I32)
+    token_id: int = f(INT)
+    pixel_shape: list[int] = f(INT_LIST)
+    pixels: np.ndarray = f(F32)
+    grid: list[int] = f(INT_LIST, [])
+
+    def __post_init__(self) -> None:
+        if not self.pixel_shape or min(self.pixel_shape) < 1:
+            raise ValueError(f"an image's pixel shape must be positive sizes: {self.pixel_shape}")
+        if len(self.pixels) != math.prod(self.pixel_shape):
+            raise ValueError("an image's pixels do not match their shape")
+        if self.offset < 0 or not (np.asarray(self.ids) == self.token_id).any():
+            raise ValueError("an image's span is out of range or holds no placeholder")
+
+    @property
+    def tokens(self) -> int:
+        """The span's length in tokens."""
+        return len(self.ids)
+
+    @property
+    def end(self) -> int:
+        return self.offset + len(self.ids)
+
+    def patches(self) -> np.ndarray:
+        """The pixels in their shape."""
+        return self.pixels.reshape(self.pixel_shape)
+
+
+@dataclass
 class AddRequest(Message):
     TYPE: ClassVar[str] = "add_request"
     rid: str = f(STR)
@@ -46,6 +91,9 @@ class AddRequest(Message):
     sampling: SamplingParams = f(SAMPLING)
     salt: str | None = f(_optional(STR), None)
     lora: str | None = f(_optional(STR), None)  # the LoRA adapter's name (None: the base)
+    kv_source: str | None = f(_optional(KV_SOURCE), None)  # Generate's (docs/scale-out.md)
+    # The prompt's images, in prompt order (their runs in ``input_ids`` hold token_id).
+    images: list[ImageInput] = f(_nested(ImageInput), [])
 
 
 @dataclass
@@ -239,6 +287,10 @@ class StepReq(Message):
     window_pages: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
     state_save2_at: int = f(INT, 0)
     state_save2: int = f(INT, -1)
+    # The prompt's images, given with ``sampling`` (docs/multimodal.md): the worker
+    # puts their features in place of their placeholder tokens and rotates the
+    # prompt by its multimodal positions.
+    images: list[ImageInput] = f(_nested(ImageInput), [])
 
 
 @dataclass
@@ -375,6 +427,9 @@ class Step(Message):
     load_loras: list[LoraLoad] = f(_nested(LoraLoad), [])
     drop_loras: list[int] = f(INT_LIST, [])
     state_saves: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    # Prefill/decode disaggregation: pages to write into a decode server's pool
+    # (docs/scale-out.md), reported in ``StepResult.kv_sent``.
+    kv_sends: list[KVSend] = f(_nested(KVSend), [])
 
 
 @dataclass
@@ -467,6 +522,11 @@ class StepResult(Message):
     copies_done: list[int] = f(INT_LIST, [])
     loras: list[LoraReport] = f(_nested(LoraReport), [])  # one per Step.load_loras
     verified: list[Verified] = f(_nested(Verified), [])
+    kv_sent: list[KVSent] = f(_nested(KVSent), [])  # sends over since the last step
+    # Images the vision encoder ran on in this step, and those whose features came
+    # from the encoder cache (docs/multimodal.md).
+    encoder_runs: int = f(INT, 0)
+    encoder_hits: int = f(INT, 0)
     store_missed: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from radixserve.protocol.disagg import KV_SOURCE
 from radixserve.protocol.wire import (
     BOOL,
     FINISH,
@@ -19,6 +20,7 @@ from radixserve.protocol.wire import (
     PUBLIC_SCORED,
     SAMPLING,
     STR,
+    STR_LIST,
     Message,
     _optional,
     f,
@@ -49,6 +51,14 @@ class Generate(Message):
     # A routing key (OpenAI's prompt_cache_key): a router sends a key's requests to
     # one replica. Never a cache namespace (that is cache_salt).
     cache_key: str | None = f(_optional(STR), None)
+    # A decode server (--disaggregation decode): the transfer control endpoint of the
+    # prefill server to pull the prompt's KV from (the router's PD mode sets it;
+    # docs/scale-out.md).
+    kv_source: str | None = f(_optional(KV_SOURCE), None)
+    # Images of a prompt or input_ids, one per image placeholder token in it, as URLs
+    # (data:image/...;base64, or allowed file:// / http(s)://; docs/multimodal.md).
+    # A chat's images are in its messages' content parts.
+    images: list[str] | None = f(_optional(STR_LIST), None)
 
 
 @dataclass

@@ -127,6 +127,12 @@ KEYS = Kind("concatenated 32-byte keys", lambda x: isinstance(x, bytes) and len(
 KEY = Kind("a 32-byte key", lambda x: isinstance(x, bytes) and len(x) == KEY_BYTES)
 # The same bytes as a list: the few token ids of one output, read as Python ints.
 I32_LIST = Kind(I32.what, I32.check, lambda x: _i32(x).tolist(), _i32_bytes)
+F32 = Kind(
+    "float32 little-endian bytes",
+    lambda x: isinstance(x, bytes) and len(x) % 4 == 0,
+    lambda x: np.frombuffer(x, dtype="<f4").astype(np.float32, copy=False),
+    lambda x: np.asarray(x, dtype="<f4").tobytes(),
+)
 F64 = Kind(
     "float64 little-endian bytes",
     lambda x: isinstance(x, bytes) and len(x) % 8 == 0,

@@ -55,6 +55,9 @@ class RouterConfig:
         ServerConfig, "log_level", default="warning", help="log level (logs go to stderr)"
     )
     decisions: int = 0  # how many routing decisions to keep for inspection (tests)
+    # Prefill/decode disaggregation (docs/scale-out.md): prefill servers' public
+    # endpoints (``--prefill``); then ``replicas`` are the decode servers (``--decode``).
+    prefill: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_options(self)

@@ -7,6 +7,10 @@ endpoint (``--host``/``--port``, CURVE as for one server) and, inside this
 launcher's run dir, the ipc endpoint where the HTTP front (``--http-port``)
 connects, so the front serves the router exactly as it would serve one server.
 
+``radixserve launch --pd P,D`` is the same with prefill/decode disaggregation
+(docs/scale-out.md): the first P replicas are ``--disaggregation prefill`` servers,
+the other D ``--disaggregation decode`` servers, and the router runs in its PD mode.
+
 A replica whose process dies is stopped (its other processes too) and started
 again on the same port (at most once per ``RESTART_BACKOFF_S``): meanwhile the
 router fails what was in flight on it and routes to the others, and re-adds it
@@ -47,11 +51,15 @@ class DataParallelLauncher:
         dp: int,
         policy: PolicyConfig | None = None,
         http_keys: Keys = NO_KEYS,
+        prefill: int = 0,
     ) -> None:
         if dp < 1:
             raise LaunchError(f"--dp must be >= 1, got {dp}")
+        if not 0 <= prefill < dp:
+            raise LaunchError(f"--pd needs a decode server: {prefill} of {dp} are prefill")
         self.config = config
         self.dp = dp
+        self.prefill = prefill  # the first ``prefill`` replicas are prefill servers (--pd)
         self.policy = policy or PolicyConfig()
         self.http_keys = http_keys
         self.replicas: list[Launcher | None] = [None] * dp
@@ -77,7 +85,15 @@ class DataParallelLauncher:
             kv_events="tcp://127.0.0.1:0",
             kv_events_replay=None,
             replica_id=f"dp{i}",
+            disaggregation=self.role(i),
+            kv_transfer_port=0,
         )
+
+    def role(self, i: int) -> str:
+        """Replica ``i``'s ``--disaggregation``: none, or with ``--pd`` prefill / decode."""
+        if not self.prefill:
+            return self.config.disaggregation
+        return "prefill" if i < self.prefill else "decode"
 
     # ----------------------------------------------------------------- start
     def start(self) -> None:
@@ -99,10 +115,11 @@ class DataParallelLauncher:
 
     def _start_router(self) -> None:
         c = self.config
-        replicas = tuple(r.endpoint for r in self.replicas if r is not None)
-        assert len(replicas) == self.dp
+        endpoints = tuple(r.endpoint for r in self.replicas if r is not None)
+        assert len(endpoints) == self.dp
         router = RouterConfig(
-            replicas=replicas,
+            replicas=endpoints[self.prefill :],
+            prefill=endpoints[: self.prefill],
             host=c.host,
             port=c.port,
             model=c.engine.model,
@@ -202,8 +219,11 @@ class DataParallelLauncher:
         self.front.close()
 
 
-def launch_dp(config: ServerConfig, dp: int, policy: PolicyConfig, http_keys: Keys) -> int:
-    """``radixserve launch --dp N``: run until a signal; return the exit code."""
+def launch_dp(
+    config: ServerConfig, dp: int, policy: PolicyConfig, http_keys: Keys, prefill: int = 0
+) -> int:
+    """``radixserve launch --dp N`` (``--pd P,D``: ``dp`` = P + D, ``prefill`` = P): run
+    until a signal; return the exit code."""
     if config.engine.disk_cache_dir is not None:
         # One directory would be shared by every replica, each evicting the others' files.
         print(
@@ -218,7 +238,11 @@ def launch_dp(config: ServerConfig, dp: int, policy: PolicyConfig, http_keys: Ke
     except LaunchError as e:
         say(f"radixserve: {e}", sys.stderr)
         return 1
-    launcher = DataParallelLauncher(config, dp, policy, http_keys)
+    try:
+        launcher = DataParallelLauncher(config, dp, policy, http_keys, prefill)
+    except LaunchError as e:
+        say(f"radixserve: {e}", sys.stderr)
+        return 1
     signal.signal(signal.SIGINT, launcher.on_signal)
     signal.signal(signal.SIGTERM, launcher.on_signal)
     try:
@@ -234,7 +258,11 @@ def launch_dp(config: ServerConfig, dp: int, policy: PolicyConfig, http_keys: Ke
     if launcher.http_url:
         say(f"radixserve: http on {launcher.http_url} (OpenAI API at /v1)")
     replicas = " ".join(r.endpoint for r in launcher.replicas if r is not None)
-    say(f"radixserve: router over {dp} replicas ({policy.policy}): {replicas}")
+    if prefill:
+        kinds = f"{prefill} prefill and {dp - prefill} decode servers"
+        say(f"radixserve: router over {kinds} ({policy.policy}): {replicas}")
+    else:
+        say(f"radixserve: router over {dp} replicas ({policy.policy}): {replicas}")
     first = launcher.replicas[0]
     if first is not None:
         say(f"radixserve: {first.summary()} dp={dp}")

@@ -58,6 +58,9 @@ class Replica:
     routed: int = 0  # requests sent here since the router started
     failed: int = 0  # requests failed because the replica went away
     probe_tag: int = 0
+    # A prefill server of a PD router (docs/scale-out.md): it gets no generate of its
+    # own; decode servers pull prompts' KV from it.
+    prefill: bool = False
 
     def __post_init__(self) -> None:
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -183,6 +186,13 @@ class Replica:
 def _host(endpoint: str) -> str:
     rest = endpoint.split("://", 1)[-1]
     return rest.rsplit(":", 1)[0]
+
+
+def transfer_source(r: Replica) -> str | None:
+    """A prefill server's transfer control endpoint as decode servers reach it (its
+    ``stats``' ``kv_transfer_control``; a wildcard bind becomes its host), or None."""
+    ep = (r.stats or {}).get("kv_transfer_control")
+    return _with_host(ep, _host(r.endpoint)) if isinstance(ep, str) else None
 
 
 def _with_host(endpoint: str, host: str) -> str:

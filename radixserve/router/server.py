@@ -42,7 +42,7 @@ import zmq
 from radixserve import protocol as P
 from radixserve.router.config import RouterConfig
 from radixserve.router.policy import Decision, KeyAffinity, RoundRobin, choose, keep_affinity
-from radixserve.router.replica import Forwarded, Replica
+from radixserve.router.replica import Forwarded, Replica, transfer_source
 from radixserve.router.totals import CounterTotals
 from radixserve.scheduler.kv_events import page_keys
 from radixserve.tokenizer.config import TokenizerConfig
@@ -89,6 +89,11 @@ class Router:
 
             curve = curve_keys(config.replica_curve_server_key, config.replica_curve_client_key)
         self.replicas = [Replica(i, ep, ctx, curve) for i, ep in enumerate(config.replicas)]
+        # PD mode: the prefill servers come after the decode servers (``Replica.prefill``).
+        n = len(self.replicas)
+        self.replicas += [
+            Replica(n + i, ep, ctx, curve, prefill=True) for i, ep in enumerate(config.prefill)
+        ]
         seed_routing_ids()
         self.public = ctx.socket(zmq.ROUTER)
         self.public.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -277,7 +282,7 @@ class Router:
                 identity, msg.id, f"{P.TOO_MANY_IN_FLIGHT} (at most {limit} per client)"
             )
             return
-        live = [r for r in self.replicas if r.up]
+        live = [r for r in self.replicas if r.up and not r.prefill]
         if not live:
             self._send_error(identity, msg.id, f"{P.SERVER_FAILED}: no replica is up")
             return
@@ -286,7 +291,10 @@ class Router:
         self.next_id += 1
         rid = f"g{self.next_id}"
         fwd = Forwarded(identity, msg.id, r.index, msg.sampling.n, msg.stream, keys)
-        if not r.send(replace(msg, id=rid)):
+        out = replace(msg, id=rid)
+        if self.config.prefill:  # PD mode: the decode server pulls from a prefill server
+            out = replace(out, kv_source=self._prefill_source(ids, msg))
+        if not r.send(out):
             self._send_error(identity, msg.id, f"{P.SERVER_FAILED}: the replica at {r.name} "
                              "cannot take requests")  # fmt: skip
             return
@@ -350,6 +358,17 @@ class Router:
             self.decisions.append((client_id, live[decision.replica].index, matches, decision))
             del self.decisions[: -self.config.decisions]
         return live[decision.replica], keys_of[decision.replica]
+
+    def _prefill_source(self, ids: list[int] | None, msg: P.Generate) -> str | None:
+        """PD mode: the transfer control endpoint of the prefill server for a prompt,
+        chosen by the same policy over the prefill servers' mirrors and loads; None
+        when none is up (the decode server then prefills the prompt itself)."""
+        live = [p for p in self.replicas if p.prefill and p.up and transfer_source(p)]
+        if not live:
+            return None
+        p, _ = self._route(live, ids, msg.cache_salt, msg.id, msg.lora)
+        p.routed += 1
+        return transfer_source(p)
 
     def _tokenize(self, identity: bytes, msg: P.Tokenize) -> None:
         if self.inputs is None:
@@ -445,6 +464,9 @@ class Router:
             m = r.mirror
             row = {
                 "endpoint": r.name,
+                "role": "prefill"
+                if r.prefill
+                else ("decode" if self.config.prefill else "replica"),
                 "up": r.up,
                 "routed": r.routed,
                 "failed": r.failed,

@@ -13,7 +13,8 @@ fills the prefill budget, in order:
    the pages (free + evictable, minus the running requests' reservations) and
    the slots allow. A request is tried in steps: is it ready (its LoRA adapter
    fits the batch, its grammar compiled), is it held back (it shares a prefix
-   not cached yet with a prompt of this step: it waits a step and hits it), does
+   not cached yet with a prompt of this step, or with a prompt whose pages a
+   decode server is pulling: it waits and hits it), does
    it fit (its pool match, locked, and its pages; one that does not is passed
    over, up to ``max_admit_skips`` per step), then it is placed (promotion from
    the lower tiers, its first chunk's pages), counted and takes a slot.
@@ -170,13 +171,16 @@ class Admission:
         admitted: list[Request] = []
         skipped = 0
         adapters = {r.lora for r in self.running}
+        # A decode server's requests whose prompt pages are being pulled hold back the
+        # ones that share them, as a prefill does: those then pull only the rest.
+        pulling = [r for r in self.running if r.remote is not None]
         for i, req in enumerate(candidates):
             if step.budget <= 0 or not self.running.has_free_slot:
                 self._mark_divergences(candidates[i : i + cfg.max_admit_skips], step.prompts)
                 break
             if by_level and top is not None and req.sampling.priority > top:
                 break  # the rest are of this level or worse: they prefill in a later step
-            if not self._ready(req, adapters) or self._held_back(req, step.prompts):
+            if not self._ready(req, adapters) or self._held_back(req, step.prompts + pulling):
                 continue
             reserve = self._match(req, reserved)
             if reserve is None:
@@ -198,6 +202,8 @@ class Admission:
             admitted.append(req)
             if loading:
                 req.status = ReqStatus.LOADING  # computes once its pages arrived
+                if req.remote is not None:
+                    pulling.append(req)
                 continue
             req.status = ReqStatus.PREFILL
             if chunk < req.num_tokens - req.kv_len:
@@ -257,7 +263,10 @@ class Admission:
         prefill, or the window pages are short."""
         kv = self.kv
         hit = kv.promote(req)
-        loading = kv.loading(req) or kv.will_fetch(req)
+        # Its pages beyond the match come from a prefill server (disagg.py), or else
+        # are asked of the shared KV store.
+        pull = kv.remote is not None and kv.remote.wants(req)
+        loading = pull or kv.loading(req) or kv.will_fetch(req)
         chunk = req.num_tokens - hit
         if chunk > budget and not loading:
             if self.running.chunked is not None:
@@ -269,7 +278,10 @@ class Admission:
         if not kv.grow_window(req, chunk) or not kv.grow(req, req.num_tokens):
             kv.release_prefix(req)
             return None
-        kv.fetch_from_store(req, counts=req.stats.cached_tokens < 0)
+        if pull:
+            kv.remote.start(req)  # type: ignore[union-attr]
+        else:
+            kv.fetch_from_store(req, counts=req.stats.cached_tokens < 0)
         return hit, chunk, loading
 
     def _count_first_admission(self, req: Request, hit: int, now: float) -> None:

@@ -58,6 +58,7 @@ import numpy as np
 
 from radixserve.combinations import check_features, features_on
 from radixserve.scheduler.allocator import PageAllocator
+from radixserve.scheduler.disagg import DecodeSide
 from radixserve.scheduler.explain import EvictionLog
 from radixserve.scheduler.kv_events import KVEventRecorder
 from radixserve.scheduler.prefix_cache import MatchResult, PrefixCache
@@ -104,6 +105,9 @@ class KVCacheManager:
         self.evictions = (
             EvictionLog(allocator.num_pages, self.page_size) if cache.keeps_prefixes else None
         )
+        # A decode server's pulls (``disagg.DecodeSide``; None: no disaggregation):
+        # pages arriving from a prefill server keep their request LOADING.
+        self.remote: DecodeSide | None = None
 
     @property
     def evicted_pages(self) -> int:
@@ -183,7 +187,10 @@ class KVCacheManager:
 
     def loading(self, req: Request) -> bool:
         """Whether some of the request's cached prefix is still being copied up, or
-        read from the shared store."""
+        read from the shared store, or its pages are still being pulled from a prefill
+        server."""
+        if req.remote is not None:
+            return True
         tiers = self.tiers
         if tiers is None:
             return False
@@ -339,8 +346,11 @@ class KVCacheManager:
         req.locked_len = full
 
     def release(self, req: Request) -> None:
-        """Give up the request's KV: cache what was computed, free the rest (pages a
-        store run still fills go when it is done)."""
+        """Give up the request's KV: cache what was computed, free the rest (pages
+        still being pulled go to the pulls' quarantine, ``disagg.py``; pages a store
+        run still fills go when it is done)."""
+        if req.remote is not None:
+            self.remote.detach(req)  # type: ignore[union-attr]
         held = None
         run = req.cache_state.store_run
         if run:

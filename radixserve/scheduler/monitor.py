@@ -29,7 +29,7 @@ import heapq
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -38,7 +38,26 @@ from radixserve.scheduler.tree_view import TreeView, core_tree
 if TYPE_CHECKING:
     from radixserve.scheduler.prefix_cache import PrefixCache
     from radixserve.scheduler.request import Request
-    from radixserve.scheduler.scheduler import Scheduler
+
+
+class SchedulerView(Protocol):
+    """What the figures read of the scheduler (``scheduler.Scheduler``, which owns the
+    monitor: typed here by its shape, so this module sits below it)."""
+
+    monitor: CacheMonitor
+    cache: PrefixCache
+    kv: Any
+    hit_tokens: int
+    query_tokens: int
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    def stats(self) -> dict: ...
+
 
 HISTORY = 300  # points kept (5 minutes at one a second)
 WINDOW = 256  # requests the offline optimum looks back on
@@ -128,7 +147,7 @@ class CacheMonitor:
         self.finished_prompt_tokens += req.prompt_len
         self.window.add(req.tokens[: req.num_tokens - 1], req.salt)
 
-    def tick(self, scheduler: Scheduler) -> None:
+    def tick(self, scheduler: SchedulerView) -> None:
         """Record a history point (``history_point``) when one is due."""
         now = self.clock()
         if now >= self._next_point:
@@ -195,7 +214,7 @@ HISTORY_FIELDS = [
 ]
 
 
-def history_point(s: Scheduler) -> list:
+def history_point(s: SchedulerView) -> list:
     m = s.monitor
     return [
         s.hit_tokens,
@@ -209,7 +228,7 @@ def history_point(s: Scheduler) -> list:
     ]
 
 
-def dashboard_data(s: Scheduler) -> dict:
+def dashboard_data(s: SchedulerView) -> dict:
     """The dashboard's JSON (token ids in the tree's labels; the tokenizer adds text)."""
     stats = s.stats()
     keep = (

@@ -38,6 +38,8 @@ import zmq
 from radixserve import protocol as P
 from radixserve.compose import build_scheduler
 from radixserve.curve import load_allowed_keys, load_secret_certificate, require_curve
+from radixserve.scheduler.disagg import DecodeSide
+from radixserve.scheduler.disagg_link import DecodeLink, PrefillLink
 from radixserve.scheduler.kv_events_vllm import VllmKVEventPublisher
 from radixserve.scheduler.kv_publisher import DEFAULT_BUFFER, KVEventLog, KVEventPublisher
 from radixserve.scheduler.scheduler import Scheduler
@@ -81,9 +83,12 @@ class SchedulerLoop:
         config: ServerConfig,
         life: Lifeline,
         events: KVEventPublisher | None = None,
+        link: PrefillLink | DecodeLink | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.events = events
+        self.link = link  # prefill/decode disaggregation's control sockets
+        self.disaggregation = config.disaggregation
         self.watchdog_timeout = config.watchdog_timeout  # 0: no watchdog
         self.inbox = socket(ctx, zmq.PULL, config.endpoint(SCHEDULER_IN), bind=True)
         self.from_worker = socket(ctx, zmq.PULL, config.endpoint(SCHEDULER_FROM_WORKER), bind=True)
@@ -107,8 +112,13 @@ class SchedulerLoop:
         poller.register(self.inbox, zmq.POLLIN)
         if self.events is not None:
             poller.register(self.events.replay, zmq.POLLIN)
+        link = self.link
+        for sock in link.sockets if link is not None else ():
+            poller.register(sock, zmq.POLLIN)
         while self.life.alive():
-            ready = dict(poller.poll(POLL_MS if idle else 0))
+            ready = dict(poller.poll(POLL_MS if idle else self._pulls_wait()))
+            if link is not None:  # pulls, cancels, answers
+                link.receive()
             if self.inbox in ready:
                 while True:
                     try:
@@ -117,6 +127,10 @@ class SchedulerLoop:
                         break
                     self.handle(P.decode(data, INBOX))
             outputs = self.scheduler.step(self.run_step)
+            if link is not None:
+                link.flush()
+                for sock in link.take_added():  # a decode server's new prefill peers
+                    poller.register(sock, zmq.POLLIN)
             replies, self.scheduler.lora_replies = self.scheduler.lora_replies, []
             for tag, data in replies:  # LoRA loads the worker has reported
                 self.reply(tag, data)
@@ -134,6 +148,14 @@ class SchedulerLoop:
                 for msg in waited:
                     self.handle(msg)
             idle = not self.scheduler.has_work()
+
+    def _pulls_wait(self) -> int:
+        """Milliseconds to wait for messages when every running request is only
+        waiting for pulled pages (nothing to step): a short wait, not a spin."""
+        s = self.scheduler
+        if not isinstance(s.disagg, DecodeSide) or s.num_waiting:
+            return 0
+        return 5 if all(s.disagg.waiting(r) for r in s.running) else 0
 
     def load(self) -> dict:
         s = self.scheduler
@@ -167,7 +189,10 @@ class SchedulerLoop:
         s = self.scheduler
         if isinstance(msg, P.AddRequest):
             try:
-                s.add_request(msg.rid, msg.input_ids, msg.sampling, salt=msg.salt, lora=msg.lora)
+                s.add_request(
+                    msg.rid, msg.input_ids, msg.sampling, msg.salt, msg.lora,
+                    kv_source=msg.kv_source, images=msg.images,
+                )  # fmt: skip
             except ValueError as e:
                 self.to_tokenizer.send(P.RequestError(msg.rid, str(e)).encode())
         elif isinstance(msg, P.AbortRequest):
@@ -182,6 +207,9 @@ class SchedulerLoop:
             stats: dict = s.stats()
             if self.events is not None:
                 stats.update(self.events.describe())
+            stats["disaggregation"] = self.disaggregation
+            if self.link is not None:
+                stats.update(self.link.describe())
             self.reply(msg.tag, stats)
         elif isinstance(msg, P.CheckIdle):
             self.reply(msg.tag, self.check_idle())
@@ -236,13 +264,40 @@ def run(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
     assert config.model is not None, "the launcher passes the worker's model info"
     scheduler = build_scheduler(config.engine, config.model)
     events = start_kv_events(scheduler, ctx, config)
-    loop = SchedulerLoop(scheduler, ctx, config, life, events)
+    link = start_disaggregation(scheduler, ctx, config)
+    loop = SchedulerLoop(scheduler, ctx, config, life, events, link)
     control = socket(ctx, zmq.PUSH, config.endpoint(CONTROL), bind=False)
     info = {} if events is None else events.describe()
+    if link is not None:
+        info.update(link.describe())
     freeze_heap()
     control.send(P.Ready("scheduler", info).encode())
     log.info("ready: %d pages of %d tokens", config.model.num_pages, config.model.page_size)
     loop.run()
+
+
+def start_disaggregation(
+    scheduler: Scheduler, ctx: zmq.Context, config: ServerConfig
+) -> PrefillLink | DecodeLink | None:
+    """With ``--disaggregation``: this server's side (docs/scale-out.md), over the
+    pool the worker registered with its transfer engine (``ModelInfo.kv_transfer``)."""
+    if config.disaggregation == "none":
+        return None
+    assert config.model is not None and config.model.kv_transfer, "the worker registers its pool"
+    descriptor = config.model.kv_transfer
+    if config.disaggregation == "prefill":
+        scheduler.serve_prefill(descriptor["identity"])
+        link: PrefillLink | DecodeLink = PrefillLink(
+            ctx,
+            scheduler.disagg,
+            config.kv_transfer_host,
+            config.kv_transfer_port,  # type: ignore[arg-type]
+        )
+        log.info("prefill server: transfer control on %s", link.endpoint)
+        return link
+    timeout = config.kv_transfer_timeout
+    scheduler.serve_decode(descriptor, timeout, quarantine=2 * timeout)
+    return DecodeLink(ctx, scheduler.disagg)  # type: ignore[arg-type]
 
 
 def start_kv_events(

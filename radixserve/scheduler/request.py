@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from radixserve.protocol import OutputItem
+from radixserve.protocol import ImageInput, OutputItem
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.cache_state import RequestCacheState
 from radixserve.scheduler.prefix_cache import CacheNode
@@ -125,6 +125,12 @@ class Request:
     # The worker's page table for the slot is longer than ``sent_pages`` (pages past a
     # verification's accepted tokens were freed): the next step tells it to cut.
     table_cut: bool = False
+    # Prefill/decode disaggregation (``disagg.py``): the prefill server to pull this
+    # request's prompt KV from (None: computed here), and its pull while unanswered.
+    kv_source: str | None = None
+    remote: object = None
+    # The prompt's images: their runs in ``tokens`` hold key ids (``images.py``).
+    images: tuple[ImageInput, ...] = ()
 
     @classmethod
     def create(

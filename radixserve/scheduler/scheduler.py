@@ -5,7 +5,8 @@ The lifecycle of a request:
     WAITING --admit--> PREFILL (chunks) --last chunk sampled--> DECODE --> FINISHED
      ^  |                   ^   |                                   |
      |  +-admit-> LOADING --+   |  (LOADING: pages copied up from the cache
-     |              |           |   tiers have not all arrived; then PREFILL)
+     |              |           |   tiers, or pulled from a prefill server
+     |              |           |   (disagg.py), have not all arrived; then PREFILL)
      +-- retract ---+-----------+-----------------------------------+
 
 ``Scheduler`` is composed of parts that own their state; it keeps the requests by
@@ -60,14 +61,17 @@ from typing import Any
 
 import numpy as np
 
-from radixserve.protocol import REQUEST_TIMED_OUT, OutputItem, Step, StepResult
+from radixserve.protocol import REQUEST_TIMED_OUT, ImageInput, OutputItem, Step, StepResult
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.admission import Admission
 from radixserve.scheduler.allocator import PageAllocator
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.decode import DecodeManager
+from radixserve.scheduler.disagg import DecodeSide
+from radixserve.scheduler.disagg_prefill import PrefillSide
 from radixserve.scheduler.explain import explain
 from radixserve.scheduler.grammars import Grammars
+from radixserve.scheduler.images import check_images, keyed_prompt
 from radixserve.scheduler.kv_events import KVEventRecorder
 from radixserve.scheduler.lora import LoraRegistry, check_salt, namespace
 from radixserve.scheduler.monitor import CacheMonitor, dashboard_data
@@ -131,6 +135,42 @@ class Scheduler:
         self.num_steps = 0
         self.num_timeouts = 0
         self.monitor = CacheMonitor(config.page_size)  # the dashboard's figures
+        # Prefill/decode disaggregation (disagg.py): this server's side, if any.
+        self.disagg: DecodeSide | PrefillSide | None = None
+        # The worker's vision encoder: images encoded, and served from its cache.
+        self.encoder_runs = 0
+        self.encoder_hits = 0
+
+    def serve_decode(self, descriptor: dict[str, Any], timeout: float, quarantine: float) -> None:
+        """Be a decode server: requests with a ``kv_source`` pull their prompt's pages
+        from that prefill server into this worker's pool (``descriptor``)."""
+        self._check_disaggregation()
+        clock = lambda: self.clock()  # noqa: E731 (the clock is replaceable: tests)
+        side = DecodeSide(self.allocator, self.page_size, descriptor, timeout, quarantine, clock)
+        side.regrow = self._pull_given_up
+        side.cache_computed = self.kv.cache_computed
+        self.disagg = self.kv.remote = side
+
+    def serve_prefill(self, identity: str) -> None:
+        """Be a prefill server: ``disagg.pull`` computes and sends a decode side's pages."""
+        self._check_disaggregation()
+        if not self.kv.enabled:
+            raise ValueError("a prefill server sends pages out of its tree: --cache radix")
+        self.disagg = PrefillSide(self, identity)
+
+    def _check_disaggregation(self) -> None:
+        if self.kv.windows is not None or self.kv.states is not None:
+            raise ValueError(
+                "--disaggregation moves full-attention pages only: not for a model with "
+                "a sliding-window pool or recurrent states"
+            )
+
+    def _pull_given_up(self, req: Request) -> None:
+        """A running request's pull timed out: it prefills here, on fresh pages, or
+        waits in the queue for them."""
+        req.kv_source = None
+        if not self.kv.grow(req, req.num_tokens):
+            self.decodes.retract(req)
 
     # ------------------------------------------------------------- requests
     def add_request(
@@ -140,13 +180,23 @@ class Scheduler:
         sampling: SamplingParams,
         salt: str | None = None,
         lora: str | None = None,
+        kv_source: str | None = None,
+        images: Sequence[ImageInput] = (),
     ) -> None:
         """Queue a request (``sampling.n`` samples), under the LoRA adapter named
-        ``lora`` (None: the base model). Raises ValueError on bad input."""
+        ``lora`` (None: the base model), its prompt holding ``images`` (their
+        placeholder runs; keyed by content in the cache: ``images.py``); on a decode
+        server, its prompt's KV pulled from the prefill server ``kv_source`` (a prompt
+        with images is prefilled here: pulls carry token ids only). Raises ValueError on
+        bad input."""
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
+        if kv_source is not None and not isinstance(self.disagg, DecodeSide):
+            raise ValueError("kv_source is for a decode server (--disaggregation decode)")
         prompt = self.check_request(prompt_ids, sampling)
         check_salt(salt)
+        check_images(prompt, images)
+        prompt = keyed_prompt(prompt, images)
         report = self._explain_arrival(prompt, salt, lora) if sampling.explain else None
         adapter = None
         if lora is not None:
@@ -174,8 +224,10 @@ class Scheduler:
             self._arrivals += 1
             req.stats.queued_at = now
             req.stats.explain = report
+            req.images = tuple(images)
             if adapter is not None:
                 req.lora = adapter.id
+            req.kv_source = None if images else kv_source
             samples.append(req)
         if adapter is not None:
             self.loras.acquire(adapter, len(samples))
@@ -246,6 +298,7 @@ class Scheduler:
             or self.grammars.news_pending
             or self.copies_pending
             or self.loras.busy
+            or (self.disagg is not None and self.disagg.busy)
         )
 
     @property
@@ -294,13 +347,19 @@ class Scheduler:
         now = self.clock()
         self.monitor.tick(self)
         self._expire(now)  # requests past their timeout fail
+        if isinstance(self.disagg, DecodeSide):
+            self.disagg.expire()  # pulls past their deadline: prefilled here
         outputs, self._outputs = self._outputs, []  # aborts and failures since the last step
         step = self._build_step(self._plan(now))  # decode rows, then prompt chunks; the Step
-        if step is None:
-            return outputs
-        result = run(step)  # the worker
-        self._copies_reported(step, result)  # cache tiers: copies done
-        return outputs + self._take_result(result)  # tokens taken back; who finished
+        if step is not None:
+            result = run(step)  # the worker
+            self._copies_reported(step, result)  # cache tiers: copies done
+            outputs += self._take_result(result)  # tokens taken back; who finished
+        if isinstance(self.disagg, PrefillSide):  # pulls computed or sent: answered
+            if step is not None and isinstance(result, StepResult):
+                self.disagg.sent(result.kv_sent)
+            outputs = self.disagg.take_outputs(outputs)
+        return outputs
 
     def _expire(self, now: float) -> None:
         """End the requests whose ``request_timeout`` has passed (an error; KV released)."""
@@ -352,9 +411,14 @@ class Scheduler:
         # Copies in flight: a step goes out so the worker can report them (it waits
         # for the next one to finish when the step has nothing to compute).
         waiting_copies = tiers is not None and tiers.in_flight > 0
+        # A prefill server's sends: a step carries them, and steps go on until reported.
+        sends = []
+        if isinstance(self.disagg, PrefillSide):
+            waiting_copies = waiting_copies or self.disagg.in_flight
+            sends = self.disagg.take_sends()
         idle = not (
             batch or release or submit or drop or compiling or waiting_copies or load_loras
-            or drop_loras
+            or drop_loras or sends
         )  # fmt: skip
         if idle and copies is None:
             return None
@@ -376,6 +440,7 @@ class Scheduler:
             load_loras,
             drop_loras,
             self.kv.take_state_saves(),
+            sends,
         )
 
     def _copies_reported(self, step: Step, result: WorkerResult) -> None:
@@ -413,6 +478,8 @@ class Scheduler:
         or failed (their waiting requests fail), and requests it failed."""
         outputs: list[OutputItem] = []
         self.lora_replies += self.loras.take_reports(result.loras)
+        self.encoder_runs += result.encoder_runs
+        self.encoder_hits += result.encoder_hits
         for key, message in self.grammars.take_result(result):
             rids = {
                 r.rid
@@ -584,6 +651,8 @@ class Scheduler:
             "eviction_policy": self.cache_policy,
             "queue_time": self.queue_times.snapshot(),
             "state_snapshots": self.config.state_snapshots,  # 0: not a hybrid model
+            "encoder_runs": self.encoder_runs,
+            "encoder_cache_hits": self.encoder_hits,
         }
         if self.cache_policy == "priority":  # what cache_retention hints hold
             out.update(self.kv.retention_stats())
@@ -599,6 +668,10 @@ class Scheduler:
             out["loading"] = sum(r.status is ReqStatus.LOADING for r in self.running)
             for name, n in zip(("l1", "l2", "l3", "store"), self.tier_hit_tokens):
                 out[f"hit_tokens_{name}"] = n
+        if self.disagg is not None:
+            out.update(self.disagg.stats.snapshot("kv_transfer_"))
+            if isinstance(self.disagg, DecodeSide):
+                out["kv_transfer_quarantined_pages"] = self.disagg.quarantined_pages()
         return out
 
     def check_idle(self) -> None:
@@ -606,6 +679,8 @@ class Scheduler:
         (with tiers: no copies in flight; step until ``copies_pending`` is False)."""
         assert not self.running and not self.waiting, "the scheduler is not idle"
         assert not self.copies_pending, "copies between cache tiers are in flight"
+        if self.disagg is not None:
+            assert not self.disagg.busy, "KV transfers are outstanding (or quarantined)"
         self.cache.check()
         assert self.cache.protected_pages == 0, "a lock survived its request"
         cached = self.cache.cached_pages

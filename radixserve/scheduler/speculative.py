@@ -129,11 +129,14 @@ class Drafter:
     def draft(self, req: Request, k: int) -> np.ndarray:
         """Up to ``k`` draft tokens for ``req`` by the configured algorithm."""
         tokens = req.tokens[: req.num_tokens]
+        draft = NO_DRAFT
         if self.algorithm == "radix":
-            cont = self.kv.cache.continuation(tokens, k, req.salt)
-            if len(cont):
-                return cont
-        return ngram_draft(tokens, k, self.min_match)
+            draft = self.kv.cache.continuation(tokens, k, req.salt)
+        if not len(draft):
+            draft = ngram_draft(tokens, k, self.min_match)
+        # An image's key ids (negative, scheduler/images.py) are no tokens to propose.
+        keyed = np.flatnonzero(draft < 0)
+        return draft[: keyed[0]] if len(keyed) else draft
 
     def take_verified(
         self,

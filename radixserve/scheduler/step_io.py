@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from radixserve.protocol import StepReq, StepResult
+from radixserve.scheduler.images import real_ids
 from radixserve.scheduler.request import Request
 
 _NO_TOKENS = np.zeros(0, dtype=np.int32)
@@ -45,7 +46,7 @@ def step_req(
         req.announced = True
         if sampling.penalized or sampling.structured is not None:
             # Penalty counts start from it; a grammar replays the output.
-            history = req.tokens[: req.num_tokens]
+            history = real_ids(req.tokens[: req.num_tokens], 0, req.images)
     start = req.kv_len
     keep_pages = -1
     if req.table_cut:  # a verification's rejected drafts gave pages back
@@ -59,8 +60,10 @@ def step_req(
         end = min(start + n + 1, req.prompt_len)
         if end > req.score_next:
             score_pos, score_ids = req.score_next, req.tokens[req.score_next : end]
+            score_ids = real_ids(score_ids, score_pos, req.images)
             req.score_next = end if end < req.prompt_len else -1
-    ids = req.tokens[start : start + n]
+    # The worker computes the real ids (an image's placeholder), never the key ids.
+    ids = real_ids(req.tokens[start : start + n], start, req.images)
     if k:
         ids = np.concatenate([ids, req.spec.draft])
     return StepReq(
@@ -81,6 +84,7 @@ def step_req(
         *window,
         state_save2_at=states[3],
         state_save2=states[4],
+        images=list(req.images) if sampling is not None else [],
     )
 
 

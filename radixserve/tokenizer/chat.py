@@ -31,6 +31,9 @@ from typing import Any
 
 import jinja2
 
+#: An image inside chat content while it is templated (``images.py``): one private-use
+#: character, no tokenizer's special token; it becomes the model's image tokens.
+IMAGE_MARK = "\ue002"
 _MARK = "\ue000rs-content-{}\ue001"  # private-use characters: no tokenizer special token
 _MARK_RE = re.compile("\ue000rs-content-(\\d+)\ue001")
 _MAX_WHY = 200  # characters of a template's own error message that are passed on
@@ -52,13 +55,16 @@ def chat_to_ids(
     allow_special_tokens: bool = False,
     tools: list[dict[str, Any]] | None = None,
     add_generation_prompt: bool = True,
+    image_ids: list[int] | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` (and the tool definitions ``tools``) rendered by the
     tokenizer's chat template, with a generation prompt unless
     ``add_generation_prompt`` is False. Special tokens typed in content stay text
     unless ``allow_special_tokens``; typed in tool calls or tool definitions, they
     are refused. A template that fails (``raise_exception`` on a chat it does not
-    take) is a ValueError."""
+    take) is a ValueError. With ``image_ids`` (a chat with images), each
+    ``IMAGE_MARK`` in content becomes those ids (a vision-language model's tokens for
+    one image); without, content is text only."""
     gen = add_generation_prompt
     specials = special_token_strings(tokenizer)
     typed = [any(s in m["content"] for s in specials) for m in messages]
@@ -71,7 +77,8 @@ def chat_to_ids(
             )
         if tools and _typed_in(tools, specials):
             raise ValueError("the tool definitions contain special tokens; remove them")
-    if allow_special_tokens or not any(typed):
+    images = image_ids is not None
+    if (allow_special_tokens or not any(typed)) and not images:
         return _ids(_render(tokenizer, messages, tools, gen, tokenize=True))
     text = _render(tokenizer, messages, tools, gen, tokenize=False)
     marked = [{**m, "content": _MARK.format(i)} for i, m in enumerate(messages)]
@@ -85,10 +92,17 @@ def chat_to_ids(
             "does not show content verbatim; remove them from the content"
         )
     ids: list[int] = []
+    split = not allow_special_tokens
     for k, piece in enumerate(pieces):
         if k % 2:
             content = messages[int(piece)]["content"]
-            ids += tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True)
+            for j, text in enumerate(content.split(IMAGE_MARK) if images else [content]):
+                if j:
+                    ids += image_ids or []
+                if text:
+                    ids += tokenizer.encode(
+                        text, add_special_tokens=False, split_special_tokens=split
+                    )
         elif piece:
             ids += tokenizer.encode(piece, add_special_tokens=False)
     return ids

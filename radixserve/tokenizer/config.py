@@ -69,6 +69,38 @@ class TokenizerOptions:
     max_n: int = option(
         16, f"samples per request (at most {MAX_N})", at_least=1, at_most=MAX_N, group=LIMITS
     )
+    max_images: int = option(
+        16, "images per request (vision-language models)", at_least=0, group=LIMITS
+    )
+    max_image_pixels: int = option(
+        16_777_216,
+        "pixels (width x height) of one image, read from its header before it is "
+        "decoded (a decompression bomb is refused unopened)",
+        at_least=1,
+        group=LIMITS,
+    )
+    max_image_bytes: int = option(
+        8 << 20,
+        "bytes of one image as sent (encoded: PNG, JPEG, ...)",
+        at_least=1,
+        parse=parse_size,
+        group=LIMITS,
+    )
+    allowed_media_dir: str | None = option(
+        None,
+        "a directory whose image files requests may name (file:// URLs); none by default",
+        group=LIMITS,
+    )
+    allowed_media_hosts: tuple[str, ...] = option(
+        (),
+        "hosts whose http(s):// image URLs requests may name (exact host names); none by "
+        "default. The fetch is bounded by --max-image-bytes and --media-fetch-timeout and "
+        "follows no redirect",
+        group=LIMITS,
+    )
+    media_fetch_timeout: float = option(
+        5.0, "seconds an image fetch from an allowed host may take in all", above=0.0, group=LIMITS
+    )
     chat_special_tokens: bool = option(
         False,
         "let special tokens typed inside chat message content act as control "

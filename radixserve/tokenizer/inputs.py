@@ -7,10 +7,12 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from radixserve.protocol import ImageInput
 from radixserve.sampling_params import SamplingParams, short_repr
 from radixserve.structured import check_structured
 from radixserve.tokenizer.chat import chat_to_ids
 from radixserve.tokenizer.config import TokenizerConfig
+from radixserve.tokenizer.images import ImageLimits, VisionInputs, load_image, split_content
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_ARGUMENTS_DEPTH = 32  # how deeply a tool call's arguments may nest
@@ -24,6 +26,9 @@ class InputProcessor:
     ``context_len`` is the model's context: a prompt must leave room for one
     output token, so it has at most ``context_len - 1`` tokens (or
     ``config.max_prompt_tokens``, when lower).
+
+    ``vision``: a vision-language model's image processing (``images.py``), with
+    which ``to_request`` takes images; None for a text model, which refuses them.
     """
 
     def __init__(
@@ -32,12 +37,58 @@ class InputProcessor:
         vocab_size: int | None = None,
         config: TokenizerConfig | None = None,
         context_len: int | None = None,
+        vision: VisionInputs | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
         self.config = config if config is not None else TokenizerConfig()
         limits = [x for x in (self.config.max_prompt_tokens, context_len and context_len - 1) if x]
         self.max_prompt_tokens = min(limits) if limits else None
+        self.vision = vision
+        cfg = self.config
+        self.image_limits = ImageLimits(
+            cfg.max_images, cfg.max_image_pixels, cfg.max_image_bytes, cfg.allowed_media_dir,
+            tuple(cfg.allowed_media_hosts), cfg.media_fetch_timeout,
+        )  # fmt: skip
+
+    def to_request(
+        self,
+        prompt: str | None = None,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        images: Sequence[Any] | None = None,
+        trusted: bool = False,
+    ) -> tuple[list[int], list[ImageInput]]:
+        """``to_ids`` with images (docs/multimodal.md): in chat content parts, or
+        ``images`` for a prompt or token ids holding one placeholder token per image.
+        Returns the prompt with each image's placeholder run expanded, and the images.
+        ``trusted``: the caller is this process's own code (the Engine), whose images
+        may be local paths anywhere. The count of images is checked before any is read."""
+        parts = _image_parts(messages) if messages is not None else 0
+        count = parts + len(images or ())
+        if count == 0:
+            return self.to_ids(prompt, input_ids, messages, tools), []
+        if self.vision is None:
+            raise ValueError("this model takes no images (it is not a vision-language model)")
+        limits = self.image_limits
+        if count > limits.max_images:
+            raise ValueError(
+                f"{count} images in one request; this server allows at most {limits.max_images}"
+            )
+        if messages is not None:
+            if images:
+                raise ValueError("a chat's images go in its content parts")
+            split = [split_content(m.get("content"), limits, trusted) for m in messages]
+            chat = [{**m, "content": text} for m, (text, _) in zip(messages, split)]
+            ids = self.tokenize(messages=chat, tools=tools, image_ids=self.vision.image_ids)
+            decoded = [img for _, imgs in split for img in imgs]
+        else:
+            decoded = [load_image(src, limits, trusted) for src in images or ()]
+            ids = self.to_ids(prompt, input_ids, None, tools)
+        expanded, inputs = self.vision.expand(ids, decoded)
+        self._check_tokens(len(expanded))
+        return expanded, inputs
 
     def to_ids(
         self,
@@ -69,6 +120,7 @@ class InputProcessor:
         add_special_tokens: bool = True,
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        image_ids: list[int] | None = None,
     ) -> list[int]:
         """The token ids of a text (with the tokenizer's special tokens, such as BOS,
         unless ``add_special_tokens`` is False) or of chat messages (with the
@@ -86,7 +138,7 @@ class InputProcessor:
             self._check_chars(len(prompt))
             ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         else:
-            ids = self.apply_chat_template(messages, tools, add_generation_prompt)
+            ids = self.apply_chat_template(messages, tools, add_generation_prompt, image_ids)
         self._check_tokens(len(ids))
         return ids
 
@@ -162,6 +214,7 @@ class InputProcessor:
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        image_ids: list[int] | None = None,
     ) -> list[int]:
         """Messages are ``{role, content}``; an assistant's may carry the tool calls it
         made (``tool_calls``: ``[{id, type, function: {name, arguments}}]``, arguments a
@@ -170,7 +223,8 @@ class InputProcessor:
         ``tools`` are the tool definitions the template renders into the prompt (JSON
         maps, as transformers takes them: OpenAI's ``{type: function, function: {name,
         description, parameters}}``); their JSON text counts towards the prompt's
-        characters."""
+        characters. With ``image_ids`` (a chat with images, ``to_request``), each image
+        mark in content becomes those ids."""
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
             raise ValueError("messages must be a non-empty list of {role, content} objects")
         clean_tools, chars = None, 0
@@ -209,6 +263,7 @@ class InputProcessor:
             self.config.chat_special_tokens,
             clean_tools,
             add_generation_prompt,
+            image_ids,
         )
 
 
@@ -290,3 +345,17 @@ def _depth(value: Any) -> int:
             continue
         deepest = max(deepest, d)
     return deepest
+
+
+def _image_parts(messages: Any) -> int:
+    """How many image content parts a chat holds (before any is read)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        return 0
+    count = 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, Mapping) else None
+        if isinstance(content, Sequence) and not isinstance(content, (str, bytes)):
+            count += sum(
+                isinstance(p, Mapping) and p.get("type") in ("image_url", "image") for p in content
+            )
+    return count

@@ -55,6 +55,7 @@ import os
 import sys
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import zmq
@@ -62,6 +63,7 @@ import zmq
 from radixserve import protocol as P
 from radixserve.auth_env import ADMIN_KEY_ENV
 from radixserve.config import tokenizer_config
+from radixserve.models.source import resolve_model
 from radixserve.models.tokenizer import load_tokenizer
 from radixserve.sampling_params import short_repr
 from radixserve.server_config import (
@@ -74,6 +76,7 @@ from radixserve.server_config import (
 )
 from radixserve.tokenizer.connections import Connections
 from radixserve.tokenizer.explain import render_dashboard, render_explain
+from radixserve.tokenizer.images import VisionInputs, load_vision_inputs
 from radixserve.tokenizer.inputs import InputProcessor
 from radixserve.tokenizer.output import OutputStream, TokenTexts
 from radixserve.utils.proc import (
@@ -131,8 +134,9 @@ class TokenizerServer:
         self.texts = TokenTexts(tokenizer)
         self.limits = tokenizer_config(config.engine)
         self.inputs = InputProcessor(
-            tokenizer, config.model.vocab_size, self.limits, config.model.max_context_len
-        )
+            tokenizer, config.model.vocab_size, self.limits, config.model.max_context_len,
+            vision_inputs(config, tokenizer),
+        )  # fmt: skip
         seed_routing_ids()
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -342,7 +346,9 @@ class TokenizerServer:
         try:
             # Everything is checked before anything is queued.
             self.inputs.check_sampling(sp)
-            ids = self.inputs.to_ids(msg.prompt, msg.input_ids, msg.messages, msg.tools)
+            ids, images = self.inputs.to_request(
+                msg.prompt, msg.input_ids, msg.messages, msg.tools, msg.images
+            )
             echo = None
             if msg.echo:  # the prompt as given, or the text of its tokens
                 echo = msg.prompt
@@ -362,7 +368,10 @@ class TokenizerServer:
         self.per_client[identity] += 1
         # Stop strings are applied here: the scheduler and the worker never see them.
         scheduled = replace(sp, stop=()) if sp.stop else sp
-        self.to_scheduler.send(P.AddRequest(rid, ids, scheduled, msg.cache_salt, msg.lora).encode())
+        add = P.AddRequest(
+            rid, ids, scheduled, msg.cache_salt, msg.lora, kv_source=msg.kv_source, images=images
+        )
+        self.to_scheduler.send(add.encode())
 
     # ---------------------------------------------------- scheduler -> server
     def handle_internal(self, msg: P.Message) -> None:
@@ -541,6 +550,12 @@ def _model_dict(model) -> dict:
         "max_context_len": model.max_context_len,
         "backend": model.backend_name,
     }
+
+
+def vision_inputs(config: ServerConfig, tokenizer: Any) -> VisionInputs | None:
+    """A vision-language model's image processing (docs/multimodal.md), else None."""
+    source = resolve_model(config.engine.model, config.engine.cache_dir)
+    return None if source.gguf_file else load_vision_inputs(source.folder, tokenizer)
 
 
 def run(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:

@@ -31,7 +31,7 @@ import torch
 
 from radixserve.layers.parallel import SINGLE, Comm
 from radixserve.models.config import ModelConfig
-from radixserve.models.loader import load_hf_config, load_model, parse_dtype
+from radixserve.models.loader import load_hf_config, load_model, load_vision, parse_dtype
 from radixserve.models.sharding import Shard, head_shard
 from radixserve.models.source import resolve_model
 from radixserve.utils.kv_store import StoreConfig, StoreIO
@@ -131,7 +131,10 @@ def load(config: WorkerConfig, comm: Comm) -> LoadedModel:
     dtype_name, dtype_reason = choose_dtype(config.dtype, device, hf_config)
     dtype = parse_dtype(dtype_name)
     model, hf_config = load_model(source, dtype, device, hf_config, comm)
-    return LoadedModel(model, hf_config, source.name, dtype_name, dtype_reason, dtype, device)
+    vision = load_vision(source, model.cfg, hf_config, dtype, device)
+    return LoadedModel(
+        model, hf_config, source.name, dtype_name, dtype_reason, dtype, device, vision
+    )
 
 
 def build_kv_space(

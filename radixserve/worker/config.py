@@ -185,6 +185,12 @@ class WorkerOptions(SharedOptions):
     max_lora_rank: int = option(
         64, "the highest LoRA rank accepted; an adapter above it is refused", at_least=1
     )
+    encoder_cache_mb: float = option(
+        256.0,
+        "vision-language models: MiB of image features kept by image content, so a "
+        "repeated image does not run the vision encoder again (LRU; 0: off)",
+        at_least=0.0,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -98,9 +98,11 @@ def kv_identity(model_name: str, fingerprint: str, dtype: str, pool: KVPool) -> 
     # The per-tensor fp8 layout's pages hold other bytes than the per-row layout's of the
     # same kv_dtype; the default layout adds nothing, so existing page files still match.
     layout = "" if pool.kv_layout == "row" else f"kv_layout={pool.kv_layout};"
+    # Rotated keys (quantized pools) are other bytes than the same format's unrotated ones.
+    rotated = "keys=hadamard;" if pool.rotated else ""
     return (
         f"model={model_name};weights={fingerprint};dtype={dtype};kv_dtype={pool.kv_dtype_name};"
-        f"{layout}layers={pool.num_layers};"
+        f"{layout}{rotated}layers={pool.num_layers};"
         f"page_size={pool.page_size};kv_heads={pool.num_kv_heads};head_dim={pool.head_dim}"
     )
 

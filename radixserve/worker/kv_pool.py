@@ -6,7 +6,10 @@ rows of head_dim codes and a float16 scale, ``head_dim + 2`` bytes; a pool of th
 per-tensor fp8 layout (``kv_layout="tensor"``) stores the fp8 codes alone, dtype
 float8_e4m3fn / float8_e5m2, entry_dim head_dim; one of the ``token_head`` layout
 (FlashInfer's per-(token, head) scales) stores uint8 rows of head_dim fp8 codes, a
-float32 scale and zeros, ``head_dim + 16`` bytes. ``dtype`` is
+float32 scale and zeros, ``head_dim + 16`` bytes. A quantized pool of any layout
+stores its keys rotated (``rotated``: each key row k as k R, R the normalized Hadamard
+matrix of ``attention/rotation.py``; attention rotates its queries alike, and values
+stay as they are). ``dtype`` is
 always the dtype attention computes in and returns (the model's). The pool holds no bookkeeping: which
 page belongs to whom is the scheduler's business, and which pages a request
 slot reads is the page table's (``page_table.py``).
@@ -52,6 +55,9 @@ class KVPool:
         self.storage_dtype: torch.dtype = storage
         self.quant: Quant | None = quant
         self.entry_dim = entry_dim(head_dim, quant)
+        #: Whether key rows are stored rotated (``attention/rotation.py``): every
+        #: quantized pool's are, no pool of plain float values' is.
+        self.rotated = quant is not None
         shape = (num_pages, 2, page_size, num_kv_heads, self.entry_dim)
         self.layers = [torch.zeros(shape, dtype=storage, device=device) for _ in range(num_layers)]
 

@@ -26,10 +26,16 @@ rows: head_dim + 16 bytes); the CUDA ``flashinfer`` backend asks for it
 codes, scale 1.0) is what FlashInfer's fp8 kernels read without scale factors; no
 default picks it. Rounding is to nearest (ties to even) in every format, so
 ``dequantize(quantize(x))`` is within half a code step of x.
+
+Keys are stored rotated in every quantized pool (``attention/rotation.py``), and the
+keys of the fp8 formats with a scale per row take a searched scale rather than
+``max|x| / qmax`` (``quantize``'s ``search_scale``): the one of least squared error among
+those that put one of the row's 4 largest magnitudes on one of the format's top codes.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -160,15 +166,56 @@ def token_head_views(layer: torch.Tensor, quant: Quant, head_dim: int):
     return codes, (scales[:, 0], scales[:, 1])
 
 
-def quantize(x: torch.Tensor, quant: Quant) -> torch.Tensor:
+#: The searched scale's candidates: each of a row's this many largest magnitudes on
+#: each code of the format's top binade (``top_codes``).
+SEARCH_TOP = 4
+#: Rows quantized with a searched scale at a time (the candidates' codes of a block are
+#: ``SEARCH_TOP * len(top_codes)`` times its size).
+SEARCH_BLOCK_ROWS = 2048
+
+
+@functools.cache
+def top_codes(quant: Quant, device: torch.device) -> torch.Tensor:
+    """The fp8 format's codes in [qmax / 2, qmax], ascending, float32, on ``device`` (e4m3:
+    224, 240, 256, 288, ..., 448; e5m2: 28672, 32768, 40960, 49152, 57344). Kept per
+    device: a CUDA graph captures writes that read them, never their copy."""
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(quant.code_dtype).float()
+    keep = torch.isfinite(every) & (every >= quant.qmax / 2) & (every <= quant.qmax)
+    return every[keep].unique().to(device)
+
+
+def quantize(x: torch.Tensor, quant: Quant, search_scale: bool = False) -> torch.Tensor:
     """x [..., head_dim] (any float dtype) -> uint8 [..., head_dim + 2]: codes, then the
     float16 scale's bytes. The scale is rounded up to float16 before the codes are
     computed, so a code times the stored scale is what the row means and every code is
     within the format (float16's range bounds the scale: rows below 2^-24 * qmax lose
-    precision, rows beyond 65504 * qmax are clipped; K and V are far from both)."""
+    precision, rows beyond 65504 * qmax are clipped; K and V are far from both).
+
+    ``search_scale`` (the keys of a rotated pool; fp8 formats with a scale per row, other
+    formats ignore it): each row's scale is the one of least squared error
+    ``sum((code * scale - x)^2)`` among the candidates that put one of the row's
+    ``SEARCH_TOP`` largest magnitudes on one of the format's top codes (``top_codes``),
+    each rounded to the layout's scale dtype first; values beyond qmax * scale clamp to
+    qmax; the squares in float32, summed in float64. Rounding the largest value to the
+    top code is not the best for the row as a whole: the search trades a clamped outlier
+    against a finer step for the rest. On the CPU the row layout's rows are quantized by
+    the native kernel the one-call decode layers use (``quantize_kv_rows``). Ties
+    go to the first candidate."""
     if quant.per_tensor:
         # [..., head_dim] codes of the fp8 dtype, clamped first: never NaN or inf.
         return x.float().clamp(-quant.qmax, quant.qmax).to(quant.code_dtype)
+    if search_scale and quant.is_fp8:
+        if x.device.type == "cpu" and quant.scale_dtype == torch.float16 and _native_rows():
+            # The kernel the one-call decode layers write with: the same bits by
+            # construction (the search's float64 sums are not in torch's order).
+            from radixserve.layers import cpu_kernels
+
+            rows = cpu_kernels.ext.quantize_kv_rows(
+                x.float().reshape(-1, x.shape[-1]).contiguous().numpy(), quant.name,
+                isa=cpu_kernels.ISA, searched=True, num_threads=torch.get_num_threads(),
+            )  # fmt: skip
+            return torch.from_numpy(rows).view(*x.shape[:-1], -1)
+        return _quantize_searched(x, quant)
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True)
     if quant.scale_dtype == torch.float32:
@@ -176,10 +223,7 @@ def quantize(x: torch.Tensor, quant: Quant) -> torch.Tensor:
         # so that no code is 0/0), then zeros up to the row's 16-byte end.
         scale = (amax / quant.qmax).clamp_min(torch.finfo(torch.float32).tiny)
         codes = (xf / scale).clamp(-quant.qmax, quant.qmax).to(quant.code_dtype)
-        d = x.shape[-1]
-        pad = entry_dim(d, quant) - d - 4  # ValueError unless head_dim % 16 == 0
-        zeros = torch.zeros(*x.shape[:-1], pad, dtype=torch.uint8, device=x.device)
-        return torch.cat([codes.view(torch.uint8), scale.view(torch.uint8), zeros], dim=-1)
+        return _rows(codes, scale, quant)
     exact = (amax / quant.qmax).clamp(_SCALE_MIN, _SCALE_MAX)
     scale = exact.to(torch.float16)
     # Rounded up, never down, so that no code of the row falls outside the format.
@@ -190,7 +234,50 @@ def quantize(x: torch.Tensor, quant: Quant) -> torch.Tensor:
         codes = y.clamp(-quant.qmax, quant.qmax).to(quant.code_dtype)
     else:
         codes = y.round().clamp(-quant.qmax, quant.qmax).to(torch.int8)
-    return torch.cat([codes.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
+    return _rows(codes, scale, quant)
+
+
+def _rows(codes: torch.Tensor, scale: torch.Tensor, quant: Quant) -> torch.Tensor:
+    """Codes [..., d] and the scale [..., 1] (of the layout's scale dtype) as the pool's
+    rows: codes, scale bytes, and for ``token_head`` zeros up to the row's end."""
+    parts = [codes.view(torch.uint8), scale.view(torch.uint8)]
+    if quant.scale_dtype == torch.float32:
+        d = codes.shape[-1]
+        pad = entry_dim(d, quant) - d - 4  # ValueError unless head_dim % 16 == 0
+        parts.append(torch.zeros(*codes.shape[:-1], pad, dtype=torch.uint8, device=codes.device))
+    return torch.cat(parts, dim=-1)
+
+
+def _native_rows() -> bool:
+    """Whether the native kernels are built with the searched quantizer."""
+    from radixserve.layers import cpu_kernels
+
+    return cpu_kernels.AVAILABLE and hasattr(cpu_kernels.ext, "hadamard_rows")
+
+
+def _quantize_searched(x: torch.Tensor, quant: Quant) -> torch.Tensor:
+    """``quantize`` with ``search_scale`` for an fp8 format of a scale per row."""
+    d = x.shape[-1]
+    xf = x.float().reshape(-1, d)
+    tops = top_codes(quant, xf.device)
+    codes = torch.empty(xf.shape, dtype=torch.uint8, device=xf.device)  # fp8 bytes
+    scale = torch.empty(xf.shape[0], 1, dtype=quant.scale_dtype, device=xf.device)
+    for i in range(0, xf.shape[0], SEARCH_BLOCK_ROWS):
+        rows = xf[i : i + SEARCH_BLOCK_ROWS]
+        mags = rows.abs().topk(min(SEARCH_TOP, d), dim=-1).values  # [n, top]
+        cands = (mags[:, :, None] / tops).flatten(1)  # [n, top * codes]
+        if quant.scale_dtype == torch.float32:
+            cands = cands.clamp_min(torch.finfo(torch.float32).tiny)
+        else:
+            cands = cands.clamp(_SCALE_MIN, _SCALE_MAX).to(torch.float16)
+        cf = cands.float()[:, :, None]  # [n, c, 1]
+        c = (rows[:, None, :] / cf).clamp(-quant.qmax, quant.qmax).to(quant.code_dtype)
+        err = (c.float() * cf - rows[:, None, :]).square_().double().sum(-1)  # [n, c]
+        best = err.argmin(-1, keepdim=True)  # [n, 1]
+        picked = c.view(torch.uint8).gather(1, best[:, :, None].expand(-1, 1, d))
+        codes[i : i + rows.shape[0]] = picked[:, 0]
+        scale[i : i + rows.shape[0]] = cands.gather(1, best)
+    return _rows(codes, scale, quant).reshape(*x.shape[:-1], -1)
 
 
 def dequantize(entries: torch.Tensor, quant: Quant, dtype: torch.dtype) -> torch.Tensor:

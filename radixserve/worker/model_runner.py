@@ -71,6 +71,7 @@ from radixserve.worker import cuda_graph
 from radixserve.worker.attention import AttentionBatch
 from radixserve.worker.grammar import apply_bitmask
 from radixserve.worker.logits import LogitsProcessor, token_logprobs
+from radixserve.worker.multimodal import MultimodalSlots, VisionEncoder
 from radixserve.worker.parts import RunnerParts
 from radixserve.worker.sampler import Sampler
 from radixserve.worker.speculative import verify
@@ -125,6 +126,11 @@ class ModelRunner:
         self._lora_rows = False  # whether the step being planned has adapter rows
         if self.backend.plans_native_steps:
             self.backend.native_layers = self._native_layers
+        # A vision-language model's images and multimodal positions (multimodal.py).
+        self.multimodal: MultimodalSlots | None = None
+        if loaded.vision is not None:
+            cache_bytes = int(config.encoder_cache_mb * 2**20)
+            self.multimodal = MultimodalSlots(VisionEncoder(loaded.vision, cache_bytes))
 
     def _native_layers(self, rows: int) -> bool:
         """Whether a decode step of ``rows`` rows runs every layer in one native call
@@ -188,6 +194,7 @@ class ModelRunner:
             state_bytes=self.state_bytes,
             state_snapshots=0 if self.states is None else self.states.num_snapshots,
             kv_dtype=self.pool.kv_dtype_name,
+            vision=self.multimodal is not None,
             tokens_per_gib=self.tokens_per_gib,
             window_pages=self.window_pages,
             window_span=self.window_span,
@@ -259,8 +266,13 @@ class ModelRunner:
             want = self._threads[1] if heavy else self._threads[0]
             if torch.get_num_threads() != want:
                 torch.set_num_threads(want)
+        encoder = None if self.multimodal is None else self.multimodal.encoder
+        counts = (0, 0) if encoder is None else (encoder.runs, encoder.hits)
         with invariant.batch_invariant(self.config.deterministic):
             result = self._step(batch)
+        if encoder is not None:
+            result.encoder_runs = encoder.runs - counts[0]
+            result.encoder_hits = encoder.hits - counts[1]
         if self.host_cache is not None:
             if not batch.reqs and self.host_cache.busy:
                 # Nothing to compute: wait for the next ticket instead of spinning.
@@ -465,12 +477,16 @@ class ModelRunner:
                 self.window_table.clear(slot)
             self.sampler.remove(slot)
             self.loras.clear(slot)
+            if self.multimodal is not None:
+                self.multimodal.clear(slot)
             if self.leader:
                 self.logits_processor.remove(slot)
                 self.grammars.remove(slot)
         if not batch.reqs:
             return torch.zeros(0, self.vocab_size), 0, [], {}
         ids, positions, logits_rows, score_rows, draft_rows = [], [], [], [], []
+        embeds: list[tuple[np.ndarray, torch.Tensor]] = []
+        mm = self.multimodal
         drafts: dict[int, tuple[int, int]] = {}
         plans: list[tuple] = []
         qo_indptr, kv_lens, page_counts, tables, window_tables = [0], [], [], [], []
@@ -485,6 +501,10 @@ class ModelRunner:
             if r.sampling is not None:
                 self.sampler.add(r.slot, r.sampling)  # followers too: the checks read it
                 self.loras.assign(r.slot, r.lora)
+                if mm is not None:
+                    mm.add(r.slot, r.images, r.prompt_len)
+                elif r.images:
+                    raise ValueError(f"slot {r.slot}: images, but this model has no vision tower")
                 if self.leader:
                     self.logits_processor.add(r.slot, r.sampling, r.prompt_len, r.history)
                     error = self.grammars.add(r.slot, r.sampling, r.prompt_len, r.history)
@@ -511,7 +531,11 @@ class ModelRunner:
                     f"pages, {need} needed for {kv_len} tokens"
                 )
             ids.append(np.asarray(r.input_ids, dtype=np.int64))
-            positions.append(np.arange(r.start_pos, kv_len, dtype=np.int64))
+            if mm is None:
+                positions.append(np.arange(r.start_pos, kv_len, dtype=np.int64))
+            else:
+                positions.append(mm.positions(r.slot, r.start_pos, kv_len))
+                embeds.extend(mm.embeds(r.slot, r.start_pos, kv_len, qo_indptr[-1]))
             qo_indptr.append(qo_indptr[-1] + n)
             if self.states is not None:
                 segments.append(self._state_segment(r, qo_indptr[-2]))
@@ -541,18 +565,26 @@ class ModelRunner:
         input_ids = np.concatenate(ids)
         if input_ids.min() < 0 or input_ids.max() >= self.vocab_size:
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
-        flat_positions = np.concatenate(positions)
+        flat_positions = np.concatenate(positions, axis=-1)
+        if flat_positions.ndim == 2 and (flat_positions == flat_positions[0]).all():
+            flat_positions = flat_positions[0]  # no image rows: M-RoPE is the plain rotary
         lora = self.loras.batch([r.slot for r in batch.reqs], attn.qo_indptr)
         self._lora_rows = lora is not None
-        if lora is None and self._graph_step(batch, attn):
+        plain = not embeds and flat_positions.ndim == 1
+        if lora is None and plain and self._graph_step(batch, attn):
             assert self.graphs is not None
             logits = self.graphs.run(attn, input_ids, flat_positions)
         else:
             self.backend.begin_batch(attn)
             rows = np.asarray(logits_rows + draft_rows + score_rows, dtype=np.int64)
-            ids_t, pos_t, rows_t = self._inputs.to_device([input_ids, flat_positions, rows])
+            # M-RoPE's position rows travel flat and are viewed back on the device.
+            ids_t, pos_t, rows_t = self._inputs.to_device([input_ids, flat_positions.ravel(), rows])
+            pos_t = pos_t.view(flat_positions.shape)
             states = None if self.states is None else StepStates(self.states, segments)
-            logits = self.model(ids_t, pos_t, max(kv_lens) - 1, self.backend, rows_t, lora, states)
+            image_rows = self._image_rows(embeds)
+            logits = self.model(
+                ids_t, pos_t, max(kv_lens) - 1, self.backend, rows_t, lora, states, image_rows
+            )
         if logits is None:  # a follower rank
             return torch.zeros(0, self.vocab_size), 0, [], {}
         num_sampled = len(logits_rows)
@@ -561,6 +593,15 @@ class ModelRunner:
         plans = [(slot, pos, lo + before, hi + before, t) for slot, pos, lo, hi, t in plans]
         drafts = {slot: (num_sampled + lo, k) for slot, (lo, k) in drafts.items()}
         return logits, num_sampled, plans, drafts
+
+    def _image_rows(
+        self, embeds: list[tuple[np.ndarray, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's image rows and their features, as the model takes them."""
+        if not embeds:
+            return None
+        rows = torch.from_numpy(np.concatenate([r for r, _ in embeds])).to(self._device)
+        return rows, torch.cat([f for _, f in embeds])
 
     def _window_pages(self, r: StepReq, need: int) -> np.ndarray:
         """Set ``r``'s window table entries; its pages out of every window go to the

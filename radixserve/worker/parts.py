@@ -47,6 +47,7 @@ class LoadedModel:
     dtype_reason: str
     dtype: torch.dtype
     device: torch.device
+    vision: Any = None  # a vision-language model's vision tower (models/qwen2_5_vision.py)
 
     @property
     def config(self) -> ModelConfig:

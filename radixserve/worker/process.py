@@ -97,6 +97,21 @@ def _serve(
     results = socket(ctx, zmq.PUSH, config.endpoint(SCHEDULER_FROM_WORKER), bind=False)
     control = control or socket(ctx, zmq.PUSH, config.endpoint(CONTROL), bind=False)
     info = asdict(runner.info())
+    run_step = runner.step
+    if config.disaggregation != "none":  # prefill/decode: peers write into the pool
+        from radixserve.worker.kv_transfer import KVTransferAgent
+
+        agent = KVTransferAgent(
+            runner.pool.layers,
+            config.kv_transfer_host,
+            config.kv_transfer_protocol,
+            config.kv_transfer_device,
+        )
+        info["kv_transfer"] = agent.descriptor(runner.info())
+
+        def run_step(step: P.Step) -> P.StepResult:
+            return agent.step(runner.step, step)
+
     freeze_heap()  # after the warm-up
     control.send(P.Ready("worker", info).encode())
     log.info("ready: %s", info)
@@ -110,7 +125,7 @@ def _serve(
             if relay is not None:
                 relay.send(raw)
             step = P.decode(raw, {P.Step.TYPE: P.Step})
-            results.send(runner.step(step).encode())
+            results.send(run_step(step).encode())
     finally:
         runner.close()  # the cache tiers' copies queued are finished (files written)
 

@@ -207,7 +207,13 @@ def test_a_breakpoint_reads_the_cache_on_the_next_call(claude):
         ({"model": MODEL, "max_tokens": 4, "messages": []}, 400, "messages"),
         ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                         "data": "AAAA"}}]}]}, 400, "images are not supported"),
+                                         "data": "AAAA"}}]}]}, 400, "takes no images"),
+        ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/bmp",
+                                         "data": "AAAA"}}]}]}, 400, "media_type"),
+        ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "file", "file_id": "f"}}]}]}, 400,
+         "image source"),
         ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
             {"type": "video", "url": "x"}]}]}, 400, "does not match"),
         ({"model": MODEL, "max_tokens": "4", "messages": [{"role": "user", "content": "x"}]},
@@ -238,7 +244,7 @@ def test_hostile_messages_are_4xx_in_anthropics_shape(http, body, status, words)
 
 def test_the_official_client_sees_a_bad_request(claude):
     image = {"type": "image", "source": {"type": "url", "url": "http://127.0.0.1/x.png"}}
-    with pytest.raises(anthropic.BadRequestError, match="images are not supported"):
+    with pytest.raises(anthropic.BadRequestError, match="takes no images"):
         claude.messages.create(
             model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [image]}]
         )
@@ -345,7 +351,11 @@ def test_a_prefill_only_call_warms_the_prefix(oai, http):
         ({"model": MODEL, "input": []}, "input must not be empty"),
         ({"model": MODEL, "input": [{"role": "robot", "content": "x"}]}, "input"),
         ({"model": MODEL, "input": [{"role": "user", "content": [
-            {"type": "input_image", "image_url": "http://x"}]}]}, "images"),
+            {"type": "input_image", "image_url": "http://x"}]}]}, "takes no images"),
+        ({"model": MODEL, "input": [{"role": "user", "content": [
+            {"type": "input_image", "file_id": "file-1"}]}]}, "file_id"),
+        ({"model": MODEL, "input": [{"role": "user", "content": [
+            {"type": "input_file", "file_id": "file-1"}]}]}, "input_file"),
         ({"model": MODEL, "input": "x", "previous_response_id": "resp_nope"}, "no stored"),
         ({"model": MODEL, "input": "x", "max_output_tokens": -1}, "max_output_tokens"),
         ({"model": MODEL, "input": "x", "prompt_cache_retention": "forever"}, "retention"),

@@ -181,7 +181,7 @@ def test_logprobs_equal_completions(http, base_url):
         ({"text": "x", "sampling_params": {"temperature": "0"}}, "temperature"),
         ({"text": "x", "sampling_params": {"stop_regex": "a+"}}, "sampling_params.stop_regex"),
         ({"text": "x", "sampling_params": {"no_stop_trim": True}}, "no_stop_trim"),
-        ({"text": "x", "image_data": "cat.png"}, "image_data"),
+        ({"text": "x", "image_data": "cat.png"}, "takes no images"),  # a text model
         ({"text": ["a", "b"], "sampling_params": [GREEDY]}, "sampling_params has 1 entries"),
         ({"text": ["a", "b"], "rid": ["r", "r"]}, "rid"),
         ({"text": "x", "top_logprobs_num": 2}, "need return_logprob"),

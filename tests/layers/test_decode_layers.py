@@ -403,14 +403,22 @@ def quantized_runners(tiny_llama_dir):
     }
 
 
+@pytest.mark.parametrize("rotated", [True, False])
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
 def test_quantized_pool_same_tokens_and_codes_as_the_torch_path(
-    quantized_runners, native_calls, name
+    quantized_runners, native_calls, name, rotated, monkeypatch
 ):
     """The call writes K/V rows into a quantized pool as kv_quant.quantize does: layer
     0's pages (whose K/V depend on the tokens alone) are the same bytes either way. (At
-    this CPU's level: tests/worker/test_kv_quant.py runs the attention at every one.)"""
+    this CPU's level: tests/worker/test_kv_quant.py runs the attention at every one.)
+    A quantized pool's keys are rotated (``attention/rotation.py``; fp8 keys with the
+    searched scale) and its queries alike, in the call as in the backend's forward; the
+    same with the rotation off checks the plain writes."""
     runner = quantized_runners[name]
+    assert runner.pool.rotated and runner.backend.rotation is not None
+    if not rotated:
+        monkeypatch.setattr(runner.pool, "rotated", False)
+        monkeypatch.setattr(runner.backend, "rotation", None)
     ps = prompts(5, seed=11)
     ref, ref_fed = decode(runner, ps, 5, native=False)
     ref_pool = runner.pool.layers[0].clone()

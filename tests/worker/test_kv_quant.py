@@ -21,6 +21,7 @@ import torch
 
 from radixserve.layers import cpu_kernels
 from radixserve.worker.attention import AttentionBatch, KVPool, create_backend, native_decode
+from radixserve.worker.attention.rotation import KeyRotation, key_dtype
 from radixserve.worker.kv_quant import (
     KV_CACHE_DTYPES,
     QUANTS,
@@ -201,25 +202,44 @@ def run_batch(name, dtype, page_size, kv_heads, group, kernel, isa=None, seed=0,
     return checked
 
 
+def rotated(q, k, dtype):
+    """q and k [..., HEAD_DIM] of ``dtype`` rotated as a quantized pool's backend rotates
+    them (``rotation.KeyRotation``), as float64: what attention multiplies."""
+    qr, kr = KeyRotation(dtype).rotate(q.to(dtype), k.to(dtype))
+    return qr.double(), kr.double()
+
+
+def stored_keys(kr, quant, dtype):
+    """Rotated keys as the pool holds them, read back as float64: fp8 rows with the
+    searched scale, int8 rows with max / qmax."""
+    return dequantize(quantize(kr.to(key_dtype(dtype)), quant, search_scale=True), quant,
+                      torch.float64)  # fmt: skip
+
+
 def check(checked, name, dtype):
+    """Each output against float64 attention over what the pool holds: the rotated
+    query against the stored rotated keys, and the stored values."""
     quant = QUANTS[name]
     for out, q, r, kv_len in checked:
         if "kq" not in r:  # the keys as the pool holds them: quantized from the model's dtype
-            r["kq"] = dequantize(quantize(r["k"].to(dtype), quant), quant, torch.float64)
+            _, kr = rotated(q, r["k"], dtype)
+            r["kq"] = stored_keys(kr, quant, dtype)
             r["vq"] = dequantize(quantize(r["v"].to(dtype), quant), quant, torch.float64)
-            r["dk"], r["dv"] = error_bound(r["k"], name), error_bound(r["v"], name)
+            # The searched fp8 scale may clamp a value: its bound is the error it made.
+            r["dk"] = error_bound(kr, name) if name == "int8" else (r["kq"] - kr).abs()
+            r["dv"], r["kr"] = error_bound(r["v"], name), kr
         kq, vq = r["kq"][:kv_len], r["vq"][:kv_len]
-        qd = q.to(dtype).double()
-        ref = dense(qd, kq, vq, kv_len, HEAD_DIM**-0.5)
+        qr, _ = rotated(q, r["k"][:1], dtype)
+        ref = dense(qr, kq, vq, kv_len, HEAD_DIM**-0.5)
         err = (out.double() - ref).abs().max().item()
         assert err <= TOLERANCE[dtype] * max(1.0, ref.abs().max().item()), (name, dtype, err)
         # Against the unquantized values, within the computed bound (float64 only: in
         # lower precisions the model's own rounding comes on top).
         if dtype == torch.float64:
             k, v = r["k"][:kv_len], r["v"][:kv_len]
-            exact = dense(qd, k, v, kv_len, HEAD_DIM**-0.5)
-            bound = attention_bound(qd, k, v, r["dk"][:kv_len], r["dv"][:kv_len],
-                                    kv_len, HEAD_DIM**-0.5)  # fmt: skip
+            exact = dense(q, k, v, kv_len, HEAD_DIM**-0.5)  # unrotated: the same scores
+            bound = attention_bound(qr, r["kr"][:kv_len], v, r["dk"][:kv_len],
+                                    r["dv"][:kv_len], kv_len, HEAD_DIM**-0.5)  # fmt: skip
             assert torch.all((out.double() - exact).abs() <= bound + 1e-12)
             assert (out.double() - exact).abs().max() > 0  # the values were quantized
 
@@ -376,6 +396,13 @@ def test_kv_identity_tells_the_layouts_apart():
     assert tensor != ident("fp8_e5m2", "tensor")
     token_head = ident("fp8_e4m3", "token_head")
     assert "kv_layout=token_head" in token_head and token_head not in (row, tensor)
+    # Quantized pools store rotated keys: other bytes than files written before.
+    assert all("keys=hadamard" in i for i in (row, tensor, token_head, ident("int8", "row")))
+    assert "keys=hadamard" not in ident("auto", "row")
+    pool = KVPool(2, 3, 16, 2, 64, torch.bfloat16, kv_dtype="int8")
+    rotated = kv_identity("m", "w", "bfloat16", pool)
+    pool.rotated = False
+    assert kv_identity("m", "w", "bfloat16", pool) != rotated
 
 
 @pytest.mark.parametrize("name", list(TENSOR_QUANTS))
@@ -389,11 +416,11 @@ def test_torch_path_reads_the_per_tensor_layout(name, page_size):
     checked = run_batch(name, dtype, page_size, 3, 3, "auto", seed=page_size, layout="tensor",
                         spread=quant.qmax / 2)  # fmt: skip
     for out, q, r, kv_len in checked:
-        if "kq" not in r:
-            r["kq"] = r["k"].to(dtype).clamp(-quant.qmax, quant.qmax).to(quant.code_dtype).double()
+        qr, kr = rotated(q, r["k"], dtype)
+        if "kq" not in r:  # rotated keys, clamped and cast like the values
+            r["kq"] = kr.clamp(-quant.qmax, quant.qmax).to(quant.code_dtype).double()
             r["vq"] = r["v"].to(dtype).clamp(-quant.qmax, quant.qmax).to(quant.code_dtype).double()
-        ref = dense(q.to(dtype).double(), r["kq"][:kv_len], r["vq"][:kv_len], kv_len,
-                    HEAD_DIM**-0.5)  # fmt: skip
+        ref = dense(qr, r["kq"][:kv_len], r["vq"][:kv_len], kv_len, HEAD_DIM**-0.5)
         assert not out.isnan().any()
         err = (out.double() - ref).abs().max().item()
         assert err <= TOLERANCE[dtype] * max(1.0, ref.abs().max().item()), (name, err)
@@ -446,8 +473,9 @@ def test_torch_path_reads_the_token_head_layout(page_size):
     checked = run_batch("fp8_e4m3", dtype, page_size, 3, 3, "auto", seed=page_size,
                         layout="token_head")  # fmt: skip
     for out, q, r, kv_len in checked:
-        kq = dequantize(quantize(r["k"][:kv_len].to(dtype), quant), quant, dtype)
+        qr, kr = rotated(q, r["k"][:kv_len], dtype)
+        kq = stored_keys(kr, quant, dtype)  # the searched scale, float32 as the layout keeps it
         vq = dequantize(quantize(r["v"][:kv_len].to(dtype), quant), quant, dtype)
-        ref = dense(q.double(), kq, vq, kv_len, HEAD_DIM**-0.5)
+        ref = dense(qr, kq, vq, kv_len, HEAD_DIM**-0.5)
         err = (out.double() - ref).abs().max().item()
         assert err <= TOLERANCE[dtype] * max(1.0, ref.abs().max().item()), err

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from radixserve.worker.attention.rotation import KeyRotation
 from radixserve.worker.kv_pool import KVPool
 
 
@@ -155,3 +156,7 @@ class PoolBackend(AttentionBackend):
         self.scale = scale
         self.softcap = softcap
         self.sliding_windows = sliding_windows
+        #: Where the pool stores rotated keys (``rotation.py``): every ``forward``
+        #: rotates q and k with it before anything else, so the pool is written and
+        #: read in the rotated basis alone. None for a pool of plain values.
+        self.rotation = KeyRotation.for_pool(pool)

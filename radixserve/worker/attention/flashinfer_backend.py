@@ -40,6 +40,10 @@ tensors; per layer (``forward``) the new K/V are appended into the pool with
   (``kv_quant.quantize``: codes, scale and padding) and written into their slots with
   ``index_copy_``, not ``append_paged_kv_cache`` (which copies no scales); the slots
   are computed on the device from the append inputs, so a CUDA graph recomputes them.
+- A quantized pool stores its keys rotated (``rotation.py``): ``forward`` rotates q
+  and k before the writes and the kernels, which read the pool as they would any;
+  ``token_head`` key rows take the searched scale (``kv_quant.quantize``), still one
+  scale per row.
 - int8 and the per-row layout are refused (``flashinfer_support.kv_pool_reason``).
 - The prefill wrapper's backend is FlashInfer's ``auto`` by default, which 0.7.4
   decides at every ``plan``: fa2 while the longest query row is at most 64 tokens, fa3
@@ -80,7 +84,7 @@ import torch
 from radixserve.worker.attention import flashinfer_support as support
 from radixserve.worker.attention.base import AttentionBatch, PoolBackend
 from radixserve.worker.kv_pool import KVPool
-from radixserve.worker.kv_quant import quantize, token_head_views
+from radixserve.worker.kv_quant import quantize, token_head_views, top_codes
 from radixserve.worker.staging import Staging, default_event_factory
 
 #: Bytes of the float workspace shared by all wrappers (FlashInfer recommends 128 MB).
@@ -193,6 +197,9 @@ class FlashInferAttention(PoolBackend):
         prefill_backend, self.prefill_backend_reason = prefill_backend_for(
             prefill_backend, pool.quant is not None
         )
+        if self._th is not None and pool.layers:
+            # The searched key scale's codes, on the device before any graph is captured.
+            top_codes(self._th, pool.layers[0].device)
         fi = support.import_flashinfer()
         self._fi = fi
         self._device = device
@@ -347,6 +354,8 @@ class FlashInferAttention(PoolBackend):
     ) -> torch.Tensor:
         if self._active is None or self._out_rows is None:
             raise RuntimeError("begin_batch must be called before forward")
+        if self.rotation is not None:  # rotated keys (rotation.py): outside the kernels
+            q, k = self.rotation.rotate(q, k)
         cache = self.pool.layers[layer]
         batch_indices, positions, kv_indices, kv_indptr, last = self._append_args
         if self._th is not None:
@@ -383,7 +392,8 @@ class FlashInferAttention(PoolBackend):
         s, h, e = self.pool.page_size, self.pool.num_kv_heads, self.pool.entry_dim
         tokens = self.pool.layers[layer].view(-1, h * e)
         rows = self._slot_rows()
-        tokens.index_copy_(0, rows, quantize(k, self._th).reshape(-1, h * e))
+        keys = quantize(k, self._th, search_scale=self.rotation is not None)
+        tokens.index_copy_(0, rows, keys.reshape(-1, h * e))
         tokens.index_copy_(0, rows + s, quantize(v, self._th).reshape(-1, h * e))
         codes, scales = self._th_views[layer]
         out = self._out_rows[: q.shape[0]]  # type: ignore[index]

@@ -24,7 +24,9 @@ codes with a scale per token and head, or plain values of another float dtype) i
 written through ``kv_quant.quantize`` (or a cast) and read back, after the gather,
 through ``kv_quant.dequantize`` (or a cast): every path (decode, prefill, cascade)
 attends in the model's dtype over the values the pool holds. The native kernel
-dequantizes quantized pages itself, where it reads them.
+dequantizes quantized pages itself, where it reads them. A quantized pool stores its
+keys rotated (``rotation.py``): ``forward`` rotates q and k first, so every path reads
+and writes the rotated basis alone; fp8 key rows take the searched scale.
 
 With a soft-cap (Gemma 2) SDPA cannot be used (it has no hook between the scores
 and the softmax): the same calls go through ``capped_attention``, which
@@ -282,7 +284,8 @@ class TorchAttention(PoolBackend):
         page_size, kv_heads * head_dim]``) and its native attention plan, when that
         one plan computes every row of the batch with nothing else around it (no
         shared prefix through flash attention, no gather + SDPA, no sliding window or
-        soft-cap); else None. Short prefill chunks (drafts being verified) are causal
+        soft-cap; a pool of rotated keys is written and read rotated there too); else
+        None. Short prefill chunks (drafts being verified) are causal
         segments of the plan. A caller that runs every layer in
         native code (``models/decode_step.py``) writes and attends with these."""
         seg = self._native
@@ -486,13 +489,16 @@ class TorchAttention(PoolBackend):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
+        if self.rotation is not None:  # a quantized pool: keys stored rotated, queries alike
+            q, k = self.rotation.rotate(q, k)
         pool = self.pool.layers[layer]
         if self._fp8_bytes:  # CPU index_copy_ / index_select take no fp8: move the bytes
             pool = pool.view(torch.uint8)
         s, h, e = self.pool.page_size, self.pool.num_kv_heads, self.pool.entry_dim
         window = self.sliding_windows[layer]
         tokens = pool.view(-1, h * e)
-        tokens.index_copy_(0, self._write, self._encode(k).reshape(-1, h * e))
+        keys = self._encode(k, search_scale=self.rotation is not None)
+        tokens.index_copy_(0, self._write, keys.reshape(-1, h * e))
         tokens.index_copy_(0, self._write + s, self._encode(v).reshape(-1, h * e))
         pages = pool.view(-1, s * h * e)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -550,10 +556,11 @@ class TorchAttention(PoolBackend):
         out[p.rows] = res[0].view(kvh, qo, group, d).permute(1, 0, 2, 3).reshape(qo, heads, d)
         return True
 
-    def _encode(self, x: torch.Tensor) -> torch.Tensor:
-        """New K or V rows [T, kv_heads, head_dim] as the pool stores them."""
+    def _encode(self, x: torch.Tensor, search_scale: bool = False) -> torch.Tensor:
+        """New K or V rows [T, kv_heads, head_dim] as the pool stores them
+        (``search_scale``: rotated keys, ``kv_quant.quantize``)."""
         if self.pool.quant is not None:
-            codes = quantize(x, self.pool.quant)
+            codes = quantize(x, self.pool.quant, search_scale=search_scale)
             return codes.view(torch.uint8) if self._fp8_bytes else codes
         return x.to(self.pool.storage_dtype)
 
