@@ -5,7 +5,7 @@ A long prompt served by server A is then served by server B with at least 90% of
 its tokens read from the store, and B's tokens equal A's and a cold run's
 (float32). The master killed mid-run: both servers keep serving (misses, no
 request fails); started again on its address, they use it again. Another dtype
-reads nothing of it.
+reads nothing of it. Nothing of the store listens beyond loopback.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from radixserve import Engine, SamplingParams
 from radixserve.client import Client
 from radixserve.utils.mooncake import MooncakeMaster
 from tests.helpers.server import Server, wait_idle
+from tests.utils.test_kv_store import listening
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 STORE_CONFIG = '{"segment_mb": 32, "buffer_mb": 16, "timeout_s": 1}'
@@ -72,6 +73,10 @@ def test_a_prefix_computed_by_one_server_is_read_by_another(servers, cold, model
         assert stats["hit_tokens_store"] == rb.usage.cached_tokens
         assert stats["store_hit_pages"] * 4 == rb.usage.cached_tokens
         assert stats["store_read_bytes"] > 0 and ca.stats()["store_written_bytes"] > 0
+    # Mooncake's client binds every interface: the launcher makes it bind the master's.
+    for srv in (a, b):
+        ports = listening(srv.pids["worker"])
+        assert ports and {host for host, _ in ports} <= {"127.0.0.1", "::ffff:127.0.0.1"}, ports
     # Another dtype: its page keys are rooted in another identity, nothing is read.
     other = Engine(
         str(model_dir), dtype="float64", page_size=4, num_pages=512, warmup=False,

@@ -146,7 +146,7 @@ def test_no_master_fails_within_seconds():
     assert time.monotonic() - t < 5.0
 
 
-def _listening(pid: int) -> set[tuple[str, int]]:
+def listening(pid: int) -> set[tuple[str, int]]:
     """The TCP addresses process ``pid`` listens on (from /proc)."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -175,7 +175,7 @@ def _listening(pid: int) -> set[tuple[str, int]]:
 
 
 def test_the_master_listens_on_loopback_only(master):
-    addresses = _listening(master.process.pid)
+    addresses = listening(master.process.pid)
     assert (master.host, master.port) in addresses
     # Its RPC and its metrics, nothing else (no HTTP metadata server), all on loopback.
     assert {host for host, _ in addresses} == {"127.0.0.1"}, addresses
