@@ -19,6 +19,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from radixserve.keys_command import add_keys_arguments, keys_main
 from radixserve.launch_flags import (
@@ -27,6 +28,9 @@ from radixserve.launch_flags import (
     http_keys,
     parse_size,
 )
+
+if TYPE_CHECKING:
+    from radixserve.server_config import ServerConfig
 
 # The names other modules and tests import from here, which now live beside it.
 __all__ = ["build_parser", "config_from_args", "http_keys", "keys_main", "main", "parse_size"]
@@ -107,7 +111,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as e:  # options that cannot go together
             print(f"radixserve: {e}", file=sys.stderr, flush=True)
             return 1
-    if args.command == "launch" and (args.dp > 1 or args.pd is not None):
+    if args.command == "launch":
+        from radixserve.launch import prepare_kv_store
+
+        try:  # the KV store's master, checked (or started) before any process
+            master, config = prepare_kv_store(config)
+        except (ValueError, RuntimeError, ConnectionError) as e:
+            print(f"radixserve: {e}", file=sys.stderr, flush=True)
+            return 1
+        try:
+            return _launch(args, config)
+        finally:
+            if master is not None:
+                master.stop()
+    return 2
+
+
+def _launch(args: argparse.Namespace, config: ServerConfig) -> int:
+    if args.dp > 1 or args.pd is not None:
         from radixserve.options import option_values
         from radixserve.router.launch_dp import launch_dp
         from radixserve.router.policy import PolicyConfig
@@ -119,11 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return launch_dp(
             config, prefill + decode, PolicyConfig(**policy), http_keys(args), prefill=prefill
         )
-    if args.command == "launch":
-        from radixserve.launch import launch
+    from radixserve.launch import launch
 
-        return launch(config, http_keys(args))
-    return 2
+    return launch(config, http_keys(args))
 
 
 if __name__ == "__main__":

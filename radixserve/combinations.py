@@ -28,6 +28,7 @@ FEATURES = {
     "recurrent_states": "a hybrid model's recurrent-state snapshots in the tree",
     "host_tier": "--host-cache-gb: the host tier (L2) below the pool",
     "disk_tier": "--disk-cache-dir: the disk tier (L3) below the host tier",
+    "kv_store": "--kv-store: the KV store shared by replicas, below the host tier",
     "tensor_parallel": "--tp > 1",
     "speculation": "--speculative-algorithm ngram or radix",
     "lora": "LoRA adapters",
@@ -64,6 +65,21 @@ COMBINATIONS: tuple[Rule, ...] = (
         "disk_tier tensor_parallel",
         "the disk tier (--disk-cache-dir) does not support tensor parallelism yet "
         "(--tp > 1); the host tier does",
+    ),
+    _rule("kv_store no_cache", "--kv-store needs --cache radix: --cache none keeps no prefix"),
+    _rule(
+        "kv_store tensor_parallel",
+        "the KV store (--kv-store) does not support tensor parallelism yet (--tp > 1): "
+        "each rank holds its own KV heads",
+    ),
+    _rule(
+        "kv_store window_pool",
+        "the KV store (--kv-store) does not hold the sliding layers' window pages yet: "
+        "use --sliding-pool-pages 0 (one pool for every layer)",
+    ),
+    _rule(
+        "kv_store recurrent_states",
+        "the KV store (--kv-store) does not hold recurrent states: {model} is a hybrid model",
     ),
     _rule(
         "native_tree eviction_policy",

@@ -29,6 +29,7 @@ from radixserve.combinations import check_features, features_on
 from radixserve.model_info import ModelInfo
 from radixserve.scheduler.config import SchedulerConfig, SchedulerOptions
 from radixserve.tokenizer.config import TokenizerConfig, TokenizerOptions
+from radixserve.utils.kv_store import StoreConfig, parse_store_url
 from radixserve.worker.config import WorkerConfig, WorkerOptions
 
 __all__ = [
@@ -58,9 +59,13 @@ class EngineConfig(TokenizerOptions, SchedulerOptions, WorkerOptions):
                 no_cache=self.cache == "none",
                 host_tier=self.host_cache_gb > 0,
                 disk_tier=self.disk_cache_dir is not None,
+                kv_store=self.kv_store is not None,
                 tensor_parallel=self.tp > 1,
             )
         )
+        if self.kv_store is not None:  # malformed settings fail here, before any process starts
+            parse_store_url(self.kv_store)
+            StoreConfig.parse(self.kv_store_config)
 
 
 #: SchedulerConfig fields that come from the loaded model, not from the user.
@@ -103,6 +108,7 @@ def scheduler_config(config: EngineConfig, info: ModelInfo) -> SchedulerConfig:
         features_on(
             recurrent_states=info.state_snapshots > 0,
             host_tier=config.host_cache_gb > 0,
+            kv_store=config.kv_store is not None,
             speculation=config.speculative_algorithm != "off",
             lora=bool(info.loras),
         ),

@@ -62,6 +62,8 @@ from radixserve.http.auth import ADMIN_KEY_ENV, API_KEY_ENV, NO_KEYS, Keys
 from radixserve.nodes import check_nodes
 from radixserve.scheduler.kv_publisher import kv_events_host
 from radixserve.server_config import CONTROL, HTTP_IN, TOKENIZER_IN, ServerConfig
+from radixserve.utils.kv_store import StoreConfig, parse_store_url
+from radixserve.utils.mooncake import MooncakeMaster, probe, require_mooncake
 from radixserve.utils.paths import SOURCE_ROOT
 from radixserve.utils.proc import say
 
@@ -166,6 +168,8 @@ class Launcher:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         if name.startswith("worker") and self.config.disaggregation != "none":
             env.update(bind_address_env(self.config.kv_transfer_host, env))
+        elif name.startswith("worker") and (host := store_listen_host(self.config)):
+            env.update(bind_address_env(host, env))  # the KV store client's ports
         module = MODULES["worker" if name.startswith("worker") else name]
         cmd = [sys.executable, "-m", module, self.config.to_json()]
         if rank:
@@ -298,6 +302,21 @@ def bind_address_env(host: str, env: dict[str, str]) -> dict[str, str]:
     return {"LD_PRELOAD": preload, "RADIXSERVE_BIND_ADDRESS": host}
 
 
+def store_listen_host(config: ServerConfig) -> str | None:
+    """Where the KV store client's ports (which Mooncake binds to every interface)
+    must listen: the address it announces, ``--kv-store-config``'s ``local_hostname``,
+    else the master's when that is a loopback address (one machine); None (every
+    interface) for a master elsewhere without a ``local_hostname``."""
+    url = config.engine.kv_store
+    if url is None:
+        return None
+    local = StoreConfig.parse(config.engine.kv_store_config).local_hostname
+    if local:
+        return local
+    host = parse_store_url(url).host
+    return host if is_loopback(host) else None
+
+
 def rank_name(rank: int) -> str:
     """A worker rank's process name: ``worker`` (rank 0), ``worker1``, ..."""
     return f"worker{rank}" if rank else "worker"
@@ -368,6 +387,26 @@ def check_kv_events(endpoint: str, replay: str | None, curve: bool) -> None:
                 f"--kv-events on {host}, not a loopback address, needs CURVE keys "
                 '(--curve-secret-key; docs/security.md, "Serving beyond loopback")'
             )
+
+
+def prepare_kv_store(config: ServerConfig) -> tuple[MooncakeMaster | None, ServerConfig]:
+    """``--kv-store``, checked before any process starts: Mooncake loads and its
+    master answers, within seconds (``mooncake://auto``: a master started on
+    loopback for this launch, the caller stops it). Returns the master started (or
+    None) and the config naming the master's address."""
+    url = config.engine.kv_store
+    if url is None:
+        return None, config
+    address = parse_store_url(url)
+    require_mooncake()
+    master = None
+    if address.auto:
+        master = MooncakeMaster()
+        url = master.url
+        say(f"radixserve: KV store: mooncake_master started on {master.host}:{master.port}")
+    else:
+        probe(address.host, address.port)
+    return master, replace(config, engine=replace(config.engine, kv_store=url))
 
 
 def launch(config: ServerConfig, http_keys: Keys = NO_KEYS) -> int:

@@ -304,6 +304,20 @@ def option_flags(config: Any) -> list[str]:
     return args
 
 
+def _store_url(url: str) -> object:
+    """``--kv-store``'s check (``utils/kv_store.py``, stdlib only, imported when used)."""
+    from radixserve.utils.kv_store import parse_store_url
+
+    return parse_store_url(url)
+
+
+def _store_config(text: str) -> object:
+    """``--kv-store-config``'s check."""
+    from radixserve.utils.kv_store import StoreConfig
+
+    return StoreConfig.parse(text)
+
+
 @dataclass(frozen=True, kw_only=True)
 class SharedOptions:
     """The options both the worker and the scheduler read."""
@@ -317,4 +331,24 @@ class SharedOptions:
         "the KV cache's disk tier: a directory of page files, written through as pages "
         "are computed, that survives restarts (through a host tier: --host-cache-gb, or "
         "one sized from free memory)",
+    )
+    # The worker reads and writes the store; the scheduler plans what to read and write.
+    kv_store: str | None = option(
+        None,
+        "a KV store shared by every replica and machine serving this model, below the "
+        "host tier: mooncake://HOST:PORT, the address of a mooncake_master "
+        "(radixserve launch: mooncake://auto starts one for its replicas); needs "
+        "radixserve[mooncake] (docs/cache-tiers.md)",
+        check=_store_url,
+        metavar="URL",
+    )
+    kv_store_config: str | None = option(
+        None,
+        "Mooncake's settings for --kv-store, a JSON object: local_hostname, segment_mb "
+        "(memory lent to the store, default 512), buffer_mb (64), protocol (tcp or "
+        "rdma), device (RDMA NICs), timeout_s (a read or write slower than this "
+        "fails: a miss, a page not written; 2), write (insert: every computed page, "
+        "the default; evict: pages leaving the pool)",
+        check=_store_config,
+        metavar="JSON",
     )

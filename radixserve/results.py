@@ -11,9 +11,9 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    # cached_tokens by where they were found: [pool (L1), host (L2), disk (L3)]
-    # (docs/cache-tiers.md); without tiers all of them are in the pool.
-    cached_tokens_by_tier: list[int] = field(default_factory=lambda: [0, 0, 0])
+    # cached_tokens by where they were found: [pool (L1), host (L2), disk (L3), the shared
+    # KV store] (docs/cache-tiers.md); without tiers all of them are in the pool.
+    cached_tokens_by_tier: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
     # Prompt tokens held by the request's cache_retention hint (fewer when clipped at
     # a retention cap; 0: no hint, nothing fit, or an eviction policy without retention).
     retained_tokens: int = 0

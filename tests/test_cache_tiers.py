@@ -118,8 +118,8 @@ def test_loading_requests_wait_while_others_run(tiny_dir):
         step()
     assert got == want
     hit = len(prefix) - len(prefix) % PAGE
-    assert usage["a"] == [0, hit, 0]  # it promoted them, and is credited for it
-    assert usage["b"] == [hit, 0, 0]  # it found them in the pool, on their way
+    assert usage["a"] == [0, hit, 0, 0]  # it promoted them, and is credited for it
+    assert usage["b"] == [hit, 0, 0, 0]  # it found them in the pool, on their way
     eng.check_idle()
     eng.close()
 
@@ -144,7 +144,7 @@ def test_disk_tier_survives_restart_and_corruption(tiny_dir, tmp_path):
     [r] = again.generate([question], GREEDY)
     assert r.token_ids == want.token_ids
     assert r.usage.cached_tokens >= 200
-    assert r.usage.cached_tokens_by_tier == [0, 0, r.usage.cached_tokens]
+    assert r.usage.cached_tokens_by_tier == [0, 0, r.usage.cached_tokens, 0]
     assert again.stats()["disk_corrupt_files"] == 0
     again.check_idle()
     identity = again.runner.kv_identity

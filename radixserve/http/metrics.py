@@ -150,11 +150,25 @@ class Metrics:
         # With cache tiers (docs/cache-tiers.md): hits by tier, pages held below the pool.
         self.tier_hits = counter(
             "prefix_cache_hits_by_tier",
-            "Prompt tokens whose KV came from each cache tier (l1 pool, l2 host, l3 disk).",
+            "Prompt tokens whose KV came from each cache tier (l1 pool, l2 host, l3 disk, "
+            "store: the shared KV store).",
             ("tier",),
         )
         self.tier_pages = gauge(
             "cache_tier_pages", "KV pages held by the host and disk tiers.", ("tier",)
+        )
+        # With the shared KV store (--kv-store): pages asked of it, bytes, read latency.
+        self.store_pages = counter(
+            "kv_store_pages",
+            "Pages asked of the shared KV store: hit (read) or miss (not given).",
+            ("result",),
+        )
+        self.store_bytes = counter(
+            "kv_store_bytes", "KV bytes read from / written to the shared KV store.", ("op",)
+        )
+        self.store_reads = counter("kv_store_reads", "Reads of the shared KV store (runs).")
+        self.store_read_seconds = counter(
+            "kv_store_read_seconds", "Time reads of the shared KV store took, planned to done."
         )
         # Pages evicted from the pool to make room, labelled with the eviction policy.
         self.evicted = counter(
@@ -230,11 +244,26 @@ class Metrics:
         self.kv_pages.labels(m, "used").set(stats["pages_used"])
         self.kv_pages.labels(m, "cached").set(stats["pages_cached"])
         if "hit_tokens_l1" in stats:
-            for tier in ("l1", "l2", "l3"):
+            for tier in ("l1", "l2", "l3", "store"):
                 key = f"hit_tokens_{tier}"
                 self._grow(self.tier_hits.labels(m, tier), (key, ""), int(stats[key]))
             self.tier_pages.labels(m, "host").set(stats["host_pages_cached"])
             self.tier_pages.labels(m, "disk").set(stats["disk_pages_cached"])
+        if "store_hit_pages" in stats:
+            for child, key in (
+                (self.store_pages.labels(m, "hit"), "store_hit_pages"),
+                (self.store_pages.labels(m, "miss"), "store_miss_pages"),
+                (self.store_bytes.labels(m, "read"), "store_read_bytes"),
+                (self.store_bytes.labels(m, "written"), "store_written_bytes"),
+                (self.store_reads.labels(m), "store_reads"),
+            ):
+                self._grow(child, (key, ""), int(stats[key]))
+            self._grow(
+                self.store_read_seconds.labels(m),
+                ("store_read_ms_total", ""),
+                int(stats["store_read_ms_total"]),
+                scale=1e-3,
+            )
 
     def _apply_replica(self, row: dict) -> None:
         m, name = self.model_name, str(row["endpoint"])
@@ -250,8 +279,9 @@ class Metrics:
         for state in ("free", "used", "cached"):
             self.replica_kv_pages.labels(m, name, state).set(st[f"pages_{state}"])
 
-    def _grow(self, child, key: tuple[str, str], value: int) -> None:
-        """Add a counter's increase since the last scrape (a drop: it restarted)."""
+    def _grow(self, child, key: tuple[str, str], value: int, scale: float = 1.0) -> None:
+        """Add a counter's increase since the last scrape (a drop: it restarted), in
+        units of ``scale`` times the stats' (ms counted, seconds exposed: 1e-3)."""
         last = self._seen_replicas.get(key, 0)
-        child.inc(value - last if value >= last else value)
+        child.inc(scale * (value - last if value >= last else value))
         self._seen_replicas[key] = value

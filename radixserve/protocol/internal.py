@@ -182,8 +182,9 @@ class OutputItem(Message):
     prompt_logprobs: list | None = f(SCORED, None)
     # With finish_reason "error": what went wrong (every sample of the request fails).
     error: str | None = f(_optional(STR), None)
-    # cached_tokens split by where they were found: [pool (L1), host (L2), disk (L3)].
-    cached_tokens_by_tier: list[int] = f(INT_LIST, [0, 0, 0])
+    # cached_tokens split by where they were found: [pool (L1), host (L2), disk (L3),
+    # the shared KV store].
+    cached_tokens_by_tier: list[int] = f(INT_LIST, [0, 0, 0, 0])
     # Prompt tokens the request's cache_retention hint holds (fewer when clipped at a
     # retention cap; 0: no hint, or none held).
     retained_tokens: int = f(INT, 0)
@@ -331,7 +332,13 @@ class PageCopies(Message):
     3. ``promote``: host slot ``promote_slots[i]`` is copied to pool page
        ``promote_pages[i]`` (background);
     4. ``load``: the page file of key ``load_keys[32 i : 32 i + 32]`` is read into
-       pool page ``load_pages[i]`` (background).
+       pool page ``load_pages[i]`` (background);
+    5. ``store_save``: pool page ``store_save_pages[i]`` is written to the shared KV
+       store under key ``store_save_keys[32 i : 32 i + 32]`` (read in step, written in
+       the background);
+    6. ``store_load``: the store's page of key ``store_load_keys[32 i : 32 i + 32]``
+       is read into pool page ``store_load_pages[i]`` (background); a page the store
+       does not give is reported in ``StepResult.store_missed``.
 
     The order is what makes one step's copies safe: a slot written to disk may be
     reused by a demotion, and a page demoted may be the target of a promotion.
@@ -351,6 +358,10 @@ class PageCopies(Message):
     load_keys: bytes = f(KEYS, b"")
     load_pages: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
     ticket: int = f(INT, 0)
+    store_save_pages: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    store_save_keys: bytes = f(KEYS, b"")
+    store_load_pages: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
+    store_load_keys: bytes = f(KEYS, b"")
 
     def __post_init__(self) -> None:
         n = KEY_BYTES
@@ -360,6 +371,8 @@ class PageCopies(Message):
             (len(self.demote_pages), len(self.demote_slots), "demote"),
             (len(self.promote_slots), len(self.promote_pages), "promote"),
             (len(self.load_keys) // n, len(self.load_pages), "load"),
+            (len(self.store_save_keys) // n, len(self.store_save_pages), "store_save"),
+            (len(self.store_load_keys) // n, len(self.store_load_pages), "store_load"),
         )
         for a, b, name in pairs:
             if a != b:
@@ -372,6 +385,8 @@ class PageCopies(Message):
             + len(self.demote_pages)
             + len(self.promote_pages)
             + len(self.load_pages)
+            + len(self.store_save_pages)
+            + len(self.store_load_pages)
         )
 
 
@@ -491,7 +506,9 @@ class StepResult(Message):
     its new tokens (its entry in ``tokens`` is the first of them).
 
     Cache tiers: ``copies_done`` are the tickets of ``PageCopies`` whose copies
-    finished since the last step (each reported once, in any order).
+    finished since the last step (each reported once, in any order);
+    ``store_missed`` the pool pages of those tickets' ``store_load`` that the shared
+    store did not give (they hold no KV).
     """
 
     TYPE: ClassVar[str] = "step_result"
@@ -511,6 +528,7 @@ class StepResult(Message):
     # from the encoder cache (docs/multimodal.md).
     encoder_runs: int = f(INT, 0)
     encoder_hits: int = f(INT, 0)
+    store_missed: np.ndarray = f(I32, np.zeros(0, dtype=np.int32))
 
 
 # --------------------------------------------------------------------- control

@@ -77,7 +77,7 @@ class Admission:
         # Counted at each request's first admission (stats()).
         self.hit_tokens = 0
         self.query_tokens = 0
-        self.tier_hit_tokens = [0, 0, 0]  # hit_tokens by tier: pool, host, disk
+        self.tier_hit_tokens = [0, 0, 0, 0]  # hit_tokens by tier: pool, host, disk, store
         self.queue_times = QueueTimes()  # arrival to first admission, by priority
 
     def requeue(self, req: Request) -> None:
@@ -145,6 +145,7 @@ class Admission:
                 break
             if req.status is not ReqStatus.LOADING or self.kv.loading(req):
                 continue
+            self._count_store_hit(req)
             chunk = req.num_tokens - req.kv_len
             if chunk > step.budget:
                 if self.running.chunked is not None:
@@ -262,9 +263,10 @@ class Admission:
         prefill, or the window pages are short."""
         kv = self.kv
         hit = kv.promote(req)
-        # Its pages beyond the match come from a prefill server (disagg.py).
+        # Its pages beyond the match come from a prefill server (disagg.py), or else
+        # are asked of the shared KV store.
         pull = kv.remote is not None and kv.remote.wants(req)
-        loading = pull or kv.loading(req)
+        loading = pull or kv.loading(req) or kv.will_fetch(req)
         chunk = req.num_tokens - hit
         if chunk > budget and not loading:
             if self.running.chunked is not None:
@@ -278,6 +280,8 @@ class Admission:
             return None
         if pull:
             kv.remote.start(req)  # type: ignore[union-attr]
+        else:
+            kv.fetch_from_store(req, counts=req.stats.cached_tokens < 0)
         return hit, chunk, loading
 
     def _count_first_admission(self, req: Request, hit: int, now: float) -> None:
@@ -293,6 +297,19 @@ class Admission:
             self.tier_hit_tokens[i] += n
         self.query_tokens += req.prompt_len
         self.queue_times.observe(req.sampling.priority, now - stats.queued_at)
+
+    def _count_store_hit(self, req: Request) -> None:
+        """A LOADING request's pages read from the shared store (they arrived, or
+        some did not: it computes from the first missing one); counted as its hit
+        when it was admitted the first time."""
+        n, counts = self.kv.take_store_hit(req)
+        if not (n and counts):
+            return
+        stats = req.stats
+        stats.cached_tokens += n
+        stats.tier_hits = (*stats.tier_hits[:3], stats.tier_hits[3] + n)
+        self.hit_tokens += n
+        self.tier_hit_tokens[3] += n
 
     def _mark_divergences(self, rest: list[Request], prompts: list[Request]) -> None:
         """Hybrid models: requests left waiting this step that share a prefix with a

@@ -32,3 +32,8 @@ class RequestCacheState:
     win_low: int = 0
     win_len: int = 0
     win_sent: int = 0
+    # The shared KV store (KVCacheManager.fetch_from_store): the run reading pages
+    # into the request's own pages (0: none), and whether its hit counts (the
+    # request's first admission).
+    store_run: int = 0
+    store_counts: bool = False

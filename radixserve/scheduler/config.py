@@ -203,6 +203,7 @@ class SchedulerConfig(SchedulerOptions):
                 no_cache=self.cache == "none",
                 host_tier=self.host_pages > 0,
                 disk_tier=self.disk_cache_dir is not None,
+                kv_store=self.kv_store is not None,
                 window_pool=self.window_pages > 0,
             )
         )

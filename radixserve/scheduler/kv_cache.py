@@ -27,9 +27,13 @@ radix tree (the core, with the components the model needs), or with
 host and disk tiers below it: ``promote`` extends an admitted request's match with
 pages copied up from the lower tiers, its evictions demote pages, and the copies
 that takes are handed to the next step (``take_copies``, ``step_done``,
-``copies_done``). A request whose matched pages are still on their way
-(``loading``) must not compute yet. Every insert goes through one call, with each
-component's part of it (``_insert``). ``evictions`` (``explain.py``'s ``EvictionLog``)
+``copies_done``). With a shared KV store, ``fetch_from_store`` asks it for the
+pages after an admitted request's match, read into the request's own pages; what
+arrived counts as computed (``take_store_hit``), and a request let go meanwhile
+leaves the pages being filled to the tiers until they are done (``release``). A
+request whose matched pages are still on their way (``loading``) must not compute
+yet. Every insert goes through one call, with each component's part of it
+(``_insert``). ``evictions`` (``explain.py``'s ``EvictionLog``)
 follows the pages the tree takes and logs the prefixes its evictions free, for the
 cache's explain.
 
@@ -145,12 +149,12 @@ class KVCacheManager:
         assert req.num_pages == 0 and req.node is None
         m = self.cache.match_prefix(req.tokens[: req.match_len], req.salt)
         self.cache.lock(m.last_node)
-        self._hold(req, m, (m.hit_len, 0, 0))
+        self._hold(req, m, (m.hit_len, 0, 0, 0))
         if self.states_kv is not None:
             self.states_kv.hold_match(req, m)
         return m.hit_len
 
-    def _hold(self, req: Request, m: MatchResult, by_tier: tuple[int, int, int]) -> None:
+    def _hold(self, req: Request, m: MatchResult, by_tier: tuple[int, ...]) -> None:
         """The request holds match ``m`` (its node locked already): its page table
         starts with the matched pages, computed up to the hit."""
         req.node = m.last_node
@@ -183,13 +187,57 @@ class KVCacheManager:
 
     def loading(self, req: Request) -> bool:
         """Whether some of the request's cached prefix is still being copied up, or
-        its pages are still being pulled from a prefill server."""
+        read from the shared store, or its pages are still being pulled from a prefill
+        server."""
         if req.remote is not None:
             return True
         tiers = self.tiers
-        if tiers is None or not tiers.pages_loading:
+        if tiers is None:
+            return False
+        run = req.cache_state.store_run
+        if run and tiers.store.pending(run):  # type: ignore[union-attr]
+            return True
+        if not tiers.pages_loading:
             return False
         return tiers.loading(req.table[: req.locked_len // self.page_size])
+
+    def will_fetch(self, req: Request) -> bool:
+        """Whether ``fetch_from_store`` will ask the store for pages after the
+        request's match (it then waits LOADING)."""
+        tiers = self.tiers
+        return (
+            tiers is not None
+            and tiers.store is not None
+            and req.match_len // self.page_size > req.kv_len // self.page_size
+        )
+
+    def fetch_from_store(self, req: Request, counts: bool) -> None:
+        """Ask the shared store for the whole pages after the request's match, read
+        into the pages it holds for them (``grow`` gave them); it is LOADING until
+        they arrived or not (``take_store_hit``). ``counts``: its hit counts (first
+        admission)."""
+        if not self.will_fetch(req):
+            return
+        tiers = self.tiers
+        assert tiers is not None and req.kv_len == req.locked_len and not req.cache_state.store_run
+        ps = self.page_size
+        first, end = req.kv_len // ps, req.match_len // ps
+        parent = int(req.table[first - 1]) if first else -1
+        req.cache_state.store_run = tiers.fetch(
+            req.tokens[: end * ps], req.table[first:end], first, req.salt, parent
+        )
+        req.cache_state.store_counts = counts
+
+    def take_store_hit(self, req: Request) -> tuple[int, bool]:
+        """After the request's store run arrived: its pages read count as computed.
+        Returns (tokens read, whether they count as the request's hit)."""
+        run = req.cache_state.store_run
+        if not run:
+            return 0, False
+        req.cache_state.store_run = 0
+        n = self.tiers.store.take(run) * self.page_size  # type: ignore[union-attr]
+        req.kv_len += n
+        return n, req.cache_state.store_counts
 
     def release_prefix(self, req: Request) -> None:
         """Undo ``acquire_prefix`` for a request that was not admitted after all."""
@@ -299,9 +347,19 @@ class KVCacheManager:
 
     def release(self, req: Request) -> None:
         """Give up the request's KV: cache what was computed, free the rest (pages
-        still being pulled go to the pulls' quarantine, ``disagg.py``)."""
+        still being pulled go to the pulls' quarantine, ``disagg.py``; pages a store
+        run still fills go when it is done)."""
         if req.remote is not None:
             self.remote.detach(req)  # type: ignore[union-attr]
+        held = None
+        run = req.cache_state.store_run
+        if run:
+            store = self.tiers.store  # type: ignore[union-attr]
+            if store.pending(run):
+                held = store.abandon(run)
+                req.cache_state.store_run = 0
+            else:
+                self.take_store_hit(req)  # what arrived is computed KV: it is cached
         if self.states_kv is not None:
             self.states_kv.save_at_release(req)
         self.cache_computed(req)
@@ -309,6 +367,8 @@ class KVCacheManager:
             self.states_kv.release(req)
         req.cache_state.restore_state, req.cache_state.diverge_at = -1, 0
         own = req.table[req.locked_len // self.page_size : req.num_pages]
+        if held is not None:
+            own = np.setdiff1d(own, held).astype(np.int32)
         self.allocator.free(np.concatenate([*req.dups, own]) if req.dups else own)
         self.cache.unlock(req.node)
         if self.windows is not None:

@@ -165,7 +165,7 @@ def build_kv_cache(allocator: PageAllocator, config: SchedulerConfig) -> KVCache
     )
     # The core's components: none for --cache none or the native tree.
     components = core.components if isinstance(core, RadixCache) else {}
-    tiers = build_tiers(core, allocator, config) if config.host_pages else None
+    tiers = build_tiers(core, allocator, config) if config.host_pages or config.kv_store else None
     return KVCacheManager(
         allocator,
         core if tiers is None else tiers,

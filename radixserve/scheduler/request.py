@@ -53,7 +53,7 @@ class RequestStats:
 
     queued_at: float = 0.0  # the scheduler's clock at arrival (queue time)
     cached_tokens: int = -1  # hit length at first admission (-1: not admitted yet)
-    tier_hits: tuple[int, int, int] = (0, 0, 0)  # of those, by tier (pool, host, disk)
+    tier_hits: tuple[int, ...] = (0, 0, 0, 0)  # of those, by tier (pool, host, disk, store)
     # Prompt tokens its cache_retention hint holds (fewer when clipped at a retention
     # cap; 0: no hint, nothing fit, or an eviction policy without retention).
     retained_tokens: int = 0
@@ -108,7 +108,7 @@ class Request:
     # The hit of its admission's match in each cache tier (L1 pool, L2 host, L3 disk;
     # pages promoted for it count in their tier even though it computes steps
     # later), in tokens; taken into ``stats.tier_hits`` at first admission.
-    cached_by_tier: tuple[int, int, int] = (0, 0, 0)
+    cached_by_tier: tuple[int, ...] = (0, 0, 0, 0)
     admitted: int = -1  # admission counter (retraction picks the newest)
     waited_steps: int = 0
     preemptions: int = 0  # times retracted for a request of a better priority

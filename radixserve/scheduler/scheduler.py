@@ -451,7 +451,7 @@ class Scheduler:
         if step.copies:
             tiers.step_done()
         if isinstance(result, StepResult):
-            tiers.copies_done(result.copies_done)
+            tiers.copies_done(result.copies_done, result.store_missed)
 
     def _take_result(self, result: WorkerResult) -> list[OutputItem]:
         """Take the sampled tokens (and logprobs, and what the grammars made of
@@ -671,7 +671,7 @@ class Scheduler:
         if tiers is not None:
             out.update(tiers.stats())
             out["loading"] = sum(r.status is ReqStatus.LOADING for r in self.running)
-            for name, n in zip(("l1", "l2", "l3"), self.tier_hit_tokens):
+            for name, n in zip(("l1", "l2", "l3", "store"), self.tier_hit_tokens):
                 out[f"hit_tokens_{name}"] = n
         if self.disagg is not None:
             out.update(self.disagg.stats.snapshot("kv_transfer_"))

@@ -2,17 +2,21 @@
 
 It keeps the exact step contract of the real worker (slots, page tables built
 from ``new_pages``, ``release`` first) and stores, for every KV position, the
-token and position written there. To "sample" it reads the whole context back
-through the slot's page table and returns ``sim_next_token(context)``, a hash
-of the token sequence. So a request's outputs are right only if every page its
-table points at holds the right tokens: a page shared wrongly, freed while in
-use, or overwritten by another request changes the tokens read back and so the
-outputs, and a position with no KV raises at once.
+token and position written there, and a digest of the whole prefix up to it (the
+real KV of a position depends on every token before it). To "sample" it reads the
+whole context back through the slot's page table and returns
+``sim_next_token(context)``, a hash of the token sequence. So a request's outputs
+are right only if every page its table points at holds the right tokens: a page
+shared wrongly, freed while in use, or overwritten by another request changes the
+tokens read back and so the outputs, a position with no KV raises at once, and so
+does a page that holds the right tokens after another prefix (its digests differ).
 
 Cache tiers, simulated (docs/cache-tiers.md): with ``host_slots`` it keeps a host
 buffer of the same (token, position) records, and with ``disk_dir`` it writes and
 reads real page files (``utils/kv_file.py``, payload: the page's tokens and positions
-as int64); it performs a step's copies in the protocol's order, so a page
+as int64), and with ``store`` (a ``utils.kv_store.KVStore``, e.g. a ``MemoryStore``
+shared by several simulated replicas, evicting at random) it writes and reads the
+shared store's pages; it performs a step's copies in the protocol's order, so a page
 demoted or promoted wrongly changes the outputs too. Like the real worker it does
 the in-step part first (demotions; reading the pages and slots to be written to
 disk) and the rest later: with ``copy_delay`` d, each ticket's promotions, loads
@@ -52,6 +56,7 @@ import numpy as np
 
 from radixserve.protocol import KEY_BYTES, Forced, PageCopies, Step, StepResult, Verified
 from radixserve.utils import kv_file
+from radixserve.utils.kv_store import KVStore
 
 SIM_IDENTITY = "sim-worker"  # the simulated model's identity (its page files' header)
 _MAX_POS = 1 << 16
@@ -68,6 +73,8 @@ class _Copies:
     writes: list[tuple[bytes, np.ndarray]]
     promote: list[tuple[int, int]]  # (slot, page)
     load: list[tuple[bytes, int]]  # (key, page)
+    store_writes: list[tuple[bytes, np.ndarray]]
+    store_load: list[tuple[bytes, int]]  # (key, page)
 
 
 def sim_next_token(context: np.ndarray, vocab_size: int) -> int:
@@ -93,6 +100,7 @@ class SimWorker:
         seed: int = 0,
         window_pages: int = 0,
         window_span: int = 0,
+        store: KVStore | None = None,
     ):
         self.jump_every = jump_every
         self.jump_len = jump_len
@@ -103,9 +111,12 @@ class SimWorker:
         self.vocab_size = vocab_size
         self.tokens = np.full((num_pages, page_size), -1, dtype=np.int64)
         self.positions = np.full((num_pages, page_size), -1, dtype=np.int64)
+        self.digests = np.full((num_pages, page_size), -1, dtype=np.int64)
+        self.store = store
+        self.store_pages_read = 0
         self.tables: list[list[int]] = [[] for _ in range(max_slots)]
         self.active = [False] * max_slots
-        self.host = np.full((host_slots, 2, page_size), -1, dtype=np.int64)
+        self.host = np.full((host_slots, 3, page_size), -1, dtype=np.int64)
         self.disk_dir = disk_dir
         self.identity = kv_file.identity_digest(identity)
         self.copy_delay = copy_delay
@@ -122,14 +133,18 @@ class SimWorker:
 
     @staticmethod
     def page_bytes(page_size: int) -> int:
-        """A simulated page's payload in a page file: tokens and positions, int64."""
-        return 16 * page_size
+        """A simulated page's payload in a page file: tokens, positions and prefix
+        digests, int64."""
+        return 24 * page_size
 
     def _page(self, page: int) -> np.ndarray:
-        return np.stack([self.tokens[page], self.positions[page]])
+        return np.stack([self.tokens[page], self.positions[page], self.digests[page]])
 
     def _set_page(self, page: int, kv: np.ndarray) -> None:
-        self.tokens[page], self.positions[page] = kv[0], kv[1]
+        self.tokens[page], self.positions[page], self.digests[page] = kv[0], kv[1], kv[2]
+
+    def _payload_page(self, payload: bytes) -> np.ndarray:
+        return np.frombuffer(payload, dtype="<i8").reshape(3, self.page_size)
 
     def _copies(self, c: PageCopies) -> None:
         """The in-step part now; the rest queued for a later step's end."""
@@ -147,11 +162,19 @@ class SimWorker:
         load = [(c.load_keys[n * i : n * i + n], p) for i, p in enumerate(c.load_pages.tolist())]
         due = self._steps + self._rng.randint(0, self.copy_delay)
         promote = list(zip(c.promote_slots.tolist(), c.promote_pages.tolist()))
-        self._late.append(_Copies(c.ticket, due, writes, promote, load))
+        store_writes = [
+            (c.store_save_keys[n * i : n * i + n], self._page(page))
+            for i, page in enumerate(c.store_save_pages.tolist())
+        ]
+        store_load = [
+            (c.store_load_keys[n * i : n * i + n], p)
+            for i, p in enumerate(c.store_load_pages.tolist())
+        ]
+        self._late.append(_Copies(c.ticket, due, writes, promote, load, store_writes, store_load))
 
-    def _finish_copies(self, idle: bool) -> list[int]:
+    def _finish_copies(self, idle: bool, missed: list[int]) -> list[int]:
         """Do the late copies that are due (all of one at least when ``idle``), in
-        random order; their tickets."""
+        random order; their tickets (the store's pages not read added to ``missed``)."""
         due = [] if self.hold_copies else [c for c in self._late if c.due <= self._steps]
         if idle and not due and self._late:
             due = [min(self._late, key=lambda c: c.due)]
@@ -172,8 +195,34 @@ class SimWorker:
                     raise AssertionError(
                         f"page file {path} is broken after the scheduler verified it"
                     )
-                self._set_page(page, np.frombuffer(payload, dtype="<i8").reshape(2, self.page_size))
+                self._set_page(page, self._payload_page(payload))
+            self._store_copies(c, missed)
         return [c.ticket for c in due]
+
+    def _store_copies(self, c: _Copies, missed: list[int]) -> None:
+        """A ticket's store writes, and its reads up to the first page the store does
+        not give (or gives broken: another key's, another model's)."""
+        if self.store is None:
+            if c.store_writes or c.store_load:
+                raise AssertionError("store copies planned for a worker without a store")
+            return
+        self.store.put(
+            [(key, kv_file.encode_page(self.identity, key, kv.astype("<i8").tobytes()))
+             for key, kv in c.store_writes]
+        )  # fmt: skip
+        if not c.store_load:
+            return
+        blobs = self.store.get([key for key, _ in c.store_load])
+        nbytes = self.page_bytes(self.page_size)
+        for i, ((key, page), blob) in enumerate(zip(c.store_load, blobs)):
+            payload = None
+            if blob is not None:
+                payload = kv_file.decode_page(blob, key, self.identity, nbytes)
+            if payload is None:
+                missed += [p for _, p in c.store_load[i:]]
+                return
+            self._set_page(page, self._payload_page(payload))
+            self.store_pages_read += 1
 
     def _window_step(self, r, pos: np.ndarray) -> None:
         """Apply ``r``'s window table entries, write its positions into their window
@@ -249,6 +298,13 @@ class SimWorker:
             pos = np.arange(r.start_pos, end)
             self.tokens[tbl[pos // ps], pos % ps] = r.input_ids
             self.positions[tbl[pos // ps], pos % ps] = pos
+            before = (
+                0
+                if r.start_pos == 0
+                else self.digests[tbl[(r.start_pos - 1) // ps], (r.start_pos - 1) % ps]
+            )
+            ids = np.asarray(r.input_ids, dtype=np.int64)
+            self.digests[tbl[pos // ps], pos % ps] = before + np.cumsum(ids * _WEIGHTS[pos])
             if self.window_span:
                 self._window_step(r, pos)
             if r.sample:
@@ -258,6 +314,13 @@ class SimWorker:
                     bad = int(np.flatnonzero(seen != allpos)[0])
                     raise AssertionError(f"slot {r.slot}: position {bad} has no KV of its own")
                 context = self.tokens[tbl[allpos // ps], allpos % ps]
+                digests = self.digests[tbl[allpos // ps], allpos % ps]
+                want = np.cumsum(context * _WEIGHTS[:end])
+                if not np.array_equal(digests, want):
+                    bad = int(np.flatnonzero(digests != want)[0])
+                    raise AssertionError(
+                        f"slot {r.slot}: position {bad} holds the KV of another prefix"
+                    )
                 k = r.num_drafts
                 token = sim_next_token(context[: end - k], self.vocab_size)
                 out.append(token)
@@ -284,7 +347,8 @@ class SimWorker:
             if self._compiling[key] <= 0:
                 ready.append(key)
                 del self._compiling[key]
-        done = self._finish_copies(idle=not batch.reqs)
+        missed: list[int] = []
+        done = self._finish_copies(not batch.reqs, missed)
         return StepResult(
             batch.step_id,
             np.asarray(out, dtype=np.int32),
@@ -292,4 +356,5 @@ class SimWorker:
             grammars_ready=ready,
             copies_done=done,
             verified=verified,
+            store_missed=np.asarray(missed, dtype=np.int32),
         )

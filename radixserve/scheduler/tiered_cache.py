@@ -41,7 +41,15 @@ page neither holds.
   being written, stay pinned. The scheduler keeps a request whose match reaches an
   in-flight page (whoever promoted it) in its LOADING state.
 
-``last_match_tiers`` holds the last ``promote``'s split (tokens from L1, L2, L3).
+* **The shared store.** With a KV store (``StoreTier``, ``store_tier.py``) every
+  page the tree gains by an insert is also written to the store, and ``fetch``
+  reads the pages after an admitted request's match from it, into the request's
+  own pages (the request is LOADING meanwhile; what the store did not give is
+  computed). There may be no host tier then (``host`` of no slots: evicted pages
+  are dropped, the store may still have them).
+
+``last_match_tiers`` holds the last ``promote``'s split (tokens from L1, L2, L3,
+and 0 for the store, whose pages arrive later).
 """
 
 from __future__ import annotations
@@ -59,7 +67,9 @@ from radixserve.scheduler.host_tier import HostTier
 from radixserve.scheduler.kv_events import next_page_key, page_keys, salt_tag
 from radixserve.scheduler.prefix_cache import CacheNode, MatchResult, PageFollower, PrefixCache
 from radixserve.scheduler.radix_cache import as_tokens
+from radixserve.scheduler.store_tier import StoreTier
 from radixserve.utils import kv_file
+from radixserve.utils.kv_store import StoreConfig
 
 L2, L3 = 2, 3
 
@@ -75,9 +85,18 @@ class _Plan:
         # pool page -> (tier, key, host slot or -1)
         self.promote: dict[int, tuple[int, bytes, int]] = {}
         self.nodes: list[CacheNode] = []  # locked while their promoted pages are in flight
+        self.store_save: list[tuple[int, bytes]] = []
+        self.store_load: list[tuple[int, bytes]] = []
 
     def __bool__(self) -> bool:
-        return bool(self.save or self.to_disk or self.demote or self.promote)
+        return bool(
+            self.save
+            or self.to_disk
+            or self.demote
+            or self.promote
+            or self.store_save
+            or self.store_load
+        )
 
     def message(self) -> PageCopies:
         i32 = lambda xs: np.asarray(xs, dtype=np.int32)  # noqa: E731
@@ -95,6 +114,10 @@ class _Plan:
             load_keys=b"".join(k for k, _ in up3),
             load_pages=i32([p for _, p in up3]),
             ticket=self.ticket,
+            store_save_pages=i32([p for p, _ in self.store_save]),
+            store_save_keys=b"".join(k for _, k in self.store_save),
+            store_load_pages=i32([p for p, _ in self.store_load]),
+            store_load_keys=b"".join(k for _, k in self.store_load),
         )
 
 
@@ -110,7 +133,8 @@ class _Flight:
 
 
 class TieredCache(PageFollower):
-    """L1 (``inner``, a radix tree) with a host tier and optionally a disk tier."""
+    """L1 (``inner``, a radix tree) with a host tier, optionally a disk tier, and
+    optionally the shared KV store."""
 
     def __init__(
         self,
@@ -119,13 +143,15 @@ class TieredCache(PageFollower):
         host: HostTier,
         disk: DiskTier | None,
         root_key: bytes,
+        store: StoreTier | None = None,
     ) -> None:
         super().__init__(inner, allocator, "cache tiers")
-        if host.num_slots < 1:
+        if host.num_slots < 1 and store is None:
             raise ValueError("cache tiers need a host tier of at least one page")
         assert len(root_key) == KEY_BYTES
         self.host = host
         self.disk = disk
+        self.store = store
         self.root_key = root_key
         n = allocator.num_pages
         self._key = np.zeros((n, KEY_BYTES), dtype=np.uint8)
@@ -134,7 +160,7 @@ class TieredCache(PageFollower):
         self._plan = _Plan(1)
         self._flights: dict[int, _Flight] = {}  # ticket -> copies not reported done
         self._peek_memo: dict[tuple, bytes] = {}
-        self.last_match_tiers = (0, 0, 0)
+        self.last_match_tiers = (0, 0, 0, 0)
         # Counters (pages) for stats.
         self.demoted = self.promoted = self.loaded = self.to_disk = 0
         self.dropped = self.saved = 0
@@ -208,7 +234,7 @@ class TieredCache(PageFollower):
         and locked until the copies filling them are reported done. Returns the
         longer match (``m`` itself when nothing was promoted); the caller moves
         its lock to the new ``last_node``."""
-        self.last_match_tiers = (m.hit_len, 0, 0)
+        self.last_match_tiers = (m.hit_len, 0, 0, 0)
         if not self._has_lower():
             return m
         tokens = as_tokens(tokens)
@@ -256,7 +282,7 @@ class TieredCache(PageFollower):
             else:
                 self._plan.promote[page] = (L3, key, -1)
                 self.loaded += 1
-        self.last_match_tiers = (m.hit_len, l2 * ps, (k - l2) * ps)
+        self.last_match_tiers = (m.hit_len, l2 * ps, (k - l2) * ps, 0)
         return MatchResult((first + k) * ps, pages, node)
 
     def loading(self, pages: np.ndarray) -> bool:
@@ -325,7 +351,40 @@ class TieredCache(PageFollower):
             self._own(pages[first:end], keys)
             if self.disk is not None:
                 self._write_through(pages[first:end].tolist(), keys)
+            if self.store is not None and self.store.write == "insert":
+                for page, key in zip(pages[first:end].tolist(), keys):
+                    if self.store.should_write(key):
+                        self._plan.store_save.append((page, key))
         return cached_len, node
+
+    def fetch(
+        self,
+        tokens: np.ndarray,
+        pages: np.ndarray,
+        first: int,
+        salt: str | None = None,
+        parent_page: int = -1,
+    ) -> int:
+        """Plan reading pages ``first..`` of ``tokens`` (whole pages) from the shared
+        store into ``pages`` (the caller's own pool pages for those positions).
+        ``parent_page``: the caller's page ``first - 1`` when it is the tree's (its
+        key is known), else -1. Returns the run's id for ``StoreTier.pending`` /
+        ``take`` / ``abandon`` (0: no store, or no page to read)."""
+        store = self.store
+        ps = self.page_size
+        end = len(tokens) // ps
+        if store is None or first >= end:
+            return 0
+        assert len(pages) == end - first
+        if first == 0:
+            parent = self.root_key
+        elif parent_page >= 0 and self._owned[parent_page]:
+            parent = self._key[parent_page].tobytes()
+        else:
+            parent = page_keys(tokens[: first * ps], ps, salt, self.root_key)[-1]
+        keys = page_keys(tokens[first * ps : end * ps], ps, salt, parent)
+        self._plan.store_load += zip(pages.tolist(), keys)
+        return store.start(pages, keys, self._plan.ticket)
 
     def _write_through(self, pages: list[int], keys: list[bytes]) -> None:
         disk = self.disk
@@ -346,8 +405,12 @@ class TieredCache(PageFollower):
     def evict(self, num_pages: int) -> int:
         freed = self.inner.evict(num_pages)
         if freed:
+            to_store = self.store is not None and self.store.write == "evict"
             for page in self._gone().tolist():
-                self._demote(page, self._key[page].tobytes())
+                key = self._key[page].tobytes()
+                if to_store and self.store.should_write(key):  # type: ignore[union-attr]
+                    self._plan.store_save.append((page, key))  # read in step, as a demotion
+                self._demote(page, key)
         return freed
 
     def _demote(self, page: int, key: bytes) -> None:
@@ -401,6 +464,12 @@ class TieredCache(PageFollower):
         return bool(self._plan)
 
     @property
+    def pages_held(self) -> int:
+        """Pool pages the tiers hold outside the tree: those of requests let go while
+        a store read still fills them (freed when its ticket is reported)."""
+        return 0 if self.store is None else len(self.store.pages_held)
+
+    @property
     def in_flight(self) -> int:
         """Tickets taken and not reported done yet."""
         return len(self._flights)
@@ -420,11 +489,15 @@ class TieredCache(PageFollower):
         demotions are done (the host slots they filled may be read)."""
         self.host.step_done()
 
-    def copies_done(self, tickets: Sequence[int]) -> None:
+    def copies_done(self, tickets: Sequence[int], store_missed: Sequence[int] = ()) -> None:
         """The worker finished these tickets' copies: promoted pages hold their KV
         (their nodes are unlocked), promoted host slots are freed, files read are
-        unpinned and files written become readable."""
+        unpinned and files written become readable; the store's runs read their
+        pages up to the first in ``store_missed``."""
+        missed = {int(p) for p in store_missed}
         for ticket in tickets:
+            if self.store is not None:
+                self.store.ticket_done(int(ticket), missed)
             flight = self._flights.pop(int(ticket), None)
             if flight is None:
                 raise ValueError(f"the worker reported copies {ticket}, which are not in flight")
@@ -446,11 +519,14 @@ class TieredCache(PageFollower):
         tier unless ``keep_disk``; the L1 pages freed. Between steps only. Pages
         being promoted stay in L1 (locked, like a running request's); host slots
         and files being copied leave when their ticket is done."""
-        # Between steps only writes-through can be planned; a flush forgets them.
-        assert not (self._plan.to_disk or self._plan.demote or self._plan.promote)
+        # Between steps only writes-through can be planned; a flush forgets those to
+        # disk and keeps those to the store (it is not flushed: other servers share it).
+        plan = self._plan
+        assert not (plan.to_disk or plan.demote or plan.promote or plan.store_load)
         if self.disk is not None:
-            self.disk.forget_pending([key for _, key in self._plan.save])
-        self._plan = _Plan(self._plan.ticket)
+            self.disk.forget_pending([key for _, key in plan.save])
+        self._plan = _Plan(plan.ticket)
+        self._plan.store_save = plan.store_save
         freed = self.inner.evict(self.inner.evictable_pages)
         self._gone()
         self.host.clear()
@@ -475,6 +551,8 @@ class TieredCache(PageFollower):
         self.host.check()
         if self.disk is not None:
             self.disk.check()
+        if self.store is not None:
+            self.store.check()
         owned = np.flatnonzero(self._owned)
         assert len(owned) == self.inner.cached_pages, "the tier index lost track of L1 pages"
         assert self.allocator.is_allocated(owned).all(), "an L1 page of the tree is free"
@@ -512,6 +590,7 @@ class TieredCache(PageFollower):
             "pages_written": self.to_disk + self.saved,
             "pages_dropped": self.dropped,
             "copies_in_flight": len(self._flights),
+            **(self.store.stats() if self.store is not None else {}),
         }
 
     def __repr__(self) -> str:
@@ -521,7 +600,7 @@ class TieredCache(PageFollower):
 def build_tiers(
     inner: PrefixCache, allocator: PageAllocator, config: SchedulerConfig
 ) -> TieredCache:
-    """``inner`` with the tiers ``config`` asks for (``host_pages`` > 0)."""
+    """``inner`` with the tiers ``config`` asks for (``host_pages`` > 0, or a KV store)."""
     identity = kv_file.identity_digest(config.kv_identity)
     disk = None
     if config.disk_cache_dir is not None:
@@ -530,4 +609,11 @@ def build_tiers(
         file_bytes = kv_file.HEADER_BYTES + config.page_bytes
         max_files = int(config.disk_cache_gb * (1 << 30)) // file_bytes
         disk = DiskTier(config.disk_cache_dir, identity, config.page_bytes, max_files)
-    return TieredCache(inner, allocator, HostTier(config.host_pages), disk, identity)
+    store = None
+    if config.kv_store is not None:
+        if config.page_bytes < 1 or not config.kv_identity:
+            raise ValueError("the KV store needs the worker's page_bytes and kv_identity")
+        store = StoreTier(
+            allocator, config.page_bytes, StoreConfig.parse(config.kv_store_config).write
+        )
+    return TieredCache(inner, allocator, HostTier(config.host_pages), disk, identity, store)

@@ -98,14 +98,14 @@ def read_header(path: str) -> tuple[bytes, bytes, int, bytes] | None:
     return identity, key, length, digest
 
 
-def read_payload(path: str, key: bytes, identity: bytes, payload_bytes: int) -> bytes | None:
-    """The page's payload if the file is whole and right for ``key`` and ``identity``
-    (header, length, checksum); None otherwise."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(HEADER_BYTES + payload_bytes + 1)
-    except OSError:
-        return None
+def encode_page(identity: bytes, key: bytes, payload: bytes) -> bytes:
+    """A page file's bytes (header and payload): what the shared KV store holds too."""
+    return encode_header(identity, key, payload) + payload
+
+
+def decode_page(raw: bytes, key: bytes, identity: bytes, payload_bytes: int) -> bytes | None:
+    """The payload of a page file's bytes ``raw`` if they are whole and right for
+    ``key`` and ``identity`` (header, length, checksum); None otherwise."""
     if len(raw) != HEADER_BYTES + payload_bytes:
         return None
     magic, version, ident, k, length, digest = _HEADER.unpack_from(raw)
@@ -115,6 +115,17 @@ def read_payload(path: str, key: bytes, identity: bytes, payload_bytes: int) -> 
     if checksum(payload) != digest:
         return None
     return raw[HEADER_BYTES:]
+
+
+def read_payload(path: str, key: bytes, identity: bytes, payload_bytes: int) -> bytes | None:
+    """The page's payload if the file is whole and right for ``key`` and ``identity``
+    (header, length, checksum); None otherwise."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_BYTES + payload_bytes + 1)
+    except OSError:
+        return None
+    return decode_page(raw, key, identity, payload_bytes)
 
 
 def check_page_file(path: str, key: bytes, identity: bytes, payload_bytes: int) -> bool:

@@ -34,6 +34,8 @@ from radixserve.models.config import ModelConfig
 from radixserve.models.loader import load_hf_config, load_model, load_vision, parse_dtype
 from radixserve.models.sharding import Shard, head_shard
 from radixserve.models.source import resolve_model
+from radixserve.utils.kv_store import StoreConfig, StoreIO
+from radixserve.utils.mooncake import open_store
 from radixserve.worker import cuda_graph, window_pool
 from radixserve.worker.attention import AttentionBackend, create_backend, kv_layout_for
 from radixserve.worker.config import WorkerConfig, parse_lora_modules
@@ -80,7 +82,9 @@ def build_runner(config: WorkerConfig, tokenizer: Any = None, comm: Comm = SINGL
     backend = build_backend(config, cfg, kv, heads.q_heads)
     log.info("attention backend %s (%s)", backend.name, backend.choice_reason)
     capturer = graph_plan.settle(backend)
-    tiers = build_cache_tiers(config, loaded, kv, comm) if config.host_cache_gb else None
+    tiers = None
+    if config.host_cache_gb or config.kv_store is not None:
+        tiers = build_cache_tiers(config, loaded, kv, comm)
     loras, start_loras = build_loras(config, loaded)
     load_tokenizer = TokenizerLoader(config, tokenizer)
     grammar_cache = GrammarCache(
@@ -225,13 +229,22 @@ def build_backend(
 def build_cache_tiers(
     config: WorkerConfig, loaded: LoadedModel, kv: KVSpace, comm: Comm
 ) -> CacheTiers:
-    """The host cache of ``config.host_cache_gb`` GiB (and the disk tier behind it)
-    over the main pool, its copy thread, and the step's threads while it copies."""
+    """The host cache of ``config.host_cache_gb`` GiB (and the disk tier behind it,
+    and the shared KV store's client) over the main pool, its copy thread, and the
+    step's threads while it copies."""
     fingerprint = weights_fingerprint(loaded.model)
     identity = kv_identity(loaded.name, fingerprint, loaded.dtype_name, kv.pool)
-    slots = HostCache.slots_for(config.host_cache_gb, kv.page_bytes)
+    slots = HostCache.slots_for(config.host_cache_gb, kv.page_bytes) if config.host_cache_gb else 0
+    store = None
+    if config.kv_store is not None:
+        settings = StoreConfig.parse(config.kv_store_config)
+        client = open_store(config.kv_store, config.kv_store_config)
+        store = StoreIO(client, settings.timeout_s)
+        log.info("KV store %s connected", config.kv_store)
     # With several ranks each does its copies in step (HostCache's docstring).
-    host_cache = HostCache(kv.pool, slots, config.disk_cache_dir, identity, comm.size == 1)
+    host_cache = HostCache(
+        kv.pool, slots, config.disk_cache_dir, identity, comm.size == 1, store=store
+    )
     # On the CPU the copy thread takes a core from the step while it has work: an
     # OpenMP team that loses a core to it waits at every barrier (docs/cache-tiers.md).
     # Steps run on one thread fewer while the thread has work, on all of them

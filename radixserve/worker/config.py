@@ -204,6 +204,7 @@ class WorkerConfig(WorkerOptions):
             features_on(
                 host_tier=bool(self.host_cache_gb),
                 disk_tier=self.disk_cache_dir is not None,
+                kv_store=self.kv_store is not None,
                 tensor_parallel=self.tp > 1,
             )
         )

@@ -1,4 +1,5 @@
-"""The worker's side of the cache tiers: the host buffer (L2) and the page files (L3).
+"""The worker's side of the cache tiers: the host buffer (L2), the page files (L3)
+and the shared KV store.
 
 ``HostCache`` holds ``num_slots`` pages of KV in host memory, one tensor
 ``[slots, layers, 2, page_size, kv_heads, entry_dim]`` in the pool's storage dtype:
@@ -24,7 +25,16 @@ step began, and the thread waits for them), ticket after ticket:
 3. host slots are copied to pool pages (promotion);
 4. page files are read, checked and copied into pool pages (the scheduler
    verified them when it matched; a file broken since then fails the next step
-   with a clear error, never loads wrong KV).
+   with a clear error, never loads wrong KV);
+5. the pool pages read in step for the shared store (``store``, a
+   ``utils.kv_store.StoreIO``) are queued for writing (the ticket does not wait
+   for the store);
+6. pages are read from the store, checked (a page file's header and checksum: this
+   key, this model) and copied into pool pages, up to the first the store does not
+   give; those pages and the rest of their read are reported missed
+   (``last_missed``, with the tickets ``finished`` returns). A store read never
+   runs in the step, whatever its size: a slow store delays the requests waiting
+   for it, not the batch.
 
 ``finished()`` returns the tickets done since the last call (the worker reports
 them in ``StepResult.copies_done``); the scheduler neither computes on a page nor
@@ -64,6 +74,7 @@ import torch
 
 from radixserve.protocol import KEY_BYTES, PageCopies
 from radixserve.utils import kv_file
+from radixserve.utils.kv_store import StoreIO
 from radixserve.worker.kv_pool import KVPool
 
 log = logging.getLogger("radixserve.worker")
@@ -106,6 +117,9 @@ class _Job:
     promote_pages: np.ndarray
     load_keys: list[bytes]
     load_pages: np.ndarray
+    store_writes: list[tuple[bytes, torch.Tensor]]
+    store_keys: list[bytes]
+    store_pages: np.ndarray
     after: Any = None  # CUDA: an event of the compute stream to wait for
 
 
@@ -117,8 +131,9 @@ class HostCache:
         disk_dir: str | None,
         identity: str,
         asynchronous: bool = True,
+        store: StoreIO | None = None,
     ) -> None:
-        if num_slots < 1:
+        if num_slots < 1 and store is None:
             raise ValueError("the host cache needs room for at least one page")
         self.pool = pool
         self.num_slots = num_slots
@@ -129,10 +144,13 @@ class HostCache:
         cuda = self.device.type == "cuda"
         self.buf = torch.zeros(shape, dtype=pool.storage_dtype, pin_memory=cuda)
         self.page_shape = shape[1:]
-        self.page_bytes = self.buf[0].numel() * self.buf.element_size()
+        self.page_bytes = int(np.prod(self.page_shape)) * self.buf.element_size()
         if disk_dir is not None:
             os.makedirs(disk_dir, mode=0o700, exist_ok=True)
         self.asynchronous = asynchronous
+        self.store = store
+        self.last_missed = np.zeros(0, dtype=np.int32)  # of the tickets finished() returned
+        self._missed: list[int] = []  # store pages missed by tickets done, not reported yet
         # On the CPU a ticket of fewer pages than this, with the thread idle, is
         # done at once in the step (a decode's few pages written through): on
         # cores the step's threads all use, a thread of its own would cost the
@@ -181,9 +199,10 @@ class HostCache:
         layers = self.pool.layers
         writes: list[tuple[bytes, torch.Tensor]] = []
         if len(c.save_pages):
-            pages = self._index(c.save_pages, self.device)
-            kv = torch.stack([layer[pages] for layer in layers], dim=1).to("cpu")
-            writes += [(_key(c.save_keys, i), kv[i]) for i in range(len(c.save_pages))]
+            writes += self._snapshot(c.save_pages, c.save_keys)
+        store_writes = []
+        if len(c.store_save_pages):
+            store_writes = self._snapshot(c.store_save_pages, c.store_save_keys)
         if len(c.to_disk_slots):
             kv = self.buf[self._index(c.to_disk_slots, torch.device("cpu"))]  # a copy
             writes += [(_key(c.to_disk_keys, i), kv[i]) for i in range(len(c.to_disk_slots))]
@@ -199,10 +218,14 @@ class HostCache:
             c.promote_pages,
             [_key(c.load_keys, i) for i in range(len(c.load_pages))],
             c.load_pages,
+            store_writes,
+            [_key(c.store_load_keys, i) for i in range(len(c.store_load_pages))],
+            c.store_load_pages,
         )
         if not self.goes_to_thread(c):
             self._run(job)
-            self._done.append(job.ticket)
+            with self._cond:
+                self._done.append(job.ticket)
             return
         if self._stream is not None:
             job.after = torch.cuda.Event()
@@ -211,23 +234,34 @@ class HostCache:
             self._queued += 1
         self._jobs.put(job)
 
+    def _snapshot(self, ids: np.ndarray, keys: bytes) -> list[tuple[bytes, torch.Tensor]]:
+        """Pool pages ``ids`` read now (on the CPU), with their keys."""
+        pages = self._index(ids, self.device)
+        kv = torch.stack([layer[pages] for layer in self.pool.layers], dim=1).to("cpu")
+        return [(_key(keys, i), kv[i]) for i in range(len(ids))]
+
     def goes_to_thread(self, c: PageCopies) -> bool:
         """Whether ``apply(c)`` will leave work to the copy thread: with one, any
-        ticket while it is busy (tickets run in order), else one of at least
-        ``inline_pages`` pages to write, promote or load."""
+        ticket while it is busy (tickets run in order) or that reads the store, else
+        one of at least ``inline_pages`` pages to write, promote or load. A ticket
+        that reads or writes the store never runs in the step: a slow store must
+        delay the requests that wait for it, not the batch."""
         if not self.asynchronous:
             return False
-        if self._queued:
+        if self._queued or len(c.store_load_pages) or len(c.store_save_pages):
             return True
         pages = len(c.save_pages) + len(c.to_disk_slots) + len(c.promote_pages) + len(c.load_pages)
         return pages > 0 and pages >= self.inline_pages
 
     def finished(self) -> list[int]:
-        """The tickets finished since the last call; raises what failed in the thread."""
+        """The tickets finished since the last call (``last_missed``: the store pages
+        they did not get); raises what failed in the thread."""
         with self._cond:
             if self._error is not None:
                 raise RuntimeError(f"cache tier copies failed: {self._error}") from self._error
             done, self._done = self._done, []
+            missed, self._missed = self._missed, []
+        self.last_missed = np.asarray(missed, dtype=np.int32)
         return done
 
     @property
@@ -241,11 +275,15 @@ class HostCache:
             self._cond.wait_for(lambda: self._done or not self._queued, timeout)
 
     def close(self) -> None:
-        """Finish every ticket queued and stop the thread (files are all written)."""
+        """Finish every ticket queued and stop the thread (files and the store's
+        pages are all written)."""
         if self._thread is not None and self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join()
         self._thread = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None
 
     # ----------------------------------------------------- the copy thread
     def _serve_one(self, job: _Job) -> None:
@@ -265,16 +303,57 @@ class HostCache:
 
     @torch.inference_mode()
     def _run(self, job: _Job) -> None:
-        """A ticket's background part: file writes, promotions, loads."""
+        """A ticket's background part: file and store writes, promotions, loads."""
         for key, kv in job.writes:
-            self._write(key, kv.contiguous().view(torch.uint8).numpy().tobytes())
+            self._write(key, _bytes(kv))
+        if job.store_writes:
+            assert self.store is not None
+            self.store.put(
+                [
+                    (k, kv_file.encode_page(self.identity, k, _bytes(kv)))
+                    for k, kv in job.store_writes
+                ]
+            )
+        arrived = self._read_store(job)
         stream = self._stream
         if stream is not None and job.after is not None:
             stream.wait_event(job.after)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             self._to_pool(job)
+            if arrived is not None:
+                pages = self._index(job.store_pages[: len(arrived)], self.device)
+                for j, layer in enumerate(self.pool.layers):
+                    layer[pages] = arrived[:, j].to(self.device, non_blocking=True)
         if stream is not None:
             stream.synchronize()
+
+    def _read_store(self, job: _Job) -> torch.Tensor | None:
+        """The store's pages of ``job`` up to the first it does not give (whole and
+        of this key and model), as ``[n, *page_shape]``; the pages missed are
+        recorded for ``finished``. None: nothing arrived."""
+        n = len(job.store_keys)
+        if n == 0:
+            return None
+        assert self.store is not None
+        blobs = self.store.get(job.store_keys)
+        payloads = []
+        for key, blob in zip(job.store_keys, blobs):
+            payload = (
+                None
+                if blob is None
+                else kv_file.decode_page(blob, key, self.identity, self.page_bytes)
+            )
+            if payload is None:
+                break
+            payloads.append(payload)
+        if len(payloads) < n:
+            with self._cond:
+                self._missed += job.store_pages[len(payloads) :].tolist()
+        if not payloads:
+            return None
+        raw = b"".join(payloads)
+        kv = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(self.pool.storage_dtype)
+        return kv.reshape(len(payloads), *self.page_shape)
 
     def _to_pool(self, job: _Job) -> None:
         layers = self.pool.layers
@@ -313,6 +392,10 @@ def _serve(ref: weakref.ref[HostCache], jobs: queue.SimpleQueue[_Job | None]) ->
             return
         cache._serve_one(job)
         del cache
+
+
+def _bytes(kv: torch.Tensor) -> bytes:
+    return kv.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def _key(keys: bytes, i: int) -> bytes:

@@ -278,6 +278,7 @@ class ModelRunner:
                 # Nothing to compute: wait for the next ticket instead of spinning.
                 self.host_cache.wait(IDLE_WAIT_S)
             result.copies_done = self.host_cache.finished()
+            result.store_missed = self.host_cache.last_missed
         ready, failures = self.grammar_cache.poll()
         result.grammars_ready = ready
         result.grammar_failures = [GrammarFailure(k, m) for k, m in failures]

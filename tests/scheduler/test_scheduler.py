@@ -26,11 +26,20 @@ VOCAB = 512
 EOS = 2
 
 
-def make(num_pages=4096, page_size=1, jump_every=0, compile_steps=1, copy_delay=0, **kw):
+def make(
+    num_pages=4096,
+    page_size=1,
+    jump_every=0,
+    compile_steps=1,
+    copy_delay=0,
+    store=None,
+    identity=SIM_IDENTITY,
+    **kw,
+):
     kw.setdefault("eos_token_ids", (EOS,))
     kw.setdefault("max_context_len", 4096)
-    if kw.get("host_pages"):
-        kw.update(page_bytes=SimWorker.page_bytes(page_size), kv_identity=SIM_IDENTITY)
+    if kw.get("host_pages") or kw.get("kv_store"):
+        kw.update(page_bytes=SimWorker.page_bytes(page_size), kv_identity=identity)
     cfg = SchedulerConfig(num_pages=num_pages, page_size=page_size, **kw)
     sched = Scheduler(cfg)
     worker = SimWorker(
@@ -46,6 +55,8 @@ def make(num_pages=4096, page_size=1, jump_every=0, compile_steps=1, copy_delay=
         seed=num_pages,
         window_pages=cfg.window_pages,
         window_span=cfg.window_span,
+        store=store,
+        identity=identity,
     )
     return sched, worker
 
@@ -361,6 +372,8 @@ def run_workload(w, copy_delay=0, **tiers):
                 s.abort_request(r["rid"])
         s.cache.check()
         held = sum(s.kv.held_pages(q) for q in s.running)
+        # Pages of requests let go while the store still fills them (freed when done).
+        held += 0 if s.kv.tiers is None else s.kv.tiers.pages_held
         cached = s.cache.cached_pages
         assert s.allocator.num_free + cached + held == s.config.num_pages
 
