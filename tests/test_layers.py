@@ -23,7 +23,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent / "radixserve"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("declarations", ("radixserve.options", "radixserve.combinations")),
+    ("store plumbing", ("radixserve.utils.kv_store",)),
+    (
+        "declarations",
+        ("radixserve.options", "radixserve.combinations"),
+    ),
     (
         "base",
         (
@@ -36,6 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "radixserve.version",
             "radixserve.utils",
             "radixserve.utils.kv_file",
+            "radixserve.utils.mooncake",
             "radixserve.utils.sockets",
             "radixserve.utils.descriptors",
             "radixserve.utils.zmtp_gate",

@@ -42,11 +42,20 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     # Hybrid: Mamba-2 layers beside attention and MLP layers, one mixer per layer.
     "NemotronHForCausalLM": "nemotron_h",
 }
+#: Architectures with a vision tower: their prompts may hold images (docs/multimodal.md).
+VISION_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "Idefics3ForConditionalGeneration")
+
 #: A config without ``architectures`` is matched by its ``model_type`` (= family name,
 #: except Gemma 3: ``gemma3`` is the multimodal config, ``gemma3_text`` the text-only one,
-#: which GGUF files give).
+#: which GGUF files give; and the vision-language models, whose model types are their own).
 _BY_MODEL_TYPE = {
-    **{family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()},
+    **{
+        family: arch
+        for arch, family in SUPPORTED_ARCHITECTURES.items()
+        if arch not in VISION_ARCHITECTURES
+    },
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "idefics3": "Idefics3ForConditionalGeneration",
     "gemma3_text": "Gemma3ForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
@@ -67,8 +76,6 @@ GEMMA_FAMILIES = ("gemma2", "gemma3")
 #: ``hidden_activation`` name -> ours).
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
-#: Architectures with a vision tower: their prompts may hold images (docs/multimodal.md).
-VISION_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "Idefics3ForConditionalGeneration")
 
 #: Rope scaling types our rotary embedding implements (``su`` is LongRoPE's old name).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
