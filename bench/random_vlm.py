@@ -12,19 +12,11 @@ hits, the prefill and encoder time a hit saves) depends only on the shapes.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-    "{% for c in m['content'] %}"
-    "{% if c['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
-            "<|im_start|>", "<|im_end|>"]  # fmt: skip
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
 def main() -> None:
@@ -41,17 +33,11 @@ def main() -> None:
 
     import torch
     import transformers
-    from tokenizers import Tokenizer, decoders, models
 
-    base = ["<unk>", "<s>", "</s>", "<pad>"]
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    vocab = {t: i for i, t in enumerate(base + SPECIALS + chars)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.decoder = decoders.Fuse()
-    hf_tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        pad_token="<pad>", additional_special_tokens=SPECIALS,
-    )  # fmt: skip
+    # The tests' tiny model's tokenizer (one token per character) and chat template.
+    from tests.helpers.tiny_vlm import CHAT_TEMPLATE, CHAT_TOKENS, VISION_TOKENS, _char_tokenizer
+
+    hf_tok, vocab = _char_tokenizer(VISION_TOKENS + CHAT_TOKENS)
     half = args.hidden // args.heads // 2
     section = [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8]
     text = dict(
