@@ -309,11 +309,14 @@ void silu_mul_py(const py::array& gate_up, py::array& out, int num_threads,
 }
 
 // out, lse := attention of q [kv_heads, n, d] over the shared keys of pool rows k_rows
-// (prefix_attention.cpp); bfloat16 as int16 throughout, lse float32. False where the
-// AMX tiles cannot run (nothing to use in out/lse).
+// (prefix_attention.cpp); bfloat16 as int16 throughout, lse float32. On AMX tiles with
+// amx, else in vdpbf16ps code at isa avx512bf16. False where that form cannot run (no
+// tiles granted; isa below avx512bf16): nothing to use in out/lse.
 bool prefix_attention_py(const py::array& q, const py::array& pool, const py::array& k_rows,
                          int64_t kv_len, int64_t page_size, double scale, py::array& out,
-                         py::array& lse, int num_threads, const py::object& limits) {
+                         py::array& lse, int num_threads, const py::object& limits,
+                         const std::string& isa_name, bool amx) {
+  const Isa isa = parse_isa(isa_name, "prefix_attention");
   auto fail = [](const std::string& what) {
     throw std::invalid_argument("prefix_attention: " + what);
   };
@@ -351,8 +354,13 @@ bool prefix_attention_py(const py::array& q, const py::array& pool, const py::ar
   auto* op = static_cast<uint16_t*>(out.mutable_data());
   auto* lp = static_cast<float*>(lse.mutable_data());
   py::gil_scoped_release nogil;
-  return radixserve::prefix_attention_amx(qp, pp, rows, lim, n, d, heads, page_size, row_len,
-                                          kv_len, static_cast<float>(scale), op, lp, num_threads);
+  if (amx)
+    return radixserve::prefix_attention_amx(qp, pp, rows, lim, n, d, heads, page_size, row_len,
+                                            kv_len, static_cast<float>(scale), op, lp,
+                                            num_threads);
+  if (isa < Isa::kAvx512Bf16) return false;
+  return radixserve::prefix_attention_dp(qp, pp, rows, lim, n, d, heads, page_size, row_len,
+                                         kv_len, static_cast<float>(scale), op, lp, num_threads);
 }
 
 void silu_mul_rows_py(const py::array& gate_up, py::array& out, int num_threads,
@@ -795,10 +803,12 @@ PYBIND11_MODULE(_cpu_kernels, m) {
   m.def("prefix_attention", &prefix_attention_py, py::arg("q"), py::arg("pool"),
         py::arg("k_rows"), py::arg("kv_len"), py::arg("page_size"), py::arg("scale"),
         py::arg("out"), py::arg("lse"), py::arg("num_threads"), py::arg("limits") = py::none(),
+        py::arg("isa") = "auto", py::arg("amx") = true,
         "out [kv_heads, n, d], lse [kv_heads, n] := attention of q over kv_len keys (pool "
-        "rows k_rows, V the row after) on AMX tiles (bfloat16 as int16, lse float32); query "
-        "vector i sees keys [0, limits[i]) (int32 [n]; None: all); False where the tiles "
-        "cannot run.");
+        "rows k_rows, V the row after; bfloat16 as int16, lse float32); query vector i sees "
+        "keys [0, limits[i]) (int32 [n]; None: all). On AMX tiles with amx, else with "
+        "vdpbf16ps at isa avx512bf16; False where that form cannot run (no tiles; a lower "
+        "isa).");
   m.def("silu_mul_rows", &silu_mul_rows_py, py::arg("gate_up"), py::arg("out"),
         py::arg("num_threads"), py::arg("isa") = "auto",
         "out [rows, I] = silu(gate) * up for row-major gate_up [rows, 2 * I] (gate, then up, "

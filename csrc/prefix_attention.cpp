@@ -1,19 +1,27 @@
-// Attention of many query vectors over one run of keys on AMX tiles: a cascade group's
-// shared prefix (radixserve/worker/attention/shared_prefix.py), where every member's
-// query heads of one kv head read the same keys with no mask, and a prefill chunk
+// Attention of many query vectors over one run of keys: a cascade group's shared
+// prefix (radixserve/worker/attention/shared_prefix.py), where every member's query
+// heads of one kv head read the same keys with no mask, and a prefill chunk
 // (torch_backend.py), where each query vector sees a prefix of the keys (its causal
 // limit). It returns each row's output and the log-sum-exp of its scaled scores, for
 // the merge with the members' own suffixes (lse_merge.cpp).
 //
-// Per kv head, K and V are packed once per call into the tiles' operand layouts (K^T
+// Per kv head, K and V are packed once per call into the products' operand layouts (K^T
 // in feature pairs, V in key pairs), then the work is split into tasks of 32 query
 // vectors: the scores of a task's 32 rows against the keys its rows see (up to the
 // longest limit, in blocks of 32; blocks past it are skipped) go to a float32 block that
 // stays in the core's cache, its softmax runs in vector code, and its probabilities,
-// rounded to bfloat16, multiply V on the tiles. Products of bfloat16 pairs are summed
-// in float32 (as torch's CPU flash attention does); the scale is applied to the summed
-// score. bfloat16 values and head_dim a multiple of 32 only; tile instructions run only
-// after amx_tiles_granted() (amx_gemm.cpp).
+// rounded to bfloat16, multiply V. Products of bfloat16 pairs are summed in float32 (as
+// torch's CPU flash attention does); the scale is applied to the summed score. bfloat16
+// values and head_dim a multiple of 32 only.
+//
+// The two products run in one of two forms, on the same packed operands:
+//   AMX tiles (prefix_attention_amx): tdpbf16ps, 16 x 16 x 32 products each; tile
+//     instructions run only after amx_tiles_granted() (amx_gemm.cpp).
+//   vdpbf16ps (prefix_attention_dp, AVX512_BF16 CPUs without AMX): register-blocked
+//     micro-kernels, 16 lanes x 2 products each. Scores: 12 rows x 32 keys of
+//     accumulators, each step one feature pair of 32 keys (two K^T loads) times each
+//     row's pair broadcast. Value sums: 6 rows x 64 features (or 12 x 32), each step one
+//     key pair of V times each row's pair of probabilities broadcast.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -40,7 +48,7 @@ constexpr int64_t kKeyBlock = 32;  // keys per score step: two tile columns
 // vscalefps, which
 // gives 0 for t below the float range. The probabilities are rounded to bfloat16 after,
 // and the row sums are float32 sums: this is as exact as they need.
-RS_TARGET_AMX RS_ALWAYS_INLINE __m512 exp_le0(__m512 x) {
+RS_TARGET_AVX512BF16 RS_ALWAYS_INLINE __m512 exp_le0(__m512 x) {
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
@@ -56,7 +64,7 @@ RS_TARGET_AMX RS_ALWAYS_INLINE __m512 exp_le0(__m512 x) {
 // Row-wise softmax of the scaled scores s [32][lp] (rows ls apart), row r over keys
 // [0, lens[r]): probabilities in bfloat16 into pb [32][lp] (zero past lens[r]), each
 // row's sum into l and its max into m (scaled). Rows past `rows` are zero.
-RS_TARGET_AMX void softmax_block(const float* s, int64_t ls, int64_t lp, const int64_t* lens,
+RS_TARGET_AVX512BF16 void softmax_block(const float* s, int64_t ls, int64_t lp, const int64_t* lens,
                                  int64_t rows, float scale, uint16_t* pb, float* m, float* l) {
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t r = 0; r < kTaskRows; ++r) {
@@ -139,7 +147,7 @@ RS_TARGET_AMX void score_tiles(const uint32_t* qp, int64_t d2, const uint32_t* k
 
 // Packs kv head h: kt [d / 2][lp] (word p of key j's K row), vp [lp / 2][d] (V of keys
 // 2kp and 2kp + 1 interleaved per feature), zero past len.
-RS_TARGET_AMX void pack_head(const Args& a, int64_t h, int64_t lp, int64_t ls, uint32_t* kt,
+RS_TARGET_AVX512BF16 void pack_head(const Args& a, int64_t h, int64_t lp, int64_t ls, uint32_t* kt,
                              uint32_t* vp) {
   const int64_t d2 = a.d / 2;
   // K^T by blocks of 16 keys: their rows are copied out, then each feature pair's 16
@@ -182,40 +190,218 @@ RS_TARGET_AMX void pack_head(const Args& a, int64_t h, int64_t lp, int64_t ls, u
   }
 }
 
-RS_TARGET_AMX void run_task(const Args& a, int64_t h, int64_t i0, int64_t ls, const uint32_t* kt,
-                            const uint32_t* vp, std::vector<uint32_t>& qpad,
-                            std::vector<float>& s, std::vector<uint16_t>& pb,
-                            std::vector<float>& o) {
-  const int64_t d = a.d, d2 = d / 2, rows = std::min(kTaskRows, a.n - i0);
-  const uint16_t* q = a.q + (h * a.n + i0) * d;
-  const uint32_t* qp = reinterpret_cast<const uint32_t*>(q);
-  if (rows < kTaskRows) {  // the last rows of a head: zero-padded to a whole task
-    std::memset(qpad.data(), 0, static_cast<size_t>(kTaskRows * d2) * sizeof(uint32_t));
-    std::memcpy(qpad.data(), q, static_cast<size_t>(rows * d) * sizeof(uint16_t));
-    qp = qpad.data();
+// Per-thread scratch of one task, reused between tasks and calls (no zero fill; every
+// word read is written first).
+struct Scratch {
+  std::vector<uint32_t> qpad;  // [32][d / 2] the last rows of a head, zero-padded
+  std::vector<float> s;        // [32][ls] scores
+  std::vector<uint16_t> pb;    // [32][ls] probabilities (bfloat16)
+  std::vector<float> o;        // [32][d] value sums
+
+  void reserve(int64_t d, int64_t ls) {
+    grow(qpad, kTaskRows * d / 2);
+    grow(s, kTaskRows * ls);
+    grow(pb, kTaskRows * ls);
+    grow(o, kTaskRows * d);
   }
-  // Keys each row sees; the task reads keys up to the longest, in whole blocks.
-  int64_t lens[kTaskRows], longest = 0;
-  for (int64_t r = 0; r < rows; ++r) {
+};
+
+// A task's query vectors, as 32 rows of feature pairs: [rows, 32) zero. The keys each
+// row sees into lens; returns the keys the task reads (its longest row's, in whole
+// key blocks).
+int64_t task_rows(const Args& a, int64_t h, int64_t i0, Scratch& w, const uint32_t** qp,
+                  int64_t* rows, int64_t* lens) {
+  const int64_t d = a.d;
+  *rows = std::min(kTaskRows, a.n - i0);
+  const uint16_t* q = a.q + (h * a.n + i0) * d;
+  *qp = reinterpret_cast<const uint32_t*>(q);
+  if (*rows < kTaskRows) {  // the last rows of a head: zero-padded to a whole task
+    std::memset(w.qpad.data(), 0, static_cast<size_t>(kTaskRows * d / 2) * sizeof(uint32_t));
+    std::memcpy(w.qpad.data(), q, static_cast<size_t>(*rows * d) * sizeof(uint16_t));
+    *qp = w.qpad.data();
+  }
+  int64_t longest = 0;
+  for (int64_t r = 0; r < *rows; ++r) {
     lens[r] = a.limits ? std::min<int64_t>(a.limits[i0 + r], a.len) : a.len;
     longest = std::max(longest, lens[r]);
   }
-  const int64_t lt = (longest + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
-  score_tiles(qp, d2, kt, lt, ls, s.data());
-  float m[kTaskRows], l[kTaskRows];
-  softmax_block(s.data(), ls, lt, lens, rows, a.scale, pb.data(), m, l);
-  // o [32][d] (float32) = P . V, P's rows ls bfloat16 (ls / 2 words) apart
-  amx_value_rows(reinterpret_cast<const uint32_t*>(pb.data()), kTaskRows, lt / 2, ls / 2, vp, d,
-                 o.data());
+  return (longest + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+}
+
+// A task's rows of out (w.o [32][d] divided by each row's sum, rounded to bfloat16) and
+// of lse.
+RS_TARGET_AVX512BF16 void finish_task(const Args& a, int64_t h, int64_t i0, int64_t rows,
+                                      const float* o, const float* m, const float* l) {
+  const int64_t d = a.d;
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
     uint16_t* dst = a.out + (h * a.n + i0 + r) * d;
     for (int64_t f = 0; f < d; f += 16) {
-      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(o.data() + r * d + f), inv);
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(o + r * d + f), inv);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + f), (__m256i)_mm512_cvtneps_pbh(x));
     }
     a.lse[h * a.n + i0 + r] = m[r] + std::log(l[r]);
   }
+}
+
+RS_TARGET_AMX void run_task_amx(const Args& a, int64_t h, int64_t i0, int64_t ls,
+                                const uint32_t* kt, const uint32_t* vp, Scratch& w) {
+  const uint32_t* qp;
+  int64_t rows, lens[kTaskRows];
+  const int64_t lt = task_rows(a, h, i0, w, &qp, &rows, lens);
+  score_tiles(qp, a.d / 2, kt, lt, ls, w.s.data());
+  float m[kTaskRows], l[kTaskRows];
+  softmax_block(w.s.data(), ls, lt, lens, rows, a.scale, w.pb.data(), m, l);
+  // o [32][d] (float32) = P . V, P's rows ls bfloat16 (ls / 2 words) apart
+  amx_value_rows(reinterpret_cast<const uint32_t*>(w.pb.data()), kTaskRows, lt / 2, ls / 2, vp,
+                 a.d, w.o.data());
+  finish_task(a, h, i0, rows, w.o.data(), m, l);
+}
+
+// vdpbf16ps: lane j of acc += x.lo * k_j.lo + x.hi * k_j.hi, bfloat16 pairs in 32-bit words.
+RS_TARGET_AVX512BF16 RS_ALWAYS_INLINE __m512 dp(__m512 acc, uint32_t x, __m512i k) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(x)), (__m512bh)k);
+}
+
+// s[r][j] (rows ls floats apart) = sum_p qp[r][p] . kt[p][j] for r < R, j < 32: qp rows
+// of d2 words, kt rows ls words apart (the key block's first word).
+template <int R>
+RS_TARGET_AVX512BF16 RS_ALWAYS_INLINE void score_rows_dp(const uint32_t* qp, int64_t d2,
+                                                         const uint32_t* kt, int64_t ls,
+                                                         float* s) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < d2; ++p) {
+    const __m512i k0 = _mm512_loadu_si512(kt + p * ls);
+    const __m512i k1 = _mm512_loadu_si512(kt + p * ls + 16);
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = dp(acc[r][0], qp[r * d2 + p], k0);
+      acc[r][1] = dp(acc[r][1], qp[r * d2 + p], k1);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(s + r * ls, acc[r][0]);
+    _mm512_storeu_ps(s + r * ls + 16, acc[r][1]);
+  }
+}
+
+// o[r][f] (rows d floats apart) := (first) or += sum_kp pw[r][kp] . vp[kp][f] for r < R,
+// kp < nkp, f < 16 NC: pw rows of key-pair words pstride apart, vp rows d words apart.
+template <int R, int NC>
+RS_TARGET_AVX512BF16 RS_ALWAYS_INLINE void value_rows_dp(const uint32_t* pw, int64_t pstride,
+                                                         int64_t nkp, const uint32_t* vp,
+                                                         int64_t d, float* o, bool first) {
+  __m512 acc[R][NC];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NC; ++c)
+      acc[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(o + r * d + 16 * c);
+  for (int64_t kp = 0; kp < nkp; ++kp) {
+    __m512i v[NC];
+    for (int c = 0; c < NC; ++c) v[c] = _mm512_loadu_si512(vp + kp * d + 16 * c);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < NC; ++c) acc[r][c] = dp(acc[r][c], pw[r * pstride + kp], v[c]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + r * d + 16 * c, acc[r][c]);
+}
+
+// Key pairs of V per pass of the value sums: 64 x 64 features (16 KiB) stay in L1 while
+// every row block of the task reads them.
+constexpr int64_t kValuePairs = 64;
+
+// s [32][lt] (rows ls apart) = the task's scores: per key block, 12 + 12 + 8 rows (24
+// and 16 accumulators), the block's K^T (d / 2 x 32 words) read from L1 by each.
+RS_TARGET_AVX512BF16 void score_task_dp(const uint32_t* qp, int64_t d2, const uint32_t* kt,
+                                        int64_t lt, int64_t ls, float* s) {
+  static_assert(kTaskRows == 32 && kKeyBlock == 32, "row blocks below cover 32 rows x 32 keys");
+  for (int64_t j0 = 0; j0 < lt; j0 += kKeyBlock) {
+    score_rows_dp<12>(qp, d2, kt + j0, ls, s + j0);
+    score_rows_dp<12>(qp + 12 * d2, d2, kt + j0, ls, s + 12 * ls + j0);
+    score_rows_dp<8>(qp + 24 * d2, d2, kt + j0, ls, s + 24 * ls + j0);
+  }
+}
+
+// o [32][d] = P . V for P's rows of nkp key-pair words (pstride apart): per pass of
+// kValuePairs key pairs, 64 features at a time in blocks of 6 rows (24 accumulators),
+// and where d % 64 == 32 the last 32 features in blocks of 12.
+RS_TARGET_AVX512BF16 void value_task_dp(const uint32_t* pw, int64_t pstride, int64_t nkp,
+                                        const uint32_t* vp, int64_t d, float* o) {
+  for (int64_t k0 = 0; k0 < nkp; k0 += kValuePairs) {
+    const int64_t nk = std::min(kValuePairs, nkp - k0);
+    const bool first = k0 == 0;
+    const uint32_t* p = pw + k0;
+    const uint32_t* v = vp + k0 * d;
+    int64_t f = 0;
+    for (; f + 64 <= d; f += 64) {
+      for (int64_t r = 0; r < 30; r += 6)
+        value_rows_dp<6, 4>(p + r * pstride, pstride, nk, v + f, d, o + r * d + f, first);
+      value_rows_dp<2, 4>(p + 30 * pstride, pstride, nk, v + f, d, o + 30 * d + f, first);
+    }
+    if (f < d) {  // 32 features
+      value_rows_dp<12, 2>(p, pstride, nk, v + f, d, o + f, first);
+      value_rows_dp<12, 2>(p + 12 * pstride, pstride, nk, v + f, d, o + 12 * d + f, first);
+      value_rows_dp<8, 2>(p + 24 * pstride, pstride, nk, v + f, d, o + 24 * d + f, first);
+    }
+  }
+}
+
+RS_TARGET_AVX512BF16 void run_task_dp(const Args& a, int64_t h, int64_t i0, int64_t ls,
+                                      const uint32_t* kt, const uint32_t* vp, Scratch& w) {
+  const uint32_t* qp;
+  int64_t rows, lens[kTaskRows];
+  const int64_t lt = task_rows(a, h, i0, w, &qp, &rows, lens);
+  score_task_dp(qp, a.d / 2, kt, lt, ls, w.s.data());
+  float m[kTaskRows], l[kTaskRows];
+  softmax_block(w.s.data(), ls, lt, lens, rows, a.scale, w.pb.data(), m, l);
+  value_task_dp(reinterpret_cast<const uint32_t*>(w.pb.data()), ls / 2, lt / 2, vp, a.d,
+                w.o.data());
+  finish_task(a, h, i0, rows, w.o.data(), m, l);
+}
+
+// Both forms: pack every kv head (threads over heads), then the tasks (threads over
+// (kv head, task), each task one thread's: a row's bits do not depend on the split).
+bool run(const Args& a, bool amx, int num_threads) {
+  const int64_t d = a.d, d2 = d / 2;
+  const int64_t lp = (a.len + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+  // Row stride of K^T, the scores and the probabilities: past lp by one cache line, so
+  // that the rows of a block never share a cache set (lp * 4 may be a multiple of 4 KiB).
+  const int64_t ls = lp + 16;
+  // Reused between calls. Pointers are taken here: inside the parallel region a
+  // thread_local would be each thread's own.
+  static thread_local std::vector<uint32_t> kt_buf, vp_buf;
+  grow(kt_buf, a.kv_heads * d2 * ls);
+  grow(vp_buf, a.kv_heads * (lp / 2) * d);
+  uint32_t* kt = kt_buf.data();
+  uint32_t* vp = vp_buf.data();
+  const int64_t per_head = (a.n + kTaskRows - 1) / kTaskRows, tasks = a.kv_heads * per_head;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, tasks)));
+  bool ok = true;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < a.kv_heads; ++h)
+      pack_head(a, h, lp, ls, kt + h * d2 * ls, vp + h * (lp / 2) * d);
+    static thread_local Scratch w;
+    w.reserve(d, ls);
+    const bool tiles = amx && amx_attention_begin();
+    if (amx && !tiles) {
+#pragma omp atomic write
+      ok = false;
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tasks; ++t) {
+      if (amx && !tiles) continue;
+      const int64_t h = t / per_head, i0 = (t % per_head) * kTaskRows;
+      const uint32_t* kh = kt + h * d2 * ls;
+      const uint32_t* vh = vp + h * (lp / 2) * d;
+      if (amx)
+        run_task_amx(a, h, i0, ls, kh, vh, w);
+      else
+        run_task_dp(a, h, i0, ls, kh, vh, w);
+    }
+    if (tiles) amx_attention_end();
+  }
+  return ok;
 }
 
 }  // namespace
@@ -226,46 +412,16 @@ bool prefix_attention_amx(const uint16_t* q, const uint16_t* pool, const int64_t
                           uint16_t* out, float* lse, int num_threads) {
   if (d % 32 != 0 || len <= 0 || n <= 0 || !amx_tiles_granted()) return false;
   const Args a{q, pool, k_rows, limits, n, d, kv_heads, page_size, row_len, len, scale, out, lse};
-  const int64_t lp = (len + kKeyBlock - 1) / kKeyBlock * kKeyBlock, d2 = d / 2;
-  // Row stride of K^T, the scores and the probabilities: past lp by one cache line, so
-  // that 16 rows of a tile never share a cache set (lp * 4 may be a multiple of 4 KiB).
-  const int64_t ls = lp + 16;
-  // Reused between calls (no zero fill; every word read is written first). Pointers are
-  // taken here: inside the parallel region a thread_local would be each thread's own.
-  static thread_local std::vector<uint32_t> kt_buf, vp_buf;
-  grow(kt_buf, kv_heads * d2 * ls);
-  grow(vp_buf, kv_heads * (lp / 2) * d);
-  uint32_t* kt = kt_buf.data();
-  uint32_t* vp = vp_buf.data();
-  const int64_t per_head = (n + kTaskRows - 1) / kTaskRows, tasks = kv_heads * per_head;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, tasks)));
-  bool ok = true;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-#pragma omp for schedule(static)
-    for (int64_t h = 0; h < kv_heads; ++h)
-      pack_head(a, h, lp, ls, kt + h * d2 * ls, vp + h * (lp / 2) * d);
-    static thread_local std::vector<uint32_t> qpad;
-    static thread_local std::vector<float> s, o;
-    static thread_local std::vector<uint16_t> pb;
-    grow(qpad, kTaskRows * d2);
-    grow(s, kTaskRows * ls);
-    grow(o, kTaskRows * d);
-    grow(pb, kTaskRows * ls);
-    const bool tiles = amx_attention_begin();
-    if (!tiles) {
-#pragma omp atomic write
-      ok = false;
-    }
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tasks; ++t) {
-      if (!tiles) continue;
-      const int64_t h = t / per_head, i0 = (t % per_head) * kTaskRows;
-      run_task(a, h, i0, ls, kt + h * d2 * ls, vp + h * (lp / 2) * d, qpad, s, pb, o);
-    }
-    if (tiles) amx_attention_end();
-  }
-  return ok;
+  return run(a, true, num_threads);
+}
+
+bool prefix_attention_dp(const uint16_t* q, const uint16_t* pool, const int64_t* k_rows,
+                         const int32_t* limits, int64_t n, int64_t d, int64_t kv_heads,
+                         int64_t page_size, int64_t row_len, int64_t len, float scale,
+                         uint16_t* out, float* lse, int num_threads) {
+  if (d % 32 != 0 || len <= 0 || n <= 0 || best_isa() < Isa::kAvx512Bf16) return false;
+  const Args a{q, pool, k_rows, limits, n, d, kv_heads, page_size, row_len, len, scale, out, lse};
+  return run(a, false, num_threads);
 }
 
 #else
@@ -273,6 +429,12 @@ bool prefix_attention_amx(const uint16_t* q, const uint16_t* pool, const int64_t
 bool prefix_attention_amx(const uint16_t*, const uint16_t*, const int64_t*, const int32_t*,
                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, uint16_t*,
                           float*, int) {
+  return false;
+}
+
+bool prefix_attention_dp(const uint16_t*, const uint16_t*, const int64_t*, const int32_t*,
+                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, uint16_t*,
+                         float*, int) {
   return false;
 }
 

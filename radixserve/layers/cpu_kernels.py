@@ -417,10 +417,11 @@ def merge_attention(
     )
 
 
-def prefix_attention_ok() -> bool:
-    """Whether ``prefix_attention`` can run: the built extension has it and the CPU has
-    AMX tiles (``AMX``)."""
-    return hasattr(ext, "prefix_attention") and AMX
+def prefix_attention_ok(isa: str | None = None) -> bool:
+    """Whether ``prefix_attention`` can run: the built extension has it, and the CPU has
+    AMX tiles (``AMX``) or the level is ``avx512bf16`` (``isa``, default ``ISA``: its
+    ``vdpbf16ps`` form)."""
+    return hasattr(ext, "prefix_attention") and (AMX or (isa or ISA) == "avx512bf16")
 
 
 def prefix_attention(
@@ -431,20 +432,24 @@ def prefix_attention(
     page_size: int,
     scale: float,
     limits: np.ndarray | None = None,
+    isa: str | None = None,
+    amx: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Attention of ``q`` [kv_heads, n, head_dim] (bfloat16, C-contiguous) over
-    ``kv_len`` keys on AMX tiles (``csrc/prefix_attention.cpp``): the output
-    [kv_heads, n, head_dim] (bfloat16) and each row's log-sum-exp of its scaled scores
-    [kv_heads, n] (float32). Key t is in page ``t // page_size`` of the layer's
-    ``pages`` [rows, page_size * kv_heads * head_dim], whose K row is ``k_rows`` of it
-    (int64; V is the row after). ``limits`` (int32 [n]): query vector i sees keys
-    ``[0, limits[i])`` (a causal chunk); None: every key (a shared prefix). None where
-    the tiles cannot run."""
+    ``kv_len`` keys (``csrc/prefix_attention.cpp``): the output [kv_heads, n, head_dim]
+    (bfloat16) and each row's log-sum-exp of its scaled scores [kv_heads, n] (float32).
+    Key t is in page ``t // page_size`` of the layer's ``pages`` [rows, page_size *
+    kv_heads * head_dim], whose K row is ``k_rows`` of it (int64; V is the row after).
+    ``limits`` (int32 [n]): query vector i sees keys ``[0, limits[i])`` (a causal chunk);
+    None: every key (a shared prefix). On AMX tiles with ``amx`` (default ``AMX``), else
+    with ``vdpbf16ps`` at level ``isa`` (default ``ISA``) ``avx512bf16``. None where that
+    form cannot run (no tiles; a lower level)."""
     out = torch.empty(q.shape, dtype=q.dtype)
     lse = torch.empty(q.shape[:2], dtype=torch.float32)
     ran = ext.prefix_attention(  # type: ignore[union-attr]
         _array(q), _array(pages), k_rows.numpy(), kv_len, page_size, scale, _array(out),
-        lse.numpy(), torch.get_num_threads(), limits,
+        lse.numpy(), torch.get_num_threads(), limits, isa=isa or ISA,
+        amx=AMX if amx is None else amx,
     )  # fmt: skip
     return (out, lse) if ran else None
 

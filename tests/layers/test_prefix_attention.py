@@ -1,6 +1,8 @@
-"""Attention over a cascade group's shared prefix on AMX tiles (csrc/prefix_attention.cpp):
-against attention in float64 on the same bfloat16 values, against torch's CPU flash
-attention through ``shared_prefix.attend``, thread splits, and bad inputs."""
+"""Attention of many query vectors over one run of keys (csrc/prefix_attention.cpp), in
+each form this CPU runs (AMX tiles; ``vdpbf16ps`` at avx512bf16): against attention in
+float64 on the same bfloat16 values (a shared prefix; causal limits per query vector),
+against torch's CPU flash attention through ``shared_prefix.attend``, thread splits, the
+levels that refuse it, and bad inputs."""
 
 from __future__ import annotations
 
@@ -14,8 +16,21 @@ from radixserve.layers import cpu_kernels
 from radixserve.worker.attention import shared_prefix
 
 pytestmark = pytest.mark.skipif(
-    not cpu_kernels.prefix_attention_ok(), reason="needs the native extension and AMX tiles"
+    not cpu_kernels.prefix_attention_ok(),
+    reason="needs the native extension and AMX tiles or AVX512_BF16",
 )
+
+#: The forms this CPU runs, as ``prefix_attention``'s keyword arguments.
+FORMS: dict[str, dict] = {}
+if cpu_kernels.AMX:
+    FORMS["amx"] = {"amx": True}
+if "avx512bf16" in cpu_kernels.supported_isas():
+    FORMS["vdpbf16ps"] = {"amx": False, "isa": "avx512bf16"}
+
+
+@pytest.fixture(params=sorted(FORMS))
+def form(request) -> dict:
+    return FORMS[request.param]
 
 
 def make_pool(rng: torch.Generator, kv_heads: int, d: int, page_size: int, kv_len: int,
@@ -28,12 +43,15 @@ def make_pool(rng: torch.Generator, kv_heads: int, d: int, page_size: int, kv_le
     return pages.to(torch.bfloat16), (order * 2).to(torch.int64)
 
 
-def reference(q, pages, k_rows, kv_len, page_size, scale):
+def reference(q, pages, k_rows, kv_len, page_size, scale, limits=None):
     """out, lse in float64 from the same bfloat16 values."""
     kv_heads, _, d = q.shape
     k = pages[k_rows].view(-1, page_size, kv_heads, d).reshape(-1, kv_heads, d)[:kv_len]
     v = pages[k_rows + 1].view(-1, page_size, kv_heads, d).reshape(-1, kv_heads, d)[:kv_len]
     s = torch.einsum("hnd,lhd->hnl", q.double(), k.double()) * scale
+    if limits is not None:  # query vector i sees keys [0, limits[i])
+        seen = torch.arange(kv_len)[None, :] < torch.from_numpy(limits).long()[:, None]
+        s = s.masked_fill(~seen, -math.inf)
     return torch.einsum("hnl,lhd->hnd", torch.softmax(s, -1), v.double()), torch.logsumexp(s, -1)
 
 
@@ -47,13 +65,13 @@ def reference(q, pages, k_rows, kv_len, page_size, scale):
         (4, 33, 1024, 32, 4),  # a 4 KiB key stride
     ],
 )
-def test_matches_float64_attention(kv_heads, n, kv_len, d, page_size):
+def test_matches_float64_attention(form, kv_heads, n, kv_len, d, page_size):
     rng = torch.Generator().manual_seed(kv_heads * 1000 + n + kv_len)
     pages, k_rows = make_pool(rng, kv_heads, d, page_size, kv_len)
     q = torch.randn(kv_heads, n, d, generator=rng).to(torch.bfloat16)
     scale = 1 / math.sqrt(d)
     before = pages.clone()
-    res = cpu_kernels.prefix_attention(q, pages, k_rows, kv_len, page_size, scale)
+    res = cpu_kernels.prefix_attention(q, pages, k_rows, kv_len, page_size, scale, **form)
     assert res is not None
     out, lse = res
     ref_out, ref_lse = reference(q, pages, k_rows, kv_len, page_size, scale)
@@ -63,7 +81,68 @@ def test_matches_float64_attention(kv_heads, n, kv_len, d, page_size):
     assert torch.equal(pages, before)
 
 
-def test_rows_do_not_depend_on_the_thread_split():
+def causal_limits(kv_len: int, qo: int, group: int) -> np.ndarray:
+    """A prefill chunk's limits, its query heads folded per kv head: token t of qo new
+    tokens (after kv_len - qo cached ones) sees keys [0, kv_len - qo + t + 1)."""
+    return np.repeat(np.arange(kv_len - qo + 1, kv_len + 1, dtype=np.int32), group)
+
+
+@pytest.mark.parametrize(
+    "kv_heads,group,qo,kv_len,d,page_size",
+    [
+        (3, 3, 100, 100, 64, 1),  # a fresh chunk (SmolLM2's heads), rows past whole tasks
+        (3, 3, 21, 853, 64, 16),  # a chunk over a cached prefix, keys past whole blocks
+        (2, 4, 37, 37, 128, 4),  # head_dim 128
+        (1, 2, 45, 70, 96, 1),  # head_dim 96: value sums of 64 + 32 features
+        (4, 1, 9, 40, 32, 8),  # head_dim 32, no GQA
+    ],
+)
+def test_causal_chunks_match_float64_attention(form, kv_heads, group, qo, kv_len, d, page_size):
+    rng = torch.Generator().manual_seed(qo * 7 + kv_len + d)
+    pages, k_rows = make_pool(rng, kv_heads, d, page_size, kv_len)
+    limits = causal_limits(kv_len, qo, group)
+    q = torch.randn(kv_heads, qo * group, d, generator=rng).to(torch.bfloat16)
+    scale = 1 / math.sqrt(d)
+    res = cpu_kernels.prefix_attention(q, pages, k_rows, kv_len, page_size, scale, limits, **form)
+    assert res is not None
+    ref_out, ref_lse = reference(q, pages, k_rows, kv_len, page_size, scale, limits)
+    torch.testing.assert_close(res[0].double(), ref_out, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(res[1].double(), ref_lse, atol=2e-5, rtol=1e-5)
+
+
+def test_any_limits_match_float64_attention(form):
+    """Limits in any order, one key to all of them, with large scores (the softmax's
+    max taken over each row's own keys only: the keys past a row's limit score higher)."""
+    rng = torch.Generator().manual_seed(5)
+    kv_len, n, d = 300, 70, 64
+    pages, k_rows = make_pool(rng, 2, d, 16, kv_len)
+    pages[k_rows[-4:]] *= 4  # K of the last pages' keys
+    limits = np.random.default_rng(5).integers(1, kv_len + 1, n).astype(np.int32)
+    limits[:3] = [1, kv_len, 236]
+    q = (3 * torch.randn(2, n, d, generator=rng)).to(torch.bfloat16)
+    res = cpu_kernels.prefix_attention(q, pages, k_rows, kv_len, 16, 0.125, limits, **form)
+    assert res is not None
+    ref_out, ref_lse = reference(q, pages, k_rows, kv_len, 16, 0.125, limits)
+    torch.testing.assert_close(res[0].double(), ref_out, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(res[1].double(), ref_lse, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.skipif("avx512bf16" not in cpu_kernels.supported_isas(), reason="needs AVX512_BF16")
+def test_levels_below_avx512bf16_refuse_the_vector_form(monkeypatch):
+    """Below avx512bf16 the vector form does not run (None: callers take their other
+    path), and ``prefix_attention_ok`` says so where there is no AMX."""
+    rng = torch.Generator().manual_seed(6)
+    pages, k_rows = make_pool(rng, 1, 64, 1, 10)
+    q = torch.randn(1, 4, 64, generator=rng).to(torch.bfloat16)
+    for isa in cpu_kernels.supported_isas()[:-1]:
+        call = cpu_kernels.prefix_attention(q, pages, k_rows, 10, 1, 0.1, isa=isa, amx=False)
+        assert call is None
+    monkeypatch.setattr(cpu_kernels, "AMX", False)
+    assert cpu_kernels.prefix_attention_ok("avx512bf16")
+    assert not cpu_kernels.prefix_attention_ok("avx512")
+
+
+def test_rows_do_not_depend_on_the_thread_split(form):
     rng = torch.Generator().manual_seed(3)
     pages, k_rows = make_pool(rng, 3, 64, 1, 300)
     q = torch.randn(3, 200, 64, generator=rng).to(torch.bfloat16)
@@ -72,7 +151,7 @@ def test_rows_do_not_depend_on_the_thread_split():
         runs = []
         for t in (1, 2, 3):
             torch.set_num_threads(t)
-            runs.append(cpu_kernels.prefix_attention(q, pages, k_rows, 300, 1, 0.125))
+            runs.append(cpu_kernels.prefix_attention(q, pages, k_rows, 300, 1, 0.125, **form))
     finally:
         torch.set_num_threads(threads)
     for out, lse in runs[1:]:
