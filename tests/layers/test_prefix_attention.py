@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from radixserve import Engine, SamplingParams
 from radixserve.layers import cpu_kernels
 from radixserve.worker.attention import shared_prefix
+from tests.helpers.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.prefix_attention_ok(),
@@ -216,3 +218,52 @@ def test_attend_takes_it_and_matches_flash(monkeypatch, page_size):
     (out_n, lse_n), (out_f, lse_f) = results
     torch.testing.assert_close(out_n.float(), out_f.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse_n, lse_f, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory):
+    # head_dim 32 (256 / 8), 4 query heads per kv head.
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny-prefix"), "llama", seed=3, dtype=torch.bfloat16,
+        max_position_embeddings=2048, hidden_size=256, intermediate_size=512,
+        num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2,
+    )  # fmt: skip
+
+
+def test_engine_greedy_tokens_equal_the_other_paths(tiny_bf16, monkeypatch):
+    """An Engine in bfloat16: prefill chunks (fresh, over a cached prefix, cut by the
+    chunk size) through this kernel give the greedy tokens of the paths it replaces
+    where it does not run (the native kernel, SDPA), up to the first near-tie of the
+    other paths' top two logprobs (bfloat16 logits tie exactly at times: either token
+    is then right), and logprobs within bfloat16 rounding."""
+    rng = np.random.default_rng(1)
+    shared = rng.integers(4, 500, 300).tolist()
+    prompts = [shared + rng.integers(4, 500, n).tolist() for n in (40, 90, 7)]
+    prompts.append(rng.integers(4, 500, 200).tolist())
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+
+    def run() -> list:
+        eng = Engine(str(tiny_bf16), dtype="bfloat16", page_size=16, warmup=False,
+                     chunked_prefill_size=256)  # fmt: skip
+        # Twice: the second round over the prompts cached by the first.
+        return [r for _ in range(2) for r in eng.generate(prompts, params)]
+
+    real, calls = cpu_kernels.prefix_attention, []
+    monkeypatch.setattr(
+        cpu_kernels, "prefix_attention", lambda *a, **k: calls.append(a[6]) or real(*a, **k)
+    )
+    got = run()
+    assert any(limits is not None for limits in calls)  # causal chunks took it
+    monkeypatch.setattr(cpu_kernels, "prefix_attention_ok", lambda isa=None: False)
+    calls.clear()
+    want = run()
+    assert not calls
+    compared = 0
+    for g, w in zip(got, want):
+        for gt, wt in zip(g.logprobs, w.logprobs):
+            assert abs(gt.logprob - wt.logprob) < 0.05
+            if wt.top[0].logprob - wt.top[1].logprob < 0.02:
+                break  # a near-tie: the paths may part here
+            assert gt.token_id == wt.token_id
+            compared += 1
+    assert compared >= 16

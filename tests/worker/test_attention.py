@@ -361,14 +361,22 @@ def test_shared_prefix_flash_is_on_for_bfloat16_with_amx_only(monkeypatch):
 @pytest.mark.parametrize("amx", [False, True])
 def test_native_prefill_is_on_for_bfloat16_products_without_amx_only(monkeypatch, amx):
     """Only where the kernel's bfloat16 products run, and oneDNN has no AMX tiles for
-    SDPA's, is it faster than SDPA for chunks."""
+    SDPA's, is it faster than SDPA for chunks; where the prefix kernel takes chunks in
+    its vdpbf16ps form (head_dim a multiple of 32, no soft-cap), it keeps the short
+    ones only."""
     require_built(native_decode.AVAILABLE, native_decode.UNAVAILABLE_REASON, "native decode")
     monkeypatch.setattr(cpu_kernels, "AMX", amx)
+    short = torch_backend.NATIVE_PREFILL_SHORT_TOKENS
     for dtype in (torch.float64, torch.float32, torch.bfloat16):
-        pool = KVPool(1, 8, 16, 2, 64, dtype)
-        backend = create_backend("torch", pool, 1.0, (-1,), 4)
         on = dtype == torch.bfloat16 and cpu_kernels.ISA == "avx512bf16" and not amx
-        assert backend.native_prefill_max_tokens == (1024 if on else 0)
+        for head_dim, softcap, prefix in ((64, 0.0, True), (48, 0.0, False), (64, 2.0, False)):
+            pool = KVPool(1, 8, 16, 2, head_dim, dtype)
+            backend = create_backend("torch", pool, 1.0, (-1,), 4, softcap=softcap)
+            assert backend.prefill_amx == (
+                dtype == torch.bfloat16 and prefix and cpu_kernels.prefix_attention_ok()
+            )
+            expected = (short if prefix else 1024) if on else 0
+            assert backend.native_prefill_max_tokens == expected
         torch_only = create_backend("torch", pool, 1.0, (-1,), 4, decode_kernel="torch")
         assert torch_only.native_prefill_max_tokens == 0
 

@@ -104,6 +104,13 @@ CASCADE_PREFILL_CONTEXT_RATIO = 16
 #: every prefill chunk is faster there (the same record).
 NATIVE_PREFILL_MAX_TOKENS = 1024
 
+#: Where the prefix kernel's ``vdpbf16ps`` form takes prefill chunks
+#: (``TorchAttention.prefill_amx`` without AMX), the native kernel keeps the chunks of up
+#: to this many tokens: it reads their keys in place, where the prefix kernel packs K and
+#: V per call and computes 32 query vectors per task; from 32 tokens on the prefix kernel
+#: is faster, 2.2x on a fresh 768-token chunk (bench/results/prefill_attention.md).
+NATIVE_PREFILL_SHORT_TOKENS = 16
+
 
 def native_prefill_tokens(dtype: torch.dtype, head_dim: int, plain: bool = True) -> int:
     """The longest prefill chunk the native kernel should take for this pool (0: none);
@@ -194,10 +201,12 @@ class TorchAttention(PoolBackend):
         #: one attention plan for all rows (``native_step_plan``).
         self.native_layers: Callable[[int], bool] | None = None
         self._flash = self.shared_prefix_flash
-        #: Whether prefill chunks that go to SDPA take our AMX kernel instead
+        #: Whether prefill chunks that go to SDPA take our prefix kernel instead
         #: (``cpu_kernels.prefix_attention``, with a causal limit per query vector; the
         #: pool's pages read in place): bfloat16 pools of head_dim a multiple of 32 where
-        #: the tiles run, no soft-cap; layers with a sliding window keep SDPA.
+        #: it runs (AMX tiles, or ``vdpbf16ps`` at avx512bf16), no soft-cap; layers with a
+        #: sliding window keep SDPA. Where it runs in ``vdpbf16ps``, the native kernel
+        #: keeps only chunks of up to ``NATIVE_PREFILL_SHORT_TOKENS`` tokens.
         self.prefill_amx = (
             not deterministic
             and pool.dtype == torch.bfloat16
@@ -206,6 +215,10 @@ class TorchAttention(PoolBackend):
             and softcap == 0
             and cpu_kernels.prefix_attention_ok()
         )
+        if self.prefill_amx:  # (0 where AMX runs them; every chunk in deterministic mode)
+            self.native_prefill_max_tokens = min(
+                self.native_prefill_max_tokens, NATIVE_PREFILL_SHORT_TOKENS
+            )
 
     def begin_batch(self, batch: AttentionBatch) -> None:
         pool = self.pool

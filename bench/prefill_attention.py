@@ -1,0 +1,115 @@
+"""Prefill attention benchmark: one layer's attention for a step of prefill chunks,
+through each path the torch backend can give them, in GFLOP per CPU-second.
+
+SmolLM2's attention shape (9 heads, 3 KV heads, head_dim 64, bfloat16, pages of 16):
+``--chunks`` requests, each ``--new`` new tokens after ``--cached`` cached ones (its own
+pages, scattered over the pool). Every path runs the backend's ``begin_batch`` and
+``forward`` for layer 0 (the K/V rows written, then attention); the paths take turns
+in every round, each keeping its fastest call of the round by process CPU time (robust
+on a loaded machine), and the table shows the median over rounds:
+
+- ``prefix``: ``cpu_kernels.prefix_attention`` with a causal limit per query vector
+  (``TorchAttention.prefill_amx``; AMX tiles, or ``vdpbf16ps`` at avx512bf16);
+- ``native``: the native paged kernel, each chunk a causal segment
+  (``native_prefill_max_tokens``);
+- ``sdpa``: gather + ``scaled_dot_product_attention``.
+
+GFLOP counts only the keys each query vector sees (4 x head_dim per query head and key:
+the scores and the value sums), not the blocks a kernel computes past the diagonal.
+
+    python bench/prefill_attention.py --threads 1                          # 768 fresh
+    python bench/prefill_attention.py --threads 1 --new 64 --cached 768 --chunks 28
+    python bench/prefill_attention.py --threads 1 --new 8,16,32,64,128 --cached 832
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from radixserve.layers import cpu_kernels
+from radixserve.worker.attention import AttentionBatch, create_backend
+from radixserve.worker.kv_pool import KVPool
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
+PATHS = ("prefix", "native", "sdpa")
+
+
+def step(new: int, cached: int, chunks: int, rng: np.random.Generator):
+    """A batch of ``chunks`` requests of ``new`` tokens after ``cached`` ones, with a pool
+    that holds them, and its q/k/v."""
+    per_req = -(-(cached + new) // PAGE)
+    pool = KVPool(1, chunks * per_req + 4, PAGE, KV_HEADS, HEAD_DIM, torch.bfloat16)
+    pool.layers[0].normal_()
+    pages = rng.permutation(chunks * per_req).astype(np.int32)
+    batch = AttentionBatch(
+        qo_indptr=np.arange(chunks + 1, dtype=np.int32) * new,
+        kv_lens=np.full(chunks, cached + new, np.int32),
+        page_indptr=np.arange(chunks + 1, dtype=np.int32) * per_req,
+        page_indices=pages,
+    )
+    t = chunks * new
+    q = torch.randn(t, HEADS, HEAD_DIM).to(torch.bfloat16)
+    k = torch.randn(t, KV_HEADS, HEAD_DIM).to(torch.bfloat16)
+    v = torch.randn(t, KV_HEADS, HEAD_DIM).to(torch.bfloat16)
+    return pool, batch, (q, k, v)
+
+
+def backend_for(path: str, pool: KVPool):
+    backend = create_backend("torch", pool, HEAD_DIM**-0.5, (-1,), HEADS, decode_kernel="native")
+    backend.shared_prefix_flash = False  # chunks alone: no cascade groups
+    backend.prefill_amx = path == "prefix"
+    backend.native_prefill_max_tokens = 1 << 30 if path == "native" else 0
+    return backend
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--new", default="768", help="new tokens per chunk (a list: one row each)")
+    ap.add_argument("--cached", type=int, default=0, help="cached tokens before each chunk")
+    ap.add_argument("--chunks", type=int, default=1, help="requests in the step")
+    ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=3, help="calls per path per round")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    if not cpu_kernels.AVAILABLE:
+        raise SystemExit(f"native kernels not built ({cpu_kernels.UNAVAILABLE_REASON})")
+    torch.set_num_threads(args.threads)
+    paths = [p for p in args.paths.split(",") if p]
+    if "prefix" in paths and not cpu_kernels.prefix_attention_ok():
+        raise SystemExit("prefix_attention does not run here (no AMX, below avx512bf16)")
+    print(f"isa {cpu_kernels.ISA}, amx {cpu_kernels.AMX}, {args.threads} thread(s); "
+          f"{HEADS} heads / {KV_HEADS} kv heads / head_dim {HEAD_DIM}; ms per call "
+          "(CPU time) and GFLOP per CPU-second")  # fmt: skip
+    print(f"| chunks x new | cached | {' | '.join(paths)} |")
+    print(f"|---|---|{'---|' * len(paths)}")
+    rng = np.random.default_rng(0)
+    for new in (int(x) for x in args.new.split(",")):
+        pool, batch, (q, k, v) = step(new, args.cached, args.chunks, rng)
+        seen = args.chunks * sum(args.cached + t + 1 for t in range(new))
+        flop = 4 * HEAD_DIM * HEADS * seen
+        backends = {p: backend_for(p, pool) for p in paths}
+        times: dict[str, list[float]] = {p: [] for p in paths}
+        for _ in range(args.rounds):
+            for p, backend in backends.items():
+                best = float("inf")
+                for _ in range(args.calls):
+                    t0 = time.process_time()
+                    backend.begin_batch(batch)
+                    backend.forward(0, q, k, v)
+                    best = min(best, time.process_time() - t0)
+                times[p].append(best)
+        cells = []
+        for p in paths:
+            t = statistics.median(times[p])
+            cells.append(f"{t * 1e3:.2f} ms, {flop / t / 1e9:.0f}")
+        print(f"| {args.chunks} x {new} | {args.cached} | {' | '.join(cells)} |")
+
+
+if __name__ == "__main__":
+    main()
