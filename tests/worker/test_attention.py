@@ -343,15 +343,19 @@ def test_which_prefill_chunks_join_cascade_groups():
 
 
 def test_shared_prefix_flash_is_on_for_bfloat16_with_amx_only(monkeypatch):
-    """The flash path runs only where oneDNN has AMX tiles, for bfloat16 pools, with the
-    native kernel and no soft-cap."""
+    """The flash path runs only where oneDNN has AMX tiles or the prefix kernel runs in
+    vdpbf16ps (head_dim a multiple of 32), for bfloat16 pools, with the native kernel
+    and no soft-cap."""
     require_built(native_decode.AVAILABLE, native_decode.UNAVAILABLE_REASON, "native decode")
     for amx in (False, True):
         monkeypatch.setattr(cpu_kernels, "AMX", amx)
+        vector = cpu_kernels.prefix_attention_ok("avx512bf16") and cpu_kernels.ISA == "avx512bf16"
         for dtype in (torch.float32, torch.bfloat16):
-            pool = KVPool(1, 8, 16, 2, 64, dtype)
-            backend = create_backend("torch", pool, 1.0, (-1,), 4)
-            assert backend.shared_prefix_flash == (amx and dtype == torch.bfloat16)
+            for head_dim in (64, 48):
+                pool = KVPool(1, 8, 16, 2, head_dim, dtype)
+                backend = create_backend("torch", pool, 1.0, (-1,), 4)
+                takes = amx or (vector and head_dim % 32 == 0)
+                assert backend.shared_prefix_flash == (takes and dtype == torch.bfloat16)
         pool = KVPool(1, 8, 16, 2, 64, torch.bfloat16)
         assert not create_backend("torch", pool, 1.0, (-1,), 4, softcap=2.0).shared_prefix_flash
         torch_only = create_backend("torch", pool, 1.0, (-1,), 4, decode_kernel="torch")

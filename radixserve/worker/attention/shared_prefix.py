@@ -1,4 +1,4 @@
-"""Cascade groups' shared prefixes on AMX tiles (for CPUs that have them).
+"""Cascade groups' shared prefixes through our prefix kernel (AMX tiles or ``vdpbf16ps``).
 
 When decode requests share a cached prefix, the native kernel reads it once for
 all of them as one segment (``native_decode.py``). That part is a small matrix
@@ -6,7 +6,9 @@ product (every member's query heads against the same keys), and where the CPU
 has AMX tiles (``cpu_kernels.AMX``) our tile kernel (``cpu_kernels.prefix_attention``,
 ``csrc/prefix_attention.cpp``; bfloat16, head_dim a multiple of 32) or else torch's
 CPU flash attention computes it several times faster than the kernel's
-``vdpbf16ps`` tiles (docs/cpu-kernels.md, "CPU kernels"). Then the native kernel computes only each
+``vdpbf16ps`` tiles (docs/cpu-kernels.md, "CPU kernels"); on AVX512_BF16 CPUs without
+AMX the prefix kernel's ``vdpbf16ps`` form is a little faster than them at batches the
+one-call decode step does not take. Then the native kernel computes only each
 member's own suffix, with the log-sum-exp of its scores, and ``attend`` merges
 the two parts per row and head by their log-sum-exps (``cpu_kernels.merge_attention``,
 one native call per group): the same attention over the concatenated keys.

@@ -182,16 +182,18 @@ class TorchAttention(PoolBackend):
         )
         if deterministic:
             self.native_prefill_max_tokens = 1 << 62  # every chunk
-        #: Whether a cascade group's shared prefix goes through torch's CPU flash
-        #: attention (``shared_prefix.py``) while the native kernel computes the
-        #: members' own suffixes: bfloat16 pools where oneDNN has AMX tiles (tests
-        #: force it for other dtypes).
+        #: Whether a cascade group's shared prefix goes through our prefix kernel or
+        #: torch's CPU flash attention (``shared_prefix.py``) while the native kernel
+        #: computes the members' own suffixes: bfloat16 pools where oneDNN has AMX tiles,
+        #: or where the prefix kernel runs in ``vdpbf16ps`` (head_dim a multiple of 32;
+        #: without AMX torch's flash attention is no faster than the native kernel).
+        #: Tests force it for other dtypes.
         self.shared_prefix_flash = (
             self.decode_kernel == "native"
             and not deterministic
             and pool.dtype == torch.bfloat16
             and self.plain
-            and cpu_kernels.AMX
+            and (cpu_kernels.AMX or (pool.head_dim % 32 == 0 and cpu_kernels.prefix_attention_ok()))
             and softcap == 0
             and shared_prefix.available()
         )
