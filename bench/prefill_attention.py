@@ -3,10 +3,11 @@ through each path the torch backend can give them, in GFLOP per CPU-second.
 
 SmolLM2's attention shape (9 heads, 3 KV heads, head_dim 64, bfloat16, pages of 16):
 ``--chunks`` requests, each ``--new`` new tokens after ``--cached`` cached ones (its own
-pages, scattered over the pool). Every path runs the backend's ``begin_batch`` and
-``forward`` for layer 0 (the K/V rows written, then attention); the paths take turns
-in every round, each keeping its fastest call of the round by process CPU time (robust
-on a loaded machine), and the table shows the median over rounds:
+pages, scattered over the pool). Every path plans the step once (``begin_batch``, once
+per step for all layers in a served step) and times the backend's ``forward`` for layer
+0 (the K/V rows written, then attention); the paths take turns in every round, each
+keeping its fastest call of the round by process CPU time (robust on a loaded machine),
+and the table shows the median over rounds:
 
 - ``prefix``: ``cpu_kernels.prefix_attention`` with a causal limit per query vector
   (``TorchAttention.prefill_amx``; AMX tiles, or ``vdpbf16ps`` at avx512bf16);
@@ -94,13 +95,14 @@ def main() -> None:
         seen = args.chunks * sum(args.cached + t + 1 for t in range(new))
         flop = 4 * HEAD_DIM * HEADS * seen
         backends = {p: backend_for(p, pool) for p in paths}
+        for backend in backends.values():
+            backend.begin_batch(batch)
         times: dict[str, list[float]] = {p: [] for p in paths}
         for _ in range(args.rounds):
             for p, backend in backends.items():
                 best = float("inf")
                 for _ in range(args.calls):
                     t0 = time.process_time()
-                    backend.begin_batch(batch)
                     backend.forward(0, q, k, v)
                     best = min(best, time.process_time() - t0)
                 times[p].append(best)

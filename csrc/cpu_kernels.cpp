@@ -308,8 +308,9 @@ void silu_mul_py(const py::array& gate_up, py::array& out, int num_threads,
                        num_threads);
 }
 
-// out, lse := attention of q [kv_heads, n, d] over the shared keys of pool rows k_rows
-// (prefix_attention.cpp); bfloat16 as int16 throughout, lse float32. On AMX tiles with
+// out, lse := attention of q over the keys of pool rows k_rows (prefix_attention.cpp):
+// q and out [kv_heads, n, d], or [tokens, kv_heads, group, d] (query vector i = token *
+// group + g); bfloat16 as int16 throughout, lse [kv_heads, n] float32. On AMX tiles with
 // amx, else in vdpbf16ps code at isa avx512bf16. False where that form cannot run (no
 // tiles granted; isa below avx512bf16): nothing to use in out/lse.
 bool prefix_attention_py(const py::array& q, const py::array& pool, const py::array& k_rows,
@@ -324,13 +325,18 @@ bool prefix_attention_py(const py::array& q, const py::array& pool, const py::ar
   if (!is_bf16(q) || !is_bf16(pool) || !is_bf16(out) || !lse.dtype().is(py::dtype::of<float>()))
     fail("q, pool and out must be bfloat16 (as int16), lse float32");
   if (!k_rows.dtype().is(py::dtype::of<int64_t>())) fail("k_rows must be int64");
-  if (q.ndim() != 3 || out.ndim() != 3 || lse.ndim() != 2 || pool.ndim() != 2 || k_rows.ndim() != 1)
-    fail("q and out must be [kv_heads, n, d], lse [kv_heads, n], pool 2-D, k_rows 1-D");
+  if ((q.ndim() != 3 && q.ndim() != 4) || out.ndim() != q.ndim() || lse.ndim() != 2 ||
+      pool.ndim() != 2 || k_rows.ndim() != 1)
+    fail("q and out must be [kv_heads, n, d] or [tokens, kv_heads, group, d], lse [kv_heads, n], "
+         "pool 2-D, k_rows 1-D");
   if (!(q.flags() & c) || !(pool.flags() & c) || !(k_rows.flags() & c) || !(out.flags() & c) ||
       !(lse.flags() & c) || !out.writeable() || !lse.writeable())
     fail("arrays must be C-contiguous (out and lse writeable)");
-  const int64_t heads = q.shape(0), n = q.shape(1), d = q.shape(2), row_len = pool.shape(1);
-  for (int i = 0; i < 3; ++i)
+  const bool folded = q.ndim() == 4;
+  const int64_t heads = q.shape(folded ? 1 : 0), d = q.shape(q.ndim() - 1);
+  const int64_t n = folded ? q.shape(0) * q.shape(2) : q.shape(1);
+  const int64_t group = folded ? q.shape(2) : n, row_len = pool.shape(1);
+  for (int i = 0; i < q.ndim(); ++i)
     if (out.shape(i) != q.shape(i)) fail("out must have q's shape");
   if (lse.shape(0) != heads || lse.shape(1) != n) fail("lse must be [kv_heads, n]");
   if (d % 32 != 0) fail("head_dim must be a multiple of 32");
@@ -355,12 +361,13 @@ bool prefix_attention_py(const py::array& q, const py::array& pool, const py::ar
   auto* lp = static_cast<float*>(lse.mutable_data());
   py::gil_scoped_release nogil;
   if (amx)
-    return radixserve::prefix_attention_amx(qp, pp, rows, lim, n, d, heads, page_size, row_len,
-                                            kv_len, static_cast<float>(scale), op, lp,
+    return radixserve::prefix_attention_amx(qp, pp, rows, lim, n, group, d, heads, page_size,
+                                            row_len, kv_len, static_cast<float>(scale), op, lp,
                                             num_threads);
   if (isa < Isa::kAvx512Bf16) return false;
-  return radixserve::prefix_attention_dp(qp, pp, rows, lim, n, d, heads, page_size, row_len,
-                                         kv_len, static_cast<float>(scale), op, lp, num_threads);
+  return radixserve::prefix_attention_dp(qp, pp, rows, lim, n, group, d, heads, page_size,
+                                         row_len, kv_len, static_cast<float>(scale), op, lp,
+                                         num_threads);
 }
 
 void silu_mul_rows_py(const py::array& gate_up, py::array& out, int num_threads,
@@ -804,8 +811,9 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::arg("k_rows"), py::arg("kv_len"), py::arg("page_size"), py::arg("scale"),
         py::arg("out"), py::arg("lse"), py::arg("num_threads"), py::arg("limits") = py::none(),
         py::arg("isa") = "auto", py::arg("amx") = true,
-        "out [kv_heads, n, d], lse [kv_heads, n] := attention of q over kv_len keys (pool "
-        "rows k_rows, V the row after; bfloat16 as int16, lse float32); query vector i sees "
+        "out, lse [kv_heads, n] := attention of q over kv_len keys (pool rows k_rows, V the "
+        "row after; bfloat16 as int16, lse float32); q and out [kv_heads, n, d] or [tokens, "
+        "kv_heads, group, d] (query vector i = token * group + g); query vector i sees "
         "keys [0, limits[i]) (int32 [n]; None: all). On AMX tiles with amx, else with "
         "vdpbf16ps at isa avx512bf16; False where that form cannot run (no tiles; a lower "
         "isa).");

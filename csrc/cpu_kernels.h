@@ -270,21 +270,24 @@ void amx_value_rows(const uint32_t* pp, int64_t nq, int64_t np2p, int64_t pp_str
 
 // Attention of n query vectors per kv head over one run of len keys
 // (prefix_attention.cpp), on AMX tiles (prefix_attention_amx) or in vdpbf16ps
-// micro-kernels (prefix_attention_dp, CPUs with AVX512_BF16): out [kv_heads][n][d] (bfloat16) and lse [kv_heads][n]
-// (float32, the natural log-sum-exp of each row's scaled scores) for q [kv_heads][n][d];
+// micro-kernels (prefix_attention_dp, CPUs with AVX512_BF16): out (bfloat16, laid out
+// as q) and lse [kv_heads][n] (float32, the natural log-sum-exp of each row's scaled
+// scores) for q [n / group][kv_heads][group][d] (query vector i of kv head h at
+// [i / group][h][i % group]: group = n is [kv_heads][n][d]; a chunk's tokens with their
+// query heads folded per kv head is [tokens][kv_heads][heads per kv head][d]);
 // key t of kv head h is at pool row k_rows[t / page_size] (V: + 1), offset
 // ((t % page_size) * kv_heads + h) * d, rows of row_len bfloat16. Query vector i sees
 // keys [0, limits[i]) (1 <= limits[i] <= len; every kv head alike), or all len keys
-// when limits is null. d % 32 == 0. False (nothing written that counts) where the
-// form cannot run here (no AMX tiles granted; no AVX512_BF16).
+// when limits is null. d % 32 == 0, n % group == 0. False (nothing written that
+// counts) where the form cannot run here (no AMX tiles granted; no AVX512_BF16).
 bool prefix_attention_amx(const uint16_t* q, const uint16_t* pool, const int64_t* k_rows,
-                          const int32_t* limits, int64_t n, int64_t d, int64_t kv_heads,
-                          int64_t page_size, int64_t row_len, int64_t len, float scale,
-                          uint16_t* out, float* lse, int num_threads);
+                          const int32_t* limits, int64_t n, int64_t group, int64_t d,
+                          int64_t kv_heads, int64_t page_size, int64_t row_len, int64_t len,
+                          float scale, uint16_t* out, float* lse, int num_threads);
 bool prefix_attention_dp(const uint16_t* q, const uint16_t* pool, const int64_t* k_rows,
-                         const int32_t* limits, int64_t n, int64_t d, int64_t kv_heads,
-                         int64_t page_size, int64_t row_len, int64_t len, float scale,
-                         uint16_t* out, float* lse, int num_threads);
+                         const int32_t* limits, int64_t n, int64_t group, int64_t d,
+                         int64_t kv_heads, int64_t page_size, int64_t row_len, int64_t len,
+                         float scale, uint16_t* out, float* lse, int num_threads);
 
 // y [rows, n] = RMSNorm of bfloat16 rows x [rows, n] with weight w [n] (rms_norm.cpp),
 // all C-contiguous bfloat16 bits; unit_offset scales by (1 + w) (Gemma).

@@ -103,15 +103,20 @@ void grow(std::vector<T>& v, int64_t n) {
 }
 
 struct Args {
-  const uint16_t* q;       // [kv_heads][n][d]
+  const uint16_t* q;       // [n / group][kv_heads][group][d]
   const uint16_t* pool;    // the layer's pages viewed as [rows][row_len]
   const int64_t* k_rows;   // [pages] the K row of each shared page (V: + 1)
   const int32_t* limits;   // [n] keys each query vector sees (a prefix of them); null: len
-  int64_t n, d, kv_heads, page_size, row_len, len;
+  int64_t n, group, d, kv_heads, page_size, row_len, len;
   float scale;
-  uint16_t* out;           // [kv_heads][n][d]
+  uint16_t* out;           // as q
   float* lse;              // [kv_heads][n]
 };
+
+// Where query vector i of kv head h starts in q and out (elements).
+RS_ALWAYS_INLINE int64_t row_at(const Args& a, int64_t h, int64_t i) {
+  return ((i / a.group * a.kv_heads + h) * a.group + i % a.group) * a.d;
+}
 
 // The K (which = 0) or V (1) row of key t, kv head h.
 RS_ALWAYS_INLINE const uint16_t* key_row(const Args& a, int64_t t, int64_t which, int64_t h) {
@@ -193,7 +198,7 @@ RS_TARGET_AVX512BF16 void pack_head(const Args& a, int64_t h, int64_t lp, int64_
 // Per-thread scratch of one task, reused between tasks and calls (no zero fill; every
 // word read is written first).
 struct Scratch {
-  std::vector<uint32_t> qpad;  // [32][d / 2] the last rows of a head, zero-padded
+  std::vector<uint32_t> qpad;  // [32][d / 2] the task's query vectors (zero past the last)
   std::vector<float> s;        // [32][ls] scores
   std::vector<uint16_t> pb;    // [32][ls] probabilities (bfloat16)
   std::vector<float> o;        // [32][d] value sums
@@ -206,20 +211,18 @@ struct Scratch {
   }
 };
 
-// A task's query vectors, as 32 rows of feature pairs: [rows, 32) zero. The keys each
-// row sees into lens; returns the keys the task reads (its longest row's, in whole
-// key blocks).
-int64_t task_rows(const Args& a, int64_t h, int64_t i0, Scratch& w, const uint32_t** qp,
-                  int64_t* rows, int64_t* lens) {
+// A task's query vectors, as 32 rows of feature pairs into w.qpad ([rows, 32) zero). The
+// keys each row sees into lens; returns the keys the task reads (its longest row's, in
+// whole key blocks).
+int64_t task_rows(const Args& a, int64_t h, int64_t i0, Scratch& w, int64_t* rows,
+                  int64_t* lens) {
   const int64_t d = a.d;
   *rows = std::min(kTaskRows, a.n - i0);
-  const uint16_t* q = a.q + (h * a.n + i0) * d;
-  *qp = reinterpret_cast<const uint32_t*>(q);
-  if (*rows < kTaskRows) {  // the last rows of a head: zero-padded to a whole task
-    std::memset(w.qpad.data(), 0, static_cast<size_t>(kTaskRows * d / 2) * sizeof(uint32_t));
-    std::memcpy(w.qpad.data(), q, static_cast<size_t>(*rows * d) * sizeof(uint16_t));
-    *qp = w.qpad.data();
-  }
+  uint16_t* qp = reinterpret_cast<uint16_t*>(w.qpad.data());
+  const size_t row_bytes = static_cast<size_t>(d) * sizeof(uint16_t);
+  for (int64_t r = 0; r < *rows; ++r) std::memcpy(qp + r * d, a.q + row_at(a, h, i0 + r), row_bytes);
+  if (*rows < kTaskRows)  // the last rows of a head: zero-padded to a whole task
+    std::memset(qp + *rows * d, 0, static_cast<size_t>(kTaskRows - *rows) * row_bytes);
   int64_t longest = 0;
   for (int64_t r = 0; r < *rows; ++r) {
     lens[r] = a.limits ? std::min<int64_t>(a.limits[i0 + r], a.len) : a.len;
@@ -235,7 +238,7 @@ RS_TARGET_AVX512BF16 void finish_task(const Args& a, int64_t h, int64_t i0, int6
   const int64_t d = a.d;
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
-    uint16_t* dst = a.out + (h * a.n + i0 + r) * d;
+    uint16_t* dst = a.out + row_at(a, h, i0 + r);
     for (int64_t f = 0; f < d; f += 16) {
       const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(o + r * d + f), inv);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + f), (__m256i)_mm512_cvtneps_pbh(x));
@@ -246,9 +249,9 @@ RS_TARGET_AVX512BF16 void finish_task(const Args& a, int64_t h, int64_t i0, int6
 
 RS_TARGET_AMX void run_task_amx(const Args& a, int64_t h, int64_t i0, int64_t ls,
                                 const uint32_t* kt, const uint32_t* vp, Scratch& w) {
-  const uint32_t* qp;
   int64_t rows, lens[kTaskRows];
-  const int64_t lt = task_rows(a, h, i0, w, &qp, &rows, lens);
+  const int64_t lt = task_rows(a, h, i0, w, &rows, lens);
+  const uint32_t* qp = w.qpad.data();
   score_tiles(qp, a.d / 2, kt, lt, ls, w.s.data());
   float m[kTaskRows], l[kTaskRows];
   softmax_block(w.s.data(), ls, lt, lens, rows, a.scale, w.pb.data(), m, l);
@@ -347,9 +350,9 @@ RS_TARGET_AVX512BF16 void value_task_dp(const uint32_t* pw, int64_t pstride, int
 
 RS_TARGET_AVX512BF16 void run_task_dp(const Args& a, int64_t h, int64_t i0, int64_t ls,
                                       const uint32_t* kt, const uint32_t* vp, Scratch& w) {
-  const uint32_t* qp;
   int64_t rows, lens[kTaskRows];
-  const int64_t lt = task_rows(a, h, i0, w, &qp, &rows, lens);
+  const int64_t lt = task_rows(a, h, i0, w, &rows, lens);
+  const uint32_t* qp = w.qpad.data();
   score_task_dp(qp, a.d / 2, kt, lt, ls, w.s.data());
   float m[kTaskRows], l[kTaskRows];
   softmax_block(w.s.data(), ls, lt, lens, rows, a.scale, w.pb.data(), m, l);
@@ -407,34 +410,39 @@ bool run(const Args& a, bool amx, int num_threads) {
 }  // namespace
 
 bool prefix_attention_amx(const uint16_t* q, const uint16_t* pool, const int64_t* k_rows,
-                          const int32_t* limits, int64_t n, int64_t d, int64_t kv_heads,
-                          int64_t page_size, int64_t row_len, int64_t len, float scale,
-                          uint16_t* out, float* lse, int num_threads) {
-  if (d % 32 != 0 || len <= 0 || n <= 0 || !amx_tiles_granted()) return false;
-  const Args a{q, pool, k_rows, limits, n, d, kv_heads, page_size, row_len, len, scale, out, lse};
+                          const int32_t* limits, int64_t n, int64_t group, int64_t d,
+                          int64_t kv_heads, int64_t page_size, int64_t row_len, int64_t len,
+                          float scale, uint16_t* out, float* lse, int num_threads) {
+  if (d % 32 != 0 || len <= 0 || n <= 0 || group <= 0 || n % group != 0 || !amx_tiles_granted())
+    return false;
+  const Args a{q,        pool,      k_rows,  limits, n,     group, d,
+               kv_heads, page_size, row_len, len,    scale, out,   lse};
   return run(a, true, num_threads);
 }
 
 bool prefix_attention_dp(const uint16_t* q, const uint16_t* pool, const int64_t* k_rows,
-                         const int32_t* limits, int64_t n, int64_t d, int64_t kv_heads,
-                         int64_t page_size, int64_t row_len, int64_t len, float scale,
-                         uint16_t* out, float* lse, int num_threads) {
-  if (d % 32 != 0 || len <= 0 || n <= 0 || best_isa() < Isa::kAvx512Bf16) return false;
-  const Args a{q, pool, k_rows, limits, n, d, kv_heads, page_size, row_len, len, scale, out, lse};
+                         const int32_t* limits, int64_t n, int64_t group, int64_t d,
+                         int64_t kv_heads, int64_t page_size, int64_t row_len, int64_t len,
+                         float scale, uint16_t* out, float* lse, int num_threads) {
+  if (d % 32 != 0 || len <= 0 || n <= 0 || group <= 0 || n % group != 0 ||
+      best_isa() < Isa::kAvx512Bf16)
+    return false;
+  const Args a{q,        pool,      k_rows,  limits, n,     group, d,
+               kv_heads, page_size, row_len, len,    scale, out,   lse};
   return run(a, false, num_threads);
 }
 
 #else
 
 bool prefix_attention_amx(const uint16_t*, const uint16_t*, const int64_t*, const int32_t*,
-                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, uint16_t*,
-                          float*, int) {
+                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                          uint16_t*, float*, int) {
   return false;
 }
 
 bool prefix_attention_dp(const uint16_t*, const uint16_t*, const int64_t*, const int32_t*,
-                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, uint16_t*,
-                         float*, int) {
+                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                         uint16_t*, float*, int) {
   return false;
 }
 

@@ -434,18 +434,24 @@ def prefix_attention(
     limits: np.ndarray | None = None,
     isa: str | None = None,
     amx: bool | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Attention of ``q`` [kv_heads, n, head_dim] (bfloat16, C-contiguous) over
-    ``kv_len`` keys (``csrc/prefix_attention.cpp``): the output [kv_heads, n, head_dim]
-    (bfloat16) and each row's log-sum-exp of its scaled scores [kv_heads, n] (float32).
-    Key t is in page ``t // page_size`` of the layer's ``pages`` [rows, page_size *
-    kv_heads * head_dim], whose K row is ``k_rows`` of it (int64; V is the row after).
-    ``limits`` (int32 [n]): query vector i sees keys ``[0, limits[i])`` (a causal chunk);
-    None: every key (a shared prefix). On AMX tiles with ``amx`` (default ``AMX``), else
-    with ``vdpbf16ps`` at level ``isa`` (default ``ISA``) ``avx512bf16``. None where that
-    form cannot run (no tiles; a lower level)."""
-    out = torch.empty(q.shape, dtype=q.dtype)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32)
+    """Attention of ``q`` (bfloat16, C-contiguous) over ``kv_len`` keys
+    (``csrc/prefix_attention.cpp``): the output (bfloat16, ``q``'s shape; into ``out``,
+    C-contiguous, when given) and each row's log-sum-exp of its scaled scores
+    [kv_heads, n] (float32). ``q`` is [kv_heads, n, head_dim], or a chunk's tokens
+    [tokens, kv_heads, group, head_dim] with query vector ``i`` of a kv head at
+    ``[i // group, :, i % group]`` (n = tokens x group: its query heads folded per kv
+    head, no copy). Key t is in page ``t // page_size`` of the layer's ``pages`` [rows,
+    page_size * kv_heads * head_dim], whose K row is ``k_rows`` of it (int64; V is the
+    row after). ``limits`` (int32 [n]): query vector i sees keys ``[0, limits[i])`` (a
+    causal chunk); None: every key (a shared prefix). On AMX tiles with ``amx`` (default
+    ``AMX``), else with ``vdpbf16ps`` at level ``isa`` (default ``ISA``) ``avx512bf16``.
+    None where that form cannot run (no tiles; a lower level)."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype)
+    kv_heads, n = (q.shape[1], q.shape[0] * q.shape[2]) if q.dim() == 4 else q.shape[:2]
+    lse = torch.empty(kv_heads, n, dtype=torch.float32)
     ran = ext.prefix_attention(  # type: ignore[union-attr]
         _array(q), _array(pages), k_rows.numpy(), kv_len, page_size, scale, _array(out),
         lse.numpy(), torch.get_num_threads(), limits, isa=isa or ISA,

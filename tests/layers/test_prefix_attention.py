@@ -110,6 +110,15 @@ def test_causal_chunks_match_float64_attention(form, kv_heads, group, qo, kv_len
     ref_out, ref_lse = reference(q, pages, k_rows, kv_len, page_size, scale, limits)
     torch.testing.assert_close(res[0].double(), ref_out, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(res[1].double(), ref_lse, atol=2e-5, rtol=1e-5)
+    # The same rows read and written in the chunk's own layout [tokens, kv_heads, group, d].
+    q4 = q.view(kv_heads, qo, group, d).permute(1, 0, 2, 3).contiguous()
+    out4 = torch.empty_like(q4)
+    res4 = cpu_kernels.prefix_attention(
+        q4, pages, k_rows, kv_len, page_size, scale, limits, out=out4, **form
+    )
+    assert res4 is not None and res4[0] is out4
+    assert torch.equal(out4.permute(1, 0, 2, 3).reshape(res[0].shape), res[0])
+    assert torch.equal(res4[1], res[1])
 
 
 def test_any_limits_match_float64_attention(form):

@@ -553,23 +553,20 @@ class TorchAttention(PoolBackend):
     def _prefill_tiles(
         self, pages: torch.Tensor, q: torch.Tensor, out: torch.Tensor, p: _Prefill
     ) -> bool:
-        """One prefill chunk's attention by the AMX kernel, reading its keys from the
-        layer's ``pages`` (this step's rows already written); False where the tiles
-        cannot run."""
+        """One prefill chunk's attention by the prefix kernel, reading its keys from the
+        layer's ``pages`` (this step's rows already written) and writing the chunk's rows
+        of ``out`` (contiguous); False where the kernel cannot run."""
         kvh = self.pool.num_kv_heads
-        qc = q[p.rows]
+        qc = q[p.rows].contiguous()
         qo, heads, d = qc.shape
-        group = heads // kvh
-        # [qo, heads, d] -> [kv head][token][query head of the kv head][d]
-        qf = qc.view(qo, kvh, group, d).permute(1, 0, 2, 3).contiguous()
+        # [qo, heads, d] as [token][kv head][query head of the kv head][d]: the kernel's
+        # folded rows, read and written in place.
+        folded = (qo, kvh, heads // kvh, d)
         res = cpu_kernels.prefix_attention(
-            qf.view(kvh, qo * group, d), pages, p.gather, p.kv_len, self.pool.page_size,
-            self.scale, p.limits,
+            qc.view(folded), pages, p.gather, p.kv_len, self.pool.page_size, self.scale,
+            p.limits, out=out[p.rows].view(folded),
         )  # fmt: skip
-        if res is None:
-            return False
-        out[p.rows] = res[0].view(kvh, qo, group, d).permute(1, 0, 2, 3).reshape(qo, heads, d)
-        return True
+        return res is not None
 
     def _encode(self, x: torch.Tensor, search_scale: bool = False) -> torch.Tensor:
         """New K or V rows [T, kv_heads, head_dim] as the pool stores them
