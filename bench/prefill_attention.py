@@ -18,9 +18,18 @@ and the table shows the median over rounds:
 GFLOP counts only the keys each query vector sees (4 x head_dim per query head and key:
 the scores and the value sums), not the blocks a kernel computes past the diagonal.
 
+``--engine`` times a whole prefill instead (the ``prefix_repetition`` shape):
+``--prompts`` prompts at once, each one of ``--prefixes`` random prefixes of
+``--prefix-len`` tokens plus ``--own`` tokens of its own, through an in-process Engine
+of ``--model`` (``max_tokens`` 1, cache flushed before each trial), in process CPU
+seconds and GFLOP per CPU-second: the layers' products (2 x their weights per computed
+token) and attention (each prefix computed once, causal; each prompt's own tokens over
+its prefix).
+
     python bench/prefill_attention.py --threads 1                          # 768 fresh
     python bench/prefill_attention.py --threads 1 --new 64 --cached 768 --chunks 28
     python bench/prefill_attention.py --threads 1 --new 8,16,32,64,128 --cached 832
+    python bench/prefill_attention.py --threads 1 --engine
 """
 
 from __future__ import annotations
@@ -68,6 +77,44 @@ def backend_for(path: str, pool: KVPool):
     return backend
 
 
+def engine_prefill(args: argparse.Namespace) -> None:
+    """The whole prefill of the prefix_repetition shape through an Engine (``--engine``)."""
+    from radixserve import Engine, SamplingParams
+
+    eng = Engine(args.model, threads=args.threads)
+    model = eng.runner.model
+    layer_params = sum(
+        p.numel() for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("layers.")
+    )
+    cfg = eng.runner.model_config
+    rng = np.random.default_rng(0)
+    sp = SamplingParams(max_tokens=1, temperature=0)
+    eng.generate([rng.integers(100, 40000, 300).tolist()], sp)  # warm
+    n_pre, own = args.prefix_len, args.own
+    tokens = args.prefixes * n_pre + args.prompts * own
+    seen = args.prefixes * n_pre * (n_pre + 1) // 2 + args.prompts * sum(
+        n_pre + t + 1 for t in range(own)
+    )
+    products = 2 * tokens * layer_params
+    attention = 4 * cfg.head_dim * cfg.num_heads * cfg.num_layers * seen
+    print(f"{args.model}, {args.threads} thread(s): {args.prompts} prompts = {args.prefixes} "
+          f"prefixes x {n_pre} + {own} own tokens; products {products / 1e12:.3f} TFLOP, "
+          f"attention {attention / 1e12:.3f}")  # fmt: skip
+    for trial in range(args.trials):
+        pre = [rng.integers(100, 40000, n_pre).tolist() for _ in range(args.prefixes)]
+        prompts = [
+            pre[i % args.prefixes] + rng.integers(100, 40000, own).tolist()
+            for i in range(args.prompts)
+        ]
+        eng.flush_cache()
+        t, w = time.process_time(), time.perf_counter()
+        eng.generate(prompts, sp)
+        cpu, wall = time.process_time() - t, time.perf_counter() - w
+        print(f"trial {trial}: cpu {cpu:.2f} s, wall {wall:.2f} s, "
+              f"{(products + attention) / cpu / 1e9:.1f} GFLOP per CPU-second")  # fmt: skip
+    eng.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--new", default="768", help="new tokens per chunk (a list: one row each)")
@@ -77,7 +124,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=3, help="calls per path per round")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--engine", action="store_true", help="a whole prefill (see above)")
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--prefixes", type=int, default=4)
+    ap.add_argument("--prefix-len", type=int, default=768)
+    ap.add_argument("--own", type=int, default=64)
+    ap.add_argument("--trials", type=int, default=2)
     args = ap.parse_args()
+    if args.engine:
+        return engine_prefill(args)
     if not cpu_kernels.AVAILABLE:
         raise SystemExit(f"native kernels not built ({cpu_kernels.UNAVAILABLE_REASON})")
     torch.set_num_threads(args.threads)
