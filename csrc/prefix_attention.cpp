@@ -220,7 +220,8 @@ int64_t task_rows(const Args& a, int64_t h, int64_t i0, Scratch& w, int64_t* row
   *rows = std::min(kTaskRows, a.n - i0);
   uint16_t* qp = reinterpret_cast<uint16_t*>(w.qpad.data());
   const size_t row_bytes = static_cast<size_t>(d) * sizeof(uint16_t);
-  for (int64_t r = 0; r < *rows; ++r) std::memcpy(qp + r * d, a.q + row_at(a, h, i0 + r), row_bytes);
+  for (int64_t r = 0; r < *rows; ++r)
+    std::memcpy(qp + r * d, a.q + row_at(a, h, i0 + r), row_bytes);
   if (*rows < kTaskRows)  // the last rows of a head: zero-padded to a whole task
     std::memset(qp + *rows * d, 0, static_cast<size_t>(kTaskRows - *rows) * row_bytes);
   int64_t longest = 0;
@@ -415,8 +416,8 @@ bool prefix_attention_amx(const uint16_t* q, const uint16_t* pool, const int64_t
                           float scale, uint16_t* out, float* lse, int num_threads) {
   if (d % 32 != 0 || len <= 0 || n <= 0 || group <= 0 || n % group != 0 || !amx_tiles_granted())
     return false;
-  const Args a{q,        pool,      k_rows,  limits, n,     group, d,
-               kv_heads, page_size, row_len, len,    scale, out,   lse};
+  const Args a{q, pool, k_rows, limits, n, group, d, kv_heads, page_size, row_len, len,
+               scale, out, lse};
   return run(a, true, num_threads);
 }
 
@@ -427,8 +428,8 @@ bool prefix_attention_dp(const uint16_t* q, const uint16_t* pool, const int64_t*
   if (d % 32 != 0 || len <= 0 || n <= 0 || group <= 0 || n % group != 0 ||
       best_isa() < Isa::kAvx512Bf16)
     return false;
-  const Args a{q,        pool,      k_rows,  limits, n,     group, d,
-               kv_heads, page_size, row_len, len,    scale, out,   lse};
+  const Args a{q, pool, k_rows, limits, n, group, d, kv_heads, page_size, row_len, len,
+               scale, out, lse};
   return run(a, false, num_threads);
 }
 
