@@ -288,13 +288,14 @@ def test_prefill_chunks_join_cascade_groups(dtype, page_size):
     run_case(rng, page_size, 1, 4, ["prefix"] * 5, shared=128, **kw)
 
 
-@pytest.mark.skipif(not cpu_kernels.prefix_attention_ok(), reason="needs AMX tiles")
+@pytest.mark.skipif(not cpu_kernels.prefix_attention_ok(), reason="needs AMX tiles or AVX512_BF16")
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_prefill_chunks_through_the_amx_kernel(monkeypatch, page_size):
-    """bfloat16, head_dim 64, where the AMX tiles run: prefill chunks (fresh, over a cached
-    prefix, over a shared one) go through ``cpu_kernels.prefix_attention`` with a causal
-    limit per query vector, reading the pool in place, beside decodes in cascade groups;
-    a sliding-window layer keeps SDPA. Against the dense reference."""
+    """bfloat16, head_dim 64, where the prefix kernel runs (AMX tiles, or vdpbf16ps at
+    avx512bf16): prefill chunks (fresh, over a cached prefix, over a shared one) go
+    through ``cpu_kernels.prefix_attention`` with a causal limit per query vector,
+    reading the pool in place, beside decodes in cascade groups; a sliding-window layer
+    keeps SDPA. Against the dense reference."""
     require_built(native_decode.AVAILABLE, native_decode.UNAVAILABLE_REASON, "native decode")
     real, causal = cpu_kernels.prefix_attention, []
     monkeypatch.setattr(

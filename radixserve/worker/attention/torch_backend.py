@@ -217,7 +217,7 @@ class TorchAttention(PoolBackend):
             and softcap == 0
             and cpu_kernels.prefix_attention_ok()
         )
-        if self.prefill_amx:  # (0 where AMX runs them; every chunk in deterministic mode)
+        if self.prefill_amx:  # (the native kernel takes no chunk where AMX runs)
             self.native_prefill_max_tokens = min(
                 self.native_prefill_max_tokens, NATIVE_PREFILL_SHORT_TOKENS
             )
