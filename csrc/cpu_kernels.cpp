@@ -370,6 +370,88 @@ bool prefix_attention_py(const py::array& q, const py::array& pool, const py::ar
                                          num_threads);
 }
 
+// out, lse := prefix_attention of every chunk of a step in one call
+// (prefix_attention.cpp): q and out [tokens, kv_heads, group, d] (bfloat16 as int16);
+// chunk c is tokens [q_begin[c], q_begin[c] + q_len[c]) (ascending, disjoint), its
+// query vectors tokens x group; its keys kv_len[c] keys in the pool rows
+// k_rows[page_indptr[c]:page_indptr[c + 1]] (V the row after); its limits (int32
+// [tokens * group], None: all keys) and lse (float32 [tokens * kv_heads * group]: the
+// chunk's [kv_heads][q_len * group] block from q_begin[c] * kv_heads * group) at its
+// tokens. Rows outside the chunks are not touched. False where the form cannot run.
+bool prefix_attention_chunks_py(const py::array& q, const py::array& pool, py::array& out,
+                                py::array& lse, const py::array_t<int64_t>& q_begin,
+                                const py::array_t<int64_t>& q_len,
+                                const py::array_t<int64_t>& k_rows,
+                                const py::array_t<int64_t>& page_indptr,
+                                const py::array_t<int64_t>& kv_len, int64_t page_size,
+                                double scale, int num_threads, const py::object& limits,
+                                const std::string& isa_name, bool amx) {
+  const Isa isa = parse_isa(isa_name, "prefix_attention_chunks");
+  auto fail = [](const std::string& what) {
+    throw std::invalid_argument("prefix_attention_chunks: " + what);
+  };
+  const auto c = py::array::c_style;
+  if (!is_bf16(q) || !is_bf16(pool) || !is_bf16(out) || !lse.dtype().is(py::dtype::of<float>()))
+    fail("q, pool and out must be bfloat16 (as int16), lse float32");
+  if (q.ndim() != 4 || out.ndim() != 4 || pool.ndim() != 2 || lse.ndim() != 1)
+    fail("q and out must be [tokens, kv_heads, group, d], pool 2-D, lse 1-D");
+  if (!(q.flags() & c) || !(pool.flags() & c) || !(out.flags() & c) || !(lse.flags() & c) ||
+      !out.writeable() || !lse.writeable())
+    fail("arrays must be C-contiguous (out and lse writeable)");
+  for (int i = 0; i < 4; ++i)
+    if (out.shape(i) != q.shape(i)) fail("out must have q's shape");
+  const int64_t tokens = q.shape(0), heads = q.shape(1), group = q.shape(2), d = q.shape(3);
+  const int64_t row_len = pool.shape(1);
+  if (lse.shape(0) != tokens * heads * group) fail("lse must be [tokens * kv_heads * group]");
+  if (d % 32 != 0) fail("head_dim must be a multiple of 32");
+  if (page_size <= 0 || row_len != page_size * heads * d)
+    fail("pool rows must hold page_size * kv_heads * d");
+  for (const auto* arr : {&q_begin, &q_len, &k_rows, &page_indptr, &kv_len})
+    if (arr->ndim() != 1 || !(arr->flags() & c)) fail("the plan's arrays must be 1-D int64");
+  const int64_t count = q_begin.shape(0);
+  if (count < 1 || q_len.shape(0) != count || kv_len.shape(0) != count ||
+      page_indptr.shape(0) != count + 1)
+    fail("q_begin, q_len, kv_len [chunks] and page_indptr [chunks + 1]");
+  const int64_t *qb = q_begin.data(), *ql = q_len.data(), *pi = page_indptr.data();
+  const int64_t *kl = kv_len.data(), *rows = k_rows.data();
+  if (pi[0] != 0 || pi[count] != k_rows.shape(0)) fail("page_indptr must span k_rows");
+  const int32_t* lim = nullptr;
+  py::array_t<int32_t, py::array::c_style> limits_arr;
+  if (!limits.is_none()) {
+    limits_arr = limits.cast<py::array_t<int32_t, py::array::c_style>>();
+    if (limits_arr.ndim() != 1 || limits_arr.shape(0) != tokens * group)
+      fail("limits must be int32 [tokens * group]");
+    lim = limits_arr.data();
+  }
+  std::vector<radixserve::PrefixChunk> chunks(static_cast<size_t>(count));
+  const auto* qp = static_cast<const uint16_t*>(q.data());
+  auto* op = static_cast<uint16_t*>(out.mutable_data());
+  auto* lp = static_cast<float*>(lse.mutable_data());
+  for (int64_t i = 0; i < count; ++i) {
+    if (ql[i] < 1 || qb[i] < (i ? qb[i - 1] + ql[i - 1] : 0) || qb[i] + ql[i] > tokens)
+      fail("chunks must be ascending, disjoint runs of q's tokens");
+    const int64_t pages = pi[i + 1] - pi[i];
+    if (pages < 0 || kl[i] <= 0 || kl[i] > pages * page_size)
+      fail("kv_len must be in (0, pages * page_size]");
+    for (int64_t p = pi[i]; p < pi[i] + (kl[i] + page_size - 1) / page_size; ++p)
+      if (rows[p] < 0 || rows[p] + 1 >= pool.shape(0)) fail("a K row (or its V row) is out of range");
+    const int64_t n = ql[i] * group;
+    const int32_t* cl = lim ? lim + qb[i] * group : nullptr;
+    if (cl)
+      for (int64_t j = 0; j < n; ++j)
+        if (cl[j] < 1 || cl[j] > kl[i]) fail("every limit must be in [1, kv_len]");
+    const int64_t at = qb[i] * heads * group * d;
+    chunks[static_cast<size_t>(i)] = {qp + at, rows + pi[i], cl, n, kl[i], op + at,
+                                      lp + qb[i] * heads * group};
+  }
+  const auto* pp = static_cast<const uint16_t*>(pool.data());
+  py::gil_scoped_release nogil;
+  if (!amx && isa < Isa::kAvx512Bf16) return false;
+  return radixserve::prefix_attention_chunks(chunks.data(), count, pp, group, d, heads,
+                                             page_size, row_len, static_cast<float>(scale), amx,
+                                             num_threads);
+}
+
 void silu_mul_rows_py(const py::array& gate_up, py::array& out, int num_threads,
                       const std::string& isa_name) {
   const Isa isa = parse_isa(isa_name, "silu_mul_rows");
@@ -817,6 +899,17 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         "keys [0, limits[i]) (int32 [n]; None: all). On AMX tiles with amx, else with "
         "vdpbf16ps at isa avx512bf16; False where that form cannot run (no tiles; a lower "
         "isa).");
+  m.def("prefix_attention_chunks", &prefix_attention_chunks_py, py::arg("q"), py::arg("pool"),
+        py::arg("out"), py::arg("lse"), py::arg("q_begin"), py::arg("q_len"), py::arg("k_rows"),
+        py::arg("page_indptr"), py::arg("kv_len"), py::arg("page_size"), py::arg("scale"),
+        py::arg("num_threads"), py::arg("limits") = py::none(), py::arg("isa") = "auto",
+        py::arg("amx") = true,
+        "prefix_attention for every chunk of a step in one call: q and out [tokens, kv_heads, "
+        "group, d]; chunk c is tokens [q_begin[c], q_begin[c] + q_len[c]) over kv_len[c] keys "
+        "(pool rows k_rows[page_indptr[c]:page_indptr[c + 1]]); limits int32 [tokens * "
+        "group] (None: all keys); lse float32 [tokens * kv_heads * group], chunk c's "
+        "[kv_heads][q_len * group] block from q_begin[c] * kv_heads * group. Each row's "
+        "bits as from its chunk alone. False where the form cannot run.");
   m.def("silu_mul_rows", &silu_mul_rows_py, py::arg("gate_up"), py::arg("out"),
         py::arg("num_threads"), py::arg("isa") = "auto",
         "out [rows, I] = silu(gate) * up for row-major gate_up [rows, 2 * I] (gate, then up, "

@@ -289,6 +289,26 @@ bool prefix_attention_dp(const uint16_t* q, const uint16_t* pool, const int64_t*
                          int64_t kv_heads, int64_t page_size, int64_t row_len, int64_t len,
                          float scale, uint16_t* out, float* lse, int num_threads);
 
+// One chunk of prefix_attention_chunks: n query vectors (q and out laid out as above),
+// its keys at pool rows k_rows (len keys), limits as above (null: all len keys), lse
+// [kv_heads][n].
+struct PrefixChunk {
+  const uint16_t* q;
+  const int64_t* k_rows;
+  const int32_t* limits;
+  int64_t n, len;
+  uint16_t* out;
+  float* lse;
+};
+
+// prefix_attention_amx (amx) or _dp for every chunk of chunks[count] (one layer's pool,
+// head shape and scale) in one parallel region: each row's bits as in a call of its chunk
+// alone, whatever the other chunks and the thread split. The one-chunk functions above
+// are its count == 1 case. False as they are (and where a chunk has n or len <= 0).
+bool prefix_attention_chunks(const PrefixChunk* chunks, int64_t count, const uint16_t* pool,
+                             int64_t group, int64_t d, int64_t kv_heads, int64_t page_size,
+                             int64_t row_len, float scale, bool amx, int num_threads);
+
 // y [rows, n] = RMSNorm of bfloat16 rows x [rows, n] with weight w [n] (rms_norm.cpp),
 // all C-contiguous bfloat16 bits; unit_offset scales by (1 + w) (Gemma).
 void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t rows, int64_t n,

@@ -5,12 +5,14 @@
 // limit). It returns each row's output and the log-sum-exp of its scaled scores, for
 // the merge with the members' own suffixes (lse_merge.cpp).
 //
-// Per kv head, K and V are packed once per call into the products' operand layouts (K^T
-// in feature pairs, V in key pairs), then the work is split into tasks of 32 query
-// vectors: the scores of a task's 32 rows against the keys its rows see (up to the
-// longest limit, in blocks of 32; blocks past it are skipped) go to a float32 block that
-// stays in the core's cache, its softmax runs in vector code, and its probabilities,
-// rounded to bfloat16, multiply V. Products of bfloat16 pairs are summed in float32 (as
+// One call takes one chunk or all of a step's chunks (prefix_attention_chunks: one
+// parallel region per layer). Per chunk and kv head, K and V are packed once per call
+// into the products' operand layouts (K^T in feature pairs, V in key pairs), and the
+// work is split into tasks of 32 query vectors of one chunk and kv head (run(), below):
+// the scores of a task's 32 rows against the keys its rows see (up to the longest limit,
+// in blocks of 32; blocks past it are skipped) go to a float32 block that stays in the
+// core's cache, its softmax runs in vector code, and its probabilities, rounded to
+// bfloat16, multiply V. Products of bfloat16 pairs are summed in float32 (as
 // torch's CPU flash attention does); the scale is applied to the summed score. bfloat16
 // values and head_dim a multiple of 32 only.
 //
@@ -362,78 +364,188 @@ RS_TARGET_AVX512BF16 void run_task_dp(const Args& a, int64_t h, int64_t i0, int6
   finish_task(a, h, i0, rows, w.o.data(), m, l);
 }
 
-// Both forms: pack every kv head (threads over heads), then the tasks (threads over
-// (kv head, task), each task one thread's: a row's bits do not depend on the split).
-bool run(const Args& a, bool amx, int num_threads) {
-  const int64_t d = a.d, d2 = d / 2;
-  const int64_t lp = (a.len + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
-  // Row stride of K^T, the scores and the probabilities: past lp by one cache line, so
-  // that the rows of a block never share a cache set (lp * 4 may be a multiple of 4 KiB).
-  const int64_t ls = lp + 16;
-  // Reused between calls. Pointers are taken here: inside the parallel region a
+// Where a chunk's work and packed operands lie in one call.
+struct ChunkPlan {
+  int64_t lp, ls;        // keys in whole blocks; row stride of K^T, scores, probabilities
+  int64_t per_head;      // tasks per kv head
+  int64_t first_task;    // its first task among the call's
+  int64_t kt_at, vp_at;  // its packed K^T and V in the shared buffers (words)
+};
+
+// Both forms, every chunk of the call in one parallel region. A task (32 query vectors
+// of one chunk and kv head) is one thread's and reads only its chunk's packed K and V,
+// which hold the same words however they are packed: a row's bits depend on neither the
+// thread split nor the other chunks. Two ways to split the work:
+//   per head: threads over (chunk, kv head) units, each packing its K and V into the
+//     thread's own buffers (in its cache) and running the unit's tasks; no barrier
+//     between packing and tasks. Taken where the largest unit is at most a quarter of a
+//     thread's share, so that the units balance over the threads (a step of many
+//     chunks).
+//   shared: every (chunk, kv head) packed into shared buffers (threads over units), a
+//     barrier, then threads over all tasks (one chunk of few kv heads: its tasks split).
+bool run(const Args* chunks, int64_t count, bool amx, int num_threads) {
+  const Args& a0 = chunks[0];
+  const int64_t d = a0.d, d2 = d / 2, kv_heads = a0.kv_heads;
+  std::vector<ChunkPlan> plan(static_cast<size_t>(count));
+  int64_t tasks = 0, kt_words = 0, vp_words = 0, max_ls = 0, work = 0, max_unit = 0;
+  for (int64_t c = 0; c < count; ++c) {
+    ChunkPlan& p = plan[static_cast<size_t>(c)];
+    const Args& a = chunks[c];
+    p.lp = (a.len + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+    // Past lp by one cache line, so that the rows of a block never share a cache set
+    // (lp * 4 may be a multiple of 4 KiB).
+    p.ls = p.lp + 16;
+    p.per_head = (a.n + kTaskRows - 1) / kTaskRows;
+    p.first_task = tasks;
+    p.kt_at = kt_words;
+    p.vp_at = vp_words;
+    tasks += kv_heads * p.per_head;
+    kt_words += kv_heads * d2 * p.ls;
+    vp_words += kv_heads * (p.lp / 2) * d;
+    max_ls = std::max(max_ls, p.ls);
+    const int64_t unit = p.per_head * p.lp;  // its tasks' rows x keys, roughly
+    work += kv_heads * unit;
+    max_unit = std::max(max_unit, unit);
+  }
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, tasks)));
+  const bool per_head = 4 * threads * max_unit <= work;
+  const int64_t units = count * kv_heads;
+  // Per head: the units largest first, so that the last ones taken are small.
+  std::vector<int64_t> order;
+  if (per_head) {
+    order.resize(static_cast<size_t>(units));
+    for (int64_t u = 0; u < units; ++u) order[static_cast<size_t>(u)] = u;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+      const ChunkPlan& px = plan[static_cast<size_t>(x / kv_heads)];
+      const ChunkPlan& py = plan[static_cast<size_t>(y / kv_heads)];
+      return px.per_head * px.lp > py.per_head * py.lp;
+    });
+  }
+  // Shared: reused between calls. Pointers are taken here: inside the parallel region a
   // thread_local would be each thread's own.
   static thread_local std::vector<uint32_t> kt_buf, vp_buf;
-  grow(kt_buf, a.kv_heads * d2 * ls);
-  grow(vp_buf, a.kv_heads * (lp / 2) * d);
+  if (!per_head) {
+    grow(kt_buf, kt_words);
+    grow(vp_buf, vp_words);
+  }
   uint32_t* kt = kt_buf.data();
   uint32_t* vp = vp_buf.data();
-  const int64_t per_head = (a.n + kTaskRows - 1) / kTaskRows, tasks = a.kv_heads * per_head;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, tasks)));
+  // The chunk of task t (tasks are numbered chunk by chunk).
+  auto chunk_of = [&](int64_t t) {
+    int64_t lo = 0, hi = count - 1;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (plan[static_cast<size_t>(mid)].first_task <= t)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    return lo;
+  };
   bool ok = true;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-#pragma omp for schedule(static)
-    for (int64_t h = 0; h < a.kv_heads; ++h)
-      pack_head(a, h, lp, ls, kt + h * d2 * ls, vp + h * (lp / 2) * d);
     static thread_local Scratch w;
-    w.reserve(d, ls);
+    w.reserve(d, max_ls);
     const bool tiles = amx && amx_attention_begin();
     if (amx && !tiles) {
 #pragma omp atomic write
       ok = false;
     }
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tasks; ++t) {
-      if (amx && !tiles) continue;
-      const int64_t h = t / per_head, i0 = (t % per_head) * kTaskRows;
-      const uint32_t* kh = kt + h * d2 * ls;
-      const uint32_t* vh = vp + h * (lp / 2) * d;
+    auto task = [&](const Args& a, const ChunkPlan& p, int64_t h, int64_t i0,
+                    const uint32_t* kh, const uint32_t* vh) {
       if (amx)
-        run_task_amx(a, h, i0, ls, kh, vh, w);
+        run_task_amx(a, h, i0, p.ls, kh, vh, w);
       else
-        run_task_dp(a, h, i0, ls, kh, vh, w);
+        run_task_dp(a, h, i0, p.ls, kh, vh, w);
+    };
+    if (per_head) {
+      static thread_local std::vector<uint32_t> kt_own, vp_own;
+      grow(kt_own, d2 * max_ls);
+      grow(vp_own, max_ls / 2 * d);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t u = 0; u < units; ++u) {
+        if (amx && !tiles) continue;
+        const int64_t c = order[static_cast<size_t>(u)] / kv_heads;
+        const int64_t h = order[static_cast<size_t>(u)] % kv_heads;
+        const Args& a = chunks[c];
+        const ChunkPlan& p = plan[static_cast<size_t>(c)];
+        pack_head(a, h, p.lp, p.ls, kt_own.data(), vp_own.data());
+        for (int64_t i = 0; i < p.per_head; ++i)
+          task(a, p, h, i * kTaskRows, kt_own.data(), vp_own.data());
+      }
+    } else {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t u = 0; u < units; ++u) {
+        const int64_t c = u / kv_heads, h = u % kv_heads;
+        const ChunkPlan& p = plan[static_cast<size_t>(c)];
+        pack_head(chunks[c], h, p.lp, p.ls, kt + p.kt_at + h * d2 * p.ls,
+                  vp + p.vp_at + h * (p.lp / 2) * d);
+      }
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t t = 0; t < tasks; ++t) {
+        if (amx && !tiles) continue;
+        const int64_t c = chunk_of(t);
+        const ChunkPlan& p = plan[static_cast<size_t>(c)];
+        const int64_t h = (t - p.first_task) / p.per_head;
+        const int64_t i0 = (t - p.first_task) % p.per_head * kTaskRows;
+        task(chunks[c], p, h, i0, kt + p.kt_at + h * d2 * p.ls,
+             vp + p.vp_at + h * (p.lp / 2) * d);
+      }
     }
     if (tiles) amx_attention_end();
   }
   return ok;
 }
 
+bool valid(const PrefixChunk* chunks, int64_t count, int64_t group, int64_t d) {
+  if (count <= 0 || d % 32 != 0 || group <= 0) return false;
+  for (int64_t c = 0; c < count; ++c)
+    if (chunks[c].len <= 0 || chunks[c].n <= 0 || chunks[c].n % group != 0) return false;
+  return true;
+}
+
 }  // namespace
+
+bool prefix_attention_chunks(const PrefixChunk* chunks, int64_t count, const uint16_t* pool,
+                             int64_t group, int64_t d, int64_t kv_heads, int64_t page_size,
+                             int64_t row_len, float scale, bool amx, int num_threads) {
+  if (!valid(chunks, count, group, d)) return false;
+  if (amx ? !amx_tiles_granted() : best_isa() < Isa::kAvx512Bf16) return false;
+  std::vector<Args> args;
+  args.reserve(static_cast<size_t>(count));
+  for (int64_t c = 0; c < count; ++c) {
+    const PrefixChunk& k = chunks[c];
+    args.push_back(Args{k.q, pool, k.k_rows, k.limits, k.n, group, d, kv_heads, page_size,
+                        row_len, k.len, scale, k.out, k.lse});
+  }
+  return run(args.data(), count, amx, num_threads);
+}
 
 bool prefix_attention_amx(const uint16_t* q, const uint16_t* pool, const int64_t* k_rows,
                           const int32_t* limits, int64_t n, int64_t group, int64_t d,
                           int64_t kv_heads, int64_t page_size, int64_t row_len, int64_t len,
                           float scale, uint16_t* out, float* lse, int num_threads) {
-  if (d % 32 != 0 || len <= 0 || n <= 0 || group <= 0 || n % group != 0 || !amx_tiles_granted())
-    return false;
-  const Args a{q, pool, k_rows, limits, n, group, d, kv_heads, page_size, row_len, len,
-               scale, out, lse};
-  return run(a, true, num_threads);
+  const PrefixChunk chunk{q, k_rows, limits, n, len, out, lse};
+  return prefix_attention_chunks(&chunk, 1, pool, group, d, kv_heads, page_size, row_len, scale,
+                                 true, num_threads);
 }
 
 bool prefix_attention_dp(const uint16_t* q, const uint16_t* pool, const int64_t* k_rows,
                          const int32_t* limits, int64_t n, int64_t group, int64_t d,
                          int64_t kv_heads, int64_t page_size, int64_t row_len, int64_t len,
                          float scale, uint16_t* out, float* lse, int num_threads) {
-  if (d % 32 != 0 || len <= 0 || n <= 0 || group <= 0 || n % group != 0 ||
-      best_isa() < Isa::kAvx512Bf16)
-    return false;
-  const Args a{q, pool, k_rows, limits, n, group, d, kv_heads, page_size, row_len, len,
-               scale, out, lse};
-  return run(a, false, num_threads);
+  const PrefixChunk chunk{q, k_rows, limits, n, len, out, lse};
+  return prefix_attention_chunks(&chunk, 1, pool, group, d, kv_heads, page_size, row_len, scale,
+                                 false, num_threads);
 }
 
 #else
+
+bool prefix_attention_chunks(const PrefixChunk*, int64_t, const uint16_t*, int64_t, int64_t,
+                             int64_t, int64_t, int64_t, float, bool, int) {
+  return false;
+}
 
 bool prefix_attention_amx(const uint16_t*, const uint16_t*, const int64_t*, const int32_t*,
                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,

@@ -460,6 +460,43 @@ def prefix_attention(
     return (out, lse) if ran else None
 
 
+def prefix_attention_chunks(
+    q: torch.Tensor,
+    pages: torch.Tensor,
+    q_begin: np.ndarray,
+    q_len: np.ndarray,
+    k_rows: np.ndarray,
+    page_indptr: np.ndarray,
+    kv_len: np.ndarray,
+    page_size: int,
+    scale: float,
+    limits: np.ndarray | None = None,
+    isa: str | None = None,
+    amx: bool | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``prefix_attention`` of every chunk of a step in one call (one parallel region):
+    ``q`` [tokens, kv_heads, group, head_dim] (bfloat16, C-contiguous); chunk ``c`` is
+    the tokens ``[q_begin[c], q_begin[c] + q_len[c])`` (ascending, disjoint) over
+    ``kv_len[c]`` keys in the pages whose K rows are
+    ``k_rows[page_indptr[c]:page_indptr[c + 1]]`` (the plan's arrays int64). ``limits``
+    (int32 [tokens * group], at the chunks' query vectors): the keys each sees; None:
+    all of its chunk's. Returns the output (``q``'s shape; into ``out`` when given, its
+    rows outside the chunks untouched) and the log-sum-exp (float32 [tokens * kv_heads *
+    group]: chunk ``c``'s [kv_heads, q_len[c] * group] block from ``q_begin[c] *
+    kv_heads * group``), each row's bits those of its chunk's ``prefix_attention``
+    call; None where the form cannot run."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype)
+    lse = torch.empty(q.shape[0] * q.shape[1] * q.shape[2], dtype=torch.float32)
+    ran = ext.prefix_attention_chunks(  # type: ignore[union-attr]
+        _array(q), _array(pages), _array(out), lse.numpy(), q_begin, q_len, k_rows,
+        page_indptr, kv_len, page_size, scale, torch.get_num_threads(), limits,
+        isa=isa or ISA, amx=AMX if amx is None else amx,
+    )  # fmt: skip
+    return (out, lse) if ran else None
+
+
 def bitmask_ok(logits: torch.Tensor) -> bool:
     """Whether ``apply_token_bitmask`` takes these logits (a built extension that has
     it; contiguous float32 or float64 on the CPU)."""

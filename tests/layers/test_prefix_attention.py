@@ -169,6 +169,153 @@ def test_rows_do_not_depend_on_the_thread_split(form):
         assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
 
 
+def chunk_step(rng: torch.Generator, kv_heads: int, group: int, d: int, page_size: int,
+               chunks: list[tuple[int, int]], gap: int = 2):  # fmt: skip
+    """A step of prefill chunks (qo new tokens over kv keys each, ``gap`` other tokens
+    between two chunks' rows), their pages scattered over one pool: q, pages and the
+    plan's arrays for ``prefix_attention_chunks``."""
+    used = [-(-kv // page_size) for _, kv in chunks]
+    pages, order = make_pool(rng, kv_heads, d, page_size, sum(used) * page_size)
+    q_begin, t = [], gap
+    for qo, _ in chunks:
+        q_begin.append(t)
+        t += qo + gap
+    q = torch.randn(t, kv_heads, group, d, generator=rng).to(torch.bfloat16)
+    limits = np.zeros(t * group, np.int32)
+    for b, (qo, kv) in zip(q_begin, chunks):
+        limits[b * group : (b + qo) * group] = causal_limits(kv, qo, group)
+    plan = (
+        np.array(q_begin, np.int64),
+        np.array([qo for qo, _ in chunks], np.int64),
+        order.numpy(),
+        np.concatenate([[0], np.cumsum(used)]).astype(np.int64),
+        np.array([kv for _, kv in chunks], np.int64),
+    )
+    return q, pages, plan, limits
+
+
+def one_call(q, pages, plan, page_size, limits, form, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.full_like(q, 7.0)  # rows outside the chunks must keep this
+        res = cpu_kernels.prefix_attention_chunks(
+            q, pages, *plan, page_size, 0.125, limits, out=out, **form
+        )
+    finally:
+        torch.set_num_threads(before)
+    assert res is not None and res[0] is out
+    return res
+
+
+@pytest.mark.parametrize(
+    "kv_heads,group,d,page_size,chunks",
+    [
+        # Many chunks of like sizes: each (chunk, kv head) packed and run by one thread
+        # (the largest unit within a quarter of a thread's share, at 1 and 2 threads).
+        (3, 3, 64, 16, [(17 + 5 * i, 150 + 41 * i) for i in range(10)]),
+        # Mixed sizes (one token, past whole tasks, fresh, over cached prefixes) with
+        # one chunk of most of the work: K and V packed first, then threads over tasks.
+        (2, 3, 64, 16, [(1, 1), (5, 35), (40, 200), (64, 832), (7, 7), (33, 100), (100, 100)]),
+        (3, 3, 64, 1, [(300, 300), (3, 40)]),
+        (1, 8, 128, 4, [(20, 60), (9, 9), (31, 95)]),  # head_dim 128, 8 heads per kv head
+        (2, 1, 96, 8, [(45, 70), (12, 12)]),  # head_dim 96, no GQA
+    ],
+)
+def test_chunks_in_one_call_are_the_bits_of_one_call_each(
+    form, kv_heads, group, d, page_size, chunks
+):
+    """Each chunk's rows of one call for the whole step: the bits of a call for that
+    chunk alone (its rows in place), at 1, 2 and 3 threads; float64 attention; the rows
+    between chunks untouched; the chunks alone in a call of their own give the same."""
+    rng = torch.Generator().manual_seed(len(chunks) * 100 + d)
+    q, pages, plan, limits = chunk_step(rng, kv_heads, group, d, page_size, chunks)
+    q_begin, q_len, k_rows, page_indptr, kv_len = plan
+    runs = [one_call(q, pages, plan, page_size, limits, form, t) for t in (1, 2, 3)]
+    out, lse = runs[0]
+    at = np.concatenate([np.arange(b, b + qo) for b, qo in zip(q_begin, q_len)])
+    at = torch.from_numpy(at[:, None] * kv_heads * group + np.arange(kv_heads * group)).view(-1)
+    for o, ls in runs[1:]:  # (lse past the chunks is not written)
+        assert torch.equal(o, out) and torch.equal(ls[at], lse[at])
+    inside = torch.zeros(q.shape[0], dtype=torch.bool)
+    for c, (b, qo) in enumerate(zip(q_begin.tolist(), q_len.tolist())):
+        inside[b : b + qo] = True
+        rows = k_rows[page_indptr[c] : page_indptr[c + 1]]
+        kv, lim = int(kv_len[c]), limits[b * group : (b + qo) * group]
+        alone = cpu_kernels.prefix_attention(
+            q[b : b + qo], pages, torch.from_numpy(rows), kv, page_size, 0.125, lim, **form
+        )
+        assert alone is not None
+        n = qo * group
+        assert torch.equal(out[b : b + qo], alone[0])
+        block = lse[b * kv_heads * group : b * kv_heads * group + kv_heads * n]
+        assert torch.equal(block.view(kv_heads, n), alone[1])
+        # float64 on the chunk's query vectors as [kv_heads, n, d]
+        qh = q[b : b + qo].permute(1, 0, 2, 3).reshape(kv_heads, n, d)
+        ref_out, ref_lse = reference(qh, pages, torch.from_numpy(rows), kv, page_size, 0.125, lim)
+        got = out[b : b + qo].permute(1, 0, 2, 3).reshape(kv_heads, n, d)
+        torch.testing.assert_close(got.double(), ref_out, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(block.view(kv_heads, n).double(), ref_lse, atol=2e-5, rtol=1e-5)
+    assert (out[~inside].float() == 7.0).all()
+    # The first and last chunks alone in one call: the same bits.
+    pick = [0, len(chunks) - 1]
+    sub = (
+        q_begin[pick], q_len[pick],
+        np.concatenate([k_rows[page_indptr[c] : page_indptr[c + 1]] for c in pick]),
+        np.concatenate([[0], np.cumsum(np.diff(page_indptr)[pick])]).astype(np.int64),
+        kv_len[pick],
+    )  # fmt: skip
+    o2, l2 = one_call(q, pages, sub, page_size, limits, form, 2)
+    for c in pick:
+        b, qo = int(q_begin[c]), int(q_len[c])
+        assert torch.equal(o2[b : b + qo], out[b : b + qo])
+        at = slice(b * kv_heads * group, (b + qo) * kv_heads * group)
+        assert torch.equal(l2[at], lse[at])
+
+
+def test_chunks_without_limits_see_every_key(form):
+    rng = torch.Generator().manual_seed(9)
+    q, pages, plan, _ = chunk_step(rng, 2, 2, 64, 16, [(10, 50), (40, 300)])
+    out, _ = cpu_kernels.prefix_attention_chunks(q, pages, *plan, 16, 0.125, **form)
+    for c in range(2):
+        b, qo = int(plan[0][c]), int(plan[1][c])
+        rows = torch.from_numpy(plan[2][plan[3][c] : plan[3][c + 1]])
+        alone = cpu_kernels.prefix_attention(q[b : b + qo], pages, rows, int(plan[4][c]), 16,
+                                             0.125, **form)  # fmt: skip
+        assert alone is not None and torch.equal(out[b : b + qo], alone[0])
+
+
+def test_bad_chunk_plans_are_refused():
+    rng = torch.Generator().manual_seed(10)
+    q, pages, plan, limits = chunk_step(rng, 2, 2, 64, 1, [(4, 10), (3, 8)])
+    q_begin, q_len, k_rows, page_indptr, kv_len = plan
+
+    def call(**change):
+        p = dict(q_begin=q_begin, q_len=q_len, k_rows=k_rows, page_indptr=page_indptr,
+                 kv_len=kv_len)  # fmt: skip
+        p.update(change)
+        lim = change.pop("limits", limits)
+        cpu_kernels.prefix_attention_chunks(q, pages, p["q_begin"], p["q_len"], p["k_rows"],
+                                            p["page_indptr"], p["kv_len"], 1, 0.1, lim)  # fmt: skip
+
+    with pytest.raises(ValueError, match="ascending, disjoint"):
+        call(q_begin=np.array([2, 4], np.int64))
+    with pytest.raises(ValueError, match="ascending, disjoint"):
+        call(q_begin=np.array([2, q.shape[0] - 2], np.int64))
+    with pytest.raises(ValueError, match="kv_len"):
+        call(kv_len=np.array([11, 8], np.int64))
+    with pytest.raises(ValueError, match="span k_rows"):
+        call(page_indptr=np.array([0, 10, 17], np.int64))
+    with pytest.raises(ValueError, match="out of range"):
+        call(k_rows=np.full_like(k_rows, pages.shape[0] - 1))
+    with pytest.raises(ValueError, match="every limit"):
+        call(limits=np.full_like(limits, 9))
+    with pytest.raises(ValueError, match="limits must be"):
+        call(limits=limits[:-1].copy())
+    with pytest.raises(ValueError, match="chunks"):
+        call(q_len=np.array([4], np.int64))
+
+
 def test_bad_inputs_are_refused():
     rng = torch.Generator().manual_seed(4)
     pages, k_rows = make_pool(rng, 2, 64, 1, 40)
