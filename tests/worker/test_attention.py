@@ -293,22 +293,22 @@ def test_prefill_chunks_join_cascade_groups(dtype, page_size):
 def test_prefill_chunks_through_the_amx_kernel(monkeypatch, page_size):
     """bfloat16, head_dim 64, where the prefix kernel runs (AMX tiles, or vdpbf16ps at
     avx512bf16): prefill chunks (fresh, over a cached prefix, over a shared one) go
-    through ``cpu_kernels.prefix_attention`` with a causal limit per query vector,
-    reading the pool in place, beside decodes in cascade groups; a sliding-window layer
-    keeps SDPA. Against the dense reference."""
+    through ``cpu_kernels.prefix_attention_chunks`` (one call per layer) with a causal
+    limit per query vector, reading the pool in place, beside decodes in cascade groups;
+    a sliding-window layer keeps SDPA. Against the dense reference."""
     require_built(native_decode.AVAILABLE, native_decode.UNAVAILABLE_REASON, "native decode")
-    real, causal = cpu_kernels.prefix_attention, []
+    real, causal = cpu_kernels.prefix_attention_chunks, []
     monkeypatch.setattr(
         cpu_kernels,
-        "prefix_attention",
-        lambda *a, **k: causal.append(len(a) > 6 and a[6] is not None) or real(*a, **k),
+        "prefix_attention_chunks",
+        lambda *a, **k: causal.append(len(a[2])) or real(*a, **k),  # chunks per call
     )
     rng = np.random.default_rng(11 + page_size)
     kinds = ["fresh", "prefix", "decode", "prefix", "decode", "fresh", "prefix", "decode"]
     prefix_of = [None, 0, 0, 0, 0, None, None, 1]
     kw = {"decode_kernel": "native", "dtype": torch.bfloat16, "head_dim": 64}
     run_case(rng, page_size, 2, 3, kinds, shared=32, prefix_of=prefix_of, window=24, **kw)
-    assert sum(causal) >= 5  # layer 1's chunks (layer 0 has a window)
+    assert len(causal) == 1 and causal[0] >= 5  # layer 1's chunks (layer 0 has a window)
     causal.clear()
     run_case(rng, page_size, 1, 4, ["prefix"] * 4, shared=48, prefill_amx=False, **kw)
     assert not any(causal)

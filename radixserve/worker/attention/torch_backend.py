@@ -67,6 +67,22 @@ class _Prefill:
 
 
 @dataclass
+class _Chunks:
+    """A step's prefill chunks for the prefix kernel, one call per layer
+    (``cpu_kernels.prefix_attention_chunks``): chunk c is q's rows ``[q_begin[c],
+    q_begin[c] + q_len[c])`` over ``kv_len[c]`` keys in the pages whose K rows are
+    ``k_rows[page_indptr[c]:page_indptr[c + 1]]``; ``limits`` (int32 [tokens *
+    group]) at its rows folded [token][query head of a kv head]."""
+
+    q_begin: np.ndarray
+    q_len: np.ndarray
+    k_rows: np.ndarray
+    page_indptr: np.ndarray
+    kv_len: np.ndarray
+    limits: np.ndarray
+
+
+@dataclass
 class _Decode:
     rows: torch.Tensor  # [Bd] rows of q in the flat batch
     gather: torch.Tensor  # [Bd * pages read] page rows of K (V = + 1), after the shared pages
@@ -284,6 +300,7 @@ class TorchAttention(PoolBackend):
         rows = np.concatenate(write_rows) if write_rows else np.zeros(0, np.int64)
         self._write = torch.from_numpy(rows).to(device)
         self._write_rows = rows
+        self._chunks = self._plan_chunks(int(batch.qo_indptr[-1]))
         self._decodes, self._native, self._shared, self._lse = [], None, None, None
         if self.decode_kernel == "native":
             self._native = self._plan_native(batch, groups, plain, windows, native_prefills)
@@ -536,8 +553,9 @@ class TorchAttention(PoolBackend):
             vals = self._decode(vb.view(bd, dec.max_len, h, e)).transpose(1, 2)
             o = self._attention(qd, keys, vals, dec.bias[window])
             out.index_copy_(0, dec.rows, o.squeeze(2))
+        tiled = window <= 0 and self._chunks is not None and self._prefill_tiles(pages, q, out)
         for p in self._prefills:
-            if p.limits is not None and window <= 0 and self._prefill_tiles(pages, q, out, p):
+            if tiled and p.limits is not None:
                 continue
             qp = q[p.rows].transpose(0, 1).unsqueeze(0)  # [1, heads, qo, d]
             kb, vb = p.buffers
@@ -550,21 +568,40 @@ class TorchAttention(PoolBackend):
             out[p.rows] = o[0].transpose(0, 1)
         return out
 
-    def _prefill_tiles(
-        self, pages: torch.Tensor, q: torch.Tensor, out: torch.Tensor, p: _Prefill
-    ) -> bool:
-        """One prefill chunk's attention by the prefix kernel, reading its keys from the
-        layer's ``pages`` (this step's rows already written) and writing the chunk's rows
-        of ``out`` (contiguous); False where the kernel cannot run."""
-        kvh = self.pool.num_kv_heads
-        qc = q[p.rows].contiguous()
-        qo, heads, d = qc.shape
-        # [qo, heads, d] as [token][kv head][query head of the kv head][d]: the kernel's
-        # folded rows, read and written in place.
-        folded = (qo, kvh, heads // kvh, d)
-        res = cpu_kernels.prefix_attention(
-            qc.view(folded), pages, p.gather, p.kv_len, self.pool.page_size, self.scale,
-            p.limits, out=out[p.rows].view(folded),
+    def _plan_chunks(self, tokens: int) -> _Chunks | None:
+        """The step's arrays for ``cpu_kernels.prefix_attention_chunks``: every prefill
+        chunk the prefix kernel takes (those with limits), in one call per layer."""
+        chunks = [p for p in self._prefills if p.limits is not None]
+        if not chunks:
+            return None
+        group = self.num_qo_heads // self.pool.num_kv_heads
+        limits = np.zeros(tokens * group, np.int32)
+        for p in chunks:
+            limits[p.rows.start * group : p.rows.stop * group] = p.limits
+        gathers = [p.gather.numpy() for p in chunks]  # K rows (int64)
+        return _Chunks(
+            q_begin=np.array([p.rows.start for p in chunks], np.int64),
+            q_len=np.array([p.rows.stop - p.rows.start for p in chunks], np.int64),
+            k_rows=np.concatenate(gathers),
+            page_indptr=np.cumsum([0] + [len(g) for g in gathers], dtype=np.int64),
+            kv_len=np.array([p.kv_len for p in chunks], np.int64),
+            limits=limits,
+        )
+
+    def _prefill_tiles(self, pages: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> bool:
+        """Every prefill chunk of ``self._chunks`` by the prefix kernel in one call,
+        reading its keys from the layer's ``pages`` (this step's rows already written)
+        and writing the chunks' rows of ``out`` (contiguous); False where the kernel
+        cannot run."""
+        c, kvh = self._chunks, self.pool.num_kv_heads
+        assert c is not None
+        tokens, heads, d = q.shape
+        # [tokens, heads, d] as [token][kv head][query head of the kv head][d]: the
+        # kernel's folded rows, read and written in place.
+        folded = (tokens, kvh, heads // kvh, d)
+        res = cpu_kernels.prefix_attention_chunks(
+            q.contiguous().view(folded), pages, c.q_begin, c.q_len, c.k_rows, c.page_indptr,
+            c.kv_len, self.pool.page_size, self.scale, c.limits, out=out.view(folded),
         )  # fmt: skip
         return res is not None
 
