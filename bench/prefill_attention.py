@@ -7,10 +7,12 @@ pages, scattered over the pool). Every path plans the step once (``begin_batch``
 per step for all layers in a served step) and times the backend's ``forward`` for layer
 0 (the K/V rows written, then attention); the paths take turns in every round, each
 keeping its fastest call of the round by process CPU time (robust on a loaded machine),
-and the table shows the median over rounds:
+and the table shows the median over rounds (``--wall``: wall time instead, for more
+than one thread):
 
-- ``prefix``: ``cpu_kernels.prefix_attention`` with a causal limit per query vector
-  (``TorchAttention.prefill_amx``; AMX tiles, or ``vdpbf16ps`` at avx512bf16);
+- ``prefix``: ``cpu_kernels.prefix_attention_chunks`` with a causal limit per query
+  vector, one call for every chunk (``TorchAttention.prefill_amx``; AMX tiles, or
+  ``vdpbf16ps`` at avx512bf16);
 - ``native``: the native paged kernel, each chunk a causal segment
   (``native_prefill_max_tokens``);
 - ``sdpa``: gather + ``scaled_dot_product_attention``.
@@ -29,6 +31,7 @@ its prefix).
     python bench/prefill_attention.py --threads 1                          # 768 fresh
     python bench/prefill_attention.py --threads 1 --new 64 --cached 768 --chunks 28
     python bench/prefill_attention.py --threads 1 --new 8,16,32,64,128 --cached 832
+    python bench/prefill_attention.py --threads 2 --wall --new 64 --cached 768 --chunks 28
     python bench/prefill_attention.py --threads 1 --engine
 """
 
@@ -124,6 +127,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=3, help="calls per path per round")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--wall", action="store_true", help="time wall, not process CPU, time")
     ap.add_argument("--engine", action="store_true", help="a whole prefill (see above)")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--prompts", type=int, default=32)
@@ -137,12 +141,14 @@ def main() -> None:
     if not cpu_kernels.AVAILABLE:
         raise SystemExit(f"native kernels not built ({cpu_kernels.UNAVAILABLE_REASON})")
     torch.set_num_threads(args.threads)
+    clock = time.perf_counter if args.wall else time.process_time
+    clock_name = "wall time" if args.wall else "CPU time"
     paths = [p for p in args.paths.split(",") if p]
     if "prefix" in paths and not cpu_kernels.prefix_attention_ok():
         raise SystemExit("prefix_attention does not run here (no AMX, below avx512bf16)")
     print(f"isa {cpu_kernels.ISA}, amx {cpu_kernels.AMX}, {args.threads} thread(s); "
           f"{HEADS} heads / {KV_HEADS} kv heads / head_dim {HEAD_DIM}; ms per call "
-          "(CPU time) and GFLOP per CPU-second")  # fmt: skip
+          f"({clock_name}) and GFLOP per {clock_name[:-5]}-second")  # fmt: skip
     print(f"| chunks x new | cached | {' | '.join(paths)} |")
     print(f"|---|---|{'---|' * len(paths)}")
     rng = np.random.default_rng(0)
@@ -158,9 +164,9 @@ def main() -> None:
             for p, backend in backends.items():
                 best = float("inf")
                 for _ in range(args.calls):
-                    t0 = time.process_time()
+                    t0 = clock()
                     backend.forward(0, q, k, v)
-                    best = min(best, time.process_time() - t0)
+                    best = min(best, clock() - t0)
                 times[p].append(best)
         cells = []
         for p in paths:

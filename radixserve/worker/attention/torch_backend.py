@@ -123,8 +123,9 @@ NATIVE_PREFILL_MAX_TOKENS = 1024
 #: Where the prefix kernel's ``vdpbf16ps`` form takes prefill chunks
 #: (``TorchAttention.prefill_amx`` without AMX), the native kernel keeps the chunks of up
 #: to this many tokens: it reads their keys in place, where the prefix kernel packs K and
-#: V per call and computes 32 query vectors per task; from 32 tokens on the prefix kernel
-#: is faster, 2.2x on a fresh 768-token chunk (bench/results/prefill_attention.md).
+#: V per chunk and computes 32 query vectors per task; from 32 tokens on the prefix kernel
+#: is faster, 2.2x on a fresh 768-token chunk, and with a step's chunks in one call it
+#: does not lose at two threads either (bench/results/prefill_attention.md).
 NATIVE_PREFILL_SHORT_TOKENS = 16
 
 
