@@ -434,7 +434,8 @@ bool prefix_attention_chunks_py(const py::array& q, const py::array& pool, py::a
     if (pages < 0 || kl[i] <= 0 || kl[i] > pages * page_size)
       fail("kv_len must be in (0, pages * page_size]");
     for (int64_t p = pi[i]; p < pi[i] + (kl[i] + page_size - 1) / page_size; ++p)
-      if (rows[p] < 0 || rows[p] + 1 >= pool.shape(0)) fail("a K row (or its V row) is out of range");
+      if (rows[p] < 0 || rows[p] + 1 >= pool.shape(0))
+        fail("a K row (or its V row) is out of range");
     const int64_t n = ql[i] * group;
     const int32_t* cl = lim ? lim + qb[i] * group : nullptr;
     if (cl)
