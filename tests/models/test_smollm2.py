@@ -101,7 +101,8 @@ def test_bfloat16_first_step_is_close_to_float32(runner, tok, smollm2_cache_dir)
     """bf16 (what ``--dtype auto`` picks on CPUs with bf16 instructions) against float32:
     first-step logits within bf16's rounding, and the same greedy first token but where
     float32's top two are nearer than bf16's rounding (such a tie may go either way,
-    and which way depends on the CPU's bf16 products and attention path)."""
+    and which way depends on the CPU's bf16 products and attention path: on a CPU
+    without AMX, two of the six questions are such ties)."""
     bf16 = build_runner(WorkerConfig(model="smollm2", cache_dir=smollm2_cache_dir, page_size=16,
                                     num_pages=256, max_running_requests=8, dtype="bfloat16",
                                     warmup=False))  # fmt: skip
@@ -124,7 +125,15 @@ def test_bfloat16_first_step_is_close_to_float32(runner, tok, smollm2_cache_dir)
     behind = f32.max(-1).values - f32.gather(-1, ours[:, None])[:, 0]
     rms = (logits[0] - logits[1]).pow(2).mean(-1).sqrt()
     assert bool((behind <= rms).all()), (behind.tolist(), rms.tolist())
-    assert int((ours == f32.argmax(-1)).sum()) >= len(prompts) - 1
+    # Where float32's best leads its second by more than that error, bf16 must agree.
+    top2 = f32.topk(2, -1).values
+    decided = (top2[:, 0] - top2[:, 1]) > rms
+    assert bool(decided.any())  # (some questions are far from a tie)
+    assert bool((ours == f32.argmax(-1))[decided].all()), (
+        (top2[:, 0] - top2[:, 1]).tolist(),
+        rms.tolist(),
+        ours.tolist(),
+    )
 
 
 def test_converted_cache_is_reused(smollm2_cache_dir):
