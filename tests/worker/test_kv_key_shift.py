@@ -18,6 +18,7 @@ from radixserve.worker.attention import KVPool, create_backend, key_shift
 from radixserve.worker.attention.rotation import KeyRotation, hadamard
 from radixserve.worker.attention.torch_backend import TorchAttention
 from radixserve.worker.host_cache import kv_identity
+from radixserve.worker.kv_transfer import transfer_identity
 from tests.helpers.tiny_models import make_tiny_model
 from tests.worker.test_kv_rotation import ragged_steps
 
@@ -76,9 +77,9 @@ def test_calibrated_shift_is_the_mean_key(tiny_llama_dir):
     shift = pool.key_shift
     assert shift is not None and shift.shape == (pool.num_layers, 2, 16)
     assert eng.runner.backend.rotation.shift is shift
-    ids = list(eng.tokenizer.encode(key_shift.CALIBRATION_TEXT))
-    assert len(ids) > 1023  # this tokenizer: the text is capped at the context
-    ids = ids[:1023]
+    ids = key_shift.calibration_ids(eng.tokenizer, 1024)
+    once = list(eng.tokenizer.encode(key_shift.CALIBRATION_TEXT))
+    assert ids == (once * 2)[:1023]  # repeated, capped at the tiny model's context
     eng.close()
 
     keys: dict[int, list[torch.Tensor]] = {}
@@ -109,6 +110,10 @@ def test_calibrated_shift_is_the_mean_key(tiny_llama_dir):
     assert torch.equal(again.runner.pool.key_shift, shift)
     ident = kv_identity("m", "w", "float32", again.runner.pool)
     assert f"key_shift={key_shift.digest(shift)};" in ident and "keys=hadamard;" in ident
+    # a prefill/decode pair: the shift is part of what both sides must share
+    info = again.runner.info()
+    pd = transfer_identity(info, 2, 100, again.runner.pool.key_tag)
+    assert key_shift.digest(shift) in pd and pd != transfer_identity(info, 2, 100)
     again.runner.pool.key_shift = shift + 1
     assert kv_identity("m", "w", "float32", again.runner.pool) != ident
     again.close()

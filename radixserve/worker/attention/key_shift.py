@@ -12,9 +12,10 @@ code's error is relative to that. Taken off first, the row's scale fits what var
 from token to token.
 
 m is the mean post-rotary key of each (layer, kv head) over a fixed calibration
-sequence (``CALIBRATION_TEXT``, tokenized by the model's tokenizer) that the loaded
-model runs once at start through a plain causal attention of its own (``_Probe``, no
-pool), before the attention backend is built. It is stored rotated (m R, the basis the
+sequence (``CALIBRATION_TEXT`` as the model's tokenizer encodes it, repeated to
+``CALIBRATION_TOKENS`` positions) that the loaded model runs once at start through a
+plain causal attention of its own (``_Probe``, no pool), before the attention backend
+is built. It is stored rotated (m R, the basis the
 pool holds keys in: ``(k - m) R = k R - m R``), rounded to bfloat16 values and kept in
 float32 (float64 for a float64 model) as ``KVPool.key_shift`` [layers, kv_heads,
 head_dim]; every path that writes keys subtracts it from the rotated float32 key row
@@ -97,6 +98,23 @@ the new travel policy.
 """
 
 
+#: How many positions the means are taken over: the text, repeated. A rotary pair that
+#: turns by a radian or more over the span averages out of the mean, so the span decides
+#: which channels the shift keeps; 2,048 positions is a typical prompt's context (on
+#: 470 positions, the text once, SmolLM2's e4m3 KL came out 13% higher over a
+#: 2,048-token text: bench/results/kv_quality.md).
+CALIBRATION_TOKENS = 2048
+
+
+def calibration_ids(tokenizer: Any, max_context_len: int) -> list[int]:
+    """``CALIBRATION_TEXT`` as ``tokenizer`` encodes it, repeated to
+    ``CALIBRATION_TOKENS`` tokens, at most what a prompt may hold (the context keeps
+    room for one output token)."""
+    once = list(tokenizer.encode(CALIBRATION_TEXT))
+    n = min(CALIBRATION_TOKENS, max_context_len - 1)
+    return (once * -(-n // len(once)))[:n]
+
+
 def applies(pool, cfg) -> bool:
     """Whether ``pool`` (a ``KVPool``) of a model of ``cfg`` stores shifted keys."""
     quant = pool.quant
@@ -125,17 +143,21 @@ class _Probe:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         self.sums[layer] = k.to(torch.float64).sum(0)  # [kv_heads, head_dim]
-        t, heads = q.shape[0], q.shape[1]
-        group = heads // k.shape[1]
+        t, kv_heads = k.shape[0], k.shape[1]
+        group = q.shape[1] // kv_heads
         i = torch.arange(t, device=q.device)
         keep = i[None, :] <= i[:, None]
         if self.windows[layer] > 0:
             keep &= i[:, None] - i[None, :] < self.windows[layer]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1),
-            v.repeat_interleave(group, 1).transpose(0, 1), attn_mask=keep, scale=self.scale,
-        )  # fmt: skip
-        return out.transpose(0, 1)
+        out = torch.empty(*q.shape[:2], v.shape[-1], dtype=q.dtype, device=q.device)
+        for h in range(kv_heads):  # one kv head's query heads at a time: [group, t, t] scores
+            heads = slice(h * group, (h + 1) * group)
+            kh, vh = (x[:, h].unsqueeze(0).expand(group, -1, -1) for x in (k, v))
+            o = F.scaled_dot_product_attention(
+                q[:, heads].transpose(0, 1), kh, vh, attn_mask=keep, scale=self.scale
+            )
+            out[:, heads] = o.transpose(0, 1)
+        return out
 
 
 @torch.inference_mode()
@@ -171,15 +193,14 @@ def calibrate(
 ) -> None:
     """Set ``key_shift`` on each pool of ``pools`` (a ``KVPool`` and the attention
     layers it holds, in its order) that ``applies``: the means of ``key_means`` over
-    ``CALIBRATION_TEXT`` as ``tokenizer()`` (the model's, loaded on call) encodes it,
-    one forward of ``model`` for all of them; nothing runs when no pool takes a shift.
+    ``calibration_ids`` (``tokenizer()``: the model's tokenizer, loaded on call), one
+    forward of ``model`` for all of them; nothing runs when no pool takes a shift.
     Every tensor-parallel rank calls it at the same point."""
     cfg = model.cfg
     todo = [(pool, layers) for pool, layers in pools if applies(pool, cfg)]
     if not todo:
         return
-    # at most what a prompt may hold (the context keeps room for one output token)
-    ids = list(tokenizer().encode(CALIBRATION_TEXT))[: cfg.max_context_len - 1]
+    ids = calibration_ids(tokenizer(), cfg.max_context_len)
     means = key_means(model, ids)
     for pool, layers in todo:
         shift = rotated_shift([means[layer] for layer in layers], pool.dtype)
