@@ -14,10 +14,11 @@ then the attention kernels' own difference, the floor any format adds to), or
 ``float32``, where the bfloat16 pool rounds K/V too (KV rounding alone).
 
 The quantized pools are measured as built: keys stored rotated by the Hadamard matrix
-(queries rotated alike), fp8 keys with the searched scale (docs/kv-cache.md, "Quantized
-KV cache"). Measured (defaults, 2-core AMD EPYC, 2026-12-07; bench/results/kv_quality.md):
-KL 1.23x bfloat16's for int8 (top-1 98.09%), 3.19x for fp8_e4m3 (96.48%), 9.68x for
-fp8_e5m2 (93.36%); bfloat16 0.001733 (97.95%).
+(queries rotated alike), fp8 keys less a calibrated constant per layer and kv head and
+with the searched scale (docs/kv-cache.md, "Quantized KV cache"). Measured (defaults,
+2-core AMD EPYC, 2026-12-07, two runs with the same digits;
+bench/results/kv_quality.md): KL 1.23x bfloat16's for int8 (top-1 97.90%), 2.62x for
+fp8_e4m3 (96.34%), 7.96x for fp8_e5m2 (94.77%); bfloat16 0.001733 (97.95%).
 
 A name ``fp8_e4m3@tensor`` or ``fp8_e4m3@token_head`` stores that format in another
 pool layout than the CPU's own (``kv_quant.KV_LAYOUTS``: the ones CUDA's flashinfer

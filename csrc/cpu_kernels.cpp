@@ -513,7 +513,8 @@ class DecodeLayersPy {
   DecodeLayersPy(const py::list& ln1, const py::list& qkv, const py::list& o, const py::list& ln2,
                  const py::list& gate_up, const py::list& down, const py::list& kv,
                  int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
-                 bool unit_offset, const std::string& kv_quant, bool rotated) {
+                 bool unit_offset, const std::string& kv_quant, bool rotated,
+                 const py::object& key_shift) {
     p_.quant = parse_quant(kv_quant);
     const bool quantized = p_.quant != radixserve::KVQuant::kNone;
     check(!rotated || quantized, "rotated keys are a quantized pool's");
@@ -574,6 +575,18 @@ class DecodeLayersPy {
                  .mutable_data();
     }
     p_.weights = weights_.data();
+    // KVPool.key_shift: float32 [layers, kv_heads, head_dim], a rotated pool's only.
+    p_.key_shift = nullptr;
+    if (!key_shift.is_none()) {
+      check(rotated, "a key shift is a rotated pool's");
+      const py::array m = key_shift.cast<py::array>();
+      check(m.dtype().is(py::dtype::of<float>()) && (m.flags() & py::array::c_style) &&
+                m.ndim() == 3 && m.shape(0) == static_cast<py::ssize_t>(n) &&
+                m.shape(1) == kv_heads && m.shape(2) == head_dim,
+            "key_shift must be float32 [layers, kv_heads, head_dim], C-contiguous");
+      held_.push_back(m);
+      p_.key_shift = static_cast<const float*>(m.data());
+    }
   }
 
   // residual (the embeddings) and x (layer 0's input norm of them): [tokens, hidden];
@@ -972,11 +985,12 @@ PYBIND11_MODULE(_cpu_kernels, m) {
                              "(csrc/decode_layers.cpp).")
       .def(py::init<const py::list&, const py::list&, const py::list&, const py::list&,
                     const py::list&, const py::list&, const py::list&, int64_t, int64_t,
-                    int64_t, double, bool, const std::string&, bool>(),
+                    int64_t, double, bool, const std::string&, bool, const py::object&>(),
            py::arg("ln1"), py::arg("qkv"), py::arg("o"), py::arg("ln2"), py::arg("gate_up"),
            py::arg("down"), py::arg("kv"), py::arg("heads"), py::arg("kv_heads"),
            py::arg("head_dim"), py::arg("eps"), py::arg("unit_offset"),
-           py::arg("kv_quant") = "none", py::arg("rotated") = false)
+           py::arg("kv_quant") = "none", py::arg("rotated") = false,
+           py::arg("key_shift") = py::none())
       .def("run", &DecodeLayersPy::run, py::arg("residual"), py::arg("x"), py::arg("cos"),
            py::arg("sin"), py::arg("write_rows"), py::arg("row_indptr"), py::arg("rows"),
            py::arg("page_indptr"), py::arg("pages"), py::arg("kv_begin"), py::arg("kv_end"),

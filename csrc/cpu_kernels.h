@@ -411,6 +411,10 @@ struct DecodeLayers {
   // (hadamard_row) and, for fp8, quantized with the searched scale; queries rotated
   // alike before attention.
   bool rotated;
+  // Where the pool's keys are shifted (KVPool.key_shift, attention/key_shift.py):
+  // [layers][kv_heads][head_dim] float32, subtracted from each rotated key row
+  // before it is quantized; null for none.
+  const float* key_shift;
 };
 void decode_layers(const DecodeLayers& p, Isa isa, int num_threads);
 

@@ -243,7 +243,8 @@ void run(const DecodeLayers& p, Isa isa, int num_threads) {
       // Rows of kv_heads x (head_dim codes, a float16 scale). Keys are stored rotated
       // (attention/rotation.py): each key row rotated in float32, and fp8 key rows take
       // the searched scale; the queries are rotated alike, rounded back to the weights'
-      // dtype, before attention reads the pool.
+      // dtype, before attention reads the pool. A shifted pool's key rows lose the
+      // layer and head's constant after the rotation (attention/key_shift.py).
       // The (token, K or V, kv head) rows split between the threads (the searched
       // scale costs 36 trial roundings a key row); each row's bytes are its own.
       const int64_t entry = dh + 2, qrow = p.kv_heads * entry;
@@ -258,6 +259,10 @@ void run(const DecodeLayers& p, Isa isa, int num_threads) {
           const bool key = which == 0 && p.rotated;
           for (int64_t d = 0; d < dh; ++d) x[static_cast<size_t>(d)] = IO::load(src[d]);
           if (key) radixserve::hadamard_row(x.data(), dh);
+          if (key && p.key_shift != nullptr) {  // the layer and head's constant, rotated
+            const float* m = p.key_shift + (l * p.kv_heads + hh) * dh;
+            for (int64_t d = 0; d < dh; ++d) x[static_cast<size_t>(d)] -= m[d];
+          }
           radixserve::quantize_kv_row(x.data(), dh, p.quant, dst, isa, key);
         }
       });

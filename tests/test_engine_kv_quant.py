@@ -40,8 +40,9 @@ def prompts():
     ]
 
 
-def quantized_hf(folder, name):
-    """HF's float64 model whose attention sees K and V as a ``name`` pool holds them."""
+def quantized_hf(folder, name, shift=None):
+    """HF's float64 model whose attention sees K and V as a ``name`` pool holds them;
+    ``shift``: the pool's key shift (``KVPool.key_shift``, fp8 pools) or None."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -49,10 +50,14 @@ def quantized_hf(folder, name):
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         # key/value: [batch, kv_heads, tokens, head_dim]; rows are (token, head). Keys are
-        # stored rotated (k R, fp8 with the searched scale) and read by rotated queries:
-        # q R . f(k R) = q . f(k R) R^T.
+        # stored rotated (k R, fp8 with the searched scale) and, in an fp8 pool, less the
+        # layer's shift m R, and read by rotated queries: q R . f(k R - m R) =
+        # q . f(k R - m R) R^T (softmax drops the q . m the shift leaves out).
         rot = hadamard(key.shape[-1], key.dtype, key.device)
-        key = dequantize(quantize(key @ rot, quant, search_scale=True), quant, key.dtype) @ rot.T
+        stored = key @ rot
+        if shift is not None:
+            stored = stored - shift[module.layer_idx][None, :, None, :]
+        key = dequantize(quantize(stored, quant, search_scale=True), quant, key.dtype) @ rot.T
         value = dequantize(quantize(value, quant), quant, value.dtype)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
@@ -64,7 +69,11 @@ def quantized_hf(folder, name):
 
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
 def test_greedy_equals_hf_on_quantized_kv(tiny_dir, prompts, name):
-    hf = quantized_hf(tiny_dir, name)
+    probe = Engine(str(tiny_dir), dtype="float64", num_pages=64, kv_cache_dtype=name, warmup=False)
+    shift = probe.runner.pool.key_shift  # calibrated at start: the same on every build
+    probe.close()
+    assert (shift is not None) == (name == "fp8_e4m3")
+    hf = quantized_hf(tiny_dir, name, shift)
     expected = [hf_greedy(hf, p, MAX_NEW)[0] for p in prompts]
     plain = load_hf_float64(tiny_dir)
     # The rounding matters: on this model the plain oracle differs somewhere.

@@ -18,7 +18,8 @@ uses one by one, when the step allows it:
   over a pool of the model's dtype or a quantized one (``worker/kv_quant.py``: the
   call writes K/V rows as ``kv_quant.quantize`` does, bit for bit; a pool of rotated
   keys, ``attention/rotation.py``, has its keys and queries rotated there as the
-  backend's forward rotates them).
+  backend's forward rotates them, and an fp8 pool's keys shifted alike,
+  ``attention/key_shift.py``).
 
 Otherwise it returns None and the caller runs the layers in Python. The results
 are the torch path's bits except SiLU's exp (the kernel's own, about 2 ulp,
@@ -70,12 +71,17 @@ class _Native:
     NumPy views of their tensors: built once, reused every step)."""
 
     def __init__(
-        self, model, pool_layers: list[torch.Tensor], kv_quant: str = "none", rotated: bool = False
+        self,
+        model,
+        pool_layers: list[torch.Tensor],
+        kv_quant: str = "none",
+        rotated: bool = False,
+        key_shift: torch.Tensor | None = None,
     ) -> None:
         view = cpu_kernels._array
         layers = model.layers
         first = layers[0]
-        self.key = (*(t.data_ptr() for t in pool_layers), rotated)
+        self.key = _key(pool_layers, rotated, key_shift)
         self.ext = cpu_kernels.ext.DecodeLayers(  # type: ignore[union-attr]
             [view(layer.input_layernorm.weight) for layer in layers],
             [view(layer.self_attn.qkv_proj.weight) for layer in layers],
@@ -91,7 +97,15 @@ class _Native:
             first.input_layernorm.unit_offset,
             kv_quant=kv_quant,
             rotated=rotated,
+            key_shift=None if key_shift is None else view(key_shift),
         )
+
+
+def _key(pool_layers: list[torch.Tensor], rotated: bool, key_shift: torch.Tensor | None) -> tuple:
+    """What a ``_Native`` is built over: the pool's layers, whether keys are rotated, and
+    the key shift's tensor (``attention/key_shift.py``)."""
+    shift = None if key_shift is None else key_shift.data_ptr()
+    return (*(t.data_ptr() for t in pool_layers), rotated, shift)
 
 
 def products_ok(rows: int, dtype: torch.dtype) -> bool:
@@ -134,10 +148,11 @@ def run(
     native = getattr(model, "_native_decode", None)
     pool = backend.pool.layers
     rotated = backend.rotation is not None
-    if native is None or native.key != (*(layer.data_ptr() for layer in pool), rotated):
+    shift = backend.rotation.shift if rotated else None
+    if native is None or native.key != _key(pool, rotated, shift):
         quant = backend.pool.quant
         name = quant.name if quant else "none"
-        native = model._native_decode = _Native(model, pool, name, rotated)
+        native = model._native_decode = _Native(model, pool, name, rotated, shift)
     n = h.shape[1]
     h = h.contiguous()
     x = first.input_layernorm(h).contiguous()  # as DecoderLayer.step does for layer 0

@@ -9,7 +9,8 @@
 3. the decode graphs' plan (``cuda_graph.GraphPlan``: when graphs may be captured,
    the pool keeps a pad page);
 4. the KV space (``KVSpace``): the pool, the sliding layers' window pool where the
-   model gets one (``window_pool.py``), the slots' page tables;
+   model gets one (``window_pool.py``), the slots' page tables; an fp8 pool's key
+   shift, calibrated on the model (``attention/key_shift.py``);
 5. a hybrid model's recurrent state pool (``state_pool.py``);
 6. the attention backend (``attention/__init__.py``; with a window pool one per pool
    behind a ``SplitAttention``), which settles the graphs' plan;
@@ -37,7 +38,7 @@ from radixserve.models.source import resolve_model
 from radixserve.utils.kv_store import StoreConfig, StoreIO
 from radixserve.utils.mooncake import open_store
 from radixserve.worker import cuda_graph, window_pool
-from radixserve.worker.attention import AttentionBackend, create_backend, kv_layout_for
+from radixserve.worker.attention import AttentionBackend, create_backend, key_shift, kv_layout_for
 from radixserve.worker.config import WorkerConfig, parse_lora_modules
 from radixserve.worker.dtype import choose_dtype
 from radixserve.worker.grammar import GrammarCache, GrammarSlots
@@ -73,6 +74,9 @@ def build_runner(config: WorkerConfig, tokenizer: Any = None, comm: Comm = SINGL
         loaded.device, config.disable_cuda_graph, comm.size, cfg.hybrid
     )
     kv = build_kv_space(config, loaded, heads.kv_heads, comm, graph_plan.pad_pages)
+    load_tokenizer = TokenizerLoader(config, tokenizer)
+    # fp8 pools: the keys' constant per layer and head, before any backend reads it.
+    key_shift.calibrate(loaded.model, load_tokenizer, pool_layers(kv, cfg))
     # A hybrid model's recurrent states: one working entry per slot, then the
     # snapshots the scheduler's tree keeps (state_pool.py).
     states = None
@@ -86,7 +90,6 @@ def build_runner(config: WorkerConfig, tokenizer: Any = None, comm: Comm = SINGL
     if config.host_cache_gb or config.kv_store is not None:
         tiers = build_cache_tiers(config, loaded, kv, comm)
     loras, start_loras = build_loras(config, loaded)
-    load_tokenizer = TokenizerLoader(config, tokenizer)
     grammar_cache = GrammarCache(
         load_tokenizer, cfg.vocab_size, cfg.eos_token_ids, config.grammar_cache_size
     )
@@ -208,6 +211,17 @@ def build_kv_space(
             num_pages, kv.pool.kv_dtype_name, kv.tokens_per_gib,
         )  # fmt: skip
     return kv
+
+
+def pool_layers(kv: KVSpace, cfg: ModelConfig) -> list[tuple[KVPool, tuple[int, ...]]]:
+    """Each pool of ``kv`` with the attention layers it holds (their index among the
+    pool's layers: ``cfg.kv_layers``' order), in its order."""
+    window = set(kv.window_layers)
+    full = tuple(i for i in range(len(cfg.kv_layers)) if i not in window)
+    pools = [(kv.pool, full)]
+    if kv.window_pool is not None:
+        pools.append((kv.window_pool, kv.window_layers))
+    return pools
 
 
 def build_backend(

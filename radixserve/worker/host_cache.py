@@ -52,7 +52,9 @@ ticket before its copies.
 
 ``kv_identity`` names what a page's KV depends on besides its tokens: the model
 (name, a fingerprint of its weights), the dtype, what the pool stores (its KV dtype:
-a restart with another ``--kv-cache-dtype`` loads none of the files) and the pool layout. It goes into
+a restart with another ``--kv-cache-dtype`` loads none of the files), the pool layout and
+what the key rows are of the keys (``KVPool.key_tag``: rotated, and an fp8 pool's
+key shift by a digest of its values). It goes into
 every page key and file header, so files of another model are never loaded.
 """
 
@@ -98,11 +100,11 @@ def kv_identity(model_name: str, fingerprint: str, dtype: str, pool: KVPool) -> 
     # The per-tensor fp8 layout's pages hold other bytes than the per-row layout's of the
     # same kv_dtype; the default layout adds nothing, so existing page files still match.
     layout = "" if pool.kv_layout == "row" else f"kv_layout={pool.kv_layout};"
-    # Rotated keys (quantized pools) are other bytes than the same format's unrotated ones.
-    rotated = "keys=hadamard;" if pool.rotated else ""
+    # Rotated keys (quantized pools) are other bytes than the same format's unrotated
+    # ones, and shifted keys (fp8) other bytes again for every other shift.
     return (
         f"model={model_name};weights={fingerprint};dtype={dtype};kv_dtype={pool.kv_dtype_name};"
-        f"{layout}{rotated}layers={pool.num_layers};"
+        f"{layout}{pool.key_tag}layers={pool.num_layers};"
         f"page_size={pool.page_size};kv_heads={pool.num_kv_heads};head_dim={pool.head_dim}"
     )
 

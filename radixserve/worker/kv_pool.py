@@ -9,7 +9,8 @@ float8_e4m3fn / float8_e5m2, entry_dim head_dim; one of the ``token_head`` layou
 float32 scale and zeros, ``head_dim + 16`` bytes. A quantized pool of any layout
 stores its keys rotated (``rotated``: each key row k as k R, R the normalized Hadamard
 matrix of ``attention/rotation.py``; attention rotates its queries alike, and values
-stay as they are). ``dtype`` is
+stay as they are); an fp8 pool's rotated keys lose a constant per layer and kv head
+(``key_shift``, ``attention/key_shift.py``) that attention cannot see. ``dtype`` is
 always the dtype attention computes in and returns (the model's). The pool holds no bookkeeping: which
 page belongs to whom is the scheduler's business, and which pages a request
 slot reads is the page table's (``page_table.py``).
@@ -58,6 +59,10 @@ class KVPool:
         #: Whether key rows are stored rotated (``attention/rotation.py``): every
         #: quantized pool's are, no pool of plain float values' is.
         self.rotated = quant is not None
+        #: What every key row loses after the rotation, before it is quantized
+        #: (``attention/key_shift.py``): [num_layers, kv_heads, head_dim] in the dtype
+        #: keys are rotated in, on the pool's device; None for none (``set_key_shift``).
+        self.key_shift: torch.Tensor | None = None
         shape = (num_pages, 2, page_size, num_kv_heads, self.entry_dim)
         self.layers = [torch.zeros(shape, dtype=storage, device=device) for _ in range(num_layers)]
 
@@ -65,6 +70,35 @@ class KVPool:
     def kv_dtype_name(self) -> str:
         """What the pool stores, by name: ``int8``, ``bfloat16``, ..."""
         return self.quant.name if self.quant else str(self.storage_dtype).removeprefix("torch.")
+
+    def set_key_shift(self, shift: torch.Tensor) -> None:
+        """Shift this rotated pool's keys by ``shift`` [num_layers, kv_heads, head_dim]
+        (``attention/key_shift.py``), before any page is written or the attention
+        backend is built (it reads the shift once)."""
+        from radixserve.worker.attention.rotation import key_dtype
+
+        if not self.rotated:
+            raise ValueError("only a pool of rotated keys takes a key shift")
+        want = (self.num_layers, self.num_kv_heads, self.head_dim)
+        if tuple(shift.shape) != want or shift.dtype != key_dtype(self.dtype):
+            raise ValueError(
+                f"key shift must be {key_dtype(self.dtype)} {list(want)}, got "
+                f"{shift.dtype} {list(shift.shape)}"
+            )
+        self.key_shift = shift.to(self.layers[0].device).contiguous()
+
+    @property
+    def key_tag(self) -> str:
+        """How the pool's key rows relate to the keys, for the identities pages are
+        keyed by: ``keys=hadamard;`` for rotated keys, with ``key_shift=<digest>;`` for
+        shifted ones, empty for plain keys."""
+        if not self.rotated:
+            return ""
+        if self.key_shift is None:
+            return "keys=hadamard;"
+        from radixserve.worker.attention.key_shift import digest
+
+        return f"keys=hadamard;key_shift={digest(self.key_shift)};"
 
     @staticmethod
     def bytes_per_page(

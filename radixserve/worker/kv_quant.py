@@ -31,6 +31,8 @@ Keys are stored rotated in every quantized pool (``attention/rotation.py``), and
 keys of the fp8 formats with a scale per row take a searched scale rather than
 ``max|x| / qmax`` (``quantize``'s ``search_scale``): the one of least squared error among
 those that put one of the row's 4 largest magnitudes on one of the format's top codes.
+The fp8 pools' rotated key rows are quantized less a constant per layer and kv head
+(``attention/key_shift.py``), which ``quantize`` is handed already taken off.
 """
 
 from __future__ import annotations

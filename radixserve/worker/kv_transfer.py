@@ -67,12 +67,16 @@ def page_runs(src: Any, dst: Any) -> list[tuple[int, int, int]]:
 IDLE_WAIT = 0.05
 
 
-def transfer_identity(info: ModelInfo, num_layers: int, page_bytes: int) -> str:
+def transfer_identity(info: ModelInfo, num_layers: int, page_bytes: int, key_tag: str = "") -> str:
     """What two pools must share for one's pages to be another's: the model, its
-    dtype and KV dtype, and the page layout."""
+    dtype and KV dtype, the page layout, and (``key_tag``, ``KVPool.key_tag``) what
+    the stored key rows are of the keys where it names a shift (fp8 pools,
+    ``attention/key_shift.py``: pages written with one shift are wrong under another)."""
     kv = info.kv_dtype or info.dtype
+    shift = key_tag if "key_shift=" in key_tag else ""
     return (
         f"{info.model_name};{info.dtype};{kv};page_size={info.page_size};{num_layers}x{page_bytes}"
+        f"{';' + shift.rstrip(';') if shift else ''}"
     )
 
 
@@ -85,12 +89,15 @@ class KVTransferAgent:
         host: str = "127.0.0.1",
         protocol: str = "tcp",
         device: str = "",
+        key_tag: str = "",
     ) -> None:
+        """``key_tag``: the pool's ``KVPool.key_tag`` (part of ``transfer_identity``)."""
         if protocol not in PROTOCOLS:
             raise ValueError(f"kv transfer protocol must be one of {PROTOCOLS}, got {protocol!r}")
         if not layers or any(not t.is_contiguous() for t in layers):
             raise ValueError("the KV pool's layers must be contiguous tensors")
         self.layers = layers
+        self.key_tag = key_tag
         self.page_bytes = layers[0][0].nbytes  # one page of one layer: [2, page_size, heads, dim]
         self.engine = _transfer_engine()
         if self.engine.initialize(host, METADATA, protocol, device) != 0:
@@ -113,7 +120,7 @@ class KVTransferAgent:
             "session": self.session,
             "layers": [t.data_ptr() for t in self.layers],
             "page_bytes": self.page_bytes,
-            "identity": transfer_identity(info, len(self.layers), self.page_bytes),
+            "identity": transfer_identity(info, len(self.layers), self.page_bytes, self.key_tag),
         }
 
     def step(self, run: Any, step: Step) -> StepResult:

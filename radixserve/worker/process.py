@@ -106,6 +106,7 @@ def _serve(
             config.kv_transfer_host,
             config.kv_transfer_protocol,
             config.kv_transfer_device,
+            runner.pool.key_tag,
         )
         info["kv_transfer"] = agent.descriptor(runner.info())
 

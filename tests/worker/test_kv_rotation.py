@@ -99,7 +99,7 @@ def test_flashinfer_backend_with_rotated_keys_matches_torch_without(monkeypatch)
     assert twin.fi.rotation is None and twin.ref.rotation is None
     rotation = KeyRotation(torch.bfloat16)
     # the pool appends rows of its dtype: keys rounded back to bfloat16 too
-    rotation.rotate = lambda q, k: (fwht(q.float()).bfloat16(), fwht(k.float()).bfloat16())
+    rotation.rotate = lambda q, k, layer=0: (fwht(q.float()).bfloat16(), fwht(k.float()).bfloat16())
     twin.fi.rotation = rotation
     twin.check_pools = lambda: None  # the pools differ: one holds k R
     run_script(twin, p=32)

@@ -43,7 +43,8 @@ tensors; per layer (``forward``) the new K/V are appended into the pool with
 - A quantized pool stores its keys rotated (``rotation.py``): ``forward`` rotates q
   and k before the writes and the kernels, which read the pool as they would any;
   ``token_head`` key rows take the searched scale (``kv_quant.quantize``), still one
-  scale per row.
+  scale per row; an fp8 pool's keys lose the layer's key shift first (``key_shift.py``,
+  in ``rotate``), which the kernels need not know of.
 - int8 and the per-row layout are refused (``flashinfer_support.kv_pool_reason``).
 - The prefill wrapper's backend is FlashInfer's ``auto`` by default, which 0.7.4
   decides at every ``plan``: fa2 while the longest query row is at most 64 tokens, fa3
@@ -355,7 +356,7 @@ class FlashInferAttention(PoolBackend):
         if self._active is None or self._out_rows is None:
             raise RuntimeError("begin_batch must be called before forward")
         if self.rotation is not None:  # rotated keys (rotation.py): outside the kernels
-            q, k = self.rotation.rotate(q, k)
+            q, k = self.rotation.rotate(q, k, layer)
         cache = self.pool.layers[layer]
         batch_indices, positions, kv_indices, kv_indptr, last = self._append_args
         if self._th is not None:

@@ -18,6 +18,10 @@ operations in the same order, so both paths give the same bits. For head_dim a p
 of 2, R is Sylvester's Hadamard matrix divided by sqrt(head_dim); otherwise it is
 block-diagonal, made of that matrix of the largest power of 2 dividing head_dim (any
 orthogonal R keeps the scores; the blocks spread outliers within each block only).
+
+An fp8 pool's rotated keys also lose a constant per layer and kv head, ``m R``
+(``key_shift.py``: softmax cannot see it), which ``KeyRotation.rotate`` subtracts from
+the rotated float32 rows; the native layers subtract the same values the same way.
 """
 
 from __future__ import annotations
@@ -64,16 +68,24 @@ def hadamard(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.T
 
 class KeyRotation:
     """The rotation of a pool's queries and keys (``rotate``); ``for_pool`` gives None
-    for a pool that stores its keys as they are."""
+    for a pool that stores its keys as they are. ``shift``: the pool's
+    ``key_shift`` (``key_shift.py``), taken off the rotated keys, or None."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, shift: torch.Tensor | None = None) -> None:
         self.dtype = key_dtype(dtype)
+        self.shift = shift
 
     @classmethod
     def for_pool(cls, pool) -> KeyRotation | None:
-        return cls(pool.dtype) if pool.rotated else None
+        return cls(pool.dtype, pool.key_shift) if pool.rotated else None
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [..., head_dim] rotated and rounded back to its dtype, k [..., head_dim]
-        rotated in float32 (or float64): ``(q R, k R)``."""
-        return fwht(q.to(self.dtype)).to(q.dtype), fwht(k.to(self.dtype))
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, layer: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [..., head_dim] rotated and rounded back to its dtype, k [T, kv_heads,
+        head_dim] rotated in float32 (or float64), less pool layer ``layer``'s shift
+        where the pool has one: ``(q R, k R - m R)``."""
+        kr = fwht(k.to(self.dtype))
+        if self.shift is not None:
+            kr = kr - self.shift[layer]
+        return fwht(q.to(self.dtype)).to(q.dtype), kr

@@ -26,7 +26,8 @@ through ``kv_quant.dequantize`` (or a cast): every path (decode, prefill, cascad
 attends in the model's dtype over the values the pool holds. The native kernel
 dequantizes quantized pages itself, where it reads them. A quantized pool stores its
 keys rotated (``rotation.py``): ``forward`` rotates q and k first, so every path reads
-and writes the rotated basis alone; fp8 key rows take the searched scale.
+and writes the rotated basis alone; fp8 key rows take the searched scale, after the
+layer's key shift (``key_shift.py``) is taken off them.
 
 With a soft-cap (Gemma 2) SDPA cannot be used (it has no hook between the scores
 and the softmax): the same calls go through ``capped_attention``, which
@@ -523,7 +524,7 @@ class TorchAttention(PoolBackend):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         if self.rotation is not None:  # a quantized pool: keys stored rotated, queries alike
-            q, k = self.rotation.rotate(q, k)
+            q, k = self.rotation.rotate(q, k, layer)
         pool = self.pool.layers[layer]
         if self._fp8_bytes:  # CPU index_copy_ / index_select take no fp8: move the bytes
             pool = pool.view(torch.uint8)
