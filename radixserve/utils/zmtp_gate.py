@@ -1,4 +1,4 @@
-"""A TCP gate in front of a public ROUTER: the server, not the peer, chooses each
+"""A TCP gate in front of the public ROUTER: the server, not the peer, chooses each
 connection's ZeroMQ routing id.
 
 Why: a ZeroMQ peer may announce its own routing id in its handshake, and a ROUTER
@@ -7,46 +7,60 @@ counter) without checking that no peer has claimed that value already; when one
 has, libzmq aborts the whole process (``socket_base.cpp``: ``Assertion failed:
 ok``). No socket option turns peer-chosen ids off, and the counter can be learnt.
 So the public TCP port is not libzmq's: ``RoutingIdGate`` accepts each TCP
-connection itself, opens one connection of its own to the ROUTER's internal ipc
-endpoint (inside the private run dir), and relays the bytes both ways unchanged
-except one field: the ``Identity`` property of the peer's ZMTP ``READY`` command,
-which it replaces with 16 random bytes (never zero-led). The ROUTER therefore
-sees only ids the server drew: no peer can choose one, none is ever automatic,
-and a peer cannot take or aim at another's.
+connection itself, applies the connection limits, checks the handshake, and gives
+the connection a routing id of 16 random bytes (never zero-led). Then one of two
+paths:
 
-What the gate reads of the stream (ZMTP 3.x, RFC 23/37), client to ROUTER:
+- **Served** (NULL mechanism, with a ``server``: the tokenizer's and the router's
+  path wherever ``csrc/zmtp_server.c`` is built). The gate answers the handshake
+  itself, as libzmq's ROUTER would: the server's greeting at accept, its ``READY``
+  (socket type ROUTER) once the peer's has come (from a DEALER, REQ or ROUTER), then
+  hands the connection to the ``ZmtpServer`` (``zmtp_server.py``), a native thread
+  that speaks ZMTP to it with no libzmq socket behind: no peer-chosen id reaches
+  anything, and no relay hop delays a message.
+- **Relayed** (CURVE, or NULL where the server is not built). The gate opens one
+  connection of its own to the ROUTER's internal ipc endpoint (inside the private
+  run dir) and relays the bytes both ways unchanged except one field: the
+  ``Identity`` property of the peer's ZMTP ``READY`` command, which it replaces
+  with the drawn id. The ROUTER therefore sees only ids the server drew: no peer
+  can choose one, none is ever automatic, and a peer cannot take or aim at
+  another's. CURVE encrypts ``READY``: then the gate checks only the greeting and
+  passes the rest as it is (docs/serving.md, "Routing ids").
+
+What the gate reads of the stream (ZMTP 3.x, RFC 23/37), client to server:
 
 - the 64-byte greeting, checked as it arrives: the signature (``0xFF``, 8 bytes,
   a byte with bit 0 set), major version >= 3 (checked before it is passed on:
   ZMTP 1.0 and 2.0 carry the routing id as an ordinary message the gate could
   not rewrite), mechanism ``NULL`` (a gate made with ``mechanism="CURVE"`` wants
-  ``CURVE`` instead and passes everything after the greeting as it is: CURVE
-  encrypts ``READY``, see docs/serving.md, "Routing ids");
+  ``CURVE`` instead and passes everything after the greeting as it is);
 - the first command, which must be ``READY`` (at most ``MAX_READY_BYTES``).
 
-Anything else closes the connection; after ``READY`` bytes pass as they are, in
-both directions, heartbeats included. Either side closing closes the other once
-what it sent last has been passed on (``drain`` gives a stopping server's last
-replies that time), so
-the ROUTER's view of a connection (its socket monitor, heartbeat timeouts,
-``MAXMSGSIZE`` drops) is the client's. Each direction buffers at most
-``MAX_BUFFERED`` bytes before the gate stops reading its source, so a slow
+Anything else closes the connection. Relayed, after ``READY`` bytes pass as they
+are, in both directions, heartbeats included. Either side closing closes the other
+once what it sent last has been passed on (``drain`` gives a stopping server's last
+replies that time), so the ROUTER's view of a connection (its socket monitor,
+heartbeat timeouts, ``MAXMSGSIZE`` drops) is the client's. Each direction buffers
+at most ``MAX_BUFFERED`` bytes before the gate stops reading its source, so a slow
 reader backs up to its sender as it would on a direct connection.
 
 Limits (docs/serving.md, "Connection limits"): at most ``limits.total`` connections
 at once and ``limits.per_address`` from one peer address (by default derived from
-the process's descriptor budget: each connection costs ``FDS_PER_CONNECTION``
+the process's descriptor budget: a relayed connection costs ``FDS_PER_CONNECTION``
 descriptors here, counting the ROUTER's side of the ipc connection, which libzmq
-accepts in this process and aborts on when it meets ``EMFILE``). A connection over
-a limit is reset at accept; those already relayed are untouched. A connection
-whose greeting and ``READY`` are not through within ``limits.handshake_timeout``
-is closed. ``EMFILE`` at accept pauses accepting for ``ACCEPT_PAUSE_S``.
+accepts in this process and aborts on when it meets ``EMFILE``; a served one
+``zmtp_server.FDS_PER_CONNECTION``, its TCP socket). A connection over a limit is
+reset at accept; those already open are untouched. A connection whose greeting and
+``READY`` are not through within ``limits.handshake_timeout`` is closed.
+``EMFILE`` at accept pauses accepting for ``ACCEPT_PAUSE_S``.
 
-Once ``READY`` has passed, bytes move with ``os.splice`` through one pipe (the
-kernel copies them once, not into this process and out again); what a
-destination cannot take at once waits in its outbox.
+Relayed, once ``READY`` has passed, a connection goes to the native relay
+(``csrc/zmtp_relay.c``) where it is built, else bytes move here with ``os.splice``
+through one pipe (the kernel copies them once, not into this process and out
+again); what a destination cannot take at once waits in its outbox.
 
-One daemon thread runs every connection with ``epoll``; ``close`` stops it.
+One daemon thread runs every handshake (and the Python relay) with ``epoll``;
+``close`` stops it, and the native relay or server with it.
 """
 
 from __future__ import annotations
