@@ -70,7 +70,9 @@ def serve(path: str, ready, stop, busy: bool) -> None:
     poller.register(router, zmq.POLLIN)
     server = None
     if built():
-        server = ZmtpServer(max_queued=1 << 30, heartbeat_ivl_ms=1000, heartbeat_timeout_ms=3000)
+        # As the ROUTER here: no high-water marks; and as the tokenizer's: heartbeats.
+        unbounded = {"max_queued": 1 << 30, "max_unread": 1 << 30}
+        server = ZmtpServer(**unbounded, heartbeat_ivl_ms=1000, heartbeat_timeout_ms=3000)
         gates["zmtp"] = RoutingIdGate("127.0.0.1", 0, None, server=server).start()
         poller.register(server.fd, zmq.POLLIN)
     if busy:

@@ -16,7 +16,7 @@
  *     an over-size message as well);
  *   - each complete message is queued with the connection's routing id for the
  *     Python loop (``take``), which polls the eventfd ``fd``; so is each close
- *     (``None`` in place of the frames). A connection with max_queued messages
+ *     (``None`` in place of the frames). A connection with max_unread messages
  *     waiting there is not read until the loop takes them (a client that floods
  *     backs up to its own socket, as a ROUTER's RCVHWM does).
  *
@@ -29,7 +29,8 @@
  * never reaches a descriptor that a closed connection freed for another.
  *
  * Python API (every function takes the handle ``start`` returns):
- *   start(max_message_bytes, max_queued, heartbeat_ivl_ms, heartbeat_timeout_ms)
+ *   start(max_message_bytes, max_queued, max_unread, heartbeat_ivl_ms,
+ *         heartbeat_timeout_ms)
  *   add(h, token, fd, routing_id, received, unsent)   takes ownership of fd
  *   take(h) -> [(routing_id, [frame, ...] | None)]    messages and closes, in order
  *   fd(h) -> int                readable while take(h) has something
@@ -115,7 +116,7 @@ typedef struct conn {
     chunk_t *out_head, *out_tail;
     size_t out_count; /* counted chunks in the outbox */
     size_t in_count;  /* messages queued for take() */
-    int paused;       /* not read: in_count reached max_queued */
+    int paused;       /* not read: in_count reached max_unread */
     struct conn *hnext;             /* hash chain */
     struct conn *next, *prev;       /* every live connection */
     struct conn *in_next;           /* added, not yet registered */
@@ -129,7 +130,7 @@ typedef struct {
     pthread_mutex_t lock;
     int stopping; /* 1: asked to stop; 2: stopped */
     int64_t max_message, heartbeat_ivl, heartbeat_timeout; /* ns; < 0: no limit */
-    size_t max_queued;
+    size_t max_queued, max_unread; /* replies unsent, messages untaken, per connection */
     conn_t **table; /* by routing id, chained */
     size_t buckets, n_conns, n_unsent;
     conn_t *live;
@@ -377,7 +378,7 @@ static int deliver(server_t *s, conn_t *c) {
     c->msg_bytes = 0;
     pthread_mutex_lock(&s->lock);
     push_event(s, e);
-    if (++c->in_count >= s->max_queued) {
+    if (++c->in_count >= s->max_unread) {
         c->paused = 1;
         watch(s, c);
     }
@@ -553,7 +554,7 @@ static void take_incoming(server_t *s) {
     if (resume) {
         pthread_mutex_lock(&s->lock);
         for (conn_t *c = s->live; c; c = c->next)
-            if (c->paused && c->in_count < s->max_queued) {
+            if (c->paused && c->in_count < s->max_unread) {
                 c->paused = 0;
                 watch(s, c);
             }
@@ -683,17 +684,19 @@ static server_t *handle(PyObject *obj) {
 static PyObject *py_start(PyObject *self, PyObject *args) {
     (void)self;
     long long max_message, ivl_ms, timeout_ms;
-    Py_ssize_t max_queued;
-    if (!PyArg_ParseTuple(args, "LnLL", &max_message, &max_queued, &ivl_ms, &timeout_ms))
+    Py_ssize_t max_queued, max_unread;
+    if (!PyArg_ParseTuple(args, "LnnLL", &max_message, &max_queued, &max_unread, &ivl_ms,
+                          &timeout_ms))
         return NULL;
-    if (max_queued < 1) {
-        PyErr_SetString(PyExc_ValueError, "max_queued must be at least 1");
+    if (max_queued < 1 || max_unread < 1) {
+        PyErr_SetString(PyExc_ValueError, "max_queued and max_unread must be at least 1");
         return NULL;
     }
     server_t *s = calloc(1, sizeof *s);
     if (!s) return PyErr_NoMemory();
     s->max_message = max_message;
     s->max_queued = (size_t)max_queued;
+    s->max_unread = (size_t)max_unread;
     s->heartbeat_ivl = ivl_ms * 1000000;
     s->heartbeat_timeout = timeout_ms * 1000000;
     s->buckets = 1024;
@@ -812,7 +815,7 @@ static PyObject *py_take(PyObject *self, PyObject *h) {
     int resume = 0;
     for (event_t *m = e; m; m = m->next) {
         conn_t *c = m->frames ? lookup(s, m->rid) : NULL;
-        if (c && --c->in_count < s->max_queued && c->paused) resume = 1;
+        if (c && --c->in_count < s->max_unread && c->paused) resume = 1;
     }
     if (resume) s->resume = 1;
     pthread_mutex_unlock(&s->lock);
@@ -967,7 +970,7 @@ static PyObject *py_stop(PyObject *self, PyObject *h) {
 
 static PyMethodDef methods[] = {
     {"start", py_start, METH_VARARGS,
-     "start(max_message_bytes, max_queued, heartbeat_ivl_ms, heartbeat_timeout_ms) -> handle"},
+     "start(max_message_bytes, max_queued, max_unread, heartbeat_ivl_ms, heartbeat_timeout_ms)"},
     {"add", py_add, METH_VARARGS,
      "add(h, token, fd, routing_id, received, unsent): serve the connection (fd is owned)."},
     {"take", py_take, METH_O, "take(h) -> [(routing_id, frames | None)], in order."},

@@ -58,7 +58,6 @@ from radixserve.zap import enable_curve
 log = logging.getLogger("radixserve.router")
 
 POLL_MS = 200
-ROUTER_HWM = 1000  # libzmq's default high-water mark, which the public ROUTER keeps
 PROBE_EVERY_S = 1.0
 ADMIN_TYPES = (P.Stats, P.Health, P.FlushCache, P.Check)
 # Gauges summed over the live replicas; the counters (``totals.COUNTERS``) are summed
@@ -114,10 +113,9 @@ class Router:
         server = None
         if self.zap is None and zmtp_server_built():
             server = ZmtpServer(
-                config.max_message_bytes,
-                ROUTER_HWM,
-                P.HEARTBEAT_IVL_MS,
-                P.HEARTBEAT_TIMEOUT_MS,
+                max_message_bytes=config.max_message_bytes,
+                heartbeat_ivl_ms=P.HEARTBEAT_IVL_MS,
+                heartbeat_timeout_ms=P.HEARTBEAT_TIMEOUT_MS,
             )
         limits = config.connection_limits
         self._gate_dir: str | None = None

@@ -1,11 +1,13 @@
 """The tokenizer process: the server's front door.
 
-It owns the public ROUTER socket. Every client message is validated here
+It owns the public socket: the ROUTER, and the routing-id gate's ZMTP server for
+TCP clients (see "Routing ids" below). Every client message is validated here
 (``protocol.decode`` plus ``InputProcessor``: the context length and the input
 limits of ``TokenizerConfig``), completely before anything is queued, and bad
 input gets a short ``Error`` to that client only: nothing malformed reaches the
-scheduler. The socket itself bounds message size (``ZMQ_MAXMSGSIZE``) and the
-replies queued for a client that does not read them (``SNDHWM``); a client has
+scheduler. The sockets themselves bound message size (``ZMQ_MAXMSGSIZE``, and the
+same limit in the ZMTP server) and the replies queued for a client that does not
+read them (``SNDHWM``, likewise); a client has
 at most ``max_requests_per_client`` requests in flight (docs/security.md). Good
 requests are tokenized and sent on as ``AddRequest`` (a ``Tokenize`` is answered
 here, with the token ids, never reaching the scheduler); the
@@ -26,22 +28,27 @@ only the allowed clients' keys (the ipc endpoint, inside the private run dir,
 stays without CURVE). With an admin API key (``RADIXSERVE_ADMIN_API_KEY`` in this
 process's environment), ``flush_cache`` and ``check`` must bring it.
 
-A client that went away is noticed when its connection closes (the socket
-monitor, ``Connections``: the client closed it, exited, or stopped answering
-heartbeats) or when a reply to it cannot be routed (``ROUTER_MANDATORY``): its
-requests are aborted, so their KV is released.
+A client that went away is noticed when its connection closes (the ROUTER's
+socket monitor through ``Connections``, or the ZMTP server's own report: the
+client closed it, exited, or stopped answering heartbeats) or when a reply to it
+cannot be routed (``ROUTER_MANDATORY``, or no such connection in the ZMTP server):
+its requests are aborted, so their KV is released. ``PublicSocket`` gives this loop
+both ways in as one socket.
 
 Routing ids (docs/serving.md, "Routing ids"): a ZeroMQ peer may choose its own
 routing id, and libzmq aborts the whole process when the automatic id it gives a
-peer that chose none was claimed by another already. So without CURVE the public
-TCP port is a ``RoutingIdGate`` (``utils/zmtp_gate.py``): it relays each
-connection to the ROUTER's ipc endpoint inside the run dir and replaces the
-peer's announced id with 16 random bytes, so the ROUTER never sees a
-peer-chosen or an automatic id. With CURVE the handshake is encrypted: the gate
-still holds the port (and its connection limits) but passes the handshake as it
-is, to a CURVE ROUTER endpoint on ipc; there the remaining guard is that the
-automatic ids start from a random counter (``seed_routing_ids``) that no reply
-and no log line shows. Logs name a client by a keyed hash of its id
+peer that chose none was claimed by another already. So the public TCP port is a
+``RoutingIdGate`` (``utils/zmtp_gate.py``), which gives every connection 16 random
+bytes as its id. Without CURVE it answers the handshake itself and hands the
+connection to its ZMTP server (``utils/zmtp_server.py``, native: no libzmq socket
+behind it, no relay hop), with the ROUTER's message limit, reply queue bound and
+heartbeats; where that server is not built it relays each connection to the
+ROUTER's ipc endpoint inside the run dir, with the peer's announced id replaced,
+so the ROUTER never sees a peer-chosen or an automatic id. With CURVE the
+handshake is encrypted: the gate still holds the port (and its connection limits)
+but passes the handshake as it is, to a CURVE ROUTER endpoint on ipc; there the
+remaining guard is that the automatic ids start from a random counter
+(``seed_routing_ids``) that no reply and no log line shows. Logs name a client by a keyed hash of its id
 (``client_tag``), never by the id, and never by its address.
 """
 
@@ -165,10 +172,10 @@ class TokenizerServer:
         server = None
         if self.zap is None and zmtp_server_built():
             server = ZmtpServer(
-                self.limits.max_message_bytes,
-                self.limits.max_queued_replies,
-                P.HEARTBEAT_IVL_MS,
-                P.HEARTBEAT_TIMEOUT_MS,
+                max_message_bytes=self.limits.max_message_bytes,
+                max_queued=self.limits.max_queued_replies,
+                heartbeat_ivl_ms=P.HEARTBEAT_IVL_MS,
+                heartbeat_timeout_ms=P.HEARTBEAT_TIMEOUT_MS,
             )
         upstream = None
         if server is None:

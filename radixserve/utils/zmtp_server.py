@@ -14,7 +14,7 @@ id. The caller's loop polls ``fd`` and calls ``take``; ``send`` writes a reply f
 the caller's thread straight to the socket when nothing waits before it (no thread
 hop: the round trip costs what a direct libzmq connection costs), else queues it
 for the thread, at most ``max_queued`` replies per connection (past that ``send``
-says ``FULL``, as a ROUTER's ``SNDHWM`` refuses), and at most ``max_queued``
+raises ``Unsent``, as a ROUTER's ``SNDHWM`` refuses), and at most ``max_unread``
 received messages per connection wait for ``take`` before that connection is not
 read (its client backs up, as a ROUTER's ``RCVHWM`` makes it).
 
@@ -57,13 +57,14 @@ class ZmtpServer:
     def __init__(
         self,
         max_message_bytes: int = -1,
-        max_queued: int = 1000,
+        max_queued: int = 1000,  # libzmq's default SNDHWM
+        max_unread: int = 1000,  # and RCVHWM
         heartbeat_ivl_ms: int = 0,
         heartbeat_timeout_ms: int = 0,
     ) -> None:
         if native is None:
             raise RuntimeError("the ZMTP server (radixserve.utils._zmtp_server) is not built")
-        self._h = native.start(max_message_bytes, max_queued, heartbeat_ivl_ms,
+        self._h = native.start(max_message_bytes, max_queued, max_unread, heartbeat_ivl_ms,
                                heartbeat_timeout_ms)  # fmt: skip
         self.fd = native.fd(self._h)  # readable while ``take`` has something
         self.notify_fd = native.notify_fd(self._h)  # readable while ``closed`` has tokens

@@ -23,7 +23,8 @@ HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 100, 300
 @pytest.fixture
 def served():
     """(zmq context, ZMTP server, gate)."""
-    server = ZmtpServer(MAX_MESSAGE, 1000, HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS)
+    server = ZmtpServer(MAX_MESSAGE, heartbeat_ivl_ms=HEARTBEAT_IVL_MS,
+                        heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)  # fmt: skip
     gate = RoutingIdGate("127.0.0.1", 0, None, server=server).start()
     ctx = zmq.Context()
     yield ctx, server, gate
@@ -209,7 +210,8 @@ def test_replies_to_a_gone_peer_are_dropped_without_error(served):
 
 
 def test_queues_are_bounded_both_ways():
-    server = ZmtpServer(MAX_MESSAGE, 4)  # no heartbeats: the peers below do not read
+    # No heartbeats: the peers below do not read.
+    server = ZmtpServer(MAX_MESSAGE, max_queued=4, max_unread=4)
     gate = RoutingIdGate("127.0.0.1", 0, None, server=server).start()
     ctx = zmq.Context()
     try:
