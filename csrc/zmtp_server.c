@@ -133,8 +133,8 @@ typedef struct {
     size_t max_queued, max_unread; /* replies unsent, messages untaken, per connection */
     conn_t **table; /* by routing id, chained */
     size_t buckets, n_conns, n_unsent;
-    conn_t *live;
-    conn_t *incoming;
+    conn_t *live;     /* registered connections (the thread's) */
+    conn_t *incoming; /* added, not yet registered (under the lock) */
     int resume; /* a paused connection may be read again */
     event_t *ev_head, *ev_tail;
     long long *gone;
@@ -535,6 +535,9 @@ static void take_incoming(server_t *s) {
         in = c->in_next;
         c->next_ping = s->heartbeat_ivl > 0 ? now + s->heartbeat_ivl : 0;
         pthread_mutex_lock(&s->lock);
+        c->next = s->live; /* the live list is this thread's: no other walks it */
+        if (s->live) s->live->prev = c;
+        s->live = c;
         uint32_t want = EPOLLIN | (c->out_head ? EPOLLOUT : 0);
         struct epoll_event ev = {.events = want, .data.ptr = c};
         int rc = epoll_ctl(s->epfd, EPOLL_CTL_ADD, c->fd, &ev);
@@ -765,9 +768,6 @@ static PyObject *py_add(PyObject *self, PyObject *args) {
     size_t b = bucket_of(s, c->rid);
     c->hnext = s->table[b];
     s->table[b] = c;
-    c->next = s->live;
-    if (s->live) s->live->prev = c;
-    s->live = c;
     c->in_next = s->incoming;
     s->incoming = c;
     if (c->out_head) s->n_unsent++;
