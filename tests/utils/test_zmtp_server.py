@@ -188,6 +188,27 @@ def test_a_malformed_stream_closes_that_connection_only(served, bad):
     assert d.recv() == b"ok"
 
 
+@pytest.mark.parametrize(
+    "handshake",
+    [
+        b"GET / HTTP/1.1\r\n\r\n",
+        SERVER_GREETING[:10] + b"\x02" + SERVER_GREETING[11:],  # ZMTP 2
+        SERVER_GREETING[:12] + b"PLAIN".ljust(20, b"\0") + SERVER_GREETING[32:],
+        SERVER_GREETING + b"\x00\x01x",  # a message before READY
+    ],
+)
+def test_a_handshake_the_gate_cannot_answer_is_closed_and_the_rest_served(served, handshake):
+    ctx, server, gate = served
+    with socket.create_connection(("127.0.0.1", gate.port)) as s:
+        s.settimeout(20)
+        s.sendall(handshake)
+        assert closed_by_server(s)
+    assert len(server) == 0
+    d = dealer(ctx, gate)
+    d.send(b"still here")
+    assert take(server)[0][1] == [b"still here"]
+
+
 def test_a_peer_of_a_type_a_router_does_not_talk_to_is_refused(served):
     _, server, gate = served
     with pytest.raises(AssertionError, match="closed"):
