@@ -17,6 +17,7 @@ EXT_NAME = "radixserve.scheduler._radix_native"
 SOURCES = ["csrc/radix_tree.cpp", "csrc/page_free.cpp", "csrc/bindings.cpp"]
 KERNELS_EXT_NAME = "radixserve.layers._cpu_kernels"
 RELAY_EXT_NAME = "radixserve.utils._zmtp_relay"
+ZMTP_SERVER_EXT_NAME = "radixserve.utils._zmtp_server"
 # Not a Python module: a library the launcher preloads into a prefill/decode server's
 # worker so the transfer engine's listeners bind --kv-transfer-host (csrc/bind_address.c).
 BIND_EXT_NAME = "radixserve.worker._bind_address"
@@ -50,6 +51,7 @@ def _warn(reason: str, name: str = EXT_NAME) -> None:
     fallback = {
         EXT_NAME: "Python radix tree",
         RELAY_EXT_NAME: "routing-id gate's Python relay",
+        ZMTP_SERVER_EXT_NAME: "routing-id gate's relay to the ROUTER",
         BIND_EXT_NAME: "transfer engine's listeners on every interface (--disaggregation)",
     }.get(name, "torch decode path and BLAS")
     print(
@@ -103,13 +105,21 @@ def _parallel_compile() -> None:
 
 def _relay_extension() -> list:
     """The routing-id gate's relay (plain C, Linux: epoll and splice); without it the
-    gate relays in Python. And the bind-address library (plain C, Linux)."""
+    gate relays in Python. Its ZMTP server for NULL connections (plain C, Linux:
+    epoll); without it they are relayed to the ROUTER. And the bind-address library
+    (plain C, Linux)."""
     if not sys.platform.startswith("linux"):
         return []
     return [
         Extension(
             RELAY_EXT_NAME,
             ["csrc/zmtp_relay.c"],
+            extra_compile_args=["-O2", "-Wall", "-Wextra"],
+            extra_link_args=["-pthread"],
+        ),
+        Extension(
+            ZMTP_SERVER_EXT_NAME,
+            ["csrc/zmtp_server.c"],
             extra_compile_args=["-O2", "-Wall", "-Wextra"],
             extra_link_args=["-pthread"],
         ),

@@ -4,12 +4,14 @@ An echo ROUTER and the gate in front of it run in a process of their own (as the
 tokenizer's ROUTER and gate do: the gate's thread shares that process with the
 ROUTER's loop); the clients run here. The ROUTER is reached directly on its ipc
 endpoint (as the HTTP front reaches the tokenizer), directly on TCP, and on TCP
-through the gate (its Python relay, and its native one where built), side by side
+through the gate (its Python relay, and its native one where built); and the
+gate's own ZMTP server (``zmtp``: no ROUTER behind it, as the tokenizer serves NULL
+TCP clients where it is built) is echoed by the same loop; side by side
 in one run, interleaved trial by trial: round trips
 of small messages (a request's or a chunk's size), of 1 MiB and 6 MiB ones (long
 prompts), and one-way streams of small messages (a stream's chunks). Prints
 per-operation times (the best of ``--trials``), the gate's ratios to ipc, and the
-native gate's to direct TCP. A second table gives the server process's CPU time per operation
+native relay's and the ZMTP server's to direct TCP. A second table gives the server process's CPU time per operation
 (all its threads, ``/proc/PID/task/*/schedstat``), which a loaded machine disturbs
 far less than wall time: the gate's own cost is the difference to ipc.
 
@@ -49,6 +51,10 @@ def serve(path: str, ready, stop, busy: bool) -> None:
     from radixserve.utils.zmtp_gate import RoutingIdGate
 
     native_relay = getattr(zmtp_gate, "native_relay", None)  # None: a gate without one
+    try:
+        from radixserve.utils.zmtp_server import ZmtpServer, built
+    except ImportError:  # a checkout from before the ZMTP server
+        ZmtpServer, built = None, lambda: False  # noqa: N806
 
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
@@ -60,12 +66,30 @@ def serve(path: str, ready, stop, busy: bool) -> None:
     gates = {"py": RoutingIdGate("127.0.0.1", 0, path, **python_only).start()}
     if native_relay is not None:
         gates["C"] = RoutingIdGate("127.0.0.1", 0, path, native=True).start()
+    poller = zmq.Poller()
+    poller.register(router, zmq.POLLIN)
+    server = None
+    if built():
+        # As the ROUTER here: no high-water marks; and as the tokenizer's: heartbeats.
+        unbounded = {"max_queued": 1 << 30, "max_unread": 1 << 30}
+        server = ZmtpServer(**unbounded, heartbeat_ivl_ms=1000, heartbeat_timeout_ms=3000)
+        gates["zmtp"] = RoutingIdGate("127.0.0.1", 0, None, server=server).start()
+        poller.register(server.fd, zmq.POLLIN)
     if busy:
         threading.Thread(target=spin, args=(stop,), daemon=True).start()
     ready.send({"ipc": "ipc://" + path, "tcp": tcp} | {k: g.endpoint for k, g in gates.items()})
     while not stop.is_set():
-        if router.poll(100):
-            router.send_multipart(router.recv_multipart())
+        events = dict(poller.poll(100))
+        if router in events:
+            while True:
+                try:
+                    router.send_multipart(router.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+        if server is not None and server.fd in events:
+            for rid, frames in server.take():
+                if frames is not None:
+                    server.send(rid, frames)
     for gate in gates.values():
         gate.close()
     ctx.destroy(linger=0)
@@ -137,12 +161,14 @@ def main() -> None:
         ("round trip, 6 MiB", round_trips, bytes(6 << 20), 30),
         ("stream, 200 B each", stream, bytes(200), 5000),
     ]
-    kinds = list(endpoints)  # ipc, tcp, py (the Python relay), C (the native one)
+    # ipc, tcp, py (the Python relay), C (the native one), zmtp (the ZMTP server)
+    kinds = list(endpoints)
     cpu = {}  # (case, kind) -> the server process's CPU time per operation, best trial
     head = f"{'case':<22}" + "".join(f"{k + ' us':>10}" for k in kinds)
     head += "".join(f"{k + '/ipc':>10}" for k in kinds[2:])
+    native = [k for k in ("C", "zmtp") if k in kinds]
     print("wall time per operation (best of the trials)")
-    print(head + f"{'C/tcp':>10}" * ("C" in kinds))
+    print(head + "".join(f"{k + '/tcp':>10}" for k in native))
     for name, fn, payload, n in cases:
         best = dict.fromkeys(kinds, 1e9)
         for _ in range(args.trials):  # interleaved, so a noisy moment hits each alike
@@ -153,8 +179,7 @@ def main() -> None:
                 cpu[name, key] = min(cpu.get((name, key), 1e9), spent)
         row = f"{name:<22}" + "".join(f"{best[k] * 1e6:>10.1f}" for k in kinds)
         row += "".join(f"{best[k] / best['ipc']:>10.2f}" for k in kinds[2:])
-        if "C" in kinds:
-            row += f"{best['C'] / best['tcp']:>10.2f}"
+        row += "".join(f"{best[k] / best['tcp']:>10.2f}" for k in native)
         print(row, flush=True)
     print("\nCPU time of the server process (echo ROUTER + gates) per operation, us")
     print(f"{'case':<22}" + "".join(f"{k:>10}" for k in kinds)

@@ -46,11 +46,13 @@ from radixserve.router.replica import Forwarded, Replica, transfer_source
 from radixserve.router.totals import CounterTotals
 from radixserve.scheduler.kv_events import page_keys
 from radixserve.tokenizer.config import TokenizerConfig
-from radixserve.tokenizer.connections import Connections
 from radixserve.tokenizer.inputs import InputProcessor
 from radixserve.tokenizer.process import seed_routing_ids
-from radixserve.utils.sockets import recv, recv_frames, recv_multipart
+from radixserve.tokenizer.public_socket import PublicSocket
+from radixserve.utils.sockets import recv, recv_multipart
 from radixserve.utils.zmtp_gate import RoutingIdGate
+from radixserve.utils.zmtp_server import ZmtpServer
+from radixserve.utils.zmtp_server import built as zmtp_server_built
 from radixserve.zap import enable_curve
 
 log = logging.getLogger("radixserve.router")
@@ -101,26 +103,37 @@ class Router:
         self.public.setsockopt(zmq.LINGER, 1000)
         self.public.setsockopt(zmq.HEARTBEAT_IVL, P.HEARTBEAT_IVL_MS)
         self.public.setsockopt(zmq.HEARTBEAT_TIMEOUT, P.HEARTBEAT_TIMEOUT_MS)
-        self.client_monitor = self.public.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.connections = Connections()
         if config.ipc_endpoint:
             self.public.bind(config.ipc_endpoint)
         self.zap = enable_curve(ctx, self.public, config)  # type: ignore[arg-type]
-        # The TCP port is a routing-id gate in front of a private ipc endpoint, as the
-        # tokenizer's (utils/zmtp_gate.py: no peer chooses its id; with CURVE it passes
-        # the encrypted handshake as it is, and keeps the connection limits).
-        self._gate_dir = tempfile.mkdtemp(prefix="rs-")
-        upstream = os.path.join(self._gate_dir, "public-tcp")
+        # The TCP port is a routing-id gate, as the tokenizer's (utils/zmtp_gate.py: no
+        # peer chooses its id): NULL connections go to its ZMTP server where it is built;
+        # with CURVE (or without that server) it relays to a private ipc endpoint of the
+        # ROUTER, passing an encrypted handshake as it is.
+        server = None
+        if self.zap is None and zmtp_server_built():
+            server = ZmtpServer(
+                max_message_bytes=config.max_message_bytes,
+                heartbeat_ivl_ms=P.HEARTBEAT_IVL_MS,
+                heartbeat_timeout_ms=P.HEARTBEAT_TIMEOUT_MS,
+            )
         limits = config.connection_limits
-        self.public.setsockopt(zmq.HANDSHAKE_IVL, int(limits.handshake_timeout * 1000))
-        self.public.bind(f"ipc://{upstream}")
+        self._gate_dir: str | None = None
+        upstream = None
+        if server is None:
+            self._gate_dir = tempfile.mkdtemp(prefix="rs-")
+            upstream = os.path.join(self._gate_dir, "public-tcp")
+            self.public.setsockopt(zmq.HANDSHAKE_IVL, int(limits.handshake_timeout * 1000))
+            self.public.bind(f"ipc://{upstream}")
         self.gate = RoutingIdGate(
             config.host,
             config.port,
             upstream,
             limits,
             mechanism="NULL" if self.zap is None else "CURVE",
+            server=server,
         ).start()
+        self.clients = PublicSocket(self.public, server)
         self.endpoint = self.gate.endpoint
         self.rr = RoundRobin()
         self.affinity = KeyAffinity()  # prompt_cache_key -> the replica it went to last
@@ -150,8 +163,7 @@ class Router:
 
     def poll_once(self, timeout_ms: int) -> None:
         poller = zmq.Poller()
-        poller.register(self.public, zmq.POLLIN)
-        poller.register(self.client_monitor, zmq.POLLIN)
+        self.clients.register(poller)
         if self.zap is not None:
             poller.register(self.zap.socket, zmq.POLLIN)
         owner: dict[zmq.Socket, tuple[Replica, str]] = {}
@@ -175,12 +187,11 @@ class Router:
                     self._on_replica_replies(r)
                 elif r.events is not None:
                     r.events.on_readable(sock)
-        self._take_client_disconnects()
-        if self.public in ready:
-            while (frames := recv_frames(self.public)) is not None:
-                self._take_client_disconnects()
-                self.connections.seen(frames[0].bytes, frames[-1])
-                self._on_client([f.bytes for f in frames])
+        for identity, frames in self.clients.receive(ready):
+            if frames is None:  # its connection closed
+                self._client_gone(identity)
+            else:
+                self._on_client([identity, *frames])
         now = time.monotonic()
         if now - self.last_probe >= PROBE_EVERY_S:
             self.last_probe = now
@@ -480,11 +491,6 @@ class Router:
         return table
 
     # -------------------------------------------------------------- clients
-    def _take_client_disconnects(self) -> None:
-        while (event := recv_multipart(self.client_monitor)) is not None:
-            for identity in self.connections.closed(event):
-                self._client_gone(identity)
-
     def _client_gone(self, identity: bytes) -> None:
         for (ident, _), rid in list(self.by_client.items()):
             if ident == identity:
@@ -505,9 +511,7 @@ class Router:
             r.drop_pending(fwd.keys)
 
     def _send(self, identity: bytes, msg: P.Message) -> None:
-        try:
-            self.public.send_multipart([identity, msg.encode()], zmq.NOBLOCK)
-        except zmq.ZMQError:
+        if not self.clients.send(identity, msg.encode()):
             self._client_gone(identity)
 
     def _send_error(self, identity: bytes, rid: str | None, message: str) -> None:
@@ -518,9 +522,9 @@ class Router:
     def close(self) -> None:
         for r in self.replicas:
             r.close()
-        self.client_monitor.close(0)
+        self.clients.monitor.close(0)
         self.public.close(1000)  # what it still sends goes to the gate ...
         if self.gate is not None:
-            self.gate.drain()  # ... which passes it on before closing
+            self.gate.drain()  # ... which passes it on (or its ZMTP server's) before closing
         if self._gate_dir is not None:
             shutil.rmtree(self._gate_dir, ignore_errors=True)

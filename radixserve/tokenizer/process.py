@@ -1,11 +1,13 @@
 """The tokenizer process: the server's front door.
 
-It owns the public ROUTER socket. Every client message is validated here
+It owns the public socket: the ROUTER, and the routing-id gate's ZMTP server for
+TCP clients (see "Routing ids" below). Every client message is validated here
 (``protocol.decode`` plus ``InputProcessor``: the context length and the input
 limits of ``TokenizerConfig``), completely before anything is queued, and bad
 input gets a short ``Error`` to that client only: nothing malformed reaches the
-scheduler. The socket itself bounds message size (``ZMQ_MAXMSGSIZE``) and the
-replies queued for a client that does not read them (``SNDHWM``); a client has
+scheduler. The sockets themselves bound message size (``ZMQ_MAXMSGSIZE``, and the
+same limit in the ZMTP server) and the replies queued for a client that does not
+read them (``SNDHWM``, likewise); a client has
 at most ``max_requests_per_client`` requests in flight (docs/security.md). Good
 requests are tokenized and sent on as ``AddRequest`` (a ``Tokenize`` is answered
 here, with the token ids, never reaching the scheduler); the
@@ -26,22 +28,27 @@ only the allowed clients' keys (the ipc endpoint, inside the private run dir,
 stays without CURVE). With an admin API key (``RADIXSERVE_ADMIN_API_KEY`` in this
 process's environment), ``flush_cache`` and ``check`` must bring it.
 
-A client that went away is noticed when its connection closes (the socket
-monitor, ``Connections``: the client closed it, exited, or stopped answering
-heartbeats) or when a reply to it cannot be routed (``ROUTER_MANDATORY``): its
-requests are aborted, so their KV is released.
+A client that went away is noticed when its connection closes (the ROUTER's
+socket monitor through ``Connections``, or the ZMTP server's own report: the
+client closed it, exited, or stopped answering heartbeats) or when a reply to it
+cannot be routed (``ROUTER_MANDATORY``, or no such connection in the ZMTP server):
+its requests are aborted, so their KV is released. ``PublicSocket`` gives this loop
+both ways in as one socket.
 
 Routing ids (docs/serving.md, "Routing ids"): a ZeroMQ peer may choose its own
 routing id, and libzmq aborts the whole process when the automatic id it gives a
-peer that chose none was claimed by another already. So without CURVE the public
-TCP port is a ``RoutingIdGate`` (``utils/zmtp_gate.py``): it relays each
-connection to the ROUTER's ipc endpoint inside the run dir and replaces the
-peer's announced id with 16 random bytes, so the ROUTER never sees a
-peer-chosen or an automatic id. With CURVE the handshake is encrypted: the gate
-still holds the port (and its connection limits) but passes the handshake as it
-is, to a CURVE ROUTER endpoint on ipc; there the remaining guard is that the
-automatic ids start from a random counter (``seed_routing_ids``) that no reply
-and no log line shows. Logs name a client by a keyed hash of its id
+peer that chose none was claimed by another already. So the public TCP port is a
+``RoutingIdGate`` (``utils/zmtp_gate.py``), which gives every connection 16 random
+bytes as its id. Without CURVE it answers the handshake itself and hands the
+connection to its ZMTP server (``utils/zmtp_server.py``, native: no libzmq socket
+behind it, no relay hop), with the ROUTER's message limit, reply queue bound and
+heartbeats; where that server is not built it relays each connection to the
+ROUTER's ipc endpoint inside the run dir, with the peer's announced id replaced,
+so the ROUTER never sees a peer-chosen or an automatic id. With CURVE the
+handshake is encrypted: the gate still holds the port (and its connection limits)
+but passes the handshake as it is, to a CURVE ROUTER endpoint on ipc; there the
+remaining guard is that the automatic ids start from a random counter
+(``seed_routing_ids``) that no reply and no log line shows. Logs name a client by a keyed hash of its id
 (``client_tag``), never by the id, and never by its address.
 """
 
@@ -74,11 +81,11 @@ from radixserve.server_config import (
     TOKENIZER_IN,
     ServerConfig,
 )
-from radixserve.tokenizer.connections import Connections
 from radixserve.tokenizer.explain import render_dashboard, render_explain
 from radixserve.tokenizer.images import VisionInputs, load_vision_inputs
 from radixserve.tokenizer.inputs import InputProcessor
 from radixserve.tokenizer.output import OutputStream, TokenTexts
+from radixserve.tokenizer.public_socket import PublicSocket
 from radixserve.utils.proc import (
     POLL_MS,
     Lifeline,
@@ -87,8 +94,10 @@ from radixserve.utils.proc import (
     freeze_heap,
     socket,
 )
-from radixserve.utils.sockets import recv, recv_frames, recv_multipart
+from radixserve.utils.sockets import recv
 from radixserve.utils.zmtp_gate import RoutingIdGate
+from radixserve.utils.zmtp_server import ZmtpServer
+from radixserve.utils.zmtp_server import built as zmtp_server_built
 from radixserve.zap import enable_curve
 
 log = logging.getLogger("radixserve.tokenizer")
@@ -151,25 +160,37 @@ class TokenizerServer:
         # still dropped when it stops answering.
         self.router.setsockopt(zmq.HEARTBEAT_IVL, P.HEARTBEAT_IVL_MS)
         self.router.setsockopt(zmq.HEARTBEAT_TIMEOUT, P.HEARTBEAT_TIMEOUT_MS)
-        self.monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.connections = Connections()
         # The HTTP front is one more client; it connects here, inside the private run dir,
         # so it neither depends on --host nor goes through TCP. Bound first: CURVE, when
         # configured, applies to the binds after it (the TCP endpoint) only.
         self.router.bind(config.endpoint(PUBLIC_IPC))
         self.zap = enable_curve(ctx, self.router, config)
-        # The public TCP port is the gate's (module docstring), with CURVE too (then it
-        # passes the encrypted handshake as it is, and keeps the connection limits).
-        self.router.setsockopt(zmq.HANDSHAKE_IVL, int(config.handshake_timeout * 1000))
-        self.router.bind(config.endpoint(PUBLIC_TCP))
-        upstream = config.endpoint(PUBLIC_TCP).removeprefix("ipc://")
+        # The public TCP port is the gate's (module docstring). NULL connections go to
+        # the ZMTP server where it is built, with the ROUTER's limits and heartbeats;
+        # with CURVE (or without that server) the gate relays to the ROUTER on ipc,
+        # passing an encrypted handshake as it is.
+        server = None
+        if self.zap is None and zmtp_server_built():
+            server = ZmtpServer(
+                max_message_bytes=self.limits.max_message_bytes,
+                max_queued=self.limits.max_queued_replies,
+                heartbeat_ivl_ms=P.HEARTBEAT_IVL_MS,
+                heartbeat_timeout_ms=P.HEARTBEAT_TIMEOUT_MS,
+            )
+        upstream = None
+        if server is None:
+            self.router.setsockopt(zmq.HANDSHAKE_IVL, int(config.handshake_timeout * 1000))
+            self.router.bind(config.endpoint(PUBLIC_TCP))
+            upstream = config.endpoint(PUBLIC_TCP).removeprefix("ipc://")
         self.gate = RoutingIdGate(
             config.host,
             config.port,
             upstream,
             config.connection_limits,
             mechanism="NULL" if self.zap is None else "CURVE",
+            server=server,
         ).start()
+        self.public = PublicSocket(self.router, server)
         after_sockets_close(self.gate.drain)  # the last replies reach the clients
         self.endpoint = self.gate.endpoint
         self.admin_key = admin_key
@@ -188,9 +209,8 @@ class TokenizerServer:
         """Serve until a ``Shutdown``; on SIGTERM or the launcher's death, fail every
         request in flight first, so no client waits on a server that is gone."""
         poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
+        self.public.register(poller)
         poller.register(self.inbox, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
         if self.zap is not None:
             poller.register(self.zap.socket, zmq.POLLIN)
         while self.life.alive():
@@ -201,14 +221,11 @@ class TokenizerServer:
                 # Scheduler first: its outputs free KV, and a Shutdown must win.
                 while (data := recv(self.inbox)) is not None:
                     self.handle_internal(P.decode(data, INTERNAL))
-            self.take_disconnects()
-            if self.router in events:
-                while (frames := recv_frames(self.router)) is not None:
-                    # A closed connection's descriptor may be reused by the next one:
-                    # take the close before any message that may come on the new one.
-                    self.take_disconnects()
-                    self.connections.seen(frames[0].bytes, frames[-1])
-                    self.handle_client([f.bytes for f in frames])
+            for identity, frames in self.public.receive(events):
+                if frames is None:  # its connection closed
+                    self.client_gone(identity)
+                else:
+                    self.handle_client([identity, *frames])
         self.shutdown(f"the server stopped: {self.life.why_stopped()}")
 
     # ------------------------------------------------------- client -> server
@@ -471,11 +488,6 @@ class TokenizerServer:
         """Text of token ids with special tokens kept (explain, the dashboard)."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
-    def take_disconnects(self) -> None:
-        while (event := recv_multipart(self.monitor)) is not None:
-            for identity in self.connections.closed(event):
-                self.client_gone(identity)
-
     def client_gone(self, identity: bytes) -> None:
         gone = [req for req in self.requests.values() if req.identity == identity]
         for req in gone:
@@ -507,10 +519,8 @@ class TokenizerServer:
 
     # ----------------------------------------------------------------- sends
     def send(self, identity: bytes, msg: P.Message) -> None:
-        try:
-            self.router.send_multipart([identity, msg.encode()], zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # EHOSTUNREACH: no such peer; EAGAIN: it stopped reading
-            raise ClientGone from e
+        if not self.public.send(identity, msg.encode()):  # gone, or it stopped reading
+            raise ClientGone
 
     def send_error(self, identity: bytes, rid: str | None, message: str) -> None:
         if len(message) > P.MAX_ERROR_CHARS:  # never echo a large input back

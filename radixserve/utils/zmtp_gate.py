@@ -1,4 +1,4 @@
-"""A TCP gate in front of a public ROUTER: the server, not the peer, chooses each
+"""A TCP gate in front of the public ROUTER: the server, not the peer, chooses each
 connection's ZeroMQ routing id.
 
 Why: a ZeroMQ peer may announce its own routing id in its handshake, and a ROUTER
@@ -7,46 +7,60 @@ counter) without checking that no peer has claimed that value already; when one
 has, libzmq aborts the whole process (``socket_base.cpp``: ``Assertion failed:
 ok``). No socket option turns peer-chosen ids off, and the counter can be learnt.
 So the public TCP port is not libzmq's: ``RoutingIdGate`` accepts each TCP
-connection itself, opens one connection of its own to the ROUTER's internal ipc
-endpoint (inside the private run dir), and relays the bytes both ways unchanged
-except one field: the ``Identity`` property of the peer's ZMTP ``READY`` command,
-which it replaces with 16 random bytes (never zero-led). The ROUTER therefore
-sees only ids the server drew: no peer can choose one, none is ever automatic,
-and a peer cannot take or aim at another's.
+connection itself, applies the connection limits, checks the handshake, and gives
+the connection a routing id of 16 random bytes (never zero-led). Then one of two
+paths:
 
-What the gate reads of the stream (ZMTP 3.x, RFC 23/37), client to ROUTER:
+- **Served** (NULL mechanism, with a ``server``: the tokenizer's and the router's
+  path wherever ``csrc/zmtp_server.c`` is built). The gate answers the handshake
+  itself, as libzmq's ROUTER would: the server's greeting at accept, its ``READY``
+  (socket type ROUTER) once the peer's has come (from a DEALER, REQ or ROUTER), then
+  hands the connection to the ``ZmtpServer`` (``zmtp_server.py``), a native thread
+  that speaks ZMTP to it with no libzmq socket behind: no peer-chosen id reaches
+  anything, and no relay hop delays a message.
+- **Relayed** (CURVE, or NULL where the server is not built). The gate opens one
+  connection of its own to the ROUTER's internal ipc endpoint (inside the private
+  run dir) and relays the bytes both ways unchanged except one field: the
+  ``Identity`` property of the peer's ZMTP ``READY`` command, which it replaces
+  with the drawn id. The ROUTER therefore sees only ids the server drew: no peer
+  can choose one, none is ever automatic, and a peer cannot take or aim at
+  another's. CURVE encrypts ``READY``: then the gate checks only the greeting and
+  passes the rest as it is (docs/serving.md, "Routing ids").
+
+What the gate reads of the stream (ZMTP 3.x, RFC 23/37), client to server:
 
 - the 64-byte greeting, checked as it arrives: the signature (``0xFF``, 8 bytes,
   a byte with bit 0 set), major version >= 3 (checked before it is passed on:
   ZMTP 1.0 and 2.0 carry the routing id as an ordinary message the gate could
   not rewrite), mechanism ``NULL`` (a gate made with ``mechanism="CURVE"`` wants
-  ``CURVE`` instead and passes everything after the greeting as it is: CURVE
-  encrypts ``READY``, see docs/serving.md, "Routing ids");
+  ``CURVE`` instead and passes everything after the greeting as it is);
 - the first command, which must be ``READY`` (at most ``MAX_READY_BYTES``).
 
-Anything else closes the connection; after ``READY`` bytes pass as they are, in
-both directions, heartbeats included. Either side closing closes the other once
-what it sent last has been passed on (``drain`` gives a stopping server's last
-replies that time), so
-the ROUTER's view of a connection (its socket monitor, heartbeat timeouts,
-``MAXMSGSIZE`` drops) is the client's. Each direction buffers at most
-``MAX_BUFFERED`` bytes before the gate stops reading its source, so a slow
+Anything else closes the connection. Relayed, after ``READY`` bytes pass as they
+are, in both directions, heartbeats included. Either side closing closes the other
+once what it sent last has been passed on (``drain`` gives a stopping server's last
+replies that time), so the ROUTER's view of a connection (its socket monitor,
+heartbeat timeouts, ``MAXMSGSIZE`` drops) is the client's. Each direction buffers
+at most ``MAX_BUFFERED`` bytes before the gate stops reading its source, so a slow
 reader backs up to its sender as it would on a direct connection.
 
 Limits (docs/serving.md, "Connection limits"): at most ``limits.total`` connections
 at once and ``limits.per_address`` from one peer address (by default derived from
-the process's descriptor budget: each connection costs ``FDS_PER_CONNECTION``
+the process's descriptor budget: a relayed connection costs ``FDS_PER_CONNECTION``
 descriptors here, counting the ROUTER's side of the ipc connection, which libzmq
-accepts in this process and aborts on when it meets ``EMFILE``). A connection over
-a limit is reset at accept; those already relayed are untouched. A connection
-whose greeting and ``READY`` are not through within ``limits.handshake_timeout``
-is closed. ``EMFILE`` at accept pauses accepting for ``ACCEPT_PAUSE_S``.
+accepts in this process and aborts on when it meets ``EMFILE``; a served one
+``zmtp_server.FDS_PER_CONNECTION``, its TCP socket). A connection over a limit is
+reset at accept; those already open are untouched. A connection whose greeting and
+``READY`` are not through within ``limits.handshake_timeout`` is closed.
+``EMFILE`` at accept pauses accepting for ``ACCEPT_PAUSE_S``.
 
-Once ``READY`` has passed, bytes move with ``os.splice`` through one pipe (the
-kernel copies them once, not into this process and out again); what a
-destination cannot take at once waits in its outbox.
+Relayed, once ``READY`` has passed, a connection goes to the native relay
+(``csrc/zmtp_relay.c``) where it is built, else bytes move here with ``os.splice``
+through one pipe (the kernel copies them once, not into this process and out
+again); what a destination cannot take at once waits in its outbox.
 
-One daemon thread runs every connection with ``epoll``; ``close`` stops it.
+One daemon thread runs every handshake (and the Python relay) with ``epoll``;
+``close`` stops it, and the native relay or server with it.
 """
 
 from __future__ import annotations
@@ -69,6 +83,8 @@ from radixserve.utils.descriptors import (
     descriptor_limit,
     open_descriptors,
 )
+from radixserve.utils.zmtp_server import FDS_PER_CONNECTION as SERVED_FDS
+from radixserve.utils.zmtp_server import ZmtpServer
 
 try:  # the relay after the handshake, in C (csrc/zmtp_relay.c); optional
     from radixserve.utils import _zmtp_relay as native_relay
@@ -98,6 +114,10 @@ EPOLLIN = getattr(select, "EPOLLIN", 1)
 EPOLLOUT = getattr(select, "EPOLLOUT", 4)
 
 COMMAND, LONG = 0x04, 0x02
+#: What the gate answers a peer for the ZMTP server with, as libzmq's ROUTER would:
+#: its greeting (ZMTP 3.1, NULL, not as-server) and its READY.
+SERVER_GREETING = b"\xff" + bytes(8) + b"\x7f\x03\x01" + b"NULL".ljust(20, b"\0") + bytes(32)
+ROUTER_PEERS = (b"DEALER", b"REQ", b"ROUTER")  # the socket types a ROUTER talks to
 
 
 def draw_routing_id() -> bytes:
@@ -111,13 +131,12 @@ class GateError(ValueError):
     """The peer's stream is not a ZMTP 3 NULL handshake the gate can pass on."""
 
 
-def rewrite_ready(body: bytes, routing_id: bytes) -> bytes:
-    """A READY command's body with its ``Identity`` property (any case, any number
-    of them) replaced by ``routing_id``; raises ``GateError`` if ``body`` is not a
-    well-formed READY."""
+def ready_properties(body: bytes) -> list[tuple[bytes, bytes]]:
+    """The properties of a READY command's body, as (name, value) in order; raises
+    ``GateError`` if ``body`` is not a well-formed READY."""
     if not body or body[0] != 5 or body[1:6] != b"READY":
         raise GateError("the first command is not READY")
-    out = bytearray(body[:6])
+    props = []
     pos = 6
     while pos < len(body):
         n = body[pos]
@@ -130,16 +149,31 @@ def rewrite_ready(body: bytes, routing_id: bytes) -> bytes:
         pos += 4 + size
         if len(value) != size:
             raise GateError("a malformed READY property")
-        if name.lower() != b"identity":
-            out += bytes([n]) + name + size.to_bytes(4, "big") + value
-    out += b"\x08Identity" + len(routing_id).to_bytes(4, "big") + routing_id
-    return bytes(out)
+        props.append((bytes(name), bytes(value)))
+    return props
+
+
+def ready_body(props: list[tuple[bytes, bytes]]) -> bytes:
+    return b"\x05READY" + b"".join(
+        bytes([len(name)]) + name + len(value).to_bytes(4, "big") + value for name, value in props
+    )
+
+
+def rewrite_ready(body: bytes, routing_id: bytes) -> bytes:
+    """A READY command's body with its ``Identity`` property (any case, any number
+    of them) replaced by ``routing_id``; raises ``GateError`` if ``body`` is not a
+    well-formed READY."""
+    props = [(n, v) for n, v in ready_properties(body) if n.lower() != b"identity"]
+    return ready_body([*props, (b"Identity", routing_id)])
 
 
 def command_frame(body: bytes) -> bytes:
     if len(body) <= 255:
         return bytes([COMMAND, len(body)]) + body
     return bytes([COMMAND | LONG]) + len(body).to_bytes(8, "big") + body
+
+
+SERVER_READY = command_frame(ready_body([(b"Socket-Type", b"ROUTER")]))
 
 
 class HandshakeFilter:
@@ -155,6 +189,8 @@ class HandshakeFilter:
         self.mechanism = mechanism
         self.greeting = bytearray()
         self.pending = bytearray()  # the READY command, until it is complete
+        self.ready = b""  # the peer's READY body, once complete (NULL only)
+        self.rest = b""  # what came after it in the same read
 
     def feed(self, data: bytes) -> bytes:
         out = bytearray()
@@ -204,15 +240,16 @@ class HandshakeFilter:
             raise GateError("a READY command over the size limit")
         if len(buf) < head + size:
             return None
-        body = bytes(buf[head : head + size])
-        rest = bytes(buf[head + size :])
+        self.ready = bytes(buf[head : head + size])
+        self.rest = bytes(buf[head + size :])
         self.pending = None  # type: ignore[assignment]
-        return command_frame(rewrite_ready(body, self.routing_id)) + rest
+        return command_frame(rewrite_ready(self.ready, self.routing_id)) + self.rest
 
 
 class _Conn:
     """One relayed connection: the client's socket, the gate's own to the ROUTER, and
-    what each direction holds that the other end has not taken yet."""
+    what each direction holds that the other end has not taken yet. A connection for
+    the ZMTP server has no ``upstream`` (``ufd`` -1): the gate answers its handshake."""
 
     __slots__ = ("client", "upstream", "cfd", "ufd", "address", "to_upstream", "to_client",
                  "filter", "ended", "closed", "deadline", "events", "id")  # fmt: skip
@@ -220,7 +257,7 @@ class _Conn:
     def __init__(
         self,
         client: socket.socket,
-        upstream: socket.socket,
+        upstream: socket.socket | None,
         address: str,
         deadline: float,
         mechanism: bytes,
@@ -228,7 +265,7 @@ class _Conn:
         self.client = client
         self.upstream = upstream
         self.cfd = client.fileno()
-        self.ufd = upstream.fileno()
+        self.ufd = upstream.fileno() if upstream is not None else -1
         self.address = address
         self.to_upstream = bytearray()
         self.to_client = bytearray()
@@ -237,7 +274,11 @@ class _Conn:
         self.closed = False
         self.deadline = deadline  # when an unfinished handshake is dropped
         self.events = {self.cfd: EPOLLIN, self.ufd: EPOLLIN}  # registered (0: not)
-        self.id = 0  # the native relay's name for it, once handed over
+        self.id = 0  # the native relay's or server's name for it, once handed over
+
+    @property
+    def fds(self) -> tuple[int, ...]:
+        return (self.cfd, self.ufd) if self.upstream is not None else (self.cfd,)
 
     def peer_of(self, fd: int) -> int:
         return self.ufd if fd == self.cfd else self.cfd
@@ -254,23 +295,32 @@ class RoutingIdGate:
     """Listens on ``host:port`` (0: a free port, see ``port``) and relays each
     connection to the ipc socket at ``upstream_path``, holding at most ``limits``
     connections (``ConnectionLimits``; its zeros derived from the descriptor budget,
-    ``FDS_PER_CONNECTION`` each)."""
+    ``FDS_PER_CONNECTION`` each). With a ``server`` (NULL only) it relays nothing:
+    it answers each handshake itself and hands the connection to that ZMTP server
+    (``zmtp_server.FDS_PER_CONNECTION`` descriptors each); ``close`` closes it."""
 
     def __init__(
         self,
         host: str,
         port: int,
-        upstream_path: str,
+        upstream_path: str | None,
         limits: ConnectionLimits | None = None,
         native: bool | None = None,
         mechanism: str = "NULL",
+        server: ZmtpServer | None = None,
     ) -> None:
         if mechanism not in ("NULL", "CURVE"):
             raise ValueError(f"the gate passes NULL or CURVE handshakes, not {mechanism}")
+        if server is not None and mechanism != "NULL":
+            raise ValueError("the ZMTP server speaks NULL only: CURVE is relayed")
+        if server is None and upstream_path is None:
+            raise ValueError("a gate without a ZMTP server relays to upstream_path")
         self.mechanism = mechanism.encode()
         self.upstream_path = upstream_path
+        self.server = server
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.limits = (limits or ConnectionLimits()).derive(FDS_PER_CONNECTION, reserved=4)
+        per_connection = SERVED_FDS if server is not None else FDS_PER_CONNECTION
+        self.limits = (limits or ConnectionLimits()).derive(per_connection, reserved=4)
         # Connections waiting in the kernel's queue cost this process no descriptor.
         self.listener = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
         self.listener.setblocking(False)
@@ -289,15 +339,21 @@ class RoutingIdGate:
         # (``native``: None, where built; True: required; False: never).
         if native and native_relay is None:
             raise RuntimeError("the native relay (radixserve.utils._zmtp_relay) is not built")
-        self._relay = native_relay.start() if native_relay and native is not False else None
+        self._relay = None
+        if server is None and native_relay and native is not False:
+            self._relay = native_relay.start()
         self._notify = -1
         if self._relay is not None:
             self._notify = native_relay.notify_fd(self._relay)
             self.epoll.register(self._notify, EPOLLIN)
-        self.handed: dict[int, _Conn] = {}  # connections the native relay runs, by id
+        if server is not None:
+            self._notify = server.notify_fd
+            self.epoll.register(self._notify, EPOLLIN)
+        self.handed: dict[int, _Conn] = {}  # connections the native relay or server runs
         self._ids = itertools.count(1)
         self.conns: dict[int, _Conn] = {}  # by either descriptor
         self.count = 0
+        self.served = 0  # of them, connections the ZMTP server runs
         self.per_address: Counter[str] = Counter()
         self.pending: deque[_Conn] = deque()  # handshakes in progress, oldest first
         self.refused = 0  # connections closed at accept, over a limit
@@ -335,6 +391,9 @@ class RoutingIdGate:
             native_relay.stop(self._relay)  # closes every connection it runs
             self._take_closed()
             self._relay = None
+        if self.server is not None:
+            self.server.close()  # likewise
+            self._take_closed()
         for conn in list(self.conns.values()):
             self._close(conn)
         self.epoll.close()
@@ -347,11 +406,14 @@ class RoutingIdGate:
         self._pipe_r = self._pipe_w = -1
 
     def drain(self, timeout: float = 1.0) -> None:
-        """Let the connections whose ROUTER side closed pass their last bytes on (the
-        errors a stopping server sends), for at most ``timeout`` seconds; then close."""
+        """Let the connections whose ROUTER side closed pass their last bytes on, and
+        the ZMTP server send the replies it queued (the errors a stopping server
+        sends), for at most ``timeout`` seconds; then close."""
         deadline = time.monotonic() + timeout
-        while self.count and time.monotonic() < deadline:
+        while self.count > self.served and time.monotonic() < deadline:
             time.sleep(0.01)
+        if self.server is not None:
+            self.server.drain(max(0.0, deadline - time.monotonic()))
         self.close()
 
     def __len__(self) -> int:
@@ -426,6 +488,9 @@ class RoutingIdGate:
             if why is not None:
                 self._refuse(client, why)
                 continue
+            if self.server is not None:
+                self._admit(client, address, None)
+                continue
             try:
                 upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             except OSError as e:
@@ -444,17 +509,27 @@ class RoutingIdGate:
                 upstream.close()
                 client.close()
                 continue
-            client.setblocking(False)
-            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            deadline = time.monotonic() + self.limits.handshake_timeout
-            conn = _Conn(client, upstream, address, deadline, self.mechanism)
-            self.conns[conn.cfd] = conn
-            self.conns[conn.ufd] = conn
-            self.count += 1
-            self.per_address[address] += 1
-            self.pending.append(conn)
-            self.epoll.register(conn.cfd, EPOLLIN)
-            self.epoll.register(conn.ufd, EPOLLIN)
+            self._admit(client, address, upstream)
+
+    def _admit(self, client: socket.socket, address: str, upstream: socket.socket | None) -> None:
+        """Start a connection's handshake: relayed to ``upstream``, or, without one,
+        answered here (the server's greeting goes out at once)."""
+        client.setblocking(False)
+        client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        deadline = time.monotonic() + self.limits.handshake_timeout
+        conn = _Conn(client, upstream, address, deadline, self.mechanism)
+        self.count += 1
+        self.per_address[address] += 1
+        self.pending.append(conn)
+        for fd in conn.fds:
+            self.conns[fd] = conn
+            self.epoll.register(fd, EPOLLIN)
+        if upstream is None:
+            conn.to_client += SERVER_GREETING
+            try:
+                self._flush(conn, conn.cfd)
+            except OSError:
+                self._close(conn)
 
     def _refusal(self, address: str) -> str | None:
         """Why a new connection from ``address`` is not taken (None: it is)."""
@@ -493,6 +568,9 @@ class RoutingIdGate:
 
     # ------------------------------------------------------------------ relay
     def _read(self, conn: _Conn, fd: int) -> None:
+        if conn.upstream is None:
+            self._read_handshake(conn)
+            return
         dest = conn.peer_of(fd)
         box = conn.outbox(dest)
         if conn.filter is None and not box and self._pipe_w >= 0:
@@ -512,6 +590,40 @@ class RoutingIdGate:
                 conn.filter = None
         box += data
         self._flush(conn, dest)
+
+    def _read_handshake(self, conn: _Conn) -> None:
+        """The peer's greeting and READY, for the ZMTP server: checked here, answered
+        with the server's READY, then the connection is handed over."""
+        try:
+            data = conn.client.recv(RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        if not data:
+            self._close(conn)
+            return
+        assert conn.filter is not None
+        conn.filter.feed(data)
+        if not conn.filter.done:
+            return
+        props = {name.lower(): value for name, value in ready_properties(conn.filter.ready)}
+        peer = props.get(b"socket-type")
+        if peer not in ROUTER_PEERS:
+            raise GateError(f"a {peer!r} peer (a ROUTER talks to DEALER, REQ, ROUTER)")
+        conn.to_client += SERVER_READY
+        self._flush(conn, conn.cfd)
+        if conn.closed:
+            return
+        self.conns.pop(conn.cfd, None)
+        if conn.events[conn.cfd]:
+            self.epoll.unregister(conn.cfd)
+            conn.events[conn.cfd] = 0
+        conn.id = next(self._ids)
+        self.handed[conn.id] = conn
+        self.served += 1
+        rid, rest, unsent = conn.filter.routing_id, conn.filter.rest, bytes(conn.to_client)
+        conn.filter = None
+        assert self.server is not None
+        self.server.add(conn.id, conn.client.detach(), rid, rest, unsent)
 
     def _splice(self, conn: _Conn, src: int, dest: int) -> None:
         """Move what ``src`` holds to ``dest`` through the kernel (no copy through this
@@ -575,17 +687,22 @@ class RoutingIdGate:
         native_relay.add(self._relay, conn.id, conn.client.detach(), conn.upstream.detach())
 
     def _take_closed(self) -> None:
-        """Count the connections the native relay closed."""
-        for cid in native_relay.closed(self._relay):
+        """Count the connections the native relay or the ZMTP server closed."""
+        if self.server is not None:
+            closed = self.server.closed()
+        else:
+            closed = native_relay.closed(self._relay)
+        for cid in closed:
             conn = self.handed.pop(cid, None)
             if conn is not None:
                 conn.closed = True
+                self.served -= conn.upstream is None
                 self._forget(conn)
 
     def _update(self, conn: _Conn) -> None:
         """Read a side only while the other side's outbox has room; watch for
         writability only while its own outbox holds something."""
-        for fd in (conn.cfd, conn.ufd):
+        for fd in conn.fds:
             want = 0
             if fd != conn.ended and len(conn.outbox(conn.peer_of(fd))) < MAX_BUFFERED:
                 want = EPOLLIN
@@ -607,6 +724,8 @@ class RoutingIdGate:
             return
         conn.closed = True
         for fd, sock in ((conn.cfd, conn.client), (conn.ufd, conn.upstream)):
+            if sock is None:
+                continue
             self.conns.pop(fd, None)
             if conn.events[fd]:
                 with contextlib.suppress(OSError):

@@ -59,7 +59,9 @@ def front(tokenizer, tiny_llama_dir):
     yield server, scheduler, client
     for sock in clients:
         sock.close(linger=0)
-    for sock in (scheduler, server.monitor, server.router, server.inbox, server.to_scheduler):
+    server.gate.close()
+    for sock in (scheduler, server.public.monitor, server.router, server.inbox,
+                 server.to_scheduler):  # fmt: skip
         sock.close(linger=0)
     ctx.term()
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -67,14 +69,12 @@ def front(tokenizer, tiny_llama_dir):
 
 def pump(server, timeout_ms=2000) -> int:
     """Handle the client messages that arrive within ``timeout_ms``; how many there were."""
+    poller = zmq.Poller()
+    server.public.register(poller)
     n = 0
-    if server.router.poll(timeout_ms):
-        while True:
-            try:
-                parts = server.router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            server.handle_client(parts)
+    for identity, frames in server.public.receive(dict(poller.poll(timeout_ms))):
+        if frames is not None:  # None: a connection closed
+            server.handle_client([identity, *frames])
             n += 1
     return n
 

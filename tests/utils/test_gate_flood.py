@@ -2,9 +2,11 @@
 
 The ROUTER and its gate run in a subprocess whose ``RLIMIT_NOFILE`` is 256, as a
 tokenizer's would be on a small machine: without limits the gate accepted every
-connection (three descriptors each) until libzmq's ipc listener met ``EMFILE``
-and aborted the process. Here the flood comes from this process (whose limit is
-the usual one) and is several times larger than the server's whole limit.
+connection (three descriptors each, relayed) until libzmq's ipc listener met
+``EMFILE`` and aborted the process. Here the flood comes from this process (whose
+limit is the usual one) and is several times larger than the server's whole
+limit; the gate either relays to the ROUTER or serves through its ZMTP server (one
+descriptor a connection), and the process answers on both.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ import time
 import pytest
 import zmq
 
+from radixserve.utils.zmtp_gate import FDS_PER_CONNECTION
+from radixserve.utils.zmtp_server import FDS_PER_CONNECTION as SERVED_FDS
+from radixserve.utils.zmtp_server import built
+
 SERVER = textwrap.dedent(
     """
     import os, resource, sys, tempfile, zmq
@@ -27,28 +33,60 @@ SERVER = textwrap.dedent(
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
     from radixserve.utils.descriptors import ConnectionLimits, open_descriptors
     from radixserve.utils.zmtp_gate import RoutingIdGate
+    from radixserve.utils.zmtp_server import ZmtpServer
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     path = os.path.join(tempfile.mkdtemp(prefix="rs-"), "pub")
     router.bind("ipc://" + path)
     limits = ConnectionLimits(0, int(sys.argv[1]), float(sys.argv[2]))
-    gate = RoutingIdGate("127.0.0.1", 0, path, limits).start()
+    server = ZmtpServer() if sys.argv[3] == "served" else None
+    upstream = path if server is None else None
+    gate = RoutingIdGate("127.0.0.1", 0, upstream, limits, server=server)
+    gate.start()
     print(gate.port, gate.limits.total, gate.limits.per_address, flush=True)
-    while True:  # echo; "fds" is answered with this process's open descriptors
-        rid, msg = router.recv_multipart()
-        if msg == b"fds":
-            msg = b"%d %d" % (open_descriptors(), len(gate))
-        router.send_multipart([rid, msg])
+    poller = zmq.Poller()
+    poller.register(router, zmq.POLLIN)
+    if server is not None:
+        poller.register(server.fd, zmq.POLLIN)
+
+    def answer(msg):  # echo; "fds" is answered with this process's open descriptors
+        return b"%d %d" % (open_descriptors(), len(gate)) if msg == b"fds" else msg
+
+    while True:
+        events = dict(poller.poll())
+        if router in events:
+            rid, msg = router.recv_multipart()
+            router.send_multipart([rid, answer(msg)])
+        if server is not None and server.fd in events:
+            for rid, frames in server.take():
+                if frames is not None:
+                    server.send(rid, [answer(frames[0])])
     """
 )
 
 
+@pytest.fixture(
+    params=[
+        "relayed",
+        pytest.param(
+            "served",
+            marks=pytest.mark.skipif(not built(), reason="csrc/zmtp_server.c not built"),
+        ),
+    ]
+)
+def mode(request):
+    """Whether the gate relays to the ROUTER or serves through its ZMTP server."""
+    return request.param
+
+
 @pytest.fixture(params=[30.0])
-def server(request):
+def server(request, mode):
     """(process, port, total limit, per-address limit, a zmq context); the handshake
     timeout is the param."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", SERVER, "0", str(request.param)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", SERVER, "0", str(request.param), mode],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     port, total, per_address = map(int, proc.stdout.readline().split())
     ctx = zmq.Context()
@@ -124,9 +162,11 @@ def wait_baseline(d: zmq.Socket, baseline: int) -> tuple[int, int]:
 
 
 @pytest.mark.timeout(120)
-def test_a_flood_far_over_the_descriptor_limit_leaves_the_server_serving(server):
+def test_a_flood_far_over_the_descriptor_limit_leaves_the_server_serving(server, mode):
     proc, port, total, per_address, ctx = server
-    assert 0 < total < 256 // 3 and 0 < per_address < total
+    per_connection = SERVED_FDS if mode == "served" else FDS_PER_CONNECTION
+    assert 128 // per_connection < total < 256 // per_connection  # the budget, d each
+    assert 0 < per_address < total
     established = dealer(ctx, port, "127.0.0.3")
     baseline, relayed = descriptors(established)
     assert relayed == 1
