@@ -237,11 +237,17 @@ class _Router:
         await self.router(scope, receive, send)
 
 
-def _app(keys: Keys, dashboard: bool = True, fast: bool = True, **kw) -> TestClient:
+def _app(
+    keys: Keys,
+    dashboard: bool = True,
+    fast: bool = True,
+    client: _Scheduler | None = None,
+    draining: bool = False,
+) -> TestClient:
     """The app in process; ``fast=False``: without its dashboard fast path (the routes
     answer). ``app.state.router`` counts what reaches the routing."""
-    state = FrontState(kw.get("client"), Metrics("m"), "m", 512, dashboard=dashboard)  # type: ignore[arg-type]
-    state.draining = kw.get("draining", False)
+    state = FrontState(client, Metrics("m"), "m", 512, dashboard=dashboard)  # type: ignore[arg-type]
+    state.draining = draining
     app = create_app(state, keys)
     if not fast:
         app.user_middleware = [m for m in app.user_middleware if m.cls is not DashboardFastPath]
