@@ -150,12 +150,12 @@ class DashboardFastPath:
 
     A poll is the most frequent request a server with open dashboards gets, and its
     answer is ready-made: FastAPI's routing, its exception and exit-stack layers and
-    its request handling took about a third of the front's CPU per poll
-    (bench/results/dashboard_polling.md), uvicorn's HTTP/1.1 protocol most of the
-    rest. It sits inside the app's own middleware (a head too large is still a 431);
-    any other method or path goes on to the app, where the two routes give the same
-    answers (and other methods their 405). No metric counts these polls, on either
-    path.
+    its request handling took a third of the front's CPU per poll with the front alone
+    on a core, a sixth beside the model (bench/results/dashboard_polling.md); uvicorn's
+    HTTP/1.1 protocol takes most of the rest. It sits inside the app's own middleware
+    (a head too large is still a 431); any other method or path goes on to the app,
+    where the two routes give the same answers (and other methods their 405). No
+    metric counts these polls, on either path.
     """
 
     def __init__(self, app: ASGIApp, dashboard: Dashboard) -> None:
