@@ -18,8 +18,9 @@ poll (its CPU beyond a quiet run's, over the polls answered), and whether the po
 median throughput lies within the quiet trials' range (their spread is the noise).
 
 With ``--pin`` the server runs on the last core (its worker with one torch thread)
-and the poller and this script's own client on the others: the poller's CPU then comes from a core the model does not use, and what
-is left is the server's own cost of being polled.
+and the poller and this script's own client on the others: the poller's CPU then
+comes from a core the model does not use, and what is left is the server's own cost
+of being polled.
 
     python bench/dashboard_polling.py [--model smollm2] [--trials 3] [--polls-per-s 1000] [--pin]
 
