@@ -52,6 +52,9 @@ LORA_TIMEOUT_S = 120.0  # a LoRA load: read and checked by the worker in a step
 
 def create_app(state: FrontState, keys: Keys = NO_KEYS) -> FastAPI:
     app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
+    # The cache's explain and the dashboard, whose polls are answered by a middleware
+    # before the routing (dashboard.py): first, so that HeadLimit wraps it too.
+    D.add_routes(app, state, keys)
     app.add_middleware(HeadLimit)  # 431 for a head over MAX_HEAD_BYTES (h11_protocol.py)
     app.state.front = state
 
@@ -274,5 +277,4 @@ def create_app(state: FrontState, keys: Keys = NO_KEYS) -> FastAPI:
         text = await state.metrics.render(lambda: _admin(state.client.stats))
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
-    D.add_routes(app, state, keys)  # the cache's explain and the dashboard
     return app

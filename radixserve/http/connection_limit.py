@@ -8,9 +8,12 @@ flood therefore ran the front out of descriptors, and libzmq, meeting ``EMFILE``
 in its ipc listener, aborted the process. So the front listens on a
 ``CappedListener``: its ``accept`` (which asyncio calls) resets at once every
 connection arriving while ``limit`` are open, before it costs more than a moment's
-descriptor; those open keep being served. Its protocol class (``protocol``) counts
-connections out, and closes one that sends nothing for uvicorn's keep-alive timeout
-from its start, as uvicorn closes an idle kept-alive one. The limit comes from the
+descriptor; those open keep being served. uvloop accepts in libuv, never through the
+socket's ``accept``: there the protocol class (``protocol``) admits each connection as
+it is made and resets one past the limits then (libuv takes at most what the listen
+backlog queued per wake-up, and the front's descriptor budget keeps that many spare).
+The protocol class counts connections out, and closes one that sends nothing for
+uvicorn's keep-alive timeout from its start, as uvicorn closes an idle kept-alive one. The limit comes from the
 front's descriptor budget (one descriptor per connection: ``ConnectionLimits.derive``)
 unless ``--max-connections`` sets it; one peer address may hold a quarter of it
 (``--max-connections-per-address``), so a flood from one address leaves room.
@@ -47,6 +50,7 @@ class ConnectionCap:
         self.by_address: Counter[str] = Counter()
         self.refused = 0
         self._warned = 0.0
+        self.at_accept = False  # whether a CappedListener admits (else the protocol does)
 
     def admit(self, address: str) -> bool:
         if self.open >= self.limit or self.by_address[address] >= self.per_address:
@@ -67,12 +71,25 @@ class ConnectionCap:
         """``sock`` (a listening socket, which this takes over) as a ``CappedListener``."""
         capped = CappedListener(sock.family, sock.type, sock.proto, fileno=sock.detach())
         capped.cap = self
+        self.at_accept = True
         return capped
 
     def refuse(self, conn: socket.socket) -> None:
         with contextlib.suppress(OSError):
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RESET)
         conn.close()
+        self._count_refused()
+
+    def refuse_transport(self, transport: asyncio.Transport) -> None:
+        """Reset a connection the loop accepted (``refuse``, for a transport)."""
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RESET)
+        transport.abort()
+        self._count_refused()
+
+    def _count_refused(self) -> None:
         self.refused += 1
         now = time.monotonic()
         if now - self._warned >= WARN_EVERY_S:
@@ -88,8 +105,14 @@ class ConnectionCap:
         cap = self
 
         class CappedHTTPProtocol(base):  # type: ignore[misc, valid-type]
+            admitted = False
+
             def connection_made(self, transport) -> None:  # type: ignore[override]
                 self.peer_address = _address(transport.get_extra_info("peername"))
+                if not cap.at_accept and not cap.admit(self.peer_address):
+                    cap.refuse_transport(transport)
+                    return
+                self.admitted = True
                 super().connection_made(transport)
                 if self.timeout_keep_alive_task is None:  # idle until its first request
                     self.timeout_keep_alive_task = self.loop.call_later(
@@ -97,8 +120,9 @@ class ConnectionCap:
                     )
 
             def connection_lost(self, exc) -> None:
-                cap.release(self.peer_address)
-                super().connection_lost(exc)
+                if self.admitted:
+                    cap.release(self.peer_address)
+                    super().connection_lost(exc)
 
         return CappedHTTPProtocol
 

@@ -16,7 +16,12 @@ with the page's polls too. Without ``--dashboard`` they are 404, as unknown rout
 The figures are cached here for ``DATA_TTL_S``: however hard the page (or anything
 else) polls, the scheduler is asked at most once per that time, and every poll gets
 the last encoded bytes at once, a fetch on its way included (only the first poll
-waits for one).
+waits for one). They carry an ``ETag`` (a hash of the bytes): a poll that sends it
+back in ``If-None-Match`` gets a bodiless 304 while the figures have not changed.
+
+The two GET routes are answered by ``DashboardFastPath``, an ASGI middleware in
+front of FastAPI's routing, from response objects built once (the page, the 404s)
+or once per version of the figures; only a refusal or a failed fetch builds one.
 """
 
 from __future__ import annotations
@@ -24,13 +29,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
 import json
 import time
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve.client import RequestTimeout, ServerError
 from radixserve.http import completions as C
@@ -41,41 +49,133 @@ from radixserve.http.state import FrontState
 
 DATA_TTL_S = 1.0
 ADMIN_TIMEOUT_S = 30.0
+PAGE_PATH = "/dashboard"
+DATA_PATH = "/dashboard/data"
+CHALLENGE = 'Basic realm="radixserve dashboard"'
+
+
+@dataclass(frozen=True)
+class _Encoded:
+    """One version of the figures: their JSON and the two answers made of it."""
+
+    body: bytes
+    etag: str
+    ok: Response
+    not_modified: Response
+
+    @classmethod
+    def of(cls, body: bytes) -> _Encoded:
+        etag = f'"{hashlib.blake2b(body, digest_size=8).hexdigest()}"'
+        headers = {"Cache-Control": "no-store", "ETag": etag}
+        ok = Response(body, media_type="application/json", headers=headers)
+        return cls(body, etag, ok, Response(status_code=304, headers=headers))
 
 
 class _Figures:
     """The dashboard's JSON, encoded once per ``ttl`` (module docstring). While a
     fetch is on its way (the scheduler answers between two steps), polls get the
-    previous bytes at once; only the very first poll waits for them."""
+    previous version at once; only a poll with none to get waits for the fetch. A
+    failed fetch leaves the previous version served, or, with none, its error raised
+    to every poll until the next fetch (one per ``ttl``, as the successful ones)."""
 
     def __init__(self, ttl: float = DATA_TTL_S) -> None:
         self.ttl = ttl
-        self.body = b""
+        self.current: _Encoded | None = None
+        self.failed: Exception | None = None  # the last fetch's error
         self.at = float("-inf")
         self.fetching: asyncio.Task | None = None
 
-    async def get(self, state: FrontState) -> bytes:
-        stale = not self.body or time.monotonic() - self.at >= self.ttl
-        if self.fetching is None and stale:
+    async def get(self, state: FrontState) -> _Encoded:
+        if self.fetching is None and time.monotonic() - self.at >= self.ttl:
             self.fetching = asyncio.create_task(self._fetch(state))
-        if not self.body:
-            await asyncio.shield(self.fetching)  # type: ignore[arg-type]  # raises its error
-        return self.body
+        if self.current is None and self.fetching is not None:
+            await asyncio.shield(self.fetching)
+        if self.current is None:
+            assert self.failed is not None  # a fetch ended, and not with figures
+            raise self.failed.with_traceback(None)
+        return self.current
 
     async def _fetch(self, state: FrontState) -> None:
         try:
             data = await state.client.dashboard(timeout=ADMIN_TIMEOUT_S)
-            self.body = json.dumps(data, separators=(",", ":")).encode()
+            self.current = _Encoded.of(json.dumps(data, separators=(",", ":")).encode())
+            self.failed = None
+        except Exception as e:  # raised by get() to the polls that have nothing else
+            self.failed = e
         finally:
             self.at = time.monotonic()
             self.fetching = None
 
 
-def _check_page(request: Request, keys: Keys) -> None:
-    """An admin route for a browser: a Bearer key, or the key as a Basic password."""
+class Dashboard:
+    """The answers of ``GET /dashboard`` and ``GET /dashboard/data``. Every answer but
+    a refusal or a failed fetch is a response object built once (the 404s, the page)
+    or once per version of the figures, sent as it is to every poll."""
+
+    def __init__(self, state: FrontState, keys: Keys) -> None:
+        self.state, self.keys = state, keys
+        self.figures = _Figures()
+        html = resources.files("radixserve.http").joinpath("static/dashboard.html").read_bytes()
+        self.page = Response(html, media_type="text/html; charset=utf-8")
+        self.off = {
+            path: HTTPError(
+                404, f"no route {path} (the server runs without --dashboard)"
+            ).response()
+            for path in (PAGE_PATH, DATA_PATH)
+        }
+        self.draining = HTTPError(503, "the server is shutting down").response()
+
+    async def answer(self, path: str, request: Request) -> Response:
+        if not self.state.dashboard:
+            return self.off[path]
+        refusal = _refusal(request, self.keys)
+        if refusal is not None:
+            return refusal
+        if path == PAGE_PATH:
+            return self.page
+        if self.state.draining:
+            return self.draining
+        try:
+            figures = await self.figures.get(self.state)
+        except (ServerError, RequestTimeout) as e:
+            return HTTPError(503, f"the server did not answer: {e}").response()
+        known = request.headers.get("if-none-match")
+        if known is not None and _matches(known, figures.etag):
+            return figures.not_modified
+        return figures.ok
+
+
+class DashboardFastPath:
+    """ASGI middleware answering ``GET /dashboard`` and ``GET /dashboard/data`` itself.
+
+    A poll is the most frequent request a server with open dashboards gets, and its
+    answer is ready-made: FastAPI's routing, its exception and exit-stack layers and
+    its request handling took a third of the front's CPU per poll with the front alone
+    on a core, a sixth beside the model (bench/results/dashboard_polling.md); uvicorn's
+    HTTP/1.1 protocol takes most of the rest. It sits inside the app's own middleware
+    (a head too large is still a 431); any other method or path goes on to the app,
+    where the two routes give the same answers (and other methods their 405). No
+    metric counts these polls, on either path.
+    """
+
+    def __init__(self, app: ASGIApp, dashboard: Dashboard) -> None:
+        self.app, self.dashboard = app, dashboard
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path")
+        if path in (DATA_PATH, PAGE_PATH) and scope.get("method") == "GET":
+            response = await self.dashboard.answer(path, Request(scope))
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _refusal(request: Request, keys: Keys) -> Response | None:
+    """An admin route for a browser: a Bearer key, or the key as a Basic password;
+    without either, the 401 and its challenge (None: the request may pass)."""
     wanted = keys.wanted(admin=True)
     if not wanted:
-        return
+        return None
     scheme, _, value = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() == "basic":
         try:
@@ -83,18 +183,22 @@ def _check_page(request: Request, keys: Keys) -> None:
         except (binascii.Error, UnicodeDecodeError):
             password = ""
         if any(same_key(password, k) for k in wanted):
-            return
+            return None
     try:
         keys.check(request, admin=True)
     except HTTPError as e:
         response = e.response()
-        response.headers["WWW-Authenticate"] = 'Basic realm="radixserve dashboard"'
-        raise _Challenge(response) from None
+        response.headers["WWW-Authenticate"] = CHALLENGE
+        return response
+    return None
 
 
-class _Challenge(Exception):
-    def __init__(self, response: Response) -> None:
-        self.response = response
+def _matches(if_none_match: str, etag: str) -> bool:
+    """Whether an If-None-Match header names ``etag`` (weak comparison, as RFC 9110 says)."""
+    return any(
+        tag == "*" or tag.removeprefix("W/") == etag
+        for tag in (t.strip() for t in if_none_match.split(","))
+    )
 
 
 async def _explain_one(state: FrontState, lora: str | None, **prompt: Any) -> dict:
@@ -107,13 +211,10 @@ async def _explain_one(state: FrontState, lora: str | None, **prompt: Any) -> di
 
 
 def add_routes(app: FastAPI, state: FrontState, keys: Keys) -> None:
-    """The explain route, and the dashboard's when ``state.dashboard``."""
-    figures = _Figures()
-    html = resources.files("radixserve.http").joinpath("static/dashboard.html").read_bytes()
-
-    @app.exception_handler(_Challenge)
-    async def _challenge(_request: Request, e: _Challenge) -> Response:
-        return e.response
+    """The explain route, and the dashboard's with ``DashboardFastPath`` in front of
+    them. Middleware added later wraps it (``create_app`` adds ``HeadLimit`` after)."""
+    dashboard = Dashboard(state, keys)
+    app.add_middleware(DashboardFastPath, dashboard=dashboard)
 
     @app.post("/v1/cache/explain")
     async def explain(request: Request) -> dict:
@@ -140,22 +241,12 @@ def add_routes(app: FastAPI, state: FrontState, keys: Keys) -> None:
         ]
         return {"object": "cache.explanation", "data": reports}
 
-    @app.get("/dashboard")
+    # A GET never gets here with DashboardFastPath in front; the routes keep the paths
+    # in the app's table (another method: 405) and answer the same without it.
+    @app.get(PAGE_PATH)
     async def page(request: Request) -> Response:
-        if not state.dashboard:
-            raise HTTPError(404, "no route /dashboard (the server runs without --dashboard)")
-        _check_page(request, keys)
-        return Response(html, media_type="text/html; charset=utf-8")
+        return await dashboard.answer(PAGE_PATH, request)
 
-    @app.get("/dashboard/data")
+    @app.get(DATA_PATH)
     async def data(request: Request) -> Response:
-        if not state.dashboard:
-            raise HTTPError(404, "no route /dashboard/data (the server runs without --dashboard)")
-        _check_page(request, keys)
-        if state.draining:
-            raise HTTPError(503, "the server is shutting down")
-        try:
-            body = await figures.get(state)
-        except (ServerError, RequestTimeout) as e:
-            raise HTTPError(503, f"the server did not answer: {e}") from None
-        return Response(body, media_type="application/json", headers={"Cache-Control": "no-store"})
+        return await dashboard.answer(DATA_PATH, request)

@@ -30,10 +30,33 @@ MAX_HEAD_BYTES = 16 << 10  # h11's default, set explicitly (uvicorn's h11_max_in
 LINGER_S = 2.0  # how long a refused connection may take to finish sending
 
 
-class HeadLimitedH11Protocol(H11Protocol):
-    """uvicorn's ``H11Protocol``, answering an oversized head 431 and closing lingering."""
+class LingeringClose:
+    """Mixin for a uvicorn HTTP protocol: ``close_lingering`` ends a connection after a
+    refusal without losing the answer; what the client still sends is dropped."""
 
     _linger: asyncio.TimerHandle | None = None
+
+    def close_lingering(self) -> None:
+        self._unset_keepalive_if_required()
+        self._linger = self.loop.call_later(LINGER_S, self.transport.close)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.flow.resume_reading()  # read on until the client's EOF
+
+    def data_received(self, data: bytes) -> None:
+        if self._linger is None:
+            super().data_received(data)
+        # else: the rest of a refused request, dropped. The client's EOF ends the wait
+        # (eof_received returns None, so the loop closes the transport).
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._linger is not None:
+            self._linger.cancel()
+        super().connection_lost(exc)
+
+
+class HeadLimitedH11Protocol(LingeringClose, H11Protocol):
+    """uvicorn's ``H11Protocol``, answering an oversized head 431 and closing lingering."""
 
     def send_400_response(self, msg: str) -> None:
         # Called by uvicorn for every request h11 refuses; h11 kept the head it refused.
@@ -41,7 +64,7 @@ class HeadLimitedH11Protocol(H11Protocol):
         if len(self.conn.trailing_data[0]) > limit:
             error = head_too_large(limit)
         else:
-            error = HTTPError(400, "the request is not valid HTTP/1.1")
+            error = not_http()
         body = error.response().body
         reason = HTTPStatus(error.status).phrase.encode()
         headers = [
@@ -54,25 +77,7 @@ class HeadLimitedH11Protocol(H11Protocol):
         )
         self.transport.write(self.conn.send(h11.Data(data=body)))
         self.transport.write(self.conn.send(h11.EndOfMessage()))
-        self._close_lingering()
-
-    def _close_lingering(self) -> None:
-        self._unset_keepalive_if_required()
-        self._linger = self.loop.call_later(LINGER_S, self.transport.close)
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
-        self.flow.resume_reading()  # read on until the client's EOF
-
-    def data_received(self, data: bytes) -> None:
-        if self._linger is None:
-            super().data_received(data)
-        # else: the rest of a refused request, dropped. The client's EOF ends the wait
-        # (eof_received returns None, so asyncio closes the transport).
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._linger is not None:
-            self._linger.cancel()
-        super().connection_lost(exc)
+        self.close_lingering()
 
 
 def head_bytes(scope: dict[str, Any]) -> int:
@@ -95,6 +100,10 @@ class HeadLimit:
             await head_too_large(self.limit).response()(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+def not_http() -> HTTPError:
+    return HTTPError(400, "the request is not valid HTTP/1.1")
 
 
 def head_too_large(limit: int) -> HTTPError:

@@ -1,4 +1,6 @@
-"""The HTTP front process: uvicorn serving the OpenAI-compatible app.
+"""The HTTP front process: uvicorn serving the OpenAI-compatible app, on httptools'
+parser (``httptools_protocol.py``) and a uvloop event loop; on h11's and asyncio's own
+loop, with a warning, where httptools or uvloop cannot be imported.
 
 Started by ``radixserve launch --http-port PORT`` after the tokenizer is ready, as
 ``python -m radixserve.http.process <config json>``. It is one more client of the
@@ -48,6 +50,14 @@ GRACEFUL_S = 3.0  # how long open responses may take to end after SIGTERM
 STARTUP_TIMEOUT_S = 60.0
 LISTEN_BACKLOG = 2048  # connections the kernel queues before uvicorn takes them
 
+try:
+    import uvloop
+
+    from radixserve.http.httptools_protocol import HeadLimitedHttpToolsProtocol
+except ImportError as e:  # the fast stack is a dependency; still serve without it
+    uvloop = None  # type: ignore[assignment]
+    _FAST_STACK_MISSING = str(e)
+
 
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
@@ -72,7 +82,12 @@ def run(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
     assert config.model is not None and config.http_port is not None
     disable_created_metrics()  # the *_created series only double the exposition's size
     map_large_blocks()  # large bodies go back to the kernel when freed (large_bodies.py)
-    asyncio.run(serve(config, ctx, life))
+    if uvloop is None:
+        log.warning("serving on h11 and asyncio's loop: %s", _FAST_STACK_MISSING)
+        asyncio.run(serve(config, ctx, life))
+    else:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(serve(config, ctx, life))
 
 
 async def serve(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
@@ -102,10 +117,16 @@ async def serve(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
             dashboard=config.dashboard,
         )
         # Connections: at most what the descriptor budget allows (connection_limit.py).
-        limits = config.connection_limits.derive(per_connection=1)
+        # uvloop admits a connection once accepted, so a listen backlog's worth more
+        # may be open for a moment: the budget keeps them spare.
+        fast = isinstance(asyncio.get_running_loop(), uvloop.Loop) if uvloop else False
+        reserved = LISTEN_BACKLOG if fast else 0
+        limits = config.connection_limits.derive(per_connection=1, reserved=reserved)
         cap = ConnectionCap(limits.total, limits.per_address)
         log.info("at most %d HTTP connections, %d per address", cap.limit, cap.per_address)
-        sock = cap.listener(bind(config.http_host or config.host, config.http_port))
+        sock = bind(config.http_host or config.host, config.http_port)
+        if not fast:
+            sock = cap.listener(sock)  # admitted at accept
         uv = uvicorn.Config(
             create_app(state, keys),
             log_level=config.log_level,
@@ -114,7 +135,7 @@ async def serve(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
             timeout_graceful_shutdown=GRACEFUL_S,
             # Connections counted out of the cap (connection_limit.py); an oversized
             # request head is a 431, answered before the close (h11_protocol.py).
-            http=cap.protocol(HeadLimitedH11Protocol),
+            http=cap.protocol(HeadLimitedHttpToolsProtocol if fast else HeadLimitedH11Protocol),
             h11_max_incomplete_event_size=MAX_HEAD_BYTES,
             backlog=LISTEN_BACKLOG,
         )

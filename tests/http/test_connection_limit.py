@@ -1,6 +1,7 @@
 """The HTTP front's connection cap (radixserve/http/connection_limit.py): connections
-past the limit are reset at accept, those open keep being served, and one that
-never sends a request is closed after the keep-alive timeout."""
+past the limit are reset (at accept on asyncio's loop, once made on uvloop's), those
+open keep being served, and one that never sends a request is closed after the
+keep-alive timeout."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 
 import pytest
 import uvicorn
+import uvloop
 
 from radixserve.http.connection_limit import ConnectionCap
 
@@ -25,10 +27,18 @@ async def app(scope, receive, send):
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-@pytest.fixture
-def port():
+def _run(loop: str, serving) -> None:
+    factory = uvloop.new_event_loop if loop == "uvloop" else None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(serving)
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def port(request):
     cap = ConnectionCap(LIMIT, PER_ADDRESS)
-    sock = cap.listener(socket.create_server(("127.0.0.1", 0)))
+    sock = socket.create_server(("127.0.0.1", 0))
+    if request.param == "asyncio":
+        sock = cap.listener(sock)  # uvloop accepts in libuv: the protocol admits
     config = uvicorn.Config(
         app,
         http=cap.protocol(),
@@ -37,7 +47,7 @@ def port():
         timeout_keep_alive=1,
     )
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=asyncio.run, args=(server.serve([sock]),), daemon=True)
+    thread = threading.Thread(target=_run, args=(request.param, server.serve([sock])), daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
     while not server.started and time.monotonic() < deadline:

@@ -6,8 +6,9 @@ against the server, and the DOM after its scripts ran must show a non-zero hit r
 and a tree node labelled with the system prompt's first words; a screenshot is
 taken (docs/images/dashboard.png is one). Chromium is required: CI installs it
 (``.ci/run``), and a machine without it fails here rather than skip the page.
-Access rules (admin key, Basic challenge, off without ``--dashboard``) are checked on
-the app in process, without a server.
+Access rules (admin key, Basic challenge, off without ``--dashboard``) and the fast
+path that answers the dashboard's GETs before FastAPI's routing (the same answers as
+the routes behind it) are checked on the app in process, without a server.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from fastapi.testclient import TestClient
 from radixserve.benchmark.backends import RadixserveBackend
 from radixserve.benchmark.runner import run
 from radixserve.benchmark.workloads import Node, Workload
+from radixserve.client import ServerError
 from radixserve.http.app import create_app
 from radixserve.http.auth import Keys
-from radixserve.http.dashboard import _Figures
+from radixserve.http.dashboard import DashboardFastPath, _Figures
 from radixserve.http.metrics import Metrics
 from radixserve.http.state import FrontState
 from radixserve.models.tokenizer import load_tokenizer
@@ -170,6 +172,12 @@ def test_the_figures_are_bounded_and_cached(http_server, zmq_client):
     url = http_server.http_url
     a = httpx.get(f"{url}/dashboard/data", timeout=60)
     assert a.status_code == 200 and a.headers["content-type"] == "application/json"
+    assert a.headers["cache-control"] == "no-store"
+    again = httpx.get(f"{url}/dashboard/data", headers={"If-None-Match": a.headers["etag"]})
+    if again.headers["etag"] == a.headers["etag"]:  # the same figures: not sent again
+        assert again.status_code == 304 and again.content == b""
+    else:  # refreshed since
+        assert again.status_code == 200 and again.content != a.content
     data = a.json()
     assert len(data["tree"]["nodes"]) <= 64 and len(data["history"]) <= 300
     assert data["history_fields"][0] == "t" and data["stats"]["num_pages"] == 1024
@@ -200,13 +208,169 @@ def test_polls_share_one_fetch_a_second_and_never_wait_for_a_later_one():
         return first, stale, waited, await figures.get(state)
 
     first, stale, waited, fresh = asyncio.run(polls())
-    assert set(first) == set(stale) == {b'{"n":1}'} and fresh == b'{"n":2}'
+    assert {f.body for f in first} == {f.body for f in stale} == {b'{"n":1}'}
+    assert fresh.body == b'{"n":2}' and fresh.etag != first[0].etag
     assert Slow.calls == 2 and waited < 0.05  # the stale polls did not wait for the fetch
 
 
-def _app(keys: Keys, dashboard: bool = True) -> TestClient:
-    state = FrontState(None, Metrics("m"), "m", 512, dashboard=dashboard)  # type: ignore[arg-type]
-    return TestClient(create_app(state, keys))
+class _Scheduler:
+    """What the front asks of the scheduler for the dashboard: its figures, or a failure."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.calls = fail, 0
+
+    async def dashboard(self, timeout=None):
+        self.calls += 1
+        if self.fail:
+            raise ServerError("the scheduler is gone")
+        return {"stats": {"num_pages": 8}, "history": [[0, 1.5]], "note": "é"}
+
+
+class _Router:
+    """The app's router, counting the requests that reach it."""
+
+    def __init__(self, router) -> None:
+        self.router, self.calls = router, 0
+
+    async def __call__(self, scope, receive, send):
+        self.calls += scope["type"] == "http"
+        await self.router(scope, receive, send)
+
+
+def _app(
+    keys: Keys,
+    dashboard: bool = True,
+    fast: bool = True,
+    client: _Scheduler | None = None,
+    draining: bool = False,
+) -> TestClient:
+    """The app in process; ``fast=False``: without its dashboard fast path (the routes
+    answer). ``app.state.router`` counts what reaches the routing."""
+    state = FrontState(client, Metrics("m"), "m", 512, dashboard=dashboard)  # type: ignore[arg-type]
+    state.draining = draining
+    app = create_app(state, keys)
+    if not fast:
+        app.user_middleware = [m for m in app.user_middleware if m.cls is not DashboardFastPath]
+    app.state.router = app.router = _Router(app.router)  # type: ignore[assignment]
+    return TestClient(app)
+
+
+def _basic(password: str, user: str = "x") -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
+KEYS = Keys(api_key="user-key", admin_key="admin-key")
+ASKS = {  # name: (method, path, headers)
+    "no key": ("GET", "/dashboard/data", {}),
+    "the API key": ("GET", "/dashboard/data", {"Authorization": "Bearer user-key"}),
+    "a wrong Basic": ("GET", "/dashboard/data", _basic("admin-ke")),
+    "bad base64": ("GET", "/dashboard/data", {"Authorization": "Basic %%%"}),
+    "Bearer": ("GET", "/dashboard/data", {"Authorization": "Bearer admin-key"}),
+    "bearer, spaced": ("GET", "/dashboard/data", {"Authorization": "bearer  admin-key "}),
+    "x-api-key": ("GET", "/dashboard/data", {"x-api-key": "admin-key"}),
+    "Basic": ("GET", "/dashboard/data", _basic("admin-key")),
+    "Basic, no user name": ("GET", "/dashboard/data", _basic("admin-key", user="")),
+    "with a query": ("GET", "/dashboard/data?t=1", {"Authorization": "Bearer admin-key"}),
+    "the page": ("GET", "/dashboard", _basic("admin-key")),
+    "the page, no key": ("GET", "/dashboard", {}),
+    "HEAD": ("HEAD", "/dashboard/data", {"Authorization": "Bearer admin-key"}),
+    "POST": ("POST", "/dashboard/data", {"Authorization": "Bearer admin-key"}),
+    "a slash more": ("GET", "/dashboard/data/", {"Authorization": "Bearer admin-key"}),
+}
+STATUS = {"no key": 401, "the API key": 401, "a wrong Basic": 401, "bad base64": 401,
+          "the page, no key": 401, "HEAD": 405, "POST": 405, "a slash more": 307}  # fmt: skip
+ROUTED = {"HEAD", "POST", "a slash more"}  # the only ones the routing sees
+
+
+FIGURES = b'{"stats":{"num_pages":8},"history":[[0,1.5]],"note":"\\u00e9"}'
+
+
+def _ask_all(keys: Keys, mode: str, fast: bool) -> dict[str, tuple]:
+    """Every request of ``ASKS`` on one app: status, headers in order, body, and
+    whether it reached the routing."""
+    on = {"dashboard": mode != "off", "draining": mode == "draining"}
+    answers = {}
+    with _app(keys, fast=fast, client=_Scheduler(fail=mode == "failing"), **on) as app:
+        router = app.app.state.router  # type: ignore[attr-defined]
+        for ask, (method, path, headers) in ASKS.items():
+            before = router.calls
+            r = app.request(method, path, headers=headers, follow_redirects=False)
+            answers[ask] = (
+                r.status_code,
+                r.headers.multi_items(),
+                r.content,
+                router.calls > before,
+            )
+    return answers
+
+
+@pytest.mark.parametrize("keys", [KEYS, Keys(api_key="admin-key"), Keys()], ids=repr)
+@pytest.mark.parametrize("mode", ["on", "off", "draining", "failing"])
+def test_the_fast_path_answers_as_the_routes(keys, mode):
+    fast, routes = _ask_all(keys, mode, fast=True), _ask_all(keys, mode, fast=False)
+    for ask, (_method, path, _headers) in ASKS.items():
+        status, headers, body, routed = fast[ask]
+        assert (status, headers, body) == routes[ask][:3], ask  # every header, in order
+        assert routes[ask][3] and routed == (ask in ROUTED), ask  # the fast path answered
+        head = dict(headers)
+        if ask in ROUTED:
+            assert status == STATUS[ask], ask
+        elif mode == "off":
+            route = path.partition("?")[0]
+            assert status == 404 and f"no route {route} (the server runs" in body.decode(), ask
+        elif keys.wanted(admin=True) and STATUS.get(ask) == 401:
+            assert status == 401 and '"code":"invalid_api_key"' in body.decode(), ask
+            assert head["www-authenticate"] == 'Basic realm="radixserve dashboard"', ask
+        elif path == "/dashboard":
+            assert status == 200 and head["content-type"] == "text/html; charset=utf-8", ask
+        elif mode == "draining":
+            assert status == 503 and "shutting down" in body.decode(), ask
+        elif mode == "failing":
+            assert status == 503 and "did not answer: the scheduler is gone" in body.decode()
+        else:
+            assert status == 200 and body == FIGURES, ask
+            names = [k for k, _ in headers]
+            assert names == ["cache-control", "etag", "content-length", "content-type"], ask
+            assert head["cache-control"] == "no-store" and head["content-length"] == str(len(body))
+
+
+def test_a_failed_fetch_is_raised_to_every_poll_until_the_next_one():
+    client = _Scheduler(fail=True)
+    figures = _Figures(ttl=1.0)
+    state = FrontState(client, Metrics("m"), "m", 512)  # type: ignore[arg-type]
+
+    async def polls():
+        for _ in range(3):
+            with pytest.raises(ServerError, match="the scheduler is gone"):
+                await figures.get(state)
+        assert client.calls == 1  # one fetch a second, failed or not
+        figures.at -= 2.0
+        client.fail = False
+        return await figures.get(state)
+
+    assert asyncio.run(polls()).body == FIGURES and client.calls == 2
+
+
+def test_an_unchanged_poll_is_a_304_and_one_fetch_serves_many():
+    client = _Scheduler()
+    with _app(Keys(), client=client) as app:
+        first = app.get("/dashboard/data")
+        etag = first.headers["etag"]
+        assert re.fullmatch(r'"[0-9a-f]{16}"', etag)
+        for known in (etag, f"W/{etag}", f'"other", {etag}', "*"):
+            r = app.get("/dashboard/data", headers={"If-None-Match": known})
+            assert r.status_code == 304 and r.content == b"", known
+            assert r.headers["etag"] == etag and "content-length" not in r.headers
+        other = app.get("/dashboard/data", headers={"If-None-Match": '"other"'})
+        assert other.status_code == 200 and other.content == first.content
+        assert client.calls == 1  # within the second: no new fetch
+
+
+def test_a_head_too_large_is_431_before_the_fast_path():
+    with _app(Keys(), client=_Scheduler()) as app:
+        r = app.get("/dashboard/data", headers={"x-pad": "x" * (17 << 10)})
+        assert r.status_code == 431
+        assert app.app.state.router.calls == 0  # type: ignore[attr-defined]
 
 
 def test_admin_key_and_the_basic_challenge():
