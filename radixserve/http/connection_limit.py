@@ -11,7 +11,9 @@ connection arriving while ``limit`` are open, before it costs more than a moment
 descriptor; those open keep being served. uvloop accepts in libuv, never through the
 socket's ``accept``: there the protocol class (``protocol``) admits each connection as
 it is made and resets one past the limits then (libuv takes at most what the listen
-backlog queued per wake-up, and the front's descriptor budget keeps that many spare).
+backlog queued per wake-up, and the front's descriptor budget keeps that many spare:
+the backlog is then at most half the budget, so a low descriptor limit still leaves
+room for connections).
 The protocol class counts connections out, and closes one that sends nothing for
 uvicorn's keep-alive timeout from its start, as uvicorn closes an idle kept-alive one. The limit comes from the
 front's descriptor budget (one descriptor per connection: ``ConnectionLimits.derive``)

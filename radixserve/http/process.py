@@ -42,6 +42,7 @@ from radixserve.http.large_bodies import map_large_blocks
 from radixserve.http.metrics import Metrics
 from radixserve.http.state import FrontState, body_limit
 from radixserve.server_config import CONTROL, HTTP_IN, PUBLIC_IPC, ServerConfig
+from radixserve.utils.descriptors import ConnectionLimits
 from radixserve.utils.proc import Lifeline, child_main, freeze_heap, socket
 from radixserve.version import __version__
 
@@ -49,6 +50,7 @@ log = logging.getLogger("radixserve.http")
 GRACEFUL_S = 3.0  # how long open responses may take to end after SIGTERM
 STARTUP_TIMEOUT_S = 60.0
 LISTEN_BACKLOG = 2048  # connections the kernel queues before uvicorn takes them
+MIN_BACKLOG = 16  # the least, however low the descriptor limit
 
 try:
     import uvloop
@@ -118,9 +120,14 @@ async def serve(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
         )
         # Connections: at most what the descriptor budget allows (connection_limit.py).
         # uvloop admits a connection once accepted, so a listen backlog's worth more
-        # may be open for a moment: the budget keeps them spare.
+        # may be open for a moment: the budget keeps them spare, and the backlog takes
+        # at most half of it (at a low descriptor limit most is left to connections).
         fast = isinstance(asyncio.get_running_loop(), uvloop.Loop) if uvloop else False
-        reserved = LISTEN_BACKLOG if fast else 0
+        backlog = LISTEN_BACKLOG
+        if fast:
+            budget = ConnectionLimits().derive(per_connection=1).total
+            backlog = max(MIN_BACKLOG, min(LISTEN_BACKLOG, budget // 2))
+        reserved = backlog if fast else 0
         limits = config.connection_limits.derive(per_connection=1, reserved=reserved)
         cap = ConnectionCap(limits.total, limits.per_address)
         log.info("at most %d HTTP connections, %d per address", cap.limit, cap.per_address)
@@ -137,7 +144,7 @@ async def serve(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
             # request head is a 431, answered before the close (h11_protocol.py).
             http=cap.protocol(HeadLimitedHttpToolsProtocol if fast else HeadLimitedH11Protocol),
             h11_max_incomplete_event_size=MAX_HEAD_BYTES,
-            backlog=LISTEN_BACKLOG,
+            backlog=backlog,
         )
         server = _Server(uv)
         loop = asyncio.get_running_loop()
