@@ -54,7 +54,7 @@ def create_app(state: FrontState, keys: Keys = NO_KEYS) -> FastAPI:
     app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
     # The cache's explain and the dashboard, whose polls are answered by a middleware
     # before the routing (dashboard.py): first, so that HeadLimit wraps it too.
-    D.add_routes(app, state, keys)
+    app.state.dashboard = D.add_routes(app, state, keys)
     app.add_middleware(HeadLimit)  # 431 for a head over MAX_HEAD_BYTES (h11_protocol.py)
     app.state.front = state
 

@@ -22,6 +22,8 @@ back in ``If-None-Match`` gets a bodiless 304 while the figures have not changed
 The two GET routes are answered by ``DashboardFastPath``, an ASGI middleware in
 front of FastAPI's routing, from response objects built once (the page, the 404s)
 or once per version of the figures; only a refusal or a failed fetch builds one.
+Before the app, the front's httptools protocol asks ``Dashboard.answer_now`` and
+writes a ready answer's bytes itself (``httptools_protocol.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass
+from http import HTTPStatus
 from importlib import resources
 from typing import Any
 
@@ -56,19 +59,45 @@ CHALLENGE = 'Basic realm="radixserve dashboard"'
 
 @dataclass(frozen=True)
 class _Encoded:
-    """One version of the figures: their JSON and the two answers made of it."""
+    """One version of the figures: their JSON and the two answers made of it, as
+    response objects and as raw HTTP/1.1 (``Raw``) for the connection's protocol."""
 
     body: bytes
     etag: str
     ok: Response
     not_modified: Response
+    raw_ok: Raw
+    raw_not_modified: Raw
 
     @classmethod
     def of(cls, body: bytes) -> _Encoded:
         etag = f'"{hashlib.blake2b(body, digest_size=8).hexdigest()}"'
         headers = {"Cache-Control": "no-store", "ETag": etag}
         ok = Response(body, media_type="application/json", headers=headers)
-        return cls(body, etag, ok, Response(status_code=304, headers=headers))
+        not_modified = Response(status_code=304, headers=headers)
+        return cls(body, etag, ok, not_modified, Raw.of(ok), Raw.of(not_modified))
+
+
+@dataclass(frozen=True)
+class Raw:
+    """A ready answer as HTTP/1.1 bytes: the status line, the response's own header
+    lines (each ending in CRLF) and the body. The connection's protocol puts uvicorn's
+    default headers (server, date) between the two and, where the connection ends,
+    ``connection: close`` after them, as uvicorn writes an app's response."""
+
+    status: bytes
+    headers: bytes
+    body: bytes
+
+    @classmethod
+    def of(cls, response: Response) -> Raw:
+        status = HTTPStatus(response.status_code)
+        lines = [name.lower() + b": " + value + b"\r\n" for name, value in response.raw_headers]
+        return cls(
+            f"HTTP/1.1 {status.value} {status.phrase}\r\n".encode(),
+            b"".join(lines),
+            bytes(response.body),
+        )
 
 
 class _Figures:
@@ -84,6 +113,13 @@ class _Figures:
         self.failed: Exception | None = None  # the last fetch's error
         self.at = float("-inf")
         self.fetching: asyncio.Task | None = None
+
+    def now(self, state: FrontState) -> _Encoded | None:
+        """The current version without waiting (a fetch started when it is due), or
+        None when there is none yet: then ``get`` waits for it."""
+        if self.fetching is None and time.monotonic() - self.at >= self.ttl:
+            self.fetching = asyncio.create_task(self._fetch(state))
+        return self.current
 
     async def get(self, state: FrontState) -> _Encoded:
         if self.fetching is None and time.monotonic() - self.at >= self.ttl:
@@ -117,6 +153,7 @@ class Dashboard:
         self.figures = _Figures()
         html = resources.files("radixserve.http").joinpath("static/dashboard.html").read_bytes()
         self.page = Response(html, media_type="text/html; charset=utf-8")
+        self.raw_page = Raw.of(self.page)
         self.off = {
             path: HTTPError(
                 404, f"no route {path} (the server runs without --dashboard)"
@@ -124,6 +161,34 @@ class Dashboard:
             for path in (PAGE_PATH, DATA_PATH)
         }
         self.draining = HTTPError(503, "the server is shutting down").response()
+
+    def answer_now(self, scope: Scope) -> Raw | None:
+        """The answer of a ``GET`` to one of the two routes where it is ready (the page,
+        or a version of the figures, to an authorized poll while the server serves), as
+        raw bytes for the connection's protocol to write at once; None for every other
+        request, which the app answers (``answer`` gives the same bytes where this
+        gives any). The front's HTTP/1.1 protocol calls it for each request before it
+        would start the app (``httptools_protocol.py``): a poll then costs no task, no
+        ASGI messages and no response object."""
+        path = scope["path"]
+        if path not in (PAGE_PATH, DATA_PATH) or scope["method"] != "GET":
+            return None
+        state = self.state
+        if not state.dashboard or state.draining:
+            return None
+        if _refusal(Request(scope), self.keys) is not None:
+            return None
+        if path == PAGE_PATH:
+            return self.raw_page
+        figures = self.figures.now(state)
+        if figures is None:
+            return None
+        for name, value in scope["headers"]:
+            if name == b"if-none-match":
+                if _matches(value.decode("latin-1"), figures.etag):
+                    return figures.raw_not_modified
+                break
+        return figures.raw_ok
 
     async def answer(self, path: str, request: Request) -> Response:
         if not self.state.dashboard:
@@ -210,9 +275,10 @@ async def _explain_one(state: FrontState, lora: str | None, **prompt: Any) -> di
         raise HTTPError(503 if state.draining else 400, str(e)) from None
 
 
-def add_routes(app: FastAPI, state: FrontState, keys: Keys) -> None:
+def add_routes(app: FastAPI, state: FrontState, keys: Keys) -> Dashboard:
     """The explain route, and the dashboard's with ``DashboardFastPath`` in front of
-    them. Middleware added later wraps it (``create_app`` adds ``HeadLimit`` after)."""
+    them. Middleware added later wraps it (``create_app`` adds ``HeadLimit`` after).
+    The dashboard is returned for the connection's protocol (``Dashboard.answer_now``)."""
     dashboard = Dashboard(state, keys)
     app.add_middleware(DashboardFastPath, dashboard=dashboard)
 
@@ -250,3 +316,5 @@ def add_routes(app: FastAPI, state: FrontState, keys: Keys) -> None:
     @app.get(DATA_PATH)
     async def data(request: Request) -> Response:
         return await dashboard.answer(DATA_PATH, request)
+
+    return dashboard

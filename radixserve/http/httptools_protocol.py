@@ -12,13 +12,21 @@ keeping what the h11 one of ``h11_protocol.py`` gives.
 
 Both refusals are logged by uvicorn as one warning line ("Invalid HTTP request
 received."), as with h11.
+
+- A request whose answer is ready before the app would run (``answer_now``: the
+  dashboard's page and figures to an authorized ``GET``, ``Dashboard.answer_now``) is
+  answered by the protocol itself, at once, as uvicorn would have sent the app's
+  response (its default headers, keep-alive or close, the next pipelined request
+  after it): no task and no ASGI messages. Every other request goes to the app.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from http import HTTPStatus
+from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from radixserve.http.errors import HTTPError
 from radixserve.http.h11_protocol import (
@@ -38,6 +46,8 @@ class HeadLimitedHttpToolsProtocol(LingeringClose, HttpToolsProtocol):
     that is not HTTP a JSON 400, each closed lingering."""
 
     limit = MAX_HEAD_BYTES
+    # A request's ready answer (``Raw``: head lines and body), or None: the app answers.
+    answer_now: Callable[[Any], Any] | None = None
     # Bytes read since the current head began; None between heads (after one completes,
     # until the next message begins).
     _head_read: int | None = 0
@@ -68,6 +78,34 @@ class HeadLimitedHttpToolsProtocol(LingeringClose, HttpToolsProtocol):
             self._too_large = True
             raise HeadTooLarge  # httptools stops; uvicorn answers with send_400_response
         super().on_headers_complete()
+
+    @classmethod
+    def answering(cls, answer_now: Callable[[Any], Any]) -> type[HeadLimitedHttpToolsProtocol]:
+        """This protocol with ``answer_now`` asked before each request's app starts."""
+        return type(cls.__name__, (cls,), {"answer_now": staticmethod(answer_now)})
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        # Called by uvicorn for a request whose head is complete and whose turn it is
+        # (after any pipelined before it has been answered).
+        ready = self.answer_now(cycle.scope) if self.answer_now is not None else None
+        if ready is None:
+            super()._start_asgi_task(cycle, app)
+            return
+        parts = [ready.status]
+        for name, value in cycle.default_headers:
+            parts += [name.lower(), b": ", value, b"\r\n"]
+        parts.append(ready.headers)
+        if not cycle.keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts += [b"\r\n", ready.body]
+        self.transport.write(b"".join(parts))
+        # As the cycle ends a response the app sent: later body bytes of this request
+        # are dropped, the connection closes or waits for its next request.
+        cycle.response_started = cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            self.transport.close()
+        cycle.on_response()
 
     def send_400_response(self, msg: str) -> None:
         # Called by uvicorn for every request httptools refuses, and above.

@@ -134,15 +134,22 @@ async def serve(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
         sock = bind(config.http_host or config.host, config.http_port)
         if not fast:
             sock = cap.listener(sock)  # admitted at accept
+        app = create_app(state, keys)
+        # On httptools the protocol answers the dashboard's ready polls itself.
+        protocol = (
+            HeadLimitedHttpToolsProtocol.answering(app.state.dashboard.answer_now)
+            if fast
+            else HeadLimitedH11Protocol
+        )
         uv = uvicorn.Config(
-            create_app(state, keys),
+            app,
             log_level=config.log_level,
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=GRACEFUL_S,
             # Connections counted out of the cap (connection_limit.py); an oversized
             # request head is a 431, answered before the close (h11_protocol.py).
-            http=cap.protocol(HeadLimitedHttpToolsProtocol if fast else HeadLimitedH11Protocol),
+            http=cap.protocol(protocol),
             h11_max_incomplete_event_size=MAX_HEAD_BYTES,
             backlog=backlog,
         )

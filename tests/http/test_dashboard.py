@@ -398,3 +398,130 @@ def test_off_without_the_flag():
     with _app(Keys(), dashboard=False) as app:
         assert app.get("/dashboard").status_code == 404
         assert app.get("/dashboard/data").status_code == 404
+
+
+class _Counted:
+    """An ASGI app counting the HTTP requests that reach it."""
+
+    def __init__(self, app) -> None:
+        self.app, self.calls = app, 0
+
+    async def __call__(self, scope, receive, send):
+        self.calls += scope["type"] == "http"
+        await self.app(scope, receive, send)
+
+
+def _served(keys: Keys, mode: str, answering: bool):
+    """The app served by uvicorn on uvloop with the front's httptools protocol, as the
+    front runs it; ``answering``: the protocol answers ready polls itself. Yields
+    (port, the counted app)."""
+    import socket
+    import time
+
+    import uvicorn
+    import uvloop
+
+    from radixserve.http.httptools_protocol import HeadLimitedHttpToolsProtocol
+
+    on = {"dashboard": mode != "off", "draining": mode == "draining"}
+    state = FrontState(_Scheduler(fail=mode == "failing"), Metrics("m"), "m", 512, **on)  # type: ignore[arg-type]
+    state.draining = on["draining"]
+    app = create_app(state, keys)
+    protocol = HeadLimitedHttpToolsProtocol
+    if answering:
+        protocol = protocol.answering(app.state.dashboard.answer_now)
+    counted = _Counted(app)
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(
+        uvicorn.Config(counted, http=protocol, lifespan="off", log_level="warning")
+    )
+
+    def serve() -> None:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(server.serve([sock]))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return sock.getsockname()[1], counted, server, thread
+
+
+def _raw(method: str, path: str, headers: dict[str, str], close: bool = False) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", "Host: x"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    if close:
+        lines.append("Connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def _read_answers(sock, count: int, heads_only: set[int] = frozenset()) -> list[tuple]:
+    """``count`` answers from ``sock``: (status line, headers but the date, body)."""
+    answers, buf = [], b""
+    for i in range(count):
+        while b"\r\n\r\n" not in buf and (chunk := sock.recv(1 << 16)):
+            buf += chunk
+        head, _, buf = buf.partition(b"\r\n\r\n")
+        status, *lines = head.split(b"\r\n")
+        headers = [tuple(line.split(b": ", 1)) for line in lines]
+        length = int(dict(headers).get(b"content-length", b"0"))
+        if i in heads_only or status.split(b" ")[1] in (b"304", b"307"):
+            length = 0 if i in heads_only else length
+        while len(buf) < length and (chunk := sock.recv(1 << 16)):
+            buf += chunk
+        answers.append((status, [h for h in headers if h[0] != b"date"], buf[:length]))
+        buf = buf[length:]
+    return answers
+
+
+@pytest.mark.parametrize("keys", [KEYS, Keys()], ids=repr)
+@pytest.mark.parametrize("mode", ["on", "off", "draining", "failing"])
+def test_the_protocol_answers_ready_polls_as_the_app_does(keys, mode):
+    """Served as the front serves it: every request of ``ASKS``, all pipelined on one
+    kept-alive connection, then each alone, answered alike with and without the
+    protocol's own answers (every header but the date, in order, and the body); the
+    app sees only what the protocol did not answer: with the dashboard on and the
+    figures fetched, no authorized GET of the two routes."""
+    import socket
+
+    asks = list(ASKS.values())
+    heads = {i for i, (method, _p, _h) in enumerate(asks) if method == "HEAD"}
+    results = {}
+    for answering in (False, True):
+        port, counted, server, thread = _served(keys, mode, answering)
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+                sock.sendall(b"".join(_raw(*ask) for ask in asks))  # the figures fetched
+                pipelined = _read_answers(sock, len(asks), heads)
+                before = counted.calls
+                sock.sendall(b"".join(_raw(*ask) for ask in asks))
+                again = _read_answers(sock, len(asks), heads)
+                reached = counted.calls - before
+            alone = []
+            for i, ask in enumerate(asks):
+                with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+                    sock.sendall(_raw(*ask, close=True))
+                    alone += _read_answers(sock, 1, {0} if i in heads else set())
+                    assert sock.recv(1) == b""  # closed after its answer
+            results[answering] = (pipelined, again, alone, reached)
+        finally:
+            server.should_exit = True
+            thread.join(10)
+    assert results[True][:3] == results[False][:3]
+
+    def answered(name: str) -> bool:
+        method, path, _headers = ASKS[name]
+        route = path.partition("?")[0]
+        authorized = not (keys.wanted(admin=True) and STATUS.get(name) == 401)
+        return (
+            method == "GET"
+            and route in ("/dashboard", "/dashboard/data")
+            and authorized
+            and (mode == "on" or (mode == "failing" and route == "/dashboard"))
+        )
+
+    assert results[False][3] == len(asks)  # every request reached the app
+    assert results[True][3] == len(asks) - sum(map(answered, ASKS))
+    if mode == "on":
+        assert sum(map(answered, ASKS)) >= 6
