@@ -5,10 +5,8 @@ keep-alive timeout."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import socket
-import threading
 import time
 
 import pytest
@@ -16,6 +14,7 @@ import uvicorn
 import uvloop
 
 from radixserve.http.connection_limit import ConnectionCap
+from tests.http.uvicorn_thread import serving
 
 LIMIT = 5
 PER_ADDRESS = 3
@@ -25,12 +24,6 @@ async def app(scope, receive, send):
     assert scope["type"] == "http"
     await send({"type": "http.response.start", "status": 200, "headers": []})
     await send({"type": "http.response.body", "body": b"ok"})
-
-
-def _run(loop: str, serving) -> None:
-    factory = uvloop.new_event_loop if loop == "uvloop" else None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(serving)
 
 
 @pytest.fixture(params=["asyncio", "uvloop"])
@@ -46,15 +39,9 @@ def port(request):
         log_level="warning",
         timeout_keep_alive=1,
     )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=_run, args=(request.param, server.serve([sock])), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    yield sock.getsockname()[1]
-    server.should_exit = True
-    thread.join(10)
+    factory = uvloop.new_event_loop if request.param == "uvloop" else None
+    with serving(config, sock, factory) as port:
+        yield port
 
 
 def get(s: socket.socket) -> bytes:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import html.parser
 import re
 import shutil
@@ -227,7 +228,7 @@ class _Scheduler:
 
 
 class _Router:
-    """The app's router, counting the requests that reach it."""
+    """An ASGI app (the app's router, or the app), counting the requests that reach it."""
 
     def __init__(self, router) -> None:
         self.router, self.calls = router, 0
@@ -400,52 +401,27 @@ def test_off_without_the_flag():
         assert app.get("/dashboard/data").status_code == 404
 
 
-class _Counted:
-    """An ASGI app counting the HTTP requests that reach it."""
-
-    def __init__(self, app) -> None:
-        self.app, self.calls = app, 0
-
-    async def __call__(self, scope, receive, send):
-        self.calls += scope["type"] == "http"
-        await self.app(scope, receive, send)
-
-
 def _served(keys: Keys, mode: str, answering: bool):
-    """The app served by uvicorn on uvloop with the front's httptools protocol, as the
-    front runs it; ``answering``: the protocol answers ready polls itself. Yields
-    (port, the counted app)."""
+    """The app as ``_app`` makes it, served by uvicorn on uvloop with the front's
+    httptools protocol (``answering``: it answers ready polls itself); a context
+    yielding (port, the counter of the requests the app gets)."""
     import socket
-    import time
 
     import uvicorn
     import uvloop
 
     from radixserve.http.httptools_protocol import HeadLimitedHttpToolsProtocol
+    from tests.http.uvicorn_thread import serving
 
     on = {"dashboard": mode != "off", "draining": mode == "draining"}
-    state = FrontState(_Scheduler(fail=mode == "failing"), Metrics("m"), "m", 512, **on)  # type: ignore[arg-type]
-    state.draining = on["draining"]
-    app = create_app(state, keys)
+    app = _app(keys, client=_Scheduler(fail=mode == "failing"), **on).app
     protocol = HeadLimitedHttpToolsProtocol
     if answering:
-        protocol = protocol.answering(app.state.dashboard.answer_now)
-    counted = _Counted(app)
-    sock = socket.create_server(("127.0.0.1", 0))
-    server = uvicorn.Server(
-        uvicorn.Config(counted, http=protocol, lifespan="off", log_level="warning")
-    )
-
-    def serve() -> None:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(server.serve([sock]))
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return sock.getsockname()[1], counted, server, thread
+        protocol = protocol.answering(app.state.dashboard.answer_now)  # type: ignore[attr-defined]
+    counted = _Router(app)  # every request the app gets, its middleware's included
+    config = uvicorn.Config(counted, http=protocol, lifespan="off", log_level="warning")
+    with serving(config, socket.create_server(("127.0.0.1", 0)), uvloop.new_event_loop) as port:
+        yield port, counted
 
 
 def _raw(method: str, path: str, headers: dict[str, str], close: bool = False) -> bytes:
@@ -489,8 +465,7 @@ def test_the_protocol_answers_ready_polls_as_the_app_does(keys, mode):
     heads = {i for i, (method, _p, _h) in enumerate(asks) if method == "HEAD"}
     results = {}
     for answering in (False, True):
-        port, counted, server, thread = _served(keys, mode, answering)
-        try:
+        with contextlib.contextmanager(_served)(keys, mode, answering) as (port, counted):
             with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
                 sock.sendall(b"".join(_raw(*ask) for ask in asks))  # the figures fetched
                 pipelined = _read_answers(sock, len(asks), heads)
@@ -505,9 +480,6 @@ def test_the_protocol_answers_ready_polls_as_the_app_does(keys, mode):
                     alone += _read_answers(sock, 1, {0} if i in heads else set())
                     assert sock.recv(1) == b""  # closed after its answer
             results[answering] = (pipelined, again, alone, reached)
-        finally:
-            server.should_exit = True
-            thread.join(10)
     assert results[True][:3] == results[False][:3]
 
     def answered(name: str) -> bool:

@@ -5,11 +5,8 @@ before the close, on a connection's first request or a later one; the server goe
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
-import threading
-import time
 
 import pytest
 import uvicorn
@@ -17,6 +14,7 @@ import uvloop
 
 from radixserve.http.h11_protocol import MAX_HEAD_BYTES, HeadLimit, HeadLimitedH11Protocol
 from radixserve.http.httptools_protocol import HeadLimitedHttpToolsProtocol
+from tests.http.uvicorn_thread import serving
 
 
 async def echo(scope, receive, send):
@@ -52,20 +50,8 @@ def port(request):
         log_level="warning",
         h11_max_incomplete_event_size=MAX_HEAD_BYTES,
     )
-    server = uvicorn.Server(config)
-
-    def run() -> None:
-        with asyncio.Runner(loop_factory=loop_factory) as runner:
-            runner.run(server.serve([sock]))
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    yield sock.getsockname()[1]
-    server.should_exit = True
-    thread.join(10)
+    with serving(config, sock, loop_factory) as port:
+        yield port
 
 
 def request(pad: int, body: bytes = b"hello") -> bytes:
