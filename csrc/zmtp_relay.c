@@ -33,6 +33,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "zmtp_gone.h"
+
 #define PIPE_BYTES (1 << 20)
 #define SPLICE_FLAGS (SPLICE_F_MOVE | SPLICE_F_NONBLOCK)
 #define MAX_EVENTS 256
@@ -69,8 +71,7 @@ typedef struct {
     int stopping;
     pending_t *incoming; /* handed over, not yet registered (under lock) */
     size_t n_in, cap_in;
-    long long *gone; /* closed, not yet reported (under lock) */
-    size_t n_gone, cap_gone;
+    gone_list_t gone; /* closed, not yet reported (under lock) */
     conn_t *live;
     conn_t *dead; /* closed during the current batch, freed after it */
 } relay_t;
@@ -92,15 +93,7 @@ static int set_events(relay_t *r, conn_t *c, int side, uint32_t want) {
 
 static void report(relay_t *r, long long id) {
     pthread_mutex_lock(&r->lock);
-    if (r->n_gone == r->cap_gone) {
-        size_t cap = r->cap_gone ? 2 * r->cap_gone : 64;
-        long long *grown = realloc(r->gone, cap * sizeof *grown);
-        if (grown) {
-            r->gone = grown;
-            r->cap_gone = cap;
-        }
-    }
-    if (r->n_gone < r->cap_gone) r->gone[r->n_gone++] = id;
+    gone_push(&r->gone, id);
     pthread_mutex_unlock(&r->lock);
     uint64_t one = 1;
     ssize_t w = write(r->notify_fd, &one, sizeof one);
@@ -354,7 +347,7 @@ static void destroy(PyObject *capsule) {
     close(r->pipe_r);
     close(r->pipe_w);
     free(r->incoming);
-    free(r->gone);
+    free(r->gone.ids);
     pthread_mutex_destroy(&r->lock);
     free(r);
 }
@@ -431,26 +424,7 @@ static PyObject *py_closed(PyObject *self, PyObject *h) {
     (void)self;
     relay_t *r = PyCapsule_GetPointer(h, "zmtp_relay");
     if (!r) return NULL;
-    uint64_t v;
-    ssize_t got = read(r->notify_fd, &v, sizeof v);
-    (void)got;
-    pthread_mutex_lock(&r->lock);
-    long long *gone = r->gone;
-    size_t n = r->n_gone;
-    r->gone = NULL;
-    r->n_gone = r->cap_gone = 0;
-    pthread_mutex_unlock(&r->lock);
-    PyObject *out = PyList_New((Py_ssize_t)n);
-    for (size_t i = 0; out && i < n; i++) {
-        PyObject *item = PyLong_FromLongLong(gone[i]);
-        if (!item) {
-            Py_CLEAR(out);
-            break;
-        }
-        PyList_SET_ITEM(out, (Py_ssize_t)i, item);
-    }
-    free(gone);
-    return out;
+    return gone_take(&r->gone, &r->lock, r->notify_fd);
 }
 
 static PyObject *py_notify_fd(PyObject *self, PyObject *h) {

@@ -57,6 +57,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "zmtp_gone.h"
+
 #define RID_BYTES 16
 #define MAX_EVENTS 256
 #define READ_BYTES 65536
@@ -137,8 +139,7 @@ typedef struct {
     conn_t *incoming; /* added, not yet registered (under the lock) */
     int resume; /* a paused connection may be read again */
     event_t *ev_head, *ev_tail;
-    long long *gone;
-    size_t n_gone, cap_gone;
+    gone_list_t gone; /* closed, not yet reported (under lock) */
     conn_t *dead; /* closed during the current epoll batch, freed after it */
 } server_t;
 
@@ -342,15 +343,7 @@ static void close_conn(server_t *s, conn_t *c) {
         push_event(s, e);
         e = NULL;
     }
-    if (s->n_gone == s->cap_gone) {
-        size_t cap = s->cap_gone ? 2 * s->cap_gone : 64;
-        long long *grown = realloc(s->gone, cap * sizeof *grown);
-        if (grown) {
-            s->gone = grown;
-            s->cap_gone = cap;
-        }
-    }
-    if (s->n_gone < s->cap_gone) s->gone[s->n_gone++] = c->token;
+    gone_push(&s->gone, c->token);
     pthread_mutex_unlock(&s->lock);
     free(e);
     poke(s->take_fd);
@@ -669,7 +662,7 @@ static void destroy(PyObject *capsule) {
         free_frames(e->frames, e->n);
         free(e);
     }
-    free(s->gone);
+    free(s->gone.ids);
     free(s->table);
     pthread_mutex_destroy(&s->lock);
     free(s);
@@ -904,26 +897,7 @@ static PyObject *py_closed(PyObject *self, PyObject *h) {
     (void)self;
     server_t *s = PyCapsule_GetPointer(h, "zmtp_server");
     if (!s) return NULL;
-    uint64_t v;
-    ssize_t got = read(s->notify_fd, &v, sizeof v);
-    (void)got;
-    pthread_mutex_lock(&s->lock);
-    long long *gone = s->gone;
-    size_t n = s->n_gone;
-    s->gone = NULL;
-    s->n_gone = s->cap_gone = 0;
-    pthread_mutex_unlock(&s->lock);
-    PyObject *out = PyList_New((Py_ssize_t)n);
-    for (size_t i = 0; out && i < n; i++) {
-        PyObject *item = PyLong_FromLongLong(gone[i]);
-        if (!item) {
-            Py_CLEAR(out);
-            break;
-        }
-        PyList_SET_ITEM(out, (Py_ssize_t)i, item);
-    }
-    free(gone);
-    return out;
+    return gone_take(&s->gone, &s->lock, s->notify_fd);
 }
 
 static PyObject *py_fd(PyObject *self, PyObject *h) {
