@@ -428,16 +428,23 @@ class Router:
             return
         del self.fanouts[fid]
         errors = {i: m for i, m in fan.answers.items() if isinstance(m, P.Error)}
-        if not fan.answers or (errors and fan.kind is not P.Health):
+        # Health, and stats while some replica answers them, say what the replicas said:
+        # one that answered with an error (its worker died a moment before the router
+        # saw the replica go) is a row with that error. Anything else fails as a whole.
+        partial = fan.kind is P.Health or (fan.kind is P.Stats and len(errors) < len(fan.answers))
+        if not fan.answers or (errors and not partial):
             why = "; ".join(f"{self.replicas[i].name}: {m.message}" for i, m in errors.items())
             self._send_error(
                 fan.identity, fan.client_id, why or f"{P.SERVER_FAILED}: no replica is up"
             )
             return
         data = {i: m.data for i, m in fan.answers.items() if isinstance(m, P.Reply)}
-        self._send(fan.identity, P.Reply(fan.client_id, self._aggregate(fan.kind, data)))
+        why = {i: m.message for i, m in errors.items()}
+        self._send(fan.identity, P.Reply(fan.client_id, self._aggregate(fan.kind, data, why)))
 
-    def _aggregate(self, kind: type, data: dict[int, dict]) -> dict:
+    def _aggregate(
+        self, kind: type, data: dict[int, dict], errors: dict[int, str] | None = None
+    ) -> dict:
         if kind is P.ListLoraAdapters:
             # A request may go to any replica: the adapters every one of them serves.
             lists = [{a["name"]: a for a in d.get("loras", [])} for _, d in sorted(data.items())]
@@ -455,7 +462,7 @@ class Router:
         if kind is P.Health:
             first = data[min(data)] if data else {}
             return {**first, "status": "ok", "endpoint": self.endpoint,
-                    "replicas": self._replica_table(data)}  # fmt: skip
+                    "replicas": self._replica_table(data, errors)}  # fmt: skip
         out: dict[str, Any] = {k: 0 for k in SUMMED}
         for i, d in data.items():
             self.totals.update(i, d)
@@ -466,10 +473,12 @@ class Router:
         out.update(self.totals.totals())
         out["in_flight"] = len(self.requests)
         out["page_size"] = next((d.get("page_size") for d in data.values()), None)
-        out["replicas"] = self._replica_table(data)
+        out["replicas"] = self._replica_table(data, errors)
         return out
 
-    def _replica_table(self, data: dict[int, dict]) -> list[dict]:
+    def _replica_table(
+        self, data: dict[int, dict], errors: dict[int, str] | None = None
+    ) -> list[dict]:
         table = []
         for r in self.replicas:
             m = r.mirror
@@ -487,6 +496,8 @@ class Router:
             }
             if r.index in data:
                 row["stats"] = data[r.index]
+            if errors and r.index in errors:
+                row["error"] = errors[r.index]
             table.append(row)
         return table
 
