@@ -18,10 +18,18 @@ received."), as with h11.
   answered by the protocol itself, at once, as uvicorn would have sent the app's
   response (its default headers, keep-alive or close, the next pipelined request
   after it): no task and no ASGI messages. Every other request goes to the app.
+- A read that is exactly one such ``GET`` head, arriving while the connection is idle
+  (the parser holds no part of a request and no answer is pending), is answered
+  without the parser: a poll is matched by one regular expression (``POLL_HEAD``)
+  instead of a dozen parser callbacks building a scope and a cycle. Anything the
+  expression does not take (another path or method, a query, a body or its headers,
+  ``Expect``, ``Upgrade``, HTTP/1.0, a malformed line, part of a head, two heads in one
+  read) or that has no ready answer goes to the parser as before, untouched.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
@@ -35,6 +43,18 @@ from radixserve.http.h11_protocol import (
     head_too_large,
     not_http,
 )
+
+
+# One whole request head asking for one of the dashboard's two pages, HTTP/1.1 with
+# header lines as RFC 9110 spells them (a token, a colon, a value of visible
+# characters, spaces and tabs); group 1 the path, group 2 the header lines.
+POLL_HEAD = re.compile(
+    rb"GET (/dashboard(?:/data)?) HTTP/1\.1\r\n"
+    rb"((?:[-!#$%&'*+.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*\r\n)*)\r\n"
+)
+HEADER_LINE = re.compile(rb"([-!#$%&'*+.^_`|~0-9A-Za-z]+):[ \t]*([^\r]*?)[ \t]*\r\n")
+# Headers that make a request more than a plain GET: the parser reads those.
+NOT_PLAIN = frozenset({b"content-length", b"transfer-encoding", b"expect", b"upgrade"})
 
 
 class HeadTooLarge(Exception):
@@ -52,8 +72,17 @@ class HeadLimitedHttpToolsProtocol(LingeringClose, HttpToolsProtocol):
     # until the next message begins).
     _head_read: int | None = 0
     _too_large = False
+    # Whether the parser holds no part of a request (every byte fed ended a message).
+    _between = True
 
     def data_received(self, data: bytes) -> None:
+        if (
+            self._between
+            and self.answer_now is not None
+            and data.startswith(b"GET /dashboard")
+            and self._answer_whole(data)
+        ):
+            return
         if self._linger is None and self._head_read is not None:
             self._head_read += len(data)
             if self._head_read > self.limit + len(data):
@@ -66,9 +95,64 @@ class HeadLimitedHttpToolsProtocol(LingeringClose, HttpToolsProtocol):
         super().data_received(data)
 
     def on_message_begin(self) -> None:
+        self._between = False
         super().on_message_begin()
         if self._head_read is None:
             self._head_read = 0  # counted from the next read on
+
+    def on_message_complete(self) -> None:
+        self._between = True
+        super().on_message_complete()
+
+    def _answer_whole(self, data: bytes) -> bool:
+        """Answer ``data``, one whole ``GET`` head of a dashboard page, without the parser
+        (module docstring); False where nothing was done and the parser is to read it."""
+        if (self.cycle is not None and not self.cycle.response_complete) or self.pipeline:
+            return False
+        if self._linger is not None or self.transport.is_closing() or len(data) > self.limit:
+            return False
+        if self.flow.write_paused:  # the client is not reading: the app's path waits
+            return False
+        head = POLL_HEAD.fullmatch(data)
+        if head is None:
+            return False
+        headers = []
+        keep_alive = True
+        for name, value in HEADER_LINE.findall(head[2]):
+            name = name.lower()
+            if name in NOT_PLAIN:
+                return False
+            if name == b"connection":
+                tokens = {t.strip() for t in value.lower().split(b",")}
+                if not tokens <= {b"close", b"keep-alive"}:
+                    return False
+                keep_alive = b"close" not in tokens
+            headers.append((name, value))
+        scope = {"type": "http", "method": "GET", "path": head[1].decode(), "headers": headers}
+        ready = self.answer_now(scope)
+        if ready is None:
+            return False
+        self._unset_keepalive_if_required()
+        self._write_ready(ready, keep_alive)
+        if keep_alive:
+            self.on_response_complete()  # counts it, arms the keep-alive timeout
+        else:
+            self.server_state.total_requests += 1
+            self.transport.close()
+        return True
+
+    def _write_ready(self, ready: Any, keep_alive: bool) -> None:
+        """Write a ready answer (``Raw``) as uvicorn writes an app's response: the
+        status line, uvicorn's default headers, the answer's own, ``connection: close``
+        where the connection ends, the body."""
+        parts = [ready.status]
+        for name, value in self.server_state.default_headers:
+            parts += [name.lower(), b": ", value, b"\r\n"]
+        parts.append(ready.headers)
+        if not keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts += [b"\r\n", ready.body]
+        self.transport.write(b"".join(parts))
 
     def on_headers_complete(self) -> None:
         self._head_read = None
@@ -87,18 +171,13 @@ class HeadLimitedHttpToolsProtocol(LingeringClose, HttpToolsProtocol):
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         # Called by uvicorn for a request whose head is complete and whose turn it is
         # (after any pipelined before it has been answered).
-        ready = self.answer_now(cycle.scope) if self.answer_now is not None else None
-        if ready is None:
+        ready = None
+        if self.answer_now is not None and not self.flow.write_paused:
+            ready = self.answer_now(cycle.scope)
+        if ready is None:  # the app answers (and waits while the client is not reading)
             super()._start_asgi_task(cycle, app)
             return
-        parts = [ready.status]
-        for name, value in cycle.default_headers:
-            parts += [name.lower(), b": ", value, b"\r\n"]
-        parts.append(ready.headers)
-        if not cycle.keep_alive:
-            parts.append(b"connection: close\r\n")
-        parts += [b"\r\n", ready.body]
-        self.transport.write(b"".join(parts))
+        self._write_ready(ready, cycle.keep_alive)
         # As the cycle ends a response the app sent: later body bytes of this request
         # are dropped, the connection closes or waits for its next request.
         cycle.response_started = cycle.response_complete = True

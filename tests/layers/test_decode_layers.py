@@ -423,13 +423,40 @@ def test_quantized_pool_same_tokens_and_codes_as_the_torch_path(
         monkeypatch.setattr(runner.backend, "rotation", None)
     ps = prompts(5, seed=11)
     ref, ref_fed = decode(runner, ps, 5, native=False)
-    ref_pool = runner.pool.layers[0].clone()
+    ref_pools = [layer.clone() for layer in runner.pool.layers]
     assert not any(native_calls)
     native_calls.clear()
     got, got_fed = decode(runner, ps, 5, native=True)
     assert native_calls[-5:] == [True] * 5, "every decode step takes the native call"
-    assert torch.equal(runner.pool.layers[0], ref_pool)
+    assert torch.equal(runner.pool.layers[0], ref_pools[0])
+    # Past layer 0, a layer's K/V come from float32 sums of the layers below, which the
+    # call does not add in torch's order: a last bit may put a value on the other side
+    # of a rounding boundary (seen on an AVX2 CPU: one int8 code of layer 1). One code
+    # step, or one step of a float16 scale, and rarely; anything more is a fault.
+    flipped = sum(
+        _code_steps(a, b, runner.pool.head_dim, name)
+        for a, b in zip(ref_pools[1:], runner.pool.layers[1:], strict=True)
+    )
+    assert flipped <= 0.001 * sum(layer.numel() for layer in ref_pools[1:]), flipped
     for a, b in zip(ref_fed, got_fed, strict=True):
         np.testing.assert_array_equal(a, b)
+    # A flipped code moves the logits by about its step times the attention weight.
+    tol = dict(rtol=1e-4, atol=1e-5) if not flipped else dict(rtol=1e-3, atol=1e-3)
     for a, b in zip(ref, got, strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(b, a, **tol)
+
+
+def _code_steps(a: torch.Tensor, b: torch.Tensor, head_dim: int, name: str) -> int:
+    """How many codes or scales of two quantized pool layers (rows of ``head_dim`` codes
+    and a float16 scale) differ; fails where one differs by more than one step."""
+    codes_a, codes_b = a[..., :head_dim].int(), b[..., :head_dim].int()
+    if name == "int8":
+        codes_a, codes_b = (codes_a ^ 0x80) - 0x80, (codes_b ^ 0x80) - 0x80
+    else:  # fp8 codes are sign and magnitude: the magnitude's steps, signed
+        codes_a = torch.where(codes_a >= 0x80, 0x80 - codes_a, codes_a)
+        codes_b = torch.where(codes_b >= 0x80, 0x80 - codes_b, codes_b)
+    scales_a = a[..., head_dim : head_dim + 2].contiguous().view(torch.int16).int()
+    scales_b = b[..., head_dim : head_dim + 2].contiguous().view(torch.int16).int()
+    steps = torch.cat([(codes_a - codes_b).abs().flatten(), (scales_a - scales_b).abs().flatten()])
+    assert steps.max().item() <= 1, f"a code or scale moved by {steps.max().item()} steps"
+    return int(steps.count_nonzero())
