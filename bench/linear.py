@@ -10,7 +10,9 @@ through all of them in one form:
   instruction-set level of ``--isa`` (default: every level this CPU runs);
 - ``kernel amx``: ``skinny_gemm``'s AMX form (bfloat16 on a CPU with AMX tiles);
 - ``weight-major``: ``(W x^T)^T`` through BLAS (oneDNN for bfloat16);
-- ``x W^T``: ``F.linear``, BLAS's usual form.
+- ``x W^T``: ``F.linear``, BLAS's usual form;
+- ``Linear``: ``layers/linear.py``'s own choice among the above (and, for bfloat16
+  where torch has no fast product, float32 BLAS over widened weights).
 
 The forms take turns inside each round, so a drift in the machine's speed hits
 all of them. Each round keeps each form's fastest of ``--steps`` steps; the
@@ -22,6 +24,7 @@ tables show the median over ``--rounds`` rounds of that time, and of the ratio
     python bench/linear.py --rows 16 --rounds 3 --threads 1
     python bench/linear.py --dtype bfloat16 --rows 1,8,16,32 --isa avx512,avx512bf16
     python bench/linear.py --dtype bfloat16 --rows 2,8,32 --feature-major --lm-head
+    python bench/linear.py --dtype bfloat16 --rows 1,8,32,64,512 --rounds 3   # an AVX2 CPU
 
 ``--feature-major`` hands the products x as the transposed view of a ``[features,
 rows]`` tensor (how the layers pass activations from one product to the next);
@@ -39,6 +42,7 @@ import torch
 from torch.nn import functional as F
 
 from radixserve.layers import cpu_kernels
+from radixserve.layers.linear import linear
 
 HIDDEN, INTERMEDIATE, QKV, LAYERS, VOCAB = 576, 1536, 960, 30, 49152
 Form = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -112,7 +116,7 @@ def main() -> None:
     ap.add_argument("--lm-head", action="store_true", help="add a 49152 x 576 LM head")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    forms: dict[str, Form] = {"weight-major": weight_major, "x W^T": x_wt}
+    forms: dict[str, Form] = {"weight-major": weight_major, "x W^T": x_wt, "Linear": linear}
     if cpu_kernels.AVAILABLE:
         isas = [i for i in args.isa.split(",") if i] or list(cpu_kernels.supported_isas())
         forms = {**{f"kernel {i}": kernel(cpu_kernels.resolve_isa(i)) for i in isas}, **forms}

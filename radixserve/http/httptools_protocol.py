@@ -44,7 +44,6 @@ from radixserve.http.h11_protocol import (
     not_http,
 )
 
-
 # One whole request head asking for one of the dashboard's two pages, HTTP/1.1 with
 # header lines as RFC 9110 spells them (a token, a colon, a value of visible
 # characters, spaces and tabs); group 1 the path, group 2 the header lines.

@@ -119,6 +119,22 @@ AMX_KERNEL_ROWS = 1
 SKINNY_KERNEL_ROWS = 32
 
 
+def _torch_bf16_gemm() -> bool:
+    """Whether torch multiplies bfloat16 matrices in oneDNN here (CPUs with AVX-512).
+    Without it (AVX2 CPUs) torch's own bfloat16 product is a slow generic loop: 11-16
+    GFLOP/s on a 2-core AMD EPYC Zen 3, against 56-119 for the same products widened
+    to float32 (bench/results/linear.md)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without the query: assume it has
+        return True
+
+
+#: Whether torch's bfloat16 products are fast on this CPU (``_torch_bf16_gemm``);
+#: where they are not, ``Linear`` widens them to float32 (``linear._linear``).
+TORCH_BF16_GEMM = _torch_bf16_gemm()
+
+
 def skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``Linear`` computes this product with ``skinny_linear``: float32, and
     bfloat16 where the CPU has AVX512_BF16 (there the kernel beats oneDNN's
@@ -138,6 +154,10 @@ def skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if x.dtype == torch.float32:
         return True
+    if x.dtype == torch.bfloat16 and not TORCH_BF16_GEMM:
+        # From 2 rows on the kernel's widening form beats torch's generic loop; one row
+        # is a matrix-vector product, which torch does well (bench/results/linear.md).
+        return x.shape[0] >= 2
     return (
         x.dtype == torch.bfloat16
         and ISA == "avx512bf16"

@@ -116,4 +116,36 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
         if bias is None:
             return torch.mm(weight, x.t()).t()
         return torch.addmm(bias[:, None], weight, x.t()).t()
+    if (
+        x.dtype == torch.bfloat16
+        and not cpu_kernels.TORCH_BF16_GEMM
+        and x.dim() == 2
+        and x.shape[0] > 1
+        and x.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+    ):
+        return _bf16_in_float32(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+#: Weight rows widened to float32 at a time by ``_bf16_in_float32`` (a block of a
+#: 576-wide matrix is 2.4 MB: it stays in cache between its widening and its product).
+WIDEN_ROWS = 1024
+
+
+def _bf16_in_float32(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """A bfloat16 ``x W^T (+ b)`` where torch has no fast bfloat16 product
+    (``cpu_kernels.TORCH_BF16_GEMM``): blocks of the weights' rows widened to float32
+    and multiplied by float32 BLAS (a product of two bfloat16 numbers is exact in
+    float32, and the sums are float32 as in torch's own loop), rounded to bfloat16
+    once, as the transposed view of ``[out, rows]`` (``Linear``'s layout)."""
+    xt = x.float().t()
+    n = weight.shape[0]
+    y = torch.empty(n, x.shape[0], dtype=torch.float32)
+    for i in range(0, n, WIDEN_ROWS):
+        torch.mm(weight[i : i + WIDEN_ROWS].float(), xt, out=y[i : i + WIDEN_ROWS])
+    if bias is not None:
+        y += bias.float()[:, None]
+    return y.to(torch.bfloat16).t()

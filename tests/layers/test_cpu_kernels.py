@@ -204,6 +204,46 @@ def test_bfloat16_linear(monkeypatch, rows, bias, level, amx):
             torch.testing.assert_close(y.double(), ref, rtol=2**-7, atol=1e-2)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5, SKINNY_KERNEL_ROWS, SKINNY_KERNEL_ROWS + 1, 300])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("level", ["baseline", "avx2", "avx512"])
+def test_bfloat16_linear_where_torch_has_no_fast_product(monkeypatch, rows, bias, level):
+    """Where torch's bfloat16 product is its slow generic loop (``TORCH_BF16_GEMM``
+    false: AVX2 CPUs), a bfloat16 Linear of one row goes to torch (a matrix-vector
+    product), of 2 to ``SKINNY_KERNEL_ROWS`` rows to the kernel's widening form, of
+    more to float32 BLAS over blocks of widened weight rows (``WIDEN_ROWS``, here 40:
+    three blocks, the last partial); every way the float64 product of its bfloat16
+    operands rounded once (plus the bias), the wider two in the kernel's layout."""
+    from radixserve.layers import linear
+
+    require_isa(level)
+    monkeypatch.setattr(cpu_kernels, "ISA", level)
+    monkeypatch.setattr(cpu_kernels, "AMX", False)
+    monkeypatch.setattr(cpu_kernels, "TORCH_BF16_GEMM", False)
+    monkeypatch.setattr(linear, "WIDEN_ROWS", 40)
+    widened = []
+    real = linear._bf16_in_float32
+    monkeypatch.setattr(linear, "_bf16_in_float32", lambda *a: widened.append(1) or real(*a))
+    g = torch.Generator().manual_seed(rows + bias)
+    layer = Linear(577, 97, bias=bias).to(torch.bfloat16).requires_grad_(False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(97, 577, generator=g))
+        if bias:
+            layer.bias.copy_(torch.randn(97, generator=g))
+    x = torch.randn(rows, 577, generator=g).bfloat16()
+    assert cpu_kernels.skinny_ok(x, layer.weight) == (2 <= rows <= SKINNY_KERNEL_ROWS)
+    ref = x.double() @ layer.weight.double().t()
+    if bias:
+        ref += layer.bias.double()
+    with torch.inference_mode():
+        for inp in (x, x.t().contiguous().t()):
+            y = layer(inp)
+            assert y.dtype == torch.bfloat16 and y.shape == (rows, 97)
+            assert y.t().is_contiguous() or rows == 1
+            torch.testing.assert_close(y.double(), ref, rtol=2**-7, atol=1e-2)
+    assert len(widened) == (2 if rows > SKINNY_KERNEL_ROWS else 0)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 8, 32, 33])
 def test_bfloat16_linear_takes_the_amx_form_up_to_32_rows(monkeypatch, rows):
     """Where this process has AMX tiles, a bfloat16 Linear whose shape the AMX form
