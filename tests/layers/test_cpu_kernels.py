@@ -165,6 +165,22 @@ def test_linear_equals_torch_linear_on_every_path(dtype, rows, bias):
             torch.testing.assert_close(y, ref, rtol=tol, atol=tol)
 
 
+def _bfloat16_layer(rows: int, bias: bool) -> tuple[Linear, torch.Tensor, torch.Tensor]:
+    """A bfloat16 Linear 577 -> 97, ``rows`` input rows, and the float64 product of the
+    two (plus the bias)."""
+    g = torch.Generator().manual_seed(rows + bias)
+    layer = Linear(577, 97, bias=bias).to(torch.bfloat16).requires_grad_(False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(97, 577, generator=g))
+        if bias:
+            layer.bias.copy_(torch.randn(97, generator=g))
+    x = torch.randn(rows, 577, generator=g).bfloat16()
+    ref = x.double() @ layer.weight.double().t()
+    if bias:
+        ref += layer.bias.double()
+    return layer, x, ref
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, SKINNY_KERNEL_ROWS, SKINNY_KERNEL_ROWS + 1])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(
@@ -181,19 +197,10 @@ def test_bfloat16_linear(monkeypatch, rows, bias, level, amx):
     # tiles or not) on any CPU: the routing and layout are checked everywhere.
     monkeypatch.setattr(cpu_kernels, "ISA", level)
     monkeypatch.setattr(cpu_kernels, "AMX", amx)
-    g = torch.Generator().manual_seed(rows + bias)
-    layer = Linear(577, 97, bias=bias).to(torch.bfloat16).requires_grad_(False)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(97, 577, generator=g))
-        if bias:
-            layer.bias.copy_(torch.randn(97, generator=g))
-    x = torch.randn(rows, 577, generator=g).bfloat16()
+    layer, x, ref = _bfloat16_layer(rows, bias)
     limit = cpu_kernels.AMX_KERNEL_ROWS if amx else SKINNY_KERNEL_ROWS
     native = level == "avx512bf16" and rows <= limit
     assert cpu_kernels.skinny_ok(x, layer.weight) == native
-    ref = x.double() @ layer.weight.double().t()
-    if bias:
-        ref += layer.bias.double()
     with torch.inference_mode():
         for inp in (x, x.t().contiguous().t()):
             y = layer(inp)
@@ -224,17 +231,8 @@ def test_bfloat16_linear_where_torch_has_no_fast_product(monkeypatch, rows, bias
     widened = []
     real = linear._bf16_in_float32
     monkeypatch.setattr(linear, "_bf16_in_float32", lambda *a: widened.append(1) or real(*a))
-    g = torch.Generator().manual_seed(rows + bias)
-    layer = Linear(577, 97, bias=bias).to(torch.bfloat16).requires_grad_(False)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(97, 577, generator=g))
-        if bias:
-            layer.bias.copy_(torch.randn(97, generator=g))
-    x = torch.randn(rows, 577, generator=g).bfloat16()
+    layer, x, ref = _bfloat16_layer(rows, bias)
     assert cpu_kernels.skinny_ok(x, layer.weight) == (2 <= rows <= SKINNY_KERNEL_ROWS)
-    ref = x.double() @ layer.weight.double().t()
-    if bias:
-        ref += layer.bias.double()
     with torch.inference_mode():
         for inp in (x, x.t().contiguous().t()):
             y = layer(inp)
