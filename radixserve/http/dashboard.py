@@ -122,9 +122,7 @@ class _Figures:
         return self.current
 
     async def get(self, state: FrontState) -> _Encoded:
-        if self.fetching is None and time.monotonic() - self.at >= self.ttl:
-            self.fetching = asyncio.create_task(self._fetch(state))
-        if self.current is None and self.fetching is not None:
+        if self.now(state) is None and self.fetching is not None:
             await asyncio.shield(self.fetching)
         if self.current is None:
             assert self.failed is not None  # a fetch ended, and not with figures

@@ -133,11 +133,9 @@ class HeadLimitedHttpToolsProtocol(LingeringClose, HttpToolsProtocol):
             return False
         self._unset_keepalive_if_required()
         self._write_ready(ready, keep_alive)
-        if keep_alive:
-            self.on_response_complete()  # counts it, arms the keep-alive timeout
-        else:
-            self.server_state.total_requests += 1
+        if not keep_alive:
             self.transport.close()
+        self.on_response_complete()  # counts it; kept alive: arms the keep-alive timeout
         return True
 
     def _write_ready(self, ready: Any, keep_alive: bool) -> None:

@@ -439,8 +439,8 @@ class Router:
             )
             return
         data = {i: m.data for i, m in fan.answers.items() if isinstance(m, P.Reply)}
-        why = {i: m.message for i, m in errors.items()}
-        self._send(fan.identity, P.Reply(fan.client_id, self._aggregate(fan.kind, data, why)))
+        failed = {i: m.message for i, m in errors.items()}
+        self._send(fan.identity, P.Reply(fan.client_id, self._aggregate(fan.kind, data, failed)))
 
     def _aggregate(
         self, kind: type, data: dict[int, dict], errors: dict[int, str] | None = None
