@@ -18,6 +18,7 @@ SOURCES = ["csrc/radix_tree.cpp", "csrc/page_free.cpp", "csrc/bindings.cpp"]
 KERNELS_EXT_NAME = "radixserve.layers._cpu_kernels"
 RELAY_EXT_NAME = "radixserve.utils._zmtp_relay"
 ZMTP_SERVER_EXT_NAME = "radixserve.utils._zmtp_server"
+POLL_KEEPER_EXT_NAME = "radixserve.http._poll_keeper"
 # Not a Python module: a library the launcher preloads into a prefill/decode server's
 # worker so the transfer engine's listeners bind --kv-transfer-host (csrc/bind_address.c).
 BIND_EXT_NAME = "radixserve.worker._bind_address"
@@ -52,6 +53,7 @@ def _warn(reason: str, name: str = EXT_NAME) -> None:
         EXT_NAME: "Python radix tree",
         RELAY_EXT_NAME: "routing-id gate's Python relay",
         ZMTP_SERVER_EXT_NAME: "routing-id gate's relay to the ROUTER",
+        POLL_KEEPER_EXT_NAME: "HTTP front's own answers to dashboard polls",
         BIND_EXT_NAME: "transfer engine's listeners on every interface (--disaggregation)",
     }.get(name, "torch decode path and BLAS")
     print(
@@ -106,8 +108,9 @@ def _parallel_compile() -> None:
 def _relay_extension() -> list:
     """The routing-id gate's relay (plain C, Linux: epoll and splice); without it the
     gate relays in Python. Its ZMTP server for NULL connections (plain C, Linux:
-    epoll); without it they are relayed to the ROUTER. And the bind-address library
-    (plain C, Linux)."""
+    epoll); without it they are relayed to the ROUTER. The HTTP front's poll keeper
+    (plain C, Linux: epoll); without it the front's protocol answers every poll. And
+    the bind-address library (plain C, Linux)."""
     if not sys.platform.startswith("linux"):
         return []
     return [
@@ -122,6 +125,12 @@ def _relay_extension() -> list:
             ZMTP_SERVER_EXT_NAME,
             ["csrc/zmtp_server.c"],
             depends=["csrc/zmtp_gone.h"],
+            extra_compile_args=["-O2", "-Wall", "-Wextra"],
+            extra_link_args=["-pthread"],
+        ),
+        Extension(
+            POLL_KEEPER_EXT_NAME,
+            ["csrc/poll_keeper.c"],
             extra_compile_args=["-O2", "-Wall", "-Wextra"],
             extra_link_args=["-pthread"],
         ),

@@ -108,10 +108,15 @@ class ConnectionCap:
 
         class CappedHTTPProtocol(base):  # type: ignore[misc, valid-type]
             admitted = False
+            # A connection the poll keeper holds (from ``handed_over`` on) keeps its
+            # place in the cap until the keeper closes it, or hands it back to a new
+            # protocol (``readmitted``: counted already).
+            handed_over = False
+            readmitted = False
 
             def connection_made(self, transport) -> None:  # type: ignore[override]
                 self.peer_address = _address(transport.get_extra_info("peername"))
-                if not cap.at_accept and not cap.admit(self.peer_address):
+                if not (self.readmitted or cap.at_accept or cap.admit(self.peer_address)):
                     cap.refuse_transport(transport)
                     return
                 self.admitted = True
@@ -123,7 +128,8 @@ class ConnectionCap:
 
             def connection_lost(self, exc) -> None:
                 if self.admitted:
-                    cap.release(self.peer_address)
+                    if not self.handed_over:
+                        cap.release(self.peer_address)
                     super().connection_lost(exc)
 
         return CappedHTTPProtocol

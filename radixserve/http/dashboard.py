@@ -188,6 +188,21 @@ class Dashboard:
                 break
         return figures.raw_ok
 
+    def ready(self) -> dict[str, Raw | None]:
+        """What ``answer_now`` gives an authorized poll of each route now (None: the
+        app answers), for the front's poll keeper (``poll_keeper.py``)."""
+        state = self.state
+        if not state.dashboard or state.draining:
+            return {PAGE_PATH: None, DATA_PATH: None}
+        figures = self.figures.current
+        return {PAGE_PATH: self.raw_page, DATA_PATH: figures.raw_ok if figures else None}
+
+    def poll_seen(self) -> None:
+        """Polls were answered elsewhere (the poll keeper): start a fetch of the
+        figures where one is due, as a poll reaching ``answer_now`` does."""
+        if self.state.dashboard and not self.state.draining:
+            self.figures.now(self.state)
+
     async def answer(self, path: str, request: Request) -> Response:
         if not self.state.dashboard:
             return self.off[path]

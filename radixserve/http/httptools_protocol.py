@@ -25,6 +25,11 @@ received."), as with h11.
   expression does not take (another path or method, a query, a body or its headers,
   ``Expect``, ``Upgrade``, HTTP/1.0, a malformed line, part of a head, two heads in one
   read) or that has no ready answer goes to the parser as before, untouched.
+- A kept-alive connection on which such a poll was just answered that way (and all of
+  it written), whose head has no ``If-None-Match``, is handed to the front's poll
+  keeper (``poll_keeper.py``) where there is one: its native thread answers the same
+  head again and again without the loop, and hands back anything else to a new
+  protocol of this class.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from radixserve.http.h11_protocol import (
     head_too_large,
     not_http,
 )
+from radixserve.http.poll_keeper import PollKeeper, response_bytes
 
 # One whole request head asking for one of the dashboard's two pages, HTTP/1.1 with
 # header lines as RFC 9110 spells them (a token, a colon, a value of visible
@@ -67,6 +73,9 @@ class HeadLimitedHttpToolsProtocol(LingeringClose, HttpToolsProtocol):
     limit = MAX_HEAD_BYTES
     # A request's ready answer (``Raw``: head lines and body), or None: the app answers.
     answer_now: Callable[[Any], Any] | None = None
+    # Takes kept-alive poll connections over (module docstring), or None.
+    keeper: PollKeeper | None = None
+    handed_over = False
     # Bytes read since the current head began; None between heads (after one completes,
     # until the next message begins).
     _head_read: int | None = 0
@@ -117,10 +126,12 @@ class HeadLimitedHttpToolsProtocol(LingeringClose, HttpToolsProtocol):
             return False
         headers = []
         keep_alive = True
+        validator = False
         for name, value in HEADER_LINE.findall(head[2]):
             name = name.lower()
             if name in NOT_PLAIN:
                 return False
+            validator = validator or name == b"if-none-match"
             if name == b"connection":
                 tokens = {t.strip() for t in value.lower().split(b",")}
                 if not tokens <= {b"close", b"keep-alive"}:
@@ -136,20 +147,21 @@ class HeadLimitedHttpToolsProtocol(LingeringClose, HttpToolsProtocol):
         if not keep_alive:
             self.transport.close()
         self.on_response_complete()  # counts it; kept alive: arms the keep-alive timeout
+        if (
+            keep_alive
+            and not validator
+            and self.keeper is not None
+            and not self.transport.get_write_buffer_size()
+            and self.keeper.take_over(self, data, scope["path"])
+        ):
+            self.handed_over = True  # the keeper holds a duplicate of the descriptor
+            self.transport.close()
         return True
 
     def _write_ready(self, ready: Any, keep_alive: bool) -> None:
-        """Write a ready answer (``Raw``) as uvicorn writes an app's response: the
-        status line, uvicorn's default headers, the answer's own, ``connection: close``
-        where the connection ends, the body."""
-        parts = [ready.status]
-        for name, value in self.server_state.default_headers:
-            parts += [name.lower(), b": ", value, b"\r\n"]
-        parts.append(ready.headers)
-        if not keep_alive:
-            parts.append(b"connection: close\r\n")
-        parts += [b"\r\n", ready.body]
-        self.transport.write(b"".join(parts))
+        """Write a ready answer (``Raw``) as uvicorn writes an app's response
+        (``poll_keeper.response_bytes``)."""
+        self.transport.write(response_bytes(ready, self.server_state.default_headers, keep_alive))
 
     def on_headers_complete(self) -> None:
         self._head_read = None
@@ -161,9 +173,13 @@ class HeadLimitedHttpToolsProtocol(LingeringClose, HttpToolsProtocol):
         super().on_headers_complete()
 
     @classmethod
-    def answering(cls, answer_now: Callable[[Any], Any]) -> type[HeadLimitedHttpToolsProtocol]:
-        """This protocol with ``answer_now`` asked before each request's app starts."""
-        return type(cls.__name__, (cls,), {"answer_now": staticmethod(answer_now)})
+    def answering(
+        cls, answer_now: Callable[[Any], Any], keeper: PollKeeper | None = None
+    ) -> type[HeadLimitedHttpToolsProtocol]:
+        """This protocol with ``answer_now`` asked before each request's app starts,
+        handing kept-alive poll connections to ``keeper`` where one is given."""
+        attrs = {"answer_now": staticmethod(answer_now), "keeper": keeper}
+        return type(cls.__name__, (cls,), attrs)
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         # Called by uvicorn for a request whose head is complete and whose turn it is

@@ -34,12 +34,14 @@ from prometheus_client import disable_created_metrics
 
 from radixserve import protocol as P
 from radixserve.client import AsyncClient
+from radixserve.http import poll_keeper
 from radixserve.http.app import create_app
 from radixserve.http.auth import Keys
 from radixserve.http.connection_limit import ConnectionCap
 from radixserve.http.h11_protocol import MAX_HEAD_BYTES, HeadLimitedH11Protocol
 from radixserve.http.large_bodies import map_large_blocks
 from radixserve.http.metrics import Metrics
+from radixserve.http.poll_keeper import PollKeeper
 from radixserve.http.state import FrontState, body_limit
 from radixserve.server_config import CONTROL, HTTP_IN, PUBLIC_IPC, ServerConfig
 from radixserve.utils.descriptors import ConnectionLimits
@@ -135,9 +137,13 @@ async def serve(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
         if not fast:
             sock = cap.listener(sock)  # admitted at accept
         app = create_app(state, keys)
-        # On httptools the protocol answers the dashboard's ready polls itself.
+        # On httptools the protocol answers the dashboard's ready polls itself, and hands
+        # kept-alive poll connections to the native poll keeper (poll_keeper.py).
+        keeper = None
+        if fast and config.dashboard and poll_keeper.built():
+            keeper = PollKeeper(app.state.dashboard, cap)
         protocol = (
-            HeadLimitedHttpToolsProtocol.answering(app.state.dashboard.answer_now)
+            HeadLimitedHttpToolsProtocol.answering(app.state.dashboard.answer_now, keeper)
             if fast
             else HeadLimitedH11Protocol
         )
@@ -176,6 +182,8 @@ async def serve(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
         finally:
             for t in helpers:
                 t.cancel()
+            if keeper is not None:
+                keeper.close()
     finally:
         client.close()
         inbox.close(linger=0)

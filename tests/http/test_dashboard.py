@@ -410,18 +410,29 @@ def _served(keys: Keys, mode: str, answering: bool):
     import uvicorn
     import uvloop
 
+    from radixserve.http.connection_limit import ConnectionCap
     from radixserve.http.httptools_protocol import HeadLimitedHttpToolsProtocol
+    from radixserve.http.poll_keeper import PollKeeper
     from tests.http.uvicorn_thread import serving
 
     on = {"dashboard": mode != "off", "draining": mode == "draining"}
     app = _app(keys, client=_Scheduler(fail=mode == "failing"), **on).app
     protocol = HeadLimitedHttpToolsProtocol
+    cap = ConnectionCap(64)
+    keeper = PollKeeper(app.state.dashboard, cap) if answering else None  # type: ignore[attr-defined]
     if answering:
-        protocol = protocol.answering(app.state.dashboard.answer_now)  # type: ignore[attr-defined]
+        protocol = protocol.answering(app.state.dashboard.answer_now, keeper)  # type: ignore[attr-defined]
     counted = _Router(app)  # every request the app gets, its middleware's included
-    config = uvicorn.Config(counted, http=protocol, lifespan="off", log_level="warning")
-    with serving(config, socket.create_server(("127.0.0.1", 0)), uvloop.new_event_loop) as port:
-        yield port, counted
+    counted.cap, counted.keeper = cap, keeper  # type: ignore[attr-defined]
+    config = uvicorn.Config(
+        counted, http=cap.protocol(protocol), lifespan="off", log_level="warning"
+    )
+    try:
+        with serving(config, socket.create_server(("127.0.0.1", 0)), uvloop.new_event_loop) as port:
+            yield port, counted
+    finally:
+        if keeper is not None:
+            keeper.close()
 
 
 def _raw(method: str, path: str, headers: dict[str, str], close: bool = False) -> bytes:
@@ -496,6 +507,8 @@ def test_the_protocol_answers_ready_polls_as_the_app_does(keys, mode):
                     sock.sendall(_raw(*ask))
                     kept += _read_answers(sock, 1, {0} if i in heads else set())
                 reached_kept = counted.calls - before
+                if answering and mode == "on":  # the keeper took kept-alive polls over
+                    assert counted.keeper.taken and counted.keeper.returned
             alone = []
             for i, ask in enumerate(asks):
                 with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:

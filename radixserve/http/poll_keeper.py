@@ -1,0 +1,224 @@
+"""Dashboard polls answered outside Python: the front's poll keeper.
+
+An open dashboard asks for its figures every few seconds, each time with the same
+request head over one kept-alive connection; many pages (or a monitoring script)
+asking hard cost the front's loop a parse, a key check and a write each time, on the
+cores the model runs on. Once the front's protocol has answered a poll itself (its
+whole head in one read on an idle kept-alive connection, the answer ready:
+``httptools_protocol.py``), it hands the connection here with that head (``take_over``).
+A native thread (``csrc/poll_keeper.c``, ``radixserve.http._poll_keeper``) then answers
+every request on it that is byte for byte that head with the bytes this keeper
+published for its route: the response the protocol would write (uvicorn's default
+headers, the date of the second included, the route's own, the body), no parse, no
+GIL. What the thread cannot answer comes back to the loop with the bytes it read,
+and a new protocol of the front's class takes the connection over and reads them as
+its own (``connect_accepted_socket``): another request or another header (a new
+``If-None-Match``, a changed key), a head while no answer is published, part of a head
+left idle. The thread closes a connection whose peer closed, or that was idle for the
+front's keep-alive timeout, and the keeper gives its place back to the connection cap.
+
+What is published follows what the protocol would answer (``Dashboard.ready``): the
+page and the current figures while the dashboard is on and the server not draining,
+nothing otherwise. Every ``TICK_S`` the keeper publishes again where the figures or
+the date changed, and, where the thread answered polls since the last tick, asks the
+figures for a fetch when one is due, as a poll reaching the protocol does: the
+scheduler is still asked at most once per ``DATA_TTL_S``, and a poll's figures are at
+most a tick later than the protocol's would be. Polls answered here are not counted in
+uvicorn's request total (no metric counts polls on any path).
+
+Only heads without ``If-None-Match`` are taken over (their answer depends on the
+figures' version, not on the head alone); the keys are read once at start, so a head
+the protocol authorized stays authorized.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import socket
+from typing import Any
+
+from radixserve.http.dashboard import DATA_PATH, PAGE_PATH, Dashboard, Raw
+
+try:  # Linux, where the extension is built (setup.py)
+    from radixserve.http import _poll_keeper as native
+except ImportError:
+    native = None
+
+log = logging.getLogger("radixserve.http")
+
+TICK_S = 0.25
+ROUTES = {PAGE_PATH: 0, DATA_PATH: 1}
+
+
+def built() -> bool:
+    """Whether the native keeper is there (Linux, the extension built)."""
+    return native is not None
+
+
+def response_bytes(
+    ready: Raw, default_headers: list[tuple[bytes, bytes]], keep_alive: bool
+) -> bytes:
+    """A ready answer as uvicorn writes an app's response: the status line, uvicorn's
+    default headers, the answer's own, ``connection: close`` where the connection
+    ends, the body."""
+    parts = [ready.status]
+    for name, value in default_headers:
+        parts += [name.lower(), b": ", value, b"\r\n"]
+    parts.append(ready.headers)
+    if not keep_alive:
+        parts.append(b"connection: close\r\n")
+    parts += [b"\r\n", ready.body]
+    return b"".join(parts)
+
+
+class PollKeeper:
+    """The connections the front's protocol hands over after answering a poll on them
+    (module docstring). Started by the first ``take_over``, on the front's loop;
+    ``close`` closes every connection it holds and stops its thread."""
+
+    def __init__(self, dashboard: Dashboard, cap: Any = None, idle_s: float | None = None) -> None:
+        self.dashboard, self.cap, self.idle_s = dashboard, cap, idle_s
+        self._h: Any = None
+        self._held: dict[int, str | None] = {}  # token: the peer address the cap counts
+        self._next = 0
+        self._make: Any = None  # a new protocol of the front's class
+        self._server_state: Any = None
+        self._published: tuple = ()
+        self._answered = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: Any = None
+        self._closed = False
+        self.taken = self.returned = 0  # connections taken over, handed back
+
+    def take_over(self, protocol: Any, head: bytes, path: str) -> bool:
+        """Keep ``protocol``'s connection, on which it has just answered ``head`` (a
+        whole ``GET`` of ``path``, authorized, kept alive, everything written): from now
+        on the thread answers it. False where it cannot (not built, closed); the
+        protocol then goes on as before. The caller closes its transport after a True:
+        the keeper holds a duplicate of the descriptor."""
+        if native is None or self._closed:
+            return False
+        sock = protocol.transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        if self._h is None:
+            self._start(protocol)
+        token, self._next = self._next, self._next + 1
+        fd = os.dup(sock.fileno())
+        try:
+            native.add(self._h, token, fd, head, ROUTES[path], b"")
+        except BaseException:
+            os.close(fd)
+            raise
+        self._held[token] = getattr(protocol, "peer_address", None)
+        self.taken += 1
+        return True
+
+    def __len__(self) -> int:
+        """Connections held now."""
+        return native.count(self._h) if self._h is not None else 0
+
+    def answered(self) -> int:
+        """Requests the thread has answered so far."""
+        return native.answered(self._h) if self._h is not None else 0
+
+    def close(self) -> None:
+        """Close every connection held (their places go back to the cap) and stop."""
+        self._closed = True
+        if self._h is None:
+            return
+        with contextlib.suppress(Exception):  # the loop may be closed already
+            if self._timer is not None:
+                self._timer.cancel()
+            self._loop.remove_reader(native.fd(self._h))
+        native.stop(self._h)
+        for token, fd, _data in native.take(self._h):
+            if fd >= 0:
+                os.close(fd)
+            self._release(token)
+        for token in list(self._held):
+            self._release(token)
+        self._h = None
+
+    def _start(self, protocol: Any) -> None:
+        idle = self.idle_s if self.idle_s is not None else protocol.timeout_keep_alive
+        self._h = native.start(max(1, int(idle * 1000)))
+        self._loop = protocol.loop
+        self._server_state = protocol.server_state
+        self._make = functools.partial(
+            type(protocol),
+            config=protocol.config,
+            server_state=protocol.server_state,
+            app_state=protocol.app_state,
+            _loop=protocol.loop,
+        )
+        self._loop.add_reader(native.fd(self._h), self._on_back)
+        self._publish()
+        self._timer = self._loop.call_later(TICK_S, self._tick)
+
+    def _publish(self) -> None:
+        """The answers the protocol would give now, where they changed."""
+        ready = self.dashboard.ready()
+        headers = self._server_state.default_headers  # a new list each second (the date)
+        key = (ready, id(headers))
+        if key == self._published:
+            return
+        self._published = key
+        for path, route in ROUTES.items():
+            answer = ready.get(path)
+            native.set_answer(
+                self._h, route, None if answer is None else response_bytes(answer, headers, True)
+            )
+
+    def _tick(self) -> None:
+        answered = native.answered(self._h)
+        if answered != self._answered:  # polls came: keep the figures as fresh as they would
+            self._answered = answered
+            self.dashboard.poll_seen()
+        self._publish()
+        self._timer = self._loop.call_later(TICK_S, self._tick)
+
+    def _on_back(self) -> None:
+        for token, fd, data in native.take(self._h):
+            if fd < 0:
+                self._release(token)
+            else:
+                address = self._held.pop(token)
+                self.returned += 1
+                self._loop.create_task(self._adopt(fd, data, address))
+
+    async def _adopt(self, fd: int, data: bytes, address: str | None) -> None:
+        """A connection the thread handed back, served by a new protocol from the bytes
+        the thread read on; its place in the cap is kept."""
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            os.close(fd)
+            self._give_back(address)
+            return
+
+        def make() -> Any:
+            protocol = self._make()
+            protocol.readmitted = True  # counted already (connection_limit.py)
+            return protocol
+
+        try:
+            _transport, protocol = await self._loop.connect_accepted_socket(make, sock)
+        except OSError as e:
+            log.debug("a connection handed back could not be served: %s", e)
+            sock.close()
+            self._give_back(address)
+            return
+        if data:
+            protocol.data_received(data)
+
+    def _release(self, token: int) -> None:
+        self._give_back(self._held.pop(token, None))
+
+    def _give_back(self, address: str | None) -> None:
+        if self.cap is not None and address is not None:
+            self.cap.release(address)
