@@ -89,6 +89,7 @@ typedef struct {
     int epfd, wake_fd, back_fd;
     int stopping;
     int64_t idle_ns;
+    long gap_ns; /* the least time between two waits that found something */
     /* under lock */
     answer_t *answers[ROUTES];
     conn_t *incoming;
@@ -288,6 +289,11 @@ static void *run(void *arg) {
             sweep(s, now);
             next_sweep = now + tick;
         }
+        if (s->gap_ns > 0 && n > 0) {
+            /* Let the next requests gather: one wake-up answers them all. */
+            struct timespec gap = {0, s->gap_ns};
+            nanosleep(&gap, NULL);
+        }
     }
     pthread_mutex_lock(&s->lock);
     conn_t *c = s->incoming;
@@ -349,14 +355,16 @@ static keeper_t *handle(PyObject *obj) {
 static PyObject *py_start(PyObject *self, PyObject *args) {
     (void)self;
     long long idle_ms;
-    if (!PyArg_ParseTuple(args, "L", &idle_ms)) return NULL;
-    if (idle_ms < 1) {
-        PyErr_SetString(PyExc_ValueError, "idle_ms must be at least 1");
+    int gap_us = 0;
+    if (!PyArg_ParseTuple(args, "L|i", &idle_ms, &gap_us)) return NULL;
+    if (idle_ms < 1 || gap_us < 0 || gap_us > 100000) {
+        PyErr_SetString(PyExc_ValueError, "idle_ms must be at least 1, gap_us 0 to 100000");
         return NULL;
     }
     keeper_t *s = calloc(1, sizeof *s);
     if (!s) return PyErr_NoMemory();
     s->idle_ns = idle_ms * 1000000;
+    s->gap_ns = (long)gap_us * 1000;
     s->back_tail = &s->back_head;
     s->epfd = s->wake_fd = s->back_fd = -1;
     if ((s->epfd = epoll_create1(EPOLL_CLOEXEC)) < 0 ||

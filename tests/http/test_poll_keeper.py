@@ -29,8 +29,8 @@ HEAD = b"GET /dashboard/data HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
 @contextlib.contextmanager
-def _keeper(idle_ms: int = 10_000):
-    h = native.start(idle_ms)
+def _keeper(idle_ms: int = 10_000, gap_us: int = 0):
+    h = native.start(idle_ms, gap_us)
     try:
         yield h
     finally:
@@ -64,8 +64,9 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     return buf
 
 
-def test_the_learned_head_is_answered_as_it_comes_and_anything_else_comes_back():
-    with _keeper() as h:
+@pytest.mark.parametrize("gap_us", [0, 5000])  # answered at once, or gathered
+def test_the_learned_head_is_answered_as_it_comes_and_anything_else_comes_back(gap_us):
+    with _keeper(gap_us=gap_us) as h:
         native.set_answer(h, 1, b"ANSWER\n")
         native.set_answer(h, 0, b"the page")
         peer = _kept(h, received=HEAD)  # a head read before the hand-over
