@@ -178,8 +178,8 @@ class PollKeeper:
     def _publish(self) -> None:
         """The answers the protocol would give now, where they changed."""
         ready = self.dashboard.ready()
-        headers = self._server_state.default_headers  # a new list each second (the date)
-        key = (ready, id(headers))
+        headers = self._server_state.default_headers  # the date changes each second
+        key = (ready, headers)
         if key == self._published:
             return
         self._published = key

@@ -191,7 +191,19 @@ def test_kept_alive_polls_are_answered_by_the_keeper_as_by_the_protocol():
             assert pages[0] == pages[1] == pages[2] and b"<html" in pages[0][2].lower()
             assert counted.calls == calls  # the app saw none of it
             assert cap.open == 1 and len(keeper) == 1
-        deadline = time.monotonic() + 10
-        while (cap.open or len(keeper)) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert cap.open == 0 and len(keeper) == 0
+        _settles(lambda: cap.open == 0 and len(keeper) == 0)  # closed by the keeper
+        fds = len(os.listdir("/proc/self/fd"))
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            polls = [_poll(sock, poll) for _ in range(3)]
+            returned = keeper.returned
+            assert _poll(sock, ("GET", "/v1/models", {})) != polls[0]  # handed back
+            assert keeper.returned == returned + 1 and len(keeper) == 0 and cap.open == 1
+        _settles(lambda: cap.open == 0)  # closed by the protocol that took it back
+        assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def _settles(condition, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert condition()
