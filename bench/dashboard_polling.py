@@ -22,7 +22,14 @@ and the poller and this script's own client on the others: the poller's CPU then
 comes from a core the model does not use, and what is left is the server's own cost
 of being polled.
 
+With ``--fronts keeper,protocol`` two servers run side by side, their trials
+interleaved: one whose front hands kept-alive poll connections to its native poll
+keeper (the default, ``http/poll_keeper.py``), one started with
+``RADIXSERVE_POLL_KEEPER=0``, whose front's protocol answers every poll itself; a
+table per front, then one row per front.
+
     python bench/dashboard_polling.py [--model smollm2] [--trials 3] [--polls-per-s 1000] [--pin]
+                                      [--fronts keeper,protocol]
 
 The figures are built in the scheduler at most once a second and the HTTP front keeps
 them encoded for a second, answering a poll before FastAPI's routing
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import statistics
@@ -161,7 +169,8 @@ def trial(server: LaunchedServer, mode: str, args, client_cpus: set[int] | None)
             "failed": m["failed"], **cpu}  # fmt: skip
 
 
-def report(rows: dict[str, list[dict]], names: list[str]) -> None:
+def report(rows: dict[str, list[dict]], names: list[str]) -> dict:
+    """The table of one server's trials; its summary returned (``summary_row``)."""
     keys = ["tok_s", "polls_s", *names]
     med = {m: {k: statistics.median(r[k] for r in rs) for k in keys} for m, rs in rows.items()}
     head = f"{'mode':8s} {'best tok/s':>11s} {'median tok/s':>13s} {'polls/s':>9s}"
@@ -188,6 +197,22 @@ def report(rows: dict[str, list[dict]], names: list[str]) -> None:
     print(f"quiet trials: {lo:.1f} to {hi:.1f} tok/s (spread {100 * (hi - lo) / mid:.1f}% of "
           f"their median); the polled median {polled:.1f} is {within} that range "
           f"({100 * (polled / mid - 1):+.1f}%)")  # fmt: skip
+    per_poll = [(r["http"] - med["quiet"]["http"]) / r["polls"] for r in rows["polled"]]
+    return {"quiet": mid, "lo": lo, "hi": hi, "polled": polled, "within": within,
+            "polls_s": med["polled"]["polls_s"], "per_poll": statistics.median(per_poll),
+            "poller": statistics.median(r["poller"] / r["polls"] for r in rows["polled"])}  # fmt: skip
+
+
+def summary_rows(summaries: dict[str, dict]) -> None:
+    print(
+        "\n| front | quiet tok/s median (range) | polled tok/s median | polled / quiet | "
+        "within the quiet range | polls/s | front CPU per poll | poller CPU per poll |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for front, m in summaries.items():
+        print(f"| {front} | {m['quiet']:.1f} ({m['lo']:.1f}-{m['hi']:.1f}) | {m['polled']:.1f} | "
+              f"{m['polled'] / m['quiet']:.3f} | {'yes' if m['within'] == 'within' else 'no'} | "
+              f"{m['polls_s']:.0f} | {1e3 * m['per_poll']:.3f} ms | {1e3 * m['poller']:.3f} ms |")  # fmt: skip
 
 
 def main() -> None:
@@ -204,6 +229,9 @@ def main() -> None:
     p.add_argument("--question-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--fronts", default="keeper",
+                   help="keeper (the poll keeper on), protocol (RADIXSERVE_POLL_KEEPER=0), or both, "
+                        "comma-separated")  # fmt: skip
     args = p.parse_args()
 
     server_args = ["--model", args.model, "--dashboard", "--http-port", "0"]
@@ -216,21 +244,35 @@ def main() -> None:
         client_cpus = set(cores[:-1])
         os.sched_setaffinity(0, {cores[-1]})  # the server's processes inherit it
         server_args += ["--threads", "1"]
-    rows: dict[str, list[dict]] = {"quiet": [], "polled": []}
-    with LaunchedServer(server_args) as server:
+    fronts = args.fronts.split(",")
+    if not fronts or not set(fronts) <= {"keeper", "protocol"}:
+        p.error("--fronts: keeper, protocol or both")
+    rows = {f: {"quiet": [], "polled": []} for f in fronts}
+    names: list[str] = []
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for front in fronts:
+            os.environ["RADIXSERVE_POLL_KEEPER"] = "0" if front == "protocol" else "1"
+            servers[front] = stack.enter_context(LaunchedServer(server_args))
+            print(f"server ({front}): {servers[front].summary}", file=sys.stderr)
         if client_cpus:
             os.sched_setaffinity(0, client_cpus)
-        print(f"server: {server.summary}", file=sys.stderr)
         for t in range(args.trials):
-            for mode in ("quiet", "polled") if t % 2 == 0 else ("polled", "quiet"):
-                r = trial(server, mode, args, client_cpus)
-                rows[mode].append(r)
-                cpu = " ".join(f"{k}={r[k]:.2f}" for k in [*server.pids, "poller"])
-                print(f"trial {t} {mode:6s}: {r['tok_s']:8.1f} output tok/s, "
-                      f"{r['polls_s']:7.0f} polls/s, CPU s {cpu}", file=sys.stderr)  # fmt: skip
-        names = [*server.pids, "poller"]
-    report(rows, names)
-    if any(r["failed"] for rs in rows.values() for r in rs):
+            for front in fronts if t % 2 == 0 else fronts[::-1]:
+                server = servers[front]
+                for mode in ("quiet", "polled") if t % 2 == 0 else ("polled", "quiet"):
+                    r = trial(server, mode, args, client_cpus)
+                    rows[front][mode].append(r)
+                    cpu = " ".join(f"{k}={r[k]:.2f}" for k in [*server.pids, "poller"])
+                    print(f"trial {t} {front:8s} {mode:6s}: {r['tok_s']:8.1f} output tok/s, "
+                          f"{r['polls_s']:7.0f} polls/s, CPU s {cpu}", file=sys.stderr)  # fmt: skip
+                names = [*server.pids, "poller"]
+    summaries = {}
+    for front in fronts:
+        print(f"\n## front: {front}")
+        summaries[front] = report(rows[front], names)
+    summary_rows(summaries)
+    if any(r["failed"] for f in rows.values() for rs in f.values() for r in rs):
         print("some requests failed", file=sys.stderr)
         sys.exit(1)
 

@@ -43,6 +43,7 @@ import functools
 import logging
 import os
 import socket
+from collections.abc import Mapping
 from typing import Any
 
 from radixserve.http.dashboard import DATA_PATH, PAGE_PATH, Dashboard, Raw
@@ -66,6 +67,12 @@ ROUTES = {PAGE_PATH: 0, DATA_PATH: 1}
 def built() -> bool:
     """Whether the native keeper is there (Linux, the extension built)."""
     return native is not None
+
+
+def enabled(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether the front uses the keeper: built, and not turned off with
+    ``RADIXSERVE_POLL_KEEPER=0`` (the protocol then answers every poll itself)."""
+    return built() and env.get("RADIXSERVE_POLL_KEEPER", "1") != "0"
 
 
 def response_bytes(

@@ -140,7 +140,7 @@ async def serve(config: ServerConfig, ctx: zmq.Context, life: Lifeline) -> None:
         # On httptools the protocol answers the dashboard's ready polls itself, and hands
         # kept-alive poll connections to the native poll keeper (poll_keeper.py).
         keeper = None
-        if fast and config.dashboard and poll_keeper.built():
+        if fast and config.dashboard and poll_keeper.enabled():
             keeper = PollKeeper(app.state.dashboard, cap)
         protocol = (
             HeadLimitedHttpToolsProtocol.answering(app.state.dashboard.answer_now, keeper)

@@ -207,3 +207,9 @@ def _settles(condition, timeout: float = 10) -> None:
     while not condition() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert condition()
+
+
+def test_the_keeper_can_be_turned_off():
+    assert poll_keeper.enabled({})
+    assert poll_keeper.enabled({"RADIXSERVE_POLL_KEEPER": "1"})
+    assert not poll_keeper.enabled({"RADIXSERVE_POLL_KEEPER": "0"})
