@@ -117,20 +117,21 @@ def _relay_extension() -> list:
         Extension(
             RELAY_EXT_NAME,
             ["csrc/zmtp_relay.c"],
-            depends=["csrc/zmtp_gone.h"],
+            depends=["csrc/zmtp_gone.h", "csrc/native_thread.h"],
             extra_compile_args=["-O2", "-Wall", "-Wextra"],
             extra_link_args=["-pthread"],
         ),
         Extension(
             ZMTP_SERVER_EXT_NAME,
             ["csrc/zmtp_server.c"],
-            depends=["csrc/zmtp_gone.h"],
+            depends=["csrc/zmtp_gone.h", "csrc/native_thread.h"],
             extra_compile_args=["-O2", "-Wall", "-Wextra"],
             extra_link_args=["-pthread"],
         ),
         Extension(
             POLL_KEEPER_EXT_NAME,
             ["csrc/poll_keeper.c"],
+            depends=["csrc/native_thread.h"],
             extra_compile_args=["-O2", "-Wall", "-Wextra"],
             extra_link_args=["-pthread"],
         ),

@@ -31,8 +31,7 @@
  *   set_answer(h, route, response | None)       route 0 or 1
  *   take(h) -> [(token, fd | -1, bytes)]         handed back, or closed (-1)
  *   fd(h) -> int                                 readable while take(h) has something
- *   answered(h) -> int                           requests answered so far
- *   count(h) -> int                              connections held
+ *   stats(h) -> (connections held, requests answered so far)
  *   stop(h)                                      closes every connection, joins the thread
  */
 #define _GNU_SOURCE
@@ -49,6 +48,8 @@
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "native_thread.h"
 
 #define ROUTES 2
 #define MAX_EVENTS 256
@@ -101,18 +102,6 @@ typedef struct {
 } keeper_t;
 
 enum { KEEP, BACK, CLOSE };
-
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-static void poke(int fd) {
-    uint64_t one = 1;
-    ssize_t n = write(fd, &one, sizeof one);
-    (void)n;
-}
 
 static void unref(answer_t *a) {
     if (a && __atomic_sub_fetch(&a->refs, 1, __ATOMIC_ACQ_REL) == 0) free(a);
@@ -226,11 +215,17 @@ static void on_event(keeper_t *s, conn_t *c, uint32_t events, int64_t now) {
     if (how != KEEP) release(s, c, how);
 }
 
-static void take_incoming(keeper_t *s, int64_t now) {
+/* The connections added since the last call (under lock). */
+static conn_t *added(keeper_t *s) {
     pthread_mutex_lock(&s->lock);
     conn_t *c = s->incoming;
     s->incoming = NULL;
     pthread_mutex_unlock(&s->lock);
+    return c;
+}
+
+static void take_incoming(keeper_t *s, int64_t now) {
+    conn_t *c = added(s);
     while (c) {
         conn_t *next = c->next;
         c->prev = NULL;
@@ -295,10 +290,7 @@ static void *run(void *arg) {
             nanosleep(&gap, NULL);
         }
     }
-    pthread_mutex_lock(&s->lock);
-    conn_t *c = s->incoming;
-    s->incoming = NULL;
-    pthread_mutex_unlock(&s->lock);
+    conn_t *c = added(s);
     while (c) {
         conn_t *next = c->next;
         close(c->fd);
@@ -315,14 +307,7 @@ static void *run(void *arg) {
 }
 
 /* ---------------------------------------------------------------- Python */
-static void join_thread(keeper_t *s) {
-    pthread_mutex_lock(&s->lock);
-    s->stopping = 1;
-    pthread_mutex_unlock(&s->lock);
-    poke(s->wake_fd);
-    Py_BEGIN_ALLOW_THREADS pthread_join(s->thread, NULL);
-    Py_END_ALLOW_THREADS
-}
+static void join_thread(keeper_t *s) { stop_thread(&s->lock, &s->stopping, s->wake_fd, s->thread); }
 
 static void destroy(PyObject *capsule) {
     keeper_t *s = PyCapsule_GetPointer(capsule, "poll_keeper");
@@ -506,24 +491,15 @@ static PyObject *py_fd(PyObject *self, PyObject *h) {
     return s ? PyLong_FromLong(s->back_fd) : NULL;
 }
 
-static PyObject *py_answered(PyObject *self, PyObject *h) {
-    (void)self;
-    keeper_t *s = PyCapsule_GetPointer(h, "poll_keeper");
-    if (!s) return NULL;
-    pthread_mutex_lock(&s->lock);
-    unsigned long long n = s->answered;
-    pthread_mutex_unlock(&s->lock);
-    return PyLong_FromUnsignedLongLong(n);
-}
-
-static PyObject *py_count(PyObject *self, PyObject *h) {
+static PyObject *py_stats(PyObject *self, PyObject *h) {
     (void)self;
     keeper_t *s = PyCapsule_GetPointer(h, "poll_keeper");
     if (!s) return NULL;
     pthread_mutex_lock(&s->lock);
     size_t n = s->n_conns;
+    unsigned long long answered = s->answered;
     pthread_mutex_unlock(&s->lock);
-    return PyLong_FromSize_t(n);
+    return Py_BuildValue("(nK)", (Py_ssize_t)n, answered);
 }
 
 static PyObject *py_stop(PyObject *self, PyObject *h) {
@@ -544,8 +520,7 @@ static PyMethodDef methods[] = {
      "set_answer(h, route, response | None): the answer to a learned head of the route."},
     {"take", py_take, METH_O, "take(h) -> [(token, fd | -1, bytes read)], in order."},
     {"fd", py_fd, METH_O, "fd(h): readable while take(h) has something."},
-    {"answered", py_answered, METH_O, "answered(h): requests answered so far."},
-    {"count", py_count, METH_O, "count(h): connections held."},
+    {"stats", py_stats, METH_O, "stats(h) -> (connections held, requests answered so far)."},
     {"stop", py_stop, METH_O, "stop(h): close every connection and join the thread."},
     {NULL, NULL, 0, NULL},
 };

@@ -33,6 +33,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "native_thread.h"
 #include "zmtp_gone.h"
 
 #define PIPE_BYTES (1 << 20)
@@ -326,16 +327,7 @@ static void *run(void *arg) {
 }
 
 /* Tell the relay thread to stop, wake it, and wait for it (without the GIL). */
-static void join_thread(relay_t *r) {
-    pthread_mutex_lock(&r->lock);
-    r->stopping = 1;
-    pthread_mutex_unlock(&r->lock);
-    uint64_t one = 1;
-    ssize_t w = write(r->wake_fd, &one, sizeof one);
-    (void)w;
-    Py_BEGIN_ALLOW_THREADS pthread_join(r->thread, NULL);
-    Py_END_ALLOW_THREADS
-}
+static void join_thread(relay_t *r) { stop_thread(&r->lock, &r->stopping, r->wake_fd, r->thread); }
 
 static void destroy(PyObject *capsule) {
     relay_t *r = PyCapsule_GetPointer(capsule, "zmtp_relay");

@@ -57,6 +57,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "native_thread.h"
 #include "zmtp_gone.h"
 
 #define RID_BYTES 16
@@ -143,17 +144,6 @@ typedef struct {
     conn_t *dead; /* closed during the current epoll batch, freed after it */
 } server_t;
 
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-static void poke(int fd) {
-    uint64_t one = 1;
-    ssize_t w = write(fd, &one, sizeof one);
-    (void)w;
-}
 
 /* ------------------------------------------------------------- the table */
 static size_t bucket_of(server_t *s, const unsigned char *rid) {
@@ -639,14 +629,7 @@ static void *run(void *arg) {
 }
 
 /* ---------------------------------------------------------------- Python */
-static void join_thread(server_t *s) {
-    pthread_mutex_lock(&s->lock);
-    s->stopping = 1;
-    pthread_mutex_unlock(&s->lock);
-    poke(s->wake_fd);
-    Py_BEGIN_ALLOW_THREADS pthread_join(s->thread, NULL);
-    Py_END_ALLOW_THREADS
-}
+static void join_thread(server_t *s) { stop_thread(&s->lock, &s->stopping, s->wake_fd, s->thread); }
 
 static void destroy(PyObject *capsule) {
     server_t *s = PyCapsule_GetPointer(capsule, "zmtp_server");

@@ -142,11 +142,11 @@ class PollKeeper:
 
     def __len__(self) -> int:
         """Connections held now."""
-        return native.count(self._h) if self._h is not None else 0
+        return native.stats(self._h)[0] if self._h is not None else 0
 
     def answered(self) -> int:
         """Requests the thread has answered so far."""
-        return native.answered(self._h) if self._h is not None else 0
+        return native.stats(self._h)[1] if self._h is not None else 0
 
     def close(self) -> None:
         """Close every connection held (their places go back to the cap) and stop."""
@@ -197,7 +197,7 @@ class PollKeeper:
             )
 
     def _tick(self) -> None:
-        answered = native.answered(self._h)
+        answered = native.stats(self._h)[1]
         if answered != self._answered:  # polls came: keep the figures as fresh as they would
             self._answered = answered
             self.dashboard.poll_seen()

@@ -21,6 +21,7 @@ import pytest
 
 from radixserve.http import poll_keeper
 from tests.http.test_dashboard import KEYS, _raw, _read_answers, _served
+from tests.utils.test_zmtp_server import recv_exact
 
 pytestmark = pytest.mark.skipif(not poll_keeper.built(), reason="the poll keeper is not built")
 native = poll_keeper.native
@@ -55,42 +56,33 @@ def _take(h, timeout: float = 10) -> list[tuple[int, int, bytes]]:
     return taken
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        assert chunk, "closed early"
-        buf += chunk
-    return buf
-
-
 @pytest.mark.parametrize("gap_us", [0, 5000])  # answered at once, or gathered
 def test_the_learned_head_is_answered_as_it_comes_and_anything_else_comes_back(gap_us):
     with _keeper(gap_us=gap_us) as h:
         native.set_answer(h, 1, b"ANSWER\n")
         native.set_answer(h, 0, b"the page")
         peer = _kept(h, received=HEAD)  # a head read before the hand-over
-        assert _recv_exactly(peer, 7) == b"ANSWER\n"
+        assert recv_exact(peer, 7) == b"ANSWER\n"
         peer.sendall(HEAD * 3)  # pipelined
-        assert _recv_exactly(peer, 21) == b"ANSWER\n" * 3
+        assert recv_exact(peer, 21) == b"ANSWER\n" * 3
         for at in (1, 17, len(HEAD) - 1):  # a head in two reads
             peer.sendall(HEAD[:at])
             time.sleep(0.02)
             peer.sendall(HEAD[at:])
-            assert _recv_exactly(peer, 7) == b"ANSWER\n"
+            assert recv_exact(peer, 7) == b"ANSWER\n"
         native.set_answer(h, 1, b"NEW")  # a new version: the next answer is it
         peer.sendall(HEAD)
-        assert _recv_exactly(peer, 3) == b"NEW"
-        assert native.answered(h) == 8 and native.count(h) == 1
+        assert recv_exact(peer, 3) == b"NEW"
+        assert native.stats(h) == (1, 8)
         other = b"GET /dashboard/data HTTP/1.1\r\nHost: y\r\n\r\n"
         peer.sendall(HEAD + other)  # one answered, the rest handed back as read
-        assert _recv_exactly(peer, 3) == b"NEW"
+        assert recv_exact(peer, 3) == b"NEW"
         [(token, fd, data)] = _take(h)
         assert token == 1 and fd >= 0 and other.startswith(data) and data
-        assert native.count(h) == 0 and native.answered(h) == 9
+        assert native.stats(h) == (0, 9)
         back = socket.socket(fileno=fd)  # the connection itself, still open
         back.sendall(b"pong")
-        assert _recv_exactly(peer, 4) == b"pong"
+        assert recv_exact(peer, 4) == b"pong"
         back.close()
         peer.close()
 
@@ -101,7 +93,7 @@ def test_no_answer_published_hands_the_head_back():
         peer = _kept(h)
         peer.sendall(HEAD)
         [(token, fd, data)] = _take(h)
-        assert (token, data) == (1, HEAD) and native.answered(h) == 0
+        assert (token, data) == (1, HEAD) and native.stats(h)[1] == 0
         os.close(fd)
         peer.close()
         native.set_answer(h, 1, b"A")
@@ -134,7 +126,7 @@ def test_a_closed_or_idle_peer_is_closed_and_reported():
         os.close(fd)
         assert idle.recv(1) == b""
         partial.close()
-        assert native.count(h) == 0
+        assert native.stats(h)[0] == 0
 
 
 def test_a_slow_reader_gets_every_answer_whole_and_is_not_read_meanwhile():
@@ -146,11 +138,11 @@ def test_a_slow_reader_gets_every_answer_whole_and_is_not_read_meanwhile():
             peer.sendall(HEAD)
             time.sleep(0.05)  # the thread starts writing it, the socket fills
         time.sleep(0.2)
-        got = _recv_exactly(peer, len(big[0]) * 3)
+        got = recv_exact(peer, len(big[0]) * 3)
         # Each whole, the version published when its head was read: the first at once;
         # the others wait in the socket until the first was taken, when C is published.
         assert got == big[0] + big[2] + big[2]
-        assert native.answered(h) == 3
+        assert native.stats(h)[1] == 3
         peer.close()
         assert _take(h) == [(1, -1, b"")]
 
