@@ -20,10 +20,11 @@ import time
 import pytest
 
 from radixserve.http import poll_keeper
+from tests.helpers.native import require_built
 from tests.http.test_dashboard import KEYS, _raw, _read_answers, _served
 from tests.utils.test_zmtp_server import recv_exact
 
-pytestmark = pytest.mark.skipif(not poll_keeper.built(), reason="the poll keeper is not built")
+require_built(poll_keeper.built(), "no module _poll_keeper", "the poll keeper", module=True)
 native = poll_keeper.native
 
 HEAD = b"GET /dashboard/data HTTP/1.1\r\nHost: x\r\n\r\n"
