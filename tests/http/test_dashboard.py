@@ -31,9 +31,9 @@ from radixserve.benchmark.backends import RadixserveBackend
 from radixserve.benchmark.runner import run
 from radixserve.benchmark.workloads import Node, Workload
 from radixserve.client import ServerError
+from radixserve.http import poll_keeper
 from radixserve.http.app import create_app
 from radixserve.http.auth import Keys
-from radixserve.http import poll_keeper
 from radixserve.http.dashboard import DashboardFastPath, _Figures
 from radixserve.http.metrics import Metrics
 from radixserve.http.state import FrontState
