@@ -57,10 +57,11 @@ log = logging.getLogger("radixserve.http")
 
 TICK_S = 0.25
 # After a wake-up that found requests, the thread waits this long before it looks
-# again, so that the polls arriving meanwhile are answered in one wake-up: halves the
-# CPU a poll costs at 1000 a second (bench/results/dashboard_polling.md); a poll
-# arriving while the thread sleeps in epoll is answered at once.
-GATHER_S = 0.004
+# again, so that the polls arriving meanwhile are answered in one wake-up: at 1000
+# polls a second a third of the CPU a poll costs without it, the wake-ups being most of
+# that cost (bench/results/dashboard_polling.md); a poll arriving while the thread
+# sleeps in epoll is answered at once, one arriving in the gap at most 10 ms later.
+GATHER_S = 0.01
 ROUTES = {PAGE_PATH: 0, DATA_PATH: 1}
 
 
