@@ -238,9 +238,16 @@ bool is_bf16(const py::array& a) {
 }
 
 void skinny_gemm(const py::array& w, const py::array& x, py::array& yT, int num_threads,
-                 const std::string& isa_name, bool amx, bool invariant) {
+                 const std::string& isa_name, bool amx, bool invariant,
+                 const std::string& form) {
   auto fail = [](const std::string& what) { throw std::invalid_argument("skinny_gemm: " + what); };
   const Isa isa = parse_isa(isa_name, "skinny_gemm");
+  using radixserve::SkinnyForm;
+  SkinnyForm f = SkinnyForm::kAuto;
+  if (form == "outer") f = SkinnyForm::kOuter;
+  else if (form == "dot") f = SkinnyForm::kDot;
+  else if (form == "dot16") f = SkinnyForm::kDot16;
+  else if (form != "auto") fail("unknown form '" + form + "' (auto, outer, dot, dot16)");
   const auto c = py::array::c_style;
   if (w.ndim() != 2 || x.ndim() != 2 || yT.ndim() != 2) fail("w, x and yT must be 2-D");
   using radixserve::DType;
@@ -272,6 +279,7 @@ void skinny_gemm(const py::array& w, const py::array& x, py::array& yT, int num_
   g.sm = x.strides(0) / item;
   g.sk = x.strides(1) / item;
   g.invariant = invariant;
+  g.form = f;
   if (amx) {
     // The shape, the CPU and the OS are checked before any tile instruction.
     if (!radixserve::amx_gemm_takes(g)) fail("amx takes bfloat16 w, 1-32 rows, K % 32 == 0, N % 16 == 0");
@@ -953,10 +961,12 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         "has them.");
   m.def("skinny_gemm", &skinny_gemm, py::arg("w"), py::arg("x"), py::arg("yT"),
         py::arg("num_threads"), py::arg("isa") = "auto", py::arg("amx") = false,
-        py::arg("invariant") = false,
+        py::arg("invariant") = false, py::arg("form") = "auto",
         "yT [N, M] = w [N, K] . x^T for x [M, K] (any strides), w and yT C-contiguous; "
         "float32, or bfloat16 weights (as int16) with float32 or bfloat16 x and yT. "
-        "invariant: a row's result does not depend on M (batch-invariant mode).");
+        "invariant: a row's result does not depend on M (batch-invariant mode). "
+        "form: at avx512bf16 with bfloat16 weights, outer, dot or dot16 instead of "
+        "the one auto picks by M (tests and benchmarks).");
   m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("w"), py::arg("y"), py::arg("eps"),
         py::arg("unit_offset"), py::arg("num_threads"), py::arg("isa") = "auto",
         "y = RMSNorm(x) * w (or * (1 + w) with unit_offset) for bfloat16 rows [rows, n] "

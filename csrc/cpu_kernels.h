@@ -224,15 +224,23 @@ void paged_decode(const PagedDecode& p, KVType type, const void* q, const void* 
 // element strides (sm, sk), so a transposed view needs no copy. Each of W, x, yT is
 // float32 or bfloat16 (float32 W takes float32 x and gives float32 yT).
 enum class DType { kFloat32, kBFloat16 };
+// The avx512bf16 forms for bfloat16 weights (skinny_gemm.cpp); auto chooses by M.
+// Other levels and float32 weights have one form each and ignore it.
+//   outer: x packed in K pairs, one broadcast weight pair times 16 (or 8) rows' pairs;
+//   dot: lanes along K, a horizontal sum per output;
+//   dot16: lanes along K, the sums of 16 outputs at once.
+enum class SkinnyForm { kAuto, kOuter, kDot, kDot16 };
 struct SkinnyGemm {
   const void* W;
   const void* x;
   void* yT;
   DType w_type, x_type, y_type;
   int64_t N, K, M, sm, sk;
-  // A row's result independent of M (batch-invariant mode): at avx512bf16 the dot
-  // form for few rows is not taken (every other form already is independent of M).
+  // A row's result independent of M (batch-invariant mode): at avx512bf16 auto takes
+  // the outer form at every M (each form alone is independent of M, but auto
+  // changes form with M).
   bool invariant = false;
+  SkinnyForm form = SkinnyForm::kAuto;
 };
 
 // `isa` as for paged_decode. With bfloat16 weights, avx512bf16 multiplies bfloat16

@@ -114,6 +114,13 @@ AMX = resolve_amx(os.environ.get(AMX_ENV, "auto"))
 #: numbers).
 AMX_KERNEL_ROWS = 1
 
+#: ``skinny_gemm``'s forms at ``avx512bf16`` for bfloat16 weights (``csrc/skinny_gemm.cpp``):
+#: ``outer`` (x packed in K pairs, a broadcast weight pair times 16 rows' pairs per
+#: instruction), ``dot`` (lanes along K, a horizontal sum per output), ``dot16``
+#: (lanes along K, the sums of 16 outputs at once); ``auto`` takes ``dot16`` up to
+#: 16 rows, ``outer`` above and in batch-invariant mode.
+SKINNY_FORMS = ("auto", "outer", "dot", "dot16")
+
 #: Row counts up to which ``skinny_gemm`` beats BLAS when the weights stream from
 #: memory (bench/results/linear.md has the numbers and how to measure them).
 SKINNY_KERNEL_ROWS = 32
@@ -191,17 +198,21 @@ def skinny_linear(
     isa: str | None = None,
     out_dtype: torch.dtype | None = None,
     amx: bool = False,
+    form: str = "auto",
 ) -> torch.Tensor:
     """``x W^T (+ b)`` as the transposed view of a ``[out, rows]`` product.
 
     ``weight`` float32 (then ``x`` float32) or bfloat16 (``x`` float32 or bfloat16);
     the result is ``out_dtype`` (default: ``x``'s dtype), at level ``isa``
-    (default: ``ISA``); with ``amx`` on AMX tiles (``amx_takes`` must hold).
+    (default: ``ISA``); with ``amx`` on AMX tiles (``amx_takes`` must hold). ``form``
+    (``SKINNY_FORMS``) forces one of the ``avx512bf16`` forms for bfloat16 weights
+    (tests, benchmarks); ``auto`` picks by the row count.
     """
     yt = torch.empty(weight.shape[0], x.shape[0], dtype=out_dtype or x.dtype)
     ext.skinny_gemm(  # type: ignore[union-attr]
-        _array(weight), _array(x), _array(yt), torch.get_num_threads(), isa or ISA, amx=amx
-    )
+        _array(weight), _array(x), _array(yt), torch.get_num_threads(), isa or ISA, amx=amx,
+        form=form,
+    )  # fmt: skip
     if bias is not None:
         yt += bias[:, None]
     return yt.t()

@@ -91,6 +91,79 @@ def test_skinny_gemm_bfloat16_weights_match_float64(ext, isa, rows, n, k, x_dtyp
     torch.testing.assert_close(yt2, yt, rtol=0, atol=0)
 
 
+#: Weight-row counts that cross the 48-row blocks and the threads' ranges, so the
+#: avx512bf16 forms' prefetches of rows further on reach a range's end.
+FORM_SHAPES = [(5, 3), (131, 77), (64, 576), (49, 1537), (400, 96), (1000, 64)]
+
+
+@pytest.mark.parametrize("form", ["outer", "dot", "dot16"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 17, 32, 33])
+@pytest.mark.parametrize(("n", "k"), FORM_SHAPES)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_each_avx512bf16_form_matches_float64(ext, form, rows, n, k, threads):
+    """Each of the avx512bf16 forms for bfloat16 weights at every row count, not only
+    the one ``auto`` picks: float32 and bfloat16 results, x contiguous or a
+    transposed view (the same bits), every tile shape and tail."""
+    require_isa("avx512bf16")
+    g = torch.Generator().manual_seed(rows * 1000 + n + k + 11)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    ref = w.double() @ x.double().t()
+    yt = torch.full((n, rows), float("nan"))
+    ext.skinny_gemm(bf16(w), bf16(x), yt.numpy(), threads, "avx512bf16", form=form)
+    torch.testing.assert_close(yt.double(), ref, rtol=0, atol=float32_tolerance(k))
+    yb = torch.full((n, rows), float("nan"), dtype=torch.bfloat16)
+    ext.skinny_gemm(bf16(w), bf16(x), bf16(yb), threads, "avx512bf16", form=form)
+    assert torch.equal(yb, yt.bfloat16())
+    yt2 = torch.empty(n, rows)
+    xt = x.t().contiguous().t()
+    ext.skinny_gemm(bf16(w), bf16(xt), yt2.numpy(), 1, "avx512bf16", form=form)
+    assert torch.equal(yt2, yt)
+
+
+@pytest.mark.parametrize("form", ["outer", "dot", "dot16"])
+def test_each_avx512bf16_form_is_independent_of_the_rows(ext, form):
+    """Alone, each form sums a row's products in an order that depends on neither the
+    row count nor the row's place (dot16 sums 16 outputs at once, each in the same
+    order), so a row's bits are the same alone and in any batch."""
+    require_isa("avx512bf16")
+    g = torch.Generator().manual_seed(5)
+    n, k = 200, 608
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(33, k, generator=g).bfloat16()
+    alone = []
+    for i in range(x.shape[0]):
+        y = torch.empty(n, 1)
+        ext.skinny_gemm(bf16(w), bf16(x[i : i + 1].clone()), y.numpy(), 2, "avx512bf16", form=form)
+        alone.append(y[:, 0])
+    for rows in (2, 3, 5, 8, 12, 13, 16, 33):
+        for start in (0, x.shape[0] - rows):
+            y = torch.empty(n, rows)
+            block = x[start : start + rows].clone()
+            ext.skinny_gemm(bf16(w), bf16(block), y.numpy(), 2, "avx512bf16", form=form)
+            for j in range(rows):
+                assert torch.equal(y[:, j], alone[start + j]), (rows, start, j)
+
+
+def test_skinny_gemm_forms_elsewhere(ext, isa):
+    """Below avx512bf16 (and for float32 weights) there is one form: ``form`` changes
+    nothing there; an unknown form is refused."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 70, generator=g).bfloat16()
+    x = torch.randn(5, 70, generator=g).bfloat16()
+    y_auto, y_form = torch.empty(40, 5), torch.empty(40, 5)
+    ext.skinny_gemm(bf16(w), bf16(x), y_auto.numpy(), 1, isa)
+    if isa != "avx512bf16":
+        ext.skinny_gemm(bf16(w), bf16(x), y_form.numpy(), 1, isa, form="dot16")
+        assert torch.equal(y_form, y_auto)
+    wf, xf = w.float(), x.float()
+    ext.skinny_gemm(wf.numpy(), xf.numpy(), y_auto.numpy(), 1, isa)
+    ext.skinny_gemm(wf.numpy(), xf.numpy(), y_form.numpy(), 1, isa, form="dot")
+    assert torch.equal(y_form, y_auto)
+    with pytest.raises(ValueError, match="unknown form 'dot8'"):
+        ext.skinny_gemm(bf16(w), bf16(x), y_auto.numpy(), 1, isa, form="dot8")
+
+
 def test_isa_selection(ext, monkeypatch):
     """``auto`` is the best level; unknown names and levels the CPU lacks are refused
     (by the bindings too, so no kernel runs an instruction the CPU does not have)."""
