@@ -23,6 +23,7 @@ tables show the median over ``--rounds`` rounds of that time, and of the ratio
     python bench/linear.py                               # rows 1,16,32,48,64,512
     python bench/linear.py --rows 16 --rounds 3 --threads 1
     python bench/linear.py --dtype bfloat16 --rows 1,8,16,32 --isa avx512,avx512bf16
+    python bench/linear.py --dtype bfloat16 --rows 8 --isa avx512bf16:dot,avx512bf16:dot16
     python bench/linear.py --dtype bfloat16 --rows 2,8,32 --feature-major --lm-head
     python bench/linear.py --dtype bfloat16 --rows 1,8,32,64,512 --rounds 3   # an AVX2 CPU
 
@@ -52,8 +53,8 @@ def weight_major(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(w, x.t()).t()
 
 
-def kernel(isa: str) -> Form:
-    return lambda x, w: cpu_kernels.skinny_linear(x, w, None, isa=isa)
+def kernel(isa: str, form: str = "auto") -> Form:
+    return lambda x, w: cpu_kernels.skinny_linear(x, w, None, isa=isa, form=form)
 
 
 def amx(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -110,7 +111,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--isa", default="", help="kernel levels to time, e.g. avx2,avx512 "
-                    "(default: every level this CPU runs)")  # fmt: skip
+                    "(default: every level this CPU runs); avx512bf16:dot times one of "
+                    "its forms (cpu_kernels.SKINNY_FORMS)")  # fmt: skip
     ap.add_argument("--feature-major", action="store_true",
                     help="x as the transposed view of [features, rows]")  # fmt: skip
     ap.add_argument("--lm-head", action="store_true", help="add a 49152 x 576 LM head")
@@ -119,7 +121,11 @@ def main() -> None:
     forms: dict[str, Form] = {"weight-major": weight_major, "x W^T": x_wt, "Linear": linear}
     if cpu_kernels.AVAILABLE:
         isas = [i for i in args.isa.split(",") if i] or list(cpu_kernels.supported_isas())
-        forms = {**{f"kernel {i}": kernel(cpu_kernels.resolve_isa(i)) for i in isas}, **forms}
+        kernels = {}
+        for name in isas:
+            level, _, form = name.partition(":")
+            kernels[f"kernel {name}"] = kernel(cpu_kernels.resolve_isa(level), form or "auto")
+        forms = {**kernels, **forms}
         if args.dtype == "bfloat16" and cpu_kernels.amx_supported():
             forms = {"kernel amx": amx, **forms}
     else:
