@@ -118,7 +118,7 @@ AMX_KERNEL_ROWS = 1
 #: ``outer`` (x packed in K pairs, a broadcast weight pair times 16 rows' pairs per
 #: instruction), ``dot`` (lanes along K, a horizontal sum per output), ``dot16``
 #: (lanes along K, the sums of 16 outputs at once); ``auto`` takes ``dot16`` up to
-#: 16 rows, ``outer`` above and in batch-invariant mode.
+#: 12 rows, ``outer`` above and in batch-invariant mode.
 SKINNY_FORMS = ("auto", "outer", "dot", "dot16")
 
 #: Row counts up to which ``skinny_gemm`` beats BLAS when the weights stream from
