@@ -115,16 +115,18 @@ class ConnectionCap:
             readmitted = False
 
             def connection_made(self, transport) -> None:  # type: ignore[override]
-                self.peer_address = _address(transport.get_extra_info("peername"))
+                if not self.readmitted:  # (else the address it was counted under, kept)
+                    self.peer_address = _address(transport.get_extra_info("peername"))
                 if not (self.readmitted or cap.at_accept or cap.admit(self.peer_address)):
                     cap.refuse_transport(transport)
                     return
                 self.admitted = True
+                # Idle until its first request; armed first, as the protocol may read
+                # bytes handed to it (the poll keeper's) as the connection is made.
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    self.timeout_keep_alive, self.timeout_keep_alive_handler
+                )
                 super().connection_made(transport)
-                if self.timeout_keep_alive_task is None:  # idle until its first request
-                    self.timeout_keep_alive_task = self.loop.call_later(
-                        self.timeout_keep_alive, self.timeout_keep_alive_handler
-                    )
 
             def connection_lost(self, exc) -> None:
                 if self.admitted:

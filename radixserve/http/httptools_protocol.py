@@ -76,12 +76,22 @@ class HeadLimitedHttpToolsProtocol(LingeringClose, HttpToolsProtocol):
     # Takes kept-alive poll connections over (module docstring), or None.
     keeper: PollKeeper | None = None
     handed_over = False
+    # Bytes read from the socket before this protocol had it (the poll keeper hands a
+    # connection back with them): read as the connection is made, before the loop
+    # reads what follows them.
+    handed_back: bytes = b""
     # Bytes read since the current head began; None between heads (after one completes,
     # until the next message begins).
     _head_read: int | None = 0
     _too_large = False
     # Whether the parser holds no part of a request (every byte fed ended a message).
     _between = True
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        data, self.handed_back = self.handed_back, b""
+        if data:
+            self.data_received(data)
 
     def data_received(self, data: bytes) -> None:
         if (

@@ -115,6 +115,7 @@ class PollKeeper:
         self._timer: asyncio.TimerHandle | None = None
         self._loop: Any = None
         self._closed = False
+        self._adopting: set[asyncio.Task] = set()
         self.taken = self.returned = 0  # connections taken over, handed back
 
     def take_over(self, protocol: Any, head: bytes, path: str) -> bool:
@@ -128,15 +129,20 @@ class PollKeeper:
         sock = protocol.transport.get_extra_info("socket")
         if sock is None:
             return False
-        if self._h is None:
-            self._start(protocol)
+        try:
+            if self._h is None:
+                self._start(protocol)
+            fd = os.dup(sock.fileno())
+        except (OSError, MemoryError) as e:  # out of descriptors or memory: not kept
+            log.debug("a poll connection stays with the loop: %s", e)
+            return False
         token, self._next = self._next, self._next + 1
-        fd = os.dup(sock.fileno())
         try:
             native.add(self._h, token, fd, head, ROUTES[path], b"")
-        except BaseException:
+        except (OSError, MemoryError) as e:
             os.close(fd)
-            raise
+            log.debug("a poll connection stays with the loop: %s", e)
+            return False
         self._held[token] = getattr(protocol, "peer_address", None)
         self.taken += 1
         return True
@@ -198,12 +204,19 @@ class PollKeeper:
             )
 
     def _tick(self) -> None:
-        answered = native.stats(self._h)[1]
-        if answered != self._answered:  # polls came: keep the figures as fresh as they would
-            self._answered = answered
-            self.dashboard.poll_seen()
-        self._publish()
-        self._timer = self._loop.call_later(TICK_S, self._tick)
+        try:
+            answered = native.stats(self._h)[1]
+            if answered != self._answered:  # polls came: keep the figures as fresh
+                self._answered = answered
+                self.dashboard.poll_seen()
+            self._publish()
+        except Exception:  # nothing published stays published: the loop answers
+            log.exception("the poll keeper's answers are withdrawn until the next tick")
+            for route in ROUTES.values():
+                native.set_answer(self._h, route, None)
+            self._published = ()
+        finally:
+            self._timer = self._loop.call_later(TICK_S, self._tick)
 
     def _on_back(self) -> None:
         for token, fd, data in native.take(self._h):
@@ -212,11 +225,14 @@ class PollKeeper:
             else:
                 address = self._held.pop(token)
                 self.returned += 1
-                self._loop.create_task(self._adopt(fd, data, address))
+                task = self._loop.create_task(self._adopt(fd, data, address))
+                self._adopting.add(task)
+                task.add_done_callback(self._adopting.discard)
 
     async def _adopt(self, fd: int, data: bytes, address: str | None) -> None:
-        """A connection the thread handed back, served by a new protocol from the bytes
-        the thread read on; its place in the cap is kept."""
+        """A connection the thread handed back, served by a new protocol that reads the
+        bytes the thread read first, as the connection is made (before the loop reads
+        what follows them); its place in the cap is kept, under the same address."""
         try:
             sock = socket.socket(fileno=fd)
         except OSError:
@@ -226,18 +242,17 @@ class PollKeeper:
 
         def make() -> Any:
             protocol = self._make()
-            protocol.readmitted = True  # counted already (connection_limit.py)
+            protocol.handed_back = data
+            if address is not None:  # counted already (connection_limit.py)
+                protocol.readmitted, protocol.peer_address = True, address
             return protocol
 
         try:
-            _transport, protocol = await self._loop.connect_accepted_socket(make, sock)
-        except OSError as e:
+            await self._loop.connect_accepted_socket(make, sock)
+        except Exception as e:  # noqa: BLE001 - whatever it was, the place is given back
             log.debug("a connection handed back could not be served: %s", e)
             sock.close()
             self._give_back(address)
-            return
-        if data:
-            protocol.data_received(data)
 
     def _release(self, token: int) -> None:
         self._give_back(self._held.pop(token, None))

@@ -188,6 +188,15 @@ def test_kept_alive_polls_are_answered_by_the_keeper_as_by_the_protocol():
         fds = len(os.listdir("/proc/self/fd"))
         with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
             polls = [_poll(sock, poll) for _ in range(3)]
+            # A request larger than what the keeper reads before it hands back, and a
+            # poll after it, in one write: the new protocol reads the keeper's bytes
+            # first, then the rest, in order (a POST with a body: its 405, then 200).
+            body = b"x" * 20_000
+            post = _raw("POST", "/dashboard/data", {"Content-Length": str(len(body))}) + body
+            sock.sendall(post + _raw(*poll))
+            answers = _read_answers(sock, 2)
+            assert answers[0][0].endswith(b"405 Method Not Allowed") and answers[1] == polls[0]
+            assert _poll(sock, poll) == polls[0]
             returned = keeper.returned
             assert _poll(sock, ("GET", "/v1/models", {})) != polls[0]  # handed back
             assert keeper.returned == returned + 1 and len(keeper) == 0 and cap.open == 1
