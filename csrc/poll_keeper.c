@@ -27,7 +27,7 @@
  *
  * Python API (every function takes the handle ``start`` returns):
  *   start(idle_ms)
- *   add(h, token, fd, head, route, received)   takes ownership of fd (non-blocking)
+ *   add(h, token, fd, head, route)           takes ownership of fd (non-blocking)
  *   set_answer(h, route, response | None)       route 0 or 1
  *   take(h) -> [(token, fd | -1, bytes)]         handed back, or closed (-1)
  *   fd(h) -> int                                 readable while take(h) has something
@@ -235,9 +235,7 @@ static void take_incoming(keeper_t *s, int64_t now) {
         c->active = now;
         c->watching = EPOLLIN;
         struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
-        int how = epoll_ctl(s->epfd, EPOLL_CTL_ADD, c->fd, &ev) == 0 ? serve(s, c, now) : CLOSE;
-        if (how == KEEP && rewatch(s, c) != 0) how = CLOSE;
-        if (how != KEEP) release(s, c, how);
+        if (epoll_ctl(s->epfd, EPOLL_CTL_ADD, c->fd, &ev) != 0) release(s, c, CLOSE);
         c = next;
     }
 }
@@ -378,9 +376,8 @@ static PyObject *py_add(PyObject *self, PyObject *args) {
     PyObject *h;
     long long token;
     int fd, route;
-    Py_buffer head, received;
-    if (!PyArg_ParseTuple(args, "OLiy*iy*", &h, &token, &fd, &head, &route, &received))
-        return NULL;
+    Py_buffer head;
+    if (!PyArg_ParseTuple(args, "OLiy*i", &h, &token, &fd, &head, &route)) return NULL;
     PyObject *result = NULL;
     keeper_t *s = handle(h);
     conn_t *c = NULL;
@@ -391,7 +388,6 @@ static PyObject *py_add(PyObject *self, PyObject *args) {
     }
     c = calloc(1, sizeof *c);
     size_t cap = (size_t)head.len + READ_SPARE;
-    if ((size_t)received.len > cap) cap = (size_t)received.len;
     if (!c || !(c->head = malloc((size_t)head.len)) || !(c->in = malloc(cap))) {
         PyErr_NoMemory();
         goto done;
@@ -401,8 +397,6 @@ static PyObject *py_add(PyObject *self, PyObject *args) {
     c->route = route;
     memcpy(c->head, head.buf, (size_t)head.len);
     c->head_len = (size_t)head.len;
-    memcpy(c->in, received.buf, (size_t)received.len);
-    c->in_len = (size_t)received.len;
     c->in_cap = cap;
     pthread_mutex_lock(&s->lock);
     c->next = s->incoming;
@@ -416,7 +410,6 @@ static PyObject *py_add(PyObject *self, PyObject *args) {
 done:
     if (c) free_conn(c);
     PyBuffer_Release(&head);
-    PyBuffer_Release(&received);
     return result;
 }
 
@@ -515,7 +508,7 @@ static PyObject *py_stop(PyObject *self, PyObject *h) {
 static PyMethodDef methods[] = {
     {"start", py_start, METH_VARARGS, "start(idle_ms)"},
     {"add", py_add, METH_VARARGS,
-     "add(h, token, fd, head, route, received): keep the connection (fd is owned)."},
+     "add(h, token, fd, head, route): keep the connection (fd is owned)."},
     {"set_answer", py_set_answer, METH_VARARGS,
      "set_answer(h, route, response | None): the answer to a learned head of the route."},
     {"take", py_take, METH_O, "take(h) -> [(token, fd | -1, bytes read)], in order."},

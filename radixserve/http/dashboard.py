@@ -89,6 +89,19 @@ class Raw:
     headers: bytes
     body: bytes
 
+    def response(self, default_headers: list[tuple[bytes, bytes]], keep_alive: bool) -> bytes:
+        """The whole answer as uvicorn writes an app's response: the status line,
+        uvicorn's ``default_headers``, the answer's own, ``connection: close`` where the
+        connection ends, the body."""
+        parts = [self.status]
+        for name, value in default_headers:
+            parts += [name.lower(), b": ", value, b"\r\n"]
+        parts.append(self.headers)
+        if not keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts += [b"\r\n", self.body]
+        return b"".join(parts)
+
     @classmethod
     def of(cls, response: Response) -> Raw:
         status = HTTPStatus(response.status_code)

@@ -48,7 +48,7 @@ from radixserve.http.h11_protocol import (
     head_too_large,
     not_http,
 )
-from radixserve.http.poll_keeper import PollKeeper, response_bytes
+from radixserve.http.poll_keeper import PollKeeper
 
 # One whole request head asking for one of the dashboard's two pages, HTTP/1.1 with
 # header lines as RFC 9110 spells them (a token, a colon, a value of visible
@@ -169,9 +169,8 @@ class HeadLimitedHttpToolsProtocol(LingeringClose, HttpToolsProtocol):
         return True
 
     def _write_ready(self, ready: Any, keep_alive: bool) -> None:
-        """Write a ready answer (``Raw``) as uvicorn writes an app's response
-        (``poll_keeper.response_bytes``)."""
-        self.transport.write(response_bytes(ready, self.server_state.default_headers, keep_alive))
+        """Write a ready answer (``Raw``) as uvicorn writes an app's response."""
+        self.transport.write(ready.response(self.server_state.default_headers, keep_alive))
 
     def on_headers_complete(self) -> None:
         self._head_read = None

@@ -46,7 +46,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-from radixserve.http.dashboard import DATA_PATH, PAGE_PATH, Dashboard, Raw
+from radixserve.http.dashboard import DATA_PATH, PAGE_PATH, Dashboard
 
 try:  # Linux, where the extension is built (setup.py)
     from radixserve.http import _poll_keeper as native
@@ -74,22 +74,6 @@ def enabled(env: Mapping[str, str] = os.environ) -> bool:
     """Whether the front uses the keeper: built, and not turned off with
     ``RADIXSERVE_POLL_KEEPER=0`` (the protocol then answers every poll itself)."""
     return built() and env.get("RADIXSERVE_POLL_KEEPER", "1") != "0"
-
-
-def response_bytes(
-    ready: Raw, default_headers: list[tuple[bytes, bytes]], keep_alive: bool
-) -> bytes:
-    """A ready answer as uvicorn writes an app's response: the status line, uvicorn's
-    default headers, the answer's own, ``connection: close`` where the connection
-    ends, the body."""
-    parts = [ready.status]
-    for name, value in default_headers:
-        parts += [name.lower(), b": ", value, b"\r\n"]
-    parts.append(ready.headers)
-    if not keep_alive:
-        parts.append(b"connection: close\r\n")
-    parts += [b"\r\n", ready.body]
-    return b"".join(parts)
 
 
 class PollKeeper:
@@ -138,7 +122,7 @@ class PollKeeper:
             return False
         token, self._next = self._next, self._next + 1
         try:
-            native.add(self._h, token, fd, head, ROUTES[path], b"")
+            native.add(self._h, token, fd, head, ROUTES[path])
         except (OSError, MemoryError) as e:
             os.close(fd)
             log.debug("a poll connection stays with the loop: %s", e)
@@ -200,7 +184,7 @@ class PollKeeper:
         for path, route in ROUTES.items():
             answer = ready.get(path)
             native.set_answer(
-                self._h, route, None if answer is None else response_bytes(answer, headers, True)
+                self._h, route, None if answer is None else answer.response(headers, True)
             )
 
     def _tick(self) -> None:

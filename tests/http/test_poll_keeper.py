@@ -39,12 +39,12 @@ def _keeper(idle_ms: int = 10_000, gap_us: int = 0):
         native.stop(h)
 
 
-def _kept(h, token: int = 1, received: bytes = b"") -> socket.socket:
+def _kept(h, token: int = 1) -> socket.socket:
     """A socket pair's end handed to the keeper with ``HEAD`` learned for route 1; the
     other end, the peer, returned."""
     peer, ours = socket.socketpair()
     ours.setblocking(False)
-    native.add(h, token, ours.detach(), HEAD, 1, received)
+    native.add(h, token, ours.detach(), HEAD, 1)
     peer.settimeout(10)
     return peer
 
@@ -62,7 +62,8 @@ def test_the_learned_head_is_answered_as_it_comes_and_anything_else_comes_back(g
     with _keeper(gap_us=gap_us) as h:
         native.set_answer(h, 1, b"ANSWER\n")
         native.set_answer(h, 0, b"the page")
-        peer = _kept(h, received=HEAD)  # a head read before the hand-over
+        peer = _kept(h)
+        peer.sendall(HEAD)
         assert recv_exact(peer, 7) == b"ANSWER\n"
         peer.sendall(HEAD * 3)  # pipelined
         assert recv_exact(peer, 21) == b"ANSWER\n" * 3
