@@ -82,7 +82,8 @@ class StepCost:
         cfg = model.cfg
         self.weight_bytes = model.weight_bytes()
         matrices = sum(p.numel() for p in model.layers.parameters() if p.dim() >= 2)
-        self.matmul_params = matrices + model.lm_head.weight.numel()
+        self.lm_head_params = model.lm_head.weight.numel()
+        self.matmul_params = matrices + self.lm_head_params
         self.heads, self.head_dim, self.layers = cfg.num_heads, cfg.head_dim, cfg.num_layers
         elem = torch.empty(0, dtype=kv_dtype).element_size()
         self.kv_token_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
@@ -95,6 +96,48 @@ class StepCost:
     def flops(self, contexts: list[int]) -> int:
         attention = 4 * self.heads * self.head_dim * self.layers * sum(contexts)
         return 2 * len(contexts) * self.matmul_params + attention
+
+    def prefill_flops(self, chunks: list[tuple[int, int]]) -> int:
+        """FLOPs of a prefill step of ``(start, new tokens)`` chunks: every new token
+        through every layer's matrices, the LM head once per chunk (the last token's
+        logits), and causal attention (token at position p reads p + 1 keys)."""
+        tokens = sum(n for _, n in chunks)
+        keys = sum(n * start + n * (n + 1) // 2 for start, n in chunks)
+        head = self.lm_head_params * len(chunks)
+        attention = 4 * self.heads * self.head_dim * self.layers * keys
+        return 2 * tokens * (self.matmul_params - self.lm_head_params) + 2 * head + attention
+
+
+def measure_prefill(engine, runner, cost: StepCost, src, n_prompts: int, n_tokens: int,
+                    rounds: int) -> tuple[int, float, int]:
+    """(steps, seconds, FLOPs) of ``rounds`` prefills of ``n_prompts`` fresh random prompts
+    of ``n_tokens`` tokens each, all submitted at once (one output token each, the
+    cache flushed first): every step that computes prompt tokens only, at the best
+    round (the least total time)."""
+    from radixserve import SamplingParams
+
+    sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    run_step = runner.step
+    best = None
+    for _ in range(rounds + 1):  # the first round warms up
+        done: list[tuple[float, int]] = []
+
+        def timed(batch, done=done):
+            t = time.perf_counter()
+            out = run_step(batch)
+            chunks = [(r.start_pos, len(r.input_ids)) for r in batch.reqs]
+            if chunks and all(n > 1 for _, n in chunks):
+                done.append((time.perf_counter() - t, cost.prefill_flops(chunks)))
+            return out
+
+        runner.step = timed
+        engine.flush_cache()
+        engine.generate([src.take(n_tokens) for _ in range(n_prompts)], sp)
+        runner.step = run_step
+        seconds, flops = sum(t for t, _ in done), sum(f for _, f in done)
+        if best is None or seconds < best[1]:
+            best = (len(done), seconds, flops)
+    return best  # type: ignore[return-value]
 
 
 def main() -> None:
@@ -111,6 +154,9 @@ def main() -> None:
     ap.add_argument("--layers", default="1", help="decode_step.ENABLED values, e.g. 0,1")
     ap.add_argument("--bandwidth", type=float, help="GB/s: skip measuring (a quiet run's)")
     ap.add_argument("--peak", type=float, help="bf16 GFLOP/s: skip measuring")
+    ap.add_argument("--prefills", default="",
+                    help="prefill shapes PROMPTSxTOKENS, e.g. 1x2048,8x832: fresh prompts "
+                         "prefilled at once, every prefill step against the bf16 peak")  # fmt: skip
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -143,6 +189,12 @@ def main() -> None:
             steps.append((time.perf_counter() - t, contexts))
         return out
 
+    runner.step = timed_step  # type: ignore[method-assign]
+    prefill_rows = []
+    for shape in filter(None, args.prefills.split(",")):
+        n_prompts, n_tokens = (int(x) for x in shape.split("x"))
+        prefill_rows.append((shape, measure_prefill(engine, runner, cost, src, n_prompts,
+                                                    n_tokens, args.rounds)))  # fmt: skip
     runner.step = timed_step  # type: ignore[method-assign]
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
@@ -209,6 +261,12 @@ def main() -> None:
         f"bandwidth {bandwidth / 1e9:.1f} GB/s (copy {copy_bw / 1e9:.1f}, read "
         f"{read_bw / 1e9:.1f}); bf16 peak {peak / 1e9:.0f} GFLOP/s"
     )
+    if prefill_rows:
+        print("| prefill | steps | measured ms | compute bound ms | GFLOP/s | of bf16 peak |")
+        print("|---|---|---|---|---|---|")
+        for shape, (n, t, f) in prefill_rows:
+            print(f"| {shape} | {n} | {t * 1e3:.1f} | {f / peak * 1e3:.1f} | {f / t / 1e9:.0f} "
+                  f"| {f / peak / t:.0%} |")  # fmt: skip
     print("| batch | layers | measured ms | memory bound ms | compute bound ms | bound ms "
           "| measured / bound | first step after idle ms |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
