@@ -32,7 +32,14 @@ request after an idle server). ``--layers 0,1`` runs each round once per value
 of ``models.decode_step.ENABLED`` (the layers one by one in Python, or in one
 native call where it can), taking turns, and gives a row per value.
 
+``--prefills 1x2048,32x160`` first times prefills: PROMPTS fresh random prompts of
+TOKENS tokens each, submitted at once (the cache flushed, one output token), every step
+that computes prompt tokens only, the best of ``--rounds`` (after one to warm up), and
+prints a table of their FLOPs (each computed token through the layers' products, the LM
+head once a chunk, causal attention) per second against the bf16 peak.
+
     python bench/roofline.py --batches 1,8,32 --system-len 400 --rounds 3 --layers 0,1
+    python bench/roofline.py --batches 8 --prefills 1x2048,4x832,32x160
 """
 
 from __future__ import annotations
@@ -108,8 +115,9 @@ class StepCost:
         return 2 * tokens * (self.matmul_params - self.lm_head_params) + 2 * head + attention
 
 
-def measure_prefill(engine, runner, cost: StepCost, src, n_prompts: int, n_tokens: int,
-                    rounds: int) -> tuple[int, float, int]:
+def measure_prefill(
+    engine, runner, cost: StepCost, src, n_prompts: int, n_tokens: int, rounds: int
+) -> tuple[int, float, int]:
     """(steps, seconds, FLOPs) of ``rounds`` prefills of ``n_prompts`` fresh random prompts
     of ``n_tokens`` tokens each, all submitted at once (one output token each, the
     cache flushed first): every step that computes prompt tokens only, at the best
@@ -189,7 +197,6 @@ def main() -> None:
             steps.append((time.perf_counter() - t, contexts))
         return out
 
-    runner.step = timed_step  # type: ignore[method-assign]
     prefill_rows = []
     for shape in filter(None, args.prefills.split(",")):
         n_prompts, n_tokens = (int(x) for x in shape.split("x"))
