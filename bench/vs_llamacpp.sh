@@ -1,30 +1,45 @@
 #!/usr/bin/env bash
-# radixserve against llama.cpp's server (llama-cpp-python), the CPU user's usual pick,
-# on the same SmolLM2 weights: the embedded GGUF rewritten with bfloat16 tensors
-# (bench/gguf_bf16.py; radixserve computes that model in bfloat16 too), llama.cpp's
-# prompt cache on (--cache true, in RAM) and requests never interrupting each other.
-# Two shapes through the same OpenAI /v1/completions client, prompts sent as text
-# (llama-cpp-python takes no token ids; both servers tokenize them the same way):
+# radixserve against llama.cpp on the same SmolLM2 weights: the embedded GGUF rewritten
+# with bfloat16 tensors (bench/gguf_bf16.py; radixserve computes that model in bfloat16
+# too). Two shapes through the same OpenAI /v1/completions client, prompts sent as text
+# (both servers tokenize them the same way):
 #   single   shared-prefix one request at a time (single-stream latency)
 #   shared   shared-prefix with every request sent at once
-# One fresh server per shape and side; a table per shape and the ratios at the end. llama.cpp's
-# server streams no usage, so its hit rate is not known (shown as -).
+# One fresh server per shape and side; a table per shape and the ratios at the end.
+# llama.cpp streams no usage, so its hit rate is not known (shown as -).
 #
-# llama-cpp-python lives in its own venv, out of the package and out of CI:
-#   python -m venv .venv-llamacpp
-#   CMAKE_ARGS="-DGGML_NATIVE=ON" .venv-llamacpp/bin/pip install "llama-cpp-python[server]"
+# The peer (PEER):
+#   llama-server (default)  llama.cpp's C++ server, what a CPU user runs: built by
+#       bench/llama_server.sh (LLAMA_SERVER: its path), continuous batching, NP parallel
+#       slots (default 32: every request of the shared shape at once, as radixserve
+#       runs them), a context of NP x 1152 tokens (each slot holds a prompt and its
+#       answer), prompt-cache reuse (--cache-reuse 256), THREADS threads.
+#   llama-cpp-python        llama-cpp-python's Python server (one request at a time;
+#       --cache true in RAM), in its own venv:
+#         python -m venv .venv-llamacpp
+#         CMAKE_ARGS="-DGGML_NATIVE=ON" .venv-llamacpp/bin/pip install "llama-cpp-python[server]"
+# Both live out of the package and out of CI.
 #
-#   bench/vs_llamacpp.sh
+#   bench/llama_server.sh && bench/vs_llamacpp.sh
+#   PEER=llama-cpp-python bench/vs_llamacpp.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
+PEER=${PEER:-llama-server}
 LPY=${LPY:-.venv-llamacpp/bin/python}
+LLAMA_SERVER=${LLAMA_SERVER:-.llama-server/build/bin/llama-server}
+NP=${NP:-32}
 PORT=${PORT:-8393}
 THREADS=${THREADS:-$(nproc)}
 GGUF=${GGUF:-bench/results/smollm2-bf16.gguf}
 OUT=${OUT:-bench/results/vs-llamacpp-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$(dirname "$OUT")"
-[[ -x "$LPY" ]] || { echo "no llama-cpp-python venv at .venv-llamacpp (see the top of this file)" >&2; exit 2; }
+case $PEER in
+  llama-server) [[ -x "$LLAMA_SERVER" ]] || { echo "no llama-server at $LLAMA_SERVER (bench/llama_server.sh builds it)" >&2; exit 2; } ;;
+  llama-cpp-python) [[ -x "$LPY" ]] || { echo "no llama-cpp-python venv at .venv-llamacpp (see the top of this file)" >&2; exit 2; } ;;
+  *) echo "PEER is llama-server or llama-cpp-python, not $PEER" >&2; exit 2 ;;
+esac
+echo "peer: $PEER"
 [[ -f "$GGUF" ]] || "$PY" bench/gguf_bf16.py "$GGUF"
 echo "uptime before: $(uptime)"
 grep -m1 'model name' /proc/cpuinfo || true
@@ -52,9 +67,15 @@ PID=""
 trap '[[ -n $PID ]] && kill $PID 2>/dev/null || true' EXIT
 # One fresh server per shape and side, so that no shape finds another's prefixes cached.
 for shape in single shared; do
-  "$LPY" -m llama_cpp.server --model "$GGUF" --model_alias smollm2 --n_ctx 8192 \
-    --n_threads "$THREADS" --n_threads_batch "$THREADS" --cache true --cache_size 4294967296 \
-    --interrupt_requests false --host 127.0.0.1 --port "$PORT" > "$OUT-llamacpp-server.log" 2>&1 &
+  if [[ $PEER == llama-server ]]; then
+    "$LLAMA_SERVER" -m "$GGUF" --alias smollm2 -c $((NP * 1152)) -np "$NP" --cont-batching \
+      --cache-reuse 256 -t "$THREADS" -tb "$THREADS" --host 127.0.0.1 --port "$PORT" \
+      > "$OUT-llamacpp-server.log" 2>&1 &
+  else
+    "$LPY" -m llama_cpp.server --model "$GGUF" --model_alias smollm2 --n_ctx 8192 \
+      --n_threads "$THREADS" --n_threads_batch "$THREADS" --cache true --cache_size 4294967296 \
+      --interrupt_requests false --host 127.0.0.1 --port "$PORT" > "$OUT-llamacpp-server.log" 2>&1 &
+  fi
   PID=$!
   wait_up $PID "$OUT-llamacpp-server.log"
   run_shape "$shape" llamacpp
@@ -69,15 +90,15 @@ for shape in single shared; do
   PID=""
 done
 
-"$PY" - "$OUT" <<'PYEOF'
+"$PY" - "$OUT" "$PEER" <<'PYEOF'
 import json, sys
 from radixserve.benchmark import report
-out = sys.argv[1]
+out, peer = sys.argv[1], sys.argv[2]
 rows = []
 for shape, title in (("single", "one request at a time"), ("shared", "all at once")):
     docs = [json.load(open(f"{out}-{shape}-{side}.json")) for side in ("llamacpp", "radixserve")]
     variants = [{**d["variants"][0], "label": label}
-                for d, label in zip(docs, ("llama.cpp server", "radixserve launch"))]
+                for d, label in zip(docs, (peer, "radixserve launch"))]
     print(report.table(f"shared-prefix, {title}", variants))
     l, r = (x["metrics"] for x in variants)
     rows.append((title, r["output_tok_s"] / l["output_tok_s"], r["ttft_mean_ms"] / l["ttft_mean_ms"],
