@@ -148,6 +148,19 @@ def measure_prefill(
     return best  # type: ignore[return-value]
 
 
+def parse_prefill(ap: argparse.ArgumentParser, shape: str) -> tuple[int, int]:
+    """``PROMPTSxTOKENS`` as (prompts, tokens): at least one prompt of at least two tokens
+    (a one-token prompt has no prefill step to time); anything else is the parser's
+    error."""
+    parts = shape.split("x")
+    if len(parts) == 2 and all(p.isdigit() for p in parts):
+        n, t = int(parts[0]), int(parts[1])
+        if n >= 1 and t >= 2:
+            return n, t
+    ap.error(f"--prefills: {shape!r} is not PROMPTSxTOKENS with PROMPTS >= 1 and TOKENS >= 2")
+    raise AssertionError  # ap.error exits
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,8,32")
@@ -166,6 +179,7 @@ def main() -> None:
                     help="prefill shapes PROMPTSxTOKENS, e.g. 1x2048,8x832: fresh prompts "
                          "prefilled at once, every prefill step against the bf16 peak")  # fmt: skip
     args = ap.parse_args()
+    prefills = [parse_prefill(ap, shape) for shape in filter(None, args.prefills.split(","))]
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -197,11 +211,10 @@ def main() -> None:
             steps.append((time.perf_counter() - t, contexts))
         return out
 
-    prefill_rows = []
-    for shape in filter(None, args.prefills.split(",")):
-        n_prompts, n_tokens = (int(x) for x in shape.split("x"))
-        prefill_rows.append((shape, measure_prefill(engine, runner, cost, src, n_prompts,
-                                                    n_tokens, args.rounds)))  # fmt: skip
+    prefill_rows = [
+        (f"{n}x{t}", measure_prefill(engine, runner, cost, src, n, t, args.rounds))
+        for n, t in prefills
+    ]
     runner.step = timed_step  # type: ignore[method-assign]
     rows = []
     for b in (int(x) for x in args.batches.split(",")):

@@ -39,6 +39,7 @@ case $PEER in
   llama-cpp-python) [[ -x "$LPY" ]] || { echo "no llama-cpp-python venv at .venv-llamacpp (see the top of this file)" >&2; exit 2; } ;;
   *) echo "PEER is llama-server or llama-cpp-python, not $PEER" >&2; exit 2 ;;
 esac
+[[ $NP =~ ^[1-9][0-9]*$ ]] || { echo "NP (llama-server's slots) must be a positive integer, not $NP" >&2; exit 2; }
 echo "peer: $PEER"
 [[ -f "$GGUF" ]] || "$PY" bench/gguf_bf16.py "$GGUF"
 echo "uptime before: $(uptime)"
