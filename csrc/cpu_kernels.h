@@ -210,7 +210,8 @@ enum class KVType { kFloat32, kFloat64, kBFloat16 };
 // How the pool stores K and V: values of the query's type (kNone), or one-byte codes
 // (int8, fp8 e4m3, fp8 e5m2) per element followed by a float16 scale per (token,
 // kv head) row: [pages, 2, page_size, kv_heads, head_dim + 2] bytes, value = code *
-// scale (radixserve/worker/kv_quant.py).
+// scale (radixserve/worker/kv_quant.py); in the fp8 formats a row of a negative scale
+// holds int8 codes, value = code * |scale| (a sequence's position 0, its sink row).
 enum class KVQuant { kNone, kInt8, kFp8E4M3, kFp8E5M2 };
 
 // q, out: [rows, heads, head_dim]; kv: [pages, 2, page_size, kv_heads, head_dim],

@@ -29,7 +29,8 @@
 // with queries of any of the three: each block of K or V rows is turned into the
 // compute type (code * scale) in the block's L1 buffer, as bfloat16 rows are, by
 // loops the compiler vectorizes at every instruction-set level (the fp8 formats
-// by bit moves and a select for their subnormals, no table). With a soft-cap (Gemma 2) each scaled score s
+// by bit moves and a select for their subnormals, no table); an fp8 row whose scale
+// is negative is a sink row of int8 codes (kv_quant.quantize_sink). With a soft-cap (Gemma 2) each scaled score s
 // becomes softcap * tanh(s / softcap) before the softmax. The pool layout is the KV pool's
 // [num_pages, 2, page_size, kv_heads, head_dim], K at index 0, V at 1.
 #include "cpu_kernels.h"
@@ -316,14 +317,24 @@ RS_ALWAYS_INLINE void load_block_q(const Q8<Kind>* kv, const int32_t* pages, int
       const uint8_t* codes = p + h * E;
       uint16_t sb;
       std::memcpy(&sb, codes + D, sizeof sb);
-      const A sc = static_cast<A>(half_to_float(sb));
+      // A negative scale in an fp8 pool: a sink row of int8 codes (kv_quant.quantize_sink).
+      const bool sink = Kind != 1 && (sb & 0x8000u);
+      const A sc = static_cast<A>(half_to_float(sb & 0x7fffu));
       A* dst = c + h * D;
 #if RS_X86
       if constexpr (std::is_same<V, v16>::value && std::is_same<A, float>::value) {
-        codes_to_float_avx512<Kind>(codes, sc, D, dst);
+        if (sink)
+          codes_to_float_avx512<1>(codes, sc, D, dst);
+        else
+          codes_to_float_avx512<Kind>(codes, sc, D, dst);
         continue;
       }
 #endif
+      if (sink) {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<A>(code_value(Q8<1>{codes[d]})) * sc;
+        continue;
+      }
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d)
         dst[d] = static_cast<A>(code_value(Q8<Kind>{codes[d]})) * sc;
@@ -878,7 +889,16 @@ RS_TARGET_AVX512BF16 void quant_rows_to_bf16(const Q8<Kind>* kv, const int32_t* 
           const uint8_t* codes = p + h * E;
           uint16_t sb;
           std::memcpy(&sb, codes + D, sizeof sb);
-          const float sc = half_to_float(sb);
+          const float sc = half_to_float(sb & 0x7fffu);
+          if (Kind != 1 && (sb & 0x8000u)) {  // a sink row: int8 codes (load_block_q)
+            const __m512 vs = _mm512_set1_ps(sc);
+            for (int64_t d = 0; d < D; d += 16) {
+              const __m512 v = _mm512_mul_ps(codes16_value<1>(codes + d), vs);
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                                  (__m256i)_mm512_cvtneps_pbh(v));
+            }
+            continue;
+          }
           const __m512 vsc = _mm512_set1_ps(sc * codes16_unit<Kind>());
           for (int64_t d = 0; d < D; d += 16) {
             const __m512 v = _mm512_mul_ps(codes16_value<Kind>(codes + d), vsc);

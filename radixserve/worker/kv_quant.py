@@ -33,6 +33,16 @@ keys of the fp8 formats with a scale per row take a searched scale rather than
 those that put one of the row's 4 largest magnitudes on one of the format's top codes.
 The fp8 pools' rotated key rows are quantized less a constant per layer and kv head
 (``attention/key_shift.py``), which ``quantize`` is handed already taken off.
+
+**Sink rows** (``sink_rows``: the fp8 formats in the ``row`` layout): each sequence's
+position 0, the attention sink that most heads weigh heavily, has its K and V rows
+stored as int8 codes and a float16 scale whose sign bit is set (``quantize_sink``; a
+row scale is otherwise always positive), read back as ``code * |scale|``. Its rounding
+error is the same for every later query's score of it, so it does not average out over
+positions as the other rows' does; int8's uniform grid has about a twelfth of e4m3's
+squared error on a rotated row. Every reader of the layout (``dequantize``, the native
+kernels) decodes a row by its scale's sign. The other layouts are read by FlashInfer,
+which has no such rows.
 """
 
 from __future__ import annotations
@@ -282,9 +292,31 @@ def _quantize_searched(x: torch.Tensor, quant: Quant) -> torch.Tensor:
     return _rows(codes, scale, quant).reshape(*x.shape[:-1], -1)
 
 
+def sink_rows(quant: Quant | None) -> bool:
+    """Whether a pool of ``quant`` stores each sequence's position 0 as int8 sink rows
+    (the fp8 formats in the ``row`` layout; the module's docstring)."""
+    return (
+        quant is not None
+        and quant.is_fp8
+        and not quant.per_tensor
+        and quant.scale_dtype == torch.float16
+    )
+
+
+def quantize_sink(x: torch.Tensor) -> torch.Tensor:
+    """x [..., head_dim] (any float dtype) -> uint8 [..., head_dim + 2]: a sink row of
+    the fp8 ``row`` layout, int8 codes ``round(x / scale)`` with ``scale = max|x| / 127``
+    rounded up to float16 (``quantize``'s int8 rows), its float16 scale's sign bit set."""
+    rows = quantize(x, QUANTS["int8"])
+    rows[..., -1] |= 0x80  # the float16's sign: its high byte's top bit (little-endian)
+    return rows
+
+
 def dequantize(entries: torch.Tensor, quant: Quant, dtype: torch.dtype) -> torch.Tensor:
     """uint8 [..., head_dim + 2] -> ``dtype`` [..., head_dim]: code * scale, computed in
-    float32 (float64 when ``dtype`` is), then rounded to ``dtype``."""
+    float32 (float64 when ``dtype`` is), then rounded to ``dtype``. A row of a negative
+    scale in the fp8 ``row`` layout is a sink row (``quantize_sink``): int8 codes,
+    times ``|scale|``."""
     if quant.per_tensor:  # fp8 codes (or their bytes), scale 1.0
         return entries.view(quant.code_dtype).to(dtype)
     ct = torch.float64 if dtype == torch.float64 else torch.float32
@@ -295,6 +327,9 @@ def dequantize(entries: torch.Tensor, quant: Quant, dtype: torch.dtype) -> torch
         d = entries.shape[-1] - SCALE_BYTES
         scale = entries[..., d:].contiguous().view(torch.float16).to(ct)
     codes = entries[..., :d].view(quant.code_dtype).to(ct)
+    if sink_rows(quant):  # no data-dependent branch: a CUDA graph may capture this
+        codes = torch.where(scale < 0, entries[..., :d].view(torch.int8).to(ct), codes)
+        scale = scale.abs()
     return (codes * scale).to(dtype)
 
 

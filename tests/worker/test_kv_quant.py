@@ -30,7 +30,9 @@ from radixserve.worker.kv_quant import (
     bytes_per_token,
     dequantize,
     quantize,
+    quantize_sink,
     resolve_kv_dtype,
+    sink_rows,
     token_head_views,
 )
 from tests.helpers.native import require_isa
@@ -210,10 +212,18 @@ def rotated(q, k, dtype):
 
 
 def stored_keys(kr, quant, dtype):
-    """Rotated keys as the pool holds them, read back as float64: fp8 rows with the
-    searched scale, int8 rows with max / qmax."""
-    return dequantize(quantize(kr.to(key_dtype(dtype)), quant, search_scale=True), quant,
-                      torch.float64)  # fmt: skip
+    """Rotated keys [positions from 0, ...] as the pool holds them, read back as float64:
+    fp8 rows with the searched scale (position 0 a sink row), int8 rows with max / qmax."""
+    return stored(kr.to(key_dtype(dtype)), quant, search_scale=True)
+
+
+def stored(x, quant, search_scale=False):
+    """Rows [positions from 0, ...] as the pool holds them, read back as float64: the
+    fp8 row layout's position 0 is a sink row (``quantize_sink``)."""
+    rows = quantize(x, quant, search_scale=search_scale)
+    if sink_rows(quant):
+        rows[0] = quantize_sink(x[0])
+    return dequantize(rows, quant, torch.float64)
 
 
 def check(checked, name, dtype):
@@ -224,10 +234,12 @@ def check(checked, name, dtype):
         if "kq" not in r:  # the keys as the pool holds them: quantized from the model's dtype
             _, kr = rotated(q, r["k"], dtype)
             r["kq"] = stored_keys(kr, quant, dtype)
-            r["vq"] = dequantize(quantize(r["v"].to(dtype), quant), quant, torch.float64)
+            r["vq"] = stored(r["v"].to(dtype), quant)
             # The searched fp8 scale may clamp a value: its bound is the error it made.
             r["dk"] = error_bound(kr, name) if name == "int8" else (r["kq"] - kr).abs()
             r["dv"], r["kr"] = error_bound(r["v"], name), kr
+            if sink_rows(quant):  # position 0: int8 codes
+                r["dv"][0] = error_bound(r["v"][:1], "int8")[0]
         kq, vq = r["kq"][:kv_len], r["vq"][:kv_len]
         qr, _ = rotated(q, r["k"][:1], dtype)
         ref = dense(qr, kq, vq, kv_len, HEAD_DIM**-0.5)
@@ -324,21 +336,24 @@ def test_native_quantizer_writes_the_same_bytes(name, isa):
 
 
 @pytest.mark.parametrize("isa", cpu_kernels.ISAS)
-@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "int8", "fp8_e4m3+sink", "fp8_e5m2+sink"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_kernel_reads_every_code_exactly(isa, name, dtype):
     """Every code a pool can hold (subnormals included; not the NaN/inf codes, which
     are never written) read back by the native kernel: one key per segment, so the
     output is that key's V row, code * scale, against torch's own conversion. bfloat16
     queries come 9 per kv head, so at avx512bf16 the rows are converted to bfloat16
-    for the vdpbf16ps / AMX tiles: code * scale rounded once, as ``dequantize`` does."""
+    for the vdpbf16ps / AMX tiles: code * scale rounded once, as ``dequantize`` does.
+    ``+sink``: the fp8 pool's rows are sink rows (a negative scale: int8 codes)."""
     require_isa(isa)
+    name, sink = name.removesuffix("+sink"), name.endswith("+sink")
     quant = QUANTS[name]
     codes = np.arange(256, dtype=np.uint8)
     d, rows, heads = 64, 4, 9 if dtype == torch.bfloat16 else 1
     kv = torch.zeros(rows, 2, 1, 1, d + 2, dtype=torch.uint8)
     kv[:, 1, 0, 0, :d] = torch.from_numpy(codes.reshape(rows, d))
-    kv[:, :, 0, 0, d:] = torch.tensor([0x66, 0x3C], dtype=torch.uint8)  # float16 1.0996
+    # float16 1.0996 (-1.0996: a sink row)
+    kv[:, :, 0, 0, d:] = torch.tensor([0x66, 0xBC if sink else 0x3C], dtype=torch.uint8)
     q = torch.zeros(rows, heads, d, dtype=dtype)
     out = torch.full_like(q, float("nan"))
     i32 = np.int32
@@ -350,6 +365,9 @@ def test_native_kernel_reads_every_code_exactly(isa, name, dtype):
         chunk=64, isa=isa, kv_quant=name, amx=cpu_kernels.AMX,
     )  # fmt: skip
     want = dequantize(kv[:, 1, 0, 0], quant, dtype).reshape(-1)
+    if sink:  # every int8 code, times |scale|
+        ints = torch.from_numpy(codes.view(np.int8).astype(np.float32))
+        assert torch.equal(want, (ints * float(torch.tensor(1.0996).half())).to(dtype))
     finite = torch.isfinite(want)
     assert int(finite.sum()) >= 240
     for h in range(heads):
@@ -479,3 +497,61 @@ def test_torch_path_reads_the_token_head_layout(page_size):
         ref = dense(qr, kq, vq, kv_len, HEAD_DIM**-0.5)
         err = (out.double() - ref).abs().max().item()
         assert err <= TOLERANCE[dtype] * max(1.0, ref.abs().max().item()), err
+
+
+# ------------------------------------------------------------ the fp8 pools' sink rows
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_sink_rows_are_int8_codes_of_a_negative_scale(name):
+    """``quantize_sink``: int8 codes and a float16 scale with its sign set, read back
+    by ``dequantize`` within half an int8 step; other rows of the same tensor read as
+    fp8. Only the fp8 row layout has them."""
+    quant = QUANTS[name]
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 3, 64, generator=gen, dtype=torch.float64) * 3
+    rows = quantize(x, quant)
+    rows[0] = quantize_sink(x[0])
+    scale = stored_scale(rows)
+    assert torch.all(scale[0] < 0) and torch.all(scale[1:] > 0)
+    back = dequantize(rows, quant, torch.float64)
+    assert torch.all((back[0] - x[0]).abs() <= error_bound(x[0], "int8") + 1e-12)
+    assert torch.equal(back[1:], dequantize(quantize(x[1:], quant), quant, torch.float64))
+    assert torch.equal(
+        rows[0, ..., :64].view(torch.int8),
+        quantize(x[0], QUANTS["int8"])[..., :64].view(torch.int8),
+    )
+    assert sink_rows(quant) and not sink_rows(QUANTS["int8"])
+    assert not sink_rows(TOKEN_HEAD_QUANTS[name]) and not sink_rows(TENSOR_QUANTS[name])
+
+
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+def test_position_zero_is_written_as_sink_rows(kernel):
+    """An fp8 row pool: a prompt's position 0 (K and V, every kv head) is a sink row,
+    every later position an fp8 row; the one-call decode plan is refused for a step
+    that writes a position 0 (its native writes have no sink rows)."""
+    if kernel == "native":
+        require_isa(cpu_kernels.ISA)
+    pool = KVPool(1, 16, 4, 2, HEAD_DIM, torch.float32, kv_dtype="fp8_e4m3")
+    backend = create_backend("torch", pool, 0.25, (-1,), 4, decode_kernel=kernel)
+    gen = torch.Generator().manual_seed(0)
+    pages = np.array([5, 2], np.int32)
+    for start, n in ((0, 6), (6, 1)):
+        batch = AttentionBatch(np.array([0, n], np.int32), np.array([start + n], np.int32),
+                               np.array([0, 2], np.int32), pages)  # fmt: skip
+        backend.begin_batch(batch)
+        assert (backend._sink is not None) == (start == 0)
+        if start == 0:
+            assert backend.native_step_plan() is None
+        q = torch.randn(n, 4, HEAD_DIM, generator=gen)
+        k, v = (
+            torch.randn(n, 2, HEAD_DIM, generator=gen),
+            torch.randn(n, 2, HEAD_DIM, generator=gen),
+        )
+        backend.forward(0, q, k, v)
+    layer = pool.layers[0]  # [pages, 2, page_size, kv_heads, entry]
+    scales = layer[..., -2:].contiguous().view(torch.float16).squeeze(-1)
+    first = scales[5, :, 0]  # position 0: K and V rows of both kv heads
+    assert torch.all(first < 0)
+    later = torch.cat([scales[5, :, 1:].reshape(-1), scales[2, :, :3].reshape(-1)])
+    assert torch.all(later > 0)

@@ -27,7 +27,8 @@ attends in the model's dtype over the values the pool holds. The native kernel
 dequantizes quantized pages itself, where it reads them. A quantized pool stores its
 keys rotated (``rotation.py``): ``forward`` rotates q and k first, so every path reads
 and writes the rotated basis alone; fp8 key rows take the searched scale, after the
-layer's key shift (``key_shift.py``) is taken off them.
+layer's key shift (``key_shift.py``) is taken off them. In the fp8 ``row`` layout a
+sequence's position 0 is written as sink rows (``kv_quant.quantize_sink``).
 
 With a soft-cap (Gemma 2) SDPA cannot be used (it has no hook between the scores
 and the softmax): the same calls go through ``capped_attention``, which
@@ -51,7 +52,7 @@ from radixserve.worker.attention.native_decode import Segments
 from radixserve.worker.attention.shared_prefix import SharedPrefixes
 from radixserve.worker.config import DECODE_KERNELS  # what decode_kernel takes
 from radixserve.worker.kv_pool import KVPool
-from radixserve.worker.kv_quant import dequantize, quantize
+from radixserve.worker.kv_quant import dequantize, quantize, quantize_sink, sink_rows
 
 
 @dataclass
@@ -221,6 +222,8 @@ class TorchAttention(PoolBackend):
         #: one attention plan for all rows (``native_step_plan``).
         self.native_layers: Callable[[int], bool] | None = None
         self._flash = self.shared_prefix_flash
+        #: This step's token indices at a sequence's position 0, or None (``begin_batch``).
+        self._sink: torch.Tensor | None = None
         #: Whether prefill chunks that go to SDPA take our prefix kernel instead
         #: (``cpu_kernels.prefix_attention``, with a causal limit per query vector; the
         #: pool's pages read in place): bfloat16 pools of head_dim a multiple of 32 where
@@ -301,6 +304,12 @@ class TorchAttention(PoolBackend):
             )  # fmt: skip
         rows = np.concatenate(write_rows) if write_rows else np.zeros(0, np.int64)
         self._write = torch.from_numpy(rows).to(device)
+        # The step's tokens at a sequence's position 0: sink rows in an fp8 row pool.
+        self._sink = None
+        if sink_rows(pool.quant):
+            first = np.flatnonzero(kv_lens == qo_lens)
+            if len(first):
+                self._sink = torch.from_numpy(batch.qo_indptr[first].astype(np.int64)).to(device)
         self._write_rows = rows
         self._chunks = self._plan_chunks(int(batch.qo_indptr[-1]))
         self._decodes, self._native, self._shared, self._lse = [], None, None, None
@@ -327,6 +336,7 @@ class TorchAttention(PoolBackend):
         if (
             seg is None
             or cast
+            or self._sink is not None  # the native writes have no sink rows
             or self._shared is not None
             or self._decodes
             or self._prefills
@@ -532,8 +542,12 @@ class TorchAttention(PoolBackend):
         window = self.sliding_windows[layer]
         tokens = pool.view(-1, h * e)
         keys = self._encode(k, search_scale=self.rotation is not None)
+        values = self._encode(v)
+        if self._sink is not None:
+            keys[self._sink] = quantize_sink(k[self._sink])
+            values[self._sink] = quantize_sink(v[self._sink])
         tokens.index_copy_(0, self._write, keys.reshape(-1, h * e))
-        tokens.index_copy_(0, self._write + s, self._encode(v).reshape(-1, h * e))
+        tokens.index_copy_(0, self._write + s, values.reshape(-1, h * e))
         pages = pool.view(-1, s * h * e)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self._native is not None:
