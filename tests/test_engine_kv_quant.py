@@ -4,7 +4,8 @@ the same quantized K/V.
 The oracle is HF's float64 model with one change: its attention function rounds every
 key and value row through ``kv_quant.quantize`` / ``dequantize`` before attending
 (``quantized_hf``), as the pool does when it stores them (keys rotated first and rotated
-back after, ``attention/rotation.py``). Greedy tokens must
+back after, ``attention/rotation.py``; an fp8 pool's position 0 as a sink row,
+``kv_quant.quantize_sink``). Greedy tokens must
 equal that oracle's, with the cache on and off, page sizes 1 and 16, chunked prefill,
 and under KV pressure (eviction, retraction).
 """
@@ -17,7 +18,7 @@ import torch
 
 from radixserve import Engine, SamplingParams
 from radixserve.worker.attention.rotation import hadamard
-from radixserve.worker.kv_quant import QUANTS, dequantize, quantize
+from radixserve.worker.kv_quant import QUANTS, dequantize, quantize, quantize_sink, sink_rows
 from tests.helpers.tiny_models import hf_greedy, load_hf_float64, make_tiny_model
 
 MAX_NEW = 12
@@ -57,8 +58,14 @@ def quantized_hf(folder, name, shift=None):
         stored = key @ rot
         if shift is not None:
             stored = stored - shift[module.layer_idx][None, :, None, :]
-        key = dequantize(quantize(stored, quant, search_scale=True), quant, key.dtype) @ rot.T
-        value = dequantize(quantize(value, quant), quant, value.dtype)
+        keys, values = quantize(stored, quant, search_scale=True), quantize(value, quant)
+        if sink_rows(quant):  # position 0 (hf_greedy recomputes every token): int8 sink rows
+            keys[:, :, 0], values[:, :, 0] = (
+                quantize_sink(stored[:, :, 0]),
+                quantize_sink(value[:, :, 0]),
+            )
+        key = dequantize(keys, quant, key.dtype) @ rot.T
+        value = dequantize(values, quant, value.dtype)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(f"rs_kv_{name}", attention)
