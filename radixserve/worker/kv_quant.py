@@ -327,7 +327,7 @@ def dequantize(entries: torch.Tensor, quant: Quant, dtype: torch.dtype) -> torch
         d = entries.shape[-1] - SCALE_BYTES
         scale = entries[..., d:].contiguous().view(torch.float16).to(ct)
     codes = entries[..., :d].view(quant.code_dtype).to(ct)
-    if sink_rows(quant):  # no data-dependent branch: a CUDA graph may capture this
+    if sink_rows(quant):  # a select, not a branch on the data: no host sync on a GPU
         codes = torch.where(scale < 0, entries[..., :d].view(torch.int8).to(ct), codes)
         scale = scale.abs()
     return (codes * scale).to(dtype)
