@@ -482,18 +482,37 @@ void silu_mul_rows_py(const py::array& gate_up, py::array& out, int num_threads,
 
 // x float32 [n, d] -> uint8 [n, d + 2]: each row quantized as the one-call decode
 // layers write K/V rows into a quantized pool (quantize_kv_row).
+// gptq (searched fp8 rows only): float32 [heads, d, d], row i GPTQ-rounded with factor
+// i % heads (rows are (token, kv head) in that order).
 py::array_t<uint8_t> quantize_kv_rows(const py::array_t<float, py::array::c_style>& x,
                                       const std::string& kv_quant, const std::string& isa_name,
-                                      bool searched, int num_threads) {
+                                      bool searched, int num_threads, const py::object& gptq) {
   const Isa isa = parse_isa(isa_name, "quantize_kv_rows");
   const radixserve::KVQuant quant = parse_quant(kv_quant);
   if (quant == radixserve::KVQuant::kNone || x.ndim() != 2)
     throw std::invalid_argument("quantize_kv_rows: x must be [rows, d] and kv_quant a format");
   const int64_t n = x.shape(0), d = x.shape(1);
+  const float* factors = nullptr;
+  int64_t heads = 1;
+  py::array_t<float, py::array::c_style> held;
+  if (!gptq.is_none()) {
+    held = gptq.cast<py::array_t<float, py::array::c_style>>();
+    if (!searched || quant == radixserve::KVQuant::kInt8 || held.ndim() != 3 ||
+        held.shape(1) != d || held.shape(2) != d || held.shape(0) < 1 || n % held.shape(0))
+      throw std::invalid_argument(
+          "quantize_kv_rows: gptq must be float32 [heads, d, d] with rows a multiple of heads, "
+          "for searched fp8 rows");
+    factors = held.data();
+    heads = held.shape(0);
+  }
   py::array_t<uint8_t> out({n, d + 2});
   const float* src = x.data();
   uint8_t* dst = out.mutable_data();
   py::gil_scoped_release nogil;
+  if (factors != nullptr) {
+    radixserve::quantize_kv_rows_gptq(src, n, d, heads, quant, factors, dst, isa, num_threads);
+    return out;
+  }
   radixserve::split_items(n, num_threads, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
       radixserve::quantize_kv_row(src + i * d, d, quant, dst + i * (d + 2), isa, searched);
@@ -522,7 +541,7 @@ class DecodeLayersPy {
                  const py::list& gate_up, const py::list& down, const py::list& kv,
                  int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
                  bool unit_offset, const std::string& kv_quant, bool rotated,
-                 const py::object& key_shift) {
+                 const py::object& key_shift, const py::object& key_gptq) {
     p_.quant = parse_quant(kv_quant);
     const bool quantized = p_.quant != radixserve::KVQuant::kNone;
     check(!rotated || quantized, "rotated keys are a quantized pool's");
@@ -594,6 +613,18 @@ class DecodeLayersPy {
             "key_shift must be float32 [layers, kv_heads, head_dim], C-contiguous");
       held_.push_back(m);
       p_.key_shift = static_cast<const float*>(m.data());
+    }
+    // KVPool.key_gptq: float32 [layers, kv_heads, head_dim, head_dim], fp8 pools only.
+    p_.key_gptq = nullptr;
+    if (!key_gptq.is_none()) {
+      check(rotated && p_.quant != radixserve::KVQuant::kInt8, "GPTQ keys are a rotated fp8 pool's");
+      const py::array u = key_gptq.cast<py::array>();
+      check(u.dtype().is(py::dtype::of<float>()) && (u.flags() & py::array::c_style) &&
+                u.ndim() == 4 && u.shape(0) == static_cast<py::ssize_t>(n) &&
+                u.shape(1) == kv_heads && u.shape(2) == head_dim && u.shape(3) == head_dim,
+            "key_gptq must be float32 [layers, kv_heads, head_dim, head_dim], C-contiguous");
+      held_.push_back(u);
+      p_.key_gptq = static_cast<const float*>(u.data());
     }
   }
 
@@ -938,9 +969,11 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         "in each row; float32, or bfloat16 as int16), silu_mul's values.");
   m.def("quantize_kv_rows", &quantize_kv_rows, py::arg("x"), py::arg("kv_quant"),
         py::arg("isa") = "auto", py::arg("searched") = false, py::arg("num_threads") = 1,
+        py::arg("gptq") = py::none(),
         "float32 [rows, d] -> uint8 [rows, d + 2]: codes and float16 scale per row, as the "
         "one-call decode layers write a quantized pool (radixserve/worker/kv_quant.py); "
-        "searched: fp8 rows take the scale of least squared error (a rotated pool's keys).");
+        "searched: fp8 rows take the scale of least squared error (a rotated pool's keys); "
+        "gptq: float32 [heads, d, d] factors, row i's codes GPTQ-rounded with i % heads'.");
   m.def("hadamard_rows", &hadamard_rows, py::arg("x"),
         "float32 [rows, d] -> each row times the normalized Hadamard matrix "
         "(radixserve/worker/attention/rotation.py), in float32.");
@@ -995,12 +1028,13 @@ PYBIND11_MODULE(_cpu_kernels, m) {
                              "(csrc/decode_layers.cpp).")
       .def(py::init<const py::list&, const py::list&, const py::list&, const py::list&,
                     const py::list&, const py::list&, const py::list&, int64_t, int64_t,
-                    int64_t, double, bool, const std::string&, bool, const py::object&>(),
+                    int64_t, double, bool, const std::string&, bool, const py::object&,
+                    const py::object&>(),
            py::arg("ln1"), py::arg("qkv"), py::arg("o"), py::arg("ln2"), py::arg("gate_up"),
            py::arg("down"), py::arg("kv"), py::arg("heads"), py::arg("kv_heads"),
            py::arg("head_dim"), py::arg("eps"), py::arg("unit_offset"),
            py::arg("kv_quant") = "none", py::arg("rotated") = false,
-           py::arg("key_shift") = py::none())
+           py::arg("key_shift") = py::none(), py::arg("key_gptq") = py::none())
       .def("run", &DecodeLayersPy::run, py::arg("residual"), py::arg("x"), py::arg("cos"),
            py::arg("sin"), py::arg("write_rows"), py::arg("row_indptr"), py::arg("rows"),
            py::arg("page_indptr"), py::arg("pages"), py::arg("kv_begin"), py::arg("kv_end"),

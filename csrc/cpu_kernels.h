@@ -424,6 +424,10 @@ struct DecodeLayers {
   // [layers][kv_heads][head_dim] float32, subtracted from each rotated key row
   // before it is quantized; null for none.
   const float* key_shift;
+  // Where the pool's fp8 keys are GPTQ-rounded (KVPool.key_gptq, attention/key_shift.py):
+  // [layers][kv_heads][head_dim][head_dim] float32, each (layer, kv head)'s upper
+  // triangular factor (quantize_kv_row's gptq); null for none.
+  const float* key_gptq = nullptr;
 };
 void decode_layers(const DecodeLayers& p, Isa isa, int num_threads);
 
@@ -439,9 +443,17 @@ void silu_mul_rows(const void* gu, void* out, int64_t rows, int64_t inter, bool 
 // One (token, kv head) row of d values quantized as kv_quant.quantize does: d codes,
 // then the float16 scale (max|x| / qmax rounded up), into dst (d + 2 bytes).
 // `searched` (the keys of a rotated pool; fp8 formats only, int8 ignores it): the
-// scale of least squared error instead (kv_quant.quantize's search_scale).
+// scale of least squared error instead (kv_quant.quantize's search_scale); with
+// `gptq` (d x d float32, upper triangular; searched fp8 rows only) the codes under that
+// scale GPTQ-rounded (kv_quant.quantize's gptq).
 void quantize_kv_row(const float* x, int64_t d, KVQuant quant, uint8_t* dst, Isa isa,
-                     bool searched = false);
+                     bool searched = false, const float* gptq = nullptr);
+// n rows x [tokens][heads][d] (fp8 formats), searched and GPTQ-rounded with gptq
+// [heads][d][d], into dst [n][d + 2]: quantize_kv_row's bytes for each, at avx512 and up
+// 16 rows of a kv head at a time (their rounding chains side by side), split between
+// the threads.
+void quantize_kv_rows_gptq(const float* x, int64_t n, int64_t d, int64_t heads, KVQuant quant,
+                           const float* gptq, uint8_t* dst, Isa isa, int num_threads);
 // x's d values rotated in place: x R for R the normalized Hadamard matrix of
 // attention/rotation.py (Sylvester's, block-diagonal over the largest power of 2
 // dividing d), by butterflies in float32, then the 1 / sqrt(block) factor.

@@ -263,7 +263,10 @@ void run(const DecodeLayers& p, Isa isa, int num_threads) {
             const float* m = p.key_shift + (l * p.kv_heads + hh) * dh;
             for (int64_t d = 0; d < dh; ++d) x[static_cast<size_t>(d)] -= m[d];
           }
-          radixserve::quantize_kv_row(x.data(), dh, p.quant, dst, isa, key);
+          const float* gptq = key && p.key_gptq != nullptr
+                                  ? p.key_gptq + (l * p.kv_heads + hh) * dh * dh
+                                  : nullptr;  // the layer and head's factor
+          radixserve::quantize_kv_row(x.data(), dh, p.quant, dst, isa, key, gptq);
         }
       });
       if (p.rotated) {
@@ -441,7 +444,59 @@ void write_row(const float* x, int64_t d, KVQuant quant, uint32_t h, uint8_t* ds
   std::memcpy(dst + d, &hb, sizeof hb);
 }
 
-void quantize_row_searched_scalar(const float* x, int64_t d, KVQuant quant, uint8_t* dst) {
+// write_row with GPTQ rounding (kv_quant.quantize's gptq): the codes one value at a
+// time, in order, each value's rounding error e_i = (w_i - code_i * scale) / U_ii
+// carried into the later ones, w_j -= e_i * U_ij (U: the row's upper triangular factor,
+// d x d float32), each product and difference rounded to float32 on its own (never
+// fused: not inlined into the avx512 callers, this function has no FMA). Values beyond
+// qmax * scale clamp to qmax.
+#if RS_X86
+// w[j] -= e * u[j] for j in [0, n), 16 at a time: the product rounded on its own, as
+// in the scalar loop (the empty asm keeps the compiler from fusing it into the
+// subtraction).
+RS_TARGET_AVX512 void gptq_update_avx512(float* w, const float* u, float e, int64_t n) {
+  const __m512 ev = _mm512_set1_ps(e);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1);
+    __m512 t = _mm512_mul_ps(ev, _mm512_maskz_loadu_ps(m, u + j));
+    __asm__("" : "+v"(t));
+    _mm512_mask_storeu_ps(w + j, m, _mm512_sub_ps(_mm512_maskz_loadu_ps(m, w + j), t));
+  }
+}
+#endif
+
+__attribute__((noinline)) void write_row_gptq(const float* x, int64_t d, KVQuant quant, uint32_t h,
+                                              const float* U, uint8_t* dst, Isa isa) {
+  const float qmax = quant_max(quant), scale = half_bits_to_float(h);
+  std::vector<float> w(x, x + d);
+  (void)isa;
+  for (int64_t i = 0; i < d; ++i) {
+    const float y = w[static_cast<size_t>(i)] / scale;
+    const float a = std::min(std::fabs(y), qmax);
+    const bool e4m3 = quant == KVQuant::kFp8E4M3;
+    const uint32_t mag = e4m3 ? round_to_minifloat<3, 7>(a) : round_to_minifloat<2, 15>(a);
+    dst[i] = static_cast<uint8_t>(mag | (std::signbit(y) ? 0x80u : 0u));
+    const float q = e4m3 ? fp8_rounded<3, 7>(a) : fp8_rounded<2, 15>(a);
+    const float deq = (std::signbit(y) ? -q : q) * scale;
+    const float diff = w[static_cast<size_t>(i)] - deq;
+    const float e = diff / U[i * d + i];
+#if RS_X86
+    if (isa >= Isa::kAvx512) {
+      gptq_update_avx512(w.data() + i + 1, U + i * d + i + 1, e, d - i - 1);
+      continue;
+    }
+#endif
+    for (int64_t j = i + 1; j < d; ++j) {
+      const float t = e * U[i * d + j];
+      w[static_cast<size_t>(j)] = w[static_cast<size_t>(j)] - t;
+    }
+  }
+  const uint16_t hb = static_cast<uint16_t>(h);
+  std::memcpy(dst + d, &hb, sizeof hb);
+}
+
+void quantize_row_searched_scalar(const float* x, int64_t d, KVQuant quant, uint8_t* dst,
+                                  const float* U, Isa isa = Isa::kBaseline) {
   const float qmax = quant_max(quant);
   uint32_t cands[kSearchTop * 9];
   const int n = search_candidates(x, d, quant, cands);
@@ -462,6 +517,7 @@ void quantize_row_searched_scalar(const float* x, int64_t d, KVQuant quant, uint
       best = cands[c];
     }
   }
+  if (U != nullptr) return write_row_gptq(x, d, quant, best, U, dst, isa);
   write_row(x, d, quant, best, dst);
 }
 
@@ -550,8 +606,7 @@ RS_TARGET_AVX512 RS_ALWAYS_INLINE __m512 fp8_rounded16(__m512 a) {
 // quantize_row_searched_scalar's bytes (the same squares summed in the same order),
 // 16 values at a time.
 template <int M, int B>
-RS_TARGET_AVX512 void quantize_row_searched_avx512(const float* x, int64_t d, KVQuant quant,
-                                                   uint8_t* dst) {
+RS_TARGET_AVX512 uint32_t searched_scale_avx512(const float* x, int64_t d, KVQuant quant) {
   const __m512 vq = _mm512_set1_ps(quant_max(quant));
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   const __m512 sign_mask = _mm512_castsi512_ps(_mm512_set1_epi32(INT32_MIN));
@@ -582,20 +637,97 @@ RS_TARGET_AVX512 void quantize_row_searched_avx512(const float* x, int64_t d, KV
       best = cands[c];
     }
   }
+  return best;
+}
+
+template <int M, int B>
+RS_TARGET_AVX512 void quantize_row_searched_avx512(const float* x, int64_t d, KVQuant quant,
+                                                   uint8_t* dst, const float* U) {
+  const uint32_t best = searched_scale_avx512<M, B>(x, d, quant);
+  if (U != nullptr) return write_row_gptq(x, d, quant, best, U, dst, Isa::kAvx512);
   write_row(x, d, quant, best, dst);
+}
+
+// write_row_gptq for n <= 16 rows of one factor U at once, a row a lane (the rows'
+// values [d][16] in w): the same operations on each value in the same order, so the
+// same bytes, with 16 rows' dependency chains side by side. xs[r]: row r's d values,
+// hs[r] its scale bits, dsts[r] its d + 2 bytes.
+template <int M, int B>
+RS_TARGET_AVX512 void write_rows_gptq16(const float* const* xs, int n, int64_t d, KVQuant quant,
+                                        const uint32_t* hs, const float* U,
+                                        uint8_t* const* dsts) {
+  static thread_local std::vector<float> w, ys;
+  w.assign(static_cast<size_t>(d * 16), 0.0f);
+  ys.resize(static_cast<size_t>(d * 16));
+  alignas(64) float sc[16];
+  for (int r = 0; r < 16; ++r) sc[r] = r < n ? half_bits_to_float(hs[r]) : 1.0f;
+  for (int r = 0; r < n; ++r)
+    for (int64_t i = 0; i < d; ++i) w[static_cast<size_t>(i * 16 + r)] = xs[r][i];
+  const __m512 scale = _mm512_load_ps(sc), vq = _mm512_set1_ps(quant_max(quant));
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  const __m512 sign_mask = _mm512_castsi512_ps(_mm512_set1_epi32(INT32_MIN));
+  float* wp = w.data();
+  for (int64_t i = 0; i < d; ++i) {
+    const __m512 wi = _mm512_loadu_ps(wp + i * 16);
+    const __m512 y = _mm512_div_ps(wi, scale);
+    _mm512_storeu_ps(ys.data() + i * 16, y);
+    const __m512 a = _mm512_min_ps(_mm512_and_ps(y, abs_mask), vq);
+    const __m512 q = _mm512_or_ps(fp8_rounded16<M, B>(a), _mm512_and_ps(y, sign_mask));
+    __m512 deq = _mm512_mul_ps(q, scale);
+    __asm__("" : "+v"(deq));
+    const __m512 e = _mm512_div_ps(_mm512_sub_ps(wi, deq), _mm512_set1_ps(U[i * d + i]));
+    for (int64_t j = i + 1; j < d; ++j) {
+      __m512 t = _mm512_mul_ps(e, _mm512_set1_ps(U[i * d + j]));
+      __asm__("" : "+v"(t));
+      _mm512_storeu_ps(wp + j * 16, _mm512_sub_ps(_mm512_loadu_ps(wp + j * 16), t));
+    }
+  }
+  const float qmax = quant_max(quant);
+  for (int r = 0; r < n; ++r) {
+    for (int64_t i = 0; i < d; ++i) {
+      const float y = ys[static_cast<size_t>(i * 16 + r)];
+      const float a = std::min(std::fabs(y), qmax);
+      const uint32_t mag = M == 3 ? round_to_minifloat<3, 7>(a) : round_to_minifloat<2, 15>(a);
+      dsts[r][i] = static_cast<uint8_t>(mag | (std::signbit(y) ? 0x80u : 0u));
+    }
+    const uint16_t hb = static_cast<uint16_t>(hs[r]);
+    std::memcpy(dsts[r] + d, &hb, sizeof hb);
+  }
+}
+
+// Rows [t0, t1) x kv head h of x [tokens][heads][d] searched and GPTQ-rounded with U,
+// 16 tokens at a time.
+template <int M, int B>
+RS_TARGET_AVX512 void gptq_rows_avx512(const float* x, int64_t heads, int64_t h, int64_t t0,
+                                       int64_t t1, int64_t d, KVQuant quant, const float* U,
+                                       uint8_t* dst) {
+  for (int64_t t = t0; t < t1; t += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, t1 - t));
+    const float* xs[16];
+    uint8_t* dsts[16];
+    uint32_t hs[16];
+    for (int r = 0; r < n; ++r) {
+      const int64_t row = (t + r) * heads + h;
+      xs[r] = x + row * d;
+      dsts[r] = dst + row * (d + 2);
+      hs[r] = searched_scale_avx512<M, B>(xs[r], d, quant);
+    }
+    write_rows_gptq16<M, B>(xs, n, d, quant, hs, U, dsts);
+  }
 }
 #endif
 
 // One searched row (quantize_kv_row with searched), at the CPU's level.
-void quantize_row_searched(const float* x, int64_t d, KVQuant quant, uint8_t* dst, Isa isa) {
+void quantize_row_searched(const float* x, int64_t d, KVQuant quant, uint8_t* dst, Isa isa,
+                           const float* U) {
 #if RS_X86
   if (isa >= Isa::kAvx512) {
-    if (quant == KVQuant::kFp8E4M3) return quantize_row_searched_avx512<3, 7>(x, d, quant, dst);
-    return quantize_row_searched_avx512<2, 15>(x, d, quant, dst);
+    if (quant == KVQuant::kFp8E4M3)
+      return quantize_row_searched_avx512<3, 7>(x, d, quant, dst, U);
+    return quantize_row_searched_avx512<2, 15>(x, d, quant, dst, U);
   }
 #endif
-  (void)isa;
-  quantize_row_searched_scalar(x, d, quant, dst);
+  quantize_row_searched_scalar(x, d, quant, dst, U, isa);
 }
 
 }  // namespace
@@ -622,9 +754,36 @@ void silu_mul_rows(const void* gu, void* out, int64_t rows, int64_t inter, bool 
   }
 }
 
+void quantize_kv_rows_gptq(const float* x, int64_t n, int64_t d, int64_t heads, KVQuant quant,
+                           const float* gptq, uint8_t* dst, Isa isa, int num_threads) {
+  const int64_t tokens = n / heads, blocks = (tokens + 15) / 16;
+  // Items: (kv head, 16 tokens); each a contiguous range of one head's rows.
+  split_items(heads * blocks, num_threads, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / blocks, t0 = item % blocks * 16;
+      const int64_t t1 = std::min(tokens, t0 + 16);
+      const float* u = gptq + h * d * d;
+#if RS_X86
+      if (isa >= Isa::kAvx512) {
+        if (quant == KVQuant::kFp8E4M3)
+          gptq_rows_avx512<3, 7>(x, heads, h, t0, t1, d, quant, u, dst);
+        else
+          gptq_rows_avx512<2, 15>(x, heads, h, t0, t1, d, quant, u, dst);
+        continue;
+      }
+#endif
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t row = t * heads + h;
+        quantize_row_searched(x + row * d, d, quant, dst + row * (d + 2), isa, u);
+      }
+    }
+  });
+}
+
 void quantize_kv_row(const float* x, int64_t d, KVQuant quant, uint8_t* dst, Isa isa,
-                     bool searched) {
-  if (searched && quant != KVQuant::kInt8) return quantize_row_searched(x, d, quant, dst, isa);
+                     bool searched, const float* gptq) {
+  if (searched && quant != KVQuant::kInt8)
+    return quantize_row_searched(x, d, quant, dst, isa, gptq);
 #if RS_X86
   if (isa >= Isa::kAvx512) return quantize_row_avx512(x, d, quant, dst);
 #endif

@@ -41,9 +41,10 @@ def prompts():
     ]
 
 
-def quantized_hf(folder, name, shift=None):
+def quantized_hf(folder, name, shift=None, gptq=None):
     """HF's float64 model whose attention sees K and V as a ``name`` pool holds them;
-    ``shift``: the pool's key shift (``KVPool.key_shift``, fp8 pools) or None."""
+    ``shift``: the pool's key shift (``KVPool.key_shift``, fp8 pools) or None; ``gptq``:
+    its keys' GPTQ factors (``KVPool.key_gptq``) or None."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -58,7 +59,10 @@ def quantized_hf(folder, name, shift=None):
         stored = key @ rot
         if shift is not None:
             stored = stored - shift[module.layer_idx][None, :, None, :]
-        keys, values = quantize(stored, quant, search_scale=True), quantize(value, quant)
+        u = None if gptq is None else gptq[module.layer_idx]
+        # quantize takes rows [..., kv_heads, head_dim]: tokens before heads
+        keys = quantize(stored.transpose(1, 2), quant, search_scale=True, gptq=u).transpose(1, 2)
+        values = quantize(value, quant)
         if sink_rows(quant):  # position 0 (hf_greedy recomputes every token): int8 sink rows
             keys[:, :, 0], values[:, :, 0] = (
                 quantize_sink(stored[:, :, 0]),
@@ -78,9 +82,10 @@ def quantized_hf(folder, name, shift=None):
 def test_greedy_equals_hf_on_quantized_kv(tiny_dir, prompts, name):
     probe = Engine(str(tiny_dir), dtype="float64", num_pages=64, kv_cache_dtype=name, warmup=False)
     shift = probe.runner.pool.key_shift  # calibrated at start: the same on every build
+    gptq = probe.runner.pool.key_gptq
     probe.close()
-    assert (shift is not None) == (name == "fp8_e4m3")
-    hf = quantized_hf(tiny_dir, name, shift)
+    assert (shift is not None) == (name == "fp8_e4m3") == (gptq is not None)
+    hf = quantized_hf(tiny_dir, name, shift, gptq)
     expected = [hf_greedy(hf, p, MAX_NEW)[0] for p in prompts]
     plain = load_hf_float64(tiny_dir)
     # The rounding matters: on this model the plain oracle differs somewhere.

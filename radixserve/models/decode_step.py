@@ -18,8 +18,8 @@ uses one by one, when the step allows it:
   over a pool of the model's dtype or a quantized one (``worker/kv_quant.py``: the
   call writes K/V rows as ``kv_quant.quantize`` does, bit for bit; a pool of rotated
   keys, ``attention/rotation.py``, has its keys and queries rotated there as the
-  backend's forward rotates them, and an fp8 pool's keys shifted alike,
-  ``attention/key_shift.py``).
+  backend's forward rotates them, and an fp8 pool's keys shifted and GPTQ-rounded
+  alike, ``attention/key_shift.py``).
 
 Otherwise it returns None and the caller runs the layers in Python. The results
 are the torch path's bits except SiLU's exp (the kernel's own, about 2 ulp,
@@ -77,11 +77,12 @@ class _Native:
         kv_quant: str = "none",
         rotated: bool = False,
         key_shift: torch.Tensor | None = None,
+        key_gptq: torch.Tensor | None = None,
     ) -> None:
         view = cpu_kernels._array
         layers = model.layers
         first = layers[0]
-        self.key = _key(pool_layers, rotated, key_shift)
+        self.key = _key(pool_layers, rotated, key_shift, key_gptq)
         self.ext = cpu_kernels.ext.DecodeLayers(  # type: ignore[union-attr]
             [view(layer.input_layernorm.weight) for layer in layers],
             [view(layer.self_attn.qkv_proj.weight) for layer in layers],
@@ -98,14 +99,21 @@ class _Native:
             kv_quant=kv_quant,
             rotated=rotated,
             key_shift=None if key_shift is None else view(key_shift),
+            key_gptq=None if key_gptq is None else view(key_gptq),
         )
 
 
-def _key(pool_layers: list[torch.Tensor], rotated: bool, key_shift: torch.Tensor | None) -> tuple:
+def _key(
+    pool_layers: list[torch.Tensor],
+    rotated: bool,
+    key_shift: torch.Tensor | None,
+    key_gptq: torch.Tensor | None = None,
+) -> tuple:
     """What a ``_Native`` is built over: the pool's layers, whether keys are rotated, and
-    the key shift's tensor (``attention/key_shift.py``)."""
+    the key shift's and GPTQ factors' tensors (``attention/key_shift.py``)."""
     shift = None if key_shift is None else key_shift.data_ptr()
-    return (*(t.data_ptr() for t in pool_layers), rotated, shift)
+    gptq = None if key_gptq is None else key_gptq.data_ptr()
+    return (*(t.data_ptr() for t in pool_layers), rotated, shift, gptq)
 
 
 def products_ok(rows: int, dtype: torch.dtype) -> bool:
@@ -149,10 +157,11 @@ def run(
     pool = backend.pool.layers
     rotated = backend.rotation is not None
     shift = backend.rotation.shift if rotated else None
-    if native is None or native.key != _key(pool, rotated, shift):
+    gptq = backend.pool.key_gptq if rotated else None
+    if native is None or native.key != _key(pool, rotated, shift, gptq):
         quant = backend.pool.quant
         name = quant.name if quant else "none"
-        native = model._native_decode = _Native(model, pool, name, rotated, shift)
+        native = model._native_decode = _Native(model, pool, name, rotated, shift, gptq)
     n = h.shape[1]
     h = h.contiguous()
     x = first.input_layernorm(h).contiguous()  # as DecoderLayer.step does for layer 0

@@ -63,6 +63,10 @@ class KVPool:
         #: (``attention/key_shift.py``): [num_layers, kv_heads, head_dim] in the dtype
         #: keys are rotated in, on the pool's device; None for none (``set_key_shift``).
         self.key_shift: torch.Tensor | None = None
+        #: The GPTQ factors of an fp8 pool's keys (``attention/key_shift.py``): float32
+        #: [num_layers, kv_heads, head_dim, head_dim] on the pool's device, or None
+        #: (``set_key_gptq``; ``kv_quant.quantize``'s ``gptq``).
+        self.key_gptq: torch.Tensor | None = None
         shape = (num_pages, 2, page_size, num_kv_heads, self.entry_dim)
         self.layers = [torch.zeros(shape, dtype=storage, device=device) for _ in range(num_layers)]
 
@@ -87,11 +91,25 @@ class KVPool:
             )
         self.key_shift = shift.to(self.layers[0].device).contiguous()
 
+    def set_key_gptq(self, factors: torch.Tensor) -> None:
+        """GPTQ-round this rotated fp8 pool's keys with ``factors`` [num_layers, kv_heads,
+        head_dim, head_dim] (float32; ``attention/key_shift.py``), before any page is
+        written or the attention backend is built."""
+        if not (self.rotated and self.quant is not None and self.quant.is_fp8):
+            raise ValueError("only a rotated fp8 pool's keys are GPTQ-rounded")
+        d = self.head_dim
+        want = (self.num_layers, self.num_kv_heads, d, d)
+        if tuple(factors.shape) != want or factors.dtype != torch.float32:
+            raise ValueError(
+                f"key_gptq must be float32 {list(want)}, got {factors.dtype} {list(factors.shape)}"
+            )
+        self.key_gptq = factors.to(self.layers[0].device).contiguous()
+
     @property
     def key_tag(self) -> str:
         """How the pool's key rows relate to the keys, for the identities pages are
         keyed by: ``keys=hadamard;`` for rotated keys, with ``key_shift=<digest>;`` for
-        shifted ones and ``sink=int8;`` where position 0 is stored as int8 sink rows
+        shifted ones, ``key_gptq=<digest>;`` for GPTQ-rounded ones and ``sink=int8;`` where position 0 is stored as int8 sink rows
         (``kv_quant.sink_rows``), empty for plain keys."""
         if not self.rotated:
             return ""
@@ -100,7 +118,8 @@ class KVPool:
             return "keys=hadamard;" + sink
         from radixserve.worker.attention.key_shift import digest
 
-        return f"keys=hadamard;key_shift={digest(self.key_shift)};{sink}"
+        gptq = "" if self.key_gptq is None else f"key_gptq={digest(self.key_gptq)};"
+        return f"keys=hadamard;key_shift={digest(self.key_shift)};{gptq}{sink}"
 
     @staticmethod
     def bytes_per_page(

@@ -32,7 +32,9 @@ keys of the fp8 formats with a scale per row take a searched scale rather than
 ``max|x| / qmax`` (``quantize``'s ``search_scale``): the one of least squared error among
 those that put one of the row's 4 largest magnitudes on one of the format's top codes.
 The fp8 pools' rotated key rows are quantized less a constant per layer and kv head
-(``attention/key_shift.py``), which ``quantize`` is handed already taken off.
+(``attention/key_shift.py``), which ``quantize`` is handed already taken off, and in the
+``row`` layout GPTQ-rounded with calibrated factors (``quantize``'s ``gptq``,
+``gptq_codes``).
 
 **Sink rows** (``sink_rows``: the fp8 formats in the ``row`` layout): each sequence's
 position 0, the attention sink that most heads weigh heavily, has its K and V rows
@@ -196,7 +198,9 @@ def top_codes(quant: Quant, device: torch.device) -> torch.Tensor:
     return every[keep].unique().to(device)
 
 
-def quantize(x: torch.Tensor, quant: Quant, search_scale: bool = False) -> torch.Tensor:
+def quantize(
+    x: torch.Tensor, quant: Quant, search_scale: bool = False, gptq: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [..., head_dim] (any float dtype) -> uint8 [..., head_dim + 2]: codes, then the
     float16 scale's bytes. The scale is rounded up to float16 before the codes are
     computed, so a code times the stored scale is what the row means and every code is
@@ -212,7 +216,11 @@ def quantize(x: torch.Tensor, quant: Quant, search_scale: bool = False) -> torch
     top code is not the best for the row as a whole: the search trades a clamped outlier
     against a finer step for the rest. On the CPU the row layout's rows are quantized by
     the native kernel the one-call decode layers use (``quantize_kv_rows``). Ties
-    go to the first candidate."""
+    go to the first candidate.
+
+    ``gptq`` (with ``search_scale``, fp8 formats with a scale per row): float32 [kv_heads,
+    head_dim, head_dim], x [..., kv_heads, head_dim]; each row's codes under its searched
+    scale are then GPTQ-rounded with its kv head's factor (``gptq_codes``)."""
     if quant.per_tensor:
         # [..., head_dim] codes of the fp8 dtype, clamped first: never NaN or inf.
         return x.float().clamp(-quant.qmax, quant.qmax).to(quant.code_dtype)
@@ -225,9 +233,10 @@ def quantize(x: torch.Tensor, quant: Quant, search_scale: bool = False) -> torch
             rows = cpu_kernels.ext.quantize_kv_rows(
                 x.float().reshape(-1, x.shape[-1]).contiguous().numpy(), quant.name,
                 isa=cpu_kernels.ISA, searched=True, num_threads=torch.get_num_threads(),
+                gptq=None if gptq is None else _factors(gptq, x).numpy(),
             )  # fmt: skip
             return torch.from_numpy(rows).view(*x.shape[:-1], -1)
-        return _quantize_searched(x, quant)
+        return _quantize_searched(x, quant, gptq)
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True)
     if quant.scale_dtype == torch.float32:
@@ -267,7 +276,41 @@ def _native_rows() -> bool:
     return cpu_kernels.AVAILABLE and hasattr(cpu_kernels.ext, "hadamard_rows")
 
 
-def _quantize_searched(x: torch.Tensor, quant: Quant) -> torch.Tensor:
+def _factors(gptq: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``gptq`` checked against rows ``x`` [..., kv_heads, head_dim]: float32, contiguous."""
+    d = x.shape[-1]
+    if gptq.dim() != 3 or gptq.shape[1:] != (d, d) or x.dim() < 2 or x.shape[-2] != gptq.shape[0]:
+        raise ValueError(
+            f"gptq must be [kv_heads, {d}, {d}] for rows [..., kv_heads, {d}], got "
+            f"{list(gptq.shape)} for {list(x.shape)}"
+        )
+    return gptq.float().contiguous()
+
+
+def gptq_codes(w: torch.Tensor, scale: torch.Tensor, u: torch.Tensor, quant: Quant) -> torch.Tensor:
+    """GPTQ rounding of rows w [n, d] (float32) under their scales [n, 1] (float32
+    values) with one factor u [d, d] (upper triangular, float32): the codes (fp8 bytes)
+    one value at a time, in order, each value's rounding error e_i = (w_i - code_i *
+    scale) / u_ii carried into the later ones, w_j -= e_i * u_ij (each product and
+    difference rounded to float32 on its own, as the native kernel does), so that the
+    error lands where ``u`` weighs it least: with u the upper Cholesky factor of H^-1,
+    it is GPTQ's rounding against the error e H e^T (for keys, H the queries' second
+    moment: the scores' squared error). Values beyond qmax * scale clamp to qmax."""
+    w = w.clone()
+    d = w.shape[-1]
+    codes = torch.empty(w.shape, dtype=torch.uint8, device=w.device)
+    for i in range(d):
+        c = (w[:, i : i + 1] / scale).clamp(-quant.qmax, quant.qmax).to(quant.code_dtype)
+        codes[:, i : i + 1] = c.view(torch.uint8)
+        e = (w[:, i : i + 1] - c.float() * scale) / u[i, i]
+        if i + 1 < d:
+            w[:, i + 1 :] -= e * u[i, i + 1 :]
+    return codes
+
+
+def _quantize_searched(
+    x: torch.Tensor, quant: Quant, gptq: torch.Tensor | None = None
+) -> torch.Tensor:
     """``quantize`` with ``search_scale`` for an fp8 format of a scale per row."""
     d = x.shape[-1]
     xf = x.float().reshape(-1, d)
@@ -289,6 +332,14 @@ def _quantize_searched(x: torch.Tensor, quant: Quant) -> torch.Tensor:
         picked = c.view(torch.uint8).gather(1, best[:, :, None].expand(-1, 1, d))
         codes[i : i + rows.shape[0]] = picked[:, 0]
         scale[i : i + rows.shape[0]] = cands.gather(1, best)
+    if gptq is not None:
+        factors = _factors(gptq, x).to(xf.device)
+        heads = factors.shape[0]
+        per_head, scales = xf.view(-1, heads, d), scale.float().view(-1, heads, 1)
+        for h in range(heads):
+            codes.view(-1, heads, d)[:, h] = gptq_codes(
+                per_head[:, h], scales[:, h], factors[h], quant
+            )
     return _rows(codes, scale, quant).reshape(*x.shape[:-1], -1)
 
 

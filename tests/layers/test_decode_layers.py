@@ -418,6 +418,7 @@ def test_quantized_pool_same_tokens_and_codes_as_the_torch_path(
     assert runner.pool.rotated and runner.backend.rotation is not None
     # fp8 pools shift their keys (attention/key_shift.py), in the call as in forward
     assert (runner.pool.key_shift is not None) == name.startswith("fp8")
+    assert (runner.pool.key_gptq is not None) == name.startswith("fp8")  # and GPTQ-round them
     if not rotated:
         monkeypatch.setattr(runner.pool, "rotated", False)
         monkeypatch.setattr(runner.backend, "rotation", None)

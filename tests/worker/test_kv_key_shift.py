@@ -83,10 +83,12 @@ def test_calibrated_shift_is_the_mean_key(tiny_llama_dir):
     eng.close()
 
     keys: dict[int, list[torch.Tensor]] = {}
+    queries: dict[int, list[torch.Tensor]] = {}
     forward = TorchAttention.forward
 
     def recorded(self, layer, q, k, v):
         keys.setdefault(layer, []).append(k.double())
+        queries.setdefault(layer, []).append(q.double())
         return forward(self, layer, q, k, v)
 
     ref = Engine(str(tiny_llama_dir), dtype="float32", num_pages=1100, kv_cache_dtype="float32",
@@ -104,12 +106,26 @@ def test_calibrated_shift_is_the_mean_key(tiny_llama_dir):
     # forward and the calibration's attention differ in float32's last bits)
     torch.testing.assert_close(shift.double(), means @ r, atol=1e-4, rtol=2**-7)
     assert not torch.equal(shift, torch.zeros_like(shift))
+    # The GPTQ factors: per layer and kv head, the upper Cholesky factor of the inverse
+    # of the rotated queries' damped second moment (over the kv head's query heads).
+    factors = pool.key_gptq
+    assert factors is not None and factors.shape == (pool.num_layers, 2, 16, 16)
+    assert torch.equal(factors, factors.triu())
+    moments = []
+    for i in range(pool.num_layers):
+        qr = torch.cat(queries[i]) @ r  # [tokens, heads, 16]
+        qr = qr.view(qr.shape[0], 2, -1, 16).transpose(0, 1).reshape(2, -1, 16)
+        moments.append(qr.transpose(1, 2) @ qr / qr.shape[1])
+    want = key_shift.gptq_factors(moments).double()
+    torch.testing.assert_close(factors.double(), want, atol=1e-3, rtol=2**-6)
 
     again = Engine(str(tiny_llama_dir), dtype="float32", num_pages=256,
                    kv_cache_dtype="fp8_e4m3", warmup=False)  # fmt: skip
     assert torch.equal(again.runner.pool.key_shift, shift)
+    assert torch.equal(again.runner.pool.key_gptq, factors)
     ident = kv_identity("m", "w", "float32", again.runner.pool)
     assert f"key_shift={key_shift.digest(shift)};" in ident and "keys=hadamard;" in ident
+    assert f"key_gptq={key_shift.digest(factors)};" in ident
     # a prefill/decode pair: the shift is part of what both sides must share
     info = again.runner.info()
     pd = transfer_identity(info, 2, 100, again.runner.pool.key_tag)
@@ -120,6 +136,7 @@ def test_calibrated_shift_is_the_mean_key(tiny_llama_dir):
     int8 = Engine(str(tiny_llama_dir), dtype="float32", num_pages=256, kv_cache_dtype="int8",
                   warmup=False)  # fmt: skip
     assert int8.runner.pool.key_shift is None and int8.runner.backend.rotation.shift is None
+    assert int8.runner.pool.key_gptq is None
     assert "key_shift" not in kv_identity("m", "w", "float32", int8.runner.pool)
     int8.close()
 

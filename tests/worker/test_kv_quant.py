@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from radixserve.layers import cpu_kernels
+from radixserve.worker import kv_quant
 from radixserve.worker.attention import AttentionBatch, KVPool, create_backend, native_decode
 from radixserve.worker.attention.rotation import KeyRotation, key_dtype
 from radixserve.worker.kv_quant import (
@@ -555,3 +556,56 @@ def test_position_zero_is_written_as_sink_rows(kernel):
     assert torch.all(first < 0)
     later = torch.cat([scales[5, :, 1:].reshape(-1), scales[2, :, :3].reshape(-1)])
     assert torch.all(later > 0)
+
+
+# ------------------------------------------------------------- GPTQ-rounded fp8 keys
+
+
+def gptq_problem(seed: int = 0, heads: int = 3, d: int = 64):
+    """Rows of every range [n, heads, d] and per-head factors U (upper Cholesky of the
+    damped inverse of a random second moment H), with H."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(300, heads, d, generator=gen) * torch.logspace(-3, 3, 300)[:, None, None]
+    a = torch.randn(heads, d, d, generator=gen, dtype=torch.float64)
+    h = a @ a.transpose(1, 2) / d + 0.1 * torch.eye(d, dtype=torch.float64)
+    u = torch.linalg.cholesky(torch.linalg.inv(h), upper=True).float()
+    return x, u, h
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_native_gptq_rounding_writes_torchs_bytes(isa, name):
+    """``quantize_kv_rows`` with ``gptq`` (the one-call layers' and the CPU backend's key
+    writes) against ``kv_quant``'s torch rounding, bit for bit at every level (the search
+    at avx512 and up, the GPTQ loop unfused everywhere); a head_dim that is no multiple of
+    16 too; the scales are the search's, only the codes move."""
+    isa = require_isa(isa)
+    quant = QUANTS[name]
+    for d in (64, 37):
+        x, u, _ = gptq_problem(d=d)
+        want = kv_quant._quantize_searched(x, quant, u)
+        got = cpu_kernels.ext.quantize_kv_rows(x.reshape(-1, d).numpy(), name, isa, True, 2,
+                                               gptq=u.numpy())  # fmt: skip
+        assert torch.equal(torch.from_numpy(got).view(want.shape), want)
+        plain = kv_quant._quantize_searched(x, quant)
+        assert torch.equal(want[..., d:], plain[..., d:])
+        assert not torch.equal(want, plain)
+    with pytest.raises(ValueError, match="gptq"):
+        cpu_kernels.ext.quantize_kv_rows(x.reshape(-1, 37)[:7].numpy(), name, isa, True, 1,
+                                         gptq=u.numpy())  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_gptq_rounding_lowers_the_weighted_error(name):
+    """What GPTQ is for: the rows' error e weighed by H (e H e^T, the scores' squared
+    error for queries of second moment H) is lower than plain rounding's under the same
+    scales, though the plain squared error is higher."""
+    quant = QUANTS[name]
+    x, u, h = gptq_problem(seed=1)
+    errs = {}
+    for kind, g in (("gptq", u), ("plain", None)):
+        e = dequantize(quantize(x, quant, search_scale=True, gptq=g), quant, torch.float64)
+        e = e - x.double()
+        errs[kind] = (torch.einsum("nhd,hde,nhe->", e, h, e).item(), e.square().sum().item())
+    assert errs["gptq"][0] < 0.85 * errs["plain"][0], errs
+    assert errs["gptq"][1] > errs["plain"][1], errs

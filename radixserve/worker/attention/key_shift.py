@@ -33,6 +33,20 @@ model whose attention is not shift-invariant: a soft-capped one (``tanh`` of the
 scores, Gemma 2) or a hybrid one (the probe has no recurrent states to run its other
 layers with).
 
+**GPTQ factors** (``KVPool.key_gptq``, the ``row`` layout's fp8 pools: the CPU's). The
+same pass takes each layer's rotated queries' second moment per kv head, H (over the kv
+head's query heads and the calibration's tokens): a key row's rounding error e moves the
+scores by q . e, whose mean square over those queries is e H e^T. ``gptq_factors`` damps
+H (``DAMP``), inverts it and keeps the upper Cholesky factor U of H^-1 (rounded to
+bfloat16 values, in float32), and every key write rounds the row GPTQ's way with its
+kv head's U (``kv_quant.gptq_codes``; the native kernel's ``write_row_gptq``, the same
+bits): the codes one value at a time, each one's error carried into the values after
+it through U, so that the error lands where the queries look least. The scale is still
+the searched one: only codes move, and a page means what it meant (a code times the
+scale). On ``bench/kv_quality.py``'s text it takes fp8_e4m3 from 2.15x to 1.71x the
+bfloat16 pool's KL (bench/results/kv_quality.md). The factors are named in the pool's
+identity like the shift (``key_gptq=<digest>;``).
+
 The shift is part of what the pool's pages mean: ``KVPool.key_tag`` names it by a
 digest of its values, and that tag enters the identity the host, disk and store tiers
 key pages by (``host_cache.kv_identity``) and the one a prefill/decode pair checks
@@ -53,6 +67,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.worker.attention.rotation import fwht, key_dtype
+from radixserve.worker.kv_quant import sink_rows
 
 log = logging.getLogger("radixserve.worker")
 
@@ -139,6 +154,9 @@ class _Probe:
         self.scale = scale
         self.windows = windows
         self.sums: dict[int, torch.Tensor] = {}
+        #: Each layer's rotated queries' second moment per kv head (over its query
+        #: heads and the tokens), float64 [kv_heads, head_dim, head_dim].
+        self.moments: dict[int, torch.Tensor] = {}
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -146,6 +164,9 @@ class _Probe:
         self.sums[layer] = k.to(torch.float64).sum(0)  # [kv_heads, head_dim]
         t, kv_heads = k.shape[0], k.shape[1]
         group = q.shape[1] // kv_heads
+        qr = fwht(q.to(torch.float64)).view(t, kv_heads, group, -1).transpose(0, 1)
+        qr = qr.reshape(kv_heads, t * group, -1)
+        self.moments[layer] = qr.transpose(1, 2) @ qr / (t * group)
         i = torch.arange(t, device=q.device)
         keep = i[None, :] <= i[:, None]
         if self.windows[layer] > 0:
@@ -162,8 +183,11 @@ class _Probe:
 
 
 @torch.inference_mode()
-def key_means(model, token_ids: list[int]) -> dict[int, torch.Tensor]:
-    """Each layer's mean post-rotary key [kv_heads, head_dim] (float64) over
+def key_statistics(
+    model, token_ids: list[int]
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """Each layer's mean post-rotary key [kv_heads, head_dim] and its rotated queries'
+    second moment per kv head [kv_heads, head_dim, head_dim] (float64) over
     ``token_ids`` run through ``model`` (a ``CausalLM``) in one pass, by the layer
     index its attention passes."""
     cfg = model.cfg
@@ -173,7 +197,32 @@ def key_means(model, token_ids: list[int]) -> dict[int, torch.Tensor]:
     probe = _Probe(cfg.attention_scale, cfg.kv_sliding_windows)
     last = torch.tensor([len(token_ids) - 1], device=device)
     model(ids, positions, len(token_ids) - 1, probe, last)
-    return {layer: s / len(token_ids) for layer, s in probe.sums.items()}
+    means = {layer: s / len(token_ids) for layer, s in probe.sums.items()}
+    return means, probe.moments
+
+
+def key_means(model, token_ids: list[int]) -> dict[int, torch.Tensor]:
+    """``key_statistics``' means."""
+    return key_statistics(model, token_ids)[0]
+
+
+#: GPTQ's damping: H + DAMP * mean(diag H) * I before it is inverted (0.01 measured
+#: worse than 0.1 on SmolLM2's fp8_e4m3 keys, bench/results/kv_quality.md).
+DAMP = 0.1
+
+
+def gptq_factors(moments: list[torch.Tensor]) -> torch.Tensor:
+    """The pool's ``key_gptq`` [layers, kv_heads, head_dim, head_dim] from its layers'
+    query second moments (float64 [kv_heads, head_dim, head_dim]): each damped H's
+    inverse's upper Cholesky factor U (H^-1 = U^T U, in float64), rounded to bfloat16
+    values (so that a run whose sums round a last bit differently still gets the same
+    factor, mostly), kept in float32: what ``kv_quant.quantize``'s ``gptq`` takes."""
+    h = torch.stack(moments).to(torch.float64)
+    d = h.shape[-1]
+    diag = h.diagonal(dim1=-2, dim2=-1).mean(-1, keepdim=True)[..., None]
+    damped = h + DAMP * diag * torch.eye(d, dtype=torch.float64, device=h.device)
+    u = torch.linalg.cholesky(torch.linalg.inv(damped), upper=True)
+    return u.to(torch.bfloat16).to(torch.float32).contiguous()
 
 
 def rotated_shift(means: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -202,10 +251,12 @@ def calibrate(
     if not todo:
         return
     ids = calibration_ids(tokenizer(), cfg.max_context_len)
-    means = key_means(model, ids)
+    means, moments = key_statistics(model, ids)
     for pool, layers in todo:
         shift = rotated_shift([means[layer] for layer in layers], pool.dtype)
         pool.set_key_shift(shift)
+        if sink_rows(pool.quant):  # the row layout (the CPU's): GPTQ-rounded keys too
+            pool.set_key_gptq(gptq_factors([moments[layer] for layer in layers]))
         log.info(
             "fp8 keys shifted by their mean over %d calibration tokens (%s)",
             len(ids), pool.key_tag.rstrip(";"),

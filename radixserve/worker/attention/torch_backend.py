@@ -541,7 +541,10 @@ class TorchAttention(PoolBackend):
         s, h, e = self.pool.page_size, self.pool.num_kv_heads, self.pool.entry_dim
         window = self.sliding_windows[layer]
         tokens = pool.view(-1, h * e)
-        keys = self._encode(k, search_scale=self.rotation is not None)
+        gptq = None  # the layer's GPTQ factors, for rotated fp8 keys (key_shift.py)
+        if self.pool.key_gptq is not None and self.rotation is not None:
+            gptq = self.pool.key_gptq[layer]
+        keys = self._encode(k, search_scale=self.rotation is not None, gptq=gptq)
         values = self._encode(v)
         if self._sink is not None:
             keys[self._sink] = quantize_sink(k[self._sink])
@@ -621,11 +624,14 @@ class TorchAttention(PoolBackend):
         )  # fmt: skip
         return res is not None
 
-    def _encode(self, x: torch.Tensor, search_scale: bool = False) -> torch.Tensor:
+    def _encode(
+        self, x: torch.Tensor, search_scale: bool = False, gptq: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """New K or V rows [T, kv_heads, head_dim] as the pool stores them
-        (``search_scale``: rotated keys, ``kv_quant.quantize``)."""
+        (``search_scale``: rotated keys, ``gptq``: their layer's GPTQ factors,
+        ``kv_quant.quantize``)."""
         if self.pool.quant is not None:
-            codes = quantize(x, self.pool.quant, search_scale=search_scale)
+            codes = quantize(x, self.pool.quant, search_scale=search_scale, gptq=gptq)
             return codes.view(torch.uint8) if self._fp8_bytes else codes
         return x.to(self.pool.storage_dtype)
 
