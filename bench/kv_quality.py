@@ -15,12 +15,12 @@ then the attention kernels' own difference, the floor any format adds to), or
 
 The quantized pools are measured as built: keys stored rotated by the Hadamard matrix
 (queries rotated alike), fp8 keys less a calibrated constant per layer and kv head and
-with the searched scale, and each sequence's position 0 as int8 sink rows in the fp8
-formats (docs/kv-cache.md, "Quantized KV cache"). Measured (defaults, 2-core AMD EPYC,
-2026-12-07; bench/results/kv_quality.md): KL 1.23x bfloat16's for int8 (top-1 97.90%),
-2.15x for fp8_e4m3 (96.92%), 5.61x for fp8_e5m2 (95.26%); bfloat16 0.001733 (97.95%).
-``--tokens 8000 --kv-memory 536870912``: int8 1.20x, fp8_e4m3 2.67x (96.62%),
-bfloat16 97.95%.
+with the searched scale and GPTQ-rounded, and each sequence's position 0 as int8 sink
+rows in the fp8 formats (docs/kv-cache.md, "Quantized KV cache"). Measured (defaults,
+2-core AMD EPYC, 2026-12-07; bench/results/kv_quality.md): KL 1.23x bfloat16's for int8
+(top-1 97.90%), 1.71x for fp8_e4m3 (97.07%), 3.93x for fp8_e5m2 (95.95%); bfloat16
+0.001733 (97.95%). ``--tokens 8000 --kv-memory 536870912``: int8 1.20x, fp8_e4m3 2.40x
+(96.92%), bfloat16 97.95%.
 
 A name ``fp8_e4m3@tensor`` or ``fp8_e4m3@token_head`` stores that format in another
 pool layout than the CPU's own (``kv_quant.KV_LAYOUTS``: the ones CUDA's flashinfer
