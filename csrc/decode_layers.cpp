@@ -444,12 +444,6 @@ void write_row(const float* x, int64_t d, KVQuant quant, uint32_t h, uint8_t* ds
   std::memcpy(dst + d, &hb, sizeof hb);
 }
 
-// write_row with GPTQ rounding (kv_quant.quantize's gptq): the codes one value at a
-// time, in order, each value's rounding error e_i = (w_i - code_i * scale) / U_ii
-// carried into the later ones, w_j -= e_i * U_ij (U: the row's upper triangular factor,
-// d x d float32), each product and difference rounded to float32 on its own (never
-// fused: not inlined into the avx512 callers, this function has no FMA). Values beyond
-// qmax * scale clamp to qmax.
 #if RS_X86
 // w[j] -= e * u[j] for j in [0, n), 16 at a time: the product rounded on its own, as
 // in the scalar loop (the empty asm keeps the compiler from fusing it into the
@@ -465,6 +459,13 @@ RS_TARGET_AVX512 void gptq_update_avx512(float* w, const float* u, float e, int6
 }
 #endif
 
+// write_row with GPTQ rounding (kv_quant.quantize's gptq): the codes one value at a
+// time, in order, each value's rounding error e_i = (w_i - code_i * scale) / U_ii
+// carried into the later ones, w_j -= e_i * U_ij (U: the row's upper triangular factor,
+// d x d float32), each product and difference rounded to float32 on its own (this
+// function is not inlined into the avx512 callers and has no FMA; the updates at avx512
+// and up are gptq_update_avx512's, unfused too). Values beyond qmax * scale clamp to
+// qmax.
 __attribute__((noinline)) void write_row_gptq(const float* x, int64_t d, KVQuant quant, uint32_t h,
                                               const float* U, uint8_t* dst, Isa isa) {
   const float qmax = quant_max(quant), scale = half_bits_to_float(h);
