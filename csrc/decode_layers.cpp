@@ -718,6 +718,79 @@ RS_TARGET_AVX512 void gptq_rows_avx512(const float* x, int64_t heads, int64_t h,
 }
 #endif
 
+#if RS_X86
+// mantissa_rounded16, 8 lanes (avx2).
+template <int M>
+RS_TARGET_AVX2 RS_ALWAYS_INLINE __m256i mantissa_rounded8(__m256 a) {
+  constexpr int shift = 23 - M;
+  const __m256i u = _mm256_castps_si256(a);
+  const __m256i r = _mm256_srli_epi32(u, shift);
+  const __m256i rem = _mm256_and_si256(u, _mm256_set1_epi32((1 << shift) - 1));
+  const __m256i half = _mm256_set1_epi32(1 << (shift - 1));
+  const __m256i odd = _mm256_cmpeq_epi32(_mm256_and_si256(r, _mm256_set1_epi32(1)),
+                                         _mm256_set1_epi32(1));
+  const __m256i up = _mm256_or_si256(_mm256_cmpgt_epi32(rem, half),
+                                     _mm256_and_si256(_mm256_cmpeq_epi32(rem, half), odd));
+  return _mm256_sub_epi32(r, up);  // up is -1 where the value rounds up
+}
+
+// fp8_rounded16, 8 lanes (avx2): |a| <= qmax rounded to the fp8 grid, as floats.
+template <int M, int B>
+RS_TARGET_AVX2 RS_ALWAYS_INLINE __m256 fp8_rounded8(__m256 a) {
+  const __m256 tiny = _mm256_cmp_ps(a, _mm256_set1_ps(std::ldexp(1.0f, 1 - B)), _CMP_LT_OQ);
+  const __m256 steps = _mm256_round_ps(_mm256_mul_ps(a, _mm256_set1_ps(std::ldexp(1.0f, B - 1 + M))),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 sub = _mm256_mul_ps(steps, _mm256_set1_ps(std::ldexp(1.0f, 1 - B - M)));
+  const __m256 normal = _mm256_castsi256_ps(_mm256_slli_epi32(mantissa_rounded8<M>(a), 23 - M));
+  return _mm256_blendv_ps(normal, sub, tiny);
+}
+
+// searched_scale_avx512's choice (the same squares summed in the same order: value i
+// into lane i % 16), 8 values at a time (avx2); products never fused into the
+// subtraction (the empty asm), as the scalar loop computes them.
+template <int M, int B>
+RS_TARGET_AVX2 uint32_t searched_scale_avx2(const float* x, int64_t d, KVQuant quant) {
+  const __m256 vq = _mm256_set1_ps(quant_max(quant));
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 sign_mask = _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN));
+  uint32_t cands[kSearchTop * 9];
+  const int n = search_candidates(x, d, quant, cands);
+  double best_err = 0;
+  uint32_t best = cands[0];
+  alignas(32) int32_t lane_ids[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+  const __m256i ids = _mm256_load_si256(reinterpret_cast<const __m256i*>(lane_ids));
+  for (int c = 0; c < n; ++c) {
+    const float s = half_bits_to_float(cands[c]);
+    const __m256 scale = _mm256_set1_ps(s), inv = _mm256_set1_ps(1.0f / s);
+    __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
+                      _mm256_setzero_pd()};
+    for (int64_t i = 0; i < d; i += 8) {
+      // lanes past the row's end load 0: their squares are +0
+      const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(d - i)), ids);
+      const __m256 xv = _mm256_maskload_ps(x + i, m);
+      const __m256 a = _mm256_min_ps(_mm256_and_ps(_mm256_mul_ps(xv, inv), abs_mask), vq);
+      const __m256 q = _mm256_or_ps(fp8_rounded8<M, B>(a), _mm256_and_ps(xv, sign_mask));
+      __m256 prod = _mm256_mul_ps(q, scale);
+      __asm__("" : "+x"(prod));
+      const __m256 diff = _mm256_sub_ps(prod, xv);
+      const __m256 sq = _mm256_mul_ps(diff, diff);
+      const int half = static_cast<int>(i % 16) / 8;  // lanes 0-7 or 8-15
+      acc[2 * half] = _mm256_add_pd(acc[2 * half], _mm256_cvtps_pd(_mm256_castps256_ps128(sq)));
+      acc[2 * half + 1] =
+          _mm256_add_pd(acc[2 * half + 1], _mm256_cvtps_pd(_mm256_extractf128_ps(sq, 1)));
+    }
+    alignas(32) double lanes[kLanes];
+    for (int k = 0; k < 4; ++k) _mm256_store_pd(lanes + 4 * k, acc[k]);
+    const double err = lane_sum(lanes);
+    if (c == 0 || err < best_err) {
+      best_err = err;
+      best = cands[c];
+    }
+  }
+  return best;
+}
+#endif
+
 // One searched row (quantize_kv_row with searched), at the CPU's level.
 void quantize_row_searched(const float* x, int64_t d, KVQuant quant, uint8_t* dst, Isa isa,
                            const float* U) {
@@ -726,6 +799,12 @@ void quantize_row_searched(const float* x, int64_t d, KVQuant quant, uint8_t* ds
     if (quant == KVQuant::kFp8E4M3)
       return quantize_row_searched_avx512<3, 7>(x, d, quant, dst, U);
     return quantize_row_searched_avx512<2, 15>(x, d, quant, dst, U);
+  }
+  if (isa >= Isa::kAvx2) {
+    const uint32_t best = quant == KVQuant::kFp8E4M3 ? searched_scale_avx2<3, 7>(x, d, quant)
+                                                     : searched_scale_avx2<2, 15>(x, d, quant);
+    if (U != nullptr) return write_row_gptq(x, d, quant, best, U, dst, isa);
+    return write_row(x, d, quant, best, dst);
   }
 #endif
   quantize_row_searched_scalar(x, d, quant, dst, U, isa);

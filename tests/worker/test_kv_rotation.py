@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 import torch
 
+from radixserve.layers import cpu_kernels
 from radixserve.worker.attention import AttentionBatch, KVPool, create_backend
 from radixserve.worker.attention.rotation import KeyRotation, fwht, hadamard
 from radixserve.worker.kv_quant import QUANTS, TOKEN_HEAD_QUANTS, dequantize, quantize, top_codes
+from tests.helpers.native import require_isa
 from tests.worker import fake_flashinfer
 from tests.worker.test_flashinfer_backend import Twin, run_script
 
@@ -172,19 +174,27 @@ def test_the_native_rotation_is_fwht_bit_for_bit(head_dim):
                                CPU), atol=1e-12, rtol=0)  # fmt: skip
 
 
+@pytest.mark.parametrize("isa", ["auto", *cpu_kernels.ISAS])
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
-def test_the_native_searched_scale_equals_the_torch_one(name):
+def test_the_native_searched_scale_equals_the_torch_one(name, isa):
     """The row layout's searched quantizer on the CPU is the native kernel's
-    (``quantize_kv_rows``, what the one-call layers write); torch's (other devices,
-    and a CPU without the kernels) picks the same scale and codes."""
+    (``quantize_kv_rows``, what the one-call layers write), at every level (scalar,
+    avx2 8 values at a time, avx512 16: the same squares summed in the same order);
+    torch's (other devices, and a CPU without the kernels) picks the same scale and
+    codes; a width that is no multiple of 16 too."""
     from radixserve.worker.kv_quant import _quantize_searched
 
     ext = native_kernels()
+    if isa != "auto":
+        isa = require_isa(isa)
     quant = QUANTS[name]
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(600, 64, generator=gen) * torch.logspace(-2, 2, 600)[:, None]
     x[:, 9] *= 25  # an outlier channel
     x[0] = 0
-    native = torch.from_numpy(ext.quantize_kv_rows(x.numpy(), name, searched=True))
-    assert torch.equal(quantize(x, quant, search_scale=True), native)
-    assert torch.equal(_quantize_searched(x, quant), native)
+    x[1] = torch.arange(64) * 2.0**-20  # subnormal codes under most scales
+    for rows in (x, x[:, :37].contiguous()):
+        native = torch.from_numpy(ext.quantize_kv_rows(rows.numpy(), name, isa, searched=True))
+        if isa == "auto":
+            assert torch.equal(quantize(rows, quant, search_scale=True), native)
+        assert torch.equal(_quantize_searched(rows, quant), native)
