@@ -430,6 +430,23 @@ double lane_sum(const double* lanes) {
   return total;
 }
 
+// A row's searched-scale candidates (search_candidates) and the best so far: offer(c,
+// err) for each in order; the first of least error wins.
+struct ScaleSearch {
+  uint32_t cands[kSearchTop * 9];
+  int n;
+  double best_err = 0;
+  uint32_t best;
+  ScaleSearch(const float* x, int64_t d, KVQuant quant)
+      : n(search_candidates(x, d, quant, cands)), best(cands[0]) {}
+  void offer(int c, double err) {
+    if (c == 0 || err < best_err) {
+      best_err = err;
+      best = cands[c];
+    }
+  }
+};
+
 // The row's codes under float16 scale bits h, and its scale, into dst.
 void write_row(const float* x, int64_t d, KVQuant quant, uint32_t h, uint8_t* dst) {
   const float qmax = quant_max(quant), scale = half_bits_to_float(h);
@@ -499,12 +516,9 @@ __attribute__((noinline)) void write_row_gptq(const float* x, int64_t d, KVQuant
 void quantize_row_searched_scalar(const float* x, int64_t d, KVQuant quant, uint8_t* dst,
                                   const float* U, Isa isa = Isa::kBaseline) {
   const float qmax = quant_max(quant);
-  uint32_t cands[kSearchTop * 9];
-  const int n = search_candidates(x, d, quant, cands);
-  double best_err = 0;
-  uint32_t best = cands[0];
-  for (int c = 0; c < n; ++c) {
-    const float scale = half_bits_to_float(cands[c]), inv = 1.0f / scale;
+  ScaleSearch search(x, d, quant);
+  for (int c = 0; c < search.n; ++c) {
+    const float scale = half_bits_to_float(search.cands[c]), inv = 1.0f / scale;
     double lanes[kLanes] = {};
     for (int64_t i = 0; i < d; ++i) {
       const float a = std::min(std::fabs(x[i] * inv), qmax);
@@ -512,14 +526,10 @@ void quantize_row_searched_scalar(const float* x, int64_t d, KVQuant quant, uint
       const float diff = (std::signbit(x[i]) ? -q : q) * scale - x[i];
       lanes[i % kLanes] += static_cast<double>(diff * diff);
     }
-    const double err = lane_sum(lanes);
-    if (c == 0 || err < best_err) {
-      best_err = err;
-      best = cands[c];
-    }
+    search.offer(c, lane_sum(lanes));
   }
-  if (U != nullptr) return write_row_gptq(x, d, quant, best, U, dst, isa);
-  write_row(x, d, quant, best, dst);
+  if (U != nullptr) return write_row_gptq(x, d, quant, search.best, U, dst, isa);
+  write_row(x, d, quant, search.best, dst);
 }
 
 #if RS_X86
@@ -611,12 +621,9 @@ RS_TARGET_AVX512 uint32_t searched_scale_avx512(const float* x, int64_t d, KVQua
   const __m512 vq = _mm512_set1_ps(quant_max(quant));
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   const __m512 sign_mask = _mm512_castsi512_ps(_mm512_set1_epi32(INT32_MIN));
-  uint32_t cands[kSearchTop * 9];
-  const int n = search_candidates(x, d, quant, cands);
-  double best_err = 0;
-  uint32_t best = cands[0];
-  for (int c = 0; c < n; ++c) {
-    const float s = half_bits_to_float(cands[c]);
+  ScaleSearch search(x, d, quant);
+  for (int c = 0; c < search.n; ++c) {
+    const float s = half_bits_to_float(search.cands[c]);
     const __m512 scale = _mm512_set1_ps(s), inv = _mm512_set1_ps(1.0f / s);
     __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
     for (int64_t i = 0; i < d; i += 16) {
@@ -632,13 +639,9 @@ RS_TARGET_AVX512 uint32_t searched_scale_avx512(const float* x, int64_t d, KVQua
     alignas(64) double lanes[kLanes];
     _mm512_store_pd(lanes, lo);
     _mm512_store_pd(lanes + 8, hi);
-    const double err = lane_sum(lanes);
-    if (c == 0 || err < best_err) {
-      best_err = err;
-      best = cands[c];
-    }
+    search.offer(c, lane_sum(lanes));
   }
-  return best;
+  return search.best;
 }
 
 template <int M, int B>
@@ -719,30 +722,28 @@ RS_TARGET_AVX512 void gptq_rows_avx512(const float* x, int64_t heads, int64_t h,
 #endif
 
 #if RS_X86
-// mantissa_rounded16, 8 lanes (avx2).
+// mantissa_rounded16, 8 lanes (avx2), by the carry form of round-to-nearest-even:
+// u + (half - 1) + (the kept part's lowest bit), shifted down (|a| <= qmax: no carry
+// reaches the sign).
 template <int M>
 RS_TARGET_AVX2 RS_ALWAYS_INLINE __m256i mantissa_rounded8(__m256 a) {
   constexpr int shift = 23 - M;
   const __m256i u = _mm256_castps_si256(a);
-  const __m256i r = _mm256_srli_epi32(u, shift);
-  const __m256i rem = _mm256_and_si256(u, _mm256_set1_epi32((1 << shift) - 1));
-  const __m256i half = _mm256_set1_epi32(1 << (shift - 1));
-  const __m256i odd = _mm256_cmpeq_epi32(_mm256_and_si256(r, _mm256_set1_epi32(1)),
-                                         _mm256_set1_epi32(1));
-  const __m256i up = _mm256_or_si256(_mm256_cmpgt_epi32(rem, half),
-                                     _mm256_and_si256(_mm256_cmpeq_epi32(rem, half), odd));
-  return _mm256_sub_epi32(r, up);  // up is -1 where the value rounds up
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, shift), _mm256_set1_epi32(1));
+  const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32((1 << (shift - 1)) - 1), lsb);
+  return _mm256_srli_epi32(_mm256_add_epi32(u, bias), shift);
 }
 
-// fp8_rounded16, 8 lanes (avx2): |a| <= qmax rounded to the fp8 grid, as floats.
+// fp8_rounded16, 8 lanes (avx2): |a| <= qmax rounded to the fp8 grid, as floats (below
+// the smallest normal, a whole number of the smallest step).
 template <int M, int B>
 RS_TARGET_AVX2 RS_ALWAYS_INLINE __m256 fp8_rounded8(__m256 a) {
-  const __m256 tiny = _mm256_cmp_ps(a, _mm256_set1_ps(std::ldexp(1.0f, 1 - B)), _CMP_LT_OQ);
-  const __m256 steps = _mm256_round_ps(_mm256_mul_ps(a, _mm256_set1_ps(std::ldexp(1.0f, B - 1 + M))),
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 sub = _mm256_mul_ps(steps, _mm256_set1_ps(std::ldexp(1.0f, 1 - B - M)));
   const __m256 normal = _mm256_castsi256_ps(_mm256_slli_epi32(mantissa_rounded8<M>(a), 23 - M));
-  return _mm256_blendv_ps(normal, sub, tiny);
+  const __m256 scaled = _mm256_mul_ps(a, _mm256_set1_ps(std::ldexp(1.0f, B - 1 + M)));
+  const __m256 steps = _mm256_round_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 tiny = _mm256_cmp_ps(a, _mm256_set1_ps(std::ldexp(1.0f, 1 - B)), _CMP_LT_OQ);
+  return _mm256_blendv_ps(normal, _mm256_mul_ps(steps, _mm256_set1_ps(std::ldexp(1.0f, 1 - B - M))),
+                          tiny);
 }
 
 // searched_scale_avx512's choice (the same squares summed in the same order: value i
@@ -750,17 +751,14 @@ RS_TARGET_AVX2 RS_ALWAYS_INLINE __m256 fp8_rounded8(__m256 a) {
 // subtraction (the empty asm), as the scalar loop computes them.
 template <int M, int B>
 RS_TARGET_AVX2 uint32_t searched_scale_avx2(const float* x, int64_t d, KVQuant quant) {
-  const __m256 vq = _mm256_set1_ps(quant_max(quant));
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  const __m256 sign_mask = _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN));
-  uint32_t cands[kSearchTop * 9];
-  const int n = search_candidates(x, d, quant, cands);
-  double best_err = 0;
-  uint32_t best = cands[0];
-  alignas(32) int32_t lane_ids[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+  ScaleSearch search(x, d, quant);
+  alignas(32) const int32_t lane_ids[8] = {0, 1, 2, 3, 4, 5, 6, 7};
   const __m256i ids = _mm256_load_si256(reinterpret_cast<const __m256i*>(lane_ids));
-  for (int c = 0; c < n; ++c) {
-    const float s = half_bits_to_float(cands[c]);
+  const __m256 vq = _mm256_set1_ps(quant_max(quant));
+  const __m256 sign_mask = _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN));
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int c = 0; c < search.n; ++c) {
+    const float s = half_bits_to_float(search.cands[c]);
     const __m256 scale = _mm256_set1_ps(s), inv = _mm256_set1_ps(1.0f / s);
     __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
                       _mm256_setzero_pd()};
@@ -781,13 +779,9 @@ RS_TARGET_AVX2 uint32_t searched_scale_avx2(const float* x, int64_t d, KVQuant q
     }
     alignas(32) double lanes[kLanes];
     for (int k = 0; k < 4; ++k) _mm256_store_pd(lanes + 4 * k, acc[k]);
-    const double err = lane_sum(lanes);
-    if (c == 0 || err < best_err) {
-      best_err = err;
-      best = cands[c];
-    }
+    search.offer(c, lane_sum(lanes));
   }
-  return best;
+  return search.best;
 }
 #endif
 
