@@ -32,6 +32,7 @@ KERNELS_SOURCES = [
     "csrc/rotary.cpp",
     "csrc/step_bindings.cpp",
     "csrc/decode_layers.cpp",
+    "csrc/kv_rows.cpp",
     "csrc/amx_gemm.cpp",
     "csrc/amx_attention.cpp",
     "csrc/prefix_attention.cpp",

@@ -18,7 +18,7 @@ import torch
 
 from radixserve import Engine, SamplingParams
 from radixserve.worker.attention.rotation import hadamard
-from radixserve.worker.kv_quant import QUANTS, dequantize, quantize, quantize_sink, sink_rows
+from radixserve.worker.kv_quant import QUANTS, dequantize, fp8_row_layout, quantize, quantize_sink
 from tests.helpers.tiny_models import hf_greedy, load_hf_float64, make_tiny_model
 
 MAX_NEW = 12
@@ -63,7 +63,7 @@ def quantized_hf(folder, name, shift=None, gptq=None):
         # quantize takes rows [..., kv_heads, head_dim]: tokens before heads
         keys = quantize(stored.transpose(1, 2), quant, search_scale=True, gptq=u).transpose(1, 2)
         values = quantize(value, quant)
-        if sink_rows(quant):  # position 0 (hf_greedy recomputes every token): int8 sink rows
+        if fp8_row_layout(quant):  # position 0 (hf_greedy recomputes every token): int8 sink rows
             keys[:, :, 0], values[:, :, 0] = (
                 quantize_sink(stored[:, :, 0]),
                 quantize_sink(value[:, :, 0]),

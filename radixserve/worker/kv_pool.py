@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from radixserve.worker.kv_quant import Quant, entry_dim, resolve_kv_dtype, sink_rows
+from radixserve.worker.kv_quant import Quant, entry_dim, fp8_row_layout, resolve_kv_dtype
 
 #: KV budget used when neither a page count nor a byte budget is given.
 DEFAULT_KV_MEMORY = 1 << 30
@@ -110,10 +110,10 @@ class KVPool:
         """How the pool's key rows relate to the keys, for the identities pages are
         keyed by: ``keys=hadamard;`` for rotated keys, with ``key_shift=<digest>;`` for
         shifted ones, ``key_gptq=<digest>;`` for GPTQ-rounded ones and ``sink=int8;`` where position 0 is stored as int8 sink rows
-        (``kv_quant.sink_rows``), empty for plain keys."""
+        (``kv_quant.fp8_row_layout``), empty for plain keys."""
         if not self.rotated:
             return ""
-        sink = "sink=int8;" if sink_rows(self.quant) else ""
+        sink = "sink=int8;" if fp8_row_layout(self.quant) else ""
         if self.key_shift is None:
             return "keys=hadamard;" + sink
         from radixserve.worker.attention.key_shift import digest

@@ -36,7 +36,7 @@ The fp8 pools' rotated key rows are quantized less a constant per layer and kv h
 ``row`` layout GPTQ-rounded with calibrated factors (``quantize``'s ``gptq``,
 ``gptq_codes``).
 
-**Sink rows** (``sink_rows``: the fp8 formats in the ``row`` layout): each sequence's
+**Sink rows** (``fp8_row_layout``: the fp8 formats in the ``row`` layout): each sequence's
 position 0, the attention sink that most heads weigh heavily, has its K and V rows
 stored as int8 codes and a float16 scale whose sign bit is set (``quantize_sink``; a
 row scale is otherwise always positive), read back as ``code * |scale|``. Its rounding
@@ -343,9 +343,10 @@ def _quantize_searched(
     return _rows(codes, scale, quant).reshape(*x.shape[:-1], -1)
 
 
-def sink_rows(quant: Quant | None) -> bool:
-    """Whether a pool of ``quant`` stores each sequence's position 0 as int8 sink rows
-    (the fp8 formats in the ``row`` layout; the module's docstring)."""
+def fp8_row_layout(quant: Quant | None) -> bool:
+    """Whether ``quant`` is an fp8 format in the ``row`` layout (the CPU's): its pools
+    store each sequence's position 0 as int8 sink rows (the module's docstring) and
+    GPTQ-round their keys (``attention/key_shift.py``)."""
     return (
         quant is not None
         and quant.is_fp8
@@ -378,7 +379,7 @@ def dequantize(entries: torch.Tensor, quant: Quant, dtype: torch.dtype) -> torch
         d = entries.shape[-1] - SCALE_BYTES
         scale = entries[..., d:].contiguous().view(torch.float16).to(ct)
     codes = entries[..., :d].view(quant.code_dtype).to(ct)
-    if sink_rows(quant):  # a select, not a branch on the data: no host sync on a GPU
+    if fp8_row_layout(quant):  # a select, not a branch on the data: no host sync on a GPU
         codes = torch.where(scale < 0, entries[..., :d].view(torch.int8).to(ct), codes)
         scale = scale.abs()
     return (codes * scale).to(dtype)

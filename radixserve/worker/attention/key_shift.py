@@ -67,7 +67,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.worker.attention.rotation import fwht, key_dtype
-from radixserve.worker.kv_quant import sink_rows
+from radixserve.worker.kv_quant import fp8_row_layout
 
 log = logging.getLogger("radixserve.worker")
 
@@ -201,11 +201,6 @@ def key_statistics(
     return means, probe.moments
 
 
-def key_means(model, token_ids: list[int]) -> dict[int, torch.Tensor]:
-    """``key_statistics``' means."""
-    return key_statistics(model, token_ids)[0]
-
-
 #: GPTQ's damping: H + DAMP * mean(diag H) * I before it is inverted (0.01 measured
 #: worse than 0.1 on SmolLM2's fp8_e4m3 keys, bench/results/kv_quality.md).
 DAMP = 0.1
@@ -241,10 +236,11 @@ def digest(shift: torch.Tensor) -> str:
 def calibrate(
     model, tokenizer: Callable[[], Any], pools: list[tuple[Any, tuple[int, ...]]]
 ) -> None:
-    """Set ``key_shift`` on each pool of ``pools`` (a ``KVPool`` and the attention
-    layers it holds, in its order) that ``applies``: the means of ``key_means`` over
-    ``calibration_ids`` (``tokenizer()``: the model's tokenizer, loaded on call), one
-    forward of ``model`` for all of them; nothing runs when no pool takes a shift.
+    """Set ``key_shift`` (and, in the fp8 row layout, ``key_gptq``) on each pool of
+    ``pools`` (a ``KVPool`` and the attention layers it holds, in its order) that
+    ``applies``: from ``key_statistics`` over ``calibration_ids`` (``tokenizer()``: the
+    model's tokenizer, loaded on call), one forward of ``model`` for all of them;
+    nothing runs when no pool takes a shift.
     Every tensor-parallel rank calls it at the same point."""
     cfg = model.cfg
     todo = [(pool, layers) for pool, layers in pools if applies(pool, cfg)]
@@ -255,7 +251,7 @@ def calibrate(
     for pool, layers in todo:
         shift = rotated_shift([means[layer] for layer in layers], pool.dtype)
         pool.set_key_shift(shift)
-        if sink_rows(pool.quant):  # the row layout (the CPU's): GPTQ-rounded keys too
+        if fp8_row_layout(pool.quant):  # GPTQ-rounded keys too (the CPU's layout)
             pool.set_key_gptq(gptq_factors([moments[layer] for layer in layers]))
         log.info(
             "fp8 keys shifted by their mean over %d calibration tokens (%s)",

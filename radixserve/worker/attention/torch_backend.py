@@ -52,7 +52,7 @@ from radixserve.worker.attention.native_decode import Segments
 from radixserve.worker.attention.shared_prefix import SharedPrefixes
 from radixserve.worker.config import DECODE_KERNELS  # what decode_kernel takes
 from radixserve.worker.kv_pool import KVPool
-from radixserve.worker.kv_quant import dequantize, quantize, quantize_sink, sink_rows
+from radixserve.worker.kv_quant import dequantize, fp8_row_layout, quantize, quantize_sink
 
 
 @dataclass
@@ -306,7 +306,7 @@ class TorchAttention(PoolBackend):
         self._write = torch.from_numpy(rows).to(device)
         # The step's tokens at a sequence's position 0: sink rows in an fp8 row pool.
         self._sink = None
-        if sink_rows(pool.quant):
+        if fp8_row_layout(pool.quant):
             first = np.flatnonzero(kv_lens == qo_lens)
             if len(first):
                 self._sink = torch.from_numpy(batch.qo_indptr[first].astype(np.int64)).to(device)
@@ -541,9 +541,7 @@ class TorchAttention(PoolBackend):
         s, h, e = self.pool.page_size, self.pool.num_kv_heads, self.pool.entry_dim
         window = self.sliding_windows[layer]
         tokens = pool.view(-1, h * e)
-        gptq = None  # the layer's GPTQ factors, for rotated fp8 keys (key_shift.py)
-        if self.pool.key_gptq is not None and self.rotation is not None:
-            gptq = self.pool.key_gptq[layer]
+        gptq = None if self.pool.key_gptq is None else self.pool.key_gptq[layer]  # key_shift.py
         keys = self._encode(k, search_scale=self.rotation is not None, gptq=gptq)
         values = self._encode(v)
         if self._sink is not None:
